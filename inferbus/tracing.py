@@ -1,0 +1,57 @@
+"""OpenTelemetry: one trace per request across gateway → worker → engine.
+
+Trace context travels in NATS message headers (`traceparent`, `tracestate`) and in the HTTP
+headers of the worker's call to the engine. Spans are recorded only when an exporter is set
+(`INFERBUS_OTEL_EXPORTER=console|otlp`); with `none` the context is still propagated, so a
+client's own `traceparent` reaches the engine at no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import context, propagate, trace
+
+_configured = False
+
+
+def configure(service: str, exporter: str = "none") -> None:
+    global _configured
+    if _configured or exporter == "none":
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+    span_exporter: SpanExporter
+    if exporter == "console":
+        span_exporter = ConsoleSpanExporter()
+    elif exporter == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise SystemExit(
+                "INFERBUS_OTEL_EXPORTER=otlp needs `pip install opentelemetry-exporter-otlp-proto-http`"
+            ) from None
+        span_exporter = OTLPSpanExporter()
+    else:
+        raise SystemExit(f"unknown INFERBUS_OTEL_EXPORTER {exporter!r}: use none, console or otlp")
+    provider = TracerProvider(resource=Resource.create({"service.name": f"inferbus-{service}"}))
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    trace.set_tracer_provider(provider)
+    _configured = True
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Headers carrying the current trace context (empty when there is none)."""
+    carrier: dict[str, str] = headers if headers is not None else {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract(headers: Mapping[str, str] | None) -> context.Context:
+    return propagate.extract(headers or {})

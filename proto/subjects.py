@@ -1,0 +1,124 @@
+"""Every subject, stream, consumer and bucket name on the bus. Build names here, nowhere else.
+
+Layout (see DESIGN.md):
+    inferbus.req.<tier>.<model>.any | .w.<worker>   JetStream REQUESTS (work queue)
+    inferbus.tok.<gateway>.<request_id>            core NATS: stream events for one request
+    inferbus.cancel.<request_id>                   core NATS
+    inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
+    inferbus.metrics.<worker> / inferbus.cache.<worker>
+    inferbus.place.<model>                         router request/reply
+    inferbus.control.<worker> / inferbus.scale.<pool>
+
+Token subjects carry the gateway id so each gateway holds one wildcard subscription instead of
+subscribing and unsubscribing per request (one SUB for the process, not two protocol messages
+per request).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+PREFIX = "inferbus"
+
+# Priority bands, most important first. Workers pull in this order.
+Tier = Literal["premium", "standard", "batch"]
+TIERS: tuple[Tier, ...] = ("premium", "standard", "batch")
+INTERACTIVE_TIERS: tuple[Tier, ...] = ("premium", "standard")
+
+REQUESTS_STREAM = "REQUESTS"
+USAGE_STREAM = "USAGE"
+WORKERS_BUCKET = "workers"
+MODELS_BUCKET = "models"
+ADAPTERS_BUCKET = "adapters"
+
+ANY_TARGET = "any"
+
+_ESCAPES = {"%": "%25", ".": "%2E", "*": "%2A", ">": "%3E", " ": "%20", "\t": "%09", "\n": "%0A", "\r": "%0D"}
+
+
+def token(name: str) -> str:
+    """Make an arbitrary name (a model id such as `meta-llama/Llama-3.3-70B`) one subject token."""
+    if not name:
+        raise ValueError("subject tokens must not be empty")
+    return "".join(_ESCAPES.get(ch, ch) for ch in name)
+
+
+def worker_target(worker_id: str) -> str:
+    return f"w.{token(worker_id)}"
+
+
+def request_subject(tier: Tier, model: str, target: str = ANY_TARGET) -> str:
+    """`target` is `ANY_TARGET` or `worker_target(worker_id)`."""
+    return f"{PREFIX}.req.{tier}.{token(model)}.{target}"
+
+
+def requests_stream_subjects() -> list[str]:
+    return [f"{PREFIX}.req.>"]
+
+
+def request_consumer(tier: Tier, model: str, worker_id: str | None = None) -> str:
+    """Durable consumer name: one per worker per tier, plus one shared per tier for `any`."""
+    owner = "any" if worker_id is None else f"w_{worker_id}"
+    return _durable(f"{tier}_{token(model)}_{owner}")
+
+
+def _durable(name: str) -> str:
+    # Durable names may not contain '.', '*', '>', whitespace or path separators.
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
+
+
+def token_subject(gateway_id: str, request_id: str) -> str:
+    return f"{PREFIX}.tok.{token(gateway_id)}.{request_id}"
+
+
+def gateway_token_wildcard(gateway_id: str) -> str:
+    return f"{PREFIX}.tok.{token(gateway_id)}.*"
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"{PREFIX}.cancel.{request_id}"
+
+
+def cancel_wildcard() -> str:
+    return f"{PREFIX}.cancel.*"
+
+
+def usage_subject(tenant: str) -> str:
+    return f"{PREFIX}.usage.{token(tenant)}"
+
+
+def usage_stream_subjects() -> list[str]:
+    return [f"{PREFIX}.usage.>"]
+
+
+def metrics_subject(worker_id: str) -> str:
+    return f"{PREFIX}.metrics.{token(worker_id)}"
+
+
+def metrics_wildcard() -> str:
+    return f"{PREFIX}.metrics.*"
+
+
+def cache_subject(worker_id: str) -> str:
+    return f"{PREFIX}.cache.{token(worker_id)}"
+
+
+def placement_subject(model: str) -> str:
+    return f"{PREFIX}.place.{token(model)}"
+
+
+def placement_wildcard() -> str:
+    return f"{PREFIX}.place.*"
+
+
+def control_subject(worker_id: str) -> str:
+    return f"{PREFIX}.control.{token(worker_id)}"
+
+
+def scale_subject(pool: str) -> str:
+    return f"{PREFIX}.scale.{token(pool)}"
+
+
+def worker_key(worker_id: str) -> str:
+    """Key of a worker's heartbeat in the `workers` KV bucket."""
+    return _durable(worker_id)

@@ -1,0 +1,284 @@
+"""Gateway side of a request's life on the bus: place, publish, relay events, migrate on failure.
+
+One wildcard subscription per gateway receives every stream event meant for its requests. A
+watch on the `workers` KV bucket tells which workers are alive; when the worker holding a request
+dies (heartbeat expired or deleted) or hands it back, the request continues on another worker
+from the prompt plus the text already sent, so the client sees one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from inferbus import logs, tracing
+from proto import messages as m
+from proto import subjects
+
+from .metrics import MIGRATIONS
+
+log = logs.get(__name__)
+
+_heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
+_placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
+
+
+class DispatchError(Exception):
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+@dataclass
+class Flight:
+    """One client request in flight, across however many attempts it takes."""
+
+    request: m.InferenceRequest
+    events: asyncio.Queue[m.StreamEvent] = field(default_factory=asyncio.Queue)
+    worker_id: str | None = None
+    sent_text: list[str] = field(default_factory=list)
+    sent_tokens: int = 0
+    prompt_tokens: int | None = None
+    queue_wait: float | None = None
+
+
+def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
+    """The continuation of a failed attempt, or None when it must not be retried."""
+    request = flight.request
+    if request.attempt + 1 >= max_attempts or now >= request.deadline:
+        return None
+    return msgspec.structs.replace(
+        request,
+        attempt=request.attempt + 1,
+        resumed_text=request.resumed_text + "".join(flight.sent_text),
+        resumed_tokens=flight.sent_tokens,
+        prompt_tokens=flight.prompt_tokens,
+    )
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        workers: KeyValue,
+        *,
+        gateway_id: str,
+        heartbeat_ttl_s: float,
+        max_attempts: int,
+        placement_timeout_s: float,
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.kv = workers
+        self.gateway_id = gateway_id
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.max_attempts = max_attempts
+        self.placement_timeout_s = placement_timeout_s
+        self.flights: dict[str, Flight] = {}
+        self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sub = None
+        self._watcher = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(
+            subjects.gateway_token_wildcard(self.gateway_id), cb=self._on_event, pending_msgs_limit=1_000_000,
+            pending_bytes_limit=256 * 1024 * 1024,
+        )
+        self._watcher = await self.kv.watchall()
+        self._tasks = [
+            asyncio.create_task(self._watch_workers(), name="watch-workers"),
+            asyncio.create_task(self._sweep(), name="sweep"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._watcher is not None:
+            await self._watcher.stop()
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def reply_subject(self, request_id: str) -> str:
+        return subjects.token_subject(self.gateway_id, request_id)
+
+    def has_workers(self, model: str) -> bool:
+        return any(beat.model == model and beat.state == "ready" for _, beat in self.live_workers.values())
+
+    # ---- placement and publishing -----------------------------------------------------------
+
+    async def _place(self, request: m.InferenceRequest) -> str:
+        """Ask the router for a target; without an answer in time, the shared queue still serves."""
+        if self.placement_timeout_s <= 0 or request.attempt > 0:
+            return subjects.ANY_TARGET
+        ask = m.PlacementRequest(
+            request_id=request.request_id, model=request.model, adapter=request.adapter,
+            prompt_tokens=request.prompt_tokens or 0, tier=request.tier,
+        )
+        try:
+            reply = await self.nc.request(subjects.placement_subject(request.model), m.encode(ask), timeout=self.placement_timeout_s)
+            placement = _placement_decoder.decode(reply.data)
+        except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError, msgspec.DecodeError):
+            return subjects.ANY_TARGET
+        if placement.worker_id and placement.worker_id not in self.live_workers:
+            return subjects.ANY_TARGET
+        return placement.target
+
+    async def _publish(self, flight: Flight) -> None:
+        request = flight.request
+        target = await self._place(request)
+        headers = tracing.inject({"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
+        subject = subjects.request_subject(request.tier, request.model, target)  # type: ignore[arg-type]
+        await self.js.publish(subject, m.encode(request), headers=headers, timeout=5)
+
+    async def open(self, request: m.InferenceRequest) -> Flight:
+        """Publish a new request; its events arrive on the returned flight's queue."""
+        flight = Flight(request=request, prompt_tokens=request.prompt_tokens)
+        self.flights[request.request_id] = flight
+        try:
+            await self._publish(flight)
+        except Exception as error:
+            self.flights.pop(request.request_id, None)
+            log.error("publish_failed", error=repr(error))
+            raise DispatchError(503, "service_unavailable", "The request queue is unavailable; retry shortly.", retry_after=1) from error
+        return flight
+
+    def close(self, flight: Flight) -> None:
+        self.flights.pop(flight.request.request_id, None)
+
+    async def cancel(self, flight: Flight, reason: str) -> None:
+        cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
+        try:
+            await self.nc.publish(subjects.cancel_subject(flight.request.request_id), m.encode(cancel))
+        except Exception as error:
+            log.warning("cancel_publish_failed", error=repr(error))
+
+    async def migrate(self, flight: Flight, why: str) -> bool:
+        """Continue `flight` on another worker; False when attempts or time ran out."""
+        continuation = next_attempt(flight, self.max_attempts, time.time())
+        if continuation is None:
+            return False
+        log.warning("migrating", request_id=continuation.request_id, attempt=continuation.attempt,
+                    from_worker=flight.worker_id, why=why, resumed_tokens=continuation.resumed_tokens)
+        MIGRATIONS.inc()
+        flight.request = continuation
+        flight.worker_id = None
+        flight.sent_text = []
+        try:
+            await self._publish(flight)
+        except Exception as error:
+            log.error("migration_publish_failed", error=repr(error))
+            return False
+        return True
+
+    async def events(self, flight: Flight) -> AsyncIterator[m.StreamEvent]:
+        """Events of the current attempt, in order, until a Final or a non-migratable error."""
+        while True:
+            event = await flight.events.get()
+            if event.attempt != flight.request.attempt:
+                continue  # a late event from an attempt already given up
+            if isinstance(event, m.Accepted):
+                flight.worker_id = event.worker_id
+                if flight.queue_wait is None:
+                    flight.queue_wait = event.queue_wait
+                continue
+            if isinstance(event, m.TokenChunk):
+                if event.prompt_tokens is not None and flight.prompt_tokens is None:
+                    flight.prompt_tokens = event.prompt_tokens
+                flight.sent_text.append(event.text)
+                flight.sent_tokens = event.completion_tokens
+                yield event
+                continue
+            if isinstance(event, m.Handoff) or (isinstance(event, m.StreamError) and event.retryable):
+                if await self.migrate(flight, why=type(event).__name__):
+                    continue
+            yield event
+            if isinstance(event, (m.Final, m.StreamError, m.Handoff)):
+                return
+
+    async def publish_usage(self, flight: Flight, status: str, finish: str | None) -> None:
+        """For requests no worker finished: bill what the client received, once."""
+        request = flight.request
+        usage = m.Usage(prompt_tokens=flight.prompt_tokens or 0, completion_tokens=flight.sent_tokens)
+        event = m.UsageEvent(
+            request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
+            tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
+            worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
+        )
+        try:
+            await self.js.publish(subjects.usage_subject(request.tenant), m.encode(event),
+                                  headers={"Nats-Msg-Id": request.request_id}, timeout=5)
+        except Exception as error:
+            log.error("usage_publish_failed", request_id=request.request_id, error=repr(error))
+
+    # ---- inbound ----------------------------------------------------------------------------
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = m.decode_stream_event(msg.data)
+        except msgspec.DecodeError:
+            log.warning("bad_stream_event", subject=msg.subject)
+            return
+        flight = self.flights.get(event.request_id)
+        if flight is not None:
+            flight.events.put_nowait(event)
+
+    async def _watch_workers(self) -> None:
+        assert self._watcher is not None
+        while True:
+            try:
+                entry = await self._watcher.updates(timeout=None)  # type: ignore[arg-type]
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("worker_watch_error", error=repr(error))
+                await asyncio.sleep(0.5)
+                continue
+            if entry is None:  # end of the initial values
+                continue
+            if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                self._worker_gone(entry.key)
+                continue
+            try:
+                beat = _heartbeat_decoder.decode(entry.value)
+            except msgspec.DecodeError:
+                continue
+            self.live_workers[beat.worker_id] = (time.monotonic(), beat)
+
+    def _worker_gone(self, key: str) -> None:
+        gone = [wid for wid in self.live_workers if subjects.worker_key(wid) == key]
+        for worker_id in gone:
+            del self.live_workers[worker_id]
+            log.warning("worker_gone", worker_id=worker_id)
+        for flight in list(self.flights.values()):
+            if flight.worker_id in gone:
+                self._fail_attempt(flight, "worker heartbeat ended")
+
+    def _fail_attempt(self, flight: Flight, why: str) -> None:
+        # A synthetic retryable error on the flight's own queue: the reader migrates in order.
+        flight.events.put_nowait(m.StreamError(
+            request_id=flight.request.request_id, attempt=flight.request.attempt, code="worker_lost",
+            message=f"worker {flight.worker_id} stopped responding ({why})", retryable=True, status=503,
+        ))
+        flight.worker_id = None
+
+    async def _sweep(self) -> None:
+        # Backstop for expiries whose delete marker we missed (e.g. across a NATS reconnect).
+        while True:
+            await asyncio.sleep(min(0.5, self.heartbeat_ttl_s / 4))
+            now = time.monotonic()
+            dead = [wid for wid, (seen, _) in self.live_workers.items() if now - seen > self.heartbeat_ttl_s * 1.5]
+            for worker_id in dead:
+                self._worker_gone(subjects.worker_key(worker_id))

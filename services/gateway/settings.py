@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from inferbus.settings import env
+
+
+def _default_gateway_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = env("INFERBUS_GATEWAY_HOST", "127.0.0.1", "Address the HTTP API listens on.")
+    port: int = env("INFERBUS_GATEWAY_PORT", 8080, "Port of the HTTP API.")
+    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
+    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas).")
+    model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id served and listed by /v1/models.")
+    gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
+    max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest request body accepted (413 above).")
+    max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit.")
+    default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
+    request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
+    max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
+    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
+    placement_timeout_ms: float = env("INFERBUS_PLACEMENT_TIMEOUT_MS", 20.0, "Wait for the router's placement; 0 = always the shared queue.")
+    key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
+    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
+    otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
+
+    def resolved_gateway_id(self) -> str:
+        return self.gateway_id or _default_gateway_id()

@@ -1,0 +1,99 @@
+"""`inferbus sim-engine`: run the simulated GPU engine (SGLang's HTTP API) under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
+
+
+@click.command("sim-engine")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--port", default=30000, show_default=True, type=int, help="Port to listen on (SGLang's default).")
+@click.option(
+    "--gpu", type=click.Choice(GPU_NAMES), default="H100", show_default=True,
+    help="GPU whose memory bandwidth, compute and HBM size the timing model uses.",
+)
+@click.option(
+    "--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True,
+    help="Tensor-parallel degree: GPUs per replica (bandwidth and KV capacity scale with it).",
+)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Model name reported as model_path (timing is always a 70B-class model).")
+@click.option(
+    "--preset", type=click.Choice(PRESET_NAMES), default="latency", show_default=True,
+    help="Timing constants: 'latency' fits online serving (NIM), 'throughput' the offline upper bound (TensorRT-LLM).",
+)
+@click.option(
+    "--time-scale", default=1.0, show_default=True, type=float,
+    help="Wall seconds per simulated second: 1 is real time, 0.1 runs ten times faster, 0 runs steps back to back.",
+)
+@click.option(
+    "--fixed-step-ms", default=None, type=float,
+    help="Use this constant step time (ms per decode step) instead of the GPU model; 0 is as fast as possible.",
+)
+@click.option("--chunked-prefill-size", default=2048, show_default=True, type=int, help="Prefill tokens per step (chunked prefill budget).")
+@click.option("--max-running-requests", default=256, show_default=True, type=int, help="Most requests in the running batch.")
+@click.option("--block-size", default=16, show_default=True, type=int, help="Prefix-cache block (page) size in tokens; must match the router's.")
+@click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
+@click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
+@click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
+    help="Log level of the engine and uvicorn.",
+)
+def sim_engine_command(
+    host: str,
+    port: int,
+    gpu: str,
+    tp: str,
+    model: str,
+    preset: str,
+    time_scale: float,
+    fixed_step_ms: float | None,
+    chunked_prefill_size: int,
+    max_running_requests: int,
+    block_size: int,
+    max_loras_per_batch: int,
+    lora_load_time: float,
+    kv_capacity_tokens: int | None,
+    log_level: str,
+) -> None:
+    """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
+    /metrics, ...) from a simulated GPU: a roofline timing model of a 70B FP8 model with
+    continuous batching, chunked prefill, a prefix cache, KV capacity and LoRA slots.
+    For development, CI, load tests and capacity planning; see docs/sim-engine.md."""
+    import uvicorn
+
+    from .server import create_app
+
+    try:
+        config = EngineConfig(
+            gpu=gpu,
+            tp=int(tp),
+            model=model,
+            preset=preset,
+            chunked_prefill_size=chunked_prefill_size,
+            max_running_requests=max_running_requests,
+            block_size=block_size,
+            max_loras_per_batch=max_loras_per_batch,
+            lora_load_time_s=lora_load_time,
+            time_scale=time_scale,
+            fixed_step_ms=fixed_step_ms,
+            kv_capacity_tokens=kv_capacity_tokens,
+            host=host,
+            port=port,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(config),
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level=log_level,
+    )

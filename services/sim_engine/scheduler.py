@@ -1,0 +1,750 @@
+"""The simulated engine's scheduler: continuous batching over a virtual clock.
+
+Pure: no asyncio, no I/O. Time is virtual and moves only with `Engine.step()` (by the step time
+the perf model prices) and `Engine.advance()` (idle time the caller observed); the HTTP shell maps
+it to wall time with `time_scale`, the closed-loop driver never sleeps at all.
+
+Behaviour follows SGLang's scheduler where it is observable from the outside: chunked prefill
+under a token budget, prefix-cache hits skipping prefill (reported as `cached_tokens`), requests
+waiting while the KV pool is full and running ones retracted (recomputed later) when it
+overflows, priority (larger is more important), LoRA slots per batch, and SGLang's finish
+reasons and error messages.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import uuid
+import zlib
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from inferbus.tokens import VOCAB_SIZE, block_hashes, encode
+
+from .config import EngineConfig
+from .perf_model import FixedStepModel, StepTimeModel, roofline
+from .radix_cache import RadixCache
+
+MAX_STOP_SEQUENCES = 32
+# Admission reserves room for this share of each running request's remaining output (capped per
+# request), like SGLang's new_token_ratio estimate; an underestimate is fixed by retraction.
+NEW_TOKEN_RATIO = 0.3
+CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """SGLang's `sampling_params`: unknown keys and wrong types are errors, as in SGLang."""
+
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+
+    def verify(self) -> None:
+        """Raise ValueError with SGLang's wording when a value is out of range."""
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0.0 <= self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in [0, 2], got {self.repetition_penalty}.")
+        if self.max_new_tokens is not None:
+            if self.max_new_tokens < 0:
+                raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+            if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+                raise ValueError(
+                    f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                    f"got {self.min_new_tokens}."
+                )
+        elif self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}.")
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}.")
+        if sum(grammar is not None for grammar in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop supports at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(stop for stop in stops if stop)
+
+
+# Output vocabulary: common English words (each one stand-in token), with punctuation and
+# newlines mixed in so that stop sequences such as "." or "\n" do match.
+_WORDS = """
+the of and to in is you that it he was for on are as with his they at be this have from or one
+had by word but not what all were we when your can said there use an each which she do how their
+if will up other about out many then them these so some her would make like him into time has
+look two more write go see number no way could people my than first water been call who oil its
+now find long down day did get come made may part over new sound take only little work know place
+year live me back give most very after thing our just name good man think say great where help
+much before line right too mean old any same tell boy follow came want show also around form three
+small set put end does well large must big even such turn here why ask went men read need land
+differ home us move try kind hand again change off play spell air away animal house point page
+letter mother answer found study still learn should world high every near add food own below
+plant last school father keep tree never start city earth eye light though head under story saw
+left few while along might close open seem next hard begin life always those both paper often run
+music color stand sun fish area mark dog horse birds told knew pass since top whole king space
+heard best hour better true during step early hold west ground reach fast five sing listen six
+table travel less ten simple toward war lay slow center love person money serve appear road map
+rain rule govern pull cold notice voice unit power town fine drive lead cry dark note wait plan
+figure star box noun field rest able pound done beauty stood front teach week final gave green
+quick ocean warm free minute strong mind behind clear tail fact street inch course stay wheel full
+force blue object decide deep moon island foot system busy test record boat common gold plane age
+dry wonder laugh ago ran check game shape yes hot miss heat snow tire bring fill east paint among
+""".split()
+OUTPUT_PIECES: tuple[str, ...] = (
+    tuple(" " + word for word in _WORDS if len(word) <= 6)
+    + ("." ,) * 24
+    + ("," ,) * 16
+    + ("\n",) * 6
+)
+_PIECE_IDS: dict[str, int] = {piece: encode(piece)[0] for piece in set(OUTPUT_PIECES)}
+
+
+class RequestRejected(Exception):
+    """The request cannot be accepted (SGLang answers these with HTTP 400)."""
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    lora_name: str | None = None
+    # Filled by the engine.
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    # Scheduling state: `fill_ids` are the tokens whose KV must exist before decoding (the
+    # prompt, plus the output so far after a retraction); `computed` of them have KV; the first
+    # `locked` blocks of `hashes` are pinned in the cache, `private` tokens are held outside it.
+    fill_ids: list[int] = field(default_factory=list, init=False)
+    hashes: list[int] = field(default_factory=list, init=False)
+    computed: int = field(default=0, init=False)
+    locked: int = field(default=0, init=False)
+    private: int = field(default=0, init=False)
+    order: int = field(default=0, init=False)
+    max_new_tokens: int = field(default=0, init=False)
+    # Hash of the whole context so far (prompt + output ids), salted for sampled requests.
+    context_hash: int = field(default=0, init=False)
+    stops: tuple[str, ...] = field(default=(), init=False)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.fill_ids)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """A request's state after a step (or an abort): what the shell streams to the client."""
+
+    request: Request
+    text: str
+    num_output_tokens: int
+    finish_reason: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    duration_s: float
+    updates: list[RequestUpdate]
+    batch_decode: int = 0
+    prefill_tokens: int = 0
+    # Nothing could run (no requests, or all waiting on something only an outside event changes).
+    idle: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoraUpdateResult:
+    success: bool
+    error_message: str | None
+    loaded_adapters: dict[str, str]
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    path: str
+    pinned: bool
+    ready_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    max_total_num_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    max_running_requests: int
+
+
+def lora_path_exists(path: str) -> bool:
+    """The simulator's stand-in for a file check: paths starting with "missing" or "bad" fail."""
+    return bool(path) and not path.startswith(("missing", "bad"))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
+        self.config = config
+        roofline_model = roofline(config.gpu, config.tp, config.preset)
+        if step_model is None:
+            if config.fixed_step_ms is not None:
+                step_model = FixedStepModel(config.fixed_step_ms / 1000.0)
+            else:
+                step_model = roofline_model
+        self.step_model = step_model
+        capacity = config.kv_capacity_tokens or roofline_model.kv_capacity_tokens()
+        self.cache = RadixCache(capacity_tokens=capacity, block_size=config.block_size)
+        self.now = 0.0
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+        self._requests: dict[str, Request] = {}
+        self._next_order = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises RequestRejected with SGLang's message when it cannot run."""
+        if request.rid in self._requests:
+            raise RequestRejected("Duplicate request ID detected")
+        if request.lora_name is not None and request.lora_name not in self.adapters:
+            raise RequestRejected(
+                f"The following requested LoRA adapters are not loaded: {request.lora_name}\n"
+                f"Loaded adapters: {self.adapters.keys()}."
+            )
+        prompt_len = len(request.input_ids)
+        if prompt_len == 0:
+            raise RequestRejected("The input is empty: send text or input_ids with at least one token.")
+        if prompt_len >= self.config.context_length:
+            raise RequestRejected(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.config.context_length} tokens)."
+            )
+        if prompt_len + 1 > self.cache.capacity_tokens:
+            raise RequestRejected(
+                f"The input ({prompt_len} tokens) does not fit in the KV cache "
+                f"({self.cache.capacity_tokens} tokens)."
+            )
+        sampling = request.sampling
+        limit = self.config.context_length - prompt_len
+        request.max_new_tokens = limit if sampling.max_new_tokens is None else min(sampling.max_new_tokens, limit)
+        request.stops = sampling.stop_strings()
+        request.context_hash = _context_hash(request)
+        request.arrival_time = self.now
+        request.order = self._next_order
+        self._next_order += 1
+        self._set_fill(request, request.input_ids)
+        self.prompt_tokens_total += prompt_len
+        self._requests[request.rid] = request
+        self.waiting.append(request)
+
+    def abort(
+        self, rid_prefix: str, message: str = "Abort by user request.", *, exact: bool = False
+    ) -> list[RequestUpdate]:
+        """Abort every request whose rid starts with `rid_prefix` ("" aborts all), as SGLang does.
+
+        `exact` matches the whole rid only (a client disconnect must not stop its neighbours).
+        """
+        if exact:
+            matches = [self._requests[rid_prefix]] if rid_prefix in self._requests else []
+        else:
+            matches = [r for rid, r in self._requests.items() if rid.startswith(rid_prefix)]
+        updates = []
+        for request in matches:
+            if request in self.running:
+                self.running.remove(request)
+                self._free(request, cache_blocks=True)
+            else:
+                self.waiting.remove(request)
+            updates.append(self._finish(request, {"type": "abort", "message": message}))
+        return updates
+
+    def get(self, rid: str) -> Request | None:
+        return self._requests.get(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def advance(self, seconds: float) -> None:
+        """Let idle time pass (the shell calls this after waiting for work)."""
+        if seconds > 0:
+            self.now += seconds
+
+    # ------------------------------------------------------------------ LoRA
+
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> LoraUpdateResult:
+        if name in self.adapters:
+            return self._lora_result(False, f"The LoRA adapter {name} is already loaded.")
+        if not lora_path_exists(path):
+            return self._lora_result(
+                False, f"Failed to load LoRA adapter {name} from {path}: no such adapter (simulated)."
+            )
+        self.adapters[name] = LoraAdapter(name, path, pinned, ready_at=self.now + self.config.lora_load_time_s)
+        return self._lora_result(True, None)
+
+    def unload_lora(self, name: str) -> LoraUpdateResult:
+        if self.adapters.pop(name, None) is None:
+            return self._lora_result(False, f"LoRA adapter {name} is not loaded.")
+        return self._lora_result(True, None)
+
+    def _lora_result(self, success: bool, error: str | None) -> LoraUpdateResult:
+        return LoraUpdateResult(success, error, {name: a.path for name, a in self.adapters.items()})
+
+    # ------------------------------------------------------------------ observability
+
+    def load(self) -> LoadSnapshot:
+        cache = self.cache
+        # Like SGLang: tokens held by requests, not evictable cache.
+        used = cache.capacity_tokens - cache.available_tokens()
+        return LoadSnapshot(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_used_tokens=used,
+            max_total_num_tokens=cache.capacity_tokens,
+            token_usage=used / cache.capacity_tokens,
+            cache_hit_rate=self.cache_hit_rate,
+            max_running_requests=self.config.max_running_requests,
+        )
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused while requests are queued or running (as SGLang)."""
+        if self.has_work:
+            return False
+        return self.cache.clear()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> StepResult:
+        """Run one iteration: decode every running sequence, prefill up to the token budget."""
+        updates: list[RequestUpdate] = []
+        decoding = self._reserve_decode_slots()
+        self._admit(updates)
+        chunks = self._plan_prefill()
+        if not decoding and not chunks:
+            return self._wait_for_adapters(updates)
+
+        resident = sum(r.context_len for r in decoding)
+        prefill_tokens = sum(size for _, size in chunks)
+        # Mean attended context of a prefill token: the chunk's start plus half the chunk.
+        attended = sum(size * (r.computed + size / 2) for r, size in chunks)
+        duration = self.step_model.step_time(
+            len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0
+        )
+        self.now += duration
+
+        for request in decoding:
+            updates.append(self._emit_token(request))
+        for request, size in chunks:
+            request.computed += size
+            self._cache_computed_blocks(request)
+            if not request.prefilling:
+                if len(request.output_ids) >= request.max_new_tokens:
+                    updates.append(self._retire(request, {"type": "length", "length": request.max_new_tokens}))
+                else:
+                    updates.append(self._emit_token(request))
+        return StepResult(duration, updates, len(decoding), prefill_tokens)
+
+    def _reserve_decode_slots(self) -> list[Request]:
+        """Give each decoding request room for one more token, retracting others when KV is full."""
+        decoding = [r for r in self.running if not r.prefilling]
+        for request in decoding:
+            if request not in self.running:
+                continue  # retracted earlier in this loop
+            while not self.cache.allocate(1):
+                victim = self._choose_victim()
+                self._retract(victim)
+                if victim is request:
+                    break
+            else:
+                request.private += 1
+        return [r for r in decoding if r in self.running]
+
+    def _admit(self, updates: list[RequestUpdate]) -> None:
+        if not self.waiting:
+            return
+        config = self.config
+        self.waiting.sort(key=lambda r: (-r.priority, r.order))
+        budget = config.chunked_prefill_size - sum(len(r.fill_ids) - r.computed for r in self.running if r.prefilling)
+        adapters_in_batch = {r.lora_name for r in self.running}
+        for request in list(self.waiting):
+            if budget <= 0:
+                break
+            adapter_name = request.lora_name
+            if adapter_name is not None:
+                adapter = self.adapters.get(adapter_name)
+                if adapter is None:
+                    self.waiting.remove(request)
+                    updates.append(
+                        self._finish(request, {"type": "abort", "message": f"LoRA adapter {adapter_name} was unloaded."})
+                    )
+                    continue
+                if adapter.ready_at > self.now:
+                    continue  # still loading
+            if adapter_name not in adapters_in_batch and len(adapters_in_batch) >= config.max_loras_per_batch:
+                continue
+            while len(self.running) >= config.max_running_requests:
+                if not self._preempt_for(request):
+                    return
+            while not self._try_reserve_prompt(request):
+                if not self._preempt_for(request):
+                    return  # the head of the line waits for memory, as in SGLang
+            self.waiting.remove(request)
+            self.running.append(request)
+            adapters_in_batch.add(adapter_name)
+            budget -= len(request.fill_ids) - request.computed
+
+    def _try_reserve_prompt(self, request: Request) -> bool:
+        """Match the prefix cache and check the rest of the prompt fits; locks the matched blocks."""
+        bs = self.config.block_size
+        # At least one token is always computed: its logits give the first output token.
+        usable = min(len(request.hashes), (len(request.fill_ids) - 1) // bs)
+        matched = self.cache.match(request.hashes[:usable])
+        self.cache.lock(request.hashes[:matched])
+        needed = len(request.fill_ids) - matched * bs + 1
+        needed += sum(len(r.fill_ids) - r.computed for r in self.running if r.prefilling)
+        needed += int(
+            NEW_TOKEN_RATIO
+            * sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in (*self.running, request))
+        )
+        if self.cache.available_tokens() < needed:
+            self.cache.unlock(request.hashes[:matched])
+            return False
+        request.locked = matched
+        request.computed = matched * bs
+        if request.preemptions == 0:
+            request.cached_tokens = matched * bs
+            self.cached_tokens_total += matched * bs
+        return True
+
+    def _plan_prefill(self) -> list[tuple[Request, int]]:
+        budget = self.config.chunked_prefill_size
+        chunks: list[tuple[Request, int]] = []
+        for request in self.running:
+            if budget <= 0:
+                break
+            if not request.prefilling:
+                continue
+            size = min(len(request.fill_ids) - request.computed, budget)
+            completes = request.computed + size == len(request.fill_ids)
+            # The token sampled at the end of the prompt needs a slot too.
+            reserve = size + (1 if completes else 0)
+            if not self.cache.allocate(reserve):
+                break
+            request.private += reserve
+            chunks.append((request, size))
+            budget -= size
+        return chunks
+
+    def _wait_for_adapters(self, updates: list[RequestUpdate]) -> StepResult:
+        loading = [
+            self.adapters[r.lora_name].ready_at
+            for r in self.waiting
+            if r.lora_name in self.adapters and self.adapters[r.lora_name].ready_at > self.now
+        ]
+        if loading:
+            wait = min(loading) - self.now
+            self.now += wait
+            return StepResult(wait, updates)
+        return StepResult(0.0, updates, idle=True)
+
+    def _preempt_for(self, request: Request) -> bool:
+        """Retract the least important running request if `request` outranks it by the threshold."""
+        if not self.running:
+            return False
+        victim = self._choose_victim()
+        if request.priority - victim.priority <= self.config.priority_preemption_threshold:
+            return False
+        self._retract(victim)
+        return True
+
+    def _choose_victim(self) -> Request:
+        # Lowest priority first; among equals the newest, which has the least work to redo.
+        return min(self.running, key=lambda r: (r.priority, -r.order))
+
+    def _retract(self, request: Request) -> None:
+        """Send a running request back to waiting; it will recompute prompt + output so far."""
+        self.running.remove(request)
+        self._free(request, cache_blocks=True)
+        request.preemptions += 1
+        self.preemptions_total += 1
+        self._set_fill(request, request.input_ids + request.output_ids)
+        self.waiting.append(request)
+
+    # ------------------------------------------------------------------ tokens and finishing
+
+    def _emit_token(self, request: Request) -> RequestUpdate:
+        # Each token is a function of the whole context, as with a real model: a prompt extended
+        # by part of an output (a migrated request) continues with the rest of that output.
+        mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
+        piece = OUTPUT_PIECES[(mixed >> 8) % len(OUTPUT_PIECES)]
+        token_id = _PIECE_IDS[piece]
+        request.output_ids.append(token_id)
+        request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
+        self.generation_tokens_total += 1
+        if request.first_token_time is None:
+            request.first_token_time = self.now
+        previous_len = len(request.text)
+        request.text += piece
+        finish = self._check_finished(request, token_id, previous_len)
+        if finish is not None:
+            return self._retire(request, finish)
+        return RequestUpdate(request, request.text, len(request.output_ids), None)
+
+    def _check_finished(self, request: Request, token_id: int, previous_len: int) -> dict[str, Any] | None:
+        generated = len(request.output_ids)
+        if generated >= request.max_new_tokens:
+            return {"type": "length", "length": request.max_new_tokens}
+        sampling = request.sampling
+        if generated < sampling.min_new_tokens:
+            return None
+        if sampling.stop_token_ids and token_id in sampling.stop_token_ids:
+            return {"type": "stop", "matched": token_id}
+        if request.stops:
+            text = request.text
+            best: tuple[int, str] | None = None
+            for stop in request.stops:
+                index = text.find(stop, max(0, previous_len - len(stop) + 1))
+                if index >= 0 and (best is None or index < best[0]):
+                    best = (index, stop)
+            if best is not None:
+                if not sampling.no_stop_trim:
+                    request.text = text[: best[0]]
+                return {"type": "stop", "matched": best[1]}
+        return None
+
+    def _retire(self, request: Request, finish_reason: dict[str, Any]) -> RequestUpdate:
+        self.running.remove(request)
+        self._free(request, cache_blocks=True)
+        return self._finish(request, finish_reason)
+
+    def _finish(self, request: Request, finish_reason: dict[str, Any]) -> RequestUpdate:
+        request.finish_reason = finish_reason
+        request.finish_time = self.now
+        del self._requests[request.rid]
+        return RequestUpdate(request, request.text, len(request.output_ids), finish_reason)
+
+    # ------------------------------------------------------------------ KV bookkeeping
+
+    def _set_fill(self, request: Request, fill_ids: list[int]) -> None:
+        request.fill_ids = fill_ids
+        request.hashes = block_hashes(fill_ids, self.config.block_size, namespace=request.lora_name or "")
+        request.computed = request.locked = request.private = 0
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Publish the prompt blocks prefilled so far (SGLang caches unfinished requests too)."""
+        full = min(request.computed // self.config.block_size, len(request.hashes))
+        if full <= request.locked:
+            return
+        self._move_to_cache(request, full, request.fill_ids)
+        self.cache.lock(request.hashes[request.locked : full])
+        request.locked = full
+
+    def _move_to_cache(self, request: Request, full: int, token_ids: list[int]) -> None:
+        moved = (full - request.locked) * self.config.block_size
+        self.cache.release(moved)
+        request.private -= moved
+        self.cache.insert(request.hashes[:full], token_ids, request.lora_name)
+
+    def _free(self, request: Request, cache_blocks: bool) -> None:
+        """Release a request's KV; its computed full blocks stay behind in the prefix cache."""
+        bs = self.config.block_size
+        if cache_blocks:
+            if request.prefilling:
+                kv_len = request.computed
+                sequence = request.fill_ids
+            else:
+                # The last sampled token has no KV yet.
+                sequence = request.input_ids + request.output_ids
+                kv_len = len(sequence) - 1
+            full = kv_len // bs
+            if full > len(request.hashes):
+                request.hashes = block_hashes(sequence[: full * bs], bs, namespace=request.lora_name or "")
+            full = min(full, request.private // bs + request.locked)
+            if full > request.locked:
+                self._move_to_cache(request, full, sequence)
+        self.cache.release(request.private)
+        self.cache.unlock(request.hashes[: request.locked])
+        request.private = request.locked = 0
+
+
+_TOKEN = struct.Struct("<I")
+
+
+def _context_hash(request: Request) -> int:
+    """Greedy output depends on the context only; sampled output also on the seed (or the rid)."""
+    salt = 0
+    if request.sampling.temperature != 0.0:
+        seed = request.sampling.sampling_seed if request.sampling.sampling_seed is not None else request.rid
+        salt = zlib.crc32(str(seed).encode())
+    # crc32 is incremental: hashing the prompt then each output id equals hashing them all at once.
+    return zlib.crc32(array("I", request.input_ids).tobytes(), salt)
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------- closed-loop driver
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoopStats:
+    concurrency: int
+    completed: int  # requests measured (after warm-up)
+    duration_s: float  # virtual seconds of the measurement window
+    output_tokens_per_s: float
+    mean_ttft_s: float
+    mean_itl_s: float  # per request (e2e − TTFT) / (output − 1), then averaged, as genai-perf does
+    mean_e2e_s: float
+    steps: int
+    preemptions: int
+
+
+def simulate_closed_loop(
+    config: EngineConfig,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    n_requests: int | None = None,
+    duration_s: float | None = None,
+    *,
+    warmup_requests: int | None = None,
+    step_model: StepTimeModel | None = None,
+    seed: int = 0,
+) -> ClosedLoopStats:
+    """`concurrency` clients each send a new request as soon as the last finishes, in virtual time.
+
+    Prompts are `input_len` random tokens, distinct per request from the first block on, so the
+    prefix cache never helps; output is exactly `output_len` tokens. The first `warmup_requests`
+    completions (default: one per client) are left out, as is the time before the last of them.
+    Stops after `n_requests` measured completions or `duration_s` virtual seconds.
+    """
+    if n_requests is None and duration_s is None:
+        raise ValueError("give n_requests or duration_s")
+    warmup = concurrency if warmup_requests is None else warmup_requests
+    engine = Engine(config, step_model)
+    rng = random.Random(seed)
+    body = [rng.randrange(VOCAB_SIZE) for _ in range(input_len)]
+    sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        prompt = list(body)
+        prompt[0] = submitted % VOCAB_SIZE
+        if input_len > 1:
+            prompt[1] = submitted // VOCAB_SIZE
+        engine.add(Request(rid=f"closed-loop-{submitted}", input_ids=prompt, sampling=sampling))
+        submitted += 1
+
+    for _ in range(concurrency):
+        submit()
+    done = 0
+    window_start: float | None = None if warmup else 0.0
+    tokens_at_start = 0
+    measured: list[Request] = []
+    steps = 0
+    while True:
+        result = engine.step()
+        steps += 1
+        if result.idle:
+            raise RuntimeError("closed-loop simulation stalled: nothing can run")
+        finished = [u.request for u in result.updates if u.finish_reason is not None]
+        for request in finished:
+            done += 1
+            if done > warmup:
+                measured.append(request)
+            elif done == warmup:
+                window_start = engine.now
+                tokens_at_start = engine.generation_tokens_total
+        if n_requests is not None and len(measured) >= n_requests:
+            break
+        if duration_s is not None and engine.now >= duration_s:
+            break
+        for _ in finished:
+            submit()
+
+    start = window_start if window_start is not None else 0.0
+    window = engine.now - start
+    ttfts = [r.first_token_time - r.arrival_time for r in measured if r.first_token_time is not None]
+    itls = [
+        (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1)
+        for r in measured
+        if r.first_token_time is not None and r.finish_time is not None and len(r.output_ids) > 1
+    ]
+    e2es = [r.finish_time - r.arrival_time for r in measured if r.finish_time is not None]
+    return ClosedLoopStats(
+        concurrency=concurrency,
+        completed=len(measured),
+        duration_s=window,
+        output_tokens_per_s=(engine.generation_tokens_total - tokens_at_start) / window if window > 0 else 0.0,
+        mean_ttft_s=_mean(ttfts),
+        mean_itl_s=_mean(itls),
+        mean_e2e_s=_mean(e2es),
+        steps=steps,
+        preemptions=engine.preemptions_total,
+    )
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

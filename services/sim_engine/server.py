@@ -1,0 +1,430 @@
+"""HTTP shell of the simulated engine: SGLang 0.5.23's native API over the pure scheduler.
+
+One background task runs the engine: it sleeps while idle, otherwise takes a step, waits the
+step's simulated duration scaled by `time_scale`, and hands each request's new state to that
+request's queue. Handlers only validate, enqueue and stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from inferbus.tokens import VOCAB_SIZE, encode
+
+from .config import EngineConfig
+from .perf_model import StepTimeModel
+from .scheduler import Engine, LoraUpdateResult, Request, RequestRejected, RequestUpdate, SamplingParams
+
+logger = logging.getLogger("inferbus.sim_engine")
+
+SGLANG_VERSION = "0.5.23"
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
+HEALTH_CHECK_TIMEOUT_S = 20.0
+# If the event loop falls behind the simulated schedule by more than this, stop trying to catch up.
+MAX_SCHEDULE_LAG_S = 0.1
+
+_encode_json = msgspec.json.Encoder().encode
+
+
+class GenerateInput(msgspec.Struct):
+    """The /generate body. Fields SGLang has and the simulator ignores (return_logprob, ...) pass."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams | None = None
+    stream: bool = False
+    rid: str | None = None
+    lora_path: str | None = None
+    priority: int | None = None
+
+
+class AbortInput(msgspec.Struct):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class LoadLoraInput(msgspec.Struct):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraInput(msgspec.Struct):
+    lora_name: str
+
+
+class _Stream:
+    __slots__ = ("queue", "arrival", "last_token_at", "tokens_seen", "interval", "internal")
+
+    def __init__(self, arrival: float, interval: int, internal: bool) -> None:
+        self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self.arrival = arrival
+        self.last_token_at = arrival
+        self.tokens_seen = 0
+        self.interval = interval
+        self.internal = internal
+
+
+def _error(message: str, status: int = 400) -> Response:
+    # SGLang's create_error_response shape.
+    return Response(_encode_json({"error": {"message": message}}), status, media_type="application/json")
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(_encode_json(payload), status, media_type="application/json")
+
+
+class _Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.num_running = Gauge("sglang:num_running_reqs", "Running requests.", labels, registry=r).labels(model_name)
+        self.num_queue = Gauge("sglang:num_queue_reqs", "Waiting requests.", labels, registry=r).labels(model_name)
+        self.token_usage = Gauge("sglang:token_usage", "KV cache usage (0-1).", labels, registry=r).labels(model_name)
+        self.cache_hit_rate = Gauge("sglang:cache_hit_rate", "Prefix cache hit rate.", labels, registry=r).labels(
+            model_name
+        )
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens.", labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Generated tokens.", labels, registry=r).labels(
+            model_name
+        )
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            registry=r,
+            buckets=(0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60),
+        ).labels(model_name)
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Time between tokens.",
+            labels,
+            registry=r,
+            buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1),
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            registry=r,
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+        ).labels(model_name)
+
+
+class SimEngineServer:
+    """Owns the engine, the step loop and the Starlette app (`.app`)."""
+
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
+        self.config = config
+        self.engine = Engine(config, step_model)
+        self.metrics = _Metrics(config.model)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        routes = [
+            Route("/generate", self.generate, methods=["POST", "PUT"]),
+            Route("/abort_request", self.abort_request, methods=["POST"]),
+            Route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
+            Route("/v1/loads", self.loads, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health_generate", self.health, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
+            Route("/metrics", self.prometheus_metrics, methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._loop_task = asyncio.create_task(self._run(), name="sim-engine-steps")
+        try:
+            yield
+        finally:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+
+    # ------------------------------------------------------------------ step loop
+
+    async def _run(self) -> None:
+        engine = self.engine
+        scale = self.config.time_scale
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            if not engine.has_work:
+                await self._idle(scale)
+                deadline = loop.time()
+                continue
+            result = engine.step()
+            if result.idle:
+                await self._idle(scale)
+                deadline = loop.time()
+                continue
+            delay = result.duration_s * scale
+            if delay > 0:
+                # Sleep to an absolute schedule so per-step overheads do not add up.
+                deadline = max(deadline + delay, loop.time() - MAX_SCHEDULE_LAG_S)
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+            else:
+                await asyncio.sleep(0)
+            self._deliver(result.updates)
+
+    async def _idle(self, scale: float) -> None:
+        self._wake.clear()
+        started = time.monotonic()
+        await self._wake.wait()
+        if scale > 0:
+            # Idle wall time is simulated time too (adapter loads progress meanwhile).
+            self.engine.advance((time.monotonic() - started) / scale)
+
+    def _deliver(self, updates: list[RequestUpdate]) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        for update in updates:
+            stream = self._streams.get(update.request.rid)
+            if stream is None:
+                continue
+            new_tokens = update.num_output_tokens - stream.tokens_seen
+            if new_tokens > 0 and not stream.internal:
+                metrics.generation_tokens.inc(new_tokens)
+                if stream.tokens_seen == 0:
+                    metrics.ttft.observe(now - stream.arrival)
+                else:
+                    metrics.itl.observe((now - stream.last_token_at) / new_tokens)
+                stream.last_token_at = now
+            stream.tokens_seen = update.num_output_tokens
+            if update.finish_reason is not None:
+                if not stream.internal:
+                    metrics.e2e.observe(now - stream.arrival)
+                # The stream is done: later updates for this rid (a step that ran while the
+                # abort was being delivered) are dropped.
+                del self._streams[update.request.rid]
+            elif update.num_output_tokens % stream.interval:
+                continue
+            stream.queue.put_nowait(update)
+
+    # ------------------------------------------------------------------ /generate
+
+    async def generate(self, http_request: HttpRequest) -> Response:
+        try:
+            body = msgspec.json.decode(await http_request.body(), type=GenerateInput)
+            sampling = body.sampling_params or SamplingParams()
+            sampling.verify()
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+            return _error(str(exc))
+        if (body.text is None) == (body.input_ids is None):
+            return _error("Exactly one of text or input_ids must be provided.")
+        if body.input_ids is not None and any(not 0 <= t < VOCAB_SIZE for t in body.input_ids):
+            return _error(f"input_ids must be token ids in [0, {VOCAB_SIZE}).")
+        traceparent = http_request.headers.get("traceparent")
+        rid = body.rid or uuid.uuid4().hex
+        if traceparent:
+            logger.debug("generate rid=%s traceparent=%s", rid, traceparent)
+        input_ids = body.input_ids if body.input_ids is not None else encode(body.text or "")
+        request = Request(
+            rid=rid, input_ids=input_ids, sampling=sampling, priority=body.priority or 0, lora_name=body.lora_path
+        )
+        try:
+            stream = self._submit(request, sampling.stream_interval or 1)
+        except RequestRejected as exc:
+            return _error(str(exc))
+        if body.stream:
+            return StreamingResponse(self._stream_events(request, stream), media_type="text/event-stream")
+        try:
+            update = await self._final_update(stream)
+        except asyncio.CancelledError:
+            self._abort_if_running(rid)
+            raise
+        return _json(self._payload(request, update, stream, final=True))
+
+    def _submit(self, request: Request, stream_interval: int, internal: bool = False) -> _Stream:
+        if request.rid in self._streams:
+            raise RequestRejected("Duplicate request ID detected")
+        self.engine.add(request)
+        stream = _Stream(time.monotonic(), stream_interval, internal)
+        self._streams[request.rid] = stream
+        if not internal:
+            self.metrics.prompt_tokens.inc(len(request.input_ids))
+        self._wake.set()
+        return stream
+
+    async def _stream_events(self, request: Request, stream: _Stream) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            while not finished:
+                update = await stream.queue.get()
+                finished = update.finish_reason is not None
+                yield b"data: " + _encode_json(self._payload(request, update, stream, final=finished)) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - reported in-band, as SGLang does mid-stream
+            logger.exception("stream %s failed", request.rid)
+            error = {"message": str(exc), "type": "InternalServerError", "code": 500, "retryable": True}
+            yield b"data: " + _encode_json({"error": error}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            # Client went away (or the stream failed): stop generating for it.
+            if not finished:
+                self._abort_if_running(request.rid)
+
+    @staticmethod
+    async def _final_update(stream: _Stream) -> RequestUpdate:
+        while True:
+            update = await stream.queue.get()
+            if update.finish_reason is not None:
+                return update
+
+    def _payload(self, request: Request, update: RequestUpdate, stream: _Stream, final: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": request.rid,
+            "finish_reason": update.finish_reason,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": update.num_output_tokens,
+            "cached_tokens": request.cached_tokens,
+        }
+        if final:
+            meta["e2e_latency"] = time.monotonic() - stream.arrival
+        return {"text": update.text, "output_ids": request.output_ids[: update.num_output_tokens], "meta_info": meta}
+
+    def _abort_if_running(self, rid: str) -> None:
+        if self.engine.get(rid) is not None:
+            self._deliver(self.engine.abort(rid, "Client disconnected.", exact=True))
+        self._streams.pop(rid, None)
+
+    # ------------------------------------------------------------------ control endpoints
+
+    async def abort_request(self, http_request: HttpRequest) -> Response:
+        try:
+            body = msgspec.json.decode(await http_request.body() or b"{}", type=AbortInput)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _error(str(exc))
+        if body.abort_all:
+            self._deliver(self.engine.abort("", "Abort all requests."))
+        elif body.rid:
+            self._deliver(self.engine.abort(body.rid, "Abort by abort_request."))
+        return Response(status_code=200)
+
+    async def load_lora_adapter(self, http_request: HttpRequest) -> Response:
+        try:
+            body = msgspec.json.decode(await http_request.body(), type=LoadLoraInput)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _error(str(exc))
+        result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
+        if result.success:
+            self._wake.set()
+            # SGLang answers once the weights are loaded.
+            await asyncio.sleep(self.config.lora_load_time_s * self.config.time_scale)
+        return self._lora_response(result)
+
+    async def unload_lora_adapter(self, http_request: HttpRequest) -> Response:
+        try:
+            body = msgspec.json.decode(await http_request.body(), type=UnloadLoraInput)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _error(str(exc))
+        return self._lora_response(self.engine.unload_lora(body.lora_name))
+
+    @staticmethod
+    def _lora_response(result: LoraUpdateResult) -> Response:
+        payload = {
+            "success": result.success,
+            "error_message": result.error_message,
+            "loaded_adapters": result.loaded_adapters,
+        }
+        return _json(payload, 200 if result.success else 400)
+
+    async def loads(self, http_request: HttpRequest) -> Response:
+        snapshot = self.engine.load()
+        return _json(
+            {
+                "timestamp": time.time(),
+                "version": SGLANG_VERSION,
+                "dp_rank_count": 1,
+                "loads": [{"dp_rank": 0, **asdict(snapshot)}],
+            }
+        )
+
+    async def ready(self, http_request: HttpRequest) -> Response:
+        return Response(status_code=200)
+
+    async def health(self, http_request: HttpRequest) -> Response:
+        """Like SGLang: pass a 1-token generation through the scheduler."""
+        request = Request(
+            rid=HEALTH_CHECK_PREFIX + uuid.uuid4().hex,
+            input_ids=encode("health"),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+        stream = self._submit(request, 1, internal=True)
+        try:
+            update = await asyncio.wait_for(self._final_update(stream), HEALTH_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self._abort_if_running(request.rid)
+            return Response(status_code=503)
+        return Response(status_code=200 if update.finish_reason.get("type") == "length" else 503)
+
+    async def server_info(self, http_request: HttpRequest) -> Response:
+        config = self.config
+        return _json(
+            {
+                "model_path": config.model,
+                "served_model_name": config.model,
+                "tp_size": config.tp,
+                "dp_size": 1,
+                "chunked_prefill_size": config.chunked_prefill_size,
+                "max_running_requests": config.max_running_requests,
+                "max_total_num_tokens": self.engine.cache.capacity_tokens,
+                "page_size": config.block_size,
+                "max_loras_per_batch": config.max_loras_per_batch,
+                "enable_lora": True,
+                "context_length": config.context_length,
+                "version": SGLANG_VERSION,
+                "inferbus_simulated": True,
+                "gpu": config.gpu,
+                "preset": config.preset,
+                "time_scale": config.time_scale,
+                "fixed_step_ms": config.fixed_step_ms,
+            }
+        )
+
+    async def model_info(self, http_request: HttpRequest) -> Response:
+        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model, "is_generation": True})
+
+    async def flush_cache(self, http_request: HttpRequest) -> Response:
+        if self.engine.flush_cache():
+            return Response("Cache flushed.\n", status_code=200)
+        return Response(
+            "Cache not flushed: there are running or waiting requests.\n", status_code=400
+        )
+
+    async def prometheus_metrics(self, http_request: HttpRequest) -> Response:
+        snapshot = self.engine.load()
+        metrics = self.metrics
+        metrics.num_running.set(snapshot.num_running_reqs)
+        metrics.num_queue.set(snapshot.num_waiting_reqs)
+        metrics.token_usage.set(snapshot.token_usage)
+        metrics.cache_hit_rate.set(snapshot.cache_hit_rate)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(config: EngineConfig, step_model: StepTimeModel | None = None) -> Starlette:
+    return SimEngineServer(config, step_model).app

@@ -1,0 +1,198 @@
+"""Client for SGLang's native HTTP API (`/generate`, `/abort_request`, `/v1/loads`, ...).
+
+The simulated engine serves the same API, so this client cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from proto.messages import InferenceRequest
+
+
+class EngineError(Exception):
+    """The engine refused or failed a request. `retryable` errors may succeed on another engine."""
+
+    def __init__(self, message: str, *, code: str = "engine_error", retryable: bool = False, status: int = 500):
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+        self.status = status
+
+
+@dataclass
+class EngineUpdate:
+    """Deltas from one read of the stream; several engine chunks coalesce into one update."""
+
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int = 0
+    finish: dict[str, Any] | None = None
+
+
+@dataclass
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    used_tokens: int = 0
+    capacity_tokens: int = 0
+    cache_hit_rate: float = 0.0
+
+
+_json = msgspec.json.Decoder()
+
+
+def sampling_params(request: InferenceRequest) -> dict[str, Any]:
+    s = request.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_new_tokens - request.resumed_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+    }
+    if s.stop:
+        params["stop"] = s.stop
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    if s.presence_penalty:
+        params["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        params["frequency_penalty"] = s.frequency_penalty
+    return params
+
+
+@dataclass
+class EngineClient:
+    base_url: str
+    _session: aiohttp.ClientSession | None = field(default=None, init=False)
+
+    async def start(self) -> None:
+        # limit=0: the engine's own max_running_requests bounds concurrency, not the pool.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(
+            self.base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=5)
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "EngineClient.start() not called"
+        return self._session
+
+    async def generate(self, request: InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
+        """Stream `request` through the engine, yielding deltas until the finish update."""
+        body: dict[str, Any] = {
+            "text": request.prompt + request.resumed_text,
+            "sampling_params": sampling_params(request),
+            "stream": True,
+            "rid": request.engine_rid(),
+        }
+        if request.priority:
+            body["priority"] = request.priority
+        if request.adapter:
+            body["lora_path"] = request.adapter
+        try:
+            response = await self.session.post("/generate", data=msgspec.json.encode(body), headers=headers)
+        except aiohttp.ClientError as error:
+            raise EngineError(f"engine unreachable: {error}", code="engine_unavailable", retryable=True, status=503) from error
+        async with response:
+            if response.status != 200:
+                raise _http_error(response.status, await response.read())
+            sent_chars = 0
+            buffer = b""
+            try:
+                async for data in response.content.iter_any():
+                    buffer += data
+                    frames = buffer.split(b"\n\n")
+                    buffer = frames.pop()
+                    update = EngineUpdate()
+                    done = False
+                    for frame in frames:
+                        if not frame.startswith(b"data:"):
+                            continue
+                        payload = frame[5:].strip()
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        chunk = _json.decode(payload)
+                        if "error" in chunk:
+                            raise _stream_error(chunk["error"])
+                        text = chunk.get("text", "")
+                        # SGLang streams cumulative text: send only what is new.
+                        update.text += text[sent_chars:]
+                        sent_chars = max(sent_chars, len(text))
+                        meta = chunk.get("meta_info", {})
+                        update.completion_tokens = meta.get("completion_tokens", update.completion_tokens)
+                        update.prompt_tokens = meta.get("prompt_tokens", update.prompt_tokens)
+                        update.cached_tokens = meta.get("cached_tokens", update.cached_tokens)
+                        if meta.get("finish_reason"):
+                            update.finish = meta["finish_reason"]
+                    if update.text or update.finish or update.prompt_tokens is not None:
+                        yield update
+                    if done or update.finish:
+                        return
+            except (aiohttp.ClientError, ConnectionError) as error:
+                raise EngineError(f"engine stream broke: {error}", code="engine_unavailable", retryable=True, status=503) from error
+        raise EngineError("engine stream ended without a finish reason", code="engine_error", retryable=True, status=502)
+
+    async def abort(self, engine_rid: str) -> None:
+        try:
+            async with self.session.post("/abort_request", json={"rid": engine_rid}) as response:
+                await response.read()
+        except aiohttp.ClientError:
+            pass  # the stream itself will report the failure
+
+    async def loads(self) -> EngineLoad:
+        async with self.session.get("/v1/loads", params={"include": "all"}) as response:
+            body = _json.decode(await response.read())
+        entries = body.get("loads") or [{}]
+        load = EngineLoad()
+        for entry in entries:  # one per data-parallel rank
+            load.running += entry.get("num_running_reqs", 0)
+            load.waiting += entry.get("num_waiting_reqs", 0)
+            load.used_tokens += entry.get("num_used_tokens", 0)
+            load.capacity_tokens += entry.get("max_total_num_tokens", 0)
+            load.cache_hit_rate = max(load.cache_hit_rate, entry.get("cache_hit_rate", 0.0))
+        return load
+
+    async def server_info(self) -> dict[str, Any]:
+        async with self.session.get("/server_info") as response:
+            return _json.decode(await response.read())
+
+    async def ready(self) -> bool:
+        try:
+            async with self.session.get("/ready") as response:
+                return response.status == 200
+        except aiohttp.ClientError:
+            return False
+
+
+def _http_error(status: int, body: bytes) -> EngineError:
+    # SGLang answers {"error": {"message": ...}} (older versions: {"error": "..."}).
+    try:
+        error = _json.decode(body).get("error", body.decode(errors="replace"))
+        message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
+    except (msgspec.DecodeError, AttributeError):
+        message = body.decode(errors="replace")
+    if status == 400:
+        return EngineError(message, code="invalid_request", retryable=False, status=400)
+    return EngineError(message, code="engine_error", retryable=status >= 500, status=502 if status >= 500 else status)
+
+
+def _stream_error(error: Any) -> EngineError:
+    if isinstance(error, dict):
+        return EngineError(
+            str(error.get("message", error)),
+            code=str(error.get("code") or error.get("type") or "engine_error"),
+            retryable=bool(error.get("retryable", False)),
+            status=500,
+        )
+    return EngineError(str(error))

@@ -1,0 +1,108 @@
+"""Pull consumers that hand each message over the moment it arrives.
+
+nats-py's `fetch(batch=n)` returns only when the batch is full or its timeout passes, which
+would hold a request's first message back for the whole long-poll. This is the "consume"
+pattern instead: pull requests (`$JS.API.CONSUMER.MSG.NEXT`) reply into one inbox; messages are
+dispatched on arrival; the server's 408/409 status replies say how many requested messages were
+never sent, and those slots go back to the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from inferbus import logs
+
+from .slots import SlotBudget
+
+log = logs.get(__name__)
+
+_PENDING = "Nats-Pending-Messages"
+
+
+class Puller:
+    """One durable pull consumer, drawing slots from a budget shared with the worker's other pullers."""
+
+    def __init__(
+        self,
+        nc: Client,
+        stream: str,
+        consumer: str,
+        budget: SlotBudget,
+        on_message: Callable[[Msg], None],
+        *,
+        wake: asyncio.Event,
+        expires_s: float = 1.0,
+    ) -> None:
+        self._nc = nc
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._budget = budget
+        self._on_message = on_message
+        self._wake = wake
+        self._expires_s = expires_s
+        self.consumer = consumer
+        self.outstanding = 0  # slots reserved by pull requests not yet answered
+        self._last_activity = time.monotonic()
+        self._inbox = ""
+        self._sub = None
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._handle, pending_msgs_limit=100_000)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+        self._give_back(self.outstanding)
+
+    async def pull(self) -> bool:
+        """Ask for as many messages as the budget grants this puller; False if it granted none."""
+        if self._sub is None:
+            return False
+        self._reclaim_if_stale()
+        if self.outstanding:
+            return False  # one pull request in flight per consumer keeps accounting exact
+        granted = self._budget.reserve(self._budget.capacity)
+        if granted == 0:
+            return False
+        self.outstanding = granted
+        self._last_activity = time.monotonic()
+        request = {"batch": granted, "expires": int(self._expires_s * 1e9)}
+        await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
+        return True
+
+    async def _handle(self, msg: Msg) -> None:
+        self._last_activity = time.monotonic()
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status is None and msg.reply:
+            self.outstanding = max(0, self.outstanding - 1)
+            self._on_message(msg)  # the slot moves from the pull to the running request
+            if self.outstanding == 0:
+                self._wake.set()
+            return
+        if status == "100":  # idle heartbeat
+            return
+        # 404 no messages, 408 request expired, 409 consumer changed: the rest is not coming.
+        pending = headers.get(_PENDING)
+        unsent = int(pending) if pending is not None else self.outstanding
+        self._give_back(min(unsent, self.outstanding))
+
+    def _give_back(self, n: int) -> None:
+        if n > 0:
+            self.outstanding -= n
+            self._budget.release(n)
+        self._wake.set()
+
+    def _reclaim_if_stale(self) -> None:
+        # A pull request whose expiry status never came (server restarted) must not pin slots forever.
+        if self.outstanding and time.monotonic() - self._last_activity > self._expires_s + 5.0:
+            log.warning("pull_request_lost", consumer=self.consumer, slots=self.outstanding)
+            self._give_back(self.outstanding)

@@ -1,0 +1,394 @@
+"""Worker: pulls requests by affinity, drives one engine, streams tokens back over NATS.
+
+Ownership of a request: the worker acks the JetStream message when it hands the request to the
+engine and tells the gateway (`Accepted`). From then on the gateway, which holds the client,
+watches this worker's heartbeat and migrates the request if the worker dies. A worker that dies
+between pull and accept leaves the message unacked; JetStream redelivers it after `ack_wait`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import BadRequestError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from inferbus import bus, logs, tracing
+from proto import messages as m
+from proto import subjects
+
+from .engine import EngineClient, EngineError, EngineUpdate
+from .puller import Puller
+from .settings import WorkerSettings
+from .slots import SlotBudget
+
+log = logs.get(__name__)
+tracer = tracing.tracer("inferbus.worker")
+
+REQUESTS = Counter("inferbus_worker_requests_total", "Requests finished by this worker", ["status"])
+RUNNING = Gauge("inferbus_worker_running_requests", "Requests this worker holds")
+FREE_SLOTS = Gauge("inferbus_worker_free_slots", "Slots free for new requests")
+KV_USAGE = Gauge("inferbus_worker_kv_usage_ratio", "Engine KV cache use (0-1)")
+ENGINE_ERRORS = Counter("inferbus_worker_engine_errors_total", "Engine failures seen by this worker")
+QUEUE_WAIT = Histogram(
+    "inferbus_worker_queue_wait_seconds",
+    "Gateway accept to engine submit",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+
+_request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
+_cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
+
+
+@dataclass
+class _Running:
+    request: m.InferenceRequest
+    started: float
+    task: asyncio.Task[None] | None = None
+    cancelled: bool = False
+    handed_off: bool = False
+
+
+@dataclass
+class Worker:
+    settings: WorkerSettings
+    nc: Client | None = None
+    js: JetStreamContext | None = None
+    kv: KeyValue | None = None
+    engine: EngineClient = field(init=False)
+    budget: SlotBudget | None = None
+    running: dict[str, _Running] = field(default_factory=dict)
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+    _pullers: list[Puller] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    _load_seq: int = 0
+    _engine_info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.engine = EngineClient(self.settings.engine_url)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        await self.engine.start()
+        await self._wait_for_engine()
+        self._engine_info = await self.engine.server_info()
+        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
+        tiers = s.tier_list()
+        self.budget = SlotBudget(capacity, pullers=2 * len(tiers))
+        FREE_SLOTS.set(capacity)
+
+        self.nc = await bus.connect(s.nats_url, name=f"worker-{s.worker_id}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js)
+        self.kv = await bus.workers_bucket(self.js, s.heartbeat_ttl_s)
+        await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
+        await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
+
+        for tier in tiers:  # most important first: earlier pullers get slots first
+            for owner in (s.worker_id, None):
+                consumer = await self._ensure_consumer(tier, owner)
+                puller = Puller(
+                    self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
+                    wake=self._wake, expires_s=s.fetch_timeout_s,
+                )
+                await puller.start()
+                self._pullers.append(puller)
+
+        await self._heartbeat()
+        self._tasks = [
+            asyncio.create_task(self._pull_loop(), name="pull"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._load_loop(), name="load"),
+        ]
+        log.info("worker_ready", worker_id=s.worker_id, engine=s.engine_url, capacity=capacity, tiers=tiers)
+
+    async def _wait_for_engine(self) -> None:
+        deadline = time.monotonic() + 600
+        while not await self.engine.ready():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"engine at {self.settings.engine_url} not ready after 600 s")
+            await asyncio.sleep(0.2)
+
+    async def _ensure_consumer(self, tier: str, owner: str | None) -> str:
+        assert self.js is not None
+        name = subjects.request_consumer(tier, self.settings.model, owner)  # type: ignore[arg-type]
+        target = subjects.ANY_TARGET if owner is None else subjects.worker_target(owner)
+        config = ConsumerConfig(
+            durable_name=name,
+            filter_subject=subjects.request_subject(tier, self.settings.model, target),  # type: ignore[arg-type]
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait_s,
+            max_ack_pending=-1,
+            max_waiting=4096,
+        )
+        try:
+            await self.js.add_consumer(subjects.REQUESTS_STREAM, config)
+        except BadRequestError as error:
+            if error.err_code != 10148:  # exists with another config: keep using it
+                raise
+        return name
+
+    async def run_until_signalled(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+        await self.start()
+        await self._stopped.wait()
+
+    async def drain(self) -> None:
+        """Stop pulling, let in-flight requests finish for a while, hand the rest back, leave."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("worker_draining", in_flight=len(self.running))
+        for puller in self._pullers:
+            await puller.stop()
+        await self._heartbeat()
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for entry in list(self.running.values()):
+            entry.handed_off = True
+            await self.engine.abort(entry.request.engine_rid())
+        while self.running:
+            await asyncio.sleep(0.01)
+        await self.stop()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.kv is not None:
+            try:
+                await self.kv.delete(subjects.worker_key(self.settings.worker_id))
+            except Exception as error:
+                log.warning("heartbeat_delete_failed", error=repr(error))
+        if self.nc is not None:
+            await self.nc.drain()
+        await self.engine.close()
+        log.info("worker_stopped")
+        self._stopped.set()
+
+    # ---- pulling ---------------------------------------------------------------------------
+
+    async def _pull_loop(self) -> None:
+        while not self.draining:
+            self._wake.clear()
+            for puller in self._pullers:
+                await puller.pull()
+            assert self.budget is not None
+            FREE_SLOTS.set(self.budget.free)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.fetch_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _on_request(self, msg: Msg) -> None:
+        try:
+            request = _request_decoder.decode(msg.data)
+        except msgspec.DecodeError as error:
+            log.error("bad_request_message", error=str(error))
+            asyncio.ensure_future(msg.term())
+            self._release_slot()
+            return
+        entry = _Running(request=request, started=time.time())
+        self.running[request.request_id] = entry
+        RUNNING.set(len(self.running))
+        entry.task = asyncio.ensure_future(self._serve(msg, entry))
+
+    def _release_slot(self) -> None:
+        assert self.budget is not None
+        self.budget.release(1)
+        self._wake.set()
+
+    # ---- serving one request ---------------------------------------------------------------
+
+    async def _serve(self, msg: Msg, entry: _Running) -> None:
+        request = entry.request
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, tenant=request.tenant)
+        parent = tracing.extract(msg.headers)
+        with tracer.start_as_current_span("worker.generate", context=parent) as span:
+            span.set_attribute("inferbus.request_id", request.request_id)
+            span.set_attribute("inferbus.attempt", request.attempt)
+            status, usage, finish = "failed", m.Usage(prompt_tokens=0, completion_tokens=request.resumed_tokens), None
+            publish_usage = True
+            try:
+                if time.time() > request.deadline:
+                    await msg.ack()
+                    await self._send(request, m.StreamError(
+                        request_id=request.request_id, attempt=request.attempt, code="timeout",
+                        message="request deadline passed before a worker could start it", status=504,
+                    ))
+                    return
+                await msg.ack()
+                queue_wait = max(0.0, time.time() - request.created)
+                QUEUE_WAIT.observe(queue_wait)
+                await self._send(request, m.Accepted(
+                    request_id=request.request_id, attempt=request.attempt,
+                    worker_id=self.settings.worker_id, queue_wait=queue_wait,
+                ))
+                status, usage, finish = await self._generate(request, entry)
+                if entry.handed_off:
+                    publish_usage = False  # the next attempt reports the client-visible totals
+                    await self._send(request, m.Handoff(
+                        request_id=request.request_id, attempt=request.attempt, worker_id=self.settings.worker_id
+                    ))
+            except EngineError as error:
+                ENGINE_ERRORS.inc()
+                log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
+                # A retryable failure may continue on another worker, whose usage event counts it.
+                publish_usage = not error.retryable
+                await self._send(request, m.StreamError(
+                    request_id=request.request_id, attempt=request.attempt, code=error.code,
+                    message=str(error), retryable=error.retryable, status=error.status,
+                ))
+            except Exception as error:  # never leave a client hanging on a bug
+                log.exception("worker_request_failed")
+                await self._send(request, m.StreamError(
+                    request_id=request.request_id, attempt=request.attempt, code="internal_error",
+                    message=f"worker failed: {type(error).__name__}", retryable=True, status=500,
+                ))
+                publish_usage = False
+            finally:
+                self.running.pop(request.request_id, None)
+                RUNNING.set(len(self.running))
+                self._release_slot()
+                REQUESTS.labels(status).inc()
+                structlog.contextvars.unbind_contextvars("request_id", "tenant")
+            if publish_usage:
+                await self._publish_usage(request, entry, status, usage, finish)
+
+    async def _generate(self, request: m.InferenceRequest, entry: _Running) -> tuple[str, m.Usage, str | None]:
+        seq = 0
+        completion = request.resumed_tokens
+        prompt_tokens = request.prompt_tokens
+        cached = 0
+        update: EngineUpdate
+        async for update in self.engine.generate(request, tracing.inject()):
+            completion = request.resumed_tokens + update.completion_tokens
+            if prompt_tokens is None and update.prompt_tokens is not None:
+                prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
+            cached = min(update.cached_tokens, prompt_tokens or 0)
+            if update.finish is None:
+                await self._send(request, m.TokenChunk(
+                    request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
+                    completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
+                ))
+                seq += 1
+                continue
+            finish_type = update.finish.get("type")
+            reason: m.FinishReason = {"stop": "stop", "length": "length", "abort": "abort"}.get(finish_type, "stop")  # type: ignore[assignment]
+            matched = update.finish.get("matched")
+            usage = m.Usage(prompt_tokens=prompt_tokens or 0, completion_tokens=completion, cached_tokens=cached)
+            if not entry.handed_off:
+                await self._send(request, m.Final(
+                    request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
+                    finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
+                    worker_id=self.settings.worker_id,
+                ))
+            status = "cancelled" if reason == "abort" else "completed"
+            return status, usage, reason
+        raise EngineError("engine stream ended early", retryable=True, status=502)
+
+    async def _send(self, request: m.InferenceRequest, event: m.StreamEvent) -> None:
+        assert self.nc is not None
+        await self.nc.publish(request.reply_to, m.encode(event))
+
+    async def _publish_usage(
+        self, request: m.InferenceRequest, entry: _Running, status: str, usage: m.Usage, finish: str | None
+    ) -> None:
+        assert self.js is not None
+        event = m.UsageEvent(
+            request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
+            tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
+            worker_id=self.settings.worker_id, attempts=request.attempt + 1, finish_reason=finish,
+        )
+        try:
+            await self.js.publish(
+                subjects.usage_subject(request.tenant), m.encode(event),
+                headers={"Nats-Msg-Id": request.request_id}, timeout=5,
+            )
+        except Exception as error:
+            # JetStream is the ledger of record: say loudly that this request's usage is missing.
+            log.error("usage_publish_failed", request_id=request.request_id, error=repr(error), usage=msgspec.to_builtins(usage))
+
+    # ---- control ---------------------------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = _cancel_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        entry = self.running.get(cancel.request_id)
+        if entry is not None and not entry.cancelled:
+            entry.cancelled = True
+            await self.engine.abort(entry.request.engine_rid())
+
+    async def _on_control(self, msg: Msg) -> None:
+        command = msgspec.msgpack.decode(msg.data, type=m.ControlCommand)
+        if command.action == "drain":
+            asyncio.ensure_future(self.drain())
+
+    # ---- liveness and load -----------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        assert self.kv is not None and self.budget is not None
+        beat = m.Heartbeat(
+            worker_id=self.settings.worker_id, model=self.settings.model, engine_url=self.settings.engine_url,
+            started=self.started, ts=time.time(), state="draining" if self.draining else "ready",
+            max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
+            tp=int(self._engine_info.get("tp_size", 0) or 0),
+        )
+        await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat()
+            except Exception as error:
+                log.warning("heartbeat_failed", error=repr(error))
+
+    async def _load_loop(self) -> None:
+        assert self.nc is not None and self.budget is not None
+        while True:
+            await asyncio.sleep(self.settings.load_interval_s)
+            try:
+                load = await self.engine.loads()
+            except Exception as error:
+                log.warning("engine_load_failed", error=repr(error))
+                continue
+            self._load_seq += 1
+            KV_USAGE.set(load.used_tokens / load.capacity_tokens if load.capacity_tokens else 0.0)
+            snapshot = m.WorkerLoad(
+                worker_id=self.settings.worker_id, model=self.settings.model, ts=time.time(), seq=self._load_seq,
+                running=load.running, waiting=load.waiting, in_flight=len(self.running),
+                max_running=self.budget.capacity, kv_used_tokens=load.used_tokens,
+                kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=self.draining,
+            )
+            await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
+
+
+async def serve(settings: WorkerSettings) -> None:
+    settings = settings.resolved()
+    logs.configure("worker", settings.log_level)
+    tracing.configure("worker", settings.otel_exporter)
+    structlog.contextvars.bind_contextvars(worker_id=settings.worker_id)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr="0.0.0.0")
+    worker = Worker(settings)
+    await worker.run_until_signalled()

@@ -1,0 +1,64 @@
+"""Fixtures that run the real platform: nats-server (from the wheel), Redis and every service as
+processes, started through the same `inferbus.local.Stack` as `inferbus up`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from inferbus.local import Stack, StackConfig, free_port
+
+MODEL = "meta-llama/Llama-3.3-70B-Instruct"
+
+
+@dataclass
+class Platform:
+    stack: Stack
+    api_key: str
+
+    @property
+    def base_url(self) -> str:
+        return self.stack.gateway_url + "/v1"
+
+    def client(self, **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **options)  # type: ignore[arg-type]
+
+    def async_client(self, **options: object) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **options)  # type: ignore[arg-type]
+
+    def engine_url(self, i: int) -> str:
+        return self.stack.get(f"engine-{i}").detail
+
+
+def start_platform(tmp: Path, **config: object) -> Platform:
+    stack = Stack(StackConfig(state_dir=tmp, gateway_port=free_port(), **config))  # type: ignore[arg-type]
+    try:
+        stack.start(timeout=90)
+    except Exception:
+        stack.stop()
+        raise
+    from inferbus.cli import _demo_key
+
+    key = asyncio.run(_demo_key(stack.redis_url))
+    return Platform(stack, key)
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """Two simulated H100 TP2 workers at 10x real speed."""
+    running = start_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1)
+    yield running
+    running.stack.stop()
+    if os.environ.get("INFERBUS_KEEP_LOGS") is None:
+        running.stack.rmtree()
+
+
+@pytest.fixture
+def client(platform: Platform) -> openai.OpenAI:
+    return platform.client()

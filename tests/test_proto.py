@@ -1,0 +1,44 @@
+import msgspec
+import pytest
+
+from proto import messages as m
+from proto import subjects
+
+
+def test_subject_tokens_escape_dots_and_wildcards() -> None:
+    assert subjects.token("meta-llama/Llama-3.3-70B") == "meta-llama/Llama-3%2E3-70B"
+    assert subjects.token("a*b>c d") == "a%2Ab%3Ec%20d"
+    assert subjects.token("50%") == "50%25"
+    with pytest.raises(ValueError):
+        subjects.token("")
+
+
+def test_request_subjects_for_any_and_worker_targets_do_not_overlap() -> None:
+    shared = subjects.request_subject("standard", "m.1")
+    own = subjects.request_subject("standard", "m.1", subjects.worker_target("w1"))
+    assert shared == "inferbus.req.standard.m%2E1.any"
+    assert own == "inferbus.req.standard.m%2E1.w.w1"
+    assert subjects.request_consumer("standard", "m.1") != subjects.request_consumer("standard", "m.1", "w1")
+    assert "." not in subjects.request_consumer("standard", "m.1", "host.a")
+
+
+def test_stream_events_round_trip_through_the_tagged_union() -> None:
+    final = m.Final(request_id="r", attempt=1, seq=3, text="!", finish_reason="length",
+                    usage=m.Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=2))
+    assert m.decode_stream_event(m.encode(final)) == final
+    chunk = m.TokenChunk(request_id="r", attempt=0, seq=0, text="hi", completion_tokens=1, prompt_tokens=5)
+    assert m.decode_stream_event(m.encode(chunk)) == chunk
+
+
+def test_unknown_fields_from_newer_writers_are_ignored() -> None:
+    newer = {"type": "chunk", "v": 2, "request_id": "r", "attempt": 0, "seq": 0, "text": "x",
+             "completion_tokens": 1, "a_field_from_the_future": [1, 2]}
+    event = m.decode_stream_event(msgspec.msgpack.encode(newer))
+    assert isinstance(event, m.TokenChunk) and event.v == 2
+
+
+def test_engine_rids_are_fixed_length_so_prefix_abort_hits_one_request() -> None:
+    request = m.InferenceRequest(request_id="a" * 32, tenant="t", model="m", prompt="p",
+                                 sampling=m.SamplingParams(max_new_tokens=1), reply_to="x", deadline=0, created=0)
+    rids = {msgspec.structs.replace(request, attempt=a).engine_rid() for a in range(12)}
+    assert len(rids) == 12 and len({len(r) for r in rids}) == 1
