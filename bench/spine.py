@@ -144,26 +144,22 @@ async def closed_loop(target: Target, concurrency: int, seconds: float, max_toke
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99)}
 
 
-def spine_pids(stack: Stack) -> list[int]:
-    return [p.pid for p in stack.processes if p.name in ("gateway", "router") or p.name.startswith("worker")]
+SPINE = ("gateway", "router", "worker-1")
 
 
 async def measured_loop(stack: Stack, target: Target, concurrency: int, seconds: float) -> dict[str, float]:
-    pids = spine_pids(stack)
-    engine_pid = stack.get("engine-1").pid
-    nats_pid = stack.get("nats").pid
-    before = {pid: cpu_seconds(pid) for pid in [*pids, engine_pid, nats_pid]}
+    pids = {name: stack.get(name).pid for name in (*SPINE, "engine-1", "nats")}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     wall = time.perf_counter()
     result = await closed_loop(target, concurrency, seconds, warmup=0.0)
     wall = time.perf_counter() - wall
-    after = {pid: cpu_seconds(pid) for pid in before}
-    spine_cpu = sum(after[pid] - before[pid] for pid in pids)
-    # Count every request finished in the window, including the tail after stop_at.
     n = max(1, result["requests"])
+    cpu_ms = {name: (cpu_seconds(pid) - before[name]) * 1000 / n for name, pid in pids.items()}
     result.update(
-        spine_cpu_ms_per_request=spine_cpu * 1000 / n,
-        engine_cpu_ms_per_request=(after[engine_pid] - before[engine_pid]) * 1000 / n,
-        nats_cpu_ms_per_request=(after[nats_pid] - before[nats_pid]) * 1000 / n,
+        spine_cpu_ms_per_request=sum(cpu_ms[name] for name in SPINE),
+        cpu_ms_per_request=cpu_ms,
+        engine_cpu_ms_per_request=cpu_ms["engine-1"],
+        nats_cpu_ms_per_request=cpu_ms["nats"],
         req_per_s=n / wall,
     )
     return result

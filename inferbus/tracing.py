@@ -8,7 +8,8 @@ client's own `traceparent` reaches the engine at no cost.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from opentelemetry import context, propagate, trace
 
@@ -55,3 +56,17 @@ def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
 
 def extract(headers: Mapping[str, str] | None) -> context.Context:
     return propagate.extract(headers or {})
+
+
+@contextmanager
+def span(tracer_: trace.Tracer, name: str, incoming: Mapping[str, str] | None) -> Iterator[dict[str, str]]:
+    """A span continuing the context in `incoming` headers; yields the headers to send onward.
+
+    With no exporter and no incoming context there is nothing to record or carry, so the hot
+    path skips the span machinery altogether.
+    """
+    if not _configured and not (incoming and "traceparent" in incoming):
+        yield {}
+        return
+    with tracer_.start_as_current_span(name, context=extract(incoming)):
+        yield inject()

@@ -17,10 +17,10 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from inferbus import logs, tracing
+from inferbus.replies import PublishError, Replies
 from proto import messages as m
 from proto import subjects
 
@@ -71,7 +71,6 @@ class Dispatcher:
     def __init__(
         self,
         nc: Client,
-        js: JetStreamContext,
         workers: KeyValue,
         *,
         gateway_id: str,
@@ -80,7 +79,6 @@ class Dispatcher:
         placement_timeout_s: float,
     ) -> None:
         self.nc = nc
-        self.js = js
         self.kv = workers
         self.gateway_id = gateway_id
         self.heartbeat_ttl_s = heartbeat_ttl_s
@@ -91,8 +89,10 @@ class Dispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub = None
         self._watcher = None
+        self.replies = Replies(nc)
 
     async def start(self) -> None:
+        await self.replies.start()
         self._sub = await self.nc.subscribe(
             subjects.gateway_token_wildcard(self.gateway_id), cb=self._on_event, pending_msgs_limit=1_000_000,
             pending_bytes_limit=256 * 1024 * 1024,
@@ -110,6 +110,7 @@ class Dispatcher:
             await self._watcher.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()
+        await self.replies.stop()
 
     def reply_subject(self, request_id: str) -> str:
         return subjects.token_subject(self.gateway_id, request_id)
@@ -128,9 +129,9 @@ class Dispatcher:
             prompt_tokens=request.prompt_tokens or 0, tier=request.tier,
         )
         try:
-            reply = await self.nc.request(subjects.placement_subject(request.model), m.encode(ask), timeout=self.placement_timeout_s)
+            reply = await self.replies.request(subjects.placement_subject(request.model), m.encode(ask), self.placement_timeout_s)
             placement = _placement_decoder.decode(reply.data)
-        except (NoRespondersError, NatsTimeoutError, asyncio.TimeoutError, msgspec.DecodeError):
+        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
             return subjects.ANY_TARGET
         if placement.worker_id and placement.worker_id not in self.live_workers:
             return subjects.ANY_TARGET
@@ -139,9 +140,9 @@ class Dispatcher:
     async def _publish(self, flight: Flight) -> None:
         request = flight.request
         target = await self._place(request)
-        headers = tracing.inject({"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
         subject = subjects.request_subject(request.tier, request.model, target)  # type: ignore[arg-type]
-        await self.js.publish(subject, m.encode(request), headers=headers, timeout=5)
+        await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
+                                           headers=tracing.inject())
 
     async def open(self, request: m.InferenceRequest) -> Flight:
         """Publish a new request; its events arrive on the returned flight's queue."""
@@ -218,9 +219,8 @@ class Dispatcher:
             worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
         )
         try:
-            await self.js.publish(subjects.usage_subject(request.tenant), m.encode(event),
-                                  headers={"Nats-Msg-Id": request.request_id}, timeout=5)
-        except Exception as error:
+            await self.replies.publish_durable(subjects.usage_subject(request.tenant), m.encode(event), request.request_id)
+        except (PublishError, NatsTimeoutError) as error:
             log.error("usage_publish_failed", request_id=request.request_id, error=repr(error))
 
     # ---- inbound ----------------------------------------------------------------------------

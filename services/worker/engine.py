@@ -6,13 +6,14 @@ The simulated engine serves the same API, so this client cannot tell them apart.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from proto.messages import InferenceRequest
+
+from .http import ConnectionPool, HTTPError
 
 
 class EngineError(Exception):
@@ -66,26 +67,27 @@ def sampling_params(request: InferenceRequest) -> dict[str, Any]:
     return params
 
 
-@dataclass
 class EngineClient:
-    base_url: str
-    _session: aiohttp.ClientSession | None = field(default=None, init=False)
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self._pool: ConnectionPool | None = None
 
     async def start(self) -> None:
-        # limit=0: the engine's own max_running_requests bounds concurrency, not the pool.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        self._session = aiohttp.ClientSession(
-            self.base_url, connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=5)
-        )
+        self._pool = ConnectionPool(self.base_url)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.close()
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "EngineClient.start() not called"
-        return self._session
+    def pool(self) -> ConnectionPool:
+        assert self._pool is not None, "EngineClient.start() not called"
+        return self._pool
+
+    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        payload = b"" if body is None else msgspec.json.encode(body)
+        response = await self.pool.request(method, path, payload)
+        return response.status, await response.read()
 
     async def generate(self, request: InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
         """Stream `request` through the engine, yielding deltas until the finish update."""
@@ -100,60 +102,54 @@ class EngineClient:
         if request.adapter:
             body["lora_path"] = request.adapter
         try:
-            response = await self.session.post("/generate", data=msgspec.json.encode(body), headers=headers)
-        except aiohttp.ClientError as error:
-            raise EngineError(f"engine unreachable: {error}", code="engine_unavailable", retryable=True, status=503) from error
-        async with response:
+            response = await self.pool.request("POST", "/generate", msgspec.json.encode(body), headers)
             if response.status != 200:
                 raise _http_error(response.status, await response.read())
             sent_chars = 0
             buffer = b""
-            try:
-                async for data in response.content.iter_any():
-                    buffer += data
-                    frames = buffer.split(b"\n\n")
-                    buffer = frames.pop()
-                    update = EngineUpdate()
-                    done = False
-                    for frame in frames:
-                        if not frame.startswith(b"data:"):
-                            continue
-                        payload = frame[5:].strip()
-                        if payload == b"[DONE]":
-                            done = True
-                            break
-                        chunk = _json.decode(payload)
-                        if "error" in chunk:
-                            raise _stream_error(chunk["error"])
-                        text = chunk.get("text", "")
-                        # SGLang streams cumulative text: send only what is new.
-                        update.text += text[sent_chars:]
-                        sent_chars = max(sent_chars, len(text))
-                        meta = chunk.get("meta_info", {})
-                        update.completion_tokens = meta.get("completion_tokens", update.completion_tokens)
-                        update.prompt_tokens = meta.get("prompt_tokens", update.prompt_tokens)
-                        update.cached_tokens = meta.get("cached_tokens", update.cached_tokens)
-                        if meta.get("finish_reason"):
-                            update.finish = meta["finish_reason"]
-                    if update.text or update.finish or update.prompt_tokens is not None:
-                        yield update
-                    if done or update.finish:
-                        return
-            except (aiohttp.ClientError, ConnectionError) as error:
-                raise EngineError(f"engine stream broke: {error}", code="engine_unavailable", retryable=True, status=503) from error
+            async for data in response.iter_chunks():
+                buffer += data
+                frames = buffer.split(b"\n\n")
+                buffer = frames.pop()
+                update = EngineUpdate()
+                done = False
+                for frame in frames:
+                    if not frame.startswith(b"data:"):
+                        continue
+                    payload = frame[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = _json.decode(payload)
+                    if "error" in chunk:
+                        raise _stream_error(chunk["error"])
+                    text = chunk.get("text", "")
+                    # SGLang streams cumulative text: send only what is new.
+                    update.text += text[sent_chars:]
+                    sent_chars = max(sent_chars, len(text))
+                    meta = chunk.get("meta_info", {})
+                    update.completion_tokens = meta.get("completion_tokens", update.completion_tokens)
+                    update.prompt_tokens = meta.get("prompt_tokens", update.prompt_tokens)
+                    update.cached_tokens = meta.get("cached_tokens", update.cached_tokens)
+                    if meta.get("finish_reason"):
+                        update.finish = meta["finish_reason"]
+                if update.text or update.finish or update.prompt_tokens is not None:
+                    yield update
+                if done or update.finish:
+                    return
+        except HTTPError as error:
+            raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True, status=503) from error
         raise EngineError("engine stream ended without a finish reason", code="engine_error", retryable=True, status=502)
 
     async def abort(self, engine_rid: str) -> None:
         try:
-            async with self.session.post("/abort_request", json={"rid": engine_rid}) as response:
-                await response.read()
-        except aiohttp.ClientError:
+            await self._call("POST", "/abort_request", {"rid": engine_rid})
+        except HTTPError:
             pass  # the stream itself will report the failure
 
     async def loads(self) -> EngineLoad:
-        async with self.session.get("/v1/loads", params={"include": "all"}) as response:
-            body = _json.decode(await response.read())
-        entries = body.get("loads") or [{}]
+        _, raw = await self._call("GET", "/v1/loads?include=all")
+        entries = _json.decode(raw).get("loads") or [{}]
         load = EngineLoad()
         for entry in entries:  # one per data-parallel rank
             load.running += entry.get("num_running_reqs", 0)
@@ -164,14 +160,14 @@ class EngineClient:
         return load
 
     async def server_info(self) -> dict[str, Any]:
-        async with self.session.get("/server_info") as response:
-            return _json.decode(await response.read())
+        _, raw = await self._call("GET", "/server_info")
+        return _json.decode(raw)
 
     async def ready(self) -> bool:
         try:
-            async with self.session.get("/ready") as response:
-                return response.status == 200
-        except aiohttp.ClientError:
+            status, _ = await self._call("GET", "/ready")
+            return status == 200
+        except HTTPError:
             return False
 
 

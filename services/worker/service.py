@@ -24,6 +24,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import bus, logs, tracing
+from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
@@ -76,6 +77,7 @@ class Worker:
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _load_seq: int = 0
     _engine_info: dict = field(default_factory=dict)
+    replies: Replies | None = None
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
@@ -94,6 +96,8 @@ class Worker:
 
         self.nc = await bus.connect(s.nats_url, name=f"worker-{s.worker_id}")
         self.js = self.nc.jetstream()
+        self.replies = Replies(self.nc)
+        await self.replies.start()
         await bus.ensure_streams(self.js)
         self.kv = await bus.workers_bucket(self.js, s.heartbeat_ttl_s)
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
@@ -220,10 +224,7 @@ class Worker:
     async def _serve(self, msg: Msg, entry: _Running) -> None:
         request = entry.request
         structlog.contextvars.bind_contextvars(request_id=request.request_id, tenant=request.tenant)
-        parent = tracing.extract(msg.headers)
-        with tracer.start_as_current_span("worker.generate", context=parent) as span:
-            span.set_attribute("inferbus.request_id", request.request_id)
-            span.set_attribute("inferbus.attempt", request.attempt)
+        with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
             status, usage, finish = "failed", m.Usage(prompt_tokens=0, completion_tokens=request.resumed_tokens), None
             publish_usage = True
             try:
@@ -241,7 +242,7 @@ class Worker:
                     request_id=request.request_id, attempt=request.attempt,
                     worker_id=self.settings.worker_id, queue_wait=queue_wait,
                 ))
-                status, usage, finish = await self._generate(request, entry)
+                status, usage, finish = await self._generate(request, entry, trace_headers)
                 if entry.handed_off:
                     publish_usage = False  # the next attempt reports the client-visible totals
                     await self._send(request, m.Handoff(
@@ -272,13 +273,15 @@ class Worker:
             if publish_usage:
                 await self._publish_usage(request, entry, status, usage, finish)
 
-    async def _generate(self, request: m.InferenceRequest, entry: _Running) -> tuple[str, m.Usage, str | None]:
+    async def _generate(
+        self, request: m.InferenceRequest, entry: _Running, trace_headers: dict[str, str]
+    ) -> tuple[str, m.Usage, str | None]:
         seq = 0
         completion = request.resumed_tokens
         prompt_tokens = request.prompt_tokens
         cached = 0
         update: EngineUpdate
-        async for update in self.engine.generate(request, tracing.inject()):
+        async for update in self.engine.generate(request, trace_headers):
             completion = request.resumed_tokens + update.completion_tokens
             if prompt_tokens is None and update.prompt_tokens is not None:
                 prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
@@ -311,17 +314,14 @@ class Worker:
     async def _publish_usage(
         self, request: m.InferenceRequest, entry: _Running, status: str, usage: m.Usage, finish: str | None
     ) -> None:
-        assert self.js is not None
+        assert self.replies is not None
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.settings.worker_id, attempts=request.attempt + 1, finish_reason=finish,
         )
         try:
-            await self.js.publish(
-                subjects.usage_subject(request.tenant), m.encode(event),
-                headers={"Nats-Msg-Id": request.request_id}, timeout=5,
-            )
+            await self.replies.publish_durable(subjects.usage_subject(request.tenant), m.encode(event), request.request_id)
         except Exception as error:
             # JetStream is the ledger of record: say loudly that this request's usage is missing.
             log.error("usage_publish_failed", request_id=request.request_id, error=repr(error), usage=msgspec.to_builtins(usage))

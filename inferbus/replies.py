@@ -1,0 +1,87 @@
+"""Request/reply over one inbox subscription per process, for the hot path.
+
+nats-py's `request` (and so `js.publish`) draws a random reply token from the OS and wraps the
+wait in `asyncio.wait_for` on every call; on the gateway's hot path that was a measurable share
+of the CPU per request. Here replies land on `<inbox>.<counter>` and resolve a future; a timer
+handle enforces the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+
+class PublishError(Exception):
+    """JetStream refused a publish (no stream for the subject, storage full, ...)."""
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: dict | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_PubAck)
+
+
+class Replies:
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox() + "."
+        self._pending: dict[str, asyncio.Future[Msg]] = {}
+        self._counter = itertools.count()
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_reply, pending_msgs_limit=1_000_000)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_reply(self, msg: Msg) -> None:
+        future = self._pending.pop(msg.subject[len(self._prefix):], None)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None) -> Msg:
+        """Like `nc.request`: NoRespondersError at once if nobody listens, TimeoutError after `timeout`."""
+        token = str(next(self._counter))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self._pending[token] = future
+        timer = loop.call_later(timeout, _expire, future)
+        try:
+            await self._nc.publish(subject, data, reply=self._prefix + token, headers=headers)
+            msg = await future
+        finally:
+            timer.cancel()
+            self._pending.pop(token, None)
+        if msg.headers and msg.headers.get("Status") == "503":
+            raise NoRespondersError
+        return msg
+
+    async def publish_durable(self, subject: str, data: bytes, msg_id: str, timeout: float = 5.0,
+                              headers: dict[str, str] | None = None) -> bool:
+        """JetStream publish deduplicated by `msg_id`; True if stored now, False if it was a duplicate."""
+        all_headers = {"Nats-Msg-Id": msg_id, **(headers or {})}
+        try:
+            reply = await self.request(subject, data, timeout, all_headers)
+        except NoRespondersError:
+            raise PublishError(f"no JetStream stream captures {subject}") from None
+        ack = _ack_decoder.decode(reply.data)
+        if ack.error:
+            raise PublishError(str(ack.error.get("description", ack.error)))
+        return not ack.duplicate
+
+
+def _expire(future: asyncio.Future[Msg]) -> None:
+    if not future.done():
+        future.set_exception(NatsTimeoutError())
