@@ -39,7 +39,7 @@ class InferenceRequest(_Message, tag="request"):
     model: str
     prompt: str  # rendered the way the engine sees it (see inferbus.prompt)
     sampling: SamplingParams
-    reply_to: str  # token subject of the gateway holding the client
+    reply_to: str  # token subject of the gateway holding the client (events are batched per gateway)
     deadline: float  # unix seconds; past it the worker aborts
     created: float  # unix seconds when the gateway accepted the request
     kind: Literal["chat", "completion"] = "chat"
@@ -118,6 +118,13 @@ class Handoff(_Message, tag="handoff"):
 
 
 StreamEvent = Union[Accepted, TokenChunk, Final, StreamError, Handoff]
+
+
+class StreamBatch(_Message):
+    """Worker → gateway on `token_subject(gateway)`: the events for that gateway's requests that
+    became ready together (one engine step's tokens for many streams), in order per request."""
+
+    events: list[StreamEvent]
 
 
 class Cancel(_Message):
@@ -218,7 +225,7 @@ class ControlCommand(_Message):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_stream_decoder = msgspec.msgpack.Decoder(StreamEvent)
+_batch_decoder = msgspec.msgpack.Decoder(StreamBatch)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -229,5 +236,5 @@ def decoder(kind: type) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(kind)
 
 
-def decode_stream_event(data: bytes) -> StreamEvent:
-    return _stream_decoder.decode(data)
+def decode_stream_batch(data: bytes) -> StreamBatch:
+    return _batch_decoder.decode(data)

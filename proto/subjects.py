@@ -2,16 +2,16 @@
 
 Layout (see DESIGN.md):
     inferbus.req.<tier>.<model>.any | .w.<worker>   JetStream REQUESTS (work queue)
-    inferbus.tok.<gateway>.<request_id>            core NATS: stream events for one request
+    inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
     inferbus.cancel.<request_id>                   core NATS
     inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
     inferbus.metrics.<worker> / inferbus.cache.<worker>
     inferbus.place.<model>                         router request/reply
     inferbus.control.<worker> / inferbus.scale.<pool>
 
-Token subjects carry the gateway id so each gateway holds one wildcard subscription instead of
-subscribing and unsubscribing per request (one SUB for the process, not two protocol messages
-per request).
+Token subjects name the gateway, not the request: each gateway holds one subscription instead of
+subscribing and unsubscribing per request, and a worker sends the events of many requests bound
+for one gateway (one engine step's tokens) as one message.
 """
 
 from __future__ import annotations
@@ -67,12 +67,8 @@ def _durable(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
 
-def token_subject(gateway_id: str, request_id: str) -> str:
-    return f"{PREFIX}.tok.{token(gateway_id)}.{request_id}"
-
-
-def gateway_token_wildcard(gateway_id: str) -> str:
-    return f"{PREFIX}.tok.{token(gateway_id)}.*"
+def token_subject(gateway_id: str) -> str:
+    return f"{PREFIX}.tok.{token(gateway_id)}"
 
 
 def cancel_subject(request_id: str) -> str:

@@ -52,7 +52,9 @@ def start_platform(tmp: Path, **config: object) -> Platform:
 @pytest.fixture(scope="session")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """Two simulated H100 TP2 workers at 10x real speed."""
-    running = start_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1)
+    # Engines log at debug so tests can see the trace context that reached them.
+    running = start_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1,
+                             engine_args=["--log-level", "debug"])
     yield running
     running.stack.stop()
     if os.environ.get("INFERBUS_KEEP_LOGS") is None:

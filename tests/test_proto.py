@@ -22,18 +22,20 @@ def test_request_subjects_for_any_and_worker_targets_do_not_overlap() -> None:
     assert "." not in subjects.request_consumer("standard", "m.1", "host.a")
 
 
-def test_stream_events_round_trip_through_the_tagged_union() -> None:
+def test_stream_batches_round_trip_through_the_tagged_union_in_order() -> None:
     final = m.Final(request_id="r", attempt=1, seq=3, text="!", finish_reason="length",
                     usage=m.Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=2))
-    assert m.decode_stream_event(m.encode(final)) == final
-    chunk = m.TokenChunk(request_id="r", attempt=0, seq=0, text="hi", completion_tokens=1, prompt_tokens=5)
-    assert m.decode_stream_event(m.encode(chunk)) == chunk
+    chunk = m.TokenChunk(request_id="s", attempt=0, seq=0, text="hi", completion_tokens=1, prompt_tokens=5)
+    accepted = m.Accepted(request_id="s", attempt=0, worker_id="w", queue_wait=0.1)
+    batch = m.StreamBatch(events=[accepted, chunk, final])
+    assert m.decode_stream_batch(m.encode(batch)).events == [accepted, chunk, final]
 
 
 def test_unknown_fields_from_newer_writers_are_ignored() -> None:
-    newer = {"type": "chunk", "v": 2, "request_id": "r", "attempt": 0, "seq": 0, "text": "x",
-             "completion_tokens": 1, "a_field_from_the_future": [1, 2]}
-    event = m.decode_stream_event(msgspec.msgpack.encode(newer))
+    newer = {"v": 2, "batch_note": "new", "events": [
+        {"type": "chunk", "v": 2, "request_id": "r", "attempt": 0, "seq": 0, "text": "x",
+         "completion_tokens": 1, "a_field_from_the_future": [1, 2]}]}
+    [event] = m.decode_stream_batch(msgspec.msgpack.encode(newer)).events
     assert isinstance(event, m.TokenChunk) and event.v == 2
 
 

@@ -94,7 +94,7 @@ class Dispatcher:
     async def start(self) -> None:
         await self.replies.start()
         self._sub = await self.nc.subscribe(
-            subjects.gateway_token_wildcard(self.gateway_id), cb=self._on_event, pending_msgs_limit=1_000_000,
+            subjects.token_subject(self.gateway_id), cb=self._on_events, pending_msgs_limit=1_000_000,
             pending_bytes_limit=256 * 1024 * 1024,
         )
         self._watcher = await self.kv.watchall()
@@ -112,8 +112,8 @@ class Dispatcher:
             await self._sub.unsubscribe()
         await self.replies.stop()
 
-    def reply_subject(self, request_id: str) -> str:
-        return subjects.token_subject(self.gateway_id, request_id)
+    def reply_subject(self) -> str:
+        return subjects.token_subject(self.gateway_id)
 
     def has_workers(self, model: str) -> bool:
         return any(beat.model == model and beat.state == "ready" for _, beat in self.live_workers.values())
@@ -225,15 +225,17 @@ class Dispatcher:
 
     # ---- inbound ----------------------------------------------------------------------------
 
-    async def _on_event(self, msg: Msg) -> None:
+    async def _on_events(self, msg: Msg) -> None:
         try:
-            event = m.decode_stream_event(msg.data)
+            batch = m.decode_stream_batch(msg.data)
         except msgspec.DecodeError:
-            log.warning("bad_stream_event", subject=msg.subject)
+            log.warning("bad_stream_batch", subject=msg.subject)
             return
-        flight = self.flights.get(event.request_id)
-        if flight is not None:
-            flight.events.put_nowait(event)
+        flights = self.flights
+        for event in batch.events:
+            flight = flights.get(event.request_id)
+            if flight is not None:
+                flight.events.put_nowait(event)
 
     async def _watch_workers(self) -> None:
         assert self._watcher is not None

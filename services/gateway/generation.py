@@ -49,8 +49,11 @@ class _Call:
     model: str
     created: int
     include_usage: bool
+    stream: bool
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    flight: Flight | None = None
+    usage: m.Usage | None = None
 
     @property
     def chunk_object(self) -> str:
@@ -86,7 +89,7 @@ class Generation:
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            flight, call, stream = await self._admit(scope, receive, request_id, endpoint)
+            flight, call = await self._admit(scope, receive, request_id, endpoint)
         except OpenAIError as error:
             metrics.REQUESTS.labels(endpoint, str(error.status)).inc()
             await send_json(send, error.status, error.body(), request_id, error.headers)
@@ -99,8 +102,9 @@ class Generation:
             return
         metrics.INFLIGHT.inc()
         status = "200"
+        call.flight = flight
         try:
-            if stream:
+            if call.stream:
                 status = await self._until_disconnect(receive, self._stream(flight, call, send, request_id))
             else:
                 status = await self._until_disconnect(receive, self._respond(flight, call, send, request_id))
@@ -112,10 +116,25 @@ class Generation:
             self.dispatcher.close(flight)
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(endpoint, status).inc()
+            if self.settings.access_log:
+                self._access_log(call, status)
+
+    def _access_log(self, call: _Call, status: str) -> None:
+        flight = call.flight
+        usage = call.usage
+        log.info(
+            "request", endpoint=call.endpoint, status=int(status), stream=call.stream,
+            prompt_tokens=usage.prompt_tokens if usage else flight.prompt_tokens,
+            completion_tokens=usage.completion_tokens if usage else flight.sent_tokens,
+            cached_tokens=usage.cached_tokens if usage else None,
+            ttft_ms=round((call.first_token_at - call.started) * 1000, 2) if call.first_token_at else None,
+            duration_ms=round((time.monotonic() - call.started) * 1000, 2),
+            attempts=flight.request.attempt + 1, worker=flight.worker_id,
+        )
 
     # ---- admission: auth, parsing, publishing -----------------------------------------------
 
-    async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> tuple[Flight, _Call, bool]:
+    async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> tuple[Flight, _Call]:
         principal = await self._authenticate(_header(scope, b"authorization"))
         body = await self._read_body(receive, _header(scope, b"content-length"))
         if endpoint == "chat":
@@ -140,14 +159,15 @@ class Generation:
                 stop=schemas.stop_list(params.stop), seed=params.seed,
                 presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
             ),
-            reply_to=self.dispatcher.reply_subject(request_id), deadline=now + self.settings.request_timeout_s,
+            reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, user=params.user, prompt_tokens=prompt_tokens,
         )
         if not self.dispatcher.has_workers(inference.model):
             raise OpenAIError(503, f"No workers are serving `{inference.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
-                     include_usage=bool(params.stream_options and params.stream_options.include_usage))
+                     include_usage=bool(params.stream_options and params.stream_options.include_usage),
+                     stream=params.stream)
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
@@ -156,7 +176,7 @@ class Generation:
             except DispatchError as error:
                 raise OpenAIError(error.status, str(error), code=error.code,
                                   headers={"retry-after": str(int(error.retry_after or 1))}) from None
-        return flight, call, params.stream
+        return flight, call
 
     async def _authenticate(self, header: str | None) -> Principal:
         scheme, _, secret = (header or "").partition(" ")
@@ -343,6 +363,7 @@ class Generation:
             metrics.TTFT.observe(call.first_token_at - call.started)
 
     def _record(self, flight: Flight, call: _Call, final: m.Final) -> None:
+        call.usage = final.usage
         end = time.monotonic()
         metrics.E2E.observe(end - call.started)
         if call.first_token_at is not None and final.usage.completion_tokens > 1:

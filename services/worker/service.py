@@ -78,6 +78,8 @@ class Worker:
     _load_seq: int = 0
     _engine_info: dict = field(default_factory=dict)
     replies: Replies | None = None
+    _outbox: dict[str, list[m.StreamEvent]] = field(default_factory=dict)
+    _outbox_flush_scheduled: bool = False
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
@@ -230,7 +232,7 @@ class Worker:
             try:
                 if time.time() > request.deadline:
                     await msg.ack()
-                    await self._send(request, m.StreamError(
+                    self._send(request, m.StreamError(
                         request_id=request.request_id, attempt=request.attempt, code="timeout",
                         message="request deadline passed before a worker could start it", status=504,
                     ))
@@ -238,14 +240,14 @@ class Worker:
                 await msg.ack()
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
-                await self._send(request, m.Accepted(
+                self._send(request, m.Accepted(
                     request_id=request.request_id, attempt=request.attempt,
                     worker_id=self.settings.worker_id, queue_wait=queue_wait,
                 ))
                 status, usage, finish = await self._generate(request, entry, trace_headers)
                 if entry.handed_off:
                     publish_usage = False  # the next attempt reports the client-visible totals
-                    await self._send(request, m.Handoff(
+                    self._send(request, m.Handoff(
                         request_id=request.request_id, attempt=request.attempt, worker_id=self.settings.worker_id
                     ))
             except EngineError as error:
@@ -253,13 +255,13 @@ class Worker:
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
                 # A retryable failure may continue on another worker, whose usage event counts it.
                 publish_usage = not error.retryable
-                await self._send(request, m.StreamError(
+                self._send(request, m.StreamError(
                     request_id=request.request_id, attempt=request.attempt, code=error.code,
                     message=str(error), retryable=error.retryable, status=error.status,
                 ))
             except Exception as error:  # never leave a client hanging on a bug
                 log.exception("worker_request_failed")
-                await self._send(request, m.StreamError(
+                self._send(request, m.StreamError(
                     request_id=request.request_id, attempt=request.attempt, code="internal_error",
                     message=f"worker failed: {type(error).__name__}", retryable=True, status=500,
                 ))
@@ -287,7 +289,7 @@ class Worker:
                 prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
             cached = min(update.cached_tokens, prompt_tokens or 0)
             if update.finish is None:
-                await self._send(request, m.TokenChunk(
+                self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
                 ))
@@ -298,7 +300,7 @@ class Worker:
             matched = update.finish.get("matched")
             usage = m.Usage(prompt_tokens=prompt_tokens or 0, completion_tokens=completion, cached_tokens=cached)
             if not entry.handed_off:
-                await self._send(request, m.Final(
+                self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
                     worker_id=self.settings.worker_id,
@@ -307,9 +309,33 @@ class Worker:
             return status, usage, reason
         raise EngineError("engine stream ended early", retryable=True, status=502)
 
-    async def _send(self, request: m.InferenceRequest, event: m.StreamEvent) -> None:
+    def _send(self, request: m.InferenceRequest, event: m.StreamEvent) -> None:
+        """Queue `event` for its gateway; everything queued in this loop pass leaves as one message.
+
+        One engine step yields a token for every running stream; batching them per gateway sends
+        one NATS message per step instead of one per stream, at no added latency.
+        """
+        box = self._outbox.get(request.reply_to)
+        if box is None:
+            self._outbox[request.reply_to] = [event]
+        else:
+            box.append(event)
+        if not self._outbox_flush_scheduled:
+            self._outbox_flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        self._outbox_flush_scheduled = False
+        outbox, self._outbox = self._outbox, {}
+        asyncio.ensure_future(self._publish_batches(outbox))
+
+    async def _publish_batches(self, outbox: dict[str, list[m.StreamEvent]]) -> None:
         assert self.nc is not None
-        await self.nc.publish(request.reply_to, m.encode(event))
+        for subject, events in outbox.items():
+            try:
+                await self.nc.publish(subject, m.encode(m.StreamBatch(events=events)))
+            except Exception as error:  # a gateway's events must not be lost to another's failure
+                log.error("stream_publish_failed", subject=subject, error=repr(error))
 
     async def _publish_usage(
         self, request: m.InferenceRequest, entry: _Running, status: str, usage: m.Usage, finish: str | None
