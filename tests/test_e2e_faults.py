@@ -30,6 +30,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             "INFERBUS_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
             "INFERBUS_DRAIN_TIMEOUT_S": "0.3",
             "INFERBUS_REQUEST_TIMEOUT_S": "8",
+            # Exercise router placement (off by default) under faults too.
+            "INFERBUS_PLACEMENT_TIMEOUT_MS": "20",
         },
     )
     yield running
@@ -93,9 +95,20 @@ def reference_text(platform: Platform, max_tokens: int) -> str:
     return response.choices[0].message.content or ""
 
 
-def migrations(platform: Platform) -> float:
+def metric(platform: Platform, prefix: str) -> float:
     text = httpx.get(platform.stack.gateway_url + "/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("inferbus_migrations_total "))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def migrations(platform: Platform) -> float:
+    return metric(platform, "inferbus_migrations_total ")
+
+
+def test_router_places_requests_on_workers(fleet: Platform) -> None:
+    before = metric(fleet, 'inferbus_placements_total{target="worker"}')
+    for _ in range(5):
+        fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert metric(fleet, 'inferbus_placements_total{target="worker"}') == before + 5
 
 
 def test_sigkill_mid_stream_migrates_without_the_client_noticing(fleet: Platform) -> None:

@@ -57,7 +57,11 @@ class Gateway:
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
         )
         await self.dispatcher.start()
-        self.redis = aioredis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2)
+        # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            s.redis_url, max_connections=s.redis_max_connections, timeout=2, socket_timeout=2, socket_connect_timeout=2
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s))
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 

@@ -24,7 +24,7 @@ from inferbus.replies import PublishError, Replies
 from proto import messages as m
 from proto import subjects
 
-from .metrics import MIGRATIONS
+from .metrics import MIGRATIONS, PLACEMENTS
 
 log = logs.get(__name__)
 
@@ -120,10 +120,11 @@ class Dispatcher:
 
     # ---- placement and publishing -----------------------------------------------------------
 
-    async def _place(self, request: m.InferenceRequest) -> str:
+    async def _place(self, request: m.InferenceRequest) -> m.PlacementReply:
         """Ask the router for a target; without an answer in time, the shared queue still serves."""
+        shared = m.PlacementReply(target=subjects.ANY_TARGET)
         if self.placement_timeout_s <= 0 or request.attempt > 0:
-            return subjects.ANY_TARGET
+            return shared
         ask = m.PlacementRequest(
             request_id=request.request_id, model=request.model, adapter=request.adapter,
             prompt_tokens=request.prompt_tokens or 0, tier=request.tier,
@@ -132,15 +133,19 @@ class Dispatcher:
             reply = await self.replies.request(subjects.placement_subject(request.model), m.encode(ask), self.placement_timeout_s)
             placement = _placement_decoder.decode(reply.data)
         except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
-            return subjects.ANY_TARGET
+            return shared
         if placement.worker_id and placement.worker_id not in self.live_workers:
-            return subjects.ANY_TARGET
-        return placement.target
+            return shared
+        return placement
 
     async def _publish(self, flight: Flight) -> None:
         request = flight.request
-        target = await self._place(request)
-        subject = subjects.request_subject(request.tier, request.model, target)  # type: ignore[arg-type]
+        placement = await self._place(request)
+        # A request queued for one worker is that worker's from now on: if it dies before pulling
+        # it, the request migrates like an accepted one instead of waiting out its deadline.
+        flight.worker_id = placement.worker_id
+        PLACEMENTS.labels("worker" if placement.worker_id else "any").inc()
+        subject = subjects.request_subject(request.tier, request.model, placement.target)  # type: ignore[arg-type]
         await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
 

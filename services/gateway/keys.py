@@ -6,6 +6,7 @@ trip per request; a revoked key stops working within `cache_ttl_s`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
@@ -47,13 +48,31 @@ class KeyStore:
         self.redis = redis
         self.cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, Principal | None]] = {}
+        # A burst of requests with a key not yet cached makes one Redis call, not one each.
+        self._inflight: dict[str, asyncio.Future[Principal | None]] = {}
 
     async def lookup(self, secret: str) -> Principal | None:
         digest = hash_secret(secret)
-        now = time.monotonic()
         cached = self._cache.get(digest)
-        if cached is not None and now - cached[0] < self.cache_ttl_s:
+        if cached is not None and time.monotonic() - cached[0] < self.cache_ttl_s:
             return cached[1]
+        pending = self._inflight.get(digest)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Principal | None] = asyncio.get_running_loop().create_future()
+        self._inflight[digest] = future
+        try:
+            principal = await self._fetch(digest)
+        except BaseException as error:
+            future.set_exception(error)
+            future.exception()  # retrieved: waiters re-raise it, no "never retrieved" warning
+            raise
+        finally:
+            del self._inflight[digest]
+        future.set_result(principal)
+        return principal
+
+    async def _fetch(self, digest: str) -> Principal | None:
         raw = await self.redis.get(KEY_PREFIX + digest)
         principal = None
         if raw is not None:
@@ -61,5 +80,5 @@ class KeyStore:
             principal = Principal(tenant=record.tenant, key_id=record.key_id)
         if len(self._cache) > 100_000:  # bounded: unknown keys must not grow memory forever
             self._cache.clear()
-        self._cache[digest] = (now, principal)
+        self._cache[digest] = (time.monotonic(), principal)
         return principal

@@ -18,6 +18,7 @@ class GatewaySettings:
     port: int = env("INFERBUS_GATEWAY_PORT", 8080, "Port of the HTTP API.")
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
     redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas).")
+    redis_max_connections: int = env("INFERBUS_REDIS_MAX_CONNECTIONS", 64, "Redis connections per gateway; more requests wait for one.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id served and listed by /v1/models.")
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
     max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest request body accepted (413 above).")
@@ -26,7 +27,11 @@ class GatewaySettings:
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
-    placement_timeout_ms: float = env("INFERBUS_PLACEMENT_TIMEOUT_MS", 20.0, "Wait for the router's placement; 0 = always the shared queue.")
+    placement_timeout_ms: float = env(
+        "INFERBUS_PLACEMENT_TIMEOUT_MS", 0.0,
+        "Ask the router where to place each request, waiting this long (then the shared queue). 0 = off: "
+        "the router's policy is least-loaded today, which workers pulling from the shared queue already give for free.",
+    )
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")

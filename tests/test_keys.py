@@ -1,0 +1,71 @@
+"""API keys against a real Redis (started here on a free port)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from inferbus.local import free_port, redis_reachable, redis_server_binary
+from services.gateway.keys import KEY_PREFIX, KeyStore, create_key, hash_secret
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not redis_reachable(url):
+        assert time.monotonic() < deadline, "redis did not start"
+        time.sleep(0.05)
+    yield url
+    server.terminate()
+    server.wait()
+
+
+class CountingRedis(aioredis.Redis):
+    gets = 0
+
+    async def get(self, name):  # type: ignore[no-untyped-def, override]
+        CountingRedis.gets += 1
+        await asyncio.sleep(0.01)  # a slow Redis makes the burst overlap
+        return await super().get(name)
+
+
+async def test_keys_are_stored_hashed_and_resolve_to_their_tenant(redis_url: str) -> None:
+    client = aioredis.from_url(redis_url)
+    secret = await create_key(client, "acme")
+    assert await client.get(KEY_PREFIX + secret) is None  # never stored in the clear
+    assert await client.exists(KEY_PREFIX + hash_secret(secret))
+    store = KeyStore(client)
+    principal = await store.lookup(secret)
+    assert principal is not None and principal.tenant == "acme"
+    assert await store.lookup("ib-not-a-key") is None
+    await client.aclose()
+
+
+async def test_a_burst_of_cold_lookups_makes_one_redis_call(redis_url: str) -> None:
+    plain = aioredis.from_url(redis_url)
+    secret = await create_key(plain, "burst")
+    await plain.aclose()
+    counting = CountingRedis.from_url(redis_url)
+    store = KeyStore(counting)
+    CountingRedis.gets = 0
+    results = await asyncio.gather(*(store.lookup(secret) for _ in range(300)))
+    assert {r.tenant for r in results if r} == {"burst"} and all(results)
+    assert CountingRedis.gets == 1
+    await counting.aclose()
+
+
+async def test_redis_errors_reach_every_waiter(redis_url: str) -> None:
+    dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    store = KeyStore(dead)
+    results = await asyncio.gather(*(store.lookup("ib-x") for _ in range(5)), return_exceptions=True)
+    assert all(isinstance(r, aioredis.RedisError) for r in results)
+    await dead.aclose()
