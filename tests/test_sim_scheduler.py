@@ -296,7 +296,7 @@ def test_zero_max_new_tokens_finishes_after_prefill():
 
 
 def test_roofline_step_time_is_used_by_default():
-    engine = Engine(EngineConfig())
+    engine = Engine(EngineConfig(chunked_prefill_size=2048))
     engine.add(Request("one", prompt(1, 2048), SamplingParams(max_new_tokens=2)))
     first = engine.step()
     second = engine.step()
