@@ -36,6 +36,38 @@ class Platform:
         return self.stack.get(f"engine-{i}").detail
 
 
+def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: float = 5.0) -> list:
+    """Usage events for `request_ids` on the USAGE stream (the billing ledger), waiting for them."""
+    import time
+
+    import msgspec
+    import nats
+
+    from proto import messages as m
+    from proto import subjects
+
+    async def read() -> list[m.UsageEvent]:
+        nc = await nats.connect(platform.stack.nats_url)
+        found: list[m.UsageEvent] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and {e.request_id for e in found} != request_ids:
+            found.clear()
+            sub = await nc.jetstream().subscribe(subjects.usage_subject(tenant), ordered_consumer=True)
+            try:
+                while True:
+                    msg = await sub.next_msg(timeout=0.3)
+                    event = msgspec.msgpack.decode(msg.data, type=m.UsageEvent)
+                    if event.request_id in request_ids:
+                        found.append(event)
+            except Exception:
+                pass
+            await sub.unsubscribe()
+        await nc.close()
+        return found
+
+    return asyncio.run(read())
+
+
 def start_platform(tmp: Path, **config: object) -> Platform:
     stack = Stack(StackConfig(state_dir=tmp, gateway_port=free_port(), **config))  # type: ignore[arg-type]
     try:

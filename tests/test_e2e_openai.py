@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import httpx
-import msgspec
 import openai
 import pytest
 
-from .conftest import MODEL, Platform
+from .conftest import MODEL, Platform, read_usage
 
 pytestmark = pytest.mark.e2e
 
@@ -202,39 +201,11 @@ def test_client_disconnect_aborts_the_engine_request(platform: Platform) -> None
 
 
 def test_every_request_lands_once_in_the_usage_ledger(platform: Platform, client: openai.OpenAI) -> None:
-    import asyncio
-
-    import nats
-
-    from proto import messages as m
-    from proto import subjects
-
     response = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "bill me"}], max_tokens=7
     )
     request_id = response.headers["x-request-id"]
-
-    async def read_usage() -> list[m.UsageEvent]:
-        nc = await nats.connect(platform.stack.nats_url)
-        js = nc.jetstream()
-        sub = await js.pull_subscribe(subjects.usage_subject("demo"), durable=None)
-        found: list[m.UsageEvent] = []
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                batch = await sub.fetch(100, timeout=0.5)
-            except Exception:
-                if found:
-                    break
-                continue
-            for msg in batch:
-                event = msgspec.msgpack.decode(msg.data, type=m.UsageEvent)
-                if event.request_id == request_id:
-                    found.append(event)
-        await nc.close()
-        return found
-
-    events = asyncio.run(read_usage())
+    events = read_usage(platform, "demo", {request_id})
     assert len(events) == 1
     assert events[0].status == "completed"
     assert events[0].usage.completion_tokens == 7

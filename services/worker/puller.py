@@ -62,8 +62,11 @@ class Puller:
             self._sub = None
         self._give_back(self.outstanding)
 
-    async def pull(self) -> bool:
-        """Ask for as many messages as the budget grants this puller; False if it granted none."""
+    async def pull(self, expires_s: float | None = None) -> bool:
+        """Ask for as many messages as the budget grants this puller; False if it granted none.
+
+        `expires_s` bounds how long the request may hold its slots waiting for messages.
+        """
         if self._sub is None:
             return False
         self._reclaim_if_stale()
@@ -74,7 +77,7 @@ class Puller:
             return False
         self.outstanding = granted
         self._last_activity = time.monotonic()
-        request = {"batch": granted, "expires": int(self._expires_s * 1e9)}
+        request = {"batch": granted, "expires": int((expires_s or self._expires_s) * 1e9)}
         await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
         return True
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import structlog
@@ -47,6 +49,9 @@ QUEUE_WAIT = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 
+SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
+CANCEL_MEMORY_S = 900.0  # longer than a request may wait in the queue in practice
+CANCEL_MEMORY_SIZE = 100_000
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
 
@@ -54,8 +59,7 @@ _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
 @dataclass
 class _Running:
     request: m.InferenceRequest
-    started: float
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # held here: the event loop keeps only weak references
     cancelled: bool = False
     handed_off: bool = False
 
@@ -78,6 +82,11 @@ class Worker:
     _load_seq: int = 0
     _engine_info: dict = field(default_factory=dict)
     replies: Replies | None = None
+    # Cancels seen for requests this worker does not hold (yet): a request pulled after its
+    # client went away is refused instead of generated for nobody. request id → when seen.
+    _cancelled: dict[str, float] = field(default_factory=dict)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)  # usage publishes in flight
+    _drain_task: asyncio.Task[None] | None = None
     _outbox: dict[str, list[m.StreamEvent]] = field(default_factory=dict)
     _outbox_flush_scheduled: bool = False
 
@@ -152,9 +161,13 @@ class Worker:
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+            loop.add_signal_handler(sig, self._start_drain)
         await self.start()
         await self._stopped.wait()
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
 
     async def drain(self) -> None:
         """Stop pulling, let in-flight requests finish for a while, hand the rest back, leave."""
@@ -178,6 +191,8 @@ class Worker:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._background:  # usage events are the billing ledger: let them land
+            await asyncio.wait(self._background, timeout=10)
         if self.kv is not None:
             try:
                 await self.kv.delete(subjects.worker_key(self.settings.worker_id))
@@ -192,11 +207,22 @@ class Worker:
     # ---- pulling ---------------------------------------------------------------------------
 
     async def _pull_loop(self) -> None:
+        assert self.budget is not None
+        pullers = self._pullers
+        turn = 0
         while not self.draining:
             self._wake.clear()
-            for puller in self._pullers:
-                await puller.pull()
-            assert self.budget is not None
+            if self.budget.free >= len(pullers):
+                # Room for every consumer: all long-poll at once, most important first.
+                for puller in pullers:
+                    await puller.pull()
+            else:
+                # Fewer free slots than consumers: a long-poll on an empty queue would hold a slot
+                # that a busy queue needs, so consumers take short turns in rotation instead.
+                for i in range(len(pullers)):
+                    puller = pullers[(turn + i) % len(pullers)]
+                    if await puller.pull(SCARCE_POLL_S):
+                        turn = (turn + i + 1) % len(pullers)
             FREE_SLOTS.set(self.budget.free)
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.settings.fetch_timeout_s)
@@ -208,13 +234,18 @@ class Worker:
             request = _request_decoder.decode(msg.data)
         except msgspec.DecodeError as error:
             log.error("bad_request_message", error=str(error))
-            asyncio.ensure_future(msg.term())
+            self._spawn(msg.term())
             self._release_slot()
             return
-        entry = _Running(request=request, started=time.time())
+        entry = _Running(request=request)
         self.running[request.request_id] = entry
         RUNNING.set(len(self.running))
         entry.task = asyncio.ensure_future(self._serve(msg, entry))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _release_slot(self) -> None:
         assert self.budget is not None
@@ -230,14 +261,17 @@ class Worker:
             status, usage, finish = "failed", m.Usage(prompt_tokens=0, completion_tokens=request.resumed_tokens), None
             publish_usage = True
             try:
+                await msg.ack()
+                if request.request_id in self._cancelled:
+                    status, finish = "cancelled", "abort"
+                    return
                 if time.time() > request.deadline:
-                    await msg.ack()
+                    finish = "error"
                     self._send(request, m.StreamError(
                         request_id=request.request_id, attempt=request.attempt, code="timeout",
                         message="request deadline passed before a worker could start it", status=504,
                     ))
                     return
-                await msg.ack()
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
                 self._send(request, m.Accepted(
@@ -272,8 +306,9 @@ class Worker:
                 self._release_slot()
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
-            if publish_usage:
-                await self._publish_usage(request, entry, status, usage, finish)
+                if publish_usage:
+                    # Spawned, not awaited: this also runs after the early returns above.
+                    self._spawn(self._publish_usage(request, status, usage, finish))
 
     async def _generate(
         self, request: m.InferenceRequest, entry: _Running, trace_headers: dict[str, str]
@@ -327,7 +362,7 @@ class Worker:
     def _flush_outbox(self) -> None:
         self._outbox_flush_scheduled = False
         outbox, self._outbox = self._outbox, {}
-        asyncio.ensure_future(self._publish_batches(outbox))
+        self._spawn(self._publish_batches(outbox))
 
     async def _publish_batches(self, outbox: dict[str, list[m.StreamEvent]]) -> None:
         assert self.nc is not None
@@ -337,9 +372,7 @@ class Worker:
             except Exception as error:  # a gateway's events must not be lost to another's failure
                 log.error("stream_publish_failed", subject=subject, error=repr(error))
 
-    async def _publish_usage(
-        self, request: m.InferenceRequest, entry: _Running, status: str, usage: m.Usage, finish: str | None
-    ) -> None:
+    async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None) -> None:
         assert self.replies is not None
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
@@ -360,14 +393,29 @@ class Worker:
         except msgspec.DecodeError:
             return
         entry = self.running.get(cancel.request_id)
-        if entry is not None and not entry.cancelled:
+        if entry is None:
+            self._remember_cancel(cancel.request_id)
+        elif not entry.cancelled:
             entry.cancelled = True
             await self.engine.abort(entry.request.engine_rid())
+
+    def _remember_cancel(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._cancelled[request_id] = now
+        if len(self._cancelled) > CANCEL_MEMORY_SIZE:
+            # Oldest first (dicts keep insertion order): forget what is past its deadline anyway.
+            for old in list(self._cancelled)[: len(self._cancelled) // 2]:
+                del self._cancelled[old]
+        while self._cancelled:
+            oldest, seen = next(iter(self._cancelled.items()))
+            if now - seen < CANCEL_MEMORY_S:
+                break
+            del self._cancelled[oldest]
 
     async def _on_control(self, msg: Msg) -> None:
         command = msgspec.msgpack.decode(msg.data, type=m.ControlCommand)
         if command.action == "drain":
-            asyncio.ensure_future(self.drain())
+            self._start_drain()
 
     # ---- liveness and load -----------------------------------------------------------------
 

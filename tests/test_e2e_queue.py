@@ -1,0 +1,62 @@
+"""Requests waiting in JetStream: a worker with one slot makes the queue observable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from .conftest import MODEL, Platform, read_usage, start_platform
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    running = start_platform(tmp_path_factory.mktemp("queue"), workers=1, time_scale=0.1,
+                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "1"})
+    yield running
+    running.stack.stop()
+    running.stack.rmtree()
+
+
+async def _stream(session: aiohttp.ClientSession, platform: Platform, max_tokens: int, ids: list[str],
+                  chunks: list[int]) -> None:
+    async with session.post(f"{platform.base_url}/chat/completions",
+                            headers={"authorization": f"Bearer {platform.api_key}"},
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "queue"}],
+                                  "max_tokens": max_tokens, "stream": True}) as response:
+        ids.append(response.headers["x-request-id"])
+        async for _ in response.content:
+            chunks.append(1)
+
+
+def test_a_request_cancelled_while_queued_is_never_generated(one_slot: Platform) -> None:
+    running_ids: list[str] = []
+    queued_ids: list[str] = []
+    running_chunks: list[int] = []
+    queued_chunks: list[int] = []
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            holder = asyncio.create_task(_stream(session, one_slot, 3000, running_ids, running_chunks))
+            while not running_chunks:  # it holds the worker's only slot
+                await asyncio.sleep(0.01)
+            waiter = asyncio.create_task(_stream(session, one_slot, 50, queued_ids, queued_chunks))
+            while not queued_ids:  # accepted by the gateway, queued in JetStream
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            waiter.cancel()  # its client leaves while it is still queued
+            await asyncio.sleep(0.3)
+            holder.cancel()  # frees the slot: the worker now pulls the cancelled request
+            await asyncio.gather(holder, waiter, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert not queued_chunks[1:]  # at most the response headers' first line, never a token
+    [queued] = read_usage(one_slot, "demo", set(queued_ids))
+    assert queued.status == "cancelled"
+    assert queued.usage.completion_tokens == 0
+    [held] = read_usage(one_slot, "demo", set(running_ids))
+    assert held.status == "cancelled" and 0 < held.usage.completion_tokens < 3000
