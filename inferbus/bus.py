@@ -47,7 +47,9 @@ def check_server_version(version: str) -> None:
         )
 
 
-async def connect(url: str, name: str, **options: object) -> Client:
+async def connect(
+    url: str, name: str, *, on_reconnect: Callable[[], Awaitable[None]] | None = None, **options: object
+) -> Client:
     """Connect, reconnecting forever after the first success; fail fast if the first try fails."""
 
     async def on_error(error: Exception) -> None:
@@ -56,8 +58,10 @@ async def connect(url: str, name: str, **options: object) -> Client:
     async def on_disconnect() -> None:
         log.warning("nats_disconnected")
 
-    async def on_reconnect() -> None:
+    async def reconnected() -> None:
         log.info("nats_reconnected")
+        if on_reconnect is not None:
+            await on_reconnect()
 
     nc = await nats.connect(
         url,
@@ -67,7 +71,7 @@ async def connect(url: str, name: str, **options: object) -> Client:
         connect_timeout=5,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
+        reconnected_cb=reconnected,
         pending_size=64 * 1024 * 1024,
         **options,  # type: ignore[arg-type]
     )
@@ -135,7 +139,9 @@ async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyVal
                 history=1,
                 ttl=heartbeat_ttl_s,
                 limit_marker_ttl=max(1.0, heartbeat_ttl_s),
-                storage=StorageType.MEMORY,
+                # File, not memory: a memory stream does not survive a NATS restart, and every
+                # heartbeat after it would fail against a bucket that no longer exists.
+                storage=StorageType.FILE,
             )
         )
     except BadRequestError:

@@ -51,6 +51,7 @@ class Flight:
     sent_tokens: int = 0
     prompt_tokens: int | None = None
     queue_wait: float | None = None
+    next_seq: int = 0  # of the current attempt's chunks: a gap means events were lost
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -182,6 +183,7 @@ class Dispatcher:
         flight.request = continuation
         flight.worker_id = None
         flight.sent_text = []
+        flight.next_seq = 0
         try:
             await self._publish(flight)
         except Exception as error:
@@ -200,6 +202,16 @@ class Dispatcher:
                 if flight.queue_wait is None:
                     flight.queue_wait = event.queue_wait
                 continue
+            if isinstance(event, (m.TokenChunk, m.Final)):
+                if event.seq != flight.next_seq:
+                    # Events went missing (core NATS drops what arrives during a reconnect): continue
+                    # elsewhere from exactly what the client has, rather than stall or skip text.
+                    if await self.migrate(flight, why=f"stream gap: chunk {event.seq}, expected {flight.next_seq}"):
+                        continue
+                    yield m.StreamError(request_id=event.request_id, attempt=event.attempt, code="stream_interrupted",
+                                        message="The token stream was interrupted; retry the request.", status=502)
+                    return
+                flight.next_seq += 1
             if isinstance(event, m.TokenChunk):
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
                     flight.prompt_tokens = event.prompt_tokens

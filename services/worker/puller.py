@@ -86,8 +86,11 @@ class Puller:
         headers = msg.headers or {}
         status = headers.get("Status")
         if status is None and msg.reply:
-            self.outstanding = max(0, self.outstanding - 1)
-            self._on_message(msg)  # the slot moves from the pull to the running request
+            if self.outstanding:
+                self.outstanding -= 1  # the slot moves from the pull to the running request
+            else:
+                self._budget.take_unreserved()
+            self._on_message(msg)
             if self.outstanding == 0:
                 self._wake.set()
             return
@@ -103,6 +106,10 @@ class Puller:
             self.outstanding -= n
             self._budget.release(n)
         self._wake.set()
+
+    def forget_pulls(self) -> None:
+        """After a reconnect: the server may have lost our pull requests, so ask again."""
+        self._give_back(self.outstanding)
 
     def _reclaim_if_stale(self) -> None:
         # A pull request whose expiry status never came (server restarted) must not pin slots forever.

@@ -105,24 +105,20 @@ class Worker:
         self.budget = SlotBudget(capacity, pullers=2 * len(tiers))
         FREE_SLOTS.set(capacity)
 
-        self.nc = await bus.connect(s.nats_url, name=f"worker-{s.worker_id}")
+        self.nc = await bus.connect(s.nats_url, name=f"worker-{s.worker_id}", on_reconnect=self._on_reconnect)
         self.js = self.nc.jetstream()
         self.replies = Replies(self.nc)
         await self.replies.start()
-        await bus.ensure_streams(self.js)
-        self.kv = await bus.workers_bucket(self.js, s.heartbeat_ttl_s)
+        consumers = await self._setup_bus()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
         await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
-
-        for tier in tiers:  # most important first: earlier pullers get slots first
-            for owner in (s.worker_id, None):
-                consumer = await self._ensure_consumer(tier, owner)
-                puller = Puller(
-                    self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
-                    wake=self._wake, expires_s=s.fetch_timeout_s,
-                )
-                await puller.start()
-                self._pullers.append(puller)
+        for consumer in consumers:  # most important first: earlier pullers get slots first
+            puller = Puller(
+                self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
+                wake=self._wake, expires_s=s.fetch_timeout_s,
+            )
+            await puller.start()
+            self._pullers.append(puller)
 
         await self._heartbeat()
         self._tasks = [
@@ -205,6 +201,23 @@ class Worker:
         self._stopped.set()
 
     # ---- pulling ---------------------------------------------------------------------------
+
+    async def _setup_bus(self) -> list[str]:
+        """Streams, the heartbeat bucket and this worker's consumers; idempotent, so a worker can
+        run it again after a reconnect to a server that lost them."""
+        assert self.js is not None
+        await bus.ensure_streams(self.js)
+        self.kv = await bus.workers_bucket(self.js, self.settings.heartbeat_ttl_s)
+        return [
+            await self._ensure_consumer(tier, owner)
+            for tier in self.settings.tier_list()
+            for owner in (self.settings.worker_id, None)
+        ]
+
+    async def _on_reconnect(self) -> None:
+        await bus.retry_forever("bus setup after reconnect", self._setup_bus)  # type: ignore[arg-type]
+        for puller in self._pullers:  # the server may have lost our pull requests
+            puller.forget_pulls()
 
     async def _pull_loop(self) -> None:
         assert self.budget is not None

@@ -29,6 +29,11 @@ class SlotBudget:
         self.used += granted
         return granted
 
+    def take_unreserved(self) -> None:
+        """Count a message that arrived without a reservation (a pull request from before a
+        reconnect): it runs anyway, so it holds a slot, even past capacity for a moment."""
+        self.used += 1
+
     def release(self, n: int = 1) -> None:
         if n < 0 or n > self.used:
             raise ValueError(f"releasing {n} slots with {self.used} in use")

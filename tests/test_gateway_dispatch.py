@@ -1,0 +1,49 @@
+"""The gateway's relay logic: what a migration sends, and what a lost event does."""
+
+import msgspec
+
+from proto import messages as m
+from services.gateway.dispatch import Flight, next_attempt
+
+
+def test_migration_continues_from_what_the_client_already_has() -> None:
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    flight = Flight(request=request, sent_text=[" a", " b"], sent_tokens=2, prompt_tokens=4)
+    second = next_attempt(flight, max_attempts=3, now=0)
+    assert second is not None
+    assert (second.attempt, second.resumed_text, second.resumed_tokens, second.prompt_tokens) == (1, " a b", 2, 4)
+    flight.request, flight.sent_text, flight.sent_tokens = second, [" c"], 3
+    third = next_attempt(flight, max_attempts=3, now=0)
+    assert third is not None and third.resumed_text == " a b c" and third.resumed_tokens == 3
+    flight.request = third
+    assert next_attempt(flight, max_attempts=3, now=0) is None
+    assert next_attempt(Flight(request=request), max_attempts=3, now=2e12) is None
+
+
+async def test_a_gap_in_the_stream_migrates_instead_of_skipping_text() -> None:
+    import asyncio
+
+    from services.gateway.dispatch import Dispatcher
+
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    dispatcher = Dispatcher.__new__(Dispatcher)  # the relay logic only, no connections
+    migrations: list[str] = []
+
+    async def migrate(flight: Flight, why: str) -> bool:
+        migrations.append(why)
+        flight.request = msgspec.structs.replace(flight.request, attempt=flight.request.attempt + 1)
+        flight.next_seq = 0
+        return True
+
+    dispatcher.migrate = migrate  # type: ignore[method-assign]
+    flight = Flight(request=request, events=asyncio.Queue())
+    chunk = lambda attempt, seq, text: m.TokenChunk(request_id="r", attempt=attempt, seq=seq, text=text, completion_tokens=seq + 1)  # noqa: E731
+    for event in (chunk(0, 0, " a"), chunk(0, 2, " c"), chunk(1, 0, " b"), chunk(0, 3, " late"),
+                  m.Final(request_id="r", attempt=1, seq=1, text="", finish_reason="length",
+                          usage=m.Usage(prompt_tokens=1, completion_tokens=2))):
+        flight.events.put_nowait(event)
+    seen = [e async for e in dispatcher.events(flight)]
+    assert [getattr(e, "text", None) for e in seen] == [" a", " b", ""]
+    assert len(migrations) == 1 and "gap" in migrations[0]
