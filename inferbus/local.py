@@ -136,6 +136,7 @@ class StackConfig:
     time_scale: float = 1.0
     fixed_step_ms: float | None = None
     router: bool = True
+    admin_key: str = ""  # the gateway's INFERBUS_ADMIN_KEY; empty: inherit it from the environment, if set
     log_level: str = "info"
     extra_env: dict[str, str] = field(default_factory=dict)
     engine_args: list[str] = field(default_factory=list)
@@ -196,8 +197,9 @@ class Stack:
             self._add(f"engine-{i}", argv, lambda url=engine_url: http_ok(f"{url}/ready"), engine_url)
             self._add(f"worker-{i}", self._inferbus("worker"), lambda: True, f"drives engine-{i}",
                       INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=engine_url, INFERBUS_METRICS_PORT="0")
+        admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}
         self._add("gateway", self._inferbus("gateway"), self.gateway_serving, self.gateway_url,
-                  INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(c.gateway_port))
+                  INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(c.gateway_port), **admin)
 
     def start(self, on_status: Callable[[Process, str], None] = lambda p, s: None, timeout: float = 60.0) -> None:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""

@@ -167,6 +167,7 @@ class WorkerLoad(_Message):
     kv_capacity_tokens: int
     cache_hit_rate: float = 0.0
     draining: bool = False
+    completed: int = 0  # requests finished since the worker started (a counter: rates come from deltas)
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -21,10 +22,16 @@ MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 class Platform:
     stack: Stack
     api_key: str
+    admin_key: str = ""
 
     @property
     def base_url(self) -> str:
         return self.stack.gateway_url + "/v1"
+
+    def admin(self) -> httpx.Client:
+        """A client of the admin API (`/admin/v1`), authenticated with the admin key."""
+        return httpx.Client(base_url=self.stack.gateway_url + "/admin/v1", timeout=10,
+                            headers={"authorization": f"Bearer {self.admin_key}"})
 
     def client(self, **options: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **options)  # type: ignore[arg-type]
@@ -69,24 +76,27 @@ def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: 
 
 
 def start_platform(tmp: Path, **config: object) -> Platform:
+    """Start a platform; its gateway has an admin key and Redis the `demo` tenant with one key."""
+    from inferbus.cli import _demo_key, new_admin_key
+
+    config.setdefault("admin_key", new_admin_key())
     stack = Stack(StackConfig(state_dir=tmp, gateway_port=free_port(), **config))  # type: ignore[arg-type]
     try:
         stack.start(timeout=90)
     except Exception:
         stack.stop()
         raise
-    from inferbus.cli import _demo_key
-
     key = asyncio.run(_demo_key(stack.redis_url))
-    return Platform(stack, key)
+    return Platform(stack, key, stack.config.admin_key)
 
 
 @pytest.fixture(scope="session")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """Two simulated H100 TP2 workers at 10x real speed."""
-    # Engines log at debug so tests can see the trace context that reached them.
+    # Engines log at debug so tests can see the trace context that reached them. Key lookups are
+    # cached for 1 s (not 10) so that tests see a revoked key refused without a long wait.
     running = start_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1,
-                             engine_args=["--log-level", "debug"])
+                             engine_args=["--log-level", "debug"], extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1"})
     yield running
     running.stack.stop()
     if os.environ.get("INFERBUS_KEEP_LOGS") is None:

@@ -24,7 +24,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 
 def restart(platform: Platform, name: str) -> None:
     process = platform.stack.get(name)
-    process.signal(signal.SIGKILL)
+    process.signal(signal.SIGKILL)  # a no-op if an earlier test already killed it
     assert process.wait(5)
     process.start()  # same port, same data directory
     deadline = time.monotonic() + 15
@@ -53,6 +53,20 @@ def test_platform_serves_again_after_nats_restarts(small: Platform) -> None:
     serves_within(small, 20)
     for _ in range(5):  # and keeps serving: every worker queue is pulled again
         serves_within(small, 2)
+
+
+def test_unreachable_redis_fails_closed_with_a_503_not_a_500(small: Platform) -> None:
+    serves_within(small, 5)
+    redis = small.stack.get("redis")
+    redis.signal(signal.SIGKILL)
+    assert redis.wait(5)
+    with pytest.raises(openai.InternalServerError) as raised:
+        small.client(timeout=10).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert raised.value.status_code == 503
+    assert raised.value.code in ("quota_unavailable", "auth_unavailable")
+    assert raised.value.response.headers["retry-after"] == "1"
+    assert "Traceback" not in raised.value.response.text
 
 
 def test_platform_serves_again_after_redis_restarts(small: Platform) -> None:

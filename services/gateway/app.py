@@ -19,6 +19,8 @@ from starlette.responses import Response
 
 from inferbus import bus, logs, tracing
 
+from .admin import admin_router
+from .admission import Admission
 from .dispatch import Dispatcher
 from .errors import (
     OpenAIError,
@@ -27,9 +29,14 @@ from .errors import (
     unhandled_exception_handler,
     validation_exception_handler,
 )
+from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
 from .keys import KeyStore
+from .overload import OverloadPolicy
+from .pricing import Prices
+from .reconcile import UsageReconciler
 from .settings import GatewaySettings
+from .tenants import TenantStore
 
 log = logs.get(__name__)
 _json = msgspec.json.Encoder()
@@ -44,6 +51,9 @@ class Gateway:
         self.dispatcher: Dispatcher | None = None
         self.redis: aioredis.Redis | None = None
         self.generation: Generation | None = None
+        self.tenants: TenantStore | None = None
+        self.fleet: FleetMonitor | None = None
+        self.reconciler: UsageReconciler | None = None
         self.nc = None
 
     async def start(self) -> None:
@@ -55,6 +65,7 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
+            window_per_worker=s.dispatch_window_per_worker,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
@@ -62,10 +73,23 @@ class Gateway:
             s.redis_url, max_connections=s.redis_max_connections, timeout=2, socket_timeout=2, socket_connect_timeout=2
         )
         self.redis = aioredis.Redis(connection_pool=pool)
-        self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s))
+        self.tenants = TenantStore(self.redis)
+        admission = Admission(self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s)  # type: ignore[arg-type]
+        prices = Prices(s.price_input_per_mtok, s.price_output_per_mtok, s.price_cached_input_per_mtok)
+        overload = OverloadPolicy(clock=time.monotonic, budgets_s={
+            "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s})
+        self.fleet = FleetMonitor(self.nc, js, s.model, overload)
+        await self.fleet.start()
+        self.reconciler = UsageReconciler(js, admission, prices)
+        await self.reconciler.start()
+        self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
+                                     admission, overload, prices)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
+        for part in (self.reconciler, self.fleet):
+            if part is not None:
+                await part.stop()
         if self.dispatcher is not None:
             await self.dispatcher.stop()
         if self.nc is not None:
@@ -130,6 +154,8 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     api.add_exception_handler(StarletteHTTPException, http_exception_handler)
     api.add_exception_handler(RequestValidationError, validation_exception_handler)
     api.add_exception_handler(Exception, unhandled_exception_handler)
+    if settings.admin_key:  # no key, no admin API: its URLs are plain 404s
+        api.include_router(admin_router(settings.admin_key, lambda: gateway.tenants), prefix="/admin/v1")
 
     def model_card() -> dict[str, Any]:
         return {"id": settings.model, "object": "model", "created": started, "owned_by": "inferbus"}

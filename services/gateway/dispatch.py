@@ -24,7 +24,8 @@ from inferbus.replies import PublishError, Replies
 from proto import messages as m
 from proto import subjects
 
-from .metrics import MIGRATIONS, PLACEMENTS
+from .fairness import FairQueue
+from .metrics import FAIR_QUEUE, MIGRATIONS, PLACEMENTS
 
 log = logs.get(__name__)
 
@@ -52,6 +53,9 @@ class Flight:
     prompt_tokens: int | None = None
     queue_wait: float | None = None
     next_seq: int = 0  # of the current attempt's chunks: a gap means events were lost
+    weight: float = 1.0  # the tenant's fair-share weight
+    estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
+    state: str = "held"  # held (in the fair queue) → queued (in JetStream) → accepted (by a worker)
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -78,6 +82,7 @@ class Dispatcher:
         heartbeat_ttl_s: float,
         max_attempts: int,
         placement_timeout_s: float,
+        window_per_worker: int = 2,
     ) -> None:
         self.nc = nc
         self.kv = workers
@@ -85,6 +90,12 @@ class Dispatcher:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.max_attempts = max_attempts
         self.placement_timeout_s = placement_timeout_s
+        self.window_per_worker = window_per_worker
+        # Under contention requests wait here, not first-come-first-served in JetStream; only a few
+        # per worker sit in the shared queue, enough that a freed slot always finds work.
+        self.fair: FairQueue[Flight] = FairQueue()
+        self.in_queue = 0  # this gateway's requests published and not yet accepted
+        self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
         self._tasks: list[asyncio.Task[None]] = []
@@ -150,20 +161,81 @@ class Dispatcher:
         await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
 
-    async def open(self, request: m.InferenceRequest) -> Flight:
-        """Publish a new request; its events arrive on the returned flight's queue."""
-        flight = Flight(request=request, prompt_tokens=request.prompt_tokens)
+    def window(self) -> int:
+        return self.window_per_worker * max(1, len(self.live_workers))
+
+    def held(self, band: str) -> int:
+        """Requests of `band` waiting in this gateway's fair queue."""
+        return sum(1 for f in self.flights.values() if f.state == "held" and f.request.tier == band)
+
+    async def open(self, request: m.InferenceRequest, weight: float = 1.0) -> Flight:
+        """Queue a new request; its events arrive on the returned flight's queue.
+
+        With room in the window it is published now (a failure raises DispatchError); otherwise
+        it waits in the fair queue and is published when its turn comes.
+        """
+        estimate = float((request.prompt_tokens or 0) + request.sampling.max_new_tokens)
+        flight = Flight(request=request, prompt_tokens=request.prompt_tokens, weight=weight, estimated_tokens=estimate)
         self.flights[request.request_id] = flight
+        if self.in_queue < self.window() and not len(self.fair):
+            self.fair.dispatched(request.tenant, request.tier, weight, estimate)
+            self._mark_queued(flight)
+            try:
+                await self._publish(flight)
+            except Exception as error:
+                self.close(flight)
+                log.error("publish_failed", error=repr(error))
+                raise DispatchError(503, "service_unavailable", "The request queue is unavailable; retry shortly.", retry_after=1) from error
+        else:
+            self.fair.push(flight, request.tenant, request.tier, weight)
+            FAIR_QUEUE.set(len(self.fair))
+        return flight
+
+    def _mark_queued(self, flight: Flight) -> None:
+        flight.state = "queued"
+        self.in_queue += 1
+
+    def _left_queue(self, flight: Flight) -> None:
+        if flight.state == "queued":
+            self.in_queue -= 1
+        flight.state = "accepted"
+        self._release()
+
+    def _release(self) -> None:
+        """Publish waiting requests, in fair order, while the window has room."""
+        while self.in_queue < self.window() and len(self.fair):
+            popped = self.fair.pop(cost=lambda f: f.estimated_tokens)
+            if popped is None:
+                return
+            flight = popped[0]
+            self._mark_queued(flight)
+            task = asyncio.ensure_future(self._publish_released(flight))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        FAIR_QUEUE.set(len(self.fair))
+
+    async def _publish_released(self, flight: Flight) -> None:
         try:
             await self._publish(flight)
         except Exception as error:
-            self.flights.pop(request.request_id, None)
-            log.error("publish_failed", error=repr(error))
-            raise DispatchError(503, "service_unavailable", "The request queue is unavailable; retry shortly.", retry_after=1) from error
-        return flight
+            log.error("publish_failed", request_id=flight.request.request_id, error=repr(error))
+            flight.events.put_nowait(m.StreamError(
+                request_id=flight.request.request_id, attempt=flight.request.attempt, code="service_unavailable",
+                message="The request queue is unavailable; retry shortly.", status=503,
+            ))
 
     def close(self, flight: Flight) -> None:
-        self.flights.pop(flight.request.request_id, None)
+        request = flight.request
+        if self.flights.pop(request.request_id, None) is None:
+            return
+        if flight.state == "held":
+            self.fair.remove(flight, request.tenant, request.tier)
+        else:
+            if flight.state == "queued":
+                self.in_queue -= 1
+            used = float((flight.prompt_tokens or 0) + flight.sent_tokens)
+            self.fair.finished(request.tenant, request.tier, flight.estimated_tokens, used)
+        self._release()
 
     async def cancel(self, flight: Flight, reason: str) -> None:
         cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
@@ -198,6 +270,7 @@ class Dispatcher:
             if event.attempt != flight.request.attempt:
                 continue  # a late event from an attempt already given up
             if isinstance(event, m.Accepted):
+                self._left_queue(flight)
                 flight.worker_id = event.worker_id
                 if flight.queue_wait is None:
                     flight.queue_wait = event.queue_wait

@@ -23,16 +23,22 @@ from inferbus.tokens import count_tokens
 from proto import messages as m
 
 from . import metrics, schemas
+from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
+from .overload import OverloadPolicy
+from .pricing import Prices
 from .settings import GatewaySettings
+from .tenants import Tenant, TenantStore, may_use_model
 
 log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.gateway")
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# Engine priority per band (SGLang: larger runs first) so premium also wins inside an engine.
+ENGINE_PRIORITY = {"premium": 10, "standard": 0}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -54,6 +60,7 @@ class _Call:
     first_token_at: float | None = None
     flight: Flight | None = None
     usage: m.Usage | None = None
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
 
     @property
     def chunk_object(self) -> str:
@@ -79,10 +86,15 @@ async def send_json(send: Any, status: int, body: Any, request_id: str, headers:
 
 
 class Generation:
-    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, keys: KeyStore) -> None:
+    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, keys: KeyStore, tenants: TenantStore,
+                 admission: Admission, overload: OverloadPolicy, prices: Prices) -> None:
         self.settings = settings
         self.dispatcher = dispatcher
         self.keys = keys
+        self.tenants = tenants
+        self.admission = admission
+        self.overload = overload
+        self.prices = prices
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         request_id = uuid.uuid4().hex
@@ -136,24 +148,36 @@ class Generation:
 
     async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> tuple[Flight, _Call]:
         principal = await self._authenticate(_header(scope, b"authorization"))
+        tenant = await self.tenant(principal)
         body = await self._read_body(receive, _header(scope, b"content-length"))
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
-            self.check_model(chat.model)
+            self.check_model(chat.model, tenant)
             prompt = render_chat(msgspec.to_builtins(chat.messages), chat.tools)
             params: schemas._Common = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
-            self.check_model(completion.model)
+            self.check_model(completion.model, tenant)
             assert isinstance(completion.prompt, str)
             prompt, params, object_id = completion.prompt, completion, f"cmpl-{request_id}"
         prompt_tokens = count_tokens(prompt)
+        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)
+        if not self.dispatcher.has_workers(params.model):
+            raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
+                              code="no_capacity", headers={"retry-after": "5"})
+        # Platform overload before quotas: a request the platform sheds must not use up its quota.
+        admitted, retry_after = self.overload.admit(tenant.band, self.dispatcher.held(tenant.band))
+        if not admitted:
+            raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
+                              code="overloaded", headers={"retry-after": str(int(retry_after))})
+        decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens)
         now = time.time()
         inference = m.InferenceRequest(
             request_id=request_id, tenant=principal.tenant, model=params.model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
+            tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=m.SamplingParams(
-                max_new_tokens=self._max_tokens(params.max_tokens, prompt_tokens),
+                max_new_tokens=max_new_tokens,
                 temperature=1.0 if params.temperature is None else params.temperature,
                 top_p=1.0 if params.top_p is None else params.top_p,
                 stop=schemas.stop_list(params.stop), seed=params.seed,
@@ -162,21 +186,58 @@ class Generation:
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, user=params.user, prompt_tokens=prompt_tokens,
         )
-        if not self.dispatcher.has_workers(inference.model):
-            raise OpenAIError(503, f"No workers are serving `{inference.model}` right now; retry shortly.",
-                              code="no_capacity", headers={"retry-after": "5"})
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
-                     stream=params.stream)
+                     stream=params.stream,
+                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()])
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
             try:
-                flight = await self.dispatcher.open(inference)
+                flight = await self.dispatcher.open(inference, weight=tenant.weight)
             except DispatchError as error:
+                await self._release_reservation(tenant.id, request_id)
                 raise OpenAIError(error.status, str(error), code=error.code,
                                   headers={"retry-after": str(int(error.retry_after or 1))}) from None
         return flight, call
+
+    async def tenant(self, principal: Principal) -> Tenant:
+        try:
+            tenant = await self.tenants.get(principal.tenant)
+        except aioredis.RedisError as error:
+            log.error("tenant_lookup_failed", error=repr(error))
+            raise OpenAIError(503, "Authentication is temporarily unavailable; retry shortly.",
+                              code="auth_unavailable", headers={"retry-after": "1"}) from None
+        if tenant is None:
+            raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        if tenant.disabled:
+            raise OpenAIError(403, "This account is disabled.", code="account_disabled")
+        return tenant
+
+    async def _admission(self, tenant: Tenant, request_id: str, prompt_tokens: int, max_new_tokens: int) -> Decision:
+        estimate = self.prices.cost(prompt_tokens, max_new_tokens)
+        try:
+            decision = await self.admission.admit(tenant.id, tenant.limits, request_id, prompt_tokens,
+                                                  max_new_tokens, estimate)
+        except AdmissionUnavailable:
+            raise OpenAIError(503, "Quota checks are temporarily unavailable; retry shortly.",
+                              code="quota_unavailable", headers={"retry-after": "1"}) from None
+        if decision.admitted:
+            return decision
+        if decision.reason == "budget":
+            raise OpenAIError(429, "You exceeded your monthly budget; it renews at the start of next month.",
+                              code="insufficient_quota", type="insufficient_quota", headers=decision.headers())
+        what = {"requests": "requests per minute", "input_tokens": "input tokens per minute",
+                "output_tokens": "output tokens per minute", "concurrency": "concurrent requests"}.get(decision.reason, decision.reason)
+        raise OpenAIError(429, f"Rate limit reached for {what}; retry after the delay in `retry-after`.",
+                          code="rate_limit_exceeded", type="rate_limit_error", headers=decision.headers())
+
+    async def _release_reservation(self, tenant_id: str, request_id: str) -> None:
+        # Nothing ran: give the reservation back now instead of waiting for its lease to expire.
+        try:
+            await self.admission.reconcile(tenant_id, request_id, 0, 0, 0.0)
+        except Exception as error:
+            log.warning("reservation_release_failed", error=repr(error))
 
     async def _authenticate(self, header: str | None) -> Principal:
         scheme, _, secret = (header or "").partition(" ")
@@ -211,8 +272,9 @@ class Generation:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def check_model(self, model: str) -> None:
-        if model != self.settings.model:
+    def check_model(self, model: str, tenant: Tenant | None = None) -> None:
+        # 404, not 403, for a model the tenant may not use: names must not leak.
+        if model != self.settings.model or (tenant is not None and not may_use_model(tenant, model)):
             raise OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.",
                               param="model", code="model_not_found")
 
@@ -258,7 +320,7 @@ class Generation:
 
     async def _stream(self, flight: Flight, call: _Call, send: Any, request_id: str) -> str:
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode())]})
+                    "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
         frames: list[bytes] = []
         first = True
         status = "200"
@@ -320,7 +382,8 @@ class Generation:
         parts.append(event.text)
         self._first_token(call, True)
         self._record(flight, call, event)
-        await send_json(send, 200, self._completion_body(call, event, "".join(parts)), request_id)
+        await send_json(send, 200, self._completion_body(call, event, "".join(parts)), request_id,
+                        {k.decode(): v.decode() for k, v in call.headers})
         return "200"
 
     # ---- rendering --------------------------------------------------------------------------

@@ -15,3 +15,4 @@ INFLIGHT = Gauge("inferbus_inflight_requests", "Requests in flight in this gatew
 MIGRATIONS = Counter("inferbus_migrations_total", "Requests continued on another worker")
 ERRORS = Counter("inferbus_errors_total", "Requests that ended in an error", ["type"])
 PLACEMENTS = Counter("inferbus_placements_total", "Where requests were queued: a worker's own queue or the shared one", ["target"])
+FAIR_QUEUE = Gauge("inferbus_fair_queue_requests", "Requests waiting in this gateway's fair queue for their turn")

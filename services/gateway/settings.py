@@ -33,6 +33,25 @@ class GatewaySettings:
         "the router's policy is least-loaded today, which workers pulling from the shared queue already give for free.",
     )
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
+    admin_key: str = env(
+        "INFERBUS_ADMIN_KEY", "",
+        "Bearer key of the admin API (/admin/v1: tenants and API keys). Empty = the admin API is off (404).",
+    )
+    quota_on_redis_error: str = env(
+        "INFERBUS_QUOTA_ON_REDIS_ERROR", "closed",
+        "When Redis is unreachable: `closed` refuses requests (503, retry-after) so no tenant exceeds its quota; "
+        "`open` serves them unmetered.",
+    )
+    lease_ttl_s: float = env("INFERBUS_LEASE_TTL_S", 900.0, "A concurrency lease whose request never reported back frees itself after this long.")
+    queue_budget_premium_s: float = env("INFERBUS_QUEUE_BUDGET_PREMIUM_S", 10.0, "Expected queue wait above which premium requests get 503 (see docs/overload-policy.md).")
+    queue_budget_standard_s: float = env("INFERBUS_QUEUE_BUDGET_STANDARD_S", 3.0, "Expected queue wait above which standard requests get 503.")
+    dispatch_window_per_worker: int = env(
+        "INFERBUS_DISPATCH_WINDOW_PER_WORKER", 2,
+        "This gateway's requests allowed to wait in the shared queue per live worker; more wait in its fair queue.",
+    )
+    price_input_per_mtok: float = env("INFERBUS_PRICE_INPUT_PER_MTOK", 0.60, "Dollars per 1M uncached prompt tokens (budgets).")
+    price_cached_input_per_mtok: float = env("INFERBUS_PRICE_CACHED_INPUT_PER_MTOK", 0.15, "Dollars per 1M cached prompt tokens.")
+    price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens.")
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")

@@ -87,6 +87,7 @@ class Worker:
     _cancelled: dict[str, float] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)  # usage publishes in flight
     _drain_task: asyncio.Task[None] | None = None
+    _completed: int = 0  # requests finished, reported with load for the gateways' overload policy
     _outbox: dict[str, list[m.StreamEvent]] = field(default_factory=dict)
     _outbox_flush_scheduled: bool = False
 
@@ -317,6 +318,7 @@ class Worker:
                 self.running.pop(request.request_id, None)
                 RUNNING.set(len(self.running))
                 self._release_slot()
+                self._completed += 1
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
                 if publish_usage:
@@ -466,6 +468,7 @@ class Worker:
                 running=load.running, waiting=load.waiting, in_flight=len(self.running),
                 max_running=self.budget.capacity, kv_used_tokens=load.used_tokens,
                 kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=self.draining,
+                completed=self._completed,
             )
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
 

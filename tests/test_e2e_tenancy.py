@@ -1,0 +1,188 @@
+"""Tenant limits and the overload policy as a tenant's code sees them (official openai SDK)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from inferbus.local import free_port, http_ok
+
+from .conftest import MODEL, Platform, read_usage, start_platform
+
+pytestmark = pytest.mark.e2e
+
+
+def new_tenant(platform: Platform, **fields: object) -> tuple[str, str]:
+    """Create a tenant with `fields` through the admin API; return (tenant id, API key)."""
+    tenant = "t-" + secrets.token_hex(4)
+    with platform.admin() as admin:
+        assert admin.post("/tenants", json={"id": tenant, **fields}).status_code in (200, 201)
+        secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "test"}).json()["secret"]
+    return tenant, secret
+
+
+def client_for(platform: Platform, key: str, **options: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=platform.base_url, api_key=key, **{"max_retries": 0, **options})  # type: ignore[arg-type]
+
+
+def ask(client: openai.OpenAI, max_tokens: int = 3):  # type: ignore[no-untyped-def]
+    return client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens
+    )
+
+
+def test_requests_per_minute_limit_is_a_429_with_retry_headers(platform: Platform) -> None:
+    _, key = new_tenant(platform, limits={"requests_per_minute": 3})
+    client = client_for(platform, key)
+    ok = ask(client)
+    assert ok.headers["x-ratelimit-limit-requests"] == "3"
+    assert ok.headers["x-ratelimit-remaining-requests"] == "2"
+    ask(client)
+    ask(client)
+    with pytest.raises(openai.RateLimitError) as raised:
+        ask(client)
+    response = raised.value.response
+    assert raised.value.code == "rate_limit_exceeded"
+    assert int(response.headers["retry-after"]) >= 1
+    assert int(response.headers["retry-after-ms"]) > 0
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_spent_budget_is_insufficient_quota_and_the_sdk_does_not_retry(platform: Platform) -> None:
+    _, key = new_tenant(platform, limits={"monthly_budget_usd": 0.0000001})
+    client = client_for(platform, key, max_retries=3)
+    started = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as raised:
+        ask(client)
+    assert raised.value.code == "insufficient_quota"
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert time.monotonic() - started < 2  # no retry loop, though max_retries=3
+
+
+def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None:
+    _, key = new_tenant(platform, limits={"max_concurrent": 1})
+    client = client_for(platform, key, timeout=30)
+    with client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "long"}],
+                                        max_tokens=2000, stream=True) as stream:
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError):
+            ask(client)
+    # The stream was closed: the worker aborts, the usage event lands, the lease is released.
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            ask(client)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the concurrency lease was not released"
+            time.sleep(0.1)
+
+
+def test_models_a_tenant_may_not_use_look_like_models_that_do_not_exist(platform: Platform) -> None:
+    _, key = new_tenant(platform, models=["some-other-model"])
+    with pytest.raises(openai.NotFoundError) as raised:
+        ask(client_for(platform, key))
+    assert raised.value.code == "model_not_found"
+
+
+def test_reservations_reconcile_to_the_engine_reported_usage(platform: Platform) -> None:
+    tenant, key = new_tenant(platform, limits={"output_tokens_per_minute": 1000})
+    client = client_for(platform, key)
+    ids = [ask(client, max_tokens=5).headers["x-request-id"] for _ in range(3)]
+    read_usage(platform, tenant, set(ids))
+    time.sleep(0.3)  # the reconciler consumes the same events
+    # Each request reserved 5 output tokens and used 5; a fourth sees 1000 - 15 (+ refill) left.
+    remaining = int(ask(client, max_tokens=5).headers["x-ratelimit-remaining-tokens"])
+    with platform.admin() as admin:
+        assert admin.get(f"/tenants/{tenant}").status_code == 200
+    assert remaining < 1000
+
+
+@pytest.fixture
+def second_gateway(platform: Platform) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "NATS_URL": platform.stack.nats_url, "REDIS_URL": platform.stack.redis_url,
+           "INFERBUS_GATEWAY_PORT": str(port), "INFERBUS_MODEL": MODEL, "INFERBUS_LOG_LEVEL": "warning"}
+    process = subprocess.Popen([sys.executable, "-m", "inferbus.cli", "gateway"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not http_ok(url + "/ready"):
+        assert time.monotonic() < deadline and process.poll() is None, "second gateway did not start"
+        time.sleep(0.1)
+    time.sleep(1.5)  # it learns the workers from their next heartbeats
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+def test_two_gateways_do_not_give_a_tenant_twice_its_limit(platform: Platform, second_gateway: str) -> None:
+    _, key = new_tenant(platform, limits={"requests_per_minute": 10})
+    urls = [platform.base_url, second_gateway + "/v1"]
+
+    async def hammer() -> list[int]:
+        async with httpx.AsyncClient(timeout=30, headers={"authorization": f"Bearer {key}"}) as http:
+            async def one(i: int) -> int:
+                response = await http.post(f"{urls[i % 2]}/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+                return response.status_code
+            return await asyncio.gather(*(one(i) for i in range(40)))
+
+    statuses = asyncio.run(hammer())
+    # 10 per minute, refilling at 1 every 6 s: a burst of 40 over both gateways gets 10 (11 at most).
+    assert 10 <= statuses.count(200) <= 11, statuses
+    assert statuses.count(429) == 40 - statuses.count(200)
+
+
+@pytest.fixture(scope="module")
+def contended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """One worker with two slots: any real traffic contends for it."""
+    running = start_platform(tmp_path_factory.mktemp("fair"), workers=1, time_scale=0.1,
+                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2"})
+    yield running
+    running.stack.stop()
+    running.stack.rmtree()
+
+
+async def _closed_loop(platform: Platform, key: str, streams: int, seconds: float) -> int:
+    """Requests completed by `streams` clients, each sending the next as soon as one finishes."""
+    done = 0
+    stop_at = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {key}"}) as http:
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() < stop_at:
+                response = await http.post(f"{platform.base_url}/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "fair"}], "max_tokens": 40})
+                if response.status_code == 200 and time.monotonic() < stop_at:
+                    done += 1
+
+        await asyncio.gather(*(loop() for _ in range(streams)))
+    return done
+
+
+def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(contended: Platform) -> None:
+    _, heavy = new_tenant(contended)
+    _, light = new_tenant(contended)
+
+    async def both() -> tuple[int, int]:
+        heavy_done, light_done = await asyncio.gather(
+            _closed_loop(contended, heavy, 20, 4.0), _closed_loop(contended, light, 2, 4.0))
+        return heavy_done, light_done
+
+    heavy_done, light_done = asyncio.run(both())
+    share = light_done / (heavy_done + light_done)
+    # First come, first served would give the light tenant about 2/22 ≈ 9%; equal weights: 50%.
+    assert 0.35 <= share <= 0.65, (heavy_done, light_done)
+    # Idle capacity is not withheld: alone, the heavy tenant gets (about) all of it.
+    alone = asyncio.run(_closed_loop(contended, heavy, 20, 4.0))
+    assert alone >= 0.8 * (heavy_done + light_done)

@@ -1,0 +1,56 @@
+from proto import messages as m
+from services.gateway.overload import OverloadPolicy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def load(worker: str, *, in_flight: int, completed: int, waiting: int = 0, max_running: int = 10) -> m.WorkerLoad:
+    return m.WorkerLoad(worker_id=worker, model="m", ts=0, seq=0, running=in_flight, waiting=waiting,
+                        in_flight=in_flight, max_running=max_running, kv_used_tokens=0, kv_capacity_tokens=1,
+                        completed=completed)
+
+
+def busy_fleet(clock: Clock, policy: OverloadPolicy, rate_per_worker: float) -> None:
+    for step in range(10):  # ten load reports, 1 s apart, each worker full and finishing steadily
+        for worker in ("a", "b"):
+            policy.on_load(load(worker, in_flight=10, completed=int(step * rate_per_worker)))
+        clock.now += 1.0
+
+
+def test_idle_capacity_means_no_wait_even_with_a_queue_shorter_than_free_slots() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    policy.on_load(load("a", in_flight=2, completed=0))
+    policy.on_queue_depth("standard", 5)
+    assert policy.expected_wait_s("standard") == 0.0
+    assert policy.admit("standard") == (True, 0.0)
+
+
+def test_standard_is_shed_before_premium_when_the_queue_outgrows_its_budget() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    busy_fleet(clock, policy, rate_per_worker=2.0)  # fleet finishes ~4 requests/s
+    policy.on_queue_depth("premium", 4)
+    policy.on_queue_depth("standard", 20)
+    # premium waits behind 4 premium requests (~1.25 s); standard behind all 24 (~6 s)
+    assert 0.5 < policy.expected_wait_s("premium") < 2.5
+    assert policy.expected_wait_s("standard") > 5
+    admitted, retry_after = policy.admit("standard")
+    assert not admitted and retry_after >= 2
+    assert policy.admit("premium") == (True, 0.0)
+
+
+def test_stale_or_draining_workers_do_not_count() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, stale_after_s=3.0)
+    busy_fleet(clock, policy, rate_per_worker=2.0)
+    policy.on_queue_depth("standard", 50)
+    assert not policy.admit("standard")[0]
+    clock.now += 10  # reports stopped: the view is stale, which is not overload
+    assert policy.admit("standard") == (True, 0.0)
