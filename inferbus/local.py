@@ -187,6 +187,7 @@ class Stack:
                       lambda: redis_reachable(self.redis_url), self.redis_url)
         if c.router:
             self._add("router", self._inferbus("router"), lambda: True, "", INFERBUS_METRICS_PORT="0")
+        self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0")
         for i in range(1, c.workers + 1):
             engine_port = free_port()
             engine_url = f"http://127.0.0.1:{engine_port}"

@@ -87,6 +87,17 @@ def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None
             time.sleep(0.1)
 
 
+def test_one_at_a_time_never_trips_a_concurrency_limit_of_one(platform: Platform) -> None:
+    _, key = new_tenant(platform, limits={"max_concurrent": 1})
+    client = client_for(platform, key)
+    for _ in range(10):  # each starts right after the previous answer: the slot must be free already
+        ask(client)
+    with client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
+                                        max_tokens=3, stream=True) as stream:
+        list(stream)
+    ask(client)
+
+
 def test_models_a_tenant_may_not_use_look_like_models_that_do_not_exist(platform: Platform) -> None:
     _, key = new_tenant(platform, models=["some-other-model"])
     with pytest.raises(openai.NotFoundError) as raised:

@@ -21,12 +21,15 @@ Works on Redis 6.2+ (plain EVAL scripts, effects replication, no functions).
 
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from inferbus import logs
@@ -42,6 +45,64 @@ RECONCILE_MARK_TTL_S = 7 * 24 * 3600
 # USAGE stream after a gateway restart) still finds what was reserved.
 RESERVATION_GRACE_S = 3600
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+
+
+class _PassBatcher:
+    """Redis calls made in one event-loop pass go out as one pipeline: one round trip.
+
+    Under load many requests start and end in the same pass; each redis-py call costs the
+    gateway ~0.1 ms of CPU, so sharing the round trip keeps admission off the CPU budget.
+    """
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any], Any]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def call(self, *command: Any, script: Any = None) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((command, future, script))
+        return future
+
+    def evalsha(self, script: Any, keys: list[str], args: Sequence[Any]) -> asyncio.Future[Any]:
+        return self.call("EVALSHA", script.sha, len(keys), *keys, *args, script=script)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._execute(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any], Any]]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for command, _, _ in batch:
+            pipe.execute_command(*command)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except BaseException as error:
+            for _, future, _ in batch:
+                if not future.done():
+                    future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        for (command, future, script), result in zip(batch, results):
+            if isinstance(result, NoScriptError) and script is not None:
+                # Redis lost its script cache (a restart): load it and run this call again.
+                try:
+                    await self.redis.script_load(script.script)
+                    result = await self.redis.execute_command(*command)
+                except Exception as error:
+                    result = error
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
 
 class Decision(msgspec.Struct):
@@ -311,6 +372,7 @@ class Admission:
         self._admit = redis.register_script(_ADMIT)
         self._reconcile = redis.register_script(_RECONCILE)
         self._spend = redis.register_script(_SPEND)
+        self._batch = _PassBatcher(redis)
 
     async def admit(self, tenant: str, limits: TenantLimits, request_id: str, input_tokens: int,
                     max_output_tokens: int, estimated_cost_usd: float) -> Decision:
@@ -326,7 +388,7 @@ class Admission:
             -1 if budget is None else _micro(budget),
         )
         try:
-            raw = await self._admit(keys=[prefix + "quota", prefix + "leases", prefix + "res:" + request_id], args=args)
+            raw = await self._batch.evalsha(self._admit, [prefix + "quota", prefix + "leases", prefix + "res:" + request_id], args)
         except _UNAVAILABLE as error:
             if self.on_redis_error == "closed":
                 raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
@@ -349,6 +411,30 @@ class Admission:
         except _UNAVAILABLE as error:
             raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
         return bool(done)
+
+    async def release(self, tenant: str, request_id: str) -> None:
+        """Free a request's concurrency lease now; tokens and cost reconcile later from the ledger.
+
+        The gateway calls this the moment a request ends, so a client that sends its next request
+        straight away is not refused while the usage event is still on its way. Idempotent.
+        """
+        try:
+            await self._batch.call("ZREM", tenant_prefix(tenant) + "leases", request_id)
+        except _UNAVAILABLE as error:
+            raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
+
+    async def reconcile_many(self, usages: Sequence[tuple[str, str, int, int, float]]) -> list[bool]:
+        """`reconcile` for many (tenant, request_id, input, output, cost) at once: one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for tenant, request_id, input_tokens, output_tokens, cost_usd in usages:
+            prefix = tenant_prefix(tenant)
+            keys = [prefix + "quota", prefix + "leases", prefix + "res:" + request_id, prefix + "done:" + request_id]
+            await self._reconcile(keys=keys, args=(request_id, input_tokens, output_tokens, _micro(cost_usd),
+                                                   RECONCILE_MARK_TTL_S), client=pipe)
+        try:
+            return [bool(done) for done in await pipe.execute()]
+        except _UNAVAILABLE as error:
+            raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
 
     async def spend_this_month(self, tenant: str) -> float:
         """The tenant's spend in the current UTC month (Redis time), reservations included, in USD."""

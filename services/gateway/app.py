@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from inferbus import bus, logs, tracing
+from services.billing.pricing import Prices
 
 from .admin import admin_router
 from .admission import Admission
@@ -33,8 +34,6 @@ from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
 from .keys import KeyStore
 from .overload import OverloadPolicy
-from .pricing import Prices
-from .reconcile import UsageReconciler
 from .settings import GatewaySettings
 from .tenants import TenantStore
 
@@ -53,7 +52,6 @@ class Gateway:
         self.generation: Generation | None = None
         self.tenants: TenantStore | None = None
         self.fleet: FleetMonitor | None = None
-        self.reconciler: UsageReconciler | None = None
         self.nc = None
 
     async def start(self) -> None:
@@ -62,10 +60,12 @@ class Gateway:
         js = self.nc.jetstream()
         await bus.ensure_streams(js)
         workers = await bus.workers_bucket(js, s.heartbeat_ttl_s)
+        overload = OverloadPolicy(clock=time.monotonic, budgets_s={
+            "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s})
         self.dispatcher = Dispatcher(
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
-            window_per_worker=s.dispatch_window_per_worker,
+            window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
@@ -76,20 +76,15 @@ class Gateway:
         self.tenants = TenantStore(self.redis)
         admission = Admission(self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s)  # type: ignore[arg-type]
         prices = Prices(s.price_input_per_mtok, s.price_output_per_mtok, s.price_cached_input_per_mtok)
-        overload = OverloadPolicy(clock=time.monotonic, budgets_s={
-            "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s})
         self.fleet = FleetMonitor(self.nc, js, s.model, overload)
         await self.fleet.start()
-        self.reconciler = UsageReconciler(js, admission, prices)
-        await self.reconciler.start()
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
                                      admission, overload, prices)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
-        for part in (self.reconciler, self.fleet):
-            if part is not None:
-                await part.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self.dispatcher is not None:
             await self.dispatcher.stop()
         if self.nc is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -83,6 +83,7 @@ class Dispatcher:
         max_attempts: int,
         placement_timeout_s: float,
         window_per_worker: int = 2,
+        free_slots: Callable[[], int] = lambda: 0,
     ) -> None:
         self.nc = nc
         self.kv = workers
@@ -91,6 +92,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.placement_timeout_s = placement_timeout_s
         self.window_per_worker = window_per_worker
+        self.free_slots = free_slots
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
@@ -162,7 +164,9 @@ class Dispatcher:
                                            headers=tracing.inject())
 
     def window(self) -> int:
-        return self.window_per_worker * max(1, len(self.live_workers))
+        """How many of this gateway's requests may wait in the shared queue: the fleet's free slots
+        (idle capacity is never withheld), and at least a few per worker so none runs dry."""
+        return max(self.window_per_worker * max(1, len(self.live_workers)), self.free_slots())
 
     def held(self, band: str) -> int:
         """Requests of `band` waiting in this gateway's fair queue."""

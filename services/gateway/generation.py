@@ -21,6 +21,7 @@ from inferbus import logs, tracing
 from inferbus.prompt import render_chat
 from inferbus.tokens import count_tokens
 from proto import messages as m
+from services.billing.pricing import Prices
 
 from . import metrics, schemas
 from .admission import Admission, AdmissionUnavailable, Decision
@@ -28,7 +29,6 @@ from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
-from .pricing import Prices
 from .settings import GatewaySettings
 from .tenants import Tenant, TenantStore, may_use_model
 
@@ -61,6 +61,7 @@ class _Call:
     flight: Flight | None = None
     usage: m.Usage | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
+    lease_held: bool = True  # the tenant's concurrency lease for this request
 
     @property
     def chunk_object(self) -> str:
@@ -125,6 +126,7 @@ class Generation:
             metrics.ERRORS.labels("client_disconnect").inc()
             await self.dispatcher.cancel(flight, "client_disconnect")
         finally:
+            await self._release_lease(call)
             self.dispatcher.close(flight)
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(endpoint, status).inc()
@@ -231,6 +233,18 @@ class Generation:
                 "output_tokens": "output tokens per minute", "concurrency": "concurrent requests"}.get(decision.reason, decision.reason)
         raise OpenAIError(429, f"Rate limit reached for {what}; retry after the delay in `retry-after`.",
                           code="rate_limit_exceeded", type="rate_limit_error", headers=decision.headers())
+
+    async def _release_lease(self, call: _Call) -> None:
+        """Free the concurrency slot as the request ends; before its last bytes where possible, so
+        a client that sends its next request at once is not refused."""
+        if not call.lease_held or call.flight is None:
+            return
+        call.lease_held = False
+        request = call.flight.request
+        try:
+            await self.admission.release(request.tenant, request.request_id)
+        except Exception as error:  # the lease expires by itself; the ledger reconciles the rest
+            log.warning("lease_release_failed", error=repr(error))
 
     async def _release_reservation(self, tenant_id: str, request_id: str) -> None:
         # Nothing ran: give the reservation back now instead of waiting for its lease to expire.
@@ -355,6 +369,7 @@ class Generation:
             status = "504"
             frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
             await self._give_up(flight, error, cancel_reason="deadline")
+        await self._release_lease(call)
         frames.append(DONE)
         await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
         return status
@@ -382,6 +397,7 @@ class Generation:
         parts.append(event.text)
         self._first_token(call, True)
         self._record(flight, call, event)
+        await self._release_lease(call)
         await send_json(send, 200, self._completion_body(call, event, "".join(parts)), request_id,
                         {k.decode(): v.decode() for k, v in call.headers})
         return "200"

@@ -49,6 +49,10 @@ class OverloadPolicy:
         now = self.clock()
         return [w for w in self._workers.values() if now - w.seen <= self.stale_after_s and not w.load.draining]
 
+    def free_slots(self) -> int:
+        """Slots free across live workers at their last reports (they lag by up to ~250 ms)."""
+        return sum(max(0, w.load.max_running - w.load.in_flight) for w in self._live())
+
     def expected_wait_s(self, band: str, held_here: int = 0) -> float:
         """Seconds a new request of `band` can expect to wait before an engine starts it.
 
@@ -57,7 +61,7 @@ class OverloadPolicy:
         live = self._live()
         if not live:
             return 0.0  # no data is not overload; "no workers" is answered elsewhere
-        free = sum(max(0, w.load.max_running - w.load.in_flight) for w in live)
+        free = self.free_slots()
         ahead = sum(self._queued.get(b, 0) for b in BANDS[: BANDS.index(band) + 1] if b in BANDS)
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:

@@ -1,0 +1,99 @@
+"""Reconcile admission reservations with what requests really used, from the usage ledger.
+
+Every request the platform accepted ends in exactly one event on the `USAGE` stream (completed,
+cancelled or failed), so consuming the ledger reconciles every outcome, including requests whose
+client went away and whose gateway never saw the final usage. One durable consumer is shared by
+all billing replicas; `Admission.reconcile` is idempotent by request id, so a redelivery or a crash
+between reconciling and acking never counts twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import BadRequestError
+
+from inferbus import logs
+from proto import messages as m
+from proto import subjects
+
+from services.gateway.admission import Admission
+
+from .pricing import Prices
+
+log = logs.get(__name__)
+RECONCILER = "admission-reconciler"
+IDLE_WAIT_S = 0.05
+_usage_decoder = msgspec.msgpack.Decoder(m.UsageEvent)
+
+
+class UsageReconciler:
+    def __init__(self, js: JetStreamContext, admission: Admission, prices: Prices, batch: int = 512) -> None:
+        self.js = js
+        self.admission = admission
+        self.prices = prices
+        self.batch = batch
+        self._task: asyncio.Task[None] | None = None
+        self._subscription = None
+
+    async def start(self) -> None:
+        # One durable pull consumer shared by every billing replica. Batches: what is there is taken at
+        # once (a short wait only when idle, so a finished request's lease frees within ~50 ms),
+        # reconciled in one Redis round trip and acknowledged with one ack (AckPolicy.ALL).
+        config = ConsumerConfig(
+            durable_name=RECONCILER, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.ALL, ack_wait=30,
+            max_ack_pending=20_000, filter_subject=subjects.usage_stream_subjects()[0],
+        )
+        try:
+            await self.js.add_consumer(subjects.USAGE_STREAM, config)
+        except BadRequestError as error:
+            if error.err_code != 10148:  # exists with another config: keep using it
+                raise
+        self._subscription = await self.js.pull_subscribe_bind(RECONCILER, subjects.USAGE_STREAM)
+        self._task = asyncio.create_task(self._run(self._subscription), name="reconcile")
+
+    async def stop(self) -> None:
+        # Stop fetching before the connection drains: a pending pull would hold the drain up.
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+
+    async def _run(self, subscription) -> None:  # type: ignore[no-untyped-def]
+        while True:
+            try:
+                messages = await subscription.fetch(self.batch, timeout=IDLE_WAIT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # nothing new (TimeoutError), or a reconnect in progress
+                continue
+            await self._reconcile(messages)
+
+    async def _reconcile(self, messages: list[Msg]) -> None:
+        usages = []
+        for msg in messages:
+            try:
+                event = _usage_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                log.error("bad_usage_event", subject=msg.subject)
+                continue
+            u = event.usage
+            cost = self.prices.cost(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+            usages.append((event.tenant, event.request_id, u.prompt_tokens, u.completion_tokens, cost))
+        while True:
+            try:
+                await self.admission.reconcile_many(usages)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # Redis away: keep the batch and try again; nothing is acked yet
+                log.warning("reconcile_failed", events=len(usages), error=repr(error))
+                for msg in messages:
+                    await msg.in_progress()
+                await asyncio.sleep(1.0)
+        await messages[-1].ack()  # AckPolicy.ALL: acknowledges the whole batch
