@@ -148,7 +148,7 @@ SPINE = ("gateway", "router", "worker-1")
 
 
 async def measured_loop(stack: Stack, target: Target, concurrency: int, seconds: float) -> dict[str, float]:
-    pids = {name: stack.get(name).pid for name in (*SPINE, "engine-1", "nats")}
+    pids = {name: stack.get(name).pid for name in (*SPINE, "billing", "engine-1", "nats")}
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     wall = time.perf_counter()
     result = await closed_loop(target, concurrency, seconds, warmup=0.0)
@@ -160,6 +160,7 @@ async def measured_loop(stack: Stack, target: Target, concurrency: int, seconds:
         cpu_ms_per_request=cpu_ms,
         engine_cpu_ms_per_request=cpu_ms["engine-1"],
         nats_cpu_ms_per_request=cpu_ms["nats"],
+        billing_cpu_ms_per_request=cpu_ms["billing"],
         req_per_s=n / wall,
     )
     return result
@@ -220,7 +221,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"# Serving spine benchmark ({results['when']}, {results['machine']['cpus']} CPUs)",
         "",
-        "Command: `make bench` (`python -m bench.spine`). Simulated engine, one worker; the load client shares the machine.",
+        "Command: `make bench` (`python -m bench.spine`). Simulated engine, one worker; the load client shares the machine. "
+        "Every request passes tenant admission (one atomic Redis call); billing reconciles it from the usage ledger.",
         "",
         "## Concurrency 1, zero step time, 16 output tokens, httpx client",
         "",
@@ -232,12 +234,13 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['e2e_p50_ms']:.2f} | {r['e2e_p99_ms']:.2f} |")
     lines += [f"| **added by inferbus** | **{seq['added_ttft_p50_ms']:.2f}** | {seq['added_ttft_p99_ms']:.2f} | | |", "",
               "## Closed loop, zero step time, 16 output tokens (streaming)", "",
-              "| concurrency | engine req/s | inferbus req/s | inferbus TTFT p50 / p99 ms | gateway+router+worker CPU-ms/req | engine CPU-ms/req | NATS CPU-ms/req | errors |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| concurrency | engine req/s | inferbus req/s | inferbus TTFT p50 / p99 ms | gateway+router+worker CPU-ms/req | billing CPU-ms/req | engine CPU-ms/req | NATS CPU-ms/req | errors |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in results["closed_loop"]:
         e, i = row["engine"], row["inferbus"]
         lines.append(f"| {row['concurrency']} | {e['req_per_s']:.0f} | {i['req_per_s']:.0f} | {i['ttft_p50_ms']:.1f} / {i['ttft_p99_ms']:.1f} | "
-                     f"{i['spine_cpu_ms_per_request']:.2f} | {i['engine_cpu_ms_per_request']:.2f} | {i['nats_cpu_ms_per_request']:.2f} | {i['errors']} |")
+                     f"{i['spine_cpu_ms_per_request']:.2f} | {i['billing_cpu_ms_per_request']:.2f} | {i['engine_cpu_ms_per_request']:.2f} | "
+                     f"{i['nats_cpu_ms_per_request']:.2f} | {i['errors']} |")
     paced = results["paced"]
     lines += ["", "## Paced: engine 10 ms per step, 64 concurrent streams, 32 output tokens", "",
               "| path | req/s | TTFT p50 ms | TTFT p99 ms |", "| --- | ---: | ---: | ---: |"]

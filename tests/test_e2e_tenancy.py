@@ -105,17 +105,39 @@ def test_models_a_tenant_may_not_use_look_like_models_that_do_not_exist(platform
     assert raised.value.code == "model_not_found"
 
 
-def test_reservations_reconcile_to_the_engine_reported_usage(platform: Platform) -> None:
-    tenant, key = new_tenant(platform, limits={"output_tokens_per_minute": 1000})
+def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: Platform) -> None:
+    import redis.asyncio as aioredis
+
+    from services.billing.pricing import Prices
+    from services.gateway.admission import Admission
+
+    tenant, key = new_tenant(platform, limits={"monthly_budget_usd": 100.0})
     client = client_for(platform, key)
-    ids = [ask(client, max_tokens=5).headers["x-request-id"] for _ in range(3)]
-    read_usage(platform, tenant, set(ids))
-    time.sleep(0.3)  # the reconciler consumes the same events
-    # Each request reserved 5 output tokens and used 5; a fourth sees 1000 - 15 (+ refill) left.
-    remaining = int(ask(client, max_tokens=5).headers["x-ratelimit-remaining-tokens"])
-    with platform.admin() as admin:
-        assert admin.get(f"/tenants/{tenant}").status_code == 200
-    assert remaining < 1000
+    # max_tokens 500 reserves far more than a request stopped after a few words uses; greedy
+    # output is deterministic, so a word of it makes a stop sequence.
+    messages = [{"role": "user", "content": "reconcile"}]
+    baseline = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=20,
+                                                                temperature=0)
+    words = (baseline.parse().choices[0].message.content or "").split()
+    ids = [baseline.headers["x-request-id"]] + [client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=500, temperature=0, stop=[" " + words[3]],
+    ).headers["x-request-id"] for _ in range(3)]
+    events = read_usage(platform, tenant, set(ids))
+    assert all(e.usage.completion_tokens <= 20 for e in events)
+    prices = Prices(0.60, 0.90, 0.15)  # the platform's defaults
+    actual = sum(prices.cost(e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.cached_tokens) for e in events)
+
+    async def spend() -> float:
+        redis = aioredis.from_url(platform.stack.redis_url)
+        try:
+            return await Admission(redis).spend_this_month(tenant)
+        finally:
+            await redis.aclose()
+
+    deadline = time.monotonic() + 10
+    while abs(asyncio.run(spend()) - actual) > 1e-6:  # estimates are replaced by actual cost
+        assert time.monotonic() < deadline, f"spend {asyncio.run(spend())} never reconciled to {actual}"
+        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -197,3 +219,40 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(contended: 
     # Idle capacity is not withheld: alone, the heavy tenant gets (about) all of it.
     alone = asyncio.run(_closed_loop(contended, heavy, 20, 4.0))
     assert alone >= 0.8 * (heavy_done + light_done)
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """Two slots and a short standard queue budget: a flood overloads it quickly."""
+    running = start_platform(tmp_path_factory.mktemp("overload"), workers=1, time_scale=0.1,
+                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2", "INFERBUS_QUEUE_BUDGET_STANDARD_S": "0.3",
+                                        "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "30"})
+    yield running
+    running.stack.stop()
+    running.stack.rmtree()
+
+
+def test_an_overloaded_platform_sheds_standard_with_503_and_keeps_serving_premium(tight: Platform) -> None:
+    _, standard = new_tenant(tight)
+    _, premium = new_tenant(tight, band="premium")
+
+    async def flood() -> tuple[list[httpx.Response], list[int]]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def one(key: str) -> httpx.Response:
+                return await http.post(f"{tight.base_url}/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                       json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40})
+
+            shed: list[httpx.Response] = []
+            premium_statuses: list[int] = []
+            stop_at = time.monotonic() + 6
+            while time.monotonic() < stop_at and not shed:
+                wave = await asyncio.gather(*(one(standard) for _ in range(30)), one(premium))
+                shed += [r for r in wave[:-1] if r.status_code == 503]
+                premium_statuses.append(wave[-1].status_code)
+            return shed, premium_statuses
+
+    shed, premium_statuses = asyncio.run(flood())
+    assert shed, "a flood far beyond capacity must shed standard requests"
+    error = shed[0].json()["error"]
+    assert error["code"] == "overloaded" and int(shed[0].headers["retry-after"]) >= 1
+    assert set(premium_statuses) == {200}  # premium is shed last

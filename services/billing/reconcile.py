@@ -15,6 +15,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import BadRequestError
 
 from inferbus import logs
@@ -27,7 +28,9 @@ from .pricing import Prices
 
 log = logs.get(__name__)
 RECONCILER = "admission-reconciler"
-IDLE_WAIT_S = 0.05
+# Leases are freed by the gateway at once; refunds and spend may lag this long. (nats-py's fetch
+# with a much shorter timeout, 50 ms, never returned messages here.)
+IDLE_WAIT_S = 1.0
 _usage_decoder = msgspec.msgpack.Decoder(m.UsageEvent)
 
 
@@ -42,8 +45,8 @@ class UsageReconciler:
 
     async def start(self) -> None:
         # One durable pull consumer shared by every billing replica. Batches: what is there is taken at
-        # once (a short wait only when idle, so a finished request's lease frees within ~50 ms),
-        # reconciled in one Redis round trip and acknowledged with one ack (AckPolicy.ALL).
+        # once (a wait of up to IDLE_WAIT_S only when idle), reconciled in one Redis round trip and
+        # acknowledged with one ack (AckPolicy.ALL).
         config = ConsumerConfig(
             durable_name=RECONCILER, deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.ALL, ack_wait=30,
             max_ack_pending=20_000, filter_subject=subjects.usage_stream_subjects()[0],
@@ -68,9 +71,13 @@ class UsageReconciler:
         while True:
             try:
                 messages = await subscription.fetch(self.batch, timeout=IDLE_WAIT_S)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                continue  # nothing new
             except asyncio.CancelledError:
                 raise
-            except Exception:  # nothing new (TimeoutError), or a reconnect in progress
+            except Exception as error:  # a reconnect in progress, or worse: say so, then retry
+                log.warning("usage_fetch_failed", error=repr(error))
+                await asyncio.sleep(0.5)
                 continue
             await self._reconcile(messages)
 
