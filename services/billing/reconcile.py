@@ -79,7 +79,15 @@ class UsageReconciler:
                 log.warning("usage_fetch_failed", error=repr(error))
                 await asyncio.sleep(0.5)
                 continue
-            await self._reconcile(messages)
+            if not messages:  # nats-py may return an empty batch instead of timing out
+                continue
+            try:
+                await self._reconcile(messages)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad batch end reconciliation for good
+                log.exception("reconcile_batch_failed", events=len(messages))
+                await asyncio.sleep(0.5)
 
     async def _reconcile(self, messages: list[Msg]) -> None:
         usages = []
