@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform as host
 import statistics
@@ -30,19 +29,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from bench.common import percentile, write_results
 from inferbus.local import free_port, redis_reachable, redis_server_binary
 from services.gateway.admission import Admission, TenantLimits
 
 LIMITS = TenantLimits(requests_per_minute=10**9, input_tokens_per_minute=10**12, output_tokens_per_minute=10**12,
                       max_concurrent=10**6, monthly_budget_usd=10.0**9)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def summary(latencies_s: list[float], elapsed_s: float | None = None) -> dict[str, float]:
@@ -175,10 +167,7 @@ def main() -> None:
         "tenants": args.tenants,
         **results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "admission.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "admission.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(args.out, "admission", results, markdown)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.common import write_results
 from inferbus.cli import new_admin_key
 from inferbus.local import Stack, StackConfig, free_port
 
@@ -95,10 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": args.seconds,
                "fair": run(2, args.seconds), "fifo": run(100_000, args.seconds)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fairness.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "fairness.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(args.out, "fairness", results, markdown)
 
 
 if __name__ == "__main__":

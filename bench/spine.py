@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import platform as host
-import statistics
 import sys
 import tempfile
 import time
@@ -29,20 +28,13 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from bench.common import percentile, write_results
 from inferbus.cli import _demo_key
 from inferbus.local import Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 OUTPUT_TOKENS = 16
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -259,10 +251,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where spine.json and spine.md go")
     args = parser.parse_args()
     results = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "spine.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "spine.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(args.out, "spine", results, markdown)
 
 
 if __name__ == "__main__":

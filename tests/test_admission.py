@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import calendar
 import datetime as dt
-import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from inferbus.local import free_port, redis_reachable, redis_server_binary
+from inferbus.local import free_port
 from services.gateway.admission import (
     _PRELUDE,
     Admission,
@@ -26,19 +25,6 @@ from services.gateway.admission import (
 )
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not redis_reachable(url):
-        assert time.monotonic() < deadline, "redis did not start"
-        time.sleep(0.05)
-    yield url
-    server.terminate()
-    server.wait()
 
 
 @pytest.fixture

@@ -5,36 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-import pytest
 import redis.asyncio as aioredis
 
-from inferbus.local import free_port, redis_reachable, redis_server_binary
 from services.gateway.admission import Admission, TenantLimits
 
 PROCESSES = 4
 IN_FLIGHT = 4  # concurrent admits per process, like a gateway serving several requests at once
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not redis_reachable(url):
-        assert time.monotonic() < deadline, "redis did not start"
-        time.sleep(0.05)
-    yield url
-    server.terminate()
-    server.wait()
 
 
 def _replica(url: str, tenant: str, limits: TenantLimits, seconds: float, barrier: Barrier, results: Any) -> None:

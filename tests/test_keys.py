@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
-from collections.abc import Iterator
 
-import pytest
 import redis.asyncio as aioredis
 
-from inferbus.local import free_port, redis_reachable, redis_server_binary
+from inferbus.local import free_port
 from services.gateway.keys import KEY_PREFIX, KeyStore, create_key, hash_secret
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not redis_reachable(url):
-        assert time.monotonic() < deadline, "redis did not start"
-        time.sleep(0.05)
-    yield url
-    server.terminate()
-    server.wait()
 
 
 class CountingRedis(aioredis.Redis):
