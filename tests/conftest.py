@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,17 +91,26 @@ def start_platform(tmp: Path, **config: object) -> Platform:
     return Platform(stack, key, stack.config.admin_key)
 
 
+@contextmanager
+def running_platform(tmp: Path, **config: object) -> Iterator[Platform]:
+    """A platform for one fixture's lifetime; logs kept when INFERBUS_KEEP_LOGS is set."""
+    running = start_platform(tmp, **config)
+    try:
+        yield running
+    finally:
+        running.stack.stop()
+        if os.environ.get("INFERBUS_KEEP_LOGS") is None:
+            running.stack.rmtree()
+
+
 @pytest.fixture(scope="session")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """Two simulated H100 TP2 workers at 10x real speed."""
     # Engines log at debug so tests can see the trace context that reached them. Key lookups are
     # cached for 1 s (not 10) so that tests see a revoked key refused without a long wait.
-    running = start_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1,
-                             engine_args=["--log-level", "debug"], extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1"})
-    yield running
-    running.stack.stop()
-    if os.environ.get("INFERBUS_KEEP_LOGS") is None:
-        running.stack.rmtree()
+    with running_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1,
+                          engine_args=["--log-level", "debug"], extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1"}) as running:
+        yield running
 
 
 @pytest.fixture

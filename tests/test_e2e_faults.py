@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, Platform, start_platform
+from .conftest import MODEL, Platform, running_platform
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ HEARTBEAT_TTL_S = 1.5
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    running = start_platform(
+    with running_platform(
         tmp_path_factory.mktemp("faults"), workers=3, time_scale=0.1,
         extra_env={
             "INFERBUS_HEARTBEAT_INTERVAL_S": "0.3",
@@ -33,10 +33,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             # Exercise router placement (off by default) under faults too.
             "INFERBUS_PLACEMENT_TIMEOUT_MS": "20",
         },
-    )
-    yield running
-    running.stack.stop()
-    running.stack.rmtree()
+    ) as running:
+        yield running
 
 
 def busy_engine(platform: Platform, workers: range) -> int | None:

@@ -8,18 +8,16 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from .conftest import MODEL, Platform, read_usage, start_platform
+from .conftest import MODEL, Platform, read_usage, running_platform
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    running = start_platform(tmp_path_factory.mktemp("queue"), workers=1, time_scale=0.1,
-                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "1"})
-    yield running
-    running.stack.stop()
-    running.stack.rmtree()
+    with running_platform(tmp_path_factory.mktemp("queue"), workers=1, time_scale=0.1,
+                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "1"}) as running:
+        yield running
 
 
 async def _stream(session: aiohttp.ClientSession, platform: Platform, max_tokens: int, ids: list[str],

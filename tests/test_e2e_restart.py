@@ -9,17 +9,15 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from .conftest import MODEL, Platform, start_platform
+from .conftest import MODEL, Platform, running_platform
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    running = start_platform(tmp_path_factory.mktemp("restart"), workers=1, time_scale=0.1)
-    yield running
-    running.stack.stop()
-    running.stack.rmtree()
+    with running_platform(tmp_path_factory.mktemp("restart"), workers=1, time_scale=0.1) as running:
+        yield running
 
 
 def restart(platform: Platform, name: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from inferbus.local import free_port, http_ok
 
-from .conftest import MODEL, Platform, read_usage, start_platform
+from .conftest import MODEL, Platform, read_usage, running_platform
 
 pytestmark = pytest.mark.e2e
 
@@ -179,11 +179,9 @@ def test_two_gateways_do_not_give_a_tenant_twice_its_limit(platform: Platform, s
 @pytest.fixture(scope="module")
 def contended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """One worker with two slots: any real traffic contends for it."""
-    running = start_platform(tmp_path_factory.mktemp("fair"), workers=1, time_scale=0.1,
-                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2"})
-    yield running
-    running.stack.stop()
-    running.stack.rmtree()
+    with running_platform(tmp_path_factory.mktemp("fair"), workers=1, time_scale=0.1,
+                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2"}) as running:
+        yield running
 
 
 async def _closed_loop(platform: Platform, key: str, streams: int, seconds: float) -> int:
@@ -224,12 +222,10 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(contended: 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """Two slots and a short standard queue budget: a flood overloads it quickly."""
-    running = start_platform(tmp_path_factory.mktemp("overload"), workers=1, time_scale=0.1,
+    with running_platform(tmp_path_factory.mktemp("overload"), workers=1, time_scale=0.1,
                              extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2", "INFERBUS_QUEUE_BUDGET_STANDARD_S": "0.3",
-                                        "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "30"})
-    yield running
-    running.stack.stop()
-    running.stack.rmtree()
+                                        "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "30"}) as running:
+        yield running
 
 
 def test_an_overloaded_platform_sheds_standard_with_503_and_keeps_serving_premium(tight: Platform) -> None:

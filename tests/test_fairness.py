@@ -65,3 +65,14 @@ def test_a_request_whose_client_left_is_taken_back() -> None:
     assert queue.remove("d", "direct", "standard") and len(queue) == 0
     assert not queue.remove("d", "direct", "standard")
     assert queue.pop() is None
+
+
+def test_waiting_counts_per_band_follow_push_pop_and_remove() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push("a", "t", "standard", 1.0)
+    queue.push("b", "t", "standard", 1.0)
+    queue.push("p", "u", "premium", 1.0)
+    assert (queue.waiting("standard"), queue.waiting("premium")) == (2, 1)
+    queue.pop()  # premium first
+    queue.remove("b", "t", "standard")
+    assert (queue.waiting("standard"), queue.waiting("premium"), len(queue)) == (1, 0, 1)

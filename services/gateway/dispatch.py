@@ -170,7 +170,7 @@ class Dispatcher:
 
     def held(self, band: str) -> int:
         """Requests of `band` waiting in this gateway's fair queue."""
-        return sum(1 for f in self.flights.values() if f.state == "held" and f.request.tier == band)
+        return self.fair.waiting(band)
 
     async def open(self, request: m.InferenceRequest, weight: float = 1.0) -> Flight:
         """Queue a new request; its events arrive on the returned flight's queue.

@@ -35,9 +35,18 @@ class FairQueue(Generic[T]):
         self._bands: dict[str, dict[str, _Tenant[T]]] = {band: {} for band in BAND_ORDER}
         self._weights: dict[str, float] = {}
         self._size = 0
+        self._waiting_by_band: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self._size
+
+    def waiting(self, band: str) -> int:
+        """Items of `band` waiting (kept as a count: the gateway asks on every request)."""
+        return self._waiting_by_band.get(band, 0)
+
+    def _count(self, band: str, delta: int) -> None:
+        self._size += delta
+        self._waiting_by_band[band] = self._waiting_by_band.get(band, 0) + delta
 
     def _tenant(self, band: str, tenant: str) -> _Tenant[T]:
         tenants = self._bands.setdefault(band, {})
@@ -59,7 +68,7 @@ class FairQueue(Generic[T]):
         state = self._tenant(band, tenant)
         self._lift(band, state)
         state.waiting.append(item)
-        self._size += 1
+        self._count(band, +1)
 
     def dispatched(self, tenant: str, band: str, weight: float, tokens: float) -> None:
         """A request went out without waiting: it counts toward its tenant's share all the same."""
@@ -78,7 +87,7 @@ class FairQueue(Generic[T]):
             _, tenant = min(candidates)
             state = self._bands[band][tenant]
             item = state.waiting.popleft()
-            self._size -= 1
+            self._count(band, -1)
             state.active += 1
             state.counter += cost(item) / self._weights[tenant]
             return item, tenant, band
@@ -90,7 +99,7 @@ class FairQueue(Generic[T]):
         if state is None or item not in state.waiting:
             return False
         state.waiting.remove(item)
-        self._size -= 1
+        self._count(band, -1)
         return True
 
     def finished(self, tenant: str, band: str, estimated: float, actual: float) -> None:
