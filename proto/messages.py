@@ -53,6 +53,8 @@ class InferenceRequest(_Message, tag="request"):
     resumed_tokens: int = 0
     prompt_tokens: int | None = None  # known once an earlier attempt reported it
     user: str | None = None
+    api_key_id: str = ""  # which of the tenant's keys sent it (usage is grouped by key)
+    batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
@@ -150,6 +152,8 @@ class UsageEvent(_Message):
     worker_id: str = ""
     attempts: int = 1
     finish_reason: str | None = None
+    api_key_id: str = ""
+    batch_id: str | None = None
 
 
 class WorkerLoad(_Message):

@@ -177,6 +177,7 @@ class Generation:
         now = time.time()
         inference = m.InferenceRequest(
             request_id=request_id, tenant=principal.tenant, model=params.model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
+            api_key_id=principal.key_id,
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=m.SamplingParams(
                 max_new_tokens=max_new_tokens,

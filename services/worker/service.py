@@ -393,6 +393,7 @@ class Worker:
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.settings.worker_id, attempts=request.attempt + 1, finish_reason=finish,
+            api_key_id=request.api_key_id, batch_id=request.batch_id,
         )
         try:
             await self.replies.publish_durable(subjects.usage_subject(request.tenant), m.encode(event), request.request_id)
