@@ -124,8 +124,10 @@ def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: P
     ).headers["x-request-id"] for _ in range(3)]
     events = read_usage(platform, tenant, set(ids))
     assert all(e.usage.completion_tokens <= 20 for e in events)
-    prices = Prices(0.60, 0.90, 0.15)  # the platform's defaults
-    actual = sum(prices.cost(e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.cached_tokens) for e in events)
+    prices = Prices(0.60, 0.90, 0.15)  # the platform's default price book
+    # Billed in whole micro-dollars per token kind (services/billing/pricing.py), as /v1/costs shows.
+    actual = sum(prices.cost_micro(e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.cached_tokens)
+                 for e in events) / 1_000_000
 
     async def spend() -> float:
         redis = aioredis.from_url(platform.stack.redis_url)

@@ -1,5 +1,9 @@
 """Reconcile admission reservations with what requests really used, from the usage ledger.
 
+Costs come from the versioned price book exactly as the rollups compute them
+(`usage.contribution`), so the monthly spend budgets are checked against equals the month's
+`/v1/costs` total.
+
 Every request the platform accepted ends in exactly one event on the `USAGE` stream (completed,
 cancelled or failed), so consuming the ledger reconciles every outcome, including requests whose
 client went away and whose gateway never saw the final usage. One durable consumer is shared by
@@ -24,7 +28,9 @@ from proto import subjects
 
 from services.gateway.admission import Admission
 
-from .pricing import Prices
+from .usage import contribution
+
+from .store import PriceStore
 
 log = logs.get(__name__)
 RECONCILER = "admission-reconciler"
@@ -35,7 +41,7 @@ _usage_decoder = msgspec.msgpack.Decoder(m.UsageEvent)
 
 
 class UsageReconciler:
-    def __init__(self, js: JetStreamContext, admission: Admission, prices: Prices, batch: int = 512) -> None:
+    def __init__(self, js: JetStreamContext, admission: Admission, prices: PriceStore, batch: int = 512) -> None:
         self.js = js
         self.admission = admission
         self.prices = prices
@@ -90,18 +96,19 @@ class UsageReconciler:
                 await asyncio.sleep(0.5)
 
     async def _reconcile(self, messages: list[Msg]) -> None:
-        usages = []
+        events = []
         for msg in messages:
             try:
-                event = _usage_decoder.decode(msg.data)
+                events.append(_usage_decoder.decode(msg.data))
             except msgspec.DecodeError:
                 log.error("bad_usage_event", subject=msg.subject)
-                continue
-            u = event.usage
-            cost = self.prices.cost(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-            usages.append((event.tenant, event.request_id, u.prompt_tokens, u.completion_tokens, cost))
         while True:
             try:
+                # The cost the rollups bill (price book at the request's accept time, batch discount,
+                # whole micro-dollars), so a month's budget spend equals its /v1/costs total.
+                book = await self.prices.book()
+                usages = [(e.tenant, e.request_id, e.usage.prompt_tokens, e.usage.completion_tokens,
+                           contribution(e, book).costs.total / 1_000_000) for e in events]
                 await self.admission.reconcile_many(usages)
                 break
             except asyncio.CancelledError:

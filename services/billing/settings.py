@@ -8,9 +8,28 @@ from inferbus.settings import env
 @dataclass(frozen=True)
 class BillingSettings:
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding tenants' quota state.")
-    price_input_per_mtok: float = env("INFERBUS_PRICE_INPUT_PER_MTOK", 0.60, "Dollars per 1M uncached prompt tokens (budgets).")
-    price_cached_input_per_mtok: float = env("INFERBUS_PRICE_CACHED_INPUT_PER_MTOK", 0.15, "Dollars per 1M cached prompt tokens.")
-    price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens.")
+    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding quota state, rollups and the price book.")
+    price_input_per_mtok: float = env(
+        "INFERBUS_PRICE_INPUT_PER_MTOK", 0.60,
+        "Dollars per 1M uncached prompt tokens: seeds the price book's `*`/`*` entry once (then `inferbus prices set`).")
+    price_cached_input_per_mtok: float = env("INFERBUS_PRICE_CACHED_INPUT_PER_MTOK", 0.15, "Dollars per 1M cached prompt tokens (seeds the price book).")
+    price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens (seeds the price book).")
+    batch_discount: float = env("INFERBUS_BATCH_DISCOUNT", 0.5, "Fraction off for requests of a batch, 0..1 (seeds the price book).")
+    rollup_batch: int = env("INFERBUS_BILLING_BATCH", 2000, "Usage events pulled per request by the rollup consumer (two requests in flight).")
+    ack_wait_s: float = env(
+        "INFERBUS_BILLING_ACK_WAIT_S", 30.0,
+        "Usage events a billing replica pulled and did not acknowledge within this are delivered again (to any replica).")
+    minute_retention_s: int = env("INFERBUS_BILLING_MINUTE_RETENTION_S", 48 * 3600, "How long 1-minute usage buckets are kept.")
+    rollup_retention_s: int = env("INFERBUS_BILLING_ROLLUP_RETENTION_S", 400 * 86400, "How long hourly and daily usage buckets are kept.")
+    dedup_ttl_s: int = env(
+        "INFERBUS_BILLING_DEDUP_TTL_S", 8 * 86400,
+        "How long a counted request id is remembered: a duplicate usage event arriving later than this would count again.")
+    export_dir: str = env("INFERBUS_EXPORT_DIR", ".inferbus/exports",
+                          "Directory of the monthly usage exports (<dir>/<YYYY-MM>/<tenant>.<format>); empty disables them.")
+    export_format: str = env("INFERBUS_EXPORT_FORMAT", "csv", "Format of the monthly exports: csv, jsonl or parquet.")
+    export_bucket: str = env("INFERBUS_EXPORT_BUCKET", "1h", "Bucket width of the monthly exports' rows: 1h or 1d.")
+    export_delay_s: int = env(
+        "INFERBUS_EXPORT_DELAY_S", 1800,
+        "Last month is exported this long after the month ends (requests still running at midnight finish first).")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9103, "Port of the billing service's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
