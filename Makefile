@@ -4,12 +4,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test bench install clean help
+.PHONY: up test bench bench-routing install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite"
 	@echo "make bench  measure the serving spine; writes bench/results/"
+	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min); writes bench/results/routing.*"
 	@echo "make clean  remove the virtualenv and local state"
 
 $(PY):
@@ -33,6 +34,12 @@ bench: $(STAMP)
 	$(PY) -m bench.spine $(ARGS)
 	$(PY) -m bench.admission
 	$(PY) -m bench.fairness
+	$(PY) -m bench.billing
+	$(PY) -m bench.placement
+
+# Installs sglang-router and matplotlib into the venv on first use (not core dependencies).
+bench-routing: $(STAMP)
+	$(PY) -m bench.routing $(ARGS)
 
 clean:
 	rm -rf $(VENV) .inferbus

@@ -7,14 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile by nearest rank; NaN for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+from inferbus.stats import percentile  # noqa: F401  (re-exported)
 
 
 def write_results(out: Path, name: str, results: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:

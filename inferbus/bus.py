@@ -162,3 +162,32 @@ async def retry_forever(
             log.warning("retrying", what=what, error=repr(error), delay=delay)
             await asyncio.sleep(delay)
             delay = min(max_delay, delay * 2)
+
+
+async def follow(
+    watcher: KeyValue.KeyWatcher,
+    on_put: Callable[[KeyValue.Entry], Awaitable[None] | None],
+    on_delete: Callable[[str], None],
+    on_loaded: Callable[[], None] = lambda: None,
+) -> None:
+    """Apply a KV watcher's updates forever: puts, deletes (and purges, and the limit markers of
+    expired keys) by key, and `on_loaded` once the initial values are in. Errors are logged and
+    the watch goes on."""
+    while True:
+        try:
+            entry = await watcher.updates(timeout=None)  # type: ignore[arg-type]
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.warning("kv_watch_error", error=repr(error))
+            await asyncio.sleep(0.5)
+            continue
+        if entry is None:  # the end of the initial values
+            on_loaded()
+            continue
+        if entry.operation in ("DEL", "PURGE") or entry.value is None:
+            on_delete(entry.key)
+            continue
+        result = on_put(entry)
+        if result is not None:
+            await result

@@ -513,5 +513,66 @@ def keys_revoke(tenant_id: str, key_id: str, url: str, admin_key: str) -> None:
     click.echo(f"Revoked key {key_id} of tenant '{tenant_id}' (gateways may accept it for up to "
                "INFERBUS_KEY_CACHE_TTL_S more seconds).")
 
+
+# ---- LoRA adapters, through the gateway's admin API ---------------------------------------------
+
+@main.group()
+def adapters() -> None:
+    """Register LoRA adapters of the served base model (--url, --admin-key).
+
+    An adapter is pinned to a version digest (sha256:<64 hex>): every worker loads exactly those
+    weights, on first use. Tenants call it by name (`model: NAME`) if their model list allows it.
+    """
+
+
+@adapters.command("register")
+@click.argument("name")
+@click.option("--version", "version", required=True, metavar="sha256:HEX",
+              help="Digest of the adapter's weights; moving tags such as `latest` are refused.")
+@click.option("--path", required=True, help="Where engines load the weights from (as SGLang's --lora-paths).")
+@click.option("--owner", default=None, metavar="TENANT", help="Only this tenant may use it (default: any tenant allowed the name).")
+@_admin_options
+def adapters_register(name: str, version: str, path: str, owner: str | None, url: str, admin_key: str) -> None:
+    """Register adapter NAME (or point NAME at a new version)."""
+    spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
+    click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
+
+
+@adapters.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the adapters as JSON.")
+@_admin_options
+def adapters_list(url: str, admin_key: str, as_json: bool) -> None:
+    """List registered adapters: name, pinned version, path and owner."""
+    found = AdminAPI(url, admin_key).call("GET", "/adapters")["data"]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    if not found:
+        click.echo("No adapters. Register one with: inferbus adapters register NAME --version sha256:... --path ...")
+        return
+    rows = [[a["name"], a["version"][:19] + "…", a["path"], a.get("owner") or "-", _when(a["created"])] for a in found]
+    click.echo(_table(["NAME", "VERSION", "PATH", "OWNER", "REGISTERED"], rows))
+
+
+@adapters.command("remove")
+@click.argument("name")
+@_admin_options
+def adapters_remove(name: str, url: str, admin_key: str) -> None:
+    """Unregister adapter NAME: requests for it get 404 at once (engines that loaded it keep it until they evict it)."""
+    AdminAPI(url, admin_key).call("DELETE", f"/adapters/{_q(name)}")
+    click.echo(f"Removed adapter {name}.")
+
+
+
+# ---- usage exports, rollup rebuilds and the price book (billing): inferbus/billing_cli.py -------
+
+def _register_billing() -> None:
+    from .billing_cli import register
+
+    register(main, AdminAPI, _admin_options, _table)
+
+
+_register_billing()
+
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ same start-up code. Every process gets a free port and logs to `<state_dir>/logs
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -63,6 +64,14 @@ def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2):
             return True
+    except OSError:
+        return False
+
+
+def _logged(path: Path, marker: bytes) -> bool:
+    """Whether a service has written `marker` to its log (services without a port say ready there)."""
+    try:
+        return marker in path.read_bytes()
     except OSError:
         return False
 
@@ -186,18 +195,24 @@ class Stack:
                                 "--appendonly", "no", "--dir", str(c.state_dir)],
                       lambda: redis_reachable(self.redis_url), self.redis_url)
         if c.router:
-            self._add("router", self._inferbus("router"), lambda: True, "", INFERBUS_METRICS_PORT="0")
+            router_log = c.state_dir / "logs" / "router.log"
+            self._add("router", self._inferbus("router"), lambda: _logged(router_log, b'"router_ready"'), "",
+                      INFERBUS_METRICS_PORT="0")
         self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0")
         for i in range(1, c.workers + 1):
-            engine_port = free_port()
+            engine_port, events_port = free_port(), free_port()
             engine_url = f"http://127.0.0.1:{engine_port}"
+            kv_events = f"tcp://127.0.0.1:{events_port}"
             argv = self._inferbus("sim-engine", "--host", "127.0.0.1", "--port", str(engine_port), "--gpu", c.gpu,
-                                  "--tp", str(c.tp), "--model", c.model, "--time-scale", str(c.time_scale), *c.engine_args)
+                                  "--tp", str(c.tp), "--model", c.model, "--time-scale", str(c.time_scale),
+                                  "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": kv_events}),
+                                  *c.engine_args)
             if c.fixed_step_ms is not None:
                 argv += ["--fixed-step-ms", str(c.fixed_step_ms)]
             self._add(f"engine-{i}", argv, lambda url=engine_url: http_ok(f"{url}/ready"), engine_url)
             self._add(f"worker-{i}", self._inferbus("worker"), lambda: True, f"drives engine-{i}",
-                      INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=engine_url, INFERBUS_METRICS_PORT="0")
+                      INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=engine_url, INFERBUS_METRICS_PORT="0",
+                      **({"INFERBUS_ENGINE_KV_EVENTS": kv_events} if "INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env else {}))
         admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}
         self._add("gateway", self._inferbus("gateway"), self.gateway_serving, self.gateway_url,
                   INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(c.gateway_port), **admin)

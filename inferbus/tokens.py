@@ -15,7 +15,14 @@ from array import array
 from collections.abc import Sequence
 
 VOCAB_SIZE = 128_256  # Llama-3's vocabulary size; ids only need to be stable, not meaningful.
-DEFAULT_BLOCK_SIZE = 16
+# Tokens per prefix block, for every component: the engine's cache page, the router's index and the
+# gateway's hashes must agree. 64 keeps a long prompt's hash list short (a 16k-token prompt is 250
+# hashes) while losing at most 63 tokens of a shared prefix to the partial last block.
+DEFAULT_BLOCK_SIZE = 64
+# Piece → id memo: most pieces repeat, and a dict lookup is several times cheaper than crc32 of a
+# freshly encoded string. Cleared when full, so memory stays bounded on adversarial input.
+_MEMO_LIMIT = 500_000
+_ids: dict[str, int] = {}
 
 # Letters in runs of at most 6, digits in runs of at most 3, single punctuation, whitespace runs;
 # a leading space sticks to the next piece as in byte-level BPE. A whitespace run leaves its last
@@ -26,7 +33,17 @@ _PIECE = re.compile(r" ?[^\W\d_]{1,6}| ?\d{1,3}| ?[^\w\s]|\s+(?!\S)|\s+|_")
 
 def encode(text: str) -> list[int]:
     """Token ids for `text`; the same text always gives the same ids in every process."""
-    return [zlib.crc32(piece.encode()) % VOCAB_SIZE for piece in _PIECE.findall(text)]
+    ids = _ids
+    if len(ids) > _MEMO_LIMIT:
+        ids.clear()
+    out: list[int] = []
+    append = out.append
+    for piece in _PIECE.findall(text):
+        token_id = ids.get(piece)
+        if token_id is None:
+            token_id = ids[piece] = zlib.crc32(piece.encode()) % VOCAB_SIZE
+        append(token_id)
+    return out
 
 
 def count_tokens(text: str) -> int:
@@ -48,8 +65,16 @@ def block_hashes(
     hashes: list[int] = []
     parent = hashlib.blake2b(namespace.encode(), digest_size=8).digest()
     full = len(token_ids) - len(token_ids) % block_size
-    for start in range(0, full, block_size):
-        block = array("I", token_ids[start : start + block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
-        hashes.append(int.from_bytes(parent, "little"))
+    data = array("I", token_ids[:full]).tobytes()
+    step = 4 * block_size
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    for start in range(0, 4 * full, step):
+        parent = blake2b(parent + data[start : start + step], digest_size=8).digest()
+        hashes.append(from_bytes(parent, "little"))
     return hashes
+
+
+def prefix_hashes(text: str, block_size: int = DEFAULT_BLOCK_SIZE, *, adapter: str | None = None) -> list[int]:
+    """The prefix-block hashes of a rendered prompt: what the router indexes and what the engine's
+    cache reports, for the base model or (in its own namespace) a LoRA adapter."""
+    return block_hashes(encode(text), block_size, namespace=adapter or "")

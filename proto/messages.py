@@ -54,6 +54,9 @@ class InferenceRequest(_Message, tag="request"):
     prompt_tokens: int | None = None  # known once an earlier attempt reported it
     user: str | None = None
     api_key_id: str = ""  # which of the tenant's keys sent it (usage is grouped by key)
+    # Prompt tokens the router expects the chosen worker to have cached: the worker reports the
+    # rest as prefill still to do, which is what the router weighs.
+    expected_cached_tokens: int = 0
     batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
 
     def engine_rid(self) -> str:
@@ -172,6 +175,11 @@ class WorkerLoad(_Message):
     cache_hit_rate: float = 0.0
     draining: bool = False
     completed: int = 0  # requests finished since the worker started (a counter: rates come from deltas)
+    queued_prefill_tokens: int = 0  # prompt tokens taken but not yet prefilled (the work a new request queues behind)
+    adapters: list[str] = []  # LoRA adapters loaded on the engine now
+    # Requests taken from this worker's own queue since it started (a counter): what routers placed
+    # here minus this is what still waits in the queue, invisible to the engine's numbers.
+    pulled_own: int = 0
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -205,26 +213,67 @@ class Heartbeat(_Message):
     adapters: list[str] = []
     gpu: str = ""
     tp: int = 0
+    block_size: int = 0  # the engine's cache page in tokens; the router hashes prompts with it
+    max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
 
 
 class PlacementRequest(_Message):
+    """Gateway → router on `placement_subject(model)` (request/reply)."""
+
     request_id: str
     model: str
     prompt_tokens: int
     adapter: str | None = None
     tier: str = "standard"
+    # `inferbus.tokens.prefix_hashes(prompt, block_size, adapter=adapter)`: the chained prefix-block
+    # hashes the engines' caches report, so the router can count blocks a worker already holds.
+    block_hashes: list[int] = []
+    block_size: int = 0
 
 
 class PlacementReply(_Message):
     target: str  # `subjects.ANY_TARGET` or `subjects.worker_target(...)`
     worker_id: str | None = None
     reason: str = ""
+    cached_blocks: int = 0  # leading blocks the router expects the chosen worker to hold
+
+
+class Placed(_Message):
+    """Router → every router replica on `placed_subject(model)`: a placement just made, so that
+    replicas count each other's placements (load and prefixes) before workers report them."""
+
+    router_id: str
+    worker_id: str
+    model: str
+    prefill_tokens: int  # prompt tokens the worker must compute (not expected to be cached)
+    block_hashes: list[int] = []
+    adapter: str | None = None
+
+
+class AdapterSpec(_Message):
+    """A registered LoRA adapter: value of `<name>` in the `adapters` KV bucket.
+
+    `version` pins the weights by digest (`sha256:<64 hex>`); a moving tag such as `latest` is
+    refused, so every worker that loads `name` loads the same bytes. Engines know the adapter as
+    `engine_name` (`<name>@<first 12 hex of the digest>`), which also namespaces its cache blocks.
+    """
+
+    name: str  # what clients put in `model`
+    base_model: str
+    version: str
+    path: str  # where the engine loads the weights from
+    created: float
+    owner: str | None = None  # a tenant's private adapter; None: any tenant allowed the name
+
+    @property
+    def engine_name(self) -> str:
+        return f"{self.name}@{self.version.removeprefix('sha256:')[:12]}"
 
 
 class ControlCommand(_Message):
     """Operator/autoscaler → worker on `control_subject`."""
 
-    action: Literal["drain", "resume", "load_adapter", "unload_adapter"]
+    action: Literal["drain", "resume", "load_adapter", "unload_adapter", "resync_cache"]
     adapter: str | None = None
     adapter_path: str | None = None
 

@@ -7,6 +7,7 @@ Layout (see DESIGN.md):
     inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
     inferbus.metrics.<worker> / inferbus.cache.<worker>
     inferbus.place.<model>                         router request/reply
+    inferbus.placed.<model>                        core NATS: placements, shared by router replicas
     inferbus.control.<worker> / inferbus.scale.<pool>
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
@@ -50,6 +51,21 @@ def worker_target(worker_id: str) -> str:
 def request_subject(tier: Tier, model: str, target: str = ANY_TARGET) -> str:
     """`target` is `ANY_TARGET` or `worker_target(worker_id)`."""
     return f"{PREFIX}.req.{tier}.{token(model)}.{target}"
+
+
+def shared_request_subject(worker_subject: str) -> str | None:
+    """The shared (`any`) subject for a request queued on `worker_subject` (a worker's own queue),
+    or None when the subject is not a worker's request subject."""
+    head, sep, _worker = worker_subject.rpartition(".w.")
+    if not sep or not head.startswith(f"{PREFIX}.req."):
+        return None
+    return f"{head}.{ANY_TARGET}"
+
+
+def worker_of_request_subject(subject: str) -> str | None:
+    """The worker token of a worker's request subject (as `token(worker_id)`), else None."""
+    head, sep, worker = subject.rpartition(".w.")
+    return worker if sep and head.startswith(f"{PREFIX}.req.") else None
 
 
 def requests_stream_subjects() -> list[str]:
@@ -105,6 +121,18 @@ def placement_subject(model: str) -> str:
 
 def placement_wildcard() -> str:
     return f"{PREFIX}.place.*"
+
+
+def placed_subject(model: str) -> str:
+    return f"{PREFIX}.placed.{token(model)}"
+
+
+def placed_wildcard() -> str:
+    return f"{PREFIX}.placed.*"
+
+
+def cache_wildcard() -> str:
+    return f"{PREFIX}.cache.*"
 
 
 def control_subject(worker_id: str) -> str:

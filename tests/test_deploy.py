@@ -24,6 +24,8 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 RULES = DEPLOY / "prometheus" / "rules.yml"
 DASHBOARD = DEPLOY / "grafana" / "inferbus-overview.json"
+BILLING_DASHBOARD = DEPLOY / "grafana" / "inferbus-billing.json"
+DASHBOARDS = sorted((DEPLOY / "grafana").glob("*.json"))
 COMPOSE = REPO / "docker-compose.yml"
 
 # Oldest Kubernetes we support: native sidecars (initContainers with restartPolicy: Always)
@@ -37,6 +39,16 @@ HISTOGRAMS = {
     "inferbus_tpot_seconds",
     "inferbus_e2e_seconds",
     "inferbus_queue_wait_seconds",
+    "inferbus_billing_batch_seconds",
+}
+BILLING_METRICS = {  # services/billing/metrics.py
+    "inferbus_billing_tokens_total",  # {tenant, model, kind=input|cached_input|output}
+    "inferbus_billing_dollars_total",  # {tenant, model}
+    "inferbus_billing_events_total",  # {result=counted|duplicate|invalid}
+    "inferbus_billing_batches_total",
+    "inferbus_billing_ledger_pending_events",
+    "inferbus_billing_ledger_lag_seconds",
+    "inferbus_billing_exports_total",  # {result}
 }
 METRICS = HISTOGRAMS | {
     # gateway
@@ -51,7 +63,7 @@ METRICS = HISTOGRAMS | {
     "inferbus_worker_kv_usage_ratio",
     "inferbus_worker_requests_total",  # {status}
     "inferbus_worker_engine_errors_total",
-}
+} | BILLING_METRICS
 ENGINE_METRICS = {
     "sglang:num_running_reqs",
     "sglang:num_queue_reqs",
@@ -116,6 +128,11 @@ def rules() -> dict:
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
+
+
+@pytest.fixture(scope="module", params=DASHBOARDS, ids=lambda p: p.name)
+def any_dashboard(request: pytest.FixtureRequest) -> dict:
+    return json.loads(request.param.read_text())
 
 
 def _dashboard_exprs(dashboard: dict) -> list[tuple[str, str]]:
@@ -354,7 +371,8 @@ def test_rules_pass_promtool():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_dashboard_queries_pass_promtool(dashboard: dict, tmp_path: Path):
+def test_dashboard_queries_pass_promtool(any_dashboard: dict, tmp_path: Path):
+    dashboard = any_dashboard
     promtool = _promtool()
     # Wrap each panel query as a recording rule so promtool parses it; Grafana's range
     # variables become a fixed window.
@@ -371,7 +389,8 @@ def test_dashboard_queries_pass_promtool(dashboard: dict, tmp_path: Path):
 # ---------------------------------------------------------------- grafana
 
 
-def test_dashboard_structure(dashboard: dict):
+def test_dashboard_structure(any_dashboard: dict):
+    dashboard = any_dashboard
     assert dashboard["schemaVersion"] >= 36
     assert dashboard["uid"] and dashboard["title"]
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
@@ -410,13 +429,44 @@ def test_dashboard_has_the_slo_panels(dashboard: dict):
         assert needed in exprs, f"no panel queries {needed}"
 
 
-def test_dashboard_uses_only_contract_metrics(dashboard: dict):
+def test_dashboard_uses_only_contract_metrics(any_dashboard: dict):
+    dashboard = any_dashboard
     problems = []
     for title, expr in _dashboard_exprs(dashboard):
         unknown = _unknown_metrics(expr)
         if unknown:
             problems.append(f"{title}: metrics not in the contract: {sorted(unknown)}")
     assert not problems, "\n".join(problems)
+
+
+def test_dashboards_have_distinct_uids():
+    uids = [json.loads(p.read_text())["uid"] for p in DASHBOARDS]
+    assert len(uids) == len(set(uids)) and len(uids) >= 2, uids
+
+
+def test_billing_dashboard_shows_spend_tokens_and_service_levels():
+    dashboard = json.loads(BILLING_DASHBOARD.read_text())
+    exprs = " ".join(e for _, e in _dashboard_exprs(dashboard))
+    for needed in ["inferbus_billing_dollars_total", "inferbus_billing_tokens_total", "by (tenant)",
+                   "inferbus_ttft_seconds_bucket", "inferbus_tpot_seconds_bucket", "inferbus_queue_wait_seconds_bucket",
+                   "inferbus_billing_events_total", "inferbus_billing_ledger_pending_events"]:
+        assert needed in exprs, f"no billing panel queries {needed}"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "label_values(inferbus_billing_dollars_total, tenant)" in json.dumps(variables["tenant"])
+    panels = {p["title"]: p for p in dashboard["panels"]}
+    assert 0.8 in [s["value"] for s in next(p for t, p in panels.items() if t.startswith("TTFT"))["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+
+def test_billing_metrics_in_the_contract_are_the_ones_billing_exports():
+    from prometheus_client import REGISTRY
+
+    import services.billing.metrics  # noqa: F401  (registers them)
+
+    exported = {metric.name for metric in REGISTRY.collect()}
+    # prometheus_client reports counters without their _total suffix.
+    exported |= {name + "_total" for name in exported}
+    missing = (BILLING_METRICS | {"inferbus_billing_batch_seconds"}) - exported
+    assert not missing, f"in the contract but not exported by services/billing/metrics.py: {sorted(missing)}"
 
 
 def test_slo_alerts_fire_on_synthetic_series(rules: dict, tmp_path: Path):

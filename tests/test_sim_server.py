@@ -156,7 +156,7 @@ async def test_client_disconnect_aborts_in_engine():
 async def test_loads_metrics_and_info_endpoints():
     async with running() as (_, client):
         for _ in range(2):
-            await client.post("/generate", json={"text": "same prompt " * 20, "sampling_params": {"max_new_tokens": 3}})
+            await client.post("/generate", json={"text": "same prompt " * 80, "sampling_params": {"max_new_tokens": 3}})
         loads = (await client.get("/v1/loads", params={"include": "all"})).json()
         [load] = loads["loads"]
         assert load["dp_rank"] == 0 and load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
@@ -173,7 +173,7 @@ async def test_loads_metrics_and_info_endpoints():
             assert name in metrics, name
         assert 'sglang:generation_tokens_total{model_name="meta-llama/Llama-3.3-70B-Instruct"} 6.0' in metrics
         info = (await client.get("/server_info")).json()
-        assert info["inferbus_simulated"] is True and info["tp_size"] == 2 and info["page_size"] == 16
+        assert info["inferbus_simulated"] is True and info["tp_size"] == 2 and info["page_size"] == 64
         assert (await client.get("/model_info")).json()["is_generation"] is True
         assert (await client.get("/ready")).status_code == 200
         assert (await client.get("/health")).status_code == 200

@@ -8,7 +8,7 @@ Errors use the OpenAI format, like the rest of the gateway.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -74,8 +74,8 @@ def _storage() -> Iterator[None]:
                           code="service_unavailable", headers={"retry-after": "1"}) from None
 
 
-def admin_router(admin_key: str, tenants: Callable[[], TenantStore | None]) -> APIRouter:
-    """Routes to mount at `/admin/v1`; `tenants` returns the gateway's store (None before start-up)."""
+def require_admin(admin_key: str) -> Callable[[Request], Awaitable[None]]:
+    """A FastAPI dependency accepting only `Authorization: Bearer <admin_key>`."""
 
     async def authorize(request: Request) -> None:
         if not admin_key:  # mounted by mistake without a key: behave as if absent
@@ -86,6 +86,13 @@ def admin_router(admin_key: str, tenants: Callable[[], TenantStore | None]) -> A
                               code="missing_api_key")
         if not hmac.compare_digest(secret.strip().encode(), admin_key.encode()):
             raise OpenAIError(401, "Incorrect admin key provided.", code="invalid_api_key")
+
+    return authorize
+
+
+def admin_router(admin_key: str, tenants: Callable[[], TenantStore | None]) -> APIRouter:
+    """Routes to mount at `/admin/v1`; `tenants` returns the gateway's store (None before start-up)."""
+    authorize = require_admin(admin_key)
 
     def store() -> TenantStore:
         found = tenants()

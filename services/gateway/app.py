@@ -21,6 +21,7 @@ from inferbus import bus, logs, tracing
 from services.billing.pricing import Prices
 
 from .admin import admin_router
+from .admin_adapters import adapters_router
 from .admission import Admission
 from .dispatch import Dispatcher
 from .errors import (
@@ -35,7 +36,9 @@ from .generation import ENDPOINTS, Generation
 from .keys import KeyStore
 from .overload import OverloadPolicy
 from .settings import GatewaySettings
-from .tenants import TenantStore
+from .models import ModelCatalog
+from .tenants import Tenant, TenantStore
+from .usage_api import admin_usage_router, usage_router
 
 log = logs.get(__name__)
 _json = msgspec.json.Encoder()
@@ -52,12 +55,14 @@ class Gateway:
         self.generation: Generation | None = None
         self.tenants: TenantStore | None = None
         self.fleet: FleetMonitor | None = None
+        self.catalog: ModelCatalog | None = None
+        self.js = None
         self.nc = None
 
     async def start(self) -> None:
         s = self.settings
         self.nc = await bus.connect(s.nats_url, name=f"gateway-{self.gateway_id}")
-        js = self.nc.jetstream()
+        js = self.js = self.nc.jetstream()
         await bus.ensure_streams(js)
         workers = await bus.workers_bucket(js, s.heartbeat_ttl_s)
         overload = OverloadPolicy(clock=time.monotonic, budgets_s={
@@ -65,7 +70,7 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
-            window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots,
+            window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
@@ -78,11 +83,15 @@ class Gateway:
         prices = Prices(s.price_input_per_mtok, s.price_output_per_mtok, s.price_cached_input_per_mtok)
         self.fleet = FleetMonitor(self.nc, js, s.model, overload)
         await self.fleet.start()
+        self.catalog = ModelCatalog(s.model, int(time.time()))
+        await self.catalog.start(js)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
-                                     admission, overload, prices)
+                                     admission, overload, prices, self.catalog)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
+        if self.catalog is not None:
+            await self.catalog.stop()
         if self.fleet is not None:
             await self.fleet.stop()
         if self.dispatcher is not None:
@@ -134,7 +143,6 @@ class RequestIdMiddleware:
 
 def create_app(settings: GatewaySettings) -> GatewayASGI:
     gateway = Gateway(settings)
-    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -151,25 +159,30 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     api.add_exception_handler(Exception, unhandled_exception_handler)
     if settings.admin_key:  # no key, no admin API: its URLs are plain 404s
         api.include_router(admin_router(settings.admin_key, lambda: gateway.tenants), prefix="/admin/v1")
+        api.include_router(adapters_router(settings.admin_key, settings.model, lambda: gateway.js), prefix="/admin/v1")
 
-    def model_card() -> dict[str, Any]:
-        return {"id": settings.model, "object": "model", "created": started, "owned_by": "inferbus"}
-
-    async def authenticate(request: Request) -> None:
+    async def caller(request: Request) -> Tenant:
         assert gateway.generation is not None
-        await gateway.generation._authenticate(request.headers.get("authorization"))
+        principal = await gateway.generation._authenticate(request.headers.get("authorization"))
+        return await gateway.generation.tenant(principal)
+
+    # Usage and costs (issue 6): /v1/usage, /v1/costs; /admin/v1/usage, /admin/v1/costs, /admin/v1/prices.
+    api.include_router(usage_router(lambda: gateway.generation, lambda: gateway.redis))
+    if settings.admin_key:
+        api.include_router(admin_usage_router(settings.admin_key, lambda: gateway.redis), prefix="/admin/v1")
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        await authenticate(request)
-        return Response(_json.encode({"object": "list", "data": [model_card()]}), media_type="application/json")
+        tenant = await caller(request)
+        assert gateway.catalog is not None
+        return Response(_json.encode({"object": "list", "data": gateway.catalog.cards(tenant)}), media_type="application/json")
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Response:
-        await authenticate(request)
-        assert gateway.generation is not None
-        gateway.generation.check_model(model_id)
-        return Response(_json.encode(model_card()), media_type="application/json")
+        tenant = await caller(request)
+        assert gateway.catalog is not None
+        gateway.catalog.resolve(model_id, tenant)
+        return Response(_json.encode(gateway.catalog.card(model_id)), media_type="application/json")
 
     @api.get("/health")
     async def health() -> Response:

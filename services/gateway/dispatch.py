@@ -19,7 +19,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import logs, tracing
+from inferbus import bus, logs, tracing
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from inferbus.replies import PublishError, Replies
 from proto import messages as m
 from proto import subjects
@@ -56,6 +57,7 @@ class Flight:
     weight: float = 1.0  # the tenant's fair-share weight
     estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
     state: str = "held"  # held (in the fair queue) → queued (in JetStream) → accepted (by a worker)
+    block_hashes: list[int] = field(default_factory=list)  # the prompt's prefix blocks, for placement
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -84,7 +86,9 @@ class Dispatcher:
         placement_timeout_s: float,
         window_per_worker: int = 2,
         free_slots: Callable[[], int] = lambda: 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
+        self.block_size = block_size
         self.nc = nc
         self.kv = workers
         self.gateway_id = gateway_id
@@ -134,14 +138,16 @@ class Dispatcher:
 
     # ---- placement and publishing -----------------------------------------------------------
 
-    async def _place(self, request: m.InferenceRequest) -> m.PlacementReply:
+    async def _place(self, flight: Flight) -> m.PlacementReply:
         """Ask the router for a target; without an answer in time, the shared queue still serves."""
+        request = flight.request
         shared = m.PlacementReply(target=subjects.ANY_TARGET)
-        if self.placement_timeout_s <= 0 or request.attempt > 0:
+        if self.placement_timeout_s <= 0:
             return shared
         ask = m.PlacementRequest(
             request_id=request.request_id, model=request.model, adapter=request.adapter,
-            prompt_tokens=request.prompt_tokens or 0, tier=request.tier,
+            prompt_tokens=(request.prompt_tokens or 0) + request.resumed_tokens, tier=request.tier,
+            block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
         )
         try:
             reply = await self.replies.request(subjects.placement_subject(request.model), m.encode(ask), self.placement_timeout_s)
@@ -154,10 +160,14 @@ class Dispatcher:
 
     async def _publish(self, flight: Flight) -> None:
         request = flight.request
-        placement = await self._place(request)
+        placement = await self._place(flight)
         # A request queued for one worker is that worker's from now on: if it dies before pulling
         # it, the request migrates like an accepted one instead of waiting out its deadline.
         flight.worker_id = placement.worker_id
+        if placement.cached_blocks:
+            request = flight.request = msgspec.structs.replace(
+                request, expected_cached_tokens=placement.cached_blocks * self.block_size
+            )
         PLACEMENTS.labels("worker" if placement.worker_id else "any").inc()
         subject = subjects.request_subject(request.tier, request.model, placement.target)  # type: ignore[arg-type]
         await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
@@ -172,14 +182,15 @@ class Dispatcher:
         """Requests of `band` waiting in this gateway's fair queue."""
         return self.fair.waiting(band)
 
-    async def open(self, request: m.InferenceRequest, weight: float = 1.0) -> Flight:
+    async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None) -> Flight:
         """Queue a new request; its events arrive on the returned flight's queue.
 
         With room in the window it is published now (a failure raises DispatchError); otherwise
         it waits in the fair queue and is published when its turn comes.
         """
         estimate = float((request.prompt_tokens or 0) + request.sampling.max_new_tokens)
-        flight = Flight(request=request, prompt_tokens=request.prompt_tokens, weight=weight, estimated_tokens=estimate)
+        flight = Flight(request=request, prompt_tokens=request.prompt_tokens, weight=weight, estimated_tokens=estimate,
+                        block_hashes=block_hashes or [])
         self.flights[request.request_id] = flight
         if self.in_queue < self.window() and not len(self.fair):
             self.fair.dispatched(request.tenant, request.tier, weight, estimate)
@@ -260,6 +271,8 @@ class Dispatcher:
         flight.worker_id = None
         flight.sent_text = []
         flight.next_seq = 0
+        if flight.state != "queued":
+            self._mark_queued(flight)  # waiting in a queue again, until a worker accepts it
         try:
             await self._publish(flight)
         except Exception as error:
@@ -334,25 +347,14 @@ class Dispatcher:
 
     async def _watch_workers(self) -> None:
         assert self._watcher is not None
-        while True:
-            try:
-                entry = await self._watcher.updates(timeout=None)  # type: ignore[arg-type]
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("worker_watch_error", error=repr(error))
-                await asyncio.sleep(0.5)
-                continue
-            if entry is None:  # end of the initial values
-                continue
-            if entry.operation in ("DEL", "PURGE") or entry.value is None:
-                self._worker_gone(entry.key)
-                continue
-            try:
-                beat = _heartbeat_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                continue
-            self.live_workers[beat.worker_id] = (time.monotonic(), beat)
+        await bus.follow(self._watcher, self._on_heartbeat, self._worker_gone)
+
+    def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
+        try:
+            beat = _heartbeat_decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            return
+        self.live_workers[beat.worker_id] = (time.monotonic(), beat)
 
     def _worker_gone(self, key: str) -> None:
         gone = [wid for wid in self.live_workers if subjects.worker_key(wid) == key]
@@ -360,7 +362,13 @@ class Dispatcher:
             del self.live_workers[worker_id]
             log.warning("worker_gone", worker_id=worker_id)
         for flight in list(self.flights.values()):
-            if flight.worker_id in gone:
+            if flight.worker_id not in gone:
+                continue
+            if flight.state == "queued":
+                # Still in the dead worker's queue: the router moves it to the shared queue, where
+                # another worker takes it. Publishing a second attempt here would run it twice.
+                flight.worker_id = None
+            else:
                 self._fail_attempt(flight, "worker heartbeat ended")
 
     def _fail_attempt(self, flight: Flight, why: str) -> None:

@@ -19,7 +19,7 @@ import structlog
 
 from inferbus import logs, tracing
 from inferbus.prompt import render_chat
-from inferbus.tokens import count_tokens
+from inferbus.tokens import block_hashes, count_tokens, encode
 from proto import messages as m
 from services.billing.pricing import Prices
 
@@ -28,9 +28,10 @@ from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
+from .models import ModelCatalog
 from .overload import OverloadPolicy
 from .settings import GatewaySettings
-from .tenants import Tenant, TenantStore, may_use_model
+from .tenants import Tenant, TenantStore
 
 log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.gateway")
@@ -88,8 +89,10 @@ async def send_json(send: Any, status: int, body: Any, request_id: str, headers:
 
 class Generation:
     def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, keys: KeyStore, tenants: TenantStore,
-                 admission: Admission, overload: OverloadPolicy, prices: Prices) -> None:
+                 admission: Admission, overload: OverloadPolicy, prices: Prices,
+                 catalog: ModelCatalog | None = None) -> None:
         self.settings = settings
+        self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
         self.keys = keys
         self.tenants = tenants
@@ -154,18 +157,25 @@ class Generation:
         body = await self._read_body(receive, _header(scope, b"content-length"))
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
-            self.check_model(chat.model, tenant)
+            model, adapter = self.catalog.resolve(chat.model, tenant)
             prompt = render_chat(msgspec.to_builtins(chat.messages), chat.tools)
             params: schemas._Common = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
-            self.check_model(completion.model, tenant)
+            model, adapter = self.catalog.resolve(completion.model, tenant)
             assert isinstance(completion.prompt, str)
             prompt, params, object_id = completion.prompt, completion, f"cmpl-{request_id}"
-        prompt_tokens = count_tokens(prompt)
+        hashes: list[int] = []
+        if self.dispatcher.placement_timeout_s > 0:
+            # The router places by prefix: hash the blocks the engines' caches report.
+            ids = encode(prompt)
+            prompt_tokens = len(ids)
+            hashes = block_hashes(ids, self.settings.block_size, namespace=adapter or "")
+        else:
+            prompt_tokens = count_tokens(prompt)
         max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)
-        if not self.dispatcher.has_workers(params.model):
+        if not self.dispatcher.has_workers(model):
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
@@ -176,8 +186,8 @@ class Generation:
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens)
         now = time.time()
         inference = m.InferenceRequest(
-            request_id=request_id, tenant=principal.tenant, model=params.model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
-            api_key_id=principal.key_id,
+            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
+            api_key_id=principal.key_id, adapter=adapter,
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=m.SamplingParams(
                 max_new_tokens=max_new_tokens,
@@ -197,7 +207,7 @@ class Generation:
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
             try:
-                flight = await self.dispatcher.open(inference, weight=tenant.weight)
+                flight = await self.dispatcher.open(inference, weight=tenant.weight, block_hashes=hashes)
             except DispatchError as error:
                 await self._release_reservation(tenant.id, request_id)
                 raise OpenAIError(error.status, str(error), code=error.code,
@@ -288,10 +298,7 @@ class Generation:
                 return b"".join(chunks)
 
     def check_model(self, model: str, tenant: Tenant | None = None) -> None:
-        # 404, not 403, for a model the tenant may not use: names must not leak.
-        if model != self.settings.model or (tenant is not None and not may_use_model(tenant, model)):
-            raise OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                              param="model", code="model_not_found")
+        self.catalog.resolve(model, tenant)
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
         room = self.settings.max_model_len - prompt_tokens

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from inferbus.settings import env
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
 
 def _default_gateway_id() -> str:
@@ -28,10 +29,11 @@ class GatewaySettings:
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
     placement_timeout_ms: float = env(
-        "INFERBUS_PLACEMENT_TIMEOUT_MS", 0.0,
-        "Ask the router where to place each request, waiting this long (then the shared queue). 0 = off: "
-        "the router's policy is least-loaded today, which workers pulling from the shared queue already give for free.",
+        "INFERBUS_PLACEMENT_TIMEOUT_MS", 50.0,
+        "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
+        "without an answer the request goes to the shared queue, which any worker serves. 0 = never ask.",
     )
+    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the engines' page size.")
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
     admin_key: str = env(
         "INFERBUS_ADMIN_KEY", "",

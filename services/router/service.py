@@ -1,31 +1,252 @@
-"""Router service: answers placement requests and keeps the worker registry from bus events."""
+"""Router service: the placement authority.
+
+It answers gateways' placement requests from a view it builds out of bus events: worker
+heartbeats (the registry, in the `workers` KV bucket), load reports every ~250 ms, cache events
+(prefix blocks stored and evicted, per worker in sequence) and the placements every router replica
+makes (`Placed`). Replicas share placement requests through a queue group and see every event, so
+they agree. A replica that starts, or notices a gap in a worker's cache events, asks that worker
+for a snapshot of its cache. When a worker dies, the router forgets it and moves the requests
+still queued for it to the shared queue (`recovery`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import time
+from datetime import datetime, timedelta, timezone
 
 import msgspec
 from nats.aio.msg import Msg
-from prometheus_client import Counter, Gauge, start_http_server
+from nats.js.kv import KeyValue
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import bus, logs, tracing
+from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
-from .policy import PlacementPolicy
+from . import recovery
+from .policy import Policy, RoutingConfig, make_policy
 from .settings import RouterSettings
 
 log = logs.get(__name__)
 
 PLACEMENTS = Counter("inferbus_router_placements_total", "Placement decisions", ["reason"])
+CACHED_BLOCKS = Counter("inferbus_router_expected_cached_blocks_total", "Prefix blocks placements expected to find cached")
 WORKERS = Gauge("inferbus_router_workers", "Workers the router considers alive")
+INDEX_BLOCKS = Gauge("inferbus_router_index_blocks", "Prefix blocks in the router's index, all workers")
+RESYNCS = Counter("inferbus_router_cache_resyncs_total", "Cache snapshots asked of workers (start, gaps)")
+RECOVERED = Counter("inferbus_router_recovered_requests_total", "Queued requests moved off dead workers")
+PLACE_SECONDS = Histogram(
+    "inferbus_router_place_seconds", "Time to decide one placement",
+    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01),
+)
+
+ROUTER_QUEUE = "routers"
+RESYNC_MIN_INTERVAL_S = 2.0
+PRELOAD_REPEAT_S = 5.0  # a worker told to load an adapter is not told again this soon
 
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementRequest)
 _load_decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
-ROUTER_QUEUE = "routers"
+_cache_decoder = msgspec.msgpack.Decoder(m.CacheEvent)
+_placed_decoder = msgspec.msgpack.Decoder(m.Placed)
+
+
+class Router:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.router_id = settings.router_id or f"router-{secrets.token_hex(4)}"
+        config = RoutingConfig(
+            block_size=settings.block_size, heartbeat_ttl_s=settings.heartbeat_ttl_s, kv_ceiling=settings.kv_ceiling,
+            temperature=settings.temperature, prefill_tokens_per_s=settings.prefill_tokens_per_s, miss_weight=settings.miss_weight,
+            decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
+            index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
+        )
+        self.policy: Policy = make_policy(settings.policy, time.monotonic, config)
+        self._resync_asked: dict[str, float] = {}
+        self._preloads: dict[tuple[str, str], float] = {}
+        self._recovering: set[str] = set()
+        self._registry_loaded = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        s = self.settings
+        self.nc = await bus.connect(s.nats_url, name=self.router_id)
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js)
+        self.kv = await bus.workers_bucket(self.js, s.heartbeat_ttl_s)
+        self.replies = Replies(self.nc)
+        await self.replies.start()
+        self.watcher = await self.kv.watchall()
+        await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
+        await self.nc.subscribe(subjects.cache_wildcard(), cb=self._on_cache, pending_msgs_limit=1_000_000)
+        await self.nc.subscribe(subjects.placed_wildcard(), cb=self._on_placed, pending_msgs_limit=1_000_000)
+        # Placement requests last: by then the view is being built.
+        await self.nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=self._on_place)
+        self._tasks = [
+            asyncio.create_task(self._watch(), name="watch-workers"),
+            asyncio.create_task(self._expire(), name="expire"),
+            asyncio.create_task(self._scan_for_orphans(), name="recovery-scan"),
+        ]
+        log.info("router_ready", router_id=self.router_id, policy=self.policy.name)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.watcher.stop()
+        await self.replies.stop()
+        await self.nc.drain()
+
+    # ---- placement ---------------------------------------------------------------------------
+
+    async def _on_place(self, msg: Msg) -> None:
+        started = time.perf_counter()
+        try:
+            request = _placement_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        reply = self.policy.place(request, record=False)
+        await msg.respond(m.encode(reply))
+        PLACE_SECONDS.observe(time.perf_counter() - started)
+        PLACEMENTS.labels(reply.reason).inc()
+        if reply.worker_id is None:
+            return
+        self.policy.record(request, reply)  # after the answer: the gateway need not wait for it
+        CACHED_BLOCKS.inc(reply.cached_blocks)
+        if request.adapter:
+            await self._preload(reply.worker_id, request.adapter)
+        placed = m.Placed(
+            router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
+            prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),
+            block_hashes=request.block_hashes,
+        )
+        await self.nc.publish(subjects.placed_subject(request.model), m.encode(placed))
+
+    async def _preload(self, worker_id: str, adapter: str) -> None:
+        """Start loading an adapter while the request is still on its way to the worker."""
+        view = self.policy.workers.get(worker_id)
+        if view is None or adapter in view.adapters:
+            return
+        now = time.monotonic()
+        if now - self._preloads.get((worker_id, adapter), -1e9) < PRELOAD_REPEAT_S:
+            return
+        self._preloads[(worker_id, adapter)] = now
+        if len(self._preloads) > 10_000:
+            self._preloads = {key: at for key, at in self._preloads.items() if now - at < PRELOAD_REPEAT_S}
+        command = m.ControlCommand(action="load_adapter", adapter=adapter)
+        await self.nc.publish(subjects.control_subject(worker_id), m.encode(command))
+
+    async def _on_placed(self, msg: Msg) -> None:
+        try:
+            placed = _placed_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if placed.router_id != self.router_id:
+            self.policy.on_placed(placed)
+
+    # ---- the view ----------------------------------------------------------------------------
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            self.policy.on_load(_load_decoder.decode(msg.data))
+        except msgspec.DecodeError:
+            pass
+
+    async def _on_cache(self, msg: Msg) -> None:
+        try:
+            event = _cache_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if not self.policy.on_cache(event):
+            await self._ask_resync(event.worker_id)
+
+    async def _ask_resync(self, worker_id: str) -> None:
+        now = time.monotonic()
+        if now - self._resync_asked.get(worker_id, -1e9) < RESYNC_MIN_INTERVAL_S:
+            return
+        self._resync_asked[worker_id] = now
+        RESYNCS.inc()
+        command = m.ControlCommand(action="resync_cache")
+        await self.nc.publish(subjects.control_subject(worker_id), m.encode(command))
+
+    async def _watch(self) -> None:
+        await bus.follow(self.watcher, self._on_heartbeat, self._on_heartbeat_deleted, self._registry_loaded.set)
+
+    async def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
+        try:
+            beat = _heartbeat_decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            return
+        known = beat.worker_id in self.policy.workers
+        self.policy.on_heartbeat(beat)
+        if not known:
+            log.info("worker_joined", worker_id=beat.worker_id, model=beat.model)
+            await self._ask_resync(beat.worker_id)
+        WORKERS.set(len(self.policy.workers))
+
+    def _on_heartbeat_deleted(self, key: str) -> None:
+        for worker_id in [w for w in self.policy.workers if subjects.worker_key(w) == key]:
+            self._worker_gone(worker_id, "heartbeat deleted")
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.settings.heartbeat_ttl_s / 4))
+            for worker_id in self.policy.expire():
+                self._worker_gone(worker_id, "heartbeat expired", already_forgotten=True)
+            WORKERS.set(len(self.policy.workers))
+            INDEX_BLOCKS.set(len(self.policy.index))
+
+    def _worker_gone(self, worker_id: str, why: str, already_forgotten: bool = False) -> None:
+        if not already_forgotten:
+            self.policy.on_worker_gone(worker_id)
+        self._resync_asked.pop(worker_id, None)
+        log.warning("worker_gone", worker_id=worker_id, why=why)
+        WORKERS.set(len(self.policy.workers))
+        task = asyncio.create_task(self._recover_orphans(), name="recovery")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    async def _scan_for_orphans(self) -> None:
+        await self._registry_loaded.wait()
+        # Give live workers one heartbeat period to show up before judging their queues.
+        await asyncio.sleep(self.settings.heartbeat_ttl_s)
+        while True:
+            await self._recover_orphans()
+            await asyncio.sleep(self.settings.recovery_scan_s)
+
+    async def _recover_orphans(self) -> None:
+        if not self._registry_loaded.is_set():
+            return
+        try:
+            consumers = await recovery.worker_consumers(self.js)
+        except Exception as error:
+            log.warning("recovery_scan_failed", error=repr(error))
+            return
+        alive = {subjects.token(worker_id) for worker_id in self.policy.workers}
+        young = datetime.now(timezone.utc) - timedelta(seconds=2 * self.settings.heartbeat_ttl_s)
+        for worker, info in consumers:
+            if worker in alive or info.name in self._recovering:
+                continue
+            created = info.created if isinstance(info.created, datetime) else None
+            if created is not None and created.tzinfo is not None and created > young:
+                continue  # a worker still starting: its first heartbeat may not be out yet
+            self._recovering.add(info.name)
+            try:
+                moved = await recovery.recover(
+                    self.js, self.replies, info, give_up_after_s=float(info.config.ack_wait or 30) + 5,
+                )
+            except Exception as error:
+                log.warning("recovery_failed", consumer=info.name, error=repr(error))
+                continue
+            finally:
+                self._recovering.discard(info.name)
+            RECOVERED.inc(moved)
+            log.warning("recovered_queue", worker=worker, consumer=info.name, moved=moved)
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -33,65 +254,12 @@ async def serve(settings: RouterSettings) -> None:
     tracing.configure("router", settings.otel_exporter)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="0.0.0.0")
-    policy = PlacementPolicy(clock=time.monotonic, heartbeat_ttl_s=settings.heartbeat_ttl_s,
-                             kv_ceiling=settings.kv_ceiling, temperature=settings.temperature)
-    nc = await bus.connect(settings.nats_url, name="router")
-    js = nc.jetstream()
-    await bus.ensure_streams(js)
-    kv = await bus.workers_bucket(js, settings.heartbeat_ttl_s)
-
-    async def on_place(msg: Msg) -> None:
-        try:
-            reply = policy.place(_placement_decoder.decode(msg.data))
-        except msgspec.DecodeError:
-            return
-        PLACEMENTS.labels(reply.reason).inc()
-        await msg.respond(m.encode(reply))
-
-    async def on_load(msg: Msg) -> None:
-        try:
-            policy.on_load(_load_decoder.decode(msg.data))
-        except msgspec.DecodeError:
-            pass
-
-    # Every router replica sees every event and builds the same view; placements are shared
-    # among replicas by a queue group.
-    await nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=on_place)
-    await nc.subscribe(subjects.metrics_wildcard(), cb=on_load)
-    watcher = await kv.watchall()
+    router = Router(settings)
+    await router.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-    async def watch() -> None:
-        while True:
-            entry = await watcher.updates(timeout=None)  # type: ignore[arg-type]
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE"):
-                for worker_id in [w for w in policy.workers if subjects.worker_key(w) == entry.key]:
-                    policy.on_worker_gone(worker_id)
-                    log.warning("worker_gone", worker_id=worker_id)
-                continue
-            try:
-                policy.on_heartbeat(_heartbeat_decoder.decode(entry.value))
-            except msgspec.DecodeError:
-                continue
-            WORKERS.set(len(policy.workers))
-
-    async def expire() -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            for worker_id in policy.expire():
-                log.warning("worker_expired", worker_id=worker_id)
-            WORKERS.set(len(policy.workers))
-
-    tasks = [asyncio.create_task(watch()), asyncio.create_task(expire())]
-    log.info("router_ready")
     await stop.wait()
-    for task in tasks:
-        task.cancel()
-    await watcher.stop()
-    await nc.drain()
+    await router.stop()
     log.info("router_stopped")

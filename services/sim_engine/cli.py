@@ -40,6 +40,11 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
 @click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
+@click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
+@click.option(
+    "--kv-events-config", default=None,
+    help='Publish prefix-cache events on ZMQ, as SGLang: \'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'.',
+)
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
@@ -59,6 +64,8 @@ def sim_engine_command(
     max_loras_per_batch: int,
     lora_load_time: float,
     kv_capacity_tokens: int | None,
+    lazy_lora_loading: bool,
+    kv_events_config: str | None,
     log_level: str,
 ) -> None:
     """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
@@ -83,6 +90,8 @@ def sim_engine_command(
             time_scale=time_scale,
             fixed_step_ms=fixed_step_ms,
             kv_capacity_tokens=kv_capacity_tokens,
+            kv_events_config=kv_events_config,
+            lazy_lora_loading=lazy_lora_loading,
             host=host,
             port=port,
         )

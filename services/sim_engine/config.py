@@ -25,6 +25,9 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_loras_per_batch: int = 8
     lora_load_time_s: float = 0.2
+    # Accept any adapter path at load time and fail on first use, as engines that load lazily do
+    # (the worker must verify loads rather than trust a 200).
+    lazy_lora_loading: bool = False
     # Wall seconds per simulated second: 1.0 is real time, 0 runs steps back to back.
     time_scale: float = 1.0
     # A constant step time in ms instead of the roofline model (load tests of the platform).
@@ -34,6 +37,8 @@ class EngineConfig:
     # A waiting request preempts a running one whose priority is lower by more than this.
     priority_preemption_threshold: int = 10
     context_length: int = 131_072
+    # SGLang's --kv-events-config JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557"}.
+    kv_events_config: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
 

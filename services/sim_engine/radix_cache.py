@@ -97,15 +97,18 @@ class RadixCache:
         hashes: Sequence[int],
         token_ids: Sequence[int] = (),
         lora_name: str | None = None,
+        start: int = 0,
     ) -> int:
         """Add the blocks of the chain `hashes` not yet cached; returns how many were new.
 
         The caller frees the private tokens these blocks held before inserting them, so the
-        pool never goes over capacity.
+        pool never goes over capacity. `start` skips leading blocks the caller knows are cached
+        and pinned (a prompt cached chunk by chunk), so long prompts cost linear, not quadratic.
         """
         self._tick += 1
         new_start: int | None = None
-        for index, block_hash in enumerate(hashes):
+        for index in range(start, len(hashes)):
+            block_hash = hashes[index]
             block = self._blocks.get(block_hash)
             if block is not None:
                 block.last_use = self._tick
@@ -203,6 +206,10 @@ class RadixCache:
         self._unreferenced = 0
         self.events.append(AllBlocksCleared())
         return True
+
+    def block_hashes(self) -> list[int]:
+        """Every cached block, for a snapshot of the cache."""
+        return list(self._blocks)
 
     def drain_events(self) -> list[CacheEvent]:
         events, self.events = self.events, []

@@ -214,6 +214,7 @@ class LoraAdapter:
     path: str
     pinned: bool
     ready_at: float
+    broken: bool = False  # accepted without a check (lazy loading) but its weights do not exist
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +267,9 @@ class Engine:
                 f"The following requested LoRA adapters are not loaded: {request.lora_name}\n"
                 f"Loaded adapters: {self.adapters.keys()}."
             )
+        if request.lora_name is not None and self.adapters[request.lora_name].broken:
+            adapter = self.adapters[request.lora_name]
+            raise RequestRejected(f"Failed to load LoRA adapter {adapter.name} from {adapter.path}: no such adapter (simulated).")
         prompt_len = len(request.input_ids)
         if prompt_len == 0:
             raise RequestRejected("The input is empty: send text or input_ids with at least one token.")
@@ -330,11 +334,14 @@ class Engine:
     def load_lora(self, name: str, path: str, pinned: bool = False) -> LoraUpdateResult:
         if name in self.adapters:
             return self._lora_result(False, f"The LoRA adapter {name} is already loaded.")
-        if not lora_path_exists(path):
+        broken = not lora_path_exists(path)
+        if broken and not self.config.lazy_lora_loading:
             return self._lora_result(
                 False, f"Failed to load LoRA adapter {name} from {path}: no such adapter (simulated)."
             )
-        self.adapters[name] = LoraAdapter(name, path, pinned, ready_at=self.now + self.config.lora_load_time_s)
+        self.adapters[name] = LoraAdapter(
+            name, path, pinned, ready_at=self.now + self.config.lora_load_time_s, broken=broken
+        )
         return self._lora_result(True, None)
 
     def unload_lora(self, name: str) -> LoraUpdateResult:
@@ -594,15 +601,15 @@ class Engine:
         full = min(request.computed // self.config.block_size, len(request.hashes))
         if full <= request.locked:
             return
-        self._move_to_cache(request, full, request.fill_ids)
+        self._move_to_cache(request, full, request.fill_ids, start=request.locked)
         self.cache.lock(request.hashes[request.locked : full])
         request.locked = full
 
-    def _move_to_cache(self, request: Request, full: int, token_ids: list[int]) -> None:
+    def _move_to_cache(self, request: Request, full: int, token_ids: list[int], start: int = 0) -> None:
         moved = (full - request.locked) * self.config.block_size
         self.cache.release(moved)
         request.private -= moved
-        self.cache.insert(request.hashes[:full], token_ids, request.lora_name)
+        self.cache.insert(request.hashes[:full], token_ids, request.lora_name, start=start)
 
     def _free(self, request: Request, cache_blocks: bool) -> None:
         """Release a request's KV; its computed full blocks stay behind in the prefix cache."""

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from .config import EngineConfig
+from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .perf_model import StepTimeModel
 from .scheduler import Engine, LoraUpdateResult, Request, RequestRejected, RequestUpdate, SamplingParams
 
@@ -137,6 +138,7 @@ class SimEngineServer:
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self.kv_events = KvEventPublisher(KvEventsConfig.parse(config.kv_events_config))
         routes = [
             Route("/generate", self.generate, methods=["POST", "PUT"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
@@ -164,6 +166,7 @@ class SimEngineServer:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+            self.kv_events.close()
 
     # ------------------------------------------------------------------ step loop
 
@@ -178,6 +181,7 @@ class SimEngineServer:
                 deadline = loop.time()
                 continue
             result = engine.step()
+            self.kv_events.publish(engine.cache)
             if result.idle:
                 await self._idle(scale)
                 deadline = loop.time()
@@ -411,6 +415,7 @@ class SimEngineServer:
 
     async def flush_cache(self, http_request: HttpRequest) -> Response:
         if self.engine.flush_cache():
+            self.kv_events.publish(self.engine.cache)
             return Response("Cache flushed.\n", status_code=200)
         return Response(
             "Cache not flushed: there are running or waiting requests.\n", status_code=400

@@ -159,6 +159,40 @@ class EngineClient:
             load.cache_hit_rate = max(load.cache_hit_rate, entry.get("cache_hit_rate", 0.0))
         return load
 
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        status, raw = await self._call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        try:
+            result = _json.decode(raw) if raw else {}
+        except msgspec.DecodeError:
+            result = {"success": False, "error_message": raw.decode(errors="replace")}
+        if status != 200:
+            result["success"] = False
+        return result
+
+    async def unload_lora(self, name: str) -> None:
+        try:
+            await self._call("POST", "/unload_lora_adapter", {"lora_name": name})
+        except HTTPError:
+            pass
+
+    async def probe(self, lora_name: str | None = None) -> None:
+        """One greedy token, non-streaming; raises EngineError when the engine cannot serve it."""
+        body: dict[str, Any] = {"text": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        if lora_name:
+            body["lora_path"] = lora_name
+        status, raw = await self._call("POST", "/generate", body)
+        if status != 200:
+            raise _http_error(status, raw)
+        try:
+            answer = _json.decode(raw)
+        except msgspec.DecodeError as error:
+            raise EngineError(f"unreadable answer: {error}") from error
+        if isinstance(answer, dict) and "error" in answer:
+            raise _stream_error(answer["error"])
+        finish = (answer.get("meta_info") or {}).get("finish_reason") or {} if isinstance(answer, dict) else {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            raise EngineError(str(finish.get("message", "aborted")))
+
     async def server_info(self) -> dict[str, Any]:
         _, raw = await self._call("GET", "/server_info")
         return _json.decode(raw)

@@ -25,11 +25,14 @@ from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
+from .adapters import Adapters
+from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineUpdate
 from .puller import Puller
 from .settings import WorkerSettings
@@ -49,6 +52,7 @@ QUEUE_WAIT = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 
+LOAD_REPORT_MIN_GAP_S = 0.02  # at most ~50 load reports a second, however busy
 SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
 CANCEL_MEMORY_S = 900.0  # longer than a request may wait in the queue in practice
 CANCEL_MEMORY_SIZE = 100_000
@@ -62,6 +66,7 @@ class _Running:
     task: asyncio.Task[None] | None = None  # held here: the event loop keeps only weak references
     cancelled: bool = False
     handed_off: bool = False
+    prefilled: bool = False  # the engine has produced its first token
 
 
 @dataclass
@@ -90,9 +95,16 @@ class Worker:
     _completed: int = 0  # requests finished, reported with load for the gateways' overload policy
     _outbox: dict[str, list[m.StreamEvent]] = field(default_factory=dict)
     _outbox_flush_scheduled: bool = False
+    _load_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _pulled_own: int = 0  # requests taken from this worker's own queue (routers compare with their placements)
+    _own_target: str = ""
+    adapters: Adapters = field(init=False)
+    cache_relay: CacheRelay | None = None
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
+        self._own_target = "." + subjects.worker_target(self.settings.worker_id)
+        self.adapters = Adapters(self.engine, self._lookup_adapter)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -110,9 +122,14 @@ class Worker:
         self.js = self.nc.jetstream()
         self.replies = Replies(self.nc)
         await self.replies.start()
+        self._adapter_kv = await adapter_registry.bucket(self.js)
+        if s.engine_kv_events:
+            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events)
+            self.cache_relay.start()
+        # Control first: the router asks a worker for its cache as soon as its heartbeat appears.
+        await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
         consumers = await self._setup_bus()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
-        await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
         for consumer in consumers:  # most important first: earlier pullers get slots first
             puller = Puller(
                 self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
@@ -195,6 +212,8 @@ class Worker:
                 await self.kv.delete(subjects.worker_key(self.settings.worker_id))
             except Exception as error:
                 log.warning("heartbeat_delete_failed", error=repr(error))
+        if self.cache_relay is not None:
+            await self.cache_relay.stop()
         if self.nc is not None:
             await self.nc.drain()
         await self.engine.close()
@@ -209,6 +228,8 @@ class Worker:
         assert self.js is not None
         await bus.ensure_streams(self.js)
         self.kv = await bus.workers_bucket(self.js, self.settings.heartbeat_ttl_s)
+        # Heartbeat before the consumers exist: a router never sees a queue without its worker.
+        await self._heartbeat()
         return [
             await self._ensure_consumer(tier, owner)
             for tier in self.settings.tier_list()
@@ -251,6 +272,8 @@ class Worker:
             self._spawn(msg.term())
             self._release_slot()
             return
+        if msg.subject.endswith(self._own_target):
+            self._pulled_own += 1
         entry = _Running(request=request)
         self.running[request.request_id] = entry
         RUNNING.set(len(self.running))
@@ -333,7 +356,12 @@ class Worker:
         prompt_tokens = request.prompt_tokens
         cached = 0
         update: EngineUpdate
+        if request.adapter:
+            await self.adapters.ensure(request.adapter)
         async for update in self.engine.generate(request, trace_headers):
+            if not entry.prefilled:
+                entry.prefilled = True
+                self._load_changed.set()  # its prefill is done: tell the router now, not at the next tick
             completion = request.resumed_tokens + update.completion_tokens
             if prompt_tokens is None and update.prompt_tokens is not None:
                 prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
@@ -429,9 +457,24 @@ class Worker:
             del self._cancelled[oldest]
 
     async def _on_control(self, msg: Msg) -> None:
-        command = msgspec.msgpack.decode(msg.data, type=m.ControlCommand)
+        try:
+            command = msgspec.msgpack.decode(msg.data, type=m.ControlCommand)
+        except msgspec.DecodeError:
+            return
         if command.action == "drain":
             self._start_drain()
+        elif command.action == "resync_cache" and self.cache_relay is not None:
+            await self.cache_relay.publish_snapshot()
+        elif command.action == "load_adapter" and command.adapter:
+            try:
+                await self.adapters.ensure(command.adapter)
+            except EngineError as error:
+                log.warning("adapter_preload_failed", adapter=command.adapter, error=str(error))
+        elif command.action == "unload_adapter" and command.adapter:
+            await self.adapters.unload(command.adapter)
+
+    async def _lookup_adapter(self, name: str) -> m.AdapterSpec | None:
+        return await adapter_registry.get(self._adapter_kv, name)
 
     # ---- liveness and load -----------------------------------------------------------------
 
@@ -442,8 +485,22 @@ class Worker:
             started=self.started, ts=time.time(), state="draining" if self.draining else "ready",
             max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
             tp=int(self._engine_info.get("tp_size", 0) or 0),
+            block_size=int(self._engine_info.get("page_size", 0) or 0),
+            max_adapters=self._max_adapters(), adapters=self.adapters.names(),
         )
         await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
+
+    def _max_adapters(self) -> int:
+        info = self._engine_info
+        if not info.get("enable_lora"):
+            return 0
+        return int(info.get("max_loaded_loras") or info.get("max_loras_per_batch") or 0)
+
+    def _queued_prefill_tokens(self) -> int:
+        return sum(
+            max(0, (entry.request.prompt_tokens or 0) + entry.request.resumed_tokens - entry.request.expected_cached_tokens)
+            for entry in self.running.values() if not entry.prefilled
+        )
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -456,7 +513,14 @@ class Worker:
     async def _load_loop(self) -> None:
         assert self.nc is not None and self.budget is not None
         while True:
-            await asyncio.sleep(self.settings.load_interval_s)
+            # Every interval, and soon after a prefill finishes: the router weighs queued prefill,
+            # and a report that still counts finished work sends the next request elsewhere.
+            try:
+                await asyncio.wait_for(self._load_changed.wait(), timeout=self.settings.load_interval_s)
+                await asyncio.sleep(LOAD_REPORT_MIN_GAP_S)
+            except asyncio.TimeoutError:
+                pass
+            self._load_changed.clear()
             try:
                 load = await self.engine.loads()
             except Exception as error:
@@ -469,7 +533,8 @@ class Worker:
                 running=load.running, waiting=load.waiting, in_flight=len(self.running),
                 max_running=self.budget.capacity, kv_used_tokens=load.used_tokens,
                 kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=self.draining,
-                completed=self._completed,
+                completed=self._completed, queued_prefill_tokens=self._queued_prefill_tokens(),
+                adapters=self.adapters.names(), pulled_own=self._pulled_own,
             )
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
 

@@ -13,6 +13,7 @@ class WorkerSettings:
     worker_id: str = env("INFERBUS_WORKER_ID", "", "Unique id of this worker, one per engine replica (default: the host name).")
     engine_url: str = env("INFERBUS_ENGINE_URL", "http://127.0.0.1:30000", "Base URL of the SGLang server (or simulated engine) this worker drives.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id this worker serves (must match the gateway's).")
+    engine_kv_events: str = env("INFERBUS_ENGINE_KV_EVENTS", "", "ZMQ endpoint where the engine publishes KV-cache events (SGLang --kv-events-config), e.g. tcp://127.0.0.1:5557; empty: no prefix-cache reporting.")
     tiers: str = env("INFERBUS_WORKER_TIERS", "premium,standard", "Priority bands to pull, most important first.")
     max_running: int = env("INFERBUS_WORKER_MAX_RUNNING", 0, "Requests to hold at once; 0 = the engine's max_running_requests from /server_info.")
     heartbeat_interval_s: float = env("INFERBUS_HEARTBEAT_INTERVAL_S", 1.0, "How often the heartbeat is refreshed in the `workers` KV bucket.")

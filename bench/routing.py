@@ -1,0 +1,859 @@
+"""Routing benchmark (issue 4): one Mooncake trace, the same simulated engines, several routers.
+
+    python -m bench.routing [--engines 4] [--time-scale 0.5] [--load 0.8] [--sample-families 0.25]
+                            [--requests N] [--policies round_robin least_loaded sglang affinity]
+
+Defaults take about 13 minutes on 2 cores (4 policies × 147 wall s of arrivals, plus drains and
+start-up); `--sample-families 1` replays the whole trace (about 4× longer). Faster time scales
+distort the platform's numbers on 2 cores: at 0.25 the machine saturates and placement replies
+miss their budget (see bench/README.md).
+
+What runs:
+1. `--engines` simulated engines (`inferbus sim-engine`, H100 TP2 by default: 418,701 KV tokens
+   each), started once and shared by every policy; `POST /flush_cache` between policies.
+2. The workload (`bench/routing_workload.py`): `../shared/traces/mooncake_synthetic.jsonl`, a
+   random quarter of its prefix families by default (whole families, so their reuse is intact; a
+   prefix of the trace would not do: its first 1,000 requests have a 17% ceiling, not 65%), prompt
+   text from `inferbus.traces.mooncake_prompt` (512-token blocks named by `hash_ids`), arrival
+   times scaled so that the fleet is `--load` busy at the hit rate a perfect-affinity router could
+   get from these engines' KV (the engines' own step-time model prices the work).
+3. Per policy, in sequence:
+   - `round_robin`, `least_loaded`, `affinity`: the whole platform (NATS, Redis, router, gateway,
+     billing, one worker per engine) with `INFERBUS_ROUTER_POLICY` set and placement on
+     (`INFERBUS_PLACEMENT_TIMEOUT_MS`); the client calls `POST /v1/completions` (raw prompt, no chat
+     template) streaming with `include_usage`;
+   - `sglang`: `sglang-router --policy cache_aware` (PyPI `sglang-router`, installed here if
+     missing) over the same engines; the client calls its native `POST /generate`.
+   An open-loop client (aiohttp) sends each request at its scaled arrival time.
+4. Measured per policy: token-weighted prefix-cache hit rate (sum of cached / sum of prompt tokens
+   as the engines reported them in the responses, cross-checked with the engines' own counters),
+   TTFT p50/p90, TPOT p90, throughput, load imbalance (max/mean over engines of prompt + generated
+   tokens, from each engine's `/metrics` before and after; also of the tokens actually computed),
+   errors, and CPU use of every process.
+
+Time: engines run `--time-scale` wall seconds per simulated second. Every latency is measured by
+the client in wall time and divided by the time scale, so all numbers are in simulated (GPU)
+seconds; what the platform itself adds (a few ms of wall time) is magnified by 1/time-scale.
+Results: bench/results/routing.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform as host
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import percentile, write_results
+from bench.routing_workload import Workload, build, request_gpu_seconds
+from inferbus import traces
+from inferbus.local import Process, Stack, StackConfig, free_port, http_ok
+from services.sim_engine.perf_model import roofline
+
+MODEL = "meta-llama/Llama-3.3-70B-Instruct"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+INFERBUS_POLICIES = ("round_robin", "least_loaded", "affinity")
+ALL_POLICIES = ("round_robin", "least_loaded", "sglang", "affinity")
+LABELS = {"round_robin": "inferbus round-robin", "least_loaded": "inferbus least-loaded",
+          "sglang": "sglang-router cache_aware", "affinity": "inferbus affinity"}
+BENCH_PACKAGES = {"sglang_router": "sglang-router>=0.3,<0.4", "matplotlib": "matplotlib>=3.8"}
+
+
+def ensure_packages(names: list[str]) -> None:
+    """pip-install into this interpreter what the benchmark needs and the core install lacks."""
+    missing = [BENCH_PACKAGES[n] for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        print(f"installing {' '.join(missing)} …", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *missing], check=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (from /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLK_TCK
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+# ---- engines -------------------------------------------------------------------------------------
+
+_METRIC = re.compile(rb"^(sglang:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+@dataclass
+class EngineCounters:
+    prompt: float
+    generated: float
+    cached: float
+    ttft_buckets: dict[float, float]  # sglang:time_to_first_token_seconds, cumulative, wall seconds
+
+    def minus(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(self.prompt - other.prompt, self.generated - other.generated, self.cached - other.cached,
+                              {le: n - other.ttft_buckets.get(le, 0.0) for le, n in self.ttft_buckets.items()})
+
+
+def histogram(text: bytes, name: str) -> dict[float, float]:
+    """Cumulative bucket counts (upper bound → count) of a Prometheus histogram in `text`."""
+    pattern = re.compile(re.escape(name).encode() + rb'_bucket\{[^}]*le="([^"]+)"[^}]*\} ([0-9.eE+-]+)$', re.M)
+    return {float(m.group(1)): float(m.group(2)) for m in pattern.finditer(text)}
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float:
+    """Prometheus's histogram_quantile: linear inside the bucket; NaN without observations."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return float("nan")
+    target = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= target:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * ((target - below) / (count - below) if count > below else 0.0)
+        lower, below = bound, count
+    return lower
+
+
+class Fleet:
+    """The simulated engines, started once for every policy."""
+
+    def __init__(self, args: argparse.Namespace, state: Path) -> None:
+        self.processes: list[Process] = []
+        self.urls: list[str] = []
+        self.kv_events: list[str] = []  # ZMQ endpoints of the engines' KV-cache events ("" = not supported)
+        events = "--kv-events-config" in subprocess.run(
+            [sys.executable, "-m", "inferbus.cli", "sim-engine", "--help"], capture_output=True, text=True).stdout
+        for i in range(1, args.engines + 1):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            argv = [sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
+                    "--gpu", args.gpu, "--tp", str(args.tp), "--model", MODEL, "--time-scale", str(args.time_scale),
+                    "--log-level", "warning"]
+            endpoint = f"tcp://127.0.0.1:{free_port()}" if events else ""
+            if endpoint:  # as `inferbus up` runs them: workers relay these events to the router
+                argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint})]
+            self.kv_events.append(endpoint)
+            if args.kv_capacity_tokens:
+                argv += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
+            self.processes.append(Process(f"engine-{i}", argv, dict(os.environ, PYTHONUNBUFFERED="1"),
+                                          state / "logs" / f"engine-{i}.log", lambda u=url: http_ok(f"{u}/ready"), url))
+            self.urls.append(url)
+
+    def start(self, timeout: float = 60) -> None:
+        for p in self.processes:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            while not p.ready():
+                if not p.alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"{p.name} did not start:\n{p.tail()}")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.signal(signal.SIGTERM)
+        for p in self.processes:
+            if not p.wait(10):
+                p.signal(signal.SIGKILL)
+                p.wait(5)
+
+    def server_info(self) -> dict[str, Any]:
+        return get_json(self.urls[0] + "/server_info")
+
+    def counters(self) -> list[EngineCounters]:
+        out = []
+        for url in self.urls:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+                text = response.read()
+            values = {m.group(1).decode(): float(m.group(2)) for m in _METRIC.finditer(text)}
+            prompt = values.get("sglang:prompt_tokens_total", 0.0)
+            # The engine's cumulative hit rate is cached / prompt tokens since start; health-check
+            # prompts (a few tokens) count there but not in the prompt counter: negligible.
+            hit_rate = get_json(url + "/v1/loads")["loads"][0]["cache_hit_rate"]
+            out.append(EngineCounters(prompt, values.get("sglang:generation_tokens_total", 0.0), hit_rate * prompt,
+                                      histogram(text, "sglang:time_to_first_token_seconds")))
+        return out
+
+    def idle(self) -> bool:
+        for url in self.urls:
+            load = get_json(url + "/v1/loads")["loads"][0]
+            if load["num_running_reqs"] or load["num_waiting_reqs"]:
+                return False
+        return True
+
+    def flush(self, timeout: float = 120) -> None:
+        """Empty every engine's prefix cache (refused while requests run, so wait for idle)."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.urls)
+        while pending:
+            for url in list(pending):
+                request = urllib.request.Request(url + "/flush_cache", data=b"", method="POST")
+                try:
+                    with urllib.request.urlopen(request, timeout=5) as response:
+                        if response.status == 200:
+                            pending.remove(url)
+                except urllib.error.HTTPError:
+                    pass
+            if pending:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engines still busy, cache not flushed: {pending}")
+                time.sleep(0.5)
+
+
+# ---- front ends ------------------------------------------------------------------------------------
+
+class PlatformStack(Stack):
+    """The platform without engines of its own: one worker per existing engine."""
+
+    def __init__(self, config: StackConfig, engine_urls: list[str], kv_events: list[str]) -> None:
+        super().__init__(config)
+        self.engine_urls = engine_urls
+        self.kv_events = kv_events
+
+    def plan(self) -> None:
+        super().plan()  # config.workers == 0: NATS, Redis, router, billing, gateway (last)
+        gateway = self.processes.pop()
+        self.router_metrics_port = free_port()
+        for process in self.processes:
+            if process.name == "router":  # its placement reasons are part of the result
+                process.env["INFERBUS_METRICS_PORT"] = str(self.router_metrics_port)
+                process.env["INFERBUS_LOG_LEVEL"] = "info"  # the launcher waits for its `router_ready` line
+        for i, (url, events) in enumerate(zip(self.engine_urls, self.kv_events), 1):
+            self._add(f"worker-{i}", self._inferbus("worker"), lambda: True, f"drives {url}",
+                      INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=url, INFERBUS_METRICS_PORT="0",
+                      **({"INFERBUS_ENGINE_KV_EVENTS": events} if events else {}))
+        self.processes.append(gateway)
+
+    def gateway_serving(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=0.5) as response:
+                return json.load(response).get("workers", 0) >= len(self.engine_urls)
+        except Exception:
+            return False
+
+
+def router_policies() -> str:
+    """`inferbus router --help` (its environment variables), to see whether INFERBUS_ROUTER_POLICY exists."""
+    result = subprocess.run([sys.executable, "-m", "inferbus.cli", "router", "--help"], capture_output=True, text=True)
+    return result.stdout
+
+
+_PLACEMENT = re.compile(r"^(inferbus_(?:router_)?placements_total)\{([^}]*)\} ([0-9.eE+-]+)$", re.M)
+
+
+class Frontend:
+    name: str
+    url: str
+    headers: dict[str, str]
+    endpoint: str  # "completions" | "generate"
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def pids(self) -> dict[str, int]: return {}
+    def counters(self) -> dict[str, float]: return {}
+    def queue_wait(self) -> dict[str, float]: return {}
+
+
+class InferbusFrontend(Frontend):
+    endpoint = "completions"
+
+    def __init__(self, policy: str, fleet: Fleet, state: Path, placement_timeout_ms: float, time_scale: float) -> None:
+        self.name = policy
+        env = {
+            "INFERBUS_ROUTER_POLICY": policy,
+            "INFERBUS_PLACEMENT_TIMEOUT_MS": str(placement_timeout_ms),
+            # Compare routing, not admission: nothing is refused for queueing (sglang-router refuses nothing).
+            "INFERBUS_QUEUE_BUDGET_STANDARD_S": "1000000", "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "1000000",
+            "INFERBUS_REQUEST_TIMEOUT_S": "3600", "INFERBUS_ACCESS_LOG": "false",
+            # Load reports every 0.25 wall s would be 2.5 simulated s apart at time scale 0.1: scale the
+            # interval with the engines' clock (floored, so polling does not eat the CPU).
+            "INFERBUS_LOAD_INTERVAL_S": str(max(0.05, min(0.25, 0.25 * time_scale))),
+        }
+        self.stack = PlatformStack(StackConfig(state_dir=state / policy, workers=0, gateway_port=free_port(),
+                                               log_level="warning", extra_env=env), fleet.urls, fleet.kv_events)
+        self.url = self.stack.gateway_url + "/v1/completions"
+        self.headers = {"content-type": "application/json"}
+
+    def start(self) -> None:
+        from inferbus.cli import _demo_key
+
+        try:
+            self.stack.start(timeout=120)
+        except Exception:
+            self.stack.stop()
+            raise
+        self.headers["authorization"] = "Bearer " + asyncio.run(_demo_key(self.stack.redis_url))
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+    def counters(self) -> dict[str, float]:
+        """Where requests were placed: the gateway's and the router's placement counters."""
+        out: dict[str, float] = {}
+        urls = [self.stack.gateway_url + "/metrics", f"http://127.0.0.1:{self.stack.router_metrics_port}/metrics"]
+        for url in urls:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue
+            for m in _PLACEMENT.finditer(text):
+                out[f"{m.group(1)}{{{m.group(2)}}}"] = float(m.group(3))
+        return out
+
+    def pids(self) -> dict[str, int]:
+        return {p.name: p.pid for p in self.stack.processes}
+
+    def queue_wait(self) -> dict[str, float]:
+        """Gateway accept → engine submit (placement, JetStream, worker), from the gateway's histogram."""
+        try:
+            with urllib.request.urlopen(self.stack.gateway_url + "/metrics", timeout=5) as response:
+                buckets = histogram(response.read(), "inferbus_queue_wait_seconds")
+        except OSError:
+            return {}
+        return {"p50": histogram_quantile(buckets, 0.5), "p90": histogram_quantile(buckets, 0.9)}
+
+
+class SglangFrontend(Frontend):
+    endpoint = "generate"
+
+    def __init__(self, fleet: Fleet, state: Path) -> None:
+        self.name = "sglang"
+        self.fleet = fleet
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}/generate"
+        self.base = f"http://127.0.0.1:{port}"
+        self.headers = {"content-type": "application/json"}
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.urls,
+                "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1", "--log-level", "warn"]
+        self.process = Process("sglang-router", argv, dict(os.environ), state / "logs" / "sglang-router.log",
+                               self._ready, self.base)
+
+    def _ready(self) -> bool:
+        try:
+            workers = get_json(self.base + "/workers", timeout=1).get("workers", [])
+        except Exception:
+            return False
+        return sum(1 for w in workers if w.get("is_healthy")) >= len(self.fleet.urls)
+
+    def start(self) -> None:
+        self.process.start()
+        deadline = time.monotonic() + 60
+        while not self.process.ready():
+            if not self.process.alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"sglang-router did not start:\n{self.process.tail()}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.process.signal(signal.SIGTERM)
+        if not self.process.wait(10):
+            self.process.signal(signal.SIGKILL)
+            self.process.wait(5)
+
+    def pids(self) -> dict[str, int]:
+        return {"sglang-router": self.process.pid}
+
+
+# ---- the load generator -----------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    index: int
+    scheduled: float  # wall seconds from the start
+    sent: float = 0.0
+    first: float | None = None
+    end: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def request_body(endpoint: str, prompt: str, max_tokens: int) -> bytes:
+    if endpoint == "generate":
+        payload: dict[str, Any] = {"text": prompt, "stream": True,
+                                   "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+    else:
+        payload = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                   "stream_options": {"include_usage": True}}
+    return json.dumps(payload).encode()
+
+
+async def one_request(session: Any, frontend: Frontend, body: bytes, outcome: Outcome, t0: float) -> None:
+    import aiohttp
+
+    outcome.sent = time.perf_counter() - t0
+    last = b""
+    try:
+        async with session.post(frontend.url, data=body, headers=frontend.headers) as response:
+            if response.status != 200:
+                outcome.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
+                return
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                if b'"error"' in line[:16]:
+                    outcome.error = line[6:300].decode(errors="replace")
+                    return
+                if outcome.first is None and b'"text":""' not in line and b'"text":"' in line:
+                    outcome.first = time.perf_counter() - t0
+                if frontend.endpoint == "generate" or b'"usage":{' in line:
+                    last = line
+        outcome.end = time.perf_counter() - t0
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        return
+    try:
+        final = json.loads(last[6:])
+        if frontend.endpoint == "generate":
+            meta = final["meta_info"]
+            outcome.prompt_tokens, outcome.cached_tokens = meta["prompt_tokens"], meta["cached_tokens"]
+            outcome.completion_tokens = meta["completion_tokens"]
+        else:
+            usage = final["usage"]
+            outcome.prompt_tokens, outcome.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+            outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    except (ValueError, KeyError, TypeError):
+        outcome.error = f"no usage in the last chunk: {last[:200]!r}"
+
+
+class Progress:
+    """One status line on stderr, rewritten in place (a plain line per update when not a TTY)."""
+
+    def __init__(self, label: str, total: int, span_wall: float) -> None:
+        self.label, self.total, self.span_wall = label, total, span_wall
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, sent: int, done: int, errors: int, elapsed: float, force: bool = False) -> None:
+        if not force and elapsed - self.last < (0.5 if self.tty else 15.0):
+            return
+        self.last = elapsed
+        width = 30
+        filled = int(width * done / max(1, self.total))
+        bar = "█" * filled + "·" * (width - filled)
+        line = (f"{self.label:<26} |{bar}| {done}/{self.total} done, {sent - done} in flight, {errors} errors, "
+                f"{elapsed:5.0f}/{self.span_wall:.0f} s")
+        sys.stderr.write(("\r" + line + "   ") if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+async def replay(frontend: Frontend, workload: Workload, prompts: list[str], time_scale: float,
+                 label: str) -> tuple[list[Outcome], float]:
+    import aiohttp
+
+    requests = workload.requests
+    outcomes = [Outcome(i, r.arrival_s * time_scale) for i, r in enumerate(requests)]
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+    progress = Progress(label, len(requests), workload.span_s * time_scale)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tasks: list[asyncio.Task[None]] = []
+        state = {"stop": False}
+
+        async def report() -> None:
+            while not state["stop"]:
+                done = sum(1 for o in outcomes if o.end is not None or o.error)
+                progress.update(len(tasks), done, sum(1 for o in outcomes if o.error), time.perf_counter() - t0)
+                await asyncio.sleep(0.5)
+
+        reporter = asyncio.create_task(report())
+        main = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        interrupted = False
+
+        def interrupt() -> None:
+            nonlocal interrupted
+            interrupted = True
+            assert main is not None
+            main.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, interrupt)
+        try:
+            for request, outcome, prompt in zip(requests, outcomes, prompts):
+                delay = outcome.scheduled - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                body = request_body(frontend.endpoint, prompt, request.output_tokens)
+                tasks.append(asyncio.create_task(one_request(session, frontend, body, outcome, t0)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            if not interrupted:
+                raise
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise KeyboardInterrupt from None
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            state["stop"] = True
+            await reporter
+        wall = time.perf_counter() - t0
+        done = sum(1 for o in outcomes if o.end is not None or o.error)
+        progress.update(len(tasks), done, sum(1 for o in outcomes if o.error), wall, force=True)
+        progress.close()
+    return outcomes, wall
+
+
+# ---- one policy --------------------------------------------------------------------------------------
+
+def summarise(outcomes: list[Outcome], wall: float, time_scale: float, workload: Workload,
+              before: list[EngineCounters], after: list[EngineCounters], cpu: dict[str, float],
+              gpu: str, tp: int) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.error is None and o.end is not None and o.first is not None]
+    errors = [o for o in outcomes if o not in ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    cached = sum(o.cached_tokens for o in ok)
+    ttft = [(o.first - o.sent) / time_scale for o in ok]
+    tpot = [(o.end - o.first) / time_scale / (o.completion_tokens - 1) for o in ok if o.completion_tokens > 1]
+    e2e = [(o.end - o.sent) / time_scale for o in ok]
+    lateness = [(o.sent - o.scheduled) * 1000 for o in outcomes]
+    sim_span = wall / time_scale
+    deltas = [a.minus(b) for a, b in zip(after, before)]
+    processed = [d.prompt + d.generated for d in deltas]
+    computed = [d.prompt - d.cached + d.generated for d in deltas]
+    mean_processed = sum(processed) / len(processed)
+    mean_computed = sum(computed) / len(computed)
+    engine_ttft: dict[float, float] = {}
+    for d in deltas:
+        for le, n in d.ttft_buckets.items():
+            engine_ttft[le] = engine_ttft.get(le, 0.0) + n
+    engine_prompt = sum(d.prompt for d in deltas)
+    model = roofline(gpu, tp)
+    by_index = {o.index: o for o in ok}
+    # Engine time the served requests cost at the hits they actually got, over the fleet's time.
+    work = sum(request_gpu_seconds(model, r, by_index[i].cached_tokens)
+               for i, r in enumerate(workload.requests) if i in by_index)
+    return {
+        "requests": len(outcomes), "ok": len(ok), "errors": len(errors),
+        "error_samples": sorted({(o.error or "no first token")[:160] for o in errors})[:5],
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "hit_rate_engines": sum(d.cached for d in deltas) / engine_prompt if engine_prompt else 0.0,
+        "hit_rate_vs_ceiling": (cached / prompt) / workload.ceiling_hit_rate if prompt else 0.0,
+        "hit_rate_vs_bound": (cached / prompt) / workload.bound_hit_rate if prompt and workload.bound_hit_rate else 0.0,
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_ms": percentile(tpot, 50) * 1000, "tpot_p90_ms": percentile(tpot, 90) * 1000,
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p90_s": percentile(e2e, 90),
+        # Inside the engines (arrival at the engine to first token), from their histograms: coarse buckets.
+        "engine_ttft_p50_s": histogram_quantile(engine_ttft, 0.5) / time_scale,
+        "engine_ttft_p90_s": histogram_quantile(engine_ttft, 0.9) / time_scale,
+        "output_tok_s": sum(o.completion_tokens for o in ok) / sim_span,
+        "req_s": len(ok) / sim_span,
+        "sim_seconds": sim_span, "wall_seconds": wall,
+        # Simulated seconds from the last arrival to the last completion: long when the fleet fell behind.
+        "drain_s": (max((o.end or 0.0) for o in outcomes) - outcomes[-1].scheduled) / time_scale,
+        "implied_load": work / (workload.engines * workload.span_s),
+        "imbalance": max(processed) / mean_processed if mean_processed else 0.0,
+        "imbalance_computed": max(computed) / mean_computed if mean_computed else 0.0,
+        "per_engine": [{"prompt": d.prompt, "generated": d.generated, "cached": d.cached} for d in deltas],
+        "send_lateness_ms": {"p50": percentile(lateness, 50), "p99": percentile(lateness, 99),
+                             "max": max(lateness) if lateness else 0.0},
+        "cpu_cores": cpu,
+    }
+
+
+def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str], args: argparse.Namespace,
+               state: Path) -> dict[str, Any]:
+    fleet.flush()
+    frontend: Frontend = (SglangFrontend(fleet, state) if policy == "sglang"
+                          else InferbusFrontend(policy, fleet, state, args.placement_timeout_ms, args.time_scale))
+    print(f"\n{LABELS[policy]}: starting front end…", flush=True)
+    frontend.start()
+    try:
+        time.sleep(2)  # first load reports reach the router
+        before = fleet.counters()
+        pids = {**{p.name: p.pid for p in fleet.processes}, **frontend.pids()}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        own_before = own_cpu_seconds()
+        machine_before = machine_busy_seconds()
+        outcomes, wall = asyncio.run(replay(frontend, workload, prompts, args.time_scale, LABELS[policy]))
+        cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall for name, pid in pids.items()}
+        cpu["load-generator"] = (own_cpu_seconds() - own_before) / wall
+        machine = (machine_busy_seconds() - machine_before) / wall
+        deadline = time.monotonic() + 30
+        while not fleet.idle() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = fleet.counters()
+        placements = frontend.counters()
+        queue_wait = frontend.queue_wait()
+    finally:
+        frontend.stop()
+    cpu_total = sum(cpu.values())
+    # Anything else on the machine (other benchmarks, tests) competes for the same cores.
+    others = max(0.0, machine - cpu_total)
+    result = summarise(outcomes, wall, args.time_scale, workload, before, after,
+                       {k: round(v, 3) for k, v in sorted(cpu.items())}, args.gpu, args.tp)
+    if queue_wait:  # wall seconds → simulated
+        result["platform_queue_wait_s"] = {k: v / args.time_scale for k, v in queue_wait.items()}
+    result.update(policy=policy, label=LABELS[policy], cpu_total_cores=cpu_total, placements=placements,
+                  machine_busy_cores=machine, other_processes_cores=others)
+    print(f"{LABELS[policy]}: hit {result['hit_rate']:.1%} (engines {result['hit_rate_engines']:.1%}), "
+          f"TTFT p50/p90 {result['ttft_p50_s']:.2f}/{result['ttft_p90_s']:.2f} s, TPOT p90 {result['tpot_p90_ms']:.0f} ms, "
+          f"imbalance {result['imbalance']:.2f}, errors {result['errors']}, CPU {cpu_total:.2f} cores "
+          f"(machine {machine:.2f} of {os.cpu_count()}, others {others:.2f})"
+          + (f", placements {placements}" if placements else ""), flush=True)
+    return result
+
+
+# ---- reporting ----------------------------------------------------------------------------------------
+
+def markdown(results: dict[str, Any]) -> str:
+    w = results["workload"]
+    cfg = results["config"]
+    lines = [
+        f"# Routing benchmark ({results['when']}, {results['machine']['cpus']} CPUs)",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Trace `mooncake_synthetic.jsonl`: {w['requests']} requests ({w['families_kept']} prefix families"
+        f"{'' if w['families_kept'] == w['families_total'] else ' of ' + str(w['families_total'])}, "
+        f"{w['dropped_too_long']} longer than the context window left out), mean input {w['mean_input_tokens']:.0f} / "
+        f"output {w['mean_output_tokens']:.0f} tokens, arrivals ×{w['arrival_factor']:.3f} → {w['rate_req_s']:.2f} req/s "
+        f"over {w['span_s']:.0f} simulated s.",
+        f"Fleet: {cfg['engines']} × simulated {cfg['gpu']} TP{cfg['tp']}, {w['kv_capacity_tokens']:,} KV tokens each, "
+        f"time scale {cfg['time_scale']} (all latencies in simulated seconds = client wall time / time scale).",
+        "",
+        f"Hit-rate references: ceiling (infinite cache) **{w['ceiling_hit_rate']:.1%}**; perfect affinity with these "
+        f"engines' KV as LRU caches **{w['bound_hit_rate']:.1%}**; round-robin with the same caches "
+        f"{w['round_robin_lru_hit_rate']:.1%}. Load: {w['target_load']:.0%} of the fleet at the affinity bound's hits "
+        f"({w['load_no_cache']:.0%} with no cache hits).",
+        "",
+        "| policy | hit rate (engines) | of ceiling | TTFT p50 / p90 s | TPOT p90 ms | output tok/s | req/s | "
+        "imbalance (computed) | implied load | drain s | placed by router | errors | CPU cores |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["policies"]:
+        lines.append(
+            f"| {r['label']} | {r['hit_rate']:.1%} ({r['hit_rate_engines']:.1%}) | {r['hit_rate_vs_ceiling']:.0%} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | {r['tpot_p90_ms']:.0f} | {r['output_tok_s']:.0f} | "
+            f"{r['req_s']:.2f} | {r['imbalance']:.2f} ({r['imbalance_computed']:.2f}) | {r['implied_load']:.0%} | "
+            f"{r.get('drain_s', 0):.0f} | {placed_share(r)} | {r['errors']} | {r['cpu_total_cores']:.2f} |")
+    lines += ["", "Columns: hit rate = Σ cached / Σ prompt tokens from the responses (the engines' own counters in "
+              "brackets); of ceiling = hit rate / infinite-cache ceiling; TTFT and TPOT in simulated seconds; "
+              "imbalance = max/mean over engines of prompt + generated tokens (computed: uncached prompt + generated); "
+              "implied load = engine time the requests cost at the hits they got / fleet time over the arrival span; "
+              "drain = simulated seconds from the last arrival to the last completion; placed by router = share of "
+              "requests queued for the worker the router chose within the placement timeout.",
+              "", "Target (issue 4): hit rate ≥ 90% of the ceiling, imbalance ≤ 1.15, TTFT p90 below sglang-router's.", ""]
+    verdicts = results.get("verdict")
+    if verdicts:
+        lines += ["| inferbus affinity | value | target | met |", "| --- | ---: | ---: | --- |"]
+        for v in verdicts:
+            lines.append(f"| {v['what']} | {v['value']} | {v['target']} | {'yes' if v['met'] else 'no'} |")
+        lines.append("")
+    lines += ["Where TTFT goes (simulated s; engine = arrival at the engine → first token, from the engines' "
+              "histograms, coarse buckets; platform queue wait = gateway accept → engine submit, from the gateway's):", "",
+              "| policy | client TTFT p50 / p90 | engine TTFT p50 / p90 | platform queue wait p50 / p90 |",
+              "| --- | ---: | ---: | ---: |"]
+    for r in results["policies"]:
+        wait = r.get("platform_queue_wait_s")
+        lines.append(f"| {r['label']} | {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | "
+                     f"{r.get('engine_ttft_p50_s', float('nan')):.2f} / {r.get('engine_ttft_p90_s', float('nan')):.2f} | "
+                     + (f"{wait['p50']:.2f} / {wait['p90']:.2f} |" if wait else "n/a |"))
+    lines += ["", "CPU use per process (cores, averaged over the replay):", ""]
+    for r in results["policies"]:
+        top = sorted(r["cpu_cores"].items(), key=lambda kv: -kv[1])
+        lines.append(f"- {r['label']}: " + ", ".join(f"{k} {v:.2f}" for k, v in top if v >= 0.01)
+                     + f"; whole machine {r.get('machine_busy_cores', 0):.2f} busy (other processes "
+                     f"{r.get('other_processes_cores', 0):.2f}); client send lateness p50/p99 "
+                     f"{r['send_lateness_ms']['p50']:.1f}/{r['send_lateness_ms']['p99']:.1f} ms wall")
+    skipped = results.get("skipped")
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())]
+    return "\n".join(lines) + "\n"
+
+
+def placed_share(result: dict[str, Any]) -> str:
+    """Share of requests the gateway queued for the worker the router chose (the rest timed out
+    waiting for a placement and went to the shared queue)."""
+    p = result.get("placements") or {}
+    worker = p.get('inferbus_placements_total{target="worker"}', 0.0)
+    anywhere = p.get('inferbus_placements_total{target="any"}', 0.0)
+    return f"{worker / (worker + anywhere):.0%}" if worker + anywhere else "n/a"
+
+
+def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
+    by = {r["policy"]: r for r in results["policies"]}
+    ours = by.get("affinity")
+    if ours is None:
+        return []
+    out = [
+        {"what": "hit rate / ceiling", "value": f"{ours['hit_rate_vs_ceiling']:.0%}", "target": "≥ 90%",
+         "met": ours["hit_rate_vs_ceiling"] >= 0.9},
+        {"what": "hit rate / finite-cache bound", "value": f"{ours['hit_rate_vs_bound']:.0%}", "target": "(reference)",
+         "met": ours["hit_rate_vs_bound"] >= 0.9},
+        {"what": "load imbalance", "value": f"{ours['imbalance']:.2f}", "target": "≤ 1.15", "met": ours["imbalance"] <= 1.15},
+    ]
+    if "sglang" in by:
+        out.append({"what": "TTFT p90 vs sglang-router", "value": f"{ours['ttft_p90_s']:.2f} s",
+                    "target": f"< {by['sglang']['ttft_p90_s']:.2f} s", "met": ours["ttft_p90_s"] < by["sglang"]["ttft_p90_s"]})
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["policies"]
+    labels = [r["label"].replace(" ", "\n", 1) for r in rows]
+    colours = ["#8da0cb" if r["policy"] != "affinity" else "#fc8d62" for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    w = results["workload"]
+    panels = [
+        (axes[0][0], [r["hit_rate"] * 100 for r in rows], "prefix-cache hit rate (%)",
+         [(w["ceiling_hit_rate"] * 100, "ceiling (infinite cache)"), (w["bound_hit_rate"] * 100, "perfect affinity, this KV")]),
+        (axes[0][1], [r["ttft_p90_s"] for r in rows], "TTFT p90 (s, p50 hatched)", []),
+        (axes[1][0], [r["tpot_p90_ms"] for r in rows], "TPOT p90 (ms)", []),
+        (axes[1][1], [r["imbalance"] for r in rows], "load imbalance (max/mean tokens)", [(1.15, "target 1.15")]),
+    ]
+    for ax, values, title, refs in panels:
+        ax.bar(labels, values, color=colours)
+        for x, v in enumerate(values):
+            ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+        for y, text in refs:
+            ax.axhline(y, ls="--", lw=1, color="grey")
+            ax.text(len(values) - 0.5, y, text, ha="right", va="bottom", fontsize=7, color="grey")
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0][1].bar(labels, [r["ttft_p50_s"] for r in rows], color="none", edgecolor="black", hatch="//")
+    cfg = results["config"]
+    fig.suptitle(f"Mooncake synthetic, {w['requests']} requests at {w['target_load']:.0%} load, "
+                 f"{cfg['engines']}× sim {cfg['gpu']} TP{cfg['tp']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ---------------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    policies = list(args.policies)
+    ensure_packages(["matplotlib"] + (["sglang_router"] if "sglang" in policies else []))
+    skipped: dict[str, str] = {}
+    if any(p in INFERBUS_POLICIES for p in policies) and "INFERBUS_ROUTER_POLICY" not in router_policies():
+        for p in [p for p in policies if p in INFERBUS_POLICIES and p != "least_loaded"]:
+            if not args.force:
+                skipped[p] = "the router has no INFERBUS_ROUTER_POLICY yet (least-loaded only)"
+                policies.remove(p)
+    workload = build(str(args.trace), engines=args.engines, gpu=args.gpu, tp=args.tp,
+                     kv_capacity_tokens=args.kv_capacity_tokens, load=args.load,
+                     sample_families=args.sample_families, limit=args.requests, seed=args.seed)
+    summary = workload.summary()
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)
+    print(f"each policy replays {workload.span_s:.0f} simulated s = {workload.span_s * args.time_scale:.0f} wall s", flush=True)
+    print("building prompts…", flush=True)
+    prompts = [traces.mooncake_prompt(r) for r in workload.requests]
+    state = Path(tempfile.mkdtemp(prefix="inferbus-bench-routing-"))
+    fleet = Fleet(args, state)
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": host.platform()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python -m bench.routing " + " ".join(sys.argv[1:]),
+        "config": {"engines": args.engines, "gpu": args.gpu, "tp": args.tp, "time_scale": args.time_scale,
+                   "load": args.load, "placement_timeout_ms": args.placement_timeout_ms,
+                   "sample_families": args.sample_families, "requests": args.requests, "seed": args.seed},
+        "workload": summary, "policies": [], "skipped": skipped,
+    }
+    try:
+        fleet.start()
+        info = fleet.server_info()
+        results["config"]["engine_info"] = {k: info.get(k) for k in (
+            "max_total_num_tokens", "page_size", "chunked_prefill_size", "max_running_requests", "version", "gpu",
+            "tp_size", "time_scale")}
+        for policy in policies:
+            results["policies"].append(run_policy(policy, fleet, workload, prompts, args, state))
+    finally:
+        fleet.stop()
+        if not args.keep_logs:
+            import shutil
+
+            shutil.rmtree(state, ignore_errors=True)
+        else:
+            print(f"logs in {state}/", flush=True)
+    results["verdict"] = verdict(results)
+    return results
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL trace")
+    parser.add_argument("--engines", type=int, default=4, help="simulated engines (one worker each)")
+    parser.add_argument("--gpu", default="H100", choices=["H100", "H200"], help="simulated GPU")
+    parser.add_argument("--tp", type=int, default=2, choices=[1, 2, 4, 8], help="GPUs per engine")
+    parser.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV pool per engine (default: the GPU's)")
+    parser.add_argument("--time-scale", type=float, default=0.5,
+                        help="engine wall seconds per simulated second (0.5: twice as fast as real time)")
+    parser.add_argument("--load", type=float, default=0.8,
+                        help="fleet utilisation to scale arrivals to, at the perfect-affinity hit rate")
+    parser.add_argument("--requests", type=int, default=None, help="replay only the first N selected requests")
+    parser.add_argument("--sample-families", type=float, default=0.25,
+                        help="keep this random share of prefix families (whole families, so reuse stays intact; "
+                             "1 = the whole trace, about 4x longer)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the family sample")
+    parser.add_argument("--policies", nargs="+", default=list(ALL_POLICIES), choices=ALL_POLICIES,
+                        help="policies to run, in order")
+    parser.add_argument("--placement-timeout-ms", type=float, default=200.0,
+                        help="INFERBUS_PLACEMENT_TIMEOUT_MS of the gateway for the inferbus policies")
+    parser.add_argument("--force", action="store_true",
+                        help="run inferbus policies even if the router does not list INFERBUS_ROUTER_POLICY")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (path printed at the end)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where routing.{json,md,png} go")
+    parser.add_argument("--name", default="routing", help="result file name (without extension)")
+    args = parser.parse_args()
+    results = run(args)
+    write_results(args.out, args.name, results, markdown)
+    if results["policies"]:
+        plot(results, args.out / f"{args.name}.png")
+        print(f"plot: {args.out / (args.name + '.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,553 @@
+"""A fleet of simulated engines behind the router's placement policy, on one virtual clock.
+
+What runs is the production code: `services.router.policy` decides every placement from the same
+messages the router service receives (`proto.messages` heartbeats, load reports, cache events),
+and each replica is a `services.sim_engine.scheduler.Engine` (continuous batching, chunked
+prefill, radix prefix cache, KV capacity, the roofline step time). Only the bus and the worker
+are modelled, simply:
+
+- A request arrives at its trace time, the gateway hashes its prompt (64-token chained block
+  hashes) and asks the policy. A worker id sends it straight into that replica's engine (engines
+  queue internally; a real worker pulls its own queue only while the engine has room, which
+  amounts to the same order). No worker id (`ANY_TARGET`) puts it on the shared FIFO queue,
+  which a replica pulls from whenever its engine has no waiting request and a free slot.
+- Each replica steps its engine back to back while it has work: one event per step, at the step's
+  end, where that step's tokens become visible (first token, finish). The cache events the step
+  produced reach the policy `bus_delay_s` later, as one `CacheEvent` with the next sequence
+  number.
+- Every `load_interval_s` (a random phase per replica) a replica reports `WorkerLoad` built from
+  its engine; the policy sees it `bus_delay_s` later and works from reports, not the truth, in
+  between. Heartbeats go every `heartbeat_interval_s`; a replica the policy first hears of gets a
+  cache snapshot (as the router asks of a joining worker), and a sequence gap gets one too.
+- The router's `expire()` runs every `expire_interval_s`. A replica killed with `kill_replica`
+  stops stepping, reporting and heartbeating at once; requests placed on it after that wait in
+  its queue. When the policy declares it dead (heartbeat TTL), its work is recovered: requests
+  still waiting in its engine (or its queue) go back unchanged, as the router moves a dead
+  worker's queue; requests the engine had started (prefilling or decoding) continue as a new
+  attempt whose prompt is the original prompt plus the tokens delivered so far and whose output
+  budget is what is left (the gateway's migration; the client's TTFT stays that of the first
+  attempt, and work done on the dead replica is lost). With `recovery="shared"` (the default, as the router's recovery and the
+  gateway's migration both publish to the shared subject) they join the shared queue; with
+  `recovery="placement"` they are placed again by the policy. A request gets at most
+  `max_attempts` attempts, then fails.
+
+Time the gateway and router spend on a request (a few ms on the live platform) is not modelled.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from inferbus.tokens import block_hashes
+from inferbus.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from proto import messages as m
+from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
+from services.sim_engine.perf_model import StepTimeModel
+from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
+from services.sim_engine.scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
+
+from .events import EventLoop
+from .report import RunReport, build_report
+from .workload import PromptTokens
+
+
+class PlacementPolicy(Protocol):
+    """What the simulator needs of a policy (`services.router.policy.Policy` has it)."""
+
+    workers: dict[str, Any]
+
+    def on_heartbeat(self, beat: m.Heartbeat) -> None: ...
+    def on_load(self, load: m.WorkerLoad) -> None: ...
+    def on_cache(self, event: m.CacheEvent) -> bool: ...
+    def place(self, request: m.PlacementRequest) -> m.PlacementReply: ...
+    def expire(self) -> list[str]: ...
+
+
+# (clock, rng) -> policy
+PolicyFactory = Callable[[Callable[[], float], random.Random], PlacementPolicy]
+
+
+@dataclass
+class FleetConfig:
+    replicas: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)  # H100 TP2, KV from GPU memory
+    policy: str = "affinity"  # affinity | least_loaded | round_robin
+    routing: Any = None  # services.router.policy.RoutingConfig; None: its defaults (block size from `engine`)
+    seed: int = 0
+    model: str = DEFAULT_MODEL
+    load_interval_s: float = 0.25
+    heartbeat_interval_s: float = 1.0
+    bus_delay_s: float = 0.001  # publish → the router has it (load reports, heartbeats, cache events)
+    expire_interval_s: float = 0.5
+    max_attempts: int = 3
+    recovery: Literal["shared", "placement"] = "shared"
+    # Token ids per trace block id (Mooncake: 512); see `workload.PromptTokens`.
+    trace_block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    # Give up at this virtual time; requests not finished by then are counted as unfinished.
+    max_virtual_s: float | None = None
+    # Stop when, after the last arrival, no engine has stepped for this long (requests stuck on
+    # the shared queue with every replica dead, say); they are counted as unfinished.
+    stall_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError("replicas must not be negative")
+        if self.recovery not in ("shared", "placement"):
+            raise ValueError("recovery must be 'shared' or 'placement'")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One client request across its attempts: what the gateway knows of it."""
+
+    index: int
+    rid: str
+    trace: TraceRequest
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    prompt: list[int] | None = None  # this attempt's prompt (original + output delivered so far)
+    hashes: list[int] | None = None
+    attempt: int = 0
+    delivered: int = 0  # output tokens the client has from finished or abandoned attempts
+    attempt_delivered: int = 0  # output tokens of the current attempt delivered so far
+    request: Request | None = None
+    replica: Replica | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    cached_tokens: int = 0  # engine-reported, all attempts
+    status: Literal["pending", "completed", "failed"] = "pending"
+    error: str = ""
+
+
+class Replica:
+    """One worker and its engine."""
+
+    __slots__ = (
+        "worker_id", "engine", "alive", "stepping", "jobs", "inbox", "cache_seq", "load_seq",
+        "completed", "busy_s", "prefill_tokens", "steps", "started_s", "died_s", "recovered",
+    )
+
+    def __init__(self, worker_id: str, engine: Engine, started_s: float) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.alive = True
+        self.stepping = False
+        self.jobs: dict[str, Job] = {}  # engine rid → job, in this engine now
+        self.inbox: list[Job] = []  # placed here after it died, before the router noticed
+        self.cache_seq = 0
+        self.load_seq = 0
+        self.completed = 0
+        self.busy_s = 0.0
+        self.prefill_tokens = 0
+        self.steps = 0
+        self.started_s = started_s
+        self.died_s: float | None = None
+        self.recovered = False
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine.generation_tokens_total
+
+    @property
+    def processed_tokens(self) -> int:
+        """Prompt tokens prefilled plus output tokens generated here."""
+        return self.prefill_tokens + self.engine.generation_tokens_total
+
+
+def default_policy_factory(name: str, routing: Any) -> PolicyFactory:
+    from services.router.policy import make_policy
+
+    def factory(clock: Callable[[], float], rng: random.Random) -> PlacementPolicy:
+        return make_policy(name, clock=clock, config=routing, rng=rng)
+
+    return factory
+
+
+class FleetSim:
+    """Replays `trace` through the placement policy onto `config.replicas` simulated engines.
+
+    `run()` returns a `RunReport`. Change the fleet before (or during, by time) the run with
+    `add_replica(at_s)` and `kill_replica(worker_id, at_s)`.
+    """
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        trace: Sequence[TraceRequest],
+        *,
+        policy_factory: PolicyFactory | None = None,
+        step_model: StepTimeModel | None = None,
+        prompts: PromptTokens | None = None,
+    ) -> None:
+        self.config = config
+        self.loop = EventLoop()
+        self.rng = random.Random(config.seed)
+        routing = config.routing
+        if routing is None and policy_factory is None:
+            from services.router.policy import RoutingConfig
+
+            routing = RoutingConfig(block_size=config.engine.block_size)
+        factory = policy_factory or default_policy_factory(config.policy, routing)
+        self.policy = factory(self.loop.clock, random.Random(config.seed))
+        self.policy_name = config.policy if policy_factory is None else getattr(self.policy, "name", config.policy)
+        self.step_model = step_model
+        self.block_size = config.engine.block_size
+        self.prompts = prompts or PromptTokens(config.trace_block_tokens)
+        self.trace = list(trace)
+        self.jobs = [
+            Job(index=i, rid=f"req-{i:07d}", trace=r, arrival_s=r.arrival_s, input_tokens=r.input_tokens,
+                output_tokens=r.output_tokens)
+            for i, r in enumerate(self.trace)
+        ]
+        self.replicas: list[Replica] = []
+        self.by_id: dict[str, Replica] = {}
+        self.shared: deque[Job] = deque()
+        self.outstanding = len(self.jobs)
+        self.done = False
+        self.migrations = 0
+        self.recovered_queued = 0
+        self.shared_placements = 0
+        self.resyncs = 0
+        self.placement_s = 0.0  # CPU in policy.place (process time)
+        self.stalled = False
+        self._last_progress = 0.0
+        self._next_arrival = 0
+        self._next_replica = 0
+        self._ran = False
+        for _ in range(config.replicas):
+            self.add_replica(0.0)
+
+    # ---- fleet changes -------------------------------------------------------------------------
+
+    def add_replica(self, at_s: float = 0.0) -> str:
+        """A new replica that starts heartbeating at `at_s`; returns its worker id."""
+        self._next_replica += 1
+        worker_id = f"sim-{self._next_replica:04d}"
+        self.loop.at(at_s, self._start_replica, worker_id)
+        return worker_id
+
+    def kill_replica(self, worker_id: str, at_s: float) -> None:
+        """The replica stops dead at `at_s` (no drain): no more steps, reports or heartbeats."""
+        self.loop.at(at_s, self._kill, worker_id)
+
+    def _start_replica(self, worker_id: str) -> None:
+        engine = Engine(self.config.engine, self.step_model)
+        engine.advance(self.loop.now)
+        replica = Replica(worker_id, engine, self.loop.now)
+        self.replicas.append(replica)
+        self.by_id[worker_id] = replica
+        self._heartbeat(replica, first=True)
+        # Reports start at a random phase so the fleet's reports are spread over the interval.
+        self.loop.after(self.rng.random() * self.config.load_interval_s, self._report_load, replica)
+
+    def _kill(self, worker_id: str) -> None:
+        replica = self.by_id[worker_id]
+        if replica.alive:
+            replica.alive = False
+            replica.died_s = self.loop.now
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    def run(self) -> RunReport:
+        if self._ran:
+            raise RuntimeError("a FleetSim runs once; make a new one")
+        self._ran = True
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if self.jobs:
+            self.loop.at(self.jobs[0].arrival_s, self._arrive)
+        else:
+            self.done = True
+        self.loop.after(self.config.expire_interval_s, self._expire)
+        self.loop.run(until=self.config.max_virtual_s)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        return build_report(self, cpu_s=cpu, wall_s=wall)
+
+    def _finish_one(self) -> None:
+        self.outstanding -= 1
+        if self.outstanding == 0:
+            self.done = True
+            self.loop.stop()
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _arrive(self) -> None:
+        job = self.jobs[self._next_arrival]
+        self._next_arrival += 1
+        self._last_progress = self.loop.now
+        if self._next_arrival < len(self.jobs):
+            self.loop.at(self.jobs[self._next_arrival].arrival_s, self._arrive)
+        job.prompt = self.prompts.ids(job.trace, job.index)
+        job.hashes = block_hashes(job.prompt, self.block_size)
+        self._place(job)
+
+    def _place(self, job: Job) -> None:
+        started = time.process_time()
+        reply = self.policy.place(m.PlacementRequest(
+            request_id=job.rid, model=self.config.model, prompt_tokens=len(job.prompt or ()),
+            block_hashes=job.hashes or [], block_size=self.block_size,
+        ))
+        self.placement_s += time.process_time() - started
+        replica = self.by_id.get(reply.worker_id) if reply.worker_id is not None else None
+        if replica is None:
+            self.shared_placements += 1
+            self._to_shared(job)
+        else:
+            self._dispatch(replica, job)
+
+    def _to_shared(self, job: Job) -> None:
+        self.shared.append(job)
+        for replica in self.replicas:
+            if not self.shared:
+                break
+            if self._has_room(replica):
+                self._dispatch(replica, self.shared.popleft())
+
+    @staticmethod
+    def _has_room(replica: Replica) -> bool:
+        engine = replica.engine
+        return replica.alive and not engine.waiting and len(engine.running) < engine.config.max_running_requests
+
+    def _dispatch(self, replica: Replica, job: Job) -> None:
+        if not replica.alive:
+            replica.inbox.append(job)  # sits in the dead worker's queue until the router notices
+            return
+        assert job.prompt is not None
+        engine = replica.engine
+        request = Request(
+            rid=f"{job.rid}-{job.attempt:02d}", input_ids=job.prompt,
+            sampling=SamplingParams(max_new_tokens=job.output_tokens - job.delivered, temperature=0.0, ignore_eos=True),
+        )
+        if not replica.stepping and engine.now < self.loop.now:
+            engine.advance(self.loop.now - engine.now)
+        try:
+            engine.add(request)
+        except RequestRejected as error:
+            self._fail(job, str(error))
+            return
+        job.request = request
+        job.replica = replica
+        job.attempt_delivered = 0
+        replica.jobs[request.rid] = job
+        if not replica.stepping:
+            self._step(replica)
+
+    def _fail(self, job: Job, error: str) -> None:
+        job.status = "failed"
+        job.error = error
+        job.finish_s = self.loop.now
+        job.prompt = job.hashes = job.request = None
+        job.replica = None
+        self._finish_one()
+
+    # ---- engine steps ----------------------------------------------------------------------------
+
+    def _step(self, replica: Replica) -> None:
+        """Start the replica's next engine step (its engine clock is at loop.now)."""
+        engine = replica.engine
+        result = engine.step()
+        if engine.cache.events:
+            self._publish_cache(replica, engine.cache.drain_events(), engine.now)
+        if result.idle:
+            replica.stepping = False
+            if result.updates:
+                self._step_done(replica, result.updates, stepping=False)
+            return
+        replica.stepping = True
+        replica.steps += 1
+        replica.busy_s += result.duration_s
+        replica.prefill_tokens += result.prefill_tokens
+        self.loop.at(engine.now, self._step_done, replica, result.updates)
+
+    def _step_done(self, replica: Replica, updates: list[RequestUpdate], stepping: bool = True) -> None:
+        if not replica.alive:
+            return
+        now = self._last_progress = self.loop.now
+        jobs = replica.jobs
+        for update in updates:
+            job = jobs[update.request.rid]
+            produced = update.num_output_tokens
+            if produced and job.first_token_s is None:
+                job.first_token_s = now
+            job.attempt_delivered = produced
+            if update.finish_reason is not None:
+                del jobs[update.request.rid]
+                replica.completed += 1
+                job.cached_tokens += update.request.cached_tokens
+                job.delivered += produced
+                if update.finish_reason.get("type") == "abort":
+                    self._fail(job, str(update.finish_reason.get("message", "aborted")))
+                    continue
+                job.status = "completed"
+                job.finish_s = now
+                job.prompt = job.hashes = job.request = None
+                job.replica = None
+                self._finish_one()
+        if self.shared and self._has_room(replica):
+            self._dispatch(replica, self.shared.popleft())
+        if stepping:
+            self._step(replica)
+
+    # ---- messages to the router ------------------------------------------------------------------
+
+    def _publish_cache(self, replica: Replica, events: list[Any], ts: float) -> None:
+        stored: list[m.BlockStored] = []
+        removed: list[int] = []
+        cleared = False
+        for event in events:
+            if type(event) is BlockStored:
+                stored.append(m.BlockStored(
+                    block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
+                    block_size=event.block_size, adapter=event.lora_name,
+                ))
+            elif type(event) is BlockRemoved:
+                removed.extend(event.block_hashes)
+            elif type(event) is AllBlocksCleared:
+                stored, removed, cleared = [], [], True
+        replica.cache_seq += 1
+        message = m.CacheEvent(
+            worker_id=replica.worker_id, seq=replica.cache_seq, ts=ts, stored=stored, removed=removed, cleared=cleared,
+        )
+        self.loop.at(ts + self.config.bus_delay_s, self._deliver_cache, replica, message)
+
+    def _deliver_cache(self, replica: Replica, message: m.CacheEvent) -> None:
+        if not replica.alive:
+            return
+        if not self.policy.on_cache(message):
+            self._resync(replica)
+
+    def _resync(self, replica: Replica) -> None:
+        """The worker answers a resync request with a snapshot of its engine's cache."""
+        self.resyncs += 1
+        replica.cache_seq += 1
+        snapshot = m.CacheEvent(
+            worker_id=replica.worker_id, seq=replica.cache_seq, ts=self.loop.now, cleared=True,
+            stored=[m.BlockStored(block_hashes=cache_blocks(replica.engine.cache), block_size=self.block_size)],
+        )
+        self.loop.after(2 * self.config.bus_delay_s, self._deliver_cache, replica, snapshot)
+
+    def _heartbeat(self, replica: Replica, first: bool = False) -> None:
+        if not replica.alive:
+            return
+        config = self.config.engine
+        beat = m.Heartbeat(
+            worker_id=replica.worker_id, model=self.config.model, engine_url=f"sim://{replica.worker_id}",
+            started=replica.started_s, ts=self.loop.now, state="ready", max_running=config.max_running_requests,
+            gpu=config.gpu, tp=config.tp, block_size=config.block_size,
+        )
+        if first:
+            self._deliver_heartbeat(replica, beat)  # registered before any request can arrive
+        else:
+            self.loop.after(self.config.bus_delay_s, self._deliver_heartbeat, replica, beat)
+        if not self.done:
+            self.loop.after(self.config.heartbeat_interval_s, self._heartbeat, replica)
+
+    def _deliver_heartbeat(self, replica: Replica, beat: m.Heartbeat) -> None:
+        known = replica.worker_id in self.policy.workers
+        self.policy.on_heartbeat(beat)
+        if not known:
+            self._resync(replica)  # the router asks a joining worker for its cache
+
+    def _report_load(self, replica: Replica) -> None:
+        if not replica.alive:
+            return
+        engine = replica.engine
+        snapshot = engine.load()
+        queued_prefill = sum(len(r.fill_ids) - r.computed for r in engine.waiting)
+        queued_prefill += sum(len(r.fill_ids) - r.computed for r in engine.running if r.computed < len(r.fill_ids))
+        replica.load_seq += 1
+        report = m.WorkerLoad(
+            worker_id=replica.worker_id, model=self.config.model, ts=self.loop.now, seq=replica.load_seq,
+            running=snapshot.num_running_reqs, waiting=snapshot.num_waiting_reqs, in_flight=len(replica.jobs),
+            max_running=snapshot.max_running_requests, kv_used_tokens=snapshot.num_used_tokens,
+            kv_capacity_tokens=snapshot.max_total_num_tokens, cache_hit_rate=snapshot.cache_hit_rate,
+            completed=replica.completed, queued_prefill_tokens=queued_prefill,
+        )
+        self.loop.after(self.config.bus_delay_s, self.policy.on_load, report)
+        if not self.done:
+            self.loop.after(self.config.load_interval_s, self._report_load, replica)
+
+    # ---- dead workers ----------------------------------------------------------------------------
+
+    def _expire(self) -> None:
+        for worker_id in self.policy.expire():
+            replica = self.by_id.get(worker_id)
+            if replica is not None and not replica.alive and not replica.recovered:
+                self._recover(replica)
+        if self.done:
+            return
+        if (
+            self._next_arrival >= len(self.jobs)
+            and self.loop.now - self._last_progress > self.config.stall_timeout_s
+            and not any(replica.stepping and replica.alive for replica in self.replicas)
+        ):
+            self.stalled = True
+            self.loop.stop()
+            return
+        self.loop.after(self.config.expire_interval_s, self._expire)
+
+    def _recover(self, replica: Replica) -> None:
+        """Move a dead replica's work elsewhere (see the module docstring)."""
+        replica.recovered = True
+        moved: list[Job] = list(replica.inbox)
+        replica.inbox.clear()
+        self.recovered_queued += len(moved)
+        running = set(map(id, replica.engine.running))
+        for job in sorted(replica.jobs.values(), key=lambda j: j.index):
+            request = job.request
+            assert request is not None and job.prompt is not None
+            job.request = job.replica = None
+            if id(request) not in running and job.attempt_delivered == 0:
+                # Still waiting in the engine, never started: the queued request moves unchanged.
+                self.recovered_queued += 1
+                moved.append(job)
+                continue
+            # Accepted and started: the gateway migrates it as a new attempt.
+            self.migrations += 1
+            job.cached_tokens += request.cached_tokens
+            if job.attempt_delivered:
+                job.prompt = job.prompt + request.output_ids[: job.attempt_delivered]
+                job.delivered += job.attempt_delivered
+                job.hashes = block_hashes(job.prompt, self.block_size)
+            job.attempt += 1
+            job.attempt_delivered = 0
+            if job.attempt >= self.config.max_attempts:
+                self._fail(job, f"gave up after {job.attempt} attempts")
+                continue
+            if job.delivered >= job.output_tokens:
+                # Everything was streamed; only the final event was lost.
+                job.status = "completed"
+                job.finish_s = self.loop.now
+                job.prompt = job.hashes = None
+                self._finish_one()
+                continue
+            moved.append(job)
+        replica.jobs.clear()
+        moved.sort(key=lambda j: j.index)
+        for job in moved:
+            if self.config.recovery == "placement":
+                self._place(job)
+            else:
+                self._to_shared(job)
+
+
+def cache_blocks(cache: RadixCache) -> list[int]:
+    """Every block hash in an engine's prefix cache (for a resync snapshot)."""
+    return cache.block_hashes()
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    config: FleetConfig | None = None,
+    **overrides: Any,
+) -> RunReport:
+    """One run: `simulate(trace, replicas=8, policy="affinity")`."""
+    config = config or FleetConfig(**overrides)
+    return FleetSim(config, trace).run()

@@ -1,0 +1,90 @@
+"""Admin API for LoRA adapters (`/admin/v1/adapters`), for operators and `inferbus adapters`.
+
+    POST   /admin/v1/adapters          {name, version: "sha256:<64 hex>", path, base_model?, owner?}
+    GET    /admin/v1/adapters
+    GET    /admin/v1/adapters/{name}
+    DELETE /admin/v1/adapters/{name}
+
+Re-registering a name with another version replaces it: workers load the new engine name on next
+use, and the router's cache entries for the old one age out, because the version is part of the
+name engines see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+from nats.js import JetStreamContext
+from starlette.responses import Response
+
+from inferbus import adapters as registry
+from proto import messages as m
+
+from .admin import _body, _respond, require_admin
+from .errors import OpenAIError
+
+
+def adapter_body(spec: m.AdapterSpec) -> dict[str, Any]:
+    body = msgspec.to_builtins(spec)
+    body.pop("v", None)
+    body["engine_name"] = spec.engine_name
+    return body
+
+
+def adapters_router(admin_key: str, base_model: str, jetstream: Callable[[], JetStreamContext | None]) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(require_admin(admin_key))])
+
+    async def bucket():  # type: ignore[no-untyped-def]
+        js = jetstream()
+        if js is None:
+            raise OpenAIError(503, "The gateway is starting; retry shortly.", code="service_unavailable",
+                              headers={"retry-after": "1"})
+        return await registry.bucket(js)
+
+    @router.post("/adapters")
+    async def register(request: Request) -> Response:
+        body = await _body(request)
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+        for field in ("name", "version", "path"):
+            if not isinstance(body.get(field), str) or not body[field]:
+                raise OpenAIError(400, f"`{field}` is required (a string).", param=field, code="invalid_value")
+        model = body.get("base_model") or base_model
+        if model != base_model:
+            raise OpenAIError(400, f"This platform serves `{base_model}`; an adapter for `{model}` cannot run here.",
+                              param="base_model", code="invalid_value")
+        owner = body.get("owner")
+        if owner is not None and not isinstance(owner, str):
+            raise OpenAIError(400, "`owner` must be a tenant id or null.", param="owner", code="invalid_value")
+        try:
+            spec = registry.new_spec(body["name"], model, body["version"], body["path"], owner)
+        except registry.InvalidAdapter as error:
+            param = "version" if "version" in str(error) else "name"
+            raise OpenAIError(400, str(error), param=param, code="invalid_value") from None
+        if spec.name == base_model:
+            raise OpenAIError(400, "An adapter may not take the base model's name.", param="name", code="invalid_value")
+        await registry.put(await bucket(), spec)
+        return _respond(adapter_body(spec), 201)
+
+    @router.get("/adapters")
+    async def list_adapters() -> Response:
+        specs = await registry.list_all(await bucket())
+        return _respond({"object": "list", "data": [adapter_body(spec) for spec in specs]})
+
+    @router.get("/adapters/{name:path}")
+    async def get_adapter(name: str) -> Response:
+        spec = await registry.get(await bucket(), name)
+        if spec is None:
+            raise OpenAIError(404, f"Adapter `{name}` not found.", code="adapter_not_found")
+        return _respond(adapter_body(spec))
+
+    @router.delete("/adapters/{name:path}")
+    async def delete_adapter(name: str) -> Response:
+        if not await registry.delete(await bucket(), name):
+            raise OpenAIError(404, f"Adapter `{name}` not found.", code="adapter_not_found")
+        return _respond({"id": name, "object": "adapter", "deleted": True})
+
+    return router

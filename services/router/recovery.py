@@ -1,0 +1,86 @@
+"""Recovery of a dead worker's queued work.
+
+A request placed on a worker waits in that worker's own subject (`…​.w.<worker>`) until the
+worker pulls it. When the worker dies, the router moves whatever is still queued there to the
+shared subject of the same tier and model, where any worker takes it, and deletes the dead
+worker's consumers. Each moved message is published with the id `<original id>.recovered`, so
+two router replicas recovering the same worker, or one retrying after a crash between publish and
+ack, never queue a request twice. Requests the worker had already accepted are not here: the
+gateway holding the client migrates those.
+
+The gateway does not republish a queued request itself when its worker dies: the queue is the
+truth, and moving the message (instead of publishing a second attempt) is what guarantees the
+request runs once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerInfo
+from nats.js.errors import NotFoundError
+
+from inferbus import logs
+from inferbus.replies import Replies
+from proto import subjects
+
+log = logs.get(__name__)
+
+FETCH_BATCH = 256
+FETCH_WAIT_S = 1.0  # nats-py's fetch does not deliver with much shorter waits
+
+
+async def worker_consumers(js: JetStreamContext) -> list[tuple[str, ConsumerInfo]]:
+    """Every worker-owned request consumer, with the worker token from its filter subject."""
+    found = []
+    for info in await js.consumers_info(subjects.REQUESTS_STREAM):
+        worker = subjects.worker_of_request_subject(info.config.filter_subject or "")
+        if worker is not None:
+            found.append((worker, info))
+    return found
+
+
+async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *, give_up_after_s: float) -> int:
+    """Move everything queued on a dead worker's consumer to the shared subject; returns how many.
+
+    Messages the worker pulled but never acked come back after the consumer's ack wait, so this
+    keeps fetching until nothing is pending or outstanding, for at most `give_up_after_s`.
+    """
+    durable = info.name
+    shared = subjects.shared_request_subject(info.config.filter_subject or "")
+    if shared is None:
+        return 0
+    moved = 0
+    deadline = time.monotonic() + give_up_after_s
+    try:
+        subscription = await js.pull_subscribe_bind(durable, subjects.REQUESTS_STREAM)
+    except NotFoundError:
+        return 0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                batch = await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
+            except NatsTimeoutError:
+                batch = []
+            for msg in batch:
+                headers = dict(msg.headers or {})
+                original_id = headers.pop("Nats-Msg-Id", None) or f"seq-{msg.metadata.sequence.stream}"
+                await replies.publish_durable(shared, msg.data, f"{original_id}.recovered", headers=headers or None)
+                await msg.ack()
+                moved += 1
+            if batch:
+                continue
+            state = await js.consumer_info(subjects.REQUESTS_STREAM, durable)
+            if state.num_pending == 0 and state.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        await subscription.unsubscribe()
+    try:
+        await js.delete_consumer(subjects.REQUESTS_STREAM, durable)
+    except NotFoundError:
+        pass
+    return moved

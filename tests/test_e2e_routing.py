@@ -1,0 +1,197 @@
+"""Prefix- and adapter-affinity routing with real processes: the router's view comes from the
+engines' KV-cache events (ZMQ → worker → NATS), placements follow cached prefixes, adapters are
+registered, loaded on demand and verified, and the router survives restarts and worker deaths.
+
+One platform of three workers; tests run in file order and the last ones kill processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from inferbus.traces import _WORDS
+
+from .conftest import MODEL, Platform, read_usage, running_platform
+
+pytestmark = pytest.mark.e2e
+
+HEARTBEAT_TTL_S = 1.5
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    with running_platform(
+        tmp_path_factory.mktemp("routing"), workers=3, time_scale=0.1,
+        # Engines that answer 200 to any adapter load (as lazily loading engines do): the worker
+        # must catch a bad adapter by verifying, not by trusting the load call.
+        engine_args=["--lazy-lora-loading"],
+        extra_env={
+            "INFERBUS_HEARTBEAT_INTERVAL_S": "0.3",
+            "INFERBUS_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
+            "INFERBUS_REQUEST_TIMEOUT_S": "20",
+            "INFERBUS_ROUTER_RECOVERY_SCAN_S": "1",
+            "INFERBUS_WORKER_MAX_RUNNING": "6",
+            "INFERBUS_ACK_WAIT_S": "2",
+        },
+    ) as running:
+        yield running
+
+
+def prefix(family: int, tokens: int = 2048) -> str:
+    """A long shared prefix: `tokens` one-token words, different per family."""
+    return "".join(_WORDS[(family * 7919 + i * 31) % len(_WORDS)] for i in range(tokens))
+
+
+def complete(platform: Platform, prompt: str, model: str = MODEL, max_tokens: int = 4) -> openai.types.Completion:
+    return platform.client(timeout=60).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+
+def cached(response: openai.types.Completion) -> int:
+    details = response.usage.prompt_tokens_details  # type: ignore[union-attr]
+    return details.cached_tokens if details else 0
+
+
+def test_turns_of_a_conversation_find_their_prefix_cached(fleet: Platform) -> None:
+    # Four conversations, interleaved; each later turn extends the shared prefix of its family.
+    hits, totals = 0, 0
+    for turn in range(4):
+        for family in range(4):
+            response = complete(fleet, prefix(family) + f" turn {turn}")
+            if turn > 0:
+                hits += cached(response)
+                totals += response.usage.prompt_tokens  # type: ignore[union-attr]
+    # Without affinity a later turn lands on its prefix's worker one time in three.
+    assert hits / totals > 0.85, f"prefix hit rate {hits / totals:.2f}"
+
+
+def test_independent_prefixes_spread_over_the_workers(fleet: Platform) -> None:
+    ids = set()
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        for response in pool.map(lambda f: complete(fleet, prefix(100 + f, 1024), max_tokens=40), range(12)):
+            ids.add(response.id.removeprefix("cmpl-"))
+    workers = {event.worker_id for event in read_usage(fleet, "demo", ids)}
+    assert len(workers) == 3, workers
+
+
+def test_adapters_register_with_a_pinned_version_and_list_for_the_tenant(fleet: Platform) -> None:
+    with fleet.admin() as admin:
+        refused = admin.post("/adapters", json={"name": "support-bot", "version": "latest", "path": "s3://ok/support"})
+        assert refused.status_code == 400 and "pinned digest" in refused.json()["error"]["message"]
+        created = admin.post("/adapters", json={"name": "support-bot", "version": DIGEST, "path": "s3://ok/support"})
+        assert created.status_code == 201, created.text
+        assert created.json()["engine_name"] == "support-bot@" + "ab" * 6
+        assert admin.post("/adapters", json={"name": "broken", "version": DIGEST, "path": "missing/weights"}).status_code == 201
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        models = {card.id: card for card in fleet.client().models.list().data}
+        if "broken" in models:
+            break
+        time.sleep(0.1)
+    assert set(models) == {MODEL, "support-bot", "broken"}
+    assert models["support-bot"].model_extra["parent"] == MODEL
+
+
+def test_an_adapter_is_loaded_on_demand_and_requests_follow_it(fleet: Platform) -> None:
+    first = complete(fleet, "hello adapter", model="support-bot")
+    assert first.model == "support-bot" and first.choices[0].text
+    ids = {first.id.removeprefix("cmpl-")}
+    for i in range(5):
+        ids.add(complete(fleet, f"again {i}", model="support-bot").id.removeprefix("cmpl-"))
+    events = read_usage(fleet, "demo", ids)
+    assert {event.adapter for event in events} == {"support-bot@" + "ab" * 6}
+    assert len({event.worker_id for event in events}) == 1  # the worker that loaded it keeps its traffic
+
+
+def test_a_bad_adapter_is_caught_by_verification_not_served(fleet: Platform) -> None:
+    with pytest.raises(openai.APIStatusError) as raised:
+        complete(fleet, "hello", model="broken")
+    assert raised.value.status_code == 503
+    assert "failed verification" in raised.value.message
+    with pytest.raises(openai.NotFoundError):
+        complete(fleet, "hello", model="nobody-registered-this")
+
+
+def test_a_router_restart_rebuilds_its_view_from_the_workers(fleet: Platform) -> None:
+    warm = prefix(7)
+    complete(fleet, warm + " first")
+    router = fleet.stack.get("router")
+    router.signal(signal.SIGKILL)
+    router.wait(5)
+    # Without a router the gateway still serves, from the shared queue.
+    assert complete(fleet, "no router here").choices[0].text
+    router.start()
+    # It asks every worker for a snapshot of its cache as it sees them join: within seconds a
+    # request for the warm prefix goes where the prefix is.
+    deadline, found = time.monotonic() + 8, 0
+    while time.monotonic() < deadline and found < 1984:
+        found = cached(complete(fleet, warm + f" after the restart {time.monotonic()}"))
+        time.sleep(0.3)
+    assert found >= 1984, "the restarted router did not learn where the prefix is cached"
+
+
+def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: Platform) -> None:
+    # A worker hangs (SIGSTOP) while streams run on every worker; requests for a prefix it caches
+    # keep being placed on it until its heartbeat expires, and wait in its queue. Then it dies:
+    # the router moves its queue to the shared one, the gateway migrates its streams, and every
+    # request completes, billed once.
+    hot = prefix(11, 8192)  # long: recomputing it elsewhere costs more than waiting in a queue
+    warm = complete(fleet, hot)
+    [owner] = read_usage(fleet, "demo", {warm.id.removeprefix("cmpl-")})
+    victim = fleet.stack.get(owner.worker_id)
+
+    def run(prompt: str) -> openai.types.Completion:
+        return complete(fleet, prompt, max_tokens=600)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(run, prefix(300 + i, 512)) for i in range(9)]
+        time.sleep(0.5)
+        victim.signal(signal.SIGSTOP)
+        queued = []
+        while len(queued) < 8 and _waiting_for(fleet, owner.worker_id) < 2:
+            queued.append(pool.submit(run, hot + f" question {len(queued)}"))
+            time.sleep(0.1)
+        waiting = _waiting_for(fleet, owner.worker_id)
+        assert waiting >= 1, "no request was placed on the hung worker: the test cannot test recovery"
+        killed_at = time.time()
+        victim.signal(signal.SIGKILL)
+        responses = [future.result(timeout=90) for future in streams + queued]
+    assert all(r.usage.completion_tokens == 600 for r in responses)  # type: ignore[union-attr]
+    ids = {r.id.removeprefix("cmpl-") for r in responses}
+    events = read_usage(fleet, "demo", ids)
+    assert sorted(e.request_id for e in events) == sorted(ids)  # one usage event each: billed once
+    assert all(e.worker_id != owner.worker_id or e.finished < killed_at for e in events)
+    moved = sum(
+        json.loads(line).get("moved", 0) for line in fleet.stack.get("router").log_path.read_text().splitlines()
+        if '"recovered_queue"' in line and f'"{owner.worker_id}"' in line
+    )
+    assert moved >= waiting
+    # The router forgot it within the heartbeat TTL: new work goes to the two others only.
+    later = {complete(fleet, prefix(200 + i, 256)).id.removeprefix("cmpl-") for i in range(6)}
+    assert all(e.worker_id != owner.worker_id for e in read_usage(fleet, "demo", later))
+
+
+def _waiting_for(platform: Platform, worker_id: str) -> int:
+    """Requests in a worker's own queue, not yet acknowledged by it (JetStream consumer state)."""
+    import asyncio
+
+    import nats
+
+    from proto import subjects
+
+    async def count() -> int:
+        nc = await nats.connect(platform.stack.nats_url)
+        try:
+            info = await nc.jetstream().consumer_info(subjects.REQUESTS_STREAM, subjects.request_consumer("standard", MODEL, worker_id))
+            return (info.num_pending or 0) + (info.num_ack_pending or 0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(count())
