@@ -1,10 +1,11 @@
 """Placement benchmark: how long the router takes to decide, alone and over NATS.
 
-    python -m bench.placement [--workers 200] [--blocks-per-worker 4000] [--requests 5000] [--out bench/results]
+    python -m bench.placement [--workers 200] [--blocks-per-worker 4000] [--requests 5000] [--prompt-blocks 250,32]
 
 1. decision: `AffinityPolicy.place` on a fleet of `--workers` workers whose prefix index holds
-   `--blocks-per-worker` blocks each, for mooncake-sized prompts (about 250 64-token blocks, half of
-   them a prefix shared with some workers); microseconds per decision, and the index's memory.
+   `--blocks-per-worker` blocks each, for prompts of each `--prompt-blocks` size in 64-token blocks
+   (250: Mooncake's 16k tokens; 32: a 2k-token chat), half of them a prefix shared with some
+   workers; microseconds per decision (including recording it), and the index's memory.
 2. round trip: a real nats-server and the router service as a process, fed heartbeats and load
    reports for the same number of workers; a client asks for placements one at a time, as a
    gateway does, and times each request/reply. Also the router's CPU per placement.
@@ -39,18 +40,17 @@ from proto import subjects
 from services.router.policy import AffinityPolicy, RoutingConfig
 
 MODEL = "bench-model"
-PROMPT_BLOCKS = 250  # a 16k-token prompt in 64-token blocks
-SHARED_BLOCKS = 125
+SHARED_BLOCKS = 125  # the longest shared prefix a family has
 
 
 def family_hashes(family: int) -> list[int]:
     return [hash((family, i)) & 0xFFFFFFFFFFFFFFFF for i in range(SHARED_BLOCKS)]
 
 
-def make_request(rng: random.Random, families: int) -> m.PlacementRequest:
-    shared = family_hashes(rng.randrange(families))
-    tail = [rng.getrandbits(64) for _ in range(PROMPT_BLOCKS - SHARED_BLOCKS)]
-    return m.PlacementRequest(request_id="r", model=MODEL, prompt_tokens=64 * PROMPT_BLOCKS + 30,
+def make_request(rng: random.Random, families: int, blocks: int = 250) -> m.PlacementRequest:
+    shared = family_hashes(rng.randrange(families))[: blocks // 2]
+    tail = [rng.getrandbits(64) for _ in range(blocks - len(shared))]
+    return m.PlacementRequest(request_id="r", model=MODEL, prompt_tokens=64 * blocks + 30,
                               block_hashes=shared + tail, block_size=64)
 
 
@@ -66,7 +66,7 @@ def load(worker_id: str, rng: random.Random) -> m.WorkerLoad:
                         queued_prefill_tokens=rng.randrange(0, 20_000))
 
 
-def measure_decisions(workers: int, blocks_per_worker: int, requests: int) -> dict[str, Any]:
+def measure_decisions(workers: int, blocks_per_worker: int, requests: int, blocks: int) -> dict[str, Any]:
     rng = random.Random(1)
     # A frozen clock: heartbeats set up minutes earlier must still count as fresh.
     policy = AffinityPolicy(clock=lambda: 1000.0, config=RoutingConfig(), rng=rng)
@@ -83,7 +83,7 @@ def measure_decisions(workers: int, blocks_per_worker: int, requests: int) -> di
                                      stored=[m.BlockStored(block_hashes=held[:blocks_per_worker])]))
     index_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    asks = [make_request(rng, families) for _ in range(requests)]
+    asks = [make_request(rng, families, blocks) for _ in range(requests)]
     timings = []
     for n, ask in enumerate(asks):
         if n % 200 == 0:  # workers report every 250 ms: pulled what was placed on them
@@ -94,14 +94,15 @@ def measure_decisions(workers: int, blocks_per_worker: int, requests: int) -> di
         timings.append(time.perf_counter() - started)
         assert reply.worker_id is not None, reply.reason
     return {
-        "workers": workers, "blocks_per_worker": blocks_per_worker, "indexed_blocks": len(policy.index),
+        "workers": workers, "blocks_per_worker": blocks_per_worker, "prompt_blocks": blocks,
+        "indexed_blocks": len(policy.index),
         "index_mb": round(index_bytes / 2**20, 1), "requests": requests,
         "decision_us_p50": round(percentile(timings, 50) * 1e6, 1),
         "decision_us_p99": round(percentile(timings, 99) * 1e6, 1),
     }
 
 
-async def measure_round_trip(workers: int, requests: int) -> dict[str, Any]:
+async def measure_round_trip(workers: int, requests: int, blocks: int) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="bench-placement-"))
     port, monitor = free_port(), free_port()
     server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js",
@@ -125,7 +126,7 @@ async def measure_round_trip(workers: int, requests: int) -> dict[str, Any]:
         for i in range(workers):
             await nc.publish(subjects.metrics_subject(f"w{i}"), m.encode(load(f"w{i}", rng)))
         families = max(1, workers * 10)
-        asks = [m.encode(make_request(rng, families)) for _ in range(requests)]
+        asks = [m.encode(make_request(rng, families, blocks)) for _ in range(requests)]
         subject = subjects.placement_subject(MODEL)
         deadline = time.monotonic() + 30
         while True:  # until the router answers with a worker
@@ -147,7 +148,7 @@ async def measure_round_trip(workers: int, requests: int) -> dict[str, Any]:
         cpu = _cpu_seconds(router.pid) - cpu_before
         await nc.close()
         return {
-            "requests": requests, "round_trip_ms_p50": round(percentile(timings, 50) * 1e3, 3),
+            "requests": requests, "prompt_blocks": blocks, "round_trip_ms_p50": round(percentile(timings, 50) * 1e3, 3),
             "round_trip_ms_p99": round(percentile(timings, 99) * 1e3, 3),
             "router_cpu_ms_per_placement": round(cpu / requests * 1e3, 3),
         }
@@ -165,18 +166,18 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    d, r = results["decision"], results["round_trip"]
-    return "\n".join([
-        "# Placement",
-        "",
-        f"`python -m bench.placement` on {results['host']}.",
-        "",
-        f"- decision (`AffinityPolicy.place`, {d['workers']} workers, {d['indexed_blocks']:,} indexed blocks, "
-        f"{d['index_mb']} MB): **{d['decision_us_p50']} µs p50**, {d['decision_us_p99']} µs p99",
-        f"- gateway-side round trip over NATS to the router process: **{r['round_trip_ms_p50']} ms p50**, "
-        f"{r['round_trip_ms_p99']} ms p99; router CPU {r['router_cpu_ms_per_placement']} ms per placement",
-        "",
-    ])
+    lines = ["# Placement", "", f"`python -m bench.placement` on {results['host']}.", "",
+             "| prompt | decision p50 / p99 µs | round trip p50 / p99 ms | router CPU ms per placement |",
+             "| --- | ---: | ---: | ---: |"]
+    for d, r in zip(results["decision"], results["round_trip"]):
+        lines.append(f"| {d['prompt_blocks']} blocks ({d['prompt_blocks'] * 64:,} tokens) | {d['decision_us_p50']} / "
+                     f"{d['decision_us_p99']} | {r['round_trip_ms_p50']} / {r['round_trip_ms_p99']} | "
+                     f"{r['router_cpu_ms_per_placement']} |")
+    d = results["decision"][0]
+    lines += ["", f"{d['workers']} workers, {d['indexed_blocks']:,} indexed blocks ({d['index_mb']} MB). The decision "
+              "includes recording it in the index; the round trip is a gateway-side NATS request/reply to the "
+              "router process, one at a time.", ""]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -184,12 +185,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=200)
     parser.add_argument("--blocks-per-worker", type=int, default=4000)
     parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--prompt-blocks", default="250,32", help="prompt sizes in 64-token blocks, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = {
         "host": f"{host.machine()}, {os.cpu_count()} CPUs, Python {host.python_version()}",
-        "decision": measure_decisions(args.workers, args.blocks_per_worker, args.requests),
-        "round_trip": asyncio.run(measure_round_trip(args.workers, args.requests)),
+        "decision": [measure_decisions(args.workers, args.blocks_per_worker, args.requests, int(blocks))
+                     for blocks in args.prompt_blocks.split(",")],
+        "round_trip": [asyncio.run(measure_round_trip(args.workers, args.requests, int(blocks)))
+                       for blocks in args.prompt_blocks.split(",")],
         "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     write_results(args.out, "placement", results, markdown)

@@ -79,13 +79,24 @@ def test_prefix_index_counts_leading_blocks_only_and_stays_bounded() -> None:
     index.add("b", [1, 9], now=0)
     assert index.matched_blocks([1, 2, 3, 4]) == {"a": 3, "b": 1}
     assert index.matched_blocks([2, 3]) == {"a": 2}  # chained hashes: any block names its whole prefix
-    index.add("a", [5], now=5)  # over the cap: the least recently used block (1) goes
-    assert index.matched_blocks([1, 2]) == {"b": 1}
+    index.add("a", [5], now=5)  # over the cap: the least recently used block goes, a leaf (3) before its root
+    assert index.matched_blocks([1, 2, 3]) == {"a": 2, "b": 1}
     index.remove("a", [2])
     assert index.blocks_of("a") == 2
     assert index.expire(now=12) == 3 and index.blocks_of("a") == 1  # a:3 and b's two blocks were older than 10 s
     index.forget("a")
     assert len(index) == 0
+
+
+def test_bisection_finds_every_workers_depth_on_long_prompts() -> None:
+    index = PrefixIndex()
+    chain = list(range(1000, 1250))
+    for worker, depth in (("a", 250), ("b", 7), ("c", 1), ("d", 128), ("e", 129)):
+        index.add(worker, chain[:depth], now=0)
+    index.add("f", [999], now=0)
+    assert index.matched_blocks(chain) == {"a": 250, "b": 7, "c": 1, "d": 128, "e": 129}
+    assert index.matched_blocks(chain[:1]) == {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}
+    assert index.matched_blocks([5, 6]) == {}
 
 
 def test_affinity_sends_a_shared_prefix_to_the_worker_that_holds_it() -> None:

@@ -50,7 +50,10 @@ class PrefixIndex:
 
     # ---- updates ---------------------------------------------------------------------------
 
-    def add(self, worker_id: str, hashes: Iterable[int], now: float) -> None:
+    def add(self, worker_id: str, hashes: Sequence[int], now: float, known: int = 0) -> None:
+        """Record that `worker_id` holds the chain `hashes`. The first `known` blocks are known to
+        be held already (the placement matched them): they are only touched, and only when the
+        deepest of them has not been for a second."""
         blocks = self._blocks.get(worker_id)
         if blocks is None:
             blocks = self._blocks[worker_id] = OrderedDict()
@@ -58,7 +61,11 @@ class PrefixIndex:
         holders = self._holders
         move = blocks.move_to_end
         stale = now - TOUCH_INTERVAL_S
-        for block in hashes:
+        if 0 < known <= len(hashes) and blocks.get(hashes[known - 1], now) >= stale:
+            hashes = hashes[known:]
+        # Deepest first, so a chain's root is its most recently used block and LRU eviction takes
+        # leaves before the blocks they extend, as the engines' radix caches do.
+        for block in reversed(hashes):
             touched = blocks.get(block)
             if touched is None:
                 holders[block] = holders.get(block, 0) | flag
@@ -129,22 +136,33 @@ class PrefixIndex:
     # ---- queries ---------------------------------------------------------------------------
 
     def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of `hashes` held, per worker holding at least the first one."""
+        """Leading blocks of `hashes` held, per worker holding at least the first one.
+
+        Caches hold whole prefixes (a block is only there with its parent), so the set of workers
+        holding block d shrinks as d grows, and each worker's depth is found by bisection: a few
+        lookups per distinct depth instead of one per block of a long prompt.
+        """
         holders = self._holders
-        alive = holders.get(hashes[0], 0) if hashes else 0
-        if not alive:
-            return {}
+        first = holders.get(hashes[0], 0) if hashes else 0
         matched: dict[str, int] = {}
-        depth = 1
-        for block in hashes[1:]:
-            still = holders.get(block, 0) & alive
-            if still != alive:
-                self._record(alive & ~still, depth, matched)
-                alive = still
-                if not alive:
-                    return matched
-            depth += 1
-        self._record(alive, depth, matched)
+        if not first:
+            return matched
+        last = len(hashes) - 1
+        deepest = holders.get(hashes[last], 0) & first if last else first
+        self._record(deepest, last + 1, matched)
+        # Intervals [lo, hi) with mask(lo) ⊋ mask(hi): workers in mask(lo) - mask(hi) stop inside.
+        pending = [(0, last, first, deepest)]
+        while pending:
+            lo, hi, lo_mask, hi_mask = pending.pop()
+            if lo_mask == hi_mask:
+                continue
+            if hi - lo == 1:
+                self._record(lo_mask & ~hi_mask, lo + 1, matched)
+                continue
+            mid = (lo + hi) // 2
+            mid_mask = holders.get(hashes[mid], 0) & lo_mask | hi_mask
+            pending.append((lo, mid, lo_mask, mid_mask))
+            pending.append((mid, hi, mid_mask, hi_mask))
         return matched
 
     def _record(self, mask: int, depth: int, matched: dict[str, int]) -> None:

@@ -231,7 +231,8 @@ class Policy:
             return m.PlacementReply(target=subjects.ANY_TARGET, reason="no eligible worker")
         chosen, cached_blocks = self.choose(request, candidates)
         if record:
-            self._count(chosen, request.prompt_tokens - cached_blocks * self.config.block_size, request.block_hashes)
+            self._count(chosen, request.prompt_tokens - cached_blocks * self.config.block_size, request.block_hashes,
+                        cached_blocks)
         return m.PlacementReply(
             target=subjects.worker_target(chosen.worker_id), worker_id=chosen.worker_id,
             reason=self.name, cached_blocks=cached_blocks,
@@ -241,17 +242,18 @@ class Policy:
         """Count a placement made with `place(..., record=False)`."""
         view = self.workers.get(reply.worker_id or "")
         if view is not None:
-            self._count(view, request.prompt_tokens - reply.cached_blocks * self.config.block_size, request.block_hashes)
+            self._count(view, request.prompt_tokens - reply.cached_blocks * self.config.block_size, request.block_hashes,
+                        reply.cached_blocks)
 
     def choose(self, request: m.PlacementRequest, candidates: list[WorkerView]) -> tuple[WorkerView, int]:
         raise NotImplementedError
 
-    def _count(self, view: WorkerView, prefill_tokens: int, hashes: list[int]) -> None:
+    def _count(self, view: WorkerView, prefill_tokens: int, hashes: list[int], known_blocks: int = 0) -> None:
         view.placed_total += 1
         view.placed_prefill.append(view.placed_prefill[-1] + max(0, prefill_tokens))
         self._refresh(view)
         if hashes:
-            self.index.add(view.worker_id, hashes, self.clock())
+            self.index.add(view.worker_id, hashes, self.clock(), known=known_blocks)
 
     def _softmax_pick(self, costs: list[float]) -> int:
         """An index drawn with weight exp(-(cost - best) / temperature); choices more than ten

@@ -15,6 +15,8 @@ import asyncio
 import secrets
 import signal
 import time
+from collections.abc import Coroutine
+from typing import Any
 from datetime import datetime, timedelta, timezone
 
 import msgspec
@@ -68,13 +70,15 @@ class Router:
         self.policy: Policy = make_policy(settings.policy, time.monotonic, config)
         self._resync_asked: dict[str, float] = {}
         self._preloads: dict[tuple[str, str], float] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._recovering: set[str] = set()
         self._registry_loaded = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         s = self.settings
-        self.nc = await bus.connect(s.nats_url, name=self.router_id)
+        # no_echo: a replica does not receive its own `Placed` messages back (it counted them already).
+        self.nc = await bus.connect(s.nats_url, name=self.router_id, no_echo=True)
         self.js = self.nc.jetstream()
         await bus.ensure_streams(self.js)
         self.kv = await bus.workers_bucket(self.js, s.heartbeat_ttl_s)
@@ -112,18 +116,30 @@ class Router:
         await msg.respond(m.encode(reply))
         PLACE_SECONDS.observe(time.perf_counter() - started)
         PLACEMENTS.labels(reply.reason).inc()
-        if reply.worker_id is None:
-            return
-        self.policy.record(request, reply)  # after the answer: the gateway need not wait for it
+        if reply.worker_id is not None:
+            # One event-loop pass first: the client's flusher sends the reply, then the view is
+            # updated (before the next placement request is read).
+            await asyncio.sleep(0)
+            self._after_placement(request, reply)
+
+    def _after_placement(self, request: m.PlacementRequest, reply: m.PlacementReply) -> None:
+        """Count the placement in this replica's view, tell the other replicas, preload adapters."""
+        assert reply.worker_id is not None
+        self.policy.record(request, reply)
         CACHED_BLOCKS.inc(reply.cached_blocks)
         if request.adapter:
-            await self._preload(reply.worker_id, request.adapter)
+            self._spawn(self._preload(reply.worker_id, request.adapter))
         placed = m.Placed(
             router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
             prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),
             block_hashes=request.block_hashes,
         )
-        await self.nc.publish(subjects.placed_subject(request.model), m.encode(placed))
+        self._spawn(self.nc.publish(subjects.placed_subject(request.model), m.encode(placed)))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _preload(self, worker_id: str, adapter: str) -> None:
         """Start loading an adapter while the request is still on its way to the worker."""
