@@ -196,8 +196,11 @@ class Stack:
                       lambda: redis_reachable(self.redis_url), self.redis_url)
         if c.router:
             router_log = c.state_dir / "logs" / "router.log"
+            # Readiness is its `router_ready` log line, so it logs at info at least (a few lines
+            # per worker joining or leaving).
+            level = c.log_level if c.log_level == "debug" else "info"
             self._add("router", self._inferbus("router"), lambda: _logged(router_log, b'"router_ready"'), "",
-                      INFERBUS_METRICS_PORT="0")
+                      INFERBUS_METRICS_PORT="0", INFERBUS_LOG_LEVEL=level)
         self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0")
         for i in range(1, c.workers + 1):
             engine_port, events_port = free_port(), free_port()

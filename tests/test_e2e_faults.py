@@ -30,7 +30,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             "INFERBUS_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
             "INFERBUS_DRAIN_TIMEOUT_S": "0.3",
             "INFERBUS_REQUEST_TIMEOUT_S": "8",
-            # Exercise router placement (off by default) under faults too.
             "INFERBUS_PLACEMENT_TIMEOUT_MS": "20",
         },
     ) as running:
@@ -104,8 +103,10 @@ def migrations(platform: Platform) -> float:
 
 def test_router_places_requests_on_workers(fleet: Platform) -> None:
     before = metric(fleet, 'inferbus_placements_total{target="worker"}')
-    for _ in range(5):
-        fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    for _ in range(5):  # at least one 64-token prefix block: shorter prompts skip placement
+        fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 80}], max_tokens=2)
+    assert metric(fleet, 'inferbus_placements_total{target="worker"}') == before + 5
+    fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert metric(fleet, 'inferbus_placements_total{target="worker"}') == before + 5
 
 
