@@ -40,6 +40,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
             "INFERBUS_ROUTER_RECOVERY_SCAN_S": "1",
             "INFERBUS_WORKER_MAX_RUNNING": "6",
             "INFERBUS_ACK_WAIT_S": "2",
+            # Generous: on a busy 2-core CI machine a placement may take tens of milliseconds, and
+            # a late one goes to the shared queue, which some tests must tell apart.
+            "INFERBUS_PLACEMENT_TIMEOUT_MS": "500",
         },
     ) as running:
         yield running
@@ -155,7 +158,7 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
         time.sleep(0.5)
         victim.signal(signal.SIGSTOP)
         queued = []
-        while len(queued) < 8 and _waiting_for(fleet, owner.worker_id) < 2:
+        while len(queued) < 12 and _waiting_for(fleet, owner.worker_id) < 2:
             queued.append(pool.submit(run, hot + f" question {len(queued)}"))
             time.sleep(0.1)
         waiting = _waiting_for(fleet, owner.worker_id)
