@@ -26,6 +26,7 @@ choose among the survivors:
 
 from __future__ import annotations
 
+import abc
 import math
 import random
 from collections import deque
@@ -103,7 +104,7 @@ class WorkerView:
 
 
 @dataclass
-class Policy:
+class Policy(abc.ABC):
     """The registry and filters every policy shares; subclasses choose among the candidates."""
 
     clock: Callable[[], float]
@@ -245,8 +246,9 @@ class Policy:
             self._count(view, request.prompt_tokens - reply.cached_blocks * self.config.block_size, request.block_hashes,
                         reply.cached_blocks)
 
+    @abc.abstractmethod
     def choose(self, request: m.PlacementRequest, candidates: list[WorkerView]) -> tuple[WorkerView, int]:
-        raise NotImplementedError
+        """The worker to place on, and how many of the request's prefix blocks it holds."""
 
     def _count(self, view: WorkerView, prefill_tokens: int, hashes: list[int], known_blocks: int = 0) -> None:
         view.placed_total += 1
