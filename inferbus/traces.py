@@ -20,8 +20,10 @@ from pathlib import Path
 MOONCAKE_BLOCK_TOKENS = 512
 
 # 4,096 distinct five-letter words, each one token with its leading space (letters ≤ 6 long).
-def _word(i: int) -> str:
-    n = (i * 7919 + 13) % 26**5  # 7919 is coprime with 26: distinct i give distinct words
+def word(i: int, multiplier: int = 7919, offset: int = 13) -> str:
+    """The i-th five-letter word of a vocabulary; `multiplier` coprime with 26 keeps them distinct,
+    and another (multiplier, offset) gives another vocabulary."""
+    n = (i * multiplier + offset) % 26**5
     letters = []
     for _ in range(5):
         n, digit = divmod(n, 26)
@@ -29,7 +31,7 @@ def _word(i: int) -> str:
     return " " + "".join(letters)
 
 
-_WORDS = [_word(i) for i in range(4096)]
+_WORDS = [word(i) for i in range(4096)]
 
 
 @dataclass(frozen=True, slots=True)

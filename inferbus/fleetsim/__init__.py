@@ -9,19 +9,27 @@ simulated engines, on a virtual clock (no real time, no network).
     report = FleetSim(FleetConfig(replicas=8, policy="affinity"), workload.at_rate(trace, rate)).run()
     print(report.hit_rate, report.ttft_p90_s, report.cpu_s)
 
-Modules: `events` (the event loop), `fleet` (replicas, router wiring, failures), `workload`
-(token ids from trace block ids, synthetic traces, rate scaling), `capacity` (perf-model load
-sizing), `report` (metrics and tables).
+Modules: `events` (the event loop), `fleet` (replicas, router wiring, failures), `batch` (a
+batch band beside the trace: the batch service's feed policy and the workers' preemption policy,
+`FleetSim(config, trace, batch=BatchSpec(...))`), `workload` (token ids from trace block ids,
+synthetic traces, rate scaling), `capacity` (perf-model load sizing), `report` (metrics and tables).
+
+The fast simulator behind `inferbus simulate` (docs/simulator.md): `analytic` (an engine replica
+advanced a few events per request), `fast` (the fleet loop, the placement and admission
+policies, the controller hook), `day` (a trace's rate shape over a day, scaled to a peak),
+`timeseries` (per-minute metrics, SLO attainment, plots), `simulate_cli` (the command).
 """
 
 from __future__ import annotations
 
 from . import capacity, workload
+from .batch import BatchReport, BatchSpec, LineLengths
 from .events import EventLoop
+from .fast import FastConfig, FastFleet, FleetSignals, StaticController
 from .fleet import FleetConfig, FleetSim, Job, Replica, simulate
 from .report import RunReport, markdown_table, percentile
 
 __all__ = [
-    "EventLoop", "FleetConfig", "FleetSim", "Job", "Replica", "RunReport", "capacity", "markdown_table",
-    "percentile", "simulate", "workload",
+    "BatchReport", "BatchSpec", "EventLoop", "LineLengths", "FastConfig", "FastFleet", "FleetConfig", "FleetSignals", "FleetSim", "Job", "Replica", "RunReport",
+    "StaticController", "capacity", "markdown_table", "percentile", "simulate", "workload",
 ]

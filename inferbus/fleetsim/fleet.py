@@ -30,6 +30,10 @@ are modelled, simply:
   gateway's migration both publish to the shared subject) they join the shared queue; with
   `recovery="placement"` they are placed again by the policy. A request gets at most
   `max_attempts` attempts, then fails.
+- With a `batch` (`batch.BatchSpec`), a batch band runs beside the trace: the batch service's feed
+  policy and the workers' preemption policy on a shared batch queue (see `batch`). Then a
+  replica's interactive pulls count slots as the worker does (interactive plus batch in flight
+  against the engine's `max_running_requests`), and ignore batch lines waiting in the engine.
 
 Time the gateway and router spend on a request (a few ms on the live platform) is not modelled.
 """
@@ -51,6 +55,7 @@ from services.sim_engine.perf_model import StepTimeModel
 from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
 from services.sim_engine.scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
 
+from .batch import BatchBand, BatchSpec
 from .events import EventLoop
 from .report import RunReport, build_report
 from .workload import PromptTokens
@@ -123,6 +128,7 @@ class Job:
     first_token_s: float | None = None
     finish_s: float | None = None
     cached_tokens: int = 0  # engine-reported, all attempts
+    dispatched_s: float = 0.0  # the current attempt entered an engine
     status: Literal["pending", "completed", "failed"] = "pending"
     error: str = ""
 
@@ -132,7 +138,8 @@ class Replica:
 
     __slots__ = (
         "worker_id", "engine", "alive", "stepping", "jobs", "inbox", "cache_seq", "load_seq",
-        "completed", "busy_s", "prefill_tokens", "steps", "started_s", "died_s", "recovered",
+        "completed", "busy_s", "prefill_tokens", "steps", "started_s", "died_s", "recovered", "pulled_own",
+        "batch_jobs", "batch_aborts", "batch_blocked", "batch_stalled", "completed_batch", "ttft_hist", "queue_wait_hist", "tpot_fine_hist",
     )
 
     def __init__(self, worker_id: str, engine: Engine, started_s: float) -> None:
@@ -145,12 +152,22 @@ class Replica:
         self.cache_seq = 0
         self.load_seq = 0
         self.completed = 0
+        self.pulled_own = 0  # jobs taken from its own queue (placed on it), as the worker service counts
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.steps = 0
         self.started_s = started_s
         self.died_s: float | None = None
         self.recovered = False
+        self.batch_jobs: dict[str, Any] = {}  # engine rid → batch.BatchLine, in this engine now
+        self.completed_batch = 0
+        self.batch_aborts: list[str] = []  # engine rids of batch lines to abort at the step's end
+        self.batch_blocked = False  # interactive work was waiting at the last preemption check: no batch pulls
+        self.batch_stalled = 0  # interactive requests stalled in the engine at that check (for `batch_room`)
+        # Interactive only, cumulative, as the worker reports them (WorkerLoad).
+        self.ttft_hist: list[int] = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
+        self.queue_wait_hist: list[int] = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
+        self.tpot_fine_hist: list[int] = [0] * (len(m.TPOT_BUCKETS_S) + 1)
 
     @property
     def generated_tokens(self) -> int:
@@ -186,6 +203,7 @@ class FleetSim:
         policy_factory: PolicyFactory | None = None,
         step_model: StepTimeModel | None = None,
         prompts: PromptTokens | None = None,
+        batch: BatchSpec | None = None,
     ) -> None:
         self.config = config
         self.loop = EventLoop()
@@ -222,6 +240,8 @@ class FleetSim:
         self._next_arrival = 0
         self._next_replica = 0
         self._ran = False
+        self.band = BatchBand(self, batch) if batch is not None else None
+        self._has_room = self._has_slot if batch is not None else self._engine_has_room  # type: ignore[method-assign]
         for _ in range(config.replicas):
             self.add_replica(0.0)
 
@@ -263,8 +283,10 @@ class FleetSim:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if self.jobs:
             self.loop.at(self.jobs[0].arrival_s, self._arrive)
-        else:
+        elif self.band is None or self.band.done:
             self.done = True
+        if self.band is not None:
+            self.band.start()
         self.loop.after(self.config.expire_interval_s, self._expire)
         self.loop.run(until=self.config.max_virtual_s)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -272,6 +294,12 @@ class FleetSim:
 
     def _finish_one(self) -> None:
         self.outstanding -= 1
+        if self.outstanding == 0 and (self.band is None or self.band.done or self.band.spec.stop_with_interactive):
+            self.done = True
+            self.loop.stop()
+
+    def _batch_done(self) -> None:
+        """The batch band's last line has its result."""
         if self.outstanding == 0:
             self.done = True
             self.loop.stop()
@@ -300,7 +328,7 @@ class FleetSim:
             self.shared_placements += 1
             self._to_shared(job)
         else:
-            self._dispatch(replica, job)
+            self._dispatch(replica, job, own=True)
 
     def _to_shared(self, job: Job) -> None:
         self.shared.append(job)
@@ -311,14 +339,45 @@ class FleetSim:
                 self._dispatch(replica, self.shared.popleft())
 
     @staticmethod
-    def _has_room(replica: Replica) -> bool:
+    def _engine_has_room(replica: Replica) -> bool:
         engine = replica.engine
         return replica.alive and not engine.waiting and len(engine.running) < engine.config.max_running_requests
 
-    def _dispatch(self, replica: Replica, job: Job) -> None:
+    @staticmethod
+    def _has_slot(replica: Replica) -> bool:
+        """With a batch band: a free worker slot and no interactive request waiting in the engine."""
+        if not replica.alive:
+            return False
+        engine = replica.engine
+        if len(replica.jobs) + len(replica.batch_jobs) >= engine.config.max_running_requests:
+            return False
+        return not any(request.priority > m.BATCH_ENGINE_PRIORITY for request in engine.waiting)
+
+    def _interactive_load(self, replica: Replica, engine_wait_s: float) -> tuple[int, int, int]:
+        """(held, queued, stalled) interactive requests as the worker sees them.
+
+        Requests placed on a worker go straight into its engine here; the worker would leave
+        those past its slots on its own queue. So: held = placed ones that fit in the slots batch
+        leaves; queued = the rest, plus the shared queue; stalled = held ones still without a
+        first token `engine_wait_s` after they went in (interactive waiting inside the engine is
+        at most the engine's waiting count).
+        """
+        capacity = replica.engine.config.max_running_requests
+        placed = len(replica.jobs)
+        over = max(0, placed + len(replica.batch_jobs) - capacity)
+        cutoff = self.loop.now - engine_wait_s
+        stalled = sum(job.attempt_delivered == 0 and job.dispatched_s <= cutoff for job in replica.jobs.values())
+        return placed - over, over + len(self.shared), min(stalled, len(replica.engine.waiting))
+
+    def _dispatch(self, replica: Replica, job: Job, own: bool = False) -> None:
+        """`own`: the job was placed on this replica (it comes from its own queue, not the shared one)."""
         if not replica.alive:
             replica.inbox.append(job)  # sits in the dead worker's queue until the router notices
             return
+        if own:
+            replica.pulled_own += 1
+        if job.attempt == 0:
+            m.observe(replica.queue_wait_hist, m.LATENCY_BUCKETS_S, self.loop.now - job.arrival_s)
         assert job.prompt is not None
         engine = replica.engine
         request = Request(
@@ -334,6 +393,7 @@ class FleetSim:
             return
         job.request = request
         job.replica = replica
+        job.dispatched_s = self.loop.now
         job.attempt_delivered = 0
         replica.jobs[request.rid] = job
         if not replica.stepping:
@@ -371,15 +431,24 @@ class FleetSim:
             return
         now = self._last_progress = self.loop.now
         jobs = replica.jobs
+        band = self.band
         for update in updates:
-            job = jobs[update.request.rid]
+            job = jobs.get(update.request.rid)
+            if job is None:
+                assert band is not None
+                band.on_update(replica, update, now)
+                continue
             produced = update.num_output_tokens
             if produced and job.first_token_s is None:
                 job.first_token_s = now
+                if job.attempt == 0:
+                    m.observe(replica.ttft_hist, m.LATENCY_BUCKETS_S, now - job.arrival_s)
             job.attempt_delivered = produced
             if update.finish_reason is not None:
                 del jobs[update.request.rid]
                 replica.completed += 1
+                if job.attempt == 0 and produced > 1 and job.first_token_s is not None:
+                    m.observe(replica.tpot_fine_hist, m.TPOT_BUCKETS_S, (now - job.first_token_s) / (produced - 1))
                 job.cached_tokens += update.request.cached_tokens
                 job.delivered += produced
                 if update.finish_reason.get("type") == "abort":
@@ -390,8 +459,13 @@ class FleetSim:
                 job.prompt = job.hashes = job.request = None
                 job.replica = None
                 self._finish_one()
+        if replica.batch_aborts:
+            assert band is not None
+            band.abort(replica)
         if self.shared and self._has_room(replica):
             self._dispatch(replica, self.shared.popleft())
+        if band is not None and band.queue:
+            band.pull(replica)
         if stepping:
             self._step(replica)
 
@@ -465,12 +539,20 @@ class FleetSim:
         replica.load_seq += 1
         report = m.WorkerLoad(
             worker_id=replica.worker_id, model=self.config.model, ts=self.loop.now, seq=replica.load_seq,
-            running=snapshot.num_running_reqs, waiting=snapshot.num_waiting_reqs, in_flight=len(replica.jobs),
+            running=snapshot.num_running_reqs, waiting=snapshot.num_waiting_reqs,
+            in_flight=len(replica.jobs) + len(replica.batch_jobs),
             max_running=snapshot.max_running_requests, kv_used_tokens=snapshot.num_used_tokens,
             kv_capacity_tokens=snapshot.max_total_num_tokens, cache_hit_rate=snapshot.cache_hit_rate,
-            completed=replica.completed, queued_prefill_tokens=queued_prefill,
+            completed=replica.completed, queued_prefill_tokens=queued_prefill, pulled_own=replica.pulled_own,
+            batch_in_flight=len(replica.batch_jobs), completed_batch=replica.completed_batch,
+            batch_waiting=sum(1 for line in replica.batch_jobs.values() if line.attempt_generated == 0),
+            ttft_hist=list(replica.ttft_hist), queue_wait_hist=list(replica.queue_wait_hist),
+            tpot_fine_hist=list(replica.tpot_fine_hist),
         )
         self.loop.after(self.config.bus_delay_s, self.policy.on_load, report)
+        if self.band is not None:
+            self.loop.after(self.config.bus_delay_s, self.band.observe, report)
+            self.band.check(replica)  # the worker's preemption check runs on its load tick
         if not self.done:
             self.loop.after(self.config.load_interval_s, self._report_load, replica)
 
@@ -530,6 +612,8 @@ class FleetSim:
                 continue
             moved.append(job)
         replica.jobs.clear()
+        if self.band is not None:
+            self.band.recover(replica)
         moved.sort(key=lambda j: j.index)
         for job in moved:
             if self.config.recovery == "placement":

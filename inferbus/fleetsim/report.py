@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from inferbus.stats import percentile
 
+from .batch import BatchReport
+
 if TYPE_CHECKING:
     from .fleet import FleetSim
 
@@ -63,10 +65,19 @@ class RunReport:
     req_per_cpu_s: float
     events_per_cpu_s: float
     stalled: bool = False
+    batch: BatchReport | None = None  # with a batch band (fleet.FleetSim(batch=...)); the rest is interactive only
 
     def as_dict(self) -> dict[str, Any]:
-        return {key: (None if isinstance(value, float) and math.isnan(value) else value)
-                for key, value in asdict(self).items()}
+        return {key: _clean(value) for key, value in asdict(self).items()}
+
+
+def _clean(value: Any) -> Any:
+    """NaN → None (JSON has no NaN), in nested records too."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _clean(item) for key, item in value.items()}
+    return value
 
 
 def build_report(sim: FleetSim, *, cpu_s: float, wall_s: float) -> RunReport:
@@ -134,6 +145,7 @@ def build_report(sim: FleetSim, *, cpu_s: float, wall_s: float) -> RunReport:
         req_per_cpu_s=len(jobs) / cpu_s if cpu_s > 0 else float("inf"),
         events_per_cpu_s=events / cpu_s if cpu_s > 0 else float("inf"),
         stalled=sim.stalled,
+        batch=sim.band.report() if sim.band is not None else None,
     )
 
 

@@ -91,3 +91,14 @@ def prefix_families(
         next_unique += unique_blocks
         out.append(TraceRequest(t, len(ids) * block_tokens, output_tokens, ids))
     return out
+
+
+def azure_like(n: int, seed: int = 5) -> list[TraceRequest]:
+    """Azure-conversation-like lengths (lognormal, no prefix ids), Poisson arrivals at 1 req/s:
+    a synthetic stand-in to rescale with `at_rate`."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1.0)
+        out.append(TraceRequest(t, max(8, int(rng.lognormvariate(6.9, 0.8))), max(2, int(rng.lognormvariate(4.9, 0.9)))))
+    return out

@@ -1,0 +1,228 @@
+"""`inferbus plan`: the thin shell around the planner (reads files, writes the report)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from inferbus import mix as mix_mod
+from services.sim_engine.perf_model import GPUS, PRESETS
+
+from . import report, sweep_table
+from .model import Assumptions, Slo, Workload
+from .planner import PlanError, PlanInputs, make_plan
+from .warm_pool import Ramp, ramp_from_arrivals
+
+_SWEEP_SPEC = re.compile(r"^(?P<gpu>[A-Za-z0-9]+):(?P<tp>\d+)=(?P<path>.+)$")
+_SLO_KEYS = ("ttft_p90_ms", "tpot_p90_ms")
+
+
+def _amount(value: float) -> str:
+    """50000 → '50,000'; 833.5 → '833.5' (never scientific notation)."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.2f}".rstrip("0")
+
+
+def _parse_gpus(text: str) -> dict[str, float]:
+    prices: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, price = item.partition(":")
+        name = name.strip().upper()
+        if name not in GPUS:
+            raise click.BadParameter(f"unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}", param_hint="--gpu")
+        try:
+            prices[name] = float(price) if sep else _no_price(name)
+        except ValueError:
+            raise click.BadParameter(f"price of {name} must be $ per GPU-hour, got {price!r}", param_hint="--gpu") from None
+        if prices[name] < 0:
+            raise click.BadParameter(f"price of {name} must not be negative", param_hint="--gpu")
+    if not prices:
+        raise click.BadParameter("give at least one GPU, e.g. H100:2.50", param_hint="--gpu")
+    return prices
+
+
+def _no_price(name: str) -> float:
+    raise click.BadParameter(f"{name} needs a price in $ per GPU-hour, e.g. {name}:2.50", param_hint="--gpu")
+
+
+def _parse_tps(text: str) -> list[int]:
+    try:
+        tps = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--tp") from None
+    from services.sim_engine.perf_model import ALL_REDUCE_S
+
+    bad = [tp for tp in tps if tp not in ALL_REDUCE_S]
+    if bad or not tps:
+        raise click.BadParameter(f"TP must be among {sorted(ALL_REDUCE_S)}, got {text!r}", param_hint="--tp")
+    return tps
+
+
+def _parse_slo(text: str | None, ttft_ms: float | None, tpot_ms: float | None) -> Slo:
+    values = {"ttft_p90_ms": 800.0, "tpot_p90_ms": 40.0}
+    given: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _SLO_KEYS:
+            raise click.BadParameter(f"expected {'=…,'.join(_SLO_KEYS)}=…, got {item!r}", param_hint="--slo")
+        try:
+            given[key] = float(value)
+        except ValueError:
+            raise click.BadParameter(f"{key} must be a number of milliseconds, got {value!r}", param_hint="--slo") from None
+    for key, flag in (("ttft_p90_ms", ttft_ms), ("tpot_p90_ms", tpot_ms)):
+        if flag is not None:
+            if key in given and given[key] != flag:
+                raise click.UsageError(f"--slo says {key}={given[key]:g} but --{key.replace('_', '-')} says {flag:g}")
+            given[key] = flag
+    values.update(given)
+    if min(values.values()) <= 0:
+        raise click.BadParameter("SLO targets must be positive milliseconds", param_hint="--slo")
+    return Slo(ttft_p90_s=values["ttft_p90_ms"] / 1000, tpot_p90_s=values["tpot_p90_ms"] / 1000)
+
+
+def _load_sweep(spec: str, slo: Slo, plan_mix: dict) -> sweep_table.SweepGoodput:  # type: ignore[type-arg]
+    match = _SWEEP_SPEC.match(spec)
+    gpu = tp = None
+    path = Path(spec)
+    if match and not path.exists():
+        gpu, tp, path = match["gpu"].upper(), int(match["tp"]), Path(match["path"])
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise click.BadParameter(f"cannot read {path}: {error.strerror}", param_hint="--sweep") from None
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(f"{path} is not JSON: {error}", param_hint="--sweep") from None
+    try:
+        sweep = sweep_table.parse(data, str(path), gpu, tp)
+        if sweep.gpu and sweep.gpu not in GPUS:
+            raise sweep_table.SweepError(f"{path}: GPU {sweep.gpu!r} unknown; known: {', '.join(sorted(GPUS))}")
+        return sweep_table.goodput(sweep, slo, plan_mix)
+    except sweep_table.SweepError as error:
+        raise click.BadParameter(str(error), param_hint="--sweep") from None
+
+
+def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, cold_start_s: float) -> Ramp | None:
+    if ramp is not None and ramp_trace is not None:
+        raise click.UsageError("give --ramp or --ramp-trace, not both")
+    if ramp is not None:
+        if ramp < 0:
+            raise click.BadParameter("the ramp must not be negative", param_hint="--ramp")
+        return Ramp(ramp / 60.0, "given")
+    if ramp_trace is None:
+        return None
+    from inferbus import traces
+
+    try:
+        arrivals = [r.arrival_s for r in traces.load(ramp_trace)]
+        found = ramp_from_arrivals(arrivals, rate_rps, cold_start_s)
+    except (ValueError, KeyError, OSError) as error:
+        raise click.BadParameter(f"{ramp_trace}: {error}", param_hint="--ramp-trace") from None
+    return Ramp(found.ramp_rps_per_s, str(ramp_trace), found)
+
+
+@click.command("plan", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--rpm", type=click.FloatRange(min=0, min_open=True),
+              help="Peak requests per minute to plan for, e.g. --rpm 50000 (= 833.3 req/s).")
+@click.option("--rps", type=click.FloatRange(min=0, min_open=True),
+              help="Peak requests per second, instead of --rpm, e.g. --rps 833.")
+@click.option("--mix", "mix_name", default="worked-example", show_default=True,
+              help="Workload mix: a built-in name (worked-example = PERF_MODEL's chat mix), a YAML spec "
+                   "(docs/planning.md) or a trace file (.jsonl Mooncake, .csv Azure).")
+@click.option("--cached-fraction", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="Prefix-cache hit share for trace mixes without block ids (Azure), e.g. 0.3.")
+@click.option("--slo", "slo_text", default=None,
+              help="SLO as key=value in milliseconds, e.g. --slo ttft_p90_ms=800,tpot_p90_ms=40 (the defaults).")
+@click.option("--ttft-p90-ms", type=float, default=None, help="p90 time-to-first-token target, e.g. 800.")
+@click.option("--tpot-p90-ms", type=float, default=None, help="p90 time-per-output-token target, e.g. 40.")
+@click.option("--gpu", "gpu_text", default="H100:2.50,H200:3.50", show_default=True,
+              help="GPU types and their price in $ per GPU-hour, comma-separated, e.g. H100:2.50,H200:3.50.")
+@click.option("--tp", "tp_text", default="1,2,4", show_default=True,
+              help="Tensor-parallel widths to compare (GPUs per replica), e.g. 2,4.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="latency", show_default=True,
+              help="Timing-model preset: latency (online serving, PERF_MODEL's worked example) or throughput "
+                   "(offline upper bound).")
+@click.option("--chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Chunked-prefill budget in tokens per step, e.g. 8192 (PERF_MODEL uses 2048; the simulated "
+                   "engine defaults to 512).")
+@click.option("--headroom", type=click.FloatRange(min=0), default=0.15, show_default=True,
+              help="Spare capacity on top of peak ÷ goodput for N+1, bursts and imbalance, e.g. 0.25.")
+@click.option("--kv-limit", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
+              help="Highest fraction of the KV cache a replica may plan to hold, e.g. 0.8.")
+@click.option("--ttft-tokens", type=click.FloatRange(min=1), default=None,
+              help="Uncached prompt tokens the TTFT p90 is computed for [default: the mix's 90th percentile, "
+                   "1,500 for worked-example], e.g. 2000.")
+@click.option("--sweep", "sweep_specs", multiple=True, metavar="[GPU:TP=]PATH",
+              help="A measured `inferbus sweep` result replacing the model's goodput for its GPU × TP; repeatable. "
+                   "Prefix GPU:TP= when the file does not record its hardware, e.g. --sweep H100:2=sweep.json.")
+@click.option("--cold-start-s", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds from launching a replica to serving (weights load, graph capture), e.g. 300.")
+@click.option("--warm-start-s", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds for a warm (sleeping) replica to serve, e.g. 1.")
+@click.option("--ramp", type=float, default=None, metavar="RPS_PER_MIN",
+              help="How fast the load rises, in req/s per minute, to size the warm pool, e.g. --ramp 120.")
+@click.option("--ramp-trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Read the ramp from a trace instead: the steepest per-minute rise within one cold start, "
+                   "scaled so the trace's busiest minute equals the planned rate, e.g. "
+                   "../shared/traces/azure_2023_conv.csv.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory for plan.md, plan.json, fleet.png and latency.png, e.g. --out plan/.")
+@click.option("--no-plots", is_flag=True, help="With --out, skip the PNGs (no matplotlib needed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the summary table.")
+def plan(rpm: float | None, rps: float | None, mix_name: str, cached_fraction: float | None, slo_text: str | None,
+         ttft_p90_ms: float | None, tpot_p90_ms: float | None, gpu_text: str, tp_text: str, preset: str, chunk: int,
+         headroom: float, kv_limit: float, ttft_tokens: float | None, sweep_specs: tuple[str, ...],
+         cold_start_s: float, warm_start_s: float, ramp: float | None, ramp_trace: Path | None, out: Path | None,
+         no_plots: bool, as_json: bool) -> None:
+    """Plan replicas, GPUs and dollars for a peak rate of a workload mix under a latency SLO.
+
+    For every GPU type and TP width: the goodput of one replica (highest req/s with p90 TTFT and
+    TPOT within the SLO and the KV cache under its limit), the constraint that binds, replicas =
+    ⌈peak ÷ goodput × (1 + headroom)⌉, GPUs, $/hour, $ per 1M input and output tokens, KV use and
+    the warm pool that covers a cold start. Goodput comes from the timing model of PERF_MODEL.md
+    unless a measured sweep is given for that GPU × TP; the report says which, and shows the
+    arithmetic line by line.
+
+    \b
+    Examples:
+      inferbus plan --rpm 50000 --tp 2,4 --out plan/
+      inferbus plan --rps 833 --mix mix.yaml --slo ttft_p90_ms=500,tpot_p90_ms=30 --gpu H200:3.50
+      inferbus plan --rpm 50000 --sweep H100:2=sweep.json --ramp-trace ../shared/traces/azure_2023_conv.csv
+    """
+    if (rpm is None) == (rps is None):
+        raise click.UsageError("give the peak rate with exactly one of --rpm or --rps, e.g. --rpm 50000")
+    rate_rps = rps if rps is not None else rpm / 60.0  # type: ignore[operator]
+    rate_text = f"{_amount(rps)} requests/s" if rps is not None else f"{_amount(rpm)} requests/min"  # type: ignore[arg-type]
+    slo = _parse_slo(slo_text, ttft_p90_ms, tpot_p90_ms)
+    prices, tps = _parse_gpus(gpu_text), _parse_tps(tp_text)
+    try:
+        mix = mix_mod.load(mix_name, cached_fraction)
+        workload = Workload.from_mix(mix, ttft_tokens)
+    except (mix_mod.MixError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="--mix") from None
+    described = mix.describe()
+    sweeps = [_load_sweep(spec, slo, described) for spec in sweep_specs]
+    try:
+        inputs = PlanInputs(
+            rate_rps=rate_rps, rate_text=rate_text, workload=workload, mix=described, slo=slo, gpu_prices=prices,
+            tps=tps, preset=preset, assumptions=Assumptions(chunk_tokens=chunk, kv_limit=kv_limit), headroom=headroom,
+            cold_start_s=cold_start_s, warm_start_s=warm_start_s,
+            ramp=_load_ramp(ramp, ramp_trace, rate_rps, cold_start_s),
+        )
+        result = make_plan(inputs, sweeps)
+    except PlanError as error:
+        raise click.UsageError(str(error)) from None
+    data = report.to_json(result)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        plots = [] if no_plots else report.write_plots(result, out)
+        (out / "plan.md").write_text(report.markdown(result, plots))
+        (out / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    else:
+        click.echo(report.summary(result), nl=False)
+        if out is not None:
+            click.echo(f"Wrote {out / 'plan.md'} and {out / 'plan.json'}" + ("" if no_plots else " with fleet.png and latency.png") + ".")
