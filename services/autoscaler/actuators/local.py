@@ -1,0 +1,106 @@
+"""Local processes: each replica is a simulated engine plus a worker, started as `inferbus up`
+starts them (`inferbus.local.replica_processes`), with a simulated cold start, in standby (warm):
+the autoscaler promotes it when it should serve. For `inferbus up --autoscale`, so a person can
+watch a fleet grow and shrink on one machine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferbus import logs
+from inferbus.local import EngineSpec, Process, replica_processes
+
+from .base import Actuator, FleetState, PoolFleet
+
+log = logs.get(__name__)
+
+
+@dataclass
+class _Replica:
+    engine: Process
+    worker: Process
+
+
+class LocalActuator(Actuator):
+    name = "local"
+
+    def __init__(self, pool: str, spec: EngineSpec, logs_dir: Path, *, cold_start_s: float, warm_start_s: float,
+                 drain_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.pool = pool
+        self.spec = spec
+        self.logs_dir = logs_dir
+        self.cold_start_s = cold_start_s
+        self.warm_start_s = warm_start_s
+        self.drain_timeout_s = drain_timeout_s
+        self.env = dict(os.environ if env is None else env)
+        self.replicas: dict[str, _Replica] = {}  # worker id → its processes, in start order
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._next = 1
+
+    async def current(self) -> FleetState:
+        self._reap()
+        return FleetState({self.pool: PoolFleet(len(self.replicas), tuple(self.replicas))})
+
+    async def scale(self, pool: str, replicas: int, retire: Sequence[str] = ()) -> None:
+        if pool != self.pool:
+            raise ValueError(f"the local actuator runs pool {self.pool!r}, not {pool!r}")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        self._reap()
+        while len(self.replicas) < replicas:
+            self._launch()
+        excess = len(self.replicas) - replicas
+        for worker_id in [w for w in retire if w in self.replicas][:max(0, excess)]:
+            self._retire(worker_id, "scaled down")
+
+    async def close(self) -> None:
+        for worker_id in list(self.replicas):
+            self._retire(worker_id, "autoscaler stopping")
+        if self._retiring:
+            await asyncio.wait(self._retiring)
+
+    def _launch(self) -> None:
+        index = self._next
+        self._next += 1
+        engine, worker = replica_processes(index, self.spec, self.env, self.logs_dir, worker_env={
+            "INFERBUS_WORKER_STANDBY": "true",
+            "INFERBUS_WORKER_SIM_COLD_START_S": str(self.cold_start_s),
+            "INFERBUS_WORKER_SIM_WARM_START_S": str(self.warm_start_s),
+        })
+        engine.start()
+        worker.start()
+        worker_id = worker.env["INFERBUS_WORKER_ID"]
+        self.replicas[worker_id] = _Replica(engine, worker)
+        log.info("replica_started", pool=self.pool, worker_id=worker_id, worker_pid=worker.pid, engine_pid=engine.pid,
+                 engine_url=engine.detail, cold_start_s=self.cold_start_s)
+
+    def _retire(self, worker_id: str, why: str) -> None:
+        replica = self.replicas.pop(worker_id)
+        log.info("replica_stopping", pool=self.pool, worker_id=worker_id, worker_pid=replica.worker.pid, why=why)
+        task = asyncio.ensure_future(self._stop(worker_id, replica))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _stop(self, worker_id: str, replica: _Replica) -> None:
+        # The worker first (it drains and hands back what it holds), then its engine.
+        for process, grace in ((replica.worker, self.drain_timeout_s + 10), (replica.engine, 5.0)):
+            process.signal(signal.SIGTERM)
+            if not await asyncio.to_thread(process.wait, grace):
+                process.signal(signal.SIGKILL)
+                await asyncio.to_thread(process.wait, 5)
+        log.info("replica_stopped", pool=self.pool, worker_id=worker_id)
+
+    def _reap(self) -> None:
+        """A replica whose worker or engine died is gone: stop what is left of it."""
+        for worker_id, replica in list(self.replicas.items()):
+            if not replica.worker.alive() or not replica.engine.alive():
+                log.warning("replica_exited", pool=self.pool, worker_id=worker_id,
+                            worker_alive=replica.worker.alive(), engine_alive=replica.engine.alive(),
+                            tail=replica.worker.tail(5))
+                self._retire(worker_id, "exited")
