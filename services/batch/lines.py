@@ -1,0 +1,152 @@
+"""One line of a batch: its body → the request a worker runs, and its result → an output or error
+line in OpenAI's format. Pure: no I/O.
+
+Requests are built the way the gateway builds them (same schemas, same prompt rendering, same
+max_tokens rule), and response bodies with the gateway's own `responses` functions, so a batch
+line returns what the same call to `/v1/chat/completions` or `/v1/completions` would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from inferbus.prompt import render_chat
+from inferbus.tokens import count_tokens
+from proto import messages as m
+from services.gateway import responses, schemas
+from services.gateway.errors import OpenAIError
+
+ENDPOINT_KINDS: dict[str, Literal["chat", "completion"]] = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completion",
+}
+CANCELLED = "batch_cancelled"
+EXPIRED = "batch_expired"
+_json = msgspec.json.Encoder()
+
+
+class InputLine(msgspec.Struct, forbid_unknown_fields=False):
+    """One line of an input file, loosely typed so validation can say what is wrong with it."""
+
+    custom_id: str | None = None
+    method: str | None = None
+    url: str | None = None
+    body: msgspec.Raw = msgspec.Raw()  # empty when absent
+
+    def body_bytes(self) -> bytes | None:
+        raw = bytes(self.body)
+        return None if not raw or raw == b"null" else raw
+
+
+_line_decoder = msgspec.json.Decoder(InputLine)
+
+
+def decode_line(raw: bytes) -> InputLine:
+    """Raises msgspec.DecodeError (not JSON) or msgspec.ValidationError (fields of the wrong type)."""
+    return _line_decoder.decode(raw)
+
+
+def parse_body(endpoint: str, body: bytes) -> schemas.ChatCompletionRequest | schemas.CompletionRequest:
+    """The body as the endpoint's request, checked as the gateway checks it; OpenAIError if not."""
+    kind = ENDPOINT_KINDS.get(endpoint)
+    if kind is None:
+        raise OpenAIError(400, f"Unsupported endpoint `{endpoint}`.", param="endpoint", code="invalid_value")
+    request = schemas.parse_chat(body) if kind == "chat" else schemas.parse_completion(body)
+    if request.stream:
+        raise OpenAIError(400, "stream is not supported in a batch.", param="stream", code="unsupported_value")
+    return request
+
+
+@dataclass(frozen=True)
+class LinePlan:
+    """What a line asks for, independent of attempt and time."""
+
+    kind: Literal["chat", "completion"]
+    model: str  # as the line names it (a base model or an adapter)
+    prompt: str
+    prompt_tokens: int
+    sampling: m.SamplingParams
+    user: str | None = None
+
+
+def plan_line(endpoint: str, body: bytes, *, max_model_len: int, default_max_tokens: int) -> LinePlan:
+    """Render a line's body; OpenAIError when the request itself is invalid (a per-line error)."""
+    params = parse_body(endpoint, body)
+    if isinstance(params, schemas.ChatCompletionRequest):
+        prompt = render_chat(msgspec.to_builtins(params.messages), params.tools)
+    else:
+        assert isinstance(params.prompt, str)
+        prompt = params.prompt
+    prompt_tokens = count_tokens(prompt)
+    sampling = m.SamplingParams(
+        max_new_tokens=responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens),
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        stop=schemas.stop_list(params.stop), seed=params.seed,
+        presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
+    )
+    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt, prompt_tokens=prompt_tokens,
+                    sampling=sampling, user=params.user)
+
+
+def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,
+                 adapter: str | None, deadline: float, now: float, reply_to: str, attempt: int = 0) -> m.InferenceRequest:
+    """The request of one attempt at a line (the batch tier, below every interactive band)."""
+    return m.InferenceRequest(
+        request_id=m.batch_request_id(batch_id, line), tenant=tenant, model=base_model, prompt=plan.prompt,
+        sampling=plan.sampling, reply_to=reply_to, deadline=deadline, created=now, kind=plan.kind, adapter=adapter,
+        tier="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, prompt_tokens=plan.prompt_tokens,
+        user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line,
+    )
+
+
+def output_id(request_id: str) -> str:
+    """`batch_req_<hex>`, derived from the line's request id: the same when files are rewritten."""
+    return "batch_req_" + hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
+def object_id(kind: str, request_id: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + hashlib.sha256(b"obj:" + request_id.encode()).hexdigest()[:32]
+
+
+def error_result(batch_id: str, line: int, code: str, message: str, status: int, now: float) -> m.BatchLineResult:
+    """A line that ended without running (refused, expired or cancelled before any worker ran it)."""
+    return m.BatchLineResult(batch_id=batch_id, line=line, request_id=m.batch_request_id(batch_id, line), attempt=0,
+                             finished=now, ok=False, error_code=code, error_message=message, status=status)
+
+
+def output_line(result: m.BatchLineResult, custom_id: str, kind: str, model: str) -> bytes:
+    """The line of the output file (a success) or of the error file (anything else), newline included."""
+    entry: dict[str, Any] = {"id": output_id(result.request_id), "custom_id": custom_id}
+    if result.ok:
+        body = responses.completion_body(kind, object_id(kind, result.request_id), int(result.finished), model,
+                                         result.text, result.finish_reason, result.usage or m.Usage(prompt_tokens=0, completion_tokens=0))
+        entry["response"] = {"status_code": 200, "request_id": result.request_id, "body": body}
+        entry["error"] = None
+    elif result.error_code in (CANCELLED, EXPIRED):
+        entry["response"] = None
+        entry["error"] = {"code": result.error_code, "message": result.error_message or _default_message(result.error_code)}
+    else:
+        status = result.status if result.status >= 400 else 500
+        error = OpenAIError(status, result.error_message or "The request failed.", code=result.error_code)
+        entry["response"] = {"status_code": status, "request_id": result.request_id, "body": error.body()}
+        entry["error"] = None
+    return _json.encode(entry) + b"\n"
+
+
+def unfinished_line(request_id: str, custom_id: str, code: str) -> bytes:
+    """The error-file line of a line that has no result when its batch ends (expired or cancelled)."""
+    entry = {"id": output_id(request_id), "custom_id": custom_id, "response": None,
+             "error": {"code": code, "message": _default_message(code)}}
+    return _json.encode(entry) + b"\n"
+
+
+def _default_message(code: str) -> str:
+    if code == EXPIRED:
+        return "This request could not be executed before the completion window expired."
+    if code == CANCELLED:
+        return "This request was not executed because the batch was cancelled."
+    return "This request was not executed."

@@ -1,0 +1,766 @@
+"""The batch service's shell: batch records in, lines fed to the fleet on spare capacity, results
+collected, files written.
+
+Everything it knows is rebuilt on start from durable stores: the `batches` KV (status, counts),
+the `files` KV and the file store (input lines), and the `BATCH_RESULTS` stream (which lines
+ended, how). Decisions are made by pure objects: `validate` (is the input file acceptable),
+`FeedPolicy` (how many lines may be out now, from workers' load reports), `Tracker` (which lines,
+fairly; which to publish again after a worker died or a lease ran out), `lines` (what a line's
+request and output line look like).
+
+Life of a batch here: validating → (validate the file) → failed, or in_progress → (feed lines
+while the policy allows; results come back) → finalizing → (write output and error files in input
+order) → completed. At `expires_at`: in-flight lines are cancelled, what has no result goes to the
+error file as `batch_expired`, status expired. `cancelling` (set by the gateway): the same with
+`batch_cancelled`, status cancelled. Record writes are compare-and-set, so a gateway's cancel and
+this service's progress updates never overwrite each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import redis.asyncio as aioredis
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+from prometheus_client import Counter, Gauge, start_http_server
+
+from inferbus import adapters as adapter_registry
+from inferbus import bus, logs
+from inferbus.replies import Replies
+from proto import messages as m
+from proto import subjects
+from services.gateway.errors import OpenAIError
+from services.gateway.models import ModelCatalog
+from services.gateway.tenants import TenantStore
+
+from . import lines as line_format
+from .feed import FeedPolicy
+from .files import FileStore
+from .records import BatchStore
+from .settings import BatchSettings
+from .tracker import BatchRun, Tracker
+from .validate import Limits, Validated, validate
+
+log = logs.get(__name__)
+
+BATCHES = Gauge("inferbus_batch_batches", "Batches this service is running, by status", ["status"])
+LINES_OUT = Gauge("inferbus_batch_lines_outstanding", "Lines published and without a result")
+LINES_WAITING = Gauge("inferbus_batch_lines_waiting", "Lines of running batches not yet published")
+PUBLISHED = Counter("inferbus_batch_lines_published_total", "Line attempts published", ["why"])
+RESULTS = Counter("inferbus_batch_line_results_total", "Line results counted (first per line)", ["outcome"])
+FINISHED = Counter("inferbus_batch_finished_total", "Batches that reached a final status", ["status"])
+FEED = Gauge("inferbus_batch_feed", "Feed policy state (lines, or 1/0 for pressure)", ["signal"])
+
+MAX_DOUBT_ATTEMPTS = 5  # a line in doubt after a restart: attempt ids tried before giving up on dedup
+_result_decoder = msgspec.msgpack.Decoder(m.BatchLineResult)
+_heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
+_load_decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
+
+
+class BatchService:
+    def __init__(self, settings: BatchSettings) -> None:
+        self.settings = settings
+        self.id = settings.resolved_id()
+        self.reply_subject = subjects.token_subject(f"batch-{self.id}")
+        self.feed = FeedPolicy(time.monotonic, settings.feed_config())
+        self.tracker = Tracker(settings.line_lease_s)
+        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors)
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self.replies: Replies | None = None
+        self.batches: BatchStore | None = None
+        self.files: FileStore | None = None
+        self.tenants: TenantStore | None = None
+        self.catalog = ModelCatalog(settings.model, int(time.time()))
+        self.redis: aioredis.Redis | None = None
+        self.live_workers: dict[str, str] = {}  # KV key → worker id
+        self._gone: dict[str, float] = {}  # worker id → when its heartbeat ended (not back since)
+        self._latest: dict[str, m.BatchRecord] = {}  # newest record seen per batch id
+        self._busy: set[str] = set()  # batches with a transition in progress
+        self._ended: set[str] = set()  # batches in a final status: nothing more to do for them
+        self._result_subs: dict[str, object] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watches: list[asyncio.Task[None]] = []
+        self._paused = False  # the feed policy's last verdict, logged when it changes
+        self._background: set[asyncio.Task[None]] = set()
+        self._watcher: KeyValue.KeyWatcher | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        self.nc = await bus.connect(s.nats_url, name=f"batch-{self.id}", on_reconnect=self._on_reconnect)
+        self.js = self.nc.jetstream()
+        js = self.js
+        await bus.retry_forever("ensure_streams", lambda: bus.ensure_streams(js))
+        batches_kv, files_kv = await bus.batch_buckets(js)
+        self.batches = BatchStore(batches_kv, js)
+        self.files = FileStore(s.files_dir, files_kv, max_bytes=s.max_bytes)
+        self.redis = aioredis.from_url(s.redis_url)
+        self.tenants = TenantStore(self.redis)
+        await self.catalog.start(js)
+        await self._adapters_loaded(js)
+        self.replies = Replies(self.nc)
+        await self.replies.start()
+        await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
+        await self.nc.subscribe(self.reply_subject, cb=self._on_events, pending_msgs_limit=1_000_000)
+        await self._watch()
+        self._tasks = [
+            asyncio.create_task(self._feed_loop(), name="feed"),
+            asyncio.create_task(self._flush_loop(), name="flush"),
+        ]
+        log.info("batch_ready", service_id=self.id, reply_subject=self.reply_subject, model=s.model,
+                 files_dir=s.files_dir, window_scale=s.window_scale)
+
+    async def _watch(self) -> None:
+        """(Re)start the watches: worker heartbeats and batch records."""
+        assert self.js is not None
+        for task in self._watches:
+            task.cancel()
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+        workers = await bus.workers_bucket(self.js, self.settings.heartbeat_ttl_s)
+        self._watcher = await workers.watchall()
+        self._watches = [
+            asyncio.create_task(bus.follow(self._watcher, self._on_heartbeat, self._on_worker_gone), name="workers"),
+            asyncio.create_task(self._watch_batches(), name="batches"),
+        ]
+
+    async def _on_reconnect(self) -> None:
+        # nats-py's ordered consumers (KV watches, result subscriptions) notice a restarted server
+        # only after ~20 s of missed heartbeats; meanwhile nothing would finish. Start them again
+        # now: the watches deliver every current value again, and result subscriptions replay
+        # their batch's results (both handled idempotently).
+        self._spawn(self._resubscribe(), "resubscribe")
+
+    async def _resubscribe(self) -> None:
+        assert self.js is not None
+        await bus.retry_forever("rewatch", self._watch)
+        await bus.retry_forever("restart_catalog", self._restart_catalog)
+        for run in self.tracker.batches():
+            old = self._result_subs.pop(run.id, None)
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.unsubscribe()  # type: ignore[attr-defined]
+            await bus.retry_forever("results", lambda run=run: self._follow_results(run))
+        log.info("resubscribed", batches=len(self.tracker.runs))
+
+    async def _restart_catalog(self) -> None:
+        assert self.js is not None
+        await self.catalog.stop()
+        await self.catalog.start(self.js)
+
+    async def _adapters_loaded(self, js: JetStreamContext, timeout_s: float = 10.0) -> None:
+        """Wait until the catalog holds every registered adapter: a batch for an adapter validated
+        or resumed before the catalog has read it would fail as an unknown model."""
+        try:
+            expected = len(await (await adapter_registry.bucket(js)).keys())
+        except Exception:  # no adapters registered (NoKeysError), or no bucket yet
+            return
+        deadline = time.monotonic() + timeout_s
+        while len(self.catalog.adapters) < expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._watches]:
+            task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await self._flush()  # the counts so far, so a restart starts from them
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:
+                pass
+        await self.catalog.stop()
+        if self.redis is not None:
+            await self.redis.aclose()
+        if self.nc is not None:
+            await self.nc.drain()
+
+    def _spawn(self, work: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- inbound: load, accepted events, heartbeats ---------------------------------------
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            self.feed.observe(_load_decoder.decode(msg.data))
+        except msgspec.DecodeError as error:
+            log.warning("bad_load_message", error=str(error))
+
+    async def _on_events(self, msg: Msg) -> None:
+        try:
+            batch = m.decode_stream_batch(msg.data)
+        except msgspec.DecodeError:
+            log.warning("bad_stream_batch", subject=msg.subject)
+            return
+        now = time.monotonic()
+        for event in batch.events:
+            if isinstance(event, m.Accepted):
+                self.tracker.on_accepted(event, now)
+
+    def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
+        try:
+            beat = _heartbeat_decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            return
+        self.live_workers[entry.key] = beat.worker_id
+        if self._gone.pop(beat.worker_id, None) is not None:
+            log.info("worker_back", worker_id=beat.worker_id)
+
+    def _on_worker_gone(self, key: str) -> None:
+        worker_id = self.live_workers.pop(key, None)
+        if worker_id is not None:
+            # Not at once: a busy worker's heartbeat can lapse for a moment, and its lines would
+            # then run twice. Batch lines have no client waiting; a few seconds cost nothing.
+            self._gone[worker_id] = time.monotonic()
+
+    def _republish_lines_of_dead_workers(self, now: float) -> None:
+        for worker_id, since in list(self._gone.items()):
+            if now - since >= self.settings.worker_gone_grace_s:
+                del self._gone[worker_id]
+                moved = self.tracker.worker_gone(worker_id)
+                log.warning("worker_gone", worker_id=worker_id, lines_to_republish=moved)
+
+    # ---- batch records --------------------------------------------------------------------
+
+    async def _watch_batches(self) -> None:
+        assert self.batches is not None
+        while True:
+            try:
+                async for record in self.batches.watch():
+                    if record.id in self._ended and record.id not in self.tracker.runs:
+                        continue  # a batch already over (or an older write of it, delivered late)
+                    if record.status in m.BATCH_TERMINAL:
+                        self._ended.add(record.id)
+                        if record.id not in self.tracker.runs:
+                            self._latest.pop(record.id, None)
+                            continue
+                    self._latest[record.id] = record
+                    self._dispatch(record.id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("batch_watch_failed", error=repr(error))
+                await asyncio.sleep(1.0)
+
+    def _dispatch(self, batch_id: str) -> None:
+        """Start whatever the batch's newest record calls for, unless something already runs for it."""
+        record = self._latest.get(batch_id)
+        if record is None or batch_id in self._busy:
+            return
+        if batch_id in self._ended and batch_id not in self.tracker.runs:
+            return
+        run = self.tracker.runs.get(batch_id)
+        work: Callable[[], Awaitable[None]] | None = None
+        if record.status == "validating":
+            work = lambda: self._validate(record)  # noqa: E731
+        elif record.status == "in_progress" and run is None:
+            work = lambda: self._resume(record)  # noqa: E731
+        elif record.status == "finalizing":
+            work = lambda: self._finish(record, "completed")  # noqa: E731
+        elif record.status == "cancelling":
+            work = lambda: self._finish(record, "cancelled")  # noqa: E731
+        elif batch_id in self._ended and run is not None:
+            work = lambda: self._untrack(batch_id)  # noqa: E731
+        if work is not None:
+            self._spawn_step(record, work)
+
+    async def _update(self, record: m.BatchRecord,
+                      change: Callable[[m.BatchRecord], m.BatchRecord | None]) -> m.BatchRecord | None:
+        assert self.batches is not None
+        updated = await self.batches.update(record.tenant, record.id, change)
+        if updated is not None:
+            self._latest[record.id] = updated
+            if updated.status in m.BATCH_TERMINAL:
+                self._ended.add(record.id)
+        return updated
+
+    async def _fail(self, record: m.BatchRecord, errors: list[m.BatchErrorEntry]) -> None:
+        now = int(time.time())
+
+        def change(current: m.BatchRecord) -> m.BatchRecord | None:
+            if current.status in m.BATCH_TERMINAL:
+                return None
+            return msgspec.structs.replace(current, status="failed", errors=errors, failed_at=now)
+
+        updated = await self._update(record, change)
+        FINISHED.labels("failed").inc()
+        log.info("batch_failed", errors=len(errors), first=errors[0].message if errors else None,
+                 status=updated.status if updated else None)
+
+    # ---- validating → in_progress ---------------------------------------------------------
+
+    async def _validate(self, record: m.BatchRecord) -> None:
+        assert self.files is not None and self.tenants is not None
+        source = await self.files.get(record.tenant, record.input_file_id)
+        if source is None:
+            await self._fail(record, [m.BatchErrorEntry(code="file_not_found", param="input_file_id",
+                                                        message=f"Input file {record.input_file_id} does not exist.")])
+            return
+        if source.bytes > self.settings.max_bytes:
+            await self._fail(record, [m.BatchErrorEntry(code="file_too_large", param="input_file_id",
+                                                        message=f"The input file is larger than {self.settings.max_bytes} bytes.")])
+            return
+        tenant = await self.tenants.get(record.tenant)
+
+        def check_model(model: str) -> str | None:
+            if tenant is None or tenant.disabled:
+                return f"Tenant `{record.tenant}` may not run batches."
+            try:
+                self.catalog.resolve(model, tenant)
+            except OpenAIError as error:
+                return error.message
+            return None
+
+        verdict = await asyncio.to_thread(self._validate_file, source, record.endpoint, check_model)
+        if isinstance(verdict, list):
+            await self._fail(record, verdict)
+            return
+        now = time.time()
+        expires_at = self.settings.expires_at(record.created_at, record.expires_at)
+
+        def change(current: m.BatchRecord) -> m.BatchRecord | None:
+            if current.status != "validating":
+                return None  # cancelled meanwhile: the cancel path takes it from here
+            return msgspec.structs.replace(current, status="in_progress", model=verdict.model, total=verdict.total,
+                                           in_progress_at=int(now), expires_at=expires_at)
+
+        updated = await self._update(record, change)
+        if updated is None or updated.status != "in_progress":
+            return
+        log.info("batch_in_progress", total=verdict.total, model=verdict.model, expires_at=updated.expires_at)
+        await self._track(updated, verdict, resumed=False)
+
+    def _validate_file(self, source: m.FileRecord, endpoint: str,
+                       check_model: Callable[[str], str | None]) -> Validated | list[m.BatchErrorEntry]:
+        assert self.files is not None
+        try:
+            with self.files.open(source) as data:
+                return validate(data, endpoint, self.limits, check_model)
+        except FileNotFoundError:
+            return [m.BatchErrorEntry(code="file_not_found", param="input_file_id",
+                                      message=f"The bytes of input file {source.id} are missing.")]
+
+    async def _resume(self, record: m.BatchRecord) -> None:
+        """An in-progress batch this process did not start: index its file again and go on."""
+        assert self.files is not None
+        source = await self.files.get(record.tenant, record.input_file_id)
+        verdict: Validated | list[m.BatchErrorEntry]
+        if source is None:
+            verdict = [m.BatchErrorEntry(code="file_not_found", message=f"Input file {record.input_file_id} is gone.")]
+        else:
+            verdict = await asyncio.to_thread(self._validate_file, source, record.endpoint, lambda model: None)
+        if isinstance(verdict, list):
+            await self._fail(record, verdict)
+            return
+        log.info("batch_resumed", total=verdict.total, model=verdict.model)
+        await self._track(record, verdict, resumed=True)
+
+    async def _track(self, record: m.BatchRecord, verdict: Validated, resumed: bool) -> BatchRun | None:
+        try:
+            base, adapter = self.catalog.resolve(verdict.model)
+        except OpenAIError as error:
+            await self._fail(record, [m.BatchErrorEntry(code="model_not_found", message=error.message)])
+            return None
+        assert self.files is not None
+        source = await self.files.get(record.tenant, record.input_file_id)
+        if source is None:
+            await self._fail(record, [m.BatchErrorEntry(code="file_not_found", message=f"Input file {record.input_file_id} is gone.")])
+            return None
+        run = BatchRun(record=record, custom_ids=verdict.custom_ids, offsets=verdict.offsets, base_model=base,
+                       adapter=adapter, input_path=str(self.files.path(source)))
+        self.tracker.add(run, resumed=resumed)
+        await self._follow_results(run)
+        return run
+
+    async def _untrack(self, batch_id: str) -> None:
+        self.tracker.remove(batch_id)
+        self._latest.pop(batch_id, None)  # over: only its id is remembered (in `_ended`)
+        sub = self._result_subs.pop(batch_id, None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+            except Exception:
+                pass
+
+    # ---- results --------------------------------------------------------------------------
+
+    async def _last_result_seq(self, batch_id: str) -> int:
+        assert self.js is not None
+        try:
+            last = await self.js.get_last_msg(subjects.BATCH_RESULTS_STREAM, subjects.batch_result_subject(batch_id))
+        except NotFoundError:
+            return 0
+        return int(last.seq or 0)
+
+    async def _follow_results(self, run: BatchRun) -> None:
+        """Replay the batch's results from the start of the stream, then follow new ones; the run
+        may feed once the replay has reached where the stream stood."""
+        assert self.js is not None
+        last = await self._last_result_seq(run.id)
+        run.loaded = run.loaded or last == 0
+
+        async def on_result(msg: Msg) -> None:
+            seq = msg.metadata.sequence.stream
+            try:
+                result = _result_decoder.decode(msg.data)
+            except msgspec.DecodeError as error:
+                log.warning("bad_batch_result", error=str(error))
+                return
+            if self.tracker.on_result(result):
+                RESULTS.labels("ok" if result.ok else (result.error_code or "error")).inc()
+            if not run.loaded and seq >= last:
+                run.loaded = True
+                log.info("batch_results_replayed", batch_id=run.id, done=len(run.done), total=run.total)
+
+        # Always from the start of the stream, also when resubscribing after a reconnect: a NATS
+        # server killed hard can lose its last writes and reuse their sequence numbers, so "after
+        # the last one seen" could skip new results. Results seen twice are ignored by the tracker.
+        self._result_subs[run.id] = await self.js.subscribe(
+            subjects.batch_result_subject(run.id), stream=subjects.BATCH_RESULTS_STREAM, ordered_consumer=True,
+            cb=on_result,
+        )
+
+    async def _read_results(self, batch_id: str) -> dict[int, m.BatchLineResult]:
+        """Every line's first result, read back from the stream (for the output files)."""
+        assert self.js is not None
+        last = await self._last_result_seq(batch_id)
+        found: dict[int, m.BatchLineResult] = {}
+        if last == 0:
+            return found
+        sub = await self.js.subscribe(subjects.batch_result_subject(batch_id), stream=subjects.BATCH_RESULTS_STREAM,
+                                      ordered_consumer=True)
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=10)
+                try:
+                    result = _result_decoder.decode(msg.data)
+                    found.setdefault(result.line, result)
+                except msgspec.DecodeError:
+                    pass
+                if msg.metadata.sequence.stream >= last:
+                    return found
+        finally:
+            await sub.unsubscribe()
+
+    async def _publish_result(self, result: m.BatchLineResult) -> None:
+        """A line that ends here (refused before running): durable, deduplicated like a worker's."""
+        assert self.replies is not None
+        await self.replies.publish_durable(subjects.batch_result_subject(result.batch_id), m.encode(result),
+                                           result.request_id)
+
+    # ---- feeding --------------------------------------------------------------------------
+
+    async def _feed_loop(self) -> None:
+        last_lease_check = 0.0
+        while True:
+            await asyncio.sleep(self.settings.feed_interval_s)
+            try:
+                now = time.monotonic()
+                if now - last_lease_check >= 1.0:
+                    last_lease_check = now
+                    moved = self.tracker.expire_leases(now)
+                    if moved:
+                        log.warning("line_leases_expired", lines=moved)
+                self._republish_lines_of_dead_workers(now)
+                self._check_runs()
+                await self._feed_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("feed_failed")
+                await asyncio.sleep(1.0)
+
+    def _check_runs(self) -> None:
+        """Finish batches whose lines all have a result, and expire those past their window. A
+        finish that failed (files, KV) is tried again here until it succeeds."""
+        now = time.time()
+        for run in self.tracker.batches():
+            if run.id in self._busy:
+                continue
+            record = self._latest.get(run.id, run.record)
+            if run.finishing is None and run.feeding and run.loaded and run.finished():
+                run.finishing = "completed"
+            elif run.finishing is None and now >= record.expires_at:
+                run.finishing = "expired"
+            if run.finishing is not None and record.status in ("in_progress", "finalizing"):
+                run.feeding = False
+                self._spawn_step(record, lambda record=record, outcome=run.finishing: self._finish(record, outcome))
+
+    def _spawn_step(self, record: m.BatchRecord, work: Callable[[], Awaitable[None]]) -> None:
+        """Run one step of a batch (validate, resume, finish), one at a time per batch; then look
+        at its newest record again. A failed step is retried from there a second later."""
+        batch_id = record.id
+        self._busy.add(batch_id)
+
+        async def guarded() -> None:
+            structlog.contextvars.bind_contextvars(batch_id=batch_id, tenant=record.tenant)
+            try:
+                await work()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch_step_failed", status=record.status)
+                await asyncio.sleep(1.0)
+            finally:
+                self._busy.discard(batch_id)
+            self._dispatch(batch_id)
+
+        self._spawn(guarded(), f"batch-{batch_id}")
+
+    async def _feed_once(self) -> None:
+        outstanding = self.tracker.outstanding()
+        waiting = self.tracker.waiting()
+        LINES_OUT.set(outstanding)
+        LINES_WAITING.set(waiting)
+        state = self.feed.state()
+        for name, value in (("target", state.target), ("spare", state.spare), ("pressure", float(state.pressure)),
+                            ("workers", state.workers)):
+            FEED.labels(name).set(value)
+        if state.pressure != self._paused and (waiting or outstanding):
+            self._paused = state.pressure
+            log.info("feed_paused" if state.pressure else "feed_resumed", reason=state.reason,
+                     target=round(state.target, 1), spare=state.spare, outstanding=outstanding,
+                     ttft_p90_s=state.ttft_p90_s, tpot_p90_s=state.tpot_p90_s)
+        if not waiting:
+            return
+        room = min(self.feed.allowance(outstanding), self.settings.max_in_flight - outstanding)
+        if room <= 0:
+            return
+        picks = self.tracker.take(room, time.monotonic())
+        if not picks:
+            return
+        bodies = await asyncio.to_thread(self._read_bodies, [(run, line) for run, line, _, _ in picks])
+        for i, ((run, line, attempt, doubt), body) in enumerate(zip(picks, bodies)):
+            try:
+                await self._publish_line(run, line, attempt, doubt, body)
+            except Exception as error:  # NATS away, a timeout: these lines go back, tried next tick
+                log.warning("line_publish_failed", batch_id=run.id, line=line, error=repr(error))
+                for later_run, later_line, later_attempt, _ in reversed(picks[i:]):
+                    self.tracker.unpublished(later_run, later_line, later_attempt)
+                return
+
+    def _read_bodies(self, wanted: list[tuple[BatchRun, int]]) -> list[bytes | None]:
+        """The `body` of each wanted line, read from its input file by offset."""
+        assert self.files is not None
+        out: list[bytes | None] = []
+        handles: dict[str, object] = {}
+        try:
+            for run, line in wanted:
+                handle = handles.get(run.id)
+                if handle is None:
+                    try:
+                        handle = handles[run.id] = open(run.input_path, "rb")  # noqa: SIM115 (closed below)
+                    except FileNotFoundError:
+                        out.append(None)
+                        continue
+                handle.seek(run.offsets[line])  # type: ignore[attr-defined]
+                raw = handle.readline()  # type: ignore[attr-defined]
+                try:
+                    out.append(line_format.decode_line(raw).body_bytes())
+                except msgspec.MsgspecError:
+                    out.append(None)
+        finally:
+            for handle in handles.values():
+                handle.close()  # type: ignore[attr-defined]
+        return out
+
+    async def _publish_line(self, run: BatchRun, line: int, attempt: int, doubt: bool, body: bytes | None) -> None:
+        assert self.replies is not None
+        now = time.time()
+        record = run.record
+        if body is None:
+            await self._publish_result(line_format.error_result(
+                run.id, line, "input_unreadable", "The line could not be read from the input file.", 500, now))
+            return
+        try:
+            plan = line_format.plan_line(record.endpoint, body, max_model_len=self.settings.max_model_len,
+                                         default_max_tokens=self.settings.default_max_tokens)
+        except OpenAIError as error:
+            # The request itself is invalid (say, too long for the context): its line says so.
+            await self._publish_result(line_format.error_result(
+                run.id, line, error.code or "invalid_request", error.message, error.status, now))
+            return
+        subject = subjects.request_subject("batch", run.base_model, subjects.ANY_TARGET)
+        while True:
+            request = line_format.line_request(
+                plan, batch_id=run.id, line=line, tenant=record.tenant, api_key_id=record.api_key_id,
+                base_model=run.base_model, adapter=run.adapter, deadline=float(self._latest.get(run.id, record).expires_at),
+                now=now, reply_to=self.reply_subject, attempt=attempt,
+            )
+            stored = await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{attempt}")
+            if stored or not doubt or attempt + 1 >= MAX_DOUBT_ATTEMPTS:
+                break
+            # In doubt after a restart and this attempt id was published in the last minutes: it
+            # may have died with a worker. Publish the next attempt (the first result wins).
+            attempt += 1
+        self.tracker.published(run, line, attempt)
+        PUBLISHED.labels("doubt" if doubt else ("retry" if attempt else "new")).inc()
+
+    # ---- progress -------------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.flush_interval_s)
+            try:
+                await self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("flush_failed", error=repr(error))
+
+    async def _flush(self) -> None:
+        """Write request_counts and usage of batches whose counts moved (compare-and-set)."""
+        statuses: dict[str, int] = {}
+        for run in self.tracker.batches():
+            record = self._latest.get(run.id, run.record)
+            statuses[record.status] = statuses.get(record.status, 0) + 1
+            if not run.dirty:
+                continue
+            run.dirty = False
+            completed, failed, usage = run.completed, run.failed, run.usage
+
+            def change(current: m.BatchRecord) -> m.BatchRecord | None:
+                if current.status in m.BATCH_TERMINAL:
+                    return None
+                if (current.completed, current.failed, current.usage) == (completed, failed, usage):
+                    return None
+                return msgspec.structs.replace(current, completed=completed, failed=failed, usage=usage)
+
+            try:
+                await self._update(record, change)
+            except Exception:
+                run.dirty = True
+                raise
+        for status in ("in_progress", "finalizing", "cancelling"):
+            BATCHES.labels(status).set(statuses.get(status, 0))
+
+    # ---- the end: completed, expired, cancelled -------------------------------------------
+
+    async def _finish(self, record: m.BatchRecord, outcome: str) -> None:
+        """Write the output and error files and the final record. `outcome`: completed (every line
+        has a result), expired (the window passed) or cancelled (the gateway asked)."""
+        run = self.tracker.runs.get(record.id)
+        if run is None and record.total > 0 and record.status in ("finalizing", "cancelling", "in_progress"):
+            # Not tracked by this process (a restart mid-finalize or mid-cancel): index the file.
+            assert self.files is not None
+            source = await self.files.get(record.tenant, record.input_file_id)
+            verdict = (await asyncio.to_thread(self._validate_file, source, record.endpoint, lambda model: None)
+                       if source is not None else [])
+            if isinstance(verdict, Validated):
+                run = await self._track(record, verdict, resumed=True)
+        if outcome != "completed":
+            await self._stop_lines(record, run, "deadline" if outcome == "expired" else "admin")
+        elif run is not None:
+            self.tracker.stop_feeding(run.id)
+        custom_ids = run.custom_ids if run is not None else []
+        results = await self._read_results(record.id) if custom_ids else {}
+        missing = [line for line in range(len(custom_ids)) if line not in results]
+        if outcome == "completed" and missing and run is not None:
+            await self._reopen(record, run, results, missing)
+            return
+        if outcome == "completed" and record.status == "in_progress":
+            now = int(time.time())
+            updated = await self._update(record, lambda current: msgspec.structs.replace(
+                current, status="finalizing", finalizing_at=now) if current.status == "in_progress" else None)
+            if updated is None or updated.status != "finalizing":
+                return  # cancelled meanwhile: that path finishes it
+            record = updated
+        unfinished = line_format.EXPIRED if outcome == "expired" else line_format.CANCELLED
+        outputs: list[bytes] = []
+        errors: list[bytes] = []
+        usage = m.BatchUsage()
+        for line, custom_id in enumerate(custom_ids):
+            result = results.get(line)
+            if result is None:
+                errors.append(line_format.unfinished_line(m.batch_request_id(record.id, line), custom_id, unfinished))
+                continue
+            if result.usage is not None:
+                usage = m.BatchUsage(input_tokens=usage.input_tokens + result.usage.prompt_tokens,
+                                     cached_tokens=usage.cached_tokens + result.usage.cached_tokens,
+                                     output_tokens=usage.output_tokens + result.usage.completion_tokens)
+            if outcome == "expired" and not result.ok and result.error_code == line_format.CANCELLED:
+                result = msgspec.structs.replace(result, error_code=line_format.EXPIRED, error_message=None)
+            kind = line_format.ENDPOINT_KINDS.get(record.endpoint, "chat")
+            (outputs if result.ok else errors).append(line_format.output_line(result, custom_id, kind, record.model))
+        assert self.files is not None
+        output_file = error_file = None
+        if outputs:
+            output_file = (await self.files.write(record.tenant, f"{record.id}_output.jsonl", "batch_output", outputs)).id
+        if errors:
+            error_file = (await self.files.write(record.tenant, f"{record.id}_error.jsonl", "batch_output", errors)).id
+        now = int(time.time())
+        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[outcome]
+
+        def change(current: m.BatchRecord) -> m.BatchRecord | None:
+            if current.status in m.BATCH_TERMINAL:
+                return None
+            return msgspec.structs.replace(
+                current, status=outcome, completed=len(outputs), failed=len(errors), usage=usage,
+                output_file_id=output_file, error_file_id=error_file, **{stamp: now},
+            )
+
+        updated = await self._update(record, change)
+        await self._untrack(record.id)
+        FINISHED.labels(outcome).inc()
+        log.info("batch_finished", status=updated.status if updated else None, outcome=outcome,
+                 completed=len(outputs), failed=len(errors), output_file_id=output_file, error_file_id=error_file,
+                 input_tokens=usage.input_tokens, output_tokens=usage.output_tokens)
+
+    async def _reopen(self, record: m.BatchRecord, run: BatchRun, results: dict[int, m.BatchLineResult],
+                      missing: list[int]) -> None:
+        """Results this process counted are not in the stream (a NATS server killed hard loses its
+        last writes): the stream is the record of what ended, so those lines run again."""
+        log.warning("batch_results_lost", lines=len(missing), first=missing[:5])
+        if record.status == "finalizing":
+            await self._update(record, lambda current: msgspec.structs.replace(
+                current, status="in_progress", finalizing_at=None) if current.status == "finalizing" else None)
+        self.tracker.reopen(run.id, list(results.values()), missing)
+
+    async def _stop_lines(self, record: m.BatchRecord, run: BatchRun | None, reason: str) -> None:
+        """Publish nothing more; cancel lines out in the fleet and wait (briefly) for their results."""
+        assert self.nc is not None
+        if run is None:
+            return
+        out = self.tracker.stop_feeding(run.id)
+        # A line in doubt after a restart may run somewhere too: cancel every line without a result.
+        lines = [line for line in range(run.total) if line not in run.done]
+        for line in lines:
+            request_id = m.batch_request_id(run.id, line)
+            cancel = m.Cancel(request_id=request_id, reason=reason)  # type: ignore[arg-type]
+            await self.nc.publish(subjects.cancel_subject(request_id), m.encode(cancel))
+        log.info("batch_lines_cancelled", reason=reason, in_flight=len(out), without_result=len(lines))
+        deadline = time.monotonic() + self.settings.cancel_grace_s
+        while run.outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+
+async def serve(settings: BatchSettings) -> None:
+    logs.configure("batch", settings.log_level)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr="0.0.0.0")
+    service = BatchService(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    await stop.wait()
+    await service.stop()
+    log.info("batch_stopped")

@@ -1,0 +1,261 @@
+"""In-memory state of the batches being run, rebuilt from the durable stores on start. Pure.
+
+Per batch: which lines have a result (the first one per line wins; later ones are duplicates of a
+line that ran twice), which are out in the fleet (attempt, owner worker once a worker accepted
+it, since when), which still wait to be published, and the counters and usage the record shows.
+
+Lines are handed out fairly: tenants take turns line by line, and within a tenant its oldest
+batch goes first. A line goes out again (next attempt) when its owner's heartbeat ends, or when
+it has had no result for a whole lease (lost without a trace: a worker that died before
+accepting it, a dropped `Accepted`).
+
+After a restart nothing says which lines the previous run had published. Every line without a
+result is then "in doubt": the shell publishes it with attempt 0 and, if JetStream's dedup says
+that id was published in the last two minutes, with the next attempts until one is new. A line
+that was still running on a live worker then runs twice: the first result wins and the usage
+event, deduplicated by request id, bills it once. Nothing is lost; at most the lines in flight at
+the restart are computed twice, on spare capacity.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from proto import messages as m
+
+
+@dataclass
+class Outstanding:
+    attempt: int
+    since: float  # when it was published, or last accepted by a worker
+    worker_id: str | None = None  # who runs it, once `Accepted` says so
+
+
+@dataclass
+class BatchRun:
+    record: m.BatchRecord
+    custom_ids: list[str]
+    offsets: list[int]  # byte offset of each request's line in the input file
+    base_model: str
+    adapter: str | None = None
+    input_path: str = ""  # where the input file's bytes are
+    done: dict[int, bool] = field(default_factory=dict)  # line → ok
+    outstanding: dict[int, Outstanding] = field(default_factory=dict)
+    pending: deque[int] = field(default_factory=deque)  # never published (or in doubt), in line order
+    retry: deque[tuple[int, int]] = field(default_factory=deque)  # (line, attempt) to publish again first
+    doubt: set[int] = field(default_factory=set)
+    usage: m.BatchUsage = field(default_factory=m.BatchUsage)
+    completed: int = 0
+    failed: int = 0
+    feeding: bool = True  # False once cancelling or expiring: nothing more goes out
+    finishing: str | None = None  # the final status being written: completed or expired
+    loaded: bool = False  # the results stream has been replayed up to where it stood at start
+    dirty: bool = False  # counters changed since the record was last written
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def tenant(self) -> str:
+        return self.record.tenant
+
+    @property
+    def total(self) -> int:
+        return len(self.custom_ids)
+
+    def finished(self) -> bool:
+        return len(self.done) >= self.total
+
+
+def parse_request_id(request_id: str) -> tuple[str, int] | None:
+    """(batch id, line) of a batch line's request id (`batch_request_id`), else None."""
+    batch_id, sep, line = request_id.rpartition("-")
+    if not sep or not line.isdigit() or not batch_id.startswith("batch_"):
+        return None
+    return batch_id, int(line)
+
+
+class Tracker:
+    def __init__(self, line_lease_s: float) -> None:
+        self.line_lease_s = line_lease_s
+        self.runs: dict[str, BatchRun] = {}
+        self._turn: deque[str] = deque()  # tenants in the order they get their next line
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def add(self, run: BatchRun, *, resumed: bool) -> None:
+        """Track a batch; `resumed`: it was in progress before this process started (its lines
+        without a result are in doubt). Lines with results already in `run.done` are skipped."""
+        self.runs[run.id] = run
+        todo = [line for line in range(run.total) if line not in run.done]
+        run.pending = deque(todo)
+        if resumed:
+            run.doubt = set(todo)
+        if run.tenant not in self._turn:
+            self._turn.append(run.tenant)
+
+    def remove(self, batch_id: str) -> BatchRun | None:
+        run = self.runs.pop(batch_id, None)
+        if run is not None and not any(r.tenant == run.tenant for r in self.runs.values()):
+            self._turn = deque(t for t in self._turn if t != run.tenant)
+        return run
+
+    def stop_feeding(self, batch_id: str) -> list[tuple[int, Outstanding]]:
+        """No more lines of this batch go out; returns the lines out in the fleet (to cancel)."""
+        run = self.runs[batch_id]
+        run.feeding = False
+        run.pending.clear()
+        run.retry.clear()
+        return sorted(run.outstanding.items())
+
+    def reopen(self, batch_id: str, results: list[m.BatchLineResult], missing: list[int]) -> None:
+        """Start over from `results` (the durable ones): counts are rebuilt from them and the
+        `missing` lines, counted before but without a durable result, go out again (in doubt)."""
+        run = self.runs[batch_id]
+        run.done.clear()
+        run.outstanding.clear()
+        run.completed = run.failed = 0
+        run.usage = m.BatchUsage()
+        run.feeding, run.finishing = True, None
+        for result in results:
+            self.on_result(result)
+        run.pending = deque(line for line in missing if line not in run.done)
+        run.doubt = set(run.pending)
+        run.retry.clear()
+        run.dirty = True
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def on_result(self, result: m.BatchLineResult) -> bool:
+        """Count a line's result; False when it is a duplicate or for no tracked batch."""
+        run = self.runs.get(result.batch_id)
+        if run is None or not 0 <= result.line < run.total or result.line in run.done:
+            return False
+        run.done[result.line] = result.ok
+        run.outstanding.pop(result.line, None)
+        run.doubt.discard(result.line)
+        if result.ok:
+            run.completed += 1
+        else:
+            run.failed += 1
+        if result.usage is not None:
+            run.usage = m.BatchUsage(
+                input_tokens=run.usage.input_tokens + result.usage.prompt_tokens,
+                cached_tokens=run.usage.cached_tokens + result.usage.cached_tokens,
+                output_tokens=run.usage.output_tokens + result.usage.completion_tokens,
+            )
+        run.dirty = True
+        return True
+
+    def on_accepted(self, accepted: m.Accepted, now: float) -> None:
+        """A worker took a line: it owns it now (the newest attempt's owner counts)."""
+        parsed = parse_request_id(accepted.request_id)
+        run = self.runs.get(parsed[0]) if parsed else None
+        if run is None or parsed is None:
+            return
+        entry = run.outstanding.get(parsed[1])
+        if entry is None:
+            if parsed[1] in run.done or not run.feeding:
+                return
+            # A requeue by a worker (preemption) of a line we had given up on: it is out again.
+            self._forget_pending(run, parsed[1])
+            run.outstanding[parsed[1]] = Outstanding(accepted.attempt, now, accepted.worker_id)
+            return
+        if accepted.attempt >= entry.attempt:
+            entry.attempt, entry.since, entry.worker_id = accepted.attempt, now, accepted.worker_id
+
+    def worker_gone(self, worker_id: str) -> int:
+        """The worker's heartbeat ended: its lines go out again as their next attempt."""
+        moved = 0
+        for run in self.runs.values():
+            if not run.feeding:
+                continue  # cancelling or expiring: nothing goes out again (the grace period ends it)
+            for line, entry in list(run.outstanding.items()):
+                if entry.worker_id == worker_id:
+                    del run.outstanding[line]
+                    run.retry.append((line, entry.attempt + 1))
+                    moved += 1
+        return moved
+
+    def expire_leases(self, now: float) -> int:
+        """Lines without a result for a whole lease go out again."""
+        moved = 0
+        for run in self.runs.values():
+            if not run.feeding:
+                continue
+            for line, entry in list(run.outstanding.items()):
+                if now - entry.since >= self.line_lease_s:
+                    del run.outstanding[line]
+                    run.retry.append((line, entry.attempt + 1))
+                    moved += 1
+        return moved
+
+    # ---- feeding --------------------------------------------------------------------------
+
+    def outstanding(self) -> int:
+        return sum(len(run.outstanding) for run in self.runs.values())
+
+    def waiting(self) -> int:
+        """Lines that could go out now."""
+        return sum(len(run.pending) + len(run.retry) for run in self.runs.values() if run.feeding and run.loaded)
+
+    def take(self, count: int, now: float) -> list[tuple[BatchRun, int, int, bool]]:
+        """Up to `count` lines to publish now, fairly: (batch, line, attempt, in doubt). They count
+        as outstanding from now on; `published` records what the bus actually did."""
+        out: list[tuple[BatchRun, int, int, bool]] = []
+        while len(out) < count:
+            progressed = False
+            for _ in range(len(self._turn)):
+                tenant = self._turn[0]
+                self._turn.rotate(-1)
+                picked = self._next_of(tenant)
+                if picked is None:
+                    continue
+                run, line, attempt = picked
+                doubt = line in run.doubt
+                run.doubt.discard(line)
+                run.outstanding[line] = Outstanding(attempt, now)
+                out.append((run, line, attempt, doubt))
+                progressed = True
+                if len(out) >= count:
+                    break
+            if not progressed:
+                break
+        return out
+
+    def published(self, run: BatchRun, line: int, attempt: int) -> None:
+        """The line went out as `attempt` (a line in doubt may have needed a later one)."""
+        entry = run.outstanding.get(line)
+        if entry is not None:
+            entry.attempt = max(entry.attempt, attempt)
+
+    def unpublished(self, run: BatchRun, line: int, attempt: int) -> None:
+        """Publishing failed: the line goes back to the front, to be tried again."""
+        if run.outstanding.pop(line, None) is not None and run.feeding and line not in run.done:
+            run.retry.appendleft((line, attempt))
+
+    def _next_of(self, tenant: str) -> tuple[BatchRun, int, int] | None:
+        runs = sorted((r for r in self.runs.values() if r.tenant == tenant and r.feeding and r.loaded),
+                      key=lambda r: (r.record.created_at, r.id))
+        for run in runs:
+            while run.retry:
+                line, attempt = run.retry.popleft()
+                if line not in run.done and line not in run.outstanding:
+                    return run, line, attempt
+            while run.pending:
+                line = run.pending.popleft()
+                if line not in run.done and line not in run.outstanding:
+                    return run, line, 0
+        return None
+
+    @staticmethod
+    def _forget_pending(run: BatchRun, line: int) -> None:
+        if line in run.pending:
+            run.pending.remove(line)
+        run.retry = deque(item for item in run.retry if item[0] != line)
+
+    def batches(self) -> Iterable[BatchRun]:
+        return list(self.runs.values())

@@ -1,0 +1,327 @@
+"""The Batch API end to end with the official openai SDK: upload, create, poll, download; validation
+failures, cancel, expiry, and a batch that survives the batch service and a worker being killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types import Batch, Completion
+from openai.types.chat import ChatCompletion
+
+from proto import messages as m
+
+from .conftest import MODEL, Platform, read_usage, running_platform
+
+pytestmark = pytest.mark.e2e
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """Two simulated workers at 10x speed, with the batch service `inferbus up` starts."""
+    with running_platform(tmp_path_factory.mktemp("batch"), workers=2, time_scale=0.1,
+                          extra_env={"INFERBUS_BATCH_LINE_LEASE_S": "60"}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(platform: Platform) -> openai.OpenAI:
+    return platform.client(timeout=30)
+
+
+def chat_lines(n: int, max_tokens: int | list[int] = 8, prefix: str = "req") -> list[dict]:
+    tokens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
+    return [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": CHAT,
+             "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Question number {i}?"}],
+                      "max_tokens": tokens[i], "temperature": 0}} for i in range(n)]
+
+
+def upload(client: openai.OpenAI, items: list[dict] | bytes) -> str:
+    data = items if isinstance(items, bytes) else b"".join(json.dumps(i).encode() + b"\n" for i in items)
+    return client.files.create(file=("input.jsonl", data), purpose="batch").id
+
+
+def wait_for_completed(client: openai.OpenAI, batch_id: str, lines: int, timeout: float = 60.0) -> Batch:
+    """The batch once at least `lines` of its lines have completed (it must still be running)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = client.batches.retrieve(batch_id)
+        if current.request_counts and current.request_counts.completed >= lines:
+            return current
+        assert time.monotonic() < deadline and current.status in ("validating", "in_progress"), current
+        time.sleep(0.1)
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 90.0) -> Batch:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+
+
+def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).content.splitlines() if line.strip()]
+
+
+def restart_batch_service(platform: Platform, kill: bool = False, env: dict[str, str | None] | None = None) -> None:
+    """Stop the batch service (SIGTERM, or SIGKILL) and start it again, with `env` changes."""
+    process = platform.stack.get("batch")
+    process.signal(signal.SIGKILL if kill else signal.SIGTERM)
+    assert process.wait(15)
+    for name, value in (env or {}).items():
+        if value is None:
+            process.env.pop(name, None)
+        else:
+            process.env[name] = value
+    ready = process.log_path.read_bytes().count(b'"batch_ready"')
+    process.start()
+    deadline = time.monotonic() + 30
+    while process.log_path.read_bytes().count(b'"batch_ready"') <= ready:
+        assert process.alive(), process.tail()
+        assert time.monotonic() < deadline, "batch service did not come back"
+        time.sleep(0.1)
+
+
+def test_chat_and_completions_batches_complete(platform: Platform, client: openai.OpenAI) -> None:
+    chat_items = chat_lines(40, max_tokens=[4 + i % 7 for i in range(40)])
+    chat = client.batches.create(input_file_id=upload(client, chat_items), endpoint=CHAT, completion_window="24h",
+                                 metadata={"purpose": "e2e"})
+    completion_items = [{"custom_id": f"p{i}", "method": "POST", "url": COMPLETIONS,
+                         "body": {"model": MODEL, "prompt": f"Once upon a time {i}", "max_tokens": 6}} for i in range(12)]
+    text = client.batches.create(input_file_id=upload(client, completion_items), endpoint=COMPLETIONS,
+                                 completion_window="24h")
+    assert chat.status == "validating"
+
+    done = wait_for(client, chat.id, {"completed", "failed", "expired", "cancelled"})
+    assert done.status == "completed", done.errors
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (40, 40, 0)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.error_file_id is None
+    out = file_lines(client, done.output_file_id)
+    # Input order, every custom_id once, bodies the SDK parses as what the endpoint returns.
+    assert [line["custom_id"] for line in out] == [item["custom_id"] for item in chat_items]
+    prompt = output = 0
+    for line, item in zip(out, chat_items):
+        assert line["error"] is None and line["id"].startswith("batch_req_")
+        assert line["response"]["status_code"] == 200
+        completion = ChatCompletion.model_validate(line["response"]["body"])
+        assert completion.choices[0].message.content
+        assert completion.usage is not None and completion.usage.completion_tokens == item["body"]["max_tokens"]
+        assert completion.choices[0].finish_reason == "length" and completion.model == MODEL
+        prompt += completion.usage.prompt_tokens
+        output += completion.usage.completion_tokens
+    assert done.usage is not None
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (prompt, output)
+
+    # Billed once per line, at the batch rate: usage events carry the batch id.
+    ids = {m.batch_request_id(chat.id, i) for i in range(40)}
+    events = read_usage(platform, "demo", ids, timeout=15)
+    assert sorted(e.request_id for e in events) == sorted(ids)
+    assert all(e.batch_id == chat.id and e.tier == "batch" and e.status == "completed" for e in events)
+
+    finished = wait_for(client, text.id, {"completed", "failed", "expired", "cancelled"})
+    assert finished.status == "completed" and finished.request_counts and finished.request_counts.completed == 12
+    for line in file_lines(client, finished.output_file_id):
+        body = Completion.model_validate(line["response"]["body"])
+        assert body.object == "text_completion" and body.choices[0].text and body.usage and body.usage.completion_tokens == 6
+    listed = client.batches.list(limit=100)
+    assert {chat.id, text.id} <= {b.id for b in listed.data}
+
+
+@pytest.mark.parametrize("case", ["duplicate", "two_models", "bad_json", "wrong_url"])
+def test_invalid_input_fails_the_batch_with_errors(client: openai.OpenAI, case: str) -> None:
+    items = chat_lines(5)
+    data: bytes | list[dict] = items
+    if case == "duplicate":
+        items[3]["custom_id"] = items[1]["custom_id"]
+        expected = ("duplicate_custom_id", 4)
+    elif case == "two_models":
+        items[2]["body"]["model"] = "some-other-model"
+        expected = ("mismatched_model", 3)
+    elif case == "wrong_url":
+        items[4]["url"] = COMPLETIONS
+        expected = ("invalid_url", 5)
+    else:
+        raw = [json.dumps(i).encode() for i in items]
+        raw[2] = raw[2][:-7]  # line 3 cut short
+        data = b"\n".join(raw) + b"\n"
+        expected = ("invalid_json_line", 3)
+    batch = client.batches.create(input_file_id=upload(client, data), endpoint=CHAT, completion_window="24h")
+    failed = wait_for(client, batch.id, {"failed", "completed", "in_progress"}, timeout=30)
+    assert failed.status == "failed" and failed.failed_at
+    assert failed.errors is not None and failed.errors.data
+    first = failed.errors.data[0]
+    assert (first.code, first.line) == expected
+    assert f"Line {expected[1]}" in (first.message or "")
+    assert failed.output_file_id is None
+
+
+def test_cancel_mid_batch_keeps_what_finished(client: openai.OpenAI) -> None:
+    items = chat_lines(40, max_tokens=[3] * 6 + [3000] * 34, prefix="cancel")
+    batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+    wait_for_completed(client, batch.id, 6)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    cancelled = wait_for(client, batch.id, {"cancelled", "completed", "failed", "expired"}, timeout=30)
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at
+    out = file_lines(client, cancelled.output_file_id)
+    errors = file_lines(client, cancelled.error_file_id)
+    assert sorted(line["custom_id"] for line in out + errors) == sorted(i["custom_id"] for i in items)
+    assert {f"cancel-{i}" for i in range(6)} <= {line["custom_id"] for line in out}
+    assert errors and all(line["response"] is None and line["error"]["code"] == "batch_cancelled" for line in errors)
+    assert cancelled.request_counts is not None
+    assert (cancelled.request_counts.completed, cancelled.request_counts.failed) == (len(out), len(errors))
+
+
+def test_a_batch_past_its_window_expires_with_the_part_that_completed(platform: Platform, client: openai.OpenAI) -> None:
+    # 24 h × 0.0001 ≈ 9 s for batches validated by this batch service.
+    restart_batch_service(platform, env={"INFERBUS_BATCH_WINDOW_SCALE": "0.0001"})
+    try:
+        items = chat_lines(30, max_tokens=[3] * 8 + [60000] * 22, prefix="late")
+        batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+        expired = wait_for(client, batch.id, {"expired", "completed", "failed", "cancelled"}, timeout=60)
+        assert expired.status == "expired" and expired.expired_at
+        assert expired.expires_at - expired.created_at < 60
+        out = file_lines(client, expired.output_file_id)
+        errors = file_lines(client, expired.error_file_id)
+        assert {line["custom_id"] for line in out} == {f"late-{i}" for i in range(8)}
+        assert sorted(line["custom_id"] for line in errors) == sorted(f"late-{i}" for i in range(8, 30))
+        assert all(line["response"] is None and line["error"]["code"] == "batch_expired" for line in errors)
+    finally:
+        restart_batch_service(platform, env={"INFERBUS_BATCH_WINDOW_SCALE": None})
+
+
+def test_lines_of_a_dead_worker_run_again(platform: Platform, client: openai.OpenAI) -> None:
+    """The owner of a line dies (its heartbeat ends): the line goes out again, nothing is lost."""
+    items = chat_lines(60, max_tokens=[150] * 60, prefix="dead")
+    batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+    wait_for_completed(client, batch.id, 10)
+    # Kill it while it holds lines (its own load report says so), or the test tests nothing.
+    assert _batch_lines_on(platform, "worker-2", timeout=30) > 0, "worker-2 never held a batch line"
+    log = platform.stack.get("batch").log_path
+    seen = log.read_bytes().count(b'"worker_gone"')
+    worker = platform.stack.get("worker-2")
+    worker.signal(signal.SIGKILL)
+    assert worker.wait(5)
+    try:
+        done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=120)
+        assert done.status == "completed" and done.error_file_id is None, done
+        out = file_lines(client, done.output_file_id)
+        assert [line["custom_id"] for line in out] == [i["custom_id"] for i in items]
+        gone = [json.loads(line) for line in log.read_bytes().splitlines() if b'"worker_gone"' in line][seen:]
+        assert any(e["worker_id"] == "worker-2" and e["lines_to_republish"] > 0 for e in gone), gone
+        ids = {m.batch_request_id(batch.id, i) for i in range(60)}
+        assert len(read_usage(platform, "demo", ids, timeout=20)) == 60
+    finally:
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not platform.stack.gateway_serving():
+            assert time.monotonic() < deadline, worker.tail()
+            time.sleep(0.2)
+
+
+def restart_nats(platform: Platform) -> None:
+    nats = platform.stack.get("nats")
+    nats.signal(signal.SIGKILL)
+    assert nats.wait(5)
+    nats.start()  # same port, same data directory
+    deadline = time.monotonic() + 15
+    while not nats.ready():
+        assert time.monotonic() < deadline, "nats did not come back"
+        time.sleep(0.05)
+
+
+def test_batch_survives_a_nats_restart(platform: Platform, client: openai.OpenAI) -> None:
+    items = chat_lines(120, max_tokens=[30 + i % 40 for i in range(120)], prefix="natsdown")
+    batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+    wait_for_completed(client, batch.id, 20)
+    restart_nats(platform)
+    deadline = time.monotonic() + 120
+    while True:  # the gateway answers 5xx for a moment while it reconnects
+        try:
+            done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=120)
+            break
+        except (openai.APIStatusError, openai.APIConnectionError, openai.APITimeoutError):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert done.status == "completed", done
+    out = file_lines(client, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [i["custom_id"] for i in items] and done.error_file_id is None
+    ids = {m.batch_request_id(batch.id, i) for i in range(120)}
+    events = read_usage(platform, "demo", ids, timeout=20)
+    assert len(events) == 120 and {e.request_id for e in events} == ids
+
+
+def test_batch_survives_killing_the_batch_service_and_a_worker(platform: Platform, client: openai.OpenAI) -> None:
+    """FAULT TEST (last in the module: worker-1 stays dead). SIGKILL the batch service and a worker
+    mid-batch, start the batch service again: every line is in the output or error file exactly
+    once, and billed once."""
+    items = chat_lines(200, max_tokens=[40 + (i * 7) % 60 for i in range(200)], prefix="fault")
+    batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+    current = wait_for_completed(client, batch.id, 30)
+    assert current.request_counts is not None and current.request_counts.completed < 200
+    worker = platform.stack.get("worker-1")
+    worker.signal(signal.SIGKILL)
+    restart_batch_service(platform, kill=True)
+    assert worker.wait(5)
+
+    done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=120)
+    assert done.status == "completed", done
+    out = file_lines(client, done.output_file_id)
+    errors = file_lines(client, done.error_file_id)
+    seen = [line["custom_id"] for line in out + errors]
+    assert sorted(seen) == sorted(i["custom_id"] for i in items)  # each exactly once
+    assert not errors, errors[:3]
+    assert [line["custom_id"] for line in out] == [i["custom_id"] for i in items]  # in input order
+    for line in out:
+        assert ChatCompletion.model_validate(line["response"]["body"]).usage is not None
+    ids = {m.batch_request_id(batch.id, i) for i in range(200)}
+    events = read_usage(platform, "demo", ids, timeout=20)
+    assert len(events) == 200 and {e.request_id for e in events} == ids  # one usage event per line
+    assert all(e.batch_id == batch.id for e in events)
+
+
+def test_logs_name_the_batch(platform: Platform) -> None:
+    log = Path(platform.stack.get("batch").log_path).read_text()
+    assert '"batch_in_progress"' in log and '"batch_finished"' in log and '"batch_id"' in log
+
+
+def _batch_lines_on(platform: Platform, worker_id: str, timeout: float) -> int:
+    """The first non-zero `batch_in_flight` a worker reports within `timeout` (else 0)."""
+    import asyncio
+
+    import nats
+
+    from proto import subjects
+
+    async def watch() -> int:
+        nc = await nats.connect(platform.stack.nats_url)
+        try:
+            sub = await nc.subscribe(subjects.metrics_subject(worker_id))
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                load = m.decoder(m.WorkerLoad).decode(msg.data)
+                if load.batch_in_flight > 0:
+                    return load.batch_in_flight
+            return 0
+        finally:
+            await nc.close()
+
+    return asyncio.run(watch())
