@@ -4,13 +4,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test bench bench-routing install clean help
+.PHONY: up test bench bench-routing bench-capacity bench-autoscale bench-batch install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite"
 	@echo "make bench  measure the serving spine; writes bench/results/"
 	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min); writes bench/results/routing.*"
+	@echo "make bench-capacity  plan the worked example, simulator speed and validation, sweep vs aiperf (~15 min); writes bench/results/"
+	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
+	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make clean  remove the virtualenv and local state"
 
 $(PY):
@@ -40,6 +43,20 @@ bench: $(STAMP)
 # Installs sglang-router and matplotlib into the venv on first use (not core dependencies).
 bench-routing: $(STAMP)
 	$(PY) -m bench.routing $(ARGS)
+
+# The capacity tools' numbers: the planner's worked example, the simulator's speed, its agreement
+# with the per-step simulator and a static day, and `inferbus sweep` against aiperf (installed
+# into .venv-aiperf on first use).
+bench-capacity: $(STAMP)
+	$(PY) -m bench.plan
+	$(PY) -m bench.simulate
+	$(PY) -m bench.sweep_vs_aiperf
+
+bench-autoscale: $(STAMP)
+	$(PY) -m bench.autoscale $(ARGS)
+
+bench-batch: $(STAMP)
+	$(PY) -m bench.batch $(ARGS)
 
 clean:
 	rm -rf $(VENV) .inferbus

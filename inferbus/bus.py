@@ -110,6 +110,39 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             duplicate_window=600.0,
         ),
     )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.BATCH_RESULTS_STREAM,
+            subjects=subjects.batch_results_stream_subjects(),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            # Longer than any completion window plus finalizing: a batch's results are read back
+            # from here when its output file is written (and again after a restart).
+            max_age=BATCH_RESULTS_MAX_AGE_S,
+            duplicate_window=600.0,
+        ),
+    )
+
+
+BATCH_RESULTS_MAX_AGE_S = 14 * 24 * 3600.0
+
+
+async def batch_buckets(js: JetStreamContext) -> tuple[KeyValue, KeyValue]:
+    """The `batches` and `files` KV buckets (file storage, latest value only): the durable
+    records of the batch API, shared by gateways and the batch service."""
+    return await _bucket(js, subjects.BATCHES_BUCKET), await _bucket(js, subjects.FILES_BUCKET)
+
+
+async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
+    try:
+        return await js.key_value(name)
+    except Exception:
+        pass
+    try:
+        return await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE))
+    except BadRequestError:  # created meanwhile by another service
+        return await js.key_value(name)
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

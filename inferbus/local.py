@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,7 +23,21 @@ from pathlib import Path
 BIN_DIR = Path(sys.executable).parent
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for "any free port"
+# is also what it hands the next outgoing connection, which then beats our server to it.
+_LISTEN_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
+    """A port nothing listens on now, from outside the ephemeral range where we can."""
+    for _ in range(50):
+        port = random.choice(_LISTEN_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -131,6 +146,43 @@ class Process:
             return ""
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one simulated replica's engine: shared by `Stack` and the autoscaler's
+    local actuator, so autoscaled replicas are started exactly like static ones."""
+
+    gpu: str = "H100"
+    tp: int = 2
+    model: str = "meta-llama/Llama-3.3-70B-Instruct"
+    time_scale: float = 1.0
+    fixed_step_ms: float | None = None
+    engine_args: tuple[str, ...] = ()
+
+
+def replica_processes(
+    index: int, spec: EngineSpec, env: dict[str, str], logs_dir: Path, worker_env: dict[str, str] | None = None,
+    kv_events: bool = True,
+) -> tuple[Process, Process]:
+    """engine-<index> (a simulated engine on free ports) and worker-<index> driving it."""
+    engine_port, events_port = free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    events = f"tcp://127.0.0.1:{events_port}"
+    argv = [sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(engine_port),
+            "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale", str(spec.time_scale),
+            "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events}), *spec.engine_args]
+    if spec.fixed_step_ms is not None:
+        argv += ["--fixed-step-ms", str(spec.fixed_step_ms)]
+    engine = Process(f"engine-{index}", argv, dict(env), logs_dir / f"engine-{index}.log",
+                     lambda: http_ok(f"{engine_url}/ready"), engine_url)
+    extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0"}
+    if kv_events:
+        extra["INFERBUS_ENGINE_KV_EVENTS"] = events
+    worker = Process(f"worker-{index}", [sys.executable, "-m", "inferbus.cli", "worker"],
+                     {**env, **extra, **(worker_env or {})}, logs_dir / f"worker-{index}.log",
+                     lambda: True, f"drives engine-{index}")
+    return engine, worker
+
+
 @dataclass
 class StackConfig:
     state_dir: Path
@@ -145,10 +197,22 @@ class StackConfig:
     time_scale: float = 1.0
     fixed_step_ms: float | None = None
     router: bool = True
+    batch: bool = True  # the batch service (its workers pull the batch tier by default)
     admin_key: str = ""  # the gateway's INFERBUS_ADMIN_KEY; empty: inherit it from the environment, if set
     log_level: str = "info"
     extra_env: dict[str, str] = field(default_factory=dict)
     engine_args: list[str] = field(default_factory=list)
+    # Autoscaling: no static workers; the autoscaler (local actuator) starts min_workers, and more
+    # up to max_workers, each with a simulated cold start, keeping a warm pool it promotes from.
+    autoscale: bool = False
+    min_workers: int = 1
+    max_workers: int = 4
+    cold_start_s: float = 20.0
+    warm_start_s: float = 2.0
+    autoscaler_env: dict[str, str] = field(default_factory=dict)
+
+    def engine_spec(self) -> EngineSpec:
+        return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
 
 
 class Stack:
@@ -167,6 +231,8 @@ class Stack:
             NATS_URL=self.nats_url, REDIS_URL=self.redis_url, INFERBUS_MODEL=self.config.model,
             INFERBUS_LOG_LEVEL=self.config.log_level, PYTHONUNBUFFERED="1",
         )
+        # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
+        env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
         env.update(self.config.extra_env)
         env.update(extra)
         return env
@@ -202,23 +268,49 @@ class Stack:
             self._add("router", self._inferbus("router"), lambda: _logged(router_log, b'"router_ready"'), "",
                       INFERBUS_METRICS_PORT="0", INFERBUS_LOG_LEVEL=level)
         self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0")
-        for i in range(1, c.workers + 1):
-            engine_port, events_port = free_port(), free_port()
-            engine_url = f"http://127.0.0.1:{engine_port}"
-            kv_events = f"tcp://127.0.0.1:{events_port}"
-            argv = self._inferbus("sim-engine", "--host", "127.0.0.1", "--port", str(engine_port), "--gpu", c.gpu,
-                                  "--tp", str(c.tp), "--model", c.model, "--time-scale", str(c.time_scale),
-                                  "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": kv_events}),
-                                  *c.engine_args)
-            if c.fixed_step_ms is not None:
-                argv += ["--fixed-step-ms", str(c.fixed_step_ms)]
-            self._add(f"engine-{i}", argv, lambda url=engine_url: http_ok(f"{url}/ready"), engine_url)
-            self._add(f"worker-{i}", self._inferbus("worker"), lambda: True, f"drives engine-{i}",
-                      INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=engine_url, INFERBUS_METRICS_PORT="0",
-                      **({"INFERBUS_ENGINE_KV_EVENTS": kv_events} if "INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env else {}))
+        if c.batch:
+            batch_log = c.state_dir / "logs" / "batch.log"
+            # Readiness is its `batch_ready` log line, so it logs at info at least.
+            self._add("batch", self._inferbus("batch"), lambda: _logged(batch_log, b'"batch_ready"'),
+                      "OpenAI Batch API on spare capacity", INFERBUS_METRICS_PORT="0",
+                      INFERBUS_LOG_LEVEL=c.log_level if c.log_level == "debug" else "info")
+        for i in range(1, 0 if c.autoscale else c.workers + 1):
+            self.processes += replica_processes(i, c.engine_spec(), self._env(), c.state_dir / "logs",
+                                                kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env)
         admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}
         self._add("gateway", self._inferbus("gateway"), self.gateway_serving, self.gateway_url,
                   INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(c.gateway_port), **admin)
+        if c.autoscale:
+            # Last, so that it stops first: it drains and stops the workers it started.
+            autoscaler_log = c.state_dir / "logs" / "autoscaler.log"
+            self._add("autoscaler", self._inferbus("autoscaler"),
+                      lambda: _logged(autoscaler_log, b'"autoscaler_ready"'),
+                      f"{c.min_workers}-{c.max_workers} workers, cold start {c.cold_start_s:g} s",
+                      **self.autoscaler_env())
+
+    def autoscaler_env(self) -> dict[str, str]:
+        """The local actuator's settings: where and how to start replicas, within which bounds."""
+        c = self.config
+        spec = c.engine_spec()
+        env = {
+            "INFERBUS_AUTOSCALER_ACTUATOR": "local", "INFERBUS_METRICS_PORT": "0",
+            "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.min_workers), "INFERBUS_AUTOSCALER_MAX_SERVING": str(c.max_workers),
+            "INFERBUS_AUTOSCALER_MAX_REPLICAS": str(c.max_workers),
+            "INFERBUS_AUTOSCALER_COLD_START_S": str(c.cold_start_s),
+            "INFERBUS_AUTOSCALER_WARM_START_S": str(c.warm_start_s),
+            "INFERBUS_AUTOSCALER_LOCAL_LOG_DIR": str(c.state_dir / "logs"),
+            "INFERBUS_AUTOSCALER_LOCAL_ENGINE": json.dumps({
+                "gpu": spec.gpu, "tp": spec.tp, "model": spec.model, "time_scale": spec.time_scale,
+                "fixed_step_ms": spec.fixed_step_ms, "engine_args": list(spec.engine_args)}),
+        }
+        # Minutes-long production windows would make a local demo dull: shorter ones, unless the
+        # environment sets them.
+        for name, value in (("INFERBUS_AUTOSCALER_TICK_S", "1"), ("INFERBUS_AUTOSCALER_SCALE_DOWN_WINDOW_S", "60"),
+                            ("INFERBUS_AUTOSCALER_DOWN_STEP_S", "10")):
+            if name not in os.environ and name not in c.extra_env:
+                env[name] = value
+        env.update(c.autoscaler_env)
+        return env
 
     def start(self, on_status: Callable[[Process, str], None] = lambda p, s: None, timeout: float = 60.0) -> None:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""
@@ -252,7 +344,8 @@ class Stack:
 
         try:
             with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=0.5) as response:
-                return json.load(response).get("workers", 0) >= self.config.workers
+                needed = self.config.min_workers if self.config.autoscale else self.config.workers
+                return json.load(response).get("workers", 0) >= needed
         except Exception:
             return False
 
@@ -263,7 +356,8 @@ class Stack:
         # Reverse order: gateway and workers drain while NATS is still up.
         for process in reversed(self.processes):
             process.signal(signal.SIGTERM)
-            if not process.wait(timeout if process.name.startswith("worker") else 5):
+            # Workers drain; the autoscaler drains and stops the workers it started.
+            if not process.wait(max(timeout, 45) if process.name == "autoscaler" else timeout if process.name.startswith("worker") else 5):
                 process.signal(signal.SIGKILL)
                 process.wait(5)
 

@@ -8,6 +8,8 @@ defaults, never renamed or retyped.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from typing import Literal, Union
 
 import msgspec
@@ -15,6 +17,54 @@ import msgspec
 SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Upper bounds (seconds) of the latency histograms in WorkerLoad. Part of the schema: changing
+# them needs new fields, because readers pair counts with these bounds.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+)
+# 1 ms apart from 5 to 60 ms: the batch feed holds interactive TPOT within ~9% of its level
+# without batch and under the 40 ms SLO, which 5 ms buckets (20% wide at 25 ms) cannot resolve.
+# (WorkerLoad.tpot_fine_hist; the 5 ms buckets were tpot_hist.)
+TPOT_BUCKETS_S: tuple[float, ...] = tuple(i / 1000 for i in range(5, 61)) + (
+    0.07, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1.0,
+)
+
+
+def observe(hist: list[int], bounds: tuple[float, ...], value: float) -> None:
+    """Count `value` into a cumulative histogram kept as WorkerLoad sends it: one count per upper
+    bound in `bounds` (a value equal to a bound falls in that bucket) plus one for +inf."""
+    if len(hist) != len(bounds) + 1:
+        hist[:] = [0] * (len(bounds) + 1)
+    hist[bisect.bisect_left(bounds, value)] += 1
+
+
+def hist_percentile(counts: Sequence[int], bounds: Sequence[float], q: float) -> float | None:
+    """The q-quantile of a histogram kept as `observe` keeps it (counts per bucket, one more than
+    `bounds` for +inf), interpolated linearly inside its bucket. None for an empty histogram."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank = q * total
+    seen = 0
+    for i, count in enumerate(counts):
+        if count and seen + count >= rank:
+            low = bounds[i - 1] if i > 0 else 0.0
+            if i >= len(bounds):
+                return low  # beyond the last bound: say at least that much
+            return low + (bounds[i] - low) * (rank - seen) / count
+        seen += count
+    return bounds[-1]
+
+
+def hist_delta(new: list[int], old: list[int], size: int) -> list[int]:
+    """Counts between two cumulative reports of one histogram (`size` buckets); all of `new` when
+    the counters went back (the worker restarted), nothing when `new` has the wrong size."""
+    if len(new) != size:
+        return [0] * size
+    if len(old) != size or any(n < o for n, o in zip(new, old)):
+        return list(new)
+    return [n - o for n, o in zip(new, old)]
 
 
 class _Message(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -58,6 +108,7 @@ class InferenceRequest(_Message, tag="request"):
     # rest as prefill still to do, which is what the router weighs.
     expected_cached_tokens: int = 0
     batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
+    batch_line: int = -1  # for lines of a batch: the 0-based line of the input file
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
@@ -159,6 +210,105 @@ class UsageEvent(_Message):
     batch_id: str | None = None
 
 
+def batch_request_id(batch_id: str, line: int) -> str:
+    """The request id of one line of a batch: stable across attempts and restarts, so the line is
+    idempotent everywhere a request id is (usage dedup, results, cancels)."""
+    return f"{batch_id}-{line}"
+
+
+# Batch priority inside an engine (SGLang: larger runs first): below every interactive band, by
+# more than the engine's preemption threshold, so a waiting interactive request may evict it.
+BATCH_ENGINE_PRIORITY = -100
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+BATCH_TERMINAL: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+
+
+class BatchLineResult(_Message):
+    """Worker → batch service on `batch_result_subject(batch_id)` (JetStream `BATCH_RESULTS`,
+    `Nats-Msg-Id = request_id`): how one line of a batch ended. Published before the line's usage
+    event and only by the attempt that finished it (a preempted attempt hands the line back to
+    the queue instead). Readers keep the first result per line and ignore the rest."""
+
+    batch_id: str
+    line: int
+    request_id: str
+    attempt: int
+    finished: float
+    worker_id: str = ""
+    ok: bool = True
+    text: str = ""  # the whole completion, resumed text included
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+    usage: Usage | None = None
+    # When not ok: an OpenAI error code and message, and the HTTP status the line would have had.
+    error_code: str | None = None
+    error_message: str | None = None
+    status: int = 200
+
+
+class BatchErrorEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of a batch's `errors.data` (validation failures)."""
+
+    code: str
+    message: str
+    line: int | None = None  # 1-based, as editors count
+    param: str | None = None
+
+
+class BatchUsage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+class BatchRecord(_Message):
+    """The durable record of one batch: value of `batch_key(tenant, batch_id)` in the `batches`
+    KV bucket. The gateway creates it (validating) and may move it to cancelling; the batch
+    service owns every other transition. Writers use compare-and-set on the KV revision."""
+
+    id: str
+    tenant: str
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    status: str = "validating"  # a BatchStatus; a plain str so a future status does not break readers
+    api_key_id: str = ""
+    metadata: dict[str, str] | None = None
+    model: str = ""  # the one model every line names (known after validation)
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    usage: BatchUsage = msgspec.field(default_factory=BatchUsage)
+    errors: list[BatchErrorEntry] = []
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+
+
+class FileRecord(_Message):
+    """Metadata of an uploaded or generated file (the bytes live in the file store)."""
+
+    id: str
+    tenant: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str  # "batch" (uploads) or "batch_output" (a batch's output and error files)
+    status: str = "processed"
+    expires_at: int | None = None
+
+
 class WorkerLoad(_Message):
     """Worker → router/autoscaler every ~250 ms on `metrics_subject`."""
 
@@ -180,6 +330,24 @@ class WorkerLoad(_Message):
     # Requests taken from this worker's own queue since it started (a counter): what routers placed
     # here minus this is what still waits in the queue, invisible to the engine's numbers.
     pulled_own: int = 0
+    # Autoscaling (all optional; older workers send none of them).
+    # "starting" (engine loading), "warm" (engine loaded, pulls nothing until promoted) or
+    # "serving". A plain str, not a Literal, so that a future phase does not break older readers.
+    # Only serving workers offer slots: starting and warm ones report max_running = 0.
+    phase: str = "serving"
+    batch_in_flight: int = 0  # of `in_flight`, requests of the batch band (preemptible filler)
+    completed_batch: int = 0  # of `completed`, batch-band requests (a counter)
+    # Of `in_flight`, batch lines without a first token yet (queued in the engine or prefilling):
+    # `waiting - batch_waiting` estimates the interactive requests an engine keeps waiting.
+    batch_waiting: int = 0
+    # Interactive requests only, cumulative counts since the worker started, one per bucket of
+    # LATENCY_BUCKETS_S / TPOT_BUCKETS_S (plus one for +inf): deltas between two reports give the
+    # exact distribution in between, and a lost report loses nothing. A reader ignores a histogram
+    # of another size (hist_delta), so workers and readers of different releases lose the signal
+    # for the upgrade rather than misread it.
+    ttft_hist: list[int] = []  # gateway accept → first token
+    queue_wait_hist: list[int] = []  # gateway accept → engine submit
+    tpot_fine_hist: list[int] = []  # mean time per output token after the first, per request
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -273,9 +441,46 @@ class AdapterSpec(_Message):
 class ControlCommand(_Message):
     """Operator/autoscaler → worker on `control_subject`."""
 
-    action: Literal["drain", "resume", "load_adapter", "unload_adapter", "resync_cache"]
+    # promote: a warm worker starts pulling (the autoscaler's fast path); demote: a serving
+    # worker stops pulling, finishes its in-flight work and goes back to warm. Older workers
+    # cannot decode these two and ignore them.
+    action: Literal["drain", "resume", "load_adapter", "unload_adapter", "resync_cache", "promote", "demote"]
     adapter: str | None = None
     adapter_path: str | None = None
+
+
+class ScaleDecision(_Message):
+    """Autoscaler → anyone on `scale_subject(pool)`: one per pool per tick, holds included.
+
+    `serving`/`warm` are what the pool has now (as the autoscaler sees it), `desired_*` what it
+    asks the actuator for; `reason` says why in words, with the signal values it used.
+    """
+
+    pool: str
+    ts: float
+    direction: Literal["up", "down", "hold"]
+    serving: int
+    warm: int
+    starting: int
+    draining: int
+    desired_serving: int
+    desired_warm: int
+    reason: str
+    autoscaler_id: str = ""
+    actuator: str = ""
+    # The signals behind it (seconds, requests per second, ratios); None where not observed.
+    arrival_rate: float = 0.0
+    forecast_rate: float = 0.0
+    capacity_rate: float = 0.0  # what desired_serving replicas serve at the configured goodput
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+    queue_wait_s: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    batch_in_flight: int = 0
+    promote: list[str] = []  # warm workers promoted by this decision
+    demote: list[str] = []  # serving workers sent back to warm (or drained) by it
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,6 +9,7 @@ Layout (see DESIGN.md):
     inferbus.place.<model>                         router request/reply
     inferbus.placed.<model>                        core NATS: placements, shared by router replicas
     inferbus.control.<worker> / inferbus.scale.<pool>
+    inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
@@ -31,6 +32,9 @@ USAGE_STREAM = "USAGE"
 WORKERS_BUCKET = "workers"
 MODELS_BUCKET = "models"
 ADAPTERS_BUCKET = "adapters"
+BATCH_RESULTS_STREAM = "BATCH_RESULTS"
+BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant, batch_id)`
+FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
 
 ANY_TARGET = "any"
 
@@ -143,6 +147,28 @@ def scale_subject(pool: str) -> str:
     return f"{PREFIX}.scale.{token(pool)}"
 
 
+def scale_wildcard() -> str:
+    return f"{PREFIX}.scale.*"
+
+
 def worker_key(worker_id: str) -> str:
     """Key of a worker's heartbeat in the `workers` KV bucket."""
     return _durable(worker_id)
+
+
+def batch_result_subject(batch_id: str) -> str:
+    return f"{PREFIX}.batchres.{token(batch_id)}"
+
+
+def batch_results_stream_subjects() -> list[str]:
+    return [f"{PREFIX}.batchres.>"]
+
+
+def batch_key(tenant: str, batch_id: str) -> str:
+    """Key of a batch in the `batches` bucket: the tenant first, so a tenant's batches are one
+    key filter (`<tenant>.>`) and no tenant can name another's."""
+    return f"{_durable(tenant)}.{_durable(batch_id)}"
+
+
+def file_key(tenant: str, file_id: str) -> str:
+    return f"{_durable(tenant)}.{_durable(file_id)}"

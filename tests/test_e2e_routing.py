@@ -22,7 +22,7 @@ from .conftest import MODEL, Platform, read_usage, running_platform
 
 pytestmark = pytest.mark.e2e
 
-HEARTBEAT_TTL_S = 1.5
+HEARTBEAT_TTL_S = 3.0  # wide enough for a burst of 8k-token prompts to be placed on a busy 2-core machine
 DIGEST = "sha256:" + "ab" * 32
 
 
@@ -153,15 +153,15 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
     def run(prompt: str) -> openai.types.Completion:
         return complete(fleet, prompt, max_tokens=600)
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
         streams = [pool.submit(run, prefix(300 + i, 512)) for i in range(9)]
         time.sleep(0.5)
+        watch = _QueueWatch(fleet, owner.worker_id)
         victim.signal(signal.SIGSTOP)
-        queued = []
-        while len(queued) < 12 and _waiting_for(fleet, owner.worker_id) < 2:
-            queued.append(pool.submit(run, hot + f" question {len(queued)}"))
-            time.sleep(0.1)
-        waiting = _waiting_for(fleet, owner.worker_id)
+        # A burst, not a trickle: on a busy machine the heartbeat (3 s) can expire before a
+        # trickle reaches the router, and then nothing is placed on the hung worker at all.
+        queued = [pool.submit(run, hot + f" question {i}") for i in range(12)]
+        waiting = watch.result(timeout=30)
         assert waiting >= 1, "no request was placed on the hung worker: the test cannot test recovery"
         killed_at = time.time()
         victim.signal(signal.SIGKILL)
@@ -181,20 +181,42 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
     assert all(e.worker_id != owner.worker_id for e in read_usage(fleet, "demo", later))
 
 
-def _waiting_for(platform: Platform, worker_id: str) -> int:
-    """Requests in a worker's own queue, not yet acknowledged by it (JetStream consumer state)."""
-    import asyncio
+class _QueueWatch:
+    """Watches a worker's own queue (JetStream consumer state: pending + unacknowledged) from a
+    thread, on one connection, until the router recovers it and deletes the consumer; `result`
+    is the largest count seen. A hung worker cannot acknowledge, so its queue only grows until then."""
 
-    import nats
+    def __init__(self, platform: Platform, worker_id: str) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self._largest = self._pool.submit(self._watch, platform.stack.nats_url, worker_id)
 
-    from proto import subjects
-
-    async def count() -> int:
-        nc = await nats.connect(platform.stack.nats_url)
+    def result(self, timeout: float) -> int:
         try:
-            info = await nc.jetstream().consumer_info(subjects.REQUESTS_STREAM, subjects.request_consumer("standard", MODEL, worker_id))
-            return (info.num_pending or 0) + (info.num_ack_pending or 0)
+            return self._largest.result(timeout=timeout)
         finally:
-            await nc.close()
+            self._pool.shutdown(wait=False)
 
-    return asyncio.run(count())
+    @staticmethod
+    def _watch(nats_url: str, worker_id: str) -> int:
+        import asyncio
+
+        import nats
+        import nats.js.errors
+
+        from proto import subjects
+
+        async def watch() -> int:
+            nc = await nats.connect(nats_url)
+            js, consumer, largest = nc.jetstream(), subjects.request_consumer("standard", MODEL, worker_id), 0
+            try:
+                while True:
+                    try:
+                        info = await js.consumer_info(subjects.REQUESTS_STREAM, consumer)
+                    except nats.js.errors.NotFoundError:
+                        return largest
+                    largest = max(largest, (info.num_pending or 0) + (info.num_ack_pending or 0))
+                    await asyncio.sleep(0.05)
+            finally:
+                await nc.close()
+
+        return asyncio.run(watch())

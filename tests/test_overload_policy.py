@@ -54,3 +54,21 @@ def test_stale_or_draining_workers_do_not_count() -> None:
     assert not policy.admit("standard")[0]
     clock.now += 10  # reports stopped: the view is stale, which is not overload
     assert policy.admit("standard") == (True, 0.0)
+
+
+def test_batch_lines_are_room_for_interactive_work() -> None:
+    # A worker full of batch lines preempts them for interactive work: not overload.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    busy_fleet(clock, policy, rate_per_worker=2.0)
+    policy.on_queue_depth("standard", 30)
+    assert policy.expected_wait_s("standard") > 3
+    for step in range(3):
+        for worker in ("a", "b"):
+            report = load(worker, in_flight=10, completed=20 + step)
+            policy.on_load(m.WorkerLoad(**{**{f: getattr(report, f) for f in report.__struct_fields__},
+                                           "batch_in_flight": 9}))
+        clock.now += 1.0
+    policy.on_queue_depth("standard", 10)
+    assert policy.free_slots() == 18
+    assert policy.admit("standard") == (True, 0.0)

@@ -188,6 +188,20 @@ def test_much_higher_priority_preempts_running_request():
     assert len(finished(updates, "low").request.output_ids) == 20
 
 
+def test_without_priority_scheduling_priorities_are_ignored():
+    engine = make_engine(max_running_requests=1, priority_scheduling=False)
+    engine.add(Request("low", prompt(1, 10), SamplingParams(max_new_tokens=5), priority=0))
+    engine.step()
+    engine.add(Request("first", prompt(2, 10), SamplingParams(max_new_tokens=2), priority=-100))
+    engine.add(Request("urgent", prompt(3, 10), SamplingParams(max_new_tokens=2), priority=100))
+    engine.step()
+    assert engine.get("low") in engine.running  # nothing retracted for the "urgent" one
+    updates = run_until_done(engine)
+    assert finished(updates, "low").request.preemptions == 0
+    # First come, first served.
+    assert finished(updates, "first").request.first_token_time < finished(updates, "urgent").request.first_token_time
+
+
 def test_unknown_lora_adapter_is_rejected_with_sglang_message():
     engine = make_engine()
     bad = request("x")

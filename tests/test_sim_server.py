@@ -174,6 +174,7 @@ async def test_loads_metrics_and_info_endpoints():
         assert 'sglang:generation_tokens_total{model_name="meta-llama/Llama-3.3-70B-Instruct"} 6.0' in metrics
         info = (await client.get("/server_info")).json()
         assert info["inferbus_simulated"] is True and info["tp_size"] == 2 and info["page_size"] == 64
+        assert info["enable_priority_scheduling"] is True  # workers leave in-engine room-making to it
         assert (await client.get("/model_info")).json()["is_generation"] is True
         assert (await client.get("/ready")).status_code == 200
         assert (await client.get("/health")).status_code == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,11 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from inferbus import bus, logs, tracing
+from services.batch.files import FileStore
+from services.batch.records import BatchStore
 from services.billing.pricing import Prices
 
 from .admin import admin_router
 from .admin_adapters import adapters_router
 from .admission import Admission
+from .batches_api import batches_router
 from .dispatch import Dispatcher
 from .errors import (
     OpenAIError,
@@ -31,9 +35,10 @@ from .errors import (
     unhandled_exception_handler,
     validation_exception_handler,
 )
+from .files_api import files_router
 from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
-from .keys import KeyStore
+from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
 from .settings import GatewaySettings
 from .models import ModelCatalog
@@ -56,6 +61,8 @@ class Gateway:
         self.tenants: TenantStore | None = None
         self.fleet: FleetMonitor | None = None
         self.catalog: ModelCatalog | None = None
+        self.files: FileStore | None = None
+        self.batches: BatchStore | None = None
         self.js = None
         self.nc = None
 
@@ -85,6 +92,11 @@ class Gateway:
         await self.fleet.start()
         self.catalog = ModelCatalog(s.model, int(time.time()))
         await self.catalog.start(js)
+        # The Files and Batch APIs (issue 8): records in KV, file bytes on local (or shared) disk.
+        batches_kv, files_kv = await bus.batch_buckets(js)
+        files = FileStore(s.files_dir, files_kv, max_bytes=s.max_file_bytes)
+        await asyncio.to_thread(files.sweep_temporary)
+        self.files, self.batches = files, BatchStore(batches_kv, js)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
                                      admission, overload, prices, self.catalog)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
@@ -161,15 +173,24 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
         api.include_router(admin_router(settings.admin_key, lambda: gateway.tenants), prefix="/admin/v1")
         api.include_router(adapters_router(settings.admin_key, settings.model, lambda: gateway.js), prefix="/admin/v1")
 
-    async def caller(request: Request) -> Tenant:
-        assert gateway.generation is not None
+    async def identity(request: Request) -> tuple[Principal, Tenant]:
+        if gateway.generation is None:
+            raise OpenAIError(503, "The gateway is starting; retry shortly.", code="service_unavailable",
+                              headers={"retry-after": "1"})
         principal = await gateway.generation._authenticate(request.headers.get("authorization"))
-        return await gateway.generation.tenant(principal)
+        return principal, await gateway.generation.tenant(principal)
+
+    async def caller(request: Request) -> Tenant:
+        return (await identity(request))[1]
 
     # Usage and costs (issue 6): /v1/usage, /v1/costs; /admin/v1/usage, /admin/v1/costs, /admin/v1/prices.
     api.include_router(usage_router(lambda: gateway.generation, lambda: gateway.redis))
     if settings.admin_key:
         api.include_router(admin_usage_router(settings.admin_key, lambda: gateway.redis), prefix="/admin/v1")
+
+    # Files and batches (issue 8): /v1/files, /v1/batches.
+    api.include_router(files_router(identity, lambda: gateway.files))
+    api.include_router(batches_router(identity, lambda: gateway.batches, lambda: gateway.files))
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> Response:

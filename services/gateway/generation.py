@@ -23,7 +23,7 @@ from inferbus.tokens import block_hashes, count_tokens, encode
 from proto import messages as m
 from services.billing.pricing import Prices
 
-from . import metrics, schemas
+from . import metrics, responses, schemas
 from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
@@ -301,17 +301,8 @@ class Generation:
         self.catalog.resolve(model, tenant)
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
-        room = self.settings.max_model_len - prompt_tokens
-        if room < 1:
-            raise OpenAIError(400, f"This model's maximum context length is {self.settings.max_model_len} tokens; "
-                              f"your prompt has {prompt_tokens}.", param="messages", code="context_length_exceeded")
-        if requested is None:
-            return min(self.settings.default_max_tokens, room)
-        if requested > room:
-            raise OpenAIError(400, f"max_tokens is too large: {requested}. This model's maximum context length is "
-                              f"{self.settings.max_model_len} tokens and your prompt has {prompt_tokens}.",
-                              param="max_tokens", code="context_length_exceeded")
-        return requested
+        return responses.max_new_tokens(requested, prompt_tokens, self.settings.max_model_len,
+                                        self.settings.default_max_tokens)
 
     # ---- relaying ---------------------------------------------------------------------------
 
@@ -432,15 +423,8 @@ class Generation:
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
     def _completion_body(self, call: _Call, final: m.Final, text: str) -> dict[str, Any]:
-        if call.endpoint == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                                      "logprobs": None, "finish_reason": _finish(final)}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(final)}
-            obj = "text_completion"
-        return {"id": call.object_id, "object": obj, "created": call.created, "model": call.model,
-                "choices": [choice], "usage": _usage(final.usage)}
+        return responses.completion_body(call.endpoint, call.object_id, call.created, call.model, text,
+                                         final.finish_reason, final.usage)
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -470,17 +454,11 @@ class Generation:
             await self.dispatcher.publish_usage(flight, "failed", "error")
 
 
-def _usage(usage: m.Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
+_usage = responses.usage_body
 
 
 def _finish(final: m.Final) -> str:
-    return "length" if final.finish_reason == "length" else "stop"
+    return responses.finish_reason(final.finish_reason)
 
 
 def _event_error(event: m.StreamEvent) -> OpenAIError:

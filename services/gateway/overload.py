@@ -50,8 +50,9 @@ class OverloadPolicy:
         return [w for w in self._workers.values() if now - w.seen <= self.stale_after_s and not w.load.draining]
 
     def free_slots(self) -> int:
-        """Slots free across live workers at their last reports (they lag by up to ~250 ms)."""
-        return sum(max(0, w.load.max_running - w.load.in_flight) for w in self._live())
+        """Slots free across live workers at their last reports (they lag by up to ~250 ms).
+        Batch lines count as free: a worker preempts them as soon as interactive work waits."""
+        return sum(max(0, w.load.max_running - w.load.in_flight + w.load.batch_in_flight) for w in self._live())
 
     def expected_wait_s(self, band: str, held_here: int = 0) -> float:
         """Seconds a new request of `band` can expect to wait before an engine starts it.

@@ -54,6 +54,12 @@ class GatewaySettings:
     price_input_per_mtok: float = env("INFERBUS_PRICE_INPUT_PER_MTOK", 0.60, "Dollars per 1M uncached prompt tokens (budgets).")
     price_cached_input_per_mtok: float = env("INFERBUS_PRICE_CACHED_INPUT_PER_MTOK", 0.15, "Dollars per 1M cached prompt tokens.")
     price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens.")
+    files_dir: str = env(
+        "INFERBUS_FILES_DIR", ".inferbus/files",
+        "Directory of /v1/files uploads and batch output files (`<dir>/<tenant>/<file id>`); the batch service "
+        "must see the same directory (a shared volume when they run on different hosts).",
+    )
+    max_file_bytes: int = env("INFERBUS_MAX_FILE_BYTES", 200 * 1024 * 1024, "Largest /v1/files upload accepted (413 above).")
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")

@@ -27,6 +27,10 @@ choose among the survivors:
 from __future__ import annotations
 
 import abc
+import bisect
+import functools
+import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -39,6 +43,9 @@ from proto import messages as m
 from proto import subjects
 
 from .index import PrefixIndex
+
+# The subject of a worker's own queue, escaped once per worker rather than once per placement.
+_worker_target = functools.lru_cache(maxsize=65_536)(subjects.worker_target)
 
 PolicyName = Literal["affinity", "least_loaded", "round_robin"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("affinity", "least_loaded", "round_robin")
@@ -103,6 +110,16 @@ class WorkerView:
         return totals[-1] - totals[-1 - min(backlog, len(totals) - 1)]
 
 
+def _set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None = None) -> None:
+    """The wait this worker adds to any request, in seconds: its queued prefill and its load.
+    `backlog`: `view.backlog()`, when the caller has it."""
+    if backlog is None:
+        backlog = view.backlog()
+    queued = view.reported_prefill + view.backlog_prefill(backlog) if backlog else view.reported_prefill
+    view.base_cost = (queued / config.prefill_tokens_per_s
+                      + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
+
+
 @dataclass
 class Policy(abc.ABC):
     """The registry and filters every policy shares; subclasses choose among the candidates."""
@@ -114,6 +131,7 @@ class Policy(abc.ABC):
     index: PrefixIndex = field(init=False)
 
     name = "base"
+    _ranks_by_base_cost = True  # `choose` reads `WorkerView.base_cost` (the fast path keeps it current)
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(
@@ -124,6 +142,7 @@ class Policy(abc.ABC):
         # per placement.
         self._serving: dict[str, dict[str, WorkerView]] = {}
         self._eligible: dict[str, dict[str, WorkerView]] = {}
+        self._fast: dict[str, _FastPool] | None = None  # model → pool; None: fast path off
 
     def _refresh(self, view: WorkerView) -> None:
         """Re-apply the event-driven filters and recompute the worker's base cost."""
@@ -135,11 +154,9 @@ class Policy(abc.ABC):
                 pool.pop(view.worker_id, None)
             else:
                 pool[view.worker_id] = view
-        config = self.config
-        backlog = view.backlog()
-        queued = view.reported_prefill + view.backlog_prefill(backlog)
-        view.base_cost = (queued / config.prefill_tokens_per_s
-                          + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
+        _set_base_cost(view, self.config)
+        if self._fast is not None:
+            self._fast_update(view)
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -155,11 +172,23 @@ class Policy(abc.ABC):
         view.adapters = frozenset(beat.adapters)
         self._refresh(view)
 
+    def touch(self, worker_id: str) -> bool:
+        """`on_heartbeat` for a beat identical to the worker's previous one (for the fleet
+        simulator): its other fields are applied already, so only `last_seen` changes. False: the
+        worker is not registered; send the beat itself."""
+        view = self.workers.get(worker_id)
+        if view is None:
+            return False
+        view.last_seen = self.clock()
+        return True
+
     def on_worker_gone(self, worker_id: str) -> None:
         view = self.workers.pop(worker_id, None)
         if view is not None:
             self._serving.get(view.model, {}).pop(worker_id, None)
             self._eligible.get(view.model, {}).pop(worker_id, None)
+            if self._fast is not None and view.model in self._fast:
+                self._fast[view.model].remove(worker_id)
         self.index.forget(worker_id)
 
     def on_load(self, load: m.WorkerLoad) -> None:
@@ -227,15 +256,19 @@ class Policy(abc.ABC):
     def place(self, request: m.PlacementRequest, record: bool = True) -> m.PlacementReply:
         """Choose a worker. With `record=False` the caller must call `record` with the reply (the
         router service answers first and updates its view after, off the request's path)."""
-        candidates = self.candidates(request)
-        if not candidates:
-            return m.PlacementReply(target=subjects.ANY_TARGET, reason="no eligible worker")
-        chosen, cached_blocks = self.choose(request, candidates)
+        fast = self._fast_choose(request) if self._fast is not None and not request.adapter else None
+        if fast is not None:
+            chosen, cached_blocks = fast, 0
+        else:
+            candidates = self.candidates(request)
+            if not candidates:
+                return m.PlacementReply(target=subjects.ANY_TARGET, reason="no eligible worker")
+            chosen, cached_blocks = self.choose(request, candidates)
         if record:
             self._count(chosen, request.prompt_tokens - cached_blocks * self.config.block_size, request.block_hashes,
                         cached_blocks)
         return m.PlacementReply(
-            target=subjects.worker_target(chosen.worker_id), worker_id=chosen.worker_id,
+            target=_worker_target(chosen.worker_id), worker_id=chosen.worker_id,
             reason=self.name, cached_blocks=cached_blocks,
         )
 
@@ -256,6 +289,109 @@ class Policy(abc.ABC):
         self._refresh(view)
         if hashes:
             self.index.add(view.worker_id, hashes, self.clock(), known=known_blocks)
+
+    # ---- fast path (opt-in, for the fleet simulator) ---------------------------------------------
+
+    def enable_fast_path(self) -> None:
+        """Place load-only requests in O(√n) C-level steps with the same distribution as `choose`.
+
+        Off by default: the router service never turns it on, so production placement is unchanged.
+        The fleet simulator (`inferbus.fleetsim.fast`) does, because `choose` is O(workers) per
+        request. It applies when a request's cost is a worker's load cost plus a constant the same
+        for every worker (no adapter; for affinity, no prefix block cached anywhere), i.e. when the
+        softmax only sees the load cost. Each model keeps blocked sums of softmax weights
+        exp(-(key - ref) / temperature) over eligible workers and a lazy min-heap of keys, both
+        updated in `_refresh`; a draw is exact by rejection: a worker more than ten temperatures
+        above the best, or no longer alive, is drawn again (the slow path excludes both). When the
+        best worker is not alive or the pool is empty it falls back to the slow path.
+        """
+        if self._fast is None:
+            self._fast = {}
+            for view in self.workers.values():
+                self._fast_update(view)
+
+    def _fast_key(self, view: WorkerView) -> float | None:
+        """The load-only cost `choose` ranks this worker by; None: this policy has no fast path."""
+        return None
+
+    def _fast_applies(self, request: m.PlacementRequest) -> bool:
+        return True
+
+    def _fast_update(self, view: WorkerView) -> None:
+        assert self._fast is not None
+        key = self._fast_key(view)
+        if key is None:
+            return
+        pool = self._fast.get(view.model)
+        if pool is None:
+            pool = self._fast[view.model] = _FastPool(max(self.config.temperature, 1e-9))
+        eligible = self._eligible.get(view.model, {}).get(view.worker_id) is view
+        pool.update(view, key if eligible else None)
+
+    def _fast_choose(self, request: m.PlacementRequest) -> WorkerView | None:
+        assert self._fast is not None
+        if not self._fast_applies(request):
+            return None
+        return self._fast_choose_model(request.model)
+
+    def _fast_choose_model(self, model: str) -> WorkerView | None:
+        assert self._fast is not None
+        pool = self._fast.get(model)
+        if pool is None:
+            return None
+        cutoff = self.clock() - self.config.heartbeat_ttl_s
+        best = pool.best()
+        if best is None or best[1].last_seen < cutoff:
+            return None
+        limit = best[0] + 10 * pool.temperature
+        random_ = self.rng.random
+        for _ in range(32):
+            view, key = pool.sample(random_())
+            if key <= limit and view.last_seen >= cutoff:
+                return view
+        return None
+
+    def place_load_only(self, model: str, prompt_tokens: int) -> str | None:
+        """The fast path's `place(PlacementRequest(model=model, prompt_tokens=prompt_tokens))` for a
+        request with no adapter and no prefix hashes, recorded: the chosen worker's id.
+
+        The same choice and the same bookkeeping as `place`, without the message objects: a worker
+        drawn from the weights is eligible (it has a weight), and a placement changes neither
+        its eligibility nor anything but its load cost, so only that is recomputed. When the fast
+        path has no answer it is `place` itself (None: no eligible worker).
+        """
+        fast = self._fast
+        view = None
+        pool = fast.get(model) if fast is not None else None
+        if pool is not None:
+            # `_fast_choose_model`, inlined (once per simulated request).
+            cutoff = self.clock() - self.config.heartbeat_ttl_s
+            best = pool.best()
+            if best is not None and best[1].last_seen >= cutoff:
+                limit = best[0] + 10 * pool.temperature
+                random_, sample = self.rng.random, pool.sample
+                for _ in range(32):
+                    drawn, key = sample(random_())
+                    if key <= limit and drawn.last_seen >= cutoff:
+                        view = drawn
+                        break
+        if view is None:
+            return self.place(m.PlacementRequest(request_id="", model=model, prompt_tokens=prompt_tokens)).worker_id
+        view.placed_total += 1
+        totals = view.placed_prefill
+        totals.append(totals[-1] + (prompt_tokens if prompt_tokens > 0 else 0))
+        backlog = view.placed_total - view.pulled_own + (view.pulled_offset or 0)  # `view.backlog()`, inlined
+        if backlog < 0:
+            backlog = 0
+        if self._ranks_by_base_cost:
+            _set_base_cost(view, self.config, backlog)
+        # else `base_cost` is not read by this policy; `_refresh` sets it again on the next report.
+        pool.update(view, self._placed_key(view, backlog))  # type: ignore[union-attr]
+        return view.worker_id
+
+    def _placed_key(self, view: WorkerView, backlog: int) -> float | None:
+        """`_fast_key(view)`, given `view.backlog()`."""
+        return self._fast_key(view)
 
     def _softmax_pick(self, costs: list[float]) -> int:
         """An index drawn with weight exp(-(cost - best) / temperature); choices more than ten
@@ -282,6 +418,13 @@ class RoundRobinPolicy(Policy):
 
 class LeastLoadedPolicy(Policy):
     name = "least_loaded"
+    _ranks_by_base_cost = False
+
+    def _fast_key(self, view: WorkerView) -> float | None:
+        return (view.reported_load + view.backlog()) / view.max_running
+
+    def _placed_key(self, view: WorkerView, backlog: int) -> float | None:
+        return (view.reported_load + backlog) / view.max_running
 
     def choose(self, request: m.PlacementRequest, candidates: list[WorkerView]) -> tuple[WorkerView, int]:
         costs = [(view.reported_load + view.backlog()) / view.max_running for view in candidates]
@@ -290,6 +433,16 @@ class LeastLoadedPolicy(Policy):
 
 class AffinityPolicy(Policy):
     name = "affinity"
+
+    def _fast_key(self, view: WorkerView) -> float | None:
+        return view.base_cost  # every cost is base_cost + the request's miss cost, the same everywhere
+
+    def _placed_key(self, view: WorkerView, backlog: int) -> float | None:
+        return view.base_cost
+
+    def _fast_applies(self, request: m.PlacementRequest) -> bool:
+        hashes = request.block_hashes if request.block_size == self.config.block_size else []
+        return not hashes or not self.index.matched_blocks(hashes)
 
     def choose(self, request: m.PlacementRequest, candidates: list[WorkerView]) -> tuple[WorkerView, int]:
         config = self.config
@@ -310,6 +463,141 @@ class AffinityPolicy(Policy):
             costs = [cost if adapter in view.adapters else cost + penalty for cost, view in zip(costs, candidates)]
         chosen = candidates[self._softmax_pick(costs)]
         return chosen, matched.get(chosen.worker_id, 0)
+
+
+class _FastPool:
+    """Softmax weights of one model's eligible workers, and a lazy min-heap of keys.
+
+    Weights are exp((ref - key) / temperature) against a reference key that is moved (and the
+    weights recomputed) when keys drift far from it, so that weights neither overflow nor
+    underflow where it matters. They are kept in blocks of `block` slots with each block's sum
+    beside them: an update recomputes one block's sum (recomputed, not incremented: no
+    floating-point drift) and a draw bisects the cumulative block sums, then the cumulative
+    weights in one block. Both are a few C-level calls (`sum`, `accumulate`, `bisect`) rather
+    than a Python loop down a binary tree, which is what makes them cheap in CPython.
+    """
+
+    __slots__ = ("temperature", "size", "block", "weights", "sums", "slots", "views", "keys", "versions", "free",
+                 "heap", "ref", "_seq")
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.size = 64
+        self.block = 8  # about sqrt(size), a power of two
+        self.weights = [0.0] * self.size
+        self.sums = [0.0] * (self.size // self.block)
+        self.slots: dict[str, int] = {}
+        self.views: list[WorkerView | None] = [None] * self.size
+        self.keys: list[float] = [0.0] * self.size
+        self.versions: dict[str, int] = {}
+        self.free = list(range(self.size - 1, -1, -1))
+        self.heap: list[tuple[float, int, str]] = []
+        self.ref: float | None = None
+        self._seq = 0
+
+    def update(self, view: WorkerView, key: float | None) -> None:
+        """`key` None: the worker is not eligible (weight 0, out of the heap)."""
+        wid = view.worker_id
+        slot = self.slots.get(wid)
+        if slot is not None and key is not None and key == self.keys[slot] and wid in self.versions:
+            return  # unchanged (a heartbeat, say)
+        if slot is None:
+            if key is None:
+                return
+            if not self.free:
+                self._grow()
+            slot = self.slots[wid] = self.free.pop()
+            self.views[slot] = view
+        self._seq += 1
+        if key is None:
+            self.versions.pop(wid, None)
+            self._set(slot, 0.0)
+            return
+        self.versions[wid] = self._seq
+        self.keys[slot] = key
+        heapq.heappush(self.heap, (key, self._seq, wid))
+        if not self._seq & 63 and len(self.heap) > 4 * len(self.slots) + 64:  # checked now and then: cheaper
+            self.heap = [(self.keys[self.slots[w]], v, w) for w, v in self.versions.items()]
+            heapq.heapify(self.heap)
+        ref = self.ref
+        if ref is None or ref - key > 600 * self.temperature:
+            self._rebuild(key)  # far below the reference: its weight would overflow
+            return
+        exponent = (ref - key) / self.temperature
+        # `_set`, inlined (once per placement).
+        weights = self.weights
+        weights[slot] = math.exp(exponent) if exponent > -700 else 0.0
+        block = self.block
+        first = slot - slot % block
+        self.sums[first // block] = sum(weights[first:first + block])
+
+    def remove(self, wid: str) -> None:
+        slot = self.slots.pop(wid, None)
+        if slot is None:
+            return
+        self.versions.pop(wid, None)
+        self.views[slot] = None
+        self._set(slot, 0.0)
+        self.free.append(slot)
+
+    def best(self) -> tuple[float, WorkerView] | None:
+        heap, versions = self.heap, self.versions
+        while heap:
+            key, version, wid = heap[0]
+            if versions.get(wid) == version:
+                view = self.views[self.slots[wid]]
+                assert view is not None
+                if self.ref is not None and abs(self.ref - key) > 300 * self.temperature:
+                    self._rebuild(key)
+                return key, view
+            heapq.heappop(heap)
+        return None
+
+    def sample(self, u: float) -> tuple[WorkerView, float]:
+        cumulative = list(itertools.accumulate(self.sums))
+        target = u * cumulative[-1]
+        b = bisect.bisect_right(cumulative, target)
+        if b < len(cumulative):
+            if b:
+                target -= cumulative[b - 1]
+            block = self.block
+            first = b * block
+            within = list(itertools.accumulate(self.weights[first:first + block]))
+            i = bisect.bisect_right(within, target)
+            if i < block:
+                slot = first + i
+                view = self.views[slot]
+                if view is not None and self.weights[slot] > 0.0:
+                    return view, self.keys[slot]
+        best = self.best()  # rounding at a boundary: take the best instead
+        assert best is not None
+        return best[1], best[0]
+
+    def _set(self, slot: int, weight: float) -> None:
+        weights = self.weights
+        weights[slot] = weight
+        block = self.block
+        first = slot - slot % block
+        self.sums[first // block] = sum(weights[first:first + block])
+
+    def _grow(self) -> None:
+        old = self.size
+        self.size *= 2
+        self.block = 1 << ((self.size.bit_length() - 1 + 1) // 2)
+        self.views.extend([None] * old)
+        self.keys.extend([0.0] * old)
+        self.free.extend(range(self.size - 1, old - 1, -1))
+        self._rebuild(self.ref if self.ref is not None else 0.0)
+
+    def _rebuild(self, ref: float) -> None:
+        self.ref = ref
+        size, block = self.size, self.block
+        weights = self.weights = [0.0] * size
+        for wid, slot in self.slots.items():
+            if wid in self.versions:
+                exponent = (ref - self.keys[slot]) / self.temperature
+                weights[slot] = math.exp(exponent) if exponent > -700 else 0.0
+        self.sums = [sum(weights[i:i + block]) for i in range(0, size, block)]
 
 
 _POLICIES: dict[str, type[Policy]] = {

@@ -42,6 +42,11 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
 @click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
 @click.option(
+    "--priority-scheduling/--no-priority-scheduling", default=True, show_default=True,
+    help="Admit waiting requests by priority and let them retract lower-priority running ones "
+         "(SGLang's --enable-priority-scheduling); off, priority is ignored.",
+)
+@click.option(
     "--kv-events-config", default=None,
     help='Publish prefix-cache events on ZMQ, as SGLang: \'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'.',
 )
@@ -65,6 +70,7 @@ def sim_engine_command(
     lora_load_time: float,
     kv_capacity_tokens: int | None,
     lazy_lora_loading: bool,
+    priority_scheduling: bool,
     kv_events_config: str | None,
     log_level: str,
 ) -> None:
@@ -92,6 +98,7 @@ def sim_engine_command(
             kv_capacity_tokens=kv_capacity_tokens,
             kv_events_config=kv_events_config,
             lazy_lora_loading=lazy_lora_loading,
+            priority_scheduling=priority_scheduling,
             host=host,
             port=port,
         )

@@ -34,7 +34,11 @@ class EngineConfig:
     fixed_step_ms: float | None = None
     # Overrides the KV capacity derived from GPU memory.
     kv_capacity_tokens: int | None = None
-    # A waiting request preempts a running one whose priority is lower by more than this.
+    # SGLang's --enable-priority-scheduling: waiting requests are admitted by priority (larger
+    # first) and a waiting one retracts a running one whose priority is lower by more than the
+    # threshold. On by default here, as inferbus runs its engines; off, priority is ignored
+    # (first come, first served) and workers must abort batch lines themselves.
+    priority_scheduling: bool = True
     priority_preemption_threshold: int = 10
     context_length: int = 131_072
     # SGLang's --kv-events-config JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557"}.

@@ -7,7 +7,8 @@ it to wall time with `time_scale`, the closed-loop driver never sleeps at all.
 Behaviour follows SGLang's scheduler where it is observable from the outside: chunked prefill
 under a token budget, prefix-cache hits skipping prefill (reported as `cached_tokens`), requests
 waiting while the KV pool is full and running ones retracted (recomputed later) when it
-overflows, priority (larger is more important), LoRA slots per batch, and SGLang's finish
+overflows, priority (larger is more important; ignored unless `priority_scheduling`, as SGLang's
+--enable-priority-scheduling), LoRA slots per batch, and SGLang's finish
 reasons and error messages.
 """
 
@@ -262,6 +263,8 @@ class Engine:
         """Queue a request; raises RequestRejected with SGLang's message when it cannot run."""
         if request.rid in self._requests:
             raise RequestRejected("Duplicate request ID detected")
+        if not self.config.priority_scheduling:
+            request.priority = 0  # as SGLang without --enable-priority-scheduling: ignored
         if request.lora_name is not None and request.lora_name not in self.adapters:
             raise RequestRejected(
                 f"The following requested LoRA adapters are not loaded: {request.lora_name}\n"

@@ -400,6 +400,7 @@ class SimEngineServer:
                 "page_size": config.block_size,
                 "max_loras_per_batch": config.max_loras_per_batch,
                 "enable_lora": True,
+                "enable_priority_scheduling": config.priority_scheduling,
                 "context_length": config.context_length,
                 "version": SGLANG_VERSION,
                 "inferbus_simulated": True,
@@ -432,4 +433,9 @@ class SimEngineServer:
 
 
 def create_app(config: EngineConfig, step_model: StepTimeModel | None = None) -> Starlette:
-    return SimEngineServer(config, step_model).app
+    """The native SGLang API and, beside it, SGLang's OpenAI-compatible endpoints."""
+    from .openai_api import OpenAIRoutes
+
+    server = SimEngineServer(config, step_model)
+    OpenAIRoutes(server)
+    return server.app

@@ -39,6 +39,7 @@ class Puller:
         *,
         wake: asyncio.Event,
         expires_s: float = 1.0,
+        room: Callable[[], int] | None = None,
     ) -> None:
         self._nc = nc
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -46,6 +47,9 @@ class Puller:
         self._on_message = on_message
         self._wake = wake
         self._expires_s = expires_s
+        # At most how many slots this consumer may reserve now (batch: what the preemption policy
+        # grants); None: as many as the budget gives.
+        self._room = room
         self.consumer = consumer
         self.outstanding = 0  # slots reserved by pull requests not yet answered
         self._last_activity = time.monotonic()
@@ -72,7 +76,8 @@ class Puller:
         self._reclaim_if_stale()
         if self.outstanding:
             return False  # one pull request in flight per consumer keeps accounting exact
-        granted = self._budget.reserve(self._budget.capacity)
+        want = self._budget.capacity if self._room is None else self._room()
+        granted = self._budget.reserve(want) if want > 0 else 0
         if granted == 0:
             return False
         self.outstanding = granted

@@ -33,7 +33,8 @@ from proto import subjects
 
 from .adapters import Adapters
 from .cache_events import CacheRelay
-from .engine import EngineClient, EngineError, EngineUpdate
+from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
+from .preemption import BatchRun, PreemptionPolicy
 from .puller import Puller
 from .settings import WorkerSettings
 from .slots import SlotBudget
@@ -46,6 +47,10 @@ RUNNING = Gauge("inferbus_worker_running_requests", "Requests this worker holds"
 FREE_SLOTS = Gauge("inferbus_worker_free_slots", "Slots free for new requests")
 KV_USAGE = Gauge("inferbus_worker_kv_usage_ratio", "Engine KV cache use (0-1)")
 ENGINE_ERRORS = Counter("inferbus_worker_engine_errors_total", "Engine failures seen by this worker")
+PREEMPTIONS = Counter("inferbus_worker_preemptions_total", "Batch lines preempted for waiting interactive work")
+BATCH_REQUEUED = Counter(
+    "inferbus_worker_batch_requeued_total", "Batch lines put back on the batch queue to resume elsewhere", ["reason"]
+)
 QUEUE_WAIT = Histogram(
     "inferbus_worker_queue_wait_seconds",
     "Gateway accept to engine submit",
@@ -56,6 +61,8 @@ LOAD_REPORT_MIN_GAP_S = 0.02  # at most ~50 load reports a second, however busy
 SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
 CANCEL_MEMORY_S = 900.0  # longer than a request may wait in the queue in practice
 CANCEL_MEMORY_SIZE = 100_000
+BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
+REQUEUE_TRIES = 5  # publish attempts for a requeued batch line (then the batch service's lease re-feeds it)
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
 
@@ -67,6 +74,18 @@ class _Running:
     cancelled: bool = False
     handed_off: bool = False
     prefilled: bool = False  # the engine has produced its first token
+    first_token_at: float = 0.0
+    started: float = field(default_factory=time.time)  # when this worker took it
+    cancel_reason: str = ""
+    # Batch lines only: progress of this attempt (totals include earlier attempts), and why the
+    # line is being put back on the queue ("preempted", "drain", "engine_error"), if it is.
+    requeue: str | None = None
+    abort_resent: bool = False
+    text_parts: list[str] = field(default_factory=list)
+    completion: int = 0
+    prompt_tokens: int | None = None
+    cached: int = 0
+    matched: str | None = None
 
 
 @dataclass
@@ -100,9 +119,26 @@ class Worker:
     _own_target: str = ""
     adapters: Adapters = field(init=False)
     cache_relay: CacheRelay | None = None
+    # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
+    # "serving". A demoted worker drains its work, then goes back to warm.
+    phase: str = "starting"
+    _leaving: bool = False  # drain (SIGTERM / control) in progress: the worker exits after it
+    _serving_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _phase_change: asyncio.Task[None] | None = None
+    _batch_in_flight: int = 0
+    _completed_batch: int = 0
+    _ttft_hist: list[int] = field(default_factory=list)  # cumulative, interactive only (see WorkerLoad)
+    _queue_wait_hist: list[int] = field(default_factory=list)
+    _tpot_hist: list[int] = field(default_factory=list)
+    preemption: PreemptionPolicy = field(init=False)
+    _batch_pullers: list[Puller] = field(default_factory=list)
+    _interactive_consumers: list[str] = field(default_factory=list)  # polled for waiting work while batch runs
+    _interactive_waiting: int = 0  # interactive requests seen waiting at the last check: no batch pulls meanwhile
+    _interactive_stalled: int = 0  # interactive requests the engine kept waiting at the last check: no batch pulls meanwhile
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
+        self.preemption = PreemptionPolicy(self.settings.preemption())
         self._own_target = "." + subjects.worker_target(self.settings.worker_id)
         self.adapters = Adapters(self.engine, self._lookup_adapter)
 
@@ -111,40 +147,65 @@ class Worker:
     async def start(self) -> None:
         s = self.settings
         await self.engine.start()
-        await self._wait_for_engine()
-        self._engine_info = await self.engine.server_info()
-        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
-        tiers = s.tier_list()
-        self.budget = SlotBudget(capacity, pullers=2 * len(tiers))
-        FREE_SLOTS.set(capacity)
-
+        # The bus first, so that the autoscaler sees this replica while its engine loads.
         self.nc = await bus.connect(s.nats_url, name=f"worker-{s.worker_id}", on_reconnect=self._on_reconnect)
         self.js = self.nc.jetstream()
         self.replies = Replies(self.nc)
         await self.replies.start()
         self._adapter_kv = await adapter_registry.bucket(self.js)
+        # Control first: the router asks a worker for its cache as soon as its heartbeat appears.
+        await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
+        self._tasks = [asyncio.create_task(self._load_loop(), name="load")]
+        if s.sim_cold_start_s:
+            log.info("worker_simulated_cold_start", seconds=s.sim_cold_start_s)
+            await asyncio.sleep(s.sim_cold_start_s)
+        await self._wait_for_engine()
+        self._engine_info = await self.engine.server_info()
+        self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
+        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
+        tiers = s.tier_list()
+        self.budget = SlotBudget(capacity, pullers=len(self._consumer_specs()))
+        FREE_SLOTS.set(capacity)
         if s.engine_kv_events:
             self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events)
             self.cache_relay.start()
-        # Control first: the router asks a worker for its cache as soon as its heartbeat appears.
-        await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
-        consumers = await self._setup_bus()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
-        for consumer in consumers:  # most important first: earlier pullers get slots first
-            puller = Puller(
-                self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
-                wake=self._wake, expires_s=s.fetch_timeout_s,
-            )
-            await puller.start()
-            self._pullers.append(puller)
+        if s.standby:
+            await self._setup_bus()
+            self.phase = "warm"
+            self._load_changed.set()
+            log.info("worker_warm", worker_id=s.worker_id, engine=s.engine_url, capacity=capacity, tiers=tiers)
+            return
+        await self._begin_serving()
 
-        await self._heartbeat()
-        self._tasks = [
+    async def _begin_serving(self) -> None:
+        """Start pulling: at start-up, or when the autoscaler promotes this warm worker."""
+        s = self.settings
+        assert self.nc is not None and self.budget is not None
+        self.phase, self.draining = "serving", False
+        consumers = await self._setup_bus()  # a router may have deleted them while we were warm
+        if not self._pullers:
+            # Most important first: earlier pullers get slots first. Batch pullers take only what
+            # the preemption policy grants, and hold it briefly when the batch queue is empty.
+            for (tier, _owner), consumer in zip(self._consumer_specs(), consumers):
+                batch = tier == "batch"
+                puller = Puller(self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
+                                wake=self._wake, expires_s=min(s.fetch_timeout_s, BATCH_POLL_S) if batch else s.fetch_timeout_s,
+                                room=self._batch_room if batch else None)
+                self._pullers.append(puller)
+                if batch:
+                    self._batch_pullers.append(puller)
+                else:
+                    self._interactive_consumers.append(consumer)
+        for puller in self._pullers:
+            await puller.start()
+        self._serving_tasks = [
             asyncio.create_task(self._pull_loop(), name="pull"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._load_loop(), name="load"),
         ]
-        log.info("worker_ready", worker_id=s.worker_id, engine=s.engine_url, capacity=capacity, tiers=tiers)
+        self._load_changed.set()
+        log.info("worker_ready", worker_id=s.worker_id, engine=s.engine_url, capacity=self.budget.capacity,
+                 tiers=s.tier_list(), engine_priority=self.preemption.engine_priority)
 
     async def _wait_for_engine(self) -> None:
         deadline = time.monotonic() + 600
@@ -176,8 +237,15 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._start_drain)
-        await self.start()
-        await self._stopped.wait()
+        # A signal may come while the engine still loads (a scale-down of a starting replica).
+        starting = asyncio.ensure_future(self.start())
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+        elif not starting.cancelled():
+            starting.result()  # start-up failures end the worker with their message
+        await stopped
 
     def _start_drain(self) -> None:
         if self._drain_task is None:
@@ -185,13 +253,26 @@ class Worker:
 
     async def drain(self) -> None:
         """Stop pulling, let in-flight requests finish for a while, hand the rest back, leave."""
-        if self.draining:
+        if self._leaving:
             return
+        self._leaving = True
         self.draining = True
-        log.info("worker_draining", in_flight=len(self.running))
+        log.info("worker_draining", in_flight=len(self.running), phase=self.phase)
         for puller in self._pullers:
             await puller.stop()
-        await self._heartbeat()
+        if self.phase == "serving" and self.kv is not None:
+            await self._heartbeat()
+        elif self.nc is not None:
+            await self._publish_idle_load()  # says draining: the autoscaler stops counting it as warm
+        await self._finish_in_flight()
+        await self.stop()
+
+    async def _finish_in_flight(self) -> None:
+        # Batch lines go back to the queue now, with their progress: they resume on another
+        # worker instead of holding this one up to the drain timeout.
+        for entry in list(self.running.values()):
+            if self._preemptible(entry):
+                await self._preempt(entry, "drain")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -200,10 +281,45 @@ class Worker:
             await self.engine.abort(entry.request.engine_rid())
         while self.running:
             await asyncio.sleep(0.01)
-        await self.stop()
+
+    async def promote(self) -> None:
+        """Warm → serving: the autoscaler's fast path (seconds, not a cold start)."""
+        if self.phase != "warm" or self._leaving:
+            return
+        log.info("worker_promoted", wake_s=self.settings.sim_warm_start_s)
+        if self.settings.sim_warm_start_s:
+            await asyncio.sleep(self.settings.sim_warm_start_s)
+        if self.phase == "warm" and not self._leaving:
+            await self._begin_serving()
+
+    async def demote(self) -> None:
+        """Serving → warm: stop pulling, finish (or hand back) in-flight work, leave the registry,
+        keep the engine loaded. Routers see `draining` at once and place nothing more here."""
+        if self.phase != "serving" or self.draining:
+            return
+        self.draining = True
+        log.info("worker_demoting", in_flight=len(self.running))
+        for puller in self._pullers:
+            await puller.stop()
+        await self._heartbeat()
+        self._load_changed.set()
+        await self._finish_in_flight()
+        if self._leaving:
+            return  # a drain started meanwhile; it ends the worker
+        for task in self._serving_tasks:
+            task.cancel()
+        self._serving_tasks = []
+        try:
+            assert self.kv is not None
+            await self.kv.delete(subjects.worker_key(self.settings.worker_id))
+        except Exception as error:
+            log.warning("heartbeat_delete_failed", error=repr(error))
+        self.phase, self.draining = "warm", False
+        self._load_changed.set()
+        log.info("worker_warm", worker_id=self.settings.worker_id, demoted=True)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._serving_tasks]:
             task.cancel()
         if self._background:  # usage events are the billing ledger: let them land
             await asyncio.wait(self._background, timeout=10)
@@ -228,15 +344,24 @@ class Worker:
         assert self.js is not None
         await bus.ensure_streams(self.js)
         self.kv = await bus.workers_bucket(self.js, self.settings.heartbeat_ttl_s)
+        if self.phase != "serving":
+            return []  # warm workers are in no registry and own no queue
         # Heartbeat before the consumers exist: a router never sees a queue without its worker.
         await self._heartbeat()
+        return [await self._ensure_consumer(tier, owner) for tier, owner in self._consumer_specs()]
+
+    def _consumer_specs(self) -> list[tuple[str, str | None]]:
+        """(tier, owner) of each consumer this worker pulls, most important first. Batch lines are
+        only ever queued on the shared subject, so the batch tier has no per-worker consumer."""
         return [
-            await self._ensure_consumer(tier, owner)
+            (tier, owner)
             for tier in self.settings.tier_list()
-            for owner in (self.settings.worker_id, None)
+            for owner in ((None,) if tier == "batch" else (self.settings.worker_id, None))
         ]
 
     async def _on_reconnect(self) -> None:
+        if self.budget is None:
+            return  # still starting: start() sets the bus up once the engine is loaded
         await bus.retry_forever("bus setup after reconnect", self._setup_bus)  # type: ignore[arg-type]
         for puller in self._pullers:  # the server may have lost our pull requests
             puller.forget_pulls()
@@ -274,10 +399,20 @@ class Worker:
             return
         if msg.subject.endswith(self._own_target):
             self._pulled_own += 1
+        if request.batch_id is not None and request.request_id in self.running:
+            # Another attempt of a line this worker already runs (the batch service republished
+            # it after a restart or a lapsed heartbeat): the running one will report the line.
+            log.info("batch_duplicate_dropped", request_id=request.request_id, attempt=request.attempt)
+            self._spawn(msg.ack())
+            self._release_slot()
+            return
         entry = _Running(request=request)
         self.running[request.request_id] = entry
+        if request.tier == "batch":
+            self._batch_in_flight += 1
         RUNNING.set(len(self.running))
-        entry.task = asyncio.ensure_future(self._serve(msg, entry))
+        serve = self._serve_batch if request.batch_id is not None else self._serve
+        entry.task = asyncio.ensure_future(serve(msg, entry))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -311,6 +446,8 @@ class Worker:
                     return
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
+                if request.tier != "batch" and request.attempt == 0:
+                    m.observe(self._queue_wait_hist, m.LATENCY_BUCKETS_S, queue_wait)
                 self._send(request, m.Accepted(
                     request_id=request.request_id, attempt=request.attempt,
                     worker_id=self.settings.worker_id, queue_wait=queue_wait,
@@ -342,6 +479,11 @@ class Worker:
                 RUNNING.set(len(self.running))
                 self._release_slot()
                 self._completed += 1
+                if request.tier == "batch":
+                    self._batch_in_flight -= 1
+                    self._completed_batch += 1
+                else:
+                    self._observe_tpot(entry, usage.completion_tokens - request.resumed_tokens)
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
                 if publish_usage:
@@ -355,17 +497,27 @@ class Worker:
         completion = request.resumed_tokens
         prompt_tokens = request.prompt_tokens
         cached = 0
+        batch = request.batch_id is not None
         update: EngineUpdate
         if request.adapter:
             await self.adapters.ensure(request.adapter)
         async for update in self.engine.generate(request, trace_headers):
             if not entry.prefilled:
                 entry.prefilled = True
+                entry.first_token_at = time.time()
+                if request.tier != "batch" and request.attempt == 0:  # a migration's TTFT is not the client's
+                    m.observe(self._ttft_hist, m.LATENCY_BUCKETS_S, entry.first_token_at - request.created)
                 self._load_changed.set()  # its prefill is done: tell the router now, not at the next tick
             completion = request.resumed_tokens + update.completion_tokens
             if prompt_tokens is None and update.prompt_tokens is not None:
                 prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
             cached = min(update.cached_tokens, prompt_tokens or 0)
+            if batch:  # no stream to a client: the line's text is kept for its one result
+                entry.text_parts.append(update.text)
+                entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
+                if update.finish is None:
+                    await self._batch_checkpoint(entry)
+                    continue
             if update.finish is None:
                 self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
@@ -377,7 +529,8 @@ class Worker:
             reason: m.FinishReason = {"stop": "stop", "length": "length", "abort": "abort"}.get(finish_type, "stop")  # type: ignore[assignment]
             matched = update.finish.get("matched")
             usage = m.Usage(prompt_tokens=prompt_tokens or 0, completion_tokens=completion, cached_tokens=cached)
-            if not entry.handed_off:
+            entry.matched = matched if isinstance(matched, str) else None
+            if not entry.handed_off and not batch:
                 self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
@@ -386,6 +539,250 @@ class Worker:
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
         raise EngineError("engine stream ended early", retryable=True, status=502)
+
+    # ---- batch lines -----------------------------------------------------------------------
+
+    async def _serve_batch(self, msg: Msg, entry: _Running) -> None:
+        """One attempt at a batch line. It ends with ONE durable `BatchLineResult` (then its usage
+        event), or goes back to the batch queue as the next attempt with the progress so far
+        (preemption, drain, retryable failure), in which case this attempt reports nothing."""
+        request = entry.request
+        entry.completion, entry.prompt_tokens = request.resumed_tokens, request.prompt_tokens
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, tenant=request.tenant)
+        # A failure that ends the line: (code, message, status). A retryable one leaves `finish`
+        # unset instead, and the line is requeued like any attempt that did not finish.
+        failure: tuple[str, str, int] | None = None
+        finish: str | None = None
+        try:
+            with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
+                try:
+                    await msg.ack()
+                    if request.request_id in self._cancelled:
+                        entry.cancelled = True
+                    elif time.time() <= request.deadline:
+                        queue_wait = max(0.0, time.time() - request.created)
+                        QUEUE_WAIT.observe(queue_wait)
+                        self._send(request, m.Accepted(
+                            request_id=request.request_id, attempt=request.attempt,
+                            worker_id=self.settings.worker_id, queue_wait=queue_wait,
+                        ))
+                        if entry.requeue is None and not entry.cancelled:  # else preempted before it started
+                            _, _, finish = await self._generate(request, entry, trace_headers)
+                except EngineError as error:
+                    ENGINE_ERRORS.inc()
+                    log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
+                    if not error.retryable:
+                        failure = (error.code, str(error), error.status)
+                except Exception:  # a bug must not lose the line: it runs again elsewhere
+                    log.exception("worker_request_failed")
+            status, result, follow_up = self._batch_outcome(entry, finish, failure)
+        finally:
+            self.running.pop(request.request_id, None)
+            RUNNING.set(len(self.running))
+            self._release_slot()
+            if request.tier == "batch":
+                self._batch_in_flight -= 1
+            structlog.contextvars.unbind_contextvars("request_id", "tenant")
+        REQUESTS.labels(status).inc()
+        if follow_up is not None:
+            self._spawn(self._requeue(follow_up, entry))
+            return
+        assert result is not None
+        self._completed += 1
+        if request.tier == "batch":
+            self._completed_batch += 1
+        self._spawn(self._finish_batch(request, result, status, self._batch_usage(entry), result.finish_reason or "error"))
+
+    def _batch_outcome(
+        self, entry: _Running, finish: str | None, failure: tuple[str, str, int] | None
+    ) -> tuple[str, m.BatchLineResult | None, m.InferenceRequest | None]:
+        """(status, the line's result, or the next attempt to queue instead)."""
+        request = entry.request
+        now = time.time()
+        if entry.cancelled:
+            expired = entry.cancel_reason == "deadline" or now >= request.deadline
+            failure = ("batch_expired", "The line did not finish before its batch's completion window expired.", 408) \
+                if expired else ("batch_cancelled", "The batch was cancelled before this line finished.", 499)
+            return "cancelled", self._batch_result(entry, now, failure=failure), None
+        if failure is None and finish in ("stop", "length"):
+            return "completed", self._batch_result(entry, now, finish=finish), None
+        if failure is None:
+            # Not finished: asked to give way (preempted, draining), the engine gave up on it
+            # (an abort of its own), a retryable failure, or its deadline passed before it ran.
+            reason = entry.requeue or ("drain" if entry.handed_off else "engine_error")
+            if now >= request.deadline:
+                failure = ("batch_expired", "The line did not finish before its batch's completion window expired.", 408)
+            elif reason == "engine_error" and request.attempt + 1 >= self.preemption.config.max_attempts:
+                failure = ("engine_error", f"The line failed on {request.attempt + 1} attempts.", 502)
+            else:
+                entry.requeue = reason
+                return "requeued", None, msgspec.structs.replace(
+                    request, attempt=request.attempt + 1,
+                    resumed_text=request.resumed_text + "".join(entry.text_parts),
+                    resumed_tokens=entry.completion, prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
+                )
+        return "failed", self._batch_result(entry, now, failure=failure), None
+
+    def _batch_result(self, entry: _Running, now: float, *, finish: str | None = None,
+                      failure: tuple[str, str, int] | None = None) -> m.BatchLineResult:
+        request = entry.request
+        assert request.batch_id is not None
+        result = m.BatchLineResult(
+            batch_id=request.batch_id, line=request.batch_line, request_id=request.request_id,
+            attempt=request.attempt, finished=now, worker_id=self.settings.worker_id,
+        )
+        if failure is None:
+            result.text = request.resumed_text + "".join(entry.text_parts)
+            result.finish_reason = finish
+            result.matched_stop = entry.matched
+            result.usage = self._batch_usage(entry)
+        else:
+            result.ok = False
+            result.error_code, result.error_message, result.status = failure
+            result.finish_reason = "abort" if failure[0] in ("batch_cancelled", "batch_expired") else "error"
+            result.usage = self._batch_usage(entry)
+        return result
+
+    def _batch_usage(self, entry: _Running) -> m.Usage:
+        """Tokens made for the line over all its attempts. Its prompt counts once some attempt ran
+        it (earlier attempts report nothing: the attempt that ends the line reports the totals)."""
+        ran = entry.prefilled or entry.request.resumed_tokens > 0
+        return m.Usage(prompt_tokens=(entry.prompt_tokens or 0) if ran else 0, completion_tokens=entry.completion,
+                       cached_tokens=entry.cached if ran else 0)
+
+    async def _finish_batch(self, request: m.InferenceRequest, result: m.BatchLineResult, status: str,
+                            usage: m.Usage, finish: str) -> None:
+        """The result first, durably (the batch service keeps the first per line), then usage."""
+        assert self.replies is not None and request.batch_id is not None
+        subject = subjects.batch_result_subject(request.batch_id)
+        for attempt in range(REQUEUE_TRIES):
+            try:
+                await self.replies.publish_durable(subject, m.encode(result), request.request_id)
+                break
+            except Exception as error:
+                log.warning("batch_result_publish_failed", request_id=request.request_id, error=repr(error), try_=attempt + 1)
+                await asyncio.sleep(0.2 * 2**attempt)
+        else:
+            # The batch service re-feeds a line without a result after its lease: it runs again.
+            log.error("batch_result_lost", request_id=request.request_id)
+        await self._publish_usage(request, status, usage, finish)
+
+    async def _requeue(self, request: m.InferenceRequest, entry: _Running) -> None:
+        """Queue the next attempt of a batch line on the shared batch subject, with its progress."""
+        assert self.replies is not None
+        reason = entry.requeue or "engine_error"
+        subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET)
+        msg_id = f"{request.request_id}.{request.attempt}"
+        for attempt in range(REQUEUE_TRIES):
+            try:
+                await self.replies.publish_durable(subject, m.encode(request), msg_id, headers=tracing.inject())
+                break
+            except Exception as error:
+                log.warning("batch_requeue_failed", request_id=request.request_id, error=repr(error), try_=attempt + 1)
+                await asyncio.sleep(0.2 * 2**attempt)
+        else:
+            log.error("batch_line_not_requeued", request_id=request.request_id, attempt=request.attempt)
+            return
+        BATCH_REQUEUED.labels(reason).inc()
+        log.info("batch_requeued", request_id=request.request_id, attempt=request.attempt, reason=reason,
+                 tokens_carried=request.resumed_tokens)
+
+    async def _batch_checkpoint(self, entry: _Running) -> None:
+        """Between updates of a batch line: stop it once it was asked to give way or is past due."""
+        if entry.requeue is None and not entry.cancelled and time.time() > entry.request.deadline:
+            entry.cancelled, entry.cancel_reason = True, "deadline"
+            await self.engine.abort(entry.request.engine_rid())
+        elif (entry.requeue is not None or entry.cancelled) and not entry.abort_resent:
+            # The first abort may have reached the engine before the request did: say it again.
+            entry.abort_resent = True
+            await self.engine.abort(entry.request.engine_rid())
+
+    @staticmethod
+    def _preemptible(entry: _Running) -> bool:
+        return entry.request.batch_id is not None and entry.requeue is None and not entry.cancelled
+
+    async def _preempt(self, entry: _Running, reason: str) -> None:
+        request = entry.request
+        entry.requeue = reason
+        if reason == "preempted":
+            PREEMPTIONS.inc()
+        log.info("batch_preempted", request_id=request.request_id, attempt=request.attempt, reason=reason,
+                 tokens_carried=entry.completion, context_tokens=(entry.prompt_tokens or 0) + entry.completion)
+        await self.engine.abort(request.engine_rid())
+
+    def _batch_reserved(self) -> int:
+        return sum(puller.outstanding for puller in self._batch_pullers)
+
+    def _batch_room(self) -> int:
+        """Slots the batch pullers may reserve now (the Puller asks before every pull)."""
+        if self.budget is None or self.draining or self._interactive_waiting:
+            return 0
+        interactive = len(self.running) - self._batch_in_flight
+        reserved = self._batch_reserved()
+        # Reserved slots become lines without a first token: they count as prefilling too.
+        prefilling = self._batch_waiting() + reserved
+        return self.preemption.batch_room(self.budget.capacity, interactive, self._batch_in_flight + reserved,
+                                          batch_prefilling=prefilling, interactive_stalled=self._interactive_stalled)
+
+    def _batch_waiting(self) -> int:
+        """Batch lines this worker took that have no first token yet (queued in, or prefilled by, the engine)."""
+        return sum(1 for e in self.running.values() if e.request.tier == "batch" and not e.prefilled)
+
+    async def _check_preemption(self, load: EngineLoad) -> None:
+        """Every load tick: preempt batch lines for interactive work waiting on the bus or (without
+        engine priority; the policy decides) in the engine.
+
+        The bus is asked (consumer info) only while batch lines run and fewer than `headroom`
+        slots are free: otherwise waiting interactive work would find a slot anyway.
+        """
+        assert self.budget is not None
+        config = self.preemption.config
+        interactive = [e for e in self.running.values() if e.request.tier != "batch"]
+        now = time.time()
+        stalled = sum(1 for e in interactive if not e.prefilled and now - e.started > config.engine_wait_s)
+        # Without engine priority, interactive work the engine keeps waiting blocks batch pulls until
+        # the next check (a line preempted for it must not come straight back), with or without
+        # batch lines running.
+        self._interactive_stalled = min(load.waiting, stalled)
+        candidates = [e for e in self.running.values() if self._preemptible(e)]
+        if not candidates or self.draining:
+            self._interactive_waiting = 0
+            return
+        # Slots reserved by batch pulls are not interactive's; lines already giving way are.
+        capacity = self.budget.capacity - self._batch_reserved()
+        free = capacity - len(interactive) - len(candidates)
+        waiting = await self._interactive_pending() if free < config.headroom else 0
+        self._interactive_waiting = waiting
+        runs = [
+            BatchRun(request_id=e.request.request_id, context_tokens=(e.prompt_tokens or 0) + e.completion,
+                     generated=e.completion, started=e.started)
+            for e in candidates
+        ]
+        for request_id in self.preemption.victims(capacity, len(interactive), waiting, runs,
+                                                  engine_waiting=self._interactive_stalled):
+            entry = self.running.get(request_id)
+            if entry is not None and self._preemptible(entry):
+                await self._preempt(entry, "preempted")
+
+    async def _interactive_pending(self) -> int:
+        """Interactive requests queued on this worker's consumers (its own and the shared ones)."""
+        assert self.js is not None
+        infos = await asyncio.gather(
+            *(self.js.consumer_info(subjects.REQUESTS_STREAM, name, timeout=1.0) for name in self._interactive_consumers),
+            return_exceptions=True,
+        )
+        pending = 0
+        for info in infos:
+            if isinstance(info, BaseException):
+                log.warning("consumer_info_failed", error=repr(info))
+                continue
+            pending += info.num_pending or 0
+        return pending
+
+    def _observe_tpot(self, entry: _Running, tokens: int) -> None:
+        if entry.first_token_at and tokens > 1:
+            tpot = (time.time() - entry.first_token_at) / (tokens - 1)
+            m.observe(self._tpot_hist, m.TPOT_BUCKETS_S, tpot)
 
     def _send(self, request: m.InferenceRequest, event: m.StreamEvent) -> None:
         """Queue `event` for its gateway; everything queued in this loop pass leaves as one message.
@@ -441,6 +838,7 @@ class Worker:
             self._remember_cancel(cancel.request_id)
         elif not entry.cancelled:
             entry.cancelled = True
+            entry.cancel_reason = cancel.reason
             await self.engine.abort(entry.request.engine_rid())
 
     def _remember_cancel(self, request_id: str) -> None:
@@ -463,6 +861,10 @@ class Worker:
             return
         if command.action == "drain":
             self._start_drain()
+        elif command.action in ("promote", "demote"):
+            if self._phase_change is None or self._phase_change.done():
+                work = self.promote() if command.action == "promote" else self.demote()
+                self._phase_change = asyncio.ensure_future(work)
         elif command.action == "resync_cache" and self.cache_relay is not None:
             await self.cache_relay.publish_snapshot()
         elif command.action == "load_adapter" and command.adapter:
@@ -511,7 +913,7 @@ class Worker:
                 log.warning("heartbeat_failed", error=repr(error))
 
     async def _load_loop(self) -> None:
-        assert self.nc is not None and self.budget is not None
+        assert self.nc is not None
         while True:
             # Every interval, and soon after a prefill finishes: the router weighs queued prefill,
             # and a report that still counts finished work sends the next request elsewhere.
@@ -521,11 +923,18 @@ class Worker:
             except asyncio.TimeoutError:
                 pass
             self._load_changed.clear()
+            if self.phase != "serving" or self.budget is None:
+                await self._publish_idle_load()
+                continue
             try:
                 load = await self.engine.loads()
             except Exception as error:
                 log.warning("engine_load_failed", error=repr(error))
                 continue
+            try:
+                await self._check_preemption(load)
+            except Exception as error:  # the load report must go out regardless
+                log.warning("preemption_check_failed", error=repr(error))
             self._load_seq += 1
             KV_USAGE.set(load.used_tokens / load.capacity_tokens if load.capacity_tokens else 0.0)
             snapshot = m.WorkerLoad(
@@ -534,9 +943,32 @@ class Worker:
                 max_running=self.budget.capacity, kv_used_tokens=load.used_tokens,
                 kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=self.draining,
                 completed=self._completed, queued_prefill_tokens=self._queued_prefill_tokens(),
-                adapters=self.adapters.names(), pulled_own=self._pulled_own,
+                adapters=self.adapters.names(), pulled_own=self._pulled_own, **self._autoscaling_fields(),
             )
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
+
+    def _autoscaling_fields(self) -> dict[str, Any]:
+        return dict(
+            phase=self.phase, batch_in_flight=self._batch_in_flight, completed_batch=self._completed_batch,
+            batch_waiting=self._batch_waiting(),
+            ttft_hist=list(self._ttft_hist), queue_wait_hist=list(self._queue_wait_hist), tpot_fine_hist=list(self._tpot_hist),
+        )
+
+    async def _publish_idle_load(self) -> None:
+        """A starting or warm worker offers no slots (max_running 0): gateways count none of it and
+        routers, which know only registered workers, ignore it; the autoscaler counts it."""
+        assert self.nc is not None
+        self._load_seq += 1
+        snapshot = m.WorkerLoad(
+            worker_id=self.settings.worker_id, model=self.settings.model, ts=time.time(), seq=self._load_seq,
+            running=0, waiting=0, in_flight=0, max_running=0, kv_used_tokens=0, kv_capacity_tokens=0,
+            draining=self._leaving, completed=self._completed, pulled_own=self._pulled_own,
+            **self._autoscaling_fields(),
+        )
+        try:
+            await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
+        except Exception as error:
+            log.warning("load_publish_failed", error=repr(error))
 
 
 async def serve(settings: WorkerSettings) -> None:

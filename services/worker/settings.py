@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from inferbus.settings import env
 
+from .preemption import PreemptionConfig
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -14,20 +16,51 @@ class WorkerSettings:
     engine_url: str = env("INFERBUS_ENGINE_URL", "http://127.0.0.1:30000", "Base URL of the SGLang server (or simulated engine) this worker drives.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id this worker serves (must match the gateway's).")
     engine_kv_events: str = env("INFERBUS_ENGINE_KV_EVENTS", "", "ZMQ endpoint where the engine publishes KV-cache events (SGLang --kv-events-config), e.g. tcp://127.0.0.1:5557; empty: no prefix-cache reporting.")
-    tiers: str = env("INFERBUS_WORKER_TIERS", "premium,standard", "Priority bands to pull, most important first.")
+    tiers: str = env("INFERBUS_WORKER_TIERS", "premium,standard,batch", "Priority bands to pull, most important first (`batch`: lines of the Batch API, only into slots the preemption policy grants).")
     max_running: int = env("INFERBUS_WORKER_MAX_RUNNING", 0, "Requests to hold at once; 0 = the engine's max_running_requests from /server_info.")
+    batch_share: float = env("INFERBUS_WORKER_BATCH_SHARE", 0.75, "Largest share of this worker's slots that batch lines may hold (0-1, rounded down).")
+    batch_headroom: int = env("INFERBUS_WORKER_BATCH_HEADROOM", 1, "Slots kept free for interactive arrivals while batch lines run; with fewer free, the worker checks for waiting interactive work and preempts batch lines for it.")
+    batch_engine_wait_s: float = env("INFERBUS_WORKER_BATCH_ENGINE_WAIT_S", 0.5, "Without engine priority: an interactive request without a first token after this long counts as waiting in a full engine, and a batch line is preempted for it.")
+    engine_priority: str = env("INFERBUS_WORKER_ENGINE_PRIORITY", "auto", "Whether the engine schedules by request priority (SGLang --enable-priority-scheduling): `auto` reads enable_priority_scheduling from its /server_info; `on`/`off` override. With it the engine makes room for interactive work inside it by retracting batch lines in place; without it the worker aborts and requeues them.")
+    batch_max_prefilling: int = env("INFERBUS_WORKER_BATCH_MAX_PREFILLING", 1, "Batch lines without a first token yet (in the engine's queue or prefill, or being pulled) before the worker pulls no more.")
+    batch_max_slowdown: float = env("INFERBUS_WORKER_BATCH_MAX_SLOWDOWN", 0.06, "Step-time increase batch lines may cause on this worker (caps its batch lines at this share of 113 + interactive running; match INFERBUS_BATCH_MAX_SLOWDOWN).")
+    batch_max_attempts: int = env("INFERBUS_WORKER_BATCH_MAX_ATTEMPTS", 5, "Attempts of a batch line across retryable engine failures before it ends with an error result.")
     heartbeat_interval_s: float = env("INFERBUS_HEARTBEAT_INTERVAL_S", 1.0, "How often the heartbeat is refreshed in the `workers` KV bucket.")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose heartbeat is older than this is dead.")
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")
     drain_timeout_s: float = env("INFERBUS_DRAIN_TIMEOUT_S", 30.0, "On SIGTERM, how long in-flight requests may run before they are handed back.")
+    standby: bool = env("INFERBUS_WORKER_STANDBY", False, "Start warm: load the engine, then pull nothing until the autoscaler sends `promote` (the warm pool).")
+    sim_cold_start_s: float = env("INFERBUS_WORKER_SIM_COLD_START_S", 0.0, "Extra seconds of start-up standing in for a model load the simulated engine does not do (0 with real engines).")
+    sim_warm_start_s: float = env("INFERBUS_WORKER_SIM_WARM_START_S", 0.0, "Seconds a promoted warm worker waits before pulling, standing in for an engine's wake-up (0 with real engines).")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9102, "Port of this worker's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
 
     def resolved(self) -> WorkerSettings:
         return self if self.worker_id else dataclasses.replace(self, worker_id=socket.gethostname())
+
+    def __post_init__(self) -> None:
+        if self.sim_cold_start_s < 0 or self.sim_warm_start_s < 0:
+            raise SystemExit("INFERBUS_WORKER_SIM_COLD_START_S and INFERBUS_WORKER_SIM_WARM_START_S must be >= 0")
+        self.preemption()  # refuse bad INFERBUS_WORKER_BATCH_* values at start-up
+        if self.engine_priority not in ("auto", "on", "off"):
+            raise SystemExit(f"INFERBUS_WORKER_ENGINE_PRIORITY must be auto, on or off, not {self.engine_priority!r}")
+
+    def preemption(self) -> PreemptionConfig:
+        try:
+            return PreemptionConfig(batch_share=self.batch_share, headroom=self.batch_headroom,
+                                    engine_wait_s=self.batch_engine_wait_s, max_attempts=self.batch_max_attempts,
+                                    max_prefilling=self.batch_max_prefilling, max_slowdown=self.batch_max_slowdown)
+        except ValueError as error:
+            raise SystemExit(f"INFERBUS_WORKER_BATCH_*: {error}") from None
+
+    def engine_has_priority(self, server_info: dict[str, object]) -> bool:
+        """Whether the engine admits and retracts by priority: the setting, or its /server_info."""
+        if self.engine_priority != "auto":
+            return self.engine_priority == "on"
+        return bool(server_info.get("enable_priority_scheduling"))
 
     def tier_list(self) -> list[str]:
         return [t.strip() for t in self.tiers.split(",") if t.strip()]
