@@ -12,6 +12,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -123,21 +124,39 @@ def test_a_bad_adapter_is_caught_by_verification_not_served(fleet: Platform) -> 
 
 
 def test_a_router_restart_rebuilds_its_view_from_the_workers(fleet: Platform) -> None:
-    warm = prefix(7)
-    complete(fleet, warm + " first")
+    warm = [prefix(20 + family) for family in range(3)]
+    for text in warm:
+        complete(fleet, text + " first")
     router = fleet.stack.get("router")
     router.signal(signal.SIGKILL)
     router.wait(5)
     # Without a router the gateway still serves, from the shared queue.
-    assert complete(fleet, "no router here").choices[0].text
+    assert complete(fleet, prefix(30, 256)).choices[0].text
+    _restart_router(fleet)
+    # The new router knows only what the workers' cache snapshots told it, and each prefix's first
+    # request goes where that prefix is cached. (A router placing by load alone would find all
+    # three one time in 27.)
+    for text in warm:
+        assert cached(complete(fleet, text + " after the restart")) >= 1984, "the restarted router did not learn where the prefix is cached"
+
+
+def _restart_router(platform: Platform) -> None:
+    """Start the router again and wait until it is ready and every worker has sent it a snapshot."""
+    router = platform.stack.get("router")
+    workers = [process.log_path for process in platform.stack.processes if process.name.startswith("worker-")]
+
+    def logged(path: Path, event: bytes) -> int:
+        return path.read_bytes().count(b'"%s"' % event)
+
+    ready, snapshots = logged(router.log_path, b"router_ready"), [logged(path, b"cache_snapshot_sent") for path in workers]
     router.start()
-    # It asks every worker for a snapshot of its cache as it sees them join: within seconds a
-    # request for the warm prefix goes where the prefix is.
-    deadline, found = time.monotonic() + 8, 0
-    while time.monotonic() < deadline and found < 1984:
-        found = cached(complete(fleet, warm + f" after the restart {time.monotonic()}"))
-        time.sleep(0.3)
-    assert found >= 1984, "the restarted router did not learn where the prefix is cached"
+    deadline = time.monotonic() + 30
+    while logged(router.log_path, b"router_ready") <= ready or any(
+        logged(path, b"cache_snapshot_sent") <= before for path, before in zip(workers, snapshots)
+    ):
+        assert time.monotonic() < deadline, "the restarted router did not become ready with every worker's snapshot"
+        time.sleep(0.05)
+    time.sleep(0.2)  # the last snapshot's way from the worker to the router
 
 
 def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: Platform) -> None:

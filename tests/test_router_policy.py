@@ -144,6 +144,19 @@ def test_cache_event_gaps_and_mid_stream_joins_ask_for_a_resync() -> None:
     assert policy.on_cache(cache("unknown", 1, stored=[1]))  # not registered yet: ignored, no resync storm
 
 
+def test_cache_events_in_other_blocks_than_the_routers_are_ignored() -> None:
+    # An engine paging its cache in 16-token blocks reports hashes that 64-token prompt hashes
+    # never match: indexing them would only crowd out the index.
+    clock = Clock()
+    policy = affinity(clock)  # block_size 64
+    policy.on_heartbeat(m.Heartbeat(worker_id="small", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=16))
+    policy.on_heartbeat(m.Heartbeat(worker_id="same", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=64))
+    assert not policy.cache_compatible(policy.workers["small"]) and policy.cache_compatible(policy.workers["same"])
+    assert policy.on_cache(cache("small", 1, stored=[1, 2], cleared=True))
+    assert policy.on_cache(cache("same", 1, stored=[1, 2], cleared=True))
+    assert policy.index.matched_blocks([1, 2]) == {"same": 2}
+
+
 def test_adapters_prefer_workers_that_have_them_and_skip_engines_without_lora() -> None:
     clock = Clock()
     policy = affinity(clock)

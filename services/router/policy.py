@@ -209,8 +209,11 @@ class Policy(abc.ABC):
 
     def on_cache(self, event: m.CacheEvent) -> bool:
         """Apply a worker's cache event. False: events were missed, ask the worker to resync."""
-        if event.worker_id not in self.workers:
+        view = self.workers.get(event.worker_id)
+        if view is None:
             return True  # not registered yet (its heartbeat follows); the resync on register covers it
+        if not self.cache_compatible(view):
+            return True  # hashes over other blocks than the gateways' never match: keep them out
         snapshot = event.cleared
         in_order = self.index.check_seq(event.worker_id, event.seq, snapshot)
         if snapshot:
@@ -221,6 +224,11 @@ class Policy(abc.ABC):
         if event.removed:
             self.index.remove(event.worker_id, event.removed)
         return in_order
+
+    def cache_compatible(self, view: WorkerView) -> bool:
+        """Whether the worker's engine hashes its cache in the blocks the gateways hash prompts in
+        (an engine that does not say is taken at its word)."""
+        return not view.block_size or view.block_size == self.config.block_size
 
     def on_placed(self, placed: m.Placed) -> None:
         """A placement made by another router replica."""

@@ -6,6 +6,8 @@ import logging
 
 import click
 
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
+
 from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
 
 
@@ -36,7 +38,8 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
 @click.option("--chunked-prefill-size", default=512, show_default=True, type=int,
               help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.")
 @click.option("--max-running-requests", default=256, show_default=True, type=int, help="Most requests in the running batch.")
-@click.option("--block-size", default=16, show_default=True, type=int, help="Prefix-cache block (page) size in tokens; must match the router's.")
+@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+              help="Prefix-cache block (page) size in tokens; must equal the gateway's and router's INFERBUS_BLOCK_SIZE.")
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
 @click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
