@@ -49,7 +49,7 @@ from inferbus import mix as mix_mod
 from inferbus import traces
 from inferbus.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
 from inferbus.fleetsim.fast import FastConfig, FastFleet, StaticController
-from inferbus.fleetsim.simulate_cli import find_trace, size_fleet
+from inferbus.fleetsim.simulate_cli import size_fleet
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import TPOT_MARGIN, PolicyController
 from services.autoscaler.threshold import ThresholdConfig, ThresholdController
@@ -152,7 +152,7 @@ def policy_config(goodput: float, overrides: dict[str, float] | None = None) -> 
 
 def run_one(args: tuple[str, dict[str, Any]]) -> dict[str, Any]:
     fleet_name, inputs = args
-    path = find_trace(TRACE)
+    path = traces.find(TRACE)
     mix = mix_mod.load(path, CACHED_FRACTION)
     engine = EngineConfig()
     sizing = size_fleet(mix, engine, PEAK_RPS)

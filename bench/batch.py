@@ -59,7 +59,8 @@ from typing import Any
 from inferbus import mix as mix_mod
 from inferbus.fleetsim import FleetConfig, FleetSim
 from inferbus.fleetsim.batch import BatchSpec, LineLengths
-from inferbus.fleetsim.simulate_cli import HEADROOM, find_trace, size_fleet
+from inferbus import traces
+from inferbus.fleetsim.simulate_cli import HEADROOM, size_fleet
 from inferbus.stats import percentile
 from inferbus.traces import TraceRequest
 from services.sim_engine.config import EngineConfig
@@ -90,7 +91,7 @@ def machine() -> dict[str, Any]:
 
 def interactive_trace(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
     """Poisson arrivals at `rate` for `seconds`, lengths drawn from the Azure conversation trace."""
-    mix = mix_mod.load(find_trace(TRACE), 0.0)
+    mix = mix_mod.load(traces.find(TRACE), 0.0)
     rng = random.Random(seed)
     t, out = 0.0, []
     while True:
@@ -104,7 +105,7 @@ def interactive_trace(rate: float, seconds: float, seed: int) -> list[TraceReque
 def planner(replicas: int, engine: EngineConfig) -> dict[str, Any]:
     """The planner's goodput per replica for the interactive and the batch mix, and the peak rate
     a fleet of `replicas` is sized for."""
-    interactive = mix_mod.load(find_trace(TRACE), 0.0)
+    interactive = mix_mod.load(traces.find(TRACE), 0.0)
     batch = LineLengths().mix()
     g_int = size_fleet(interactive, engine, 1.0, slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S)
     g_batch = size_fleet(batch, engine, 1.0, slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S)
@@ -486,7 +487,7 @@ async def interactive_load(client: Any, rate: float, seconds: float, seed: int, 
     and two text seeds have the same arrivals and lengths and nothing for a prefix cache to share."""
     import asyncio
 
-    mix = mix_mod.load(find_trace(TRACE), 0.0)
+    mix = mix_mod.load(traces.find(TRACE), 0.0)
     rng = random.Random(seed)
     text_rng = random.Random(text_seed)
     records: list[dict[str, float]] = []

@@ -30,7 +30,7 @@ from inferbus import traces
 from inferbus.fleetsim import FleetConfig, FleetSim, capacity, workload
 from inferbus.fleetsim.day import DayWorkload, constant, rate_shape
 from inferbus.fleetsim.fast import FastConfig, FastFleet
-from inferbus.fleetsim.simulate_cli import find_trace, size_fleet, write_report
+from inferbus.fleetsim.simulate_cli import size_fleet, write_report
 from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -45,7 +45,7 @@ def machine() -> dict[str, object]:
 
 
 def speed() -> dict[str, object]:
-    mix = mix_mod.load(find_trace(TRACE), 0.3)
+    mix = mix_mod.load(traces.find(TRACE), 0.3)
     arrivals = list(constant(PEAK_RPS, 120.0, mix, seed=1))
     before = machine()
     rows = []
@@ -73,7 +73,7 @@ def validate() -> dict[str, object]:
     rows = []
     cases = [("round_robin", 0.75, 4, 1500), ("least_loaded", 0.75, 4, 1500), ("affinity", 0.75, 4, 1500),
              ("least_loaded", 0.9, 8, 3000), ("affinity", 0.9, 8, 3000)]
-    azure = traces.load(find_trace(TRACE))
+    azure = traces.load(traces.find(TRACE))
     for policy, load, replicas, n in cases + [("least_loaded", 0.8, 8, 4000)]:
         source = azure[:n] if (policy, load, replicas, n) not in cases else workload.azure_like(n)
         rate = capacity.rate_for_load(source, engine, replicas=replicas, load=load)
@@ -96,7 +96,7 @@ def validate() -> dict[str, object]:
 
 
 def day(hours: float = 24.0, policy: str = "least_loaded") -> dict[str, object]:
-    path = find_trace(TRACE)
+    path = traces.find(TRACE)
     mix = mix_mod.load(path, 0.3)
     engine = EngineConfig()
     sizing = size_fleet(mix, engine, PEAK_RPS)

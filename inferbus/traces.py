@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,27 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...] = field(default=())
+
+
+def search_path() -> list[Path]:
+    """Folders a trace named without a path is looked up in: `INFERBUS_TRACES_DIR` if set, then
+    `shared/traces` beside the working directory and beside this checkout."""
+    folders = [Path(os.environ["INFERBUS_TRACES_DIR"])] if os.environ.get("INFERBUS_TRACES_DIR") else []
+    folders += [Path("../shared/traces"), Path(__file__).resolve().parents[2] / "shared" / "traces",
+                Path("/work/shared/traces")]
+    return folders
+
+
+def find(name: str | Path) -> Path:
+    """A trace file: the path as given if it exists, else a file of that name on `search_path()`."""
+    path = Path(name)
+    if path.exists():
+        return path
+    for folder in search_path():
+        if (folder / path.name).exists():
+            return folder / path.name
+    raise FileNotFoundError(f"no trace {str(name)!r}: not a file, nor in {', '.join(map(str, search_path()))} "
+                            "(set INFERBUS_TRACES_DIR to the folder that holds the traces)")
 
 
 def load(path: str | Path) -> list[TraceRequest]:

@@ -8,9 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferbus import mix
+from inferbus import mix, traces
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+def shared_trace(name: str) -> Path:
+    """One of the project's shared traces (`shared/traces/`, or `INFERBUS_TRACES_DIR`)."""
+    try:
+        return traces.find(name)
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
 
 
 def test_worked_example_has_perf_models_means() -> None:
@@ -82,7 +88,7 @@ def test_unknown_name_and_format(tmp_path: Path) -> None:
 
 
 def test_mooncake_trace_cached_tokens_are_the_infinite_cache_hits() -> None:
-    trace = mix.load(TRACES / "mooncake_synthetic.jsonl")
+    trace = mix.load(shared_trace("mooncake_synthetic.jsonl"))
     stats = trace.stats()
     # traces/README.md: 65.1% of tokens hit an infinite cache replayed in time order.
     assert stats.cached_tokens / stats.input_tokens == pytest.approx(0.651, abs=0.01)
@@ -90,9 +96,28 @@ def test_mooncake_trace_cached_tokens_are_the_infinite_cache_hits() -> None:
 
 
 def test_azure_trace_takes_a_cached_fraction() -> None:
-    plain = mix.load(TRACES / "azure_2023_conv.csv")
+    plain = mix.load(shared_trace("azure_2023_conv.csv"))
     assert plain.mean_cached_tokens == 0
     assert plain.mean_input_tokens == pytest.approx(1155, rel=0.01)
     assert plain.mean_output_tokens == pytest.approx(211, rel=0.01)
-    cached = mix.load(TRACES / "azure_2023_conv.csv", cached_fraction=0.3)
+    cached = mix.load(shared_trace("azure_2023_conv.csv"), cached_fraction=0.3)
     assert cached.mean_cached_tokens / cached.mean_input_tokens == pytest.approx(0.3, abs=0.01)
+
+
+def test_an_azure_format_csv_is_read_by_its_columns(tmp_path: Path) -> None:
+    trace = tmp_path / "small.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,1000,100\n"
+                     "2023-11-16 18:15:47.1805900,3000,300\n")
+    loaded = mix.load(trace, cached_fraction=0.5)
+    assert (loaded.mean_input_tokens, loaded.mean_output_tokens) == (2000, 200)
+    assert loaded.mean_cached_tokens == 1000
+    assert [r.arrival_s for r in traces.load(trace)] == [0.0, 0.5]
+
+
+def test_a_trace_is_found_by_name_on_the_search_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mine.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    monkeypatch.setenv("INFERBUS_TRACES_DIR", str(tmp_path))
+    assert traces.find("mine.csv") == tmp_path / "mine.csv"
+    with pytest.raises(FileNotFoundError, match="INFERBUS_TRACES_DIR"):
+        traces.find("nobody.csv")

@@ -62,17 +62,6 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
     return match.group(1).upper(), int(match.group(2)), int(match.group(3))
 
 
-def find_trace(name: str) -> Path:
-    """A trace path as given, else a file of that name in ../shared/traces or /work/shared/traces."""
-    path = Path(name)
-    if path.exists():
-        return path
-    for folder in (Path("../shared/traces"), Path("/work/shared/traces")):
-        if (folder / name).exists():
-            return folder / name
-    raise FileNotFoundError(f"no trace {name!r} (not a file, nor in ../shared/traces)")
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--trace", "trace_name", default="azure_2023_conv.csv", show_default=True,
               help="Trace whose arrival-rate shape (and, unless --mix, request lengths) drive the run: a path, "
@@ -144,7 +133,7 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
     """
     try:
         seconds = parse_duration(duration)
-        trace_path = find_trace(trace_name)
+        trace_path = traces.find(trace_name)
         trace = traces.load(trace_path)
         mix = mix_mod.load(mix_name, None) if mix_name else mix_mod.load(trace_path, mix_cached_fraction)
         if fleet:
