@@ -19,7 +19,9 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# The project's shared/ folder: beside the checkout, or where the workplace keeps it.
+SHARED = next((folder for folder in (Path(__file__).resolve().parents[2] / "shared", Path("/work/shared"))
+               if folder.exists()), Path(__file__).resolve().parents[2] / "shared")
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 RULES = DEPLOY / "prometheus" / "rules.yml"
