@@ -152,6 +152,8 @@ def test_prompts_have_the_mix_token_counts_and_share_the_cached_prefix(endpoint:
     (["--concurrency", "1", "--mix", "no-such-mix"], "no mix 'no-such-mix'"),
     (["--concurrency", "1", "--url", "localhost:1"], "http:// or https://"),
     (["--concurrency", "1", "--extra-body", "[1]"], "JSON object"),
+    (["--rate", "1", "--think-time-ms", "5"], "--think-time-ms applies to --concurrency"),
+    (["--concurrency", "1", "--think-time-ms", "-1"], "-1"),
 ])
 def test_bad_input_is_a_one_line_error(args: list[str], message: str) -> None:
     base = ["sweep", "--url", "http://127.0.0.1:9", "--model", "m"]
@@ -268,6 +270,20 @@ def test_simulated_engine_openai_endpoints(engine: str) -> None:
     assert reply["usage"]["prompt_tokens"] == count_tokens(render_chat(body["messages"]))
     bad = httpx.post(engine + "/v1/completions", json={"model": "sim", "prompt": "x", "max_tokens": "3"}, timeout=10)
     assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]["message"]
+
+
+async def test_think_time_delays_each_users_next_request_and_is_not_a_client_shortfall(engine: str) -> None:
+    from inferbus.sweep.loadgen import run_concurrency
+
+    builder = PromptBuilder("completions", MODEL)
+    requests = [builder.prepare(MixRequest("c", 20, 3, 0), f"think-{i}") for i in range(8)]
+    async with httpx.AsyncClient(base_url=engine + "/v1") as client:
+        run = await run_concurrency(client, "/completions", requests, 2, think_s=0.05)
+    assert all(r.error is None for r in run.records) and len(run.records) == 8
+    assert len(run.client.reissue_s) == 6  # each user's sends after its first
+    assert min(run.client.reissue_s) >= 0.05 and sorted(run.client.reissue_s)[3] < 0.05 + 0.03
+    # Time spent thinking counts as the loop's own: the achieved concurrency is the target's.
+    assert run.client.achieved_vs_target > 0.9
 
 
 async def test_connections_are_reused_between_requests(engine: str) -> None:

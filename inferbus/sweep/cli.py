@@ -78,6 +78,10 @@ def base_url(url: str) -> str:
               help="With --rate: exponential gaps between arrivals (Poisson) or equal gaps.")
 @click.option("--requests", "requests_per_step", type=click.IntRange(1), default=None,
               help="Measured requests per step. Default: max(16, 4 × concurrency), or max(16, 20 s × rate).")
+@click.option("--think-time-ms", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Closed loop only: each simulated user waits this long after a response before its next "
+                   "request (a user's think time; or, to offer the load another closed-loop tool offers, its "
+                   "re-issue delay: aiperf's is ~5-8 ms). 0 sends at once.")
 @click.option("--warmup", type=click.IntRange(0), default=0, show_default=True,
               help="Requests sent first in every step at the step's load and left out of its statistics; the step's "
                    "measured requests start when they have all finished (aiperf's --warmup-request-count).")
@@ -106,7 +110,7 @@ def base_url(url: str) -> str:
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar on stderr.")
 def sweep(url: str, model: str, api_key: str | None, mix_name: str, cached_fraction: float | None,
           concurrency: list[int] | None, rate: list[float] | None, arrival: str, requests_per_step: int | None,
-          warmup: int,
+          think_time_ms: float, warmup: int,
           endpoint: str, ignore_eos: bool, extra_body: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float,
           gpu: str | None, tp: int | None, replicas: int, seed: int, timeout: float, out_dir: str, plots: bool,
           progress: bool) -> None:
@@ -136,6 +140,9 @@ def sweep(url: str, model: str, api_key: str | None, mix_name: str, cached_fract
 
     if (concurrency is None) == (rate is None):
         raise click.UsageError("give exactly one of --concurrency (closed loop) or --rate (open loop)")
+    if think_time_ms and rate is not None:
+        raise click.UsageError("--think-time-ms applies to --concurrency (closed loop) only: with --rate, arrivals "
+                               "do not wait for responses")
     try:
         workload = mix_module.load(mix_name, cached_fraction=cached_fraction)
     except mix_module.MixError as exc:
@@ -153,6 +160,7 @@ def sweep(url: str, model: str, api_key: str | None, mix_name: str, cached_fract
         "mode": mode, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "client": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "settings": {"warmup": warmup, "seed": seed, "arrival": arrival if mode == "rate" else None,
+                     "think_time_ms": think_time_ms if mode == "concurrency" else None,
                      "ignore_eos": ignore_eos, "extra_body": extra_body},
         "steps": [],
     }
@@ -271,7 +279,8 @@ async def _run(result: dict[str, Any], workload: Any, base: str, api_key: str | 
                     if not batch:
                         continue
                     if result["mode"] == "concurrency":
-                        run = await loadgen.run_concurrency(client, path, batch, int(load), finished_one)
+                        run = await loadgen.run_concurrency(client, path, batch, int(load), finished_one,
+                                                            result["settings"]["think_time_ms"] / 1000)
                     else:
                         run = await loadgen.run_rate(client, path, batch, float(load), seed + index, finished_one,
                                                      result["settings"]["arrival"])

@@ -117,20 +117,27 @@ def _load_avg() -> float | None:
 
 
 async def run_concurrency(client: httpx.AsyncClient, path: str, requests: Sequence[Prepared], concurrency: int,
-                          on_done: Callable[[], None] = lambda: None) -> StepRun:
-    """Closed loop: `concurrency` workers, each sending its next request as soon as its last one ends."""
+                          on_done: Callable[[], None] = lambda: None, think_s: float = 0.0) -> StepRun:
+    """Closed loop: `concurrency` workers (simulated users), each sending its next request
+    `think_s` after its last one ends (0: at once)."""
     monitor = _LagProbe()
     records: list[RequestRecord] = []
     reissue: list[float] = []
+    thinking = 0.0  # seconds workers spent in think time before a send: part of the loop, not a shortfall
     next_index = 0
     dispatch_end = 0.0
     started = time.perf_counter()
     cpu0 = time.process_time()
 
     async def worker() -> None:
-        nonlocal next_index, dispatch_end
+        nonlocal next_index, dispatch_end, thinking
         last_end = None
         while next_index < len(requests):
+            if last_end is not None and think_s > 0:
+                await asyncio.sleep(think_s)
+                if next_index >= len(requests):
+                    break
+                thinking += time.perf_counter() - last_end
             prepared = requests[next_index]
             next_index += 1
             record = RequestRecord(prepared.kind, time.perf_counter())
@@ -150,7 +157,7 @@ async def run_concurrency(client: httpx.AsyncClient, path: str, requests: Sequen
     # Achieved concurrency over the window in which every worker had something to send: after the
     # last dispatch the loop necessarily drains, which is not a client shortfall.
     window_end = dispatch_end or time.perf_counter()
-    area = _inflight_area(records, started, window_end)
+    area = _inflight_area(records, started, window_end) + thinking
     achieved = area / ((window_end - started) * concurrency) if window_end > started else 1.0
     sample = ClientSample(wall, time.process_time() - cpu0, monitor.lags, min(1.0, achieved), _load_avg(), reissue)
     return StepRun(records, sample)

@@ -27,7 +27,7 @@ class ClientSample:
     wall_s: float
     cpu_s: float
     loop_lags_s: list[float]
-    achieved_vs_target: float  # mean in-flight / concurrency, or scheduled / actual dispatch span
+    achieved_vs_target: float  # mean (in flight + thinking) / concurrency, or scheduled / actual dispatch span
     load_avg_1m: float | None = None
     # Closed loop: seconds from a request's end to its worker's next send (the client's re-issue delay).
     reissue_s: list[float] = field(default_factory=list)
