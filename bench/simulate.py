@@ -7,7 +7,7 @@ Parts (`--part`, default all; each writes its JSON under bench/results/, and the
 - speed: 200 serving replicas (H100 TP2), Poisson arrivals at 833 req/s for 120 virtual seconds,
   lengths from the Azure conversation trace (30 % of each prompt cached); simulated requests per
   CPU-second (`time.process_time`), for least-loaded and affinity placement and load reports every
-  0.25 / 0.5 / 1 s.
+  0.25 / 0.5 / 1 s, with the compiled build (`inferbus.accel`) and as pure Python.
 - validate: the same workloads through the per-step `FleetSim` (the engine's real scheduler) and
   the fast fleet; TTFT and TPOT p50/p90 side by side.
 - day: 24 h, the Azure conversation trace's per-minute rate shape tiled under a diurnal envelope,
@@ -22,9 +22,12 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+from inferbus import accel
 from inferbus import mix as mix_mod
 from inferbus import traces
 from inferbus.fleetsim import FleetConfig, FleetSim, capacity, workload
@@ -45,9 +48,23 @@ def machine() -> dict[str, object]:
 
 
 def speed() -> dict[str, object]:
+    """Both builds, each in a child process of its own (a process imports one of them)."""
+    before = machine()
+    builds = {}
+    for build, env in (("compiled", {}), ("pure Python", {"INFERBUS_PURE_PYTHON": "1"})):
+        completed = subprocess.run([sys.executable, "-m", "bench.simulate", "--part", "speed-rows"],
+                                   env=dict(os.environ, **env), capture_output=True, text=True, check=True)
+        builds[build] = json.loads(completed.stdout.splitlines()[-1])
+        print(build, builds[build], flush=True)
+    return {"machine": machine(), "machine_before": before, "rate_rps": PEAK_RPS, "virtual_s": 120.0,
+            "rows": [dict(row, build=build) for build, found in builds.items() if found["active"] == (build == "compiled")
+                     for row in found["rows"]],
+            "compiled_unavailable": accel.check()}
+
+
+def speed_rows() -> dict[str, object]:
     mix = mix_mod.load(traces.find(TRACE), 0.3)
     arrivals = list(constant(PEAK_RPS, 120.0, mix, seed=1))
-    before = machine()
     rows = []
     for policy in ("least_loaded", "affinity"):
         for interval in (1.0, 0.5, 0.25):
@@ -62,10 +79,7 @@ def speed() -> dict[str, object]:
                 "cpu_s": round(best.cpu_s, 3), "req_per_cpu_s": round(best.req_per_cpu_s), "events": best.events,
                 "ttft_p90_ms": round(best.ttft_p90_s * 1000, 1), "tpot_p90_ms": round(best.tpot_p90_s * 1000, 2),
             })
-            print(rows[-1], flush=True)
-    return {"machine": machine(), "machine_before": before, "rate_rps": PEAK_RPS, "virtual_s": 120.0, "rows": rows}
-
-
+    return {"active": accel.active(), "rows": rows}
 
 
 def validate() -> dict[str, object]:
@@ -128,12 +142,18 @@ def report() -> str:
         lines += ["## Speed (200 replicas, H100 TP2, 833 req/s Poisson for 120 virtual s)", "",
                   f"Machine: {s.get('machine_before', s['machine'])} before, {s['machine']} after "
                   "(2 cores shared with other jobs; CPU time by `time.process_time`, "
-                  "best of three runs).", "",
-                  "| policy | load reports every | requests | CPU s | simulated req / CPU-s | events | TTFT p90 ms | TPOT p90 ms |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "best of three runs). Build: `compiled` is `inferbus.accel`'s mypyc build of "
+                  "`fleetsim.analytic` and `fleetsim.fast` (what `make install` sets up), `pure Python` the same "
+                  "source run by the interpreter (`INFERBUS_PURE_PYTHON=1`); both give the same results to the "
+                  "last digit (tests/test_accel.py).", "",
+                  "| build | policy | load reports every | requests | CPU s | simulated req / CPU-s | events | TTFT p90 ms | TPOT p90 ms |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in s["rows"]:
-            lines.append(f"| {r['policy']} | {r['load_interval_s']} s | {r['requests']:,} | {r['cpu_s']:.2f} "
-                         f"| {r['req_per_cpu_s']:,} | {r['events']:,} | {r['ttft_p90_ms']} | {r['tpot_p90_ms']} |")
+            lines.append(f"| {r.get('build', 'pure Python')} | {r['policy']} | {r['load_interval_s']} s | {r['requests']:,} "
+                         f"| {r['cpu_s']:.2f} | {r['req_per_cpu_s']:,} | {r['events']:,} | {r['ttft_p90_ms']} "
+                         f"| {r['tpot_p90_ms']} |")
+        if s.get("compiled_unavailable"):
+            lines.append(f"\nNo compiled build was measured: {s['compiled_unavailable']}.")
         lines.append("")
     if "validate" in data:
         lines += ["## Agreement with the per-step simulator (`FleetSim`: the engine's real scheduler)", "",
@@ -158,9 +178,13 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["all", "speed", "validate", "day", "report"], default="all")
+    parser.add_argument("--part", choices=["all", "speed", "validate", "day", "report", "speed-rows"], default="all",
+                        help="speed-rows: the speed table of the build this process imports, as JSON (speed runs it)")
     parser.add_argument("--hours", type=float, default=24.0, help="virtual hours of the day run")
     args = parser.parse_args()
+    if args.part == "speed-rows":
+        print(json.dumps(speed_rows()))
+        return
     RESULTS.mkdir(parents=True, exist_ok=True)
     parts = ["speed", "validate", "day"] if args.part == "all" else [] if args.part == "report" else [args.part]
     for part in parts:

@@ -306,7 +306,7 @@ class AnalyticReplica:
                 self.full = True
                 n_p, ctx = chunk, position + n * chunk / 2
             if n == 1 or not B:
-                resident = self.C + B * self.D
+                resident = float(self.C + B * self.D)
             else:
                 resident = self.C + B * (self.D + (n - 1) / 2)
             tau = self.step_time(B, resident, n_p, ctx)
@@ -338,7 +338,7 @@ def step_function(model: StepTimeModel) -> StepFn:
     constants folded (the simulator calls it once per segment; `RooflineModel.step_time`
     recomputes them on every call)."""
     if not isinstance(model, RooflineModel):
-        return model.step_time
+        return model.step_time  # type: ignore[return-value]  # (int, int, int, float) takes ints where floats are
     gpu, tp, spec = model.gpu, model.tp, model.model
     t_weights = spec.weight_bytes / (tp * gpu.hbm_bandwidth * ETA_WEIGHTS)
     gemm_per_token = 2 * spec.params / (tp * gpu.fp8_flops * ETA_GEMM)

@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from proto import messages as m
 from services.gateway.overload import OverloadPolicy
@@ -569,7 +569,7 @@ class FastFleet:
             self.overload.on_load(load)
 
     def _heartbeat(self, node: _Node) -> None:
-        state = "draining" if node.state == "draining" else "ready"
+        state: Literal["ready", "draining"] = "draining" if node.state == "draining" else "ready"
         beat = node.beat
         if beat is None or beat.state != state:
             engine = self.config.engine
@@ -740,5 +740,6 @@ class FastFleet:
             cost_usd=gpu_hours * config.price_per_gpu_hour, price_per_gpu_hour=config.price_per_gpu_hour,
             peak_serving=self._peak_serving, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
             cpu_s=cpu, wall_s=wall, req_per_cpu_s=self.requests / cpu if cpu > 0 else math.inf, events=self.events,
+            build="pure Python" if __file__.endswith(".py") else "compiled",
             series=self.series,
         )

@@ -123,6 +123,7 @@ class Summary:
     wall_s: float
     req_per_cpu_s: float
     events: int
+    build: str = ""  # "compiled" (inferbus.accel) or "pure Python": what ran, for the speed figures
     series: list[Minute] = field(default_factory=list, repr=False)
 
     def as_dict(self, series: bool = True) -> dict[str, Any]:
@@ -145,7 +146,8 @@ class Summary:
             ("TPOT p50 / p90", f"{_ms(self.tpot_p50_s)} / {_ms(self.tpot_p90_s)} ms"),
             ("GPU-hours", f"{self.gpu_hours:,.1f} ({self.replica_hours:,.1f} replica-hours)"),
             ("cost", f"${self.cost_usd:,.0f} at ${self.price_per_gpu_hour:.2f}/GPU-hour"),
-            ("simulator", f"{self.cpu_s:,.1f} CPU s, {self.req_per_cpu_s:,.0f} req/CPU-s, {self.events:,} events"),
+            ("simulator", f"{self.cpu_s:,.1f} CPU s, {self.req_per_cpu_s:,.0f} req/CPU-s, {self.events:,} events"
+                          + (f" ({self.build} build)" if self.build else "")),
         ]
         return "| metric | value |\n| --- | --- |\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
