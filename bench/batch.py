@@ -605,11 +605,8 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
         warm(sync)
         pooled: dict[str, list[dict[str, float]]] = {"alone": [], "both": []}
         out_tokens = in_tokens = span = 0.0
-        for round_no in range(args.live_rounds):
-            seed = args.seed + 100 * round_no
-            load0 = os.getloadavg()[0]
-            alone = asyncio.run(load(seed, text_seed=seed + 2))
-            pooled["alone"] += [r for r in alone if r["start"] >= args.live_warmup]
+        def with_batch(seed: int) -> tuple[list[dict[str, float]], dict[str, Any]]:
+            """The interactive load beside a fresh batch (cancelled, and drained, at the end)."""
             file_id = sync.files.create(file=("batch.jsonl", batch_input(args.live_lines, seed + 1)),
                                         purpose="batch").id
             batch = sync.batches.create(input_file_id=file_id, endpoint=CHAT_PATH, completion_window="24h")
@@ -634,16 +631,41 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             time.sleep(args.live_warmup)  # the feed ramps up
-            load1 = os.getloadavg()[0]
             started = time.perf_counter() - t0
             both = asyncio.run(load(seed, text_seed=seed + 3))
             stop.set()
             sampler.join(5)
-            pooled["both"] += [r for r in both if r["start"] >= args.live_warmup]
             window = [x for x in samples if x[0] >= started + args.live_warmup]
-            row: dict[str, Any] = {"round": round_no, "alone": live_summary(alone, args.live_warmup),
-                                   "with_batch": live_summary(both, args.live_warmup), "batch_id": batch.id,
-                                   "loadavg_1m": [load0, load1], "usage_series": samples}
+            info: dict[str, Any] = {"batch_id": batch.id, "usage_series": samples, "window": window}
+            sync.batches.cancel(batch.id)
+            deadline = time.monotonic() + 90
+            final = sync.batches.retrieve(batch.id)
+            while final.status not in ("cancelled", "completed", "failed", "expired") and time.monotonic() < deadline:
+                time.sleep(1.0)
+                final = sync.batches.retrieve(batch.id)
+            info["status_after_cancel"] = final.status
+            info["counts_after_cancel"] = final.request_counts.model_dump() if final.request_counts else None
+            return both, info
+
+        for round_no in range(args.live_rounds):
+            seed = args.seed + 100 * round_no
+            # ABBA: odd rounds run the batch first, so that a drift of the machine's speed over the
+            # session weighs on both conditions alike.
+            batch_first = round_no % 2 == 1
+            load_before = os.getloadavg()[0]
+            if batch_first:
+                both, info = with_batch(seed)
+                alone = asyncio.run(load(seed, text_seed=seed + 2))
+            else:
+                alone = asyncio.run(load(seed, text_seed=seed + 2))
+                both, info = with_batch(seed)
+            pooled["alone"] += [r for r in alone if r["start"] >= args.live_warmup]
+            pooled["both"] += [r for r in both if r["start"] >= args.live_warmup]
+            window = info.pop("window")
+            row: dict[str, Any] = {"round": round_no, "batch_first": batch_first,
+                                   "alone": live_summary(alone, args.live_warmup),
+                                   "with_batch": live_summary(both, args.live_warmup),
+                                   "loadavg_1m": [load_before, os.getloadavg()[0]], **info}
             if len(window) >= 2:
                 d_span = window[-1][0] - window[0][0]
                 out_tokens += window[-1][1] - window[0][1]
@@ -651,24 +673,21 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
                 span += d_span
                 row["batch_out_tok_s_wall"] = (window[-1][1] - window[0][1]) / d_span
                 row["batch_lines_done_in_window"] = window[-1][3] - window[0][3]
-            sync.batches.cancel(batch.id)
-            deadline = time.monotonic() + 90
-            final = sync.batches.retrieve(batch.id)
-            while final.status not in ("cancelled", "completed", "failed", "expired") and time.monotonic() < deadline:
-                time.sleep(1.0)
-                final = sync.batches.retrieve(batch.id)
-            row["status_after_cancel"] = final.status
-            row["counts_after_cancel"] = final.request_counts.model_dump() if final.request_counts else None
+            row["ratio"] = {key: row["with_batch"][f"{key}_p90_s"] / row["alone"][f"{key}_p90_s"] for key in ("ttft", "tpot")}
             result["rounds"].append(row)
             print(f"  round {round_no}: alone {row['alone']['ttft_p90_s']:.3f} / {row['alone']['tpot_p90_s']:.4f} s, "
                   f"with batch {row['with_batch']['ttft_p90_s']:.3f} / {row['with_batch']['tpot_p90_s']:.4f} s, "
-                  f"batch {row.get('batch_out_tok_s_wall', 0):,.0f} out tok/s, load {load0:.1f} / {load1:.1f}",
-                  flush=True)
+                  f"batch {row.get('batch_out_tok_s_wall', 0):,.0f} out tok/s, load {row['loadavg_1m'][0]:.1f} / "
+                  f"{row['loadavg_1m'][1]:.1f}", flush=True)
         a = result["interactive_only"] = live_summary(pooled["alone"], 0.0)
         b = result["with_batch"] = live_summary(pooled["both"], 0.0)
         result["batch_out_tok_s_wall"] = out_tokens / span if span else 0.0
         result["batch_in_tok_s_wall"] = in_tokens / span if span else 0.0
         result["ratio"] = {"ttft": b["ttft_p90_s"] / a["ttft_p90_s"], "tpot": b["tpot_p90_s"] / a["tpot_p90_s"]}
+        # Paired: each round's two runs have the same arrivals and follow each other; the geometric
+        # mean of their ratios leaves out the drift between rounds that pooled percentiles mix in.
+        result["paired_ratio"] = {key: math.exp(sum(math.log(r["ratio"][key]) for r in result["rounds"])
+                                                / len(result["rounds"])) for key in ("ttft", "tpot")}
         # (i) SLO-bound spare, in engine time, turned into wall-clock tokens per second.
         rho = virtual_rate / (args.live_workers * plan["interactive_goodput_rps"])
         spare_i = max(0.0, 1 - rho) * args.live_workers * plan["batch_goodput_rps"] * plan["batch_mean_out"] / scale
@@ -735,14 +754,23 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
             f"| + batch | {b['requests']} | {_f(b['ttft_p50_s'])} / {_f(b['ttft_p90_s'])} ({live['ratio']['ttft'] - 1:+.1%}) "
             f"| {_f(b['tpot_p50_s'], digits=2)} / {_f(b['tpot_p90_s'], digits=2)} ({live['ratio']['tpot'] - 1:+.1%}) "
             f"| {b['errors']} "
-            f"| {live.get('batch_out_tok_s_wall', 0):,.0f} / {live.get('batch_in_tok_s_wall', 0):,.0f} |", "",
-            "Per round (p90 TTFT / TPOT ms; the machine's 1-minute load average before each run):", "",
-            "| round | alone | with batch | batch out tok/s | load avg | batch after cancel |",
-            "| ---: | --- | --- | ---: | --- | --- |"]
+            f"| {live.get('batch_out_tok_s_wall', 0):,.0f} / {live.get('batch_in_tok_s_wall', 0):,.0f} |", ""]
+    paired = live.get("paired_ratio")
+    if paired:
+        out += [f"**Paired over the rounds** (geometric mean of each round's with-batch / alone p90, the two runs of a "
+                f"round having the same arrivals and following each other): TTFT {paired['ttft'] - 1:+.1%}, TPOT "
+                f"{paired['tpot'] - 1:+.1%}. The pooled row above mixes rounds whose alone baselines differ "
+                "(the machine's load drifts), so it is shown but not the verdict.", ""]
+    out += ["Per round (p90 TTFT / TPOT ms; the machine's 1-minute load average before and after the round):", "",
+            "| round | order | alone | with batch | TTFT / TPOT vs alone | batch out tok/s | load avg | batch after cancel |",
+            "| ---: | --- | --- | --- | --- | ---: | --- | --- |"]
     for row in live.get("rounds", []):
         ra, rb = row["alone"], row["with_batch"]
-        out.append(f"| {row['round']} | {_f(ra['ttft_p90_s'])} / {_f(ra['tpot_p90_s'], digits=2)} "
-                   f"| {_f(rb['ttft_p90_s'])} / {_f(rb['tpot_p90_s'], digits=2)} | {row.get('batch_out_tok_s_wall', 0):,.0f} "
+        ratio = row.get("ratio") or {k: rb[f"{k}_p90_s"] / ra[f"{k}_p90_s"] for k in ("ttft", "tpot")}
+        order = "batch, alone" if row.get("batch_first") else "alone, batch"
+        out.append(f"| {row['round']} | {order} | {_f(ra['ttft_p90_s'])} / {_f(ra['tpot_p90_s'], digits=2)} "
+                   f"| {_f(rb['ttft_p90_s'])} / {_f(rb['tpot_p90_s'], digits=2)} "
+                   f"| {ratio['ttft'] - 1:+.1%} / {ratio['tpot'] - 1:+.1%} | {row.get('batch_out_tok_s_wall', 0):,.0f} "
                    f"| {row['loadavg_1m'][0]:.1f} / {row['loadavg_1m'][1]:.1f} | {row.get('status_after_cancel')} "
                    f"{row.get('counts_after_cancel')} |")
     oracle = live.get("sim_oracle") or {}
