@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $(STAMP)
 
 # The fleet simulator's hot modules compiled with mypyc (inferbus/accel.py), rebuilt when their
-# source changed; without a current build they run as Python, about a third as fast.
+# source changed; without a current build they run as Python, two to three times slower.
 accel: $(STAMP)
 	@$(PY) -m inferbus.accel build --if-stale --warn-only
 

@@ -1,12 +1,13 @@
 """Compiled builds of the fast simulator's two hot modules, used only while they match the source.
 
 `inferbus simulate` spends its CPU in `analytic` (the replica model) and `fast` (the event loop).
-mypyc compiles those modules, unchanged, to C extensions that run the same code about twice as
-fast (bench/results/simulate.md). The Python source stays the only source: the build goes out of
-tree, to `.accel/` in the checkout (`INFERBUS_ACCEL_DIR` to move it), with a manifest of the
-SHA-256 of every compiled source and the interpreter's extension suffix. `activate` puts the build
-ahead of the source only when all of them match, so an edited module is never shadowed by a stale
-binary: it runs as Python until the next build. `INFERBUS_PURE_PYTHON=1` turns the build off.
+mypyc compiles those modules, unchanged, to C extensions that run the same code two to three
+times as fast (bench/results/simulate.md). The Python source stays the only source: the build
+goes out of tree, to `.accel/` in the checkout (`INFERBUS_ACCEL_DIR` to move it), with a
+manifest of the SHA-256 of every compiled source and the interpreter's extension suffix.
+`activate` puts the build ahead of the source only when all of them match, so an edited module is
+never shadowed by a stale binary: it runs as Python until the next build. `INFERBUS_PURE_PYTHON=1`
+turns the build off.
 
     python -m inferbus.accel build     # `make install` runs it; a failure only warns
     python -m inferbus.accel status
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build()
     except (RuntimeError, OSError) as error:
-        print(f"accel: the build failed; the fleet simulator runs as pure Python (about half as fast):\n{error}",
+        print(f"accel: the build failed; the fleet simulator runs as pure Python (two to three times slower):\n{error}",
               file=sys.stderr)
         return 0 if args.warn_only else 1
     return 0
