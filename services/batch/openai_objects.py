@@ -59,3 +59,9 @@ def file_object(record: m.FileRecord) -> dict[str, Any]:
     if record.expires_at is not None:
         body["expires_at"] = record.expires_at
     return body
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A cursor-paginated list (`GET /v1/files`, `/v1/batches`): the next page is `after=last_id`."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from inferbus import logs
 from proto import messages as m
 from services.batch.files import FileStore
-from services.batch.openai_objects import batch_object
+from services.batch.openai_objects import batch_object, list_page
 from services.batch.records import BatchStore, new_batch_id
 
 from .errors import OpenAIError
@@ -163,8 +163,7 @@ def batches_router(identity: Identity, batches: Callable[[], BatchStore | None],
         page, has_more = await started(batches()).list(tenant.id, after=request.query_params.get("after") or None,
                                                        limit=limit)
         data = [batch_object(r) for r in page]
-        return respond({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                        "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+        return respond(list_page(data, has_more))
 
     @router.get("/v1/batches/{batch_id}")
     @storage_errors

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 
 from inferbus import logs
 from services.batch.files import FileStore, FileTooLarge, Staging
-from services.batch.openai_objects import file_object
+from services.batch.openai_objects import file_object, list_page
 
 from .errors import OpenAIError
 from .keys import Principal
@@ -252,8 +252,7 @@ def files_router(identity: Identity, files: Callable[[], FileStore | None]) -> A
         page, has_more = await store.list(tenant.id, purpose=request.query_params.get("purpose") or None,
                                           after=request.query_params.get("after") or None, limit=limit, order=order)
         data = [file_object(r) for r in page]
-        return respond({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                        "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+        return respond(list_page(data, has_more))
 
     @router.get("/v1/files/{file_id}")
     @storage_errors
