@@ -38,6 +38,7 @@ from .errors import (
 from .files_api import files_router
 from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
+from .json_body import JsonLimits
 from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
 from .settings import GatewaySettings
@@ -164,6 +165,7 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
 
     api = FastAPI(title="inferbus gateway", version="0.1.0", lifespan=lifespan)
     api.state.gateway = gateway
+    api.state.json_limits = JsonLimits(max_depth=settings.max_json_depth, max_bytes=settings.max_body_bytes)
     api.add_middleware(RequestIdMiddleware)
     api.add_exception_handler(OpenAIError, openai_error_handler)
     api.add_exception_handler(StarletteHTTPException, http_exception_handler)

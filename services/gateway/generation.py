@@ -23,7 +23,7 @@ from inferbus.tokens import block_hashes, count_tokens, encode
 from proto import messages as m
 from services.billing.pricing import Prices
 
-from . import metrics, responses, schemas
+from . import json_body, metrics, responses, schemas
 from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
@@ -295,7 +295,9 @@ class Generation:
                 raise OpenAIError(413, f"Request body too large: over {limit} bytes.", code="request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                body = b"".join(chunks)
+                json_body.check_depth(body, self.settings.max_json_depth)
+                return body
 
     def check_model(self, model: str, tenant: Tenant | None = None) -> None:
         self.catalog.resolve(model, tenant)
