@@ -17,7 +17,7 @@ import msgspec
 from inferbus.prompt import render_chat
 from inferbus.tokens import count_tokens
 from proto import messages as m
-from services.gateway import responses, schemas
+from services.gateway import carry, responses, schemas
 from services.gateway.errors import OpenAIError
 
 ENDPOINT_KINDS: dict[str, Literal["chat", "completion"]] = {
@@ -81,15 +81,32 @@ def plan_line(endpoint: str, body: bytes, *, max_model_len: int, default_max_tok
         assert isinstance(params.prompt, str)
         prompt = params.prompt
     prompt_tokens = count_tokens(prompt)
+    max_new_tokens = responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens)
+    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt, prompt_tokens=prompt_tokens,
+                    sampling=line_sampling(params, max_new_tokens), user=params.user)
+
+
+def line_sampling(params: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+                  max_new_tokens: int) -> m.SamplingParams:
+    """A line's sampling parameters as the gateway builds them; OpenAIError 400 when the bus
+    cannot carry them (the line could never be published)."""
     sampling = m.SamplingParams(
-        max_new_tokens=responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens),
+        max_new_tokens=max_new_tokens,
         temperature=1.0 if params.temperature is None else params.temperature,
         top_p=1.0 if params.top_p is None else params.top_p,
         stop=schemas.stop_list(params.stop), seed=params.seed,
         presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
     )
-    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt, prompt_tokens=prompt_tokens,
-                    sampling=sampling, user=params.user)
+    carry.check_sampling(sampling)
+    return sampling
+
+
+def encode_request(request: m.InferenceRequest) -> bytes:
+    """The request as published; OpenAIError 400 when it cannot be encoded, which no retry mends."""
+    try:
+        return m.encode(request)
+    except carry.UNENCODABLE as error:
+        raise OpenAIError(400, f"The request cannot be carried to the engine: {error}.", code="invalid_value") from None
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,

@@ -74,7 +74,8 @@ class BatchService:
         self.reply_subject = subjects.token_subject(f"batch-{self.id}")
         self.feed = FeedPolicy(time.monotonic, settings.feed_config())
         self.tracker = Tracker(settings.line_lease_s)
-        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors)
+        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors,
+                             max_line_bytes=settings.max_line_bytes, max_json_depth=settings.max_json_depth)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.replies: Replies | None = None
@@ -604,7 +605,13 @@ class BatchService:
                 base_model=run.base_model, adapter=run.adapter, deadline=float(self._latest.get(run.id, record).expires_at),
                 now=now, reply_to=self.reply_subject, attempt=attempt,
             )
-            stored = await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{attempt}")
+            try:
+                payload = line_format.encode_request(request)
+            except OpenAIError as error:  # no retry can publish it: the line fails, the batch goes on
+                await self._publish_result(line_format.error_result(
+                    run.id, line, error.code or "invalid_request", error.message, error.status, now))
+                return
+            stored = await self.replies.publish_durable(subject, payload, f"{request.request_id}.{attempt}")
             if stored or not doubt or attempt + 1 >= MAX_DOUBT_ATTEMPTS:
                 break
             # In doubt after a restart and this attempt id was published in the last minutes: it

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,7 +23,8 @@ from services.batch.files import FileStore
 from services.batch.records import BatchStore
 from services.billing.pricing import Prices
 
-from .admin import admin_router
+from . import openapi
+from .admin import admin_router, require_admin
 from .admin_adapters import adapters_router
 from .admission import Admission
 from .batches_api import batches_router
@@ -229,6 +230,13 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     @api.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    # The public document leaves the admin API out; admins read theirs with the admin key.
+    openapi.install(api)
+    if settings.admin_key:
+        @api.get("/admin/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin(settings.admin_key))])
+        async def admin_openapi() -> Response:
+            return Response(_json.encode(openapi.admin_document(api)), media_type="application/json")
 
     return GatewayASGI(api, gateway)
 

@@ -23,7 +23,7 @@ from inferbus.tokens import block_hashes, count_tokens, encode
 from proto import messages as m
 from services.billing.pricing import Prices
 
-from . import json_body, metrics, responses, schemas
+from . import carry, json_body, metrics, responses, schemas
 from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
@@ -199,6 +199,7 @@ class Generation:
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, user=params.user, prompt_tokens=prompt_tokens,
         )
+        carry.check_sampling(inference.sampling)
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
