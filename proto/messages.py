@@ -483,6 +483,20 @@ class ScaleDecision(_Message):
     demote: list[str] = []  # serving workers sent back to warm (or drained) by it
 
 
+# ---- internal producers (`subjects.api_subject`) ---------------------------------------------
+# Their bodies are the HTTP API's JSON both ways, so that a producer needs no second schema: a
+# request is a `/v1/chat/completions` or `/v1/completions` body (services/gateway/schemas.py), a
+# reply is the response body, or one streamed chunk. These headers frame them.
+API_VERSION = "1"
+API_HEADER_VERSION = "Inferbus-Api-Version"
+API_HEADER_STATUS = "Inferbus-Status"  # the HTTP status the same call would have had
+API_HEADER_REQUEST_ID = "Inferbus-Request-Id"
+API_HEADER_STREAM = "Inferbus-Stream"  # on the replies of a streamed call: "chunk", then "done"
+API_HEADER_CANCEL = "Inferbus-Cancel"  # on a streamed call's first reply: publish here to abandon it
+API_STREAM_CHUNK = "chunk"
+API_STREAM_DONE = "done"
+
+
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(StreamBatch)
 

@@ -172,3 +172,35 @@ def batch_key(tenant: str, batch_id: str) -> str:
 
 def file_key(tenant: str, file_id: str) -> str:
     return f"{_durable(tenant)}.{_durable(file_id)}"
+
+
+# ---- internal producers: the OpenAI API over NATS request/reply ----------------------------------
+#   inferbus.api.v1.chat.completions | inferbus.api.v1.completions   request/reply (queue group below)
+#   inferbus.api.cancel.<gateway>.<call>                              a producer abandoning a stream
+
+API_QUEUE = "gateway"  # every gateway replica subscribes in this queue group: one answers each request
+_API_PATHS = {"chat": "chat.completions", "completion": "completions"}
+
+
+def api_subject(endpoint: Literal["chat", "completion"]) -> str:
+    """Where an internal producer sends `/v1/chat/completions` or `/v1/completions` bodies."""
+    return f"{PREFIX}.api.v1.{_API_PATHS[endpoint]}"
+
+
+def api_endpoint(subject: str) -> Literal["chat", "completion"] | None:
+    for endpoint, path in _API_PATHS.items():
+        if subject == f"{PREFIX}.api.v1.{path}":
+            return endpoint  # type: ignore[return-value]
+    return None
+
+
+def api_wildcard() -> str:
+    return f"{PREFIX}.api.v1.>"
+
+
+def api_cancel_subject(gateway_id: str, call_id: str) -> str:
+    return f"{PREFIX}.api.cancel.{token(gateway_id)}.{token(call_id)}"
+
+
+def api_cancel_wildcard(gateway_id: str) -> str:
+    return f"{PREFIX}.api.cancel.{token(gateway_id)}.*"

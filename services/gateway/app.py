@@ -39,6 +39,7 @@ from .errors import (
 from .files_api import files_router
 from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
+from .internal_api import InternalApi
 from .json_body import JsonLimits
 from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
@@ -65,6 +66,7 @@ class Gateway:
         self.catalog: ModelCatalog | None = None
         self.files: FileStore | None = None
         self.batches: BatchStore | None = None
+        self.internal_api: InternalApi | None = None
         self.js = None
         self.nc = None
 
@@ -101,9 +103,14 @@ class Gateway:
         self.files, self.batches = files, BatchStore(batches_kv, js)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
                                      admission, overload, prices, self.catalog)
+        if s.internal_api:  # internal producers: the same calls over NATS request/reply
+            self.internal_api = InternalApi(self.nc, self.generation, self.gateway_id)
+            await self.internal_api.start()
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
+        if self.internal_api is not None:
+            await self.internal_api.stop()
         if self.catalog is not None:
             await self.catalog.stop()
         if self.fleet is not None:

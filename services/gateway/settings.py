@@ -61,6 +61,11 @@ class GatewaySettings:
         "must see the same directory (a shared volume when they run on different hosts).",
     )
     max_file_bytes: int = env("INFERBUS_MAX_FILE_BYTES", 200 * 1024 * 1024, "Largest /v1/files upload accepted (413 above).")
+    internal_api: bool = env(
+        "INFERBUS_INTERNAL_API", True,
+        "Serve /v1/chat/completions and /v1/completions to internal producers over NATS request/reply "
+        "(subjects inferbus.api.v1.*, tenant API key in the Authorization header; see docs/api.md).",
+    )
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
