@@ -105,7 +105,7 @@ def _post(platform: Platform, path: str, body: bytes, key: str) -> httpx.Respons
 
 @pytest.mark.parametrize("path, admin", [("/v1/chat/completions", False), ("/v1/completions", False),
                                          ("/v1/batches", False), ("/admin/v1/tenants", True),
-                                         ("/admin/v1/adapters", True)])
+                                         ("/admin/v1/adapters", True), ("/admin/v1/prices", True)])
 def test_a_body_nested_100000_levels_deep_is_a_400(platform: Platform, path: str, admin: bool) -> None:
     body = b'{"model": "m", "messages": ' + DEEP + b"}"
     response = _post(platform, path, body, platform.admin_key if admin else platform.api_key)
