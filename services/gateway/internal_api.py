@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -165,7 +166,7 @@ class InternalApi:
         if endpoint is None:
             error = OpenAIError(404, f"Unknown subject: {msg.subject}", code="unknown_url")
             headers = {m.API_HEADER_VERSION: m.API_VERSION, m.API_HEADER_STATUS: "404"}
-            await self.nc.publish(msg.reply, error.response().body, headers=headers)
+            await self.nc.publish(msg.reply, msgspec.json.encode(error.body()), headers=headers)
             API_CALLS.labels("unknown", "404").inc()
             return
         call_id = uuid.uuid4().hex
