@@ -5,6 +5,7 @@ HTTP request or in a batch line."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,8 @@ def test_the_document_describes_every_public_endpoint_and_no_admin_one(platform:
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-EXAMPLES = 10  # per operation and mode: about a minute for the whole document
+# Examples per operation and mode: about a minute for the whole document; raise it for a deeper run.
+EXAMPLES = int(os.environ.get("INFERBUS_FUZZ_EXAMPLES", "10"))
 
 
 def test_fuzzed_requests_get_no_server_error_and_documented_responses(platform: Platform) -> None:

@@ -36,7 +36,8 @@ def json_depth(body: bytes) -> int:
     also for bodies that are not valid JSON (their verdict is the decoder's)."""
     if body.count(b"[") + body.count(b"{") == 0:
         return 0
-    brackets = _STRING.sub(b"", _ESCAPE.sub(b"", body)).translate(None, _NOT_BRACKET)
+    unescaped = _ESCAPE.sub(b"", body) if b"\\" in body else body
+    brackets = _STRING.sub(b"", unescaped).translate(None, _NOT_BRACKET)
     return max(0, max(accumulate(map(_STEP.__getitem__, brackets)), default=0))
 
 
