@@ -2,10 +2,11 @@
 
 Every request line must be a JSON object with a unique non-empty `custom_id`, `method` POST, `url`
 the batch's endpoint, and a `body` that parses as that endpoint's request (the gateway's own
-schemas), whose request the bus can carry (the sampling parameters built as for publishing), within
-the gateway's size and nesting limits; all lines name one model. Blank lines are skipped. Line numbers in errors are 1-based
-lines of the file, as editors count; requests are numbered 0-based in file order (`batch_line`).
-Validation stops after `max_errors` errors: a file with a systematic mistake says so quickly.
+schemas) and whose request the bus can carry (the sampling parameters built as for publishing),
+within the gateway's size and nesting limits; all lines name one model. Blank lines are skipped.
+Line numbers in errors are 1-based lines of the file, as editors count; requests are numbered
+0-based in file order (`batch_line`). Validation stops after `max_errors` errors: a file with a
+systematic mistake says so quickly.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import msgspec
 
 from proto import messages as m
 from services.gateway.errors import OpenAIError
-
 from services.gateway.json_body import check_depth
 
 from .lines import ENDPOINT_KINDS, decode_line, line_sampling, parse_body

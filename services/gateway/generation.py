@@ -199,7 +199,11 @@ class Generation:
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, user=params.user, prompt_tokens=prompt_tokens,
         )
-        carry.check_sampling(inference.sampling)
+        try:
+            carry.check_sampling(inference.sampling)
+        except OpenAIError:
+            await self._release_reservation(tenant.id, request_id)
+            raise
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
