@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,10 +127,18 @@ def test_a_body_over_the_size_limit_is_a_413_everywhere(platform: Platform) -> N
 
 
 def test_a_seed_the_bus_cannot_carry_is_a_400_not_a_retryable_503(platform: Platform) -> None:
-    client = platform.client(timeout=30)
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], seed=2**70)
-    assert raised.value.status_code == 400 and raised.value.body["param"] == "seed"  # type: ignore[index]
+    """And it holds no quota: a tenant allowed one request at a time is refused nothing after it."""
+    tenant = "t-" + secrets.token_hex(4)
+    with platform.admin() as admin:
+        assert admin.post("/tenants", json={"id": tenant, "limits": {"max_concurrent": 1}}).status_code == 201
+        key = admin.post(f"/tenants/{tenant}/keys", json={"name": "seed"}).json()["secret"]
+    client = openai.OpenAI(base_url=platform.base_url, api_key=key, max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=MODEL, messages=messages, seed=2**70)  # type: ignore[arg-type]
+        assert raised.value.status_code == 400 and raised.value.body["param"] == "seed"  # type: ignore[index]
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, seed=7)  # type: ignore[arg-type]
 
 
 def test_a_batch_line_the_bus_cannot_carry_ends_the_batch_with_a_clear_error(platform: Platform, tmp_path: Path) -> None:
