@@ -12,9 +12,10 @@ key (`/admin/openapi.json`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
@@ -160,7 +161,7 @@ class CreateBatchRequest(msgspec.Struct):
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], Meta(max_length=16)] | None = None
 
 
 class UsagePage(msgspec.Struct):
