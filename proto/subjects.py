@@ -10,6 +10,8 @@ Layout (see DESIGN.md):
     inferbus.placed.<model>                        core NATS: placements, shared by router replicas
     inferbus.control.<worker> / inferbus.scale.<pool>
     inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
+    inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
+    inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
