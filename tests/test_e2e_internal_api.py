@@ -46,8 +46,8 @@ def request_id(object_id: str) -> str:
     return object_id.split("-", 1)[1]
 
 
-def test_a_chat_completion_over_the_bus_is_billed_to_the_tenant(platform: Platform) -> None:
-    tenant, key = new_tenant(platform)
+def test_a_chat_completion_over_the_bus_is_billed_to_the_tenant_in_its_band(platform: Platform) -> None:
+    tenant, key = new_tenant(platform, band="premium")
     answer = on_bus(platform, key, lambda api: api.chat_completion(model=MODEL, messages=MESSAGES, max_tokens=5))
     assert answer["object"] == "chat.completion" and answer["model"] == MODEL
     assert answer["choices"][0]["message"]["role"] == "assistant" and answer["choices"][0]["finish_reason"] == "length"
@@ -56,7 +56,8 @@ def test_a_chat_completion_over_the_bus_is_billed_to_the_tenant(platform: Platfo
     assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 3
     ids = {request_id(answer["id"]), request_id(completion["id"])}
     events = read_usage(platform, tenant, ids)
-    assert {e.request_id for e in events} == ids and all(e.tenant == tenant and e.status == "completed" for e in events)
+    assert {e.request_id for e in events} == ids
+    assert all((e.tenant, e.status, e.tier) == (tenant, "completed", "premium") for e in events)
     by_id = {e.request_id: e for e in events}
     assert by_id[request_id(answer["id"])].usage.completion_tokens == 5
     assert by_id[request_id(answer["id"])].usage.prompt_tokens == answer["usage"]["prompt_tokens"]
