@@ -4,9 +4,9 @@ under a seed.
 - Constrained decoding (SGLang's `json_schema` sampling parameter): a value generated from the
   schema, valid against it, written as compact JSON.
 - Tool use: a prompt that offers tools (their JSON definitions, as chat templates render them)
-  and whose conversation after them mentions a tool's name (its words, e.g. "weather" for
-  `get_weather`) gets a call of that tool in the model family's format (`--tool-call-parser`),
-  with arguments generated from the tool's parameter schema. Once the conversation holds a call
+  and whose conversation after them mentions tools' names (their words, e.g. "weather" for
+  `get_weather`) gets a call of each such tool in the model family's format
+  (`--tool-call-parser`), with arguments generated from the tool's parameter schema. Once the conversation holds a call
   of it (the tool ran), the model answers in text again.
 """
 
@@ -193,11 +193,12 @@ def tool_call_output(prompt: str, family: str, rng: random.Random) -> str | None
     for tool in tools:
         if f'"{tool["name"]}"' in conversation:
             return None  # called already: the result is in the conversation, answer it
-    for tool in tools:
-        if all(word in lowered for word in _name_words(tool["name"])):
-            arguments = value_from_schema(tool.get("parameters") or {"type": "object"}, rng)
-            if family == "llama3":
-                return json.dumps({"name": tool["name"], "parameters": arguments}, ensure_ascii=False)
-            call = json.dumps({"name": tool["name"], "arguments": arguments}, ensure_ascii=False)
-            return f"<tool_call>\n{call}\n</tool_call>"
-    return None
+    asked = [tool for tool in tools if all(word in lowered for word in _name_words(tool["name"]))]
+    if not asked:
+        return None
+    calls = [(tool["name"], value_from_schema(tool.get("parameters") or {"type": "object"}, rng)) for tool in asked]
+    if family == "llama3":
+        return "; ".join(json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+                         for name, arguments in calls)
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+                     for name, arguments in calls)
