@@ -126,6 +126,9 @@ class InferenceRequest(_Message, tag="request"):
     expected_cached_tokens: int = 0
     batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
     batch_line: int = -1  # for lines of a batch: the 0-based line of the input file
+    # n > 1: which choice this engine request is (each its own request id); choices after the
+    # first report no prompt tokens in their usage, since OpenAI bills the prompt once.
+    choice: int = 0
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""

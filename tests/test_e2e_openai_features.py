@@ -11,7 +11,7 @@ import openai
 import pydantic
 import pytest
 
-from .conftest import MODEL, Platform
+from .conftest import MODEL, Platform, read_usage
 
 pytestmark = pytest.mark.e2e
 
@@ -198,7 +198,7 @@ COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 4}
     ("chat", {"metadata": {"a": "b"}}, "metadata"),
     ("chat", {"service_tier": "flex"}, "service_tier"),
     ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 129}, "n"),
     ("chat", {"n": 0}, "n"),
     ("chat", {"seed": 2**70}, "seed"),
     ("chat", {"max_tokens": 2**40}, "max_tokens"),
@@ -220,6 +220,38 @@ def test_each_refused_field_is_a_400_naming_it(platform: Platform, endpoint: str
                           timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_n_choices_plain_and_streamed(platform: Platform, client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Write a line about the sea"}]
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3)
+    three = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3, n=3, logprobs=True)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].message.content == one.choices[0].message.content
+    assert len({c.message.content for c in three.choices}) > 1  # each choice samples with its own seed
+    assert all(len(c.logprobs.content) == 6 for c in three.choices)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 18 and three.usage.total_tokens == three.usage.prompt_tokens + 18
+    # The ledger bills the prompt once too.
+    request_id = three.id.removeprefix("chatcmpl-")
+    events = read_usage(platform, "demo", {request_id, f"{request_id}.c1", f"{request_id}.c2"})
+    assert sorted(e.usage.prompt_tokens for e in events) == [0, 0, one.usage.prompt_tokens]
+    assert sum(e.usage.completion_tokens for e in events) == 18
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == three.choices[0].message.content and texts[1] == three.choices[1].message.content
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
+    completions = client.completions.create(model=MODEL, prompt="The sea", max_tokens=4, n=2)
+    assert [c.index for c in completions.choices] == [0, 1] and completions.usage.completion_tokens == 8
 
 
 def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:

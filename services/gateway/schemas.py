@@ -145,8 +145,6 @@ def _unsupported(param: str, why: str = "is not supported by this platform") -> 
 
 
 def _check_common(body: _Common) -> None:
-    if body.n != 1:
-        raise _unsupported("n", "greater than 1 is not supported; send n requests")
     if body.logit_bias:
         # Keys are token ids of OpenAI's tokenizers; they mean nothing to this model's vocabulary.
         raise _unsupported("logit_bias")

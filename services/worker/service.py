@@ -815,6 +815,8 @@ class Worker:
 
     async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None) -> None:
         assert self.replies is not None
+        if request.choice:  # n > 1: the first choice bills the prompt
+            usage = m.Usage(prompt_tokens=0, completion_tokens=usage.completion_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
