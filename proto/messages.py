@@ -89,6 +89,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: bool = False  # return each generated token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives per position
 
+    @property
+    def constrained(self) -> bool:
+        """Decoding follows a grammar, which restarts with every engine request: such an output
+        cannot be continued from its text by another attempt, only started again."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
 
 class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     """One generated token's logprob and its most likely alternatives (token text, logprob)."""

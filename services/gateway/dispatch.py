@@ -65,6 +65,8 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
     request = flight.request
     if request.attempt + 1 >= max_attempts or now >= request.deadline:
         return None
+    if request.sampling.constrained and (flight.sent_tokens or request.resumed_tokens):
+        return None  # the grammar would start over in the middle of the output
     return msgspec.structs.replace(
         request,
         attempt=request.attempt + 1,

@@ -617,6 +617,12 @@ class Worker:
                 failure = ("engine_error", f"The line failed on {request.attempt + 1} attempts.", 502)
             else:
                 entry.requeue = reason
+                if request.sampling.constrained:
+                    # A grammar cannot continue from text: the next attempt starts the line over.
+                    return "requeued", None, msgspec.structs.replace(
+                        request, attempt=request.attempt + 1, resumed_text="", resumed_tokens=0,
+                        prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
+                    )
                 return "requeued", None, msgspec.structs.replace(
                     request, attempt=request.attempt + 1,
                     resumed_text=request.resumed_text + "".join(entry.text_parts),
