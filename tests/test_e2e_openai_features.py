@@ -259,3 +259,27 @@ def test_n_choices_plain_and_streamed(platform: Platform, client: openai.OpenAI)
 def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=4, seed=2**70)
+
+
+@pytest.fixture(scope="module")
+def hermes_platform(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A platform serving a model of the Hermes/Qwen family: the engine writes <tool_call> blocks
+    and the gateway is configured to read them."""
+    from .conftest import running_platform
+
+    with running_platform(tmp_path_factory.mktemp("hermes"), workers=1, time_scale=0.1,
+                          engine_args=["--tool-call-parser", "hermes"],
+                          extra_env={"INFERBUS_TOOL_CALL_PARSER": "hermes"}) as running:
+        yield running
+
+
+def test_hermes_family_tool_calls(hermes_platform: Platform) -> None:
+    client = hermes_platform.client()
+    messages = [{"role": "user", "content": "What's the weather in Rome, and the time?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"])
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2) as stream:
+        final = stream.get_final_completion()
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
