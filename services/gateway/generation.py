@@ -68,6 +68,7 @@ class _Call:
     lease_held: bool = True  # the tenant's concurrency lease for this request
     logprobs: bool = False
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, each its own flight
+    pumps: list[asyncio.Future[None]] = field(default_factory=list)  # n > 1: relays of the choices' events
 
     @property
     def chunk_object(self) -> str:
@@ -151,6 +152,8 @@ class Generation:
                 if choice.final is None:
                     await self.dispatcher.cancel(choice.flight, "client_disconnect")
         finally:
+            for pump in call.pumps:
+                pump.cancel()
             await self._release_lease(call)
             for choice in call.choices:
                 self.dispatcher.close(choice.flight)
@@ -379,18 +382,15 @@ class Generation:
                 merged.put_nowait((choice, event))
             merged.put_nowait((choice, None))
 
-        pumps = [asyncio.ensure_future(pump(choice)) for choice in call.choices]
-        try:
-            running = len(pumps)
-            while running:
-                choice, item = await merged.get()
-                if item is None:
-                    running -= 1
-                    continue
-                yield choice, item
-        finally:
-            for task in pumps:
-                task.cancel()
+        # Cancelled when the response ends, however it ends (see __call__).
+        call.pumps = [asyncio.ensure_future(pump(choice)) for choice in call.choices]
+        running = len(call.pumps)
+        while running:
+            choice, item = await merged.get()
+            if item is None:
+                running -= 1
+                continue
+            yield choice, item
 
     def _quiet(self, call: _Call) -> bool:
         """Nothing more is queued for this response right now."""
@@ -438,7 +438,7 @@ class Generation:
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs, final=True))
                         finish = responses.finish_reason(event.finish_reason, choice.tool_calls_sent > 0)
                         frames.append(self._chunk(call, None if call.endpoint == "chat" else "", finish, False,
-                                                  index=choice.index,
+                                                  index=choice.index, choice=choice,
                                                   logprobs=choice.pending_logprobs if call.logprobs else None))
                         choice.final = event
                         if any(c.final is None for c in call.choices):
