@@ -407,20 +407,11 @@ class Generation:
 
     async def _stream(self, call: _Call, send: Any, request_id: str) -> str:
         deadline = call.choices[0].flight.request.deadline
+        # Headers at once: a streaming client learns its request id while the request waits.
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
         frames: list[bytes] = []
         status = "200"
-        started = False
-
-        async def write(body: bytes, more: bool) -> None:
-            # The 200 goes out with the first chunk, so that a refusal before any output (an
-            # engine's 400) is still an HTTP error the client's SDK raises as such.
-            nonlocal started
-            if not started:
-                started = True
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
-            await send({"type": "http.response.body", "body": body, "more_body": more})
-
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
                 async for choice, event in self._events(call):
@@ -429,7 +420,7 @@ class Generation:
                             self._first_token(call, not choice.started)
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs))
                         if self._quiet(call):  # write what has queued up in one go
-                            await write(b"".join(frames), True)
+                            await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
                         continue
                     if isinstance(event, m.Final):
@@ -450,12 +441,8 @@ class Generation:
                     else:
                         error = _event_error(event)
                         status = str(error.status)
-                        await self._give_up(call, choice, error)
-                        if not started and not frames and 400 <= error.status < 500:
-                            await self._release_lease(call)
-                            await send_json(send, error.status, error.body(), request_id, error.headers)
-                            return status
                         frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
+                        await self._give_up(call, choice, error)
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
@@ -464,7 +451,7 @@ class Generation:
             await self._give_up(call, None, error, cancel_reason="deadline")
         await self._release_lease(call)
         frames.append(DONE)
-        await write(b"".join(frames), False)
+        await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
         return status
 
     async def _respond(self, call: _Call, send: Any, request_id: str) -> str:
