@@ -243,6 +243,12 @@ def test_n_choices_plain_and_streamed(platform: Platform, client: openai.OpenAI)
     events = read_usage(platform, "demo", {request_id, f"{request_id}.c1", f"{request_id}.c2"})
     assert sorted(e.usage.prompt_tokens for e in events) == [0, 0, one.usage.prompt_tokens]
     assert sum(e.usage.completion_tokens for e in events) == 18
+    # A prompt of several prefix blocks: the choices are placed together, on the engine that has it.
+    long = [{"role": "user", "content": "Summarise the shipping log: " + "crate bound for Oslo, " * 60}]
+    many = client.chat.completions.create(model=MODEL, messages=long, max_tokens=4, n=4)
+    request_id = many.id.removeprefix("chatcmpl-")
+    events = read_usage(platform, "demo", {request_id, *(f"{request_id}.c{i}" for i in range(1, 4))})
+    assert len(events) == 4 and len({e.worker_id for e in events}) == 1
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3, n=2,
                                                  stream=True, stream_options={"include_usage": True}))
