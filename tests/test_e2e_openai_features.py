@@ -112,6 +112,21 @@ def test_output_that_is_not_a_call_comes_back_as_content(client: openai.OpenAI) 
         assert isinstance(json.loads(content), dict) and finish == ["stop"]
 
 
+def test_a_call_cut_short_comes_back_as_content(client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        response = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=12,
+                                                  seed=1, stream=stream)
+        if stream:
+            chunks = list(response)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            content, finish = response.choices[0].message.content, [response.choices[0].finish_reason]
+            assert response.choices[0].message.tool_calls is None
+        assert content.startswith('{"name": "get') and finish == ["length"]
+
+
 class Trip(pydantic.BaseModel):
     city: str
     nights: int
