@@ -220,7 +220,8 @@ class Generation:
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, user=params.user, prompt_tokens=prompt_tokens,
+            created=now, prompt_tokens=prompt_tokens,
+            user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
