@@ -49,7 +49,8 @@ def main() -> None:
 @click.option("--time-scale", default=1.0, show_default=True, type=float,
               help="Wall seconds per simulated GPU second: 1 = real GPU speed, 0.1 = ten times faster, 0 = no waiting at all.")
 @click.option("--state-dir", default=".inferbus", show_default=True, type=click.Path(file_okay=False),
-              help="Where NATS keeps JetStream data and every service writes its log.")
+              help="Where NATS keeps JetStream data, every service writes its log and the launcher keeps the "
+                   "platform's credentials (a 0700 directory).")
 @click.option("--autoscale", is_flag=True,
               help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers.")
 @click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64), help="With --autoscale: fewest serving workers.")
@@ -68,6 +69,11 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     (OpenAI Batch API on spare capacity), the gateway and WORKERS simulated GPU workers, then prints the gateway URL, a demo API key (tenant `demo`) and
     the admin key for `inferbus tenants` and `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new
     random one.
+
+    The bus is closed: each service gets its own NATS identity and permissions, Redis a password,
+    all generated into the state dir (0700; see docs/security.md). The `inferbus` CLI finds this
+    platform through STATE_DIR/platform.json while it runs. A service that exits is restarted
+    (NATS and Redis included) with a backoff of 1 s doubling to 30 s, and says so here.
 
     With --autoscale there are no fixed workers: the autoscaler (local actuator) starts
     --min-workers, then scales between the bounds on queue wait, TTFT/TPOT and the forecast
@@ -91,11 +97,12 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
-             "exited": click.style("✗", fg="red"), "stopped": click.style("■", fg="blue")}
+             "exited": click.style("✗", fg="red"), "restarted": click.style("↻", fg="yellow"),
+             "stopped": click.style("■", fg="blue")}
 
     def status(process, state: str) -> None:  # type: ignore[no-untyped-def]
         pid = f"pid {process.pid}" if process.pid else ""
-        click.echo(f" {marks.get(state, ' ')} {process.name:<10} {state:<9} {pid:<10} {process.detail}")
+        click.echo(f" {marks.get(state.split(' ')[0], ' ')} {process.name:<10} {state:<9} {pid:<10} {process.detail}")
 
     stopping = False
 
@@ -123,14 +130,15 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo("  inferbus tenants list")
         click.echo("")
         click.echo("Press Ctrl-C to stop.")
-        reported: set[str] = set()
         decisions = _DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
+
+        def supervised(process, state: str) -> None:  # type: ignore[no-untyped-def]
+            status(process, state)
+            if state.startswith("exited"):
+                click.echo(process.tail(5), err=True)
+
         while not stopping:
-            for process in stack.processes:
-                if not process.alive() and process.name not in reported:
-                    reported.add(process.name)
-                    status(process, "exited")
-                    click.echo(process.tail(5), err=True)
+            stack.supervise(supervised)
             for line in decisions.lines() if decisions else ():
                 click.echo(line)
             time.sleep(0.5)

@@ -1,0 +1,210 @@
+"""Who may do what on the bus: one NATS identity per service, with subject permissions.
+
+Pure: the permissions of each role, and the nats-server `authorization` block that grants them
+(NATS's own security model: users with passwords and per-user publish/subscribe allow lists, see
+https://docs.nats.io/running-a-nats-service/configuration/securing_nats/authorization). `inferbus up`
+and the test fixtures write it into the server's config; `deploy/` renders the same block into a
+Secret. Everything not allowed here is denied, JetStream's API (`$JS.API.>`) and KV (`$KV.>`)
+included, so no identity but `ops` can purge or delete a stream or read one it has no use for.
+
+Each identity subscribes to its own inbox prefix only (`_INBOX.<user>.>`), so no client can read
+the replies (JetStream deliveries, request/reply answers) meant for another.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Literal
+
+from proto import subjects
+
+Role = Literal["ops", "gateway", "router", "billing", "autoscaler", "batch", "worker"]
+
+P = subjects.PREFIX
+_REQ, _USAGE, _RESULTS = subjects.REQUESTS_STREAM, subjects.USAGE_STREAM, subjects.BATCH_RESULTS_STREAM
+_PLATFORM_STREAMS = (_REQ, _USAGE, _RESULTS)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False  # may answer requests it received (the router's placements)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A NATS user: `scope` is the worker, gateway or batch service id its subjects are limited to
+    (None for a role-wide identity, such as workers started by an autoscaler)."""
+
+    user: str
+    password: str
+    role: Role
+    scope: str | None = None
+
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.user)
+
+
+def inbox_prefix(user: str) -> str:
+    return f"_INBOX.{subjects.token(user)}"
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _stream_info(*streams: str) -> list[str]:
+    return [f"$JS.API.STREAM.INFO.{s}" for s in streams]
+
+
+def _stream_create(*streams: str) -> list[str]:
+    """Create the named streams only (a create of an existing stream with the same config is a no-op):
+    no identity may create a stream of its own that would capture other subjects."""
+    return [f"$JS.API.STREAM.CREATE.{s}" for s in streams]
+
+
+def _consume(stream: str) -> list[str]:
+    """Create, inspect, pull from, ack on and delete consumers of one stream, and get its messages."""
+    api = "$JS.API"
+    return [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.INFO.{stream}.>",
+            f"{api}.CONSUMER.MSG.NEXT.{stream}.>", f"{api}.CONSUMER.DELETE.{stream}.>",
+            f"{api}.CONSUMER.NAMES.{stream}", f"{api}.CONSUMER.LIST.{stream}",
+            f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
+            f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def _kv_read(bucket: str) -> list[str]:
+    return [*_stream_info(f"KV_{bucket}"), *_stream_create(f"KV_{bucket}"), *_consume(f"KV_{bucket}")]
+
+
+def _kv_write(bucket: str, key: str = ">") -> list[str]:
+    return [*_kv_read(bucket), f"$KV.{bucket}.{key}"]
+
+
+def _platform_streams() -> list[str]:
+    """What `bus.ensure_streams` needs: see and create the platform's three streams."""
+    return [*_stream_info(*_PLATFORM_STREAMS), *_stream_create(*_PLATFORM_STREAMS), "$JS.API.INFO"]
+
+
+def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
+    """The subjects `user` (of `role`, limited to `scope` where the role has one) may use."""
+    inbox = f"{inbox_prefix(user)}.>"
+    one = "*"
+    if role == "ops":
+        return Permissions(publish=(">",), subscribe=(">",))
+    if role == "worker":
+        me = one if scope is None else subjects.token(scope)
+        key = one if scope is None else subjects.worker_key(scope)
+        return Permissions(
+            publish=(
+                f"{P}.tok.*",  # stream events to the gateway named in each request's reply_to
+                f"{P}.usage.*", f"{P}.metrics.{me}", f"{P}.cache.{me}",
+                f"{P}.batchres.*",  # a batch line's result
+                f"{P}.req.batch.*.{subjects.ANY_TARGET}",  # a batch line's next attempt, back on the shared queue
+                *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
+                f"$KV.{subjects.WORKERS_BUCKET}.{key}", *_kv_read(subjects.ADAPTERS_BUCKET),
+            ),
+            subscribe=(f"{P}.cancel.>", f"{P}.control.{me}", inbox),
+        )
+    if role == "gateway":
+        me = one if scope is None else subjects.token(scope)
+        return Permissions(
+            publish=(
+                f"{P}.req.>", f"{P}.cancel.{me}.*", f"{P}.usage.*", f"{P}.place.*",
+                *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
+                f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_consume(_USAGE),
+                *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
+                *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
+                *_kv_write(subjects.MODELS_BUCKET),
+            ),
+            subscribe=(f"{P}.tok.{me}", f"{P}.metrics.*", inbox),
+        )
+    if role == "router":
+        return Permissions(
+            publish=(
+                f"{P}.placed.*", f"{P}.control.*",
+                f"{P}.req.*.*.{subjects.ANY_TARGET}",  # a dead worker's queue, moved to the shared one
+                *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
+            ),
+            subscribe=(f"{P}.place.*", f"{P}.placed.*", f"{P}.cache.*", f"{P}.metrics.*", inbox),
+            allow_responses=True,
+        )
+    if role == "billing":
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))
+    if role == "autoscaler":
+        return Permissions(
+            publish=(f"{P}.control.*", f"{P}.scale.*", *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>",
+                     *_kv_read(subjects.WORKERS_BUCKET)),
+            subscribe=(f"{P}.metrics.*", inbox),
+        )
+    if role == "batch":
+        me = one if scope is None else subjects.token(f"batch-{scope}")
+        return Permissions(
+            publish=(
+                f"{P}.req.batch.*.{subjects.ANY_TARGET}", f"{P}.cancel.{me}.*", f"{P}.usage.*", f"{P}.batchres.*",
+                *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_consume(_RESULTS),
+                *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
+                *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
+            ),
+            subscribe=(f"{P}.tok.{me}", f"{P}.metrics.*", inbox),
+        )
+    raise ValueError(f"unknown role {role!r}")
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _subjects(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(_quote(s) for s in items) + "]"
+
+
+def authorization_block(identities: list[Identity]) -> str:
+    """nats-server's `authorization { users = [...] }`: only these users may connect, each with
+    its role's permissions; a client without credentials is refused."""
+    lines = ["authorization {", "  users = ["]
+    for identity in identities:
+        p = permissions(identity.role, identity.user, identity.scope)
+        lines += [
+            "    {",
+            f"      user: {_quote(identity.user)}",
+            f"      password: {_quote(identity.password)}",
+            "      permissions: {",
+            f"        publish: {{ allow: {_subjects(p.publish)} }}",
+            f"        subscribe: {{ allow: {_subjects(p.subscribe)} }}",
+        ]
+        if p.allow_responses:
+            lines.append("        allow_responses: true")
+        lines += ["      }", "    }"]
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class LocalIdentities:
+    """The identities of a local platform (`inferbus up`, the test fixtures): one per service and
+    per static worker, a role-wide one for workers an autoscaler starts, and `ops` for the operator."""
+
+    gateway_id: str
+    batch_id: str
+    workers: list[str]
+    by_name: dict[str, Identity] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        wanted: list[tuple[str, Role, str | None]] = [
+            ("ops", "ops", None), ("gateway", "gateway", self.gateway_id), ("router", "router", None),
+            ("billing", "billing", None), ("autoscaler", "autoscaler", None), ("batch", "batch", self.batch_id),
+            ("worker", "worker", None), *[(w, "worker", w) for w in self.workers],
+        ]
+        for name, role, scope in wanted:
+            if name not in self.by_name:
+                self.by_name[name] = Identity(name, new_password(), role, scope)
+
+    def __getitem__(self, name: str) -> Identity:
+        return self.by_name[name]
+
+    def all(self) -> list[Identity]:
+        return list(self.by_name.values())
