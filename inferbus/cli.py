@@ -287,15 +287,56 @@ def config_docs() -> None:
     click.echo(configuration_markdown(), nl=False)
 
 
+@main.command("bus-config")
+def bus_config() -> None:
+    """Print the NATS `authorization` block of a deployment: one user per service role with its
+    subject permissions, passwords read from nats-server's environment (NATS_PASSWORD_<ROLE>).
+
+    deploy/k8s/base/nats-auth.conf is this output (docker-compose.yml mounts it too); see
+    docs/security.md for what each identity may do.
+    """
+    from .bus_auth import deployment_auth_config
+
+    click.echo(deployment_auth_config(), nl=False)
+
+
+@main.command("secrets")
+@click.option("--format", "fmt", default="k8s", show_default=True, type=click.Choice(["k8s", "env"]),
+              help="k8s: a Secret manifest for `kubectl apply -f -`; env: NAME=value lines for docker compose's .env.")
+@click.option("--namespace", default="inferbus", show_default=True, help="Namespace of the Secret (k8s).")
+def secrets_command(fmt: str, namespace: str) -> None:
+    """Generate fresh credentials for a deployment: every NATS identity's password and Redis's.
+
+    Kubernetes: `inferbus secrets | kubectl apply -f -` creates the `inferbus-bus` Secret that
+    deploy/k8s reads. Compose: `inferbus secrets --format env > .env`. Rotate by generating
+    new ones and restarting (docs/security.md).
+    """
+    from .bus_auth import new_secrets
+
+    values = new_secrets()
+    if fmt == "env":
+        for name, value in values.items():
+            click.echo(f"{name}={value}")
+        return
+    click.echo("\n".join(["apiVersion: v1", "kind: Secret", "metadata:", "  name: inferbus-bus",
+                          f"  namespace: {namespace}", "  labels:", "    app.kubernetes.io/part-of: inferbus",
+                          "type: Opaque", "stringData:", *[f'  {name}: "{value}"' for name, value in values.items()]]))
+
+
 # ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
 
-DEFAULT_URL = "http://127.0.0.1:8080"
+from .local_platform import DEFAULT_GATEWAY_URL as DEFAULT_URL  # noqa: E402
 
 
 class AdminAPI:
     """A small client of the gateway's admin API that turns every failure into a readable message."""
 
-    def __init__(self, url: str, admin_key: str) -> None:
+    def __init__(self, url: str | None, admin_key: str) -> None:
+        from . import local_platform
+
+        url, admin_key, note = local_platform.gateway(url, admin_key)
+        if note:
+            click.echo(note, err=True)
         if not admin_key:
             raise click.UsageError("no admin key: pass --admin-key or set INFERBUS_ADMIN_KEY "
                                    "(`inferbus up` prints one; a gateway has it as INFERBUS_ADMIN_KEY).")
@@ -331,8 +372,9 @@ class AdminAPI:
 def _admin_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option("--admin-key", envvar="INFERBUS_ADMIN_KEY", default="", metavar="KEY",
                            help="Admin key of the gateway (env INFERBUS_ADMIN_KEY; `inferbus up` prints it).")(command)
-    return click.option("--url", envvar="INFERBUS_URL", default=DEFAULT_URL, show_default=True,
-                        help="Gateway base URL, without /v1 (env INFERBUS_URL).")(command)
+    return click.option("--url", envvar="INFERBUS_URL", default=None,
+                        help=f"Gateway base URL, without /v1 (env INFERBUS_URL). Default: the local platform `inferbus up` "
+                             f"runs from INFERBUS_STATE_DIR (.inferbus), with its admin key; else {DEFAULT_URL}.")(command)
 
 
 class _Unlimited:
@@ -468,7 +510,7 @@ def tenants() -> None:
 @click.argument("tenant_id", metavar="ID")
 @_tenant_options
 @_admin_options
-def tenants_create(tenant_id: str, url: str, admin_key: str, **options: Any) -> None:
+def tenants_create(tenant_id: str, url: str | None, admin_key: str, **options: Any) -> None:
     """Create tenant ID (lowercase letters, digits and '-'); unspecified limits are unlimited."""
     tenant = AdminAPI(url, admin_key).call("POST", "/tenants", {"id": tenant_id, **_tenant_fields(options)})
     click.echo(f"Created tenant '{tenant['id']}'. "
@@ -478,7 +520,7 @@ def tenants_create(tenant_id: str, url: str, admin_key: str, **options: Any) -> 
 @tenants.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the tenants as JSON.")
 @_admin_options
-def tenants_list(url: str, admin_key: str, as_json: bool) -> None:
+def tenants_list(url: str | None, admin_key: str, as_json: bool) -> None:
     """List every tenant with its band, weight, limits (`-`: unlimited) and models."""
     found = AdminAPI(url, admin_key).call("GET", "/tenants")["data"]
     if as_json:
@@ -502,7 +544,7 @@ def tenants_list(url: str, admin_key: str, as_json: bool) -> None:
 @click.argument("tenant_id", metavar="ID")
 @click.option("--json", "as_json", is_flag=True, help="Print the tenant as JSON.")
 @_admin_options
-def tenants_show(tenant_id: str, url: str, admin_key: str, as_json: bool) -> None:
+def tenants_show(tenant_id: str, url: str | None, admin_key: str, as_json: bool) -> None:
     """Show tenant ID: every setting, limits included."""
     tenant = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}")
     if as_json:
@@ -515,7 +557,7 @@ def tenants_show(tenant_id: str, url: str, admin_key: str, as_json: bool) -> Non
 @click.argument("tenant_id", metavar="ID")
 @_tenant_options
 @_admin_options
-def tenants_update(tenant_id: str, url: str, admin_key: str, **options: Any) -> None:
+def tenants_update(tenant_id: str, url: str | None, admin_key: str, **options: Any) -> None:
     """Change the given settings of tenant ID; the others stay as they are.
 
     Gateways pick up the change within a few seconds (their tenant cache).
@@ -530,7 +572,7 @@ def tenants_update(tenant_id: str, url: str, admin_key: str, **options: Any) -> 
 @click.argument("tenant_id", metavar="ID")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @_admin_options
-def tenants_delete(tenant_id: str, url: str, admin_key: str, yes: bool) -> None:
+def tenants_delete(tenant_id: str, url: str | None, admin_key: str, yes: bool) -> None:
     """Delete tenant ID and revoke all its API keys."""
     api = AdminAPI(url, admin_key)
     if not yes:
@@ -551,7 +593,7 @@ def keys() -> None:
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
 @click.option("--name", default="", help="A label to recognise the key by (e.g. where it is used).")
 @_admin_options
-def keys_create(tenant_id: str, name: str, url: str, admin_key: str) -> None:
+def keys_create(tenant_id: str, name: str, url: str | None, admin_key: str) -> None:
     """Create an API key for a tenant and print its secret, which is not shown again.
 
     The secret alone goes to stdout (so `KEY=$(inferbus keys create --tenant acme)` works);
@@ -566,7 +608,7 @@ def keys_create(tenant_id: str, name: str, url: str, admin_key: str) -> None:
 @keys.command("list")
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant whose keys to list.")
 @_admin_options
-def keys_list(tenant_id: str, url: str, admin_key: str) -> None:
+def keys_list(tenant_id: str, url: str | None, admin_key: str) -> None:
     """List a tenant's keys: id, name, creation time and the secret's last 4 characters."""
     found = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}/keys")["data"]
     if not found:
@@ -580,7 +622,7 @@ def keys_list(tenant_id: str, url: str, admin_key: str) -> None:
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
 @click.argument("key_id", metavar="KEY_ID")
 @_admin_options
-def keys_revoke(tenant_id: str, key_id: str, url: str, admin_key: str) -> None:
+def keys_revoke(tenant_id: str, key_id: str, url: str | None, admin_key: str) -> None:
     """Revoke key KEY_ID (from `inferbus keys list`).
 
     Gateways cache key lookups for INFERBUS_KEY_CACHE_TTL_S (10 s by default), so a revoked key
@@ -609,7 +651,7 @@ def adapters() -> None:
 @click.option("--path", required=True, help="Where engines load the weights from (as SGLang's --lora-paths).")
 @click.option("--owner", default=None, metavar="TENANT", help="Only this tenant may use it (default: any tenant allowed the name).")
 @_admin_options
-def adapters_register(name: str, version: str, path: str, owner: str | None, url: str, admin_key: str) -> None:
+def adapters_register(name: str, version: str, path: str, owner: str | None, url: str | None, admin_key: str) -> None:
     """Register adapter NAME (or point NAME at a new version)."""
     spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
     click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
@@ -618,7 +660,7 @@ def adapters_register(name: str, version: str, path: str, owner: str | None, url
 @adapters.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the adapters as JSON.")
 @_admin_options
-def adapters_list(url: str, admin_key: str, as_json: bool) -> None:
+def adapters_list(url: str | None, admin_key: str, as_json: bool) -> None:
     """List registered adapters: name, pinned version, path and owner."""
     found = AdminAPI(url, admin_key).call("GET", "/adapters")["data"]
     if as_json:
@@ -634,7 +676,7 @@ def adapters_list(url: str, admin_key: str, as_json: bool) -> None:
 @adapters.command("remove")
 @click.argument("name")
 @_admin_options
-def adapters_remove(name: str, url: str, admin_key: str) -> None:
+def adapters_remove(name: str, url: str | None, admin_key: str) -> None:
     """Unregister adapter NAME: requests for it get 404 at once (engines that loaded it keep it until they evict it)."""
     AdminAPI(url, admin_key).call("DELETE", f"/adapters/{_q(name)}")
     click.echo(f"Removed adapter {name}.")
