@@ -20,8 +20,10 @@ from . import settings as settings_mod
 
 
 def _env_help(cls: type) -> str:
+    from .bus import BusSettings
+
     lines = ["\b", "Environment variables:"]
-    for name, default, text in settings_mod.describe(cls):
+    for name, default, text in settings_mod.describe(cls) + settings_mod.describe(BusSettings):
         lines.append(f"  {name} (default {default!r})")
         lines.append(f"      {text}")
     return "\n".join(lines)
@@ -276,6 +278,14 @@ def configuration_markdown() -> str:
         for name, default, text in settings_mod.describe(cls):
             lines.append(f"| `{name}` | `{default!r}` | {text} |")
         lines.append("")
+    from .bus import BusSettings
+
+    lines += ["## NATS credentials and TLS (every service)", "",
+              "Read by every service's NATS connection (`inferbus.bus.connect`); see docs/security.md.", "",
+              "| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, default, text in settings_mod.describe(BusSettings):
+        lines.append(f"| `{name}` | `{default!r}` | {text} |")
+    lines.append("")
     lines += ["## sim-engine (`inferbus sim-engine`)", "",
               "Configured by command-line options; `inferbus sim-engine --help` explains each.", ""]
     return "\n".join(lines)
