@@ -313,15 +313,21 @@ class Stack:
         env.update(extra)
         return env
 
-    def credentials(self, identity: str) -> dict[str, str]:
-        """The NATS_USER/NATS_PASSWORD of one of the stack's identities (none with an outside NATS)."""
+    def credentials(self, process: str) -> dict[str, str]:
+        """NATS_USER/NATS_PASSWORD for the process named `process`: its own identity, the role-wide
+        worker identity for a worker without one, none for processes that do not use NATS (or with
+        an outside NATS, whose credentials come from the environment)."""
         if self.identities is None:
             return {}
-        chosen = self.identities[identity]
+        chosen = self.identities.by_name.get(process)
+        if chosen is None and process.startswith("worker-"):
+            chosen = self.identities["worker"]
+        if chosen is None or chosen.role == "ops":
+            return {}
         return {"NATS_USER": chosen.user, "NATS_PASSWORD": chosen.password}
 
     def _add(self, name: str, argv: list[str], ready: Callable[[], bool], detail: str = "", **env: str) -> Process:
-        env = {**self.credentials(name), **env} if name in ("router", "billing", "batch", "gateway", "autoscaler") else env
+        env = {**self.credentials(name), **env}
         process = Process(name, argv, self._env(**env), self.config.state_dir / "logs" / f"{name}.log", ready, detail)
         self.processes.append(process)
         return process
