@@ -124,6 +124,9 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo(f"  API key:  {key}   (tenant 'demo')")
         click.echo(f"  Admin key: {config.admin_key}   (for inferbus tenants/keys)")
         click.echo(f"  Model:    {model}")
+        if stack.identities is not None:
+            click.echo(f"  Bus:      closed: each service has its own NATS identity; credentials in {config.state_dir} "
+                       "(the inferbus CLI run here uses them)")
         click.echo("")
         click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
         click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
