@@ -68,15 +68,18 @@ def _stream_create(*streams: str) -> list[str]:
     return [f"$JS.API.STREAM.CREATE.{s}" for s in streams]
 
 
-def _consume(stream: str) -> list[str]:
-    """Create, inspect, pull from, ack on and delete consumers of one stream, and get its messages."""
+def _consume(stream: str, *, manage: bool = True) -> list[str]:
+    """Create, inspect, pull from and ack on consumers of one stream; with `manage`, also delete
+    consumers and get single messages by sequence (which reads past any consumer)."""
     api = "$JS.API"
-    return [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
-            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.INFO.{stream}.>",
-            f"{api}.CONSUMER.MSG.NEXT.{stream}.>", f"{api}.CONSUMER.DELETE.{stream}.>",
-            f"{api}.CONSUMER.NAMES.{stream}", f"{api}.CONSUMER.LIST.{stream}",
-            f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
-            f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+    rights = [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+              f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.INFO.{stream}.>",
+              f"{api}.CONSUMER.MSG.NEXT.{stream}.>", f"{api}.CONSUMER.NAMES.{stream}", f"{api}.CONSUMER.LIST.{stream}",
+              f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+    if manage:
+        rights += [f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.STREAM.MSG.GET.{stream}",
+                   f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
+    return rights
 
 
 def _kv_read(bucket: str) -> list[str]:
@@ -107,7 +110,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 f"{P}.usage.*", f"{P}.metrics.{me}", f"{P}.cache.{me}",
                 f"{P}.batchres.*",  # a batch line's result
                 f"{P}.req.batch.*.{subjects.ANY_TARGET}",  # a batch line's next attempt, back on the shared queue
-                *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
+                # Its consumers on REQUESTS, but no reading queued requests by sequence, nor
+                # deleting another worker's consumer.
+                *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
                 f"$KV.{subjects.WORKERS_BUCKET}.{key}", *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
             subscribe=(f"{P}.cancel.>", f"{P}.control.{me}", inbox),

@@ -123,6 +123,10 @@ def test_a_worker_cannot_read_a_stream_through_jetstream_nor_purge_one(platform:
                              ordered_consumer=True),
                 js.purge_stream(subjects.REQUESTS_STREAM),
                 js.delete_stream(subjects.USAGE_STREAM),
+                # Queued requests read by sequence, past its consumers; another worker's consumer deleted.
+                js.get_msg(subjects.REQUESTS_STREAM, 1),
+                js.get_msg(subjects.REQUESTS_STREAM, 1, direct=True),
+                js.delete_consumer(subjects.REQUESTS_STREAM, subjects.request_consumer("standard", MODEL, "worker-2")),
             ]
             for attempt in attempts:
                 with pytest.raises(Exception):
@@ -132,6 +136,8 @@ def test_a_worker_cannot_read_a_stream_through_jetstream_nor_purge_one(platform:
     worker = asyncio.run(run())
     assert worker.denied("publish", "$JS.API.STREAM.CREATE.SNOOP")
     assert worker.denied("publish", "$JS.API.STREAM.PURGE.REQUESTS")
+    assert worker.denied("publish", "$JS.API.STREAM.MSG.GET.REQUESTS")
+    assert worker.denied("publish", "$JS.API.CONSUMER.DELETE.REQUESTS.")
 
     async def streams() -> list[str]:
         nc = await nats.connect(platform.stack.nats_url)
