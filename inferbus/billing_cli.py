@@ -49,7 +49,7 @@ TIME = _Time()
 def _redis_option(command: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--redis-url", envvar="REDIS_URL", default=None,
                         help="Redis of the billing service (env REDIS_URL; with a password: redis://:PASSWORD@HOST:PORT/0, "
-                             "TLS: rediss://). Default: the local platform `inferbus up` runs from INFERBUS_STATE_DIR "
+                             "TLS: rediss://). Default: the local platform `inferbus up` runs from INFERBUS_PLATFORM_DIR "
                              "(.inferbus), else redis://127.0.0.1:6379/0.")(command)
 
 
@@ -83,8 +83,9 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
 
         These work on the billing service's records directly: Redis (--redis-url, env REDIS_URL) and,
         for a rebuild, NATS (--nats-url, env NATS_URL). Without them they use the local platform that
-        `inferbus up` runs from INFERBUS_STATE_DIR (default .inferbus), and say so. Tenants read their own usage with
-        GET /v1/usage and /v1/costs; operators with /admin/v1/usage and /admin/v1/costs.
+        `inferbus up` runs from INFERBUS_PLATFORM_DIR (default .inferbus), and say so. Tenants read
+        their own usage with GET /v1/usage and /v1/costs; operators with /admin/v1/usage and
+        /admin/v1/costs.
         """
 
     @usage.command("export")

@@ -387,7 +387,7 @@ def _admin_options(command: Callable[..., Any]) -> Callable[..., Any]:
                            help="Admin key of the gateway (env INFERBUS_ADMIN_KEY; `inferbus up` prints it).")(command)
     return click.option("--url", envvar="INFERBUS_URL", default=None,
                         help=f"Gateway base URL, without /v1 (env INFERBUS_URL). Default: the local platform `inferbus up` "
-                             f"runs from INFERBUS_STATE_DIR (.inferbus), with its admin key; else {DEFAULT_URL}.")(command)
+                             f"runs from INFERBUS_PLATFORM_DIR (.inferbus), with its admin key; else {DEFAULT_URL}.")(command)
 
 
 class _Unlimited:

@@ -1,7 +1,7 @@
 """Which platform an `inferbus` CLI command talks to, and how it says so.
 
 An address given on the command line or in the environment wins. Without one, a command uses the
-platform `inferbus up` runs from the state dir (INFERBUS_STATE_DIR, default `.inferbus`): the
+platform `inferbus up` runs from the state dir (INFERBUS_PLATFORM_DIR, default `.inferbus`): the
 launcher writes its URLs and the operator's credentials to `platform.json` there (0600) while it
 runs. Failing both, the documented defaults. Every choice comes with a line that names it.
 """
@@ -21,7 +21,7 @@ DEFAULT_GATEWAY_URL = "http://127.0.0.1:8080"
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("INFERBUS_STATE_DIR") or ".inferbus")
+    return Path(os.environ.get("INFERBUS_PLATFORM_DIR") or ".inferbus")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 def run_cli(platform: Platform, *args: str) -> tuple[str, str]:
     """Run a CLI command as a user in the directory of `inferbus up` would: no REDIS_URL, NATS_URL
     or gateway settings, only the state dir. Returns (stdout, stderr)."""
-    env = {"INFERBUS_STATE_DIR": str(platform.stack.config.state_dir), "REDIS_URL": None, "NATS_URL": None,
+    env = {"INFERBUS_PLATFORM_DIR": str(platform.stack.config.state_dir), "REDIS_URL": None, "NATS_URL": None,
            "INFERBUS_URL": None, "INFERBUS_ADMIN_KEY": None}
     result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)  # type: ignore[arg-type]
     assert result.exit_code == 0, result.output
