@@ -21,7 +21,6 @@ from proto import subjects
 
 Role = Literal["ops", "gateway", "router", "billing", "autoscaler", "batch", "worker"]
 
-P = subjects.PREFIX
 _REQ, _USAGE, _RESULTS = subjects.REQUESTS_STREAM, subjects.USAGE_STREAM, subjects.BATCH_RESULTS_STREAM
 _PLATFORM_STREAMS = (_REQ, _USAGE, _RESULTS)
 
@@ -98,66 +97,76 @@ def _platform_streams() -> list[str]:
 def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     """The subjects `user` (of `role`, limited to `scope` where the role has one) may use."""
     inbox = f"{inbox_prefix(user)}.>"
-    one = "*"
+    usage = subjects.usage_stream_subjects()[0]
     if role == "ops":
         return Permissions(publish=(">",), subscribe=(">",))
     if role == "worker":
-        me = one if scope is None else subjects.token(scope)
-        key = one if scope is None else subjects.worker_key(scope)
         return Permissions(
             publish=(
-                f"{P}.tok.*",  # stream events to the gateway named in each request's reply_to
-                f"{P}.usage.*", f"{P}.metrics.{me}", f"{P}.cache.{me}",
-                f"{P}.batchres.*",  # a batch line's result
-                f"{P}.req.batch.*.{subjects.ANY_TARGET}",  # a batch line's next attempt, back on the shared queue
+                subjects.token_wildcard(),  # stream events to the gateway named in each request's reply_to
+                usage,
+                subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
+                subjects.cache_subject(scope) if scope is not None else subjects.cache_wildcard(),
+                subjects.batch_results_stream_subjects()[0],  # a batch line's result
+                subjects.shared_request_wildcard("batch"),  # a batch line's next attempt, back on the shared queue
                 # Its consumers on REQUESTS, but no reading queued requests by sequence, nor
                 # deleting another worker's consumer.
                 *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
-                f"$KV.{subjects.WORKERS_BUCKET}.{key}", *_kv_read(subjects.ADAPTERS_BUCKET),
+                f"$KV.{subjects.WORKERS_BUCKET}.{subjects.worker_key(scope) if scope is not None else '*'}",
+                *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
-            subscribe=(f"{P}.cancel.>", f"{P}.control.{me}", inbox),
+            subscribe=(subjects.cancel_wildcard(),
+                       subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
+                       inbox),
         )
     if role == "gateway":
-        me = one if scope is None else subjects.token(scope)
         return Permissions(
             publish=(
-                f"{P}.req.>", f"{P}.cancel.{me}.*", f"{P}.usage.*", f"{P}.place.*",
+                subjects.requests_stream_subjects()[0],
+                subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
+                usage, subjects.placement_wildcard(),
                 *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
                 f"$JS.API.CONSUMER.INFO.{_REQ}.>",
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET),
             ),
-            subscribe=(f"{P}.tok.{me}", f"{P}.metrics.*", inbox),
+            subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
+                       subjects.metrics_wildcard(), inbox),
         )
     if role == "router":
         return Permissions(
             publish=(
-                f"{P}.placed.*", f"{P}.control.*",
-                f"{P}.req.*.*.{subjects.ANY_TARGET}",  # a dead worker's queue, moved to the shared one
+                subjects.placed_wildcard(), subjects.control_wildcard(),
+                subjects.shared_request_wildcard(),  # a dead worker's queue, moved to the shared one
                 *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
             ),
-            subscribe=(f"{P}.place.*", f"{P}.placed.*", f"{P}.cache.*", f"{P}.metrics.*", inbox),
+            subscribe=(subjects.placement_wildcard(), subjects.placed_wildcard(), subjects.cache_wildcard(),
+                       subjects.metrics_wildcard(), inbox),
             allow_responses=True,
         )
     if role == "billing":
         return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))
     if role == "autoscaler":
         return Permissions(
-            publish=(f"{P}.control.*", f"{P}.scale.*", *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>",
-                     *_kv_read(subjects.WORKERS_BUCKET)),
-            subscribe=(f"{P}.metrics.*", inbox),
+            publish=(subjects.control_wildcard(), subjects.scale_wildcard(), *_platform_streams(),
+                     f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_kv_read(subjects.WORKERS_BUCKET)),
+            subscribe=(subjects.metrics_wildcard(), inbox),
         )
     if role == "batch":
-        me = one if scope is None else subjects.token(f"batch-{scope}")
+        # The batch service's gateway-like id: its lines' reply_to is `token_subject("batch-<id>")`.
+        me = None if scope is None else f"batch-{scope}"
         return Permissions(
             publish=(
-                f"{P}.req.batch.*.{subjects.ANY_TARGET}", f"{P}.cancel.{me}.*", f"{P}.usage.*", f"{P}.batchres.*",
+                subjects.shared_request_wildcard("batch"),
+                subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
+                usage, subjects.batch_results_stream_subjects()[0],
                 *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
-            subscribe=(f"{P}.tok.{me}", f"{P}.metrics.*", inbox),
+            subscribe=(subjects.token_wildcard() if me is None else subjects.token_subject(me),
+                       subjects.metrics_wildcard(), inbox),
         )
     raise ValueError(f"unknown role {role!r}")
 

@@ -72,6 +72,11 @@ def worker_of_request_subject(subject: str) -> str | None:
     return worker if sep and head.startswith(f"{PREFIX}.req.") else None
 
 
+def shared_request_wildcard(tier: Tier | None = None) -> str:
+    """Every shared (`any`) request subject of `tier` (of every tier when None), for permissions."""
+    return f"{PREFIX}.req.{tier or '*'}.*.{ANY_TARGET}"
+
+
 def requests_stream_subjects() -> list[str]:
     return [f"{PREFIX}.req.>"]
 
@@ -91,10 +96,19 @@ def token_subject(gateway_id: str) -> str:
     return f"{PREFIX}.tok.{token(gateway_id)}"
 
 
+def token_wildcard() -> str:
+    return f"{PREFIX}.tok.*"
+
+
 def cancel_subject(gateway_id: str, request_id: str) -> str:
     """Cancel a request of `gateway_id` (the gateway or batch service whose `token_subject` is the
     request's `reply_to`): a producer's NATS permissions allow its own cancel subjects only."""
     return f"{PREFIX}.cancel.{token(gateway_id)}.{token(request_id)}"
+
+
+def cancel_subjects_of(gateway_id: str) -> str:
+    """Every cancel subject of one gateway's requests (its NATS permission)."""
+    return f"{PREFIX}.cancel.{token(gateway_id)}.*"
 
 
 def cancel_wildcard() -> str:
@@ -153,6 +167,10 @@ def cache_wildcard() -> str:
 
 def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.control.{token(worker_id)}"
+
+
+def control_wildcard() -> str:
+    return f"{PREFIX}.control.*"
 
 
 def scale_subject(pool: str) -> str:
