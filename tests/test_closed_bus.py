@@ -198,11 +198,11 @@ def test_a_gateway_cannot_cancel_another_gateways_request(platform: Platform) ->
     seen, gateway = asyncio.run(forge_as_gateway())
     assert seen == [] and gateway.denied("publish", f"{subjects.PREFIX}.cancel.another-gateway.")
 
-    async def cancel_from_elsewhere() -> tuple[str | None, int]:
+    async def cancel_from_elsewhere() -> tuple[str | None, int, str]:
         ops = await nats.connect(platform.stack.nats_url)
         client = platform.async_client()
         async with client.chat.completions.with_streaming_response.create(
-                model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=60,
+                model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=400,
                 stream=True) as response:
             request_id = response.headers["x-request-id"]
             finish, chunks = None, 0
@@ -215,10 +215,15 @@ def test_a_gateway_cannot_cancel_another_gateways_request(platform: Platform) ->
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
         await ops.close()
-        return finish, chunks
+        return finish, chunks, request_id
 
-    finish, chunks = asyncio.run(cancel_from_elsewhere())
+    finish, chunks, request_id = asyncio.run(cancel_from_elsewhere())
     assert finish == "length", (finish, chunks)
+    # The forged cancel did reach the worker running the request, which refused it.
+    refused = [line for name in ("worker-1", "worker-2")
+               for line in platform.stack.get(name).log_path.read_text(errors="replace").splitlines()
+               if '"cancel_not_owner"' in line and request_id in line]
+    assert refused, "the forged cancel never reached the worker: the test proves nothing"
 
 
 def test_each_identity_has_its_own_inbox_only() -> None:
