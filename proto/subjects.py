@@ -3,7 +3,7 @@
 Layout (see DESIGN.md):
     inferbus.req.<tier>.<model>.any | .w.<worker>   JetStream REQUESTS (work queue)
     inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
-    inferbus.cancel.<request_id>                   core NATS
+    inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
     inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
     inferbus.metrics.<worker> / inferbus.cache.<worker>
     inferbus.place.<model>                         router request/reply
@@ -74,6 +74,11 @@ def worker_of_request_subject(subject: str) -> str | None:
     return worker if sep and head.startswith(f"{PREFIX}.req.") else None
 
 
+def shared_request_wildcard(tier: Tier | None = None) -> str:
+    """Every shared (`any`) request subject of `tier` (of every tier when None), for permissions."""
+    return f"{PREFIX}.req.{tier or '*'}.*.{ANY_TARGET}"
+
+
 def requests_stream_subjects() -> list[str]:
     return [f"{PREFIX}.req.>"]
 
@@ -93,12 +98,33 @@ def token_subject(gateway_id: str) -> str:
     return f"{PREFIX}.tok.{token(gateway_id)}"
 
 
-def cancel_subject(request_id: str) -> str:
-    return f"{PREFIX}.cancel.{request_id}"
+def token_wildcard() -> str:
+    return f"{PREFIX}.tok.*"
+
+
+def cancel_subject(gateway_id: str, request_id: str) -> str:
+    """Cancel a request of `gateway_id` (the gateway or batch service whose `token_subject` is the
+    request's `reply_to`): a producer's NATS permissions allow its own cancel subjects only."""
+    return f"{PREFIX}.cancel.{token(gateway_id)}.{token(request_id)}"
+
+
+def cancel_subjects_of(gateway_id: str) -> str:
+    """Every cancel subject of one gateway's requests (its NATS permission)."""
+    return f"{PREFIX}.cancel.{token(gateway_id)}.*"
 
 
 def cancel_wildcard() -> str:
-    return f"{PREFIX}.cancel.*"
+    return f"{PREFIX}.cancel.*.*"
+
+
+def cancel_owner(subject: str) -> str:
+    """The gateway token of a cancel subject, to compare with `reply_owner` of the request."""
+    return subject.split(".")[2] if subject.count(".") >= 3 else ""
+
+
+def reply_owner(reply_to: str) -> str:
+    """The gateway token of a request's `reply_to` (its gateway's token subject)."""
+    return reply_to.rsplit(".", 1)[-1]
 
 
 def usage_subject(tenant: str) -> str:
@@ -143,6 +169,10 @@ def cache_wildcard() -> str:
 
 def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.control.{token(worker_id)}"
+
+
+def control_wildcard() -> str:
+    return f"{PREFIX}.control.*"
 
 
 def scale_subject(pool: str) -> str:

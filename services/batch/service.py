@@ -751,7 +751,7 @@ class BatchService:
         for line in lines:
             request_id = m.batch_request_id(run.id, line)
             cancel = m.Cancel(request_id=request_id, reason=reason)  # type: ignore[arg-type]
-            await self.nc.publish(subjects.cancel_subject(request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(f"batch-{self.id}", request_id), m.encode(cancel))
         log.info("batch_lines_cancelled", reason=reason, in_flight=len(out), without_result=len(lines))
         deadline = time.monotonic() + self.settings.cancel_grace_s
         while run.outstanding and time.monotonic() < deadline:

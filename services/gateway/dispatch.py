@@ -259,7 +259,7 @@ class Dispatcher:
     async def cancel(self, flight: Flight, reason: str) -> None:
         cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
         try:
-            await self.nc.publish(subjects.cancel_subject(flight.request.request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(self.gateway_id, flight.request.request_id), m.encode(cancel))
         except Exception as error:
             log.warning("cancel_publish_failed", error=repr(error))
 

@@ -18,7 +18,7 @@ class GatewaySettings:
     host: str = env("INFERBUS_GATEWAY_HOST", "127.0.0.1", "Address the HTTP API listens on.")
     port: int = env("INFERBUS_GATEWAY_PORT", 8080, "Port of the HTTP API.")
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas).")
+    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas); with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
     redis_max_connections: int = env("INFERBUS_REDIS_MAX_CONNECTIONS", 64, "Redis connections per gateway; more requests wait for one.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id served and listed by /v1/models.")
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")

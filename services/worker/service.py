@@ -61,6 +61,11 @@ LOAD_REPORT_MIN_GAP_S = 0.02  # at most ~50 load reports a second, however busy
 SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
 CANCEL_MEMORY_S = 900.0  # longer than a request may wait in the queue in practice
 CANCEL_MEMORY_SIZE = 100_000
+
+
+def _cancel_key(owner: str, request_id: str) -> str:
+    """A cancel that came before its request, remembered with the gateway that sent it."""
+    return f"{owner} {request_id}"
 BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
 REQUEUE_TRIES = 5  # publish attempts for a requeued batch line (then the batch service's lease re-feeds it)
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
@@ -434,7 +439,7 @@ class Worker:
             publish_usage = True
             try:
                 await msg.ack()
-                if request.request_id in self._cancelled:
+                if _cancel_key(subjects.reply_owner(request.reply_to), request.request_id) in self._cancelled:
                     status, finish = "cancelled", "abort"
                     return
                 if time.time() > request.deadline:
@@ -558,7 +563,7 @@ class Worker:
             with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
                 try:
                     await msg.ack()
-                    if request.request_id in self._cancelled:
+                    if _cancel_key(subjects.reply_owner(request.reply_to), request.request_id) in self._cancelled:
                         entry.cancelled = True
                     elif time.time() <= request.deadline:
                         queue_wait = max(0.0, time.time() - request.created)
@@ -842,17 +847,22 @@ class Worker:
             cancel = _cancel_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        owner = subjects.cancel_owner(msg.subject)
         entry = self.running.get(cancel.request_id)
         if entry is None:
-            self._remember_cancel(cancel.request_id)
+            self._remember_cancel(_cancel_key(owner, cancel.request_id))
+        elif subjects.reply_owner(entry.request.reply_to) != owner:
+            # Only the gateway holding the client may cancel its request (each gateway's NATS
+            # permissions allow its own cancel subjects only; this holds where identities are shared).
+            log.warning("cancel_not_owner", request_id=cancel.request_id, cancel_subject=msg.subject)
         elif not entry.cancelled:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
             await self.engine.abort(entry.request.engine_rid())
 
-    def _remember_cancel(self, request_id: str) -> None:
+    def _remember_cancel(self, key: str) -> None:
         now = time.monotonic()
-        self._cancelled[request_id] = now
+        self._cancelled[key] = now
         if len(self._cancelled) > CANCEL_MEMORY_SIZE:
             # Oldest first (dicts keep insertion order): forget what is past its deadline anyway.
             for old in list(self._cancelled)[: len(self._cancelled) // 2]:
