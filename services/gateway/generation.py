@@ -63,6 +63,7 @@ class _Call:
     usage: m.Usage | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
     lease_held: bool = True  # the tenant's concurrency lease for this request
+    latency_labels: tuple[str, str, str] = ("", "base", "other")  # metrics.latency_labels: model, adapter, band
 
     @property
     def chunk_object(self) -> str:
@@ -202,7 +203,8 @@ class Generation:
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
-                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()])
+                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
+                     latency_labels=metrics.latency_labels(model, adapter, tenant.band))
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
@@ -431,16 +433,17 @@ class Generation:
     def _first_token(self, call: _Call, first: bool) -> None:
         if first and call.first_token_at is None:
             call.first_token_at = time.monotonic()
-            metrics.TTFT.observe(call.first_token_at - call.started)
+            metrics.TTFT.labels(*call.latency_labels).observe(call.first_token_at - call.started)
 
     def _record(self, flight: Flight, call: _Call, final: m.Final) -> None:
         call.usage = final.usage
         end = time.monotonic()
-        metrics.E2E.observe(end - call.started)
+        labels = call.latency_labels
+        metrics.E2E.labels(*labels).observe(end - call.started)
         if call.first_token_at is not None and final.usage.completion_tokens > 1:
-            metrics.TPOT.observe((end - call.first_token_at) / (final.usage.completion_tokens - 1))
+            metrics.TPOT.labels(*labels).observe((end - call.first_token_at) / (final.usage.completion_tokens - 1))
         if flight.queue_wait is not None:
-            metrics.QUEUE_WAIT.observe(flight.queue_wait)
+            metrics.QUEUE_WAIT.labels(*labels).observe(flight.queue_wait)
         metrics.TOKENS.labels("prompt").inc(final.usage.prompt_tokens)
         metrics.TOKENS.labels("completion").inc(final.usage.completion_tokens)
         metrics.TOKENS.labels("cached").inc(final.usage.cached_tokens)
