@@ -48,7 +48,7 @@ async def read_ledger(nats_url: str, start: float, end: float) -> list[m.UsageEv
         info = await js.stream_info(subjects.USAGE_STREAM)
         if info.state.messages == 0:
             return events
-        since = dt.datetime.fromtimestamp(start, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        since = dt.datetime.fromtimestamp(start, dt.timezone.utc)
         sub = await js.subscribe(
             subjects.usage_stream_subjects()[0], ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since),

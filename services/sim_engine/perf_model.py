@@ -180,8 +180,10 @@ RESERVED_BYTES_PER_GPU = 4 * GB
 class StepTimeModel(Protocol):
     """Anything that prices one engine iteration; a measured sweep table can replace the roofline."""
 
-    # Tokens each decoding sequence gains per step (1 without speculative decoding).
-    tokens_per_step: float
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each decoding sequence gains per step (1 without speculative decoding)."""
+        ...
 
     def step_time(
         self,
