@@ -147,7 +147,8 @@ def _variant_cell(row: Row | None, base: Row | None) -> list[str]:
     spec = ", spec on" if row.spec_on else ""
     delta = ""
     if base is not None and base.cost is not None:
-        delta = f" ({row.gpus_total - base.gpus_total:+,} GPUs, {_usd(row.cost.usd_per_hour - base.cost.usd_per_hour, 0)}/h)"
+        dollars = row.cost.usd_per_hour - base.cost.usd_per_hour
+        delta = f" ({row.gpus_total - base.gpus_total:+,} GPUs, {'−' if dollars < 0 else '+'}{_usd(abs(dollars), 0)}/h)"
     return [f"{row.name}{spec}, {_n(row.goodput_rps, 2)} req/s", f"{row.gpus_total:,}{delta}",
             _usd(row.cost.usd_per_hour, 0)]
 
