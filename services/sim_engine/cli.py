@@ -69,6 +69,10 @@ from .config import DEFAULT_MODEL, GPU_NAMES, KV_CACHE_DTYPES, PRESET_NAMES, QUA
               help="Rank of the LoRA adapters: their batched kernels and weight reads are priced per step and per "
                    "distinct adapter in the batch.")
 @click.option(
+    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
+    help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
 )
@@ -96,6 +100,7 @@ def sim_engine_command(
     speculative_acceptance: float,
     speculative_draft_cost: float,
     max_lora_rank: int,
+    tool_call_parser: str,
     log_level: str,
 ) -> None:
     """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
@@ -129,6 +134,7 @@ def sim_engine_command(
             speculative_acceptance=speculative_acceptance,
             speculative_draft_cost=speculative_draft_cost,
             max_lora_rank=max_lora_rank,
+            tool_call_parser=tool_call_parser,
             host=host,
             port=port,
         )

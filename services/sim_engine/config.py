@@ -57,6 +57,9 @@ class EngineConfig:
     speculative_acceptance: float = 0.7
     speculative_draft_cost: float = 0.1
     max_lora_rank: int = 16
+    # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
+    # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
+    tool_call_parser: str = "llama3"
     host: str = "127.0.0.1"
     port: int = 30000
 
@@ -91,6 +94,10 @@ class EngineConfig:
             raise ValueError("speculative_draft_cost must not be negative")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be at least 1")
+        from .constrained import FAMILIES
+
+        if self.tool_call_parser not in FAMILIES:
+            raise ValueError(f"tool_call_parser must be one of {FAMILIES}, got {self.tool_call_parser!r}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
         if self.kv_capacity_tokens is None and self.fixed_step_ms is None:
