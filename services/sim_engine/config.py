@@ -104,5 +104,6 @@ class EngineConfig:
             weights = "fp8" if self.quantization == "fp8" else "bf16"
             kv_cache = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else "bf16"
             if roofline(self.gpu, self.tp, weights=weights, kv_cache=kv_cache).kv_capacity_tokens() < self.block_size:
+                hint = "more GPUs (--tp)" + (" or --quantization fp8" if weights == "bf16" else "")
                 raise ValueError(f"{weights.upper()} weights of a 70B model leave no KV cache on {self.tp} × {self.gpu}: "
-                                 "use more GPUs (--tp) or --quantization fp8")
+                                 f"use {hint}")
