@@ -69,6 +69,7 @@ class _Call:
     logprobs: bool = False
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, each its own flight
     pumps: list[asyncio.Future[None]] = field(default_factory=list)  # n > 1: relays of the choices' events
+    latency_labels: tuple[str, str, str] = ("", "base", "other")  # metrics.latency_labels: model, adapter, band
 
     @property
     def chunk_object(self) -> str:
@@ -232,7 +233,8 @@ class Generation:
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
                      headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
-                     logprobs=inference.sampling.logprobs)
+                     logprobs=inference.sampling.logprobs,
+                     latency_labels=metrics.latency_labels(model, adapter, tenant.band))
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
@@ -594,18 +596,18 @@ class Generation:
     def _first_token(self, call: _Call, first: bool) -> None:
         if first and call.first_token_at is None:
             call.first_token_at = time.monotonic()
-            metrics.TTFT.observe(call.first_token_at - call.started)
+            metrics.TTFT.labels(*call.latency_labels).observe(call.first_token_at - call.started)
 
     def _record(self, call: _Call, usage: m.Usage) -> None:
         first = call.choices[0]
         call.usage = usage
         end = time.monotonic()
-        metrics.E2E.observe(end - call.started)
+        metrics.E2E.labels(*call.latency_labels).observe(end - call.started)
         generated = first.final.usage.completion_tokens if first.final is not None else 0
         if call.first_token_at is not None and generated > 1:
-            metrics.TPOT.observe((end - call.first_token_at) / (generated - 1))
+            metrics.TPOT.labels(*call.latency_labels).observe((end - call.first_token_at) / (generated - 1))
         if first.flight.queue_wait is not None:
-            metrics.QUEUE_WAIT.observe(first.flight.queue_wait)
+            metrics.QUEUE_WAIT.labels(*call.latency_labels).observe(first.flight.queue_wait)
         metrics.TOKENS.labels("prompt").inc(usage.prompt_tokens)
         metrics.TOKENS.labels("completion").inc(usage.completion_tokens)
         metrics.TOKENS.labels("cached").inc(usage.cached_tokens)

@@ -8,7 +8,7 @@ import click
 
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
-from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
+from .config import DEFAULT_MODEL, GPU_NAMES, KV_CACHE_DTYPES, PRESET_NAMES, QUANTIZATIONS, EngineConfig
 
 
 @click.command("sim-engine")
@@ -53,6 +53,21 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
     "--kv-events-config", default=None,
     help='Publish prefix-cache events on ZMQ, as SGLang: \'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'.',
 )
+@click.option("--quantization", type=click.Choice(QUANTIZATIONS), default="fp8", show_default=True,
+              help="Weight precision the timing model prices: fp8 (SGLang --quantization fp8) or none (BF16 weights: "
+                   "twice the bytes, half the GEMM rate; a 70B model needs TP4 on H100).")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="fp8_e4m3", show_default=True,
+              help="KV cache precision: fp8_e4m3 or auto (BF16: twice the bytes per token, half the capacity).")
+@click.option("--speculative-num-steps", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Speculative decoding: draft tokens per step (SGLang's option; 0 is off). The verify step's "
+                   "GEMMs carry (k + 1) tokens per sequence; accepted drafts stream as extra tokens.")
+@click.option("--speculative-acceptance", default=0.7, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="Simulated: the chance the target accepts each draft token (a property of the draft model).")
+@click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
+              help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
+@click.option("--max-lora-rank", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Rank of the LoRA adapters: their batched kernels and weight reads are priced per step and per "
+                   "distinct adapter in the batch.")
 @click.option(
     "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
@@ -79,6 +94,12 @@ def sim_engine_command(
     lazy_lora_loading: bool,
     priority_scheduling: bool,
     kv_events_config: str | None,
+    quantization: str,
+    kv_cache_dtype: str,
+    speculative_num_steps: int,
+    speculative_acceptance: float,
+    speculative_draft_cost: float,
+    max_lora_rank: int,
     tool_call_parser: str,
     log_level: str,
 ) -> None:
@@ -107,6 +128,12 @@ def sim_engine_command(
             kv_events_config=kv_events_config,
             lazy_lora_loading=lazy_lora_loading,
             priority_scheduling=priority_scheduling,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            speculative_num_steps=speculative_num_steps,
+            speculative_acceptance=speculative_acceptance,
+            speculative_draft_cost=speculative_draft_cost,
+            max_lora_rank=max_lora_rank,
             tool_call_parser=tool_call_parser,
             host=host,
             port=port,
