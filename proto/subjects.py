@@ -35,6 +35,7 @@ ADAPTERS_BUCKET = "adapters"
 BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant, batch_id)`
 FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
+RESPONSES_BUCKET = "responses"  # one StoredResponse per stored response, keyed `response_key(tenant, id)`
 
 ANY_TARGET = "any"
 
@@ -172,3 +173,8 @@ def batch_key(tenant: str, batch_id: str) -> str:
 
 def file_key(tenant: str, file_id: str) -> str:
     return f"{_durable(tenant)}.{_durable(file_id)}"
+
+
+def response_key(tenant: str, response_id: str) -> str:
+    """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
+    return f"{_durable(tenant)}.{_durable(response_id)}"

@@ -60,6 +60,15 @@ class GatewaySettings:
         "must see the same directory (a shared volume when they run on different hosts).",
     )
     max_file_bytes: int = env("INFERBUS_MAX_FILE_BYTES", 200 * 1024 * 1024, "Largest /v1/files upload accepted (413 above).")
+    responses_retention_s: float = env(
+        "INFERBUS_RESPONSES_RETENTION_S", 30 * 24 * 3600.0,
+        "How long a stored /v1/responses response (and its conversation) is kept; OpenAI keeps them 30 days.",
+    )
+    responses_max_bytes: int = env(
+        "INFERBUS_RESPONSES_MAX_BYTES", 768 * 1024,
+        "Largest stored response, conversation included (JSON bytes); a longer conversation is a 400. "
+        "Must stay under the NATS server's max_payload (1 MiB by default).",
+    )
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
