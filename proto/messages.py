@@ -79,6 +79,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = -1  # -1: no limit (SGLang's convention)
+    min_p: float = 0.0
+    # Constrained decoding, at most one set (SGLang's sampling parameters of the same names);
+    # json_schema is the schema as JSON text.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logprobs: bool = False  # return each generated token's logprob
+    top_logprobs: int = 0  # and this many most likely alternatives per position
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """One generated token's logprob and its most likely alternatives (token text, logprob)."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
 
 
 class InferenceRequest(_Message, tag="request"):
@@ -133,6 +150,7 @@ class TokenChunk(_Message, tag="chunk"):
     text: str
     completion_tokens: int  # client-visible total so far, including resumed tokens
     prompt_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # of this chunk's tokens, when the request asked
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -152,6 +170,7 @@ class Final(_Message, tag="final"):
     usage: Usage
     matched_stop: str | None = None
     worker_id: str = ""
+    logprobs: list[TokenLogprob] | None = None  # of `text`'s tokens, when the request asked
 
 
 class StreamError(_Message, tag="error"):

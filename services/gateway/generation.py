@@ -24,6 +24,8 @@ from proto import messages as m
 from services.billing.pricing import Prices
 
 from . import metrics, responses, schemas
+from .sampling import sampling_params
+from .tools import ToolCall, ToolOutput
 from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
@@ -63,6 +65,11 @@ class _Call:
     usage: m.Usage | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
     lease_held: bool = True  # the tenant's concurrency lease for this request
+    tool_output: ToolOutput | None = None  # reads tool calls out of the output when tools are offered
+    logprobs: bool = False
+    pending_logprobs: list[m.TokenLogprob] = field(default_factory=list)  # not yet sent with a chunk
+    text_offset: int = 0  # characters of completion text sent (legacy completions' text_offset)
+    tool_calls_sent: int = 0
 
     @property
     def chunk_object(self) -> str:
@@ -158,8 +165,10 @@ class Generation:
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
             model, adapter = self.catalog.resolve(chat.model, tenant)
-            prompt = render_chat(msgspec.to_builtins(chat.messages), chat.tools)
-            params: schemas._Common = chat
+            # tool_choice none: the model is not told about the tools (SGLang does the same).
+            offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
+            prompt = render_chat(msgspec.to_builtins(chat.messages), offered)
+            params: schemas.ChatCompletionRequest | schemas.CompletionRequest = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
@@ -189,20 +198,18 @@ class Generation:
             request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
             api_key_id=principal.key_id, adapter=adapter,
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-            sampling=m.SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=1.0 if params.temperature is None else params.temperature,
-                top_p=1.0 if params.top_p is None else params.top_p,
-                stop=schemas.stop_list(params.stop), seed=params.seed,
-                presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
-            ),
+            sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, user=params.user, prompt_tokens=prompt_tokens,
         )
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
-                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()])
+                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
+                     logprobs=inference.sampling.logprobs)
+        if isinstance(params, schemas.ChatCompletionRequest) and offered:
+            call.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
+                                          parallel=params.parallel_tool_calls is not False)
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
@@ -343,17 +350,19 @@ class Generation:
                     if isinstance(event, m.TokenChunk):
                         if event.text or first:
                             self._first_token(call, first)
-                            frames.append(self._chunk(call, event.text, None, first))
+                            frames.extend(self._chunks(call, event.text, event.logprobs, first))
                             first = False
                         if flight.events.empty():  # write what has queued up in one go
                             await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
                         continue
                     if isinstance(event, m.Final):
-                        if event.text or first:
+                        if event.text or first or call.tool_output is not None:
                             self._first_token(call, first)
-                            frames.append(self._chunk(call, event.text, None, first))
-                        frames.append(self._chunk(call, None if call.endpoint == "chat" else "", _finish(event), False))
+                            frames.extend(self._chunks(call, event.text, event.logprobs, first, final=True))
+                        finish = responses.finish_reason(event.finish_reason, call.tool_calls_sent > 0)
+                        frames.append(self._chunk(call, None if call.endpoint == "chat" else "", finish, False,
+                                                  logprobs=call.pending_logprobs if call.logprobs else None))
                         if call.include_usage:
                             frames.append(self._usage_chunk(call, event.usage))
                         self._record(flight, call, event)
@@ -375,12 +384,14 @@ class Generation:
 
     async def _respond(self, flight: Flight, call: _Call, send: Any, request_id: str) -> str:
         parts: list[str] = []
+        logprobs: list[m.TokenLogprob] = []
         event: m.StreamEvent | None = None
         try:
             async with asyncio.timeout(max(0.0, flight.request.deadline - time.time())):
                 async for event in self.dispatcher.events(flight):
                     if isinstance(event, m.TokenChunk):
                         parts.append(event.text)
+                        logprobs.extend(event.logprobs or ())
                         continue
                     break
         except TimeoutError:
@@ -394,23 +405,66 @@ class Generation:
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
         parts.append(event.text)
+        logprobs.extend(event.logprobs or ())
         self._first_token(call, True)
         self._record(flight, call, event)
         await self._release_lease(call)
-        await send_json(send, 200, self._completion_body(call, event, "".join(parts)), request_id,
+        await send_json(send, 200, self._completion_body(call, event, "".join(parts), logprobs), request_id,
                         {k.decode(): v.decode() for k, v in call.headers})
         return "200"
 
     # ---- rendering --------------------------------------------------------------------------
 
-    def _chunk(self, call: _Call, text: str | None, finish: str | None, first: bool) -> bytes:
+    def _chunks(self, call: _Call, text: str, logprobs: list[m.TokenLogprob] | None, first: bool,
+                final: bool = False) -> list[bytes]:
+        """The chunks of some generated text: content as it comes, or, when tools are offered,
+        content and tool calls as the parser finds them."""
+        if call.logprobs:
+            call.pending_logprobs.extend(logprobs or ())
+        if call.tool_output is None:
+            return [self._chunk(call, text, None, first, logprobs=self._take_logprobs(call))]
+        parts = call.tool_output.feed(text)
+        if final:
+            parts += call.tool_output.finish()
+        frames: list[bytes] = []
+        if first:  # the role comes first, whatever follows
+            frames.append(self._chunk(call, "", None, True))
+        for part in parts:
+            if isinstance(part, ToolCall):
+                frames.extend(self._tool_call_chunks(call, part))
+            else:
+                frames.append(self._chunk(call, part, None, False, logprobs=self._take_logprobs(call)))
+        return frames
+
+    @staticmethod
+    def _take_logprobs(call: _Call) -> list[m.TokenLogprob] | None:
+        if not call.logprobs:
+            return None
+        taken, call.pending_logprobs = call.pending_logprobs, []
+        return taken
+
+    def _tool_call_chunks(self, call: _Call, tool_call: ToolCall) -> list[bytes]:
+        """OpenAI's streamed shape: a delta with the call's id, type and name, then its arguments."""
+        index = call.tool_calls_sent
+        call.tool_calls_sent += 1
+        head = {"index": index, "id": tool_call.id, "type": "function", "function": {"name": tool_call.name, "arguments": ""}}
+        return [self._chunk(call, None, None, False, tool_calls=[head]),
+                self._chunk(call, None, None, False, tool_calls=[{"index": index, "function": {"arguments": tool_call.arguments}}])]
+
+    def _chunk(self, call: _Call, text: str | None, finish: str | None, first: bool, *,
+               logprobs: list[m.TokenLogprob] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> bytes:
         if call.endpoint == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                      "logprobs": responses.chat_logprobs(logprobs) if logprobs else None}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": responses.completion_logprobs(logprobs, call.text_offset) if logprobs else None}
+            call.text_offset += len(text or "")
         chunk: dict[str, Any] = {"id": call.object_id, "object": call.chunk_object, "created": call.created,
                                  "model": call.model, "choices": [choice]}
         if call.include_usage:
@@ -422,9 +476,15 @@ class Generation:
                  "choices": [], "usage": _usage(usage)}
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
-    def _completion_body(self, call: _Call, final: m.Final, text: str) -> dict[str, Any]:
-        return responses.completion_body(call.endpoint, call.object_id, call.created, call.model, text,
-                                         final.finish_reason, final.usage)
+    def _completion_body(self, call: _Call, final: m.Final, text: str, logprobs: list[m.TokenLogprob]) -> dict[str, Any]:
+        content: str | None = text
+        tool_calls = None
+        if call.tool_output is not None:
+            content, calls = call.tool_output.whole(text)
+            tool_calls = [c.body() for c in calls] or None
+        return responses.completion_body(call.endpoint, call.object_id, call.created, call.model, content,
+                                         final.finish_reason, final.usage, tool_calls=tool_calls,
+                                         logprobs=logprobs if call.logprobs else None)
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -455,10 +515,6 @@ class Generation:
 
 
 _usage = responses.usage_body
-
-
-def _finish(final: m.Final) -> str:
-    return responses.finish_reason(final.finish_reason)
 
 
 def _event_error(event: m.StreamEvent) -> OpenAIError:

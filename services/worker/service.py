@@ -522,6 +522,7 @@ class Worker:
                 self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
+                    logprobs=update.logprobs,
                 ))
                 seq += 1
                 continue
@@ -534,7 +535,7 @@ class Worker:
                 self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
-                    worker_id=self.settings.worker_id,
+                    worker_id=self.settings.worker_id, logprobs=update.logprobs,
                 ))
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
