@@ -205,3 +205,13 @@ def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix(
     first_hashes = block_hashes(encode(before), 16)
     assert len(first_hashes) > 10
     assert block_hashes(encode(after), 16)[:len(first_hashes)] == first_hashes
+
+
+@pytest.mark.parametrize(("chat", "responses"), [
+    ("max_tokens", "max_output_tokens"), ("max_completion_tokens", "max_output_tokens"),
+    ("messages[3].content", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+    ("tools[1].function.parameters", "tools[1].parameters"), ("tool_choice.function.name", "tool_choice.name"),
+    ("temperature", "temperature"), (None, None),
+])
+def test_chat_errors_name_the_responses_parameter(chat: str | None, responses: str | None) -> None:
+    assert items.responses_param(chat) == responses

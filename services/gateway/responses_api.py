@@ -142,7 +142,7 @@ class _Relay:
         if message["type"] == "http.response.start" and message["status"] != 200:
             self.passthrough = True
         if self.passthrough:
-            await self.send(message)
+            await self.send(_in_responses_terms(message))
         elif message["type"] == "http.response.start":
             await self.start(message)
         else:
@@ -156,6 +156,18 @@ class _Relay:
 
     async def finish(self) -> None:
         """After the chat path returned: send what is still owed to the client."""
+
+
+def _in_responses_terms(message: dict[str, Any]) -> dict[str, Any]:
+    """An error body of the chat path, its `param` named as in the Responses request."""
+    if message["type"] != "http.response.body":
+        return message
+    try:
+        body = _dict_decoder.decode(message.get("body", b""))
+        body["error"]["param"] = items.responses_param(body["error"].get("param"))
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return message
+    return {**message, "body": _json.encode(body)}
 
 
 class _WholeRelay(_Relay):

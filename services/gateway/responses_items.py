@@ -8,6 +8,7 @@ events. Wire format: OpenAI's API reference for `POST /v1/responses` and its str
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -258,6 +259,19 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> d
         body["response_format"] = {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "description", "strict") if fmt.get(k) is not None}}
     return body
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat-completions error's `param` in the Responses request's terms."""
+    if param is None:
+        return None
+    if param in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if param.startswith("messages"):
+        return "input"  # the chat messages also hold instructions and earlier responses' items
+    if param.startswith("response_format"):
+        return "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
+    return re.sub(r"^(tools\[\d+\]|tool_choice)\.function", r"\1", param)
 
 
 # ---- the response object ----------------------------------------------------------------------
