@@ -26,7 +26,7 @@ from . import responses_items as items
 from .errors import OpenAIError
 from .generation import Generation, send_json
 from .keys import Principal
-from .responses_store import ResponseStore
+from .responses_store import ResponseStore, StoreUnavailable
 from .tenants import Tenant
 
 log = logs.get(__name__)
@@ -34,6 +34,12 @@ _json = msgspec.json.Encoder()
 _list_decoder = msgspec.json.Decoder(list[dict[str, Any]])
 _dict_decoder = msgspec.json.Decoder(dict[str, Any])
 Scope = dict[str, Any]
+
+
+def _unavailable() -> OpenAIError:
+    return OpenAIError(503, "Stored responses are unavailable right now; retry shortly.",
+                       code="service_unavailable", headers={"retry-after": "1"})
+
 
 
 class ResponsesAPI:
@@ -50,6 +56,16 @@ class ResponsesAPI:
             tenant, request, conversation, chat_body = await self._translate(scope, receive, local_id)
         except OpenAIError as error:
             await send_json(send, error.status, error.body(), local_id, error.headers)
+            return
+        except StoreUnavailable as error:
+            log.error("responses_store_unavailable", error=str(error))
+            unavailable = _unavailable()
+            await send_json(send, 503, unavailable.body(), local_id, unavailable.headers)
+            return
+        except Exception:
+            log.exception("unhandled_error")
+            internal = OpenAIError(500, "The server had an error while processing your request.", code="internal_error")
+            await send_json(send, 500, internal.body(), local_id)
             return
         chat_scope = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": [
             *((k, v) for k, v in scope["headers"] if k != b"content-length"),
@@ -100,14 +116,17 @@ class ResponsesAPI:
         try:
             await self.store.put(m.StoredResponse(id=response["id"], tenant=tenant, created_at=response["created_at"],
                                                   response=body, input_items=inputs))
-        except Exception as error:  # the answer is still the client's; only the follow-up can't name it
+        except StoreUnavailable as error:  # the answer is still the client's; only a follow-up can't name it
             log.error("response_not_stored", response_id=response["id"], error=repr(error))
             response["store"] = False
 
     # ---- GET / DELETE ---------------------------------------------------------------------------
 
     async def stored(self, tenant: Tenant, response_id: str) -> m.StoredResponse:
-        record = await self.store.get(tenant.id, response_id)
+        try:
+            record = await self.store.get(tenant.id, response_id)
+        except StoreUnavailable:
+            raise _unavailable() from None
         if record is None:
             raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
         return record
@@ -205,13 +224,14 @@ class _StreamRelay(_Relay):
         self.pending += message.get("body", b"")
         *frames, self.pending = self.pending.split(b"\n\n")
         events: list[items.Event] = []
+        ended_before = self.translator.final is not None
         for frame in frames:
             if not frame.startswith(b"data: "):
                 continue
             data = frame[len(b"data: "):]
             events += self.translator.end() if data == b"[DONE]" else self.translator.chunk(_dict_decoder.decode(data))
         final = self.translator.final
-        if final is not None and events and events[-1][1].get("response") is final:
+        if final is not None and not ended_before:
             await self.api.save(self.tenant, final, self.conversation)  # before the client can name it
         more = message.get("more_body", False)
         if events or not more:
@@ -241,7 +261,11 @@ def responses_router(identity: Callable[[Request], Awaitable[tuple[Principal, Te
     @router.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request) -> Response:
         _, tenant = await identity(request)
-        if not await responses().store.delete(tenant.id, response_id):
+        try:
+            deleted = await responses().store.delete(tenant.id, response_id)
+        except StoreUnavailable:
+            raise _unavailable() from None
+        if not deleted:
             raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
         return Response(_json.encode({"id": response_id, "object": "response", "deleted": True}),
                         media_type="application/json")

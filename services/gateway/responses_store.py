@@ -9,6 +9,7 @@ Keys start with the tenant, so a tenant can only ever read its own responses.
 from __future__ import annotations
 
 import msgspec
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
@@ -22,6 +23,10 @@ log = logs.get(__name__)
 _decoder = m.decoder(m.StoredResponse)
 # Room for the record's envelope (ids, msgpack framing) on top of its two JSON documents.
 _ENVELOPE_BYTES = 1024
+
+
+class StoreUnavailable(Exception):
+    """NATS did not answer a read or write of the bucket."""
 
 
 class ResponseStore:
@@ -56,13 +61,18 @@ class ResponseStore:
         return len(response) + len(input_items) <= self.max_bytes
 
     async def put(self, record: m.StoredResponse) -> None:
-        await self.kv.put(subjects.response_key(record.tenant, record.id), m.encode(record))
+        try:
+            await self.kv.put(subjects.response_key(record.tenant, record.id), m.encode(record))
+        except (NatsError, TimeoutError) as error:
+            raise StoreUnavailable(repr(error)) from error
 
     async def get(self, tenant: str, response_id: str) -> m.StoredResponse | None:
         try:
             entry = await self.kv.get(subjects.response_key(tenant, response_id))
         except KeyNotFoundError:
             return None
+        except (NatsError, TimeoutError) as error:
+            raise StoreUnavailable(repr(error)) from error
         if entry.value is None:
             return None
         try:
@@ -74,5 +84,8 @@ class ResponseStore:
     async def delete(self, tenant: str, response_id: str) -> bool:
         if await self.get(tenant, response_id) is None:
             return False
-        await self.kv.purge(subjects.response_key(tenant, response_id))
+        try:
+            await self.kv.purge(subjects.response_key(tenant, response_id))
+        except (NatsError, TimeoutError) as error:
+            raise StoreUnavailable(repr(error)) from error
         return True
