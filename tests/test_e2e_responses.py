@@ -27,7 +27,9 @@ LONG_INSTRUCTIONS = "You are a careful assistant of the inferbus platform team; 
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    with running_platform(tmp_path_factory.mktemp("responses"), workers=2, time_scale=0.1) as running:
+    # Stored responses limited to 20 kB here, so that the limit can be reached in a test.
+    with running_platform(tmp_path_factory.mktemp("responses"), workers=2, time_scale=0.1,
+                          extra_env={"INFERBUS_RESPONSES_MAX_BYTES": "20000"}) as running:
         yield running
 
 
@@ -160,6 +162,14 @@ def test_what_is_not_built_is_a_400_naming_it(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:  # the chat path's own checks, in Responses terms
         client.responses.create(model=MODEL, input="x", max_output_tokens=10**9)
     assert raised.value.body["param"] == "max_output_tokens"
+
+
+def test_a_conversation_over_the_stored_size_limit_is_a_400(client: openai.OpenAI) -> None:
+    long = "word " * 5000
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=MODEL, input=long, max_output_tokens=3)
+    assert raised.value.body["code"] == "conversation_too_large" and raised.value.body["param"] == "input"
+    assert client.responses.create(model=MODEL, input=long, max_output_tokens=3, store=False).output_text
 
 
 def test_conversation_survives_a_gateway_restart(platform: Platform, client: openai.OpenAI) -> None:

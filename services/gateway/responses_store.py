@@ -52,6 +52,8 @@ class ResponseStore:
             config = info.config
             if config.max_age != retention_s or config.max_msg_size != max_bytes + _ENVELOPE_BYTES:
                 config.max_age = retention_s
+                # The server refuses a duplicates window longer than the max age.
+                config.duplicate_window = min(config.duplicate_window or retention_s, retention_s)
                 config.max_msg_size = max_bytes + _ENVELOPE_BYTES
                 await js.update_stream(config)
                 log.info("responses_bucket_updated", retention_s=retention_s, max_bytes=max_bytes)
