@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from .conftest import MODEL, Platform, running_platform
+from .conftest import MODEL, Platform, read_usage, running_platform
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +38,15 @@ def client(platform: Platform) -> openai.OpenAI:
     return platform.client()
 
 
-def other_tenant(platform: Platform) -> openai.OpenAI:
+def other_tenant(platform: Platform, **fields: object) -> openai.OpenAI:
     tenant = "t-" + secrets.token_hex(4)
     with platform.admin() as admin:
-        assert admin.post("/tenants", json={"id": tenant}).status_code in (200, 201)
+        assert admin.post("/tenants", json={"id": tenant, **fields}).status_code in (200, 201)
         secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "test"}).json()["secret"]
     return openai.OpenAI(base_url=platform.base_url, api_key=secret, max_retries=0)
 
 
-def test_create_plain(client: openai.OpenAI) -> None:
+def test_create_plain(platform: Platform, client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input="Say hello", instructions="Be brief.", max_output_tokens=12,
                                        temperature=0)
     assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL
@@ -57,6 +57,17 @@ def test_create_plain(client: openai.OpenAI) -> None:
     assert response.usage.total_tokens == response.usage.input_tokens + 12
     assert response.usage.input_tokens_details.cached_tokens >= 0
     assert response.store is True and response.instructions == "Be brief."
+    # Billed as the chat completion it ran as: one usage event under the response's request id.
+    [event] = read_usage(platform, "demo", {response.id.removeprefix("resp_")})
+    assert event.status == "completed" and event.usage.completion_tokens == 12
+
+
+def test_rate_limits_apply(platform: Platform) -> None:
+    limited = other_tenant(platform, limits={"requests_per_minute": 1})
+    limited.responses.create(model=MODEL, input="one", max_output_tokens=3)
+    with pytest.raises(openai.RateLimitError) as raised:
+        limited.responses.create(model=MODEL, input="two", max_output_tokens=3)
+    assert raised.value.body["code"] == "rate_limit_exceeded" and raised.value.response.headers["retry-after"]
 
 
 def test_streamed_events_match_the_whole_response(client: openai.OpenAI) -> None:
