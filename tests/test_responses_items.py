@@ -215,3 +215,13 @@ def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix(
 ])
 def test_chat_errors_name_the_responses_parameter(chat: str | None, responses: str | None) -> None:
     assert items.responses_param(chat) == responses
+
+
+def test_a_function_call_output_must_answer_an_earlier_call() -> None:
+    call = {"id": "fc_1", "type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}",
+            "status": "completed"}
+    answer = items.input_items(parse(input=[{"type": "function_call_output", "call_id": "call_1", "output": "x"}]), "i")
+    items.check_call_outputs([call, *answer], 1)
+    with pytest.raises(OpenAIError) as caught:
+        items.check_call_outputs(answer, 0)
+    assert caught.value.param == "input[0].call_id"

@@ -41,7 +41,6 @@ def _unavailable() -> OpenAIError:
                        code="service_unavailable", headers={"retry-after": "1"})
 
 
-
 class ResponsesAPI:
     def __init__(self, generation: Generation, store: ResponseStore) -> None:
         self.generation = generation
@@ -97,6 +96,7 @@ class ResponsesAPI:
                                   param="previous_response_id", code="previous_response_not_found")
             context = _list_decoder.decode(previous.input_items) + _dict_decoder.decode(previous.response)["output"]
         conversation = context + items.input_items(request, f"item_{local_id}")
+        items.check_call_outputs(conversation, len(context))
         if request.store and len(_json.encode(conversation)) > self.store.max_bytes:
             raise OpenAIError(400, f"The conversation is over the {self.store.max_bytes} bytes a stored response may "
                               "hold; start a new one, or send `store: false` with the whole input.",

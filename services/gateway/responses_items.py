@@ -213,6 +213,18 @@ def _input_item(item: Any, i: int, item_id: str) -> Item:
     raise _unsupported(f"The input item type '{kind}'", f"{param}.type")
 
 
+def check_call_outputs(conversation: list[Item], first_input: int) -> None:
+    """Every `function_call_output` answers a `function_call` made before it (400 otherwise, as
+    OpenAI's); `first_input` is where the request's own input starts in the conversation."""
+    calls: set[str] = set()
+    for position, item in enumerate(conversation):
+        if item["type"] == "function_call":
+            calls.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in calls:
+            raise _invalid(f"No function call found for the function_call_output with call_id '{item['call_id']}'.",
+                           f"input[{position - first_input}].call_id" if position >= first_input else "input")
+
+
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
     """Chat messages for a conversation's items: a function call joins the assistant turn before
     it, as the model produced them together, so the rendered prompt extends the previous one."""
