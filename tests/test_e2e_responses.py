@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -60,6 +61,8 @@ def test_create_plain(platform: Platform, client: openai.OpenAI) -> None:
     # Billed as the chat completion it ran as: one usage event under the response's request id.
     [event] = read_usage(platform, "demo", {response.id.removeprefix("resp_")})
     assert event.status == "completed" and event.usage.completion_tokens == 12
+    metrics = httpx.get(platform.stack.gateway_url + "/metrics").text
+    assert 'inferbus_responses_total{response_status="incomplete",status="200"}' in metrics
 
 
 def test_rate_limits_apply(platform: Platform) -> None:

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from inferbus import logs
 from proto import messages as m
 
+from . import metrics
 from . import responses_items as items
 from .errors import OpenAIError
 from .generation import Generation, send_json
@@ -53,18 +54,10 @@ class ResponsesAPI:
         structlog.contextvars.bind_contextvars(request_id=local_id)
         try:
             tenant, request, conversation, chat_body = await self._translate(scope, receive, local_id)
-        except OpenAIError as error:
-            await send_json(send, error.status, error.body(), local_id, error.headers)
-            return
-        except StoreUnavailable as error:
-            log.error("responses_store_unavailable", error=str(error))
-            unavailable = _unavailable()
-            await send_json(send, 503, unavailable.body(), local_id, unavailable.headers)
-            return
-        except Exception:
-            log.exception("unhandled_error")
-            internal = OpenAIError(500, "The server had an error while processing your request.", code="internal_error")
-            await send_json(send, 500, internal.body(), local_id)
+        except Exception as error:
+            refusal = _refusal(error)
+            metrics.RESPONSES.labels(str(refusal.status), "").inc()
+            await send_json(send, refusal.status, refusal.body(), local_id, refusal.headers)
             return
         chat_scope = {**scope, "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "headers": [
             *((k, v) for k, v in scope["headers"] if k != b"content-length"),
@@ -81,6 +74,7 @@ class ResponsesAPI:
         relay: _Relay = (_StreamRelay if request.stream else _WholeRelay)(self, send, tenant, request, conversation)
         await self.generation(chat_scope, chat_receive, relay, "chat")
         await relay.finish()
+        metrics.RESPONSES.labels(str(relay.status), relay.response_status).inc()
 
     async def _translate(self, scope: Scope, receive: Any, local_id: str
                          ) -> tuple[str, items.ResponsesRequest, list[items.Item], bytes]:
@@ -111,6 +105,7 @@ class ResponsesAPI:
         body, inputs = _json.encode(response), _json.encode(conversation)
         if not self.store.fits(body, inputs):
             log.warning("response_not_stored", response_id=response["id"], reason="too_large")
+            metrics.RESPONSES_NOT_STORED.labels("too_large").inc()
             response["store"] = False
             return
         try:
@@ -118,6 +113,7 @@ class ResponsesAPI:
                                                   response=body, input_items=inputs))
         except StoreUnavailable as error:  # the answer is still the client's; only a follow-up can't name it
             log.error("response_not_stored", response_id=response["id"], error=repr(error))
+            metrics.RESPONSES_NOT_STORED.labels("store_unavailable").inc()
             response["store"] = False
 
     # ---- GET / DELETE ---------------------------------------------------------------------------
@@ -130,6 +126,17 @@ class ResponsesAPI:
         if record is None:
             raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
         return record
+
+
+def _refusal(error: Exception) -> OpenAIError:
+    """The error a request that failed before generation gets."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, StoreUnavailable):
+        log.error("responses_store_unavailable", error=str(error))
+        return _unavailable()
+    log.exception("unhandled_error")
+    return OpenAIError(500, "The server had an error while processing your request.", code="internal_error")
 
 
 def _latin(value: bytes | None) -> str | None:
@@ -156,10 +163,13 @@ class _Relay:
         self.request = request
         self.conversation = conversation
         self.passthrough = False
+        self.status = 499  # until the chat path answers: the client left before it did
+        self.response_status = ""  # the response object's, once there is one
 
     async def __call__(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start" and message["status"] != 200:
-            self.passthrough = True
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.passthrough = self.status != 200
         if self.passthrough:
             await self.send(_in_responses_terms(message))
         elif message["type"] == "http.response.start":
@@ -205,6 +215,7 @@ class _WholeRelay(_Relay):
         headers = self.start_message["headers"]
         completion = _dict_decoder.decode(b"".join(self.parts))
         response = items.response_from_chat(_shell(_request_id(headers), self.request), completion)
+        self.response_status = response["status"]
         await self.api.save(self.tenant, response, self.conversation)
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": _json.encode(response)})
@@ -232,6 +243,7 @@ class _StreamRelay(_Relay):
             events += self.translator.end() if data == b"[DONE]" else self.translator.chunk(_dict_decoder.decode(data))
         final = self.translator.final
         if final is not None and not ended_before:
+            self.response_status = final["status"]
             await self.api.save(self.tenant, final, self.conversation)  # before the client can name it
         more = message.get("more_body", False)
         if events or not more:
