@@ -26,8 +26,8 @@ def refused(**body: Any) -> OpenAIError:
 
 def test_string_input_is_one_user_message() -> None:
     request = parse(input="hi", instructions="Be brief.", max_output_tokens=9, temperature=0.5)
-    conversation = items.input_items(request, "item_x")
-    assert conversation == [{"id": "item_x_0", "type": "message", "role": "user",
+    conversation = items.input_items(request, "x")
+    assert conversation == [{"id": "msg_x_0", "type": "message", "role": "user",
                              "content": [{"type": "input_text", "text": "hi"}], "status": "completed"}]
     chat = items.chat_request(request, items.chat_messages(request.instructions, conversation))
     assert chat == {"model": "m", "stream": False, "max_completion_tokens": 9, "temperature": 0.5,

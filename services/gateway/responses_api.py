@@ -89,7 +89,7 @@ class ResponsesAPI:
                 raise OpenAIError(404, f"Previous response with id '{request.previous_response_id}' not found.",
                                   param="previous_response_id", code="previous_response_not_found")
             context = _list_decoder.decode(previous.input_items) + _dict_decoder.decode(previous.response)["output"]
-        conversation = context + items.input_items(request, f"item_{local_id}")
+        conversation = context + items.input_items(request, local_id)
         items.check_call_outputs(conversation, len(context))
         if request.store and len(_json.encode(conversation)) > self.store.max_bytes:
             raise OpenAIError(400, f"The conversation is over the {self.store.max_bytes} bytes a stored response may "

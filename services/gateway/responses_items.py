@@ -155,11 +155,15 @@ def _check_format(fmt: dict[str, Any] | None) -> None:
 # ---- input items ------------------------------------------------------------------------------
 
 
-def input_items(request: ResponsesRequest, id_prefix: str) -> list[Item]:
-    """The request's `input` as stored input items (OpenAI's shapes, every item with an id)."""
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(request: ResponsesRequest, id_suffix: str) -> list[Item]:
+    """The request's `input` as stored input items (OpenAI's shapes, every item with an id: its
+    own, or `<msg|fc|fco>_<id_suffix>_<position>`)."""
     raw: list[Item] = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
         else list(request.input or ())
-    return [_input_item(item, i, f"{id_prefix}_{i}") for i, item in enumerate(raw)]
+    return [_input_item(item, i, f"{id_suffix}_{i}") for i, item in enumerate(raw)]
 
 
 def _text_of(content: Any, param: str, allowed: tuple[str, ...]) -> str:
@@ -180,11 +184,12 @@ def _text_of(content: Any, param: str, allowed: tuple[str, ...]) -> str:
     return "".join(texts)
 
 
-def _input_item(item: Any, i: int, item_id: str) -> Item:
+def _input_item(item: Any, i: int, id_suffix: str) -> Item:
     param = f"input[{i}]"
     if not isinstance(item, dict):
         raise _invalid("Each input item must be an object.", param)
     kind = item.get("type", "message")
+    item_id = f"{_ID_PREFIXES.get(kind, 'item')}_{id_suffix}"
     if kind == "message":
         role = item.get("role")
         if role not in _ROLES:
