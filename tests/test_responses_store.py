@@ -65,6 +65,8 @@ async def test_stored_per_tenant_and_durable_across_a_server_restart(nats_server
     assert (await store.get("acme", "resp_1")).response == b'{"id":"resp_1"}'
     assert await store.get("other", "resp_1") is None
     assert not await store.delete("other", "resp_1")
+    for odd in ("resp_1.x", "resp_1 ", "*", ">", "r" * 5000, ""):  # never a key, never a subject sent
+        assert await store.get("acme", odd) is None
     await nc.close()
 
     nats_server.stop()

@@ -8,6 +8,8 @@ Keys start with the tenant, so a tenant can only ever read its own responses.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -21,6 +23,9 @@ from proto import subjects
 
 log = logs.get(__name__)
 _decoder = m.decoder(m.StoredResponse)
+# Ids this store hands out (`resp_<hex>`); anything else cannot name a stored response, and is not
+# sent to NATS at all (a key is part of a subject, whose length the server limits).
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # Room for the record's envelope (ids, msgpack framing) on top of its two JSON documents.
 _ENVELOPE_BYTES = 1024
 
@@ -69,6 +74,8 @@ class ResponseStore:
             raise StoreUnavailable(repr(error)) from error
 
     async def get(self, tenant: str, response_id: str) -> m.StoredResponse | None:
+        if not _RESPONSE_ID.fullmatch(response_id):
+            return None
         try:
             entry = await self.kv.get(subjects.response_key(tenant, response_id))
         except KeyNotFoundError:
