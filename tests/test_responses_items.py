@@ -86,6 +86,8 @@ def test_tools_tool_choice_and_text_format_translate_to_their_chat_forms() -> No
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"truncation": "auto"}, "truncation"),
     ({"top_logprobs": 3}, "top_logprobs"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0].type"),
@@ -97,7 +99,8 @@ def test_what_is_not_built_is_a_400_naming_it(body: dict[str, Any], param: str) 
 
 
 def test_options_that_ask_for_nothing_are_accepted() -> None:
-    parse(input="x", reasoning={"effort": None, "summary": None}, include=[], truncation="disabled", background=False)
+    parse(input="x", reasoning={"effort": None, "summary": None}, include=[], truncation="disabled", background=False,
+          service_tier="auto", prompt_cache_key="k", text={"format": {"type": "text"}, "verbosity": None})
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -54,6 +54,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     context_management: Any = None
+    service_tier: str | None = None
 
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -86,6 +87,10 @@ def parse_request(body: bytes) -> ResponsesRequest:
         raise _unsupported("Log probabilities (`top_logprobs`)", "top_logprobs")
     if request.context_management is not None:
         raise _unsupported("`context_management`", "context_management")
+    if request.service_tier not in (None, "auto", "default"):
+        raise _unsupported(f"`service_tier: {request.service_tier}` (the band comes from the API key)", "service_tier")
+    if request.text is not None and request.text.verbosity is not None:
+        raise _unsupported("`text.verbosity`", "text.verbosity")
     if request.truncation == "auto":
         raise _unsupported("`truncation: auto`", "truncation")
     for i, name in enumerate(request.include or ()):
