@@ -89,6 +89,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: bool = False  # return each generated token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives per position
 
+    @property
+    def constrained(self) -> bool:
+        """Decoding follows a grammar, which restarts with every engine request: such an output
+        cannot be continued from its text by another attempt, only started again."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
 
 class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     """One generated token's logprob and its most likely alternatives (token text, logprob)."""
@@ -126,6 +132,9 @@ class InferenceRequest(_Message, tag="request"):
     expected_cached_tokens: int = 0
     batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
     batch_line: int = -1  # for lines of a batch: the 0-based line of the input file
+    # n > 1: which choice this engine request is (each its own request id); choices after the
+    # first report no prompt tokens in their usage, since OpenAI bills the prompt once.
+    choice: int = 0
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""

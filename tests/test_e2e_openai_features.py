@@ -11,7 +11,7 @@ import openai
 import pydantic
 import pytest
 
-from .conftest import MODEL, Platform
+from .conftest import MODEL, Platform, read_usage
 
 pytestmark = pytest.mark.e2e
 
@@ -137,11 +137,13 @@ def test_bad_schemas_are_400s(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert raised.value.body["param"] == "response_format.json_schema.schema"
-    # Valid JSON Schema the engine's grammar backend cannot compile: the engine's 400, passed on.
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a+$"}}})
-    assert "grammar" in raised.value.message
+    # Valid JSON Schema the engine's grammar backend cannot compile: the engine's 400, passed on,
+    # streaming or not (a stream answers with its status once the first output is there).
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, stream=stream, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a+$"}}})
+        assert "grammar" in raised.value.message
 
 
 def test_chat_logprobs_plain_and_streamed(client: openai.OpenAI) -> None:
@@ -198,7 +200,7 @@ COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 4}
     ("chat", {"metadata": {"a": "b"}}, "metadata"),
     ("chat", {"service_tier": "flex"}, "service_tier"),
     ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 129}, "n"),
     ("chat", {"n": 0}, "n"),
     ("chat", {"seed": 2**70}, "seed"),
     ("chat", {"max_tokens": 2**40}, "max_tokens"),
@@ -222,6 +224,62 @@ def test_each_refused_field_is_a_400_naming_it(platform: Platform, endpoint: str
     assert response.json()["error"]["param"] == param
 
 
+def test_n_choices_plain_and_streamed(platform: Platform, client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Write a line about the sea"}]
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3)
+    three = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3, n=3, logprobs=True)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].message.content == one.choices[0].message.content
+    assert len({c.message.content for c in three.choices}) > 1  # each choice samples with its own seed
+    assert all(len(c.logprobs.content) == 6 for c in three.choices)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 18 and three.usage.total_tokens == three.usage.prompt_tokens + 18
+    # The ledger bills the prompt once too.
+    request_id = three.id.removeprefix("chatcmpl-")
+    events = read_usage(platform, "demo", {request_id, f"{request_id}.c1", f"{request_id}.c2"})
+    assert sorted(e.usage.prompt_tokens for e in events) == [0, 0, one.usage.prompt_tokens]
+    assert sum(e.usage.completion_tokens for e in events) == 18
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == three.choices[0].message.content and texts[1] == three.choices[1].message.content
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
+    completions = client.completions.create(model=MODEL, prompt="The sea", max_tokens=4, n=2)
+    assert [c.index for c in completions.choices] == [0, 1] and completions.usage.completion_tokens == 8
+
+
 def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=4, seed=2**70)
+
+
+@pytest.fixture(scope="module")
+def hermes_platform(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A platform serving a model of the Hermes/Qwen family: the engine writes <tool_call> blocks
+    and the gateway is configured to read them."""
+    from .conftest import running_platform
+
+    with running_platform(tmp_path_factory.mktemp("hermes"), workers=1, time_scale=0.1,
+                          engine_args=["--tool-call-parser", "hermes"],
+                          extra_env={"INFERBUS_TOOL_CALL_PARSER": "hermes"}) as running:
+        yield running
+
+
+def test_hermes_family_tool_calls(hermes_platform: Platform) -> None:
+    client = hermes_platform.client()
+    messages = [{"role": "user", "content": "What's the weather in Rome, and the time?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"])
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2) as stream:
+        final = stream.get_final_completion()
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]

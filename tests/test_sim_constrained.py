@@ -74,3 +74,31 @@ def test_value_from_schema_respects_numeric_bounds() -> None:
     for _ in range(50):
         value = value_from_schema({"type": "integer", "exclusiveMinimum": 5, "maximum": 7}, rng)
         assert 5 < value <= 7
+
+
+async def test_generate_follows_the_schema_and_returns_logprobs_in_sglang_shapes() -> None:
+    from .test_sim_server import parse_events, running
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]}
+    body = {"text": "Give me JSON", "rid": "json1", "return_logprob": True, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 200, "json_schema": json.dumps(schema), "sampling_seed": 4}}
+    async with running() as (_, client):
+        whole = (await client.post("/generate", json=body)).json()
+        stream = await client.post("/generate", json={**body, "rid": "json2", "stream": True})
+        bad = await client.post("/generate", json={"text": "x", "sampling_params": {
+            "json_schema": '{"type": "string", "pattern": "a+"}'}})
+        unknown = await client.post("/generate", json={"text": "x", "sampling_params": {"max_tokens": 3}})
+    jsonschema.validate(json.loads(whole["text"]), schema)
+    meta = whole["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop"
+    tokens, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(tokens) == len(tops) == meta["completion_tokens"] == len(whole["output_ids"])
+    assert "".join(text for _, _, text in tokens) == whole["text"]
+    assert [token_id for _, token_id, _ in tokens] == whole["output_ids"]
+    assert all(len(top) == 2 and top[0][2] == token[2] and top[0][0] >= top[1][0] for token, top in zip(tokens, tops))
+    chunks = [json.loads(e) for e in parse_events(stream.text)[:-1]]
+    assert chunks[-1]["text"] == whole["text"]  # deterministic under the seed
+    assert all(len(c["meta_info"]["output_token_logprobs"]) == c["meta_info"]["completion_tokens"] for c in chunks)
+    assert bad.status_code == 400 and "Invalid grammar request" in bad.json()["error"]["message"]
+    assert unknown.status_code == 400

@@ -127,3 +127,4 @@ def test_bad_tools_are_400s_naming_the_field(tool_list: list | None, choice: obj
     with pytest.raises(OpenAIError) as raised:
         tools.check(tool_list, choice)  # type: ignore[arg-type]
     assert raised.value.status == 400 and raised.value.param == param
+

@@ -59,6 +59,8 @@ def parse_body(endpoint: str, body: bytes) -> schemas.ChatCompletionRequest | sc
     if request.stream:
         raise OpenAIError(400, "stream is not supported in a batch.", param="stream", code="unsupported_value")
     # Output lines carry text only: what needs more of the response is refused, not dropped.
+    if request.n != 1:
+        raise OpenAIError(400, "n greater than 1 is not supported in a batch.", param="n", code="unsupported_value")
     if isinstance(request, schemas.ChatCompletionRequest):
         if request.tools and request.tool_choice != "none":
             raise OpenAIError(400, "tools are not supported in a batch.", param="tools", code="unsupported_value")

@@ -145,8 +145,6 @@ def _unsupported(param: str, why: str = "is not supported by this platform") -> 
 
 
 def _check_common(body: _Common) -> None:
-    if body.n != 1:
-        raise _unsupported("n", "greater than 1 is not supported; send n requests")
     if body.logit_bias:
         # Keys are token ids of OpenAI's tokenizers; they mean nothing to this model's vocabulary.
         raise _unsupported("logit_bias")
@@ -172,6 +170,9 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
                         400, f"Content part type '{part.type}' is not supported by this model; use text parts.",
                         param=f"messages[{i}].content", code="unsupported_value",
                     )
+        if message.role == "tool" and not message.tool_call_id:
+            raise OpenAIError(400, f"messages[{i}].tool_call_id is required for role 'tool'.",
+                              param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
         if message.content is None and not message.tool_calls and message.role != "assistant":
             raise OpenAIError(400, f"messages[{i}].content must not be null for role '{message.role}'.", param=f"messages[{i}].content", code="invalid_value")
     _refuse_unsupported_chat_fields(request)

@@ -285,12 +285,14 @@ class _HermesStream:
         return [rest] if rest else []
 
 
-PARSERS = {"llama3": Llama3Parser, "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser}
+PARSERS: dict[str, type[Llama3Parser] | type[HermesParser]] = {
+    "llama3": Llama3Parser, "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser,
+}
 
 
 def parser_for(family: str, tools: Sequence[dict[str, Any]]) -> Parser:
     names = frozenset(t["function"]["name"] for t in tools)
-    return PARSERS[family](names)  # type: ignore[no-any-return]
+    return PARSERS[family](names)
 
 
 class ConstrainedStream:

@@ -82,12 +82,16 @@ def _logprob_entry(entry: Any) -> tuple[str, float]:
 
 
 def new_logprobs(meta: dict[str, Any], sent: int) -> list[TokenLogprob]:
-    """The logprobs in an engine chunk's meta_info beyond the first `sent` (SGLang repeats all of
-    them in every chunk of a stream, like the text)."""
+    """The logprobs in an engine chunk's meta_info of the output tokens after the first `sent`.
+
+    SGLang repeats all of them in every chunk of a stream, like the text; with
+    --incremental-streaming-output only the new ones. The lists end at `completion_tokens`
+    either way, which tells where they start."""
     tokens = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
+    first = max(0, int(meta.get("completion_tokens", len(tokens))) - len(tokens))  # output index of tokens[0]
     out = []
-    for i in range(sent, len(tokens)):
+    for i in range(max(0, sent - first), len(tokens)):
         token, logprob = _logprob_entry(tokens[i])
         top = [_logprob_entry(t) for t in (tops[i] if i < len(tops) and tops[i] else ())]
         out.append(TokenLogprob(token=token, logprob=logprob, top=top))
