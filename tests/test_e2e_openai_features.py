@@ -112,6 +112,21 @@ def test_output_that_is_not_a_call_comes_back_as_content(client: openai.OpenAI) 
         assert isinstance(json.loads(content), dict) and finish == ["stop"]
 
 
+def test_a_call_cut_short_comes_back_as_content(client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        response = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=12,
+                                                  seed=1, stream=stream)
+        if stream:
+            chunks = list(response)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            content, finish = response.choices[0].message.content, [response.choices[0].finish_reason]
+            assert response.choices[0].message.tool_calls is None
+        assert content.startswith('{"name": "get') and finish == ["length"]
+
+
 class Trip(pydantic.BaseModel):
     city: str
     nights: int
@@ -137,13 +152,17 @@ def test_bad_schemas_are_400s(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert raised.value.body["param"] == "response_format.json_schema.schema"
-    # Valid JSON Schema the engine's grammar backend cannot compile: the engine's 400, passed on,
-    # streaming or not (a stream answers with its status once the first output is there).
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as raised:
-            client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, stream=stream, response_format={
-                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a+$"}}})
-        assert "grammar" in raised.value.message
+    # Valid JSON Schema the engine's grammar backend cannot compile: the engine's 400, passed on
+    # (in a stream, whose 200 went out at once, as its error event: never a retry or a 5xx).
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a+$"}}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format=bad)
+    assert "grammar" in raised.value.message
+    with pytest.raises(openai.APIError) as streamed:
+        list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format=bad,
+                                            stream=True))
+    assert "grammar" in streamed.value.message
+    assert streamed.value.body["type"] == "invalid_request_error" and streamed.value.body["code"] == "invalid_request"
 
 
 def test_chat_logprobs_plain_and_streamed(client: openai.OpenAI) -> None:
@@ -239,6 +258,12 @@ def test_n_choices_plain_and_streamed(platform: Platform, client: openai.OpenAI)
     events = read_usage(platform, "demo", {request_id, f"{request_id}.c1", f"{request_id}.c2"})
     assert sorted(e.usage.prompt_tokens for e in events) == [0, 0, one.usage.prompt_tokens]
     assert sum(e.usage.completion_tokens for e in events) == 18
+    # A prompt of several prefix blocks: the choices are placed together, on the engine that has it.
+    long = [{"role": "user", "content": "Summarise the shipping log: " + "crate bound for Oslo, " * 60}]
+    many = client.chat.completions.create(model=MODEL, messages=long, max_tokens=4, n=4)
+    request_id = many.id.removeprefix("chatcmpl-")
+    events = read_usage(platform, "demo", {request_id, *(f"{request_id}.c{i}" for i in range(1, 4))})
+    assert len(events) == 4 and len({e.worker_id for e in events}) == 1
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=3, n=2,
                                                  stream=True, stream_options={"include_usage": True}))

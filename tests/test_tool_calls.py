@@ -128,3 +128,29 @@ def test_bad_tools_are_400s_naming_the_field(tool_list: list | None, choice: obj
         tools.check(tool_list, choice)  # type: ignore[arg-type]
     assert raised.value.status == 400 and raised.value.param == param
 
+
+
+def test_engine_constraint_of_a_request() -> None:
+    import msgspec
+
+    from services.gateway.sampling import sampling_params
+    from services.gateway.schemas import parse_chat, parse_completion
+
+    def chat(**fields: object) -> object:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+        return sampling_params(parse_chat(msgspec.json.encode(body)), 16)
+
+    assert chat().json_schema is None and chat(response_format={"type": "text"}).json_schema is None
+    assert chat(response_format={"type": "json_object"}).json_schema == '{"type":"object"}'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert json.loads(chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+                      .json_schema) == schema
+    # A forced call wins over the response format; auto leaves the model free.
+    forced = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  response_format={"type": "json_object"})
+    assert json.loads(forced.json_schema) == WEATHER["function"]["parameters"]
+    assert chat(tools=[WEATHER], tool_choice="auto").json_schema is None
+    sampled = chat(seed=9, top_k=0, min_p=0.2, logprobs=True, top_logprobs=4)
+    assert (sampled.seed, sampled.top_k, sampled.min_p, sampled.logprobs, sampled.top_logprobs) == (9, -1, 0.2, True, 4)
+    completion = sampling_params(parse_completion(b'{"model": "m", "prompt": "x", "logprobs": 0}'), 8)
+    assert completion.logprobs and completion.top_logprobs == 0

@@ -95,7 +95,8 @@ def plan_line(endpoint: str, body: bytes, *, max_model_len: int, default_max_tok
     sampling = sampling_params(
         params, responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens))
     return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt, prompt_tokens=prompt_tokens,
-                    sampling=sampling, user=params.user)
+                    sampling=sampling,
+                    user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None))
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,

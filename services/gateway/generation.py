@@ -220,7 +220,8 @@ class Generation:
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, user=params.user, prompt_tokens=prompt_tokens,
+            created=now, prompt_tokens=prompt_tokens,
+            user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
@@ -407,20 +408,11 @@ class Generation:
 
     async def _stream(self, call: _Call, send: Any, request_id: str) -> str:
         deadline = call.choices[0].flight.request.deadline
+        # Headers at once: a streaming client learns its request id while the request waits.
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
         frames: list[bytes] = []
         status = "200"
-        started = False
-
-        async def write(body: bytes, more: bool) -> None:
-            # The 200 goes out with the first chunk, so that a refusal before any output (an
-            # engine's 400) is still an HTTP error the client's SDK raises as such.
-            nonlocal started
-            if not started:
-                started = True
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
-            await send({"type": "http.response.body", "body": body, "more_body": more})
-
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
                 async for choice, event in self._events(call):
@@ -429,7 +421,7 @@ class Generation:
                             self._first_token(call, not choice.started)
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs))
                         if self._quiet(call):  # write what has queued up in one go
-                            await write(b"".join(frames), True)
+                            await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
                         continue
                     if isinstance(event, m.Final):
@@ -450,12 +442,8 @@ class Generation:
                     else:
                         error = _event_error(event)
                         status = str(error.status)
-                        await self._give_up(call, choice, error)
-                        if not started and not frames and 400 <= error.status < 500:
-                            await self._release_lease(call)
-                            await send_json(send, error.status, error.body(), request_id, error.headers)
-                            return status
                         frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
+                        await self._give_up(call, choice, error)
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
@@ -464,7 +452,7 @@ class Generation:
             await self._give_up(call, None, error, cancel_reason="deadline")
         await self._release_lease(call)
         frames.append(DONE)
-        await write(b"".join(frames), False)
+        await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
         return status
 
     async def _respond(self, call: _Call, send: Any, request_id: str) -> str:

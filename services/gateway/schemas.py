@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-import jsonschema
 import msgspec
 from msgspec import Meta
 
 from . import tools
 from .errors import OpenAIError
+from .jsonschemas import check_json_schema
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(ge=0.0, le=1.0)]
@@ -231,16 +231,6 @@ def check_response_format(response_format: ResponseFormat) -> None:
         raise OpenAIError(400, "response_format.json_schema.name must be 1-64 letters, digits, _ or -.",
                           param="response_format.json_schema.name", code="invalid_value")
     check_json_schema(spec.schema or {}, "response_format.json_schema.schema")
-
-
-def check_json_schema(schema: dict[str, Any], param: str) -> None:
-    error = jsonschema.validators.validator_for(schema).check_schema
-    try:
-        error(schema)
-    except jsonschema.SchemaError as invalid:
-        where = "/".join(str(p) for p in invalid.path)
-        raise OpenAIError(400, f"Invalid schema for {param}" + (f" at `{where}`" if where else "")
-                          + f": {invalid.message}", param=param, code="invalid_value") from None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

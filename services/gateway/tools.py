@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import OpenAIError
+from .jsonschemas import check_json_schema
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _decoder = json.JSONDecoder()
@@ -54,8 +55,6 @@ def _invalid(message: str, param: str) -> OpenAIError:
 
 def check(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
     """400 for malformed `tools` or a `tool_choice` that does not fit them."""
-    from .schemas import check_json_schema  # schemas imports this module
-
     names: set[str] = set()
     for i, tool in enumerate(tools or ()):
         function = tool.get("function")

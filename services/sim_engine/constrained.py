@@ -13,6 +13,7 @@ under a seed.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from typing import Any
@@ -70,8 +71,6 @@ def _number(schema: dict[str, Any], rng: random.Random, integer: bool) -> int | 
     if low > high:
         raise SchemaError("empty numeric range")
     if integer:
-        import math
-
         return rng.randint(math.ceil(low), math.floor(high))
     return round(rng.uniform(low, high), 3)
 
