@@ -263,7 +263,7 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> d
         body["stream_options"] = {"include_usage": True}
     for name, value in (("max_completion_tokens", request.max_output_tokens), ("temperature", request.temperature),
                         ("top_p", request.top_p), ("parallel_tool_calls", request.parallel_tool_calls),
-                        ("user", request.user or request.safety_identifier)):
+                        ("user", request.user), ("safety_identifier", request.safety_identifier)):
         if value is not None:
             body[name] = value
     if request.tools:
@@ -323,7 +323,7 @@ class Shell:
             "text": {"format": (r.text.format if r.text and r.text.format else {"type": "text"})},
             "tool_choice": "auto" if r.tool_choice is None else r.tool_choice, "tools": _tools_out(r.tools),
             "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled", "usage": usage,
-            "user": r.user, "metadata": r.metadata or {},
+            "user": r.user, "safety_identifier": r.safety_identifier, "metadata": r.metadata or {},
         }
 
 
