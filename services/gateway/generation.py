@@ -420,6 +420,8 @@ class Generation:
                         if event.text or not choice.started:
                             self._first_token(call, not choice.started)
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs))
+                        elif call.logprobs:  # tokens without text yet: their logprobs go with the next chunk
+                            choice.pending_logprobs.extend(event.logprobs or ())
                         if self._quiet(call):  # write what has queued up in one go
                             await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
@@ -428,6 +430,8 @@ class Generation:
                         if event.text or not choice.started or choice.tool_output is not None:
                             self._first_token(call, not choice.started)
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs, final=True))
+                        elif call.logprobs:
+                            choice.pending_logprobs.extend(event.logprobs or ())
                         finish = responses.finish_reason(event.finish_reason, choice.tool_calls_sent > 0)
                         frames.append(self._chunk(call, None if call.endpoint == "chat" else "", finish, False,
                                                   index=choice.index, choice=choice,
