@@ -337,6 +337,17 @@ class FileRecord(_Message):
     expires_at: int | None = None
 
 
+class StoredResponse(_Message):
+    """A stored Responses-API response (`responses` KV bucket): the response object and the
+    conversation's input items that produced it, both as their JSON wire bytes."""
+
+    id: str
+    tenant: str
+    created_at: int
+    response: bytes  # the `response` object
+    input_items: bytes  # JSON list: the previous responses' items, then this request's input
+
+
 class WorkerLoad(_Message):
     """Worker → router/autoscaler every ~250 ms on `metrics_subject`."""
 

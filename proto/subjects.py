@@ -37,6 +37,7 @@ ADAPTERS_BUCKET = "adapters"
 BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant, batch_id)`
 FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
+RESPONSES_BUCKET = "responses"  # one StoredResponse per stored response, keyed `response_key(tenant, id)`
 
 ANY_TARGET = "any"
 
@@ -236,3 +237,6 @@ def api_cancel_subject(gateway_id: str, call_id: str) -> str:
 
 def api_cancel_wildcard(gateway_id: str) -> str:
     return f"{PREFIX}.api.cancel.{token(gateway_id)}.*"
+def response_key(tenant: str, response_id: str) -> str:
+    """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
+    return f"{_durable(tenant)}.{_durable(response_id)}"

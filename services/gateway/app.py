@@ -43,6 +43,8 @@ from .internal_api import InternalApi
 from .json_body import JsonLimits
 from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
+from .responses_api import ResponsesAPI, responses_router
+from .responses_store import ResponseStore
 from .settings import GatewaySettings
 from .models import ModelCatalog
 from .tenants import Tenant, TenantStore
@@ -61,6 +63,7 @@ class Gateway:
         self.dispatcher: Dispatcher | None = None
         self.redis: aioredis.Redis | None = None
         self.generation: Generation | None = None
+        self.responses: ResponsesAPI | None = None
         self.tenants: TenantStore | None = None
         self.fleet: FleetMonitor | None = None
         self.catalog: ModelCatalog | None = None
@@ -106,6 +109,9 @@ class Gateway:
         if s.internal_api:  # internal producers: the same calls over NATS request/reply
             self.internal_api = InternalApi(self.nc, self.generation, self.gateway_id)
             await self.internal_api.start()
+        # The Responses API: stored responses in KV, generation through the chat path above.
+        store = await ResponseStore.open(js, s.responses_retention_s, s.responses_max_bytes)
+        self.responses = ResponsesAPI(self.generation, store)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
@@ -135,6 +141,8 @@ class GatewayASGI:
             endpoint = ENDPOINTS.get(scope["path"].rstrip("/"))
             if endpoint is not None:
                 return await self.gateway.generation(scope, receive, send, endpoint)
+            if scope["path"].rstrip("/") == "/v1/responses" and self.gateway.responses is not None:
+                return await self.gateway.responses.create(scope, receive, send)
         await self.api(scope, receive, send)
 
 
@@ -201,6 +209,9 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     # Files and batches: /v1/files, /v1/batches.
     api.include_router(files_router(identity, lambda: gateway.files))
     api.include_router(batches_router(identity, lambda: gateway.batches, lambda: gateway.files))
+
+    # The Responses API's stored responses: GET/DELETE /v1/responses/{id}, .../input_items.
+    api.include_router(responses_router(identity, lambda: gateway.responses))
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -61,6 +61,15 @@ class GatewaySettings:
         "must see the same directory (a shared volume when they run on different hosts).",
     )
     max_file_bytes: int = env("INFERBUS_MAX_FILE_BYTES", 200 * 1024 * 1024, "Largest /v1/files upload accepted (413 above).")
+    responses_retention_s: float = env(
+        "INFERBUS_RESPONSES_RETENTION_S", 30 * 24 * 3600.0,
+        "How long a stored /v1/responses response (and its conversation) is kept; OpenAI keeps them 30 days.",
+    )
+    responses_max_bytes: int = env(
+        "INFERBUS_RESPONSES_MAX_BYTES", 768 * 1024,
+        "Largest stored response, conversation included (JSON bytes); a longer conversation is a 400. "
+        "Must stay under the NATS server's max_payload (1 MiB by default).",
+    )
     tool_call_parser: str = env(
         "INFERBUS_TOOL_CALL_PARSER", "llama3",
         "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
