@@ -143,6 +143,11 @@ def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.control.{token(worker_id)}"
 
 
+def liveness_subject(worker_id: str) -> str:
+    """A worker's liveness probe (request/reply), answered by its heartbeat thread."""
+    return f"{PREFIX}.alive.{token(worker_id)}"
+
+
 def scale_subject(pool: str) -> str:
     return f"{PREFIX}.scale.{token(pool)}"
 

@@ -1,5 +1,5 @@
 from proto import messages as m
-from services.gateway.overload import OverloadPolicy
+from services.gateway.overload import OverloadPolicy, Verdict
 
 
 class Clock:
@@ -29,7 +29,7 @@ def test_idle_capacity_means_no_wait_even_with_a_queue_shorter_than_free_slots()
     policy.on_load(load("a", in_flight=2, completed=0))
     policy.on_queue_depth("standard", 5)
     assert policy.expected_wait_s("standard") == 0.0
-    assert policy.admit("standard") == (True, 0.0)
+    assert policy.admit("standard") == Verdict(True, 0.0, 0.0)
 
 
 def test_standard_is_shed_before_premium_when_the_queue_outgrows_its_budget() -> None:
@@ -41,9 +41,9 @@ def test_standard_is_shed_before_premium_when_the_queue_outgrows_its_budget() ->
     # premium waits behind 4 premium requests (~1.25 s); standard behind all 24 (~6 s)
     assert 0.5 < policy.expected_wait_s("premium") < 2.5
     assert policy.expected_wait_s("standard") > 5
-    admitted, retry_after = policy.admit("standard")
-    assert not admitted and retry_after >= 2
-    assert policy.admit("premium") == (True, 0.0)
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and verdict.retry_after_s >= 2
+    assert policy.admit("premium").admitted
 
 
 def test_stale_or_draining_workers_do_not_count() -> None:
@@ -51,9 +51,9 @@ def test_stale_or_draining_workers_do_not_count() -> None:
     policy = OverloadPolicy(clock=clock, stale_after_s=3.0)
     busy_fleet(clock, policy, rate_per_worker=2.0)
     policy.on_queue_depth("standard", 50)
-    assert not policy.admit("standard")[0]
+    assert not policy.admit("standard").admitted
     clock.now += 10  # reports stopped: the view is stale, which is not overload
-    assert policy.admit("standard") == (True, 0.0)
+    assert policy.admit("standard").admitted
 
 
 def test_batch_lines_are_room_for_interactive_work() -> None:
@@ -71,4 +71,59 @@ def test_batch_lines_are_room_for_interactive_work() -> None:
         clock.now += 1.0
     policy.on_queue_depth("standard", 10)
     assert policy.free_slots() == 18
-    assert policy.admit("standard") == (True, 0.0)
+    assert policy.admit("standard").admitted
+
+
+def test_retry_after_is_small_and_bounded_even_when_almost_nothing_finishes() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, max_retry_after_s=30.0)
+    for step in range(40):  # one completion in 40 s across a full fleet with a deep queue
+        policy.on_load(load("a", in_flight=10, completed=1 if step > 20 else 0))
+        clock.now += 1.0
+    policy.on_queue_depth("standard", 10_000)
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and verdict.expected_wait_s > 1000
+    assert verdict.retry_after_s == 30.0
+    assert verdict.headers() == {"retry-after": "30", "retry-after-ms": "30000"}
+
+
+def test_a_full_fleet_that_finishes_nothing_is_overloaded_once_watched_longer_than_the_budget() -> None:
+    # Long answers: every slot busy, work queued, no completion yet. The old estimate said "no
+    # data, no wait" and admitted everything; the wait is at least as long as nothing finished.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    policy.on_queue_depth("standard", 5)
+    policy.on_load(load("a", in_flight=10, completed=0))
+    assert policy.admit("standard").admitted  # just started watching: unknown is not overload
+    for _ in range(5):
+        clock.now += 1.0
+        policy.on_load(load("a", in_flight=10, completed=0))
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and verdict.expected_wait_s == 5.0
+    assert policy.admit("premium").admitted  # premium waits behind no premium work
+
+
+def test_the_rate_is_measured_over_a_window_not_between_two_reports() -> None:
+    # 4 completions a second in bursts every 2 s: report-to-report samples are 0 or 8/s.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, rate_window_s=10.0)
+    completed = 0
+    for step in range(40):
+        if step % 8 == 0:
+            completed += 8
+        policy.on_load(load("a", in_flight=10, completed=completed, max_running=10))
+        clock.now += 0.25
+    rate, watched = policy.completion_rate()
+    assert 3.0 < rate < 5.0 and watched >= 9.0
+    policy.on_queue_depth("standard", 11)
+    assert 2.0 < policy.expected_wait_s("standard") < 4.0  # 12 ahead of a free slot at ~4/s
+
+
+def test_a_restarted_worker_does_not_count_negative_completions() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    for step in range(5):
+        policy.on_load(load("a", in_flight=10, completed=100 + step))
+        clock.now += 1.0
+    policy.on_load(load("a", in_flight=10, completed=0))  # counter reset
+    assert policy.completion_rate()[0] == 0.0

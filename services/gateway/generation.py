@@ -29,7 +29,7 @@ from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
 from .models import ModelCatalog
-from .overload import OverloadPolicy
+from .overload import OverloadPolicy, bands_through
 from .settings import GatewaySettings
 from .tenants import Tenant, TenantStore
 
@@ -179,10 +179,11 @@ class Generation:
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
-        admitted, retry_after = self.overload.admit(tenant.band, self.dispatcher.held(tenant.band))
-        if not admitted:
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in bands_through(tenant.band)))
+        if not verdict.admitted:
+            metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
-                              code="overloaded", headers={"retry-after": str(int(retry_after))})
+                              code="overloaded", headers=verdict.headers())
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens)
         now = time.time()
         inference = m.InferenceRequest(
@@ -385,12 +386,12 @@ class Generation:
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
-            await self._give_up(flight, error, cancel_reason="deadline")
+            await self._give_up(flight, error, cancel_reason="deadline", delivered=False)
             await send_json(send, 504, error.body(), request_id)
             return "504"
         if not isinstance(event, m.Final):
             error = _event_error(event) if event is not None else OpenAIError(502, "No response from the worker.")
-            await self._give_up(flight, error)
+            await self._give_up(flight, error, delivered=False)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
         parts.append(event.text)
@@ -445,13 +446,18 @@ class Generation:
         metrics.TOKENS.labels("completion").inc(final.usage.completion_tokens)
         metrics.TOKENS.labels("cached").inc(final.usage.cached_tokens)
 
-    async def _give_up(self, flight: Flight, error: OpenAIError, cancel_reason: str | None = None) -> None:
+    async def _give_up(self, flight: Flight, error: OpenAIError, cancel_reason: str | None = None,
+                       delivered: bool = True) -> None:
+        """End a request in an error. `delivered`: the tokens relayed so far reached the client (a
+        stream); a non-streamed answer that fails delivers none of them."""
         metrics.ERRORS.labels(error.code or error.type).inc()
+        # Billing = delivery: a request that ends in an error is billed what the client received,
+        # by the gateway, which alone knows it; a worker still on it stops and bills the platform.
         if cancel_reason:
             await self.dispatcher.cancel(flight, cancel_reason)
-        elif flight.worker_id is None:
-            # No worker holds the request any more (it died and migration ran out): bill what was sent.
-            await self.dispatcher.publish_usage(flight, "failed", "error")
+        else:
+            await self.dispatcher.supersede(flight)
+        await self.dispatcher.publish_usage(flight, "failed", "error", delivered_tokens=flight.sent_tokens if delivered else 0)
 
 
 _usage = responses.usage_body
