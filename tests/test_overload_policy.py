@@ -87,14 +87,14 @@ def test_retry_after_is_small_and_bounded_even_when_almost_nothing_finishes() ->
     assert verdict.headers() == {"retry-after": "30", "retry-after-ms": "30000"}
 
 
-def test_a_full_fleet_that_finishes_nothing_is_overloaded_once_watched_longer_than_the_budget() -> None:
+def test_a_full_fleet_that_finishes_nothing_is_overloaded_once_full_longer_than_the_budget() -> None:
     # Long answers: every slot busy, work queued, no completion yet. The old estimate said "no
     # data, no wait" and admitted everything; the wait is at least as long as nothing finished.
     clock = Clock()
     policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
     policy.on_queue_depth("standard", 5)
     policy.on_load(load("a", in_flight=10, completed=0))
-    assert policy.admit("standard").admitted  # just started watching: unknown is not overload
+    assert policy.admit("standard").admitted  # just became full: unknown is not overload
     for _ in range(5):
         clock.now += 1.0
         policy.on_load(load("a", in_flight=10, completed=0))
@@ -113,8 +113,8 @@ def test_the_rate_is_measured_over_a_window_not_between_two_reports() -> None:
             completed += 8
         policy.on_load(load("a", in_flight=10, completed=completed, max_running=10))
         clock.now += 0.25
-    rate, watched = policy.completion_rate()
-    assert 3.0 < rate < 5.0 and watched >= 9.0
+    rate = policy.completion_rate()
+    assert rate is not None and 3.0 < rate < 5.0
     policy.on_queue_depth("standard", 11)
     assert 2.0 < policy.expected_wait_s("standard") < 4.0  # 12 ahead of a free slot at ~4/s
 
@@ -126,4 +126,18 @@ def test_a_restarted_worker_does_not_count_negative_completions() -> None:
         policy.on_load(load("a", in_flight=10, completed=100 + step))
         clock.now += 1.0
     policy.on_load(load("a", in_flight=10, completed=0))  # counter reset
-    assert policy.completion_rate()[0] == 0.0
+    assert policy.completion_rate() is None  # unknown again, not negative
+
+
+def test_idle_time_does_not_dilute_the_rate() -> None:
+    # 25 s idle, then full for 5 s finishing 2 a second: the slots free at 2/s, not 10/30 s.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    for _ in range(25):
+        policy.on_load(load("a", in_flight=0, completed=0))
+        clock.now += 1.0
+    for step in range(6):
+        policy.on_load(load("a", in_flight=10, completed=2 * step))
+        clock.now += 1.0
+    rate = policy.completion_rate()
+    assert rate is not None and 1.9 < rate < 2.1

@@ -6,9 +6,11 @@ the wait a new request can expect exceeds that band's budget: a 503 with `retry-
 a timeout later. Premium's budget is the larger one, so it is shed last.
 
 The fleet's completion rate is measured over a sliding window (not from one load report to the
-next, which with long answers is mostly zero and occasionally a burst). When work waits and
-nothing finished in the whole window, the wait is at least as long as the window has watched:
-that is a measurement too, and a full fleet that finishes nothing is the worst overload there is.
+next, which with long answers is mostly zero and occasionally a burst), counting only the time a
+worker was full: an idle worker finishes nothing because it has nothing to do, which says nothing
+about how fast it frees slots. Until a worker has been full for `min_busy_s` of the window its
+rate is unknown; then the wait is at least as long as the fleet has been full without a slot
+coming free, a lower bound that sheds once it passes the budget instead of admitting blindly.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ def bands_through(band: str) -> tuple[str, ...]:
     return BANDS[: BANDS.index(band) + 1]
 
 
+def _full(load: m.WorkerLoad) -> bool:
+    return load.max_running - load.in_flight + load.batch_in_flight <= 0 or load.waiting > 0
+
+
 @dataclass
 class _Worker:
     seen: float
     load: m.WorkerLoad
-    samples: deque[tuple[float, int]] = field(default_factory=deque)  # (when, completed) in the window
+    # (when, seconds full, completions in them) per report that followed a full one, in the window
+    samples: deque[tuple[float, float, int]] = field(default_factory=deque)
+    full_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class OverloadPolicy:
     budgets_s: dict[str, float] = field(default_factory=lambda: {"premium": 10.0, "standard": 3.0})
     stale_after_s: float = 10.0
     rate_window_s: float = 30.0  # completions are counted over this much of the recent past
+    min_busy_s: float = 2.0  # a worker's rate is known once it was full this long in the window
     max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
@@ -65,10 +74,15 @@ class OverloadPolicy:
         worker = self._workers.get(load.worker_id)
         if worker is None or load.completed < worker.load.completed:  # new, or restarted (counter reset)
             worker = self._workers[load.worker_id] = _Worker(seen=now, load=load)
-        worker.seen, worker.load = now, load
-        worker.samples.append((now, load.completed))
-        while len(worker.samples) > 2 and now - worker.samples[1][0] >= self.rate_window_s:
+        elif _full(worker.load) and now > worker.seen:
+            worker.samples.append((now, now - worker.seen, load.completed - worker.load.completed))
+        while worker.samples and now - worker.samples[0][0] > self.rate_window_s:
             worker.samples.popleft()
+        if not _full(load):
+            worker.full_since = None
+        elif worker.full_since is None:
+            worker.full_since = now
+        worker.seen, worker.load = now, load
 
     def on_queue_depth(self, band: str, queued: int) -> None:
         self._queued[band] = queued
@@ -82,16 +96,24 @@ class OverloadPolicy:
         Batch lines count as free: a worker preempts them as soon as interactive work waits."""
         return sum(max(0, w.load.max_running - w.load.in_flight + w.load.batch_in_flight) for w in self._live())
 
-    def completion_rate(self) -> tuple[float, float]:
-        """(completions per second over the window, seconds the window covers) for live workers."""
-        rate, watched = 0.0, math.inf
+    def completion_rate(self) -> float | None:
+        """Completions per second of the live workers while full, over the window; None while
+        some live worker has not been full long enough to tell (its slots may free at any rate)."""
+        rate = 0.0
         for worker in self._live():
-            first_t, first_n = worker.samples[0]
-            span = worker.seen - first_t
-            watched = min(watched, span)
-            if span > 0:
-                rate += (worker.load.completed - first_n) / span
-        return rate, (0.0 if watched == math.inf else watched)
+            busy = sum(dt for _, dt, _ in worker.samples)
+            if busy < self.min_busy_s:
+                return None
+            rate += sum(n for _, _, n in worker.samples) / busy
+        return rate
+
+    def full_for_s(self) -> float:
+        """How long every live worker has been full (0 when one has a free slot)."""
+        now = self.clock()
+        live = self._live()
+        if not live or any(w.full_since is None for w in live):
+            return 0.0
+        return now - max(w.full_since for w in live if w.full_since is not None)
 
     def expected_wait_s(self, band: str, held_here: int = 0) -> float:
         """Seconds a new request of `band` can expect to wait before an engine starts it.
@@ -107,11 +129,11 @@ class OverloadPolicy:
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:
             return 0.0
-        rate, watched = self.completion_rate()
-        if rate <= 0.0:
-            # Full, work waiting, and nothing finished for as long as we have watched: the wait is
-            # at least that long (and unknown, so not a guess, while we have watched for nothing).
-            return watched
+        rate = self.completion_rate()
+        if rate is None or rate <= 0.0:
+            # Unknown (or nothing finished while full): the wait is at least as long as the fleet
+            # has been full, a lower bound, and never a guess beyond what was seen.
+            return self.full_for_s()
         return (ahead - free + 1) / rate
 
     def admit(self, band: str, held_here: int = 0) -> Verdict:
