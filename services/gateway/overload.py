@@ -6,11 +6,13 @@ the wait a new request can expect exceeds that band's budget: a 503 with `retry-
 a timeout later. Premium's budget is the larger one, so it is shed last.
 
 The fleet's completion rate is measured over a sliding window (not from one load report to the
-next, which with long answers is mostly zero and occasionally a burst), counting only the time a
-worker was full: an idle worker finishes nothing because it has nothing to do, which says nothing
-about how fast it frees slots. Until a worker has been full for `min_busy_s` of the window its
-rate is unknown; then the wait is at least as long as the fleet has been full without a slot
-coming free, a lower bound that sheds once it passes the budget instead of admitting blindly.
+next, which with long answers is mostly zero and occasionally a burst) as occupied slot-seconds
+per completion (Little's law): a worker with `max_running` slots, whose requests each hold a slot
+for S seconds on average, frees `max_running / S` slots a second when full. Idle or half-idle time
+therefore does not dilute the rate. Until a worker's slots were occupied for `min_busy_s`
+slot-seconds of the window its rate is unknown; then the wait is at least the time since the
+fleet last made progress (a completion, or a free slot), a lower bound that sheds once it passes
+the budget instead of admitting blindly.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ def bands_through(band: str) -> tuple[str, ...]:
     return BANDS[: BANDS.index(band) + 1]
 
 
-def _full(load: m.WorkerLoad) -> bool:
-    return load.max_running - load.in_flight + load.batch_in_flight <= 0 or load.waiting > 0
+def _free(load: m.WorkerLoad) -> int:
+    """Free slots in a load report. Batch lines count as free: a worker preempts them as soon as
+    interactive work waits."""
+    return max(0, load.max_running - load.in_flight + load.batch_in_flight)
 
 
 @dataclass
 class _Worker:
     seen: float
     load: m.WorkerLoad
-    # (when, seconds full, completions in them) per report that followed a full one, in the window
+    # (when, occupied slot-seconds, completions) per interval between two reports, in the window
     samples: deque[tuple[float, float, int]] = field(default_factory=deque)
-    full_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,24 +67,30 @@ class OverloadPolicy:
     budgets_s: dict[str, float] = field(default_factory=lambda: {"premium": 10.0, "standard": 3.0})
     stale_after_s: float = 10.0
     rate_window_s: float = 30.0  # completions are counted over this much of the recent past
-    min_busy_s: float = 2.0  # a worker's rate is known once it was full this long in the window
+    min_busy_s: float = 2.0  # a worker's rate is known once its slots were occupied this many slot-seconds
     max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
+    _progress_at: float | None = None  # last report with a new completion or a free slot
 
     def on_load(self, load: m.WorkerLoad) -> None:
         now = self.clock()
         worker = self._workers.get(load.worker_id)
         if worker is None or load.completed < worker.load.completed:  # new, or restarted (counter reset)
             worker = self._workers[load.worker_id] = _Worker(seen=now, load=load)
-        elif _full(worker.load) and now > worker.seen:
-            worker.samples.append((now, now - worker.seen, load.completed - worker.load.completed))
+            self._progress_at = now  # watched from here on
+        elif now > worker.seen:
+            # Slots held during the interval: as the previous report had them (requests that
+            # started or ended inside it are too short a part of it to matter on average).
+            occupied = min(worker.load.in_flight - worker.load.batch_in_flight, worker.load.max_running)
+            completed = load.completed - worker.load.completed
+            worker.samples.append((now, max(0, occupied) * (now - worker.seen), completed))
+            if completed > 0:
+                self._progress_at = now
         while worker.samples and now - worker.samples[0][0] > self.rate_window_s:
             worker.samples.popleft()
-        if not _full(load):
-            worker.full_since = None
-        elif worker.full_since is None:
-            worker.full_since = now
+        if _free(load) > 0:
+            self._progress_at = now
         worker.seen, worker.load = now, load
 
     def on_queue_depth(self, band: str, queued: int) -> None:
@@ -94,26 +103,24 @@ class OverloadPolicy:
     def free_slots(self) -> int:
         """Slots free across live workers at their last reports (they lag by up to ~250 ms).
         Batch lines count as free: a worker preempts them as soon as interactive work waits."""
-        return sum(max(0, w.load.max_running - w.load.in_flight + w.load.batch_in_flight) for w in self._live())
+        return sum(_free(w.load) for w in self._live())
 
     def completion_rate(self) -> float | None:
-        """Completions per second of the live workers while full, over the window; None while
-        some live worker has not been full long enough to tell (its slots may free at any rate)."""
+        """Slots the live workers free per second when full (each: max_running / mean seconds a
+        request holds a slot, over the window); None while a worker's rate is not known yet."""
         rate = 0.0
         for worker in self._live():
-            busy = sum(dt for _, dt, _ in worker.samples)
-            if busy < self.min_busy_s:
+            slot_seconds = sum(s for _, s, _ in worker.samples)
+            if slot_seconds < self.min_busy_s:
                 return None
-            rate += sum(n for _, _, n in worker.samples) / busy
+            rate += worker.load.max_running * sum(n for _, _, n in worker.samples) / slot_seconds
         return rate
 
-    def full_for_s(self) -> float:
-        """How long every live worker has been full (0 when one has a free slot)."""
-        now = self.clock()
-        live = self._live()
-        if not live or any(w.full_since is None for w in live):
+    def stalled_for_s(self) -> float:
+        """Seconds since the fleet last made progress: a completion, or a free slot."""
+        if self._progress_at is None:
             return 0.0
-        return now - max(w.full_since for w in live if w.full_since is not None)
+        return self.clock() - self._progress_at
 
     def expected_wait_s(self, band: str, held_here: int = 0) -> float:
         """Seconds a new request of `band` can expect to wait before an engine starts it.
@@ -131,9 +138,9 @@ class OverloadPolicy:
             return 0.0
         rate = self.completion_rate()
         if rate is None or rate <= 0.0:
-            # Unknown (or nothing finished while full): the wait is at least as long as the fleet
-            # has been full, a lower bound, and never a guess beyond what was seen.
-            return self.full_for_s()
+            # Unknown (or nothing finished): the wait is at least as long as the fleet has made
+            # no progress, a lower bound, and never a guess beyond what was seen.
+            return self.stalled_for_s()
         return (ahead - free + 1) / rate
 
     def admit(self, band: str, held_here: int = 0) -> Verdict:
