@@ -7,13 +7,15 @@ acknowledged it, retrying with backoff for as long as NATS is away. After a cras
 drops a duplicate inside the stream's duplicate window, and the billing ledger counts one event
 per id after that.
 
-Writes made while a commit is on disk are committed together (group commit), off the event loop.
+Writes made while a commit is on disk are committed together (group commit), off the event loop;
+so are the deletes of acknowledged messages (a lost delete only republishes a duplicate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,16 +31,17 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS pending (
 
 
 class Outbox:
-    def __init__(self, path: Path, publish: Publish, *, retry_min_s: float = 0.2, retry_max_s: float = 5.0,
-                 on_published: Callable[[], None] | None = None) -> None:
+    def __init__(self, path: Path, publish: Publish, *, retry_min_s: float = 0.2, retry_max_s: float = 5.0) -> None:
         self.path = path
         self._publish = publish
         self._retry_min_s = retry_min_s
         self._retry_max_s = retry_max_s
-        self._on_published = on_published
         self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # one statement or transaction at a time on the connection
         self._to_write: list[tuple[str, str, bytes, asyncio.Future[None]]] = []
         self._writing = False
+        self._to_delete: list[str] = []
+        self._deleting = False
         self._ready: asyncio.Queue[tuple[str, str, bytes]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._in_flight: set[str] = set()
@@ -65,12 +68,14 @@ class Outbox:
 
     def _pending_rows(self) -> list[tuple[str, str, bytes]]:
         assert self._db is not None
-        return list(self._db.execute("SELECT msg_id, subject, data FROM pending ORDER BY added"))
+        with self._lock:
+            return list(self._db.execute("SELECT msg_id, subject, data FROM pending ORDER BY added"))
 
     def pending(self) -> int:
         """Messages on disk and not yet acknowledged (a blocking read; for tests and shutdown)."""
         assert self._db is not None
-        return int(self._db.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
 
     async def add(self, subject: str, data: bytes, msg_id: str) -> None:
         """Store the message durably; it is published (and retried) in the background."""
@@ -104,14 +109,27 @@ class Outbox:
     def _insert(self, rows: list[tuple[str, str, bytes]]) -> None:
         assert self._db is not None
         now = time.time()
-        with self._db:  # one transaction, one fsync
+        with self._lock, self._db:  # one transaction, one fsync
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR IGNORE INTO pending VALUES (?, ?, ?, ?)",
                                  [(i, s, d, now) for i, s, d in rows])
 
-    def _delete(self, msg_id: str) -> None:
+    def _delete(self, msg_ids: list[str]) -> None:
         assert self._db is not None
-        self._db.execute("DELETE FROM pending WHERE msg_id = ?", (msg_id,))
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("DELETE FROM pending WHERE msg_id = ?", [(i,) for i in msg_ids])
+
+    async def _delete_acknowledged(self) -> None:
+        try:
+            while self._to_delete and self._db is not None:
+                batch, self._to_delete = self._to_delete, []
+                try:
+                    await asyncio.to_thread(self._delete, batch)
+                except Exception as error:  # kept on disk: republished (and deduplicated) at the next start
+                    log.warning("outbox_delete_failed", error=repr(error), messages=len(batch))
+        finally:
+            self._deleting = False
 
     async def _run(self) -> None:
         while True:
@@ -137,16 +155,19 @@ class Outbox:
                         log.warning("outbox_publish_retrying", msg_id=msg_id, tries=tries, error=repr(error))
                     await asyncio.sleep(delay)
                     delay = min(self._retry_max_s, delay * 2)
-            await asyncio.to_thread(self._delete, msg_id)
-            if self._on_published is not None:
-                self._on_published()
+            self._to_delete.append(msg_id)
+            if not self._deleting:
+                self._deleting = True
+                task = asyncio.ensure_future(self._delete_acknowledged())
+                self._deliveries.add(task)
+                task.add_done_callback(self._deliveries.discard)
         finally:
             self._in_flight.discard(msg_id)
 
     async def drained(self, timeout: float) -> bool:
         """Wait until nothing is pending (or `timeout`); True if everything was acknowledged."""
         deadline = time.monotonic() + timeout
-        while self._in_flight or self._to_write or not self._ready.empty():
+        while self._in_flight or self._to_write or self._to_delete or self._deleting or not self._ready.empty():
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.05)
@@ -160,4 +181,8 @@ class Outbox:
             await asyncio.wait(self._deliveries, timeout=5)
         if self._db is not None:
             db, self._db = self._db, None
-            await asyncio.to_thread(db.close)
+            await asyncio.to_thread(self._close, db)
+
+    def _close(self, db: sqlite3.Connection) -> None:
+        with self._lock:
+            db.close()
