@@ -106,7 +106,7 @@ def test_a_full_fleet_that_finishes_nothing_is_overloaded_once_full_longer_than_
 def test_the_rate_is_measured_over_a_window_not_between_two_reports() -> None:
     # 4 completions a second in bursts every 2 s: report-to-report samples are 0 or 8/s.
     clock = Clock()
-    policy = OverloadPolicy(clock=clock, rate_window_s=10.0)
+    policy = OverloadPolicy(clock=clock, rate_window_s=10.0, min_completions=1)
     completed = 0
     for step in range(40):
         if step % 8 == 0:
@@ -141,3 +141,26 @@ def test_idle_time_does_not_dilute_the_rate() -> None:
         clock.now += 1.0
     rate = policy.completion_rate()
     assert rate is not None and 1.9 < rate < 2.1
+
+
+def test_long_answers_and_idle_spells_keep_their_measured_rate() -> None:
+    # Answers of 60 s on 10 slots: fewer than a few completions fit in 30 s, and the fleet then
+    # idles for two minutes. The window reaches back to the last completions, so the next burst
+    # is judged by the rate measured before, not admitted blindly.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, rate_window_s=30.0, min_completions=8)
+    completed = 0
+    for step in range(240):  # 4 minutes full, one completion every 6 s (10 slots / 60 s)
+        if step % 6 == 5:
+            completed += 1
+        policy.on_load(load("a", in_flight=10, completed=completed))
+        clock.now += 1.0
+    for _ in range(120):
+        policy.on_load(load("a", in_flight=0, completed=completed))
+        clock.now += 1.0
+    rate = policy.completion_rate()
+    assert rate is not None and 0.14 < rate < 0.2
+    policy.on_load(load("a", in_flight=10, completed=completed))
+    policy.on_queue_depth("standard", 3)
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and 20 < verdict.expected_wait_s < 30  # 4 ahead at ~1/6 s

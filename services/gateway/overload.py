@@ -6,8 +6,9 @@ the wait a new request can expect exceeds that band's budget: a 503 with `retry-
 a timeout later. Premium's budget is the larger one, so it is shed last.
 
 The fleet's completion rate is measured over a sliding window (not from one load report to the
-next, which with long answers is mostly zero and occasionally a burst) as occupied slot-seconds
-per completion (Little's law): a worker with `max_running` slots, whose requests each hold a slot
+next, which with long answers is mostly zero and occasionally a burst; the window reaches back
+further while it holds fewer than `min_completions`, so long answers and idle spells keep their
+measurement) as occupied slot-seconds per completion (Little's law): a worker with `max_running` slots, whose requests each hold a slot
 for S seconds on average, frees `max_running / S` slots a second when full. Idle or half-idle time
 therefore does not dilute the rate. Until a worker's slots were occupied for `min_busy_s`
 slot-seconds of the window its rate is unknown; then the wait is at least the time since the
@@ -47,6 +48,24 @@ class _Worker:
     load: m.WorkerLoad
     # (when, occupied slot-seconds, completions) per interval between two reports, in the window
     samples: deque[tuple[float, float, int]] = field(default_factory=deque)
+    slot_seconds: float = 0.0  # sums over `samples`
+    completions: int = 0
+
+    def add(self, sample: tuple[float, float, int]) -> None:
+        self.samples.append(sample)
+        self.slot_seconds += sample[1]
+        self.completions += sample[2]
+
+    def forget_before(self, cutoff: float, hard_cutoff: float, min_completions: int) -> None:
+        """Drop samples older than `cutoff` while enough completions remain; older than
+        `hard_cutoff` in any case."""
+        while self.samples:
+            when, slots, done = self.samples[0]
+            if when >= cutoff or (when >= hard_cutoff and self.completions - done < min_completions):
+                return
+            self.samples.popleft()
+            self.slot_seconds -= slots
+            self.completions -= done
 
 
 @dataclass(frozen=True)
@@ -66,7 +85,9 @@ class OverloadPolicy:
     clock: Callable[[], float]
     budgets_s: dict[str, float] = field(default_factory=lambda: {"premium": 10.0, "standard": 3.0})
     stale_after_s: float = 10.0
-    rate_window_s: float = 30.0  # completions are counted over this much of the recent past
+    rate_window_s: float = 30.0  # completions are counted over this much of the recent past...
+    min_completions: int = 8  # ...or further back, until it holds this many...
+    max_window_s: float = 600.0  # ...but never further than this
     min_busy_s: float = 2.0  # a worker's rate is known once its slots were occupied this many slot-seconds
     max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
     _workers: dict[str, _Worker] = field(default_factory=dict)
@@ -84,11 +105,10 @@ class OverloadPolicy:
             # started or ended inside it are too short a part of it to matter on average).
             occupied = min(worker.load.in_flight - worker.load.batch_in_flight, worker.load.max_running)
             completed = load.completed - worker.load.completed
-            worker.samples.append((now, max(0, occupied) * (now - worker.seen), completed))
+            worker.add((now, max(0, occupied) * (now - worker.seen), completed))
             if completed > 0:
                 self._progress_at = now
-        while worker.samples and now - worker.samples[0][0] > self.rate_window_s:
-            worker.samples.popleft()
+        worker.forget_before(now - self.rate_window_s, now - self.max_window_s, self.min_completions)
         if _free(load) > 0:
             self._progress_at = now
         worker.seen, worker.load = now, load
@@ -110,10 +130,9 @@ class OverloadPolicy:
         request holds a slot, over the window); None while a worker's rate is not known yet."""
         rate = 0.0
         for worker in self._live():
-            slot_seconds = sum(s for _, s, _ in worker.samples)
-            if slot_seconds < self.min_busy_s:
+            if worker.slot_seconds < self.min_busy_s:
                 return None
-            rate += worker.load.max_running * sum(n for _, _, n in worker.samples) / slot_seconds
+            rate += worker.load.max_running * worker.completions / worker.slot_seconds
         return rate
 
     def stalled_for_s(self) -> float:

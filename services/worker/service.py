@@ -172,7 +172,6 @@ class Worker:
         # published now).
         self.outbox = Outbox(Path(s.state_dir) / f"usage-outbox-{s.worker_id}.sqlite3", self._publish_durable)
         await self.outbox.start()
-        self.pause = PauseDetector(time.monotonic, pause_after_s=s.heartbeat_ttl_s)
         self.liveness = LivenessThread(s.nats_url, s.worker_id, interval_s=s.heartbeat_interval_s, ttl_s=s.heartbeat_ttl_s,
                                        stall_after_s=s.stall_after_s, loop_lag=self.pause.lag)
         await asyncio.to_thread(self.liveness.start)
@@ -999,17 +998,11 @@ class Worker:
         )
 
     async def _heartbeat_loop(self) -> None:
-        # Without a liveness thread this loop puts the heartbeat itself; with one, it only keeps
-        # the thread's copy current (state, adapters) and the thread puts it.
+        # The liveness thread puts the heartbeat; this loop keeps its copy current (state, adapters).
+        assert self.liveness is not None
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-            try:
-                if self.liveness is None:
-                    await self._heartbeat()
-                else:
-                    self.liveness.set_beat(self._beat())
-            except Exception as error:
-                log.warning("heartbeat_failed", error=repr(error))
+            self.liveness.set_beat(self._beat())
 
     # ---- pauses: no zombie -------------------------------------------------------------------
 
