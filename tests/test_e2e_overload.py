@@ -44,10 +44,15 @@ def test_three_times_capacity_is_shed_early_and_billed_exactly(fleet: Platform) 
     assert 1 <= r["retry_after_s"]["min"] and r["retry_after_s"]["max"] <= 30, r
     assert r["retry_after_ms_present"], r
     assert r["other_refusals"] == 0, r
-    # What was admitted started within (about) its budget and finished.
+    # What was admitted finished, and started within (about) its budget once the fleet's rate was
+    # measured (after the first completion); before that only a lower bound sheds, so a request
+    # admitted then waits at most about one service time.
     assert r["admitted_errors"] == 0, r
-    assert r["ttft_s"]["p90"] <= BUDGET_S + 1.0, r
-    assert r["ttft_s"]["max"] <= 3 * BUDGET_S, r
+    # (p90, not p99: the client shares two cores with the whole platform, and its own stalls add
+    # to a few requests' measured TTFT; bench/overload.py reports the p99.)
+    assert r["steady_ttft_s"]["admitted"] >= 5, r
+    assert r["steady_ttft_s"]["p90"] <= BUDGET_S + 1.0, r
+    assert r["ttft_s"]["max"] <= per_request + BUDGET_S + 2.0, r
     # No worker died, so no death verdict and no migration.
     assert r["death_verdicts"]["dead"] == 0 and r["migrations"] == 0, r
     # Every usage event kept; the ledger bills what the clients received.

@@ -1,5 +1,7 @@
+import math
+
 from proto import messages as m
-from services.gateway.overload import OverloadPolicy, Verdict
+from services.gateway.overload import OverloadPolicy, Verdict, poisson_wait_quantile
 
 
 class Clock:
@@ -106,7 +108,7 @@ def test_a_full_fleet_that_finishes_nothing_is_overloaded_once_full_longer_than_
 def test_the_rate_is_measured_over_a_window_not_between_two_reports() -> None:
     # 4 completions a second in bursts every 2 s: report-to-report samples are 0 or 8/s.
     clock = Clock()
-    policy = OverloadPolicy(clock=clock, rate_window_s=10.0, min_completions=1)
+    policy = OverloadPolicy(clock=clock, rate_window_s=10.0, min_completions=1, quantile=0.5)
     completed = 0
     for step in range(40):
         if step % 8 == 0:
@@ -116,7 +118,7 @@ def test_the_rate_is_measured_over_a_window_not_between_two_reports() -> None:
     rate = policy.completion_rate()
     assert rate is not None and 3.0 < rate < 5.0
     policy.on_queue_depth("standard", 11)
-    assert 2.0 < policy.expected_wait_s("standard") < 4.0  # 12 ahead of a free slot at ~4/s
+    assert 2.0 < policy.expected_wait_s("standard") < 4.0  # 12 ahead of a free slot at ~4/s (median)
 
 
 def test_a_restarted_worker_does_not_count_negative_completions() -> None:
@@ -148,7 +150,7 @@ def test_long_answers_and_idle_spells_keep_their_measured_rate() -> None:
     # idles for two minutes. The window reaches back to the last completions, so the next burst
     # is judged by the rate measured before, not admitted blindly.
     clock = Clock()
-    policy = OverloadPolicy(clock=clock, rate_window_s=30.0, min_completions=8)
+    policy = OverloadPolicy(clock=clock, rate_window_s=30.0, min_completions=8, quantile=0.5)
     completed = 0
     for step in range(240):  # 4 minutes full, one completion every 6 s (10 slots / 60 s)
         if step % 6 == 5:
@@ -164,3 +166,38 @@ def test_long_answers_and_idle_spells_keep_their_measured_rate() -> None:
     policy.on_queue_depth("standard", 3)
     verdict = policy.admit("standard")
     assert not verdict.admitted and 20 < verdict.expected_wait_s < 30  # 4 ahead at ~1/6 s
+
+
+def test_a_workers_free_slots_are_known_only_from_a_recent_report() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    policy.on_load(load("a", in_flight=10, completed=0))
+    policy.on_load(load("b", in_flight=4, completed=0))
+    assert policy.worker_free_slots("a") == 0 and policy.worker_free_slots("b") == 6
+    assert policy.worker_free_slots("c") is None
+    clock.now += 5.0  # a paused worker reports nothing: it may not be trusted to start its queue
+    assert policy.worker_free_slots("a", fresh_s=2.0) is None
+
+
+def test_this_gateways_own_queued_requests_count_before_the_polled_depth_catches_up() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    busy_fleet(clock, policy, rate_per_worker=1.0)  # ~2 a second
+    policy.on_queue_depth("standard", 0)  # polled before the burst
+    assert policy.admit("standard", queued_here=2).admitted  # 3 ahead of a slot: 1.5 s
+    assert not policy.admit("standard", queued_here=8).admitted  # a burst just published: 4.5 s
+
+
+def test_the_wait_compared_with_the_budget_is_its_90th_percentile() -> None:
+    # n-th of Poisson events at rate r: Gamma(n, 1/r). n=1: exponential, p90 = ln(10) / r.
+    assert abs(poisson_wait_quantile(1, 2.0, 0.9) - math.log(10) / 2.0) < 1e-6
+    assert abs(poisson_wait_quantile(4, 1.0, 0.9) - 6.6808) < 1e-3  # chi-squared(8) 90th percentile / 2
+    assert abs(poisson_wait_quantile(100, 1.0, 0.5) - 99.67) < 0.5  # normal region: about the mean
+    assert poisson_wait_quantile(0, 1.0, 0.9) == 0.0
+    # So a request whose mean wait fits the budget is still shed when its tail does not.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    busy_fleet(clock, policy, rate_per_worker=1.0)  # ~2 a second
+    policy.on_queue_depth("standard", 4)  # 5 to start: mean 2.5 s, 90th percentile ~4.0 s
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and 3.5 < verdict.expected_wait_s < 4.5

@@ -91,6 +91,7 @@ class Dispatcher:
         placement_timeout_s: float,
         window_per_worker: int = 2,
         free_slots: Callable[[], int] = lambda: 0,
+        worker_free_slots: Callable[[str], int | None] = lambda worker_id: None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         accept_timeout_s: float = 5.0,
         liveness_timeout_s: float = 1.0,
@@ -105,10 +106,12 @@ class Dispatcher:
         self.placement_timeout_s = placement_timeout_s
         self.window_per_worker = window_per_worker
         self.free_slots = free_slots
+        self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
         self.in_queue = 0  # this gateway's requests published and not yet accepted
+        self._in_queue_by_band: dict[str, int] = {}  # the same per band, for the overload policy
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
@@ -208,6 +211,15 @@ class Dispatcher:
         """Requests of `band` waiting in this gateway's fair queue."""
         return self.fair.waiting(band)
 
+    def queued(self, band: str) -> int:
+        """Requests of `band` this gateway published that no worker has accepted yet (known at
+        once, where the queue depth the overload policy polls lags)."""
+        return self._in_queue_by_band.get(band, 0)
+
+    def _count_queued(self, flight: Flight, delta: int) -> None:
+        band = flight.request.tier
+        self._in_queue_by_band[band] = self._in_queue_by_band.get(band, 0) + delta
+
     async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None) -> Flight:
         """Queue a new request; its events arrive on the returned flight's queue.
 
@@ -235,10 +247,12 @@ class Dispatcher:
     def _mark_queued(self, flight: Flight) -> None:
         flight.state = "queued"
         self.in_queue += 1
+        self._count_queued(flight, 1)
 
     def _left_queue(self, flight: Flight) -> None:
         if flight.state == "queued":
             self.in_queue -= 1
+            self._count_queued(flight, -1)
         flight.state = "accepted"
         self._release()
 
@@ -274,6 +288,7 @@ class Dispatcher:
         else:
             if flight.state == "queued":
                 self.in_queue -= 1
+                self._count_queued(flight, -1)
             used = float((flight.prompt_tokens or 0) + flight.sent_tokens)
             self.fair.finished(request.tenant, request.tier, flight.estimated_tokens, used)
         self._release()
@@ -470,11 +485,15 @@ class Dispatcher:
             self._move_unstarted(now)
 
     def _move_unstarted(self, now: float) -> None:
-        """A request queued on a worker that has not started it within `accept_timeout_s` moves
-        to the shared queue: a worker that pulls nothing (a zombie, a lost consumer) must not hold
-        its client until the deadline. The old attempt is superseded, so it never runs twice."""
+        """A request queued on a worker that has not started it within `accept_timeout_s`, while
+        that worker has free slots or reports nothing, moves to the shared queue: a worker that
+        pulls nothing (a zombie, a lost consumer) must not hold its client until the deadline. A
+        full worker keeps it: it starts it when a slot frees. The old attempt is superseded, so
+        it never runs twice."""
         for flight in list(self.flights.values()):
             if flight.state != "queued" or flight.worker_id is None or now - flight.placed_at < self.accept_timeout_s:
+                continue
+            if self.worker_free_slots(flight.worker_id) == 0:
                 continue
             NOT_STARTED.inc()
             log.warning("request_not_started", request_id=flight.request.request_id, worker_id=flight.worker_id,

@@ -179,7 +179,9 @@ class Generation:
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
-        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in bands_through(tenant.band)))
+        ahead = bands_through(tenant.band)
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
+                                      sum(self.dispatcher.queued(b) for b in ahead))
         if not verdict.admitted:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",

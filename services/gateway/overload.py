@@ -14,6 +14,11 @@ therefore does not dilute the rate. Until a worker's slots were occupied for `mi
 slot-seconds of the window its rate is unknown; then the wait is at least the time since the
 fleet last made progress (a completion, or a free slot), a lower bound that sheds once it passes
 the budget instead of admitting blindly.
+
+The wait compared with the budget is not the mean but its `quantile` (90%): with n requests to
+start before this one and slots freeing at random at the measured rate r, the wait is the time of
+the n-th event of a Poisson process, Gamma(n, 1/r). Admitting on the mean would let half of the
+requests near the limit wait longer than the budget.
 """
 
 from __future__ import annotations
@@ -26,6 +31,41 @@ from dataclasses import dataclass, field
 from proto import messages as m
 
 BANDS = ("premium", "standard")  # most important first
+
+
+def poisson_wait_quantile(n: int, rate: float, quantile: float) -> float:
+    """Seconds until the n-th event of a Poisson process of `rate` has happened with probability
+    `quantile` (the quantile of Gamma(n, 1/rate))."""
+    if n <= 0:
+        return 0.0
+    if n > 50:  # normal approximation, plenty accurate this far out
+        z = _normal_quantile(quantile)
+        return (n + z * math.sqrt(n)) / rate
+    # P(T_n <= t) = P(at least n events by t); bisection on x = rate * t.
+    low, high = 0.0, n + 10.0 * math.sqrt(n) + 10.0
+    for _ in range(50):
+        x = (low + high) / 2
+        term, below = math.exp(-x), 0.0  # P(fewer than n events)
+        for k in range(n):
+            below += term
+            term *= x / (k + 1)
+        if 1.0 - below < quantile:
+            low = x
+        else:
+            high = x
+    return high / rate
+
+
+def _normal_quantile(p: float) -> float:
+    """The standard normal quantile (bisection on erf; p in (0, 1))."""
+    low, high = -10.0, 10.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
+            low = mid
+        else:
+            high = mid
+    return high
 
 
 def bands_through(band: str) -> tuple[str, ...]:
@@ -90,6 +130,7 @@ class OverloadPolicy:
     max_window_s: float = 600.0  # ...but never further than this
     min_busy_s: float = 2.0  # a worker's rate is known once its slots were occupied this many slot-seconds
     max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
+    quantile: float = 0.9  # of the wait, compared with the budget
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
     _progress_at: float | None = None  # last report with a new completion or a free slot
@@ -125,6 +166,13 @@ class OverloadPolicy:
         Batch lines count as free: a worker preempts them as soon as interactive work waits."""
         return sum(_free(w.load) for w in self._live())
 
+    def worker_free_slots(self, worker_id: str, fresh_s: float = 2.0) -> int | None:
+        """A worker's free slots at its last load report; None when it sent none for `fresh_s`."""
+        worker = self._workers.get(worker_id)
+        if worker is None or self.clock() - worker.seen > fresh_s:
+            return None
+        return _free(worker.load)
+
     def completion_rate(self) -> float | None:
         """Slots the live workers free per second when full (each: max_running / mean seconds a
         request holds a slot, over the window); None while a worker's rate is not known yet."""
@@ -141,17 +189,18 @@ class OverloadPolicy:
             return 0.0
         return self.clock() - self._progress_at
 
-    def expected_wait_s(self, band: str, held_here: int = 0) -> float:
-        """Seconds a new request of `band` can expect to wait before an engine starts it.
+    def expected_wait_s(self, band: str, held_here: int = 0, queued_here: int = 0) -> float:
+        """Seconds within which a new request of `band` starts, with probability `quantile`.
 
         `held_here`: requests of `band` and more important bands waiting in the asking gateway's
-        fair queue.
+        fair queue; `queued_here`: those it published that no worker accepted yet (the polled
+        queue depth counts them too, but late: a burst would otherwise all see the same queue).
         """
         live = self._live()
         if not live:
             return 0.0  # no data is not overload; "no workers" is answered elsewhere
         free = self.free_slots()
-        ahead = sum(self._queued.get(b, 0) for b in bands_through(band))
+        ahead = max(queued_here, sum(self._queued.get(b, 0) for b in bands_through(band)))
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:
             return 0.0
@@ -160,12 +209,12 @@ class OverloadPolicy:
             # Unknown (or nothing finished): the wait is at least as long as the fleet has made
             # no progress, a lower bound, and never a guess beyond what was seen.
             return self.stalled_for_s()
-        return (ahead - free + 1) / rate
+        return poisson_wait_quantile(ahead - free + 1, rate, self.quantile)
 
-    def admit(self, band: str, held_here: int = 0) -> Verdict:
+    def admit(self, band: str, held_here: int = 0, queued_here: int = 0) -> Verdict:
         """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget."""
         budget = self.budgets_s.get(band, min(self.budgets_s.values()))
-        wait = self.expected_wait_s(band, held_here)
+        wait = self.expected_wait_s(band, held_here, queued_here)
         if wait <= budget:
             return Verdict(True, wait, 0.0)
         # Come back when the excess should have drained, but never later than the cap: the
