@@ -70,6 +70,8 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
     request = flight.request
     if request.attempt + 1 >= max_attempts or now >= request.deadline:
         return None
+    if request.sampling.constrained and (flight.sent_tokens or request.resumed_tokens):
+        return None  # the grammar would start over in the middle of the output
     return msgspec.structs.replace(
         request,
         attempt=request.attempt + 1,
@@ -372,7 +374,8 @@ class Dispatcher:
         """For requests that ended in an error: bill what the client received, once. With nothing
         delivered, nothing is billed (not even the prompt: the client got no answer for it)."""
         request = flight.request
-        usage = m.Usage(prompt_tokens=(flight.prompt_tokens or 0) if delivered_tokens else 0,
+        # n > 1: only the first choice bills the prompt.
+        usage = m.Usage(prompt_tokens=(flight.prompt_tokens or 0) if delivered_tokens and not request.choice else 0,
                         completion_tokens=delivered_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
