@@ -7,8 +7,10 @@ acknowledged it, retrying with backoff for as long as NATS is away. After a cras
 drops a duplicate inside the stream's duplicate window, and the billing ledger counts one event
 per id after that.
 
-Writes made while a commit is on disk are committed together (group commit), off the event loop;
-so are the deletes of acknowledged messages (a lost delete only republishes a duplicate).
+The publish starts at once, alongside the disk write (so a message reaches JetStream as soon as
+without the outbox); it is deleted only once both are done. Writes made while a commit is on disk
+are committed together (group commit), off the event loop; so are the deletes of acknowledged
+messages (a lost delete only republishes a duplicate).
 """
 
 from __future__ import annotations
@@ -78,12 +80,14 @@ class Outbox:
             return int(self._db.execute("SELECT COUNT(*) FROM pending").fetchone()[0])
 
     async def add(self, subject: str, data: bytes, msg_id: str) -> None:
-        """Store the message durably; it is published (and retried) in the background."""
+        """Store the message durably (returns once it is on disk); it is published, and retried
+        until acknowledged, in the background."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._to_write.append((msg_id, subject, data, future))
         if not self._writing:
             self._writing = True
             asyncio.ensure_future(self._write())
+        self._start_delivery(msg_id, subject, data, written=future)
         await future
 
     async def _write(self) -> None:
@@ -99,8 +103,7 @@ class Outbox:
                     if not isinstance(error, Exception):
                         raise
                     continue
-                for msg_id, subject, data, future in batch:
-                    self._ready.put_nowait((msg_id, subject, data))
+                for *_, future in batch:
                     if not future.done():
                         future.set_result(None)
         finally:
@@ -134,14 +137,18 @@ class Outbox:
     async def _run(self) -> None:
         while True:
             msg_id, subject, data = await self._ready.get()
-            if msg_id in self._in_flight:
-                continue
-            self._in_flight.add(msg_id)
-            task = asyncio.ensure_future(self._deliver(msg_id, subject, data))
-            self._deliveries.add(task)
-            task.add_done_callback(self._deliveries.discard)
+            self._start_delivery(msg_id, subject, data)
 
-    async def _deliver(self, msg_id: str, subject: str, data: bytes) -> None:
+    def _start_delivery(self, msg_id: str, subject: str, data: bytes,
+                        written: asyncio.Future[None] | None = None) -> None:
+        if msg_id in self._in_flight:
+            return
+        self._in_flight.add(msg_id)
+        task = asyncio.ensure_future(self._deliver(msg_id, subject, data, written))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, msg_id: str, subject: str, data: bytes, written: asyncio.Future[None] | None) -> None:
         delay = self._retry_min_s
         tries = 0
         try:
@@ -155,6 +162,11 @@ class Outbox:
                         log.warning("outbox_publish_retrying", msg_id=msg_id, tries=tries, error=repr(error))
                     await asyncio.sleep(delay)
                     delay = min(self._retry_max_s, delay * 2)
+            if written is not None:
+                try:
+                    await asyncio.shield(written)  # delete only what is on disk
+                except Exception:
+                    return  # never written (the caller was told): nothing to delete
             self._to_delete.append(msg_id)
             if not self._deleting:
                 self._deleting = True
