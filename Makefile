@@ -44,6 +44,7 @@ bench: install
 	$(PY) -m bench.fairness
 	$(PY) -m bench.billing
 	$(PY) -m bench.placement
+	$(PY) -m bench.overload
 
 # Installs sglang-router and matplotlib into the venv on first use (not core dependencies).
 bench-routing: install

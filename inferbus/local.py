@@ -309,6 +309,7 @@ class Stack:
         )
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
+        env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
         env.update(self.config.extra_env)
         env.update(extra)
         return env

@@ -213,7 +213,10 @@ class StreamBatch(_Message):
 
 class Cancel(_Message):
     request_id: str
-    reason: Literal["client_disconnect", "deadline", "admin"] = "client_disconnect"
+    reason: Literal["client_disconnect", "deadline", "admin", "superseded"] = "client_disconnect"
+    # -1: every attempt of the request. Otherwise only that attempt: the gateway gave it up (its
+    # worker was declared dead, never started it, or its stream broke) and continues elsewhere.
+    attempt: int = -1
 
 
 class UsageEvent(_Message):
@@ -236,6 +239,19 @@ class UsageEvent(_Message):
     finish_reason: str | None = None
     api_key_id: str = ""
     batch_id: str | None = None
+    # "tenant": what the client was delivered (the request's one billable event, id request_id).
+    # "platform": the work of an attempt the platform abandoned (migration, false death verdict,
+    # a worker that never started it); the platform's cost, published with id
+    # `<request_id>.<attempt>.abandoned` and rolled up apart from the tenant's bill.
+    billed_to: Literal["tenant", "platform"] = "tenant"
+    attempt: int = 0  # the attempt this event reports (0 for the first)
+
+
+def usage_msg_id(event: UsageEvent) -> str:
+    """The JetStream message id (and ledger dedup key) of a usage event."""
+    if event.billed_to == "platform":
+        return f"{event.request_id}.{event.attempt}.abandoned"
+    return event.request_id
 
 
 def batch_request_id(batch_id: str, line: int) -> str:
@@ -422,6 +438,19 @@ class Heartbeat(_Message):
     tp: int = 0
     block_size: int = 0  # the engine's cache page in tokens; the router hashes prompts with it
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
+
+
+class LivenessProbe(_Message):
+    """Gateway → worker on `liveness_subject(worker_id)` (request/reply), before it declares the
+    worker dead on a missed heartbeat. Answered from the worker's liveness thread, on its own NATS
+    connection, so a worker whose event loop is busy still answers."""
+
+    worker_id: str
+
+
+class LivenessReply(_Message):
+    worker_id: str
+    loop_lag_s: float  # seconds since the worker's event loop last ran its tick
 
 
 class PlacementRequest(_Message):

@@ -174,6 +174,9 @@ def control_subject(worker_id: str) -> str:
 
 def control_wildcard() -> str:
     return f"{PREFIX}.control.*"
+def liveness_subject(worker_id: str) -> str:
+    """A worker's liveness probe (request/reply), answered by its heartbeat thread."""
+    return f"{PREFIX}.alive.{token(worker_id)}"
 
 
 def scale_subject(pool: str) -> str:

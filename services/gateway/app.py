@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -85,6 +86,9 @@ class Gateway:
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
+            worker_free_slots=overload.worker_free_slots,
+            accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
+            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3",
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.

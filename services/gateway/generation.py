@@ -32,7 +32,7 @@ from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
 from .models import ModelCatalog
-from .overload import OverloadPolicy
+from .overload import OverloadPolicy, bands_through
 from .settings import GatewaySettings
 from .tenants import Tenant, TenantStore
 
@@ -208,10 +208,13 @@ class Generation:
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
-        admitted, retry_after = self.overload.admit(tenant.band, self.dispatcher.held(tenant.band))
-        if not admitted:
+        ahead = bands_through(tenant.band)
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
+                                      sum(self.dispatcher.queued(b) for b in ahead))
+        if not verdict.admitted:
+            metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
-                              code="overloaded", headers={"retry-after": str(int(retry_after))})
+                              code="overloaded", headers=verdict.headers())
         n = params.n
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
         now = time.time()
@@ -486,13 +489,13 @@ class Generation:
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
-            await self._give_up(call, None, error, cancel_reason="deadline")
+            await self._give_up(call, None, error, cancel_reason="deadline", delivered=False)
             await send_json(send, 504, error.body(), request_id)
             return "504"
         if failed is not None or any(c.final is None for c in call.choices):
             choice = failed[0] if failed else call.choices[0]
             error = _event_error(failed[1]) if failed else OpenAIError(502, "No response from the worker.")
-            await self._give_up(call, choice, error)
+            await self._give_up(call, choice, error, delivered=False)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
         self._first_token(call, True)
@@ -613,18 +616,24 @@ class Generation:
         metrics.TOKENS.labels("cached").inc(usage.cached_tokens)
 
     async def _give_up(self, call: _Call, failed: _Choice | None, error: OpenAIError,
-                       cancel_reason: str | None = None) -> None:
+                       cancel_reason: str | None = None, delivered: bool = True) -> None:
         """End a response that failed: `failed` is the choice that did (None: all of them, e.g.
-        the deadline); the other unfinished choices are cancelled, the client gets none of them."""
+        the deadline); the other unfinished choices are given up too, the client gets none of them.
+
+        Billing = delivery: the gateway, which alone knows what the client received, bills each
+        unfinished choice for that (the tokens streamed to it; nothing when `delivered` is False,
+        a non-streamed response that fails); a worker still on one stops and bills its work to
+        the platform."""
         metrics.ERRORS.labels(error.code or error.type).inc()
         for choice in call.choices:
             if choice.final is not None:
                 continue
-            if choice is not failed:
-                await self.dispatcher.cancel(choice.flight, cancel_reason or "client_disconnect")
-            elif choice.flight.worker_id is None:
-                # No worker holds the request any more (it died and migration ran out): bill what was sent.
-                await self.dispatcher.publish_usage(choice.flight, "failed", "error")
+            if cancel_reason:
+                await self.dispatcher.cancel(choice.flight, cancel_reason)
+            else:
+                await self.dispatcher.supersede(choice.flight)
+            await self.dispatcher.publish_usage(choice.flight, "failed", "error",
+                                                delivered_tokens=choice.flight.sent_tokens if delivered else 0)
 
 
 _usage = responses.usage_body

@@ -38,3 +38,7 @@ RESPONSES_NOT_STORED = Counter("inferbus_responses_not_stored_total", "Responses
                                ["reason"])
 PLACEMENTS = Counter("inferbus_placements_total", "Where requests were queued: a worker's own queue or the shared one", ["target"])
 FAIR_QUEUE = Gauge("inferbus_fair_queue_requests", "Requests waiting in this gateway's fair queue for their turn")
+SHED = Counter("inferbus_shed_total", "Requests refused with 503 `overloaded` before queueing, by band", ["band"])
+DEATH_VERDICTS = Counter("inferbus_worker_death_verdicts_total",
+                         "Lapsed heartbeats checked with a liveness probe: `dead` (its streams migrate) or `alive`", ["verdict"])
+NOT_STARTED = Counter("inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue")

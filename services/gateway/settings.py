@@ -28,7 +28,10 @@ class GatewaySettings:
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
-    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
+    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are asked whether they live (match the workers').")
+    liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "How long a worker whose heartbeat lapsed has to answer the liveness probe before it is declared dead and its streams migrate.")
+    accept_timeout_s: float = env("INFERBUS_ACCEPT_TIMEOUT_S", 5.0, "A request queued on one worker that has not started it within this long moves to the shared queue.")
+    state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
     placement_timeout_ms: float = env(
         "INFERBUS_PLACEMENT_TIMEOUT_MS", 50.0,
         "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
