@@ -166,7 +166,7 @@ class Policy(abc.ABC):
             view = self.workers[beat.worker_id] = WorkerView(beat.worker_id, beat.model, self.clock())
         view.last_seen = self.clock()
         view.max_running = max(1, beat.max_running)
-        view.draining = beat.state == "draining"
+        view.draining = beat.state != "ready"  # draining, or its engine is down ("starting"): place nothing there
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
         view.adapters = frozenset(beat.adapters)

@@ -82,6 +82,7 @@ class _Running:
     requeue: str | None = None
     abort_resent: bool = False
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # batch lines: generated ids of this attempt
     completion: int = 0
     prompt_tokens: int | None = None
     cached: int = 0
@@ -162,12 +163,16 @@ class Worker:
         await self._wait_for_engine()
         self._engine_info = await self.engine.server_info()
         self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
-        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
+        try:
+            capacity = s.max_running or engine_max_running(self._engine_info)
+        except EngineError as error:
+            raise SystemExit(f"worker: {error}; set INFERBUS_WORKER_MAX_RUNNING") from None
         tiers = s.tier_list()
         self.budget = SlotBudget(capacity, pullers=len(self._consumer_specs()))
         FREE_SLOTS.set(capacity)
         if s.engine_kv_events:
-            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events)
+            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events, block_size=s.block_size,
+                                          bind=s.engine_kv_events_bind)
             self.cache_relay.start()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
         if s.standby:
@@ -514,6 +519,7 @@ class Worker:
             cached = min(update.cached_tokens, prompt_tokens or 0)
             if batch:  # no stream to a client: the line's text is kept for its one result
                 entry.text_parts.append(update.text)
+                entry.token_ids.extend(update.token_ids)
                 entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
                 if update.finish is None:
                     await self._batch_checkpoint(entry)
@@ -522,6 +528,7 @@ class Worker:
                 self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
+                    token_ids=update.token_ids,
                 ))
                 seq += 1
                 continue
@@ -534,7 +541,7 @@ class Worker:
                 self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
-                    worker_id=self.settings.worker_id,
+                    worker_id=self.settings.worker_id, token_ids=update.token_ids,
                 ))
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
@@ -619,6 +626,7 @@ class Worker:
                 return "requeued", None, msgspec.structs.replace(
                     request, attempt=request.attempt + 1,
                     resumed_text=request.resumed_text + "".join(entry.text_parts),
+                    resumed_ids=request.resumed_ids + entry.token_ids if request.input_ids else [],
                     resumed_tokens=entry.completion, prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
                 )
         return "failed", self._batch_result(entry, now, failure=failure), None
@@ -887,7 +895,8 @@ class Worker:
             started=self.started, ts=time.time(), state="draining" if self.draining else "ready",
             max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
             tp=int(self._engine_info.get("tp_size", 0) or 0),
-            block_size=int(self._engine_info.get("page_size", 0) or 0),
+            # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
+            block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
         )
         await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
@@ -969,6 +978,22 @@ class Worker:
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
         except Exception as error:
             log.warning("load_publish_failed", error=repr(error))
+
+
+def engine_max_running(info: dict[str, Any]) -> int:
+    """Requests the engine runs at once, from its /server_info. SGLang reports the flag at the top
+    (null unless --max-running-requests was given) and the effective value per data-parallel rank
+    in `internal_states`; a worker that fell back to a guess would hold far fewer or more slots."""
+    top = info.get("max_running_requests")
+    if isinstance(top, int) and top > 0:
+        return top
+    states = info.get("internal_states") or []
+    per_dp = [state.get("effective_max_running_requests_per_dp") for state in states if isinstance(state, dict)]
+    effective = [value for value in per_dp if isinstance(value, int) and value > 0]
+    if effective:
+        return effective[0] * max(1, int(info.get("dp_size") or 1))
+    raise EngineError("the engine's /server_info reports no max_running_requests (top level or internal_states)",
+                      code="engine_info")
 
 
 async def serve(settings: WorkerSettings) -> None:
