@@ -45,7 +45,8 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
                    "tokenized with it and output is token ids of its vocabulary. Without it, a stand-in tokenizer "
                    "(capacity tools only).")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
-              help="Prefix-cache block (page) size in tokens; must equal the gateway's and router's INFERBUS_BLOCK_SIZE.")
+              help="Prefix-cache page size in tokens (SGLang's --page-size; 1 on CPU). Workers rebuild the cache events "
+                   "into the platform's blocks, so it need not match INFERBUS_BLOCK_SIZE.")
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
 @click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
