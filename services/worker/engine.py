@@ -222,6 +222,9 @@ def _http_error(status: int, body: bytes) -> EngineError:
         message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
     except (msgspec.DecodeError, AttributeError):
         message = body.decode(errors="replace")
+    if status == 400 and ("never been loaded" in message or "adapters are not loaded" in message):
+        # SGLang after a restart: the worker reloads the adapter and sends the request again.
+        return EngineError(message, code="adapter_not_loaded", retryable=False, status=503)
     if status == 400:
         return EngineError(message, code="invalid_request", retryable=False, status=400)
     return EngineError(message, code="engine_error", retryable=status >= 500, status=502 if status >= 500 else status)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ from proto import subjects
 from .adapters import Adapters
 from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
+from .engine_health import EngineHealth
+from .http import HTTPError
 from .preemption import BatchRun, PreemptionPolicy
 from .puller import Puller
 from .settings import WorkerSettings
@@ -119,6 +121,8 @@ class Worker:
     _pulled_own: int = 0  # requests taken from this worker's own queue (routers compare with their placements)
     _own_target: str = ""
     adapters: Adapters = field(init=False)
+    health: EngineHealth = field(default_factory=lambda: EngineHealth(time.monotonic))
+    _engine_watch: asyncio.Task[None] | None = None
     cache_relay: CacheRelay | None = None
     # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
     # "serving". A demoted worker drains its work, then goes back to warm.
@@ -324,7 +328,7 @@ class Worker:
         log.info("worker_warm", worker_id=self.settings.worker_id, demoted=True)
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._serving_tasks]:
+        for task in [*self._tasks, *self._serving_tasks, *([self._engine_watch] if self._engine_watch else [])]:
             task.cancel()
         if self._background:  # usage events are the billing ledger: let them land
             await asyncio.wait(self._background, timeout=10)
@@ -377,6 +381,11 @@ class Worker:
         turn = 0
         while not self.draining:
             self._wake.clear()
+            if not self.health.up:
+                # Its engine is down: a request taken now would fail at once and bounce between
+                # workers. The engine watch wakes this loop when it is back.
+                await self._wake.wait()
+                continue
             if self.budget.free >= len(pullers):
                 # Room for every consumer: all long-poll at once, most important first.
                 for puller in pullers:
@@ -506,7 +515,7 @@ class Worker:
         update: EngineUpdate
         if request.adapter:
             await self.adapters.ensure(request.adapter)
-        async for update in self.engine.generate(request, trace_headers):
+        async for update in self._engine_stream(request, trace_headers):
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()
@@ -546,6 +555,64 @@ class Worker:
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
         raise EngineError("engine stream ended early", retryable=True, status=502)
+
+    async def _engine_stream(self, request: m.InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
+        """The engine's stream for `request`. An adapter the engine says it never loaded (it restarted
+        since) is loaded again and the request sent once more: the refusal comes before any token."""
+        for attempt in (0, 1):
+            try:
+                async for update in self.engine.generate(request, headers):
+                    yield update
+                return
+            except EngineError as error:
+                if error.code == "engine_unavailable":
+                    self._engine_down(str(error))
+                if attempt or error.code != "adapter_not_loaded" or not request.adapter:
+                    raise
+                log.warning("adapter_lost_by_engine", adapter=request.adapter, error=str(error))
+                self.adapters.forget(request.adapter)
+                await self.adapters.ensure(request.adapter)
+
+    # ---- engine down and back ---------------------------------------------------------------
+
+    def _engine_down(self, why: str) -> None:
+        """Stop pulling and say not ready until the engine answers again; probe it with backoff."""
+        if not self.health.up:
+            return
+        self.health.failed()
+        log.warning("engine_down", engine=self.settings.engine_url, why=why)
+        self._spawn(self._publish_heartbeat())  # not ready: gateways and routers stop counting on it
+        if self._engine_watch is None or self._engine_watch.done():
+            self._engine_watch = asyncio.create_task(self._watch_engine(), name="engine-watch")
+
+    async def _watch_engine(self) -> None:
+        delay = self.health.first_delay_s
+        while True:
+            await asyncio.sleep(delay)
+            if await self.engine.ready():
+                break
+            delay = self.health.failed()
+            log.info("engine_probe_failed", engine=self.settings.engine_url, failures=self.health.failures,
+                     retry_in_s=round(delay, 3))
+        # It answers again, maybe as a new process: what this worker believed about it is stale.
+        try:
+            self._engine_info = await self.engine.server_info()
+        except Exception as error:
+            log.warning("engine_info_failed", error=repr(error))
+        forgotten = self.adapters.forget_all()
+        self.health.recovered()
+        log.info("engine_back", engine=self.settings.engine_url, adapters_forgotten=forgotten)
+        await self._publish_heartbeat()
+        self._wake.set()
+        self._load_changed.set()
+
+    async def _publish_heartbeat(self) -> None:
+        if self.kv is None or self.budget is None or self.phase != "serving":
+            return
+        try:
+            await self._heartbeat()
+        except Exception as error:
+            log.warning("heartbeat_failed", error=repr(error))
 
     # ---- batch lines -----------------------------------------------------------------------
 
@@ -892,7 +959,9 @@ class Worker:
         assert self.kv is not None and self.budget is not None
         beat = m.Heartbeat(
             worker_id=self.settings.worker_id, model=self.settings.model, engine_url=self.settings.engine_url,
-            started=self.started, ts=time.time(), state="draining" if self.draining else "ready",
+            # "starting" while the engine is down: alive, but not to be given requests.
+            started=self.started, ts=time.time(),
+            state="draining" if self.draining else "ready" if self.health.up else "starting",
             max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
             tp=int(self._engine_info.get("tp_size", 0) or 0),
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
@@ -935,10 +1004,15 @@ class Worker:
             if self.phase != "serving" or self.budget is None:
                 await self._publish_idle_load()
                 continue
+            if not self.health.up:
+                continue  # the engine watch probes it, with backoff
             try:
                 load = await self.engine.loads()
             except Exception as error:
-                log.warning("engine_load_failed", error=repr(error))
+                if self.health.up:
+                    log.warning("engine_load_failed", error=repr(error))
+                if isinstance(error, HTTPError):
+                    self._engine_down(f"load poll failed: {error!r}")
                 continue
             try:
                 await self._check_preemption(load)
