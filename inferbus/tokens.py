@@ -91,12 +91,6 @@ def block_hashes(
     return hashes
 
 
-def prefix_hashes(text: str, block_size: int = DEFAULT_BLOCK_SIZE, *, adapter: str | None = None) -> list[int]:
-    """The prefix-block hashes of a rendered prompt: what the router indexes and what the engine's
-    cache reports, for the base model or (in its own namespace) a LoRA adapter."""
-    return block_hashes(encode(text), block_size, namespace=adapter or "")
-
-
 def _content_text(content: Any) -> str:
     if content is None:
         return ""

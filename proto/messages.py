@@ -401,8 +401,9 @@ class PlacementRequest(_Message):
     prompt_tokens: int
     adapter: str | None = None
     tier: str = "standard"
-    # `inferbus.tokens.prefix_hashes(prompt, block_size, adapter=adapter)`: the chained prefix-block
-    # hashes the engines' caches report, so the router can count blocks a worker already holds.
+    # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
+    # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
+    # the router can count blocks a worker already holds.
     block_hashes: list[int] = []
     block_size: int = 0
 

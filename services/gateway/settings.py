@@ -39,7 +39,7 @@ class GatewaySettings:
         "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
         "without an answer the request goes to the shared queue, which any worker serves. 0 = never ask.",
     )
-    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the engines' page size.")
+    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the workers' (engines may use any page size).")
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
     admin_key: str = env(
         "INFERBUS_ADMIN_KEY", "",
