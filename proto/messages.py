@@ -389,7 +389,7 @@ class Heartbeat(_Message):
     adapters: list[str] = []
     gpu: str = ""
     tp: int = 0
-    block_size: int = 0  # the engine's cache page in tokens; the router hashes prompts with it
+    block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
 
 

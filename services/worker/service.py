@@ -693,10 +693,17 @@ class Worker:
                 return "requeued", None, msgspec.structs.replace(
                     request, attempt=request.attempt + 1,
                     resumed_text=request.resumed_text + "".join(entry.text_parts),
-                    resumed_ids=request.resumed_ids + entry.token_ids if request.input_ids else [],
+                    # From ids when the engine reported the ids of all it generated, else from text.
+                    **self._resume_from(request, entry),
                     resumed_tokens=entry.completion, prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
                 )
         return "failed", self._batch_result(entry, now, failure=failure), None
+
+    @staticmethod
+    def _resume_from(request: m.InferenceRequest, entry: _Running) -> dict[str, Any]:
+        if request.input_ids and len(entry.token_ids) == entry.completion - request.resumed_tokens:
+            return {"resumed_ids": request.resumed_ids + entry.token_ids}
+        return {"input_ids": [], "resumed_ids": []}
 
     def _batch_result(self, entry: _Running, now: float, *, finish: str | None = None,
                       failure: tuple[str, str, int] | None = None) -> m.BatchLineResult:
