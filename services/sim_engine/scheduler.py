@@ -152,12 +152,14 @@ class OutputVocabulary:
 
     @classmethod
     def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str]) -> OutputVocabulary:
-        """Each output piece as the model's tokenizer splits it: the text is the concatenation of
-        the tokens' texts (a byte-level BPE over ASCII words), so ids and text always agree."""
-        tokens: list[tuple[int, str]] = []
-        for piece in OUTPUT_PIECES:
-            tokens.extend((token_id, decode_id(token_id)) for token_id in encode_text(piece))
-        return cls(tuple(tokens))
+        """The output pieces that are one token of the model's vocabulary (readable words); with
+        too few of those (a tiny vocabulary), every piece's tokens. A token's text is its decoding,
+        so output ids always decode to the text."""
+        split = [[(token_id, decode_id(token_id)) for token_id in encode_text(piece)] for piece in OUTPUT_PIECES]
+        whole = [tokens[0] for tokens in split if len(tokens) == 1]
+        if len({text for _, text in whole}) >= 32:
+            return cls(tuple(whole))
+        return cls(tuple(token for tokens in split for token in tokens))
 
 
 _STANDIN_VOCABULARY = OutputVocabulary.standin()
