@@ -72,4 +72,7 @@ def test_after_an_engine_restart_adapters_are_loaded_again(single: Platform) -> 
            if line.startswith("{")]
     probes = [entry["retry_in_s"] for entry in log if entry.get("event") == "engine_probe_failed"]
     assert len(probes) >= 3 and probes == sorted(probes) and probes[-1] >= 4 * probes[0]  # backing off
-    assert any(entry.get("event") == "engine_back" and entry.get("adapters_forgotten") == 1 for entry in log)
+    back = next(i for i, entry in enumerate(log) if entry.get("event") == "engine_back")
+    assert log[back].get("adapters_forgotten") == 1
+    # The new engine's cache is empty: the router was told (a snapshot of nothing) before the worker said it was back.
+    assert any(entry.get("event") == "cache_snapshot_sent" and entry.get("blocks") == 0 for entry in log[back - 3:back])

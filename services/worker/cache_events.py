@@ -136,6 +136,15 @@ class CacheRelay:
             event.removed.clear()
             event.cleared = True
 
+    async def engine_restarted(self) -> None:
+        """A new engine process starts with an empty cache and says nothing about the old one's:
+        forget its pages and tell the router (a snapshot of nothing)."""
+        changes = Changes()
+        self.chains.cleared(changes)
+        self.blocks.clear()
+        self._engine_seq = None
+        await self.publish_snapshot()
+
     async def publish_snapshot(self) -> None:
         """Everything the engine holds, as a `cleared` event followed by more stored blocks."""
         async with self._lock:

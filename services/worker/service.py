@@ -600,6 +600,11 @@ class Worker:
         except Exception as error:
             log.warning("engine_info_failed", error=repr(error))
         forgotten = self.adapters.forget_all()
+        if self.cache_relay is not None:
+            try:
+                await self.cache_relay.engine_restarted()
+            except Exception as error:  # the router's index ages stale blocks out regardless
+                log.warning("cache_reset_failed", error=repr(error))
         self.health.recovered()
         log.info("engine_back", engine=self.settings.engine_url, adapters_forgotten=forgotten)
         await self._publish_heartbeat()
