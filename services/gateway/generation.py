@@ -160,18 +160,16 @@ class Generation:
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
             model, adapter = self.catalog.resolve(chat.model, tenant)
+            render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
+                                       tools=chat.tools)
             params: schemas._Common = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
             model, adapter = self.catalog.resolve(completion.model, tenant)
             assert isinstance(completion.prompt, str)
-            params, object_id = completion, f"cmpl-{request_id}"
-        if endpoint == "chat":
-            render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
-                                       tools=chat.tools)
-        else:
             render = functools.partial(render_prompt, self.served, prompt=completion.prompt)
+            params, object_id = completion, f"cmpl-{request_id}"
         try:
             # Rendered with the model's own template and tokenized once: the engine computes on
             # these ids, usage counts them and the router's prefix hashes are made from them. A long
