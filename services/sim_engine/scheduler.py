@@ -19,7 +19,7 @@ import struct
 import uuid
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,41 @@ OUTPUT_PIECES: tuple[str, ...] = (
 _PIECE_IDS: dict[str, int] = {piece: encode(piece)[0] for piece in set(OUTPUT_PIECES)}
 
 
+@dataclass(frozen=True)
+class OutputVocabulary:
+    """The (token id, text) pairs output is drawn from: single tokens of the served model's
+    vocabulary, so that output_ids decode to the text, or the stand-in tokenizer's pieces; how an
+    output decided up front (a JSON value, a tool call) splits into tokens; the EOS token id."""
+
+    tokens: tuple[tuple[int, str], ...]
+    split: Callable[[str], list[tuple[int, str]]]
+    eos_id: int
+
+    @classmethod
+    def standin(cls) -> OutputVocabulary:
+        return cls(tuple((_PIECE_IDS[piece], piece) for piece in OUTPUT_PIECES),
+                   lambda text: [(encode(piece)[0], piece) for piece in pieces(text)], EOS_TOKEN_ID)
+
+    @classmethod
+    def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str],
+                       eos_id: int) -> OutputVocabulary:
+        """The output pieces that are one token of the model's vocabulary (readable words); with
+        too few of those (a tiny vocabulary), every piece's tokens. A token's text is its decoding,
+        so output ids always decode to the text."""
+
+        def split(text: str) -> list[tuple[int, str]]:
+            return [(token_id, decode_id(token_id)) for token_id in encode_text(text)]
+
+        per_piece = [split(piece) for piece in OUTPUT_PIECES]
+        whole = [tokens[0] for tokens in per_piece if len(tokens) == 1]
+        if len({text for _, text in whole}) >= 32:
+            return cls(tuple(whole), split, eos_id)
+        return cls(tuple(token for tokens in per_piece for token in tokens), split, eos_id)
+
+
+_STANDIN_VOCABULARY = OutputVocabulary.standin()
+
+
 class RequestRejected(Exception):
     """The request cannot be accepted (SGLang answers these with HTTP 400)."""
 
@@ -175,7 +210,7 @@ class Request:
     stops: tuple[str, ...] = field(default=(), init=False)
     # An output decided up front (constrained decoding, a tool call): emitted a token at a time,
     # then EOS.
-    script: list[str] | None = None
+    script: list[tuple[int, str]] | None = None  # (token id, text) per step
     # SGLang's return_logprob / top_logprobs_num: per output token (logprob, token id, text) and
     # the top alternatives in the same shape.
     return_logprob: bool = False
@@ -245,8 +280,12 @@ def lora_path_exists(path: str) -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None,
+                 vocabulary: OutputVocabulary = _STANDIN_VOCABULARY) -> None:
         self.config = config
+        self.vocabulary = vocabulary.tokens
+        self.split_output = vocabulary.split
+        self.eos_id = vocabulary.eos_id
         self.spec = (SpecDecoding(config.speculative_num_steps, config.speculative_acceptance,
                                   config.speculative_draft_cost) if config.speculative_num_steps else None)
         # Adapter slots are not taken out of the KV cache here (the planner does take them out).
@@ -586,13 +625,11 @@ class Engine:
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
         script = request.script
         if script is not None:
-            piece = script[len(request.output_ids)]
-            token_id = encode(piece)[0]
+            token_id, piece = script[len(request.output_ids)]
         else:
-            piece = OUTPUT_PIECES[(mixed >> 8) % len(OUTPUT_PIECES)]
-            token_id = _PIECE_IDS[piece]
+            token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
         if request.return_logprob:
-            _record_logprobs(request, mixed, piece, token_id)
+            _record_logprobs(request, mixed, piece, token_id, self.vocabulary)
         request.output_ids.append(token_id)
         request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
         self.generation_tokens_total += 1
@@ -608,7 +645,7 @@ class Engine:
     def _check_finished(self, request: Request, token_id: int, previous_len: int) -> dict[str, Any] | None:
         generated = len(request.output_ids)
         if request.script is not None and generated >= len(request.script):
-            return {"type": "stop", "matched": EOS_TOKEN_ID}
+            return {"type": "stop", "matched": self.eos_id}
         if generated >= request.max_new_tokens:
             return {"type": "length", "length": request.max_new_tokens}
         sampling = request.sampling
@@ -687,26 +724,24 @@ class Engine:
 _TOKEN = struct.Struct("<I")
 
 
-def script_tokens(text: str) -> list[str]:
-    """An output decided up front, as the tokens the engine emits one per step."""
-    return pieces(text)
-
-
-def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int) -> None:
+def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int,
+                     vocabulary: tuple[tuple[int, str], ...]) -> None:
     """Plausible logprobs, a function of the context: the emitted token is the most likely one
-    (from about -0.01 to -2.5) and the alternatives fall off behind it."""
+    (from about -0.01 to -2.5) and the alternatives, tokens of the output vocabulary, fall off
+    behind it."""
     logprob = -0.01 - ((mixed >> 4) % 250) / 100
     request.token_logprobs.append((logprob, token_id, piece))
     top: list[tuple[float, int, str]] = []
     if request.top_logprobs_num:
         top.append((logprob, token_id, piece))
+        distinct = len({text for _, text in vocabulary} | {piece})
         step = 0
-        while len(top) < request.top_logprobs_num:
+        while len(top) < min(request.top_logprobs_num, distinct):
             step += 1
-            other = OUTPUT_PIECES[(mixed + step * 7919) % len(OUTPUT_PIECES)]
+            other_id, other = vocabulary[(mixed + step * 7919) % len(vocabulary)]
             if any(other == t[2] for t in top):
                 continue
-            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, _PIECE_IDS[other], other))
+            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, other_id, other))
     request.top_logprobs.append(top)
 
 
