@@ -408,6 +408,8 @@ class SimEngineServer:
                 "preset": config.preset,
                 "time_scale": config.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
+                # SGLang's scheduler state: the limit it actually applies, per data-parallel rank.
+                "internal_states": [{"effective_max_running_requests_per_dp": config.max_running_requests}],
             }
         )
 
