@@ -37,10 +37,12 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
 )
 @click.option("--chunked-prefill-size", default=512, show_default=True, type=int,
               help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.")
-@click.option("--max-running-requests", default=256, show_default=True, type=int, help="Most requests in the running batch.")
+@click.option("--max-running-requests", default=None, type=int, help="Most requests in the running batch (default 256).")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
               help="Prefix-cache block (page) size in tokens; must equal the gateway's and router's INFERBUS_BLOCK_SIZE.")
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
+@click.option("--max-lora-rank", default=None, type=int,
+              help="Refuse to load a local adapter directory whose adapter_config.json rank is higher (SGLang's flag); default: no limit.")
 @click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
 @click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
@@ -67,9 +69,10 @@ def sim_engine_command(
     time_scale: float,
     fixed_step_ms: float | None,
     chunked_prefill_size: int,
-    max_running_requests: int,
+    max_running_requests: int | None,
     block_size: int,
     max_loras_per_batch: int,
+    max_lora_rank: int | None,
     lora_load_time: float,
     kv_capacity_tokens: int | None,
     lazy_lora_loading: bool,
@@ -92,9 +95,11 @@ def sim_engine_command(
             model=model,
             preset=preset,
             chunked_prefill_size=chunked_prefill_size,
-            max_running_requests=max_running_requests,
+            max_running_requests=256 if max_running_requests is None else max_running_requests,
+            max_running_requests_set=max_running_requests is not None,
             block_size=block_size,
             max_loras_per_batch=max_loras_per_batch,
+            max_lora_rank=max_lora_rank,
             lora_load_time_s=lora_load_time,
             time_scale=time_scale,
             fixed_step_ms=fixed_step_ms,

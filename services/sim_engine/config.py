@@ -22,9 +22,14 @@ class EngineConfig:
     # reproduces NVIDIA's published H100 TP2 closed-loop points within 7% (docs/sim-engine.md).
     chunked_prefill_size: int = 512
     max_running_requests: int = 256
+    # Whether --max-running-requests was given: SGLang's /server_info shows the flag (null unless
+    # set) at the top level and the limit in force in internal_states.
+    max_running_requests_set: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
     max_loras_per_batch: int = 8
     lora_load_time_s: float = 0.2
+    # SGLang's --max-lora-rank: a local adapter directory of higher rank is refused at load.
+    max_lora_rank: int | None = None
     # Accept any adapter path at load time and fail on first use, as engines that load lazily do
     # (the worker must verify loads rather than trust a 200).
     lazy_lora_loading: bool = False
@@ -61,6 +66,8 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be at least 1 (the base model takes one slot)")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
         if self.time_scale < 0:
             raise ValueError("time_scale must not be negative")
         if self.fixed_step_ms is not None and self.fixed_step_ms < 0:

@@ -67,6 +67,17 @@ def sampling_params(request: InferenceRequest) -> dict[str, Any]:
     return params
 
 
+def effective_max_running(server_info: dict[str, Any]) -> int | None:
+    """The running-request limit the engine applies. SGLang's top-level `max_running_requests` is
+    its flag (null unless set); the limit in force is in `internal_states`, per data-parallel rank."""
+    states = server_info.get("internal_states") or []
+    per_rank = [state.get("effective_max_running_requests_per_dp") for state in states if isinstance(state, dict)]
+    if per_rank and all(isinstance(limit, int) for limit in per_rank):
+        return sum(per_rank)
+    configured = server_info.get("max_running_requests")
+    return int(configured) if configured else None
+
+
 class EngineClient:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
@@ -218,6 +229,10 @@ def _http_error(status: int, body: bytes) -> EngineError:
 
 
 def _stream_error(error: Any) -> EngineError:
+    # SGLang reports a request it refuses after the stream started (an unknown adapter, an input
+    # too long, ...) in-band: {"error": {"message", "type": "invalid_request_error", "code": 400}}.
+    if isinstance(error, dict) and isinstance(error.get("code"), int) and 400 <= error["code"] < 500:
+        return EngineError(str(error.get("message", error)), code="invalid_request", retryable=False, status=error["code"])
     if isinstance(error, dict):
         return EngineError(
             str(error.get("message", error)),

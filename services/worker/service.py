@@ -33,7 +33,7 @@ from proto import subjects
 
 from .adapters import Adapters
 from .cache_events import CacheRelay
-from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
+from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate, effective_max_running
 from .preemption import BatchRun, PreemptionPolicy
 from .puller import Puller
 from .settings import WorkerSettings
@@ -162,7 +162,7 @@ class Worker:
         await self._wait_for_engine()
         self._engine_info = await self.engine.server_info()
         self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
-        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
+        capacity = s.max_running or effective_max_running(self._engine_info) or 64
         tiers = s.tier_list()
         self.budget = SlotBudget(capacity, pullers=len(self._consumer_specs()))
         FREE_SLOTS.set(capacity)

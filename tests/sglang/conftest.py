@@ -40,7 +40,8 @@ class Engine:
     url: str
     kv_events: str  # the ZMQ endpoint the engine's KV-cache events are published on
     lora_path: str  # a LoRA adapter the engine can load
-    bad_lora_path: str  # an adapter directory the engine must refuse
+    bad_lora_path: str  # an adapter directory the engine must refuse (rank above --max-lora-rank)
+    missing_lora_path: str  # where no adapter is
     process: subprocess.Popen[bytes]
     log: Path
 
@@ -87,9 +88,18 @@ def sim_command(port: int, kv_events: str) -> tuple[list[str], dict[str, str]]:
     events = json.dumps({"publisher": "zmq", "endpoint": kv_events, "bind": True})
     argv = [
         sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
-        "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS), "--kv-events-config", events,
+        "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS), "--max-lora-rank", str(MAX_LORA_RANK),
+        "--kv-events-config", events,
     ]
     return argv, dict(os.environ)
+
+
+def sim_adapter(directory: Path, rank: int) -> str:
+    """An adapter directory as PEFT writes it, without weights (the simulator reads only its config)."""
+    directory.mkdir(parents=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return str(directory)
 
 
 def wait_healthy(engine: Engine, timeout: float) -> None:
@@ -131,15 +141,16 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     if kind == "sglang":
         home, models = sglang_paths()
         argv, env = sglang_command(home, models, port, kv_events)
-        lora_path, bad_lora_path = str(models / "lora"), str(models / "bad-lora")
+        lora_path, bad_lora_path, missing = str(models / "lora"), str(models / "bad-lora"), str(models / "no-such-adapter")
     else:
         argv, env = sim_command(port, kv_events)
-        lora_path, bad_lora_path = "s3://adapters/contract", "missing/contract"
+        lora_path, bad_lora_path = sim_adapter(workdir / "lora", 4), sim_adapter(workdir / "bad-lora", 16)
+        missing = "missing/no-such-adapter"  # the simulator's convention for a path with nothing there
     log = workdir / "engine.log"
     with log.open("wb") as out:
         process = subprocess.Popen(argv, env=env, cwd=workdir, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    running = Engine(kind, f"http://127.0.0.1:{port}", kv_events, lora_path, bad_lora_path, process, log)
+    running = Engine(kind, f"http://127.0.0.1:{port}", kv_events, lora_path, bad_lora_path, missing, process, log)
     try:
         wait_healthy(running, START_TIMEOUT_S)
         yield running
