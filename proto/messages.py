@@ -109,6 +109,12 @@ class InferenceRequest(_Message, tag="request"):
     expected_cached_tokens: int = 0
     batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
     batch_line: int = -1  # for lines of a batch: the 0-based line of the input file
+    # The prompt as the served model's tokenizer encoded it (inferbus.prompt): the engine computes
+    # on these ids, so what it caches is what was counted and hashed. Empty: the engine gets `prompt`.
+    input_ids: list[int] = []
+    # Migration: the token ids already streamed to the client; the next attempt continues from
+    # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
+    resumed_ids: list[int] = []
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
@@ -133,6 +139,7 @@ class TokenChunk(_Message, tag="chunk"):
     text: str
     completion_tokens: int  # client-visible total so far, including resumed tokens
     prompt_tokens: int | None = None
+    token_ids: list[int] = []  # the ids of `text` (the engine's output_ids since the previous chunk)
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -152,6 +159,7 @@ class Final(_Message, tag="final"):
     usage: Usage
     matched_stop: str | None = None
     worker_id: str = ""
+    token_ids: list[int] = []  # the ids of `text`
 
 
 class StreamError(_Message, tag="error"):
@@ -381,7 +389,7 @@ class Heartbeat(_Message):
     adapters: list[str] = []
     gpu: str = ""
     tp: int = 0
-    block_size: int = 0  # the engine's cache page in tokens; the router hashes prompts with it
+    block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
 
 
@@ -393,8 +401,9 @@ class PlacementRequest(_Message):
     prompt_tokens: int
     adapter: str | None = None
     tier: str = "standard"
-    # `inferbus.tokens.prefix_hashes(prompt, block_size, adapter=adapter)`: the chained prefix-block
-    # hashes the engines' caches report, so the router can count blocks a worker already holds.
+    # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
+    # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
+    # the router can count blocks a worker already holds.
     block_hashes: list[int] = []
     block_size: int = 0
 

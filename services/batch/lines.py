@@ -9,13 +9,12 @@ line returns what the same call to `/v1/chat/completions` or `/v1/completions` w
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
-from inferbus.prompt import render_chat
-from inferbus.tokens import count_tokens
+from inferbus.prompt import PromptError, ServedModel, render_prompt
 from proto import messages as m
 from services.gateway import responses, schemas
 from services.gateway.errors import OpenAIError
@@ -70,17 +69,22 @@ class LinePlan:
     prompt_tokens: int
     sampling: m.SamplingParams
     user: str | None = None
+    input_ids: list[int] = field(default_factory=list)  # the prompt as the served model's tokenizer encodes it
 
 
-def plan_line(endpoint: str, body: bytes, *, max_model_len: int, default_max_tokens: int) -> LinePlan:
-    """Render a line's body; OpenAIError when the request itself is invalid (a per-line error)."""
+def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: int, default_max_tokens: int) -> LinePlan:
+    """Render a line's body with the served model's template and tokenizer, as the gateway does;
+    OpenAIError when the request itself is invalid (a per-line error)."""
     params = parse_body(endpoint, body)
-    if isinstance(params, schemas.ChatCompletionRequest):
-        prompt = render_chat(msgspec.to_builtins(params.messages), params.tools)
-    else:
-        assert isinstance(params.prompt, str)
-        prompt = params.prompt
-    prompt_tokens = count_tokens(prompt)
+    try:
+        if isinstance(params, schemas.ChatCompletionRequest):
+            prompt = render_prompt(model, messages=msgspec.to_builtins(params.messages), tools=params.tools)
+        else:
+            assert isinstance(params.prompt, str)
+            prompt = render_prompt(model, prompt=params.prompt)
+    except PromptError as error:
+        raise OpenAIError(400, str(error), code="invalid_prompt") from None
+    prompt_tokens = len(prompt.ids)
     sampling = m.SamplingParams(
         max_new_tokens=responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens),
         temperature=1.0 if params.temperature is None else params.temperature,
@@ -88,8 +92,8 @@ def plan_line(endpoint: str, body: bytes, *, max_model_len: int, default_max_tok
         stop=schemas.stop_list(params.stop), seed=params.seed,
         presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
     )
-    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt, prompt_tokens=prompt_tokens,
-                    sampling=sampling, user=params.user)
+    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt.text, prompt_tokens=prompt_tokens,
+                    sampling=sampling, user=params.user, input_ids=prompt.ids)
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,
@@ -99,7 +103,7 @@ def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_k
         request_id=m.batch_request_id(batch_id, line), tenant=tenant, model=base_model, prompt=plan.prompt,
         sampling=plan.sampling, reply_to=reply_to, deadline=deadline, created=now, kind=plan.kind, adapter=adapter,
         tier="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, prompt_tokens=plan.prompt_tokens,
-        user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line,
+        user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line, input_ids=plan.input_ids,
     )
 
 

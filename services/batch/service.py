@@ -36,6 +36,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs
+from inferbus.prompt import ModelDirError, load_model
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
@@ -82,6 +83,10 @@ class BatchService:
         self.files: FileStore | None = None
         self.tenants: TenantStore | None = None
         self.catalog = ModelCatalog(settings.model, int(time.time()))
+        try:
+            self.served = load_model(settings.model_dir)  # lines render exactly as the gateway renders requests
+        except ModelDirError as error:
+            raise SystemExit(f"batch: {error}") from None
         self.redis: aioredis.Redis | None = None
         self.live_workers: dict[str, str] = {}  # KV key → worker id
         self._gone: dict[str, float] = {}  # worker id → when its heartbeat ended (not back since)
@@ -590,7 +595,7 @@ class BatchService:
                 run.id, line, "input_unreadable", "The line could not be read from the input file.", 500, now))
             return
         try:
-            plan = line_format.plan_line(record.endpoint, body, max_model_len=self.settings.max_model_len,
+            plan = line_format.plan_line(record.endpoint, body, model=self.served, max_model_len=self.settings.max_model_len,
                                          default_max_tokens=self.settings.default_max_tokens)
         except OpenAIError as error:
             # The request itself is invalid (say, too long for the context): its line says so.

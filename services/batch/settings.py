@@ -13,6 +13,12 @@ class BatchSettings:
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
     redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding the tenants (who may use which model).")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Base model served (must match the gateway's).")
+    model_dir: str = env(
+        "INFERBUS_MODEL_DIR", "",
+        "Directory of the served model as its engines load it (tokenizer.json, tokenizer_config.json with the chat "
+        "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
+        "a small one (python -m inferbus.modeldir DIR).",
+    )
     files_dir: str = env("INFERBUS_FILES_DIR", ".inferbus/files", "Where the file store keeps uploaded and generated files (shared with the gateway).")
     service_id: str = env(
         "INFERBUS_BATCH_SERVICE_ID", "main",

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from inferbus import bus, logs, tracing
+from inferbus.prompt import ModelDirError, load_model
 from services.batch.files import FileStore
 from services.batch.records import BatchStore
 from services.billing.pricing import Prices
@@ -68,6 +69,10 @@ class Gateway:
 
     async def start(self) -> None:
         s = self.settings
+        try:
+            served = load_model(s.model_dir)  # before the bus: a misconfigured gateway stops at once
+        except ModelDirError as error:
+            raise SystemExit(f"gateway: {error}") from None
         self.nc = await bus.connect(s.nats_url, name=f"gateway-{self.gateway_id}")
         js = self.js = self.nc.jetstream()
         await bus.ensure_streams(js)
@@ -98,7 +103,7 @@ class Gateway:
         await asyncio.to_thread(files.sweep_temporary)
         self.files, self.batches = files, BatchStore(batches_kv, js)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
-                                     admission, overload, prices, self.catalog)
+                                     admission, overload, prices, self.catalog, served)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
@@ -219,8 +224,11 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
             await gateway.redis.ping()
         except Exception:
             problems.append("redis")
-        # Workers are not a readiness condition: without them this replica still answers 503s.
+        # Without a worker whose engine serves, every generation would be a 503: take this replica
+        # out of the load balancer until one is back (a worker whose engine is down is not ready).
         workers = len(gateway.dispatcher.live_workers) if gateway.dispatcher else 0
+        if gateway.dispatcher is None or not gateway.dispatcher.has_workers(settings.model):
+            problems.append("no_workers")
         body = {"status": "ready" if not problems else "not_ready", "problems": problems, "workers": workers}
         return Response(_json.encode(body), status_code=200 if not problems else 503, media_type="application/json")
 

@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 import structlog
 
 from inferbus import logs, tracing
-from inferbus.prompt import render_chat
-from inferbus.tokens import block_hashes, count_tokens, encode
+from inferbus.prompt import PromptError, ServedModel, load_model, render_prompt
+from inferbus.tokens import block_hashes
 from proto import messages as m
 from services.billing.pricing import Prices
 
@@ -90,8 +90,9 @@ async def send_json(send: Any, status: int, body: Any, request_id: str, headers:
 class Generation:
     def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, keys: KeyStore, tenants: TenantStore,
                  admission: Admission, overload: OverloadPolicy, prices: Prices,
-                 catalog: ModelCatalog | None = None) -> None:
+                 catalog: ModelCatalog | None = None, served: ServedModel | None = None) -> None:
         self.settings = settings
+        self.served = served or load_model(settings.model_dir)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
         self.keys = keys
@@ -158,22 +159,26 @@ class Generation:
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
             model, adapter = self.catalog.resolve(chat.model, tenant)
-            prompt = render_chat(msgspec.to_builtins(chat.messages), chat.tools)
             params: schemas._Common = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
             model, adapter = self.catalog.resolve(completion.model, tenant)
             assert isinstance(completion.prompt, str)
-            prompt, params, object_id = completion.prompt, completion, f"cmpl-{request_id}"
+            params, object_id = completion, f"cmpl-{request_id}"
+        try:
+            # Rendered with the model's own template and tokenized once: the engine computes on
+            # these ids, usage counts them and the router's prefix hashes are made from them.
+            prompt = (render_prompt(self.served, messages=msgspec.to_builtins(chat.messages), tools=chat.tools)
+                      if endpoint == "chat" else render_prompt(self.served, prompt=completion.prompt))
+        except PromptError as error:
+            raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
+                              code="invalid_prompt") from None
+        prompt_tokens = len(prompt.ids)
         hashes: list[int] = []
         if self.dispatcher.placement_timeout_s > 0:
-            # The router places by prefix: hash the blocks the engines' caches report.
-            ids = encode(prompt)
-            prompt_tokens = len(ids)
-            hashes = block_hashes(ids, self.settings.block_size, namespace=adapter or "")
-        else:
-            prompt_tokens = count_tokens(prompt)
+            # The router places by prefix: the blocks of the ids the engine will cache.
+            hashes = block_hashes(prompt.ids, self.settings.block_size, namespace=adapter or "")
         max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)
         if not self.dispatcher.has_workers(model):
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
@@ -186,7 +191,7 @@ class Generation:
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens)
         now = time.time()
         inference = m.InferenceRequest(
-            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
+            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
             api_key_id=principal.key_id, adapter=adapter,
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=m.SamplingParams(
@@ -197,7 +202,7 @@ class Generation:
                 presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
             ),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, user=params.user, prompt_tokens=prompt_tokens,
+            created=now, user=params.user, prompt_tokens=prompt_tokens, input_ids=prompt.ids,
         )
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),

@@ -21,6 +21,12 @@ class GatewaySettings:
     redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas).")
     redis_max_connections: int = env("INFERBUS_REDIS_MAX_CONNECTIONS", 64, "Redis connections per gateway; more requests wait for one.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id served and listed by /v1/models.")
+    model_dir: str = env(
+        "INFERBUS_MODEL_DIR", "",
+        "Directory of the served model as its engines load it (tokenizer.json, tokenizer_config.json with the chat "
+        "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
+        "a small one (python -m inferbus.modeldir DIR).",
+    )
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
     max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest request body accepted (413 above).")
     max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit.")
@@ -33,7 +39,7 @@ class GatewaySettings:
         "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
         "without an answer the request goes to the shared queue, which any worker serves. 0 = never ask.",
     )
-    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the engines' page size.")
+    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the workers' (engines may use any page size).")
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
     admin_key: str = env(
         "INFERBUS_ADMIN_KEY", "",

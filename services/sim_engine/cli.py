@@ -37,9 +37,16 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
 )
 @click.option("--chunked-prefill-size", default=512, show_default=True, type=int,
               help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.")
-@click.option("--max-running-requests", default=None, type=int, help="Most requests in the running batch (default 256).")
+@click.option("--max-running-requests", default=None, type=int,
+              help="Most requests in the running batch (default 256; /server_info reports it at the top only when given, as SGLang does).")
+@click.option("--model-dir", default=None, envvar="INFERBUS_MODEL_DIR", show_envvar=True,
+              type=click.Path(exists=True, file_okay=False),
+              help="The served model's directory (tokenizer.json, tokenizer_config.json with the chat template): text is "
+                   "tokenized with it and output is token ids of its vocabulary. Without it, a stand-in tokenizer "
+                   "(capacity tools only).")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
-              help="Prefix-cache block (page) size in tokens; must equal the gateway's and router's INFERBUS_BLOCK_SIZE.")
+              help="Prefix-cache page size in tokens (SGLang's --page-size; 1 on CPU). Workers rebuild the cache events "
+                   "into the platform's blocks, so it need not match INFERBUS_BLOCK_SIZE.")
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
 @click.option("--max-lora-rank", default=None, type=int,
               help="Refuse to load a local adapter directory whose adapter_config.json rank is higher (SGLang's flag); default: no limit.")
@@ -70,6 +77,7 @@ def sim_engine_command(
     fixed_step_ms: float | None,
     chunked_prefill_size: int,
     max_running_requests: int | None,
+    model_dir: str | None,
     block_size: int,
     max_loras_per_batch: int,
     max_lora_rank: int | None,
@@ -97,6 +105,7 @@ def sim_engine_command(
             chunked_prefill_size=chunked_prefill_size,
             max_running_requests=256 if max_running_requests is None else max_running_requests,
             max_running_requests_set=max_running_requests is not None,
+            model_dir=model_dir,
             block_size=block_size,
             max_loras_per_batch=max_loras_per_batch,
             max_lora_rank=max_lora_rank,

@@ -22,9 +22,12 @@ class EngineConfig:
     # reproduces NVIDIA's published H100 TP2 closed-loop points within 7% (docs/sim-engine.md).
     chunked_prefill_size: int = 512
     max_running_requests: int = 256
-    # Whether --max-running-requests was given: SGLang's /server_info shows the flag (null unless
-    # set) at the top level and the limit in force in internal_states.
+    # Whether --max-running-requests was given: SGLang reports the flag at the top of /server_info
+    # (null when unset) and the effective value in internal_states.
     max_running_requests_set: bool = False
+    # The served model's directory (tokenizer.json, chat template): prompts given as text are
+    # tokenized with it and output ids are drawn from its vocabulary. None: the stand-in tokenizer.
+    model_dir: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     max_loras_per_batch: int = 8
     lora_load_time_s: float = 0.2

@@ -19,7 +19,7 @@ import struct
 import uuid
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,32 @@ OUTPUT_PIECES: tuple[str, ...] = (
 _PIECE_IDS: dict[str, int] = {piece: encode(piece)[0] for piece in set(OUTPUT_PIECES)}
 
 
+@dataclass(frozen=True)
+class OutputVocabulary:
+    """The (token id, text) pairs output is drawn from: single tokens of the served model's
+    vocabulary, so that output_ids decode to the text, or the stand-in tokenizer's pieces."""
+
+    tokens: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def standin(cls) -> OutputVocabulary:
+        return cls(tuple((_PIECE_IDS[piece], piece) for piece in OUTPUT_PIECES))
+
+    @classmethod
+    def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str]) -> OutputVocabulary:
+        """The output pieces that are one token of the model's vocabulary (readable words); with
+        too few of those (a tiny vocabulary), every piece's tokens. A token's text is its decoding,
+        so output ids always decode to the text."""
+        split = [[(token_id, decode_id(token_id)) for token_id in encode_text(piece)] for piece in OUTPUT_PIECES]
+        whole = [tokens[0] for tokens in split if len(tokens) == 1]
+        if len({text for _, text in whole}) >= 32:
+            return cls(tuple(whole))
+        return cls(tuple(token for tokens in split for token in tokens))
+
+
+_STANDIN_VOCABULARY = OutputVocabulary.standin()
+
+
 class RequestRejected(Exception):
     """The request cannot be accepted (SGLang answers these with HTTP 400)."""
 
@@ -235,8 +261,10 @@ def lora_path_exists(path: str) -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None,
+                 vocabulary: OutputVocabulary = _STANDIN_VOCABULARY) -> None:
         self.config = config
+        self.vocabulary = vocabulary.tokens
         roofline_model = roofline(config.gpu, config.tp, config.preset)
         if step_model is None:
             if config.fixed_step_ms is not None:
@@ -556,8 +584,7 @@ class Engine:
         # Each token is a function of the whole context, as with a real model: a prompt extended
         # by part of an output (a migrated request) continues with the rest of that output.
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
-        piece = OUTPUT_PIECES[(mixed >> 8) % len(OUTPUT_PIECES)]
-        token_id = _PIECE_IDS[piece]
+        token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
         request.output_ids.append(token_id)
         request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
         self.generation_tokens_total += 1

@@ -24,13 +24,14 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from inferbus.prompt import load_model
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from .config import EngineConfig
 from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .lora_files import adapter_problem
 from .perf_model import StepTimeModel
-from .scheduler import Engine, LoraUpdateResult, Request, RequestRejected, RequestUpdate, SamplingParams
+from .scheduler import Engine, LoraUpdateResult, OutputVocabulary, Request, RequestRejected, RequestUpdate, SamplingParams
 
 logger = logging.getLogger("inferbus.sim_engine")
 
@@ -140,7 +141,17 @@ class SimEngineServer:
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
         self.config = config
-        self.engine = Engine(config, step_model)
+        # The served model's tokenizer: text in, output ids of its vocabulary out (stand-in without one).
+        self.served = load_model(config.model_dir) if config.model_dir else None
+        if self.served is not None:
+            served = self.served
+            vocabulary = OutputVocabulary.from_tokenizer(
+                lambda text: served.encode(text, add_special_tokens=False),
+                lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False))
+            self.engine = Engine(config, step_model, vocabulary)
+        else:
+            self.engine = Engine(config, step_model)
+        self.vocab_size = self.served.vocab_size if self.served is not None else VOCAB_SIZE
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -236,6 +247,12 @@ class SimEngineServer:
                 continue
             stream.queue.put_nowait(update)
 
+    def encode(self, text: str) -> list[int]:
+        """Text as SGLang tokenizes a /generate prompt: with the tokenizer's special tokens (BOS)."""
+        if self.served is None:
+            return encode(text)
+        return self.served.encode(text, add_special_tokens=True)
+
     # ------------------------------------------------------------------ /generate
 
     async def generate(self, http_request: HttpRequest) -> Response:
@@ -247,13 +264,13 @@ class SimEngineServer:
             return _error(str(exc))
         if (body.text is None) == (body.input_ids is None):
             return _error("Exactly one of text or input_ids must be provided.")
-        if body.input_ids is not None and any(not 0 <= t < VOCAB_SIZE for t in body.input_ids):
-            return _error(f"input_ids must be token ids in [0, {VOCAB_SIZE}).")
+        if body.input_ids is not None and any(not 0 <= t < self.vocab_size for t in body.input_ids):
+            return _error(f"input_ids must be token ids in [0, {self.vocab_size}).")
         traceparent = http_request.headers.get("traceparent")
         rid = body.rid or uuid.uuid4().hex
         if traceparent:
             logger.debug("generate rid=%s traceparent=%s", rid, traceparent)
-        input_ids = body.input_ids if body.input_ids is not None else encode(body.text or "")
+        input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text or "")
         request = Request(
             rid=rid, input_ids=input_ids, sampling=sampling, priority=body.priority or 0, lora_name=body.lora_path
         )
@@ -388,7 +405,7 @@ class SimEngineServer:
         """Like SGLang: pass a 1-token generation through the scheduler."""
         request = Request(
             rid=HEALTH_CHECK_PREFIX + uuid.uuid4().hex,
-            input_ids=encode("health"),
+            input_ids=self.encode("health"),
             sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
         stream = self._submit(request, 1, internal=True)
@@ -408,7 +425,11 @@ class SimEngineServer:
                 "tp_size": config.tp,
                 "dp_size": 1,
                 "chunked_prefill_size": config.chunked_prefill_size,
+                # SGLang reports the flag here (null unless given) and the effective value per
+                # data-parallel rank in internal_states.
                 "max_running_requests": config.max_running_requests if config.max_running_requests_set else None,
+                "internal_states": [{"effective_max_running_requests_per_dp": config.max_running_requests,
+                                     "last_gen_throughput": 0.0}],
                 "max_total_num_tokens": self.engine.cache.capacity_tokens,
                 "page_size": config.block_size,
                 "max_loras_per_batch": config.max_loras_per_batch,
@@ -421,13 +442,12 @@ class SimEngineServer:
                 "preset": config.preset,
                 "time_scale": config.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
-                # SGLang's scheduler state: the limit it actually applies, per data-parallel rank.
-                "internal_states": [{"effective_max_running_requests_per_dp": config.max_running_requests}],
             }
         )
 
     async def model_info(self, http_request: HttpRequest) -> Response:
-        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model, "is_generation": True})
+        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model_dir or self.config.model,
+                      "is_generation": True})
 
     async def flush_cache(self, http_request: HttpRequest) -> Response:
         if self.engine.flush_cache():

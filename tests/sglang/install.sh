@@ -21,11 +21,12 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "$want" > "$stamp"
 fi
 
-# The tiny model and its adapters, cached under the digest of the script that builds them.
-models="$root/models/$(sha256sum "$here/modeldir.py" | cut -c1-16)"
+# The tiny model and its adapters, cached under the digest of the two files that build them.
+repo="$(cd "$here/../.." && pwd)"
+models="$root/models/$(cat "$here/modeldir.py" "$repo/inferbus/modeldir.py" | sha256sum | cut -c1-16)"
 if [[ ! -f "$models/.built" ]]; then
   rm -rf "$models.tmp"
-  "$root/bin/python" "$here/modeldir.py" "$models.tmp" >&2
+  PYTHONPATH="$repo" INFERBUS_CACHE_DIR="$root/tokenizers" "$root/bin/python" "$here/modeldir.py" "$models.tmp" >&2
   rm -rf "$models"
   mv "$models.tmp" "$models"
 fi

@@ -174,10 +174,17 @@ async def test_an_adapter_that_cannot_load_is_a_400(engine: Engine, client: Engi
         assert name not in (raw.json().get("loaded_adapters") or {})
 
 
-async def test_a_request_for_an_adapter_the_engine_never_loaded_is_a_400(client: EngineClient) -> None:
-    with pytest.raises(EngineError) as refused:
+async def test_a_request_for_an_adapter_the_engine_never_loaded_is_refused_and_recognised(engine: Engine,
+                                                                                          client: EngineClient) -> None:
+    """SGLang refuses it before a plain answer (400) and inside a stream (200, then an error event);
+    our client recognises both as the adapter missing on the engine, which the worker repairs."""
+    plain = httpx.post(engine.url + "/generate", timeout=30,
+                       json={"text": "x", "lora_path": "never-loaded", "sampling_params": {"max_new_tokens": 1}})
+    assert plain.status_code == 400 and "never been loaded: never-loaded" in plain.json()["error"]["message"]
+    with pytest.raises(EngineError) as streamed:
         await collect(client, request(adapter="never-loaded"))
-    assert refused.value.status == 400 and refused.value.code == "invalid_request"
-    assert "never been loaded" in str(refused.value)
-    with pytest.raises(EngineError, match="never been loaded"):
+    with pytest.raises(EngineError) as probed:
         await client.probe("never-loaded")
+    for refused in (streamed.value, probed.value):
+        assert refused.code == "adapter_not_loaded" and not refused.retryable
+        assert "never been loaded" in str(refused)

@@ -32,15 +32,16 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     from inferbus.cli import _demo_key, new_admin_key
 
     state = tmp_path_factory.mktemp("platform")
-    stack = Stack(StackConfig(state_dir=state, workers=0, batch=False, model=MODEL, gateway_port=free_port(),
-                              admin_key=new_admin_key()))
+    stack = Stack(StackConfig(state_dir=state, workers=0, batch=False, model=MODEL, model_dir=engine.model_dir,
+                              gateway_port=free_port(), admin_key=new_admin_key()))
     try:
         stack.start(timeout=90)
         log = state / "logs" / "worker.log"
         worker = Process(
             "worker", [sys.executable, "-m", "inferbus.cli", "worker"],
             stack._env(INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
-                       INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_METRICS_PORT="0"),
+                       INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
+                       INFERBUS_METRICS_PORT="0"),  # the engine binds its KV-event endpoint ("bind": true)
             log, lambda: _logged(log, b'"worker_ready"'), engine.url,
         )
         stack.processes.append(worker)  # stopped first, with the rest
