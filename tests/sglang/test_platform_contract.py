@@ -11,10 +11,17 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import msgspec
+import nats
 import openai
 import pytest
 
 from inferbus.local import Process, Stack, StackConfig, _logged, free_port
+from inferbus.prompt import load_model, render_prompt
+from inferbus.tokens import DEFAULT_BLOCK_SIZE, block_hashes
+from proto import messages as m
+from proto import subjects
+from services.router.index import PrefixIndex
 
 from ..conftest import Platform, read_usage
 from .conftest import Engine
@@ -134,3 +141,53 @@ def test_usage_counts_what_the_engine_counted(served: Platform, engine: Engine, 
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens == engine_count["cached_tokens"]
+
+
+def test_the_engine_computes_on_the_models_own_template(served: Platform, engine: Engine,
+                                                         client: openai.OpenAI) -> None:
+    """The prompt is the model's template (ChatML here), tokenized once: the engine counts the
+    rendered text exactly as the gateway billed it."""
+    model = load_model(str(engine.model_dir))
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    prompt = render_prompt(model, messages=messages)
+    assert prompt.text.startswith("<|im_start|>system\n")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    counted = httpx.post(engine.url + "/generate", timeout=60, json={
+        "text": prompt.text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids) == counted["meta_info"]["prompt_tokens"]
+    assert reply.choices[0].message.content == counted["text"]
+
+
+def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(served: Platform, engine: Engine) -> None:
+    """SGLang publishes one hash per token (page size 1 on CPU); the worker relays them rebuilt
+    into the platform's blocks, so the router's index matches the blocks the gateway hashes."""
+    model = load_model(str(engine.model_dir))
+    messages = [{"role": "user", "content": "Relay check. " + "The manual explains one more setting. " * 60}]
+    expected = block_hashes(render_prompt(model, messages=messages).ids, DEFAULT_BLOCK_SIZE)
+    assert len(expected) >= 4
+
+    async def relayed() -> list[m.CacheEvent]:
+        nc = await nats.connect(served.stack.nats_url)
+        events: list[m.CacheEvent] = []
+
+        async def on_event(msg: nats.aio.msg.Msg) -> None:
+            events.append(msgspec.msgpack.decode(msg.data, type=m.CacheEvent))
+
+        await nc.subscribe(subjects.cache_subject(WORKER_ID), cb=on_event)
+        await nc.flush()
+        client = openai.AsyncOpenAI(base_url=served.base_url, api_key=served.api_key, max_retries=0, timeout=120)
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+        for _ in range(100):
+            if set(expected) <= {h for event in events for block in event.stored for h in block.block_hashes}:
+                break
+            await asyncio.sleep(0.1)
+        await nc.close()
+        return events
+
+    events = asyncio.run(relayed())
+    index = PrefixIndex()
+    for event in events:
+        assert {block.block_size for block in event.stored} <= {DEFAULT_BLOCK_SIZE}
+        for block in event.stored:
+            index.add(WORKER_ID, block.block_hashes, time.monotonic())
+    assert index.matched_blocks(expected) == {WORKER_ID: len(expected)}
