@@ -16,7 +16,7 @@ from services.worker.engine import EngineClient, EngineError, EngineUpdate
 
 from .conftest import Engine
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # the first engine start may take minutes
 
 PROMPT = "def fibonacci(n):\n    # Return the n-th Fibonacci number, computed iteratively.\n"
 

@@ -26,7 +26,7 @@ from services.router.index import PrefixIndex
 from ..conftest import Platform, read_usage
 from .conftest import Engine
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # the first engine start may take minutes
 
 MODEL = "contract-model"
 DIGEST = "sha256:" + hashlib.sha256(b"contract adapter").hexdigest()
