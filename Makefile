@@ -40,8 +40,8 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The contract suite (tests/sglang) against real SGLang instead of the simulated engine. SGLang,
-# the tiny model and its adapters are cached under $${INFERBUS_CACHE:-~/.cache/inferbus}.
-test-sglang: install
+# the tiny model and its adapters are cached under $INFERBUS_CACHE (default ~/.cache/inferbus).
+test-sglang: $(STAMP)
 	@home="$$(tests/sglang/install.sh)" && \
 	  INFERBUS_CONTRACT_ENGINE=sglang INFERBUS_SGLANG_HOME="$$home" \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/sglang $(PYTEST_ARGS)

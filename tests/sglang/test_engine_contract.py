@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from inferbus.prompt import load_model
 from proto import messages as m
 from services.worker.engine import EngineClient, EngineError, EngineUpdate
 
@@ -22,12 +23,12 @@ PROMPT = "def fibonacci(n):\n    # Return the n-th Fibonacci number, computed it
 
 
 def request(prompt: str = PROMPT, max_new_tokens: int = 8, adapter: str | None = None,
-            temperature: float = 0.0) -> m.InferenceRequest:
+            temperature: float = 0.0, **fields: object) -> m.InferenceRequest:
     now = time.time()
     return m.InferenceRequest(
         request_id=uuid.uuid4().hex[:16], tenant="contract", model="contract", prompt=prompt,
         sampling=m.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature),
-        reply_to="unused", deadline=now + 300, created=now, adapter=adapter,
+        reply_to="unused", deadline=now + 300, created=now, adapter=adapter, **fields,  # type: ignore[arg-type]
     )
 
 
@@ -188,3 +189,20 @@ async def test_a_request_for_an_adapter_the_engine_never_loaded_is_refused_and_r
     for refused in (streamed.value, probed.value):
         assert refused.code == "adapter_not_loaded" and not refused.retryable
         assert "never been loaded" in str(refused)
+
+
+async def test_a_migrated_stream_continues_from_token_ids(engine: Engine, client: EngineClient) -> None:
+    """A second attempt sends the prompt's ids plus the ids already generated: the engine
+    computes on exactly those (no re-tokenized text), reuses their cache and generates the rest."""
+    ids = load_model(str(engine.model_dir)).encode(PROMPT, add_special_tokens=True)
+    first = await collect(client, request(max_new_tokens=5, input_ids=ids))
+    generated = [token for update in first for token in update.token_ids]
+    assert len(generated) == 5 and first[-1].prompt_tokens == len(ids)
+    resumed = await collect(client, request(max_new_tokens=12, input_ids=ids, resumed_ids=generated,
+                                            resumed_tokens=5, attempt=1))
+    final = resumed[-1]
+    assert final.finish is not None and final.finish["type"] == "length"
+    assert final.prompt_tokens == len(ids) + len(generated)
+    assert final.completion_tokens == 12 - 5
+    assert len([token for update in resumed for token in update.token_ids]) == 12 - 5
+    assert final.cached_tokens >= len(ids) - 1
