@@ -1,4 +1,4 @@
-"""`python -m bench.autoscale`: the autoscaler's measured proof (issue 7) in the fast fleet simulator.
+"""`python -m bench.autoscale`: the autoscaler's measured proof in the fast fleet simulator.
 
 Two scenarios, each against three fleets, all with cold start 120 s and warm start 5 s, H100 TP2
 replicas, least-loaded placement, the gateway's admission control, $2.50 per GPU-hour:
@@ -298,7 +298,7 @@ def plot(scenario: str, runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def report(data: dict[str, Any]) -> str:
-    lines = ["# Autoscaler proof in the fast fleet simulator (issue 7)", "",
+    lines = ["# Autoscaler proof in the fast fleet simulator", "",
              "Produced by `python -m bench.autoscale" + (" --quick" if data["quick"] else "") +
              "` (see its docstring and docs/autoscaling.md). "
              f"Cold start {COLD_START_S:g} s, warm start {WARM_START_S:g} s, H100 TP2, least-loaded placement, "

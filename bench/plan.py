@@ -3,9 +3,9 @@
     python -m bench.plan [--out bench/results/plan_worked_example]
 
 Runs `inferbus plan --rpm 50000 --mix worked-example --gpu H100:2.50,H200:3.50 --tp 1,2,4` with
-the warm pool sized from the Azure conversation trace's steepest ramp (if `../shared/traces` is
+the warm pool sized from the Azure conversation trace's steepest ramp (if the traces folder is
 there), writes plan.md, plan.json, fleet.png and latency.png, then comparison.md: planner vs
-PERF_MODEL, within the 10% the issue asks for. Takes a few seconds; no network.
+the published timing model, within 10%. Takes a few seconds; no network.
 """
 
 from __future__ import annotations

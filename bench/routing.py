@@ -1,4 +1,4 @@
-"""Routing benchmark (issue 4): one Mooncake trace, the same simulated engines, several routers.
+"""Routing benchmark: one Mooncake trace, the same simulated engines, several routers.
 
     python -m bench.routing [--engines 4] [--time-scale 0.5] [--load 0.8] [--sample-families 0.25]
                             [--requests N] [--policies round_robin least_loaded sglang affinity]
@@ -11,7 +11,7 @@ miss their budget (see bench/README.md).
 What runs:
 1. `--engines` simulated engines (`inferbus sim-engine`, H100 TP2 by default: 418,701 KV tokens
    each), started once and shared by every policy; `POST /flush_cache` between policies.
-2. The workload (`bench/routing_workload.py`): `../shared/traces/mooncake_synthetic.jsonl`, a
+2. The workload (`bench/routing_workload.py`): `traces/mooncake_synthetic.jsonl`, a
    random quarter of its prefix families by default (whole families, so their reuse is intact; a
    prefix of the trace would not do: its first 1,000 requests have a 17% ceiling, not 65%), prompt
    text from `inferbus.traces.mooncake_prompt` (512-token blocks named by `hash_ids`), arrival
@@ -675,7 +675,7 @@ def markdown(results: dict[str, Any]) -> str:
               "implied load = engine time the requests cost at the hits they got / fleet time over the arrival span; "
               "drain = simulated seconds from the last arrival to the last completion; placed by router = share of "
               "requests queued for the worker the router chose within the placement timeout.",
-              "", "Target (issue 4): hit rate ≥ 90% of the ceiling, imbalance ≤ 1.15, TTFT p90 below sglang-router's.", ""]
+              "", "Target: hit rate ≥ 90% of the ceiling, imbalance ≤ 1.15, TTFT p90 below sglang-router's.", ""]
     verdicts = results.get("verdict")
     if verdicts:
         lines += ["| inferbus affinity | value | target | met |", "| --- | ---: | ---: | --- |"]

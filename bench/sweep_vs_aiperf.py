@@ -1,4 +1,4 @@
-"""`inferbus sweep` against NVIDIA aiperf on the same endpoint and load (issue 5).
+"""`inferbus sweep` against NVIDIA aiperf on the same endpoint and load.
 
     python -m bench.sweep_vs_aiperf [--concurrency 1,4,16] [--requests 10,48,128] [--rates 1.13,2.37]
                                     [--rate-requests 30,60] [--input 1000] [--output 200]

@@ -116,3 +116,18 @@ def test_the_engines_cache_events_reach_the_router_as_the_gateways_blocks(chatml
         return stored
 
     assert set(expected) <= asyncio.run(relayed())
+
+
+def test_tools_and_tool_results_are_rendered_by_the_template(chatml: Platform, chatml_model_dir: Path) -> None:
+    model = load_model(str(chatml_model_dir))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12 C and dry"}]
+    reply = chatml.client().chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)  # type: ignore[arg-type]
+    prompt = render_prompt(model, messages=messages, tools=tools)
+    assert "<tools>\n" in prompt.text and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt.text
+    assert "<tool_response>\n12 C and dry\n</tool_response>" in prompt.text
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids)

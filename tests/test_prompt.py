@@ -56,6 +56,8 @@ def test_completion_prompts_get_the_tokenizers_special_tokens(llama3_model_dir: 
     llama, chatml = load_model(str(llama3_model_dir)), load_model(str(chatml_model_dir))
     assert render_prompt(llama, prompt="def f():").ids[0] == llama.tokenizer.token_to_id("<|begin_of_text|>")
     assert render_prompt(chatml, prompt="def f():").ids == chatml.encode("def f():", add_special_tokens=False)
+    long = "def f(x):\n    return x + 1\n" * 400  # tokenized without the GIL: the same ids
+    assert render_prompt(llama, prompt=long).ids == llama.tokenizer.encode(long, add_special_tokens=True).ids
     ids = render_prompt(chatml, prompt="x = 1").ids
     assert render_prompt(chatml, prompt=ids).ids == ids and render_prompt(chatml, prompt=ids).text == "x = 1"
 

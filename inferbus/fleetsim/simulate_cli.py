@@ -65,7 +65,7 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--trace", "trace_name", default="azure_2023_conv.csv", show_default=True,
               help="Trace whose arrival-rate shape (and, unless --mix, request lengths) drive the run: a path, "
-                   "or a file name in ../shared/traces.")
+                   "or a file name in the traces folder ($INFERBUS_TRACES_DIR).")
 @click.option("--mix", "mix_name", default=None, help="Request lengths from this mix instead of the trace "
               "(a built-in name such as worked-example, a YAML spec or another trace).")
 @click.option("--mix-cached-fraction", default=0.3, show_default=True, type=click.FloatRange(0, 0.99),

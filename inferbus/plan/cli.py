@@ -166,7 +166,7 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.option("--ramp-trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Read the ramp from a trace instead: the steepest per-minute rise within one cold start, "
                    "scaled so the trace's busiest minute equals the planned rate, e.g. "
-                   "../shared/traces/azure_2023_conv.csv.")
+                   "traces/azure_2023_conv.csv.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Directory for plan.md, plan.json, fleet.png and latency.png, e.g. --out plan/.")
 @click.option("--no-plots", is_flag=True, help="With --out, skip the PNGs (no matplotlib needed).")
@@ -189,7 +189,7 @@ def plan(rpm: float | None, rps: float | None, mix_name: str, cached_fraction: f
     Examples:
       inferbus plan --rpm 50000 --tp 2,4 --out plan/
       inferbus plan --rps 833 --mix mix.yaml --slo ttft_p90_ms=500,tpot_p90_ms=30 --gpu H200:3.50
-      inferbus plan --rpm 50000 --sweep H100:2=sweep.json --ramp-trace ../shared/traces/azure_2023_conv.csv
+      inferbus plan --rpm 50000 --sweep H100:2=sweep.json --ramp-trace traces/azure_2023_conv.csv
     """
     if (rpm is None) == (rps is None):
         raise click.UsageError("give the peak rate with exactly one of --rpm or --rps, e.g. --rpm 50000")

@@ -132,7 +132,7 @@ def sweep(url: str, model: str, api_key: str | None, mix_name: str, cached_fract
       inferbus sweep --url http://gpu-box:30000 --model llama --mix chat.yaml --rate 0.5,1,2,4 \\
           --requests 200 --gpu H100 --tp 2 --out results/h100-tp2
       inferbus sweep --url http://127.0.0.1:30000 --model m --endpoint completions \\
-          --mix ../shared/traces/azure_2023_conv.csv --cached-fraction 0.3 --concurrency 4,16
+          --mix traces/azure_2023_conv.csv --cached-fraction 0.3 --concurrency 4,16
     """
     from inferbus import mix as mix_module
 

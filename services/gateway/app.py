@@ -97,7 +97,7 @@ class Gateway:
         await self.fleet.start()
         self.catalog = ModelCatalog(s.model, int(time.time()))
         await self.catalog.start(js)
-        # The Files and Batch APIs (issue 8): records in KV, file bytes on local (or shared) disk.
+        # The Files and Batch APIs: records in KV, file bytes on local (or shared) disk.
         batches_kv, files_kv = await bus.batch_buckets(js)
         files = FileStore(s.files_dir, files_kv, max_bytes=s.max_file_bytes)
         await asyncio.to_thread(files.sweep_temporary)
@@ -188,12 +188,12 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     async def caller(request: Request) -> Tenant:
         return (await identity(request))[1]
 
-    # Usage and costs (issue 6): /v1/usage, /v1/costs; /admin/v1/usage, /admin/v1/costs, /admin/v1/prices.
+    # Usage and costs: /v1/usage, /v1/costs; /admin/v1/usage, /admin/v1/costs, /admin/v1/prices.
     api.include_router(usage_router(lambda: gateway.generation, lambda: gateway.redis))
     if settings.admin_key:
         api.include_router(admin_usage_router(settings.admin_key, lambda: gateway.redis), prefix="/admin/v1")
 
-    # Files and batches (issue 8): /v1/files, /v1/batches.
+    # Files and batches: /v1/files, /v1/batches.
     api.include_router(files_router(identity, lambda: gateway.files))
     api.include_router(batches_router(identity, lambda: gateway.batches, lambda: gateway.files))
 

@@ -8,6 +8,7 @@ queued are written to the socket together, which adds no latency and saves a wri
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from inferbus import logs, tracing
-from inferbus.prompt import PromptError, ServedModel, load_model, render_prompt
+from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, load_model, render_prompt
 from inferbus.tokens import block_hashes
 from proto import messages as m
 from services.billing.pricing import Prices
@@ -159,18 +160,21 @@ class Generation:
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
             model, adapter = self.catalog.resolve(chat.model, tenant)
+            render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
+                                       tools=chat.tools)
             params: schemas._Common = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
             model, adapter = self.catalog.resolve(completion.model, tenant)
             assert isinstance(completion.prompt, str)
+            render = functools.partial(render_prompt, self.served, prompt=completion.prompt)
             params, object_id = completion, f"cmpl-{request_id}"
         try:
             # Rendered with the model's own template and tokenized once: the engine computes on
-            # these ids, usage counts them and the router's prefix hashes are made from them.
-            prompt = (render_prompt(self.served, messages=msgspec.to_builtins(chat.messages), tools=chat.tools)
-                      if endpoint == "chat" else render_prompt(self.served, prompt=completion.prompt))
+            # these ids, usage counts them and the router's prefix hashes are made from them. A long
+            # prompt is tokenized in a thread (without the GIL) so other requests keep streaming.
+            prompt = await asyncio.to_thread(render) if len(body) > LONG_TEXT_CHARS else render()
         except PromptError as error:
             raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
                               code="invalid_prompt") from None

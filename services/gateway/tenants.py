@@ -52,7 +52,7 @@ class Tenant(msgspec.Struct, kw_only=True, omit_defaults=True):
     weight: Annotated[float, Meta(gt=0.0)] = 1.0  # fair-share weight within its band
     limits: TenantLimits = msgspec.field(default_factory=TenantLimits)
     models: list[_Name] = msgspec.field(default_factory=lambda: ["*"])  # "*" = every served model
-    adapters: list[_Name] = msgspec.field(default_factory=list)  # its own and public ones (issue 4)
+    adapters: list[_Name] = msgspec.field(default_factory=list)  # its own and public ones
     disabled: bool = False
     created: float = 0.0
     updated: float = 0.0

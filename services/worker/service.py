@@ -384,7 +384,10 @@ class Worker:
             if not self.health.up:
                 # Its engine is down: a request taken now would fail at once and bounce between
                 # workers. The engine watch wakes this loop when it is back.
-                await self._wake.wait()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.settings.fetch_timeout_s)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             if self.budget.free >= len(pullers):
                 # Room for every consumer: all long-poll at once, most important first.
