@@ -48,6 +48,10 @@ from .config import DEFAULT_MODEL, GPU_NAMES, KV_CACHE_DTYPES, PRESET_NAMES, QUA
               help="Prefix-cache page size in tokens (SGLang's --page-size; 1 on CPU). Workers rebuild the cache events "
                    "into the platform's blocks, so it need not match INFERBUS_BLOCK_SIZE.")
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
+@click.option("--max-lora-rank", default=None, type=click.IntRange(min=1),
+              help="Refuse to load a local adapter directory whose adapter_config.json rank is higher (SGLang's flag), "
+                   "and price each distinct adapter's batched kernels and weight reads per step at this rank "
+                   "(default: no limit, priced at rank 16).")
 @click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
 @click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
@@ -72,9 +76,6 @@ from .config import DEFAULT_MODEL, GPU_NAMES, KV_CACHE_DTYPES, PRESET_NAMES, QUA
               help="Simulated: the chance the target accepts each draft token (a property of the draft model).")
 @click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
               help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
-@click.option("--max-lora-rank", default=16, show_default=True, type=click.IntRange(min=1),
-              help="Rank of the LoRA adapters: their batched kernels and weight reads are priced per step and per "
-                   "distinct adapter in the batch.")
 @click.option(
     "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
@@ -97,6 +98,7 @@ def sim_engine_command(
     model_dir: str | None,
     block_size: int,
     max_loras_per_batch: int,
+    max_lora_rank: int | None,
     lora_load_time: float,
     kv_capacity_tokens: int | None,
     lazy_lora_loading: bool,
@@ -107,7 +109,6 @@ def sim_engine_command(
     speculative_num_steps: int,
     speculative_acceptance: float,
     speculative_draft_cost: float,
-    max_lora_rank: int,
     tool_call_parser: str,
     log_level: str,
 ) -> None:
@@ -131,6 +132,7 @@ def sim_engine_command(
             model_dir=model_dir,
             block_size=block_size,
             max_loras_per_batch=max_loras_per_batch,
+            max_lora_rank=max_lora_rank,
             lora_load_time_s=lora_load_time,
             time_scale=time_scale,
             fixed_step_ms=fixed_step_ms,
@@ -143,7 +145,6 @@ def sim_engine_command(
             speculative_num_steps=speculative_num_steps,
             speculative_acceptance=speculative_acceptance,
             speculative_draft_cost=speculative_draft_cost,
-            max_lora_rank=max_lora_rank,
             tool_call_parser=tool_call_parser,
             host=host,
             port=port,

@@ -293,7 +293,7 @@ class Engine:
             config.gpu, config.tp, config.preset,
             weights="fp8" if config.quantization == "fp8" else "bf16",
             kv_cache="fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16",
-            spec=self.spec, lora_rank=config.max_lora_rank,
+            spec=self.spec, lora_rank=config.priced_lora_rank,
         )
         # Which draft tokens the target accepts: seeded, so a run replays exactly.
         self._spec_rng = random.Random(0)
@@ -309,6 +309,9 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.adapters: dict[str, LoraAdapter] = {}
+        # Every adapter loaded since start (SGLang's lora_ref_cache): a request for one that was
+        # unloaded since loads it again implicitly; one never loaded is refused.
+        self.adapters_seen: dict[str, tuple[str, bool]] = {}
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
@@ -325,10 +328,17 @@ class Engine:
         if not self.config.priority_scheduling:
             request.priority = 0  # as SGLang without --enable-priority-scheduling: ignored
         if request.lora_name is not None and request.lora_name not in self.adapters:
-            raise RequestRejected(
-                f"The following requested LoRA adapters are not loaded: {request.lora_name}\n"
-                f"Loaded adapters: {self.adapters.keys()}."
-            )
+            if request.lora_name not in self.adapters_seen:
+                raise RequestRejected(
+                    f"Got LoRA adapter that has never been loaded: {request.lora_name}\n"
+                    f"All loaded adapters: {self.adapters_seen.keys()}."
+                )
+            path, pinned = self.adapters_seen[request.lora_name]
+            reloaded = self.load_lora(request.lora_name, path, pinned)
+            if not reloaded.success:
+                raise RequestRejected(
+                    f"Failed to implicitly load LoRA adapter {request.lora_name}: {reloaded.error_message}"
+                )
         if request.lora_name is not None and self.adapters[request.lora_name].broken:
             adapter = self.adapters[request.lora_name]
             raise RequestRejected(f"Failed to load LoRA adapter {adapter.name} from {adapter.path}: no such adapter (simulated).")
@@ -404,6 +414,7 @@ class Engine:
         self.adapters[name] = LoraAdapter(
             name, path, pinned, ready_at=self.now + self.config.lora_load_time_s, broken=broken
         )
+        self.adapters_seen[name] = (path, pinned)
         return self._lora_result(True, None)
 
     def unload_lora(self, name: str) -> LoraUpdateResult:
@@ -746,11 +757,12 @@ def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int,
 
 
 def _context_hash(request: Request) -> int:
-    """Greedy output depends on the context only; sampled output also on the seed (or the rid)."""
-    salt = 0
+    """Greedy output depends on the context and the adapter (its weights change the model);
+    sampled output also on the seed (or the rid)."""
+    salt = zlib.crc32(request.lora_name.encode()) if request.lora_name else 0
     if request.sampling.temperature != 0.0:
         seed = request.sampling.sampling_seed if request.sampling.sampling_seed is not None else request.rid
-        salt = zlib.crc32(str(seed).encode())
+        salt = zlib.crc32(str(seed).encode(), salt)
     # crc32 is incremental: hashing the prompt then each output id equals hashing them all at once.
     return zlib.crc32(array("I", request.input_ids).tobytes(), salt)
 
