@@ -25,7 +25,11 @@ MESSAGES = [{"role": "user", "content": "Say something about buses."}]
 
 def on_bus(platform: Platform, key: str, work: Callable[[BusClient], Awaitable[T]]) -> T:
     async def run() -> T:
-        nc = await nats.connect(platform.stack.nats_url)
+        # As an internal producer would: with the `producer` identity, which may only call the API.
+        assert platform.stack.identities is not None
+        producer = platform.stack.identities["producer"]
+        nc = await nats.connect(platform.stack.nats_server_url, user=producer.user, password=producer.password,
+                                inbox_prefix=producer.inbox_prefix())
         try:
             return await work(BusClient(nc, key, timeout=30))
         finally:
