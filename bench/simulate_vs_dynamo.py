@@ -1,0 +1,278 @@
+"""Our fleet simulator against NVIDIA Dynamo's offline replay: same trace, same engine timing.
+
+    python -m bench.simulate_vs_dynamo [--replicas 1,4] [--load 0.8] [--sample-families 0.25]
+                                       [--requests N] [--large-replicas 200 --large-rate 833]
+
+Both sides replay the same Mooncake requests (`bench/routing_workload.py`: a random quarter of the
+prefix families by default, arrivals scaled so the fleet is `--load` busy at perfect-affinity hits)
+on virtual clocks:
+
+- **inferbus**: `inferbus.fleetsim.FleetSim`, the simulated engine (`services/sim_engine`) per
+  replica behind the router's own placement code (`round_robin`, and `affinity` as our prefix
+  router), timed by the profile table below (`TableStepModel`).
+- **Dynamo 1.6.1**: `dynamo.replay.api.run_trace_replay` (its mocker engine, SGLang scheduling
+  mode, behind `round_robin` and its `kv_router`), timed by the same table through its
+  `dynamo_profile` timing provider (`--planner-profile-data`). Run in `.venv-dynamo`
+  (`bench/dynamo_env.py` installs it on first use) by `bench/dynamo_replay.py`.
+
+One engine for both: the table is `services/sim_engine/profile_table.build_table` of the H100 TP2
+roofline; the same KV pool (our capacity rounded down to whole blocks), block size, chunked-prefill
+budget (512), batch limit (256 running requests) and SGLang's default scheduling (no decode in a
+step that prefills: our engine's `mixed_chunk=False`). With round-robin on both sides the placement
+is identical, so any difference in TTFT/TPOT is the two engines' scheduling.
+
+Reported per run: TTFT p50/p90/p99, TPOT p50/p90 (per request: (end − first token)/(output − 1)),
+prefix-cache hit rate (cached / prompt tokens), CPU seconds of the replay alone and simulated
+requests per CPU second. Runs alternate which simulator goes first (the machine is shared).
+Results: bench/results/simulate_vs_dynamo.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as host
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import dynamo_env
+from bench.common import percentile, write_results
+from bench.routing_workload import build
+from inferbus import traces
+from inferbus.fleetsim import FleetConfig, FleetSim, workload
+from inferbus.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from services.sim_engine.config import EngineConfig
+from services.sim_engine.perf_model import roofline
+from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
+
+RUNNER = Path(__file__).resolve().parent / "dynamo_replay.py"
+# Our policy and Dynamo's router mode that play the same part.
+PAIRS = (("round_robin", "round_robin"), ("affinity", "kv_router"))
+
+
+def write_mooncake(requests: list[TraceRequest], path: Path) -> None:
+    """The requests as Mooncake JSONL (timestamps in ms), the format both simulators read."""
+    with path.open("w") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000, 3), "input_length": r.input_tokens,
+                                "output_length": r.output_tokens, "hash_ids": list(r.hash_ids)}) + "\n")
+
+
+def dynamo_engine(engine: EngineConfig, kv_tokens: int, table_path: Path) -> dict[str, Any]:
+    """The mocker's engine settings matching ours (`dynamo.mocker` flags in the config's words):
+    SGLang scheduling, which, as SGLang by default, never decodes in a step that prefills (our
+    engine with `mixed_chunk=False`)."""
+    return {"engine": {
+        "backend": "sglang", "worker_type": "aggregated",
+        "num_gpu_blocks": kv_tokens // engine.block_size, "block_size": engine.block_size,
+        "max_num_seqs": engine.max_running_requests, "max_num_batched_tokens": engine.chunked_prefill_size,
+        "enable_prefix_caching": True, "enable_chunked_prefill": True,
+        "sglang": {"chunked_prefill_size": engine.chunked_prefill_size},
+        "timing_model": {"type": "external", "provider": "dynamo_profile", "config": {"path": str(table_path)}},
+    }}
+
+
+def run_dynamo(trace_path: Path, engine: dict[str, Any], replicas: int, mode: str) -> dict[str, Any]:
+    job = {"trace": str(trace_path), "engine": engine, "num_workers": replicas, "router_mode": mode,
+           "trace_block_size": MOONCAKE_BLOCK_TOKENS}
+    result = subprocess.run([str(dynamo_env.ensure()), str(RUNNER)], input=json.dumps(job), capture_output=True,
+                            text=True, env=dict(os.environ, RUST_LOG="warn"))
+    if result.returncode != 0:
+        raise RuntimeError(f"dynamo replay failed:\n{result.stderr[-3000:]}")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = out["per_request"]
+    ttft = [r["ttft_ms"] / 1000 for r in rows if r.get("ttft_ms") is not None]
+    # Dynamo's per-request itl_ms is (end − first token) / (output − 1): our TPOT.
+    tpot = [r["itl_ms"] / 1000 for r in rows if r.get("itl_ms") is not None and r.get("output_length", 0) > 1]
+    prompt = sum(r.get("input_length", 0) for r in rows)
+    cached = sum(r.get("reused_input_tokens", 0) for r in rows)
+    summary = out["summary"]
+    return {
+        "simulator": "dynamo.replay", "policy": mode, "replicas": replicas, "requests": len(rows),
+        "completed": summary.get("completed_requests", len(ttft)),
+        "hit_rate": cached / prompt if prompt else summary.get("prefix_cache_reused_ratio"),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p90_s": percentile(tpot, 90),
+        "cpu_s": out["cpu_s"], "wall_s": out["wall_s"], "req_per_cpu_s": len(rows) / out["cpu_s"],
+        "summary": summary,
+    }
+
+
+def run_ours(requests: list[TraceRequest], engine: EngineConfig, step: TableStepModel, replicas: int,
+             policy: str) -> dict[str, Any]:
+    sim = FleetSim(FleetConfig(replicas=replicas, policy=policy, engine=engine), requests, step_model=step)
+    report = sim.run()
+    return {
+        "simulator": "inferbus FleetSim", "policy": policy, "replicas": replicas, "requests": report.requests,
+        "completed": report.completed, "hit_rate": report.hit_rate,
+        "ttft_p50_s": report.ttft_p50_s, "ttft_p90_s": report.ttft_p90_s, "ttft_p99_s": report.ttft_p99_s,
+        "tpot_p50_s": report.tpot_p50_s, "tpot_p90_s": report.tpot_p90_s,
+        "cpu_s": report.cpu_s, "wall_s": report.wall_s, "req_per_cpu_s": report.req_per_cpu_s,
+        "imbalance": report.imbalance,
+    }
+
+
+def agreement(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    """Our number over Dynamo's, per metric (1.00 = identical)."""
+    keys = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "hit_rate")
+    return {k: ours[k] / theirs[k] if theirs.get(k) else float("nan") for k in keys}
+
+
+def compare(requests: list[TraceRequest], engine: EngineConfig, kv_tokens: int, step: TableStepModel,
+            table_path: Path, replicas: int, workdir: Path, first: str) -> list[dict[str, Any]]:
+    trace_path = workdir / f"trace-{replicas}.jsonl"
+    write_mooncake(requests, trace_path)
+    mocker = dynamo_engine(engine, kv_tokens, table_path)
+    out = []
+    for ours_policy, dynamo_mode in PAIRS:
+        runs: dict[str, dict[str, Any]] = {}
+        order = ("dynamo", "ours") if first == "dynamo" else ("ours", "dynamo")
+        for side in order:
+            runs[side] = (run_dynamo(trace_path, mocker, replicas, dynamo_mode) if side == "dynamo"
+                          else run_ours(requests, engine, step, replicas, ours_policy))
+        first = order[1]  # alternate who goes first
+        pair = {"replicas": replicas, "ours": runs["ours"], "dynamo": runs["dynamo"], "order": list(order),
+                "ratio": agreement(runs["ours"], runs["dynamo"])}
+        for side in ("ours", "dynamo"):
+            r = runs[side]
+            print(f"  {replicas:>4} × {r['policy']:<12} {r['simulator']:<18} hit {r['hit_rate']:6.1%}  TTFT p50/p90/p99 "
+                  f"{r['ttft_p50_s'] * 1e3:7,.0f} / {r['ttft_p90_s'] * 1e3:7,.0f} / {r['ttft_p99_s'] * 1e3:7,.0f} ms  "
+                  f"TPOT p90 {r['tpot_p90_s'] * 1e3:5.1f} ms  CPU {r['cpu_s']:6.2f} s ({r['req_per_cpu_s']:,.0f} req/CPU-s)",
+                  flush=True)
+        out.append(pair)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = roofline(args.gpu, args.tp)
+    engine0 = EngineConfig(gpu=args.gpu, tp=args.tp)
+    kv_tokens = model.kv_capacity_tokens() // engine0.block_size * engine0.block_size
+    table = build_table(model)
+    step = TableStepModel(table)
+    results: dict[str, Any] = {
+        "command": "python -m bench.simulate_vs_dynamo " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": host.platform()},
+        "dynamo": dynamo_env.VERSION,
+        "engine": {"gpu": args.gpu, "tp": args.tp, "kv_capacity_tokens": kv_tokens, "block_size": engine0.block_size,
+                   "chunked_prefill_size": engine0.chunked_prefill_size,
+                   "max_running_requests": engine0.max_running_requests,
+                   "table": {"prefill_points": len(table.prefill_tokens),
+                             "decode_grid": [len(table.decode_kv_tokens), len(table.decode_context)]}},
+        "comparisons": [], "large": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="simulate-vs-dynamo-") as tmp:
+        workdir = Path(tmp)
+        table_path = workdir / "profile.npz"
+        save_npz(table, table_path)
+        engine = EngineConfig(gpu=args.gpu, tp=args.tp, kv_capacity_tokens=kv_tokens, profile_table=str(table_path),
+                              mixed_chunk=False)
+        first = "dynamo"
+        for replicas in args.replicas:
+            load = build(str(args.trace), engines=replicas, gpu=args.gpu, tp=args.tp, kv_capacity_tokens=kv_tokens,
+                         load=args.load, sample_families=args.sample_families, limit=args.requests, seed=args.seed)
+            print(f"{replicas} replicas: {len(load.requests)} requests at {load.rate:.2f} req/s", flush=True)
+            results["comparisons"].append({"replicas": replicas, "workload": load.summary(),
+                                           "pairs": compare(load.requests, engine, kv_tokens, step, table_path,
+                                                            replicas, workdir, first)})
+            first = "ours" if first == "dynamo" else "dynamo"
+        for replicas in args.large_replicas:
+            base = build(str(args.trace), engines=replicas, gpu=args.gpu, tp=args.tp, kv_capacity_tokens=kv_tokens,
+                         load=args.load, sample_families=1.0, limit=args.large_requests, seed=args.seed).requests
+            requests = workload.at_rate(base, args.large_rate)
+            print(f"{replicas} replicas at {args.large_rate:.0f} req/s: {len(requests)} requests", flush=True)
+            results["large"].append({"replicas": replicas, "rate_rps": args.large_rate, "requests": len(requests),
+                                     "pairs": compare(requests, engine, kv_tokens, step, table_path, replicas,
+                                                      workdir, first)})
+    return results
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None or seconds != seconds else f"{seconds * 1000:,.0f}"
+
+
+def _rows(pairs: list[dict[str, Any]]) -> list[str]:
+    out = ["| replicas | policy | simulator | hit rate | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | CPU s | "
+           "req/CPU-s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for pair in pairs:
+        for side in ("ours", "dynamo"):
+            r = pair[side]
+            out.append(f"| {r['replicas']} | {r['policy']} | {r['simulator']} | {r['hit_rate']:.1%} | "
+                       f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} / {_ms(r['ttft_p99_s'])} | "
+                       f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p90_s'] * 1000:.1f} | {r['cpu_s']:.2f} | "
+                       f"{r['req_per_cpu_s']:,.0f} |")
+    out += ["", "Ours over Dynamo's (1.00 = the same):", "",
+            "| replicas | policies | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | hit rate | speed |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for pair in pairs:
+        q = pair["ratio"]
+        speed = pair["ours"]["req_per_cpu_s"] / pair["dynamo"]["req_per_cpu_s"]
+        out.append(f"| {pair['ours']['replicas']} | {pair['ours']['policy']} / {pair['dynamo']['policy']} | "
+                   + " | ".join(f"{q[k]:.3f}" for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s",
+                                                         "tpot_p90_s", "hit_rate"))
+                   + f" | {speed:.3f} |")
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    e = results["engine"]
+    out = [
+        f"# inferbus simulator against Dynamo {results['dynamo']}'s replay ({results['date']})", "",
+        f"Command: `{results['command']}`. Machine: {results['machine']['cpus']} CPUs (shared), Python "
+        f"{results['machine']['python']}. Engine on both sides: the profile table of the {e['gpu']} TP{e['tp']} "
+        f"roofline ({e['table']['prefill_points']} prefill points, {e['table']['decode_grid'][0]}×"
+        f"{e['table']['decode_grid'][1]} decode grid), KV {e['kv_capacity_tokens']:,} tokens in "
+        f"{e['block_size']}-token blocks, chunked prefill {e['chunked_prefill_size']}, at most "
+        f"{e['max_running_requests']} running requests. Virtual time on both sides; CPU is the replay call "
+        "alone (process time). See bench/simulate_vs_dynamo.py.", "",
+    ]
+    for comparison in results["comparisons"]:
+        w = comparison["workload"]
+        out += [f"## {comparison['replicas']} replicas, {w['requests']:,} requests at {w['rate_req_s']:.2f} req/s", "",
+                f"Mooncake synthetic, {w['families_kept']} of {w['families_total']} prefix families, mean input "
+                f"{w['mean_input_tokens']:,.0f} / output {w['mean_output_tokens']:,.0f} tokens; load "
+                f"{w['target_load']:.0%} at perfect-affinity hits (finite-cache bound {w['bound_hit_rate']:.1%}, "
+                f"ceiling {w['ceiling_hit_rate']:.1%}).", ""]
+        out += _rows(comparison["pairs"]) + [""]
+    for large in results["large"]:
+        out += [f"## Scale: {large['replicas']} replicas at {large['rate_rps']:.0f} req/s "
+                f"({large['requests']:,} requests, far beyond the fleet's capacity: speed is the point)", ""]
+        out += _rows(large["pairs"]) + [""]
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    def ints(text: str) -> list[int]:
+        return [int(p) for p in text.split(",") if p.strip()]
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="Mooncake JSONL (default: mooncake_synthetic.jsonl, found as inferbus.traces.find does)")
+    p.add_argument("--gpu", default="H100", choices=["H100", "H200"])
+    p.add_argument("--tp", type=int, default=2, choices=[1, 2, 4, 8])
+    p.add_argument("--replicas", type=ints, default=[1, 4], help="comma list of fleet sizes (default 1,4)")
+    p.add_argument("--load", type=float, default=0.8, help="fleet utilisation at perfect-affinity hits")
+    p.add_argument("--sample-families", type=float, default=0.25, help="share of the trace's prefix families kept")
+    p.add_argument("--requests", type=int, default=None, help="at most this many requests per comparison")
+    p.add_argument("--large-replicas", type=ints, default=[200], help="fleet sizes of the speed runs ('' for none)")
+    p.add_argument("--large-rate", type=float, default=833.0, help="arrival rate of the speed runs (req/s)")
+    p.add_argument("--large-requests", type=int, default=None, help="at most this many requests in the speed runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args(argv)
+    args.trace = traces.find(args.trace or "mooncake_synthetic.jsonl")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    write_results(args.out, "simulate_vs_dynamo", run(args), markdown)
+
+
+if __name__ == "__main__":
+    main()
