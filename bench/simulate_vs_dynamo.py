@@ -22,7 +22,8 @@ step that prefills: our engine's `mixed_chunk=False`). With round-robin on both 
 is identical, so any difference in TTFT/TPOT is the two engines' scheduling.
 
 Reported per run: TTFT p50/p90/p99, TPOT p50/p90 (per request: (end − first token)/(output − 1)),
-prefix-cache hit rate (cached / prompt tokens), CPU seconds of the replay alone and simulated
+prefix-cache hit rate (cached / prompt tokens), load imbalance (max / mean over replicas of the
+prompt + output tokens placed there), CPU seconds of the replay alone and simulated
 requests per CPU second. Runs alternate which simulator goes first (the machine is shared).
 Results: bench/results/simulate_vs_dynamo.{json,md}.
 """
@@ -77,6 +78,12 @@ def dynamo_engine(engine: EngineConfig, kv_tokens: int, table_path: Path) -> dic
     }}
 
 
+def imbalance(tokens_by_worker: dict[Any, int], replicas: int) -> float:
+    """Max over mean of prompt + output tokens per replica (replicas that got nothing count as 0)."""
+    mean = sum(tokens_by_worker.values()) / replicas
+    return max(tokens_by_worker.values()) / mean if mean else float("nan")
+
+
 def run_dynamo(trace_path: Path, engine: dict[str, Any], replicas: int, mode: str) -> dict[str, Any]:
     job = {"trace": str(trace_path), "engine": engine, "num_workers": replicas, "router_mode": mode,
            "trace_block_size": MOONCAKE_BLOCK_TOKENS}
@@ -92,12 +99,17 @@ def run_dynamo(trace_path: Path, engine: dict[str, Any], replicas: int, mode: st
     prompt = sum(r.get("input_length", 0) for r in rows)
     cached = sum(r.get("reused_input_tokens", 0) for r in rows)
     summary = out["summary"]
+    by_worker: dict[Any, int] = {}
+    for r in rows:
+        worker = r.get("decode_worker_idx")
+        by_worker[worker] = by_worker.get(worker, 0) + r.get("input_length", 0) + r.get("output_length", 0)
     return {
         "simulator": "dynamo.replay", "policy": mode, "replicas": replicas, "requests": len(rows),
         "completed": summary.get("completed_requests", len(ttft)),
         "hit_rate": cached / prompt if prompt else summary.get("prefix_cache_reused_ratio"),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p90_s": percentile(tpot, 90),
+        "imbalance": imbalance(by_worker, replicas),
         "cpu_s": out["cpu_s"], "wall_s": out["wall_s"], "req_per_cpu_s": len(rows) / out["cpu_s"],
         "summary": summary,
     }
@@ -107,13 +119,15 @@ def run_ours(requests: list[TraceRequest], engine: EngineConfig, step: TableStep
              policy: str) -> dict[str, Any]:
     sim = FleetSim(FleetConfig(replicas=replicas, policy=policy, engine=engine), requests, step_model=step)
     report = sim.run()
+    by_worker: dict[Any, int] = {r.worker_id: r.engine.prompt_tokens_total + r.engine.generation_tokens_total
+                                 for r in sim.replicas}
     return {
         "simulator": "inferbus FleetSim", "policy": policy, "replicas": replicas, "requests": report.requests,
         "completed": report.completed, "hit_rate": report.hit_rate,
         "ttft_p50_s": report.ttft_p50_s, "ttft_p90_s": report.ttft_p90_s, "ttft_p99_s": report.ttft_p99_s,
         "tpot_p50_s": report.tpot_p50_s, "tpot_p90_s": report.tpot_p90_s,
         "cpu_s": report.cpu_s, "wall_s": report.wall_s, "req_per_cpu_s": report.req_per_cpu_s,
-        "imbalance": report.imbalance,
+        "imbalance": imbalance(by_worker, replicas),
     }
 
 
@@ -197,14 +211,15 @@ def _ms(seconds: float | None) -> str:
 
 
 def _rows(pairs: list[dict[str, Any]]) -> list[str]:
-    out = ["| replicas | policy | simulator | hit rate | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | CPU s | "
-           "req/CPU-s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| replicas | policy | simulator | hit rate | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | imbalance | "
+           "CPU s | req/CPU-s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pair in pairs:
         for side in ("ours", "dynamo"):
             r = pair[side]
             out.append(f"| {r['replicas']} | {r['policy']} | {r['simulator']} | {r['hit_rate']:.1%} | "
                        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} / {_ms(r['ttft_p99_s'])} | "
-                       f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p90_s'] * 1000:.1f} | {r['cpu_s']:.2f} | "
+                       f"{r['tpot_p50_s'] * 1000:.1f} / {r['tpot_p90_s'] * 1000:.1f} | {r['imbalance']:.2f} | "
+                       f"{r['cpu_s']:.2f} | "
                        f"{r['req_per_cpu_s']:,.0f} |")
     out += ["", "Ours over Dynamo's (1.00 = the same):", "",
             "| replicas | policies | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | hit rate | speed |",
