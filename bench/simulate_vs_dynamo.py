@@ -290,7 +290,8 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for comparison in results["comparisons"]:
         w = comparison["workload"]
-        out += [f"## {comparison['replicas']} replicas, {w['requests']:,} requests at {w['rate_req_s']:.2f} req/s", "",
+        n = comparison["replicas"]
+        out += [f"## {n} replica{'s' if n != 1 else ''}, {w['requests']:,} requests at {w['rate_req_s']:.2f} req/s", "",
                 f"Mooncake synthetic, {w['families_kept']} of {w['families_total']} prefix families, mean input "
                 f"{w['mean_input_tokens']:,.0f} / output {w['mean_output_tokens']:,.0f} tokens; load "
                 f"{w['target_load']:.0%} at perfect-affinity hits (finite-cache bound {w['bound_hit_rate']:.1%}, "
