@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from inferbus.tokens import VOCAB_SIZE, block_hashes, encode
+from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
 from .perf_model import FixedStepModel, StepTimeModel, roofline
@@ -37,6 +37,7 @@ MAX_STOP_SEQUENCES = 32
 # request), like SGLang's new_token_ratio estimate; an underestimate is fixed by retraction.
 NEW_TOKEN_RATIO = 0.3
 CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+EOS_TOKEN_ID = 128009  # Llama-3's <|eot_id|>: the finish `matched` of an output that ended by itself
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -173,6 +174,15 @@ class Request:
     # Hash of the whole context so far (prompt + output ids), salted for sampled requests.
     context_hash: int = field(default=0, init=False)
     stops: tuple[str, ...] = field(default=(), init=False)
+    # An output decided up front (constrained decoding, a tool call): emitted a token at a time,
+    # then EOS.
+    script: list[str] | None = None
+    # SGLang's return_logprob / top_logprobs_num: per output token (logprob, token id, text) and
+    # the top alternatives in the same shape.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_logprobs: list[tuple[float, int, str]] = field(default_factory=list, init=False)
+    top_logprobs: list[list[tuple[float, int, str]]] = field(default_factory=list, init=False)
 
     @property
     def prefilling(self) -> bool:
@@ -553,8 +563,15 @@ class Engine:
         # Each token is a function of the whole context, as with a real model: a prompt extended
         # by part of an output (a migrated request) continues with the rest of that output.
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
-        piece = OUTPUT_PIECES[(mixed >> 8) % len(OUTPUT_PIECES)]
-        token_id = _PIECE_IDS[piece]
+        script = request.script
+        if script is not None:
+            piece = script[len(request.output_ids)]
+            token_id = encode(piece)[0]
+        else:
+            piece = OUTPUT_PIECES[(mixed >> 8) % len(OUTPUT_PIECES)]
+            token_id = _PIECE_IDS[piece]
+        if request.return_logprob:
+            _record_logprobs(request, mixed, piece, token_id)
         request.output_ids.append(token_id)
         request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
         self.generation_tokens_total += 1
@@ -569,6 +586,8 @@ class Engine:
 
     def _check_finished(self, request: Request, token_id: int, previous_len: int) -> dict[str, Any] | None:
         generated = len(request.output_ids)
+        if request.script is not None and generated >= len(request.script):
+            return {"type": "stop", "matched": EOS_TOKEN_ID}
         if generated >= request.max_new_tokens:
             return {"type": "length", "length": request.max_new_tokens}
         sampling = request.sampling
@@ -645,6 +664,29 @@ class Engine:
 
 
 _TOKEN = struct.Struct("<I")
+
+
+def script_tokens(text: str) -> list[str]:
+    """An output decided up front, as the tokens the engine emits one per step."""
+    return pieces(text)
+
+
+def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int) -> None:
+    """Plausible logprobs, a function of the context: the emitted token is the most likely one
+    (from about -0.01 to -2.5) and the alternatives fall off behind it."""
+    logprob = -0.01 - ((mixed >> 4) % 250) / 100
+    request.token_logprobs.append((logprob, token_id, piece))
+    top: list[tuple[float, int, str]] = []
+    if request.top_logprobs_num:
+        top.append((logprob, token_id, piece))
+        step = 0
+        while len(top) < request.top_logprobs_num:
+            step += 1
+            other = OUTPUT_PIECES[(mixed + step * 7919) % len(OUTPUT_PIECES)]
+            if any(other == t[2] for t in top):
+                continue
+            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, _PIECE_IDS[other], other))
+    request.top_logprobs.append(top)
 
 
 def _context_hash(request: Request) -> int:
