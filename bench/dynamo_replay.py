@@ -1,7 +1,7 @@
 """Runs one `dynamo.replay` offline replay; executed by `.venv-dynamo/bin/python`, not by inferbus.
 
 Reads a JSON job on stdin ({"trace", "engine", "num_workers", "router_mode", "trace_block_size",
-"router_config"}), writes one JSON line on stdout: Dynamo's summary, every request's TTFT, TPOT
+"router_config": KvRouterConfig's keyword arguments or null}), writes one JSON line on stdout: Dynamo's summary, every request's TTFT, TPOT
 and cached tokens as Dynamo reports them, and the CPU and wall seconds of the replay call alone.
 Standard library and Dynamo only: this environment has no inferbus.
 """
@@ -19,7 +19,10 @@ def main() -> None:
     # Dynamo logs to stdout; keep stdout for the result.
     result_fd = os.dup(1)
     os.dup2(2, 1)
+    from dynamo._core import KvRouterConfig
     from dynamo.replay.api import run_trace_replay
+
+    router_config = KvRouterConfig(**job["router_config"]) if job.get("router_config") else None
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     report = run_trace_replay(
@@ -27,7 +30,7 @@ def main() -> None:
         extra_engine_args=job["engine"],
         num_workers=job["num_workers"],
         router_mode=job["router_mode"],
-        router_config=job.get("router_config"),
+        router_config=router_config,
         trace_block_size=job["trace_block_size"],
         capture_per_request=True,
     )
