@@ -127,3 +127,17 @@ def test_cli_writes_a_table_the_engine_accepts(tmp_path):
     result = CliRunner().invoke(main, ["sim-engine", "--profile-table", str(bad)])
     assert result.exit_code == 2
     assert "--profile-table" in result.output
+
+
+async def test_server_reports_its_timing_source_and_scheduling(tmp_path, table):
+    import httpx
+
+    from services.sim_engine.server import SimEngineServer
+
+    path = tmp_path / "perf.npz"
+    save_npz(table, path)
+    server = SimEngineServer(EngineConfig(time_scale=0.0, profile_table=str(path), mixed_chunk=False))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://sim") as client:
+        info = (await client.get("/server_info")).json()
+    assert info["profile_table"] == str(path) and info["enable_mixed_chunk"] is False
+    assert isinstance(server.engine.step_model, TableStepModel)
