@@ -259,10 +259,11 @@ def _register() -> None:
                      "(pausing on interactive pressure), collects results and writes output and error files. "
                      "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
     try:
-        from services.sim_engine.cli import sim_engine_command
+        from services.sim_engine.cli import profile_table_command, sim_engine_command
     except ImportError:  # while the engine is being built
         return
     main.add_command(sim_engine_command)
+    main.add_command(profile_table_command)
 
 
 _register()

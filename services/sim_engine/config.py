@@ -47,6 +47,13 @@ class EngineConfig:
     time_scale: float = 1.0
     # A constant step time in ms instead of the roofline model (load tests of the platform).
     fixed_step_ms: float | None = None
+    # Step times from a profile table (.npz, the format of NVIDIA Dynamo's mocker
+    # --planner-profile-data; see profile_table.py) instead of the roofline model.
+    profile_table: str | None = None
+    # Decode and prefill in one step (SGLang's --enable-mixed-chunk). Off, as SGLang's default
+    # and Dynamo's mocker in SGLang mode: a step that can prefill does only that, and decoding
+    # requests wait for the next prefill-free step.
+    mixed_chunk: bool = True
     # Overrides the KV capacity derived from GPU memory.
     kv_capacity_tokens: int | None = None
     # SGLang's --enable-priority-scheduling: waiting requests are admitted by priority (larger
@@ -108,6 +115,8 @@ class EngineConfig:
             raise ValueError("speculative_acceptance must be in [0, 1)")
         if self.speculative_draft_cost < 0:
             raise ValueError("speculative_draft_cost must not be negative")
+        if self.fixed_step_ms is not None and self.profile_table is not None:
+            raise ValueError("give fixed_step_ms or profile_table, not both")
         from .constrained import FAMILIES
 
         if self.tool_call_parser not in FAMILIES:

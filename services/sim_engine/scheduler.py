@@ -29,6 +29,7 @@ from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
 from .perf_model import FixedStepModel, SpecDecoding, StepTimeModel, roofline
+from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
 
 MAX_STOP_SEQUENCES = 32
@@ -300,6 +301,8 @@ class Engine:
         if step_model is None:
             if config.fixed_step_ms is not None:
                 step_model = FixedStepModel(config.fixed_step_ms / 1000.0)
+            elif config.profile_table is not None:
+                step_model = TableStepModel(load_npz(config.profile_table))
             else:
                 step_model = roofline_model
         self.step_model = step_model
@@ -456,9 +459,14 @@ class Engine:
     def step(self) -> StepResult:
         """Run one iteration: decode every running sequence, prefill up to the token budget."""
         updates: list[RequestUpdate] = []
-        decoding = self._reserve_decode_slots()
-        self._admit(updates)
-        chunks = self._plan_prefill()
+        if self.config.mixed_chunk:
+            decoding = self._reserve_decode_slots()
+            self._admit(updates)
+            chunks = self._plan_prefill()
+        else:  # a prefill step when there is prefill work, else a decode step
+            self._admit(updates)
+            chunks = self._plan_prefill()
+            decoding = [] if chunks else self._reserve_decode_slots()
         if not decoding and not chunks:
             return self._wait_for_adapters(updates)
 
