@@ -120,7 +120,8 @@ def build_table(
 
 @dataclass(frozen=True)
 class TableStepModel:
-    """A `StepTimeModel` read from a profile table, composed as Dynamo's mocker composes it."""
+    """A `StepTimeModel` read from a profile table, composed as Dynamo's mocker composes it. The
+    table has no LoRA dimension: adapters in a step add nothing to its time."""
 
     table: ProfileTable
 
@@ -130,6 +131,7 @@ class TableStepModel:
         resident_ctx_tokens: int,
         prefill_tokens: int = 0,
         prefill_mean_ctx: float = 0.0,
+        lora_adapters: float = 0.0,
     ) -> float:
         seconds = self.table.prefill_time_ms(prefill_tokens) / 1000
         if batch_decode > 0:
