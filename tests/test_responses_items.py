@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from inferbus.prompt import render_chat
-from inferbus.tokens import block_hashes, encode
+from inferbus.prompt import load_model, render_prompt
+from inferbus.tokens import block_hashes
 from services.gateway import responses_items as items
 from services.gateway.errors import OpenAIError
 
@@ -187,7 +187,8 @@ def test_an_empty_generation_still_has_one_message() -> None:
                                             "response.output_item.done", "response.completed"]
 
 
-def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix() -> None:
+@pytest.mark.parametrize("family", ["llama3", "chatml"])
+def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix(family: str, request: pytest.FixtureRequest) -> None:
     """previous_response_id: the previous conversation plus its output, then the new input. The
     rendered follow-up starts with the previous rendered prompt, so its prefix blocks hash the same
     and the router places it on the worker that holds them."""
@@ -202,12 +203,13 @@ def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix(
                    instructions="Be brief.", tools=tools, previous_response_id="resp_abc")
     second_chat = items.chat_request(second, items.chat_messages(
         second.instructions, conversation + output + items.input_items(second, "b")))
-    before = render_chat(first_chat["messages"], first_chat["tools"])
-    after = render_chat(second_chat["messages"], second_chat["tools"])
-    assert after.startswith(before) and len(after) > len(before)
-    first_hashes = block_hashes(encode(before), 16)
+    model = load_model(str(request.getfixturevalue(f"{family}_model_dir")))  # the served model's own template
+    before = render_prompt(model, messages=first_chat["messages"], tools=first_chat["tools"])
+    after = render_prompt(model, messages=second_chat["messages"], tools=second_chat["tools"])
+    assert after.text.startswith(before.text) and len(after.text) > len(before.text)
+    first_hashes = block_hashes(before.ids, 16)
     assert len(first_hashes) > 10
-    assert block_hashes(encode(after), 16)[:len(first_hashes)] == first_hashes
+    assert block_hashes(after.ids, 16)[:len(first_hashes)] == first_hashes
 
 
 @pytest.mark.parametrize(("chat", "responses"), [
