@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from inferbus.prompt import load_model
 from proto import messages as m
 from services.batch import lines
 from services.batch.validate import Limits, Validated, validate
@@ -90,15 +92,16 @@ def test_a_batch_line_nested_too_deeply_or_too_large_is_refused_at_validation() 
     assert isinstance(validate([chat_line("a", vendor_extension={"x": [[[[1]]]]})], CHAT), Validated)
 
 
-def test_a_line_planned_with_a_seed_the_bus_cannot_carry_fails_as_a_line_error() -> None:
+def test_a_line_planned_with_a_seed_the_bus_cannot_carry_fails_as_a_line_error(llama3_model_dir: Path) -> None:
     # The runner's path for a line validated before this check existed: planning refuses it (a
     # per-line result), and a request that still cannot be encoded is a 400, not a retry.
+    model = load_model(str(llama3_model_dir))
     body = json.loads(chat_line("a", seed=2**70))["body"]
     with pytest.raises(OpenAIError) as raised:
-        lines.plan_line(CHAT, json.dumps(body).encode(), max_model_len=4096, default_max_tokens=16)
+        lines.plan_line(CHAT, json.dumps(body).encode(), model=model, max_model_len=4096, default_max_tokens=16)
     assert (raised.value.status, raised.value.param) == (400, "seed")
     good = json.dumps(json.loads(chat_line("a"))["body"]).encode()
-    plan = lines.plan_line(CHAT, good, max_model_len=4096, default_max_tokens=16)
+    plan = lines.plan_line(CHAT, good, model=model, max_model_len=4096, default_max_tokens=16)
     request = lines.line_request(plan, batch_id="batch_x", line=0, tenant="t", api_key_id="k", base_model=MODEL,
                                  adapter=None, deadline=0.0, now=0.0, reply_to="r")
     assert lines.encode_request(request) == m.encode(request)

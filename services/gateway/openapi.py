@@ -19,6 +19,7 @@ from msgspec import Meta
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from .responses_items import ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tenants import Tenant, TenantLimits
 
@@ -256,6 +257,13 @@ PUBLIC: dict[tuple[str, str], Operation] = {
         "Create a text completion (`stream: true` answers with server-sent events).", TextCompletion,
         ok_media=("application/json", "text/event-stream"), body=CompletionRequest, errors=_GENERATION_ERRORS,
         plain_asgi=True),
+    ("post", "/v1/responses"): Operation(
+        "Create a model response (`stream: true` answers with server-sent events).",
+        ok_media=("application/json", "text/event-stream"), body=ResponsesRequest, errors=_GENERATION_ERRORS,
+        plain_asgi=True),
+    ("get", "/v1/responses/{response_id}"): Operation("Retrieve a stored response."),
+    ("delete", "/v1/responses/{response_id}"): Operation("Delete a stored response."),
+    ("get", "/v1/responses/{response_id}/input_items"): Operation("List a stored response's input items."),
     ("get", "/v1/models"): Operation("List the models this API key may use.", ModelList),
     ("get", "/v1/models/{model_id}"): Operation("Retrieve a model.", Model),
     ("post", "/v1/files"): Operation("Upload a JSONL file for a batch.", FileObject, body=FileUpload,
@@ -347,7 +355,8 @@ def _document(api: FastAPI, admin: bool, operations: dict[tuple[str, str], Opera
 def _operation(op: Operation, generated: dict[str, Any], models: set[type], method: str, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"summary": op.summary, "operationId": generated.get("operationId")
                            or f"{method}_{path.strip('/').replace('/', '_')}"}
-    parameters = [p for p in generated.get("parameters", []) if p.get("in") == "path"]
+    # Path parameters, and the query parameters of routes that declare them to FastAPI.
+    parameters = [p for p in generated.get("parameters", []) if p.get("in") in ("path", "query")]
     if op.query is not None:
         parameters += _query_parameters(op.query)
     if parameters:
