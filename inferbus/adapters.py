@@ -14,7 +14,7 @@ import time
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from proto import messages as m
@@ -62,7 +62,7 @@ async def put(kv: KeyValue, spec: m.AdapterSpec) -> None:
 async def get(kv: KeyValue, name: str) -> m.AdapterSpec | None:
     try:
         entry = await kv.get(key(name))
-    except KeyNotFoundError:
+    except (KeyNotFoundError, InvalidKeyError):  # an empty name makes no valid key: no such adapter
         return None
     return decode(entry.value)
 
