@@ -30,6 +30,16 @@ class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     allow_responses: bool = False  # may answer requests it received (the router's placements)
+    # Replies allowed per request received (NATS's default is one): a streamed internal-producer
+    # call is answered with one reply per chunk, for as long as a request may last.
+    responses_max: int = 1
+    responses_expire: str | None = None
+
+
+# A streamed call's replies: a chunk per token at most (the context window) and the done marker,
+# within the longest request deadline a gateway is expected to run with (INFERBUS_REQUEST_TIMEOUT_S).
+STREAMED_REPLIES_MAX = 1_000_000
+STREAMED_REPLIES_EXPIRE = "1h"
 
 
 @dataclass(frozen=True)
@@ -138,8 +148,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                        subjects.metrics_wildcard(), inbox,
                        # Internal producers' calls (answered as replies) and their cancels.
                        subjects.api_wildcard(),
-                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_wildcard("*")),
-            allow_responses=True,
+                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_all()),
+            allow_responses=True, responses_max=STREAMED_REPLIES_MAX, responses_expire=STREAMED_REPLIES_EXPIRE,
         )
     if role == "router":
         return Permissions(
@@ -178,7 +188,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "producer":
         # An internal producer: the OpenAI API over NATS, authenticated by a tenant API key and
         # admitted by a gateway like an HTTP call; nothing else on the bus.
-        return Permissions(publish=(subjects.api_wildcard(), subjects.api_cancel_wildcard("*")), subscribe=(inbox,))
+        return Permissions(publish=(subjects.api_wildcard(), subjects.api_cancel_all()), subscribe=(inbox,))
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -205,8 +215,11 @@ def authorization_block(identities: list[Identity]) -> str:
             f"        publish: {{ allow: {_subjects(p.publish, '        ')} }}",
             f"        subscribe: {{ allow: {_subjects(p.subscribe, '        ')} }}",
         ]
-        if p.allow_responses:
+        if p.allow_responses and p.responses_max == 1 and p.responses_expire is None:
             lines.append("        allow_responses: true")
+        elif p.allow_responses:
+            expires = f", expires: \"{p.responses_expire}\"" if p.responses_expire else ""
+            lines.append(f"        allow_responses: {{ max: {p.responses_max}{expires} }}")
         lines += ["      }", "    }"]
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"

@@ -243,3 +243,8 @@ def api_cancel_wildcard(gateway_id: str) -> str:
 def response_key(tenant: str, response_id: str) -> str:
     """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
     return f"{_durable(tenant)}.{_durable(response_id)}"
+
+
+def api_cancel_all() -> str:
+    """Every gateway's cancel subjects (permissions: a producer may cancel its calls at any gateway)."""
+    return f"{PREFIX}.api.cancel.>"
