@@ -142,6 +142,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
+                # The responses bucket takes a changed retention or size limit at gateway start.
+                f"$JS.API.STREAM.UPDATE.KV_{subjects.RESPONSES_BUCKET}",
                 subjects.liveness_subject("*"),  # probes a worker whose heartbeat lapsed
             ),
             subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),

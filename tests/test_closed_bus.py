@@ -252,3 +252,25 @@ def test_usage_events_decode_as_the_ledger_expects() -> None:
     """Guard for the forged request above: it must be a valid bus message, or the test proves nothing."""
     forged = a_request("inferbus.tok.gateway")
     assert msgspec.msgpack.decode(m.encode(forged), type=m.InferenceRequest) == forged
+
+
+def test_a_gateway_can_give_the_stored_responses_a_new_retention(platform: Platform) -> None:
+    """The gateway identity may update the `responses` bucket it opens, as it does at start when
+    INFERBUS_RESPONSES_RETENTION_S or INFERBUS_RESPONSES_MAX_BYTES changed."""
+    from services.gateway.responses_store import ResponseStore
+    from services.gateway.settings import GatewaySettings
+
+    max_bytes = GatewaySettings().responses_max_bytes
+
+    async def reopen() -> tuple[float, float]:
+        gateway = Connection(platform, identity(platform, "gateway"))
+        async with gateway as nc:
+            js = nc.jetstream()
+            before = (await js.stream_info(f"KV_{subjects.RESPONSES_BUCKET}")).config.max_age
+            await ResponseStore.open(js, retention_s=before + 60, max_bytes=max_bytes)
+            after = (await js.stream_info(f"KV_{subjects.RESPONSES_BUCKET}")).config.max_age
+            await ResponseStore.open(js, retention_s=before, max_bytes=max_bytes)
+        return before, after
+
+    before, after = asyncio.run(reopen())
+    assert after == before + 60
