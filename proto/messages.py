@@ -135,6 +135,12 @@ class InferenceRequest(_Message, tag="request"):
     # n > 1: which choice this engine request is (each its own request id); choices after the
     # first report no prompt tokens in their usage, since OpenAI bills the prompt once.
     choice: int = 0
+    # The prompt as the served model's tokenizer encoded it (inferbus.prompt): the engine computes
+    # on these ids, so what it caches is what was counted and hashed. Empty: the engine gets `prompt`.
+    input_ids: list[int] = []
+    # Migration: the token ids already streamed to the client; the next attempt continues from
+    # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
+    resumed_ids: list[int] = []
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
@@ -160,6 +166,7 @@ class TokenChunk(_Message, tag="chunk"):
     completion_tokens: int  # client-visible total so far, including resumed tokens
     prompt_tokens: int | None = None
     logprobs: list[TokenLogprob] | None = None  # of this chunk's tokens, when the request asked
+    token_ids: list[int] = []  # the ids of `text` (the engine's output_ids since the previous chunk)
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -180,6 +187,7 @@ class Final(_Message, tag="final"):
     matched_stop: str | None = None
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None  # of `text`'s tokens, when the request asked
+    token_ids: list[int] = []  # the ids of `text`
 
 
 class StreamError(_Message, tag="error"):
@@ -353,6 +361,17 @@ class FileRecord(_Message):
     expires_at: int | None = None
 
 
+class StoredResponse(_Message):
+    """A stored Responses-API response (`responses` KV bucket): the response object and the
+    conversation's input items that produced it, both as their JSON wire bytes."""
+
+    id: str
+    tenant: str
+    created_at: int
+    response: bytes  # the `response` object
+    input_items: bytes  # JSON list: the previous responses' items, then this request's input
+
+
 class WorkerLoad(_Message):
     """Worker → router/autoscaler every ~250 ms on `metrics_subject`."""
 
@@ -425,7 +444,7 @@ class Heartbeat(_Message):
     adapters: list[str] = []
     gpu: str = ""
     tp: int = 0
-    block_size: int = 0  # the engine's cache page in tokens; the router hashes prompts with it
+    block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
 
 
@@ -450,8 +469,9 @@ class PlacementRequest(_Message):
     prompt_tokens: int
     adapter: str | None = None
     tier: str = "standard"
-    # `inferbus.tokens.prefix_hashes(prompt, block_size, adapter=adapter)`: the chained prefix-block
-    # hashes the engines' caches report, so the router can count blocks a worker already holds.
+    # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
+    # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
+    # the router can count blocks a worker already holds.
     block_hashes: list[int] = []
     block_size: int = 0
 
@@ -538,6 +558,20 @@ class ScaleDecision(_Message):
     batch_in_flight: int = 0
     promote: list[str] = []  # warm workers promoted by this decision
     demote: list[str] = []  # serving workers sent back to warm (or drained) by it
+
+
+# ---- internal producers (`subjects.api_subject`) ---------------------------------------------
+# Their bodies are the HTTP API's JSON both ways, so that a producer needs no second schema: a
+# request is a `/v1/chat/completions` or `/v1/completions` body (services/gateway/schemas.py), a
+# reply is the response body, or one streamed chunk. These headers frame them.
+API_VERSION = "1"
+API_HEADER_VERSION = "Inferbus-Api-Version"
+API_HEADER_STATUS = "Inferbus-Status"  # the HTTP status the same call would have had
+API_HEADER_REQUEST_ID = "Inferbus-Request-Id"
+API_HEADER_STREAM = "Inferbus-Stream"  # on the replies of a streamed call: "chunk", then "done"
+API_HEADER_CANCEL = "Inferbus-Cancel"  # on a streamed call's first reply: publish here to abandon it
+API_STREAM_CHUNK = "chunk"
+API_STREAM_DONE = "done"
 
 
 _encoder = msgspec.msgpack.Encoder()

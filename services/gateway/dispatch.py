@@ -53,6 +53,7 @@ class Flight:
     events: asyncio.Queue[m.StreamEvent] = field(default_factory=asyncio.Queue)
     worker_id: str | None = None
     sent_text: list[str] = field(default_factory=list)
+    sent_ids: list[int] = field(default_factory=list)  # token ids of sent_text, this attempt
     sent_tokens: int = 0
     prompt_tokens: int | None = None
     queue_wait: float | None = None
@@ -72,10 +73,15 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
         return None
     if request.sampling.constrained and (flight.sent_tokens or request.resumed_tokens):
         return None  # the grammar would start over in the middle of the output
+    # Continue from token ids (re-tokenized text may split differently), unless the worker did not
+    # report the ids of everything it sent (an engine without output_ids): then from text.
+    ids_complete = bool(request.input_ids) and len(flight.sent_ids) == flight.sent_tokens - request.resumed_tokens
     return msgspec.structs.replace(
         request,
         attempt=request.attempt + 1,
         resumed_text=request.resumed_text + "".join(flight.sent_text),
+        input_ids=request.input_ids if ids_complete else [],
+        resumed_ids=request.resumed_ids + flight.sent_ids if ids_complete else [],
         resumed_tokens=flight.sent_tokens,
         prompt_tokens=flight.prompt_tokens,
     )
@@ -306,7 +312,7 @@ class Dispatcher:
     async def cancel(self, flight: Flight, reason: str) -> None:
         cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
         try:
-            await self.nc.publish(subjects.cancel_subject(flight.request.request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(self.gateway_id, flight.request.request_id), m.encode(cancel))
         except Exception as error:
             log.warning("cancel_publish_failed", error=repr(error))
 
@@ -324,6 +330,7 @@ class Dispatcher:
         flight.request = continuation
         flight.worker_id = None
         flight.sent_text = []
+        flight.sent_ids = []
         flight.next_seq = 0
         if flight.state != "queued":
             self._mark_queued(flight)  # waiting in a queue again, until a worker accepts it
@@ -360,6 +367,7 @@ class Dispatcher:
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
                     flight.prompt_tokens = event.prompt_tokens
                 flight.sent_text.append(event.text)
+                flight.sent_ids.extend(event.token_ids)
                 flight.sent_tokens = event.completion_tokens
                 yield event
                 continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,8 @@ from proto import subjects
 from .adapters import Adapters
 from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
+from .engine_health import EngineHealth
+from .http import HTTPError
 from .liveness import LivenessThread, PauseDetector
 from .preemption import BatchRun, PreemptionPolicy
 from .puller import Puller
@@ -74,6 +76,11 @@ _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
 
 
+def _cancel_key(owner: str, request_id: str) -> str:
+    """A cancel that came before its request, remembered with the gateway that sent it."""
+    return f"{owner} {request_id}"
+
+
 @dataclass
 class _Running:
     request: m.InferenceRequest
@@ -91,6 +98,7 @@ class _Running:
     requeue: str | None = None
     abort_resent: bool = False
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # batch lines: generated ids of this attempt
     completion: int = 0
     prompt_tokens: int | None = None
     cached: int = 0
@@ -127,6 +135,8 @@ class Worker:
     _pulled_own: int = 0  # requests taken from this worker's own queue (routers compare with their placements)
     _own_target: str = ""
     adapters: Adapters = field(init=False)
+    health: EngineHealth = field(default_factory=lambda: EngineHealth(time.monotonic))
+    _engine_watch: asyncio.Task[None] | None = None
     cache_relay: CacheRelay | None = None
     # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
     # "serving". A demoted worker drains its work, then goes back to warm.
@@ -186,12 +196,16 @@ class Worker:
         await self._wait_for_engine()
         self._engine_info = await self.engine.server_info()
         self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
-        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
+        try:
+            capacity = s.max_running or engine_max_running(self._engine_info)
+        except EngineError as error:
+            raise SystemExit(f"worker: {error}; set INFERBUS_WORKER_MAX_RUNNING") from None
         tiers = s.tier_list()
         self.budget = SlotBudget(capacity, pullers=len(self._consumer_specs()))
         FREE_SLOTS.set(capacity)
         if s.engine_kv_events:
-            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events)
+            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events, block_size=s.block_size,
+                                          bind=s.engine_kv_events_bind)
             self.cache_relay.start()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
         if s.standby:
@@ -345,7 +359,7 @@ class Worker:
         log.info("worker_warm", worker_id=self.settings.worker_id, demoted=True)
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._serving_tasks]:
+        for task in [*self._tasks, *self._serving_tasks, *([self._engine_watch] if self._engine_watch else [])]:
             task.cancel()
         if self._background:  # usage events are the billing ledger: let them reach the outbox
             await asyncio.wait(self._background, timeout=10)
@@ -406,6 +420,14 @@ class Worker:
             self._wake.clear()
             if self._holding_pulls:
                 await asyncio.sleep(SCARCE_POLL_S)
+                continue
+            if not self.health.up:
+                # Its engine is down: a request taken now would fail at once and bounce between
+                # workers. The engine watch wakes this loop when it is back.
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.settings.fetch_timeout_s)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             if self.budget.free >= len(pullers):
                 # Room for every consumer: all long-poll at once, most important first.
@@ -473,10 +495,11 @@ class Worker:
                 if (request.request_id, request.attempt) in self._superseded:
                     publish_usage = False  # the gateway moved on before this attempt started: no work done
                     return
-                if request.request_id in self._cancelled:
+                cancelled = self._cancelled.get(_cancel_key(subjects.reply_owner(request.reply_to), request.request_id))
+                if cancelled is not None:
                     status, finish = "cancelled", "abort"
                     # After a deadline the gateway bills what the client got; otherwise nothing ran.
-                    publish_usage = self._cancelled[request.request_id][1] != "deadline"
+                    publish_usage = cancelled[1] != "deadline"
                     return
                 if time.time() > request.deadline:
                     finish = "error"
@@ -552,7 +575,7 @@ class Worker:
         update: EngineUpdate
         if request.adapter:
             await self.adapters.ensure(request.adapter)
-        async for update in self.engine.generate(request, trace_headers):
+        async for update in self._engine_stream(request, trace_headers):
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()
@@ -575,6 +598,7 @@ class Worker:
                                       retryable=True, status=503)
             if batch:  # no stream to a client: the line's text is kept for its one result
                 entry.text_parts.append(update.text)
+                entry.token_ids.extend(update.token_ids)
                 if update.finish is None:
                     await self._batch_checkpoint(entry)
                     continue
@@ -582,7 +606,7 @@ class Worker:
                 self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
-                    logprobs=update.logprobs,
+                    token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
                 seq += 1
                 continue
@@ -595,11 +619,74 @@ class Worker:
                 self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
-                    worker_id=self.settings.worker_id, logprobs=update.logprobs,
+                    worker_id=self.settings.worker_id, token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
         raise EngineError("engine stream ended early", retryable=True, status=502)
+
+    async def _engine_stream(self, request: m.InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
+        """The engine's stream for `request`. An adapter the engine says it never loaded (it restarted
+        since) is loaded again and the request sent once more: the refusal comes before any token."""
+        for attempt in (0, 1):
+            try:
+                async for update in self.engine.generate(request, headers):
+                    yield update
+                return
+            except EngineError as error:
+                if error.code == "engine_unavailable":
+                    self._engine_down(str(error))
+                if attempt or error.code != "adapter_not_loaded" or not request.adapter:
+                    raise
+                log.warning("adapter_lost_by_engine", adapter=request.adapter, error=str(error))
+                self.adapters.forget(request.adapter)
+                await self.adapters.ensure(request.adapter)
+
+    # ---- engine down and back ---------------------------------------------------------------
+
+    def _engine_down(self, why: str) -> None:
+        """Stop pulling and say not ready until the engine answers again; probe it with backoff."""
+        if not self.health.up:
+            return
+        self.health.failed()
+        log.warning("engine_down", engine=self.settings.engine_url, why=why)
+        self._spawn(self._publish_heartbeat())  # not ready: gateways and routers stop counting on it
+        if self._engine_watch is None or self._engine_watch.done():
+            self._engine_watch = asyncio.create_task(self._watch_engine(), name="engine-watch")
+
+    async def _watch_engine(self) -> None:
+        delay = self.health.first_delay_s
+        while True:
+            await asyncio.sleep(delay)
+            if await self.engine.ready():
+                break
+            delay = self.health.failed()
+            log.info("engine_probe_failed", engine=self.settings.engine_url, failures=self.health.failures,
+                     retry_in_s=round(delay, 3))
+        # It answers again, maybe as a new process: what this worker believed about it is stale.
+        try:
+            self._engine_info = await self.engine.server_info()
+        except Exception as error:
+            log.warning("engine_info_failed", error=repr(error))
+        forgotten = self.adapters.forget_all()
+        if self.cache_relay is not None:
+            try:
+                await self.cache_relay.engine_restarted()
+            except Exception as error:  # the router's index ages stale blocks out regardless
+                log.warning("cache_reset_failed", error=repr(error))
+        self.health.recovered()
+        log.info("engine_back", engine=self.settings.engine_url, adapters_forgotten=forgotten)
+        await self._publish_heartbeat()
+        self._wake.set()
+        self._load_changed.set()
+
+    async def _publish_heartbeat(self) -> None:
+        if self.kv is None or self.budget is None or self.phase != "serving":
+            return
+        try:
+            await self._heartbeat()
+        except Exception as error:
+            log.warning("heartbeat_failed", error=repr(error))
 
     # ---- batch lines -----------------------------------------------------------------------
 
@@ -618,7 +705,7 @@ class Worker:
             with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
                 try:
                     await msg.ack()
-                    if request.request_id in self._cancelled:
+                    if _cancel_key(subjects.reply_owner(request.reply_to), request.request_id) in self._cancelled:
                         entry.cancelled = True
                     elif time.time() <= request.deadline:
                         queue_wait = max(0.0, time.time() - request.created)
@@ -686,9 +773,17 @@ class Worker:
                 return "requeued", None, msgspec.structs.replace(
                     request, attempt=request.attempt + 1,
                     resumed_text=request.resumed_text + "".join(entry.text_parts),
+                    # From ids when the engine reported the ids of all it generated, else from text.
+                    **self._resume_from(request, entry),
                     resumed_tokens=entry.completion, prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
                 )
         return "failed", self._batch_result(entry, now, failure=failure), None
+
+    @staticmethod
+    def _resume_from(request: m.InferenceRequest, entry: _Running) -> dict[str, Any]:
+        if request.input_ids and len(entry.token_ids) == entry.completion - request.resumed_tokens:
+            return {"resumed_ids": request.resumed_ids + entry.token_ids}
+        return {"input_ids": [], "resumed_ids": []}
 
     def _batch_result(self, entry: _Running, now: float, *, finish: str | None = None,
                       failure: tuple[str, str, int] | None = None) -> m.BatchLineResult:
@@ -918,7 +1013,13 @@ class Worker:
             cancel = _cancel_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        owner = subjects.cancel_owner(msg.subject)
         entry = self.running.get(cancel.request_id)
+        if entry is not None and subjects.reply_owner(entry.request.reply_to) != owner:
+            # Only the gateway holding the client may cancel its request (each gateway's NATS
+            # permissions allow its own cancel subjects only; this holds where identities are shared).
+            log.warning("cancel_not_owner", request_id=cancel.request_id, cancel_subject=msg.subject)
+            return
         if cancel.attempt >= 0:  # one attempt, given up by its gateway
             if entry is None or entry.request.attempt != cancel.attempt:
                 self._superseded[(cancel.request_id, cancel.attempt)] = None
@@ -931,15 +1032,15 @@ class Worker:
                 await self.engine.abort(entry.request.engine_rid())
             return
         if entry is None:
-            self._remember_cancel(cancel.request_id, cancel.reason)
+            self._remember_cancel(_cancel_key(owner, cancel.request_id), cancel.reason)
         elif not entry.cancelled:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
             await self.engine.abort(entry.request.engine_rid())
 
-    def _remember_cancel(self, request_id: str, reason: str) -> None:
+    def _remember_cancel(self, key: str, reason: str) -> None:
         now = time.monotonic()
-        self._cancelled[request_id] = (now, reason)
+        self._cancelled[key] = (now, reason)
         if len(self._cancelled) > CANCEL_MEMORY_SIZE:
             # Oldest first (dicts keep insertion order): forget what is past its deadline anyway.
             for old in list(self._cancelled)[: len(self._cancelled) // 2]:
@@ -987,10 +1088,13 @@ class Worker:
         assert self.budget is not None
         return m.Heartbeat(
             worker_id=self.settings.worker_id, model=self.settings.model, engine_url=self.settings.engine_url,
-            started=self.started, ts=time.time(), state="draining" if self.draining or self._holding_pulls else "ready",
+            # "starting" while the engine is down: alive, but not to be given requests.
+            started=self.started, ts=time.time(),
+            state="draining" if self.draining or self._holding_pulls else "ready" if self.health.up else "starting",
             max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
             tp=int(self._engine_info.get("tp_size", 0) or 0),
-            block_size=int(self._engine_info.get("page_size", 0) or 0),
+            # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
+            block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
         )
 
@@ -1067,10 +1171,15 @@ class Worker:
             if self.phase != "serving" or self.budget is None:
                 await self._publish_idle_load()
                 continue
+            if not self.health.up:
+                continue  # the engine watch probes it, with backoff
             try:
                 load = await self.engine.loads()
             except Exception as error:
-                log.warning("engine_load_failed", error=repr(error))
+                if self.health.up:
+                    log.warning("engine_load_failed", error=repr(error))
+                if isinstance(error, HTTPError):
+                    self._engine_down(f"load poll failed: {error!r}")
                 self.verify_soon("engine_load_failed")
                 continue
             try:
@@ -1111,6 +1220,22 @@ class Worker:
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
         except Exception as error:
             log.warning("load_publish_failed", error=repr(error))
+
+
+def engine_max_running(info: dict[str, Any]) -> int:
+    """Requests the engine runs at once, from its /server_info. SGLang reports the flag at the top
+    (null unless --max-running-requests was given) and the effective value per data-parallel rank
+    in `internal_states`; a worker that fell back to a guess would hold far fewer or more slots."""
+    top = info.get("max_running_requests")
+    if isinstance(top, int) and top > 0:
+        return top
+    states = info.get("internal_states") or []
+    per_dp = [state.get("effective_max_running_requests_per_dp") for state in states if isinstance(state, dict)]
+    effective = [value for value in per_dp if isinstance(value, int) and value > 0]
+    if effective:
+        return effective[0] * max(1, int(info.get("dp_size") or 1))
+    raise EngineError("the engine's /server_info reports no max_running_requests (top level or internal_states)",
+                      code="engine_info")
 
 
 async def serve(settings: WorkerSettings) -> None:

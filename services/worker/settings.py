@@ -5,6 +5,7 @@ import socket
 from dataclasses import dataclass
 
 from inferbus.settings import env
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
 from .preemption import PreemptionConfig
 
@@ -16,6 +17,16 @@ class WorkerSettings:
     engine_url: str = env("INFERBUS_ENGINE_URL", "http://127.0.0.1:30000", "Base URL of the SGLang server (or simulated engine) this worker drives.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id this worker serves (must match the gateway's).")
     engine_kv_events: str = env("INFERBUS_ENGINE_KV_EVENTS", "", "ZMQ endpoint where the engine publishes KV-cache events (SGLang --kv-events-config), e.g. tcp://127.0.0.1:5557; empty: no prefix-cache reporting.")
+    engine_kv_events_bind: bool = env(
+        "INFERBUS_ENGINE_KV_EVENTS_BIND", True,
+        "Bind INFERBUS_ENGINE_KV_EVENTS and let the engine's publisher connect (SGLang's publisher connects to a "
+        "concrete address); false: connect to it, for an engine that binds (`\"bind\": true` or a wildcard address).",
+    )
+    block_size: int = env(
+        "INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE,
+        "Prefix block size in tokens: the engine's cache events are rebuilt into blocks of this size from their token "
+        "ids, whatever the engine's page size; must match the gateway's and the router's.",
+    )
     tiers: str = env("INFERBUS_WORKER_TIERS", "premium,standard,batch", "Priority bands to pull, most important first (`batch`: lines of the Batch API, only into slots the preemption policy grants).")
     max_running: int = env("INFERBUS_WORKER_MAX_RUNNING", 0, "Requests to hold at once; 0 = the engine's max_running_requests from /server_info.")
     batch_share: float = env("INFERBUS_WORKER_BATCH_SHARE", 0.75, "Largest share of this worker's slots that batch lines may hold (0-1, rounded down).")
