@@ -97,11 +97,13 @@ class LivenessThread:
             raise RuntimeError(f"liveness thread failed to start: {self._error!r}")
 
     def stop(self) -> None:
+        """Stop heartbeating and answering (idempotent)."""
         self.set_beat(None)
+        if self._thread is None or not self._thread.is_alive():
+            return
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(5)
+        self._thread.join(5)
 
     def _main(self) -> None:
         try:

@@ -1,0 +1,67 @@
+"""A lapsed heartbeat is a question, not a verdict: the gateway's dispatcher probes the worker and
+migrates its streams only when nothing answers. Against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from inferbus import bus
+from proto import messages as m
+from services.gateway.dispatch import Dispatcher, Flight
+from services.worker.liveness import LivenessThread
+
+from .nats_server import NatsServer
+
+TTL_S = 1.0
+
+
+@pytest.fixture
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    running = NatsServer(tmp_path_factory.mktemp("nats"))
+    running.start()
+    yield running
+    running.stop()
+
+
+def beat(worker: str) -> m.Heartbeat:
+    return m.Heartbeat(worker_id=worker, model="m", engine_url="http://engine", started=0.0, ts=time.time(), max_running=4)
+
+
+async def test_a_worker_that_answers_keeps_its_streams_and_one_that_does_not_loses_them(server: NatsServer) -> None:
+    nc = await bus.connect(server.url, name="test-gateway")
+    kv = await bus.workers_bucket(nc.jetstream(), TTL_S)
+    dispatcher = Dispatcher(nc, kv, gateway_id="g", heartbeat_ttl_s=TTL_S, max_attempts=3, placement_timeout_s=0,
+                            liveness_timeout_s=0.5)
+    await dispatcher.start()
+    # A busy worker: its heartbeat was put once and lapses (as if its puts were delayed), but its
+    # liveness thread answers probes.
+    busy = LivenessThread(server.url, "busy", interval_s=3600, ttl_s=TTL_S, stall_after_s=30, loop_lag=lambda: 0.5)
+    busy.start()
+    busy.set_beat(beat("busy"))
+    await kv.put("busy", m.encode(beat("busy")))
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    flight = Flight(request=request, worker_id="busy", state="accepted")
+    dispatcher.flights["r"] = flight
+    try:
+        await asyncio.sleep(0.3)
+        assert "busy" in dispatcher.live_workers
+        await asyncio.sleep(4 * TTL_S)  # expired, probed (more than once), answered every time
+        assert flight.events.empty() and flight.worker_id == "busy"
+        assert "busy" in dispatcher.live_workers
+
+        busy.stop()  # now it is gone: the next probe goes unanswered
+        deadline = time.monotonic() + 5
+        while flight.events.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        event = flight.events.get_nowait()
+        assert isinstance(event, m.StreamError) and event.code == "worker_lost" and event.retryable
+        assert "busy" not in dispatcher.live_workers
+    finally:
+        busy.stop()
+        await dispatcher.stop()
+        await nc.close()
