@@ -43,9 +43,6 @@ class Identity:
     scope: str | None = None
     password_env: str = ""  # when set, the server config reads the password from this environment variable
 
-    def inbox_prefix(self) -> str:
-        return inbox_prefix(self.user)
-
 
 def inbox_prefix(user: str) -> str:
     return f"_INBOX.{subjects.token(user)}"
