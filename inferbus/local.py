@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -243,7 +244,9 @@ def replica_processes(
     events = f"tcp://127.0.0.1:{events_port}"
     argv = [sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(engine_port),
             "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale", str(spec.time_scale),
-            "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events}), *spec.engine_args]
+            # The engine binds (SGLang's "bind": true) and the worker connects: a connecting publisher
+            # loses its first batches while the subscription reaches it (libzmq).
+            "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events, "bind": True}), *spec.engine_args]
     if spec.fixed_step_ms is not None:
         argv += ["--fixed-step-ms", str(spec.fixed_step_ms)]
     engine = Process(f"engine-{index}", argv, dict(env), logs_dir / f"engine-{index}.log",
@@ -251,6 +254,7 @@ def replica_processes(
     extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0"}
     if kv_events:
         extra["INFERBUS_ENGINE_KV_EVENTS"] = events
+        extra["INFERBUS_ENGINE_KV_EVENTS_BIND"] = "false"
     worker = Process(f"worker-{index}", [sys.executable, "-m", "inferbus.cli", "worker"],
                      {**env, **extra, **(worker_env or {})}, logs_dir / f"worker-{index}.log",
                      lambda: True, f"drives engine-{index}")
@@ -284,6 +288,10 @@ class StackConfig:
     cold_start_s: float = 20.0
     warm_start_s: float = 2.0
     autoscaler_env: dict[str, str] = field(default_factory=dict)
+    # The served model's directory (tokenizer, chat template) for the gateway, batch service and
+    # engines; None: $INFERBUS_MODEL_DIR, else a small one built under state_dir (`chat_format`).
+    model_dir: Path | None = None
+    chat_format: str = "llama3"
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
@@ -300,15 +308,17 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
         self.identities: LocalIdentities | None = None  # None: NATS is the operator's, credentials from NATS_*
+        self.model_dir = ""
 
     def _env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             NATS_URL=self.nats_server_url, REDIS_URL=self.redis_url, INFERBUS_MODEL=self.config.model,
-            INFERBUS_LOG_LEVEL=self.config.log_level, PYTHONUNBUFFERED="1",
+            INFERBUS_LOG_LEVEL=self.config.log_level, PYTHONUNBUFFERED="1", INFERBUS_MODEL_DIR=self.model_dir,
         )
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
+        env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
         env.update(self.config.extra_env)
         env.update(extra)
         return env
@@ -338,6 +348,7 @@ class Stack:
     def plan(self) -> None:
         c = self.config
         private_dir(c.state_dir)
+        self.model_dir = self.resolve_model_dir()
         if not self.nats_server_url:
             port, monitor = free_port(), free_port()
             self.nats_server_url = f"nats://127.0.0.1:{port}"
@@ -387,6 +398,17 @@ class Stack:
                       lambda: _logged(autoscaler_log, b'"autoscaler_ready"'),
                       f"{c.min_workers}-{c.max_workers} workers, cold start {c.cold_start_s:g} s",
                       **self.autoscaler_env())
+
+    def resolve_model_dir(self) -> str:
+        """The configured model directory, or a small one written under the state directory (a
+        tokenizer trained on local text, cached between runs: seconds the first time)."""
+        if self.config.model_dir is not None:
+            return str(self.config.model_dir)
+        if os.environ.get("INFERBUS_MODEL_DIR"):
+            return os.environ["INFERBUS_MODEL_DIR"]
+        from inferbus.modeldir import build_model_dir
+
+        return str(build_model_dir(self.config.state_dir / "model", self.config.chat_format))
 
     def autoscaler_env(self) -> dict[str, str]:
         """The local actuator's settings: where and how to start replicas, within which bounds."""
@@ -479,10 +501,16 @@ class Stack:
         """The gateway is up, connected, and sees every worker's heartbeat."""
         import json
 
+        needed = self.config.min_workers if self.config.autoscale else self.config.workers
         try:
             with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=0.5) as response:
-                needed = self.config.min_workers if self.config.autoscale else self.config.workers
                 return json.load(response).get("workers", 0) >= needed
+        except urllib.error.HTTPError as error:  # 503 until a worker is ready: its body still counts them
+            try:
+                body = json.load(error)
+            except ValueError:
+                return False
+            return needed == 0 and body.get("problems") == ["no_workers"]
         except Exception:
             return False
 

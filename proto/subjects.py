@@ -10,6 +10,8 @@ Layout (see DESIGN.md):
     inferbus.placed.<model>                        core NATS: placements, shared by router replicas
     inferbus.control.<worker> / inferbus.scale.<pool>
     inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
+    inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
+    inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
@@ -35,6 +37,7 @@ ADAPTERS_BUCKET = "adapters"
 BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant, batch_id)`
 FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
+RESPONSES_BUCKET = "responses"  # one StoredResponse per stored response, keyed `response_key(tenant, id)`
 
 ANY_TARGET = "any"
 
@@ -171,6 +174,9 @@ def control_subject(worker_id: str) -> str:
 
 def control_wildcard() -> str:
     return f"{PREFIX}.control.*"
+def liveness_subject(worker_id: str) -> str:
+    """A worker's liveness probe (request/reply), answered by its heartbeat thread."""
+    return f"{PREFIX}.alive.{token(worker_id)}"
 
 
 def scale_subject(pool: str) -> str:
@@ -202,3 +208,38 @@ def batch_key(tenant: str, batch_id: str) -> str:
 
 def file_key(tenant: str, file_id: str) -> str:
     return f"{_durable(tenant)}.{_durable(file_id)}"
+
+
+# ---- internal producers: the OpenAI API over NATS request/reply ----------------------------------
+#   inferbus.api.v1.chat.completions | inferbus.api.v1.completions   request/reply (queue group below)
+#   inferbus.api.cancel.<gateway>.<call>                              a producer abandoning a stream
+
+API_QUEUE = "gateway"  # every gateway replica subscribes in this queue group: one answers each request
+_API_PATHS = {"chat": "chat.completions", "completion": "completions"}
+
+
+def api_subject(endpoint: Literal["chat", "completion"]) -> str:
+    """Where an internal producer sends `/v1/chat/completions` or `/v1/completions` bodies."""
+    return f"{PREFIX}.api.v1.{_API_PATHS[endpoint]}"
+
+
+def api_endpoint(subject: str) -> Literal["chat", "completion"] | None:
+    for endpoint, path in _API_PATHS.items():
+        if subject == f"{PREFIX}.api.v1.{path}":
+            return endpoint  # type: ignore[return-value]
+    return None
+
+
+def api_wildcard() -> str:
+    return f"{PREFIX}.api.v1.>"
+
+
+def api_cancel_subject(gateway_id: str, call_id: str) -> str:
+    return f"{PREFIX}.api.cancel.{token(gateway_id)}.{token(call_id)}"
+
+
+def api_cancel_wildcard(gateway_id: str) -> str:
+    return f"{PREFIX}.api.cancel.{token(gateway_id)}.*"
+def response_key(tenant: str, response_id: str) -> str:
+    """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
+    return f"{_durable(tenant)}.{_durable(response_id)}"

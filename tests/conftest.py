@@ -115,6 +115,22 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         yield running
 
 
+@pytest.fixture(scope="session")
+def llama3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small model directory with a Llama-3-style chat template (tokenizer trained on local text)."""
+    from inferbus.modeldir import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("model") / "llama3", "llama3")
+
+
+@pytest.fixture(scope="session")
+def chatml_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small model directory with a ChatML (Qwen-style) chat template and no BOS token."""
+    from inferbus.modeldir import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("model") / "chatml", "chatml")
+
+
 @pytest.fixture
 def client(platform: Platform) -> openai.OpenAI:
     return platform.client()
