@@ -30,6 +30,7 @@ class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     allow_responses: bool = False  # may answer requests it received (the router's placements)
+    responses_max: int = 1  # replies per request it received (a streamed answer is many)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Identity:
     scope: str | None = None
     password_env: str = ""  # when set, the server config reads the password from this environment variable
 
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.user)
+
 
 def inbox_prefix(user: str) -> str:
     return f"_INBOX.{subjects.token(user)}"
@@ -52,6 +56,9 @@ def new_password() -> str:
     """192 random bits as letters and digits, starting with a letter: nats-server parses a password
     read from the environment as a config value, where a leading digit or `-` would make it a number."""
     return "ib" + secrets.token_hex(24)
+
+
+STREAMED_REPLIES_MAX = 1_000_000  # more chunks than the longest answer has
 
 
 def _stream_info(*streams: str) -> list[str]:
@@ -76,6 +83,11 @@ def _consume(stream: str, *, manage: bool = True) -> list[str]:
         rights += [f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.STREAM.MSG.GET.{stream}",
                    f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
     return rights
+
+
+def _consumer_state(stream: str) -> list[str]:
+    """Read the state of a stream's consumers (queue depths), nothing more."""
+    return [f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.LIST.{stream}", f"$JS.API.CONSUMER.NAMES.{stream}"]
 
 
 def _kv_read(bucket: str) -> list[str]:
@@ -114,7 +126,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             ),
             subscribe=(subjects.cancel_wildcard(),
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
-                       subjects.liveness_subject(scope) if scope is not None else subjects.liveness_subject("*"),
+                       subjects.liveness_subject(scope) if scope is not None else subjects.liveness_wildcard(),
                        inbox),
             allow_responses=True,  # answers the gateways' liveness probes
         )
@@ -125,18 +137,19 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
                 usage, subjects.placement_wildcard(),
                 *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
-                f"$JS.API.CONSUMER.INFO.{_REQ}.>",
+                *_consumer_state(_REQ),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
-                subjects.liveness_subject("*"),  # probes a worker whose heartbeat lapsed
+                subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
             ),
             subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
                        subjects.metrics_wildcard(), inbox,
                        # Internal producers' calls (answered as replies) and their cancels.
                        subjects.api_wildcard(),
-                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_wildcard("*")),
-            allow_responses=True,
+                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_all()),
+            # Liveness answers, and an internal producer's streamed answer: one reply per chunk.
+            allow_responses=True, responses_max=STREAMED_REPLIES_MAX,
         )
     if role == "router":
         return Permissions(
@@ -154,7 +167,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "autoscaler":
         return Permissions(
             publish=(subjects.control_wildcard(), subjects.scale_wildcard(), *_platform_streams(),
-                     f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_kv_read(subjects.WORKERS_BUCKET)),
+                     *_consumer_state(_REQ), *_kv_read(subjects.WORKERS_BUCKET)),
             subscribe=(subjects.metrics_wildcard(), inbox),
         )
     if role == "batch":
@@ -165,7 +178,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.shared_request_wildcard("batch"),
                 subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
                 usage, subjects.batch_results_stream_subjects()[0],
-                *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_consume(_RESULTS),
+                *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
@@ -175,7 +188,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "producer":
         # An internal producer: the OpenAI API over NATS, authenticated by a tenant API key and
         # admitted by a gateway like an HTTP call; nothing else on the bus.
-        return Permissions(publish=(subjects.api_wildcard(), subjects.api_cancel_wildcard("*")), subscribe=(inbox,))
+        return Permissions(publish=(subjects.api_wildcard(), subjects.api_cancel_all()), subscribe=(inbox,))
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -203,7 +216,8 @@ def authorization_block(identities: list[Identity]) -> str:
             f"        subscribe: {{ allow: {_subjects(p.subscribe, '        ')} }}",
         ]
         if p.allow_responses:
-            lines.append("        allow_responses: true")
+            lines.append("        allow_responses: true" if p.responses_max == 1 else
+                         f"        allow_responses: {{ max: {p.responses_max} }}")
         lines += ["      }", "    }"]
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"

@@ -179,6 +179,11 @@ def liveness_subject(worker_id: str) -> str:
     return f"{PREFIX}.alive.{token(worker_id)}"
 
 
+def liveness_wildcard() -> str:
+    """Every worker's liveness probe subject (for permissions)."""
+    return f"{PREFIX}.alive.*"
+
+
 def scale_subject(pool: str) -> str:
     return f"{PREFIX}.scale.{token(pool)}"
 
@@ -236,6 +241,11 @@ def api_wildcard() -> str:
 
 def api_cancel_subject(gateway_id: str, call_id: str) -> str:
     return f"{PREFIX}.api.cancel.{token(gateway_id)}.{token(call_id)}"
+
+
+def api_cancel_all() -> str:
+    """Every gateway's internal-producer cancel subjects (for permissions)."""
+    return f"{PREFIX}.api.cancel.*.*"
 
 
 def api_cancel_wildcard(gateway_id: str) -> str:
