@@ -67,6 +67,7 @@ def new_password() -> str:
     return "ib" + secrets.token_hex(24)
 
 
+
 def _stream_info(*streams: str) -> list[str]:
     return [f"$JS.API.STREAM.INFO.{s}" for s in streams]
 
@@ -89,6 +90,11 @@ def _consume(stream: str, *, manage: bool = True) -> list[str]:
         rights += [f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.STREAM.MSG.GET.{stream}",
                    f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
     return rights
+
+
+def _consumer_state(stream: str) -> list[str]:
+    """Read the state of a stream's consumers (queue depths), nothing more."""
+    return [f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.LIST.{stream}", f"$JS.API.CONSUMER.NAMES.{stream}"]
 
 
 def _kv_read(bucket: str) -> list[str]:
@@ -127,7 +133,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             ),
             subscribe=(subjects.cancel_wildcard(),
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
-                       subjects.liveness_subject(scope) if scope is not None else subjects.liveness_subject("*"),
+                       subjects.liveness_subject(scope) if scope is not None else subjects.liveness_wildcard(),
                        inbox),
             allow_responses=True,  # answers the gateways' liveness probes
         )
@@ -138,13 +144,13 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
                 usage, subjects.placement_wildcard(),
                 *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
-                f"$JS.API.CONSUMER.INFO.{_REQ}.>",
+                *_consumer_state(_REQ),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
                 # The responses bucket takes a changed retention or size limit at gateway start.
                 f"$JS.API.STREAM.UPDATE.KV_{subjects.RESPONSES_BUCKET}",
-                subjects.liveness_subject("*"),  # probes a worker whose heartbeat lapsed
+                subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
             ),
             subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
                        subjects.metrics_wildcard(), inbox,
@@ -169,7 +175,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "autoscaler":
         return Permissions(
             publish=(subjects.control_wildcard(), subjects.scale_wildcard(), *_platform_streams(),
-                     f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_kv_read(subjects.WORKERS_BUCKET)),
+                     *_consumer_state(_REQ), *_kv_read(subjects.WORKERS_BUCKET)),
             subscribe=(subjects.metrics_wildcard(), inbox),
         )
     if role == "batch":
@@ -180,7 +186,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.shared_request_wildcard("batch"),
                 subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
                 usage, subjects.batch_results_stream_subjects()[0],
-                *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_consume(_RESULTS),
+                *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
             ),

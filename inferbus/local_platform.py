@@ -43,10 +43,6 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-def _platform(directory: Path) -> dict[str, object] | None:
-    return read_platform_file(directory)
-
-
 def _from_platform(directory: Path, what: str, value: str) -> Choice:
     return Choice(value, "platform", f"Using the local platform that `inferbus up` runs from {directory} "
                                      f"({directory / PLATFORM_FILE}): {what} {redact(value)}")
@@ -56,7 +52,7 @@ def redis_url(given: str | None, directory: Path | None = None) -> Choice:
     directory = state_dir() if directory is None else directory
     if given:
         return Choice(given, "option", f"Using Redis at {redact(given)} (--redis-url / REDIS_URL)")
-    found = _platform(directory)
+    found = read_platform_file(directory)
     if found and found.get("redis_url"):
         return _from_platform(directory, "Redis", str(found["redis_url"]))
     return Choice(DEFAULT_REDIS_URL, "default", f"Using Redis at {DEFAULT_REDIS_URL} (the default: no --redis-url, "
@@ -68,7 +64,7 @@ def nats_url(given: str | None, directory: Path | None = None) -> Choice:
     directory = state_dir() if directory is None else directory
     if given:
         return Choice(given, "option", f"Using NATS at {redact(given)} (--nats-url / NATS_URL)")
-    found = _platform(directory)
+    found = read_platform_file(directory)
     if found and found.get("nats_url"):
         url = str(found["nats_url"])
         user, password = str(found.get("nats_user") or ""), str(found.get("nats_password") or "")
@@ -86,7 +82,7 @@ def gateway(url: str | None, admin_key: str, directory: Path | None = None) -> t
     directory = state_dir() if directory is None else directory
     if url:
         return url, admin_key, ""
-    found = _platform(directory)
+    found = read_platform_file(directory)
     if found and found.get("gateway_url"):
         chosen = str(found["gateway_url"])
         return chosen, admin_key or str(found.get("admin_key") or ""), _from_platform(directory, "gateway", chosen).note

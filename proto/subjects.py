@@ -179,6 +179,11 @@ def liveness_subject(worker_id: str) -> str:
     return f"{PREFIX}.alive.{token(worker_id)}"
 
 
+def liveness_wildcard() -> str:
+    """Every worker's liveness probe subject (for permissions)."""
+    return f"{PREFIX}.alive.*"
+
+
 def scale_subject(pool: str) -> str:
     return f"{PREFIX}.scale.{token(pool)}"
 
@@ -238,13 +243,16 @@ def api_cancel_subject(gateway_id: str, call_id: str) -> str:
     return f"{PREFIX}.api.cancel.{token(gateway_id)}.{token(call_id)}"
 
 
+def api_cancel_all() -> str:
+    """Every gateway's internal-producer cancel subjects (for permissions)."""
+    return f"{PREFIX}.api.cancel.*.*"
+
+
 def api_cancel_wildcard(gateway_id: str) -> str:
     return f"{PREFIX}.api.cancel.{token(gateway_id)}.*"
+
+
 def response_key(tenant: str, response_id: str) -> str:
     """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
     return f"{_durable(tenant)}.{_durable(response_id)}"
 
-
-def api_cancel_all() -> str:
-    """Every gateway's cancel subjects (permissions: a producer may cancel its calls at any gateway)."""
-    return f"{PREFIX}.api.cancel.>"
