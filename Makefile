@@ -11,7 +11,7 @@ help:
 	@echo "make test   install what is missing and run the test suite"
 	@echo "make bench  measure the serving spine; writes bench/results/"
 	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min); writes bench/results/routing.*"
-	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~20 min); writes bench/results/"
+	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make clean  remove the virtualenv and local state"
