@@ -30,6 +30,14 @@ RUN groupadd --system --gid 10001 inferbus \
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels
 
+# A small model directory (a tokenizer trained on the standard library's sources, a Llama-3-style
+# chat template) for the simulated engines and the services that render prompts. With a real
+# engine, mount the directory it serves (at least tokenizer.json and tokenizer_config.json) and
+# point INFERBUS_MODEL_DIR at it.
+RUN INFERBUS_CACHE_DIR=/tmp/inferbus-build python -m inferbus.modeldir /opt/inferbus/model --format llama3 \
+ && rm -rf /tmp/inferbus-build
+ENV INFERBUS_MODEL_DIR=/opt/inferbus/model
+
 USER 10001:10001
 WORKDIR /home/inferbus
 

@@ -161,8 +161,8 @@ class Fleet:
                     "--gpu", args.gpu, "--tp", str(args.tp), "--model", MODEL, "--time-scale", str(args.time_scale),
                     "--log-level", "warning"]
             endpoint = f"tcp://127.0.0.1:{free_port()}" if events else ""
-            if endpoint:  # as `inferbus up` runs them: workers relay these events to the router
-                argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint})]
+            if endpoint:  # as `inferbus up` runs them: the engine binds, its worker connects and relays
+                argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint, "bind": True})]
             self.kv_events.append(endpoint)
             if args.kv_capacity_tokens:
                 argv += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
@@ -252,7 +252,7 @@ class PlatformStack(Stack):
         for i, (url, events) in enumerate(zip(self.engine_urls, self.kv_events), 1):
             self._add(f"worker-{i}", self._inferbus("worker"), lambda: True, f"drives {url}",
                       INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=url, INFERBUS_METRICS_PORT="0",
-                      **({"INFERBUS_ENGINE_KV_EVENTS": events} if events else {}))
+                      **({"INFERBUS_ENGINE_KV_EVENTS": events, "INFERBUS_ENGINE_KV_EVENTS_BIND": "false"} if events else {}))
         self.processes.append(gateway)
 
     def gateway_serving(self) -> bool:

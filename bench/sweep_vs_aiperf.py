@@ -106,7 +106,7 @@ json.dump(config, open(sys.argv[2] + "/tokenizer_config.json", "w"))
 json.dump({}, open(sys.argv[2] + "/special_tokens_map.json", "w"))
 """
 
-# The gateway's rendering (inferbus.prompt.render_chat) as a Jinja chat template.
+# The stand-in rendering (inferbus.tokens.standin_render_chat) as a Jinja chat template.
 CHAT_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
@@ -120,7 +120,7 @@ CHAT_TEMPLATE = (
 def build_tokenizer(directory: Path) -> Path:
     """A Hugging Face tokenizer that splits text exactly as `inferbus.tokens` does."""
     from inferbus import tokens
-    from inferbus.prompt import render_chat
+    from inferbus.tokens import standin_render_chat as render_chat
     from inferbus.sweep.prompts import WORDS
     from services.sim_engine.scheduler import OUTPUT_PIECES
 

@@ -1,18 +1,25 @@
-"""Deterministic tokenization and prefix-block hashing shared by every component.
+"""Prefix-block hashing shared by every component, and a stand-in tokenizer for the capacity tools.
 
-The simulated engine has no real tokenizer (no model weights on CI machines), so it uses this
-stand-in: BPE-like pieces (about 1.3 per English word, like Llama-3's tokenizer), each mapped to
-a stable id. The router and the engine hash prompts with the same `block_hashes` so that the
-router's view of a worker's prefix cache and the engine's cache agree.
+`block_hashes` is the platform's chained hash of token ids in fixed-size blocks: the gateway hashes
+a prompt's ids with it and the worker rebuilds its engine's cache events into the same blocks
+(`inferbus.kv_blocks`), whatever hash and page size the engine uses.
+
+The stand-in tokenizer (`encode`, `count_tokens`, `standin_render_chat`) is not on the request
+path, which uses the served model's own tokenizer and template (`inferbus.prompt`). The load
+generator and the fleet simulator use it to size prompts without a model (BPE-like pieces, about
+1.3 per English word, like Llama-3's tokenizer), and the simulated engine falls back to it when it
+runs without a model directory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import zlib
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 VOCAB_SIZE = 128_256  # Llama-3's vocabulary size; ids only need to be stable, not meaningful.
 # Tokens per prefix block, for every component: the engine's cache page, the router's index and the
@@ -55,6 +62,16 @@ def count_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 
 
+def chain_root(namespace: str = "") -> bytes:
+    """The chain state before the first block of a cache namespace (a LoRA adapter, or "")."""
+    return hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+
+
+def chain_block(parent: bytes, block: Sequence[int]) -> bytes:
+    """The chain state after one more full block: what `block_hashes` reports, as bytes."""
+    return hashlib.blake2b(parent + array("I", block).tobytes(), digest_size=8).digest()
+
+
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -68,7 +85,7 @@ def block_hashes(
     base model's for the same tokens).
     """
     hashes: list[int] = []
-    parent = hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+    parent = chain_root(namespace)
     full = len(token_ids) - len(token_ids) % block_size
     data = array("I", token_ids[:full]).tobytes()
     step = 4 * block_size
@@ -79,7 +96,26 @@ def block_hashes(
     return hashes
 
 
-def prefix_hashes(text: str, block_size: int = DEFAULT_BLOCK_SIZE, *, adapter: str | None = None) -> list[int]:
-    """The prefix-block hashes of a rendered prompt: what the router indexes and what the engine's
-    cache reports, for the base model or (in its own namespace) a LoRA adapter."""
-    return block_hashes(encode(text), block_size, namespace=adapter or "")
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def standin_render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """A Llama-3-like rendering for sizing prompts without a model (never what an engine is sent)."""
+    parts = ["<|begin_of_text|>"]
+    if tools:
+        parts.append("<|start_header_id|>system<|end_header_id|>\n\n")
+        parts.append("Tools available:\n" + json.dumps(list(tools), sort_keys=True, separators=(",", ":")))
+        parts.append("<|eot_id|>")
+    for message in messages:
+        parts.append(f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n")
+        parts.append(_content_text(message.get("content")))
+        for call in message.get("tool_calls") or ():
+            parts.append(json.dumps(call, sort_keys=True, separators=(",", ":")))
+        parts.append("<|eot_id|>")
+    parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    return "".join(parts)

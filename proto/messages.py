@@ -135,6 +135,12 @@ class InferenceRequest(_Message, tag="request"):
     # n > 1: which choice this engine request is (each its own request id); choices after the
     # first report no prompt tokens in their usage, since OpenAI bills the prompt once.
     choice: int = 0
+    # The prompt as the served model's tokenizer encoded it (inferbus.prompt): the engine computes
+    # on these ids, so what it caches is what was counted and hashed. Empty: the engine gets `prompt`.
+    input_ids: list[int] = []
+    # Migration: the token ids already streamed to the client; the next attempt continues from
+    # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
+    resumed_ids: list[int] = []
 
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
@@ -160,6 +166,7 @@ class TokenChunk(_Message, tag="chunk"):
     completion_tokens: int  # client-visible total so far, including resumed tokens
     prompt_tokens: int | None = None
     logprobs: list[TokenLogprob] | None = None  # of this chunk's tokens, when the request asked
+    token_ids: list[int] = []  # the ids of `text` (the engine's output_ids since the previous chunk)
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -180,6 +187,7 @@ class Final(_Message, tag="final"):
     matched_stop: str | None = None
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None  # of `text`'s tokens, when the request asked
+    token_ids: list[int] = []  # the ids of `text`
 
 
 class StreamError(_Message, tag="error"):
@@ -213,7 +221,10 @@ class StreamBatch(_Message):
 
 class Cancel(_Message):
     request_id: str
-    reason: Literal["client_disconnect", "deadline", "admin"] = "client_disconnect"
+    reason: Literal["client_disconnect", "deadline", "admin", "superseded"] = "client_disconnect"
+    # -1: every attempt of the request. Otherwise only that attempt: the gateway gave it up (its
+    # worker was declared dead, never started it, or its stream broke) and continues elsewhere.
+    attempt: int = -1
 
 
 class UsageEvent(_Message):
@@ -236,6 +247,19 @@ class UsageEvent(_Message):
     finish_reason: str | None = None
     api_key_id: str = ""
     batch_id: str | None = None
+    # "tenant": what the client was delivered (the request's one billable event, id request_id).
+    # "platform": the work of an attempt the platform abandoned (migration, false death verdict,
+    # a worker that never started it); the platform's cost, published with id
+    # `<request_id>.<attempt>.abandoned` and rolled up apart from the tenant's bill.
+    billed_to: Literal["tenant", "platform"] = "tenant"
+    attempt: int = 0  # the attempt this event reports (0 for the first)
+
+
+def usage_msg_id(event: UsageEvent) -> str:
+    """The JetStream message id (and ledger dedup key) of a usage event."""
+    if event.billed_to == "platform":
+        return f"{event.request_id}.{event.attempt}.abandoned"
+    return event.request_id
 
 
 def batch_request_id(batch_id: str, line: int) -> str:
@@ -337,6 +361,17 @@ class FileRecord(_Message):
     expires_at: int | None = None
 
 
+class StoredResponse(_Message):
+    """A stored Responses-API response (`responses` KV bucket): the response object and the
+    conversation's input items that produced it, both as their JSON wire bytes."""
+
+    id: str
+    tenant: str
+    created_at: int
+    response: bytes  # the `response` object
+    input_items: bytes  # JSON list: the previous responses' items, then this request's input
+
+
 class WorkerLoad(_Message):
     """Worker → router/autoscaler every ~250 ms on `metrics_subject`."""
 
@@ -409,8 +444,21 @@ class Heartbeat(_Message):
     adapters: list[str] = []
     gpu: str = ""
     tp: int = 0
-    block_size: int = 0  # the engine's cache page in tokens; the router hashes prompts with it
+    block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
+
+
+class LivenessProbe(_Message):
+    """Gateway → worker on `liveness_subject(worker_id)` (request/reply), before it declares the
+    worker dead on a missed heartbeat. Answered from the worker's liveness thread, on its own NATS
+    connection, so a worker whose event loop is busy still answers."""
+
+    worker_id: str
+
+
+class LivenessReply(_Message):
+    worker_id: str
+    loop_lag_s: float  # seconds since the worker's event loop last ran its tick
 
 
 class PlacementRequest(_Message):
@@ -421,8 +469,9 @@ class PlacementRequest(_Message):
     prompt_tokens: int
     adapter: str | None = None
     tier: str = "standard"
-    # `inferbus.tokens.prefix_hashes(prompt, block_size, adapter=adapter)`: the chained prefix-block
-    # hashes the engines' caches report, so the router can count blocks a worker already holds.
+    # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
+    # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
+    # the router can count blocks a worker already holds.
     block_hashes: list[int] = []
     block_size: int = 0
 
@@ -509,6 +558,20 @@ class ScaleDecision(_Message):
     batch_in_flight: int = 0
     promote: list[str] = []  # warm workers promoted by this decision
     demote: list[str] = []  # serving workers sent back to warm (or drained) by it
+
+
+# ---- internal producers (`subjects.api_subject`) ---------------------------------------------
+# Their bodies are the HTTP API's JSON both ways, so that a producer needs no second schema: a
+# request is a `/v1/chat/completions` or `/v1/completions` body (services/gateway/schemas.py), a
+# reply is the response body, or one streamed chunk. These headers frame them.
+API_VERSION = "1"
+API_HEADER_VERSION = "Inferbus-Api-Version"
+API_HEADER_STATUS = "Inferbus-Status"  # the HTTP status the same call would have had
+API_HEADER_REQUEST_ID = "Inferbus-Request-Id"
+API_HEADER_STREAM = "Inferbus-Stream"  # on the replies of a streamed call: "chunk", then "done"
+API_HEADER_CANCEL = "Inferbus-Cancel"  # on a streamed call's first reply: publish here to abandon it
+API_STREAM_CHUNK = "chunk"
+API_STREAM_DONE = "done"
 
 
 _encoder = msgspec.msgpack.Encoder()

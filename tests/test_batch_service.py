@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from inferbus.prompt import render_chat
+from inferbus.prompt import load_model, render_prompt
 from proto import messages as m
 from services.batch import lines
 from services.batch.feed import FeedConfig, FeedPolicy
@@ -329,12 +330,14 @@ def test_feed_config_is_checked() -> None:
 # ---- lines ---------------------------------------------------------------------------------------
 
 
-def test_chat_line_renders_like_the_gateway() -> None:
+def test_chat_line_renders_like_the_gateway(llama3_model_dir: Path) -> None:
+    model = load_model(str(llama3_model_dir))
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "stop": "END",
                        "temperature": 0, "seed": 3}).encode()
-    plan = lines.plan_line(CHAT, body, max_model_len=1000, default_max_tokens=64)
+    plan = lines.plan_line(CHAT, body, model=model, max_model_len=1000, default_max_tokens=64)
     assert plan.kind == "chat" and plan.model == MODEL
-    assert plan.prompt == render_chat([{"role": "user", "content": "Hello"}])
+    expected = render_prompt(model, messages=[{"role": "user", "content": "Hello"}])
+    assert plan.prompt == expected.text and plan.input_ids == expected.ids and plan.prompt_tokens == len(expected.ids)
     assert plan.sampling.max_new_tokens == 64 and plan.sampling.stop == ["END"]
     assert plan.sampling.temperature == 0 and plan.sampling.seed == 3
     request = lines.line_request(plan, batch_id="batch_abc", line=7, tenant="t1", api_key_id="k1", base_model=MODEL,
@@ -342,18 +345,26 @@ def test_chat_line_renders_like_the_gateway() -> None:
     assert request.request_id == m.batch_request_id("batch_abc", 7) == "batch_abc-7"
     assert (request.tier, request.priority, request.batch_id, request.batch_line) == ("batch", m.BATCH_ENGINE_PRIORITY, "batch_abc", 7)
     assert (request.attempt, request.deadline, request.created, request.prompt_tokens) == (2, 99.0, 10.0, plan.prompt_tokens)
+    assert request.input_ids == plan.input_ids
 
 
-def test_max_tokens_rules_are_the_gateways() -> None:
+def test_max_tokens_rules_are_the_gateways(llama3_model_dir: Path) -> None:
+    model = load_model(str(llama3_model_dir))
     body = json.dumps({"model": MODEL, "prompt": "x " * 50, "max_tokens": 10}).encode()
-    plan = lines.plan_line("/v1/completions", body, max_model_len=1000, default_max_tokens=64)
+    plan = lines.plan_line("/v1/completions", body, model=model, max_model_len=1000, default_max_tokens=64)
     assert plan.kind == "completion" and plan.prompt == "x " * 50 and plan.sampling.max_new_tokens == 10
     no_max = json.dumps({"model": MODEL, "prompt": "x " * 50}).encode()
-    room = lines.plan_line("/v1/completions", no_max, max_model_len=plan.prompt_tokens + 5, default_max_tokens=64)
+    room = lines.plan_line("/v1/completions", no_max, model=model, max_model_len=plan.prompt_tokens + 5,
+                           default_max_tokens=64)
     assert room.sampling.max_new_tokens == 5
     with pytest.raises(OpenAIError) as error:
-        lines.plan_line("/v1/completions", body, max_model_len=plan.prompt_tokens + 5, default_max_tokens=64)
+        lines.plan_line("/v1/completions", body, model=model, max_model_len=plan.prompt_tokens + 5, default_max_tokens=64)
     assert error.value.code == "context_length_exceeded" and error.value.status == 400
+    # A chat the model's template refuses is the line's own 400, not a failure of the batch.
+    bad = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]})
+    with pytest.raises(OpenAIError) as refused:
+        lines.plan_line(CHAT, bad.encode(), model=model, max_model_len=1000, default_max_tokens=64)
+    assert refused.value.status == 400 and "system message" in refused.value.message
 
 
 def result(ok: bool = True, **kw: object) -> m.BatchLineResult:

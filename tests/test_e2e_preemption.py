@@ -22,7 +22,7 @@ import msgspec
 import nats
 import pytest
 
-from inferbus.tokens import count_tokens
+from inferbus.prompt import load_model, render_prompt
 from proto import messages as m
 from proto import subjects
 
@@ -50,7 +50,7 @@ def line_request(batch_id: str, line: int, prompt: str, max_new_tokens: int, rep
         request_id=m.batch_request_id(batch_id, line), tenant=TENANT, model=MODEL, prompt=prompt,
         sampling=m.SamplingParams(max_new_tokens=max_new_tokens, temperature=0), reply_to=reply_to,
         deadline=time.time() + 600 if deadline is None else deadline, created=time.time(), kind="completion",
-        tier="batch", priority=m.BATCH_ENGINE_PRIORITY, prompt_tokens=count_tokens(prompt), api_key_id="test",
+        tier="batch", priority=m.BATCH_ENGINE_PRIORITY, api_key_id="test",
         batch_id=batch_id, batch_line=line,
     )
 
@@ -60,7 +60,8 @@ class BatchFeed:
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
-        self.reply_to = subjects.token_subject(f"batch-test-{uuid.uuid4().hex[:8]}")
+        self.owner = f"batch-test-{uuid.uuid4().hex[:8]}"
+        self.reply_to = subjects.token_subject(self.owner)
         self.accepted: list[m.Accepted] = []
         self.other_events: list[object] = []
 
@@ -78,11 +79,15 @@ class BatchFeed:
             (self.accepted if isinstance(event, m.Accepted) else self.other_events).append(event)
 
     async def publish(self, request: m.InferenceRequest) -> None:
+        # As the batch service does: the prompt as the served model's tokenizer encodes it, so a
+        # preempted line continues from its ids (re-tokenized text may split differently).
+        prompt = render_prompt(load_model(self.platform.stack.model_dir), prompt=request.prompt)
+        request = msgspec.structs.replace(request, input_ids=prompt.ids, prompt_tokens=len(prompt.ids))
         await self.js.publish(subjects.request_subject("batch", MODEL, subjects.ANY_TARGET), m.encode(request),
                               headers={"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
 
     async def cancel(self, request_id: str) -> None:
-        await self.nc.publish(subjects.cancel_subject(request_id), m.encode(m.Cancel(request_id=request_id, reason="admin")))
+        await self.nc.publish(subjects.cancel_subject(self.owner, request_id), m.encode(m.Cancel(request_id=request_id, reason="admin")))
 
     async def wait_accepted(self, n: int, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
@@ -187,7 +192,7 @@ def test_interactive_requests_preempt_batch_lines_which_resume_and_finish_once(w
         result = by_id[request_id]
         assert result.ok and result.finish_reason == "length" and result.line == i
         assert result.usage is not None and result.usage.completion_tokens == LINE_TOKENS
-        assert result.usage.prompt_tokens == count_tokens(prompts[i])
+        assert result.usage.prompt_tokens == len(render_prompt(load_model(worker4.stack.model_dir), prompt=prompts[i]).ids)
         # Resumed lines continue where they stopped: the text is what an uninterrupted run gives.
         assert result.text == reference(worker4, prompts[i], LINE_TOKENS)
 

@@ -146,7 +146,8 @@ def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: P
 def second_gateway(platform: Platform) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "NATS_URL": platform.stack.nats_url, "REDIS_URL": platform.stack.redis_url,
-           "INFERBUS_GATEWAY_PORT": str(port), "INFERBUS_MODEL": MODEL, "INFERBUS_LOG_LEVEL": "warning"}
+           "INFERBUS_GATEWAY_PORT": str(port), "INFERBUS_MODEL": MODEL, "INFERBUS_LOG_LEVEL": "warning",
+           "INFERBUS_MODEL_DIR": platform.stack.model_dir}
     process = subprocess.Popen([sys.executable, "-m", "inferbus.cli", "gateway"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -21,6 +21,23 @@ def test_migration_continues_from_what_the_client_already_has() -> None:
     assert next_attempt(Flight(request=request), max_attempts=3, now=2e12) is None
 
 
+def test_migration_continues_from_token_ids_not_retokenized_text() -> None:
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x", input_ids=[1, 2, 3],
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    flight = Flight(request=request, sent_text=[" a", "b"], sent_ids=[40, 41], sent_tokens=2, prompt_tokens=3)
+    second = next_attempt(flight, max_attempts=4, now=0)
+    assert second is not None
+    assert (second.input_ids, second.resumed_ids, second.resumed_tokens) == ([1, 2, 3], [40, 41], 2)
+    flight.request, flight.sent_text, flight.sent_ids, flight.sent_tokens = second, [" c"], [42], 3
+    third = next_attempt(flight, max_attempts=4, now=0)
+    assert third is not None and third.resumed_ids == [40, 41, 42] and third.resumed_text == " ab c"
+    # A worker that did not report the ids of everything it sent: continue from the text instead.
+    flight.request, flight.sent_text, flight.sent_ids, flight.sent_tokens = third, [" d", " e"], [43], 5
+    fourth = next_attempt(flight, max_attempts=4, now=0)
+    assert fourth is not None and fourth.input_ids == [] and fourth.resumed_ids == []
+    assert fourth.resumed_text == " ab c d e" and fourth.resumed_tokens == 5
+
+
 def test_constrained_output_is_not_continued_from_its_text() -> None:
     request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x", deadline=1e12,
                                  created=0, sampling=m.SamplingParams(max_new_tokens=10, json_schema='{"type":"object"}'))

@@ -8,7 +8,7 @@ import random
 import jsonschema
 import pytest
 
-from inferbus.prompt import render_chat
+from inferbus.tokens import standin_render_chat as render_chat
 from services.gateway.tools import ToolOutput
 from services.sim_engine.constrained import SchemaError, json_output, tool_call_output, value_from_schema
 

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from inferbus.cli import main
 from inferbus.mix import MixRequest
-from inferbus.prompt import render_chat
+from inferbus.tokens import standin_render_chat as render_chat
 from inferbus.sweep.records import ClientSample, RequestRecord
 from inferbus.sweep.metrics import SLO, client_verdict, knee, meets_slo, percentile, step_stats
 from inferbus.sweep.prompts import PromptBuilder

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferbus.mix import MixRequest
-from inferbus.prompt import render_chat
+from inferbus.tokens import standin_render_chat as render_chat
 from inferbus.tokens import count_tokens
 from inferbus.traces import word
 

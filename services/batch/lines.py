@@ -9,15 +9,14 @@ line returns what the same call to `/v1/chat/completions` or `/v1/completions` w
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
-from inferbus.prompt import render_chat
-from inferbus.tokens import count_tokens
+from inferbus.prompt import PromptError, ServedModel, render_prompt
 from proto import messages as m
-from services.gateway import responses, schemas
+from services.gateway import carry, responses, schemas
 from services.gateway.errors import OpenAIError
 from services.gateway.sampling import sampling_params
 
@@ -81,22 +80,45 @@ class LinePlan:
     prompt_tokens: int
     sampling: m.SamplingParams
     user: str | None = None
+    input_ids: list[int] = field(default_factory=list)  # the prompt as the served model's tokenizer encodes it
 
 
-def plan_line(endpoint: str, body: bytes, *, max_model_len: int, default_max_tokens: int) -> LinePlan:
-    """Render a line's body; OpenAIError when the request itself is invalid (a per-line error)."""
+def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: int, default_max_tokens: int) -> LinePlan:
+    """Render a line's body with the served model's template and tokenizer, as the gateway does;
+    OpenAIError when the request itself is invalid (a per-line error)."""
     params = parse_body(endpoint, body)
-    if isinstance(params, schemas.ChatCompletionRequest):
-        prompt = render_chat(msgspec.to_builtins(params.messages))
-    else:
-        assert isinstance(params.prompt, str)
-        prompt = params.prompt
-    prompt_tokens = count_tokens(prompt)
-    sampling = sampling_params(
+    try:
+        if isinstance(params, schemas.ChatCompletionRequest):
+            # Tools are refused in a batch unless tool_choice is `none`, which renders none.
+            prompt = render_prompt(model, messages=msgspec.to_builtins(params.messages))
+        else:
+            assert isinstance(params.prompt, str)
+            prompt = render_prompt(model, prompt=params.prompt)
+    except PromptError as error:
+        raise OpenAIError(400, str(error), code="invalid_prompt") from None
+    prompt_tokens = len(prompt.ids)
+    sampling = line_sampling(
         params, responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens))
-    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt, prompt_tokens=prompt_tokens,
-                    sampling=sampling,
+    return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt.text, prompt_tokens=prompt_tokens,
+                    sampling=sampling, input_ids=prompt.ids,
                     user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None))
+
+
+def line_sampling(params: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+                  max_new_tokens: int) -> m.SamplingParams:
+    """A line's sampling parameters, built by the gateway's own builder; OpenAIError 400 when the
+    bus cannot carry them (the line could never be published)."""
+    sampling = sampling_params(params, max_new_tokens)
+    carry.check_sampling(sampling)
+    return sampling
+
+
+def encode_request(request: m.InferenceRequest) -> bytes:
+    """The request as published; OpenAIError 400 when it cannot be encoded, which no retry mends."""
+    try:
+        return m.encode(request)
+    except carry.UNENCODABLE as error:
+        raise OpenAIError(400, f"The request cannot be carried to the engine: {error}.", code="invalid_value") from None
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,
@@ -106,7 +128,7 @@ def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_k
         request_id=m.batch_request_id(batch_id, line), tenant=tenant, model=base_model, prompt=plan.prompt,
         sampling=plan.sampling, reply_to=reply_to, deadline=deadline, created=now, kind=plan.kind, adapter=adapter,
         tier="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, prompt_tokens=plan.prompt_tokens,
-        user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line,
+        user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line, input_ids=plan.input_ids,
     )
 
 

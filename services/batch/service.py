@@ -36,6 +36,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs
+from inferbus.prompt import ModelDirError, load_model
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
@@ -74,7 +75,8 @@ class BatchService:
         self.reply_subject = subjects.token_subject(f"batch-{self.id}")
         self.feed = FeedPolicy(time.monotonic, settings.feed_config())
         self.tracker = Tracker(settings.line_lease_s)
-        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors)
+        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors,
+                             max_line_bytes=settings.max_line_bytes, max_json_depth=settings.max_json_depth)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.replies: Replies | None = None
@@ -82,6 +84,10 @@ class BatchService:
         self.files: FileStore | None = None
         self.tenants: TenantStore | None = None
         self.catalog = ModelCatalog(settings.model, int(time.time()))
+        try:
+            self.served = load_model(settings.model_dir)  # lines render exactly as the gateway renders requests
+        except ModelDirError as error:
+            raise SystemExit(f"batch: {error}") from None
         self.redis: aioredis.Redis | None = None
         self.live_workers: dict[str, str] = {}  # KV key → worker id
         self._gone: dict[str, float] = {}  # worker id → when its heartbeat ended (not back since)
@@ -590,7 +596,7 @@ class BatchService:
                 run.id, line, "input_unreadable", "The line could not be read from the input file.", 500, now))
             return
         try:
-            plan = line_format.plan_line(record.endpoint, body, max_model_len=self.settings.max_model_len,
+            plan = line_format.plan_line(record.endpoint, body, model=self.served, max_model_len=self.settings.max_model_len,
                                          default_max_tokens=self.settings.default_max_tokens)
         except OpenAIError as error:
             # The request itself is invalid (say, too long for the context): its line says so.
@@ -604,7 +610,13 @@ class BatchService:
                 base_model=run.base_model, adapter=run.adapter, deadline=float(self._latest.get(run.id, record).expires_at),
                 now=now, reply_to=self.reply_subject, attempt=attempt,
             )
-            stored = await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{attempt}")
+            try:
+                payload = line_format.encode_request(request)
+            except OpenAIError as error:  # no retry can publish it: the line fails, the batch goes on
+                await self._publish_result(line_format.error_result(
+                    run.id, line, error.code or "invalid_request", error.message, error.status, now))
+                return
+            stored = await self.replies.publish_durable(subject, payload, f"{request.request_id}.{attempt}")
             if stored or not doubt or attempt + 1 >= MAX_DOUBT_ATTEMPTS:
                 break
             # In doubt after a restart and this attempt id was published in the last minutes: it
@@ -744,7 +756,7 @@ class BatchService:
         for line in lines:
             request_id = m.batch_request_id(run.id, line)
             cancel = m.Cancel(request_id=request_id, reason=reason)  # type: ignore[arg-type]
-            await self.nc.publish(subjects.cancel_subject(request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(f"batch-{self.id}", request_id), m.encode(cancel))
         log.info("batch_lines_cancelled", reason=reason, in_flight=len(out), without_result=len(lines))
         deadline = time.monotonic() + self.settings.cancel_grace_s
         while run.outstanding and time.monotonic() < deadline:

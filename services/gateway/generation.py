@@ -8,6 +8,7 @@ queued are written to the socket together, which adds no latency and saves a wri
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,12 +20,12 @@ import redis.asyncio as aioredis
 import structlog
 
 from inferbus import logs, tracing
-from inferbus.prompt import render_chat
-from inferbus.tokens import block_hashes, count_tokens, encode
+from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, load_model, render_prompt
+from inferbus.tokens import block_hashes
 from proto import messages as m
 from services.billing.pricing import Prices
 
-from . import metrics, responses, schemas
+from . import carry, json_body, metrics, responses, schemas
 from .sampling import sampling_params
 from .tools import ToolCall, ToolOutput
 from .admission import Admission, AdmissionUnavailable, Decision
@@ -32,7 +33,7 @@ from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
 from .models import ModelCatalog
-from .overload import OverloadPolicy
+from .overload import OverloadPolicy, bands_through
 from .settings import GatewaySettings
 from .tenants import Tenant, TenantStore
 
@@ -113,8 +114,9 @@ async def send_json(send: Any, status: int, body: Any, request_id: str, headers:
 class Generation:
     def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, keys: KeyStore, tenants: TenantStore,
                  admission: Admission, overload: OverloadPolicy, prices: Prices,
-                 catalog: ModelCatalog | None = None) -> None:
+                 catalog: ModelCatalog | None = None, served: ServedModel | None = None) -> None:
         self.settings = settings
+        self.served = served or load_model(settings.model_dir)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
         self.keys = keys
@@ -187,43 +189,58 @@ class Generation:
             model, adapter = self.catalog.resolve(chat.model, tenant)
             # tool_choice none: the model is not told about the tools (SGLang does the same).
             offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
-            prompt = render_chat(msgspec.to_builtins(chat.messages), offered)
+            render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
+                                       tools=offered)
             params: schemas.ChatCompletionRequest | schemas.CompletionRequest = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
             model, adapter = self.catalog.resolve(completion.model, tenant)
             assert isinstance(completion.prompt, str)
-            prompt, params, object_id = completion.prompt, completion, f"cmpl-{request_id}"
+            render = functools.partial(render_prompt, self.served, prompt=completion.prompt)
+            params, object_id = completion, f"cmpl-{request_id}"
+        try:
+            # Rendered with the model's own template and tokenized once: the engine computes on
+            # these ids, usage counts them and the router's prefix hashes are made from them. A long
+            # prompt is tokenized in a thread (without the GIL) so other requests keep streaming.
+            prompt = await asyncio.to_thread(render) if len(body) > LONG_TEXT_CHARS else render()
+        except PromptError as error:
+            raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
+                              code="invalid_prompt") from None
+        prompt_tokens = len(prompt.ids)
         hashes: list[int] = []
         if self.dispatcher.placement_timeout_s > 0:
-            # The router places by prefix: hash the blocks the engines' caches report.
-            ids = encode(prompt)
-            prompt_tokens = len(ids)
-            hashes = block_hashes(ids, self.settings.block_size, namespace=adapter or "")
-        else:
-            prompt_tokens = count_tokens(prompt)
+            # The router places by prefix: the blocks of the ids the engine will cache.
+            hashes = block_hashes(prompt.ids, self.settings.block_size, namespace=adapter or "")
         max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)
         if not self.dispatcher.has_workers(model):
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
-        admitted, retry_after = self.overload.admit(tenant.band, self.dispatcher.held(tenant.band))
-        if not admitted:
+        ahead = bands_through(tenant.band)
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
+                                      sum(self.dispatcher.queued(b) for b in ahead))
+        if not verdict.admitted:
+            metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
-                              code="overloaded", headers={"retry-after": str(int(retry_after))})
+                              code="overloaded", headers=verdict.headers())
         n = params.n
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
         now = time.time()
         inference = m.InferenceRequest(
-            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt, kind=endpoint,  # type: ignore[arg-type]
+            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
             api_key_id=principal.key_id, adapter=adapter,
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, prompt_tokens=prompt_tokens,
+            created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids,
             user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
+        try:
+            carry.check_sampling(inference.sampling)
+        except OpenAIError:
+            await self._release_reservation(tenant.id, request_id)
+            raise
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
@@ -335,7 +352,9 @@ class Generation:
                 raise OpenAIError(413, f"Request body too large: over {limit} bytes.", code="request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                body = b"".join(chunks)
+                json_body.check_depth(body, self.settings.max_json_depth)
+                return body
 
     def check_model(self, model: str, tenant: Tenant | None = None) -> None:
         self.catalog.resolve(model, tenant)
@@ -479,13 +498,13 @@ class Generation:
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
-            await self._give_up(call, None, error, cancel_reason="deadline")
+            await self._give_up(call, None, error, cancel_reason="deadline", delivered=False)
             await send_json(send, 504, error.body(), request_id)
             return "504"
         if failed is not None or any(c.final is None for c in call.choices):
             choice = failed[0] if failed else call.choices[0]
             error = _event_error(failed[1]) if failed else OpenAIError(502, "No response from the worker.")
-            await self._give_up(call, choice, error)
+            await self._give_up(call, choice, error, delivered=False)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
         self._first_token(call, True)
@@ -606,18 +625,24 @@ class Generation:
         metrics.TOKENS.labels("cached").inc(usage.cached_tokens)
 
     async def _give_up(self, call: _Call, failed: _Choice | None, error: OpenAIError,
-                       cancel_reason: str | None = None) -> None:
+                       cancel_reason: str | None = None, delivered: bool = True) -> None:
         """End a response that failed: `failed` is the choice that did (None: all of them, e.g.
-        the deadline); the other unfinished choices are cancelled, the client gets none of them."""
+        the deadline); the other unfinished choices are given up too, the client gets none of them.
+
+        Billing = delivery: the gateway, which alone knows what the client received, bills each
+        unfinished choice for that (the tokens streamed to it; nothing when `delivered` is False,
+        a non-streamed response that fails); a worker still on one stops and bills its work to
+        the platform."""
         metrics.ERRORS.labels(error.code or error.type).inc()
         for choice in call.choices:
             if choice.final is not None:
                 continue
-            if choice is not failed:
-                await self.dispatcher.cancel(choice.flight, cancel_reason or "client_disconnect")
-            elif choice.flight.worker_id is None:
-                # No worker holds the request any more (it died and migration ran out): bill what was sent.
-                await self.dispatcher.publish_usage(choice.flight, "failed", "error")
+            if cancel_reason:
+                await self.dispatcher.cancel(choice.flight, cancel_reason)
+            else:
+                await self.dispatcher.supersede(choice.flight)
+            await self.dispatcher.publish_usage(choice.flight, "failed", "error",
+                                                delivered_tokens=choice.flight.sent_tokens if delivered else 0)
 
 
 _usage = responses.usage_body

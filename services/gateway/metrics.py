@@ -31,5 +31,14 @@ TOKENS = Counter("inferbus_tokens_total", "Tokens served", ["kind"])
 INFLIGHT = Gauge("inferbus_inflight_requests", "Requests in flight in this gateway")
 MIGRATIONS = Counter("inferbus_migrations_total", "Requests continued on another worker")
 ERRORS = Counter("inferbus_errors_total", "Requests that ended in an error", ["type"])
+RESPONSES = Counter("inferbus_responses_total", "Responses-API requests (also counted as chat requests), by HTTP "
+                    "status and response status (`completed`, `incomplete`, `failed`; empty for an error status)",
+                    ["status", "response_status"])
+RESPONSES_NOT_STORED = Counter("inferbus_responses_not_stored_total", "Responses asked to be stored that were not",
+                               ["reason"])
 PLACEMENTS = Counter("inferbus_placements_total", "Where requests were queued: a worker's own queue or the shared one", ["target"])
 FAIR_QUEUE = Gauge("inferbus_fair_queue_requests", "Requests waiting in this gateway's fair queue for their turn")
+SHED = Counter("inferbus_shed_total", "Requests refused with 503 `overloaded` before queueing, by band", ["band"])
+DEATH_VERDICTS = Counter("inferbus_worker_death_verdicts_total",
+                         "Lapsed heartbeats checked with a liveness probe: `dead` (its streams migrate) or `alive`", ["verdict"])
+NOT_STARTED = Counter("inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue")

@@ -166,7 +166,7 @@ class Policy(abc.ABC):
             view = self.workers[beat.worker_id] = WorkerView(beat.worker_id, beat.model, self.clock())
         view.last_seen = self.clock()
         view.max_running = max(1, beat.max_running)
-        view.draining = beat.state == "draining"
+        view.draining = beat.state != "ready"  # draining, or its engine is down ("starting"): place nothing there
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
         view.adapters = frozenset(beat.adapters)
@@ -226,8 +226,8 @@ class Policy(abc.ABC):
         return in_order
 
     def cache_compatible(self, view: WorkerView) -> bool:
-        """Whether the worker's engine hashes its cache in the blocks the gateways hash prompts in
-        (an engine that does not say is taken at its word)."""
+        """Whether the worker relays its engine's cache in the blocks the gateways hash prompts in
+        (its INFERBUS_BLOCK_SIZE; a worker that does not say is taken at its word)."""
         return not view.block_size or view.block_size == self.config.block_size
 
     def on_placed(self, placed: m.Placed) -> None:

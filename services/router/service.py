@@ -201,7 +201,7 @@ class Router:
         if not known:
             log.info("worker_joined", worker_id=beat.worker_id, model=beat.model)
             if not self.policy.cache_compatible(self.policy.workers[beat.worker_id]):
-                log.warning("block_size_mismatch", worker_id=beat.worker_id, engine_block_size=beat.block_size,
+                log.warning("block_size_mismatch", worker_id=beat.worker_id, worker_block_size=beat.block_size,
                             router_block_size=self.settings.block_size,
                             consequence="its cache events are ignored: affinity only from placements")
             await self._ask_resync(beat.worker_id)

@@ -14,7 +14,7 @@ class RouterSettings:
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
     kv_ceiling: float = env("INFERBUS_ROUTER_KV_CEILING", 0.95, "Workers whose KV cache is fuller than this get no new work.")
     temperature: float = env("INFERBUS_ROUTER_TEMPERATURE", 0.02, "Softmax temperature over the placement cost (seconds for affinity): spreads near-ties across workers and replicas.")
-    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens; must match the gateways' and the engines' page size.")
+    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens; must match the gateways' and the workers' (workers rebuild engine cache events into these blocks).")
     prefill_tokens_per_s: float = env("INFERBUS_ROUTER_PREFILL_TOKENS_PER_S", 10_000.0, "A worker's prefill rate, turning queued prompt tokens into seconds of wait in the cost.")
     miss_weight: float = env("INFERBUS_ROUTER_MISS_WEIGHT", 5.0, "Weight of a request's uncached prompt tokens against queued ones: recomputing a prefix delays everything queued behind it too (about 1/(1-load)).")
     decode_weight_s: float = env("INFERBUS_ROUTER_DECODE_WEIGHT_S", 0.25, "Cost (seconds) of a worker whose every slot is busy decoding.")

@@ -14,6 +14,7 @@ QUANTIZATIONS = ("fp8", "none")  # SGLang --quantization; none: the checkpoint's
 KV_CACHE_DTYPES = ("fp8_e4m3", "auto")  # SGLang --kv-cache-dtype; auto: BF16
 TP_SIZES = (1, 2, 4, 8)
 PRESET_NAMES = ("latency", "throughput")
+PRICED_LORA_RANK = 16  # the LoRA rank the timing model prices when no --max-lora-rank caps it
 
 
 @dataclass
@@ -26,9 +27,19 @@ class EngineConfig:
     # reproduces NVIDIA's published H100 TP2 closed-loop points within 7% (docs/sim-engine.md).
     chunked_prefill_size: int = 512
     max_running_requests: int = 256
+    # Whether --max-running-requests was given: SGLang reports the flag at the top of /server_info
+    # (null when unset) and the effective value in internal_states.
+    max_running_requests_set: bool = False
+    # The served model's directory (tokenizer.json, chat template): prompts given as text are
+    # tokenized with it and output ids are drawn from its vocabulary. None: the stand-in tokenizer.
+    model_dir: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     max_loras_per_batch: int = 8
     lora_load_time_s: float = 0.2
+    # SGLang's --max-lora-rank: a local adapter directory of higher rank is refused at load, and
+    # the timing model prices each distinct adapter's batched kernels at this rank (at
+    # PRICED_LORA_RANK when unset, since then any rank loads).
+    max_lora_rank: int | None = None
     # Accept any adapter path at load time and fail on first use, as engines that load lazily do
     # (the worker must verify loads rather than trust a 200).
     lazy_lora_loading: bool = False
@@ -36,6 +47,13 @@ class EngineConfig:
     time_scale: float = 1.0
     # A constant step time in ms instead of the roofline model (load tests of the platform).
     fixed_step_ms: float | None = None
+    # Step times from a profile table (.npz, the format of NVIDIA Dynamo's mocker
+    # --planner-profile-data; see profile_table.py) instead of the roofline model.
+    profile_table: str | None = None
+    # Decode and prefill in one step (SGLang's --enable-mixed-chunk). Off, as SGLang's default
+    # and Dynamo's mocker in SGLang mode: a step that can prefill does only that, and decoding
+    # requests wait for the next prefill-free step.
+    mixed_chunk: bool = True
     # Overrides the KV capacity derived from GPU memory.
     kv_capacity_tokens: int | None = None
     # SGLang's --enable-priority-scheduling: waiting requests are admitted by priority (larger
@@ -50,18 +68,21 @@ class EngineConfig:
     # Engine options the timing model prices (docs/sim-engine.md): weight and KV precision,
     # speculative decoding (SGLang --speculative-num-steps draft tokens per step; the acceptance
     # rate and a draft step's cost relative to a decode step are the draft model's, simulated),
-    # and the rank of the LoRA adapters whose batched kernels each step pays for.
+    # (the LoRA rank each step pays for is `max_lora_rank` above).
     quantization: str = "fp8"
     kv_cache_dtype: str = "fp8_e4m3"
     speculative_num_steps: int = 0
     speculative_acceptance: float = 0.7
     speculative_draft_cost: float = 0.1
-    max_lora_rank: int = 16
     # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
     # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
     tool_call_parser: str = "llama3"
     host: str = "127.0.0.1"
     port: int = 30000
+
+    @property
+    def priced_lora_rank(self) -> int:
+        return self.max_lora_rank or PRICED_LORA_RANK
 
     def __post_init__(self) -> None:
         if self.gpu not in GPU_NAMES:
@@ -78,6 +99,8 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be at least 1 (the base model takes one slot)")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
         if self.time_scale < 0:
             raise ValueError("time_scale must not be negative")
         if self.fixed_step_ms is not None and self.fixed_step_ms < 0:
@@ -92,8 +115,8 @@ class EngineConfig:
             raise ValueError("speculative_acceptance must be in [0, 1)")
         if self.speculative_draft_cost < 0:
             raise ValueError("speculative_draft_cost must not be negative")
-        if self.max_lora_rank < 1:
-            raise ValueError("max_lora_rank must be at least 1")
+        if self.fixed_step_ms is not None and self.profile_table is not None:
+            raise ValueError("give fixed_step_ms or profile_table, not both")
         from .constrained import FAMILIES
 
         if self.tool_call_parser not in FAMILIES:

@@ -3,8 +3,9 @@
 
 Clients that speak only the OpenAI API (`inferbus sweep`, NVIDIA's aiperf, the openai SDK) can
 load the engine directly, without the platform in between. Chat messages are rendered with the
-Llama-3 template (`inferbus.prompt.render_chat`, as the gateway does), so prompt token counts
-agree with the platform's. Supported: `max_tokens`/`max_completion_tokens`, the sampling fields
+served model's own chat template and tokenizer (`inferbus.prompt.render_prompt`, as the gateway
+does), so prompt token counts agree with the platform's; without a model directory, with the
+stand-in rendering and tokenizer of the capacity tools (`inferbus.tokens`). Supported: `max_tokens`/`max_completion_tokens`, the sampling fields
 SGLang maps (`ignore_eos`, `min_tokens`, ...), streaming with `stream_options.include_usage`, and
 `prompt_tokens_details.cached_tokens`.
 """
@@ -21,8 +22,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inferbus.prompt import render_chat
-from inferbus.tokens import VOCAB_SIZE, encode
+from inferbus.prompt import PromptError, render_prompt
+from inferbus.tokens import encode, standin_render_chat
 
 from .scheduler import Request, RequestRejected, SamplingParams
 
@@ -73,9 +74,14 @@ class OpenAIRoutes:
         ])
 
     async def models(self, http_request: HttpRequest) -> Response:
-        entry = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-                 "root": self.model}
-        return JSONResponse({"object": "list", "data": [entry]})
+        """The base model, then each loaded adapter with the base as its `parent` (as SGLang lists them)."""
+        created = int(time.time())
+        entries = [{"id": self.model, "object": "model", "created": created, "owned_by": "sglang",
+                    "root": self.model, "parent": None, "max_model_len": self.server.config.context_length}]
+        entries += [{"id": name, "object": "model", "created": created, "owned_by": "sglang", "root": adapter.path,
+                     "parent": self.model, "max_model_len": None}
+                    for name, adapter in self.server.engine.adapters.items()]
+        return JSONResponse({"object": "list", "data": entries})
 
     async def chat(self, http_request: HttpRequest) -> Response:
         body = await self._body(http_request)
@@ -85,7 +91,14 @@ class OpenAIRoutes:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                      for m in messages):
             return _error("messages must be a non-empty list of {role, content} objects.")
-        return await self._generate(body, encode(render_chat(messages)), chat=True)
+        served = self.server.served
+        if served is None:
+            return await self._generate(body, encode(standin_render_chat(messages)), chat=True)
+        try:
+            prompt = render_prompt(served, messages=messages, tools=body.get("tools"))
+        except PromptError as exc:
+            return _error(str(exc))
+        return await self._generate(body, prompt.ids, chat=True)
 
     async def completions(self, http_request: HttpRequest) -> Response:
         body = await self._body(http_request)
@@ -95,8 +108,9 @@ class OpenAIRoutes:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            input_ids = encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < VOCAB_SIZE for t in prompt):
+            input_ids = self.server.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < self.server.vocab_size
+                                                         for t in prompt):
             input_ids = list(prompt)
         else:
             return _error("prompt must be a string or a list of token ids (batches are not supported).")

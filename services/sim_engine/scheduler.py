@@ -19,7 +19,7 @@ import struct
 import uuid
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
 from .perf_model import FixedStepModel, SpecDecoding, StepTimeModel, roofline
+from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
 
 MAX_STOP_SEQUENCES = 32
@@ -140,6 +141,41 @@ OUTPUT_PIECES: tuple[str, ...] = (
 _PIECE_IDS: dict[str, int] = {piece: encode(piece)[0] for piece in set(OUTPUT_PIECES)}
 
 
+@dataclass(frozen=True)
+class OutputVocabulary:
+    """The (token id, text) pairs output is drawn from: single tokens of the served model's
+    vocabulary, so that output_ids decode to the text, or the stand-in tokenizer's pieces; how an
+    output decided up front (a JSON value, a tool call) splits into tokens; the EOS token id."""
+
+    tokens: tuple[tuple[int, str], ...]
+    split: Callable[[str], list[tuple[int, str]]]
+    eos_id: int
+
+    @classmethod
+    def standin(cls) -> OutputVocabulary:
+        return cls(tuple((_PIECE_IDS[piece], piece) for piece in OUTPUT_PIECES),
+                   lambda text: [(encode(piece)[0], piece) for piece in pieces(text)], EOS_TOKEN_ID)
+
+    @classmethod
+    def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str],
+                       eos_id: int) -> OutputVocabulary:
+        """The output pieces that are one token of the model's vocabulary (readable words); with
+        too few of those (a tiny vocabulary), every piece's tokens. A token's text is its decoding,
+        so output ids always decode to the text."""
+
+        def split(text: str) -> list[tuple[int, str]]:
+            return [(token_id, decode_id(token_id)) for token_id in encode_text(text)]
+
+        per_piece = [split(piece) for piece in OUTPUT_PIECES]
+        whole = [tokens[0] for tokens in per_piece if len(tokens) == 1]
+        if len({text for _, text in whole}) >= 32:
+            return cls(tuple(whole), split, eos_id)
+        return cls(tuple(token for tokens in per_piece for token in tokens), split, eos_id)
+
+
+_STANDIN_VOCABULARY = OutputVocabulary.standin()
+
+
 class RequestRejected(Exception):
     """The request cannot be accepted (SGLang answers these with HTTP 400)."""
 
@@ -175,7 +211,7 @@ class Request:
     stops: tuple[str, ...] = field(default=(), init=False)
     # An output decided up front (constrained decoding, a tool call): emitted a token at a time,
     # then EOS.
-    script: list[str] | None = None
+    script: list[tuple[int, str]] | None = None  # (token id, text) per step
     # SGLang's return_logprob / top_logprobs_num: per output token (logprob, token id, text) and
     # the top alternatives in the same shape.
     return_logprob: bool = False
@@ -245,8 +281,12 @@ def lora_path_exists(path: str) -> bool:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None,
+                 vocabulary: OutputVocabulary = _STANDIN_VOCABULARY) -> None:
         self.config = config
+        self.vocabulary = vocabulary.tokens
+        self.split_output = vocabulary.split
+        self.eos_id = vocabulary.eos_id
         self.spec = (SpecDecoding(config.speculative_num_steps, config.speculative_acceptance,
                                   config.speculative_draft_cost) if config.speculative_num_steps else None)
         # Adapter slots are not taken out of the KV cache here (the planner does take them out).
@@ -254,13 +294,15 @@ class Engine:
             config.gpu, config.tp, config.preset,
             weights="fp8" if config.quantization == "fp8" else "bf16",
             kv_cache="fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16",
-            spec=self.spec, lora_rank=config.max_lora_rank,
+            spec=self.spec, lora_rank=config.priced_lora_rank,
         )
         # Which draft tokens the target accepts: seeded, so a run replays exactly.
         self._spec_rng = random.Random(0)
         if step_model is None:
             if config.fixed_step_ms is not None:
                 step_model = FixedStepModel(config.fixed_step_ms / 1000.0)
+            elif config.profile_table is not None:
+                step_model = TableStepModel(load_npz(config.profile_table))
             else:
                 step_model = roofline_model
         self.step_model = step_model
@@ -270,6 +312,9 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.adapters: dict[str, LoraAdapter] = {}
+        # Every adapter loaded since start (SGLang's lora_ref_cache): a request for one that was
+        # unloaded since loads it again implicitly; one never loaded is refused.
+        self.adapters_seen: dict[str, tuple[str, bool]] = {}
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
@@ -286,10 +331,17 @@ class Engine:
         if not self.config.priority_scheduling:
             request.priority = 0  # as SGLang without --enable-priority-scheduling: ignored
         if request.lora_name is not None and request.lora_name not in self.adapters:
-            raise RequestRejected(
-                f"The following requested LoRA adapters are not loaded: {request.lora_name}\n"
-                f"Loaded adapters: {self.adapters.keys()}."
-            )
+            if request.lora_name not in self.adapters_seen:
+                raise RequestRejected(
+                    f"Got LoRA adapter that has never been loaded: {request.lora_name}\n"
+                    f"All loaded adapters: {self.adapters_seen.keys()}."
+                )
+            path, pinned = self.adapters_seen[request.lora_name]
+            reloaded = self.load_lora(request.lora_name, path, pinned)
+            if not reloaded.success:
+                raise RequestRejected(
+                    f"Failed to implicitly load LoRA adapter {request.lora_name}: {reloaded.error_message}"
+                )
         if request.lora_name is not None and self.adapters[request.lora_name].broken:
             adapter = self.adapters[request.lora_name]
             raise RequestRejected(f"Failed to load LoRA adapter {adapter.name} from {adapter.path}: no such adapter (simulated).")
@@ -365,6 +417,7 @@ class Engine:
         self.adapters[name] = LoraAdapter(
             name, path, pinned, ready_at=self.now + self.config.lora_load_time_s, broken=broken
         )
+        self.adapters_seen[name] = (path, pinned)
         return self._lora_result(True, None)
 
     def unload_lora(self, name: str) -> LoraUpdateResult:
@@ -406,9 +459,14 @@ class Engine:
     def step(self) -> StepResult:
         """Run one iteration: decode every running sequence, prefill up to the token budget."""
         updates: list[RequestUpdate] = []
-        decoding = self._reserve_decode_slots()
-        self._admit(updates)
-        chunks = self._plan_prefill()
+        if self.config.mixed_chunk:
+            decoding = self._reserve_decode_slots()
+            self._admit(updates)
+            chunks = self._plan_prefill()
+        else:  # a prefill step when there is prefill work, else a decode step
+            self._admit(updates)
+            chunks = self._plan_prefill()
+            decoding = [] if chunks else self._reserve_decode_slots()
         if not decoding and not chunks:
             return self._wait_for_adapters(updates)
 
@@ -586,13 +644,11 @@ class Engine:
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
         script = request.script
         if script is not None:
-            piece = script[len(request.output_ids)]
-            token_id = encode(piece)[0]
+            token_id, piece = script[len(request.output_ids)]
         else:
-            piece = OUTPUT_PIECES[(mixed >> 8) % len(OUTPUT_PIECES)]
-            token_id = _PIECE_IDS[piece]
+            token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
         if request.return_logprob:
-            _record_logprobs(request, mixed, piece, token_id)
+            _record_logprobs(request, mixed, piece, token_id, self.vocabulary)
         request.output_ids.append(token_id)
         request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
         self.generation_tokens_total += 1
@@ -608,7 +664,7 @@ class Engine:
     def _check_finished(self, request: Request, token_id: int, previous_len: int) -> dict[str, Any] | None:
         generated = len(request.output_ids)
         if request.script is not None and generated >= len(request.script):
-            return {"type": "stop", "matched": EOS_TOKEN_ID}
+            return {"type": "stop", "matched": self.eos_id}
         if generated >= request.max_new_tokens:
             return {"type": "length", "length": request.max_new_tokens}
         sampling = request.sampling
@@ -687,35 +743,34 @@ class Engine:
 _TOKEN = struct.Struct("<I")
 
 
-def script_tokens(text: str) -> list[str]:
-    """An output decided up front, as the tokens the engine emits one per step."""
-    return pieces(text)
-
-
-def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int) -> None:
+def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int,
+                     vocabulary: tuple[tuple[int, str], ...]) -> None:
     """Plausible logprobs, a function of the context: the emitted token is the most likely one
-    (from about -0.01 to -2.5) and the alternatives fall off behind it."""
+    (from about -0.01 to -2.5) and the alternatives, tokens of the output vocabulary, fall off
+    behind it."""
     logprob = -0.01 - ((mixed >> 4) % 250) / 100
     request.token_logprobs.append((logprob, token_id, piece))
     top: list[tuple[float, int, str]] = []
     if request.top_logprobs_num:
         top.append((logprob, token_id, piece))
+        distinct = len({text for _, text in vocabulary} | {piece})
         step = 0
-        while len(top) < request.top_logprobs_num:
+        while len(top) < min(request.top_logprobs_num, distinct):
             step += 1
-            other = OUTPUT_PIECES[(mixed + step * 7919) % len(OUTPUT_PIECES)]
+            other_id, other = vocabulary[(mixed + step * 7919) % len(vocabulary)]
             if any(other == t[2] for t in top):
                 continue
-            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, _PIECE_IDS[other], other))
+            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, other_id, other))
     request.top_logprobs.append(top)
 
 
 def _context_hash(request: Request) -> int:
-    """Greedy output depends on the context only; sampled output also on the seed (or the rid)."""
-    salt = 0
+    """Greedy output depends on the context and the adapter (its weights change the model);
+    sampled output also on the seed (or the rid)."""
+    salt = zlib.crc32(request.lora_name.encode()) if request.lora_name else 0
     if request.sampling.temperature != 0.0:
         seed = request.sampling.sampling_seed if request.sampling.sampling_seed is not None else request.rid
-        salt = zlib.crc32(str(seed).encode())
+        salt = zlib.crc32(str(seed).encode(), salt)
     # crc32 is incremental: hashing the prompt then each output id equals hashing them all at once.
     return zlib.crc32(array("I", request.input_ids).tobytes(), salt)
 

@@ -25,14 +25,16 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from inferbus.prompt import load_model
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
 from .kv_publisher import KvEventPublisher, KvEventsConfig
+from .lora_files import adapter_problem
 from .perf_model import StepTimeModel
 from .scheduler import (
-    Engine, LoraUpdateResult, Request, RequestRejected, RequestUpdate, SamplingParams, script_tokens,
+    Engine, LoraUpdateResult, OutputVocabulary, Request, RequestRejected, RequestUpdate, SamplingParams,
 )
 
 logger = logging.getLogger("inferbus.sim_engine")
@@ -94,6 +96,12 @@ def _error(message: str, status: int = 400) -> Response:
     return Response(_encode_json({"error": {"message": message}}), status, media_type="application/json")
 
 
+async def _rejected_stream(message: str) -> AsyncIterator[bytes]:
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    yield b"data: " + _encode_json({"error": error}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
 def _json(payload: Any, status: int = 200) -> Response:
     return Response(_encode_json(payload), status, media_type="application/json")
 
@@ -141,7 +149,18 @@ class SimEngineServer:
 
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
         self.config = config
-        self.engine = Engine(config, step_model)
+        # The served model's tokenizer: text in, output ids of its vocabulary out (stand-in without one).
+        self.served = load_model(config.model_dir) if config.model_dir else None
+        if self.served is not None:
+            served = self.served
+            vocabulary = OutputVocabulary.from_tokenizer(
+                lambda text: served.encode(text, add_special_tokens=False),
+                lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False),
+                served.eos_token_ids[0] if served.eos_token_ids else 0)
+            self.engine = Engine(config, step_model, vocabulary)
+        else:
+            self.engine = Engine(config, step_model)
+        self.vocab_size = self.served.vocab_size if self.served is not None else VOCAB_SIZE
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -237,6 +256,19 @@ class SimEngineServer:
                 continue
             stream.queue.put_nowait(update)
 
+    def decode(self, input_ids: list[int]) -> str:
+        """A prompt given as ids, as text with its special tokens (what the tool-call and schema
+        scripts read); the stand-in tokenizer cannot be decoded."""
+        if self.served is None:
+            return ""
+        return self.served.tokenizer.decode(input_ids, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Text as SGLang tokenizes a /generate prompt: with the tokenizer's special tokens (BOS)."""
+        if self.served is None:
+            return encode(text)
+        return self.served.encode(text, add_special_tokens=True)
+
     # ------------------------------------------------------------------ /generate
 
     async def generate(self, http_request: HttpRequest) -> Response:
@@ -248,17 +280,17 @@ class SimEngineServer:
             return _error(str(exc))
         if (body.text is None) == (body.input_ids is None):
             return _error("Exactly one of text or input_ids must be provided.")
-        if body.input_ids is not None and any(not 0 <= t < VOCAB_SIZE for t in body.input_ids):
-            return _error(f"input_ids must be token ids in [0, {VOCAB_SIZE}).")
+        if body.input_ids is not None and any(not 0 <= t < self.vocab_size for t in body.input_ids):
+            return _error(f"input_ids must be token ids in [0, {self.vocab_size}).")
         traceparent = http_request.headers.get("traceparent")
         rid = body.rid or uuid.uuid4().hex
         if traceparent:
             logger.debug("generate rid=%s traceparent=%s", rid, traceparent)
-        input_ids = body.input_ids if body.input_ids is not None else encode(body.text or "")
+        input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text or "")
         if body.top_logprobs_num < 0:
             return _error(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
         try:
-            script = self._script(body.text or "", input_ids, sampling)
+            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling)
         except SchemaError as exc:
             return _error(f"Invalid grammar request: {exc}")
         request = Request(
@@ -268,6 +300,8 @@ class SimEngineServer:
         try:
             stream = self._submit(request, sampling.stream_interval or 1)
         except RequestRejected as exc:
+            if body.stream:  # SGLang has started the stream by then: 200, the error in-band
+                return StreamingResponse(_rejected_stream(str(exc)), media_type="text/event-stream")
             return _error(str(exc))
         if body.stream:
             return StreamingResponse(self._stream_events(request, stream), media_type="text/event-stream")
@@ -278,17 +312,17 @@ class SimEngineServer:
             raise
         return _json(self._payload(request, update, stream, final=True))
 
-    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams) -> list[str] | None:
+    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams) -> list[tuple[int, str]] | None:
         """The output decided up front: a value of the requested JSON schema, or the tool call the
         prompt asks for. Deterministic under the sampling seed (else under the prompt)."""
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
         rng = random.Random(seed)
         if sampling.json_schema is not None:
-            return script_tokens(json_output(sampling.json_schema, rng))
+            return self.engine.split_output(json_output(sampling.json_schema, rng))
         if sampling.regex is None and sampling.ebnf is None:
             call = tool_call_output(text, self.config.tool_call_parser, rng)
             if call is not None:
-                return script_tokens(call)
+                return self.engine.split_output(call)
         return None
 
     def _submit(self, request: Request, stream_interval: int, internal: bool = False) -> _Stream:
@@ -367,6 +401,10 @@ class SimEngineServer:
             body = msgspec.json.decode(await http_request.body(), type=LoadLoraInput)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return _error(str(exc))
+        problem = adapter_problem(body.lora_name, body.lora_path, self.config.max_lora_rank)
+        if problem is not None:
+            loaded = {name: adapter.path for name, adapter in self.engine.adapters.items()}
+            return self._lora_response(LoraUpdateResult(False, problem, loaded))
         result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
         if result.success:
             self._wake.set()
@@ -408,7 +446,7 @@ class SimEngineServer:
         """Like SGLang: pass a 1-token generation through the scheduler."""
         request = Request(
             rid=HEALTH_CHECK_PREFIX + uuid.uuid4().hex,
-            input_ids=encode("health"),
+            input_ids=self.encode("health"),
             sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
         stream = self._submit(request, 1, internal=True)
@@ -428,12 +466,17 @@ class SimEngineServer:
                 "tp_size": config.tp,
                 "dp_size": 1,
                 "chunked_prefill_size": config.chunked_prefill_size,
-                "max_running_requests": config.max_running_requests,
+                # SGLang reports the flag here (null unless given) and the effective value per
+                # data-parallel rank in internal_states.
+                "max_running_requests": config.max_running_requests if config.max_running_requests_set else None,
+                "internal_states": [{"effective_max_running_requests_per_dp": config.max_running_requests,
+                                     "last_gen_throughput": 0.0}],
                 "max_total_num_tokens": self.engine.cache.capacity_tokens,
                 "page_size": config.block_size,
                 "max_loras_per_batch": config.max_loras_per_batch,
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
+                "enable_mixed_chunk": config.mixed_chunk,
                 "context_length": config.context_length,
                 "version": SGLANG_VERSION,
                 "inferbus_simulated": True,
@@ -441,11 +484,13 @@ class SimEngineServer:
                 "preset": config.preset,
                 "time_scale": config.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
+                "profile_table": config.profile_table,
             }
         )
 
     async def model_info(self, http_request: HttpRequest) -> Response:
-        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model, "is_generation": True})
+        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model_dir or self.config.model,
+                      "is_generation": True})
 
     async def flush_cache(self, http_request: HttpRequest) -> Response:
         if self.engine.flush_cache():

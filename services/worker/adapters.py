@@ -70,6 +70,15 @@ class Adapters:
             return f"a one-token generation with it failed: {error}"
         return None
 
+    def forget(self, engine_name: str) -> None:
+        """The engine no longer has it (it restarted): load it again on next use."""
+        self.loaded.pop(engine_name, None)
+
+    def forget_all(self) -> int:
+        count = len(self.loaded)
+        self.loaded.clear()
+        return count
+
     async def unload(self, engine_name: str) -> None:
         if self.loaded.pop(engine_name, None) is not None:
             await self.engine.unload_lora(engine_name)

@@ -1,5 +1,11 @@
 """Relays the engine's KV-cache events (ZMQ) to the router (NATS), and answers resync requests.
 
+The engine's events name its pages with its own hash at its own page size; the relay rebuilds
+them from their token ids into the platform's prefix blocks (`inferbus.kv_blocks`), the blocks
+the gateway hashes prompts into, and relays those. SGLang's publisher connects to a concrete
+endpoint, so by default the relay binds it; with `"bind": true` in the engine's config (or a
+wildcard endpoint) the engine binds and the relay connects (`INFERBUS_ENGINE_KV_EVENTS_BIND`).
+
 The relay keeps a mirror of which blocks the engine holds, so that when a router starts or misses
 an event it can send a snapshot instead of the router guessing. Events that arrive together are
 coalesced into one `CacheEvent`; each carries this worker's next sequence number, which is how the
@@ -19,6 +25,7 @@ from nats.aio.client import Client
 from prometheus_client import Counter
 
 from inferbus import kv_events, logs
+from inferbus.kv_blocks import BlockChains, Changes
 from proto import messages as m
 from proto import subjects
 
@@ -26,16 +33,23 @@ log = logs.get(__name__)
 
 ENGINE_GAPS = Counter("inferbus_worker_engine_kv_event_gaps_total", "Sequence gaps in the engine's KV-cache events")
 RELAYED = Counter("inferbus_worker_cache_events_total", "Cache events relayed to the router")
+UNKNOWN_PARENTS = Counter(
+    "inferbus_worker_kv_unknown_parent_total",
+    "Engine BlockStored events whose parent page the relay never saw (lost events): not indexed",
+)
 
 SNAPSHOT_CHUNK = 50_000  # block hashes per message: stays well under NATS's 1 MB payload limit
 
 
 class CacheRelay:
-    def __init__(self, nc: Client, worker_id: str, endpoint: str) -> None:
+    def __init__(self, nc: Client, worker_id: str, endpoint: str, *, block_size: int, bind: bool = True) -> None:
         self.nc = nc
         self.worker_id = worker_id
         self.endpoint = endpoint
-        self.blocks: dict[int, None] = {}  # the engine's cached blocks, oldest first
+        self.bind = bind  # bind the endpoint (the engine's publisher connects), else connect to it
+        self.block_size = block_size
+        self.chains = BlockChains(block_size)
+        self.blocks: dict[int, None] = {}  # the engine's cached platform blocks, oldest first
         self.seq = 0
         self._engine_seq: int | None = None
         self._context = zmq.asyncio.Context.instance()
@@ -48,7 +62,10 @@ class CacheRelay:
         socket.setsockopt(zmq.RCVHWM, 100_000)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(self.endpoint)
+        if self.bind:
+            socket.bind(self.endpoint)
+        else:
+            socket.connect(self.endpoint)
         self._socket = socket
         self._task = asyncio.create_task(self._run(), name="cache-relay")
 
@@ -94,23 +111,39 @@ class CacheRelay:
             RELAYED.inc()
 
     def _apply(self, item: kv_events.Event, event: m.CacheEvent) -> None:
+        changes = Changes()
         if isinstance(item, kv_events.BlockStored):
-            for block in item.block_hashes:
-                self.blocks[block] = None
-            event.stored.append(m.BlockStored(
-                block_hashes=item.block_hashes, parent_block_hash=item.parent_block_hash,
-                block_size=item.block_size, adapter=item.lora_name,
-            ))
+            namespace = item.lora_name or ""
+            self.chains.stored(item.block_hashes, item.parent_block_hash, item.token_ids, item.block_size,
+                               namespace, changes)
+            if changes.unknown_parents:
+                UNKNOWN_PARENTS.inc(changes.unknown_parents)
+            if changes.stored:
+                for block in changes.stored:
+                    self.blocks[block] = None
+                event.stored.append(m.BlockStored(block_hashes=changes.stored, block_size=self.block_size,
+                                                  adapter=item.lora_name))
         elif isinstance(item, kv_events.BlockRemoved):
-            for block in item.block_hashes:
+            self.chains.removed(item.block_hashes, changes)
+            for block in changes.removed:
                 self.blocks.pop(block, None)
-            event.removed.extend(item.block_hashes)
+            event.removed.extend(changes.removed)
         else:
+            self.chains.cleared(changes)
             self.blocks.clear()
             # A clear inside a coalesced event: what was stored before it is gone too.
             event.stored.clear()
             event.removed.clear()
             event.cleared = True
+
+    async def engine_restarted(self) -> None:
+        """A new engine process starts with an empty cache and says nothing about the old one's:
+        forget its pages and tell the router (a snapshot of nothing)."""
+        changes = Changes()
+        self.chains.cleared(changes)
+        self.blocks.clear()
+        self._engine_seq = None
+        await self.publish_snapshot()
 
     async def publish_snapshot(self) -> None:
         """Everything the engine holds, as a `cleared` event followed by more stored blocks."""

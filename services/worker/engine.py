@@ -6,7 +6,7 @@ The simulated engine serves the same API, so this client cannot tell them apart.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -31,6 +31,7 @@ class EngineUpdate:
     """Deltas from one read of the stream; several engine chunks coalesce into one update."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the ids of `text`, from SGLang's cumulative output_ids
     completion_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int = 0
@@ -123,11 +124,16 @@ class EngineClient:
     async def generate(self, request: InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
         """Stream `request` through the engine, yielding deltas until the finish update."""
         body: dict[str, Any] = {
-            "text": request.prompt + request.resumed_text,
             "sampling_params": sampling_params(request),
             "stream": True,
             "rid": request.engine_rid(),
         }
+        if request.input_ids:
+            # The gateway's tokenization: the engine computes exactly what was counted and hashed,
+            # and a migration continues from the ids already generated.
+            body["input_ids"] = request.input_ids + request.resumed_ids
+        else:
+            body["text"] = request.prompt + request.resumed_text
         if request.priority:
             body["priority"] = request.priority
         if request.adapter:
@@ -139,7 +145,7 @@ class EngineClient:
             response = await self.pool.request("POST", "/generate", msgspec.json.encode(body), headers)
             if response.status != 200:
                 raise _http_error(response.status, await response.read())
-            sent_chars = 0
+            sent_chars = sent_ids = 0
             sent_logprobs = 0
             buffer = b""
             async for data in response.iter_chunks():
@@ -163,6 +169,13 @@ class EngineClient:
                     update.text += text[sent_chars:]
                     sent_chars = max(sent_chars, len(text))
                     meta = chunk.get("meta_info", {})
+                    output_ids = chunk.get("output_ids")
+                    if output_ids:
+                        # Cumulative, or only the new ids with --incremental-streaming-output: the
+                        # list ends at completion_tokens either way, which tells where it starts.
+                        first = max(0, int(meta.get("completion_tokens", len(output_ids))) - len(output_ids))
+                        update.token_ids.extend(output_ids[max(0, sent_ids - first):])
+                        sent_ids = max(sent_ids, first + len(output_ids))
                     update.completion_tokens = meta.get("completion_tokens", update.completion_tokens)
                     update.prompt_tokens = meta.get("prompt_tokens", update.prompt_tokens)
                     update.cached_tokens = meta.get("cached_tokens", update.cached_tokens)
@@ -251,12 +264,20 @@ def _http_error(status: int, body: bytes) -> EngineError:
         message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
     except (msgspec.DecodeError, AttributeError):
         message = body.decode(errors="replace")
+    if status == 400 and ("never been loaded" in message or "adapters are not loaded" in message):
+        # SGLang after a restart: the worker reloads the adapter and sends the request again.
+        return EngineError(message, code="adapter_not_loaded", retryable=False, status=503)
     if status == 400:
         return EngineError(message, code="invalid_request", retryable=False, status=400)
     return EngineError(message, code="engine_error", retryable=status >= 500, status=502 if status >= 500 else status)
 
 
 def _stream_error(error: Any) -> EngineError:
+    # SGLang reports a request it refuses after the stream started (an unknown adapter, an input
+    # too long, ...) in-band: {"error": {"message", "type": "invalid_request_error", "code": 400}}.
+    # Classified as the same refusal answered before the stream would be.
+    if isinstance(error, dict) and isinstance(error.get("code"), int) and 400 <= error["code"] < 500:
+        return _http_error(error["code"], msgspec.json.encode({"error": error}))
     if isinstance(error, dict):
         return EngineError(
             str(error.get("message", error)),

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,6 +28,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
+from inferbus.outbox import Outbox
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
@@ -34,6 +36,9 @@ from proto import subjects
 from .adapters import Adapters
 from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
+from .engine_health import EngineHealth
+from .http import HTTPError
+from .liveness import LivenessThread, PauseDetector
 from .preemption import BatchRun, PreemptionPolicy
 from .puller import Puller
 from .settings import WorkerSettings
@@ -48,6 +53,8 @@ FREE_SLOTS = Gauge("inferbus_worker_free_slots", "Slots free for new requests")
 KV_USAGE = Gauge("inferbus_worker_kv_usage_ratio", "Engine KV cache use (0-1)")
 ENGINE_ERRORS = Counter("inferbus_worker_engine_errors_total", "Engine failures seen by this worker")
 PREEMPTIONS = Counter("inferbus_worker_preemptions_total", "Batch lines preempted for waiting interactive work")
+PAUSES = Counter("inferbus_worker_pauses_total", "Times this worker's event loop resumed after a pause (then it re-verified its engine and consumers)")
+ABANDONED = Counter("inferbus_worker_abandoned_attempts_total", "Attempts this worker gave up or was told to give up, billed to the platform", ["reason"])
 BATCH_REQUEUED = Counter(
     "inferbus_worker_batch_requeued_total", "Batch lines put back on the batch queue to resume elsewhere", ["reason"]
 )
@@ -62,9 +69,16 @@ SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting reque
 CANCEL_MEMORY_S = 900.0  # longer than a request may wait in the queue in practice
 CANCEL_MEMORY_SIZE = 100_000
 BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
+TICK_S = 0.25  # the event loop's tick: a gap much longer than this means the worker was paused
+SUPERSEDED_MEMORY_SIZE = 10_000
 REQUEUE_TRIES = 5  # publish attempts for a requeued batch line (then the batch service's lease re-feeds it)
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
+
+
+def _cancel_key(owner: str, request_id: str) -> str:
+    """A cancel that came before its request, remembered with the gateway that sent it."""
+    return f"{owner} {request_id}"
 
 
 @dataclass
@@ -77,11 +91,14 @@ class _Running:
     first_token_at: float = 0.0
     started: float = field(default_factory=time.time)  # when this worker took it
     cancel_reason: str = ""
+    superseded: bool = False  # the gateway gave this attempt up and continues elsewhere
+    pause_epoch: int = 0  # the worker's pause count when it took the request
     # Batch lines only: progress of this attempt (totals include earlier attempts), and why the
     # line is being put back on the queue ("preempted", "drain", "engine_error"), if it is.
     requeue: str | None = None
     abort_resent: bool = False
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # batch lines: generated ids of this attempt
     completion: int = 0
     prompt_tokens: int | None = None
     cached: int = 0
@@ -108,7 +125,7 @@ class Worker:
     replies: Replies | None = None
     # Cancels seen for requests this worker does not hold (yet): a request pulled after its
     # client went away is refused instead of generated for nobody. request id → when seen.
-    _cancelled: dict[str, float] = field(default_factory=dict)
+    _cancelled: dict[str, tuple[float, str]] = field(default_factory=dict)  # id → (when, reason)
     _background: set[asyncio.Task[None]] = field(default_factory=set)  # usage publishes in flight
     _drain_task: asyncio.Task[None] | None = None
     _completed: int = 0  # requests finished, reported with load for the gateways' overload policy
@@ -118,6 +135,8 @@ class Worker:
     _pulled_own: int = 0  # requests taken from this worker's own queue (routers compare with their placements)
     _own_target: str = ""
     adapters: Adapters = field(init=False)
+    health: EngineHealth = field(default_factory=lambda: EngineHealth(time.monotonic))
+    _engine_watch: asyncio.Task[None] | None = None
     cache_relay: CacheRelay | None = None
     # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
     # "serving". A demoted worker drains its work, then goes back to warm.
@@ -135,12 +154,19 @@ class Worker:
     _interactive_consumers: list[str] = field(default_factory=list)  # polled for waiting work while batch runs
     _interactive_waiting: int = 0  # interactive requests seen waiting at the last check: no batch pulls meanwhile
     _interactive_stalled: int = 0  # interactive requests the engine kept waiting at the last check: no batch pulls meanwhile
+    pause: PauseDetector = field(init=False)
+    liveness: LivenessThread | None = None
+    outbox: Outbox | None = None
+    _superseded: dict[tuple[str, int], None] = field(default_factory=dict)  # attempts given up before we pulled them
+    _verifying: asyncio.Task[None] | None = None
+    _holding_pulls: bool = False  # verifying engine and consumers: pull nothing until done
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
         self.preemption = PreemptionPolicy(self.settings.preemption())
         self._own_target = "." + subjects.worker_target(self.settings.worker_id)
         self.adapters = Adapters(self.engine, self._lookup_adapter)
+        self.pause = PauseDetector(time.monotonic, pause_after_s=self.settings.heartbeat_ttl_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -152,22 +178,34 @@ class Worker:
         self.js = self.nc.jetstream()
         self.replies = Replies(self.nc)
         await self.replies.start()
+        # Usage events wait on disk until JetStream acknowledges them (what a previous run left is
+        # published now).
+        self.outbox = Outbox(Path(s.state_dir) / f"usage-outbox-{s.worker_id}.sqlite3", self._publish_durable)
+        await self.outbox.start()
+        self.liveness = LivenessThread(s.nats_url, s.worker_id, interval_s=s.heartbeat_interval_s, ttl_s=s.heartbeat_ttl_s,
+                                       stall_after_s=s.stall_after_s, loop_lag=self.pause.lag)
+        await asyncio.to_thread(self.liveness.start)
         self._adapter_kv = await adapter_registry.bucket(self.js)
         # Control first: the router asks a worker for its cache as soon as its heartbeat appears.
         await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
-        self._tasks = [asyncio.create_task(self._load_loop(), name="load")]
+        self._tasks = [asyncio.create_task(self._load_loop(), name="load"),
+                       asyncio.create_task(self._tick_loop(), name="tick")]
         if s.sim_cold_start_s:
             log.info("worker_simulated_cold_start", seconds=s.sim_cold_start_s)
             await asyncio.sleep(s.sim_cold_start_s)
         await self._wait_for_engine()
         self._engine_info = await self.engine.server_info()
         self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
-        capacity = s.max_running or int(self._engine_info.get("max_running_requests") or 64)
+        try:
+            capacity = s.max_running or engine_max_running(self._engine_info)
+        except EngineError as error:
+            raise SystemExit(f"worker: {error}; set INFERBUS_WORKER_MAX_RUNNING") from None
         tiers = s.tier_list()
         self.budget = SlotBudget(capacity, pullers=len(self._consumer_specs()))
         FREE_SLOTS.set(capacity)
         if s.engine_kv_events:
-            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events)
+            self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events, block_size=s.block_size,
+                                          bind=s.engine_kv_events_bind)
             self.cache_relay.start()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
         if s.standby:
@@ -191,7 +229,7 @@ class Worker:
                 batch = tier == "batch"
                 puller = Puller(self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
                                 wake=self._wake, expires_s=min(s.fetch_timeout_s, BATCH_POLL_S) if batch else s.fetch_timeout_s,
-                                room=self._batch_room if batch else None)
+                                room=self._batch_room if batch else None, on_consumer_gone=self.verify_soon)
                 self._pullers.append(puller)
                 if batch:
                     self._batch_pullers.append(puller)
@@ -309,6 +347,8 @@ class Worker:
         for task in self._serving_tasks:
             task.cancel()
         self._serving_tasks = []
+        if self.liveness is not None:
+            self.liveness.set_beat(None)
         try:
             assert self.kv is not None
             await self.kv.delete(subjects.worker_key(self.settings.worker_id))
@@ -319,10 +359,16 @@ class Worker:
         log.info("worker_warm", worker_id=self.settings.worker_id, demoted=True)
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._serving_tasks]:
+        for task in [*self._tasks, *self._serving_tasks, *([self._engine_watch] if self._engine_watch else [])]:
             task.cancel()
-        if self._background:  # usage events are the billing ledger: let them land
+        if self._background:  # usage events are the billing ledger: let them reach the outbox
             await asyncio.wait(self._background, timeout=10)
+        if self.outbox is not None:  # and JetStream, if it answers; what does not stays on disk
+            if not await self.outbox.drained(timeout=5):
+                log.warning("usage_outbox_pending_at_exit", path=str(self.outbox.path))
+            await self.outbox.stop()
+        if self.liveness is not None:
+            await asyncio.to_thread(self.liveness.stop)
         if self.kv is not None:
             try:
                 await self.kv.delete(subjects.worker_key(self.settings.worker_id))
@@ -372,6 +418,17 @@ class Worker:
         turn = 0
         while not self.draining:
             self._wake.clear()
+            if self._holding_pulls:
+                await asyncio.sleep(SCARCE_POLL_S)
+                continue
+            if not self.health.up:
+                # Its engine is down: a request taken now would fail at once and bounce between
+                # workers. The engine watch wakes this loop when it is back.
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.settings.fetch_timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             if self.budget.free >= len(pullers):
                 # Room for every consumer: all long-poll at once, most important first.
                 for puller in pullers:
@@ -406,7 +463,7 @@ class Worker:
             self._spawn(msg.ack())
             self._release_slot()
             return
-        entry = _Running(request=request)
+        entry = _Running(request=request, pause_epoch=self.pause.epoch)
         self.running[request.request_id] = entry
         if request.tier == "batch":
             self._batch_in_flight += 1
@@ -432,10 +489,17 @@ class Worker:
         with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
             status, usage, finish = "failed", m.Usage(prompt_tokens=0, completion_tokens=request.resumed_tokens), None
             publish_usage = True
+            abandoned: str | None = None  # why this attempt's work is the platform's, not the tenant's
             try:
                 await msg.ack()
-                if request.request_id in self._cancelled:
+                if (request.request_id, request.attempt) in self._superseded:
+                    publish_usage = False  # the gateway moved on before this attempt started: no work done
+                    return
+                cancelled = self._cancelled.get(_cancel_key(subjects.reply_owner(request.reply_to), request.request_id))
+                if cancelled is not None:
                     status, finish = "cancelled", "abort"
+                    # After a deadline the gateway bills what the client got; otherwise nothing ran.
+                    publish_usage = cancelled[1] != "deadline"
                     return
                 if time.time() > request.deadline:
                     finish = "error"
@@ -443,6 +507,7 @@ class Worker:
                         request_id=request.request_id, attempt=request.attempt, code="timeout",
                         message="request deadline passed before a worker could start it", status=504,
                     ))
+                    publish_usage = False  # nothing ran; the gateway bills what the client got
                     return
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
@@ -454,15 +519,16 @@ class Worker:
                 ))
                 status, usage, finish = await self._generate(request, entry, trace_headers)
                 if entry.handed_off:
-                    publish_usage = False  # the next attempt reports the client-visible totals
+                    abandoned = "handoff"  # the next attempt reports the client-visible totals
                     self._send(request, m.Handoff(
                         request_id=request.request_id, attempt=request.attempt, worker_id=self.settings.worker_id
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
-                # A retryable failure may continue on another worker, whose usage event counts it.
-                publish_usage = not error.retryable
+                # The gateway bills what the client received when a request ends in an error, and a
+                # retryable one continues elsewhere: this attempt's work is the platform's.
+                abandoned = error.code if error.code == "worker_paused" else "engine_error"
                 self._send(request, m.StreamError(
                     request_id=request.request_id, attempt=request.attempt, code=error.code,
                     message=str(error), retryable=error.retryable, status=error.status,
@@ -473,7 +539,7 @@ class Worker:
                     request_id=request.request_id, attempt=request.attempt, code="internal_error",
                     message=f"worker failed: {type(error).__name__}", retryable=True, status=500,
                 ))
-                publish_usage = False
+                abandoned = "internal_error"
             finally:
                 self.running.pop(request.request_id, None)
                 RUNNING.set(len(self.running))
@@ -486,7 +552,15 @@ class Worker:
                     self._observe_tpot(entry, usage.completion_tokens - request.resumed_tokens)
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
-                if publish_usage:
+                if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
+                    # The gateway gave this attempt up (and bills the tenant what the client got).
+                    abandoned = abandoned or ("deadline" if entry.cancel_reason == "deadline" else "superseded")
+                if abandoned is not None:
+                    ABANDONED.labels(abandoned).inc()
+                    if entry.prefilled or entry.completion > request.resumed_tokens:
+                        self._spawn(self._publish_usage(request, status, self._attempt_work(entry), finish,
+                                                        billed_to="platform"))
+                elif publish_usage:
                     # Spawned, not awaited: this also runs after the early returns above.
                     self._spawn(self._publish_usage(request, status, usage, finish))
 
@@ -501,7 +575,7 @@ class Worker:
         update: EngineUpdate
         if request.adapter:
             await self.adapters.ensure(request.adapter)
-        async for update in self.engine.generate(request, trace_headers):
+        async for update in self._engine_stream(request, trace_headers):
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()
@@ -512,9 +586,19 @@ class Worker:
             if prompt_tokens is None and update.prompt_tokens is not None:
                 prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
             cached = min(update.cached_tokens, prompt_tokens or 0)
+            entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
+            if not batch:
+                self._tick()
+                if entry.pause_epoch != self.pause.epoch:
+                    # This worker was stopped mid-stream, long enough to be declared dead: the
+                    # gateway may already continue it elsewhere. Give it up, whichever it did;
+                    # the client sees one stream either way.
+                    await self.engine.abort(request.engine_rid())
+                    raise EngineError("the worker was paused; continuing on another worker", code="worker_paused",
+                                      retryable=True, status=503)
             if batch:  # no stream to a client: the line's text is kept for its one result
                 entry.text_parts.append(update.text)
-                entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
+                entry.token_ids.extend(update.token_ids)
                 if update.finish is None:
                     await self._batch_checkpoint(entry)
                     continue
@@ -522,7 +606,7 @@ class Worker:
                 self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
-                    logprobs=update.logprobs,
+                    token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
                 seq += 1
                 continue
@@ -535,11 +619,74 @@ class Worker:
                 self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
-                    worker_id=self.settings.worker_id, logprobs=update.logprobs,
+                    worker_id=self.settings.worker_id, token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
         raise EngineError("engine stream ended early", retryable=True, status=502)
+
+    async def _engine_stream(self, request: m.InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
+        """The engine's stream for `request`. An adapter the engine says it never loaded (it restarted
+        since) is loaded again and the request sent once more: the refusal comes before any token."""
+        for attempt in (0, 1):
+            try:
+                async for update in self.engine.generate(request, headers):
+                    yield update
+                return
+            except EngineError as error:
+                if error.code == "engine_unavailable":
+                    self._engine_down(str(error))
+                if attempt or error.code != "adapter_not_loaded" or not request.adapter:
+                    raise
+                log.warning("adapter_lost_by_engine", adapter=request.adapter, error=str(error))
+                self.adapters.forget(request.adapter)
+                await self.adapters.ensure(request.adapter)
+
+    # ---- engine down and back ---------------------------------------------------------------
+
+    def _engine_down(self, why: str) -> None:
+        """Stop pulling and say not ready until the engine answers again; probe it with backoff."""
+        if not self.health.up:
+            return
+        self.health.failed()
+        log.warning("engine_down", engine=self.settings.engine_url, why=why)
+        self._spawn(self._publish_heartbeat())  # not ready: gateways and routers stop counting on it
+        if self._engine_watch is None or self._engine_watch.done():
+            self._engine_watch = asyncio.create_task(self._watch_engine(), name="engine-watch")
+
+    async def _watch_engine(self) -> None:
+        delay = self.health.first_delay_s
+        while True:
+            await asyncio.sleep(delay)
+            if await self.engine.ready():
+                break
+            delay = self.health.failed()
+            log.info("engine_probe_failed", engine=self.settings.engine_url, failures=self.health.failures,
+                     retry_in_s=round(delay, 3))
+        # It answers again, maybe as a new process: what this worker believed about it is stale.
+        try:
+            self._engine_info = await self.engine.server_info()
+        except Exception as error:
+            log.warning("engine_info_failed", error=repr(error))
+        forgotten = self.adapters.forget_all()
+        if self.cache_relay is not None:
+            try:
+                await self.cache_relay.engine_restarted()
+            except Exception as error:  # the router's index ages stale blocks out regardless
+                log.warning("cache_reset_failed", error=repr(error))
+        self.health.recovered()
+        log.info("engine_back", engine=self.settings.engine_url, adapters_forgotten=forgotten)
+        await self._publish_heartbeat()
+        self._wake.set()
+        self._load_changed.set()
+
+    async def _publish_heartbeat(self) -> None:
+        if self.kv is None or self.budget is None or self.phase != "serving":
+            return
+        try:
+            await self._heartbeat()
+        except Exception as error:
+            log.warning("heartbeat_failed", error=repr(error))
 
     # ---- batch lines -----------------------------------------------------------------------
 
@@ -558,7 +705,7 @@ class Worker:
             with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
                 try:
                     await msg.ack()
-                    if request.request_id in self._cancelled:
+                    if _cancel_key(subjects.reply_owner(request.reply_to), request.request_id) in self._cancelled:
                         entry.cancelled = True
                     elif time.time() <= request.deadline:
                         queue_wait = max(0.0, time.time() - request.created)
@@ -626,9 +773,17 @@ class Worker:
                 return "requeued", None, msgspec.structs.replace(
                     request, attempt=request.attempt + 1,
                     resumed_text=request.resumed_text + "".join(entry.text_parts),
+                    # From ids when the engine reported the ids of all it generated, else from text.
+                    **self._resume_from(request, entry),
                     resumed_tokens=entry.completion, prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
                 )
         return "failed", self._batch_result(entry, now, failure=failure), None
+
+    @staticmethod
+    def _resume_from(request: m.InferenceRequest, entry: _Running) -> dict[str, Any]:
+        if request.input_ids and len(entry.token_ids) == entry.completion - request.resumed_tokens:
+            return {"resumed_ids": request.resumed_ids + entry.token_ids}
+        return {"input_ids": [], "resumed_ids": []}
 
     def _batch_result(self, entry: _Running, now: float, *, finish: str | None = None,
                       failure: tuple[str, str, int] | None = None) -> m.BatchLineResult:
@@ -819,21 +974,37 @@ class Worker:
             except Exception as error:  # a gateway's events must not be lost to another's failure
                 log.error("stream_publish_failed", subject=subject, error=repr(error))
 
-    async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None) -> None:
-        assert self.replies is not None
-        if request.choice:  # n > 1: the first choice bills the prompt
+    async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None,
+                             billed_to: str = "tenant") -> None:
+        assert self.outbox is not None
+        if request.choice and billed_to == "tenant":  # n > 1: the first choice bills the prompt
             usage = m.Usage(prompt_tokens=0, completion_tokens=usage.completion_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.settings.worker_id, attempts=request.attempt + 1, finish_reason=finish,
-            api_key_id=request.api_key_id, batch_id=request.batch_id,
+            api_key_id=request.api_key_id, batch_id=request.batch_id, billed_to=billed_to,  # type: ignore[arg-type]
+            attempt=request.attempt,
         )
         try:
-            await self.replies.publish_durable(subjects.usage_subject(request.tenant), m.encode(event), request.request_id)
+            await self.outbox.add(subjects.usage_subject(request.tenant), m.encode(event), m.usage_msg_id(event))
         except Exception as error:
-            # JetStream is the ledger of record: say loudly that this request's usage is missing.
-            log.error("usage_publish_failed", request_id=request.request_id, error=repr(error), usage=msgspec.to_builtins(usage))
+            # The disk refused it: the ledger will miss this event, so say so loudly.
+            log.error("usage_outbox_write_failed", request_id=request.request_id, error=repr(error),
+                      usage=msgspec.to_builtins(usage))
+
+    async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
+        assert self.replies is not None
+        await self.replies.publish_durable(subject, data, msg_id)
+
+    @staticmethod
+    def _attempt_work(entry: _Running) -> m.Usage:
+        """What one attempt computed: its prefill (when it got that far) and the tokens it made."""
+        request = entry.request
+        prefilled = entry.prefilled or entry.completion > request.resumed_tokens
+        return m.Usage(prompt_tokens=(entry.prompt_tokens or 0) + request.resumed_tokens if prefilled else 0,
+                       completion_tokens=max(0, entry.completion - request.resumed_tokens),
+                       cached_tokens=entry.cached if prefilled else 0)
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -842,23 +1013,40 @@ class Worker:
             cancel = _cancel_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        owner = subjects.cancel_owner(msg.subject)
         entry = self.running.get(cancel.request_id)
+        if entry is not None and subjects.reply_owner(entry.request.reply_to) != owner:
+            # Only the gateway holding the client may cancel its request (each gateway's NATS
+            # permissions allow its own cancel subjects only; this holds where identities are shared).
+            log.warning("cancel_not_owner", request_id=cancel.request_id, cancel_subject=msg.subject)
+            return
+        if cancel.attempt >= 0:  # one attempt, given up by its gateway
+            if entry is None or entry.request.attempt != cancel.attempt:
+                self._superseded[(cancel.request_id, cancel.attempt)] = None
+                while len(self._superseded) > SUPERSEDED_MEMORY_SIZE:
+                    del self._superseded[next(iter(self._superseded))]
+                return
+            if not entry.cancelled and entry.request.batch_id is None:
+                entry.cancelled = entry.superseded = True
+                entry.cancel_reason = cancel.reason
+                await self.engine.abort(entry.request.engine_rid())
+            return
         if entry is None:
-            self._remember_cancel(cancel.request_id)
+            self._remember_cancel(_cancel_key(owner, cancel.request_id), cancel.reason)
         elif not entry.cancelled:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
             await self.engine.abort(entry.request.engine_rid())
 
-    def _remember_cancel(self, request_id: str) -> None:
+    def _remember_cancel(self, key: str, reason: str) -> None:
         now = time.monotonic()
-        self._cancelled[request_id] = now
+        self._cancelled[key] = (now, reason)
         if len(self._cancelled) > CANCEL_MEMORY_SIZE:
             # Oldest first (dicts keep insertion order): forget what is past its deadline anyway.
             for old in list(self._cancelled)[: len(self._cancelled) // 2]:
                 del self._cancelled[old]
         while self._cancelled:
-            oldest, seen = next(iter(self._cancelled.items()))
+            oldest, (seen, _) = next(iter(self._cancelled.items()))
             if now - seen < CANCEL_MEMORY_S:
                 break
             del self._cancelled[oldest]
@@ -890,16 +1078,25 @@ class Worker:
     # ---- liveness and load -----------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
-        assert self.kv is not None and self.budget is not None
-        beat = m.Heartbeat(
+        assert self.kv is not None
+        beat = self._beat()
+        if self.liveness is not None:
+            self.liveness.set_beat(beat)  # its thread keeps it fresh, whatever this loop is doing
+        await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
+
+    def _beat(self) -> m.Heartbeat:
+        assert self.budget is not None
+        return m.Heartbeat(
             worker_id=self.settings.worker_id, model=self.settings.model, engine_url=self.settings.engine_url,
-            started=self.started, ts=time.time(), state="draining" if self.draining else "ready",
+            # "starting" while the engine is down: alive, but not to be given requests.
+            started=self.started, ts=time.time(),
+            state="draining" if self.draining or self._holding_pulls else "ready" if self.health.up else "starting",
             max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
             tp=int(self._engine_info.get("tp_size", 0) or 0),
-            block_size=int(self._engine_info.get("page_size", 0) or 0),
+            # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
+            block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
         )
-        await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
 
     def _max_adapters(self) -> int:
         info = self._engine_info
@@ -914,12 +1111,51 @@ class Worker:
         )
 
     async def _heartbeat_loop(self) -> None:
+        # The liveness thread puts the heartbeat; this loop keeps its copy current (state, adapters).
+        assert self.liveness is not None
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-            try:
-                await self._heartbeat()
-            except Exception as error:
-                log.warning("heartbeat_failed", error=repr(error))
+            self.liveness.set_beat(self._beat())
+
+    # ---- pauses: no zombie -------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._tick()
+
+    def _tick(self) -> None:
+        """Note that the loop runs; after a pause (SIGSTOP, a frozen host) verify before pulling."""
+        if not self.pause.tick():
+            return
+        PAUSES.inc()
+        log.warning("worker_resumed_after_pause", pauses=self.pause.epoch, in_flight=len(self.running))
+        self.verify_soon("paused")
+
+    def verify_soon(self, why: str) -> None:
+        if self.phase != "serving" or self._leaving or (self._verifying is not None and not self._verifying.done()):
+            return
+        self._verifying = asyncio.ensure_future(self._verify(why))
+
+    async def _verify(self, why: str) -> None:
+        """After a pause or an engine failure: the engine answers, our consumers exist (a router
+        deletes those of a worker it thought dead), our pull requests are live. Until then pull
+        nothing: a request pulled into a broken worker would hang its client."""
+        self._holding_pulls = True  # the heartbeat says "draining" meanwhile: nothing is placed here
+        try:
+            delay = 0.2
+            while not await self.engine.ready():
+                log.warning("engine_not_ready", why=why)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+            await bus.retry_forever("bus setup after a pause", self._setup_bus)  # type: ignore[arg-type]
+        finally:
+            self._holding_pulls = False
+        for puller in self._pullers:  # pull requests made before the pause expired meanwhile
+            puller.forget_pulls()
+        self._wake.set()
+        self._load_changed.set()
+        log.info("worker_verified", why=why)
 
     async def _load_loop(self) -> None:
         assert self.nc is not None
@@ -935,10 +1171,16 @@ class Worker:
             if self.phase != "serving" or self.budget is None:
                 await self._publish_idle_load()
                 continue
+            if not self.health.up:
+                continue  # the engine watch probes it, with backoff
             try:
                 load = await self.engine.loads()
             except Exception as error:
-                log.warning("engine_load_failed", error=repr(error))
+                if self.health.up:
+                    log.warning("engine_load_failed", error=repr(error))
+                if isinstance(error, HTTPError):
+                    self._engine_down(f"load poll failed: {error!r}")
+                self.verify_soon("engine_load_failed")
                 continue
             try:
                 await self._check_preemption(load)
@@ -978,6 +1220,22 @@ class Worker:
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
         except Exception as error:
             log.warning("load_publish_failed", error=repr(error))
+
+
+def engine_max_running(info: dict[str, Any]) -> int:
+    """Requests the engine runs at once, from its /server_info. SGLang reports the flag at the top
+    (null unless --max-running-requests was given) and the effective value per data-parallel rank
+    in `internal_states`; a worker that fell back to a guess would hold far fewer or more slots."""
+    top = info.get("max_running_requests")
+    if isinstance(top, int) and top > 0:
+        return top
+    states = info.get("internal_states") or []
+    per_dp = [state.get("effective_max_running_requests_per_dp") for state in states if isinstance(state, dict)]
+    effective = [value for value in per_dp if isinstance(value, int) and value > 0]
+    if effective:
+        return effective[0] * max(1, int(info.get("dp_size") or 1))
+    raise EngineError("the engine's /server_info reports no max_running_requests (top level or internal_states)",
+                      code="engine_info")
 
 
 async def serve(settings: WorkerSettings) -> None:

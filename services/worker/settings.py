@@ -5,6 +5,7 @@ import socket
 from dataclasses import dataclass
 
 from inferbus.settings import env
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
 from .preemption import PreemptionConfig
 
@@ -16,6 +17,16 @@ class WorkerSettings:
     engine_url: str = env("INFERBUS_ENGINE_URL", "http://127.0.0.1:30000", "Base URL of the SGLang server (or simulated engine) this worker drives.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id this worker serves (must match the gateway's).")
     engine_kv_events: str = env("INFERBUS_ENGINE_KV_EVENTS", "", "ZMQ endpoint where the engine publishes KV-cache events (SGLang --kv-events-config), e.g. tcp://127.0.0.1:5557; empty: no prefix-cache reporting.")
+    engine_kv_events_bind: bool = env(
+        "INFERBUS_ENGINE_KV_EVENTS_BIND", True,
+        "Bind INFERBUS_ENGINE_KV_EVENTS and let the engine's publisher connect (SGLang's publisher connects to a "
+        "concrete address); false: connect to it, for an engine that binds (`\"bind\": true` or a wildcard address).",
+    )
+    block_size: int = env(
+        "INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE,
+        "Prefix block size in tokens: the engine's cache events are rebuilt into blocks of this size from their token "
+        "ids, whatever the engine's page size; must match the gateway's and the router's.",
+    )
     tiers: str = env("INFERBUS_WORKER_TIERS", "premium,standard,batch", "Priority bands to pull, most important first (`batch`: lines of the Batch API, only into slots the preemption policy grants).")
     max_running: int = env("INFERBUS_WORKER_MAX_RUNNING", 0, "Requests to hold at once; 0 = the engine's max_running_requests from /server_info.")
     batch_share: float = env("INFERBUS_WORKER_BATCH_SHARE", 0.75, "Largest share of this worker's slots that batch lines may hold (0-1, rounded down).")
@@ -27,6 +38,8 @@ class WorkerSettings:
     batch_max_attempts: int = env("INFERBUS_WORKER_BATCH_MAX_ATTEMPTS", 5, "Attempts of a batch line across retryable engine failures before it ends with an error result.")
     heartbeat_interval_s: float = env("INFERBUS_HEARTBEAT_INTERVAL_S", 1.0, "How often the heartbeat is refreshed in the `workers` KV bucket.")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose heartbeat is older than this is dead.")
+    stall_after_s: float = env("INFERBUS_WORKER_STALL_AFTER_S", 30.0, "The heartbeat thread stops heartbeating (and the worker is declared dead) when the worker's event loop has not run for this long.")
+    state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of this service's durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")

@@ -1,0 +1,133 @@
+"""A model whose chat template is not Llama-3's (ChatML, no BOS token), served end to end with its
+own tokenizer: prompts rendered by its template, token ids from the gateway to the engine, usage
+as the engine counts it, and the engine's KV events (page size 1, as SGLang on CPU) reaching the
+router as the very blocks the gateway hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import openai
+import pytest
+
+from inferbus.prompt import load_model, render_prompt
+from inferbus.tokens import block_hashes
+from proto import messages as m
+from proto import subjects
+
+from .conftest import MODEL, Platform, running_platform
+
+pytestmark = pytest.mark.e2e
+
+LONG = " ".join(f"Paragraph {i} of the reference manual explains one more setting in detail." for i in range(120))
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory: pytest.TempPathFactory, chatml_model_dir: Path) -> Iterator[Platform]:
+    with running_platform(tmp_path_factory.mktemp("chatml"), workers=1, time_scale=0.1, model_dir=chatml_model_dir,
+                          engine_args=["--block-size", "1"]) as running:
+        yield running
+
+
+def _engine_generate(platform: Platform, body: dict) -> dict:
+    request = urllib.request.Request(platform.engine_url(1) + "/generate", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def test_a_chatml_model_is_served_with_its_own_template(chatml: Platform, chatml_model_dir: Path) -> None:
+    model = load_model(str(chatml_model_dir))
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    prompt = render_prompt(model, messages=messages)
+    assert prompt.text.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n")
+    reply = chatml.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.choices[0].message.content
+    assert reply.usage.prompt_tokens == len(prompt.ids)
+    # The engine counts the same prompt the same way: what is billed is what it computes on.
+    engine = _engine_generate(chatml, {"text": prompt.text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert engine["meta_info"]["prompt_tokens"] == reply.usage.prompt_tokens
+    assert engine["text"] == reply.choices[0].message.content
+    # The output is token ids of the model's vocabulary: they decode to the text streamed.
+    assert model.decode(engine["output_ids"]) == engine["text"]
+    stream = chatml.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                                     stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(prompt.ids)
+
+
+def test_completions_use_the_tokenizers_special_tokens(chatml: Platform, chatml_model_dir: Path) -> None:
+    model = load_model(str(chatml_model_dir))
+    reply = chatml.client().completions.create(model=MODEL, prompt="def main():", max_tokens=3, temperature=0)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(model.encode("def main():", add_special_tokens=True))
+
+
+def test_a_message_the_template_refuses_is_a_400_naming_it(chatml: Platform) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        chatml.client().chat.completions.create(model=MODEL, max_tokens=2, messages=[  # type: ignore[arg-type]
+            {"role": "user", "content": "hi"}, {"role": "system", "content": "late"}])
+    assert "system message must come first" in str(error.value)
+
+
+def test_a_repeated_long_prompt_reports_the_engines_cached_tokens(chatml: Platform) -> None:
+    messages = [{"role": "user", "content": LONG}]
+    first = chatml.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    second = chatml.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    assert first.usage and second.usage and second.usage.prompt_tokens == first.usage.prompt_tokens > 1000
+    details = second.usage.prompt_tokens_details
+    # Page size 1: the engine reuses every prompt token but the last, and the response says so.
+    assert details is not None and details.cached_tokens == second.usage.prompt_tokens - 1
+
+
+def test_the_engines_cache_events_reach_the_router_as_the_gateways_blocks(chatml: Platform, chatml_model_dir: Path) -> None:
+    model = load_model(str(chatml_model_dir))
+    messages = [{"role": "user", "content": "Relay check. " + LONG[:3000]}]
+    expected = block_hashes(render_prompt(model, messages=messages).ids, 64)
+    assert len(expected) >= 5
+
+    async def relayed() -> set[int]:
+        nc = await nats.connect(chatml.stack.nats_url)
+        stored: set[int] = set()
+        sizes: set[int] = set()
+
+        async def on_event(msg: object) -> None:
+            event = msgspec.msgpack.decode(msg.data, type=m.CacheEvent)  # type: ignore[attr-defined]
+            for block in event.stored:
+                stored.update(block.block_hashes)
+                sizes.add(block.block_size)
+
+        await nc.subscribe(subjects.cache_wildcard(), cb=on_event)
+        await nc.flush()
+        client = openai.AsyncOpenAI(base_url=chatml.base_url, api_key=chatml.api_key, max_retries=0)
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+        for _ in range(50):
+            if set(expected) <= stored:
+                break
+            await asyncio.sleep(0.1)
+        await nc.close()
+        assert sizes == {64}
+        return stored
+
+    assert set(expected) <= asyncio.run(relayed())
+
+
+def test_tools_and_tool_results_are_rendered_by_the_template(chatml: Platform, chatml_model_dir: Path) -> None:
+    model = load_model(str(chatml_model_dir))
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12 C and dry"}]
+    reply = chatml.client().chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)  # type: ignore[arg-type]
+    prompt = render_prompt(model, messages=messages, tools=tools)
+    assert "<tools>\n" in prompt.text and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt.text
+    assert "<tool_response>\n12 C and dry\n</tool_response>" in prompt.text
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids)
