@@ -12,7 +12,7 @@ help:
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  measure the serving spine; writes bench/results/"
 	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing.* and simulate_vs_dynamo.*"
-	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~20 min); writes bench/results/"
+	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make clean  remove the virtualenv and local state"

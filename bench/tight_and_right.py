@@ -9,7 +9,8 @@ budget) replays the Azure conversation trace's arrival shape, scaled so its busi
 peak, on the planned fleet and on one 10% smaller. Right: the planned fleet holds the SLO (p90 TTFT
 ≤ 800 ms and p90 TPOT ≤ 40 ms) in at least 99% of minutes; tight: the smaller one does not. The
 same again for the fleet sized at the autoscaler's TPOT margin (the planner's goodput × 0.908,
-services/autoscaler/simulated.py), which is what the autoscaler runs. Writes tight_and_right.md
+services/autoscaler/simulated.py), which is what the autoscaler runs; and the smallest fleet the
+simulator finds holding the SLO (bisection, to 1% of the plan). Writes tight_and_right.md
 and .json; `--fleets` reruns some fleets and keeps the other results of the same duration.
 """
 
@@ -36,7 +37,8 @@ PEAK_RPS = 833.3
 TARGET = 0.99  # share of minutes within the SLO
 SMALLER = 0.9
 CASES = [("worked example", "worked-example", None), ("Azure conversation trace", TRACE, 0.3)]
-FLEETS = ("planned", "10% smaller", "at the TPOT margin", "TPOT margin 10% smaller")
+FLEETS = ("planned", "10% smaller", "at the TPOT margin", "TPOT margin 10% smaller", "smallest holding")
+SEARCH_UP_TO = 1.5  # the smallest holding fleet is looked for up to this multiple of the plan
 
 
 def run_case(label: str, mix_name: str, cached: float | None, seconds: float, seed: int,
@@ -50,20 +52,41 @@ def run_case(label: str, mix_name: str, cached: float | None, seconds: float, se
     margin = math.ceil(row.replicas_exact / TPOT_MARGIN - 1e-9)
     fleets = dict(zip(FLEETS, (row.replicas, math.floor(row.replicas * SMALLER), margin, math.floor(margin * SMALLER))))
     results = {}
-    for name, replicas in fleets.items():
-        if name not in only and earlier.get(name, {}).get("replicas") == replicas:
-            results[name] = earlier[name]
-            continue
+
+    def simulate(name: str, replicas: int) -> dict[str, Any]:
         workload = DayWorkload(shape, 60.0, seconds, PEAK_RPS, mix, mode="tile", seed=seed)
         config = FastConfig(replicas=replicas, engine=engine, seed=seed, slo_ttft_s=0.8, slo_tpot_s=0.04,
                             price_per_gpu_hour=2.5)
         summary = FastFleet(config, workload.arrivals()).run()
-        results[name] = {"replicas": replicas, **{k: getattr(summary, k) for k in (
-            "minutes", "minute_attainment", "request_attainment", "requests", "rejected", "ttft_p90_s", "tpot_p90_s",
-            "cpu_s")}}
         print(f"{label}: {name} {replicas} replicas → {summary.minute_attainment:.1%} of {summary.minutes} minutes "
               f"within the SLO (TTFT p90 {summary.ttft_p90_s * 1e3:.0f} ms, TPOT p90 {summary.tpot_p90_s * 1e3:.1f} ms)",
               flush=True)
+        return {"replicas": replicas, **{k: getattr(summary, k) for k in (
+            "minutes", "minute_attainment", "request_attainment", "requests", "rejected", "ttft_p90_s", "tpot_p90_s",
+            "cpu_s")}}
+
+    for name, replicas in fleets.items():
+        if name not in only and earlier.get(name, {}).get("replicas") == replicas:
+            results[name] = earlier[name]
+        else:
+            results[name] = simulate(name, replicas)
+    if "smallest holding" not in only and "smallest holding" in earlier:
+        results["smallest holding"] = earlier["smallest holding"]
+    elif "smallest holding" in only:
+        # Bisection between the largest fleet seen failing and the smallest seen holding.
+        seen = list(results.values())
+        low = max((r["replicas"] for r in seen if r["minute_attainment"] < TARGET), default=0)
+        best = min((r for r in seen if r["minute_attainment"] >= TARGET), key=lambda r: r["replicas"], default=None)
+        if best is None:
+            best = simulate("smallest holding", math.ceil(row.replicas * SEARCH_UP_TO))
+        while best["minute_attainment"] >= TARGET and best["replicas"] - low > max(1, round(row.replicas * 0.01)):
+            trial = simulate("smallest holding", (low + best["replicas"]) // 2)
+            if trial["minute_attainment"] >= TARGET:
+                best = trial
+            else:
+                low = trial["replicas"]
+        results["smallest holding"] = best
+
     def held(name: str) -> bool:
         return results[name]["minute_attainment"] >= TARGET
 
@@ -79,15 +102,21 @@ def markdown(cases: list[dict[str, Any]], seconds: float) -> str:
              f"(chunked prefill 2,048, SLO p90 TTFT ≤ 800 ms, TPOT ≤ 40 ms, 15% headroom); the fleet simulator "
              f"replays the arrival shape of `{TRACE}` scaled to that peak for {seconds / 60:.0f} minutes. "
              f"Right = at least {TARGET:.0%} of minutes within the SLO on the planned fleet; tight = fewer on one "
-             f"{1 - SMALLER:.0%} smaller. The last two fleets are sized at the autoscaler's TPOT margin (the "
-             f"planner's goodput × {TPOT_MARGIN:.3f}).", "",
+             f"{1 - SMALLER:.0%} smaller. The third and fourth fleets are sized at the autoscaler's TPOT margin (the "
+             f"planner's goodput × {TPOT_MARGIN:.3f}); the last is the smallest fleet the simulator finds holding the "
+             f"SLO (bisection to 1% of the plan, up to {SEARCH_UP_TO:g} × it).", "",
              "| case | goodput per replica | fleet | replicas | minutes within SLO | requests within SLO | "
              "TTFT p90 | TPOT p90 | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
         for name, r in case["fleets"].items():
             key = "margin_" if "margin" in name else ""
-            verdict = ("tight" if case[key + "tight"] else "**not tight**") if "smaller" in name else (
-                "right" if case[key + "right"] else "**not right**")
+            if name == "smallest holding":
+                holds = r["minute_attainment"] >= TARGET
+                verdict = (f"{r['replicas'] / case['fleets']['planned']['replicas'] - 1:+.0%} on the plan" if holds
+                           else f"none up to {SEARCH_UP_TO:g} × the plan")
+            else:
+                verdict = ("tight" if case[key + "tight"] else "**not tight**") if "smaller" in name else (
+                    "right" if case[key + "right"] else "**not right**")
             lines.append(f"| {case['case']} | {case['goodput_rps_per_replica']:.2f} req/s ({case['binding']}) | {name} | "
                          f"{r['replicas']} | {r['minute_attainment']:.1%} of {r['minutes']} | "
                          f"{r['request_attainment']:.1%} | {r['ttft_p90_s'] * 1e3:,.0f} ms | "

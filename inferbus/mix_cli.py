@@ -39,9 +39,12 @@ async def read_ledger(nats_url: str, start: float, end: float) -> list[m.UsageEv
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
+    from inferbus import bus
+
     # One read of a window: fail at once when the server is not there rather than reconnect.
+    # Credentials and TLS as every inferbus client takes them (NATS_USER, NATS_PASSWORD, NATS_TLS_*).
     nc = await nats.connect(nats_url, name="mix-from-usage", connect_timeout=5, allow_reconnect=False,
-                             max_reconnect_attempts=1)
+                             max_reconnect_attempts=1, **bus.bus_settings().options(nats_url))  # type: ignore[arg-type]
     events: list[m.UsageEvent] = []
     try:
         js = nc.jetstream()
@@ -87,10 +90,12 @@ def mix_group() -> None:
 @click.option("--name", default=None, help="Name of the mix [default: usage-<start>-<end>].")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the mix spec here (YAML) instead of printing it, e.g. --out measured.yaml.")
-@click.option("--nats-url", envvar="NATS_URL", default="nats://127.0.0.1:4222", show_default=True,
-              help="NATS server holding the USAGE stream (env NATS_URL).")
+@click.option("--nats-url", envvar="NATS_URL", default=None,
+              help="NATS server holding the USAGE stream (env NATS_URL; credentials from NATS_USER/NATS_PASSWORD). "
+                   "Default: the local platform `inferbus up` runs (with its operator credentials), else "
+                   "nats://127.0.0.1:4222.")
 def from_usage(since: str, until: str | None, model: str | None, tenant: str | None, include_batch: bool,
-               name: str | None, out: Path | None, nats_url: str) -> None:
+               name: str | None, out: Path | None, nats_url: str | None) -> None:
     """Turn a window of the platform's own traffic (the usage ledger) into a mix spec.
 
     Completed requests of the window are binned on a log2 grid of (input, output) tokens; each
@@ -111,10 +116,15 @@ def from_usage(since: str, until: str | None, model: str | None, tenant: str | N
     if end <= start:
         raise click.BadParameter("the window is empty: --until must be after --since")
     window = usage_mix.UsageFilter(start=start, end=end, model=model, tenant=tenant, include_batch=include_batch)
+    from inferbus import local_platform
+
+    ledger = local_platform.nats_url(nats_url)
+    click.echo(ledger.note, err=True)
     try:
-        events = asyncio.run(read_ledger(nats_url, start, end))
+        events = asyncio.run(read_ledger(ledger.value, start, end))
     except Exception as error:  # the connection or the stream lookup: report, don't trace back
-        raise click.ClickException(f"cannot read the usage ledger at {nats_url}: {error or type(error).__name__}") from None
+        raise click.ClickException(f"cannot read the usage ledger at {local_platform.redact(ledger.value)}: "
+                                   f"{error or type(error).__name__}") from None
     collected = usage_mix.collect(events, window)
 
     def stamp(t: float) -> str:

@@ -274,3 +274,12 @@ def test_shipped_production_plan_is_what_the_worked_example_emits(tmp_path: Path
     assert result.exit_code == 0, result.output
     emitted = {p.name: p.read_text() for p in (tmp_path / "deploy" / "k8s" / "plan").iterdir()}
     assert emitted == shipped, "deploy/k8s/plan differs from what its command emits: rerun the command in its header"
+
+
+def test_report_states_adapter_size_load_time_and_slot_pressure() -> None:
+    from inferbus.plan import report
+
+    text = report.markdown(_plan(lora_adapters=16))
+    assert "16 LoRA adapters of rank 16" in text and "holds 414 MB and loads in 67 ms" in text
+    assert "more adapters than slots" in text
+    assert "more adapters than slots" not in report.markdown(_plan(lora_adapters=4))

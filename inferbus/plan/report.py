@@ -11,6 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from services.sim_engine.perf_model import lora_adapter_bytes, lora_load_s
+
 from .model import OperatingPoint
 from .options import Variant
 from .planner import Plan, PlanInputs, Row, zone_factor
@@ -256,7 +258,10 @@ def _inputs_section(plan: Plan) -> list[str]:
            f"(E = (1 − α^(k+1)) ÷ (1 − α) = {i.spec.tokens_per_step:.2f} tokens per step; each draft step "
            f"{i.spec.draft_cost:g} × a decode step), on in a row only where it raises the goodput; "
            if i.spec else "no speculative decoding; ")
-        + (f"{i.lora_adapters} LoRA adapters of rank {i.lora_rank} spread evenly, {i.lora_slots} per batch."
+        + (f"{i.lora_adapters} LoRA adapters of rank {i.lora_rank} spread evenly, {i.lora_slots} per batch; each "
+           f"holds {lora_adapter_bytes(i.lora_rank) / 1e6:,.0f} MB and loads in {lora_load_s(i.lora_rank) * 1e3:,.0f} ms"
+           + (f" (more adapters than slots: requests for an adapter outside the batch's {i.lora_slots} wait for a "
+              "slot, and a swap costs that load time)." if i.lora_adapters > i.lora_slots else ".")
            if i.lora_adapters else "base model only (no LoRA adapters)."),
         f"- **Cold start** {i.cold_start_s:g} s, **warm start** {i.warm_start_s:g} s.",
     ]
