@@ -53,6 +53,11 @@ def encode(text: str) -> list[int]:
     return out
 
 
+def pieces(text: str) -> list[str]:
+    """The text of each token of `text` (`encode` maps each piece to its id)."""
+    return _PIECE.findall(text)
+
+
 def count_tokens(text: str) -> int:
     return len(_PIECE.findall(text))
 

@@ -79,6 +79,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = -1  # -1: no limit (SGLang's convention)
+    min_p: float = 0.0
+    # Constrained decoding, at most one set (SGLang's sampling parameters of the same names);
+    # json_schema is the schema as JSON text.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logprobs: bool = False  # return each generated token's logprob
+    top_logprobs: int = 0  # and this many most likely alternatives per position
+
+    @property
+    def constrained(self) -> bool:
+        """Decoding follows a grammar, which restarts with every engine request: such an output
+        cannot be continued from its text by another attempt, only started again."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """One generated token's logprob and its most likely alternatives (token text, logprob)."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
 
 
 class InferenceRequest(_Message, tag="request"):
@@ -109,6 +132,9 @@ class InferenceRequest(_Message, tag="request"):
     expected_cached_tokens: int = 0
     batch_id: str | None = None  # set for lines of a batch (billed at the batch discount)
     batch_line: int = -1  # for lines of a batch: the 0-based line of the input file
+    # n > 1: which choice this engine request is (each its own request id); choices after the
+    # first report no prompt tokens in their usage, since OpenAI bills the prompt once.
+    choice: int = 0
     # The prompt as the served model's tokenizer encoded it (inferbus.prompt): the engine computes
     # on these ids, so what it caches is what was counted and hashed. Empty: the engine gets `prompt`.
     input_ids: list[int] = []
@@ -139,6 +165,7 @@ class TokenChunk(_Message, tag="chunk"):
     text: str
     completion_tokens: int  # client-visible total so far, including resumed tokens
     prompt_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # of this chunk's tokens, when the request asked
     token_ids: list[int] = []  # the ids of `text` (the engine's output_ids since the previous chunk)
 
 
@@ -159,6 +186,7 @@ class Final(_Message, tag="final"):
     usage: Usage
     matched_stop: str | None = None
     worker_id: str = ""
+    logprobs: list[TokenLogprob] | None = None  # of `text`'s tokens, when the request asked
     token_ids: list[int] = []  # the ids of `text`
 
 

@@ -134,7 +134,7 @@ def test_repeated_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
         (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}' % MODEL.encode(), 400, "invalid_value"),
         (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999}' % MODEL.encode(), 400, "context_length_exceeded"),
         (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": 7}' % MODEL.encode(), 400, "invalid_value"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 3}' % MODEL.encode(), 400, "unsupported_value"),
+        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 0}' % MODEL.encode(), 400, "invalid_value"),
         (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "missing_required_parameter"),
         (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found"),
     ],

@@ -38,6 +38,14 @@ def test_migration_continues_from_token_ids_not_retokenized_text() -> None:
     assert fourth.resumed_text == " ab c d e" and fourth.resumed_tokens == 5
 
 
+def test_constrained_output_is_not_continued_from_its_text() -> None:
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x", deadline=1e12,
+                                 created=0, sampling=m.SamplingParams(max_new_tokens=10, json_schema='{"type":"object"}'))
+    assert next_attempt(Flight(request=request, sent_text=['{"a'], sent_tokens=2), max_attempts=3, now=0) is None
+    fresh = next_attempt(Flight(request=request), max_attempts=3, now=0)  # nothing sent yet: start over
+    assert fresh is not None and fresh.attempt == 1 and fresh.resumed_text == ""
+
+
 async def test_a_gap_in_the_stream_migrates_instead_of_skipping_text() -> None:
     import asyncio
 

@@ -17,6 +17,11 @@ def test_chat_body_with_max_completion_tokens_and_text_parts() -> None:
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 33}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "18 C"}]}, "messages[0].tool_call_id"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
 ])
 def test_bad_chat_bodies_name_the_parameter(body: dict, param: str) -> None:
     with pytest.raises(OpenAIError) as raised:

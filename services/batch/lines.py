@@ -18,6 +18,7 @@ from inferbus.prompt import PromptError, ServedModel, render_prompt
 from proto import messages as m
 from services.gateway import responses, schemas
 from services.gateway.errors import OpenAIError
+from services.gateway.sampling import sampling_params
 
 ENDPOINT_KINDS: dict[str, Literal["chat", "completion"]] = {
     "/v1/chat/completions": "chat", "/v1/completions": "completion",
@@ -56,6 +57,16 @@ def parse_body(endpoint: str, body: bytes) -> schemas.ChatCompletionRequest | sc
     request = schemas.parse_chat(body) if kind == "chat" else schemas.parse_completion(body)
     if request.stream:
         raise OpenAIError(400, "stream is not supported in a batch.", param="stream", code="unsupported_value")
+    # Output lines carry text only: what needs more of the response is refused, not dropped.
+    if request.n != 1:
+        raise OpenAIError(400, "n greater than 1 is not supported in a batch.", param="n", code="unsupported_value")
+    if isinstance(request, schemas.ChatCompletionRequest):
+        if request.tools and request.tool_choice != "none":
+            raise OpenAIError(400, "tools are not supported in a batch.", param="tools", code="unsupported_value")
+        if request.logprobs:
+            raise OpenAIError(400, "logprobs are not supported in a batch.", param="logprobs", code="unsupported_value")
+    elif request.logprobs is not None:
+        raise OpenAIError(400, "logprobs are not supported in a batch.", param="logprobs", code="unsupported_value")
     return request
 
 
@@ -78,22 +89,19 @@ def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: 
     params = parse_body(endpoint, body)
     try:
         if isinstance(params, schemas.ChatCompletionRequest):
-            prompt = render_prompt(model, messages=msgspec.to_builtins(params.messages), tools=params.tools)
+            # Tools are refused in a batch unless tool_choice is `none`, which renders none.
+            prompt = render_prompt(model, messages=msgspec.to_builtins(params.messages))
         else:
             assert isinstance(params.prompt, str)
             prompt = render_prompt(model, prompt=params.prompt)
     except PromptError as error:
         raise OpenAIError(400, str(error), code="invalid_prompt") from None
     prompt_tokens = len(prompt.ids)
-    sampling = m.SamplingParams(
-        max_new_tokens=responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens),
-        temperature=1.0 if params.temperature is None else params.temperature,
-        top_p=1.0 if params.top_p is None else params.top_p,
-        stop=schemas.stop_list(params.stop), seed=params.seed,
-        presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
-    )
+    sampling = sampling_params(
+        params, responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens))
     return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt.text, prompt_tokens=prompt_tokens,
-                    sampling=sampling, user=params.user, input_ids=prompt.ids)
+                    sampling=sampling, input_ids=prompt.ids,
+                    user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None))
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,

@@ -66,6 +66,8 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
     request = flight.request
     if request.attempt + 1 >= max_attempts or now >= request.deadline:
         return None
+    if request.sampling.constrained and (flight.sent_tokens or request.resumed_tokens):
+        return None  # the grammar would start over in the middle of the output
     # Continue from token ids (re-tokenized text may split differently), unless the worker did not
     # report the ids of everything it sent (an engine without output_ids): then from text.
     ids_complete = bool(request.input_ids) and len(flight.sent_ids) == flight.sent_tokens - request.resumed_tokens
@@ -329,7 +331,8 @@ class Dispatcher:
     async def publish_usage(self, flight: Flight, status: str, finish: str | None) -> None:
         """For requests no worker finished: bill what the client received, once."""
         request = flight.request
-        usage = m.Usage(prompt_tokens=flight.prompt_tokens or 0, completion_tokens=flight.sent_tokens)
+        # n > 1: only the first choice bills the prompt.
+        usage = m.Usage(prompt_tokens=0 if request.choice else flight.prompt_tokens or 0, completion_tokens=flight.sent_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from proto import messages as m
 from services.billing.pricing import Prices
 
 from . import metrics, responses, schemas
+from .sampling import sampling_params
+from .tools import ToolCall, ToolOutput
 from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
@@ -64,10 +67,29 @@ class _Call:
     usage: m.Usage | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
     lease_held: bool = True  # the tenant's concurrency lease for this request
+    logprobs: bool = False
+    choices: list[_Choice] = field(default_factory=list)  # one per `n`, each its own flight
+    pumps: list[asyncio.Future[None]] = field(default_factory=list)  # n > 1: relays of the choices' events
 
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+
+
+@dataclass
+class _Choice:
+    """One of the request's `n` outputs: its flight and what its stream has said so far."""
+
+    index: int
+    flight: Flight
+    tool_output: ToolOutput | None = None  # reads tool calls out of the output when tools are offered
+    pending_logprobs: list[m.TokenLogprob] = field(default_factory=list)  # not yet sent with a chunk
+    text_offset: int = 0  # characters of completion text sent (legacy completions' text_offset)
+    tool_calls_sent: int = 0
+    started: bool = False  # its first chunk (with the role) was sent
+    final: m.Final | None = None
+    parts: list[str] = field(default_factory=list)  # non-streaming: the text so far
+    logprobs: list[m.TokenLogprob] = field(default_factory=list)  # non-streaming: the logprobs so far
 
 
 class ClientGone(Exception):
@@ -107,7 +129,7 @@ class Generation:
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            flight, call = await self._admit(scope, receive, request_id, endpoint)
+            call = await self._admit(scope, receive, request_id, endpoint)
         except OpenAIError as error:
             metrics.REQUESTS.labels(endpoint, str(error.status)).inc()
             await send_json(send, error.status, error.body(), request_id, error.headers)
@@ -120,19 +142,23 @@ class Generation:
             return
         metrics.INFLIGHT.inc()
         status = "200"
-        call.flight = flight
         try:
             if call.stream:
-                status = await self._until_disconnect(receive, self._stream(flight, call, send, request_id))
+                status = await self._until_disconnect(receive, self._stream(call, send, request_id))
             else:
-                status = await self._until_disconnect(receive, self._respond(flight, call, send, request_id))
+                status = await self._until_disconnect(receive, self._respond(call, send, request_id))
         except ClientGone:
             status = "499"
             metrics.ERRORS.labels("client_disconnect").inc()
-            await self.dispatcher.cancel(flight, "client_disconnect")
+            for choice in call.choices:
+                if choice.final is None:
+                    await self.dispatcher.cancel(choice.flight, "client_disconnect")
         finally:
+            for pump in call.pumps:
+                pump.cancel()
             await self._release_lease(call)
-            self.dispatcher.close(flight)
+            for choice in call.choices:
+                self.dispatcher.close(choice.flight)
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(endpoint, status).inc()
             if self.settings.access_log:
@@ -153,16 +179,18 @@ class Generation:
 
     # ---- admission: auth, parsing, publishing -----------------------------------------------
 
-    async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> tuple[Flight, _Call]:
+    async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> _Call:
         principal = await self._authenticate(_header(scope, b"authorization"))
         tenant = await self.tenant(principal)
         body = await self._read_body(receive, _header(scope, b"content-length"))
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
             model, adapter = self.catalog.resolve(chat.model, tenant)
+            # tool_choice none: the model is not told about the tools (SGLang does the same).
+            offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
             render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
-                                       tools=chat.tools)
-            params: schemas._Common = chat
+                                       tools=offered)
+            params: schemas.ChatCompletionRequest | schemas.CompletionRequest = chat
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
@@ -192,36 +220,46 @@ class Generation:
         if not admitted:
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
                               code="overloaded", headers={"retry-after": str(int(retry_after))})
-        decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens)
+        n = params.n
+        decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
         now = time.time()
         inference = m.InferenceRequest(
             request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
             api_key_id=principal.key_id, adapter=adapter,
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-            sampling=m.SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=1.0 if params.temperature is None else params.temperature,
-                top_p=1.0 if params.top_p is None else params.top_p,
-                stop=schemas.stop_list(params.stop), seed=params.seed,
-                presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
-            ),
+            sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, user=params.user, prompt_tokens=prompt_tokens, input_ids=prompt.ids,
+            created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids,
+            user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
-                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()])
+                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
+                     logprobs=inference.sampling.logprobs)
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
             try:
-                flight = await self.dispatcher.open(inference, weight=tenant.weight, block_hashes=hashes)
+                for index in range(n):
+                    # n > 1: one engine request per choice, with equal prompts (placed by the same
+                    # prefix hashes, so they meet the prompt in the same cache).
+                    flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
+                                                        block_hashes=hashes)
+                    call.choices.append(_Choice(index=index, flight=flight))
             except DispatchError as error:
+                for choice in call.choices:
+                    await self.dispatcher.cancel(choice.flight, "client_disconnect")
+                    self.dispatcher.close(choice.flight)
                 await self._release_reservation(tenant.id, request_id)
                 raise OpenAIError(error.status, str(error), code=error.code,
                                   headers={"retry-after": str(int(error.retry_after or 1))}) from None
-        return flight, call
+        call.flight = call.choices[0].flight
+        if isinstance(params, schemas.ChatCompletionRequest) and offered:
+            for choice in call.choices:
+                choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
+                                                parallel=params.parallel_tool_calls is not False)
+        return call
 
     async def tenant(self, principal: Principal) -> Tenant:
         try:
@@ -340,88 +378,193 @@ class Generation:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
 
-    async def _stream(self, flight: Flight, call: _Call, send: Any, request_id: str) -> str:
+    async def _events(self, call: _Call) -> AsyncIterator[tuple[_Choice, m.StreamEvent]]:
+        """The events of every choice, as they come, until each has its Final or one fails."""
+        if len(call.choices) == 1:
+            choice = call.choices[0]
+            async for event in self.dispatcher.events(choice.flight):
+                yield choice, event
+            return
+        merged: asyncio.Queue[tuple[_Choice, m.StreamEvent | None]] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            async for event in self.dispatcher.events(choice.flight):
+                merged.put_nowait((choice, event))
+            merged.put_nowait((choice, None))
+
+        # Cancelled when the response ends, however it ends (see __call__).
+        call.pumps = [asyncio.ensure_future(pump(choice)) for choice in call.choices]
+        running = len(call.pumps)
+        while running:
+            choice, item = await merged.get()
+            if item is None:
+                running -= 1
+                continue
+            yield choice, item
+
+    def _quiet(self, call: _Call) -> bool:
+        """Nothing more is queued for this response right now."""
+        return all(choice.flight.events.empty() for choice in call.choices)
+
+    def _usage_of(self, call: _Call) -> m.Usage:
+        """OpenAI's usage of n choices: the prompt once, the completions summed."""
+        finals = [choice.final for choice in call.choices if choice.final is not None]
+        first = finals[0].usage
+        if len(finals) == 1:
+            return first
+        return m.Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                       completion_tokens=sum(f.usage.completion_tokens for f in finals))
+
+    async def _stream(self, call: _Call, send: Any, request_id: str) -> str:
+        deadline = call.choices[0].flight.request.deadline
+        # Headers at once: a streaming client learns its request id while the request waits.
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
         frames: list[bytes] = []
-        first = True
         status = "200"
         try:
-            async with asyncio.timeout(max(0.0, flight.request.deadline - time.time())):
-                async for event in self.dispatcher.events(flight):
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                async for choice, event in self._events(call):
                     if isinstance(event, m.TokenChunk):
-                        if event.text or first:
-                            self._first_token(call, first)
-                            frames.append(self._chunk(call, event.text, None, first))
-                            first = False
-                        if flight.events.empty():  # write what has queued up in one go
+                        if event.text or not choice.started:
+                            self._first_token(call, not choice.started)
+                            frames.extend(self._chunks(call, choice, event.text, event.logprobs))
+                        elif call.logprobs:  # tokens without text yet: their logprobs go with the next chunk
+                            choice.pending_logprobs.extend(event.logprobs or ())
+                        if self._quiet(call):  # write what has queued up in one go
                             await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
                         continue
                     if isinstance(event, m.Final):
-                        if event.text or first:
-                            self._first_token(call, first)
-                            frames.append(self._chunk(call, event.text, None, first))
-                        frames.append(self._chunk(call, None if call.endpoint == "chat" else "", _finish(event), False))
+                        if event.text or not choice.started or choice.tool_output is not None:
+                            self._first_token(call, not choice.started)
+                            frames.extend(self._chunks(call, choice, event.text, event.logprobs, final=True))
+                        elif call.logprobs:
+                            choice.pending_logprobs.extend(event.logprobs or ())
+                        finish = responses.finish_reason(event.finish_reason, choice.tool_calls_sent > 0)
+                        frames.append(self._chunk(call, None if call.endpoint == "chat" else "", finish, False,
+                                                  index=choice.index, choice=choice,
+                                                  logprobs=choice.pending_logprobs if call.logprobs else None))
+                        choice.final = event
+                        if any(c.final is None for c in call.choices):
+                            continue
+                        usage = self._usage_of(call)
                         if call.include_usage:
-                            frames.append(self._usage_chunk(call, event.usage))
-                        self._record(flight, call, event)
+                            frames.append(self._usage_chunk(call, usage))
+                        self._record(call, usage)
                     else:
                         error = _event_error(event)
                         status = str(error.status)
                         frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
-                        await self._give_up(flight, error)
+                        await self._give_up(call, choice, error)
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
             status = "504"
             frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
-            await self._give_up(flight, error, cancel_reason="deadline")
+            await self._give_up(call, None, error, cancel_reason="deadline")
         await self._release_lease(call)
         frames.append(DONE)
         await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
         return status
 
-    async def _respond(self, flight: Flight, call: _Call, send: Any, request_id: str) -> str:
-        parts: list[str] = []
-        event: m.StreamEvent | None = None
+    async def _respond(self, call: _Call, send: Any, request_id: str) -> str:
+        deadline = call.choices[0].flight.request.deadline
+        failed: tuple[_Choice, m.StreamEvent] | None = None
         try:
-            async with asyncio.timeout(max(0.0, flight.request.deadline - time.time())):
-                async for event in self.dispatcher.events(flight):
-                    if isinstance(event, m.TokenChunk):
-                        parts.append(event.text)
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                async for choice, event in self._events(call):
+                    if isinstance(event, (m.TokenChunk, m.Final)):
+                        choice.parts.append(event.text)
+                        choice.logprobs.extend(event.logprobs or ())
+                        if isinstance(event, m.Final):
+                            choice.final = event
+                            if all(c.final is not None for c in call.choices):
+                                break
                         continue
+                    failed = (choice, event)
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
-            await self._give_up(flight, error, cancel_reason="deadline")
+            await self._give_up(call, None, error, cancel_reason="deadline")
             await send_json(send, 504, error.body(), request_id)
             return "504"
-        if not isinstance(event, m.Final):
-            error = _event_error(event) if event is not None else OpenAIError(502, "No response from the worker.")
-            await self._give_up(flight, error)
+        if failed is not None or any(c.final is None for c in call.choices):
+            choice = failed[0] if failed else call.choices[0]
+            error = _event_error(failed[1]) if failed else OpenAIError(502, "No response from the worker.")
+            await self._give_up(call, choice, error)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
-        parts.append(event.text)
         self._first_token(call, True)
-        self._record(flight, call, event)
+        usage = self._usage_of(call)
+        self._record(call, usage)
         await self._release_lease(call)
-        await send_json(send, 200, self._completion_body(call, event, "".join(parts)), request_id,
+        await send_json(send, 200, self._completion_body(call, usage), request_id,
                         {k.decode(): v.decode() for k, v in call.headers})
         return "200"
 
     # ---- rendering --------------------------------------------------------------------------
 
-    def _chunk(self, call: _Call, text: str | None, finish: str | None, first: bool) -> bytes:
+    def _chunks(self, call: _Call, choice: _Choice, text: str, logprobs: list[m.TokenLogprob] | None,
+                final: bool = False) -> list[bytes]:
+        """The chunks of some generated text of one choice: content as it comes, or, when tools
+        are offered, content and tool calls as the parser finds them."""
+        first = not choice.started
+        choice.started = True
+        if call.logprobs:
+            choice.pending_logprobs.extend(logprobs or ())
+        if choice.tool_output is None:
+            return [self._chunk(call, text, None, first, index=choice.index, logprobs=self._take_logprobs(call, choice),
+                                choice=choice)]
+        parts = choice.tool_output.feed(text)
+        if final:
+            parts += choice.tool_output.finish()
+        frames: list[bytes] = []
+        if first:  # the role comes first, whatever follows
+            frames.append(self._chunk(call, "", None, True, index=choice.index))
+        for part in parts:
+            if isinstance(part, ToolCall):
+                frames.extend(self._tool_call_chunks(call, choice, part))
+            else:
+                frames.append(self._chunk(call, part, None, False, index=choice.index,
+                                          logprobs=self._take_logprobs(call, choice)))
+        return frames
+
+    @staticmethod
+    def _take_logprobs(call: _Call, choice: _Choice) -> list[m.TokenLogprob] | None:
+        if not call.logprobs:
+            return None
+        taken, choice.pending_logprobs = choice.pending_logprobs, []
+        return taken
+
+    def _tool_call_chunks(self, call: _Call, choice: _Choice, tool_call: ToolCall) -> list[bytes]:
+        """OpenAI's streamed shape: a delta with the call's id, type and name, then its arguments."""
+        index = choice.tool_calls_sent
+        choice.tool_calls_sent += 1
+        head = {"index": index, "id": tool_call.id, "type": "function", "function": {"name": tool_call.name, "arguments": ""}}
+        return [self._chunk(call, None, None, False, index=choice.index, tool_calls=[head]),
+                self._chunk(call, None, None, False, index=choice.index,
+                            tool_calls=[{"index": index, "function": {"arguments": tool_call.arguments}}])]
+
+    def _chunk(self, call: _Call, text: str | None, finish: str | None, first: bool, *, index: int = 0,
+               logprobs: list[m.TokenLogprob] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+               choice: _Choice | None = None) -> bytes:
         if call.endpoint == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
+            body: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish,
+                                    "logprobs": responses.chat_logprobs(logprobs) if logprobs else None}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            offset = choice.text_offset if choice is not None else 0
+            body = {"index": index, "text": text or "", "finish_reason": finish,
+                    "logprobs": responses.completion_logprobs(logprobs, offset) if logprobs else None}
+            if choice is not None:
+                choice.text_offset += len(text or "")
         chunk: dict[str, Any] = {"id": call.object_id, "object": call.chunk_object, "created": call.created,
-                                 "model": call.model, "choices": [choice]}
+                                 "model": call.model, "choices": [body]}
         if call.include_usage:
             chunk["usage"] = None
         return b"data: " + _json.encode(chunk) + b"\n\n"
@@ -431,9 +574,22 @@ class Generation:
                  "choices": [], "usage": _usage(usage)}
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
-    def _completion_body(self, call: _Call, final: m.Final, text: str) -> dict[str, Any]:
-        return responses.completion_body(call.endpoint, call.object_id, call.created, call.model, text,
-                                         final.finish_reason, final.usage)
+    def _completion_body(self, call: _Call, usage: m.Usage) -> dict[str, Any]:
+        bodies = []
+        for choice in call.choices:
+            assert choice.final is not None
+            content: str | None = "".join(choice.parts)
+            tool_calls = None
+            if choice.tool_output is not None:
+                content, calls = choice.tool_output.whole(content or "")
+                tool_calls = [c.body() for c in calls] or None
+            body = responses.completion_body(call.endpoint, call.object_id, call.created, call.model, content,
+                                             choice.final.finish_reason, usage, tool_calls=tool_calls,
+                                             logprobs=choice.logprobs if call.logprobs else None)
+            body["choices"][0]["index"] = choice.index
+            bodies.append(body)
+        bodies[0]["choices"] = [b["choices"][0] for b in bodies]
+        return bodies[0]
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -442,32 +598,36 @@ class Generation:
             call.first_token_at = time.monotonic()
             metrics.TTFT.observe(call.first_token_at - call.started)
 
-    def _record(self, flight: Flight, call: _Call, final: m.Final) -> None:
-        call.usage = final.usage
+    def _record(self, call: _Call, usage: m.Usage) -> None:
+        first = call.choices[0]
+        call.usage = usage
         end = time.monotonic()
         metrics.E2E.observe(end - call.started)
-        if call.first_token_at is not None and final.usage.completion_tokens > 1:
-            metrics.TPOT.observe((end - call.first_token_at) / (final.usage.completion_tokens - 1))
-        if flight.queue_wait is not None:
-            metrics.QUEUE_WAIT.observe(flight.queue_wait)
-        metrics.TOKENS.labels("prompt").inc(final.usage.prompt_tokens)
-        metrics.TOKENS.labels("completion").inc(final.usage.completion_tokens)
-        metrics.TOKENS.labels("cached").inc(final.usage.cached_tokens)
+        generated = first.final.usage.completion_tokens if first.final is not None else 0
+        if call.first_token_at is not None and generated > 1:
+            metrics.TPOT.observe((end - call.first_token_at) / (generated - 1))
+        if first.flight.queue_wait is not None:
+            metrics.QUEUE_WAIT.observe(first.flight.queue_wait)
+        metrics.TOKENS.labels("prompt").inc(usage.prompt_tokens)
+        metrics.TOKENS.labels("completion").inc(usage.completion_tokens)
+        metrics.TOKENS.labels("cached").inc(usage.cached_tokens)
 
-    async def _give_up(self, flight: Flight, error: OpenAIError, cancel_reason: str | None = None) -> None:
+    async def _give_up(self, call: _Call, failed: _Choice | None, error: OpenAIError,
+                       cancel_reason: str | None = None) -> None:
+        """End a response that failed: `failed` is the choice that did (None: all of them, e.g.
+        the deadline); the other unfinished choices are cancelled, the client gets none of them."""
         metrics.ERRORS.labels(error.code or error.type).inc()
-        if cancel_reason:
-            await self.dispatcher.cancel(flight, cancel_reason)
-        elif flight.worker_id is None:
-            # No worker holds the request any more (it died and migration ran out): bill what was sent.
-            await self.dispatcher.publish_usage(flight, "failed", "error")
+        for choice in call.choices:
+            if choice.final is not None:
+                continue
+            if choice is not failed:
+                await self.dispatcher.cancel(choice.flight, cancel_reason or "client_disconnect")
+            elif choice.flight.worker_id is None:
+                # No worker holds the request any more (it died and migration ran out): bill what was sent.
+                await self.dispatcher.publish_usage(choice.flight, "failed", "error")
 
 
 _usage = responses.usage_body
-
-
-def _finish(final: m.Final) -> str:
-    return responses.finish_reason(final.finish_reason)
 
 
 def _event_error(event: m.StreamEvent) -> OpenAIError:
@@ -476,6 +636,19 @@ def _event_error(event: m.StreamEvent) -> OpenAIError:
         headers = {"retry-after": "1"} if status in (429, 503) else None
         return OpenAIError(status, event.message, code=event.code, headers=headers)
     return OpenAIError(503, "The request could not be completed; retry shortly.", code="worker_lost")
+
+
+def choice_request(request: m.InferenceRequest, index: int) -> m.InferenceRequest:
+    """The engine request of choice `index` of n: the first is the request itself; the others get
+    their own id and seed (equal seeds would give n equal samples) and bill no prompt tokens, which
+    OpenAI counts once."""
+    if index == 0:
+        return request
+    seed = request.sampling.seed
+    if seed is not None:
+        seed = (seed + index + 2**63) % 2**64 - 2**63  # stays in int64
+    return msgspec.structs.replace(request, request_id=f"{request.request_id}.c{index}", choice=index,
+                                   sampling=msgspec.structs.replace(request.sampling, seed=seed))
 
 
 async def _disconnected(receive: Any) -> None:

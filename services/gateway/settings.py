@@ -66,9 +66,22 @@ class GatewaySettings:
         "must see the same directory (a shared volume when they run on different hosts).",
     )
     max_file_bytes: int = env("INFERBUS_MAX_FILE_BYTES", 200 * 1024 * 1024, "Largest /v1/files upload accepted (413 above).")
+    tool_call_parser: str = env(
+        "INFERBUS_TOOL_CALL_PARSER", "llama3",
+        "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
+        "`{\"name\", \"parameters\"}`) or `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`); SGLang's "
+        "--tool-call-parser names.",
+    )
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
+
+    def __post_init__(self) -> None:
+        from .tools import PARSERS
+
+        if self.tool_call_parser not in PARSERS:
+            raise SystemExit(f"invalid value for INFERBUS_TOOL_CALL_PARSER: {self.tool_call_parser!r} "
+                             f"(one of {', '.join(sorted(PARSERS))})")
 
     def resolved_gateway_id(self) -> str:
         return self.gateway_id or _default_gateway_id()

@@ -63,6 +63,10 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
     help='Publish prefix-cache events on ZMQ, as SGLang: \'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'.',
 )
 @click.option(
+    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
+    help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
 )
@@ -86,6 +90,7 @@ def sim_engine_command(
     lazy_lora_loading: bool,
     priority_scheduling: bool,
     kv_events_config: str | None,
+    tool_call_parser: str,
     log_level: str,
 ) -> None:
     """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
@@ -116,6 +121,7 @@ def sim_engine_command(
             kv_events_config=kv_events_config,
             lazy_lora_loading=lazy_lora_loading,
             priority_scheduling=priority_scheduling,
+            tool_call_parser=tool_call_parser,
             host=host,
             port=port,
         )

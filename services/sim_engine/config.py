@@ -51,6 +51,9 @@ class EngineConfig:
     context_length: int = 131_072
     # SGLang's --kv-events-config JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557"}.
     kv_events_config: str | None = None
+    # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
+    # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
+    tool_call_parser: str = "llama3"
     host: str = "127.0.0.1"
     port: int = 30000
 
@@ -75,5 +78,9 @@ class EngineConfig:
             raise ValueError("time_scale must not be negative")
         if self.fixed_step_ms is not None and self.fixed_step_ms < 0:
             raise ValueError("fixed_step_ms must not be negative")
+        from .constrained import FAMILIES
+
+        if self.tool_call_parser not in FAMILIES:
+            raise ValueError(f"tool_call_parser must be one of {FAMILIES}, got {self.tool_call_parser!r}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")

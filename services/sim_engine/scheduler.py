@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from inferbus.tokens import VOCAB_SIZE, block_hashes, encode
+from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
 from .perf_model import FixedStepModel, StepTimeModel, roofline
@@ -36,6 +36,7 @@ MAX_STOP_SEQUENCES = 32
 # request), like SGLang's new_token_ratio estimate; an underestimate is fixed by retraction.
 NEW_TOKEN_RATIO = 0.3
 CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+EOS_TOKEN_ID = 128009  # Llama-3's <|eot_id|>: the finish `matched` of an output that ended by itself
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -142,24 +143,33 @@ _PIECE_IDS: dict[str, int] = {piece: encode(piece)[0] for piece in set(OUTPUT_PI
 @dataclass(frozen=True)
 class OutputVocabulary:
     """The (token id, text) pairs output is drawn from: single tokens of the served model's
-    vocabulary, so that output_ids decode to the text, or the stand-in tokenizer's pieces."""
+    vocabulary, so that output_ids decode to the text, or the stand-in tokenizer's pieces; how an
+    output decided up front (a JSON value, a tool call) splits into tokens; the EOS token id."""
 
     tokens: tuple[tuple[int, str], ...]
+    split: Callable[[str], list[tuple[int, str]]]
+    eos_id: int
 
     @classmethod
     def standin(cls) -> OutputVocabulary:
-        return cls(tuple((_PIECE_IDS[piece], piece) for piece in OUTPUT_PIECES))
+        return cls(tuple((_PIECE_IDS[piece], piece) for piece in OUTPUT_PIECES),
+                   lambda text: [(encode(piece)[0], piece) for piece in pieces(text)], EOS_TOKEN_ID)
 
     @classmethod
-    def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str]) -> OutputVocabulary:
+    def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str],
+                       eos_id: int) -> OutputVocabulary:
         """The output pieces that are one token of the model's vocabulary (readable words); with
         too few of those (a tiny vocabulary), every piece's tokens. A token's text is its decoding,
         so output ids always decode to the text."""
-        split = [[(token_id, decode_id(token_id)) for token_id in encode_text(piece)] for piece in OUTPUT_PIECES]
-        whole = [tokens[0] for tokens in split if len(tokens) == 1]
+
+        def split(text: str) -> list[tuple[int, str]]:
+            return [(token_id, decode_id(token_id)) for token_id in encode_text(text)]
+
+        per_piece = [split(piece) for piece in OUTPUT_PIECES]
+        whole = [tokens[0] for tokens in per_piece if len(tokens) == 1]
         if len({text for _, text in whole}) >= 32:
-            return cls(tuple(whole))
-        return cls(tuple(token for tokens in split for token in tokens))
+            return cls(tuple(whole), split, eos_id)
+        return cls(tuple(token for tokens in per_piece for token in tokens), split, eos_id)
 
 
 _STANDIN_VOCABULARY = OutputVocabulary.standin()
@@ -198,6 +208,15 @@ class Request:
     # Hash of the whole context so far (prompt + output ids), salted for sampled requests.
     context_hash: int = field(default=0, init=False)
     stops: tuple[str, ...] = field(default=(), init=False)
+    # An output decided up front (constrained decoding, a tool call): emitted a token at a time,
+    # then EOS.
+    script: list[tuple[int, str]] | None = None  # (token id, text) per step
+    # SGLang's return_logprob / top_logprobs_num: per output token (logprob, token id, text) and
+    # the top alternatives in the same shape.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_logprobs: list[tuple[float, int, str]] = field(default_factory=list, init=False)
+    top_logprobs: list[list[tuple[float, int, str]]] = field(default_factory=list, init=False)
 
     @property
     def prefilling(self) -> bool:
@@ -265,6 +284,8 @@ class Engine:
                  vocabulary: OutputVocabulary = _STANDIN_VOCABULARY) -> None:
         self.config = config
         self.vocabulary = vocabulary.tokens
+        self.split_output = vocabulary.split
+        self.eos_id = vocabulary.eos_id
         roofline_model = roofline(config.gpu, config.tp, config.preset)
         if step_model is None:
             if config.fixed_step_ms is not None:
@@ -584,7 +605,13 @@ class Engine:
         # Each token is a function of the whole context, as with a real model: a prompt extended
         # by part of an output (a migrated request) continues with the rest of that output.
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
-        token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
+        script = request.script
+        if script is not None:
+            token_id, piece = script[len(request.output_ids)]
+        else:
+            token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
+        if request.return_logprob:
+            _record_logprobs(request, mixed, piece, token_id, self.vocabulary)
         request.output_ids.append(token_id)
         request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
         self.generation_tokens_total += 1
@@ -599,6 +626,8 @@ class Engine:
 
     def _check_finished(self, request: Request, token_id: int, previous_len: int) -> dict[str, Any] | None:
         generated = len(request.output_ids)
+        if request.script is not None and generated >= len(request.script):
+            return {"type": "stop", "matched": self.eos_id}
         if generated >= request.max_new_tokens:
             return {"type": "length", "length": request.max_new_tokens}
         sampling = request.sampling
@@ -675,6 +704,27 @@ class Engine:
 
 
 _TOKEN = struct.Struct("<I")
+
+
+def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int,
+                     vocabulary: tuple[tuple[int, str], ...]) -> None:
+    """Plausible logprobs, a function of the context: the emitted token is the most likely one
+    (from about -0.01 to -2.5) and the alternatives, tokens of the output vocabulary, fall off
+    behind it."""
+    logprob = -0.01 - ((mixed >> 4) % 250) / 100
+    request.token_logprobs.append((logprob, token_id, piece))
+    top: list[tuple[float, int, str]] = []
+    if request.top_logprobs_num:
+        top.append((logprob, token_id, piece))
+        distinct = len({text for _, text in vocabulary} | {piece})
+        step = 0
+        while len(top) < min(request.top_logprobs_num, distinct):
+            step += 1
+            other_id, other = vocabulary[(mixed + step * 7919) % len(vocabulary)]
+            if any(other == t[2] for t in top):
+                continue
+            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, other_id, other))
+    request.top_logprobs.append(top)
 
 
 def _context_hash(request: Request) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,10 +29,13 @@ from inferbus.prompt import load_model
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from .config import EngineConfig
+from .constrained import SchemaError, json_output, tool_call_output
 from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .lora_files import adapter_problem
 from .perf_model import StepTimeModel
-from .scheduler import Engine, LoraUpdateResult, OutputVocabulary, Request, RequestRejected, RequestUpdate, SamplingParams
+from .scheduler import (
+    Engine, LoraUpdateResult, OutputVocabulary, Request, RequestRejected, RequestUpdate, SamplingParams,
+)
 
 logger = logging.getLogger("inferbus.sim_engine")
 
@@ -54,6 +58,10 @@ class GenerateInput(msgspec.Struct):
     rid: str | None = None
     lora_path: str | None = None
     priority: int | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    logprob_start_len: int = -1
 
 
 class AbortInput(msgspec.Struct):
@@ -147,7 +155,8 @@ class SimEngineServer:
             served = self.served
             vocabulary = OutputVocabulary.from_tokenizer(
                 lambda text: served.encode(text, add_special_tokens=False),
-                lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False))
+                lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False),
+                served.eos_token_ids[0] if served.eos_token_ids else 0)
             self.engine = Engine(config, step_model, vocabulary)
         else:
             self.engine = Engine(config, step_model)
@@ -247,6 +256,13 @@ class SimEngineServer:
                 continue
             stream.queue.put_nowait(update)
 
+    def decode(self, input_ids: list[int]) -> str:
+        """A prompt given as ids, as text with its special tokens (what the tool-call and schema
+        scripts read); the stand-in tokenizer cannot be decoded."""
+        if self.served is None:
+            return ""
+        return self.served.tokenizer.decode(input_ids, skip_special_tokens=False)
+
     def encode(self, text: str) -> list[int]:
         """Text as SGLang tokenizes a /generate prompt: with the tokenizer's special tokens (BOS)."""
         if self.served is None:
@@ -271,8 +287,15 @@ class SimEngineServer:
         if traceparent:
             logger.debug("generate rid=%s traceparent=%s", rid, traceparent)
         input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text or "")
+        if body.top_logprobs_num < 0:
+            return _error(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
+        try:
+            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling)
+        except SchemaError as exc:
+            return _error(f"Invalid grammar request: {exc}")
         request = Request(
-            rid=rid, input_ids=input_ids, sampling=sampling, priority=body.priority or 0, lora_name=body.lora_path
+            rid=rid, input_ids=input_ids, sampling=sampling, priority=body.priority or 0, lora_name=body.lora_path,
+            script=script, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
         )
         try:
             stream = self._submit(request, sampling.stream_interval or 1)
@@ -288,6 +311,19 @@ class SimEngineServer:
             self._abort_if_running(rid)
             raise
         return _json(self._payload(request, update, stream, final=True))
+
+    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams) -> list[tuple[int, str]] | None:
+        """The output decided up front: a value of the requested JSON schema, or the tool call the
+        prompt asks for. Deterministic under the sampling seed (else under the prompt)."""
+        seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
+        rng = random.Random(seed)
+        if sampling.json_schema is not None:
+            return self.engine.split_output(json_output(sampling.json_schema, rng))
+        if sampling.regex is None and sampling.ebnf is None:
+            call = tool_call_output(text, self.config.tool_call_parser, rng)
+            if call is not None:
+                return self.engine.split_output(call)
+        return None
 
     def _submit(self, request: Request, stream_interval: int, internal: bool = False) -> _Stream:
         if request.rid in self._streams:
@@ -335,6 +371,11 @@ class SimEngineServer:
         }
         if final:
             meta["e2e_latency"] = time.monotonic() - stream.arrival
+        if request.return_logprob:
+            # Cumulative like the text, [logprob, token id, text] (text only with return_text_in_logprobs).
+            n = update.num_output_tokens
+            meta["output_token_logprobs"] = [list(e) for e in request.token_logprobs[:n]]
+            meta["output_top_logprobs"] = [[list(t) for t in top] for top in request.top_logprobs[:n]]
         return {"text": update.text, "output_ids": request.output_ids[: update.num_output_tokens], "meta_info": meta}
 
     def _abort_if_running(self, rid: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from proto.messages import InferenceRequest
+from proto.messages import InferenceRequest, TokenLogprob
 
 from .http import ConnectionPool, HTTPError
 
@@ -36,6 +36,7 @@ class EngineUpdate:
     prompt_tokens: int | None = None
     cached_tokens: int = 0
     finish: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None  # of this update's tokens, when the request asked
 
 
 @dataclass
@@ -65,7 +66,37 @@ def sampling_params(request: InferenceRequest) -> dict[str, Any]:
         params["presence_penalty"] = s.presence_penalty
     if s.frequency_penalty:
         params["frequency_penalty"] = s.frequency_penalty
+    if s.top_k != -1:
+        params["top_k"] = s.top_k
+    if s.min_p:
+        params["min_p"] = s.min_p
+    for grammar in ("json_schema", "regex", "ebnf"):
+        if getattr(s, grammar) is not None:
+            params[grammar] = getattr(s, grammar)
     return params
+
+
+def _logprob_entry(entry: Any) -> tuple[str, float]:
+    # SGLang's shape with return_text_in_logprobs: [logprob, token_id, token_text].
+    logprob, token_id, text = entry
+    return (text if text is not None else f"<{token_id}>"), float(logprob)
+
+
+def new_logprobs(meta: dict[str, Any], sent: int) -> list[TokenLogprob]:
+    """The logprobs in an engine chunk's meta_info of the output tokens after the first `sent`.
+
+    SGLang repeats all of them in every chunk of a stream, like the text; with
+    --incremental-streaming-output only the new ones. The lists end at `completion_tokens`
+    either way, which tells where they start."""
+    tokens = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    first = max(0, int(meta.get("completion_tokens", len(tokens))) - len(tokens))  # output index of tokens[0]
+    out = []
+    for i in range(max(0, sent - first), len(tokens)):
+        token, logprob = _logprob_entry(tokens[i])
+        top = [_logprob_entry(t) for t in (tops[i] if i < len(tops) and tops[i] else ())]
+        out.append(TokenLogprob(token=token, logprob=logprob, top=top))
+    return out
 
 
 class EngineClient:
@@ -107,11 +138,15 @@ class EngineClient:
             body["priority"] = request.priority
         if request.adapter:
             body["lora_path"] = request.adapter
+        if request.sampling.logprobs:
+            body.update(return_logprob=True, top_logprobs_num=request.sampling.top_logprobs,
+                        return_text_in_logprobs=True)
         try:
             response = await self.pool.request("POST", "/generate", msgspec.json.encode(body), headers)
             if response.status != 200:
                 raise _http_error(response.status, await response.read())
             sent_chars = sent_ids = 0
+            sent_logprobs = 0
             buffer = b""
             async for data in response.iter_chunks():
                 buffer += data
@@ -133,14 +168,21 @@ class EngineClient:
                     # SGLang streams cumulative text: send only what is new.
                     update.text += text[sent_chars:]
                     sent_chars = max(sent_chars, len(text))
+                    meta = chunk.get("meta_info", {})
                     output_ids = chunk.get("output_ids")
                     if output_ids:
-                        update.token_ids.extend(output_ids[sent_ids:])
-                        sent_ids = max(sent_ids, len(output_ids))
-                    meta = chunk.get("meta_info", {})
+                        # Cumulative, or only the new ids with --incremental-streaming-output: the
+                        # list ends at completion_tokens either way, which tells where it starts.
+                        first = max(0, int(meta.get("completion_tokens", len(output_ids))) - len(output_ids))
+                        update.token_ids.extend(output_ids[max(0, sent_ids - first):])
+                        sent_ids = max(sent_ids, first + len(output_ids))
                     update.completion_tokens = meta.get("completion_tokens", update.completion_tokens)
                     update.prompt_tokens = meta.get("prompt_tokens", update.prompt_tokens)
                     update.cached_tokens = meta.get("cached_tokens", update.cached_tokens)
+                    if "output_token_logprobs" in meta:
+                        fresh = new_logprobs(meta, sent_logprobs)
+                        sent_logprobs += len(fresh)
+                        update.logprobs = (update.logprobs or []) + fresh
                     if meta.get("finish_reason"):
                         update.finish = meta["finish_reason"]
                 if update.text or update.finish or update.prompt_tokens is not None:

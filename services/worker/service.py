@@ -540,7 +540,7 @@ class Worker:
                 self._send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
-                    token_ids=update.token_ids,
+                    token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
                 seq += 1
                 continue
@@ -553,7 +553,7 @@ class Worker:
                 self._send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
-                    worker_id=self.settings.worker_id, token_ids=update.token_ids,
+                    worker_id=self.settings.worker_id, token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
             status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
@@ -698,6 +698,12 @@ class Worker:
                 failure = ("engine_error", f"The line failed on {request.attempt + 1} attempts.", 502)
             else:
                 entry.requeue = reason
+                if request.sampling.constrained:
+                    # A grammar cannot continue from text: the next attempt starts the line over.
+                    return "requeued", None, msgspec.structs.replace(
+                        request, attempt=request.attempt + 1, resumed_text="", resumed_tokens=0,
+                        prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
+                    )
                 return "requeued", None, msgspec.structs.replace(
                     request, attempt=request.attempt + 1,
                     resumed_text=request.resumed_text + "".join(entry.text_parts),
@@ -904,6 +910,8 @@ class Worker:
 
     async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None) -> None:
         assert self.replies is not None
+        if request.choice:  # n > 1: the first choice bills the prompt
+            usage = m.Usage(prompt_tokens=0, completion_tokens=usage.completion_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]

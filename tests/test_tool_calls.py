@@ -1,0 +1,156 @@
+"""Tool-call parsers of each model family, whole and streamed, and the forced-call constraint."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from services.gateway import tools
+from services.gateway.errors import OpenAIError
+from services.gateway.tools import HermesParser, Llama3Parser, ToolCall, ToolOutput
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+def _streamed(output: ToolOutput, text: str, step: int) -> list[str | ToolCall]:
+    parts: list[str | ToolCall] = []
+    for i in range(0, len(text), step):
+        parts += output.feed(text[i:i + step])
+    return parts + output.finish()
+
+
+def _shape(parts: list[str | ToolCall]) -> tuple[str, list[tuple[str, dict]]]:
+    return ("".join(p for p in parts if isinstance(p, str)),
+            [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)])
+
+
+def test_llama3_json_calls_with_python_tag_and_semicolons() -> None:
+    parser = Llama3Parser(NAMES)
+    content, calls = parser.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                                  '{"name": "get_time", "parameters": {}}')
+    assert content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize("text", [
+    'The weather is fine.',
+    '{"name": "get_weather", "parameters": {"city": "Oslo"',  # cut short
+    '{"name": "launch_rockets", "parameters": {}}',  # not an offered tool
+    '{"name": "get_weather", "parameters": [1]}',  # arguments not an object
+])
+def test_llama3_anything_else_is_content(text: str) -> None:
+    assert Llama3Parser(NAMES).parse(text) == (text, [])
+
+
+def test_hermes_blocks_among_text() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>')
+    content, calls = HermesParser(NAMES).parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_hermes_malformed_block_stays_content() -> None:
+    text = "<tool_call>{not json}</tool_call>"
+    assert HermesParser(NAMES).parse(text) == (text, [])
+
+
+@pytest.mark.parametrize("family, text", [
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("hermes", 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    ("llama3", "Plain words, no call at all."),
+    ("hermes", "A < b and <tool_ but no call."),
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_streamed_parts_equal_the_whole_parse(family: str, text: str, step: int) -> None:
+    whole = ToolOutput(family, [WEATHER, TIME], "auto")
+    streamed = ToolOutput(family, [WEATHER, TIME], "auto")
+    content, calls = whole.whole(text)
+    got_content, got_calls = _shape(_streamed(streamed, text, step))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == got_calls
+    assert (content or "") == (got_content.strip() if got_calls else got_content)
+
+
+def test_plain_content_streams_before_the_end() -> None:
+    output = ToolOutput("hermes", [WEATHER], "auto")
+    assert output.feed("Hello there") == ["Hello there"]
+    output = ToolOutput("llama3", [WEATHER], "auto")
+    assert output.feed("Hello") == ["Hello"]
+
+
+def test_parallel_false_keeps_the_first_call() -> None:
+    output = ToolOutput("llama3", [WEATHER, TIME], "auto", parallel=False)
+    content, calls = output.whole('{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "x"}}')
+    assert [c.name for c in calls] == ["get_time"] and content is None
+
+
+def test_forced_calls_read_the_constrained_json() -> None:
+    named = ToolOutput("hermes", [WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
+    assert _shape(_streamed(named, '{"city": "Rome"}', 2))[1] == [("get_weather", {"city": "Rome"})]
+    required = ToolOutput("llama3", [WEATHER, TIME], "required")
+    _, calls = required.whole('[{"name": "get_time", "parameters": {}}]')
+    assert [c.name for c in calls] == ["get_time"]
+    cut = ToolOutput("llama3", [WEATHER], "required")
+    assert cut.whole('[{"name": "get_wea') == ('[{"name": "get_wea', [])
+
+
+def test_constraint_schemas_accept_exactly_valid_calls() -> None:
+    schema = tools.constraint([WEATHER, TIME], "required", parallel=False)
+    assert schema is not None
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "x"}}], schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "nope", "parameters": {}}],
+                [{"name": "get_time", "parameters": {}}] * 2):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert tools.constraint([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True) == \
+        WEATHER["function"]["parameters"]
+    assert tools.constraint([WEATHER], "auto", True) is None
+
+
+@pytest.mark.parametrize("tool_list, choice, param", [
+    ([{"type": "function"}], None, "tools[0]"),
+    ([{"type": "function", "function": {"name": "bad name"}}], None, "tools[0].function.name"),
+    ([WEATHER, WEATHER], None, "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], None,
+     "tools[0].function.parameters"),
+    (None, "required", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "other"}}, "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+])
+def test_bad_tools_are_400s_naming_the_field(tool_list: list | None, choice: object, param: str) -> None:
+    with pytest.raises(OpenAIError) as raised:
+        tools.check(tool_list, choice)  # type: ignore[arg-type]
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+
+def test_engine_constraint_of_a_request() -> None:
+    import msgspec
+
+    from services.gateway.sampling import sampling_params
+    from services.gateway.schemas import parse_chat, parse_completion
+
+    def chat(**fields: object) -> object:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+        return sampling_params(parse_chat(msgspec.json.encode(body)), 16)
+
+    assert chat().json_schema is None and chat(response_format={"type": "text"}).json_schema is None
+    assert chat(response_format={"type": "json_object"}).json_schema == '{"type":"object"}'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert json.loads(chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+                      .json_schema) == schema
+    # A forced call wins over the response format; auto leaves the model free.
+    forced = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  response_format={"type": "json_object"})
+    assert json.loads(forced.json_schema) == WEATHER["function"]["parameters"]
+    assert chat(tools=[WEATHER], tool_choice="auto").json_schema is None
+    sampled = chat(seed=9, top_k=0, min_p=0.2, logprobs=True, top_logprobs=4)
+    assert (sampled.seed, sampled.top_k, sampled.min_p, sampled.logprobs, sampled.top_logprobs) == (9, -1, 0.2, True, 4)
+    completion = sampling_params(parse_completion(b'{"model": "m", "prompt": "x", "logprobs": 0}'), 8)
+    assert completion.logprobs and completion.top_logprobs == 0
