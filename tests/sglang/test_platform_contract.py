@@ -5,6 +5,7 @@ from `inferbus.local.Stack`, and our worker process driving the engine (real SGL
 from __future__ import annotations
 
 import asyncio
+import json
 import hashlib
 import sys
 import time
@@ -191,3 +192,24 @@ def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(
         for block in event.stored:
             index.add(WORKER_ID, block.block_hashes, time.monotonic())
     assert index.matched_blocks(expected) == {WORKER_ID: len(expected)}
+
+
+def test_logprobs_and_n_choices_through_the_platform(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=1.0, n=2, logprobs=True,
+                                           top_logprobs=2, messages=[{"role": "user", "content": "Count to three."}])
+    assert sorted(choice.index for choice in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        for token in choice.logprobs.content:
+            assert token.logprob <= 0 and len(token.top_logprobs) == 2
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+
+
+def test_a_json_schema_response_through_the_platform(client: openai.OpenAI) -> None:
+    """SGLang's constrained decoding holds even a random-weight model to the schema."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "Pick a colour."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
+    assert json.loads(reply.choices[0].message.content or "")["colour"] in ("red", "blue")
