@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import msgspec
 import nats
+from nats.aio.msg import Msg
 import openai
 import pytest
 
@@ -171,7 +172,7 @@ def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(
         nc = await nats.connect(served.stack.nats_url)
         events: list[m.CacheEvent] = []
 
-        async def on_event(msg: nats.aio.msg.Msg) -> None:
+        async def on_event(msg: Msg) -> None:
             events.append(msgspec.msgpack.decode(msg.data, type=m.CacheEvent))
 
         await nc.subscribe(subjects.cache_subject(WORKER_ID), cb=on_event)
