@@ -27,7 +27,7 @@ from inferbus.local import free_port
 HERE = Path(__file__).parent
 SGLANG_VERSION = "0.5.23"
 # The first start after an install compiles and caches a lot: 75 s on 2 idle cores, measured
-# up to 280 s on 2 cores shared with other work.
+# up to 334 s on 2 cores shared with other work.
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 MAX_TOTAL_TOKENS = 4096
