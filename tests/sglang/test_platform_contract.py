@@ -214,3 +214,32 @@ def test_a_json_schema_response_through_the_platform(client: openai.OpenAI) -> N
         model=MODEL, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "Pick a colour."}],
         response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
     assert json.loads(reply.choices[0].message.content or "")["colour"] in ("red", "blue")
+
+
+def _gateway_ready(served: Platform) -> int:
+    return httpx.get(served.stack.gateway_url + "/ready", timeout=5).status_code
+
+
+def _wait_gateway(served: Platform, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _gateway_ready(served) != status:
+        assert time.monotonic() < deadline, f"the gateway's /ready never answered {status}"
+        time.sleep(0.2)
+
+
+def test_after_an_engine_restart_the_platform_waits_for_it_and_loads_the_adapter_again(
+        served: Platform, engine: Engine, client: openai.OpenAI) -> None:
+    """Last in the module: it restarts the session's engine. While the only engine is down the
+    gateway is not ready; the restarted engine has never loaded the adapter (SGLang says "never
+    been loaded"), and the worker loads it again instead of failing the request."""
+    with served.admin() as admin:
+        created = admin.post("/adapters", json={"name": "restart-bot", "version": "sha256:" + "ef" * 32,
+                                                "path": engine.lora_path})
+        assert created.status_code == 201, created.text
+    first = client.completions.create(model="restart-bot", prompt="def main():\n", max_tokens=4, temperature=0)
+    engine.stop()
+    _wait_gateway(served, 503, timeout=60)
+    engine.start()
+    _wait_gateway(served, 200, timeout=120)
+    again = client.completions.create(model="restart-bot", prompt="def main():\n", max_tokens=4, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
