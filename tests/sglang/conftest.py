@@ -1,6 +1,6 @@
 """The contract suite's engine: real SGLang (`make test-sglang`) or the simulated engine (`make test`).
 
-One engine per session. `make test-sglang` sets INFERBUS_CONTRACT_ENGINE=sglang and
+One engine per session (the last test restarts it). `make test-sglang` sets INFERBUS_CONTRACT_ENGINE=sglang and
 INFERBUS_SGLANG_HOME to the environment `tests/sglang/install.sh` prepared (SGLang, the tiny
 model and its adapters, the stand-in CUDA driver library); without them the same tests run
 against `inferbus sim-engine`, so every behaviour the suite pins holds for both.
