@@ -28,7 +28,8 @@ import msgspec
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
-from .perf_model import FixedStepModel, StepTimeModel, roofline
+from .perf_model import FixedStepModel, SpecDecoding, StepTimeModel, roofline
+from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
 
 MAX_STOP_SEQUENCES = 32
@@ -286,10 +287,22 @@ class Engine:
         self.vocabulary = vocabulary.tokens
         self.split_output = vocabulary.split
         self.eos_id = vocabulary.eos_id
-        roofline_model = roofline(config.gpu, config.tp, config.preset)
+        self.spec = (SpecDecoding(config.speculative_num_steps, config.speculative_acceptance,
+                                  config.speculative_draft_cost) if config.speculative_num_steps else None)
+        # Adapter slots are not taken out of the KV cache here (the planner does take them out).
+        roofline_model = roofline(
+            config.gpu, config.tp, config.preset,
+            weights="fp8" if config.quantization == "fp8" else "bf16",
+            kv_cache="fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16",
+            spec=self.spec, lora_rank=config.priced_lora_rank,
+        )
+        # Which draft tokens the target accepts: seeded, so a run replays exactly.
+        self._spec_rng = random.Random(0)
         if step_model is None:
             if config.fixed_step_ms is not None:
                 step_model = FixedStepModel(config.fixed_step_ms / 1000.0)
+            elif config.profile_table is not None:
+                step_model = TableStepModel(load_npz(config.profile_table))
             else:
                 step_model = roofline_model
         self.step_model = step_model
@@ -446,9 +459,14 @@ class Engine:
     def step(self) -> StepResult:
         """Run one iteration: decode every running sequence, prefill up to the token budget."""
         updates: list[RequestUpdate] = []
-        decoding = self._reserve_decode_slots()
-        self._admit(updates)
-        chunks = self._plan_prefill()
+        if self.config.mixed_chunk:
+            decoding = self._reserve_decode_slots()
+            self._admit(updates)
+            chunks = self._plan_prefill()
+        else:  # a prefill step when there is prefill work, else a decode step
+            self._admit(updates)
+            chunks = self._plan_prefill()
+            decoding = [] if chunks else self._reserve_decode_slots()
         if not decoding and not chunks:
             return self._wait_for_adapters(updates)
 
@@ -456,13 +474,18 @@ class Engine:
         prefill_tokens = sum(size for _, size in chunks)
         # Mean attended context of a prefill token: the chunk's start plus half the chunk.
         attended = sum(size * (r.computed + size / 2) for r, size in chunks)
+        adapters = len(({r.lora_name for r in decoding} | {r.lora_name for r, _ in chunks}) - {None})
         duration = self.step_model.step_time(
-            len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0
+            len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0, adapters
         )
         self.now += duration
 
         for request in decoding:
-            updates.append(self._emit_token(request))
+            update = self._emit_token(request)
+            if self.spec is not None and update.finish_reason is None:
+                # One update per request and step, carrying every token the step produced.
+                update = self._emit_accepted_drafts(request) or update
+            updates.append(update)
         for request, size in chunks:
             request.computed += size
             self._cache_computed_blocks(request)
@@ -472,6 +495,20 @@ class Engine:
                 else:
                     updates.append(self._emit_token(request))
         return StepResult(duration, updates, len(decoding), prefill_tokens)
+
+    def _emit_accepted_drafts(self, request: Request) -> RequestUpdate | None:
+        """Speculative decoding: the draft tokens the target accepted this step, each with probability α
+        until the first rejection (the verify step's own token is already out); the last update."""
+        assert self.spec is not None
+        update = None
+        for _ in range(self.spec.draft_tokens):
+            if request not in self.running or self._spec_rng.random() >= self.spec.acceptance:
+                break
+            if not self.cache.allocate(1):
+                break  # no KV room for more: the rest of the accepted drafts are recomputed next step
+            request.private += 1
+            update = self._emit_token(request)
+        return update
 
     def _reserve_decode_slots(self) -> list[Request]:
         """Give each decoding request room for one more token, retracting others when KV is full."""

@@ -476,6 +476,7 @@ class SimEngineServer:
                 "max_loras_per_batch": config.max_loras_per_batch,
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
+                "enable_mixed_chunk": config.mixed_chunk,
                 "context_length": config.context_length,
                 "version": SGLANG_VERSION,
                 "inferbus_simulated": True,
@@ -483,6 +484,7 @@ class SimEngineServer:
                 "preset": config.preset,
                 "time_scale": config.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
+                "profile_table": config.profile_table,
             }
         )
 
