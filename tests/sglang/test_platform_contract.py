@@ -48,7 +48,7 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         log = state / "logs" / "worker.log"
         worker = Process(
             "worker", [sys.executable, "-m", "inferbus.cli", "worker"],
-            stack._env(INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
+            stack._env(**stack.credentials(WORKER_ID), INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
                        INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
                        INFERBUS_METRICS_PORT="0"),  # the engine binds its KV-event endpoint ("bind": true)
             log, lambda: _logged(log, b'"worker_ready"'), engine.url,
