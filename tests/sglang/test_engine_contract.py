@@ -15,7 +15,7 @@ from inferbus.prompt import load_model
 from proto import messages as m
 from services.worker.engine import EngineClient, EngineError, EngineUpdate
 
-from .conftest import Engine
+from .conftest import SGLANG_VERSION, Engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # the first engine start may take minutes
 
@@ -130,7 +130,7 @@ async def _true(value: bool) -> bool:
 
 async def test_server_info_and_loads_give_the_effective_running_limit(engine: Engine, client: EngineClient) -> None:
     info = await client.server_info()
-    assert info["version"] == "0.5.23"
+    assert info["version"] == SGLANG_VERSION
     assert info["max_total_num_tokens"] > 0
     # Started without --max-running-requests: null at the top, the effective value inside.
     assert info["max_running_requests"] is None

@@ -5,6 +5,7 @@ from `inferbus.local.Stack`, and our worker process driving the engine (real SGL
 from __future__ import annotations
 
 import asyncio
+import json
 import hashlib
 import sys
 import time
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import msgspec
 import nats
+from nats.aio.msg import Msg
 import openai
 import pytest
 
@@ -46,7 +48,7 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         log = state / "logs" / "worker.log"
         worker = Process(
             "worker", [sys.executable, "-m", "inferbus.cli", "worker"],
-            stack._env(INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
+            stack._env(**stack.credentials(WORKER_ID), INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
                        INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
                        INFERBUS_METRICS_PORT="0"),  # the engine binds its KV-event endpoint ("bind": true)
             log, lambda: _logged(log, b'"worker_ready"'), engine.url,
@@ -170,7 +172,7 @@ def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(
         nc = await nats.connect(served.stack.nats_url)
         events: list[m.CacheEvent] = []
 
-        async def on_event(msg: nats.aio.msg.Msg) -> None:
+        async def on_event(msg: Msg) -> None:
             events.append(msgspec.msgpack.decode(msg.data, type=m.CacheEvent))
 
         await nc.subscribe(subjects.cache_subject(WORKER_ID), cb=on_event)
@@ -191,3 +193,53 @@ def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(
         for block in event.stored:
             index.add(WORKER_ID, block.block_hashes, time.monotonic())
     assert index.matched_blocks(expected) == {WORKER_ID: len(expected)}
+
+
+def test_logprobs_and_n_choices_through_the_platform(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=1.0, n=2, logprobs=True,
+                                           top_logprobs=2, messages=[{"role": "user", "content": "Count to three."}])
+    assert sorted(choice.index for choice in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        for token in choice.logprobs.content:
+            assert token.logprob <= 0 and len(token.top_logprobs) == 2
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+
+
+def test_a_json_schema_response_through_the_platform(client: openai.OpenAI) -> None:
+    """SGLang's constrained decoding holds even a random-weight model to the schema."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=MODEL, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "Pick a colour."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
+    assert json.loads(reply.choices[0].message.content or "")["colour"] in ("red", "blue")
+
+
+def _gateway_ready(served: Platform) -> int:
+    return httpx.get(served.stack.gateway_url + "/ready", timeout=5).status_code
+
+
+def _wait_gateway(served: Platform, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _gateway_ready(served) != status:
+        assert time.monotonic() < deadline, f"the gateway's /ready never answered {status}"
+        time.sleep(0.2)
+
+
+def test_after_an_engine_restart_the_platform_waits_for_it_and_loads_the_adapter_again(
+        served: Platform, engine: Engine, client: openai.OpenAI) -> None:
+    """Last in the module: it restarts the session's engine. While the only engine is down the
+    gateway is not ready; the restarted engine has never loaded the adapter (SGLang says "never
+    been loaded"), and the worker loads it again instead of failing the request."""
+    with served.admin() as admin:
+        created = admin.post("/adapters", json={"name": "restart-bot", "version": "sha256:" + "ef" * 32,
+                                                "path": engine.lora_path})
+        assert created.status_code == 201, created.text
+    first = client.completions.create(model="restart-bot", prompt="def main():\n", max_tokens=4, temperature=0)
+    engine.stop()
+    _wait_gateway(served, 503, timeout=60)
+    engine.start()
+    _wait_gateway(served, 200, timeout=120)
+    again = client.completions.create(model="restart-bot", prompt="def main():\n", max_tokens=4, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
