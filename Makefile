@@ -4,14 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test accel bench bench-routing bench-capacity bench-autoscale bench-batch install clean help
+.PHONY: up test test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite"
+	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  measure the serving spine; writes bench/results/"
-	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min); writes bench/results/routing.*"
-	@echo "make bench-capacity  plan the worked example, simulator speed and validation, sweep vs aiperf (~15 min); writes bench/results/"
+	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing.* and simulate_vs_dynamo.*"
+	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~20 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make clean  remove the virtualenv and local state"
@@ -38,22 +39,33 @@ up: install
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# The contract suite (tests/sglang) against real SGLang instead of the simulated engine. SGLang,
+# the tiny model and its adapters are cached under $INFERBUS_CACHE (default ~/.cache/inferbus).
+test-sglang: $(STAMP)
+	@home="$$(tests/sglang/install.sh)" && \
+	  INFERBUS_CONTRACT_ENGINE=sglang INFERBUS_SGLANG_HOME="$$home" \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/sglang $(PYTEST_ARGS)
+
 bench: install
 	$(PY) -m bench.spine $(ARGS)
 	$(PY) -m bench.admission
 	$(PY) -m bench.fairness
 	$(PY) -m bench.billing
 	$(PY) -m bench.placement
+	$(PY) -m bench.overload
 
 # Installs sglang-router and matplotlib into the venv on first use (not core dependencies).
 bench-routing: install
 	$(PY) -m bench.routing $(ARGS)
+	$(PY) -m bench.simulate_vs_dynamo
 
-# The capacity tools' numbers: the planner's worked example, the simulator's speed, its agreement
+# The capacity tools' numbers: the planner's worked example (with what FP8, speculative decoding
+# and LoRA change), the tight-and-right check of the planned fleet, the simulator's speed, its agreement
 # with the per-step simulator and a static day, and `inferbus sweep` against aiperf (installed
 # into .venv-aiperf on first use).
 bench-capacity: install
 	$(PY) -m bench.plan
+	$(PY) -m bench.tight_and_right
 	$(PY) -m bench.simulate
 	$(PY) -m bench.sweep_vs_aiperf
 

@@ -2,7 +2,8 @@
 `register` (called from inferbus/cli.py).
 
 `usage` commands work on the billing records directly (REDIS_URL, and NATS_URL for a rebuild):
-they are what an operator runs next to the billing service. `prices` goes through the gateway's
+they are what an operator runs next to the billing service. Without either, they use the local
+platform `inferbus up` runs (`local_platform`), and say which one they use. `prices` goes through the gateway's
 admin API, like `tenants` and `keys`.
 """
 
@@ -46,8 +47,19 @@ TIME = _Time()
 
 
 def _redis_option(command: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--redis-url", envvar="REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True,
-                        help="Redis of the billing service (env REDIS_URL).")(command)
+    return click.option("--redis-url", envvar="REDIS_URL", default=None,
+                        help="Redis of the billing service (env REDIS_URL; with a password: redis://:PASSWORD@HOST:PORT/0, "
+                             "TLS: rediss://). Default: the local platform `inferbus up` runs from INFERBUS_PLATFORM_DIR "
+                             "(.inferbus), else redis://127.0.0.1:6379/0.")(command)
+
+
+def _redis(given: str | None) -> str:
+    """The Redis to use, saying which on standard error."""
+    from inferbus import local_platform
+
+    choice = local_platform.redis_url(given)
+    click.echo(choice.note, err=True)
+    return choice.value
 
 
 def _iso(ts: float) -> str:
@@ -70,8 +82,10 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         """Usage records: exports, monthly exports and rebuilding rollups from the ledger.
 
         These work on the billing service's records directly: Redis (--redis-url, env REDIS_URL) and,
-        for a rebuild, NATS (--nats-url, env NATS_URL). Tenants read their own usage with
-        GET /v1/usage and /v1/costs; operators with /admin/v1/usage and /admin/v1/costs.
+        for a rebuild, NATS (--nats-url, env NATS_URL). Without them they use the local platform that
+        `inferbus up` runs from INFERBUS_PLATFORM_DIR (default .inferbus), and say so. Tenants read
+        their own usage with GET /v1/usage and /v1/costs; operators with /admin/v1/usage and
+        /admin/v1/costs.
         """
 
     @usage.command("export")
@@ -89,7 +103,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
                   help="File to write (default: standard output; parquet needs a file).")
     @_redis_option
     def usage_export(tenants: tuple[str, ...], start: float, end: float | None, bucket: str, group_by: str, fmt: str,
-                     out: Path | None, redis_url: str) -> None:
+                     out: Path | None, redis_url: str | None) -> None:
         """Write usage as one row per time bucket and group, with tokens and dollars.
 
         Columns: tenant, start_time, end_time, bucket_start, model, adapter, band, api_key_id,
@@ -110,6 +124,8 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         except u.QueryError as error:
             raise click.UsageError(str(error)) from None
 
+        redis_url = _redis(redis_url)
+
         async def run() -> list[dict[str, Any]]:
             store = await _store(redis_url)
             try:
@@ -128,6 +144,10 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
             sys.stdout.flush()
         else:
             write_rows(rows, fmt, out)
+        if not rows:
+            who = ", ".join(tenants) if tenants else "any tenant"
+            click.echo(f"No usage found for {who} from {_iso(start)} to {_iso(end)} in this Redis: check the tenant "
+                       "id, --from/--to, and that this is the platform that served the requests (above).", err=True)
         total = sum(r["cost_micro_usd"] for r in rows)
         click.echo(f"{len(rows)} rows, {sum(r['input_tokens'] for r in rows):,} input and "
                    f"{sum(r['output_tokens'] for r in rows):,} output tokens, ${u.usd_text(total)}"
@@ -145,7 +165,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
     @click.option("--force", is_flag=True, help="Write the files again even if the month is marked as exported.")
     @_redis_option
     def usage_export_month(month: str, directory: Path | None, fmt: str | None, bucket: str | None,
-                           tenants: tuple[str, ...], force: bool, redis_url: str) -> None:
+                           tenants: tuple[str, ...], force: bool, redis_url: str | None) -> None:
         """Write one month's usage file per tenant, as the billing service does on its own.
 
         The billing service exports last month once, in the first hour of a new month (after
@@ -160,6 +180,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
             raise click.BadParameter(str(error), param_hint="--month") from None
         settings = _billing_settings()
         directory = directory or Path(settings.export_dir or ".inferbus/exports")
+        redis_url = _redis(redis_url)
 
         async def run() -> list[Path]:
             store = await _store(redis_url)
@@ -183,12 +204,14 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
 
     @usage.command("rebuild")
     @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-    @click.option("--nats-url", envvar="NATS_URL", default="nats://127.0.0.1:4222", show_default=True,
-                  help="NATS server with the USAGE stream (env NATS_URL).")
+    @click.option("--nats-url", envvar="NATS_URL", default=None,
+                  help="NATS server with the USAGE stream (env NATS_URL; credentials from NATS_USER/NATS_PASSWORD). "
+                       "Default: the local platform `inferbus up` runs (with its operator credentials), "
+                       "else nats://127.0.0.1:4222.")
     @click.option("--batch", default=2000, show_default=True, type=click.IntRange(1, 10_000),
                   help="Usage events per pull request.")
     @_redis_option
-    def usage_rebuild(yes: bool, nats_url: str, batch: int, redis_url: str) -> None:
+    def usage_rebuild(yes: bool, nats_url: str | None, batch: int, redis_url: str | None) -> None:
         """Recount every usage rollup from the ledger (the USAGE stream), from its first event.
 
         Starts a new rollup generation (readers switch to it at once and see totals fill up),
@@ -199,8 +222,13 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         if not yes:
             click.confirm("Recount all usage rollups from the ledger? Usage queries show partial totals "
                           "until it finishes.", abort=True)
+        from inferbus import local_platform
+
+        nats = local_platform.nats_url(nats_url)
+        click.echo(nats.note, err=True)
+        redis_url = _redis(redis_url)
         started = time.monotonic()
-        counted, total = asyncio.run(_rebuild(nats_url, redis_url, batch))
+        counted, total = asyncio.run(_rebuild(nats.value, redis_url, batch))
         click.echo(f"Rebuilt usage rollups from {total:,} ledger events in {time.monotonic() - started:.1f} s "
                    f"({counted:,} counted by this process; running billing replicas may have counted the rest).")
 
@@ -217,7 +245,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
     @click.option("--at", default=None, type=TIME, help="Mark the versions in force at this time (default now).")
     @click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
     @admin_options
-    def prices_list(at: float | None, as_json: bool, url: str, admin_key: str) -> None:
+    def prices_list(at: float | None, as_json: bool, url: str | None, admin_key: str) -> None:
         """List every price version; `*` marks those in force."""
         query = f"?at={at}" if at is not None else ""
         found = admin_api(url, admin_key).call("GET", f"/prices{query}")["data"]
@@ -248,7 +276,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
                   help="When it takes effect (at least 60 s from now; default: the next minute after that).")
     @admin_options
     def prices_set(model: str, adapter: str, input_price: float, cached_input: float, output: float,
-                   batch_discount: float, effective: float | None, url: str, admin_key: str) -> None:
+                   batch_discount: float, effective: float | None, url: str | None, admin_key: str) -> None:
         """Add a price version for a model and adapter, effective from a future time."""
         body = {"model": model, "adapter": "" if adapter in ("-", "base") else adapter, "input": input_price,
                 "cached_input": cached_input, "output": output, "batch_discount": batch_discount,

@@ -8,7 +8,9 @@ multi-filter consumers), which would make failures invisible instead of loud.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client
@@ -26,6 +28,9 @@ from nats.js.kv import KeyValue
 from proto import subjects
 
 from . import logs
+from . import settings as settings_mod
+from .bus_auth import inbox_prefix
+from .settings import env
 
 MIN_SERVER_VERSION = (2, 11, 0)
 
@@ -47,10 +52,48 @@ def check_server_version(version: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class BusSettings:
+    """How every service proves who it is to NATS (and checks the server's certificate): read by
+    `connect`, the one place that applies them, so each service's settings stay about the service."""
+
+    user: str = env("NATS_USER", "", "NATS user of this service (its identity: the subjects it may use are the "
+                    "server's permissions for this user, see docs/security.md). Empty = connect without credentials.")
+    password: str = env("NATS_PASSWORD", "", "Password of NATS_USER.")
+    tls_ca: str = env("NATS_TLS_CA", "", "CA certificate (PEM file) to verify the NATS server with; setting it, or a "
+                      "`tls://` NATS_URL, turns TLS on. Empty with `tls://`: the system's CAs.")
+    tls_cert: str = env("NATS_TLS_CERT", "", "Client certificate (PEM file), where the server asks for one (mutual TLS).")
+    tls_key: str = env("NATS_TLS_KEY", "", "Private key (PEM file) of NATS_TLS_CERT.")
+
+    def options(self, url: str) -> dict[str, object]:
+        """nats-py `connect` options: credentials, the user's own inbox prefix (its permissions
+        allow no other) and TLS."""
+        options: dict[str, object] = {}
+        if self.user:
+            options.update(user=self.user, password=self.password, inbox_prefix=inbox_prefix(self.user))
+        if self.tls_ca or self.tls_cert or url.startswith("tls://"):
+            options["tls"] = self.ssl_context()
+        return options
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.tls_ca or None)
+        if self.tls_cert:
+            context.load_cert_chain(self.tls_cert, self.tls_key or None)
+        return context
+
+
+def bus_settings() -> BusSettings:
+    return settings_mod.load(BusSettings)
+
+
 async def connect(
-    url: str, name: str, *, on_reconnect: Callable[[], Awaitable[None]] | None = None, **options: object
+    url: str, name: str, *, on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    auth: BusSettings | None = None, **options: object
 ) -> Client:
-    """Connect, reconnecting forever after the first success; fail fast if the first try fails."""
+    """Connect, reconnecting forever after the first success; fail fast if the first try fails.
+
+    Credentials and TLS come from `auth` (default: the NATS_* environment, `BusSettings`)."""
+    auth = bus_settings() if auth is None else auth
 
     async def on_error(error: Exception) -> None:
         log.warning("nats_error", error=repr(error))
@@ -73,7 +116,7 @@ async def connect(
         disconnected_cb=on_disconnect,
         reconnected_cb=reconnected,
         pending_size=64 * 1024 * 1024,
-        **options,  # type: ignore[arg-type]
+        **{**auth.options(url), **options},  # type: ignore[arg-type]
     )
     try:
         check_server_version(str(nc._server_info.get("version", "0.0.0")))

@@ -20,8 +20,10 @@ from . import settings as settings_mod
 
 
 def _env_help(cls: type) -> str:
+    from .bus import BusSettings
+
     lines = ["\b", "Environment variables:"]
-    for name, default, text in settings_mod.describe(cls):
+    for name, default, text in settings_mod.describe(cls) + settings_mod.describe(BusSettings):
         lines.append(f"  {name} (default {default!r})")
         lines.append(f"      {text}")
     return "\n".join(lines)
@@ -49,7 +51,8 @@ def main() -> None:
 @click.option("--time-scale", default=1.0, show_default=True, type=float,
               help="Wall seconds per simulated GPU second: 1 = real GPU speed, 0.1 = ten times faster, 0 = no waiting at all.")
 @click.option("--state-dir", default=".inferbus", show_default=True, type=click.Path(file_okay=False),
-              help="Where NATS keeps JetStream data and every service writes its log.")
+              help="Where NATS keeps JetStream data, every service writes its log and the launcher keeps the "
+                   "platform's credentials (a 0700 directory).")
 @click.option("--autoscale", is_flag=True,
               help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers.")
 @click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64), help="With --autoscale: fewest serving workers.")
@@ -76,6 +79,11 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     the admin key for `inferbus tenants` and `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new
     random one.
 
+    The bus is closed: each service gets its own NATS identity and permissions, Redis a password,
+    all generated into the state dir (0700; see docs/security.md). The `inferbus` CLI finds this
+    platform through STATE_DIR/platform.json while it runs. A service that exits is restarted
+    (NATS and Redis included) with a backoff of 1 s doubling to 30 s, and says so here.
+
     With --autoscale there are no fixed workers: the autoscaler (local actuator) starts
     --min-workers, then scales between the bounds on queue wait, TTFT/TPOT and the forecast
     arrival rate; its decisions are printed here as they happen (see docs/autoscaling.md).
@@ -98,11 +106,12 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
-             "exited": click.style("✗", fg="red"), "stopped": click.style("■", fg="blue")}
+             "exited": click.style("✗", fg="red"), "restarted": click.style("↻", fg="yellow"),
+             "stopped": click.style("■", fg="blue")}
 
     def status(process, state: str) -> None:  # type: ignore[no-untyped-def]
         pid = f"pid {process.pid}" if process.pid else ""
-        click.echo(f" {marks.get(state, ' ')} {process.name:<10} {state:<9} {pid:<10} {process.detail}")
+        click.echo(f" {marks.get(state.split(' ')[0], ' ')} {process.name:<10} {state:<9} {pid:<10} {process.detail}")
 
     stopping = False
 
@@ -122,6 +131,9 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo(f"  API key:  {key}   (tenant 'demo')")
         click.echo(f"  Admin key: {config.admin_key}   (for inferbus tenants/keys)")
         click.echo(f"  Model:    {model}")
+        if stack.identities is not None:
+            click.echo(f"  Bus:      closed: each service has its own NATS identity; credentials in {config.state_dir} "
+                       "(the inferbus CLI run here uses them)")
         click.echo("")
         click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
         click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
@@ -130,14 +142,15 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo("  inferbus tenants list")
         click.echo("")
         click.echo("Press Ctrl-C to stop.")
-        reported: set[str] = set()
         decisions = _DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
+
+        def supervised(process, state: str) -> None:  # type: ignore[no-untyped-def]
+            status(process, state)
+            if state.startswith("exited"):
+                click.echo(process.tail(5), err=True)
+
         while not stopping:
-            for process in stack.processes:
-                if not process.alive() and process.name not in reported:
-                    reported.add(process.name)
-                    status(process, "exited")
-                    click.echo(process.tail(5), err=True)
+            stack.supervise(supervised)
             for line in decisions.lines() if decisions else ():
                 click.echo(line)
             time.sleep(0.5)
@@ -246,10 +259,11 @@ def _register() -> None:
                      "(pausing on interactive pressure), collects results and writes output and error files. "
                      "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
     try:
-        from services.sim_engine.cli import sim_engine_command
+        from services.sim_engine.cli import profile_table_command, sim_engine_command
     except ImportError:  # while the engine is being built
         return
     main.add_command(sim_engine_command)
+    main.add_command(profile_table_command)
 
 
 _register()
@@ -275,6 +289,14 @@ def configuration_markdown() -> str:
         for name, default, text in settings_mod.describe(cls):
             lines.append(f"| `{name}` | `{default!r}` | {text} |")
         lines.append("")
+    from .bus import BusSettings
+
+    lines += ["## NATS credentials and TLS (every service)", "",
+              "Read by every service's NATS connection (`inferbus.bus.connect`); see docs/security.md.", "",
+              "| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, default, text in settings_mod.describe(BusSettings):
+        lines.append(f"| `{name}` | `{default!r}` | {text} |")
+    lines.append("")
     lines += ["## sim-engine (`inferbus sim-engine`)", "",
               "Configured by command-line options; `inferbus sim-engine --help` explains each.", ""]
     return "\n".join(lines)
@@ -286,15 +308,56 @@ def config_docs() -> None:
     click.echo(configuration_markdown(), nl=False)
 
 
+@main.command("bus-config")
+def bus_config() -> None:
+    """Print the NATS `authorization` block of a deployment: one user per service role with its
+    subject permissions, passwords read from nats-server's environment (NATS_PASSWORD_<ROLE>).
+
+    deploy/k8s/base/nats-auth.conf is this output (docker-compose.yml mounts it too); see
+    docs/security.md for what each identity may do.
+    """
+    from .bus_auth import deployment_auth_config
+
+    click.echo(deployment_auth_config(), nl=False)
+
+
+@main.command("secrets")
+@click.option("--format", "fmt", default="k8s", show_default=True, type=click.Choice(["k8s", "env"]),
+              help="k8s: a Secret manifest for `kubectl apply -f -`; env: NAME=value lines for docker compose's .env.")
+@click.option("--namespace", default="inferbus", show_default=True, help="Namespace of the Secret (k8s).")
+def secrets_command(fmt: str, namespace: str) -> None:
+    """Generate fresh credentials for a deployment: every NATS identity's password and Redis's.
+
+    Kubernetes: `inferbus secrets | kubectl apply -f -` creates the `inferbus-bus` Secret that
+    deploy/k8s reads. Compose: `inferbus secrets --format env > .env`. Rotate by generating
+    new ones and restarting (docs/security.md).
+    """
+    from .bus_auth import new_secrets
+
+    values = new_secrets()
+    if fmt == "env":
+        for name, value in values.items():
+            click.echo(f"{name}={value}")
+        return
+    click.echo("\n".join(["apiVersion: v1", "kind: Secret", "metadata:", "  name: inferbus-bus",
+                          f"  namespace: {namespace}", "  labels:", "    app.kubernetes.io/part-of: inferbus",
+                          "type: Opaque", "stringData:", *[f'  {name}: "{value}"' for name, value in values.items()]]))
+
+
 # ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
 
-DEFAULT_URL = "http://127.0.0.1:8080"
+from .local_platform import DEFAULT_GATEWAY_URL as DEFAULT_URL  # noqa: E402
 
 
 class AdminAPI:
     """A small client of the gateway's admin API that turns every failure into a readable message."""
 
-    def __init__(self, url: str, admin_key: str) -> None:
+    def __init__(self, url: str | None, admin_key: str) -> None:
+        from . import local_platform
+
+        url, admin_key, note = local_platform.gateway(url, admin_key)
+        if note:
+            click.echo(note, err=True)
         if not admin_key:
             raise click.UsageError("no admin key: pass --admin-key or set INFERBUS_ADMIN_KEY "
                                    "(`inferbus up` prints one; a gateway has it as INFERBUS_ADMIN_KEY).")
@@ -330,8 +393,9 @@ class AdminAPI:
 def _admin_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option("--admin-key", envvar="INFERBUS_ADMIN_KEY", default="", metavar="KEY",
                            help="Admin key of the gateway (env INFERBUS_ADMIN_KEY; `inferbus up` prints it).")(command)
-    return click.option("--url", envvar="INFERBUS_URL", default=DEFAULT_URL, show_default=True,
-                        help="Gateway base URL, without /v1 (env INFERBUS_URL).")(command)
+    return click.option("--url", envvar="INFERBUS_URL", default=None,
+                        help=f"Gateway base URL, without /v1 (env INFERBUS_URL). Default: the local platform `inferbus up` "
+                             f"runs from INFERBUS_PLATFORM_DIR (.inferbus), with its admin key; else {DEFAULT_URL}.")(command)
 
 
 class _Unlimited:
@@ -467,7 +531,7 @@ def tenants() -> None:
 @click.argument("tenant_id", metavar="ID")
 @_tenant_options
 @_admin_options
-def tenants_create(tenant_id: str, url: str, admin_key: str, **options: Any) -> None:
+def tenants_create(tenant_id: str, url: str | None, admin_key: str, **options: Any) -> None:
     """Create tenant ID (lowercase letters, digits and '-'); unspecified limits are unlimited."""
     tenant = AdminAPI(url, admin_key).call("POST", "/tenants", {"id": tenant_id, **_tenant_fields(options)})
     click.echo(f"Created tenant '{tenant['id']}'. "
@@ -477,7 +541,7 @@ def tenants_create(tenant_id: str, url: str, admin_key: str, **options: Any) -> 
 @tenants.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the tenants as JSON.")
 @_admin_options
-def tenants_list(url: str, admin_key: str, as_json: bool) -> None:
+def tenants_list(url: str | None, admin_key: str, as_json: bool) -> None:
     """List every tenant with its band, weight, limits (`-`: unlimited) and models."""
     found = AdminAPI(url, admin_key).call("GET", "/tenants")["data"]
     if as_json:
@@ -501,7 +565,7 @@ def tenants_list(url: str, admin_key: str, as_json: bool) -> None:
 @click.argument("tenant_id", metavar="ID")
 @click.option("--json", "as_json", is_flag=True, help="Print the tenant as JSON.")
 @_admin_options
-def tenants_show(tenant_id: str, url: str, admin_key: str, as_json: bool) -> None:
+def tenants_show(tenant_id: str, url: str | None, admin_key: str, as_json: bool) -> None:
     """Show tenant ID: every setting, limits included."""
     tenant = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}")
     if as_json:
@@ -514,7 +578,7 @@ def tenants_show(tenant_id: str, url: str, admin_key: str, as_json: bool) -> Non
 @click.argument("tenant_id", metavar="ID")
 @_tenant_options
 @_admin_options
-def tenants_update(tenant_id: str, url: str, admin_key: str, **options: Any) -> None:
+def tenants_update(tenant_id: str, url: str | None, admin_key: str, **options: Any) -> None:
     """Change the given settings of tenant ID; the others stay as they are.
 
     Gateways pick up the change within a few seconds (their tenant cache).
@@ -529,7 +593,7 @@ def tenants_update(tenant_id: str, url: str, admin_key: str, **options: Any) -> 
 @click.argument("tenant_id", metavar="ID")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @_admin_options
-def tenants_delete(tenant_id: str, url: str, admin_key: str, yes: bool) -> None:
+def tenants_delete(tenant_id: str, url: str | None, admin_key: str, yes: bool) -> None:
     """Delete tenant ID and revoke all its API keys."""
     api = AdminAPI(url, admin_key)
     if not yes:
@@ -550,7 +614,7 @@ def keys() -> None:
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
 @click.option("--name", default="", help="A label to recognise the key by (e.g. where it is used).")
 @_admin_options
-def keys_create(tenant_id: str, name: str, url: str, admin_key: str) -> None:
+def keys_create(tenant_id: str, name: str, url: str | None, admin_key: str) -> None:
     """Create an API key for a tenant and print its secret, which is not shown again.
 
     The secret alone goes to stdout (so `KEY=$(inferbus keys create --tenant acme)` works);
@@ -565,7 +629,7 @@ def keys_create(tenant_id: str, name: str, url: str, admin_key: str) -> None:
 @keys.command("list")
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant whose keys to list.")
 @_admin_options
-def keys_list(tenant_id: str, url: str, admin_key: str) -> None:
+def keys_list(tenant_id: str, url: str | None, admin_key: str) -> None:
     """List a tenant's keys: id, name, creation time and the secret's last 4 characters."""
     found = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}/keys")["data"]
     if not found:
@@ -579,7 +643,7 @@ def keys_list(tenant_id: str, url: str, admin_key: str) -> None:
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
 @click.argument("key_id", metavar="KEY_ID")
 @_admin_options
-def keys_revoke(tenant_id: str, key_id: str, url: str, admin_key: str) -> None:
+def keys_revoke(tenant_id: str, key_id: str, url: str | None, admin_key: str) -> None:
     """Revoke key KEY_ID (from `inferbus keys list`).
 
     Gateways cache key lookups for INFERBUS_KEY_CACHE_TTL_S (10 s by default), so a revoked key
@@ -608,7 +672,7 @@ def adapters() -> None:
 @click.option("--path", required=True, help="Where engines load the weights from (as SGLang's --lora-paths).")
 @click.option("--owner", default=None, metavar="TENANT", help="Only this tenant may use it (default: any tenant allowed the name).")
 @_admin_options
-def adapters_register(name: str, version: str, path: str, owner: str | None, url: str, admin_key: str) -> None:
+def adapters_register(name: str, version: str, path: str, owner: str | None, url: str | None, admin_key: str) -> None:
     """Register adapter NAME (or point NAME at a new version)."""
     spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
     click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
@@ -617,7 +681,7 @@ def adapters_register(name: str, version: str, path: str, owner: str | None, url
 @adapters.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the adapters as JSON.")
 @_admin_options
-def adapters_list(url: str, admin_key: str, as_json: bool) -> None:
+def adapters_list(url: str | None, admin_key: str, as_json: bool) -> None:
     """List registered adapters: name, pinned version, path and owner."""
     found = AdminAPI(url, admin_key).call("GET", "/adapters")["data"]
     if as_json:
@@ -633,7 +697,7 @@ def adapters_list(url: str, admin_key: str, as_json: bool) -> None:
 @adapters.command("remove")
 @click.argument("name")
 @_admin_options
-def adapters_remove(name: str, url: str, admin_key: str) -> None:
+def adapters_remove(name: str, url: str | None, admin_key: str) -> None:
     """Unregister adapter NAME: requests for it get 404 at once (engines that loaded it keep it until they evict it)."""
     AdminAPI(url, admin_key).call("DELETE", f"/adapters/{_q(name)}")
     click.echo(f"Removed adapter {name}.")
@@ -653,10 +717,12 @@ _register_billing()
 from .sweep.cli import sweep as _sweep  # noqa: E402
 from .plan.cli import plan as _plan  # noqa: E402
 from .fleetsim.simulate_cli import simulate as _simulate  # noqa: E402
+from .mix_cli import mix_group as _mix  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_plan)
 main.add_command(_simulate)
+main.add_command(_mix)
 
 if __name__ == "__main__":
     main()

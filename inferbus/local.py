@@ -2,6 +2,12 @@
 
 Used by `inferbus up`, by the test fixtures and by the benchmarks, so that all three exercise the
 same start-up code. Every process gets a free port and logs to `<state_dir>/logs/<name>.log`.
+
+The bus is closed: unless NATS_URL names a server of the operator's, the stack generates one NATS
+identity per service (`bus_auth`), writes nats-server's config with their permissions and Redis's
+with a password (0600, in a 0700 state dir), and hands each service only its own credentials. The
+operator's identity (`ops`) and the URLs are in `<state_dir>/platform.json` (0600), where the
+`inferbus` CLI finds the running platform.
 """
 
 from __future__ import annotations
@@ -21,7 +27,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bus_auth import LocalIdentities, authorization_block, new_password
+from .supervise import Backoff
+
 BIN_DIR = Path(sys.executable).parent
+PLATFORM_FILE = "platform.json"
+GATEWAY_ID = "gateway"  # the local gateway's id: its NATS identity may use its own token and cancel subjects only
+BATCH_SERVICE_ID = "main"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (0600), whatever the umask: it holds credentials."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(text)
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` (and its parents) and make it 0700: the state dir holds data and credentials."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
 
 
 # Below Linux's ephemeral range (32768-60999): a port the kernel hands out for "any free port"
@@ -67,6 +94,48 @@ def redis_server_binary() -> str:
     )
 
 
+def nats_config(port: int, monitor_port: int, store_dir: Path, identities: LocalIdentities) -> str:
+    """nats-server's config for a local platform: loopback only, JetStream, and the users with their
+    permissions (no anonymous clients)."""
+    return "\n".join([
+        f'listen: "127.0.0.1:{port}"',
+        f'http: "127.0.0.1:{monitor_port}"',
+        f"jetstream {{ store_dir: {json.dumps(str(store_dir))} }}",
+        authorization_block(identities.all()),
+    ])
+
+
+def redis_config(port: int, password: str, data_dir: Path) -> str:
+    """redis-server's config: loopback only, a password, and an append-only file so that a restart
+    (the launcher restarts a Redis that exits) keeps tenants, keys and billing state."""
+    return "\n".join([
+        "bind 127.0.0.1", f"port {port}", f"requirepass {password}", 'save ""', "appendonly yes",
+        "appendfsync everysec", f"dir {json.dumps(str(data_dir))}", "",
+    ])
+
+
+def read_platform_file(state_dir: Path) -> dict[str, object] | None:
+    """What `inferbus up` wrote about the platform it runs from `state_dir`, if it is running."""
+    try:
+        data = json.loads((state_dir / PLATFORM_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    pid = data.get("launcher_pid")
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return None
+    return data
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def redis_reachable(url: str, timeout: float = 0.5) -> bool:
     import redis
 
@@ -109,6 +178,7 @@ class Process:
     ready: Callable[[], bool]
     detail: str = ""
     popen: subprocess.Popen[bytes] | None = None
+    backoff: Backoff = field(default_factory=Backoff)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +188,10 @@ class Process:
             self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
         log.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen else None
 
     @property
     def pid(self) -> int:
@@ -229,24 +303,41 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.processes: list[Process] = []
-        self.nats_url = config.nats_url or ""
+        self.nats_server_url = config.nats_url or ""  # what services connect to, with their own credentials
+        self.nats_url = self.nats_server_url  # the operator's: with the `ops` credentials when the stack made them
         self.redis_url = config.redis_url or ""
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
+        self.identities: LocalIdentities | None = None  # None: NATS is the operator's, credentials from NATS_*
         self.model_dir = ""
 
     def _env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            NATS_URL=self.nats_url, REDIS_URL=self.redis_url, INFERBUS_MODEL=self.config.model,
+            NATS_URL=self.nats_server_url, REDIS_URL=self.redis_url, INFERBUS_MODEL=self.config.model,
             INFERBUS_LOG_LEVEL=self.config.log_level, PYTHONUNBUFFERED="1", INFERBUS_MODEL_DIR=self.model_dir,
         )
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
+        env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
         env.update(self.config.extra_env)
         env.update(extra)
         return env
 
+    def credentials(self, process: str) -> dict[str, str]:
+        """NATS_USER/NATS_PASSWORD for the process named `process`: its own identity, the role-wide
+        worker identity for a worker without one, none for processes that do not use NATS (or with
+        an outside NATS, whose credentials come from the environment)."""
+        if self.identities is None:
+            return {}
+        chosen = self.identities.by_name.get(process)
+        if chosen is None and process.startswith("worker-"):
+            chosen = self.identities["worker"]
+        if chosen is None or chosen.role == "ops":
+            return {}
+        return {"NATS_USER": chosen.user, "NATS_PASSWORD": chosen.password}
+
     def _add(self, name: str, argv: list[str], ready: Callable[[], bool], detail: str = "", **env: str) -> Process:
+        env = {**self.credentials(name), **env}
         process = Process(name, argv, self._env(**env), self.config.state_dir / "logs" / f"{name}.log", ready, detail)
         self.processes.append(process)
         return process
@@ -256,20 +347,27 @@ class Stack:
 
     def plan(self) -> None:
         c = self.config
-        c.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(c.state_dir)
         self.model_dir = self.resolve_model_dir()
-        if not self.nats_url:
+        if not self.nats_server_url:
             port, monitor = free_port(), free_port()
-            self.nats_url = f"nats://127.0.0.1:{port}"
-            self._add("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js",
-                               "-sd", str(c.state_dir / "nats")],
-                      lambda: http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"), self.nats_url)
+            self.nats_server_url = f"nats://127.0.0.1:{port}"
+            workers = [] if c.autoscale else [f"worker-{i}" for i in range(1, c.workers + 1)]
+            self.identities = LocalIdentities(GATEWAY_ID, BATCH_SERVICE_ID, workers)
+            ops = self.identities["ops"]
+            self.nats_url = f"nats://{ops.user}:{ops.password}@127.0.0.1:{port}"
+            config = c.state_dir / "nats.conf"
+            write_private(config, nats_config(port, monitor, c.state_dir / "nats", self.identities))
+            self._add("nats", [nats_server_binary(), "-c", str(config)],
+                      lambda: http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"), self.nats_server_url)
         if not self.redis_url:
             port = free_port()
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
-            self._add("redis", [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                                "--appendonly", "no", "--dir", str(c.state_dir)],
-                      lambda: redis_reachable(self.redis_url), self.redis_url)
+            password = new_password()
+            self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+            config = c.state_dir / "redis.conf"
+            write_private(config, redis_config(port, password, c.state_dir))
+            self._add("redis", [redis_server_binary(), str(config)],
+                      lambda: redis_reachable(self.redis_url), f"redis://127.0.0.1:{port}/0 (password in {config.name})")
         if c.router:
             router_log = c.state_dir / "logs" / "router.log"
             # Readiness is its `router_ready` log line, so it logs at info at least (a few lines
@@ -281,15 +379,18 @@ class Stack:
         if c.batch:
             batch_log = c.state_dir / "logs" / "batch.log"
             # Readiness is its `batch_ready` log line, so it logs at info at least.
+            ids = {"INFERBUS_BATCH_SERVICE_ID": BATCH_SERVICE_ID} if self.identities else {}
             self._add("batch", self._inferbus("batch"), lambda: _logged(batch_log, b'"batch_ready"'),
-                      "OpenAI Batch API on spare capacity", INFERBUS_METRICS_PORT="0",
+                      "OpenAI Batch API on spare capacity", INFERBUS_METRICS_PORT="0", **ids,
                       INFERBUS_LOG_LEVEL=c.log_level if c.log_level == "debug" else "info")
         for i in range(1, 0 if c.autoscale else c.workers + 1):
             self.processes += replica_processes(i, c.engine_spec(), self._env(), c.state_dir / "logs",
+                                                worker_env=self.credentials(f"worker-{i}"),
                                                 kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env)
         admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}
+        ids = {"INFERBUS_GATEWAY_ID": GATEWAY_ID} if self.identities else {}
         self._add("gateway", self._inferbus("gateway"), self.gateway_serving, self.gateway_url,
-                  INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(c.gateway_port), **admin)
+                  INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(c.gateway_port), **admin, **ids)
         if c.autoscale:
             # Last, so that it stops first: it drains and stops the workers it started.
             autoscaler_log = c.state_dir / "logs" / "autoscaler.log"
@@ -320,6 +421,9 @@ class Stack:
             "INFERBUS_AUTOSCALER_COLD_START_S": str(c.cold_start_s),
             "INFERBUS_AUTOSCALER_WARM_START_S": str(c.warm_start_s),
             "INFERBUS_AUTOSCALER_LOCAL_LOG_DIR": str(c.state_dir / "logs"),
+            **({"INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER": self.identities["worker"].user,
+                "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD": self.identities["worker"].password}
+               if self.identities else {}),
             "INFERBUS_AUTOSCALER_LOCAL_ENGINE": json.dumps({
                 "gpu": spec.gpu, "tp": spec.tp, "model": spec.model, "time_scale": spec.time_scale,
                 "fixed_step_ms": spec.fixed_step_ms, "engine_args": list(spec.engine_args)}),
@@ -341,8 +445,42 @@ class Stack:
         for group in (infra, services):
             for process in group:
                 process.start()
+                process.backoff.started_at = time.monotonic()
                 on_status(process, "starting")
             self._wait_ready(group, on_status, timeout)
+        self.write_platform_file()
+
+    def platform_file(self) -> dict[str, object]:
+        """Where the platform is and how the operator reaches it: read by the `inferbus` CLI."""
+        ops = self.identities["ops"] if self.identities else None
+        return {
+            "launcher_pid": os.getpid(), "gateway_url": self.gateway_url, "admin_key": self.config.admin_key,
+            "nats_url": self.nats_server_url, "nats_user": ops.user if ops else "",
+            "nats_password": ops.password if ops else "", "redis_url": self.redis_url,
+            "processes": {p.name: p.pid for p in self.processes},
+        }
+
+    def write_platform_file(self) -> None:
+        write_private(self.config.state_dir / PLATFORM_FILE, json.dumps(self.platform_file(), indent=2) + "\n")
+
+    def supervise(self, on_status: Callable[[Process, str], None] = lambda p, s: None,
+                  now: Callable[[], float] = time.monotonic) -> None:
+        """Restart every process that exited, each on its own backoff; call it every fraction of a
+        second. NATS comes back on the same port and store (services reconnect by themselves)."""
+        changed = False
+        for process in self.processes:
+            if process.alive():
+                continue
+            if process.backoff.exited_at is None:
+                wait = process.backoff.exited(now())
+                on_status(process, f"exited (code {process.returncode}), restarting in {wait:.0f} s")
+            if process.backoff.due(now()):
+                process.start()
+                process.backoff.restarted(now())
+                changed = True
+                on_status(process, f"restarted (restart {process.backoff.restarts} in a row)")
+        if changed:
+            self.write_platform_file()
 
     def _wait_ready(self, group: list[Process], on_status: Callable[[Process, str], None], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -380,6 +518,7 @@ class Stack:
         return next(p for p in self.processes if p.name == name)
 
     def stop(self, timeout: float = 15.0) -> None:
+        (self.config.state_dir / PLATFORM_FILE).unlink(missing_ok=True)
         # Reverse order: gateway and workers drain while NATS is still up.
         for process in reversed(self.processes):
             process.signal(signal.SIGTERM)

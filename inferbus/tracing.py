@@ -12,34 +12,40 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
 
 _configured = False
 
 
-def configure(service: str, exporter: str = "none") -> None:
-    global _configured
-    if _configured or exporter == "none":
-        return
+def provider(service: str, exporter: str) -> TracerProvider:
+    """A tracer provider exporting spans of `service` with `exporter` (console or otlp).
+
+    `otlp` speaks OTLP/HTTP with protobuf bodies (POST {endpoint}/v1/traces), configured by the
+    standard variables: OTEL_EXPORTER_OTLP_ENDPOINT (a collector's HTTP port is 4318; 4317 is its
+    gRPC port, which this exporter cannot talk to), OTEL_EXPORTER_OTLP_HEADERS, ..._TIMEOUT.
+    """
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
     span_exporter: SpanExporter
     if exporter == "console":
         span_exporter = ConsoleSpanExporter()
     elif exporter == "otlp":
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            raise SystemExit(
-                "INFERBUS_OTEL_EXPORTER=otlp needs `pip install opentelemetry-exporter-otlp-proto-http`"
-            ) from None
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
         span_exporter = OTLPSpanExporter()
     else:
         raise SystemExit(f"unknown INFERBUS_OTEL_EXPORTER {exporter!r}: use none, console or otlp")
-    provider = TracerProvider(resource=Resource.create({"service.name": f"inferbus-{service}"}))
-    provider.add_span_processor(BatchSpanProcessor(span_exporter))
-    trace.set_tracer_provider(provider)
+    result = TracerProvider(resource=Resource.create({"service.name": f"inferbus-{service}"}))
+    result.add_span_processor(BatchSpanProcessor(span_exporter))
+    return result
+
+
+def configure(service: str, exporter: str = "none") -> None:
+    global _configured
+    if _configured or exporter == "none":
+        return
+    trace.set_tracer_provider(provider(service, exporter))
     _configured = True
 
 

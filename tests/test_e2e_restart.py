@@ -69,8 +69,8 @@ def test_unreachable_redis_fails_closed_with_a_503_not_a_500(small: Platform) ->
 
 def test_platform_serves_again_after_redis_restarts(small: Platform) -> None:
     restart(small, "redis")
-    # Redis lost the keys (no persistence in tests): the key made at start-up is cached for
-    # a few seconds, then authentication fails cleanly. Re-create it as an operator would.
+    # A key made now must work at once after the restart (Redis keeps its append-only file, and a
+    # lost key would fail authentication cleanly): make one as an operator would.
     from inferbus.cli import _demo_key
 
     import asyncio

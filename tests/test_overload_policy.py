@@ -1,5 +1,7 @@
+import math
+
 from proto import messages as m
-from services.gateway.overload import OverloadPolicy
+from services.gateway.overload import OverloadPolicy, Verdict, poisson_wait_quantile
 
 
 class Clock:
@@ -29,7 +31,7 @@ def test_idle_capacity_means_no_wait_even_with_a_queue_shorter_than_free_slots()
     policy.on_load(load("a", in_flight=2, completed=0))
     policy.on_queue_depth("standard", 5)
     assert policy.expected_wait_s("standard") == 0.0
-    assert policy.admit("standard") == (True, 0.0)
+    assert policy.admit("standard") == Verdict(True, 0.0, 0.0)
 
 
 def test_standard_is_shed_before_premium_when_the_queue_outgrows_its_budget() -> None:
@@ -41,9 +43,9 @@ def test_standard_is_shed_before_premium_when_the_queue_outgrows_its_budget() ->
     # premium waits behind 4 premium requests (~1.25 s); standard behind all 24 (~6 s)
     assert 0.5 < policy.expected_wait_s("premium") < 2.5
     assert policy.expected_wait_s("standard") > 5
-    admitted, retry_after = policy.admit("standard")
-    assert not admitted and retry_after >= 2
-    assert policy.admit("premium") == (True, 0.0)
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and verdict.retry_after_s >= 2
+    assert policy.admit("premium").admitted
 
 
 def test_stale_or_draining_workers_do_not_count() -> None:
@@ -51,9 +53,9 @@ def test_stale_or_draining_workers_do_not_count() -> None:
     policy = OverloadPolicy(clock=clock, stale_after_s=3.0)
     busy_fleet(clock, policy, rate_per_worker=2.0)
     policy.on_queue_depth("standard", 50)
-    assert not policy.admit("standard")[0]
+    assert not policy.admit("standard").admitted
     clock.now += 10  # reports stopped: the view is stale, which is not overload
-    assert policy.admit("standard") == (True, 0.0)
+    assert policy.admit("standard").admitted
 
 
 def test_batch_lines_are_room_for_interactive_work() -> None:
@@ -71,4 +73,131 @@ def test_batch_lines_are_room_for_interactive_work() -> None:
         clock.now += 1.0
     policy.on_queue_depth("standard", 10)
     assert policy.free_slots() == 18
-    assert policy.admit("standard") == (True, 0.0)
+    assert policy.admit("standard").admitted
+
+
+def test_retry_after_is_small_and_bounded_even_when_almost_nothing_finishes() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, max_retry_after_s=30.0)
+    for step in range(40):  # one completion in 40 s across a full fleet with a deep queue
+        policy.on_load(load("a", in_flight=10, completed=1 if step > 20 else 0))
+        clock.now += 1.0
+    policy.on_queue_depth("standard", 10_000)
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and verdict.expected_wait_s > 1000
+    assert verdict.retry_after_s == 30.0
+    assert verdict.headers() == {"retry-after": "30", "retry-after-ms": "30000"}
+
+
+def test_a_full_fleet_that_finishes_nothing_is_overloaded_once_full_longer_than_the_budget() -> None:
+    # Long answers: every slot busy, work queued, no completion yet. The old estimate said "no
+    # data, no wait" and admitted everything; the wait is at least as long as nothing finished.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    policy.on_queue_depth("standard", 5)
+    policy.on_load(load("a", in_flight=10, completed=0))
+    assert policy.admit("standard").admitted  # just became full: unknown is not overload
+    for _ in range(5):
+        clock.now += 1.0
+        policy.on_load(load("a", in_flight=10, completed=0))
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and verdict.expected_wait_s == 5.0
+    assert policy.admit("premium").admitted  # premium waits behind no premium work
+
+
+def test_the_rate_is_measured_over_a_window_not_between_two_reports() -> None:
+    # 4 completions a second in bursts every 2 s: report-to-report samples are 0 or 8/s.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, rate_window_s=10.0, min_completions=1, quantile=0.5)
+    completed = 0
+    for step in range(40):
+        if step % 8 == 0:
+            completed += 8
+        policy.on_load(load("a", in_flight=10, completed=completed, max_running=10))
+        clock.now += 0.25
+    rate = policy.completion_rate()
+    assert rate is not None and 3.0 < rate < 5.0
+    policy.on_queue_depth("standard", 11)
+    assert 2.0 < policy.expected_wait_s("standard") < 4.0  # 12 ahead of a free slot at ~4/s (median)
+
+
+def test_a_restarted_worker_does_not_count_negative_completions() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    for step in range(5):
+        policy.on_load(load("a", in_flight=10, completed=100 + step))
+        clock.now += 1.0
+    policy.on_load(load("a", in_flight=10, completed=0))  # counter reset
+    assert policy.completion_rate() is None  # unknown again, not negative
+
+
+def test_idle_time_does_not_dilute_the_rate() -> None:
+    # 25 s idle, then full for 5 s finishing 2 a second: the slots free at 2/s, not 10/30 s.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    for _ in range(25):
+        policy.on_load(load("a", in_flight=0, completed=0))
+        clock.now += 1.0
+    for step in range(6):
+        policy.on_load(load("a", in_flight=10, completed=2 * step))
+        clock.now += 1.0
+    rate = policy.completion_rate()
+    assert rate is not None and 1.9 < rate < 2.1
+
+
+def test_long_answers_and_idle_spells_keep_their_measured_rate() -> None:
+    # Answers of 60 s on 10 slots: fewer than a few completions fit in 30 s, and the fleet then
+    # idles for two minutes. The window reaches back to the last completions, so the next burst
+    # is judged by the rate measured before, not admitted blindly.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, rate_window_s=30.0, min_completions=8, quantile=0.5)
+    completed = 0
+    for step in range(240):  # 4 minutes full, one completion every 6 s (10 slots / 60 s)
+        if step % 6 == 5:
+            completed += 1
+        policy.on_load(load("a", in_flight=10, completed=completed))
+        clock.now += 1.0
+    for _ in range(120):
+        policy.on_load(load("a", in_flight=0, completed=completed))
+        clock.now += 1.0
+    rate = policy.completion_rate()
+    assert rate is not None and 0.14 < rate < 0.2
+    policy.on_load(load("a", in_flight=10, completed=completed))
+    policy.on_queue_depth("standard", 3)
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and 20 < verdict.expected_wait_s < 30  # 4 ahead at ~1/6 s
+
+
+def test_a_workers_free_slots_are_known_only_from_a_recent_report() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    policy.on_load(load("a", in_flight=10, completed=0))
+    policy.on_load(load("b", in_flight=4, completed=0))
+    assert policy.worker_free_slots("a") == 0 and policy.worker_free_slots("b") == 6
+    assert policy.worker_free_slots("c") is None
+    clock.now += 5.0  # a paused worker reports nothing: it may not be trusted to start its queue
+    assert policy.worker_free_slots("a", fresh_s=2.0) is None
+
+
+def test_this_gateways_own_queued_requests_count_before_the_polled_depth_catches_up() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    busy_fleet(clock, policy, rate_per_worker=1.0)  # ~2 a second
+    policy.on_queue_depth("standard", 0)  # polled before the burst
+    assert policy.admit("standard", queued_here=2).admitted  # 3 ahead of a slot: 1.5 s
+    assert not policy.admit("standard", queued_here=8).admitted  # a burst just published: 4.5 s
+
+
+def test_the_wait_compared_with_the_budget_is_its_90th_percentile() -> None:
+    # n-th of Poisson events at rate r: Gamma(n, 1/r). n=1: exponential, p90 = ln(10) / r.
+    assert abs(poisson_wait_quantile(1, 2.0, 0.9) - math.log(10) / 2.0) < 1e-6
+    assert abs(poisson_wait_quantile(4, 1.0, 0.9) - 6.6808) < 1e-3  # chi-squared(8) 90th percentile / 2
+    assert abs(poisson_wait_quantile(100, 1.0, 0.5) - 99.67) < 0.5  # normal region: about the mean
+    assert poisson_wait_quantile(0, 1.0, 0.9) == 0.0
+    # So a request whose mean wait fits the budget is still shed when its tail does not.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    busy_fleet(clock, policy, rate_per_worker=1.0)  # ~2 a second
+    policy.on_queue_depth("standard", 4)  # 5 to start: mean 2.5 s, 90th percentile ~4.0 s
+    verdict = policy.admit("standard")
+    assert not verdict.admitted and 3.5 < verdict.expected_wait_s < 4.5

@@ -206,7 +206,7 @@ def test_unknown_lora_adapter_is_rejected_with_sglang_message():
     engine = make_engine()
     bad = request("x")
     bad.lora_name = "nope"
-    with pytest.raises(RequestRejected, match="The following requested LoRA adapters are not loaded: nope"):
+    with pytest.raises(RequestRejected, match="Got LoRA adapter that has never been loaded: nope"):
         engine.add(bad)
 
 

@@ -106,7 +106,7 @@ async def test_duplicate_running_rid_and_unknown_adapter_are_400():
         duplicate = await client.post("/generate", json={"text": "a", "rid": "same"})
         assert duplicate.status_code == 400 and "Duplicate request ID" in duplicate.json()["error"]["message"]
         unknown = await client.post("/generate", json={"text": "a", "lora_path": "ghost"})
-        assert unknown.status_code == 400 and "not loaded: ghost" in unknown.json()["error"]["message"]
+        assert unknown.status_code == 400 and "never been loaded: ghost" in unknown.json()["error"]["message"]
         await client.post("/abort_request", json={"rid": "same"})
         assert (await first).json()["meta_info"]["finish_reason"]["type"] == "abort"
 
@@ -194,8 +194,9 @@ async def test_lora_load_use_and_unload():
         assert generated.status_code == 200
         unloaded = await client.post("/unload_lora_adapter", json={"lora_name": "sql"})
         assert unloaded.json()["success"] is True and unloaded.json()["loaded_adapters"] == {}
-        after = await client.post("/generate", json={"text": "select", "lora_path": "sql"})
-        assert after.status_code == 400
+        # As SGLang: an adapter loaded once since start is loaded again by a request naming it.
+        after = await client.post("/generate", json={"text": "select", "lora_path": "sql", "sampling_params": {"max_new_tokens": 2}})
+        assert after.status_code == 200
 
 
 async def test_many_concurrent_streams_at_zero_step_time():

@@ -337,11 +337,12 @@ def step_function(model: StepTimeModel) -> StepFn:
     """`model.step_time` as a plain function; for the roofline, the same formula with its
     constants folded (the simulator calls it once per segment; `RooflineModel.step_time`
     recomputes them on every call)."""
-    if not isinstance(model, RooflineModel):
+    # Speculative decoding and LoRA add terms the folded formula leaves out: use the model's own.
+    if not isinstance(model, RooflineModel) or model.spec is not None or model.lora_rank > 0:
         return model.step_time  # type: ignore[return-value]  # (int, int, int, float) takes ints where floats are
     gpu, tp, spec = model.gpu, model.tp, model.model
     t_weights = spec.weight_bytes / (tp * gpu.hbm_bandwidth * ETA_WEIGHTS)
-    gemm_per_token = 2 * spec.params / (tp * gpu.fp8_flops * ETA_GEMM)
+    gemm_per_token = 2 * spec.params / (tp * model.gemm_flops * ETA_GEMM)
     kv_per_token = spec.kv_bytes_per_token / (tp * gpu.hbm_bandwidth * ETA_KV)
     attention = 2 * spec.layers * spec.d_model / (tp * gpu.bf16_flops * PREFILL_ATTENTION_EFFICIENCY)
     base, gamma, c_seq = model.base_step_s, model.preset.gamma, model.preset.c_seq_s

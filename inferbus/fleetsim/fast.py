@@ -449,7 +449,7 @@ class FastFleet:
 
     def _admitted(self, t: float) -> bool:
         if t >= self._admit_until:
-            self._admit_ok = self.overload.admit("standard")[0]
+            self._admit_ok = self.overload.admit("standard").admitted
             self._admit_until = t + self.config.admission_refresh_s
         return self._admit_ok
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import click
 
 from inferbus import mix as mix_mod
-from services.sim_engine.perf_model import GPUS, PRESETS
+from services.sim_engine.perf_model import GPUS, PRECISIONS, PRESETS, SpecDecoding
 
-from . import report, sweep_table
+from . import deploy, options, report, sweep_table
 from .model import Assumptions, Slo, Workload
 from .planner import PlanError, PlanInputs, make_plan
 from .warm_pool import Ramp, ramp_from_arrivals
@@ -104,6 +105,39 @@ def _load_sweep(spec: str, slo: Slo, plan_mix: dict) -> sweep_table.SweepGoodput
         raise click.BadParameter(str(error), param_hint="--sweep") from None
 
 
+def _parse_spec(text: str | None) -> SpecDecoding | None:
+    if text is None:
+        return None
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        return SpecDecoding(int(parts[0]), float(parts[1]), *(float(p) for p in parts[2:]))
+    except ValueError as error:
+        detail = str(error) if str(error) else "expected K:ACCEPTANCE[:DRAFT_COST]"
+        raise click.BadParameter(f"{detail}, e.g. 3:0.7 (got {text!r})", param_hint="--spec") from None
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as it would be typed, options at their defaults left out (for the overlay's header)."""
+    words = ["inferbus", "plan"]
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in ("emit_deploy", "out", "as_json", "no_plots", "compare"):
+            continue
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or value == ():
+            continue
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            words.append(flag if value else (param.secondary_opts or [flag])[0])
+            continue
+        for item in value if isinstance(value, tuple) else (value,):
+            # A trace is named by its file name: it is looked up on the traces path.
+            words += [flag, Path(item).name if isinstance(item, Path) else f"{item:g}" if isinstance(item, float) else str(item)]
+    words += ["--emit-deploy", str(ctx.params["emit_deploy"])]
+    return shlex.join(words)
+
+
 def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, cold_start_s: float) -> Ramp | None:
     if ramp is not None and ramp_trace is not None:
         raise click.UsageError("give --ramp or --ramp-trace, not both")
@@ -116,7 +150,7 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
     from inferbus import traces
 
     try:
-        arrivals = [r.arrival_s for r in traces.load(ramp_trace)]
+        arrivals = [r.arrival_s for r in traces.load(traces.find(ramp_trace))]
         found = ramp_from_arrivals(arrivals, rate_rps, cold_start_s)
     except (ValueError, KeyError, OSError) as error:
         raise click.BadParameter(f"{ramp_trace}: {error}", param_hint="--ramp-trace") from None
@@ -163,33 +197,74 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
               help="Seconds for a warm (sleeping) replica to serve, e.g. 1.")
 @click.option("--ramp", type=float, default=None, metavar="RPS_PER_MIN",
               help="How fast the load rises, in req/s per minute, to size the warm pool, e.g. --ramp 120.")
-@click.option("--ramp-trace", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+@click.option("--ramp-trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Read the ramp from a trace instead: the steepest per-minute rise within one cold start, "
-                   "scaled so the trace's busiest minute equals the planned rate, e.g. "
-                   "traces/azure_2023_conv.csv.")
+                   "scaled so the trace's busiest minute equals the planned rate, e.g. azure_2023_conv.csv "
+                   "(a path, or a file name looked up in INFERBUS_TRACES_DIR and shared/traces).")
+@click.option("--weights", type=click.Choice(sorted(PRECISIONS)), default="fp8", show_default=True,
+              help="Precision of the model weights: fp8 (SGLang --quantization fp8) or bf16 (the checkpoint's own).")
+@click.option("--kv-cache", type=click.Choice(sorted(PRECISIONS)), default="fp8", show_default=True,
+              help="Precision of the KV cache: fp8 (--kv-cache-dtype fp8_e4m3, half the bytes per token) or bf16.")
+@click.option("--spec", "spec_text", default=None, metavar="K:ACCEPTANCE[:DRAFT_COST]",
+              help="Consider speculative decoding: K draft tokens per step, each accepted with probability "
+                   "ACCEPTANCE, a draft step costing DRAFT_COST × a decode step (default 0.1); used in a row only "
+                   "where it raises the goodput within the SLO, e.g. --spec 3:0.7.")
+@click.option("--lora-adapters", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Distinct LoRA adapters the traffic spreads over evenly (0: base model only), e.g. 16.")
+@click.option("--lora-rank", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Rank of the adapters (their size and per-step cost; SGLang --max-lora-rank), e.g. 64.")
+@click.option("--max-loras-per-batch", "lora_slots", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Adapter slots on the GPU: most distinct adapters in one batch (SGLang's option of that name).")
+@click.option("--zones", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Zones the serving fleet spreads over; with more than one it is sized to hold the peak "
+                   "with one zone lost (× Z ÷ (Z − 1)), e.g. 3.")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Also plan with each engine option flipped (BF16, speculative decoding, 1/8/32 adapters) and "
+                   "show what each changes in GPUs and $ (about ten seconds more).")
+@click.option("--emit-deploy", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write a kustomize overlay (a Component: list the directory under `components:` of the "
+                   "kustomization holding the worker and autoscaler) for the cheapest row into this directory: "
+                   "engine arguments, standby workers (warm pool), autoscaler bounds, with the arithmetic in a "
+                   "comment, e.g. deploy/k8s/plan.")
+@click.option("--model", "model_id", default="meta-llama/Llama-3.3-70B-Instruct", show_default=True,
+              help="With --emit-deploy: the model the engine loads (keep equal to INFERBUS_MODEL).")
+@click.option("--model-revision", default=None,
+              help="With --emit-deploy: the model repository commit to pin (40 hex digits); without it the engine "
+                   "reads it from the ConfigMap model-revision, which must exist before pods start.")
+@click.option("--spec-draft-model", default=None,
+              help="With --emit-deploy and speculative decoding on: the EAGLE draft model's path or repository.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Directory for plan.md, plan.json, fleet.png and latency.png, e.g. --out plan/.")
 @click.option("--no-plots", is_flag=True, help="With --out, skip the PNGs (no matplotlib needed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of the summary table.")
-def plan(rpm: float | None, rps: float | None, mix_name: str, cached_fraction: float | None, slo_text: str | None,
-         ttft_p90_ms: float | None, tpot_p90_ms: float | None, gpu_text: str, tp_text: str, preset: str, chunk: int,
-         headroom: float, kv_limit: float, ttft_tokens: float | None, sweep_specs: tuple[str, ...],
-         cold_start_s: float, warm_start_s: float, ramp: float | None, ramp_trace: Path | None, out: Path | None,
+@click.pass_context
+def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str, cached_fraction: float | None,
+         slo_text: str | None, ttft_p90_ms: float | None, tpot_p90_ms: float | None, gpu_text: str, tp_text: str,
+         preset: str, chunk: int, headroom: float, kv_limit: float, ttft_tokens: float | None,
+         sweep_specs: tuple[str, ...], cold_start_s: float, warm_start_s: float, ramp: float | None,
+         ramp_trace: Path | None, weights: str, kv_cache: str, spec_text: str | None, lora_adapters: int,
+         lora_rank: int, lora_slots: int, zones: int, compare: bool, emit_deploy: Path | None,
+         model_id: str, model_revision: str | None, spec_draft_model: str | None, out: Path | None,
          no_plots: bool, as_json: bool) -> None:
     """Plan replicas, GPUs and dollars for a peak rate of a workload mix under a latency SLO.
 
     For every GPU type and TP width: the goodput of one replica (highest req/s with p90 TTFT and
     TPOT within the SLO and the KV cache under its limit), the constraint that binds, replicas =
-    ⌈peak ÷ goodput × (1 + headroom)⌉, GPUs, $/hour, $ per 1M input and output tokens, KV use and
-    the warm pool that covers a cold start. Goodput comes from the timing model of PERF_MODEL.md
-    unless a measured sweep is given for that GPU × TP; the report says which, and shows the
-    arithmetic line by line.
+    ⌈peak ÷ goodput × (1 + headroom)⌉, the warm pool that covers a cold start, GPUs and $/hour
+    counting both, $ per 1M input and output tokens and KV use. Goodput comes from the timing
+    model of PERF_MODEL.md (with the engine options: precision, speculative decoding, LoRA)
+    unless a measured sweep is given for that GPU × TP; the report says which, shows the
+    arithmetic line by line and what each engine option changes. --emit-deploy writes the
+    cheapest row as a kustomize overlay.
 
     \b
     Examples:
       inferbus plan --rpm 50000 --tp 2,4 --out plan/
       inferbus plan --rps 833 --mix mix.yaml --slo ttft_p90_ms=500,tpot_p90_ms=30 --gpu H200:3.50
-      inferbus plan --rpm 50000 --sweep H100:2=sweep.json --ramp-trace traces/azure_2023_conv.csv
+      inferbus plan --rpm 50000 --sweep H100:2=sweep.json --ramp-trace azure_2023_conv.csv
+      inferbus plan --rpm 50000 --spec 3:0.7 --lora-adapters 16 --zones 3
+      inferbus plan --rpm 50000 --tp 1,2,4 --ramp-trace azure_2023_conv.csv --cold-start-s 600 \\
+          --emit-deploy deploy/k8s/plan
     """
     if (rpm is None) == (rps is None):
         raise click.UsageError("give the peak rate with exactly one of --rpm or --rps, e.g. --rpm 50000")
@@ -209,20 +284,42 @@ def plan(rpm: float | None, rps: float | None, mix_name: str, cached_fraction: f
             rate_rps=rate_rps, rate_text=rate_text, workload=workload, mix=described, slo=slo, gpu_prices=prices,
             tps=tps, preset=preset, assumptions=Assumptions(chunk_tokens=chunk, kv_limit=kv_limit), headroom=headroom,
             cold_start_s=cold_start_s, warm_start_s=warm_start_s,
-            ramp=_load_ramp(ramp, ramp_trace, rate_rps, cold_start_s),
+            ramp=_load_ramp(ramp, ramp_trace, rate_rps, cold_start_s), weights=weights, kv_cache=kv_cache,
+            spec=_parse_spec(spec_text), lora_adapters=lora_adapters, lora_rank=lora_rank, lora_slots=lora_slots,
+            zones=zones,
         )
         result = make_plan(inputs, sweeps)
+        variants = options.compare(result) if compare else []
     except PlanError as error:
         raise click.UsageError(str(error)) from None
+    if emit_deploy is not None:
+        if result.cheapest is None:
+            raise click.UsageError("--emit-deploy: no configuration is feasible, so there is nothing to deploy")
+        try:
+            target = deploy.DeployTarget(model=model_id, command=_command_line(ctx),
+                                         revision=model_revision, draft_model=spec_draft_model)
+            files = deploy.overlay(result, result.cheapest, target)
+        except ValueError as error:
+            raise click.UsageError(f"--emit-deploy: {error}") from None
     data = report.to_json(result)
+    data["engine_options"] = report.variants_json(variants)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         plots = [] if no_plots else report.write_plots(result, out)
-        (out / "plan.md").write_text(report.markdown(result, plots))
+        (out / "plan.md").write_text(report.markdown(result, plots, variants))
         (out / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
+    if emit_deploy is not None:
+        emit_deploy.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (emit_deploy / name).write_text(text)
     if as_json:
         click.echo(json.dumps(data, indent=2))
     else:
         click.echo(report.summary(result), nl=False)
+        if variants:
+            click.echo("\nWhat the engine options change (timing model):\n" + report.variants_table(variants) + "\n")
+        if emit_deploy is not None:
+            click.echo(f"Wrote the {result.cheapest.name} overlay to {emit_deploy}/ "  # type: ignore[union-attr]
+                       f"({', '.join(files)}).")
         if out is not None:
             click.echo(f"Wrote {out / 'plan.md'} and {out / 'plan.json'}" + ("" if no_plots else " with fleet.png and latency.png") + ".")

@@ -6,7 +6,10 @@ All-in (PERF_MODEL): every GPU-hour is charged to output tokens,
                            = fleet $/h ÷ (millions of output tokens served per hour),
 
 where tok/s per GPU is at the replica's goodput and utilisation = planned rate ÷ (replicas ×
-goodput), i.e. the headroom and rounding up are paid for.
+goodput), i.e. the headroom and rounding up are paid for. Every GPU the plan keeps running is
+in the fleet's $/hour: the serving replicas (headroom included) and the warm pool, whose
+loaded-but-idle replicas hold their GPUs too. The PERF_MODEL form above is the serving fleet
+alone (`usd_per_1m_output_serving`).
 
 Split: input and output tokens share the bill by the GPU time each causes, read from the
 step-time model at the fleet's operating point (planned rate ÷ replicas per replica). The prefill
@@ -32,13 +35,17 @@ HOUR_S = 3600.0
 @dataclass(frozen=True)
 class Cost:
     usd_per_gpu_hour: float
-    gpus: int
-    usd_per_hour: float
+    gpus: int  # serving + warm pool
+    serving_gpus: int
+    warm_gpus: int
+    usd_per_hour: float  # every GPU: serving + warm pool
+    serving_usd_per_hour: float
     output_tok_s_per_gpu: float  # at the replica's goodput
     utilisation: float  # planned rate ÷ (replicas × goodput)
     output_mtok_per_hour: float  # millions of output tokens served per hour at the planned rate
     input_mtok_per_hour: float
     usd_per_1m_output_all_in: float
+    usd_per_1m_output_serving: float  # the serving fleet alone (PERF_MODEL's form)
     prefill_share: float
     usd_per_1m_input: float
     usd_per_1m_uncached_input: float
@@ -54,8 +61,10 @@ def fleet_cost(
     tp: int,
     usd_per_gpu_hour: float,
     prefill_share: float,
+    warm_replicas: int = 0,
 ) -> Cost:
-    gpus = replicas * tp
+    serving_gpus, warm_gpus = replicas * tp, warm_replicas * tp
+    gpus = serving_gpus + warm_gpus
     usd_per_hour = gpus * usd_per_gpu_hour
     out_mtok_h = rate_rps * workload.output_tokens * HOUR_S / MILLION
     in_mtok_h = rate_rps * workload.input_tokens * HOUR_S / MILLION
@@ -65,12 +74,16 @@ def fleet_cost(
     return Cost(
         usd_per_gpu_hour=usd_per_gpu_hour,
         gpus=gpus,
+        serving_gpus=serving_gpus,
+        warm_gpus=warm_gpus,
         usd_per_hour=usd_per_hour,
+        serving_usd_per_hour=serving_gpus * usd_per_gpu_hour,
         output_tok_s_per_gpu=replica_rps * workload.output_tokens / tp,
         utilisation=rate_rps / (replicas * replica_rps),
         output_mtok_per_hour=out_mtok_h,
         input_mtok_per_hour=in_mtok_h,
         usd_per_1m_output_all_in=usd_per_hour / out_mtok_h,
+        usd_per_1m_output_serving=serving_gpus * usd_per_gpu_hour / out_mtok_h,
         prefill_share=share,
         usd_per_1m_input=usd_per_hour * share / in_mtok_h,
         usd_per_1m_uncached_input=usd_per_hour * share / uncached_mtok_h,

@@ -15,6 +15,11 @@ mean context a prefill token attends to:
     TTFT p90 ≈ u₉₀ / μ + ln(10) · W_q + 2 · t    u₉₀: the 90th-percentile uncached prompt
     KV use   = S / capacity ≤ 90 %
 
+With speculative decoding each step advances a sequence by E tokens (the step-time model's
+`tokens_per_step`), so B = λ · o · t / E and TPOT p90 ≈ 1.15 · t / E. With N LoRA adapters spread
+evenly over the requests, each step carries a = min(slots, N · (1 − (1 − 1/N)^B)) distinct ones
+and pays for them (`perf_model.expected_distinct_adapters`).
+
 Goodput λ_max is the highest λ at which all three hold; each constraint's own limit is found by
 bisection (each grows monotonically with λ) and the smallest one binds. "Saturation" (no steady
 state: ρ ≥ 1 or the step-time fixed point runs away) is reported too; TTFT and TPOT always bind
@@ -30,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferbus.mix import Mix
-from services.sim_engine.perf_model import StepTimeModel
+from services.sim_engine.perf_model import StepTimeModel, expected_distinct_adapters
 
 CONSTRAINTS = ("TTFT", "TPOT", "KV")
 
@@ -167,14 +172,24 @@ class ReplicaModel:
     kv_capacity_tokens: float
     workload: Workload
     assumptions: Assumptions = Assumptions()
+    lora_adapters: int = 0  # distinct adapters the traffic spreads over evenly (0: base model only)
+    lora_slots: int = 8  # most distinct adapters in one batch (SGLang --max-loras-per-batch)
+
+    def _batch(self, rate: float, step_s: float) -> float:
+        """Decoding sequences at `rate`: each stays o ÷ E steps (Little's law)."""
+        return rate * self.workload.output_tokens * step_s / self.step_model.tokens_per_step
+
+    def _adapters(self, batch: float) -> float:
+        return expected_distinct_adapters(batch, self.lora_adapters, self.lora_slots)
 
     # Batch sizes and token counts are steady-state means, so fractional: the step-time model's
     # formula is linear in them and takes floats, whatever its int annotations say.
     def _step(self, rate: float, step_s: float) -> float:
         w, chunk = self.workload, self.assumptions.chunk_tokens
-        batch = rate * w.output_tokens * step_s
+        batch = self._batch(rate, step_s)
         prefill = min(rate * w.uncached_tokens * step_s, chunk)
-        return self.step_model.step_time(batch, batch * w.decode_ctx_tokens, prefill, w.prefill_ctx_tokens)  # type: ignore[arg-type]
+        return self.step_model.step_time(batch, batch * w.decode_ctx_tokens, prefill, w.prefill_ctx_tokens,  # type: ignore[arg-type]
+                                         self._adapters(batch))
 
     def step_at(self, rate: float) -> float | None:
         """The fixed point t = T(B(t), S(t), n_p(t)): the smallest one, or None if none exists."""
@@ -209,11 +224,12 @@ class ReplicaModel:
                 queue_wait_s=inf, ttft_prefill_s=inf, ttft_p90_s=inf, tpot_p90_s=inf, kv_tokens=inf, kv_fraction=inf,
                 decode_only_step_s=inf,
             )
-        batch = rate * w.output_tokens * step
+        batch = self._batch(rate, step)
         resident = batch * w.decode_ctx_tokens
         prefill = min(rate * w.uncached_tokens * step, a.chunk_tokens)
-        full = self.step_model.step_time(batch, resident, a.chunk_tokens, w.prefill_ctx_tokens)  # type: ignore[arg-type]
-        decode_only = self.step_model.step_time(batch, resident, 0, 0.0)  # type: ignore[arg-type]
+        adapters = self._adapters(batch)
+        full = self.step_model.step_time(batch, resident, a.chunk_tokens, w.prefill_ctx_tokens, adapters)  # type: ignore[arg-type]
+        decode_only = self.step_model.step_time(batch, resident, 0, 0.0, adapters)  # type: ignore[arg-type]
         mu = a.chunk_tokens / full
         rho = rate * w.uncached_tokens / mu
         stable = rho < 1.0
@@ -225,7 +241,7 @@ class ReplicaModel:
             prefill_tokens_per_step=prefill, full_chunk_step_s=full, prefill_rate_tok_s=mu, prefill_load=rho,
             queue_wait_s=wait, ttft_prefill_s=ttft_prefill,
             ttft_p90_s=ttft_prefill + a.wait_p90_factor * wait + a.ttft_steps * step if stable else math.inf,
-            tpot_p90_s=a.tpot_p90_factor * step, kv_tokens=resident, kv_fraction=kv_fraction,
+            tpot_p90_s=a.tpot_p90_factor * step / self.step_model.tokens_per_step, kv_tokens=resident, kv_fraction=kv_fraction,
             decode_only_step_s=decode_only,
         )
 

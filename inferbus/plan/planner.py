@@ -1,7 +1,12 @@
 """One plan row per GPU × TP: goodput (timing model or a measured sweep), replicas, GPUs, dollars, warm pool.
 
-    replicas = ⌈planned rate ÷ per-replica goodput × (1 + headroom)⌉     (PERF_MODEL: 15 % for N+1,
-    GPUs     = replicas × TP                                              bursts and imbalance)
+    replicas = ⌈planned rate ÷ per-replica goodput × (1 + headroom) × Z ÷ (Z − 1)⌉
+               (PERF_MODEL: 15 % headroom for N+1, bursts and imbalance; with Z > 1 zones the
+               fleet still serves the peak with one zone lost)
+    GPUs     = (replicas + warm pool) × TP: every GPU the plan keeps running is priced
+
+Engine options: precision of weights and KV cache, speculative decoding (turned on in a row only
+where it raises the goodput within the SLO), LoRA adapters (their per-step cost and slots).
 
 Pure: everything the planner reads (mix, sweeps, ramp) arrives already parsed.
 """
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from services.sim_engine.perf_model import GB, GPUS, PRESETS, RooflineModel
+from services.sim_engine.perf_model import GB, GPUS, PRECISIONS, PRESETS, RooflineModel, SpecDecoding, roofline
 
 from .costs import Cost, fleet_cost
 from .model import Assumptions, Goodput, OperatingPoint, ReplicaModel, Slo, Workload
@@ -41,12 +46,25 @@ class PlanInputs:
     cold_start_s: float = 120.0
     warm_start_s: float = 5.0
     ramp: Ramp | None = None
+    weights: str = "fp8"  # precision of the weights (PRECISIONS)
+    kv_cache: str = "fp8"  # precision of the KV cache
+    spec: SpecDecoding | None = None  # a candidate: each row uses it only where it raises goodput
+    lora_adapters: int = 0  # distinct adapters the traffic spreads over evenly
+    lora_rank: int = 16
+    lora_slots: int = 8  # SGLang --max-loras-per-batch
+    zones: int = 1  # >1: the serving fleet survives the loss of one zone
 
     def __post_init__(self) -> None:
         if not self.rate_rps > 0:
             raise PlanError("the planned rate must be positive")
         if self.headroom < 0:
             raise PlanError("headroom must not be negative")
+        if self.weights not in PRECISIONS or self.kv_cache not in PRECISIONS:
+            raise PlanError(f"precision must be one of {', '.join(sorted(PRECISIONS))}")
+        if self.lora_adapters < 0 or self.lora_rank < 1 or self.lora_slots < 1:
+            raise PlanError("LoRA adapters must not be negative, rank and slots at least 1")
+        if self.zones < 1:
+            raise PlanError("zones must be at least 1")
         unknown = [g for g in self.gpu_prices if g not in GPUS]
         if unknown:
             raise PlanError(f"unknown GPU {', '.join(unknown)}; known: {', '.join(sorted(GPUS))}")
@@ -78,6 +96,9 @@ class Row:
     warm: WarmPool | None = None
     curve: tuple[OperatingPoint, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    spec_on: bool = False  # speculative decoding chosen for this row
+    spec_goodput_rps: float | None = None  # the model's goodput with the candidate, when one was given
+    plain_goodput_rps: float | None = None  # and without it
 
     @property
     def name(self) -> str:
@@ -93,8 +114,12 @@ class Row:
 
     @property
     def gpus_total(self) -> int:
-        """Serving GPUs plus the warm pool's."""
+        """Serving GPUs plus the warm pool's: every GPU the row keeps running (and prices)."""
         return self.gpus + (self.warm.gpus if self.warm else 0)
+
+    @property
+    def warm_replicas(self) -> int:
+        return self.warm.replicas if self.warm else 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +133,11 @@ class Plan:
         return min(feasible, key=lambda r: (r.cost.usd_per_hour, r.gpus)) if feasible else None  # type: ignore[union-attr]
 
 
+def zone_factor(zones: int) -> float:
+    """Spare serving capacity for losing one of `zones` zones: Z ÷ (Z − 1), 1 with a single zone."""
+    return zones / (zones - 1) if zones > 1 else 1.0
+
+
 def _no_kv_reason(model: RooflineModel) -> str:
     usable = model.tp * model.gpu.hbm_bytes * 0.92 / GB
     needed = (model.model.weight_bytes + 4 * GB * model.tp) / GB
@@ -116,19 +146,38 @@ def _no_kv_reason(model: RooflineModel) -> str:
             f"({model.tp} × {model.gpu.hbm_bytes / GB:.0f} GB × 92%)")
 
 
-def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None = None) -> Row:
+def replica_model(inputs: PlanInputs, gpu: str, tp: int, spec: SpecDecoding | None) -> ReplicaModel:
+    """One replica of `gpu` × `tp` with the plan's engine options (and `spec`, if any)."""
     try:
-        roofline = RooflineModel(gpu=GPUS[gpu], tp=tp, preset=PRESETS[inputs.preset])
+        step_model = roofline(gpu, tp, inputs.preset, weights=inputs.weights, kv_cache=inputs.kv_cache, spec=spec,
+                              lora_rank=inputs.lora_rank if inputs.lora_adapters else 0,
+                              lora_slots=inputs.lora_slots if inputs.lora_adapters else 0)
     except ValueError as error:
         raise PlanError(str(error)) from None
-    capacity = roofline.kv_capacity_tokens()
-    replica = ReplicaModel(roofline, capacity, inputs.workload, inputs.assumptions)
-    price = inputs.gpu_prices[gpu]
+    return ReplicaModel(step_model, step_model.kv_capacity_tokens(), inputs.workload, inputs.assumptions,
+                        lora_adapters=inputs.lora_adapters, lora_slots=inputs.lora_slots)
+
+
+def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None = None) -> Row:
+    replica = replica_model(inputs, gpu, tp, None)
     model_goodput = replica.goodput(inputs.slo)
-    row = partial(Row, gpu=gpu, tp=tp, usd_per_gpu_hour=price, kv_capacity_tokens=capacity,
-                  model_goodput=model_goodput, sweep=sweep)
+    spec_on, spec_rps, plain_rps = False, None, None
+    if inputs.spec is not None and replica.kv_capacity_tokens > 0:
+        speculative = replica_model(inputs, gpu, tp, inputs.spec)
+        spec_goodput = speculative.goodput(inputs.slo)
+        plain_rps, spec_rps = model_goodput.rps, spec_goodput.rps
+        # On only where it raises goodput within the SLO (and a measured sweep does not decide).
+        if sweep is None and spec_goodput.feasible and spec_goodput.rps > model_goodput.rps:
+            replica, model_goodput, spec_on = speculative, spec_goodput, True
+    step_model = replica.step_model
+    assert isinstance(step_model, RooflineModel)
+    capacity = replica.kv_capacity_tokens
+    price = inputs.gpu_prices[gpu]
+    row = partial(Row, gpu=gpu, tp=tp, usd_per_gpu_hour=price, kv_capacity_tokens=int(capacity),
+                  model_goodput=model_goodput, sweep=sweep, spec_on=spec_on, spec_goodput_rps=spec_rps,
+                  plain_goodput_rps=plain_rps)
     if capacity <= 0:
-        return row(source="model", goodput_rps=0.0, binding=None, point=None, infeasible=_no_kv_reason(roofline))
+        return row(source="model", goodput_rps=0.0, binding=None, point=None, infeasible=_no_kv_reason(step_model))
     warnings: list[str] = []
     if sweep is not None:
         source, rps, binding, reason = "sweep", sweep.rps, sweep.binding, sweep.infeasible
@@ -141,11 +190,9 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
     point = replica.at(rps) if sweep is not None else model_goodput.point
     if sweep is not None and binding is None:
         binding = "none reached"
-    exact = inputs.rate_rps / rps * (1 + inputs.headroom)
+    exact = inputs.rate_rps / rps * (1 + inputs.headroom) * zone_factor(inputs.zones)
     replicas = math.ceil(exact - 1e-9)
     fleet_point = replica.at(inputs.rate_rps / replicas)
-    cost = fleet_cost(rate_rps=inputs.rate_rps, workload=inputs.workload, replica_rps=rps, replicas=replicas, tp=tp,
-                      usd_per_gpu_hour=price, prefill_share=fleet_point.prefill_share)
     warm = None
     if inputs.ramp is not None:
         warm = warm_pool(ramp_rps_per_s=inputs.ramp.rps_per_s, cold_start_s=inputs.cold_start_s,
@@ -154,6 +201,9 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
         if not warm.covered_by_headroom:
             warnings.append(f"the rise while warm replicas wake ({warm.warm_start_rise_rps:.1f} req/s in "
                             f"{inputs.warm_start_s:g} s) exceeds the fleet's headroom ({warm.headroom_rps:.1f} req/s)")
+    cost = fleet_cost(rate_rps=inputs.rate_rps, workload=inputs.workload, replica_rps=rps, replicas=replicas, tp=tp,
+                      usd_per_gpu_hour=price, prefill_share=fleet_point.prefill_share,
+                      warm_replicas=warm.replicas if warm else 0)
     if point is not None and point.stable and point.kv_fraction > inputs.assumptions.kv_limit:
         warnings.append(f"the model puts KV use at {point.kv_fraction:.0%} at the measured goodput, over the "
                         f"{inputs.assumptions.kv_limit:.0%} limit")

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .model import OperatingPoint
-from .planner import Plan, Row
+from .options import Variant
+from .planner import Plan, PlanInputs, Row, zone_factor
 
 SCHEMA = "inferbus.plan/v1"
 
@@ -81,7 +82,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "model_goodput_rps_per_replica": row.model_goodput.rps, "model_binding": row.model_goodput.binding,
             "model_limits_rps": row.model_goodput.limits, "kv_capacity_tokens": row.kv_capacity_tokens,
             "replicas": row.replicas, "replicas_exact": row.replicas_exact, "gpus": row.gpus,
-            "gpus_with_warm_pool": row.gpus_total,
+            "warm_replicas": row.warm_replicas, "gpus_with_warm_pool": row.gpus_total,
+            "speculative_decoding": row.spec_on, "spec_goodput_rps_per_replica": row.spec_goodput_rps,
+            "plain_goodput_rps_per_replica": row.plain_goodput_rps,
             "usd_per_hour": row.cost.usd_per_hour if row.cost else None,
             "kv_use_at_goodput": row.point.kv_fraction if row.point else None,
             "kv_headroom_at_goodput": 1 - row.point.kv_fraction if row.point else None,
@@ -104,6 +107,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "slo": asdict(inputs.slo), "gpu_prices_usd_per_gpu_hour": dict(inputs.gpu_prices), "tp": list(inputs.tps),
             "preset": inputs.preset, "assumptions": asdict(inputs.assumptions), "headroom": inputs.headroom,
             "cold_start_s": inputs.cold_start_s, "warm_start_s": inputs.warm_start_s, "ramp": ramp,
+            "engine": engine_json(inputs), "zones": inputs.zones,
         },
         "workload": {**asdict(inputs.workload), "uncached_tokens": inputs.workload.uncached_tokens},
         "rows": rows,
@@ -111,21 +115,71 @@ def to_json(plan: Plan) -> dict[str, Any]:
     })
 
 
+def engine_json(inputs: PlanInputs) -> dict[str, Any]:
+    spec = inputs.spec
+    return {
+        "weights": inputs.weights, "kv_cache": inputs.kv_cache,
+        "speculative_candidate": None if spec is None else {
+            "draft_tokens": spec.draft_tokens, "acceptance": spec.acceptance, "draft_cost": spec.draft_cost,
+            "tokens_per_step": spec.tokens_per_step},
+        "lora_adapters": inputs.lora_adapters, "lora_rank": inputs.lora_rank, "lora_slots": inputs.lora_slots,
+    }
+
+
+def variants_json(variants: list[Variant]) -> list[dict[str, Any]]:
+    def row(r: Row | None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        return {"config": r.name, "feasible": r.feasible, "infeasible": r.infeasible,
+                "goodput_rps_per_replica": r.goodput_rps, "binding": r.binding, "speculative_decoding": r.spec_on,
+                "replicas": r.replicas, "warm_replicas": r.warm_replicas, "gpus": r.gpus_total,
+                "usd_per_hour": r.cost.usd_per_hour if r.cost else None,
+                "usd_per_1m_output_all_in": r.cost.usd_per_1m_output_all_in if r.cost else None}
+    return _clean([{"variant": v.label, "engine": engine_json(v.inputs), "same_config": row(v.same_config),
+                    "cheapest": row(v.cheapest)} for v in variants])
+
+
+def _variant_cell(row: Row | None, base: Row | None) -> list[str]:
+    if row is None:
+        return ["–", "–", "–"]
+    if not row.feasible or row.cost is None:
+        return [f"{row.name}: infeasible", "–", "–"]
+    spec = ", spec on" if row.spec_on else ""
+    delta = ""
+    if base is not None and base.cost is not None:
+        dollars = row.cost.usd_per_hour - base.cost.usd_per_hour
+        delta = f" ({row.gpus_total - base.gpus_total:+,} GPUs, {'−' if dollars < 0 else '+'}{_usd(abs(dollars), 0)}/h)"
+    return [f"{row.name}{spec}, {_n(row.goodput_rps, 2)} req/s", f"{row.gpus_total:,}{delta}",
+            _usd(row.cost.usd_per_hour, 0)]
+
+
+def variants_table(variants: list[Variant]) -> str:
+    """What each engine option changes, for the plan's GPU × TP and at each variant's own cheapest."""
+    base = variants[0].same_config if variants else None
+    head = ["engine", "plan's config", "GPUs", "$/hour", "cheapest config", "GPUs", "$/hour"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for v in variants:
+        cells = [v.label, *_variant_cell(v.same_config, base), *_variant_cell(v.cheapest, base)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---- tables ---------------------------------------------------------------------------------
 
-COLUMNS = ["config", "goodput from", "req/s per replica", "binds", "replicas", "GPUs", "$/hour",
-           "$/1M input", "$/1M output", "all-in $/1M output", "KV used (free)", "warm pool"]
+COLUMNS = ["config", "goodput from", "req/s per replica", "binds", "replicas", "warm pool", "GPUs", "$/hour",
+           "$/1M input", "$/1M output", "all-in $/1M output", "KV used (free)"]
 
 
 def _row_cells(row: Row, cheapest: Row | None) -> list[str]:
     name = f"**{row.name} ★**" if row is cheapest else row.name
     if not row.feasible or row.cost is None:
         return [name, row.source, "–", "**infeasible** (below)", "–", "–", "–", "–", "–", "–", "–", "–"]
-    warm = f"{row.warm.replicas} ({row.warm.gpus} GPUs)" if row.warm else "no ramp given"
+    warm = str(row.warm.replicas) if row.warm else "no ramp given"
     cost = row.cost
-    cells = [name, row.source, _n(row.goodput_rps, 2), str(row.binding), _n(row.replicas), _n(row.gpus),
+    source = row.source + (" + spec" if row.spec_on else "")
+    cells = [name, source, _n(row.goodput_rps, 2), str(row.binding), _n(row.replicas), warm, _n(row.gpus_total),
              _usd(cost.usd_per_hour), _price(cost.usd_per_1m_input), _price(cost.usd_per_1m_output),
-             _price(cost.usd_per_1m_output_all_in), _kv(row), warm]
+             _price(cost.usd_per_1m_output_all_in), _kv(row)]
     if row is cheapest:
         cells = [c if c.startswith("**") else f"**{c}**" for c in cells]
     return cells
@@ -154,8 +208,9 @@ def summary(plan: Plan) -> str:
     head = (f"Plan for {rate} of mix {inputs.mix.get('name')}, "
             f"SLO TTFT p90 ≤ {_ms(inputs.slo.ttft_p90_s, 0)}, TPOT p90 ≤ {_ms(inputs.slo.tpot_p90_s, 0)}, "
             f"{_pct(inputs.headroom, 0)} headroom, {inputs.preset} preset, chunk {inputs.assumptions.chunk_tokens:,}.")
-    tail = (f"Cheapest: {cheapest.name}, {cheapest.replicas:,} replicas = {cheapest.gpus:,} GPUs, "
-            f"{_usd(cheapest.cost.usd_per_hour)}/hour." if cheapest and cheapest.cost else "No feasible configuration.")
+    tail = (f"Cheapest: {cheapest.name}, {cheapest.replicas:,} serving + {cheapest.warm_replicas:,} warm replicas = "
+            f"{cheapest.gpus_total:,} GPUs, {_usd(cheapest.cost.usd_per_hour)}/hour."
+            if cheapest and cheapest.cost else "No feasible configuration.")
     warnings = [f"warning ({row.name}): {w}" for row in plan.rows for w in row.warnings]
     return "\n".join([head, "", comparison_table(plan), "", tail, *warnings]) + "\n"
 
@@ -194,7 +249,15 @@ def _inputs_section(plan: Plan) -> list[str]:
         f"- TTFT is quoted for u₉₀ = **{_n(w.ttft_tokens, 0)}** uncached tokens ({u90}).", "",
         f"- **Timing model:** PERF_MODEL.md's roofline, `{i.preset}` preset (±20%); chunked prefill "
         f"{a.chunk_tokens:,} tokens per step; KV use ≤ {_pct(a.kv_limit, 0)}; TPOT p90 = {a.tpot_p90_factor:g} × mean "
-        f"step; headroom {_pct(i.headroom, 0)} (N+1, bursts, imbalance).",
+        f"step; headroom {_pct(i.headroom, 0)} (N+1, bursts, imbalance)"
+        + (f"; {i.zones} zones, one of which may be lost (× {zone_factor(i.zones):.3f})." if i.zones > 1 else "."),
+        f"- **Engine:** {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache; "
+        + (f"speculative decoding candidate k = {i.spec.draft_tokens} draft tokens at acceptance α = {i.spec.acceptance:g} "
+           f"(E = (1 − α^(k+1)) ÷ (1 − α) = {i.spec.tokens_per_step:.2f} tokens per step; each draft step "
+           f"{i.spec.draft_cost:g} × a decode step), on in a row only where it raises the goodput; "
+           if i.spec else "no speculative decoding; ")
+        + (f"{i.lora_adapters} LoRA adapters of rank {i.lora_rank} spread evenly, {i.lora_slots} per batch."
+           if i.lora_adapters else "base model only (no LoRA adapters)."),
         f"- **Cold start** {i.cold_start_s:g} s, **warm start** {i.warm_start_s:g} s.",
     ]
     if i.ramp is None:
@@ -216,17 +279,19 @@ def _inputs_section(plan: Plan) -> list[str]:
 def _steady_state_lines(row: Row, p: OperatingPoint, plan: Plan, label: str) -> list[str]:
     w, a, slo = plan.inputs.workload, plan.inputs.assumptions, plan.inputs.slo
     lam = p.rate_rps
+    e = plan.inputs.spec.tokens_per_step if row.spec_on and plan.inputs.spec else 1.0
+    per_e = f" ÷ E ({e:.2f} tokens per step)" if e != 1.0 else ""
     return [
         f"   {label}",
         f"   - step time t = **{_ms(p.step_s, 2)}** (the fixed point: the step-time model's time for the batch and "
         "prefill below, which themselves grow with t)",
-        f"   - decode batch B = λ × o × t = {lam:.3f} × {_n(w.output_tokens, 0)} × {p.step_s:.5f} s = "
+        f"   - decode batch B = λ × o × t{per_e} = {lam:.3f} × {_n(w.output_tokens, 0)} × {p.step_s:.5f} s{' ÷ ' + format(e, '.2f') if per_e else ''} = "
         f"{p.decode_batch:.1f} sequences",
         f"   - prefill per step n_p = λ × u × t = {lam:.3f} × {_n(w.uncached_tokens, 0)} × {p.step_s:.5f} s = "
         f"{_n(p.prefill_tokens_per_step, 0)} tokens (budget {a.chunk_tokens:,})",
         f"   - KV held S = B × c_d = {p.decode_batch:.1f} × {_n(w.decode_ctx_tokens, 0)} = {_n(p.kv_tokens, 0)} tokens "
         f"= **{_pct(p.kv_fraction)}** of {_n(row.kv_capacity_tokens, 0)} (limit {_pct(a.kv_limit, 0)})",
-        f"   - TPOT p90 = {a.tpot_p90_factor:g} × t = **{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
+        f"   - TPOT p90 = {a.tpot_p90_factor:g} × t{per_e} = **{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
         f"   - prefill rate μ = {a.chunk_tokens:,} ÷ t(full chunk) = {a.chunk_tokens:,} ÷ {p.full_chunk_step_s:.5f} s = "
         f"{_n(p.prefill_rate_tok_s, 0)} tokens/s; prefill load ρ = λ × u ÷ μ = {p.prefill_load:.3f}",
         f"   - queue wait W_q = λ × E[u²] ÷ μ² ÷ (2 × (1 − ρ)) = {lam:.3f} × {_n(w.uncached_sq, 0)} ÷ "
@@ -286,19 +351,26 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
         lines.append("   The timing model has no steady state at this rate (the measured server outruns the model), "
                      "so KV use and the cost split below are not estimated.")
     lam, h = row.goodput_rps, i.headroom
+    zones = f" × {i.zones} ÷ {i.zones - 1} (one zone lost)" if i.zones > 1 else ""
+    if row.spec_goodput_rps is not None:
+        lines.append(f"   Speculative decoding: goodput {_n(row.spec_goodput_rps, 3)} req/s with it, "
+                     f"{_n(row.plain_goodput_rps or 0, 3)} without: **{'on' if row.spec_on else 'off'}** in this row.")
+    warm = row.warm_replicas
     lines += [
-        f"2. **Replicas** = ⌈peak ÷ goodput × (1 + headroom)⌉ = ⌈{_n(i.rate_rps, 2)} ÷ {lam:.3f} × {1 + h:g}⌉ = "
-        f"⌈{row.replicas_exact:.2f}⌉ = **{row.replicas:,}**.",
-        f"3. **GPUs** = replicas × TP = {row.replicas:,} × {row.tp} = **{row.gpus:,}**.",
-        f"4. **Cost per hour** = {row.gpus:,} GPUs × {_usd(row.usd_per_gpu_hour)} = **{_usd(c.usd_per_hour)}** "
-        f"(at peak the fleet runs at {_n(i.rate_rps, 1)} ÷ ({row.replicas:,} × {lam:.3f}) = {_pct(c.utilisation)} "
+        f"2. **Replicas** = ⌈peak ÷ goodput × (1 + headroom){' × Z ÷ (Z − 1)' if zones else ''}⌉ = "
+        f"⌈{_n(i.rate_rps, 2)} ÷ {lam:.3f} × {1 + h:g}{zones}⌉ = ⌈{row.replicas_exact:.2f}⌉ = **{row.replicas:,}** serving.",
+        f"3. **GPUs** = (serving + warm pool) × TP = ({row.replicas:,} + {warm:,}) × {row.tp} = **{row.gpus_total:,}** "
+        "(warm pool: step 7).",
+        f"4. **Cost per hour** = {row.gpus_total:,} GPUs × {_usd(row.usd_per_gpu_hour)} = **{_usd(c.usd_per_hour)}**, "
+        f"of which the serving fleet {_usd(c.serving_usd_per_hour)} and the warm pool {_usd(c.usd_per_hour - c.serving_usd_per_hour)} "
+        f"(at peak the serving fleet runs at {_n(i.rate_rps, 1)} ÷ ({row.replicas:,} × {lam:.3f}) = {_pct(c.utilisation)} "
         "of its goodput).",
         f"5. **All-in $ per 1M output tokens** (every GPU-hour charged to output): output served = "
         f"{_n(i.rate_rps, 2)} req/s × {_n(i.workload.output_tokens, 0)} tokens × 3,600 s = "
         f"{_n(c.output_mtok_per_hour, 1)} M tokens/hour; {_usd(c.usd_per_hour)} ÷ {_n(c.output_mtok_per_hour, 1)} = "
-        f"**{_price(c.usd_per_1m_output_all_in)}**. PERF_MODEL's form gives the same: "
-        f"{_usd(row.usd_per_gpu_hour)} × 10⁶ ÷ (3,600 × {_n(c.output_tok_s_per_gpu, 1)} output tok/s per GPU at goodput "
-        f"× {c.utilisation:.3f} utilisation) = {_price(c.usd_per_1m_output_all_in)}.",
+        f"**{_price(c.usd_per_1m_output_all_in)}**, warm pool included. PERF_MODEL's form prices the serving fleet "
+        f"alone: {_usd(row.usd_per_gpu_hour)} × 10⁶ ÷ (3,600 × {_n(c.output_tok_s_per_gpu, 1)} output tok/s per GPU at "
+        f"goodput × {c.utilisation:.3f} utilisation) = {_price(c.usd_per_1m_output_serving)}.",
     ]
     if fp is not None and fp.stable:
         share = c.prefill_share
@@ -321,7 +393,7 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
         lines += [
             f"7. **Warm pool** = ⌈ramp × cold start ÷ goodput⌉ = ⌈{wp.ramp_rps_per_s:.3f} req/s per s × "
             f"{wp.cold_start_s:g} s ÷ {lam:.3f}⌉ = ⌈{_n(wp.rise_rps, 1)} ÷ {lam:.3f}⌉ = **{wp.replicas:,} replicas** "
-            f"({wp.gpus:,} GPUs, {_usd(wp.gpus * row.usd_per_gpu_hour)}/hour if kept loaded on top of the fleet).",
+            f"({wp.gpus:,} GPUs, {_usd(wp.gpus * row.usd_per_gpu_hour)}/hour, in the price above: loaded replicas hold their GPUs).",
             f"   While warm replicas wake ({wp.warm_start_s:g} s) the rate rises {_n(wp.warm_start_rise_rps, 1)} req/s; "
             f"the fleet's headroom is {row.replicas:,} × {lam:.3f} − {_n(i.rate_rps, 1)} = {_n(wp.headroom_rps, 1)} req/s: "
             + ("**covered**." if wp.covered_by_headroom else "**not covered** — raise the headroom or the warm pool."),
@@ -332,7 +404,7 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
     return lines
 
 
-def markdown(plan: Plan, plots: list[str] | None = None) -> str:
+def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant] | None = None) -> str:
     """The report: inputs, the comparison, each row's arithmetic, how costs are split, limitations."""
     i = plan.inputs
     cheapest = plan.cheapest
@@ -348,15 +420,21 @@ def markdown(plan: Plan, plots: list[str] | None = None) -> str:
     if cheapest and cheapest.cost:
         lines += [f"**Cheapest feasible: {cheapest.name}** — {cheapest.replicas:,} replicas, {cheapest.gpus:,} GPUs, "
                   f"{_usd(cheapest.cost.usd_per_hour)}/hour, {_price(cheapest.cost.usd_per_1m_output_all_in)} per 1M output "
-                  "tokens all-in (ranked by the serving fleet's $/hour; the warm pool is listed separately).", ""]
+                  "tokens all-in (ranked by $/hour of every GPU kept running: serving fleet, headroom and warm pool).", ""]
     else:
         lines += ["**No configuration is feasible** under this SLO; see the reasons below.", ""]
     lines += [
         "Columns: *req/s per replica* is the goodput; *binds* is the constraint that limits it (TTFT, TPOT or KV); "
         "*$/1M input* and *$/1M output* split the bill by the GPU time each causes (below); *all-in $/1M output* "
         "charges the whole bill to output tokens (PERF_MODEL's convention); *KV used (free)* is the share of the KV "
-        "cache held at the goodput (and left free); *warm pool* is the replicas kept ready to cover one cold start of load growth.", "",
+        "cache held at the goodput (and left free); *warm pool* is the replicas kept loaded to cover one cold start of "
+        "load growth; *GPUs* and *$/hour* count the serving replicas (headroom included) and the warm pool.", "",
     ]
+    if variants:
+        lines += ["## What the engine options change", "",
+                  "The plan again with one engine option changed (timing model only): in the plan's own configuration "
+                  "and at each variant's cheapest; differences against the plan in brackets.", "",
+                  variants_table(variants), ""]
     for name in plots or []:
         lines += [f"![{name}]({name})", ""]
     lines += ["## The arithmetic, row by row", ""]
@@ -366,7 +444,8 @@ def markdown(plan: Plan, plots: list[str] | None = None) -> str:
         "## How the numbers are made", "",
         "- **Steady state of one replica** (PERF_MODEL.md, capacity math): at λ req/s the engine decodes "
         "B = λ·o·t sequences per step (each stays o steps), holds S = B·c_d KV tokens and prefills n_p = λ·u·t "
-        "tokens (at most the chunk budget); t is the step-time model's time for that step, solved as a fixed point.",
+        "tokens (at most the chunk budget); t is the step-time model's time for that step, solved as a fixed point. "
+        "With speculative decoding a step yields E tokens per sequence: B = λ·o·t ÷ E and TPOT = t ÷ E.",
         "- **TTFT** = the 90th-percentile prompt's own prefill at the full-chunk rate μ, plus the p90 of the "
         "queueing wait (M/G/1, Pollaczek–Khinchine, ln 10 × mean for an exponential tail), plus two steps.",
         "- **Goodput** = the highest λ at which TTFT p90, TPOT p90 and KV use all meet their targets; each "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import time
 from pathlib import Path
@@ -53,8 +54,11 @@ def make_actuator(settings: AutoscalerSettings) -> Actuator:
         spec = EngineSpec(gpu=raw.get("gpu", "H100"), tp=int(raw.get("tp", 2)), model=raw.get("model", pools[0]),
                           time_scale=float(raw.get("time_scale", 1.0)), fixed_step_ms=raw.get("fixed_step_ms"),
                           engine_args=tuple(raw.get("engine_args", ())))
+        replica_env = dict(os.environ)
+        if settings.local_worker_nats_user:  # the workers' own identity, never the autoscaler's
+            replica_env.update(NATS_USER=settings.local_worker_nats_user, NATS_PASSWORD=settings.local_worker_nats_password)
         return LocalActuator(pools[0], spec, Path(settings.local_log_dir), cold_start_s=settings.cold_start_s,
-                             warm_start_s=settings.warm_start_s)
+                             warm_start_s=settings.warm_start_s, env=replica_env)
     if settings.actuator == "kubernetes":
         from .actuators.kubernetes import KubernetesActuator
 

@@ -44,6 +44,8 @@ class AutoscalerSettings:
     pending_s: float = env("INFERBUS_AUTOSCALER_PENDING_S", 30.0, "How long a promotion or demotion counts as done before the worker's reports show it.")
     local_engine: str = env("INFERBUS_AUTOSCALER_LOCAL_ENGINE", "{}", "Local actuator: the simulated engine of new replicas, as JSON (gpu, tp, model, time_scale, fixed_step_ms, engine_args); `inferbus up --autoscale` sets it.")
     local_log_dir: str = env("INFERBUS_AUTOSCALER_LOCAL_LOG_DIR", ".inferbus/logs", "Local actuator: where engine-<n>.log and worker-<n>.log of started replicas go.")
+    local_worker_nats_user: str = env("INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER", "", "Local actuator: the NATS user of the workers it starts (a worker identity, not the autoscaler's own); empty: they inherit NATS_USER. `inferbus up --autoscale` sets it.")
+    local_worker_nats_password: str = env("INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD", "", "Local actuator: the password of INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER.")
     k8s_api_url: str = env("INFERBUS_AUTOSCALER_K8S_API_URL", "", "Kubernetes API server; empty: in-cluster service account, else the local kubeconfig.")
     k8s_namespace: str = env("INFERBUS_AUTOSCALER_K8S_NAMESPACE", "inferbus", "Namespace of the worker Deployments.")
     k8s_deployments: str = env("INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS", "worker", "Worker Deployment per pool: `name` for a single pool, or `pool=name,pool=name`.")

@@ -77,9 +77,14 @@ class Staging:
         self.size = 0
         self._buffer = bytearray()
         directory = store.tenant_dir(tenant)
-        directory.mkdir(parents=True, exist_ok=True)
+        _private_dir(store.root)
+        _private_dir(directory)
         self.temp = directory / f"{_TEMP_PREFIX}{self.file_id}"
-        self._file: BinaryIO | None = open(self.temp, "wb")  # noqa: SIM115 (closed by commit/discard)
+        # 0600 whatever the umask: tenants' prompts and outputs are for the service alone (the rename
+        # into place keeps the mode).
+        fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        self._file: BinaryIO | None = os.fdopen(fd, "wb")
 
     async def write(self, data: bytes) -> None:
         """Append `data`; raises FileTooLarge as soon as the total passes the limit."""
@@ -149,6 +154,13 @@ def _seal(file: BinaryIO, temp: Path, final: Path) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (and parents) and make it 0700: only the service may list or enter it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != 0o700:
+        os.chmod(path, 0o700)
 
 
 class FileStore:

@@ -16,7 +16,7 @@ import msgspec
 
 from inferbus.prompt import PromptError, ServedModel, render_prompt
 from proto import messages as m
-from services.gateway import responses, schemas
+from services.gateway import carry, responses, schemas
 from services.gateway.errors import OpenAIError
 from services.gateway.sampling import sampling_params
 
@@ -97,11 +97,28 @@ def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: 
     except PromptError as error:
         raise OpenAIError(400, str(error), code="invalid_prompt") from None
     prompt_tokens = len(prompt.ids)
-    sampling = sampling_params(
+    sampling = line_sampling(
         params, responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens))
     return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt.text, prompt_tokens=prompt_tokens,
                     sampling=sampling, input_ids=prompt.ids,
                     user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None))
+
+
+def line_sampling(params: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+                  max_new_tokens: int) -> m.SamplingParams:
+    """A line's sampling parameters, built by the gateway's own builder; OpenAIError 400 when the
+    bus cannot carry them (the line could never be published)."""
+    sampling = sampling_params(params, max_new_tokens)
+    carry.check_sampling(sampling)
+    return sampling
+
+
+def encode_request(request: m.InferenceRequest) -> bytes:
+    """The request as published; OpenAIError 400 when it cannot be encoded, which no retry mends."""
+    try:
+        return m.encode(request)
+    except carry.UNENCODABLE as error:
+        raise OpenAIError(400, f"The request cannot be carried to the engine: {error}.", code="invalid_value") from None
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,

@@ -75,7 +75,8 @@ class BatchService:
         self.reply_subject = subjects.token_subject(f"batch-{self.id}")
         self.feed = FeedPolicy(time.monotonic, settings.feed_config())
         self.tracker = Tracker(settings.line_lease_s)
-        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors)
+        self.limits = Limits(max_lines=settings.max_lines, max_bytes=settings.max_bytes, max_errors=settings.max_errors,
+                             max_line_bytes=settings.max_line_bytes, max_json_depth=settings.max_json_depth)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.replies: Replies | None = None
@@ -609,7 +610,13 @@ class BatchService:
                 base_model=run.base_model, adapter=run.adapter, deadline=float(self._latest.get(run.id, record).expires_at),
                 now=now, reply_to=self.reply_subject, attempt=attempt,
             )
-            stored = await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{attempt}")
+            try:
+                payload = line_format.encode_request(request)
+            except OpenAIError as error:  # no retry can publish it: the line fails, the batch goes on
+                await self._publish_result(line_format.error_result(
+                    run.id, line, error.code or "invalid_request", error.message, error.status, now))
+                return
+            stored = await self.replies.publish_durable(subject, payload, f"{request.request_id}.{attempt}")
             if stored or not doubt or attempt + 1 >= MAX_DOUBT_ATTEMPTS:
                 break
             # In doubt after a restart and this attempt id was published in the last minutes: it
@@ -749,7 +756,7 @@ class BatchService:
         for line in lines:
             request_id = m.batch_request_id(run.id, line)
             cancel = m.Cancel(request_id=request_id, reason=reason)  # type: ignore[arg-type]
-            await self.nc.publish(subjects.cancel_subject(request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(f"batch-{self.id}", request_id), m.encode(cancel))
         log.info("batch_lines_cancelled", reason=reason, in_flight=len(out), without_result=len(lines))
         deadline = time.monotonic() + self.settings.cancel_grace_s
         while run.outstanding and time.monotonic() < deadline:

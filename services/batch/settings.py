@@ -11,7 +11,7 @@ from .feed import FeedConfig
 @dataclass(frozen=True)
 class BatchSettings:
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding the tenants (who may use which model).")
+    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding the tenants (who may use which model); with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Base model served (must match the gateway's).")
     model_dir: str = env(
         "INFERBUS_MODEL_DIR", "",
@@ -30,6 +30,8 @@ class BatchSettings:
     max_lines: int = env("INFERBUS_BATCH_MAX_LINES", 50_000, "Most requests in one input file.")
     max_bytes: int = env("INFERBUS_BATCH_MAX_BYTES", 200 * 1024 * 1024, "Largest input file in bytes.")
     max_errors: int = env("INFERBUS_BATCH_MAX_ERRORS", 100, "Validation stops after this many errors.")
+    max_line_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest input line in bytes (as the gateway's largest request body).")
+    max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in an input line's body (as the gateway's).")
     max_in_flight: int = env("INFERBUS_BATCH_MAX_IN_FLIGHT", 4096, "Most lines published and unfinished at once, whatever the feed policy allows.")
     line_lease_s: float = env("INFERBUS_BATCH_LINE_LEASE_S", 900.0, "A line with no result this long after it was published or last accepted is published again.")
     cancel_grace_s: float = env("INFERBUS_BATCH_CANCEL_GRACE_S", 5.0, "After cancelling a batch's in-flight lines (cancel or expiry), how long to wait for their results before finalizing.")

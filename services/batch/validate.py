@@ -2,9 +2,11 @@
 
 Every request line must be a JSON object with a unique non-empty `custom_id`, `method` POST, `url`
 the batch's endpoint, and a `body` that parses as that endpoint's request (the gateway's own
-schemas); all lines name one model. Blank lines are skipped. Line numbers in errors are 1-based
-lines of the file, as editors count; requests are numbered 0-based in file order (`batch_line`).
-Validation stops after `max_errors` errors: a file with a systematic mistake says so quickly.
+schemas) and whose request the bus can carry (the sampling parameters built as for publishing),
+within the gateway's size and nesting limits; all lines name one model. Blank lines are skipped.
+Line numbers in errors are 1-based lines of the file, as editors count; requests are numbered
+0-based in file order (`batch_line`). Validation stops after `max_errors` errors: a file with a
+systematic mistake says so quickly.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import msgspec
 
 from proto import messages as m
 from services.gateway.errors import OpenAIError
+from services.gateway.json_body import check_depth
 
-from .lines import ENDPOINT_KINDS, decode_line, parse_body
+from .lines import ENDPOINT_KINDS, decode_line, line_sampling, parse_body
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class Limits:
     max_lines: int = 50_000
     max_bytes: int = 200 * 1024 * 1024
     max_errors: int = 100
+    max_line_bytes: int = 4 * 1024 * 1024  # one request line, as the gateway's largest body
+    max_json_depth: int = 128  # nesting of a line's body, as the gateway's
 
 
 @dataclass
@@ -66,8 +71,17 @@ def validate(raw_lines: Iterable[bytes], endpoint: str, limits: Limits = Limits(
         if len(custom_ids) >= limits.max_lines:
             error("too_many_requests", f"The input file has more than {limits.max_lines} requests.", line=number)
             return errors
+        if len(raw) > limits.max_line_bytes:
+            if error("line_too_large", f"Line {number} is larger than {limits.max_line_bytes} bytes.", line=number):
+                return errors
+            continue
         try:
+            check_depth(raw, limits.max_json_depth + 1)  # +1: the line's own object around its body
             item = decode_line(raw)
+        except OpenAIError as problem:
+            if error(problem.code or "invalid_json_line", f"Line {number}: {problem.message}", line=number):
+                return errors
+            continue
         except msgspec.ValidationError as problem:
             if error("invalid_request", f"Line {number}: {problem}", line=number):
                 return errors
@@ -103,6 +117,7 @@ def validate(raw_lines: Iterable[bytes], endpoint: str, limits: Limits = Limits(
             continue
         try:
             body = parse_body(endpoint, body_bytes)
+            line_sampling(body, body.max_tokens or 1)  # the bus can carry it (max_tokens' room is checked when it runs)
         except OpenAIError as problem:
             param = f"body.{problem.param}" if problem.param else "body"
             if error(problem.code or "invalid_request", f"Line {number}: {problem.message}", line=number, param=param):

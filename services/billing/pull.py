@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
 import time
 import urllib.parse
 import uuid
 from typing import NamedTuple
 
 from inferbus import logs
+from inferbus.bus import BusSettings, bus_settings
+from inferbus.bus_auth import inbox_prefix
 
 log = logs.get(__name__)
 _CRLF = b"\r\n"
@@ -56,11 +57,14 @@ def _servers(url: str) -> list[urllib.parse.SplitResult]:
 class PullConnection:
     """One connection, one inbox subscription; pull requests and acks for one durable consumer."""
 
-    def __init__(self, url: str, stream: str, consumer: str, *, name: str = "billing-pull") -> None:
+    def __init__(self, url: str, stream: str, consumer: str, *, name: str = "billing-pull",
+                 auth: BusSettings | None = None) -> None:
         self.url = url
         self.name = name
+        self.auth = bus_settings() if auth is None else auth
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}".encode()
-        self.inbox = f"_INBOX.{uuid.uuid4().hex}".encode()
+        prefix = inbox_prefix(self.auth.user) if self.auth.user else "_INBOX"
+        self.inbox = f"{prefix}.{uuid.uuid4().hex}".encode()
         self.buffer: list[Delivery] = []
         self.outstanding = 0  # messages asked for and neither delivered nor given up by the server
         self.consumer_missing = False  # the server answered a pull with an API error (no consumer)
@@ -106,11 +110,13 @@ class PullConnection:
             writer.close()
             raise ConnectionError(f"not a NATS server at {host}:{port}")
         info = json.loads(line[5:])
-        if server.scheme == "tls" or info.get("tls_required"):
-            await writer.start_tls(ssl.create_default_context(), server_hostname=host)
+        if server.scheme == "tls" or info.get("tls_required") or self.auth.tls_ca or self.auth.tls_cert:
+            await writer.start_tls(self.auth.ssl_context(), server_hostname=host)
         connect: dict[str, object] = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True,
                                       "protocol": 1, "name": self.name, "lang": "python-inferbus", "version": "1"}
-        if server.username and server.password is not None:
+        if self.auth.user:  # the service's identity (bus.BusSettings), as bus.connect applies it
+            connect["user"], connect["pass"] = self.auth.user, self.auth.password
+        elif server.username and server.password is not None:
             connect["user"] = urllib.parse.unquote(server.username)
             connect["pass"] = urllib.parse.unquote(server.password)
         elif server.username:

@@ -107,8 +107,9 @@ class UsageReconciler:
                 # The cost the rollups bill (price book at the request's accept time, batch discount,
                 # whole micro-dollars), so a month's budget spend equals its /v1/costs total.
                 book = await self.prices.book()
+                # Abandoned attempts are the platform's cost: they never touch a tenant's quota.
                 usages = [(e.tenant, e.request_id, e.usage.prompt_tokens, e.usage.completion_tokens,
-                           contribution(e, book).costs.total / 1_000_000) for e in events]
+                           contribution(e, book).costs.total / 1_000_000) for e in events if e.billed_to == "tenant"]
                 await self.admission.reconcile_many(usages)
                 break
             except asyncio.CancelledError:

@@ -8,7 +8,7 @@ from inferbus.settings import env
 @dataclass(frozen=True)
 class BillingSettings:
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding quota state, rollups and the price book.")
+    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding quota state, rollups and the price book; with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
     price_input_per_mtok: float = env(
         "INFERBUS_PRICE_INPUT_PER_MTOK", 0.60,
         "Dollars per 1M uncached prompt tokens: seeds the price book's `*`/`*` entry once (then `inferbus prices set`).")

@@ -33,6 +33,10 @@ DIMENSIONS = ("model", "adapter", "band", "api_key_id", "batch_id")
 # (requests, cancelled, failed, input tokens, cached, output, µ$ input, µ$ cached, µ$ output)
 METRICS = ("n", "nc", "nf", "in", "cin", "out", "$in", "$cin", "$out")
 STATUS_CODES = {"completed": 0, "cancelled": 1, "failed": 2}
+# The account that the work of abandoned attempts rolls up under (`UsageEvent.billed_to ==
+# "platform"`): the platform's cost, never a tenant's bill. Not a valid tenant id, so no tenant
+# can ever be one; operators query it like a tenant (`/admin/v1/usage?tenant=_platform`).
+PLATFORM_ACCOUNT = "_platform"
 GROUP_SEP = "\x1f"  # between the dimensions of a group
 
 Kind = Literal["usage", "costs"]
@@ -94,8 +98,9 @@ def contribution(event: m.UsageEvent, book: PriceBook) -> Contribution:
         cached = 0 if cached < 0 else prompt
     costs = book.price_at(event.model, event.adapter, event.started).line_costs(
         prompt, completion, cached, event.batch_id is not None and event.batch_id != "")
-    return Contribution(event.tenant, event.model, costs,
-                        (event.request_id, int(event.started), group_of(event), STATUS_CODES.get(event.status, 0),
+    account = PLATFORM_ACCOUNT if event.billed_to == "platform" else event.tenant
+    return Contribution(account, event.model, costs,
+                        (m.usage_msg_id(event), int(event.started), group_of(event), STATUS_CODES.get(event.status, 0),
                          prompt, cached, completion, costs[0], costs[1], costs[2]))
 
 

@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from inferbus import logs
 
+from . import json_body
 from .errors import OpenAIError
 from .keys import issue_key, list_keys, revoke_key
 from .tenants import (
@@ -52,15 +53,13 @@ def _not_found(tenant_id: str) -> OpenAIError:
 
 
 async def _body(request: Request, required: bool = True) -> Any:
-    raw = await request.body()
+    limits = json_body.limits_of(request)
+    raw = await json_body.read(request, limits)
     if not raw.strip():
         if required:
             raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
         return {}
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        raise OpenAIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    return json_body.decode(raw, limits)
 
 
 @contextmanager

@@ -7,12 +7,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,7 +25,8 @@ from services.batch.files import FileStore
 from services.batch.records import BatchStore
 from services.billing.pricing import Prices
 
-from .admin import admin_router
+from . import openapi
+from .admin import admin_router, require_admin
 from .admin_adapters import adapters_router
 from .admission import Admission
 from .batches_api import batches_router
@@ -39,8 +41,12 @@ from .errors import (
 from .files_api import files_router
 from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
+from .internal_api import InternalApi
+from .json_body import JsonLimits
 from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
+from .responses_api import ResponsesAPI, responses_router
+from .responses_store import ResponseStore
 from .settings import GatewaySettings
 from .models import ModelCatalog
 from .tenants import Tenant, TenantStore
@@ -59,11 +65,13 @@ class Gateway:
         self.dispatcher: Dispatcher | None = None
         self.redis: aioredis.Redis | None = None
         self.generation: Generation | None = None
+        self.responses: ResponsesAPI | None = None
         self.tenants: TenantStore | None = None
         self.fleet: FleetMonitor | None = None
         self.catalog: ModelCatalog | None = None
         self.files: FileStore | None = None
         self.batches: BatchStore | None = None
+        self.internal_api: InternalApi | None = None
         self.js = None
         self.nc = None
 
@@ -83,6 +91,9 @@ class Gateway:
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
+            worker_free_slots=overload.worker_free_slots,
+            accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
+            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3",
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
@@ -104,9 +115,17 @@ class Gateway:
         self.files, self.batches = files, BatchStore(batches_kv, js)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
                                      admission, overload, prices, self.catalog, served)
+        if s.internal_api:  # internal producers: the same calls over NATS request/reply
+            self.internal_api = InternalApi(self.nc, self.generation, self.gateway_id)
+            await self.internal_api.start()
+        # The Responses API: stored responses in KV, generation through the chat path above.
+        store = await ResponseStore.open(js, s.responses_retention_s, s.responses_max_bytes)
+        self.responses = ResponsesAPI(self.generation, store)
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
 
     async def stop(self) -> None:
+        if self.internal_api is not None:
+            await self.internal_api.stop()
         if self.catalog is not None:
             await self.catalog.stop()
         if self.fleet is not None:
@@ -131,6 +150,8 @@ class GatewayASGI:
             endpoint = ENDPOINTS.get(scope["path"].rstrip("/"))
             if endpoint is not None:
                 return await self.gateway.generation(scope, receive, send, endpoint)
+            if scope["path"].rstrip("/") == "/v1/responses" and self.gateway.responses is not None:
+                return await self.gateway.responses.create(scope, receive, send)
         await self.api(scope, receive, send)
 
 
@@ -169,6 +190,7 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
 
     api = FastAPI(title="inferbus gateway", version="0.1.0", lifespan=lifespan)
     api.state.gateway = gateway
+    api.state.json_limits = JsonLimits(max_depth=settings.max_json_depth, max_bytes=settings.max_body_bytes)
     api.add_middleware(RequestIdMiddleware)
     api.add_exception_handler(OpenAIError, openai_error_handler)
     api.add_exception_handler(StarletteHTTPException, http_exception_handler)
@@ -196,6 +218,9 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     # Files and batches: /v1/files, /v1/batches.
     api.include_router(files_router(identity, lambda: gateway.files))
     api.include_router(batches_router(identity, lambda: gateway.batches, lambda: gateway.files))
+
+    # The Responses API's stored responses: GET/DELETE /v1/responses/{id}, .../input_items.
+    api.include_router(responses_router(identity, lambda: gateway.responses))
 
     @api.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -235,6 +260,13 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     @api.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    # The public document leaves the admin API out; admins read theirs with the admin key.
+    openapi.install(api)
+    if settings.admin_key:
+        @api.get("/admin/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin(settings.admin_key))])
+        async def admin_openapi() -> Response:
+            return Response(_json.encode(openapi.admin_document(api)), media_type="application/json")
 
     return GatewayASGI(api, gateway)
 

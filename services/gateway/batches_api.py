@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -26,6 +26,7 @@ from services.batch.files import FileStore
 from services.batch.openai_objects import batch_object, list_page
 from services.batch.records import BatchStore, new_batch_id
 
+from . import json_body
 from .errors import OpenAIError
 from .files_api import Identity, int_param, respond, started, storage_errors
 
@@ -131,13 +132,9 @@ def batches_router(identity: Identity, batches: Callable[[], BatchStore | None],
         principal, tenant = await identity(request)
         store: BatchStore = started(batches())
         file_store: FileStore = started(files())
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_CREATE_BODY_BYTES:
-            raise OpenAIError(413, "The request body is too large.", code="request_too_large")
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError:
-            raise OpenAIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+        limits = json_body.limits_of(request)
+        limits = replace(limits, max_bytes=min(limits.max_bytes, MAX_CREATE_BODY_BYTES))
+        body = await json_body.read_json(request, limits=limits)
         try:
             parsed = parse_create(body)
             source = await file_store.get(tenant.id, parsed.input_file_id)

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
@@ -20,18 +21,20 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs, tracing
+from inferbus.outbox import Outbox
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from inferbus.replies import PublishError, Replies
 from proto import messages as m
 from proto import subjects
 
 from .fairness import FairQueue
-from .metrics import FAIR_QUEUE, MIGRATIONS, PLACEMENTS
+from .metrics import DEATH_VERDICTS, FAIR_QUEUE, MIGRATIONS, NOT_STARTED, PLACEMENTS
 
 log = logs.get(__name__)
 
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
+_liveness_decoder = msgspec.msgpack.Decoder(m.LivenessReply)
 
 
 class DispatchError(Exception):
@@ -59,6 +62,8 @@ class Flight:
     estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
     state: str = "held"  # held (in the fair queue) → queued (in JetStream) → accepted (by a worker)
     block_hashes: list[int] = field(default_factory=list)  # the prompt's prefix blocks, for placement
+    placed_at: float = 0.0  # monotonic time the current attempt was queued on a worker's own subject
+    avoid_worker: str | None = None  # a worker that never started this request: not placed there again
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -94,7 +99,11 @@ class Dispatcher:
         placement_timeout_s: float,
         window_per_worker: int = 2,
         free_slots: Callable[[], int] = lambda: 0,
+        worker_free_slots: Callable[[str], int | None] = lambda worker_id: None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        accept_timeout_s: float = 5.0,
+        liveness_timeout_s: float = 1.0,
+        outbox_path: Path | None = None,
     ) -> None:
         self.block_size = block_size
         self.nc = nc
@@ -105,10 +114,12 @@ class Dispatcher:
         self.placement_timeout_s = placement_timeout_s
         self.window_per_worker = window_per_worker
         self.free_slots = free_slots
+        self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
         self.in_queue = 0  # this gateway's requests published and not yet accepted
+        self._in_queue_by_band: dict[str, int] = {}  # the same per band, for the overload policy
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
@@ -116,9 +127,20 @@ class Dispatcher:
         self._sub = None
         self._watcher = None
         self.replies = Replies(nc)
+        # A request queued on a worker's own subject and not started by it within this long moves
+        # to the shared queue; a worker whose heartbeat lapsed is asked (this long) before it is dead.
+        self.accept_timeout_s = accept_timeout_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self._probing: set[str] = set()
+        self.outbox = Outbox(outbox_path, self._publish_durable) if outbox_path is not None else None
+
+    async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
+        await self.replies.publish_durable(subject, data, msg_id)
 
     async def start(self) -> None:
         await self.replies.start()
+        if self.outbox is not None:
+            await self.outbox.start()
         self._sub = await self.nc.subscribe(
             subjects.token_subject(self.gateway_id), cb=self._on_events, pending_msgs_limit=1_000_000,
             pending_bytes_limit=256 * 1024 * 1024,
@@ -136,6 +158,10 @@ class Dispatcher:
             await self._watcher.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()
+        if self.outbox is not None:
+            if not await self.outbox.drained(timeout=5):
+                log.warning("usage_outbox_pending_at_exit", path=str(self.outbox.path))
+            await self.outbox.stop()
         await self.replies.stop()
 
     def reply_subject(self) -> str:
@@ -164,7 +190,7 @@ class Dispatcher:
             placement = _placement_decoder.decode(reply.data)
         except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
             return shared
-        if placement.worker_id and placement.worker_id not in self.live_workers:
+        if placement.worker_id and (placement.worker_id not in self.live_workers or placement.worker_id == flight.avoid_worker):
             return shared
         return placement
 
@@ -174,6 +200,7 @@ class Dispatcher:
         # A request queued for one worker is that worker's from now on: if it dies before pulling
         # it, the request migrates like an accepted one instead of waiting out its deadline.
         flight.worker_id = placement.worker_id
+        flight.placed_at = time.monotonic()
         if placement.cached_blocks:
             request = flight.request = msgspec.structs.replace(
                 request, expected_cached_tokens=placement.cached_blocks * self.block_size
@@ -191,6 +218,15 @@ class Dispatcher:
     def held(self, band: str) -> int:
         """Requests of `band` waiting in this gateway's fair queue."""
         return self.fair.waiting(band)
+
+    def queued(self, band: str) -> int:
+        """Requests of `band` this gateway published that no worker has accepted yet (known at
+        once, where the queue depth the overload policy polls lags)."""
+        return self._in_queue_by_band.get(band, 0)
+
+    def _count_queued(self, flight: Flight, delta: int) -> None:
+        band = flight.request.tier
+        self._in_queue_by_band[band] = self._in_queue_by_band.get(band, 0) + delta
 
     async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None) -> Flight:
         """Queue a new request; its events arrive on the returned flight's queue.
@@ -219,10 +255,12 @@ class Dispatcher:
     def _mark_queued(self, flight: Flight) -> None:
         flight.state = "queued"
         self.in_queue += 1
+        self._count_queued(flight, 1)
 
     def _left_queue(self, flight: Flight) -> None:
         if flight.state == "queued":
             self.in_queue -= 1
+            self._count_queued(flight, -1)
         flight.state = "accepted"
         self._release()
 
@@ -258,14 +296,23 @@ class Dispatcher:
         else:
             if flight.state == "queued":
                 self.in_queue -= 1
+                self._count_queued(flight, -1)
             used = float((flight.prompt_tokens or 0) + flight.sent_tokens)
             self.fair.finished(request.tenant, request.tier, flight.estimated_tokens, used)
         self._release()
 
+    async def supersede(self, flight: Flight) -> None:
+        """Tell whichever worker holds (or will pull) the current attempt that it is given up."""
+        cancel = m.Cancel(request_id=flight.request.request_id, reason="superseded", attempt=flight.request.attempt)
+        try:
+            await self.nc.publish(subjects.cancel_subject(flight.request.request_id), m.encode(cancel))
+        except Exception as error:
+            log.warning("cancel_publish_failed", error=repr(error))
+
     async def cancel(self, flight: Flight, reason: str) -> None:
         cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
         try:
-            await self.nc.publish(subjects.cancel_subject(flight.request.request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(self.gateway_id, flight.request.request_id), m.encode(cancel))
         except Exception as error:
             log.warning("cancel_publish_failed", error=repr(error))
 
@@ -277,6 +324,9 @@ class Dispatcher:
         log.warning("migrating", request_id=continuation.request_id, attempt=continuation.attempt,
                     from_worker=flight.worker_id, why=why, resumed_tokens=continuation.resumed_tokens)
         MIGRATIONS.inc()
+        # The old attempt may still run (a worker wrongly thought dead, a broken stream, one that
+        # never started it): stop it, and it bills its work to the platform, not the tenant.
+        await self.supersede(flight)
         flight.request = continuation
         flight.worker_id = None
         flight.sent_text = []
@@ -328,20 +378,26 @@ class Dispatcher:
             if isinstance(event, (m.Final, m.StreamError, m.Handoff)):
                 return
 
-    async def publish_usage(self, flight: Flight, status: str, finish: str | None) -> None:
-        """For requests no worker finished: bill what the client received, once."""
+    async def publish_usage(self, flight: Flight, status: str, finish: str | None, delivered_tokens: int) -> None:
+        """For requests that ended in an error: bill what the client received, once. With nothing
+        delivered, nothing is billed (not even the prompt: the client got no answer for it)."""
         request = flight.request
         # n > 1: only the first choice bills the prompt.
-        usage = m.Usage(prompt_tokens=0 if request.choice else flight.prompt_tokens or 0, completion_tokens=flight.sent_tokens)
+        usage = m.Usage(prompt_tokens=(flight.prompt_tokens or 0) if delivered_tokens and not request.choice else 0,
+                        completion_tokens=delivered_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
-            api_key_id=request.api_key_id, batch_id=request.batch_id,
+            api_key_id=request.api_key_id, batch_id=request.batch_id, attempt=request.attempt,
         )
+        subject, data = subjects.usage_subject(request.tenant), m.encode(event)
         try:
-            await self.replies.publish_durable(subjects.usage_subject(request.tenant), m.encode(event), request.request_id)
-        except (PublishError, NatsTimeoutError) as error:
+            if self.outbox is not None:
+                await self.outbox.add(subject, data, m.usage_msg_id(event))
+            else:
+                await self.replies.publish_durable(subject, data, m.usage_msg_id(event))
+        except (PublishError, NatsTimeoutError, OSError) as error:
             log.error("usage_publish_failed", request_id=request.request_id, error=repr(error))
 
     # ---- inbound ----------------------------------------------------------------------------
@@ -370,6 +426,43 @@ class Dispatcher:
         self.live_workers[beat.worker_id] = (time.monotonic(), beat)
 
     def _worker_gone(self, key: str) -> None:
+        """A heartbeat lapsed: ask the worker before declaring it dead (migrating live streams of
+        a busy but healthy worker costs more than a second's wait)."""
+        for worker_id in [wid for wid in self.live_workers if subjects.worker_key(wid) == key]:
+            if worker_id in self._probing:
+                continue
+            self._probing.add(worker_id)
+            task = asyncio.ensure_future(self._verdict(worker_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _verdict(self, worker_id: str) -> None:
+        try:
+            alive = await self._answers(worker_id)
+        finally:
+            self._probing.discard(worker_id)
+        if alive:
+            DEATH_VERDICTS.labels("alive").inc()
+            seen = self.live_workers.get(worker_id)
+            if seen is not None:  # its heartbeat will be back; until then the sweep waits again
+                self.live_workers[worker_id] = (time.monotonic(), seen[1])
+            log.warning("worker_heartbeat_late_but_alive", worker_id=worker_id)
+            return
+        DEATH_VERDICTS.labels("dead").inc()
+        self._declare_dead(subjects.worker_key(worker_id))
+
+    async def _answers(self, worker_id: str) -> bool:
+        probe = m.encode(m.LivenessProbe(worker_id=worker_id))
+        try:
+            reply = await self.replies.request(subjects.liveness_subject(worker_id), probe, self.liveness_timeout_s)
+            return _liveness_decoder.decode(reply.data).worker_id == worker_id
+        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
+            return False
+        except Exception as error:  # the bus itself failed: we cannot tell, so do not kill anything
+            log.warning("liveness_probe_failed", worker_id=worker_id, error=repr(error))
+            return True
+
+    def _declare_dead(self, key: str) -> None:
         gone = [wid for wid in self.live_workers if subjects.worker_key(wid) == key]
         for worker_id in gone:
             del self.live_workers[worker_id]
@@ -400,3 +493,25 @@ class Dispatcher:
             dead = [wid for wid, (seen, _) in self.live_workers.items() if now - seen > self.heartbeat_ttl_s * 1.5]
             for worker_id in dead:
                 self._worker_gone(subjects.worker_key(worker_id))
+            self._move_unstarted(now)
+
+    def _move_unstarted(self, now: float) -> None:
+        """A request queued on a worker that has not started it within `accept_timeout_s`, while
+        that worker has free slots or reports nothing, moves to the shared queue: a worker that
+        pulls nothing (a zombie, a lost consumer) must not hold its client until the deadline. A
+        full worker keeps it: it starts it when a slot frees. The old attempt is superseded, so
+        it never runs twice."""
+        for flight in list(self.flights.values()):
+            if flight.state != "queued" or flight.worker_id is None or now - flight.placed_at < self.accept_timeout_s:
+                continue
+            if self.worker_free_slots(flight.worker_id) == 0:
+                continue
+            NOT_STARTED.inc()
+            log.warning("request_not_started", request_id=flight.request.request_id, worker_id=flight.worker_id,
+                        waited_s=round(now - flight.placed_at, 2))
+            flight.avoid_worker = flight.worker_id
+            flight.placed_at = now  # one move per timeout, whatever the reader is doing
+            flight.events.put_nowait(m.StreamError(
+                request_id=flight.request.request_id, attempt=flight.request.attempt, code="not_started",
+                message=f"worker {flight.worker_id} did not start the request", retryable=True, status=503,
+            ))

@@ -84,6 +84,11 @@ async def validation_exception_handler(request: Request, error: Exception) -> Re
 async def unhandled_exception_handler(request: Request, error: Exception) -> Response:
     from inferbus import logs
 
+    if isinstance(error, RecursionError):  # a hostile body that got past the depth checks: still the client's
+        logs.get(__name__).warning("request_too_deep", path=request.url.path)
+        return OpenAIError(400, "The request is nested too deeply.", code="json_too_deep").response(
+            getattr(request.state, "request_id", None)
+        )
     logs.get(__name__).exception("unhandled_error", path=request.url.path)
     return OpenAIError(500, "The server had an error while processing your request.", code="internal_error").response(
         getattr(request.state, "request_id", None)

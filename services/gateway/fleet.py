@@ -50,11 +50,20 @@ class FleetMonitor:
             self.policy.on_load(load)
 
     async def _poll_queues(self) -> None:
+        # Every consumer of the model's band subjects counts: the shared queue and each worker's
+        # own (placed requests wait there, and are as far from a slot as the shared ones).
+        prefixes = {band: subjects.request_subject(band, self.model, "") for band in BANDS}  # type: ignore[arg-type]
         while True:
-            for band in BANDS:
-                try:
-                    info = await self.js.consumer_info(subjects.REQUESTS_STREAM, subjects.request_consumer(band, self.model))
-                    self.policy.on_queue_depth(band, info.num_pending or 0)
-                except Exception:  # no worker has created the band's consumer yet: nothing queued there
-                    self.policy.on_queue_depth(band, 0)
+            depth = dict.fromkeys(BANDS, 0)
+            try:
+                for info in await self.js.consumers_info(subjects.REQUESTS_STREAM):
+                    subject = info.config.filter_subject or ""
+                    for band, prefix in prefixes.items():
+                        if subject.startswith(prefix):
+                            depth[band] += info.num_pending or 0
+            except Exception as error:  # keep the last view; the next poll tries again
+                log.warning("queue_depth_poll_failed", error=repr(error))
+            else:
+                for band, queued in depth.items():
+                    self.policy.on_queue_depth(band, queued)
             await asyncio.sleep(self.queue_poll_s)

@@ -25,7 +25,7 @@ from inferbus.tokens import block_hashes
 from proto import messages as m
 from services.billing.pricing import Prices
 
-from . import metrics, responses, schemas
+from . import carry, json_body, metrics, responses, schemas
 from .sampling import sampling_params
 from .tools import ToolCall, ToolOutput
 from .admission import Admission, AdmissionUnavailable, Decision
@@ -33,7 +33,7 @@ from .dispatch import DispatchError, Dispatcher, Flight
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
 from .models import ModelCatalog
-from .overload import OverloadPolicy
+from .overload import OverloadPolicy, bands_through
 from .settings import GatewaySettings
 from .tenants import Tenant, TenantStore
 
@@ -70,6 +70,7 @@ class _Call:
     logprobs: bool = False
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, each its own flight
     pumps: list[asyncio.Future[None]] = field(default_factory=list)  # n > 1: relays of the choices' events
+    latency_labels: tuple[str, str, str] = ("", "base", "other")  # metrics.latency_labels: model, adapter, band
 
     @property
     def chunk_object(self) -> str:
@@ -216,10 +217,13 @@ class Generation:
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
-        admitted, retry_after = self.overload.admit(tenant.band, self.dispatcher.held(tenant.band))
-        if not admitted:
+        ahead = bands_through(tenant.band)
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
+                                      sum(self.dispatcher.queued(b) for b in ahead))
+        if not verdict.admitted:
+            metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
-                              code="overloaded", headers={"retry-after": str(int(retry_after))})
+                              code="overloaded", headers=verdict.headers())
         n = params.n
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
         now = time.time()
@@ -232,11 +236,17 @@ class Generation:
             created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids,
             user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
+        try:
+            carry.check_sampling(inference.sampling)
+        except OpenAIError:
+            await self._release_reservation(tenant.id, request_id)
+            raise
         call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                      include_usage=bool(params.stream_options and params.stream_options.include_usage),
                      stream=params.stream,
                      headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
-                     logprobs=inference.sampling.logprobs)
+                     logprobs=inference.sampling.logprobs,
+                     latency_labels=metrics.latency_labels(model, adapter, tenant.band))
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
@@ -342,7 +352,9 @@ class Generation:
                 raise OpenAIError(413, f"Request body too large: over {limit} bytes.", code="request_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                body = b"".join(chunks)
+                json_body.check_depth(body, self.settings.max_json_depth)
+                return body
 
     def check_model(self, model: str, tenant: Tenant | None = None) -> None:
         self.catalog.resolve(model, tenant)
@@ -486,13 +498,13 @@ class Generation:
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
-            await self._give_up(call, None, error, cancel_reason="deadline")
+            await self._give_up(call, None, error, cancel_reason="deadline", delivered=False)
             await send_json(send, 504, error.body(), request_id)
             return "504"
         if failed is not None or any(c.final is None for c in call.choices):
             choice = failed[0] if failed else call.choices[0]
             error = _event_error(failed[1]) if failed else OpenAIError(502, "No response from the worker.")
-            await self._give_up(call, choice, error)
+            await self._give_up(call, choice, error, delivered=False)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
         self._first_token(call, True)
@@ -596,35 +608,41 @@ class Generation:
     def _first_token(self, call: _Call, first: bool) -> None:
         if first and call.first_token_at is None:
             call.first_token_at = time.monotonic()
-            metrics.TTFT.observe(call.first_token_at - call.started)
+            metrics.TTFT.labels(*call.latency_labels).observe(call.first_token_at - call.started)
 
     def _record(self, call: _Call, usage: m.Usage) -> None:
         first = call.choices[0]
         call.usage = usage
         end = time.monotonic()
-        metrics.E2E.observe(end - call.started)
+        metrics.E2E.labels(*call.latency_labels).observe(end - call.started)
         generated = first.final.usage.completion_tokens if first.final is not None else 0
         if call.first_token_at is not None and generated > 1:
-            metrics.TPOT.observe((end - call.first_token_at) / (generated - 1))
+            metrics.TPOT.labels(*call.latency_labels).observe((end - call.first_token_at) / (generated - 1))
         if first.flight.queue_wait is not None:
-            metrics.QUEUE_WAIT.observe(first.flight.queue_wait)
+            metrics.QUEUE_WAIT.labels(*call.latency_labels).observe(first.flight.queue_wait)
         metrics.TOKENS.labels("prompt").inc(usage.prompt_tokens)
         metrics.TOKENS.labels("completion").inc(usage.completion_tokens)
         metrics.TOKENS.labels("cached").inc(usage.cached_tokens)
 
     async def _give_up(self, call: _Call, failed: _Choice | None, error: OpenAIError,
-                       cancel_reason: str | None = None) -> None:
+                       cancel_reason: str | None = None, delivered: bool = True) -> None:
         """End a response that failed: `failed` is the choice that did (None: all of them, e.g.
-        the deadline); the other unfinished choices are cancelled, the client gets none of them."""
+        the deadline); the other unfinished choices are given up too, the client gets none of them.
+
+        Billing = delivery: the gateway, which alone knows what the client received, bills each
+        unfinished choice for that (the tokens streamed to it; nothing when `delivered` is False,
+        a non-streamed response that fails); a worker still on one stops and bills its work to
+        the platform."""
         metrics.ERRORS.labels(error.code or error.type).inc()
         for choice in call.choices:
             if choice.final is not None:
                 continue
-            if choice is not failed:
-                await self.dispatcher.cancel(choice.flight, cancel_reason or "client_disconnect")
-            elif choice.flight.worker_id is None:
-                # No worker holds the request any more (it died and migration ran out): bill what was sent.
-                await self.dispatcher.publish_usage(choice.flight, "failed", "error")
+            if cancel_reason:
+                await self.dispatcher.cancel(choice.flight, cancel_reason)
+            else:
+                await self.dispatcher.supersede(choice.flight)
+            await self.dispatcher.publish_usage(choice.flight, "failed", "error",
+                                                delivered_tokens=choice.flight.sent_tokens if delivered else 0)
 
 
 _usage = responses.usage_body

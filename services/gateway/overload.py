@@ -4,11 +4,27 @@ The gateway feeds it the fleet's live state (worker load reports and the depth o
 queue per band) and asks, per request, whether its band may still be queued. A band is shed when
 the wait a new request can expect exceeds that band's budget: a 503 with `retry-after` now beats
 a timeout later. Premium's budget is the larger one, so it is shed last.
+
+The fleet's completion rate is measured over a sliding window (not from one load report to the
+next, which with long answers is mostly zero and occasionally a burst; the window reaches back
+further while it holds fewer than `min_completions`, so long answers and idle spells keep their
+measurement) as occupied slot-seconds per completion (Little's law): a worker with `max_running` slots, whose requests each hold a slot
+for S seconds on average, frees `max_running / S` slots a second when full. Idle or half-idle time
+therefore does not dilute the rate. Until a worker's slots were occupied for `min_busy_s`
+slot-seconds of the window its rate is unknown; then the wait is at least the time since the
+fleet last made progress (a completion, or a free slot), a lower bound that sheds once it passes
+the budget instead of admitting blindly.
+
+The wait compared with the budget is not the mean but its `quantile` (90%): with n requests to
+start before this one and slots freeing at random at the measured rate r, the wait is the time of
+the n-th event of a Poisson process, Gamma(n, 1/r). Admitting on the mean would let half of the
+requests near the limit wait longer than the budget.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,30 +33,126 @@ from proto import messages as m
 BANDS = ("premium", "standard")  # most important first
 
 
+def poisson_wait_quantile(n: int, rate: float, quantile: float) -> float:
+    """Seconds until the n-th event of a Poisson process of `rate` has happened with probability
+    `quantile` (the quantile of Gamma(n, 1/rate))."""
+    if n <= 0:
+        return 0.0
+    if n > 50:  # normal approximation, plenty accurate this far out
+        z = _normal_quantile(quantile)
+        return (n + z * math.sqrt(n)) / rate
+    # P(T_n <= t) = P(at least n events by t); bisection on x = rate * t.
+    low, high = 0.0, n + 10.0 * math.sqrt(n) + 10.0
+    for _ in range(50):
+        x = (low + high) / 2
+        term, below = math.exp(-x), 0.0  # P(fewer than n events)
+        for k in range(n):
+            below += term
+            term *= x / (k + 1)
+        if 1.0 - below < quantile:
+            low = x
+        else:
+            high = x
+    return high / rate
+
+
+def _normal_quantile(p: float) -> float:
+    """The standard normal quantile (bisection on erf; p in (0, 1))."""
+    low, high = -10.0, 10.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def bands_through(band: str) -> tuple[str, ...]:
+    """`band` and every band more important than it: the work a new request of `band` waits behind.
+    An unknown band is judged as the least important one."""
+    if band not in BANDS:
+        band = BANDS[-1]
+    return BANDS[: BANDS.index(band) + 1]
+
+
+def _free(load: m.WorkerLoad) -> int:
+    """Free slots in a load report. Batch lines count as free: a worker preempts them as soon as
+    interactive work waits."""
+    return max(0, load.max_running - load.in_flight + load.batch_in_flight)
+
+
 @dataclass
 class _Worker:
     seen: float
     load: m.WorkerLoad
-    rate: float = 0.0  # completions per second, smoothed
+    # (when, occupied slot-seconds, completions) per interval between two reports, in the window
+    samples: deque[tuple[float, float, int]] = field(default_factory=deque)
+    slot_seconds: float = 0.0  # sums over `samples`
+    completions: int = 0
+
+    def add(self, sample: tuple[float, float, int]) -> None:
+        self.samples.append(sample)
+        self.slot_seconds += sample[1]
+        self.completions += sample[2]
+
+    def forget_before(self, cutoff: float, hard_cutoff: float, min_completions: int) -> None:
+        """Drop samples older than `cutoff` while enough completions remain; older than
+        `hard_cutoff` in any case."""
+        while self.samples:
+            when, slots, done = self.samples[0]
+            if when >= cutoff or (when >= hard_cutoff and self.completions - done < min_completions):
+                return
+            self.samples.popleft()
+            self.slot_seconds -= slots
+            self.completions -= done
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admitted: bool
+    expected_wait_s: float
+    retry_after_s: float  # 0 when admitted; else within [1, max_retry_after_s]
+
+    def headers(self) -> dict[str, str]:
+        """`retry-after` in whole seconds and `retry-after-ms`, as the OpenAI SDKs read them."""
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s))),
+                "retry-after-ms": str(max(1, math.ceil(self.retry_after_s * 1000)))}
 
 
 @dataclass
 class OverloadPolicy:
     clock: Callable[[], float]
     budgets_s: dict[str, float] = field(default_factory=lambda: {"premium": 10.0, "standard": 3.0})
-    stale_after_s: float = 3.0
-    smoothing: float = 0.3  # weight of the newest rate sample
+    stale_after_s: float = 10.0
+    rate_window_s: float = 30.0  # completions are counted over this much of the recent past...
+    min_completions: int = 8  # ...or further back, until it holds this many...
+    max_window_s: float = 600.0  # ...but never further than this
+    min_busy_s: float = 2.0  # a worker's rate is known once its slots were occupied this many slot-seconds
+    max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
+    quantile: float = 0.9  # of the wait, compared with the budget
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
+    _progress_at: float | None = None  # last report with a new completion or a free slot
 
     def on_load(self, load: m.WorkerLoad) -> None:
         now = self.clock()
-        previous = self._workers.get(load.worker_id)
-        worker = _Worker(seen=now, load=load)
-        if previous is not None and now > previous.seen and load.completed >= previous.load.completed:
-            sample = (load.completed - previous.load.completed) / (now - previous.seen)
-            worker.rate = previous.rate + self.smoothing * (sample - previous.rate)
-        self._workers[load.worker_id] = worker
+        worker = self._workers.get(load.worker_id)
+        if worker is None or load.completed < worker.load.completed:  # new, or restarted (counter reset)
+            worker = self._workers[load.worker_id] = _Worker(seen=now, load=load)
+            self._progress_at = now  # watched from here on
+        elif now > worker.seen:
+            # Slots held during the interval: as the previous report had them (requests that
+            # started or ended inside it are too short a part of it to matter on average).
+            occupied = min(worker.load.in_flight - worker.load.batch_in_flight, worker.load.max_running)
+            completed = load.completed - worker.load.completed
+            worker.add((now, max(0, occupied) * (now - worker.seen), completed))
+            if completed > 0:
+                self._progress_at = now
+        worker.forget_before(now - self.rate_window_s, now - self.max_window_s, self.min_completions)
+        if _free(load) > 0:
+            self._progress_at = now
+        worker.seen, worker.load = now, load
 
     def on_queue_depth(self, band: str, queued: int) -> None:
         self._queued[band] = queued
@@ -52,31 +164,60 @@ class OverloadPolicy:
     def free_slots(self) -> int:
         """Slots free across live workers at their last reports (they lag by up to ~250 ms).
         Batch lines count as free: a worker preempts them as soon as interactive work waits."""
-        return sum(max(0, w.load.max_running - w.load.in_flight + w.load.batch_in_flight) for w in self._live())
+        return sum(_free(w.load) for w in self._live())
 
-    def expected_wait_s(self, band: str, held_here: int = 0) -> float:
-        """Seconds a new request of `band` can expect to wait before an engine starts it.
+    def worker_free_slots(self, worker_id: str, fresh_s: float = 2.0) -> int | None:
+        """A worker's free slots at its last load report; None when it sent none for `fresh_s`."""
+        worker = self._workers.get(worker_id)
+        if worker is None or self.clock() - worker.seen > fresh_s:
+            return None
+        return _free(worker.load)
 
-        `held_here`: requests of that band already waiting in the asking gateway's fair queue.
+    def completion_rate(self) -> float | None:
+        """Slots the live workers free per second when full (each: max_running / mean seconds a
+        request holds a slot, over the window); None while a worker's rate is not known yet."""
+        rate = 0.0
+        for worker in self._live():
+            if worker.slot_seconds < self.min_busy_s:
+                return None
+            rate += worker.load.max_running * worker.completions / worker.slot_seconds
+        return rate
+
+    def stalled_for_s(self) -> float:
+        """Seconds since the fleet last made progress: a completion, or a free slot."""
+        if self._progress_at is None:
+            return 0.0
+        return self.clock() - self._progress_at
+
+    def expected_wait_s(self, band: str, held_here: int = 0, queued_here: int = 0) -> float:
+        """Seconds within which a new request of `band` starts, with probability `quantile`.
+
+        `held_here`: requests of `band` and more important bands waiting in the asking gateway's
+        fair queue; `queued_here`: those it published that no worker accepted yet (the polled
+        queue depth counts them too, but late: a burst would otherwise all see the same queue).
         """
         live = self._live()
         if not live:
             return 0.0  # no data is not overload; "no workers" is answered elsewhere
         free = self.free_slots()
-        ahead = sum(self._queued.get(b, 0) for b in BANDS[: BANDS.index(band) + 1] if b in BANDS)
+        ahead = max(queued_here, sum(self._queued.get(b, 0) for b in bands_through(band)))
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:
             return 0.0
-        rate = sum(w.rate for w in live)
-        if rate <= 0.0:
-            # Full and nothing finished lately: we cannot estimate, and must not guess "infinite".
-            return 0.0
-        return (ahead - free + 1) / rate
+        rate = self.completion_rate()
+        if rate is None or rate <= 0.0:
+            # Unknown (or nothing finished): the wait is at least as long as the fleet has made
+            # no progress, a lower bound, and never a guess beyond what was seen.
+            return self.stalled_for_s()
+        return poisson_wait_quantile(ahead - free + 1, rate, self.quantile)
 
-    def admit(self, band: str, held_here: int = 0) -> tuple[bool, float]:
-        """(admitted, retry_after_s). Unknown bands are judged by the strictest budget."""
+    def admit(self, band: str, held_here: int = 0, queued_here: int = 0) -> Verdict:
+        """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget."""
         budget = self.budgets_s.get(band, min(self.budgets_s.values()))
-        wait = self.expected_wait_s(band if band in BANDS else BANDS[-1], held_here)
+        wait = self.expected_wait_s(band, held_here, queued_here)
         if wait <= budget:
-            return True, 0.0
-        return False, float(max(1, math.ceil(wait - budget)))
+            return Verdict(True, wait, 0.0)
+        # Come back when the excess should have drained, but never later than the cap: the
+        # estimate is of now, and a client told to wait minutes would rather be told to try again.
+        retry = min(self.max_retry_after_s, max(1.0, math.ceil(wait - budget)))
+        return Verdict(False, wait, retry)

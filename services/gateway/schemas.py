@@ -132,6 +132,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
             field = text.split("`")[1] if "`" in text else None
             raise OpenAIError(400, f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter") from None
         raise OpenAIError(400, f"Invalid request: {text}", param=_param(text), code="invalid_value") from None
+    except RecursionError:  # callers check the depth first (json_body); this is the backstop
+        raise OpenAIError(400, "The request body is nested too deeply.", code="json_too_deep") from None
     except msgspec.DecodeError as error:
         try:
             body.decode("utf-8")

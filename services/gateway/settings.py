@@ -18,7 +18,7 @@ class GatewaySettings:
     host: str = env("INFERBUS_GATEWAY_HOST", "127.0.0.1", "Address the HTTP API listens on.")
     port: int = env("INFERBUS_GATEWAY_PORT", 8080, "Port of the HTTP API.")
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas).")
+    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas); with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
     redis_max_connections: int = env("INFERBUS_REDIS_MAX_CONNECTIONS", 64, "Redis connections per gateway; more requests wait for one.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id served and listed by /v1/models.")
     model_dir: str = env(
@@ -28,12 +28,16 @@ class GatewaySettings:
         "a small one (python -m inferbus.modeldir DIR).",
     )
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
-    max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest request body accepted (413 above).")
+    max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest JSON request body (and batch input line) accepted (413 above).")
+    max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
     max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit.")
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
-    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
+    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are asked whether they live (match the workers').")
+    liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "How long a worker whose heartbeat lapsed has to answer the liveness probe before it is declared dead and its streams migrate.")
+    accept_timeout_s: float = env("INFERBUS_ACCEPT_TIMEOUT_S", 5.0, "A request queued on one worker that has not started it within this long moves to the shared queue.")
+    state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
     placement_timeout_ms: float = env(
         "INFERBUS_PLACEMENT_TIMEOUT_MS", 50.0,
         "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
@@ -66,11 +70,25 @@ class GatewaySettings:
         "must see the same directory (a shared volume when they run on different hosts).",
     )
     max_file_bytes: int = env("INFERBUS_MAX_FILE_BYTES", 200 * 1024 * 1024, "Largest /v1/files upload accepted (413 above).")
+    responses_retention_s: float = env(
+        "INFERBUS_RESPONSES_RETENTION_S", 30 * 24 * 3600.0,
+        "How long a stored /v1/responses response (and its conversation) is kept; OpenAI keeps them 30 days.",
+    )
+    responses_max_bytes: int = env(
+        "INFERBUS_RESPONSES_MAX_BYTES", 768 * 1024,
+        "Largest stored response, conversation included (JSON bytes); a longer conversation is a 400. "
+        "Must stay under the NATS server's max_payload (1 MiB by default).",
+    )
     tool_call_parser: str = env(
         "INFERBUS_TOOL_CALL_PARSER", "llama3",
         "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
         "`{\"name\", \"parameters\"}`) or `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`); SGLang's "
         "--tool-call-parser names.",
+    )
+    internal_api: bool = env(
+        "INFERBUS_INTERNAL_API", True,
+        "Serve /v1/chat/completions and /v1/completions to internal producers over NATS request/reply "
+        "(subjects inferbus.api.v1.*, tenant API key in the Authorization header; see docs/api.md).",
     )
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")

@@ -26,6 +26,7 @@ from services.billing import usage as u
 from services.billing.pricing import InvalidPrice, PriceVersion, effective_versions
 from services.billing.store import BillingState, PriceStore, UsageStore
 
+from . import json_body
 from .admin import require_admin
 from .errors import OpenAIError
 
@@ -131,10 +132,7 @@ def admin_usage_router(admin_key: str, redis: Callable[[], aioredis.Redis | None
 
     @router.post("/prices")
     async def set_price(request: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError:
-            raise OpenAIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+        body = await json_body.read_json(request)
         if not isinstance(body, dict):
             raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
         now = time.time()

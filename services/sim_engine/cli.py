@@ -8,7 +8,8 @@ import click
 
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
-from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
+from .config import DEFAULT_MODEL, GPU_NAMES, KV_CACHE_DTYPES, PRESET_NAMES, QUANTIZATIONS, EngineConfig
+from .profile_table import load_npz
 
 
 @click.command("sim-engine")
@@ -35,6 +36,11 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
     "--fixed-step-ms", default=None, type=float,
     help="Use this constant step time (ms per decode step) instead of the GPU model; 0 is as fast as possible.",
 )
+@click.option(
+    "--profile-table", default=None, type=click.Path(exists=True, dir_okay=False),
+    help="Take step times from this profile table (.npz in the format of NVIDIA Dynamo's mocker "
+         "--planner-profile-data, e.g. from `inferbus profile-table`) instead of the GPU model.",
+)
 @click.option("--chunked-prefill-size", default=512, show_default=True, type=int,
               help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.")
 @click.option("--max-running-requests", default=None, type=int,
@@ -48,9 +54,18 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
               help="Prefix-cache page size in tokens (SGLang's --page-size; 1 on CPU). Workers rebuild the cache events "
                    "into the platform's blocks, so it need not match INFERBUS_BLOCK_SIZE.")
 @click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
+@click.option("--max-lora-rank", default=None, type=click.IntRange(min=1),
+              help="Refuse to load a local adapter directory whose adapter_config.json rank is higher (SGLang's flag), "
+                   "and price each distinct adapter's batched kernels and weight reads per step at this rank "
+                   "(default: no limit, priced at rank 16).")
 @click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
 @click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
+@click.option(
+    "--mixed-chunk/--no-mixed-chunk", default=True, show_default=True,
+    help="Decode and prefill in the same step (SGLang's --enable-mixed-chunk); off, a step that can "
+         "prefill does only that (SGLang's default scheduling, and Dynamo's mocker in SGLang mode).",
+)
 @click.option(
     "--priority-scheduling/--no-priority-scheduling", default=True, show_default=True,
     help="Admit waiting requests by priority and let them retract lower-priority running ones "
@@ -60,6 +75,18 @@ from .config import DEFAULT_MODEL, GPU_NAMES, PRESET_NAMES, EngineConfig
     "--kv-events-config", default=None,
     help='Publish prefix-cache events on ZMQ, as SGLang: \'{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'.',
 )
+@click.option("--quantization", type=click.Choice(QUANTIZATIONS), default="fp8", show_default=True,
+              help="Weight precision the timing model prices: fp8 (SGLang --quantization fp8) or none (BF16 weights: "
+                   "twice the bytes, half the GEMM rate; a 70B model needs TP4 on H100).")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="fp8_e4m3", show_default=True,
+              help="KV cache precision: fp8_e4m3 or auto (BF16: twice the bytes per token, half the capacity).")
+@click.option("--speculative-num-steps", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Speculative decoding: draft tokens per step (SGLang's option; 0 is off). The verify step's "
+                   "GEMMs carry (k + 1) tokens per sequence; accepted drafts stream as extra tokens.")
+@click.option("--speculative-acceptance", default=0.7, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="Simulated: the chance the target accepts each draft token (a property of the draft model).")
+@click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
+              help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
 @click.option(
     "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
@@ -77,16 +104,24 @@ def sim_engine_command(
     preset: str,
     time_scale: float,
     fixed_step_ms: float | None,
+    profile_table: str | None,
     chunked_prefill_size: int,
     max_running_requests: int | None,
     model_dir: str | None,
     block_size: int,
     max_loras_per_batch: int,
+    max_lora_rank: int | None,
     lora_load_time: float,
     kv_capacity_tokens: int | None,
     lazy_lora_loading: bool,
+    mixed_chunk: bool,
     priority_scheduling: bool,
     kv_events_config: str | None,
+    quantization: str,
+    kv_cache_dtype: str,
+    speculative_num_steps: int,
+    speculative_acceptance: float,
+    speculative_draft_cost: float,
     tool_call_parser: str,
     log_level: str,
 ) -> None:
@@ -110,19 +145,32 @@ def sim_engine_command(
             model_dir=model_dir,
             block_size=block_size,
             max_loras_per_batch=max_loras_per_batch,
+            max_lora_rank=max_lora_rank,
             lora_load_time_s=lora_load_time,
             time_scale=time_scale,
             fixed_step_ms=fixed_step_ms,
+            profile_table=profile_table,
             kv_capacity_tokens=kv_capacity_tokens,
             kv_events_config=kv_events_config,
             lazy_lora_loading=lazy_lora_loading,
             priority_scheduling=priority_scheduling,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            speculative_num_steps=speculative_num_steps,
+            speculative_acceptance=speculative_acceptance,
+            speculative_draft_cost=speculative_draft_cost,
+            mixed_chunk=mixed_chunk,
             tool_call_parser=tool_call_parser,
             host=host,
             port=port,
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    if profile_table is not None:
+        try:
+            load_npz(profile_table)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--profile-table") from exc
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(
         create_app(config),
@@ -133,3 +181,29 @@ def sim_engine_command(
         access_log=False,
         log_level=log_level,
     )
+
+
+@click.command("profile-table")
+@click.option("--gpu", type=click.Choice(GPU_NAMES), default="H100", show_default=True, help="GPU of the timing model.")
+@click.option("--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True, help="Tensor-parallel degree.")
+@click.option("--preset", type=click.Choice(PRESET_NAMES), default="latency", show_default=True, help="Timing constants (see sim-engine).")
+@click.option("--max-prefill-tokens", default=32_768, show_default=True, type=click.IntRange(min=32),
+              help="Largest prefill per iteration in the table (beyond it the table extrapolates linearly).")
+@click.option("--max-context", default=131_072, show_default=True, type=click.IntRange(min=32),
+              help="Largest mean context length in the decode table.")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, writable=True),
+              help="The .npz file to write.")
+def profile_table_command(gpu: str, tp: str, preset: str, max_prefill_tokens: int, max_context: int, out: str) -> None:
+    """Write the simulated engine's timing model as a profile table: prefill milliseconds by new
+    tokens per iteration, decode milliseconds by KV tokens and mean context. The format is NVIDIA
+    Dynamo's mocker `--planner-profile-data`; `inferbus sim-engine --profile-table` reads it back,
+    so both engines run from one timing (see docs/sim-engine.md)."""
+    from .perf_model import roofline
+    from .profile_table import build_table, save_npz
+
+    model = roofline(gpu, int(tp), preset)
+    table = build_table(model, max_prefill_tokens=max_prefill_tokens, max_context=max_context)
+    save_npz(table, out)
+    click.echo(f"wrote {out}: {len(table.prefill_tokens)} prefill points, "
+               f"{len(table.decode_kv_tokens)}×{len(table.decode_context)} decode grid "
+               f"({gpu} TP{tp}, {model.kv_capacity_tokens():,} KV tokens)")

@@ -6,10 +6,15 @@ from dataclasses import dataclass
 
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
+from .perf_model import roofline
+
 DEFAULT_MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 GPU_NAMES = ("H100", "H200")
+QUANTIZATIONS = ("fp8", "none")  # SGLang --quantization; none: the checkpoint's BF16 weights
+KV_CACHE_DTYPES = ("fp8_e4m3", "auto")  # SGLang --kv-cache-dtype; auto: BF16
 TP_SIZES = (1, 2, 4, 8)
 PRESET_NAMES = ("latency", "throughput")
+PRICED_LORA_RANK = 16  # the LoRA rank the timing model prices when no --max-lora-rank caps it
 
 
 @dataclass
@@ -31,6 +36,10 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_loras_per_batch: int = 8
     lora_load_time_s: float = 0.2
+    # SGLang's --max-lora-rank: a local adapter directory of higher rank is refused at load, and
+    # the timing model prices each distinct adapter's batched kernels at this rank (at
+    # PRICED_LORA_RANK when unset, since then any rank loads).
+    max_lora_rank: int | None = None
     # Accept any adapter path at load time and fail on first use, as engines that load lazily do
     # (the worker must verify loads rather than trust a 200).
     lazy_lora_loading: bool = False
@@ -38,6 +47,13 @@ class EngineConfig:
     time_scale: float = 1.0
     # A constant step time in ms instead of the roofline model (load tests of the platform).
     fixed_step_ms: float | None = None
+    # Step times from a profile table (.npz, the format of NVIDIA Dynamo's mocker
+    # --planner-profile-data; see profile_table.py) instead of the roofline model.
+    profile_table: str | None = None
+    # Decode and prefill in one step (SGLang's --enable-mixed-chunk). Off, as SGLang's default
+    # and Dynamo's mocker in SGLang mode: a step that can prefill does only that, and decoding
+    # requests wait for the next prefill-free step.
+    mixed_chunk: bool = True
     # Overrides the KV capacity derived from GPU memory.
     kv_capacity_tokens: int | None = None
     # SGLang's --enable-priority-scheduling: waiting requests are admitted by priority (larger
@@ -49,11 +65,24 @@ class EngineConfig:
     context_length: int = 131_072
     # SGLang's --kv-events-config JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557"}.
     kv_events_config: str | None = None
+    # Engine options the timing model prices (docs/sim-engine.md): weight and KV precision,
+    # speculative decoding (SGLang --speculative-num-steps draft tokens per step; the acceptance
+    # rate and a draft step's cost relative to a decode step are the draft model's, simulated),
+    # (the LoRA rank each step pays for is `max_lora_rank` above).
+    quantization: str = "fp8"
+    kv_cache_dtype: str = "fp8_e4m3"
+    speculative_num_steps: int = 0
+    speculative_acceptance: float = 0.7
+    speculative_draft_cost: float = 0.1
     # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
     # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
     tool_call_parser: str = "llama3"
     host: str = "127.0.0.1"
     port: int = 30000
+
+    @property
+    def priced_lora_rank(self) -> int:
+        return self.max_lora_rank or PRICED_LORA_RANK
 
     def __post_init__(self) -> None:
         if self.gpu not in GPU_NAMES:
@@ -70,13 +99,34 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be at least 1 (the base model takes one slot)")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
         if self.time_scale < 0:
             raise ValueError("time_scale must not be negative")
         if self.fixed_step_ms is not None and self.fixed_step_ms < 0:
             raise ValueError("fixed_step_ms must not be negative")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.speculative_num_steps < 0:
+            raise ValueError("speculative_num_steps must not be negative")
+        if not 0 <= self.speculative_acceptance < 1:
+            raise ValueError("speculative_acceptance must be in [0, 1)")
+        if self.speculative_draft_cost < 0:
+            raise ValueError("speculative_draft_cost must not be negative")
+        if self.fixed_step_ms is not None and self.profile_table is not None:
+            raise ValueError("give fixed_step_ms or profile_table, not both")
         from .constrained import FAMILIES
 
         if self.tool_call_parser not in FAMILIES:
             raise ValueError(f"tool_call_parser must be one of {FAMILIES}, got {self.tool_call_parser!r}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
+        if self.kv_capacity_tokens is None and self.fixed_step_ms is None:
+            weights = "fp8" if self.quantization == "fp8" else "bf16"
+            kv_cache = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else "bf16"
+            if roofline(self.gpu, self.tp, weights=weights, kv_cache=kv_cache).kv_capacity_tokens() < self.block_size:
+                hint = "more GPUs (--tp)" + (" or --quantization fp8" if weights == "bf16" else "")
+                raise ValueError(f"{weights.upper()} weights of a 70B model leave no KV cache on {self.tp} × {self.gpu}: "
+                                 f"use {hint}")

@@ -74,9 +74,14 @@ class OpenAIRoutes:
         ])
 
     async def models(self, http_request: HttpRequest) -> Response:
-        entry = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-                 "root": self.model}
-        return JSONResponse({"object": "list", "data": [entry]})
+        """The base model, then each loaded adapter with the base as its `parent` (as SGLang lists them)."""
+        created = int(time.time())
+        entries = [{"id": self.model, "object": "model", "created": created, "owned_by": "sglang",
+                    "root": self.model, "parent": None, "max_model_len": self.server.config.context_length}]
+        entries += [{"id": name, "object": "model", "created": created, "owned_by": "sglang", "root": adapter.path,
+                     "parent": self.model, "max_model_len": None}
+                    for name, adapter in self.server.engine.adapters.items()]
+        return JSONResponse({"object": "list", "data": entries})
 
     async def chat(self, http_request: HttpRequest) -> Response:
         body = await self._body(http_request)

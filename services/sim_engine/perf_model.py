@@ -10,12 +10,22 @@ PERF_MODEL.md for the published numbers the constants reproduce):
     t_att = 2 · L · d · n_p · ctx_p / (tp · F_bf16 · 0.5)   prefill attention
     t     = T0(tp) + max(t_w, t_mm) + γ · min(t_w, t_mm) + t_kv + t_att + c_seq · B
 
+Engine options change the terms (each with its assumption and public source at its constant):
+
+- precision: BF16 weights are 2 bytes per parameter and run their GEMMs at the BF16 rate; a BF16
+  KV cache is 2 bytes per element (t_w, t_mm, t_kv and the KV capacity follow);
+- speculative decoding (k draft tokens, per-token acceptance α): one iteration runs k draft steps
+  and a verify step whose GEMMs carry B · (k + 1) tokens, and yields
+  E = (1 − α^(k+1)) / (1 − α) tokens per sequence (`tokens_per_step`);
+- LoRA: each step with adapters in the batch pays the batched LoRA kernels' launches and streams
+  every distinct adapter's weights once.
+
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 GB = 1e9
@@ -62,6 +72,79 @@ class ModelSpec:
 
 # Llama-3.x-70B (FP8): 70.6 GB of weights, 163,840 B of KV per token.
 LLAMA_70B = ModelSpec("Llama-3.x-70B", 70.6e9, layers=80, d_model=8192, kv_heads=8, head_dim=128)
+# Llama-3.x-70B's MLP width (the model card's intermediate_size), for LoRA adapter sizes.
+LLAMA_70B_FFN = 28672
+
+# Bytes per weight or KV element. FP8 (E4M3) is SGLang's `--quantization fp8` and
+# `--kv-cache-dtype fp8_e4m3`; BF16 is the checkpoint's own precision.
+PRECISIONS: dict[str, float] = {"fp8": 1.0, "bf16": 2.0}
+
+
+@dataclass(frozen=True)
+class SpecDecoding:
+    """Speculative decoding: `draft_tokens` (k) proposed per iteration, each accepted with `acceptance` (α).
+
+    Expected tokens per sequence per iteration, i.i.d. acceptance (Leviathan, Kalman and Matias,
+    "Fast Inference from Transformers via Speculative Decoding", ICML 2023, eq. 1):
+    E = (1 − α^(k+1)) / (1 − α). The verify step is one target forward over B · (k + 1) tokens
+    (weights streamed once, GEMMs k + 1 times as wide). Each draft step costs `draft_cost` times a
+    plain decode step at the same batch: an EAGLE-style draft head is one decoder layer plus the
+    LM head (of 80 layers; Li et al., "EAGLE", ICML 2024), whose launches and KV reads make it
+    about a tenth of a target step (assumption, ±50%).
+    """
+
+    draft_tokens: int
+    acceptance: float
+    draft_cost: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.draft_tokens < 1:
+            raise ValueError("speculative decoding needs at least one draft token")
+        if not 0 <= self.acceptance < 1:
+            raise ValueError("the acceptance rate must be in [0, 1)")
+        if self.draft_cost < 0:
+            raise ValueError("the draft step's cost must not be negative")
+
+    @property
+    def tokens_per_step(self) -> float:
+        k, a = self.draft_tokens, self.acceptance
+        return (1 - a ** (k + 1)) / (1 - a)
+
+
+# LoRA serving (S-LoRA, Sheng et al. 2023; Punica, Chen et al. 2023; SGLang `--enable-lora`):
+# adapters on all seven projections of every layer; each projection runs a shrink and an expand
+# kernel per step, about 1 µs each under CUDA graphs (assumption); every distinct adapter in the
+# batch streams its A and B matrices from HBM once per step; adapters are BF16.
+LORA_MODULES = 7
+LORA_KERNEL_S = 1e-6
+LORA_BYTES_PER_ELEMENT = 2.0
+# Host-to-GPU copy of an adapter on load: PCIe Gen5 x16 at ~25 GB/s achieved (assumption), plus a
+# fixed 50 ms for reading the file and registering it with the engine.
+LORA_LOAD_BANDWIDTH = 25 * GB
+LORA_LOAD_FIXED_S = 0.05
+
+
+def lora_adapter_bytes(rank: int, model: ModelSpec = LLAMA_70B, ffn: int = LLAMA_70B_FFN) -> float:
+    """Bytes of one adapter of `rank` on q, k, v, o, gate, up, down: rank × (d_in + d_out) per projection."""
+    d, kv = model.d_model, model.kv_heads * model.head_dim
+    per_layer = (d + d) + 2 * (d + kv) + (d + d) + 2 * (d + ffn) + (ffn + d)
+    return rank * per_layer * model.layers * LORA_BYTES_PER_ELEMENT
+
+
+def lora_load_s(rank: int) -> float:
+    """Seconds to load one adapter onto the GPU."""
+    return LORA_LOAD_FIXED_S + lora_adapter_bytes(rank) / LORA_LOAD_BANDWIDTH
+
+
+def expected_distinct_adapters(batch: float, adapters: int, slots: int) -> float:
+    """Distinct adapters among `batch` sequences spread evenly over `adapters`, at most `slots`.
+
+    The chance a given adapter is absent from the batch is (1 − 1/N)^B, so E[distinct] =
+    N · (1 − (1 − 1/N)^B); the engine holds at most `slots` of them in one batch.
+    """
+    if adapters <= 0 or batch <= 0:
+        return 0.0
+    return min(float(slots), adapters * (1 - (1 - 1 / adapters) ** batch))
 
 
 @dataclass(frozen=True)
@@ -97,12 +180,18 @@ RESERVED_BYTES_PER_GPU = 4 * GB
 class StepTimeModel(Protocol):
     """Anything that prices one engine iteration; a measured sweep table can replace the roofline."""
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each decoding sequence gains per step (1 without speculative decoding)."""
+        ...
+
     def step_time(
         self,
         batch_decode: int,
         resident_ctx_tokens: int,
         prefill_tokens: int = 0,
         prefill_mean_ctx: float = 0.0,
+        lora_adapters: float = 0.0,
     ) -> float: ...
 
 
@@ -112,29 +201,37 @@ class RooflineModel:
     tp: int
     preset: Preset = PRESETS["latency"]
     model: ModelSpec = LLAMA_70B
+    spec: SpecDecoding | None = None
+    lora_rank: int = 0  # 0: LoRA off
+    lora_slots: int = 0  # adapters held on the GPU (SGLang --max-loras-per-batch): their memory leaves the KV cache
 
     def __post_init__(self) -> None:
         if self.tp not in ALL_REDUCE_S:
             raise ValueError(f"tp must be one of {sorted(ALL_REDUCE_S)}, got {self.tp}")
+        if self.lora_rank < 0 or self.lora_slots < 0:
+            raise ValueError("LoRA rank and slots must not be negative")
 
     @property
     def base_step_s(self) -> float:
         return BASE_STEP_S + ALL_REDUCES_PER_STEP * ALL_REDUCE_S[self.tp]
 
-    def step_time(
-        self,
-        batch_decode: int,
-        resident_ctx_tokens: int,
-        prefill_tokens: int = 0,
-        prefill_mean_ctx: float = 0.0,
-    ) -> float:
-        """Seconds for one iteration; see the module docstring for the formula."""
+    @property
+    def gemm_flops(self) -> float:
+        """FP8 weights run their GEMMs at the FP8 tensor-core rate, BF16 ones at the BF16 rate."""
+        return self.gpu.fp8_flops if self.model.weight_bytes_per_param <= 1.0 else self.gpu.bf16_flops
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.spec.tokens_per_step if self.spec else 1.0
+
+    def _forward(self, tokens: float, batch_decode: float, resident: float, prefill: float, ctx: float) -> float:
+        """One target-model forward: `tokens` through the GEMMs, `batch_decode` sequences' overheads."""
         tp, gpu, model = self.tp, self.gpu, self.model
         t_weights = model.weight_bytes / (tp * gpu.hbm_bandwidth * ETA_WEIGHTS)
-        t_gemm = 2 * model.params * (batch_decode + prefill_tokens) / (tp * gpu.fp8_flops * ETA_GEMM)
-        t_kv = resident_ctx_tokens * model.kv_bytes_per_token / (tp * gpu.hbm_bandwidth * ETA_KV)
+        t_gemm = 2 * model.params * tokens / (tp * self.gemm_flops * ETA_GEMM)
+        t_kv = resident * model.kv_bytes_per_token / (tp * gpu.hbm_bandwidth * ETA_KV)
         t_attention = (
-            2 * model.layers * model.d_model * prefill_tokens * prefill_mean_ctx
+            2 * model.layers * model.d_model * prefill * ctx
             / (tp * gpu.bf16_flops * PREFILL_ATTENTION_EFFICIENCY)
         )
         return (
@@ -146,10 +243,44 @@ class RooflineModel:
             + self.preset.c_seq_s * batch_decode
         )
 
+    def lora_step_s(self, tokens: float, adapters: float) -> float:
+        """Batched LoRA's extra time in a step with `adapters` distinct adapters over `tokens` tokens."""
+        if adapters <= 0 or self.lora_rank <= 0:
+            return 0.0
+        tp, gpu = self.tp, self.gpu
+        adapter_bytes = lora_adapter_bytes(self.lora_rank, self.model)
+        launches = self.model.layers * LORA_MODULES * 2 * LORA_KERNEL_S
+        reads = adapters * adapter_bytes / (tp * gpu.hbm_bandwidth * ETA_WEIGHTS)
+        # Every token multiplies by its adapter's A and B: 2 FLOPs per adapter element.
+        gemm = 2 * tokens * adapter_bytes / LORA_BYTES_PER_ELEMENT / (tp * gpu.bf16_flops * ETA_GEMM)
+        return launches + reads + gemm
+
+    def step_time(
+        self,
+        batch_decode: int,
+        resident_ctx_tokens: int,
+        prefill_tokens: int = 0,
+        prefill_mean_ctx: float = 0.0,
+        lora_adapters: float = 0.0,
+    ) -> float:
+        """Seconds for one iteration; see the module docstring for the formula."""
+        spec = self.spec
+        verify_tokens = batch_decode * (spec.draft_tokens + 1 if spec else 1)
+        tokens = verify_tokens + prefill_tokens
+        step = self._forward(tokens, batch_decode, resident_ctx_tokens, prefill_tokens, prefill_mean_ctx)
+        step += self.lora_step_s(tokens, lora_adapters)
+        if spec is not None and batch_decode > 0:
+            step += spec.draft_tokens * spec.draft_cost * self._forward(
+                batch_decode, batch_decode, resident_ctx_tokens, 0, 0.0
+            )
+        return step
+
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache that fit next to the weights: about 419k on H100 TP2, 1.10M on H200 TP2."""
         free = self.tp * self.gpu.hbm_bytes * HBM_USABLE_FRACTION
         free -= self.model.weight_bytes + RESERVED_BYTES_PER_GPU * self.tp
+        if self.lora_rank > 0:
+            free -= self.lora_slots * lora_adapter_bytes(self.lora_rank, self.model)
         return max(0, int(free // self.model.kv_bytes_per_token))
 
 
@@ -158,6 +289,7 @@ class FixedStepModel:
     """A constant time per iteration, whatever the batch (platform load tests)."""
 
     step_s: float
+    tokens_per_step: float = 1.0
 
     def step_time(
         self,
@@ -165,11 +297,22 @@ class FixedStepModel:
         resident_ctx_tokens: int,
         prefill_tokens: int = 0,
         prefill_mean_ctx: float = 0.0,
+        lora_adapters: float = 0.0,
     ) -> float:
         return self.step_s
 
 
-def roofline(gpu: str = "H100", tp: int = 2, preset: str = "latency") -> RooflineModel:
+def roofline(
+    gpu: str = "H100",
+    tp: int = 2,
+    preset: str = "latency",
+    *,
+    weights: str = "fp8",
+    kv_cache: str = "fp8",
+    spec: SpecDecoding | None = None,
+    lora_rank: int = 0,
+    lora_slots: int = 0,
+) -> RooflineModel:
     try:
         gpu_spec = GPUS[gpu]
     except KeyError:
@@ -178,4 +321,9 @@ def roofline(gpu: str = "H100", tp: int = 2, preset: str = "latency") -> Rooflin
         preset_spec = PRESETS[preset]
     except KeyError:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}") from None
-    return RooflineModel(gpu=gpu_spec, tp=tp, preset=preset_spec)
+    for what, dtype in (("weights", weights), ("KV cache", kv_cache)):
+        if dtype not in PRECISIONS:
+            raise ValueError(f"unknown {what} precision {dtype!r}; known: {sorted(PRECISIONS)}")
+    model = replace(LLAMA_70B, weight_bytes_per_param=PRECISIONS[weights], kv_bytes_per_element=PRECISIONS[kv_cache])
+    return RooflineModel(gpu=gpu_spec, tp=tp, preset=preset_spec, model=model, spec=spec,
+                         lora_rank=lora_rank, lora_slots=lora_slots)

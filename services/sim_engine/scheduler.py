@@ -28,7 +28,8 @@ import msgspec
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
-from .perf_model import FixedStepModel, StepTimeModel, roofline
+from .perf_model import FixedStepModel, SpecDecoding, StepTimeModel, roofline
+from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
 
 MAX_STOP_SEQUENCES = 32
@@ -286,10 +287,22 @@ class Engine:
         self.vocabulary = vocabulary.tokens
         self.split_output = vocabulary.split
         self.eos_id = vocabulary.eos_id
-        roofline_model = roofline(config.gpu, config.tp, config.preset)
+        self.spec = (SpecDecoding(config.speculative_num_steps, config.speculative_acceptance,
+                                  config.speculative_draft_cost) if config.speculative_num_steps else None)
+        # Adapter slots are not taken out of the KV cache here (the planner does take them out).
+        roofline_model = roofline(
+            config.gpu, config.tp, config.preset,
+            weights="fp8" if config.quantization == "fp8" else "bf16",
+            kv_cache="fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16",
+            spec=self.spec, lora_rank=config.priced_lora_rank,
+        )
+        # Which draft tokens the target accepts: seeded, so a run replays exactly.
+        self._spec_rng = random.Random(0)
         if step_model is None:
             if config.fixed_step_ms is not None:
                 step_model = FixedStepModel(config.fixed_step_ms / 1000.0)
+            elif config.profile_table is not None:
+                step_model = TableStepModel(load_npz(config.profile_table))
             else:
                 step_model = roofline_model
         self.step_model = step_model
@@ -299,6 +312,9 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.adapters: dict[str, LoraAdapter] = {}
+        # Every adapter loaded since start (SGLang's lora_ref_cache): a request for one that was
+        # unloaded since loads it again implicitly; one never loaded is refused.
+        self.adapters_seen: dict[str, tuple[str, bool]] = {}
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
@@ -315,10 +331,17 @@ class Engine:
         if not self.config.priority_scheduling:
             request.priority = 0  # as SGLang without --enable-priority-scheduling: ignored
         if request.lora_name is not None and request.lora_name not in self.adapters:
-            raise RequestRejected(
-                f"The following requested LoRA adapters are not loaded: {request.lora_name}\n"
-                f"Loaded adapters: {self.adapters.keys()}."
-            )
+            if request.lora_name not in self.adapters_seen:
+                raise RequestRejected(
+                    f"Got LoRA adapter that has never been loaded: {request.lora_name}\n"
+                    f"All loaded adapters: {self.adapters_seen.keys()}."
+                )
+            path, pinned = self.adapters_seen[request.lora_name]
+            reloaded = self.load_lora(request.lora_name, path, pinned)
+            if not reloaded.success:
+                raise RequestRejected(
+                    f"Failed to implicitly load LoRA adapter {request.lora_name}: {reloaded.error_message}"
+                )
         if request.lora_name is not None and self.adapters[request.lora_name].broken:
             adapter = self.adapters[request.lora_name]
             raise RequestRejected(f"Failed to load LoRA adapter {adapter.name} from {adapter.path}: no such adapter (simulated).")
@@ -394,6 +417,7 @@ class Engine:
         self.adapters[name] = LoraAdapter(
             name, path, pinned, ready_at=self.now + self.config.lora_load_time_s, broken=broken
         )
+        self.adapters_seen[name] = (path, pinned)
         return self._lora_result(True, None)
 
     def unload_lora(self, name: str) -> LoraUpdateResult:
@@ -435,9 +459,14 @@ class Engine:
     def step(self) -> StepResult:
         """Run one iteration: decode every running sequence, prefill up to the token budget."""
         updates: list[RequestUpdate] = []
-        decoding = self._reserve_decode_slots()
-        self._admit(updates)
-        chunks = self._plan_prefill()
+        if self.config.mixed_chunk:
+            decoding = self._reserve_decode_slots()
+            self._admit(updates)
+            chunks = self._plan_prefill()
+        else:  # a prefill step when there is prefill work, else a decode step
+            self._admit(updates)
+            chunks = self._plan_prefill()
+            decoding = [] if chunks else self._reserve_decode_slots()
         if not decoding and not chunks:
             return self._wait_for_adapters(updates)
 
@@ -445,13 +474,18 @@ class Engine:
         prefill_tokens = sum(size for _, size in chunks)
         # Mean attended context of a prefill token: the chunk's start plus half the chunk.
         attended = sum(size * (r.computed + size / 2) for r, size in chunks)
+        adapters = len(({r.lora_name for r in decoding} | {r.lora_name for r, _ in chunks}) - {None})
         duration = self.step_model.step_time(
-            len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0
+            len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0, adapters
         )
         self.now += duration
 
         for request in decoding:
-            updates.append(self._emit_token(request))
+            update = self._emit_token(request)
+            if self.spec is not None and update.finish_reason is None:
+                # One update per request and step, carrying every token the step produced.
+                update = self._emit_accepted_drafts(request) or update
+            updates.append(update)
         for request, size in chunks:
             request.computed += size
             self._cache_computed_blocks(request)
@@ -461,6 +495,20 @@ class Engine:
                 else:
                     updates.append(self._emit_token(request))
         return StepResult(duration, updates, len(decoding), prefill_tokens)
+
+    def _emit_accepted_drafts(self, request: Request) -> RequestUpdate | None:
+        """Speculative decoding: the draft tokens the target accepted this step, each with probability α
+        until the first rejection (the verify step's own token is already out); the last update."""
+        assert self.spec is not None
+        update = None
+        for _ in range(self.spec.draft_tokens):
+            if request not in self.running or self._spec_rng.random() >= self.spec.acceptance:
+                break
+            if not self.cache.allocate(1):
+                break  # no KV room for more: the rest of the accepted drafts are recomputed next step
+            request.private += 1
+            update = self._emit_token(request)
+        return update
 
     def _reserve_decode_slots(self) -> list[Request]:
         """Give each decoding request room for one more token, retracting others when KV is full."""
@@ -717,11 +765,12 @@ def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int,
 
 
 def _context_hash(request: Request) -> int:
-    """Greedy output depends on the context only; sampled output also on the seed (or the rid)."""
-    salt = 0
+    """Greedy output depends on the context and the adapter (its weights change the model);
+    sampled output also on the seed (or the rid)."""
+    salt = zlib.crc32(request.lora_name.encode()) if request.lora_name else 0
     if request.sampling.temperature != 0.0:
         seed = request.sampling.sampling_seed if request.sampling.sampling_seed is not None else request.rid
-        salt = zlib.crc32(str(seed).encode())
+        salt = zlib.crc32(str(seed).encode(), salt)
     # crc32 is incremental: hashing the prompt then each output id equals hashing them all at once.
     return zlib.crc32(array("I", request.input_ids).tobytes(), salt)
 

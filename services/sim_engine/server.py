@@ -31,6 +31,7 @@ from inferbus.tokens import VOCAB_SIZE, encode
 from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
 from .kv_publisher import KvEventPublisher, KvEventsConfig
+from .lora_files import adapter_problem
 from .perf_model import StepTimeModel
 from .scheduler import (
     Engine, LoraUpdateResult, OutputVocabulary, Request, RequestRejected, RequestUpdate, SamplingParams,
@@ -93,6 +94,12 @@ class _Stream:
 def _error(message: str, status: int = 400) -> Response:
     # SGLang's create_error_response shape.
     return Response(_encode_json({"error": {"message": message}}), status, media_type="application/json")
+
+
+async def _rejected_stream(message: str) -> AsyncIterator[bytes]:
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    yield b"data: " + _encode_json({"error": error}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -293,6 +300,8 @@ class SimEngineServer:
         try:
             stream = self._submit(request, sampling.stream_interval or 1)
         except RequestRejected as exc:
+            if body.stream:  # SGLang has started the stream by then: 200, the error in-band
+                return StreamingResponse(_rejected_stream(str(exc)), media_type="text/event-stream")
             return _error(str(exc))
         if body.stream:
             return StreamingResponse(self._stream_events(request, stream), media_type="text/event-stream")
@@ -392,6 +401,10 @@ class SimEngineServer:
             body = msgspec.json.decode(await http_request.body(), type=LoadLoraInput)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return _error(str(exc))
+        problem = adapter_problem(body.lora_name, body.lora_path, self.config.max_lora_rank)
+        if problem is not None:
+            loaded = {name: adapter.path for name, adapter in self.engine.adapters.items()}
+            return self._lora_response(LoraUpdateResult(False, problem, loaded))
         result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
         if result.success:
             self._wake.set()
@@ -463,6 +476,7 @@ class SimEngineServer:
                 "max_loras_per_batch": config.max_loras_per_batch,
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
+                "enable_mixed_chunk": config.mixed_chunk,
                 "context_length": config.context_length,
                 "version": SGLANG_VERSION,
                 "inferbus_simulated": True,
@@ -470,6 +484,7 @@ class SimEngineServer:
                 "preset": config.preset,
                 "time_scale": config.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
+                "profile_table": config.profile_table,
             }
         )
 

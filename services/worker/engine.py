@@ -273,6 +273,11 @@ def _http_error(status: int, body: bytes) -> EngineError:
 
 
 def _stream_error(error: Any) -> EngineError:
+    # SGLang reports a request it refuses after the stream started (an unknown adapter, an input
+    # too long, ...) in-band: {"error": {"message", "type": "invalid_request_error", "code": 400}}.
+    # Classified as the same refusal answered before the stream would be.
+    if isinstance(error, dict) and isinstance(error.get("code"), int) and 400 <= error["code"] < 500:
+        return _http_error(error["code"], msgspec.json.encode({"error": error}))
     if isinstance(error, dict):
         return EngineError(
             str(error.get("message", error)),

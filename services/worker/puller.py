@@ -40,6 +40,7 @@ class Puller:
         wake: asyncio.Event,
         expires_s: float = 1.0,
         room: Callable[[], int] | None = None,
+        on_consumer_gone: Callable[[str], None] | None = None,
     ) -> None:
         self._nc = nc
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -51,6 +52,9 @@ class Puller:
         # grants); None: as many as the budget gives.
         self._room = room
         self.consumer = consumer
+        # Told when the server says the consumer is gone (deleted, or no JetStream answers for
+        # it): a router deletes the consumers of a worker it declared dead.
+        self._on_consumer_gone = on_consumer_gone
         self.outstanding = 0  # slots reserved by pull requests not yet answered
         self._last_activity = time.monotonic()
         self._inbox = ""
@@ -102,6 +106,9 @@ class Puller:
         if status == "100":  # idle heartbeat
             return
         # 404 no messages, 408 request expired, 409 consumer changed: the rest is not coming.
+        gone = status == "503" or (status == "409" and "consumer deleted" in str(headers.get("Description", "")).lower())
+        if gone and self._on_consumer_gone is not None:
+            self._on_consumer_gone(f"consumer {self.consumer}: {status} {headers.get('Description', '')}".strip())
         pending = headers.get(_PENDING)
         unsent = int(pending) if pending is not None else self.outstanding
         self._give_back(min(unsent, self.outstanding))

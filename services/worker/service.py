@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,6 +28,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
+from inferbus.outbox import Outbox
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
@@ -36,6 +38,7 @@ from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
 from .engine_health import EngineHealth
 from .http import HTTPError
+from .liveness import LivenessThread, PauseDetector
 from .preemption import BatchRun, PreemptionPolicy
 from .puller import Puller
 from .settings import WorkerSettings
@@ -50,6 +53,8 @@ FREE_SLOTS = Gauge("inferbus_worker_free_slots", "Slots free for new requests")
 KV_USAGE = Gauge("inferbus_worker_kv_usage_ratio", "Engine KV cache use (0-1)")
 ENGINE_ERRORS = Counter("inferbus_worker_engine_errors_total", "Engine failures seen by this worker")
 PREEMPTIONS = Counter("inferbus_worker_preemptions_total", "Batch lines preempted for waiting interactive work")
+PAUSES = Counter("inferbus_worker_pauses_total", "Times this worker's event loop resumed after a pause (then it re-verified its engine and consumers)")
+ABANDONED = Counter("inferbus_worker_abandoned_attempts_total", "Attempts this worker gave up or was told to give up, billed to the platform", ["reason"])
 BATCH_REQUEUED = Counter(
     "inferbus_worker_batch_requeued_total", "Batch lines put back on the batch queue to resume elsewhere", ["reason"]
 )
@@ -64,9 +69,16 @@ SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting reque
 CANCEL_MEMORY_S = 900.0  # longer than a request may wait in the queue in practice
 CANCEL_MEMORY_SIZE = 100_000
 BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
+TICK_S = 0.25  # the event loop's tick: a gap much longer than this means the worker was paused
+SUPERSEDED_MEMORY_SIZE = 10_000
 REQUEUE_TRIES = 5  # publish attempts for a requeued batch line (then the batch service's lease re-feeds it)
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
+
+
+def _cancel_key(owner: str, request_id: str) -> str:
+    """A cancel that came before its request, remembered with the gateway that sent it."""
+    return f"{owner} {request_id}"
 
 
 @dataclass
@@ -79,6 +91,8 @@ class _Running:
     first_token_at: float = 0.0
     started: float = field(default_factory=time.time)  # when this worker took it
     cancel_reason: str = ""
+    superseded: bool = False  # the gateway gave this attempt up and continues elsewhere
+    pause_epoch: int = 0  # the worker's pause count when it took the request
     # Batch lines only: progress of this attempt (totals include earlier attempts), and why the
     # line is being put back on the queue ("preempted", "drain", "engine_error"), if it is.
     requeue: str | None = None
@@ -111,7 +125,7 @@ class Worker:
     replies: Replies | None = None
     # Cancels seen for requests this worker does not hold (yet): a request pulled after its
     # client went away is refused instead of generated for nobody. request id → when seen.
-    _cancelled: dict[str, float] = field(default_factory=dict)
+    _cancelled: dict[str, tuple[float, str]] = field(default_factory=dict)  # id → (when, reason)
     _background: set[asyncio.Task[None]] = field(default_factory=set)  # usage publishes in flight
     _drain_task: asyncio.Task[None] | None = None
     _completed: int = 0  # requests finished, reported with load for the gateways' overload policy
@@ -140,12 +154,19 @@ class Worker:
     _interactive_consumers: list[str] = field(default_factory=list)  # polled for waiting work while batch runs
     _interactive_waiting: int = 0  # interactive requests seen waiting at the last check: no batch pulls meanwhile
     _interactive_stalled: int = 0  # interactive requests the engine kept waiting at the last check: no batch pulls meanwhile
+    pause: PauseDetector = field(init=False)
+    liveness: LivenessThread | None = None
+    outbox: Outbox | None = None
+    _superseded: dict[tuple[str, int], None] = field(default_factory=dict)  # attempts given up before we pulled them
+    _verifying: asyncio.Task[None] | None = None
+    _holding_pulls: bool = False  # verifying engine and consumers: pull nothing until done
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
         self.preemption = PreemptionPolicy(self.settings.preemption())
         self._own_target = "." + subjects.worker_target(self.settings.worker_id)
         self.adapters = Adapters(self.engine, self._lookup_adapter)
+        self.pause = PauseDetector(time.monotonic, pause_after_s=self.settings.heartbeat_ttl_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -157,10 +178,18 @@ class Worker:
         self.js = self.nc.jetstream()
         self.replies = Replies(self.nc)
         await self.replies.start()
+        # Usage events wait on disk until JetStream acknowledges them (what a previous run left is
+        # published now).
+        self.outbox = Outbox(Path(s.state_dir) / f"usage-outbox-{s.worker_id}.sqlite3", self._publish_durable)
+        await self.outbox.start()
+        self.liveness = LivenessThread(s.nats_url, s.worker_id, interval_s=s.heartbeat_interval_s, ttl_s=s.heartbeat_ttl_s,
+                                       stall_after_s=s.stall_after_s, loop_lag=self.pause.lag)
+        await asyncio.to_thread(self.liveness.start)
         self._adapter_kv = await adapter_registry.bucket(self.js)
         # Control first: the router asks a worker for its cache as soon as its heartbeat appears.
         await self.nc.subscribe(subjects.control_subject(s.worker_id), cb=self._on_control)
-        self._tasks = [asyncio.create_task(self._load_loop(), name="load")]
+        self._tasks = [asyncio.create_task(self._load_loop(), name="load"),
+                       asyncio.create_task(self._tick_loop(), name="tick")]
         if s.sim_cold_start_s:
             log.info("worker_simulated_cold_start", seconds=s.sim_cold_start_s)
             await asyncio.sleep(s.sim_cold_start_s)
@@ -200,7 +229,7 @@ class Worker:
                 batch = tier == "batch"
                 puller = Puller(self.nc, subjects.REQUESTS_STREAM, consumer, self.budget, self._on_request,
                                 wake=self._wake, expires_s=min(s.fetch_timeout_s, BATCH_POLL_S) if batch else s.fetch_timeout_s,
-                                room=self._batch_room if batch else None)
+                                room=self._batch_room if batch else None, on_consumer_gone=self.verify_soon)
                 self._pullers.append(puller)
                 if batch:
                     self._batch_pullers.append(puller)
@@ -318,6 +347,8 @@ class Worker:
         for task in self._serving_tasks:
             task.cancel()
         self._serving_tasks = []
+        if self.liveness is not None:
+            self.liveness.set_beat(None)
         try:
             assert self.kv is not None
             await self.kv.delete(subjects.worker_key(self.settings.worker_id))
@@ -330,8 +361,14 @@ class Worker:
     async def stop(self) -> None:
         for task in [*self._tasks, *self._serving_tasks, *([self._engine_watch] if self._engine_watch else [])]:
             task.cancel()
-        if self._background:  # usage events are the billing ledger: let them land
+        if self._background:  # usage events are the billing ledger: let them reach the outbox
             await asyncio.wait(self._background, timeout=10)
+        if self.outbox is not None:  # and JetStream, if it answers; what does not stays on disk
+            if not await self.outbox.drained(timeout=5):
+                log.warning("usage_outbox_pending_at_exit", path=str(self.outbox.path))
+            await self.outbox.stop()
+        if self.liveness is not None:
+            await asyncio.to_thread(self.liveness.stop)
         if self.kv is not None:
             try:
                 await self.kv.delete(subjects.worker_key(self.settings.worker_id))
@@ -381,6 +418,9 @@ class Worker:
         turn = 0
         while not self.draining:
             self._wake.clear()
+            if self._holding_pulls:
+                await asyncio.sleep(SCARCE_POLL_S)
+                continue
             if not self.health.up:
                 # Its engine is down: a request taken now would fail at once and bounce between
                 # workers. The engine watch wakes this loop when it is back.
@@ -423,7 +463,7 @@ class Worker:
             self._spawn(msg.ack())
             self._release_slot()
             return
-        entry = _Running(request=request)
+        entry = _Running(request=request, pause_epoch=self.pause.epoch)
         self.running[request.request_id] = entry
         if request.tier == "batch":
             self._batch_in_flight += 1
@@ -449,10 +489,17 @@ class Worker:
         with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
             status, usage, finish = "failed", m.Usage(prompt_tokens=0, completion_tokens=request.resumed_tokens), None
             publish_usage = True
+            abandoned: str | None = None  # why this attempt's work is the platform's, not the tenant's
             try:
                 await msg.ack()
-                if request.request_id in self._cancelled:
+                if (request.request_id, request.attempt) in self._superseded:
+                    publish_usage = False  # the gateway moved on before this attempt started: no work done
+                    return
+                cancelled = self._cancelled.get(_cancel_key(subjects.reply_owner(request.reply_to), request.request_id))
+                if cancelled is not None:
                     status, finish = "cancelled", "abort"
+                    # After a deadline the gateway bills what the client got; otherwise nothing ran.
+                    publish_usage = cancelled[1] != "deadline"
                     return
                 if time.time() > request.deadline:
                     finish = "error"
@@ -460,6 +507,7 @@ class Worker:
                         request_id=request.request_id, attempt=request.attempt, code="timeout",
                         message="request deadline passed before a worker could start it", status=504,
                     ))
+                    publish_usage = False  # nothing ran; the gateway bills what the client got
                     return
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
@@ -471,15 +519,16 @@ class Worker:
                 ))
                 status, usage, finish = await self._generate(request, entry, trace_headers)
                 if entry.handed_off:
-                    publish_usage = False  # the next attempt reports the client-visible totals
+                    abandoned = "handoff"  # the next attempt reports the client-visible totals
                     self._send(request, m.Handoff(
                         request_id=request.request_id, attempt=request.attempt, worker_id=self.settings.worker_id
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
-                # A retryable failure may continue on another worker, whose usage event counts it.
-                publish_usage = not error.retryable
+                # The gateway bills what the client received when a request ends in an error, and a
+                # retryable one continues elsewhere: this attempt's work is the platform's.
+                abandoned = error.code if error.code == "worker_paused" else "engine_error"
                 self._send(request, m.StreamError(
                     request_id=request.request_id, attempt=request.attempt, code=error.code,
                     message=str(error), retryable=error.retryable, status=error.status,
@@ -490,7 +539,7 @@ class Worker:
                     request_id=request.request_id, attempt=request.attempt, code="internal_error",
                     message=f"worker failed: {type(error).__name__}", retryable=True, status=500,
                 ))
-                publish_usage = False
+                abandoned = "internal_error"
             finally:
                 self.running.pop(request.request_id, None)
                 RUNNING.set(len(self.running))
@@ -503,7 +552,15 @@ class Worker:
                     self._observe_tpot(entry, usage.completion_tokens - request.resumed_tokens)
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
-                if publish_usage:
+                if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
+                    # The gateway gave this attempt up (and bills the tenant what the client got).
+                    abandoned = abandoned or ("deadline" if entry.cancel_reason == "deadline" else "superseded")
+                if abandoned is not None:
+                    ABANDONED.labels(abandoned).inc()
+                    if entry.prefilled or entry.completion > request.resumed_tokens:
+                        self._spawn(self._publish_usage(request, status, self._attempt_work(entry), finish,
+                                                        billed_to="platform"))
+                elif publish_usage:
                     # Spawned, not awaited: this also runs after the early returns above.
                     self._spawn(self._publish_usage(request, status, usage, finish))
 
@@ -529,10 +586,19 @@ class Worker:
             if prompt_tokens is None and update.prompt_tokens is not None:
                 prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
             cached = min(update.cached_tokens, prompt_tokens or 0)
+            entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
+            if not batch:
+                self._tick()
+                if entry.pause_epoch != self.pause.epoch:
+                    # This worker was stopped mid-stream, long enough to be declared dead: the
+                    # gateway may already continue it elsewhere. Give it up, whichever it did;
+                    # the client sees one stream either way.
+                    await self.engine.abort(request.engine_rid())
+                    raise EngineError("the worker was paused; continuing on another worker", code="worker_paused",
+                                      retryable=True, status=503)
             if batch:  # no stream to a client: the line's text is kept for its one result
                 entry.text_parts.append(update.text)
                 entry.token_ids.extend(update.token_ids)
-                entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
                 if update.finish is None:
                     await self._batch_checkpoint(entry)
                     continue
@@ -639,7 +705,7 @@ class Worker:
             with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
                 try:
                     await msg.ack()
-                    if request.request_id in self._cancelled:
+                    if _cancel_key(subjects.reply_owner(request.reply_to), request.request_id) in self._cancelled:
                         entry.cancelled = True
                     elif time.time() <= request.deadline:
                         queue_wait = max(0.0, time.time() - request.created)
@@ -908,21 +974,37 @@ class Worker:
             except Exception as error:  # a gateway's events must not be lost to another's failure
                 log.error("stream_publish_failed", subject=subject, error=repr(error))
 
-    async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None) -> None:
-        assert self.replies is not None
-        if request.choice:  # n > 1: the first choice bills the prompt
+    async def _publish_usage(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None,
+                             billed_to: str = "tenant") -> None:
+        assert self.outbox is not None
+        if request.choice and billed_to == "tenant":  # n > 1: the first choice bills the prompt
             usage = m.Usage(prompt_tokens=0, completion_tokens=usage.completion_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.settings.worker_id, attempts=request.attempt + 1, finish_reason=finish,
-            api_key_id=request.api_key_id, batch_id=request.batch_id,
+            api_key_id=request.api_key_id, batch_id=request.batch_id, billed_to=billed_to,  # type: ignore[arg-type]
+            attempt=request.attempt,
         )
         try:
-            await self.replies.publish_durable(subjects.usage_subject(request.tenant), m.encode(event), request.request_id)
+            await self.outbox.add(subjects.usage_subject(request.tenant), m.encode(event), m.usage_msg_id(event))
         except Exception as error:
-            # JetStream is the ledger of record: say loudly that this request's usage is missing.
-            log.error("usage_publish_failed", request_id=request.request_id, error=repr(error), usage=msgspec.to_builtins(usage))
+            # The disk refused it: the ledger will miss this event, so say so loudly.
+            log.error("usage_outbox_write_failed", request_id=request.request_id, error=repr(error),
+                      usage=msgspec.to_builtins(usage))
+
+    async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
+        assert self.replies is not None
+        await self.replies.publish_durable(subject, data, msg_id)
+
+    @staticmethod
+    def _attempt_work(entry: _Running) -> m.Usage:
+        """What one attempt computed: its prefill (when it got that far) and the tokens it made."""
+        request = entry.request
+        prefilled = entry.prefilled or entry.completion > request.resumed_tokens
+        return m.Usage(prompt_tokens=(entry.prompt_tokens or 0) + request.resumed_tokens if prefilled else 0,
+                       completion_tokens=max(0, entry.completion - request.resumed_tokens),
+                       cached_tokens=entry.cached if prefilled else 0)
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -931,23 +1013,40 @@ class Worker:
             cancel = _cancel_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        owner = subjects.cancel_owner(msg.subject)
         entry = self.running.get(cancel.request_id)
+        if entry is not None and subjects.reply_owner(entry.request.reply_to) != owner:
+            # Only the gateway holding the client may cancel its request (each gateway's NATS
+            # permissions allow its own cancel subjects only; this holds where identities are shared).
+            log.warning("cancel_not_owner", request_id=cancel.request_id, cancel_subject=msg.subject)
+            return
+        if cancel.attempt >= 0:  # one attempt, given up by its gateway
+            if entry is None or entry.request.attempt != cancel.attempt:
+                self._superseded[(cancel.request_id, cancel.attempt)] = None
+                while len(self._superseded) > SUPERSEDED_MEMORY_SIZE:
+                    del self._superseded[next(iter(self._superseded))]
+                return
+            if not entry.cancelled and entry.request.batch_id is None:
+                entry.cancelled = entry.superseded = True
+                entry.cancel_reason = cancel.reason
+                await self.engine.abort(entry.request.engine_rid())
+            return
         if entry is None:
-            self._remember_cancel(cancel.request_id)
+            self._remember_cancel(_cancel_key(owner, cancel.request_id), cancel.reason)
         elif not entry.cancelled:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
             await self.engine.abort(entry.request.engine_rid())
 
-    def _remember_cancel(self, request_id: str) -> None:
+    def _remember_cancel(self, key: str, reason: str) -> None:
         now = time.monotonic()
-        self._cancelled[request_id] = now
+        self._cancelled[key] = (now, reason)
         if len(self._cancelled) > CANCEL_MEMORY_SIZE:
             # Oldest first (dicts keep insertion order): forget what is past its deadline anyway.
             for old in list(self._cancelled)[: len(self._cancelled) // 2]:
                 del self._cancelled[old]
         while self._cancelled:
-            oldest, seen = next(iter(self._cancelled.items()))
+            oldest, (seen, _) = next(iter(self._cancelled.items()))
             if now - seen < CANCEL_MEMORY_S:
                 break
             del self._cancelled[oldest]
@@ -979,19 +1078,25 @@ class Worker:
     # ---- liveness and load -----------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
-        assert self.kv is not None and self.budget is not None
-        beat = m.Heartbeat(
+        assert self.kv is not None
+        beat = self._beat()
+        if self.liveness is not None:
+            self.liveness.set_beat(beat)  # its thread keeps it fresh, whatever this loop is doing
+        await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
+
+    def _beat(self) -> m.Heartbeat:
+        assert self.budget is not None
+        return m.Heartbeat(
             worker_id=self.settings.worker_id, model=self.settings.model, engine_url=self.settings.engine_url,
             # "starting" while the engine is down: alive, but not to be given requests.
             started=self.started, ts=time.time(),
-            state="draining" if self.draining else "ready" if self.health.up else "starting",
+            state="draining" if self.draining or self._holding_pulls else "ready" if self.health.up else "starting",
             max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
             tp=int(self._engine_info.get("tp_size", 0) or 0),
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
         )
-        await self.kv.put(subjects.worker_key(self.settings.worker_id), m.encode(beat))
 
     def _max_adapters(self) -> int:
         info = self._engine_info
@@ -1006,12 +1111,51 @@ class Worker:
         )
 
     async def _heartbeat_loop(self) -> None:
+        # The liveness thread puts the heartbeat; this loop keeps its copy current (state, adapters).
+        assert self.liveness is not None
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-            try:
-                await self._heartbeat()
-            except Exception as error:
-                log.warning("heartbeat_failed", error=repr(error))
+            self.liveness.set_beat(self._beat())
+
+    # ---- pauses: no zombie -------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._tick()
+
+    def _tick(self) -> None:
+        """Note that the loop runs; after a pause (SIGSTOP, a frozen host) verify before pulling."""
+        if not self.pause.tick():
+            return
+        PAUSES.inc()
+        log.warning("worker_resumed_after_pause", pauses=self.pause.epoch, in_flight=len(self.running))
+        self.verify_soon("paused")
+
+    def verify_soon(self, why: str) -> None:
+        if self.phase != "serving" or self._leaving or (self._verifying is not None and not self._verifying.done()):
+            return
+        self._verifying = asyncio.ensure_future(self._verify(why))
+
+    async def _verify(self, why: str) -> None:
+        """After a pause or an engine failure: the engine answers, our consumers exist (a router
+        deletes those of a worker it thought dead), our pull requests are live. Until then pull
+        nothing: a request pulled into a broken worker would hang its client."""
+        self._holding_pulls = True  # the heartbeat says "draining" meanwhile: nothing is placed here
+        try:
+            delay = 0.2
+            while not await self.engine.ready():
+                log.warning("engine_not_ready", why=why)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+            await bus.retry_forever("bus setup after a pause", self._setup_bus)  # type: ignore[arg-type]
+        finally:
+            self._holding_pulls = False
+        for puller in self._pullers:  # pull requests made before the pause expired meanwhile
+            puller.forget_pulls()
+        self._wake.set()
+        self._load_changed.set()
+        log.info("worker_verified", why=why)
 
     async def _load_loop(self) -> None:
         assert self.nc is not None
@@ -1036,6 +1180,7 @@ class Worker:
                     log.warning("engine_load_failed", error=repr(error))
                 if isinstance(error, HTTPError):
                     self._engine_down(f"load poll failed: {error!r}")
+                self.verify_soon("engine_load_failed")
                 continue
             try:
                 await self._check_preemption(load)

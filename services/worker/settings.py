@@ -38,6 +38,8 @@ class WorkerSettings:
     batch_max_attempts: int = env("INFERBUS_WORKER_BATCH_MAX_ATTEMPTS", 5, "Attempts of a batch line across retryable engine failures before it ends with an error result.")
     heartbeat_interval_s: float = env("INFERBUS_HEARTBEAT_INTERVAL_S", 1.0, "How often the heartbeat is refreshed in the `workers` KV bucket.")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose heartbeat is older than this is dead.")
+    stall_after_s: float = env("INFERBUS_WORKER_STALL_AFTER_S", 30.0, "The heartbeat thread stops heartbeating (and the worker is declared dead) when the worker's event loop has not run for this long.")
+    state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of this service's durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")

@@ -1,0 +1,274 @@
+"""Who may do what on the bus: one NATS identity per service, with subject permissions.
+
+Pure: the permissions of each role, and the nats-server `authorization` block that grants them
+(NATS's own security model: users with passwords and per-user publish/subscribe allow lists, see
+https://docs.nats.io/running-a-nats-service/configuration/securing_nats/authorization). `inferbus up`
+and the test fixtures write it into the server's config; `deploy/` renders the same block into a
+Secret. Everything not allowed here is denied, JetStream's API (`$JS.API.>`) and KV (`$KV.>`)
+included, so no identity but `ops` can purge or delete a stream or read one it has no use for.
+
+Each identity subscribes to its own inbox prefix only (`_INBOX.<user>.>`), so no client can read
+the replies (JetStream deliveries, request/reply answers) meant for another.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Literal
+
+from proto import subjects
+
+Role = Literal["ops", "gateway", "router", "billing", "autoscaler", "batch", "worker", "producer"]
+
+_REQ, _USAGE, _RESULTS = subjects.REQUESTS_STREAM, subjects.USAGE_STREAM, subjects.BATCH_RESULTS_STREAM
+_PLATFORM_STREAMS = (_REQ, _USAGE, _RESULTS)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False  # may answer requests it received (the router's placements)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A NATS user: `scope` is the worker, gateway or batch service id its subjects are limited to
+    (None for a role-wide identity, such as workers started by an autoscaler)."""
+
+    user: str
+    password: str
+    role: Role
+    scope: str | None = None
+    password_env: str = ""  # when set, the server config reads the password from this environment variable
+
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.user)
+
+
+def inbox_prefix(user: str) -> str:
+    return f"_INBOX.{subjects.token(user)}"
+
+
+def new_password() -> str:
+    """192 random bits as letters and digits, starting with a letter: nats-server parses a password
+    read from the environment as a config value, where a leading digit or `-` would make it a number."""
+    return "ib" + secrets.token_hex(24)
+
+
+def _stream_info(*streams: str) -> list[str]:
+    return [f"$JS.API.STREAM.INFO.{s}" for s in streams]
+
+
+def _stream_create(*streams: str) -> list[str]:
+    """Create the named streams only (a create of an existing stream with the same config is a no-op):
+    no identity may create a stream of its own that would capture other subjects."""
+    return [f"$JS.API.STREAM.CREATE.{s}" for s in streams]
+
+
+def _consume(stream: str, *, manage: bool = True) -> list[str]:
+    """Create, inspect, pull from and ack on consumers of one stream; with `manage`, also delete
+    consumers and get single messages by sequence (which reads past any consumer)."""
+    api = "$JS.API"
+    rights = [f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+              f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.INFO.{stream}.>",
+              f"{api}.CONSUMER.MSG.NEXT.{stream}.>", f"{api}.CONSUMER.NAMES.{stream}", f"{api}.CONSUMER.LIST.{stream}",
+              f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+    if manage:
+        rights += [f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.STREAM.MSG.GET.{stream}",
+                   f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>"]
+    return rights
+
+
+def _kv_read(bucket: str) -> list[str]:
+    return [*_stream_info(f"KV_{bucket}"), *_stream_create(f"KV_{bucket}"), *_consume(f"KV_{bucket}")]
+
+
+def _kv_write(bucket: str, key: str = ">") -> list[str]:
+    return [*_kv_read(bucket), f"$KV.{bucket}.{key}"]
+
+
+def _platform_streams() -> list[str]:
+    """What `bus.ensure_streams` needs: see and create the platform's three streams."""
+    return [*_stream_info(*_PLATFORM_STREAMS), *_stream_create(*_PLATFORM_STREAMS), "$JS.API.INFO"]
+
+
+def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
+    """The subjects `user` (of `role`, limited to `scope` where the role has one) may use."""
+    inbox = f"{inbox_prefix(user)}.>"
+    usage = subjects.usage_stream_subjects()[0]
+    if role == "ops":
+        return Permissions(publish=(">",), subscribe=(">",))
+    if role == "worker":
+        return Permissions(
+            publish=(
+                subjects.token_wildcard(),  # stream events to the gateway named in each request's reply_to
+                usage,
+                subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
+                subjects.cache_subject(scope) if scope is not None else subjects.cache_wildcard(),
+                subjects.batch_results_stream_subjects()[0],  # a batch line's result
+                subjects.shared_request_wildcard("batch"),  # a batch line's next attempt, back on the shared queue
+                # Its consumers on REQUESTS, but no reading queued requests by sequence, nor
+                # deleting another worker's consumer.
+                *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
+                f"$KV.{subjects.WORKERS_BUCKET}.{subjects.worker_key(scope) if scope is not None else '*'}",
+                *_kv_read(subjects.ADAPTERS_BUCKET),
+            ),
+            subscribe=(subjects.cancel_wildcard(),
+                       subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
+                       subjects.liveness_subject(scope) if scope is not None else subjects.liveness_subject("*"),
+                       inbox),
+            allow_responses=True,  # answers the gateways' liveness probes
+        )
+    if role == "gateway":
+        return Permissions(
+            publish=(
+                subjects.requests_stream_subjects()[0],
+                subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
+                usage, subjects.placement_wildcard(),
+                *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
+                f"$JS.API.CONSUMER.INFO.{_REQ}.>",
+                *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
+                *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
+                *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
+                subjects.liveness_subject("*"),  # probes a worker whose heartbeat lapsed
+            ),
+            subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
+                       subjects.metrics_wildcard(), inbox,
+                       # Internal producers' calls (answered as replies) and their cancels.
+                       subjects.api_wildcard(),
+                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_wildcard("*")),
+            allow_responses=True,
+        )
+    if role == "router":
+        return Permissions(
+            publish=(
+                subjects.placed_wildcard(), subjects.control_wildcard(),
+                subjects.shared_request_wildcard(),  # a dead worker's queue, moved to the shared one
+                *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
+            ),
+            subscribe=(subjects.placement_wildcard(), subjects.placed_wildcard(), subjects.cache_wildcard(),
+                       subjects.metrics_wildcard(), inbox),
+            allow_responses=True,
+        )
+    if role == "billing":
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))
+    if role == "autoscaler":
+        return Permissions(
+            publish=(subjects.control_wildcard(), subjects.scale_wildcard(), *_platform_streams(),
+                     f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_kv_read(subjects.WORKERS_BUCKET)),
+            subscribe=(subjects.metrics_wildcard(), inbox),
+        )
+    if role == "batch":
+        # The batch service's gateway-like id: its lines' reply_to is `token_subject("batch-<id>")`.
+        me = None if scope is None else f"batch-{scope}"
+        return Permissions(
+            publish=(
+                subjects.shared_request_wildcard("batch"),
+                subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
+                usage, subjects.batch_results_stream_subjects()[0],
+                *_platform_streams(), f"$JS.API.CONSUMER.INFO.{_REQ}.>", *_consume(_RESULTS),
+                *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
+                *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
+            ),
+            subscribe=(subjects.token_wildcard() if me is None else subjects.token_subject(me),
+                       subjects.metrics_wildcard(), inbox),
+        )
+    if role == "producer":
+        # An internal producer: the OpenAI API over NATS, authenticated by a tenant API key and
+        # admitted by a gateway like an HTTP call; nothing else on the bus.
+        return Permissions(publish=(subjects.api_wildcard(), subjects.api_cancel_wildcard("*")), subscribe=(inbox,))
+    raise ValueError(f"unknown role {role!r}")
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _subjects(items: tuple[str, ...], indent: str) -> str:
+    return "[\n" + "".join(f"{indent}  {_quote(s)}\n" for s in items) + f"{indent}]"
+
+
+def authorization_block(identities: list[Identity]) -> str:
+    """nats-server's `authorization { users = [...] }`: only these users may connect, each with
+    its role's permissions; a client without credentials is refused."""
+    lines = ["authorization {", "  users = ["]
+    for identity in identities:
+        p = permissions(identity.role, identity.user, identity.scope)
+        lines += [
+            "    {",
+            f"      user: {_quote(identity.user)}",
+            f"      password: ${identity.password_env}" if identity.password_env else
+            f"      password: {_quote(identity.password)}",
+            "      permissions: {",
+            f"        publish: {{ allow: {_subjects(p.publish, '        ')} }}",
+            f"        subscribe: {{ allow: {_subjects(p.subscribe, '        ')} }}",
+        ]
+        if p.allow_responses:
+            lines.append("        allow_responses: true")
+        lines += ["      }", "    }"]
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class LocalIdentities:
+    """The identities of a local platform (`inferbus up`, the test fixtures): one per service and
+    per static worker, a role-wide one for workers an autoscaler starts, `producer` for internal
+    producers (the OpenAI API over NATS), and `ops` for the operator."""
+
+    gateway_id: str
+    batch_id: str
+    workers: list[str]
+    by_name: dict[str, Identity] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        wanted: list[tuple[str, Role, str | None]] = [
+            ("ops", "ops", None), ("gateway", "gateway", self.gateway_id), ("router", "router", None),
+            ("billing", "billing", None), ("autoscaler", "autoscaler", None), ("batch", "batch", self.batch_id),
+            ("worker", "worker", None), ("producer", "producer", None), *[(w, "worker", w) for w in self.workers],
+        ]
+        for name, role, scope in wanted:
+            if name not in self.by_name:
+                self.by_name[name] = Identity(name, new_password(), role, scope)
+
+    def __getitem__(self, name: str) -> Identity:
+        return self.by_name[name]
+
+    def all(self) -> list[Identity]:
+        return list(self.by_name.values())
+
+
+# The identities of a deployment (deploy/): one per service role, shared by the replicas of that role
+# (they run the same image with the same Secret), passwords from the environment of nats-server.
+DEPLOYMENT_ROLES: tuple[tuple[str, Role, str | None], ...] = (
+    ("ops", "ops", None), ("gateway", "gateway", None), ("router", "router", None), ("billing", "billing", None),
+    ("autoscaler", "autoscaler", None), ("batch", "batch", "main"), ("worker", "worker", None),
+    ("producer", "producer", None),
+)
+REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
+
+
+def password_env(user: str) -> str:
+    """The environment variable (and Secret key) holding `user`'s NATS password in a deployment."""
+    return "NATS_PASSWORD_" + user.upper().replace("-", "_")
+
+
+def deployment_identities() -> list[Identity]:
+    return [Identity(user, "", role, scope, password_env(user)) for user, role, scope in DEPLOYMENT_ROLES]
+
+
+def deployment_auth_config() -> str:
+    """deploy/k8s/base/nats-auth.conf (also used by docker-compose.yml): generated by
+    `inferbus bus-config`, kept in sync by a test."""
+    header = ("# Generated by `inferbus bus-config > deploy/k8s/base/nats-auth.conf` from inferbus/bus_auth.py; a test\n"
+              "# keeps it in sync. Passwords come from nats-server's environment (the inferbus-bus Secret).\n")
+    return header + authorization_block(deployment_identities())
+
+
+def new_secrets() -> dict[str, str]:
+    """Fresh passwords for a deployment: every NATS identity's and Redis's, by environment name."""
+    found = {password_env(user): new_password() for user, _, _ in DEPLOYMENT_ROLES}
+    found[REDIS_PASSWORD_ENV] = new_password()
+    return found

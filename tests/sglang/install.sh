@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs real SGLang into its own virtual environment, cached outside the checkout, builds the
+# tiny model directory and LoRA adapters the contract suite serves, and compiles the stand-in CUDA
+# driver library SGLang needs on a machine without a GPU. Prints the environment's directory.
+# Stamps written last mark finished steps; a half-finished step is redone.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+version="${SGLANG_VERSION:-0.5.23}"
+peft_version="0.21.2"
+root="${INFERBUS_CACHE:-$HOME/.cache/inferbus}/sglang-$version"
+stamp="$root/.installed"
+want="sglang==$version peft==$peft_version"
+
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+  rm -rf "$root"
+  mkdir -p "$(dirname "$root")"
+  python3 -m venv "$root"
+  "$root/bin/python" -m pip install --quiet --upgrade pip >&2
+  # pip warns about optional GPU-only dependencies (flashinfer, flash-attn, ...): not needed on CPU.
+  "$root/bin/python" -m pip install --quiet $want >&2
+  echo "$want" > "$stamp"
+fi
+
+# The tiny model and its adapters, cached under the digest of the two files that build them.
+repo="$(cd "$here/../.." && pwd)"
+models="$root/models/$(cat "$here/modeldir.py" "$repo/inferbus/modeldir.py" | sha256sum | cut -c1-16)"
+if [[ ! -f "$models/.built" ]]; then
+  rm -rf "$models.tmp"
+  PYTHONPATH="$repo" INFERBUS_CACHE_DIR="$root/tokenizers" "$root/bin/python" "$here/modeldir.py" "$models.tmp" >&2
+  rm -rf "$models"
+  mv "$models.tmp" "$models"
+fi
+
+# The stand-in libcuda.so.1, rebuilt when its source changes (sgl_kernel links the driver library).
+mkdir -p "$root/cuda-stub"
+if [[ ! -f "$root/cuda-stub/libcuda.so.1" || "$here/cuda_stub.c" -nt "$root/cuda-stub/libcuda.so.1" ]]; then
+  gcc -shared -fPIC -O2 -o "$root/cuda-stub/libcuda.so.1.tmp" "$here/cuda_stub.c"
+  mv "$root/cuda-stub/libcuda.so.1.tmp" "$root/cuda-stub/libcuda.so.1"
+fi
+echo "$root"

@@ -1,0 +1,61 @@
+"""Builds the model real SGLang serves in the contract suite, and LoRA adapters for it.
+
+No model hub is reachable, so everything is made here. The tokenizer, chat template (ChatML, so
+nothing can assume Llama-3's) and configuration come from `inferbus.modeldir`, exactly as the
+simulated engine and the gateway get them; this adds what only a real engine needs: a 2-layer
+Llama with seeded random weights saved by `transformers`, a LoRA adapter made with `peft`
+(non-zero B, so its output differs from the base model's), and an adapter SGLang must refuse
+(rank above the engine's `--max-lora-rank`). Run with SGLang's Python (it has torch,
+transformers and peft), the repository on its path:
+
+    PYTHONPATH=. python tests/sglang/modeldir.py OUT_DIR
+
+which writes OUT_DIR/model, OUT_DIR/lora and OUT_DIR/bad-lora, then OUT_DIR/.built last.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from inferbus.modeldir import build_model_dir
+
+CHAT_FORMAT = "chatml"
+LORA_RANK = 4
+BAD_LORA_RANK = 16  # above the engine's --max-lora-rank 8
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def build_weights(model_dir: Path) -> None:
+    """Random weights (seeded) for the configuration `inferbus.modeldir` wrote."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(str(model_dir))
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+
+
+def build_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGET_MODULES, init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    get_peft_model(base, config).save_pretrained(str(out))
+
+
+def build(out: Path) -> None:
+    model = build_model_dir(out / "model", CHAT_FORMAT, model_max_length=4096)
+    build_weights(model)
+    build_adapter(model, out / "lora", LORA_RANK, seed=1)
+    build_adapter(model, out / "bad-lora", BAD_LORA_RANK, seed=2)
+    (out / ".built").write_text("ok\n")
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))

@@ -1,0 +1,193 @@
+"""The platform in front of the contract engine: a real nats-server and Redis, gateway and router
+from `inferbus.local.Stack`, and our worker process driving the engine (real SGLang under
+`make test-sglang`, the simulated engine otherwise), exercised with the official `openai` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import nats
+import openai
+import pytest
+
+from inferbus.local import Process, Stack, StackConfig, _logged, free_port
+from inferbus.prompt import load_model, render_prompt
+from inferbus.tokens import DEFAULT_BLOCK_SIZE, block_hashes
+from proto import messages as m
+from proto import subjects
+from services.router.index import PrefixIndex
+
+from ..conftest import Platform, read_usage
+from .conftest import Engine
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # the first engine start may take minutes
+
+MODEL = "contract-model"
+DIGEST = "sha256:" + hashlib.sha256(b"contract adapter").hexdigest()
+WORKER_ID = "worker-contract"
+
+
+@pytest.fixture(scope="module")
+def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """The platform with one worker, ours, on the contract engine."""
+    from inferbus.cli import _demo_key, new_admin_key
+
+    state = tmp_path_factory.mktemp("platform")
+    stack = Stack(StackConfig(state_dir=state, workers=0, batch=False, model=MODEL, model_dir=engine.model_dir,
+                              gateway_port=free_port(), admin_key=new_admin_key()))
+    try:
+        stack.start(timeout=90)
+        log = state / "logs" / "worker.log"
+        worker = Process(
+            "worker", [sys.executable, "-m", "inferbus.cli", "worker"],
+            stack._env(INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
+                       INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
+                       INFERBUS_METRICS_PORT="0"),  # the engine binds its KV-event endpoint ("bind": true)
+            log, lambda: _logged(log, b'"worker_ready"'), engine.url,
+        )
+        stack.processes.append(worker)  # stopped first, with the rest
+        worker.start()
+        deadline = time.monotonic() + 120
+        while not worker.ready():
+            assert worker.alive(), log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "worker not ready:\n" + log.read_text()[-3000:]
+            time.sleep(0.2)
+        key = asyncio.run(_demo_key(stack.redis_url))
+        yield Platform(stack, key, stack.config.admin_key)
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def client(served: Platform) -> openai.OpenAI:
+    return served.client(timeout=120)
+
+
+def engine_running(engine: Engine) -> int:
+    return sum(entry["num_running_reqs"] for entry in httpx.get(engine.url + "/v1/loads", timeout=10).json()["loads"])
+
+
+def test_a_chat_completion_through_the_platform(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                            messages=[{"role": "user", "content": "Say something."}])
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens > 0
+
+
+def test_a_streamed_completion_through_the_platform(client: openai.OpenAI) -> None:
+    stream = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=10, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+    assert text
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_a_client_that_hangs_up_frees_the_engine(served: Platform, engine: Engine) -> None:
+    client = served.client(timeout=120)
+    stream = client.completions.create(model=MODEL, prompt="class Parser:\n", max_tokens=3000, temperature=1.0,
+                                       stream=True)
+    for _ in stream:
+        if engine_running(engine) >= 1:
+            break
+    stream.close()
+    deadline = time.monotonic() + 15
+    while engine_running(engine) > 0:
+        assert time.monotonic() < deadline, "the engine still runs the abandoned request"
+        time.sleep(0.1)
+
+
+def test_the_worker_offers_the_engines_effective_running_limit(served: Platform, engine: Engine) -> None:
+    """Without --max-running-requests /server_info says null at the top: the worker must take the
+    engine's effective limit (internal_states, /v1/loads), not a guess."""
+    effective = httpx.get(engine.url + "/v1/loads", timeout=10).json()["loads"][0]["max_running_requests"]
+    log = (served.stack.config.state_dir / "logs" / "worker.log").read_text()
+    ready = next(line for line in log.splitlines() if '"worker_ready"' in line)
+    assert f'"capacity": {effective}' in ready or f'"capacity":{effective}' in ready, ready
+
+
+def test_an_adapter_is_served_again_after_the_engine_forgot_it(served: Platform, engine: Engine,
+                                                                client: openai.OpenAI) -> None:
+    with served.admin() as admin:
+        created = admin.post("/adapters", json={"name": "contract-bot", "version": DIGEST, "path": engine.lora_path})
+        assert created.status_code == 201, created.text
+        engine_name = created.json()["engine_name"]
+    first = client.completions.create(model="contract-bot", prompt="def main():\n", max_tokens=4, temperature=0)
+    assert first.choices[0].text
+    # The engine loses it (as after an engine restart); the worker still believes it is loaded.
+    assert httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": engine_name}, timeout=30).status_code == 200
+    again = client.completions.create(model="contract-bot", prompt="def main():\n", max_tokens=4, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    ids = {first.id.removeprefix("cmpl-"), again.id.removeprefix("cmpl-")}
+    assert {event.adapter for event in read_usage(served, "demo", ids)} == {engine_name}
+
+
+def test_usage_counts_what_the_engine_counted(served: Platform, engine: Engine, client: openai.OpenAI) -> None:
+    """The prompt the engine computes on is the one billed: prompt_tokens equal the engine's own
+    count of it, and a repeat reports the engine's cached prefix, not a capped estimate."""
+    prompt = "import collections\n" * 40
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    engine_count = httpx.post(engine.url + "/generate", timeout=60, json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()["meta_info"]
+    assert first.usage is not None and first.usage.prompt_tokens == engine_count["prompt_tokens"]
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == engine_count["cached_tokens"]
+
+
+def test_the_engine_computes_on_the_models_own_template(served: Platform, engine: Engine,
+                                                         client: openai.OpenAI) -> None:
+    """The prompt is the model's template (ChatML here), tokenized once: the engine counts the
+    rendered text exactly as the gateway billed it."""
+    model = load_model(str(engine.model_dir))
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    prompt = render_prompt(model, messages=messages)
+    assert prompt.text.startswith("<|im_start|>system\n")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    counted = httpx.post(engine.url + "/generate", timeout=60, json={
+        "text": prompt.text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids) == counted["meta_info"]["prompt_tokens"]
+    assert reply.choices[0].message.content == counted["text"]
+
+
+def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(served: Platform, engine: Engine) -> None:
+    """SGLang publishes one hash per token (page size 1 on CPU); the worker relays them rebuilt
+    into the platform's blocks, so the router's index matches the blocks the gateway hashes."""
+    model = load_model(str(engine.model_dir))
+    messages = [{"role": "user", "content": "Relay check. " + "The manual explains one more setting. " * 60}]
+    expected = block_hashes(render_prompt(model, messages=messages).ids, DEFAULT_BLOCK_SIZE)
+    assert len(expected) >= 4
+
+    async def relayed() -> list[m.CacheEvent]:
+        nc = await nats.connect(served.stack.nats_url)
+        events: list[m.CacheEvent] = []
+
+        async def on_event(msg: nats.aio.msg.Msg) -> None:
+            events.append(msgspec.msgpack.decode(msg.data, type=m.CacheEvent))
+
+        await nc.subscribe(subjects.cache_subject(WORKER_ID), cb=on_event)
+        await nc.flush()
+        client = openai.AsyncOpenAI(base_url=served.base_url, api_key=served.api_key, max_retries=0, timeout=120)
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+        for _ in range(100):
+            if set(expected) <= {h for event in events for block in event.stored for h in block.block_hashes}:
+                break
+            await asyncio.sleep(0.1)
+        await nc.close()
+        return events
+
+    events = asyncio.run(relayed())
+    index = PrefixIndex()
+    for event in events:
+        assert {block.block_size for block in event.stored} <= {DEFAULT_BLOCK_SIZE}
+        for block in event.stored:
+            index.add(WORKER_ID, block.block_hashes, time.monotonic())
+    assert index.matched_blocks(expected) == {WORKER_ID: len(expected)}

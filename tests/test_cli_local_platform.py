@@ -1,0 +1,82 @@
+"""After `inferbus up`, the CLI uses that platform (and says so), a query that finds nothing says
+so, and the launcher's state (credentials included) is private to its user."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from inferbus.cli import main
+from inferbus.local import PLATFORM_FILE
+
+from .conftest import MODEL, Platform
+
+pytestmark = pytest.mark.e2e
+
+
+def run_cli(platform: Platform, *args: str) -> tuple[str, str]:
+    """Run a CLI command as a user in the directory of `inferbus up` would: no REDIS_URL, NATS_URL
+    or gateway settings, only the state dir. Returns (stdout, stderr)."""
+    env = {"INFERBUS_PLATFORM_DIR": str(platform.stack.config.state_dir), "REDIS_URL": None, "NATS_URL": None,
+           "INFERBUS_URL": None, "INFERBUS_ADMIN_KEY": None}
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)  # type: ignore[arg-type]
+    assert result.exit_code == 0, result.output
+    return result.stdout, result.stderr
+
+
+def test_usage_export_reads_the_running_local_platform_and_says_so(platform: Platform) -> None:
+    start = int(time.time()) - 60
+    client = platform.client()
+    for i in range(3):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"count me {i}"}], max_tokens=4)
+    redis_port = platform.stack.redis_url.rsplit(":", 1)[1].split("/")[0]
+
+    deadline, rows = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        out, err = run_cli(platform, "usage", "export", "--tenant", "demo", "--from", str(start), "--bucket", "1m")
+        rows = list(csv.DictReader(io.StringIO(out)))
+        if sum(int(r["num_model_requests"]) for r in rows) >= 3:
+            break
+        time.sleep(0.5)
+    assert sum(int(r["num_model_requests"]) for r in rows) >= 3, (out, err)
+    assert {r["tenant"] for r in rows} == {"demo"}
+    assert "Using the local platform" in err and f"127.0.0.1:{redis_port}" in err
+    assert platform.stack.redis_url.split("@")[0].split(":")[-1] not in err, "the Redis password is never printed"
+
+
+def test_an_export_that_finds_nothing_says_so(platform: Platform) -> None:
+    out, err = run_cli(platform, "usage", "export", "--tenant", "no-such-tenant", "--from", str(int(time.time()) - 60))
+    assert "No usage found for no-such-tenant" in err
+    assert len(out.strip().splitlines()) <= 1  # at most the CSV header
+
+
+def test_admin_commands_use_the_local_gateway_and_its_admin_key(platform: Platform) -> None:
+    out, err = run_cli(platform, "tenants", "list", "--json")
+    assert "demo" in {t["id"] for t in json.loads(out)}
+    assert f"gateway {platform.stack.gateway_url}" in err
+
+
+def test_the_launchers_state_is_private(platform: Platform) -> None:
+    state = platform.stack.config.state_dir
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    for name in (PLATFORM_FILE, "nats.conf", "redis.conf"):
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+    recorded = json.loads((state / PLATFORM_FILE).read_text())
+    assert recorded["redis_url"] == platform.stack.redis_url and recorded["nats_user"] == "ops"
+
+
+def test_a_stale_platform_file_is_not_used(tmp_path: Path) -> None:
+    """A platform file whose launcher is gone (killed without cleaning up) is ignored."""
+    from inferbus import local_platform
+
+    (tmp_path / PLATFORM_FILE).write_text(json.dumps({"launcher_pid": 2**22 + 7, "redis_url": "redis://gone:1/0"}))
+    choice = local_platform.redis_url(None, tmp_path)
+    assert choice.source == "default" and choice.value == local_platform.DEFAULT_REDIS_URL
+    assert local_platform.redis_url("redis://:secret@db:6379/0", tmp_path).note.count("secret") == 0

@@ -1,0 +1,254 @@
+"""The bus is closed: against the platform's real nats-server and Redis, a client without
+credentials, or with a worker's, can neither read another tenant's stream, nor inject a request,
+nor cancel another gateway's request; the platform works normally with its own credentials."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import nats
+import pytest
+import redis
+from nats.aio.client import Client
+from nats.js.api import StreamConfig
+
+from inferbus.bus import BusSettings
+from inferbus.bus_auth import Identity, inbox_prefix, permissions
+from proto import messages as m
+from proto import subjects
+
+from .conftest import MODEL, Platform
+
+pytestmark = pytest.mark.e2e
+
+
+class Connection:
+    """A client of the platform's NATS as one identity, recording the server's permission errors."""
+
+    def __init__(self, platform: Platform, identity: Identity | None) -> None:
+        self.platform, self.identity = platform, identity
+        self.errors: list[str] = []
+
+    async def __aenter__(self) -> Client:
+        async def on_error(error: Exception) -> None:
+            self.errors.append(str(error))
+
+        options: dict[str, object] = {}
+        if self.identity is not None:
+            options = BusSettings(user=self.identity.user, password=self.identity.password).options("nats://")
+        self.nc = await nats.connect(self.platform.stack.nats_server_url, error_cb=on_error, allow_reconnect=False,
+                                     **options)  # type: ignore[arg-type]
+        return self.nc
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    def denied(self, verb: str, subject: str) -> bool:
+        # nats-py reports the server's error lower-cased.
+        return any("permissions violation" in e.lower() and verb in e.lower() and subject.lower() in e.lower()
+                   for e in self.errors)
+
+
+def collect(seen: list[str]):  # type: ignore[no-untyped-def]
+    async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(msg.subject)
+
+    return on_message
+
+
+def identity(platform: Platform, name: str) -> Identity:
+    assert platform.stack.identities is not None, "the test platform runs its own, closed, NATS"
+    return platform.stack.identities[name]
+
+
+def a_request(reply_to: str, tenant: str = "demo") -> m.InferenceRequest:
+    return m.InferenceRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, api_key_id="forged", model=MODEL,
+        tier="standard", prompt="forged", sampling=m.SamplingParams(max_new_tokens=5), reply_to=reply_to,
+        created=time.time(), deadline=time.time() + 60,
+    )
+
+
+def test_a_client_without_credentials_is_refused(platform: Platform) -> None:
+    async def run() -> None:
+        with pytest.raises(Exception) as refused:
+            async with Connection(platform, None):
+                pass
+        assert "authorization" in repr(refused.value).lower() or "no servers" in repr(refused.value).lower()
+
+    asyncio.run(run())
+    with pytest.raises(redis.AuthenticationError):
+        host, port = platform.stack.redis_url.rsplit("@", 1)[1].split("/")[0].split(":")
+        redis.Redis(host=host, port=int(port)).get("anything")
+
+
+def test_a_worker_can_read_neither_requests_nor_other_gateways_tokens(platform: Platform) -> None:
+    """While a real request streams, a worker's identity subscribed to every request and token
+    subject sees nothing, and the server reports the violations."""
+
+    async def run() -> tuple[list[str], Connection]:
+        seen: list[str] = []
+        worker = Connection(platform, identity(platform, "worker-1"))
+        async with worker as nc:
+            for wildcard in (f"{subjects.PREFIX}.req.>", f"{subjects.PREFIX}.tok.>", f"{subjects.PREFIX}.usage.>"):
+                await nc.subscribe(wildcard, cb=collect(seen))
+            await nc.flush()
+            reply = await platform.async_client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "a secret prompt"}], max_tokens=8)
+            assert reply.choices[0].message.content
+            await nc.flush()
+            await asyncio.sleep(0.3)
+        return seen, worker
+
+    seen, worker = asyncio.run(run())
+    assert seen == []
+    assert worker.denied("subscription", f"{subjects.PREFIX}.req.>")
+    assert worker.denied("subscription", f"{subjects.PREFIX}.tok.>")
+
+
+def test_a_worker_cannot_read_a_stream_through_jetstream_nor_purge_one(platform: Platform) -> None:
+    async def run() -> Connection:
+        worker = Connection(platform, identity(platform, "worker-1"))
+        async with worker as nc:
+            js = nc.jetstream(timeout=1.0)
+            attempts = [
+                # A stream of its own that would capture every gateway's tokens.
+                js.add_stream(StreamConfig(name="SNOOP", subjects=[f"{subjects.PREFIX}.tok.>"])),
+                # The ledger and batch results: not a worker's to read.
+                js.subscribe(subjects.usage_stream_subjects()[0], stream=subjects.USAGE_STREAM, ordered_consumer=True),
+                js.subscribe(subjects.batch_results_stream_subjects()[0], stream=subjects.BATCH_RESULTS_STREAM,
+                             ordered_consumer=True),
+                js.purge_stream(subjects.REQUESTS_STREAM),
+                js.delete_stream(subjects.USAGE_STREAM),
+                # Queued requests read by sequence, past its consumers; another worker's consumer deleted.
+                js.get_msg(subjects.REQUESTS_STREAM, 1),
+                js.get_msg(subjects.REQUESTS_STREAM, 1, direct=True),
+                js.delete_consumer(subjects.REQUESTS_STREAM, subjects.request_consumer("standard", MODEL, "worker-2")),
+            ]
+            for attempt in attempts:
+                with pytest.raises(Exception):
+                    await attempt
+        return worker
+
+    worker = asyncio.run(run())
+    assert worker.denied("publish", "$JS.API.STREAM.CREATE.SNOOP")
+    assert worker.denied("publish", "$JS.API.STREAM.PURGE.REQUESTS")
+    assert worker.denied("publish", "$JS.API.STREAM.MSG.GET.REQUESTS")
+    assert worker.denied("publish", "$JS.API.CONSUMER.DELETE.REQUESTS.")
+
+    async def streams() -> list[str]:
+        nc = await nats.connect(platform.stack.nats_url)
+        try:
+            return [s.config.name for s in await nc.jetstream().streams_info()]  # type: ignore[misc]
+        finally:
+            await nc.close()
+
+    names = asyncio.run(streams())
+    assert "SNOOP" not in names and subjects.USAGE_STREAM in names
+
+
+def test_a_worker_cannot_inject_a_request_nor_cancel_one(platform: Platform) -> None:
+    """What an injected request or cancel would have reached: an `ops` subscriber on the same
+    subjects receives nothing."""
+
+    async def run() -> tuple[list[str], Connection]:
+        seen: list[str] = []
+        ops = await nats.connect(platform.stack.nats_url)
+        await ops.subscribe(f"{subjects.PREFIX}.req.>", cb=collect(seen))
+        await ops.subscribe(f"{subjects.PREFIX}.cancel.>", cb=collect(seen))
+        await ops.flush()
+        worker = Connection(platform, identity(platform, "worker-1"))
+        async with worker as nc:
+            forged = a_request(subjects.token_subject("gateway"))
+            for tier in ("premium", "standard"):
+                await nc.publish(subjects.request_subject(tier, MODEL), m.encode(forged))  # type: ignore[arg-type]
+            await nc.publish(subjects.cancel_subject("gateway", forged.request_id), m.encode(m.Cancel(forged.request_id)))
+            await nc.flush()
+            await asyncio.sleep(0.3)
+        await ops.close()
+        return seen, worker
+
+    seen, worker = asyncio.run(run())
+    assert seen == []
+    assert worker.denied("publish", subjects.request_subject("standard", MODEL))
+    assert worker.denied("publish", f"{subjects.PREFIX}.cancel.gateway.")
+
+
+def test_a_gateway_cannot_cancel_another_gateways_request(platform: Platform) -> None:
+    """The gateway's identity may publish cancels for its own requests only; and a cancel that
+    names another gateway (as an identity shared by several gateways could send) does not cut a
+    stream: the request streams to its end."""
+
+    async def forge_as_gateway() -> tuple[list[str], Connection]:
+        seen: list[str] = []
+        ops = await nats.connect(platform.stack.nats_url)
+        await ops.subscribe(f"{subjects.PREFIX}.cancel.>", cb=collect(seen))
+        await ops.flush()
+        gateway = Connection(platform, identity(platform, "gateway"))
+        async with gateway as nc:
+            await nc.publish(subjects.cancel_subject("another-gateway", "chatcmpl-x"), m.encode(m.Cancel("chatcmpl-x")))
+            await nc.flush()
+            await asyncio.sleep(0.3)
+        await ops.close()
+        return seen, gateway
+
+    seen, gateway = asyncio.run(forge_as_gateway())
+    assert seen == [] and gateway.denied("publish", f"{subjects.PREFIX}.cancel.another-gateway.")
+
+    async def cancel_from_elsewhere() -> tuple[str | None, int, str]:
+        ops = await nats.connect(platform.stack.nats_url)
+        client = platform.async_client()
+        async with client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=400,
+                stream=True) as response:
+            request_id = response.headers["x-request-id"]
+            finish, chunks = None, 0
+            async for chunk in await response.parse():
+                chunks += 1
+                if chunks == 2:
+                    forged = m.Cancel(request_id, reason="admin")
+                    await ops.publish(subjects.cancel_subject("another-gateway", request_id), m.encode(forged))
+                    await ops.flush()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+        await ops.close()
+        return finish, chunks, request_id
+
+    finish, chunks, request_id = asyncio.run(cancel_from_elsewhere())
+    assert finish == "length", (finish, chunks)
+    # The forged cancel did reach the worker running the request, which refused it.
+    refused = [line for name in ("worker-1", "worker-2")
+               for line in platform.stack.get(name).log_path.read_text(errors="replace").splitlines()
+               if '"cancel_not_owner"' in line and request_id in line]
+    assert refused, "the forged cancel never reached the worker: the test proves nothing"
+
+
+def test_each_identity_has_its_own_inbox_only() -> None:
+    """No identity may subscribe to another's replies (JetStream deliveries, request/reply)."""
+    for role, user in (("worker", "worker-1"), ("gateway", "gateway"), ("router", "router"), ("billing", "billing"),
+                       ("batch", "batch"), ("autoscaler", "autoscaler")):
+        allowed = permissions(role, user, "x").subscribe  # type: ignore[arg-type]
+        inboxes = [s for s in allowed if s.startswith("_INBOX")]
+        assert inboxes == [f"{inbox_prefix(user)}.>"], (role, allowed)
+        assert ">" not in allowed and "_INBOX.>" not in allowed
+        publish = permissions(role, user, "x").publish  # type: ignore[arg-type]
+        assert not [s for s in publish if s.startswith(("$JS.API.STREAM.PURGE", "$JS.API.STREAM.DELETE", "$JS.API.>"))]
+
+
+def test_the_platform_works_with_its_own_credentials(platform: Platform) -> None:
+    reply = platform.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4)
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+    violations = [line for name in ("gateway", "router", "billing", "batch", "worker-1", "worker-2")
+                  for line in platform.stack.get(name).log_path.read_text(errors="replace").splitlines()
+                  if "Permissions Violation" in line]
+    assert violations == [], violations[:5]
+
+
+def test_usage_events_decode_as_the_ledger_expects() -> None:
+    """Guard for the forged request above: it must be a valid bus message, or the test proves nothing."""
+    forged = a_request("inferbus.tok.gateway")
+    assert msgspec.msgpack.decode(m.encode(forged), type=m.InferenceRequest) == forged

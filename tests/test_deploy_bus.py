@@ -1,0 +1,155 @@
+"""The deployment's closed bus: the checked-in NATS users and permissions are the code's, a real
+nats-server accepts them and refuses anonymous clients, and every service in deploy/ and
+docker-compose.yml connects with its own identity from the Secret (NetworkPolicies in front)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from inferbus.bus import BusSettings
+from inferbus.bus_auth import DEPLOYMENT_ROLES, REDIS_PASSWORD_ENV, deployment_auth_config, new_secrets, password_env
+from inferbus.local import free_port, http_ok, nats_server_binary
+
+yaml = pytest.importorskip("yaml")
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "k8s"
+AUTH = K8S / "base" / "nats-auth.conf"
+SECRET = "inferbus-bus"
+# The inferbus services, the NATS identity each runs as, and whether it uses Redis.
+SERVICES = {"gateway": ("gateway", True), "billing": ("billing", True), "batch": ("batch", True),
+            "router": ("router", False), "autoscaler": ("autoscaler", False), "worker": ("worker", False)}
+
+
+def test_the_checked_in_permissions_are_the_codes() -> None:
+    assert AUTH.read_text() == deployment_auth_config(), "regenerate: inferbus bus-config > deploy/k8s/base/nats-auth.conf"
+
+
+def test_the_deployment_config_is_valid_only_with_every_password() -> None:
+    secrets = new_secrets()
+    env = {**os.environ, **secrets, "POD_NAME": "nats-0"}
+    check = [nats_server_binary(), "-c", str(K8S / "base" / "nats.conf"), "-t"]
+    assert subprocess.run(check, env=env, capture_output=True).returncode == 0
+    del env[password_env("worker")]
+    refused = subprocess.run(check, env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and password_env("worker") in refused.stdout + refused.stderr
+
+
+def test_a_nats_server_with_the_deployments_users_closes_the_bus(tmp_path: Path) -> None:
+    secrets = new_secrets()
+    port, monitor = free_port(), free_port()
+    shutil.copy(AUTH, tmp_path / "nats-auth.conf")
+    (tmp_path / "nats.conf").write_text(f'listen: "127.0.0.1:{port}"\nhttp: "127.0.0.1:{monitor}"\n'
+                                        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\ninclude "nats-auth.conf"\n')
+    server = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "nats.conf")], env={**os.environ, **secrets},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not http_ok(f"http://127.0.0.1:{monitor}/healthz"):
+            assert time.monotonic() < deadline and server.poll() is None, "nats-server did not start"
+            time.sleep(0.05)
+        url = f"nats://127.0.0.1:{port}"
+
+        async def run() -> list[str]:
+            with pytest.raises(Exception):
+                await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+            errors: list[str] = []
+
+            async def on_error(error: Exception) -> None:
+                errors.append(str(error))
+
+            worker = BusSettings(user="worker", password=secrets[password_env("worker")])
+            nc = await nats.connect(url, error_cb=on_error, allow_reconnect=False, **worker.options(url))  # type: ignore[arg-type]
+            await nc.subscribe("inferbus.tok.>")
+            await nc.publish("inferbus.metrics.w1", b"{}")  # allowed: its load report
+            await nc.flush()
+            await asyncio.sleep(0.2)
+            await nc.close()
+            return errors
+
+        errors = asyncio.run(run())
+        assert len(errors) == 1 and "subscription" in errors[0].lower() and "inferbus.tok.>" in errors[0]
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _containers() -> list[tuple[Path, dict]]:
+    found = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") in ("Deployment", "StatefulSet"):
+                for container in doc["spec"]["template"]["spec"]["containers"]:
+                    found.append((path, container))
+    return found
+
+
+def _secret_key(entry: dict) -> str | None:
+    ref = entry.get("valueFrom", {}).get("secretKeyRef", {})
+    return ref.get("key") if ref.get("name") == SECRET else None
+
+
+def test_every_k8s_service_connects_as_its_own_identity() -> None:
+    seen = set()
+    for path, container in _containers():
+        args = container.get("args") or []
+        if not args or args[0] not in SERVICES:
+            continue
+        user, uses_redis = SERVICES[args[0]]
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert env["NATS_USER"]["value"] == user, path
+        assert _secret_key(env["NATS_PASSWORD"]) == password_env(user), path
+        if uses_redis:
+            assert _secret_key(env["REDIS_PASSWORD"]) == REDIS_PASSWORD_ENV, path
+            assert env["REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@"), path
+        seen.add(args[0])
+    assert seen == set(SERVICES)
+    config = yaml.safe_load((K8S / "base" / "configmap.yaml").read_text())["data"]
+    assert "REDIS_URL" not in config, "a Redis URL without its password would be used by any service that has none"
+
+
+def test_nats_and_redis_take_their_passwords_from_the_secret() -> None:
+    by_name = {c["name"]: c for _, c in _containers()}
+    nats_env = {_secret_key(e) for e in by_name["nats"]["env"]}
+    assert {password_env(user) for user, _, _ in DEPLOYMENT_ROLES} <= nats_env
+    redis = by_name["redis"]
+    assert "$(REDIS_PASSWORD)" in redis["args"] and redis["args"][redis["args"].index("$(REDIS_PASSWORD)") - 1] == "--requirepass"
+
+
+def test_network_policies_admit_only_the_services_that_use_nats_and_redis() -> None:
+    policies = {d["metadata"]["name"]: d for d in yaml.safe_load_all((K8S / "base" / "networkpolicy.yaml").read_text())}
+
+    def clients(name: str, port: int) -> set[str]:
+        rule = next(r for r in policies[name]["spec"]["ingress"] if {p["port"] for p in r["ports"]} == {port})
+        expression = rule["from"][0]["podSelector"]["matchExpressions"][0]
+        assert expression["key"] == "app.kubernetes.io/name" and expression["operator"] == "In"
+        return set(expression["values"])
+
+    assert clients("nats-clients", 4222) == {"gateway", "router", "billing", "batch", "autoscaler", "worker", "worker-sim"}
+    assert clients("redis-clients", 6379) == {"gateway", "billing", "batch"}
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert "networkpolicy.yaml" in kustomization["resources"]
+
+
+def test_compose_services_connect_with_their_own_identity() -> None:
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    for name, service in compose.items():
+        command = service.get("command") or []
+        if not command or command[0] not in SERVICES:
+            continue
+        user, uses_redis = SERVICES[command[0]]
+        env = service["environment"]
+        assert env["NATS_USER"] == user and env["NATS_PASSWORD"].startswith(f"${{{password_env(user)}:?"), name
+        assert ("store" in service["networks"]) == uses_redis, name
+        if uses_redis:
+            assert env["REDIS_URL"].startswith(f"redis://:${{{REDIS_PASSWORD_ENV}:?"), name
+    assert compose["nats"]["networks"] == ["bus"] and compose["redis"]["networks"] == ["store"]
+    assert "--requirepass" in compose["redis"]["command"]

@@ -1,0 +1,77 @@
+"""`inferbus up` supervises what it started: NATS and a worker killed under load come back on their
+own (with a backoff, said in its status output) and requests succeed again without a human."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from inferbus.local import PLATFORM_FILE, free_port
+
+from .conftest import MODEL
+
+pytestmark = pytest.mark.e2e
+
+
+def test_nats_and_a_worker_that_die_are_restarted_and_requests_succeed_again(tmp_path: Path) -> None:
+    port, state = free_port(), tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "inferbus.cli", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
+         "--state-dir", str(state)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("API key:" in line for line in lines):
+            assert up.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        key = re.search(r"API key:\s+(ib-\S+)", "".join(lines)).group(1)  # type: ignore[union-attr]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=10)
+
+        def ask() -> int:
+            reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=3)
+            return reply.usage.completion_tokens if reply.usage else 0
+
+        assert ask() == 3
+        pids = json.loads((state / PLATFORM_FILE).read_text())["processes"]
+        os.kill(pids["nats"], signal.SIGKILL)
+        os.kill(pids["worker-1"], signal.SIGKILL)
+
+        deadline, served, errors = time.monotonic() + 90, 0, []
+        while served < 3 and time.monotonic() < deadline:
+            try:
+                served += ask() == 3
+            except openai.APIError as error:
+                errors.append(type(error).__name__)
+                time.sleep(0.5)
+        output = "".join(lines)
+        assert served == 3, f"no request succeeded after the kills ({errors[-3:]}):\n{output}"
+        for name in ("nats", "worker-1"):
+            assert re.search(rf"{name}\s+exited \(code -9\), restarting in \d+ s", output), output
+            assert re.search(rf"{name}\s+restarted", output), output
+        restarted = json.loads((state / PLATFORM_FILE).read_text())["processes"]
+        assert restarted["nats"] != pids["nats"] and restarted["worker-1"] != pids["worker-1"]
+
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+        assert up.returncode == 0
+        assert not (state / PLATFORM_FILE).exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
