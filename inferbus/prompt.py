@@ -29,6 +29,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from inferbus.tokens import content_text
+
 
 # Above this many characters a prompt is tokenized without holding the GIL (about 1 ms of work).
 LONG_TEXT_CHARS = 4096
@@ -46,15 +48,6 @@ class ModelDirError(RuntimeError):
 class Prompt:
     text: str  # as rendered, for logs and engines that take text
     ids: list[int]  # what the engine computes on
-
-
-def content_text(content: Any) -> str:
-    """Text of a message's `content`: a string, or a list of `{"type": "text", "text": ...}` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
 
 
 def _raise_exception(message: str) -> None:

@@ -96,7 +96,8 @@ def block_hashes(
     return hashes
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """Text of a message's `content`: a string, or a list of `{"type": "text", "text": ...}` parts."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -113,7 +114,7 @@ def standin_render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[dict
         parts.append("<|eot_id|>")
     for message in messages:
         parts.append(f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n")
-        parts.append(_content_text(message.get("content")))
+        parts.append(content_text(message.get("content")))
         for call in message.get("tool_calls") or ():
             parts.append(json.dumps(call, sort_keys=True, separators=(",", ":")))
         parts.append("<|eot_id|>")
