@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -151,7 +152,7 @@ def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return next(v.decode() for k, v in headers if k == b"x-request-id")
 
 
-class _Relay:
+class _Relay(ABC):
     """The `send` the chat path writes to; what reaches the client is the Responses form of it.
     Errors (anything but a 200) go through unchanged: they are the same errors."""
 
@@ -177,11 +178,13 @@ class _Relay:
         else:
             await self.body(message)
 
+    @abstractmethod
     async def start(self, message: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """The chat path's 200 response start."""
 
+    @abstractmethod
     async def body(self, message: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """A body message of the chat path's 200 response."""
 
     async def finish(self) -> None:
         """After the chat path returned: send what is still owed to the client."""
