@@ -301,11 +301,12 @@ def _steady_state_lines(row: Row, p: OperatingPoint, plan: Plan, label: str) -> 
         f"{_ms(p.step_s, 2)}",
         f"   - KV held S = B × c_d = {p.decode_batch:.1f} × {_n(w.decode_ctx_tokens, 0)} = {_n(p.kv_tokens, 0)} tokens "
         f"= **{_pct(p.kv_fraction)}** of {_n(row.kv_capacity_tokens, 0)} (limit {_pct(a.kv_limit, 0)})",
-        f"   - spread of a request's mean step σ = (t_f − t_d) × √(f × (1 − f) ÷ (o{' ÷ E' if per_e else ''})) = "
+        f"   - spread of a request's mean step σ = (t_f − t_d) × √(f × (1 − f) ÷ {'(o ÷ E)' if per_e else 'o'}) = "
         f"{_ms(p.full_chunk_step_s - p.decode_only_step_s, 2)} × √({p.chunk_step_share:.4f} × "
         f"{1 - p.chunk_step_share:.4f} ÷ {w.output_tokens / e:,.1f}) = {_ms(p.tpot_spread_s, 2)}",
-        f"   - TPOT p90 = (t + {a.tpot_p90_z:.4f} × σ){per_e} = ({_ms(p.step_s, 2)} + "
-        f"{_ms(a.tpot_p90_z * p.tpot_spread_s, 2)}){' ÷ ' + format(e, '.2f') if per_e else ''} = "
+        f"   - TPOT p90 = {'(' if per_e else ''}t + {a.tpot_p90_z:.4f} × σ{')' + per_e if per_e else ''} = "
+        f"{'(' if per_e else ''}{_ms(p.step_s, 2)} + {_ms(a.tpot_p90_z * p.tpot_spread_s, 2)}"
+        f"{') ÷ ' + format(e, '.2f') if per_e else ''} = "
         f"**{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
         f"   - prefill rate μ = {a.chunk_tokens:,} ÷ t(full chunk) = {a.chunk_tokens:,} ÷ {p.full_chunk_step_s:.5f} s = "
         f"{_n(p.prefill_rate_tok_s, 0)} tokens/s; prefill load ρ = λ × u ÷ μ = {p.prefill_load:.3f}",
