@@ -267,6 +267,10 @@ def test_cli_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     text = (out / "plan.md").read_text()
     assert "The arithmetic, row by row" in text and "⌈833.33 ÷ 3.071 × 1.15⌉ = ⌈312.07⌉ = **313**" in text
     assert "H100 TP1 — infeasible" in text and "measured sweep" in text
+    # The TPOT line a reader can check by hand: 0.0735 × 172.93 + 0.9265 × 26.55 = 37.31 ms;
+    # 146.39 × √(0.0735 × 0.9265 ÷ 330) = 2.10 ms; 37.31 + 1.2816 × 2.10 = 40.0 ms.
+    assert "mean step t = f × t_f + (1 − f) × t_d = 0.0735 × 172.93 ms + 0.9265 × 26.55 ms = 37.31 ms" in text
+    assert "TPOT p90 = t + 1.2816 × σ = 37.31 ms + 2.69 ms = **40.0 ms**" in text
     data = json.loads((out / "plan.json").read_text())
     rows = {row["config"]: row for row in data["rows"]}
     assert data["schema"] == "inferbus.plan/v1" and data["cheapest"] == "H100 TP2"

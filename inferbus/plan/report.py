@@ -459,9 +459,12 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
     lines += [
         "## How the numbers are made", "",
         "- **Steady state of one replica** (PERF_MODEL.md, capacity math): at λ req/s the engine decodes "
-        "B = λ·o·t sequences per step (each stays o steps), holds S = B·c_d KV tokens and prefills n_p = λ·u·t "
-        "tokens (at most the chunk budget); t is the step-time model's time for that step, solved as a fixed point. "
-        "With speculative decoding a step yields E tokens per sequence: B = λ·o·t ÷ E and TPOT = t ÷ E.",
+        "B = λ·o·t sequences per step (each stays o steps) and holds S = B·c_d KV tokens; prefill runs in whole "
+        "chunks, so a share f = λ·u·t ÷ chunk of steps carries a full chunk (t_f, compute-bound) and the rest decode "
+        "only (t_d, memory-bound); the mean step t = f·t_f + (1 − f)·t_d is solved as a fixed point. A request's "
+        "TPOT is the mean of its o steps: TPOT p90 = t + z₉₀·σ, σ = (t_f − t_d)·√(f(1 − f) ÷ o), z₉₀ = 1.2816. "
+        "With speculative decoding a step yields E tokens per sequence: B = λ·o·t ÷ E, o ÷ E steps per request "
+        "and TPOT p90 = (t + z₉₀·σ) ÷ E.",
         "- **TTFT** = the 90th-percentile prompt's own prefill at the full-chunk rate μ, plus the p90 of the "
         "queueing wait (M/G/1, Pollaczek–Khinchine, ln 10 × mean for an exponential tail), plus two steps.",
         "- **Goodput** = the highest λ at which TTFT p90, TPOT p90 and KV use all meet their targets; each "
