@@ -155,24 +155,24 @@ def _plan(**kwargs):  # type: ignore[no-untyped-def]
 
 
 def test_warm_pool_and_headroom_are_priced() -> None:
-    # Warm pool: ⌈1.9 req/s per s × 600 s cold start ÷ 4.1147 req/s⌉ = ⌈277.06⌉ = 278 replicas.
+    # Warm pool: ⌈1.9 req/s per s × 600 s cold start ÷ 3.0709 req/s⌉ = ⌈371.23⌉ = 372 replicas.
     row = _plan(ramp=Ramp(1.9, "given"), cold_start_s=600.0).rows[0]
-    assert row.replicas == 233  # ⌈833 ÷ 4.1147 × 1.15⌉ = ⌈232.8⌉
-    assert row.warm_replicas == 278
+    assert row.replicas == 312  # ⌈833 ÷ 3.0709 × 1.15⌉ = ⌈311.94⌉
+    assert row.warm_replicas == 372
     cost = row.cost
-    assert cost.serving_gpus == 466 and cost.warm_gpus == 556 and cost.gpus == row.gpus_total == 1022
-    assert cost.usd_per_hour == pytest.approx(1022 * 2.5)
-    assert cost.serving_usd_per_hour == pytest.approx(466 * 2.5)
+    assert cost.serving_gpus == 624 and cost.warm_gpus == 744 and cost.gpus == row.gpus_total == 1368
+    assert cost.usd_per_hour == pytest.approx(1368 * 2.5)
+    assert cost.serving_usd_per_hour == pytest.approx(624 * 2.5)
     out_mtok_h = 833.0 * WORKLOAD.output_tokens * 3600 / 1e6
-    assert cost.usd_per_1m_output_all_in == pytest.approx(1022 * 2.5 / out_mtok_h)
-    assert cost.usd_per_1m_output_serving == pytest.approx(466 * 2.5 / out_mtok_h)
+    assert cost.usd_per_1m_output_all_in == pytest.approx(1368 * 2.5 / out_mtok_h)
+    assert cost.usd_per_1m_output_serving == pytest.approx(624 * 2.5 / out_mtok_h)
 
 
 def test_zone_headroom_sizes_for_a_lost_zone() -> None:
     one, three = _plan().rows[0], _plan(zones=3).rows[0]
-    # ⌈833 ÷ 4.1147 × 1.15 × 3 ÷ 2⌉ = ⌈349.2⌉ = 350.
-    assert three.replicas == 350 and three.replicas_exact == pytest.approx(one.replicas_exact * 1.5)
-    assert three.cost.usd_per_hour == pytest.approx(350 * 2 * 2.5)
+    # ⌈833 ÷ 3.0709 × 1.15 × 3 ÷ 2⌉ = ⌈467.92⌉ = 468.
+    assert three.replicas == 468 and three.replicas_exact == pytest.approx(one.replicas_exact * 1.5)
+    assert three.cost.usd_per_hour == pytest.approx(468 * 2 * 2.5)
 
 
 # ---- side by side ---------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_overlay_files_are_a_kustomize_component() -> None:
     kustomization = yaml.safe_load(files["kustomization.yaml"])
     assert kustomization["kind"] == "Component"
     assert [p["path"] for p in kustomization["patches"]] == ["worker-patch.yaml", "autoscaler-patch.yaml"]
-    assert "# GPUs = (233 + 56) x 2 = 578" in files["kustomization.yaml"]
+    assert "# GPUs = (312 + 75) x 2 = 774" in files["kustomization.yaml"]
     worker = yaml.safe_load(files["worker-patch.yaml"])
     spec = worker["spec"]["template"]["spec"]
     assert spec["initContainers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2

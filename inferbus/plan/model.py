@@ -7,16 +7,28 @@ mean context a prefill token attends to:
 
     B    = λ · o · t                 decode sequences per step (each stays o steps: Little's law)
     S    = B · c_d                   their resident KV tokens
-    n_p  = min(λ · u · t, chunk)     uncached prompt tokens prefilled per step
-    t    = T(B, S, n_p, c_p)         the step-time model: a fixed point in t
-    μ    = chunk / T(B, S, chunk, c_p)          prefill rate (tokens/s) when a full chunk runs
+    f    = λ · u · t / chunk         share of steps that carry a full chunk of prefill
+    t_d  = T(B, S, 0, 0)             a decode-only step
+    t_f  = T(B, S, chunk, c_p)       a step with a full prefill chunk
+    t    = f · t_f + (1 − f) · t_d   the mean step: a fixed point in t
+    μ    = chunk / t_f               prefill rate (tokens/s) when a full chunk runs
     ρ    = λ · u / μ,  W_q = λ · E[u²] / μ² / (2 · (1 − ρ))   M/G/1 mean wait (Pollaczek–Khinchine)
-    TPOT p90 ≈ 1.15 · t
+    σ    = (t_f − t_d) · √(f · (1 − f) / o)    spread of one request's mean step over its o steps
+    TPOT p90 ≈ t + z₉₀ · σ           z₉₀ = 1.2816 (normal approximation)
     TTFT p90 ≈ u₉₀ / μ + ln(10) · W_q + 2 · t    u₉₀: the 90th-percentile uncached prompt
     KV use   = S / capacity ≤ 90 %
 
+Why prefill is priced in whole chunks: the engine prefills a prompt in the steps right after it
+arrives (a full chunk while the queue holds one, else everything queued), not spread thinly over
+every step. A step with a 2,048-token chunk is compute-bound (its GEMMs outlast the weight read),
+a decode step memory-bound, so the step time is convex in prefill tokens: the time of the step
+with the *mean* prefill (λ · u · t tokens) is far below the mean of the steps' times. Each of a
+request's o steps carries a chunk with probability f, so its TPOT (the mean of its steps) varies
+from request to request by σ; the p90 is that spread above the mean.
+
 With speculative decoding each step advances a sequence by E tokens (the step-time model's
-`tokens_per_step`), so B = λ · o · t / E and TPOT p90 ≈ 1.15 · t / E. With N LoRA adapters spread
+`tokens_per_step`), so B = λ · o · t / E, a request lives o / E steps (σ uses o / E) and
+TPOT p90 ≈ (t + z₉₀ · σ) / E. With N LoRA adapters spread
 evenly over the requests, each step carries a = min(slots, N · (1 − (1 − 1/N)^B)) distinct ones
 and pays for them (`perf_model.expected_distinct_adapters`).
 
@@ -33,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from inferbus.mix import Mix
 from services.sim_engine.perf_model import StepTimeModel, expected_distinct_adapters
@@ -41,6 +54,8 @@ CONSTRAINTS = ("TTFT", "TPOT", "KV")
 
 # p90 of an exponential wait is ln(10) = 2.30 times its mean: PERF_MODEL's "2.3 × W_q".
 P90_WAIT_FACTOR = math.log(10.0)
+# The standard normal's 90th percentile: a request's TPOT is a mean over many steps.
+Z90 = NormalDist().inv_cdf(0.9)
 # A step longer than this is no steady state worth planning for (the queue has run away).
 _MAX_STEP_S = 60.0
 _FIXED_POINT_ITERATIONS = 200
@@ -65,7 +80,7 @@ class Assumptions:
 
     chunk_tokens: int = 2048  # chunked-prefill budget per step (PERF_MODEL; the live engine uses 512)
     kv_limit: float = 0.90  # plan to at most this fraction of KV capacity
-    tpot_p90_factor: float = 1.15  # p90 TPOT over the mean step (step-to-step jitter)
+    tpot_p90_z: float = Z90  # TPOT p90 = mean step + this many spreads of a request's mean step
     wait_p90_factor: float = P90_WAIT_FACTOR
     ttft_steps: float = 2.0  # steps between a request's last prefill chunk and its first token out
 
@@ -120,7 +135,7 @@ class OperatingPoint:
     step_s: float
     decode_batch: float
     resident_ctx_tokens: float
-    prefill_tokens_per_step: float
+    prefill_tokens_per_step: float  # λ · u · t: the mean, though prefill runs in whole chunks
     full_chunk_step_s: float
     prefill_rate_tok_s: float  # μ
     prefill_load: float  # ρ
@@ -131,6 +146,8 @@ class OperatingPoint:
     kv_tokens: float
     kv_fraction: float
     decode_only_step_s: float  # the same step without its prefill tokens (for the cost split)
+    chunk_step_share: float = 0.0  # f: share of steps carrying a full prefill chunk
+    tpot_spread_s: float = 0.0  # σ: standard deviation of one request's mean step
 
     @property
     def prefill_share(self) -> float:
@@ -184,12 +201,19 @@ class ReplicaModel:
 
     # Batch sizes and token counts are steady-state means, so fractional: the step-time model's
     # formula is linear in them and takes floats, whatever its int annotations say.
-    def _step(self, rate: float, step_s: float) -> float:
+    def _steps(self, rate: float, step_s: float) -> tuple[float, float, float, float]:
+        """At mean step `step_s`: the batch B, the chunk-step share f, and the decode-only and full-chunk steps."""
         w, chunk = self.workload, self.assumptions.chunk_tokens
         batch = self._batch(rate, step_s)
-        prefill = min(rate * w.uncached_tokens * step_s, chunk)
-        return self.step_model.step_time(batch, batch * w.decode_ctx_tokens, prefill, w.prefill_ctx_tokens,  # type: ignore[arg-type]
-                                         self._adapters(batch))
+        share = min(rate * w.uncached_tokens * step_s / chunk, 1.0)
+        resident, adapters = batch * w.decode_ctx_tokens, self._adapters(batch)
+        decode = self.step_model.step_time(batch, resident, 0, 0.0, adapters)  # type: ignore[arg-type]
+        full = self.step_model.step_time(batch, resident, chunk, w.prefill_ctx_tokens, adapters)  # type: ignore[arg-type]
+        return batch, share, decode, full
+
+    def _step(self, rate: float, step_s: float) -> float:
+        _, share, decode, full = self._steps(rate, step_s)
+        return share * full + (1 - share) * decode
 
     def step_at(self, rate: float) -> float | None:
         """The fixed point t = T(B(t), S(t), n_p(t)): the smallest one, or None if none exists."""
@@ -224,12 +248,12 @@ class ReplicaModel:
                 queue_wait_s=inf, ttft_prefill_s=inf, ttft_p90_s=inf, tpot_p90_s=inf, kv_tokens=inf, kv_fraction=inf,
                 decode_only_step_s=inf,
             )
-        batch = self._batch(rate, step)
+        batch, share, decode_only, full = self._steps(rate, step)
         resident = batch * w.decode_ctx_tokens
-        prefill = min(rate * w.uncached_tokens * step, a.chunk_tokens)
-        adapters = self._adapters(batch)
-        full = self.step_model.step_time(batch, resident, a.chunk_tokens, w.prefill_ctx_tokens, adapters)  # type: ignore[arg-type]
-        decode_only = self.step_model.step_time(batch, resident, 0, 0.0, adapters)  # type: ignore[arg-type]
+        prefill = rate * w.uncached_tokens * step
+        per_step = self.step_model.tokens_per_step
+        # A request's TPOT is the mean of its o ÷ E steps, each a chunk step with probability f.
+        spread = (full - decode_only) * math.sqrt(share * (1 - share) * per_step / w.output_tokens)
         mu = a.chunk_tokens / full
         rho = rate * w.uncached_tokens / mu
         stable = rho < 1.0
@@ -241,8 +265,8 @@ class ReplicaModel:
             prefill_tokens_per_step=prefill, full_chunk_step_s=full, prefill_rate_tok_s=mu, prefill_load=rho,
             queue_wait_s=wait, ttft_prefill_s=ttft_prefill,
             ttft_p90_s=ttft_prefill + a.wait_p90_factor * wait + a.ttft_steps * step if stable else math.inf,
-            tpot_p90_s=a.tpot_p90_factor * step / self.step_model.tokens_per_step, kv_tokens=resident, kv_fraction=kv_fraction,
-            decode_only_step_s=decode_only,
+            tpot_p90_s=(step + a.tpot_p90_z * spread) / per_step, kv_tokens=resident, kv_fraction=kv_fraction,
+            decode_only_step_s=decode_only, chunk_step_share=share, tpot_spread_s=spread,
         )
 
     def limit(self, holds: Callable[[OperatingPoint], bool]) -> float:

@@ -250,8 +250,9 @@ def _inputs_section(plan: Plan) -> list[str]:
         "tokens: what a prefill token attends to.",
         f"- TTFT is quoted for u₉₀ = **{_n(w.ttft_tokens, 0)}** uncached tokens ({u90}).", "",
         f"- **Timing model:** PERF_MODEL.md's roofline, `{i.preset}` preset (±20%); chunked prefill "
-        f"{a.chunk_tokens:,} tokens per step; KV use ≤ {_pct(a.kv_limit, 0)}; TPOT p90 = {a.tpot_p90_factor:g} × mean "
-        f"step; headroom {_pct(i.headroom, 0)} (N+1, bursts, imbalance)"
+        f"{a.chunk_tokens:,} tokens per step; KV use ≤ {_pct(a.kv_limit, 0)}; prefill priced in whole chunks (a "
+        f"chunk step is compute-bound, a decode step memory-bound); TPOT p90 = mean step + {a.tpot_p90_z:.4f} × the "
+        f"spread of a request's mean step; headroom {_pct(i.headroom, 0)} (N+1, bursts, imbalance)"
         + (f"; {i.zones} zones, one of which may be lost (× {zone_factor(i.zones):.3f})." if i.zones > 1 else "."),
         f"- **Engine:** {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache; "
         + (f"speculative decoding candidate k = {i.spec.draft_tokens} draft tokens at acceptance α = {i.spec.acceptance:g} "
@@ -288,15 +289,25 @@ def _steady_state_lines(row: Row, p: OperatingPoint, plan: Plan, label: str) -> 
     per_e = f" ÷ E ({e:.2f} tokens per step)" if e != 1.0 else ""
     return [
         f"   {label}",
-        f"   - step time t = **{_ms(p.step_s, 2)}** (the fixed point: the step-time model's time for the batch and "
-        "prefill below, which themselves grow with t)",
+        f"   - step time t = **{_ms(p.step_s, 2)}** (the fixed point: the mean of the decode-only and "
+        "full-chunk steps below, whose batch and chunk share themselves grow with t)",
         f"   - decode batch B = λ × o × t{per_e} = {lam:.3f} × {_n(w.output_tokens, 0)} × {p.step_s:.5f} s{' ÷ ' + format(e, '.2f') if per_e else ''} = "
         f"{p.decode_batch:.1f} sequences",
-        f"   - prefill per step n_p = λ × u × t = {lam:.3f} × {_n(w.uncached_tokens, 0)} × {p.step_s:.5f} s = "
-        f"{_n(p.prefill_tokens_per_step, 0)} tokens (budget {a.chunk_tokens:,})",
+        f"   - prefill runs in whole chunks: share of steps with a chunk f = λ × u × t ÷ chunk = {lam:.3f} × "
+        f"{_n(w.uncached_tokens, 0)} × {p.step_s:.5f} s ÷ {a.chunk_tokens:,} = {p.chunk_step_share:.4f}",
+        f"   - decode-only step t_d = {_ms(p.decode_only_step_s, 2)}; step with a full chunk t_f = "
+        f"{_ms(p.full_chunk_step_s, 2)}; mean step t = f × t_f + (1 − f) × t_d = {p.chunk_step_share:.4f} × "
+        f"{_ms(p.full_chunk_step_s, 2)} + {1 - p.chunk_step_share:.4f} × {_ms(p.decode_only_step_s, 2)} = "
+        f"{_ms(p.step_s, 2)}",
         f"   - KV held S = B × c_d = {p.decode_batch:.1f} × {_n(w.decode_ctx_tokens, 0)} = {_n(p.kv_tokens, 0)} tokens "
         f"= **{_pct(p.kv_fraction)}** of {_n(row.kv_capacity_tokens, 0)} (limit {_pct(a.kv_limit, 0)})",
-        f"   - TPOT p90 = {a.tpot_p90_factor:g} × t{per_e} = **{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
+        f"   - spread of a request's mean step σ = (t_f − t_d) × √(f × (1 − f) ÷ {'(o ÷ E)' if per_e else 'o'}) = "
+        f"{_ms(p.full_chunk_step_s - p.decode_only_step_s, 2)} × √({p.chunk_step_share:.4f} × "
+        f"{1 - p.chunk_step_share:.4f} ÷ {w.output_tokens / e:,.1f}) = {_ms(p.tpot_spread_s, 2)}",
+        f"   - TPOT p90 = {'(' if per_e else ''}t + {a.tpot_p90_z:.4f} × σ{')' + per_e if per_e else ''} = "
+        f"{'(' if per_e else ''}{_ms(p.step_s, 2)} + {_ms(a.tpot_p90_z * p.tpot_spread_s, 2)}"
+        f"{') ÷ ' + format(e, '.2f') if per_e else ''} = "
+        f"**{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
         f"   - prefill rate μ = {a.chunk_tokens:,} ÷ t(full chunk) = {a.chunk_tokens:,} ÷ {p.full_chunk_step_s:.5f} s = "
         f"{_n(p.prefill_rate_tok_s, 0)} tokens/s; prefill load ρ = λ × u ÷ μ = {p.prefill_load:.3f}",
         f"   - queue wait W_q = λ × E[u²] ÷ μ² ÷ (2 × (1 − ρ)) = {lam:.3f} × {_n(w.uncached_sq, 0)} ÷ "
@@ -381,9 +392,9 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
         share = c.prefill_share
         lines += [
             f"6. **Split between input and output.** At the fleet's operating rate ({_n(i.rate_rps, 2)} ÷ "
-            f"{row.replicas:,} = {fp.rate_rps:.3f} req/s per replica) a step takes {_ms(fp.step_s, 2)}; without its "
-            f"{_n(fp.prefill_tokens_per_step, 0)} prefill tokens it would take {_ms(fp.decode_only_step_s, 2)}, so prefill "
-            f"causes {_pct(share)} of GPU time.",
+            f"{row.replicas:,} = {fp.rate_rps:.3f} req/s per replica) a step takes {_ms(fp.step_s, 2)} on average; "
+            f"without prefill (its {_n(fp.prefill_tokens_per_step, 0)} tokens per step on average) it would take "
+            f"{_ms(fp.decode_only_step_s, 2)}, so prefill causes {_pct(share)} of GPU time.",
             f"   - input: {_usd(c.usd_per_hour)} × {_pct(share)} = {_usd(c.usd_per_hour * share)}/hour ÷ "
             f"{_n(c.input_mtok_per_hour, 1)} M input tokens/hour = **{_price(c.usd_per_1m_input)} per 1M input tokens** "
             f"(cached ones included; {_price(c.usd_per_1m_uncached_input)} per 1M uncached tokens actually prefilled)",
@@ -448,9 +459,12 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
     lines += [
         "## How the numbers are made", "",
         "- **Steady state of one replica** (PERF_MODEL.md, capacity math): at λ req/s the engine decodes "
-        "B = λ·o·t sequences per step (each stays o steps), holds S = B·c_d KV tokens and prefills n_p = λ·u·t "
-        "tokens (at most the chunk budget); t is the step-time model's time for that step, solved as a fixed point. "
-        "With speculative decoding a step yields E tokens per sequence: B = λ·o·t ÷ E and TPOT = t ÷ E.",
+        "B = λ·o·t sequences per step (each stays o steps) and holds S = B·c_d KV tokens; prefill runs in whole "
+        "chunks, so a share f = λ·u·t ÷ chunk of steps carries a full chunk (t_f, compute-bound) and the rest decode "
+        "only (t_d, memory-bound); the mean step t = f·t_f + (1 − f)·t_d is solved as a fixed point. A request's "
+        "TPOT is the mean of its o steps: TPOT p90 = t + z₉₀·σ, σ = (t_f − t_d)·√(f(1 − f) ÷ o), z₉₀ = 1.2816. "
+        "With speculative decoding a step yields E tokens per sequence: B = λ·o·t ÷ E, o ÷ E steps per request "
+        "and TPOT p90 = (t + z₉₀·σ) ÷ E.",
         "- **TTFT** = the 90th-percentile prompt's own prefill at the full-chunk rate μ, plus the p90 of the "
         "queueing wait (M/G/1, Pollaczek–Khinchine, ln 10 × mean for an exponential tail), plus two steps.",
         "- **Goodput** = the highest λ at which TTFT p90, TPOT p90 and KV use all meet their targets; each "
