@@ -411,6 +411,10 @@ class WorkerLoad(_Message):
     ttft_hist: list[int] = []  # gateway accept → first token
     queue_wait_hist: list[int] = []  # gateway accept → engine submit
     tpot_fine_hist: list[int] = []  # mean time per output token after the first, per request
+    # The engine's GPU type and tensor-parallel width ("" / 0: unknown): readers size the batch
+    # step-time cap with them (`inferbus.step_cost`).
+    gpu: str = ""
+    tp: int = 0
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from inferbus.settings import load
 from proto import messages as m
 from services.worker.preemption import BatchRun, PreemptionConfig, PreemptionPolicy
-from services.worker.service import Worker, _Running
+from services.worker.attempt import Attempt, line_outcome
 from services.worker.settings import WorkerSettings
 from services.worker.slots import SlotBudget
 
@@ -154,8 +156,16 @@ def test_batch_pulls_reserve_only_the_room_the_policy_grants() -> None:
 
 # ---- how a batch line's attempt ends (the worker's decision, no I/O) --------------------------
 
-def _worker() -> Worker:
-    return Worker(WorkerSettings(worker_id="w1"))
+class _Worker:
+    """How the worker decides a batch line's attempt (its settings' defaults, the wall clock)."""
+
+    def _batch_outcome(self, entry: Attempt, finish: str | None, failure: tuple[str, str, int] | None):  # noqa: ANN202
+        return line_outcome(entry, finish, failure, now=time.time(), worker_id="w1",
+                            max_attempts=WorkerSettings(worker_id="w1").preemption().max_attempts)
+
+
+def _worker() -> _Worker:
+    return _Worker()
 
 
 def _line(attempt: int = 0, resumed_text: str = "", resumed_tokens: int = 0, deadline: float = 1e12) -> m.InferenceRequest:
@@ -167,8 +177,8 @@ def _line(attempt: int = 0, resumed_text: str = "", resumed_tokens: int = 0, dea
     )
 
 
-def _ran(request: m.InferenceRequest, text: list[str], completion: int) -> _Running:
-    return _Running(request=request, prefilled=True, text_parts=text, completion=completion, prompt_tokens=12)
+def _ran(request: m.InferenceRequest, text: list[str], completion: int) -> Attempt:
+    return Attempt(request=request, prefilled=True, text_parts=text, completion=completion, prompt_tokens=12)
 
 
 def test_a_preempted_line_is_requeued_with_its_progress_and_reports_nothing() -> None:
@@ -219,7 +229,7 @@ def test_cancelled_and_expired_lines_bill_what_they_made() -> None:
     entry.cancel_reason = "deadline"
     assert worker._batch_outcome(entry, "abort", None)[1].error_code == "batch_expired"  # type: ignore[union-attr]
     # Past its deadline before any worker ran it: expired, nothing billed.
-    late = _Running(request=_line(deadline=1.0))
+    late = Attempt(request=_line(deadline=1.0))
     status, result, follow_up = worker._batch_outcome(late, None, None)
     assert status == "failed" and follow_up is None and result is not None
     assert result.error_code == "batch_expired" and result.usage == m.Usage(prompt_tokens=0, completion_tokens=0)
@@ -236,3 +246,50 @@ def test_engine_priority_is_read_from_the_engine_unless_the_setting_says(monkeyp
     monkeypatch.setenv("INFERBUS_WORKER_ENGINE_PRIORITY", "sometimes")
     with pytest.raises(SystemExit, match="INFERBUS_WORKER_ENGINE_PRIORITY"):
         load(WorkerSettings)
+
+
+# ---- the verdict alone (the simulator asks it too) and the load tick --------------------------
+
+def test_attempt_verdict_without_a_worker_record() -> None:
+    from services.worker.attempt import CANCELLED, EXPIRED, attempt_verdict
+
+    common = dict(deadline=100.0, attempt=0, max_attempts=3)
+    assert attempt_verdict(now=1.0, finish="stop", **common).status == "completed"  # type: ignore[arg-type]
+    assert attempt_verdict(now=1.0, finish=None, give_way="preempted", **common).requeue == "preempted"  # type: ignore[arg-type]
+    assert attempt_verdict(now=1.0, finish=None, handed_off=True, **common).requeue == "drain"  # type: ignore[arg-type]
+    assert attempt_verdict(now=1.0, finish="abort", **common).requeue == "engine_error"  # type: ignore[arg-type]
+    assert attempt_verdict(now=1.0, finish=None, deadline=100.0, attempt=2, max_attempts=3).failure[0] == "engine_error"  # type: ignore[index]
+    assert attempt_verdict(now=100.0, finish=None, give_way="preempted", **common).failure == EXPIRED  # type: ignore[arg-type]
+    assert attempt_verdict(now=1.0, finish="stop", cancelled=True, **common).failure == CANCELLED  # type: ignore[arg-type]
+    assert attempt_verdict(now=1.0, finish=None, cancelled=True, cancel_reason="deadline", **common).failure == EXPIRED  # type: ignore[arg-type]
+
+
+def test_the_load_tick_asks_the_bus_only_when_short_of_slots() -> None:
+    from services.worker.preemption import Check, WorkerState
+
+    policy = PreemptionPolicy(PreemptionConfig(headroom=1))
+    lines = [run("cheap", 100), run("dear", 900)]
+    roomy = WorkerState(capacity=8, interactive=2, interactive_stalled=0, batch=lines)
+    assert not policy.asks_bus(roomy) and policy.check(roomy, bus_waiting=5) == Check()
+    # Slots reserved by batch pulls on their way are not interactive's to count on.
+    tight = WorkerState(capacity=8, interactive=2, interactive_stalled=0, batch=lines, reserved=4)
+    assert policy.asks_bus(tight)
+    check = policy.check(tight, bus_waiting=1)
+    assert check.interactive_waiting == 1 and check.victims == ["cheap"]
+    assert policy.pull_room(8, 2, 2, batch_prefilling=0, reserved=0, last=check) == 0  # blocked until the next tick
+    assert policy.check(WorkerState(capacity=8, interactive=2, interactive_stalled=0, batch=lines, reserved=4,
+                                    draining=True), bus_waiting=1) == Check()
+
+
+def test_interactive_stalled_in_the_engine_blocks_pulls_without_engine_priority() -> None:
+    from services.worker.preemption import WorkerState
+
+    policy = PreemptionPolicy(PreemptionConfig(engine_wait_s=0.5), engine_priority=False)
+    assert policy.stalled(10.0, engine_waiting=1, unstarted_since=[9.0, 8.0, 9.9]) == 1
+    assert policy.stalled(10.0, engine_waiting=5, unstarted_since=[9.0, 8.0, 9.9]) == 2
+    # With no batch line running there is nothing to preempt, and still no pulls while it lasts.
+    check = policy.check(WorkerState(capacity=8, interactive=3, interactive_stalled=2, batch=[]))
+    assert check.victims == [] and check.interactive_stalled == 2
+    assert policy.pull_room(8, 3, 0, batch_prefilling=0, reserved=0, last=check) == 0
+    check = policy.check(WorkerState(capacity=8, interactive=3, interactive_stalled=1, batch=[run("a", 10), run("b", 5)]))
+    assert check.victims == ["b"]

@@ -46,12 +46,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from inferbus import continuation
 from inferbus import mix as mix_mod
 from inferbus.mix import Mix
 from inferbus.stats import percentile
 from inferbus.traces import TraceRequest
 from proto import messages as m
 from services.sim_engine.scheduler import Request, RequestRejected, RequestUpdate, SamplingParams
+from services.worker.preemption import Check, WorkerState
 
 if TYPE_CHECKING:
     from .fleet import FleetSim, Replica
@@ -167,10 +169,9 @@ class Feed(Protocol):
 
 
 class Preemption(Protocol):
-    def batch_room(self, capacity: int, interactive_running: int, batch_running: int, *,
-                   batch_prefilling: int = 0, interactive_stalled: int = 0) -> int: ...
-    def victims(self, capacity: int, interactive_running: int, interactive_waiting: int,
-                batch: Any, *, engine_waiting: int = 0) -> list[str]: ...
+    def pull_room(self, capacity: int, interactive_running: int, batch_running: int, *, batch_prefilling: int,
+                  reserved: int, last: Check, draining: bool = False) -> int: ...
+    def check(self, state: WorkerState, bus_waiting: int = 0) -> Check: ...
 
 
 class _Unlimited:
@@ -192,27 +193,27 @@ class _Fixed:
     def __init__(self, concurrency: int) -> None:
         self.concurrency = concurrency
 
-    def batch_room(self, capacity: int, interactive_running: int, batch_running: int, *,
-                   batch_prefilling: int = 0, interactive_stalled: int = 0) -> int:
+    def pull_room(self, capacity: int, interactive_running: int, batch_running: int, *, batch_prefilling: int,
+                  reserved: int, last: Check, draining: bool = False) -> int:
         return max(0, min(self.concurrency - batch_running, capacity - interactive_running - batch_running))
 
-    def victims(self, capacity: int, interactive_running: int, interactive_waiting: int, batch: Any, *,
-                engine_waiting: int = 0) -> list[str]:
-        return []
+    def check(self, state: WorkerState, bus_waiting: int = 0) -> Check:
+        return Check()
 
 
 def make_policies(spec: BatchSpec, clock: Callable[[], float], replicas: int,
-                  engine_priority: bool = True) -> tuple[Feed, Preemption, Any]:
+                  engine_priority: bool = True, gpu: str = "", tp: int = 0) -> tuple[Feed, Preemption, Any]:
     """The production policies (or the oracle's); the third value builds a `BatchRun`.
-    `engine_priority`: the engines schedule by priority (the worker reads it from /server_info)."""
+    `engine_priority`: the engines schedule by priority (the worker reads it from /server_info);
+    `gpu`, `tp`: the engines' (the worker sizes its step-time cap with them, as `Worker` does)."""
     if spec.fixed_concurrency is not None:
         return _Unlimited(2 * spec.fixed_concurrency * max(1, replicas) + 16), _Fixed(spec.fixed_concurrency), None
     from services.batch.feed import FeedConfig, FeedPolicy
     from services.worker.preemption import BatchRun, PreemptionConfig, PreemptionPolicy
 
     feed = FeedPolicy(clock, spec.feed_config if spec.feed_config is not None else FeedConfig())
-    preemption = PreemptionPolicy(spec.preemption_config if spec.preemption_config is not None else PreemptionConfig(),
-                                  engine_priority=engine_priority)
+    config = spec.preemption_config if spec.preemption_config is not None else PreemptionConfig()
+    preemption = PreemptionPolicy(config.for_engine(gpu, tp), engine_priority=engine_priority)
     return feed, preemption, BatchRun
 
 
@@ -226,11 +227,11 @@ class BatchBand:
             BatchLine(line=i, request_id=m.batch_request_id(BATCH_ID, i), input_tokens=n_in, output_tokens=n_out)
             for i, (n_in, n_out) in enumerate(spec.lengths.sample(spec.lines, spec.seed))
         ]
+        engine = sim.config.engine
         self.feed, self.preemption, self._batch_run = make_policies(spec, sim.loop.clock, sim.config.replicas,
-                                                                    sim.config.engine.priority_scheduling)
+                                                                    engine.priority_scheduling, engine.gpu, engine.tp)
         policy_config = getattr(self.preemption, "config", None)
         self._engine_wait_s = getattr(policy_config, "engine_wait_s", 0.5)
-        self._headroom = getattr(policy_config, "headroom", 1)
         self.queue: deque[BatchLine] = deque()
         self.next_line = 0  # lines[:next_line] are published
         self.outstanding = 0  # published, no result yet
@@ -311,49 +312,44 @@ class BatchBand:
 
     def pull(self, replica: Replica) -> None:
         """Batch lines into the slots the preemption policy grants, at most a pull's fair share."""
-        if not self.queue or not replica.alive or replica.batch_blocked:
+        if not self.queue or not replica.alive:
             return
         capacity = replica.engine.config.max_running_requests
         prefilling = sum(1 for line in replica.batch_jobs.values() if line.attempt_generated == 0)
+        # Pulls here are instant: no slots are reserved by pulls on their way.
         if self.spec.max_prefilling is not None:  # an experiment's override of the policy's limit
-            room = self.preemption.batch_room(capacity, len(replica.jobs), len(replica.batch_jobs),
-                                              interactive_stalled=replica.batch_stalled)
+            room = self.preemption.pull_room(capacity, len(replica.jobs), len(replica.batch_jobs), batch_prefilling=0,
+                                             reserved=0, last=replica.batch_check)
             room = min(room, self.spec.max_prefilling - prefilling)
         else:
-            room = self.preemption.batch_room(capacity, len(replica.jobs), len(replica.batch_jobs),
-                                              batch_prefilling=prefilling, interactive_stalled=replica.batch_stalled)
+            room = self.preemption.pull_room(capacity, len(replica.jobs), len(replica.batch_jobs),
+                                             batch_prefilling=prefilling, reserved=0, last=replica.batch_check)
         room = min(room, max(1, capacity // PULLERS))
         while room > 0 and self.queue:
             self._dispatch(replica, self.queue.popleft())
             room -= 1
 
     def check(self, replica: Replica) -> None:
-        """The worker's preemption check (every load tick, as `Worker._check_preemption`): waiting
-        interactive work blocks batch pulls until the next check, and the policy's victims are
-        aborted and requeued with their progress."""
+        """The worker's preemption check (every load tick, `PreemptionPolicy.check`, as the worker
+        runs it): waiting interactive work blocks batch pulls until the next check, and the
+        policy's victims are aborted and requeued with their progress."""
+        if self._batch_run is None:
+            return  # the oracle never preempts or blocks
         batch = replica.batch_jobs
-        if not batch or self._batch_run is None:
-            replica.batch_blocked, replica.batch_stalled = False, 0
-            return
         capacity = replica.engine.config.max_running_requests
         held, queued, stalled = self.sim._interactive_load(replica, self._engine_wait_s)
-        free = capacity - held - len(batch)
-        waiting = queued if free < self._headroom else 0  # the worker asks the bus only when short of slots
-        # As the worker: waiting on the bus blocks pulls; what stalls in the engine is the policy's
-        # to weigh (it ignores it with engine priority).
-        replica.batch_blocked, replica.batch_stalled = waiting > 0, stalled
-        if not waiting and not stalled:
-            return  # nothing waits: no victims (the policy's answer too), without building its input
         runs = [
             self._batch_run(request_id=line.request_id, context_tokens=line.input_tokens + line.done_tokens,
                             generated=line.done_tokens, started=line.started_s)
             for line in batch.values()
         ]
-        names = self.preemption.victims(capacity, held, waiting, runs, engine_waiting=stalled)
-        if not names:
+        state = WorkerState(capacity=capacity, interactive=held, interactive_stalled=stalled, batch=runs)
+        # The worker asks the bus only when short of slots; here the queue is known without asking.
+        replica.batch_check = check = self.preemption.check(state, queued)
+        if not check.victims:
             return
         by_id = {line.request_id: rid for rid, line in batch.items()}
-        replica.batch_aborts.extend(by_id[name] for name in names if name in by_id)
+        replica.batch_aborts.extend(by_id[name] for name in check.victims if name in by_id)
         if not replica.stepping:
             self.abort(replica)
 
@@ -378,11 +374,10 @@ class BatchBand:
         if line.prompt is None:
             line.prompt = sim.prompts.ids(TraceRequest(0.0, line.input_tokens, line.output_tokens),
                                           PROMPT_INDEX_BASE + line.line)
-        prompt = line.prompt + line.generated if line.generated else line.prompt
+        prompt, budget = continuation.engine_input(line.prompt, line.generated, line.output_tokens)
         request = Request(
             rid=f"{line.request_id}-{line.attempt:02d}", input_ids=prompt, priority=m.BATCH_ENGINE_PRIORITY,
-            sampling=SamplingParams(max_new_tokens=line.output_tokens - len(line.generated), temperature=0.0,
-                                    ignore_eos=True),
+            sampling=SamplingParams(max_new_tokens=budget, temperature=0.0, ignore_eos=True),
         )
         engine = replica.engine
         if not replica.stepping and engine.now < sim.loop.now:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from inferbus import continuation
 from inferbus.tokens import block_hashes
 from inferbus.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from proto import messages as m
@@ -54,6 +55,7 @@ from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.perf_model import StepTimeModel
 from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
 from services.sim_engine.scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
+from services.worker.preemption import Check
 
 from .batch import BatchBand, BatchSpec
 from .events import EventLoop
@@ -139,7 +141,7 @@ class Replica:
     __slots__ = (
         "worker_id", "engine", "alive", "stepping", "jobs", "inbox", "cache_seq", "load_seq",
         "completed", "busy_s", "prefill_tokens", "steps", "started_s", "died_s", "recovered", "pulled_own",
-        "batch_jobs", "batch_aborts", "batch_blocked", "batch_stalled", "completed_batch", "ttft_hist", "queue_wait_hist", "tpot_fine_hist",
+        "batch_jobs", "batch_aborts", "batch_check", "completed_batch", "ttft_hist", "queue_wait_hist", "tpot_fine_hist",
     )
 
     def __init__(self, worker_id: str, engine: Engine, started_s: float) -> None:
@@ -162,8 +164,7 @@ class Replica:
         self.batch_jobs: dict[str, Any] = {}  # engine rid → batch.BatchLine, in this engine now
         self.completed_batch = 0
         self.batch_aborts: list[str] = []  # engine rids of batch lines to abort at the step's end
-        self.batch_blocked = False  # interactive work was waiting at the last preemption check: no batch pulls
-        self.batch_stalled = 0  # interactive requests stalled in the engine at that check (for `batch_room`)
+        self.batch_check = Check()  # the worker's last preemption check (what blocks batch pulls)
         # Interactive only, cumulative, as the worker reports them (WorkerLoad).
         self.ttft_hist: list[int] = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
         self.queue_wait_hist: list[int] = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
@@ -547,7 +548,7 @@ class FleetSim:
             batch_in_flight=len(replica.batch_jobs), completed_batch=replica.completed_batch,
             batch_waiting=sum(1 for line in replica.batch_jobs.values() if line.attempt_generated == 0),
             ttft_hist=list(replica.ttft_hist), queue_wait_hist=list(replica.queue_wait_hist),
-            tpot_fine_hist=list(replica.tpot_fine_hist),
+            tpot_fine_hist=list(replica.tpot_fine_hist), gpu=self.config.engine.gpu, tp=self.config.engine.tp,
         )
         self.loop.after(self.config.bus_delay_s, self.policy.on_load, report)
         if self.band is not None:
@@ -595,8 +596,9 @@ class FleetSim:
             self.migrations += 1
             job.cached_tokens += request.cached_tokens
             if job.attempt_delivered:
-                job.prompt = job.prompt + request.output_ids[: job.attempt_delivered]
-                job.delivered += job.attempt_delivered
+                job.prompt, left = continuation.engine_input(job.prompt, request.output_ids[: job.attempt_delivered],
+                                                             job.output_tokens - job.delivered)
+                job.delivered = job.output_tokens - left
                 job.hashes = block_hashes(job.prompt, self.block_size)
             job.attempt += 1
             job.attempt_delivered = 0

@@ -6,8 +6,8 @@ and the fleet-scale proof share one policy.
 What "spare" means under continuous batching
 --------------------------------------------
 A free engine slot is not free capacity. Every running sequence lengthens the engine step that
-all sequences share (PERF_MODEL.md: `t_step = T0 + t_w + c_seq·B + t_kv(S) + ...`; H100 TP2 at
-2k context: 18.6 ms at B=1, 23.7 at 32, 29.0 at 64, 39.6 at 128), and each batch line's prefill
+all sequences share (the roofline timing model, `t_step = T0 + t_w + c_seq·B + t_kv(S) + ...`;
+H100 TP2 at 2k context: 18.6 ms at B=1, 23.8 at 32, 29.2 at 64, 39.9 at 128), and each batch line's prefill
 takes chunked-prefill budget from interactive prompts. So every batch line costs interactive
 requests some TPOT and TTFT. The goal is not "fill every slot" but "fill as much as possible while
 interactive p90 TTFT and TPOT stay within ~10% of what they would be without batch".
@@ -18,7 +18,7 @@ Two limits follow, and the policy takes the smaller:
    running count, `t(B) ≈ base + per_seq·B`, adding `b` batch sequences next to `i` interactive
    ones slows the step by `per_seq·b / (base + per_seq·i)`. Keeping that at most `max_slowdown`
    gives `b ≤ max_slowdown · (base/per_seq + i)`: about 11 + 0.1·i lines per H100 TP2 worker at
-   10%. A worker also keeps `reserve_slots` free for interactive arrivals, and never goes past
+   10% (`inferbus.step_cost`, with each worker's GPU and TP as it reports them). A worker also keeps `reserve_slots` free for interactive arrivals, and never goes past
    its `max_running` (which counts interactive and batch work alike). Summed over serving,
    non-draining workers this is `spare`.
    A worker under local pressure gets no share of spare (cap 0) while the rest of the fleet keeps
@@ -57,6 +57,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from inferbus import step_cost
+from inferbus.step_cost import StepCost
 from proto import messages as m
 
 
@@ -81,9 +83,10 @@ class FeedConfig:
     window_s: float = 10.0  # latency window: long enough that a p90 is not noise, short enough to follow
     min_latency_samples: int = 5  # fewer interactive completions in the window: no latency verdict
     stale_after_s: float = 3.0  # a worker silent this long is gone (its slots are not spare)
-    # Step-time model of one engine (PERF_MODEL.md, H100 TP2 latency preset, 2k context):
-    step_base_s: float = 0.0186  # step time with one sequence
-    step_per_seq_s: float = 0.000165  # added per running sequence
+    # Step-time model of an engine whose GPU the timing model does not know (`inferbus.step_cost`;
+    # workers report theirs): H100 TP2 latency preset, 2k context.
+    step_base_s: float = step_cost.DEFAULT.base_s  # step time with one sequence
+    step_per_seq_s: float = step_cost.DEFAULT.per_seq_s  # added per running sequence
     max_slowdown: float = 0.06  # step-time increase batch may cause (under the 10% promise, leaving room for prefill)
     reserve_slots: int = 4  # slots per worker kept free for interactive arrivals
     initial_per_worker: float = 2.0  # target per serving worker at start and after a reset
@@ -213,9 +216,11 @@ class FeedPolicy:
         (interactive work and the reserve first)."""
         c = self.config
         interactive_running = max(0, load.in_flight - load.batch_in_flight)
-        by_step = c.max_slowdown * (c.step_base_s / c.step_per_seq_s + interactive_running)
+        # The engine's own GPU and TP when the timing model knows them, else the configured constants.
+        cost = step_cost.step_cost(load.gpu, load.tp, StepCost(c.step_base_s, c.step_per_seq_s))
+        by_step = step_cost.batch_cap(c.max_slowdown, cost.seqs, interactive_running)
         by_slots = load.max_running - interactive_running - c.reserve_slots
-        return max(0, min(int(by_step), by_slots))
+        return max(0, min(by_step, by_slots))
 
     def _update(self, now: float) -> None:
         c = self.config

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs, tracing
+from inferbus import bus, continuation, logs, tracing
 from inferbus.outbox import Outbox
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from inferbus.replies import PublishError, Replies
@@ -72,19 +72,9 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
     if request.attempt + 1 >= max_attempts or now >= request.deadline:
         return None
     if request.sampling.constrained and (flight.sent_tokens or request.resumed_tokens):
-        return None  # the grammar would start over in the middle of the output
-    # Continue from token ids (re-tokenized text may split differently), unless the worker did not
-    # report the ids of everything it sent (an engine without output_ids): then from text.
-    ids_complete = bool(request.input_ids) and len(flight.sent_ids) == flight.sent_tokens - request.resumed_tokens
-    return msgspec.structs.replace(
-        request,
-        attempt=request.attempt + 1,
-        resumed_text=request.resumed_text + "".join(flight.sent_text),
-        input_ids=request.input_ids if ids_complete else [],
-        resumed_ids=request.resumed_ids + flight.sent_ids if ids_complete else [],
-        resumed_tokens=flight.sent_tokens,
-        prompt_tokens=flight.prompt_tokens,
-    )
+        return None  # the client has part of the output: the grammar would start over in its middle
+    return continuation.next_attempt(request, text="".join(flight.sent_text), token_ids=flight.sent_ids,
+                                     produced_tokens=flight.sent_tokens, prompt_tokens=flight.prompt_tokens)
 
 
 class Dispatcher:

@@ -19,13 +19,18 @@ work waits anyway, batch lines give way, in one of two ways:
   cheapest lines to resume go first (fewest context tokens to prefill again), and never more than
   the waiting work needs.
 
-No I/O and no clock: the worker (and the fleet simulator) pass in the counts.
+No I/O and no clock: the worker (and the fleet simulator) pass in the counts. Both run the same
+check on every load tick (`check`, with `asks_bus` saying whether it needs the interactive work
+queued on the bus) and size their batch pulls with `pull_room` from its last answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from inferbus import step_cost
 
 
 @dataclass(frozen=True)
@@ -43,15 +48,21 @@ class PreemptionConfig:
     # their way) before it pulls no more: a pile of batch prompts in prefill takes chunked-prefill
     # budget from interactive prompts and delays them all.
     max_prefilling: int = 1
-    # Step-time cap on batch lines (as the batch feed's): with the step linear in the running
-    # count, `b` batch lines next to `i` interactive slow the step by `b / (step_seqs + i)`; at most
-    # `max_slowdown` of it. `step_seqs` = step base time / added time per sequence (H100 TP2:
-    # 0.0186 / 0.000165). The feed counts the same cap fleet-wide; enforcing it where lines are
-    # pulled spreads them over the fleet instead of piling them on the first workers to pull.
+    # Step-time cap on batch lines (`inferbus.step_cost`, as the batch feed's): at most
+    # `max_slowdown · (step_seqs + interactive running)` batch lines, `step_seqs` being the engine's
+    # base step in sequences (the worker sets it from its engine's GPU and TP). The feed counts the
+    # same cap fleet-wide; enforcing it where lines are pulled spreads them over the fleet instead of
+    # piling them on the first workers to pull.
     max_slowdown: float = 0.06
-    step_seqs: float = 0.0186 / 0.000165
+    step_seqs: float = step_cost.DEFAULT.seqs
     # Attempts a batch line gets across retryable engine failures before it ends with an error.
     max_attempts: int = 5
+
+    def for_engine(self, gpu: str, tp: int) -> PreemptionConfig:
+        """This config with the step-time cap of `tp` GPUs of type `gpu` (unchanged when the
+        timing model does not know them)."""
+        cost = step_cost.engine_step_cost(gpu, tp)
+        return self if cost is None else dataclasses.replace(self, step_seqs=cost.seqs)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_share <= 1.0:
@@ -76,6 +87,27 @@ class BatchRun:
     started: float  # when this attempt started (unix seconds)
 
 
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker as the preemption check sees it."""
+
+    capacity: int  # its request slots
+    interactive: int  # interactive requests it holds
+    interactive_stalled: int  # of them, kept waiting in its engine (see `PreemptionPolicy.stalled`)
+    batch: Sequence[BatchRun]  # its batch lines that may give way (not already giving way)
+    reserved: int = 0  # slots reserved by batch pulls on their way: not interactive's to count on
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class Check:
+    """The answer of one preemption check, in force until the next."""
+
+    interactive_waiting: int = 0  # queued on the bus for this worker: no batch pulls meanwhile
+    interactive_stalled: int = 0  # kept waiting in its engine: no batch pulls without engine priority
+    victims: list[str] = field(default_factory=list)  # batch lines to abort and requeue now
+
+
 class PreemptionPolicy:
     def __init__(self, config: PreemptionConfig = PreemptionConfig(), *, engine_priority: bool = True) -> None:
         """`engine_priority`: the engine admits and retracts by request priority, so interactive
@@ -89,8 +121,7 @@ class PreemptionPolicy:
 
     def step_cap(self, interactive_running: int) -> int:
         """The most batch lines beside `interactive_running` within the step-time cap."""
-        c = self.config
-        return int(c.max_slowdown * (c.step_seqs + max(0, interactive_running)))
+        return step_cost.batch_cap(self.config.max_slowdown, self.config.step_seqs, interactive_running)
 
     def batch_room(self, capacity: int, interactive_running: int, batch_running: int, *,
                    batch_prefilling: int = 0, interactive_stalled: int = 0) -> int:
@@ -134,3 +165,43 @@ class PreemptionPolicy:
         # Cheapest to resume first; among equals the one started last (it has run the least).
         order = sorted(batch, key=lambda run: (run.context_tokens, -run.started, run.request_id))
         return [run.request_id for run in order[:needed]]
+
+    def stalled(self, now: float, engine_waiting: int, unstarted_since: Iterable[float]) -> int:
+        """Interactive requests a worker's engine keeps waiting: handed to the engine more than
+        `engine_wait_s` ago (`unstarted_since`, for those without a first token) and, at most, what
+        the engine reports waiting."""
+        wait = self.config.engine_wait_s
+        return min(engine_waiting, sum(1 for since in unstarted_since if now - since > wait))
+
+    def asks_bus(self, state: WorkerState) -> bool:
+        """Whether `check` needs the interactive requests queued on the bus for this worker: only
+        while batch lines run and fewer than `headroom` slots are free (otherwise waiting
+        interactive work finds a slot anyway)."""
+        if not state.batch or state.draining:
+            return False
+        free = state.capacity - state.reserved - state.interactive - len(state.batch)
+        return free < self.config.headroom
+
+    def check(self, state: WorkerState, bus_waiting: int = 0) -> Check:
+        """Every load tick: which batch lines give way now, and what blocks batch pulls until the
+        next tick. `bus_waiting`: interactive requests queued for the worker (asked only when
+        `asks_bus`). Interactive work its engine keeps waiting blocks batch pulls, with or without
+        batch lines running, so a line preempted for it does not come straight back."""
+        if not state.batch or state.draining:
+            return Check(interactive_stalled=state.interactive_stalled)
+        waiting = bus_waiting if self.asks_bus(state) else 0
+        # Slots reserved by batch pulls are not interactive's; lines already giving way are.
+        victims = self.victims(state.capacity - state.reserved, state.interactive, waiting, state.batch,
+                               engine_waiting=state.interactive_stalled)
+        return Check(interactive_waiting=waiting, interactive_stalled=state.interactive_stalled, victims=victims)
+
+    def pull_room(self, capacity: int, interactive_running: int, batch_running: int, *, batch_prefilling: int,
+                  reserved: int, last: Check, draining: bool = False) -> int:
+        """Batch lines a worker may pull now, given the last check. `batch_running` counts its
+        batch lines (giving way or not), `batch_prefilling` those without a first token;
+        `reserved` slots of batch pulls on their way count as running and prefilling both."""
+        if draining or last.interactive_waiting:
+            return 0
+        return self.batch_room(capacity, interactive_running, batch_running + reserved,
+                               batch_prefilling=batch_prefilling + reserved,
+                               interactive_stalled=last.interactive_stalled)

@@ -34,12 +34,13 @@ from proto import messages as m
 from proto import subjects
 
 from .adapters import Adapters
+from .attempt import Attempt, line_outcome, line_usage
 from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
 from .engine_health import EngineHealth
 from .http import HTTPError
 from .liveness import LivenessThread, PauseDetector
-from .preemption import BatchRun, PreemptionPolicy
+from .preemption import BatchRun, Check, PreemptionPolicy, WorkerState
 from .puller import Puller
 from .settings import WorkerSettings
 from .slots import SlotBudget
@@ -82,30 +83,6 @@ def _cancel_key(owner: str, request_id: str) -> str:
 
 
 @dataclass
-class _Running:
-    request: m.InferenceRequest
-    task: asyncio.Task[None] | None = None  # held here: the event loop keeps only weak references
-    cancelled: bool = False
-    handed_off: bool = False
-    prefilled: bool = False  # the engine has produced its first token
-    first_token_at: float = 0.0
-    started: float = field(default_factory=time.time)  # when this worker took it
-    cancel_reason: str = ""
-    superseded: bool = False  # the gateway gave this attempt up and continues elsewhere
-    pause_epoch: int = 0  # the worker's pause count when it took the request
-    # Batch lines only: progress of this attempt (totals include earlier attempts), and why the
-    # line is being put back on the queue ("preempted", "drain", "engine_error"), if it is.
-    requeue: str | None = None
-    abort_resent: bool = False
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # batch lines: generated ids of this attempt
-    completion: int = 0
-    prompt_tokens: int | None = None
-    cached: int = 0
-    matched: str | None = None
-
-
-@dataclass
 class Worker:
     settings: WorkerSettings
     nc: Client | None = None
@@ -113,7 +90,7 @@ class Worker:
     kv: KeyValue | None = None
     engine: EngineClient = field(init=False)
     budget: SlotBudget | None = None
-    running: dict[str, _Running] = field(default_factory=dict)
+    running: dict[str, Attempt] = field(default_factory=dict)
     draining: bool = False
     started: float = field(default_factory=time.time)
     _pullers: list[Puller] = field(default_factory=list)
@@ -152,8 +129,7 @@ class Worker:
     preemption: PreemptionPolicy = field(init=False)
     _batch_pullers: list[Puller] = field(default_factory=list)
     _interactive_consumers: list[str] = field(default_factory=list)  # polled for waiting work while batch runs
-    _interactive_waiting: int = 0  # interactive requests seen waiting at the last check: no batch pulls meanwhile
-    _interactive_stalled: int = 0  # interactive requests the engine kept waiting at the last check: no batch pulls meanwhile
+    _preemption_check: Check = field(default_factory=Check)  # the last one: what blocks batch pulls until the next
     pause: PauseDetector = field(init=False)
     liveness: LivenessThread | None = None
     outbox: Outbox | None = None
@@ -195,7 +171,8 @@ class Worker:
             await asyncio.sleep(s.sim_cold_start_s)
         await self._wait_for_engine()
         self._engine_info = await self.engine.server_info()
-        self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
+        self.preemption = PreemptionPolicy(s.preemption().for_engine(*self._engine_gpu()),
+                                           engine_priority=s.engine_has_priority(self._engine_info))
         try:
             capacity = s.max_running or engine_max_running(self._engine_info)
         except EngineError as error:
@@ -309,7 +286,7 @@ class Worker:
         # Batch lines go back to the queue now, with their progress: they resume on another
         # worker instead of holding this one up to the drain timeout.
         for entry in list(self.running.values()):
-            if self._preemptible(entry):
+            if entry.preemptible:
                 await self._preempt(entry, "drain")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.running and time.monotonic() < deadline:
@@ -463,7 +440,7 @@ class Worker:
             self._spawn(msg.ack())
             self._release_slot()
             return
-        entry = _Running(request=request, pause_epoch=self.pause.epoch)
+        entry = Attempt(request=request, pause_epoch=self.pause.epoch)
         self.running[request.request_id] = entry
         if request.tier == "batch":
             self._batch_in_flight += 1
@@ -483,7 +460,7 @@ class Worker:
 
     # ---- serving one request ---------------------------------------------------------------
 
-    async def _serve(self, msg: Msg, entry: _Running) -> None:
+    async def _serve(self, msg: Msg, entry: Attempt) -> None:
         request = entry.request
         structlog.contextvars.bind_contextvars(request_id=request.request_id, tenant=request.tenant)
         with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
@@ -558,14 +535,14 @@ class Worker:
                 if abandoned is not None:
                     ABANDONED.labels(abandoned).inc()
                     if entry.prefilled or entry.completion > request.resumed_tokens:
-                        self._spawn(self._publish_usage(request, status, self._attempt_work(entry), finish,
+                        self._spawn(self._publish_usage(request, status, entry.work(), finish,
                                                         billed_to="platform"))
                 elif publish_usage:
                     # Spawned, not awaited: this also runs after the early returns above.
                     self._spawn(self._publish_usage(request, status, usage, finish))
 
     async def _generate(
-        self, request: m.InferenceRequest, entry: _Running, trace_headers: dict[str, str]
+        self, request: m.InferenceRequest, entry: Attempt, trace_headers: dict[str, str]
     ) -> tuple[str, m.Usage, str | None]:
         seq = 0
         completion = request.resumed_tokens
@@ -690,7 +667,7 @@ class Worker:
 
     # ---- batch lines -----------------------------------------------------------------------
 
-    async def _serve_batch(self, msg: Msg, entry: _Running) -> None:
+    async def _serve_batch(self, msg: Msg, entry: Attempt) -> None:
         """One attempt at a batch line. It ends with ONE durable `BatchLineResult` (then its usage
         event), or goes back to the batch queue as the next attempt with the progress so far
         (preemption, drain, retryable failure), in which case this attempt reports nothing."""
@@ -723,7 +700,9 @@ class Worker:
                         failure = (error.code, str(error), error.status)
                 except Exception:  # a bug must not lose the line: it runs again elsewhere
                     log.exception("worker_request_failed")
-            status, result, follow_up = self._batch_outcome(entry, finish, failure)
+            status, result, follow_up = line_outcome(entry, finish, failure, now=time.time(),
+                                                     max_attempts=self.preemption.config.max_attempts,
+                                                     worker_id=self.settings.worker_id)
         finally:
             self.running.pop(request.request_id, None)
             RUNNING.set(len(self.running))
@@ -739,78 +718,7 @@ class Worker:
         self._completed += 1
         if request.tier == "batch":
             self._completed_batch += 1
-        self._spawn(self._finish_batch(request, result, status, self._batch_usage(entry), result.finish_reason or "error"))
-
-    def _batch_outcome(
-        self, entry: _Running, finish: str | None, failure: tuple[str, str, int] | None
-    ) -> tuple[str, m.BatchLineResult | None, m.InferenceRequest | None]:
-        """(status, the line's result, or the next attempt to queue instead)."""
-        request = entry.request
-        now = time.time()
-        if entry.cancelled:
-            expired = entry.cancel_reason == "deadline" or now >= request.deadline
-            failure = ("batch_expired", "The line did not finish before its batch's completion window expired.", 408) \
-                if expired else ("batch_cancelled", "The batch was cancelled before this line finished.", 499)
-            return "cancelled", self._batch_result(entry, now, failure=failure), None
-        if failure is None and finish in ("stop", "length"):
-            return "completed", self._batch_result(entry, now, finish=finish), None
-        if failure is None:
-            # Not finished: asked to give way (preempted, draining), the engine gave up on it
-            # (an abort of its own), a retryable failure, or its deadline passed before it ran.
-            reason = entry.requeue or ("drain" if entry.handed_off else "engine_error")
-            if now >= request.deadline:
-                failure = ("batch_expired", "The line did not finish before its batch's completion window expired.", 408)
-            elif reason == "engine_error" and request.attempt + 1 >= self.preemption.config.max_attempts:
-                failure = ("engine_error", f"The line failed on {request.attempt + 1} attempts.", 502)
-            else:
-                entry.requeue = reason
-                if request.sampling.constrained:
-                    # A grammar cannot continue from text: the next attempt starts the line over.
-                    return "requeued", None, msgspec.structs.replace(
-                        request, attempt=request.attempt + 1, resumed_text="", resumed_tokens=0,
-                        prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
-                    )
-                return "requeued", None, msgspec.structs.replace(
-                    request, attempt=request.attempt + 1,
-                    resumed_text=request.resumed_text + "".join(entry.text_parts),
-                    # From ids when the engine reported the ids of all it generated, else from text.
-                    **self._resume_from(request, entry),
-                    resumed_tokens=entry.completion, prompt_tokens=entry.prompt_tokens, expected_cached_tokens=0,
-                )
-        return "failed", self._batch_result(entry, now, failure=failure), None
-
-    @staticmethod
-    def _resume_from(request: m.InferenceRequest, entry: _Running) -> dict[str, Any]:
-        if request.input_ids and len(entry.token_ids) == entry.completion - request.resumed_tokens:
-            return {"resumed_ids": request.resumed_ids + entry.token_ids}
-        return {"input_ids": [], "resumed_ids": []}
-
-    def _batch_result(self, entry: _Running, now: float, *, finish: str | None = None,
-                      failure: tuple[str, str, int] | None = None) -> m.BatchLineResult:
-        request = entry.request
-        assert request.batch_id is not None
-        result = m.BatchLineResult(
-            batch_id=request.batch_id, line=request.batch_line, request_id=request.request_id,
-            attempt=request.attempt, finished=now, worker_id=self.settings.worker_id,
-        )
-        if failure is None:
-            result.text = request.resumed_text + "".join(entry.text_parts)
-            result.finish_reason = finish
-            result.matched_stop = entry.matched
-            result.usage = self._batch_usage(entry)
-        else:
-            result.ok = False
-            result.error_code, result.error_message, result.status = failure
-            result.finish_reason = "abort" if failure[0] in ("batch_cancelled", "batch_expired") else "error"
-            result.usage = self._batch_usage(entry)
-        return result
-
-    def _batch_usage(self, entry: _Running) -> m.Usage:
-        """Tokens made for the line over all its attempts. Its prompt counts once some attempt ran
-        it (earlier attempts report nothing: the attempt that ends the line reports the totals)."""
-        ran = entry.prefilled or entry.request.resumed_tokens > 0
-        return m.Usage(prompt_tokens=(entry.prompt_tokens or 0) if ran else 0, completion_tokens=entry.completion,
-                       cached_tokens=entry.cached if ran else 0)
+        self._spawn(self._finish_batch(request, result, status, line_usage(entry), result.finish_reason or "error"))
 
     async def _finish_batch(self, request: m.InferenceRequest, result: m.BatchLineResult, status: str,
                             usage: m.Usage, finish: str) -> None:
@@ -829,7 +737,7 @@ class Worker:
             log.error("batch_result_lost", request_id=request.request_id)
         await self._publish_usage(request, status, usage, finish)
 
-    async def _requeue(self, request: m.InferenceRequest, entry: _Running) -> None:
+    async def _requeue(self, request: m.InferenceRequest, entry: Attempt) -> None:
         """Queue the next attempt of a batch line on the shared batch subject, with its progress."""
         assert self.replies is not None
         reason = entry.requeue or "engine_error"
@@ -849,7 +757,7 @@ class Worker:
         log.info("batch_requeued", request_id=request.request_id, attempt=request.attempt, reason=reason,
                  tokens_carried=request.resumed_tokens)
 
-    async def _batch_checkpoint(self, entry: _Running) -> None:
+    async def _batch_checkpoint(self, entry: Attempt) -> None:
         """Between updates of a batch line: stop it once it was asked to give way or is past due."""
         if entry.requeue is None and not entry.cancelled and time.time() > entry.request.deadline:
             entry.cancelled, entry.cancel_reason = True, "deadline"
@@ -859,11 +767,7 @@ class Worker:
             entry.abort_resent = True
             await self.engine.abort(entry.request.engine_rid())
 
-    @staticmethod
-    def _preemptible(entry: _Running) -> bool:
-        return entry.request.batch_id is not None and entry.requeue is None and not entry.cancelled
-
-    async def _preempt(self, entry: _Running, reason: str) -> None:
+    async def _preempt(self, entry: Attempt, reason: str) -> None:
         request = entry.request
         entry.requeue = reason
         if reason == "preempted":
@@ -877,14 +781,12 @@ class Worker:
 
     def _batch_room(self) -> int:
         """Slots the batch pullers may reserve now (the Puller asks before every pull)."""
-        if self.budget is None or self.draining or self._interactive_waiting:
+        if self.budget is None:
             return 0
-        interactive = len(self.running) - self._batch_in_flight
-        reserved = self._batch_reserved()
-        # Reserved slots become lines without a first token: they count as prefilling too.
-        prefilling = self._batch_waiting() + reserved
-        return self.preemption.batch_room(self.budget.capacity, interactive, self._batch_in_flight + reserved,
-                                          batch_prefilling=prefilling, interactive_stalled=self._interactive_stalled)
+        return self.preemption.pull_room(self.budget.capacity, len(self.running) - self._batch_in_flight,
+                                         self._batch_in_flight, batch_prefilling=self._batch_waiting(),
+                                         reserved=self._batch_reserved(), last=self._preemption_check,
+                                         draining=self.draining)
 
     def _batch_waiting(self) -> int:
         """Batch lines this worker took that have no first token yet (queued in, or prefilled by, the engine)."""
@@ -892,38 +794,24 @@ class Worker:
 
     async def _check_preemption(self, load: EngineLoad) -> None:
         """Every load tick: preempt batch lines for interactive work waiting on the bus or (without
-        engine priority; the policy decides) in the engine.
-
-        The bus is asked (consumer info) only while batch lines run and fewer than `headroom`
-        slots are free: otherwise waiting interactive work would find a slot anyway.
-        """
+        engine priority; the policy decides) in the engine (`PreemptionPolicy.check`). The bus is
+        asked (consumer info) only when the policy needs it."""
         assert self.budget is not None
-        config = self.preemption.config
+        policy = self.preemption
         interactive = [e for e in self.running.values() if e.request.tier != "batch"]
-        now = time.time()
-        stalled = sum(1 for e in interactive if not e.prefilled and now - e.started > config.engine_wait_s)
-        # Without engine priority, interactive work the engine keeps waiting blocks batch pulls until
-        # the next check (a line preempted for it must not come straight back), with or without
-        # batch lines running.
-        self._interactive_stalled = min(load.waiting, stalled)
-        candidates = [e for e in self.running.values() if self._preemptible(e)]
-        if not candidates or self.draining:
-            self._interactive_waiting = 0
-            return
-        # Slots reserved by batch pulls are not interactive's; lines already giving way are.
-        capacity = self.budget.capacity - self._batch_reserved()
-        free = capacity - len(interactive) - len(candidates)
-        waiting = await self._interactive_pending() if free < config.headroom else 0
-        self._interactive_waiting = waiting
-        runs = [
-            BatchRun(request_id=e.request.request_id, context_tokens=(e.prompt_tokens or 0) + e.completion,
-                     generated=e.completion, started=e.started)
-            for e in candidates
-        ]
-        for request_id in self.preemption.victims(capacity, len(interactive), waiting, runs,
-                                                  engine_waiting=self._interactive_stalled):
+        state = WorkerState(
+            capacity=self.budget.capacity, interactive=len(interactive),
+            interactive_stalled=policy.stalled(time.time(), load.waiting, (e.started for e in interactive if not e.prefilled)),
+            batch=[BatchRun(request_id=e.request.request_id, context_tokens=(e.prompt_tokens or 0) + e.completion,
+                            generated=e.completion, started=e.started)
+                   for e in self.running.values() if e.preemptible],
+            reserved=self._batch_reserved(), draining=self.draining,
+        )
+        waiting = await self._interactive_pending() if policy.asks_bus(state) else 0
+        self._preemption_check = check = policy.check(state, waiting)
+        for request_id in check.victims:
             entry = self.running.get(request_id)
-            if entry is not None and self._preemptible(entry):
+            if entry is not None and entry.preemptible:
                 await self._preempt(entry, "preempted")
 
     async def _interactive_pending(self) -> int:
@@ -941,7 +829,7 @@ class Worker:
             pending += info.num_pending or 0
         return pending
 
-    def _observe_tpot(self, entry: _Running, tokens: int) -> None:
+    def _observe_tpot(self, entry: Attempt, tokens: int) -> None:
         if entry.first_token_at and tokens > 1:
             tpot = (time.time() - entry.first_token_at) / (tokens - 1)
             m.observe(self._tpot_hist, m.TPOT_BUCKETS_S, tpot)
@@ -996,15 +884,6 @@ class Worker:
     async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
         assert self.replies is not None
         await self.replies.publish_durable(subject, data, msg_id)
-
-    @staticmethod
-    def _attempt_work(entry: _Running) -> m.Usage:
-        """What one attempt computed: its prefill (when it got that far) and the tokens it made."""
-        request = entry.request
-        prefilled = entry.prefilled or entry.completion > request.resumed_tokens
-        return m.Usage(prompt_tokens=(entry.prompt_tokens or 0) + request.resumed_tokens if prefilled else 0,
-                       completion_tokens=max(0, entry.completion - request.resumed_tokens),
-                       cached_tokens=entry.cached if prefilled else 0)
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -1091,12 +970,15 @@ class Worker:
             # "starting" while the engine is down: alive, but not to be given requests.
             started=self.started, ts=time.time(),
             state="draining" if self.draining or self._holding_pulls else "ready" if self.health.up else "starting",
-            max_running=self.budget.capacity, gpu=str(self._engine_info.get("gpu", "")),
-            tp=int(self._engine_info.get("tp_size", 0) or 0),
+            max_running=self.budget.capacity, gpu=self._engine_gpu()[0], tp=self._engine_gpu()[1],
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
         )
+
+    def _engine_gpu(self) -> tuple[str, int]:
+        """The engine's GPU type and tensor-parallel width, as its /server_info says ("" / 0: unknown)."""
+        return str(self._engine_info.get("gpu", "")), int(self._engine_info.get("tp_size", 0) or 0)
 
     def _max_adapters(self) -> int:
         info = self._engine_info
@@ -1203,6 +1085,7 @@ class Worker:
             phase=self.phase, batch_in_flight=self._batch_in_flight, completed_batch=self._completed_batch,
             batch_waiting=self._batch_waiting(),
             ttft_hist=list(self._ttft_hist), queue_wait_hist=list(self._queue_wait_hist), tpot_fine_hist=list(self._tpot_hist),
+            gpu=self._engine_gpu()[0], tp=self._engine_gpu()[1],
         )
 
     async def _publish_idle_load(self) -> None:
