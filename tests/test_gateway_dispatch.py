@@ -72,3 +72,18 @@ async def test_a_gap_in_the_stream_migrates_instead_of_skipping_text() -> None:
     seen = [e async for e in dispatcher.events(flight)]
     assert [getattr(e, "text", None) for e in seen] == [" a", " b", ""]
     assert len(migrations) == 1 and "gap" in migrations[0]
+
+
+def test_the_shared_queue_window_is_free_slots_and_a_few_per_worker() -> None:
+    from services.gateway.queue_window import QueueWindow
+
+    window = QueueWindow(per_worker=2)
+    assert window.size(live_workers=0, free_slots=0) == 2  # no worker known yet: still a couple
+    assert window.size(live_workers=3, free_slots=0) == 6
+    assert window.size(live_workers=3, free_slots=40) == 40  # idle capacity is never withheld
+    for band in ("standard", "standard", "premium"):
+        window.entered(band)
+    assert window.in_queue == 3 and window.queued("standard") == 2 and window.queued("batch") == 0
+    assert window.room(live_workers=1, free_slots=0) == 0 and window.room(live_workers=3, free_slots=0) == 3
+    window.left("standard")
+    assert window.in_queue == 2 and window.queued("standard") == 1

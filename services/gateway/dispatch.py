@@ -29,6 +29,7 @@ from proto import subjects
 
 from .fairness import FairQueue
 from .metrics import DEATH_VERDICTS, FAIR_QUEUE, MIGRATIONS, NOT_STARTED, PLACEMENTS
+from .queue_window import QueueWindow
 
 log = logs.get(__name__)
 
@@ -102,14 +103,12 @@ class Dispatcher:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.max_attempts = max_attempts
         self.placement_timeout_s = placement_timeout_s
-        self.window_per_worker = window_per_worker
+        self.window = QueueWindow(window_per_worker)
         self.free_slots = free_slots
         self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
-        self.in_queue = 0  # this gateway's requests published and not yet accepted
-        self._in_queue_by_band: dict[str, int] = {}  # the same per band, for the overload policy
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
@@ -200,10 +199,8 @@ class Dispatcher:
         await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
 
-    def window(self) -> int:
-        """How many of this gateway's requests may wait in the shared queue: the fleet's free slots
-        (idle capacity is never withheld), and at least a few per worker so none runs dry."""
-        return max(self.window_per_worker * max(1, len(self.live_workers)), self.free_slots())
+    def _window_room(self) -> int:
+        return self.window.room(len(self.live_workers), self.free_slots())
 
     def held(self, band: str) -> int:
         """Requests of `band` waiting in this gateway's fair queue."""
@@ -212,11 +209,7 @@ class Dispatcher:
     def queued(self, band: str) -> int:
         """Requests of `band` this gateway published that no worker has accepted yet (known at
         once, where the queue depth the overload policy polls lags)."""
-        return self._in_queue_by_band.get(band, 0)
-
-    def _count_queued(self, flight: Flight, delta: int) -> None:
-        band = flight.request.tier
-        self._in_queue_by_band[band] = self._in_queue_by_band.get(band, 0) + delta
+        return self.window.queued(band)
 
     async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None) -> Flight:
         """Queue a new request; its events arrive on the returned flight's queue.
@@ -228,7 +221,7 @@ class Dispatcher:
         flight = Flight(request=request, prompt_tokens=request.prompt_tokens, weight=weight, estimated_tokens=estimate,
                         block_hashes=block_hashes or [])
         self.flights[request.request_id] = flight
-        if self.in_queue < self.window() and not len(self.fair):
+        if self._window_room() > 0 and not len(self.fair):
             self.fair.dispatched(request.tenant, request.tier, weight, estimate)
             self._mark_queued(flight)
             try:
@@ -244,19 +237,17 @@ class Dispatcher:
 
     def _mark_queued(self, flight: Flight) -> None:
         flight.state = "queued"
-        self.in_queue += 1
-        self._count_queued(flight, 1)
+        self.window.entered(flight.request.tier)
 
     def _left_queue(self, flight: Flight) -> None:
         if flight.state == "queued":
-            self.in_queue -= 1
-            self._count_queued(flight, -1)
+            self.window.left(flight.request.tier)
         flight.state = "accepted"
         self._release()
 
     def _release(self) -> None:
         """Publish waiting requests, in fair order, while the window has room."""
-        while self.in_queue < self.window() and len(self.fair):
+        while self._window_room() > 0 and len(self.fair):
             popped = self.fair.pop(cost=lambda f: f.estimated_tokens)
             if popped is None:
                 return
@@ -285,8 +276,7 @@ class Dispatcher:
             self.fair.remove(flight, request.tenant, request.tier)
         else:
             if flight.state == "queued":
-                self.in_queue -= 1
-                self._count_queued(flight, -1)
+                self.window.left(request.tier)
             used = float((flight.prompt_tokens or 0) + flight.sent_tokens)
             self.fair.finished(request.tenant, request.tier, flight.estimated_tokens, used)
         self._release()
