@@ -44,6 +44,7 @@ from services.gateway.errors import OpenAIError
 from services.gateway.models import ModelCatalog
 from services.gateway.tenants import TenantStore
 
+from . import lifecycle
 from . import lines as line_format
 from .feed import FeedPolicy
 from .files import FileStore
@@ -270,22 +271,16 @@ class BatchService:
         record = self._latest.get(batch_id)
         if record is None or batch_id in self._busy:
             return
-        if batch_id in self._ended and batch_id not in self.tracker.runs:
+        step = lifecycle.next_step(record, tracked=batch_id in self.tracker.runs, ended=batch_id in self._ended)
+        if step is None:
             return
-        run = self.tracker.runs.get(batch_id)
-        work: Callable[[], Awaitable[None]] | None = None
-        if record.status == "validating":
-            work = lambda: self._validate(record)  # noqa: E731
-        elif record.status == "in_progress" and run is None:
-            work = lambda: self._resume(record)  # noqa: E731
-        elif record.status == "finalizing":
-            work = lambda: self._finish(record, "completed")  # noqa: E731
-        elif record.status == "cancelling":
-            work = lambda: self._finish(record, "cancelled")  # noqa: E731
-        elif batch_id in self._ended and run is not None:
-            work = lambda: self._untrack(batch_id)  # noqa: E731
-        if work is not None:
-            self._spawn_step(record, work)
+        work: Callable[[], Awaitable[None]] = {
+            "validate": lambda: self._validate(record),
+            "resume": lambda: self._resume(record),
+            "finish": lambda: self._finish(record, step.outcome or "completed"),
+            "untrack": lambda: self._untrack(batch_id),
+        }[step.kind]
+        self._spawn_step(record, work)
 
     async def _update(self, record: m.BatchRecord,
                       change: Callable[[m.BatchRecord], m.BatchRecord | None]) -> m.BatchRecord | None:
@@ -299,13 +294,7 @@ class BatchService:
 
     async def _fail(self, record: m.BatchRecord, errors: list[m.BatchErrorEntry]) -> None:
         now = int(time.time())
-
-        def change(current: m.BatchRecord) -> m.BatchRecord | None:
-            if current.status in m.BATCH_TERMINAL:
-                return None
-            return msgspec.structs.replace(current, status="failed", errors=errors, failed_at=now)
-
-        updated = await self._update(record, change)
+        updated = await self._update(record, lambda current: lifecycle.failed(current, errors, now))
         FINISHED.labels("failed").inc()
         log.info("batch_failed", errors=len(errors), first=errors[0].message if errors else None,
                  status=updated.status if updated else None)
@@ -338,16 +327,10 @@ class BatchService:
         if isinstance(verdict, list):
             await self._fail(record, verdict)
             return
-        now = time.time()
+        now = int(time.time())
         expires_at = self.settings.expires_at(record.created_at, record.expires_at)
-
-        def change(current: m.BatchRecord) -> m.BatchRecord | None:
-            if current.status != "validating":
-                return None  # cancelled meanwhile: the cancel path takes it from here
-            return msgspec.structs.replace(current, status="in_progress", model=verdict.model, total=verdict.total,
-                                           in_progress_at=int(now), expires_at=expires_at)
-
-        updated = await self._update(record, change)
+        updated = await self._update(record, lambda current: lifecycle.in_progress(
+            current, model=verdict.model, total=verdict.total, now=now, expires_at=expires_at))
         if updated is None or updated.status != "in_progress":
             return
         log.info("batch_in_progress", total=verdict.total, model=verdict.model, expires_at=updated.expires_at)
@@ -501,11 +484,9 @@ class BatchService:
             if run.id in self._busy:
                 continue
             record = self._latest.get(run.id, run.record)
-            if run.finishing is None and run.feeding and run.loaded and run.finished():
-                run.finishing = "completed"
-            elif run.finishing is None and now >= record.expires_at:
-                run.finishing = "expired"
-            if run.finishing is not None and record.status in ("in_progress", "finalizing"):
+            run.finishing = lifecycle.run_outcome(finishing=run.finishing, feeding=run.feeding, loaded=run.loaded,
+                                                  all_done=run.finished(), now=now, expires_at=record.expires_at)
+            if lifecycle.finishes_now(record, run.finishing):
                 run.feeding = False
                 self._spawn_step(record, lambda record=record, outcome=run.finishing: self._finish(record, outcome))
 
@@ -647,16 +628,8 @@ class BatchService:
                 continue
             run.dirty = False
             completed, failed, usage = run.completed, run.failed, run.usage
-
-            def change(current: m.BatchRecord) -> m.BatchRecord | None:
-                if current.status in m.BATCH_TERMINAL:
-                    return None
-                if (current.completed, current.failed, current.usage) == (completed, failed, usage):
-                    return None
-                return msgspec.structs.replace(current, completed=completed, failed=failed, usage=usage)
-
             try:
-                await self._update(record, change)
+                await self._update(record, lambda current: lifecycle.progress(current, completed, failed, usage))
             except Exception:
                 run.dirty = True
                 raise
@@ -665,7 +638,7 @@ class BatchService:
 
     # ---- the end: completed, expired, cancelled -------------------------------------------
 
-    async def _finish(self, record: m.BatchRecord, outcome: str) -> None:
+    async def _finish(self, record: m.BatchRecord, outcome: lifecycle.Outcome) -> None:
         """Write the output and error files and the final record. `outcome`: completed (every line
         has a result), expired (the window passed) or cancelled (the gateway asked)."""
         run = self.tracker.runs.get(record.id)
@@ -678,7 +651,7 @@ class BatchService:
             if isinstance(verdict, Validated):
                 run = await self._track(record, verdict, resumed=True)
         if outcome != "completed":
-            await self._stop_lines(record, run, "deadline" if outcome == "expired" else "admin")
+            await self._stop_lines(record, run, lifecycle.cancel_reason(outcome))
         elif run is not None:
             self.tracker.stop_feeding(run.id)
         custom_ids = run.custom_ids if run is not None else []
@@ -689,8 +662,7 @@ class BatchService:
             return
         if outcome == "completed" and record.status == "in_progress":
             now = int(time.time())
-            updated = await self._update(record, lambda current: msgspec.structs.replace(
-                current, status="finalizing", finalizing_at=now) if current.status == "in_progress" else None)
+            updated = await self._update(record, lambda current: lifecycle.finalizing(current, now))
             if updated is None or updated.status != "finalizing":
                 return  # cancelled meanwhile: that path finishes it
             record = updated
@@ -718,17 +690,9 @@ class BatchService:
         if errors:
             error_file = (await self.files.write(record.tenant, f"{record.id}_error.jsonl", "batch_output", errors)).id
         now = int(time.time())
-        stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[outcome]
-
-        def change(current: m.BatchRecord) -> m.BatchRecord | None:
-            if current.status in m.BATCH_TERMINAL:
-                return None
-            return msgspec.structs.replace(
-                current, status=outcome, completed=len(outputs), failed=len(errors), usage=usage,
-                output_file_id=output_file, error_file_id=error_file, **{stamp: now},
-            )
-
-        updated = await self._update(record, change)
+        updated = await self._update(record, lambda current: lifecycle.final(
+            current, outcome, completed=len(outputs), failed_lines=len(errors), usage=usage,
+            output_file_id=output_file, error_file_id=error_file, now=now))
         await self._untrack(record.id)
         FINISHED.labels(outcome).inc()
         log.info("batch_finished", status=updated.status if updated else None, outcome=outcome,
@@ -741,8 +705,7 @@ class BatchService:
         last writes): the stream is the record of what ended, so those lines run again."""
         log.warning("batch_results_lost", lines=len(missing), first=missing[:5])
         if record.status == "finalizing":
-            await self._update(record, lambda current: msgspec.structs.replace(
-                current, status="in_progress", finalizing_at=None) if current.status == "finalizing" else None)
+            await self._update(record, lifecycle.reopened)
         self.tracker.reopen(run.id, list(results.values()), missing)
 
     async def _stop_lines(self, record: m.BatchRecord, run: BatchRun | None, reason: str) -> None:
