@@ -4,29 +4,32 @@ What runs is the production code again: the batch service's `services.batch.feed
 decides how many lines may be published, from the same `WorkerLoad` reports it gets on the bus
 (interactive-only TTFT / queue-wait / TPOT histograms, `batch_in_flight`, engine queue and KV),
 and each replica's worker uses `services.worker.preemption.PreemptionPolicy` to decide how many
-batch lines it pulls (`batch_room`) and which running ones it preempts for waiting interactive
+batch lines it pulls (`pull_room`) and which running ones it preempts for waiting interactive
 work (`victims`). Modelled simply, as the rest of `fleet`:
 
 - The batch service publishes lines (in input order) onto one shared batch queue every
   `feed_interval_s`, as many as `allowance(outstanding)` grants, `outstanding` being lines
   published without a result (queued or running).
 - A replica pulls batch lines at the end of each engine step, after interactive work, as many as
-  `batch_room(...)` grants (at most one pull's fair share of its slots, as `SlotBudget` gives a
+  `pull_room(...)` grants (at most one pull's fair share of its slots, as `SlotBudget` gives a
   pull request; with `batch_prefilling` = its lines without a first token, so one line is in
-  prefill at a time, and the step-time cap), and none while its last check saw interactive work
-  waiting on the bus (or, with engines without priority scheduling, stalled in its engine); an
-  idle replica pulls when lines are published. Batch lines enter the engine at
+  prefill at a time, and the step-time cap of its engine's GPU and TP), and none while its last
+  check saw interactive work waiting on the bus (or, with engines without priority scheduling,
+  stalled in its engine): `pull_room`, as the worker asks it; an idle replica pulls when lines
+  are published. Batch lines enter the engine at
   `BATCH_ENGINE_PRIORITY`, so an engine with priority scheduling (`EngineConfig.priority_scheduling`,
   on by default, as SGLang's --enable-priority-scheduling) admits waiting interactive requests
   first and retracts batch first when slots or KV run out.
-- On each load report (the worker's load tick) a replica with batch lines running checks for
-  interactive work waiting, as `Worker._check_preemption` does: queued for it (past its slots, or
-  on the shared queue) when fewer than `headroom` slots are free, or, without engine priority,
-  stalled in its engine (no first token after `engine_wait_s`). It asks `victims(...)` and
-  aborts those lines at the end of the engine's current step (where an engine applies an
-  abort); each goes back to the end of the batch queue as its next attempt, its prompt extended
-  by the tokens generated so far and its budget reduced by them (the worker's requeue). The engine's tokens are a function of the
-  context, so the resumed attempt continues the same output.
+- On each load report (the worker's load tick) a replica runs the worker's preemption check,
+  `PreemptionPolicy.check`: interactive work queued for it (past its slots, or on the shared
+  queue) when fewer than `headroom` slots are free, or, without engine priority, stalled in its
+  engine (no first token after `engine_wait_s`), names the lines to abort; they are aborted at
+  the end of the engine's current step (where an engine applies an abort), and each goes back to
+  the end of the batch queue as its next attempt (`services.worker.attempt.attempt_verdict`), its
+  prompt extended by the tokens generated so far and its budget reduced by them
+  (`inferbus.continuation.engine_input`). The engine's tokens are a function of the context, so
+  the resumed attempt continues the same output. An abort the engine makes on its own is retried
+  as the worker retries it, up to the policy's `max_attempts`.
 - A line reports exactly one result, when its last attempt finishes; a replica declared dead
   has its lines requeued the same way (the batch service re-publishes lines of a dead owner).
 - Replicas build their `WorkerLoad` as the worker does: `in_flight` and `batch_in_flight` count
@@ -53,6 +56,7 @@ from inferbus.stats import percentile
 from inferbus.traces import TraceRequest
 from proto import messages as m
 from services.sim_engine.scheduler import Request, RequestRejected, RequestUpdate, SamplingParams
+from services.worker.attempt import attempt_verdict
 from services.worker.preemption import Check, WorkerState
 
 if TYPE_CHECKING:
@@ -232,6 +236,7 @@ class BatchBand:
                                                                     engine.priority_scheduling, engine.gpu, engine.tp)
         policy_config = getattr(self.preemption, "config", None)
         self._engine_wait_s = getattr(policy_config, "engine_wait_s", 0.5)
+        self._max_attempts = getattr(policy_config, "max_attempts", 5)
         self.queue: deque[BatchLine] = deque()
         self.next_line = 0  # lines[:next_line] are published
         self.outstanding = 0  # published, no result yet
@@ -367,6 +372,9 @@ class BatchBand:
             line.preempted += 1
             self.preemptions += 1
             self._count(self.preempt_bins, 1)
+            verdict = attempt_verdict(now=self.sim.loop.now, deadline=math.inf, attempt=line.attempt,
+                                      max_attempts=self._max_attempts, finish=None, give_way="preempted")
+            assert verdict.status == "requeued"  # giving way is never the line's fault
             self._requeue(line)
 
     def _dispatch(self, replica: Replica, line: BatchLine) -> None:
@@ -413,12 +421,19 @@ class BatchBand:
         if update.finish_reason is None:
             return
         self._end_attempt(replica, rid, line)
-        replica.completed += 1
+        # How the attempt ends is the worker's decision (`attempt_verdict`): an abort the engine made
+        # on its own is a retryable failure, requeued until the line's attempts run out.
+        verdict = attempt_verdict(now=now, deadline=math.inf, attempt=line.attempt, max_attempts=self._max_attempts,
+                                  finish=update.finish_reason.get("type"))
+        if verdict.status == "requeued":
+            self._requeue(line)
+            return
+        replica.completed += 1  # as the worker counts: attempts that report the line's result
         replica.completed_batch += 1
-        if update.finish_reason.get("type") == "abort":
-            self._result(line, "failed", str(update.finish_reason.get("message", "aborted")))
-        else:
+        if verdict.status == "completed":
             self._result(line, "completed")
+        else:
+            self._result(line, "failed", str(update.finish_reason.get("message", "aborted")))
 
     def _end_attempt(self, replica: Replica, rid: str, line: BatchLine) -> None:
         request = line.request
