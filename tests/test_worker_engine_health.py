@@ -7,8 +7,8 @@ from proto import messages as m
 from services.worker.adapters import Adapters
 from services.worker.engine import EngineError, EngineUpdate, _http_error
 from services.worker.engine_health import EngineHealth
-from services.worker.service import Worker, engine_max_running
-from services.worker.settings import WorkerSettings
+from services.worker.service import engine_max_running
+from services.worker.serving import engine_stream
 
 
 def test_probes_back_off_exponentially_and_recovery_says_the_engine_was_down() -> None:
@@ -60,18 +60,17 @@ async def test_an_adapter_the_engine_lost_is_loaded_again_and_the_request_sent_o
         async def probe(self, lora_name: str | None = None) -> None:
             return None
 
-    worker = Worker(settings=WorkerSettings(worker_id="w1"))
     engine = RestartedEngine()
     spec = m.AdapterSpec(name="sql", base_model="m", version="sha256:" + "01" * 32, path="s3://ok/sql", created=0)
 
     async def lookup(name: str) -> m.AdapterSpec | None:
         return spec if name == "sql" else None
 
-    worker.engine = engine  # type: ignore[assignment]
-    worker.adapters = Adapters(engine, lookup)  # type: ignore[arg-type]
-    worker.adapters.loaded[spec.engine_name] = spec  # loaded on the engine before it restarted
+    adapters = Adapters(engine, lookup)  # type: ignore[arg-type]
+    adapters.loaded[spec.engine_name] = spec  # loaded on the engine before it restarted
     request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", adapter=spec.engine_name,
                                  sampling=m.SamplingParams(max_new_tokens=1), deadline=1e12, created=0)
-    updates = [update async for update in worker._engine_stream(request, {})]
-    assert [u.text for u in updates] == ["ok"] and engine.generate_calls == 2
-    assert spec.engine_name in engine.loaded and worker.adapters.names() == [spec.engine_name]
+    downs: list[str] = []
+    updates = [update async for update in engine_stream(engine, adapters, request, {}, downs.append)]  # type: ignore[arg-type]
+    assert [u.text for u in updates] == ["ok"] and engine.generate_calls == 2 and downs == []
+    assert spec.engine_name in engine.loaded and adapters.names() == [spec.engine_name]

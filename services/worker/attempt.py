@@ -10,6 +10,7 @@ result or the next attempt from its record of the attempt with `line_outcome`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,6 +29,7 @@ class Attempt:
     """A request this worker took off the bus, until it reports or hands it on."""
 
     request: m.InferenceRequest
+    task: asyncio.Task[None] | None = None  # held here: the event loop keeps only weak references
     started: float = field(default_factory=time.time)  # when this worker took it (unix seconds)
     pause_epoch: int = 0  # the worker's pause count when it took the request
     cancelled: bool = False

@@ -1,0 +1,123 @@
+"""Engine down and back, and pauses: a worker that cannot serve stops pulling until it can.
+
+- The engine stops answering: the worker says "not ready" in its heartbeat (gateways and routers
+  stop counting on it), pulls nothing, and probes the engine with backoff (`EngineHealth`). When
+  it answers again it may be a new process: what the worker believed about it (its adapters, its
+  prefix cache, its limits) is learned again.
+- The worker's own process was paused (SIGSTOP, a frozen host; `PauseDetector`) or a consumer
+  went missing (a router deletes those of a worker it thought dead): before it pulls again, it
+  verifies that the engine answers and its consumers exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from inferbus import bus, logs
+
+from .metrics import PAUSES
+
+if TYPE_CHECKING:
+    from .service import Worker
+
+log = logs.get(__name__)
+
+TICK_S = 0.25  # the event loop's tick: a gap much longer than this means the worker was paused
+
+
+class EngineWatch:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.holding_pulls = False  # verifying engine and consumers: pull nothing until done
+        self._probing: asyncio.Task[None] | None = None
+        self._verifying: asyncio.Task[None] | None = None
+
+    def stop(self) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
+
+    # ---- the engine ------------------------------------------------------------------------
+
+    def down(self, why: str) -> None:
+        """Stop pulling and say not ready until the engine answers again; probe it with backoff."""
+        worker = self.worker
+        if not worker.health.up:
+            return
+        worker.health.failed()
+        log.warning("engine_down", engine=worker.settings.engine_url, why=why)
+        worker.background.spawn(worker.reporter.publish_heartbeat())  # not ready: gateways and routers stop counting on it
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.create_task(self._probe(), name="engine-watch")
+
+    async def _probe(self) -> None:
+        worker = self.worker
+        health = worker.health
+        delay = health.first_delay_s
+        while True:
+            await asyncio.sleep(delay)
+            if await worker.engine.ready():
+                break
+            delay = health.failed()
+            log.info("engine_probe_failed", engine=worker.settings.engine_url, failures=health.failures,
+                     retry_in_s=round(delay, 3))
+        # It answers again, maybe as a new process: what this worker believed about it is stale.
+        try:
+            worker.engine_info = await worker.engine.server_info()
+        except Exception as error:
+            log.warning("engine_info_failed", error=repr(error))
+        forgotten = worker.adapters.forget_all()
+        if worker.cache_relay is not None:
+            try:
+                await worker.cache_relay.engine_restarted()
+            except Exception as error:  # the router's index ages stale blocks out regardless
+                log.warning("cache_reset_failed", error=repr(error))
+        health.recovered()
+        log.info("engine_back", engine=worker.settings.engine_url, adapters_forgotten=forgotten)
+        await worker.reporter.publish_heartbeat()
+        worker.wake.set()
+        worker.load_changed.set()
+
+    # ---- pauses: no zombie -----------------------------------------------------------------
+
+    async def tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.tick()
+
+    def tick(self) -> None:
+        """Note that the loop runs; after a pause (SIGSTOP, a frozen host) verify before pulling."""
+        worker = self.worker
+        if not worker.pause.tick():
+            return
+        PAUSES.inc()
+        log.warning("worker_resumed_after_pause", pauses=worker.pause.epoch, in_flight=len(worker.running))
+        self.verify_soon("paused")
+
+    def verify_soon(self, why: str) -> None:
+        worker = self.worker
+        if worker.phase != "serving" or worker.leaving or (self._verifying is not None and not self._verifying.done()):
+            return
+        self._verifying = asyncio.ensure_future(self._verify(why))
+
+    async def _verify(self, why: str) -> None:
+        """After a pause or an engine failure: the engine answers, our consumers exist (a router
+        deletes those of a worker it thought dead), our pull requests are live. Until then pull
+        nothing: a request pulled into a broken worker would hang its client."""
+        worker = self.worker
+        self.holding_pulls = True  # the heartbeat says "draining" meanwhile: nothing is placed here
+        try:
+            delay = 0.2
+            while not await worker.engine.ready():
+                log.warning("engine_not_ready", why=why)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+            await bus.retry_forever("bus setup after a pause", worker.setup_bus)
+        finally:
+            self.holding_pulls = False
+        if worker.serving is not None:
+            for puller in worker.serving.pullers:  # pull requests made before the pause expired meanwhile
+                puller.forget_pulls()
+        worker.wake.set()
+        worker.load_changed.set()
+        log.info("worker_verified", why=why)

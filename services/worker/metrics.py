@@ -1,0 +1,22 @@
+"""The worker's Prometheus metrics (one process, one worker: module-level, as prometheus_client wants)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("inferbus_worker_requests_total", "Requests finished by this worker", ["status"])
+RUNNING = Gauge("inferbus_worker_running_requests", "Requests this worker holds")
+FREE_SLOTS = Gauge("inferbus_worker_free_slots", "Slots free for new requests")
+KV_USAGE = Gauge("inferbus_worker_kv_usage_ratio", "Engine KV cache use (0-1)")
+ENGINE_ERRORS = Counter("inferbus_worker_engine_errors_total", "Engine failures seen by this worker")
+PREEMPTIONS = Counter("inferbus_worker_preemptions_total", "Batch lines preempted for waiting interactive work")
+PAUSES = Counter("inferbus_worker_pauses_total", "Times this worker's event loop resumed after a pause (then it re-verified its engine and consumers)")
+ABANDONED = Counter("inferbus_worker_abandoned_attempts_total", "Attempts this worker gave up or was told to give up, billed to the platform", ["reason"])
+BATCH_REQUEUED = Counter(
+    "inferbus_worker_batch_requeued_total", "Batch lines put back on the batch queue to resume elsewhere", ["reason"]
+)
+QUEUE_WAIT = Histogram(
+    "inferbus_worker_queue_wait_seconds",
+    "Gateway accept to engine submit",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)

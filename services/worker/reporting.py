@@ -1,0 +1,182 @@
+"""What a worker tells the fleet about itself: its heartbeat (the registry's `workers` bucket; the
+liveness thread keeps it fresh) and its load report every `load_interval_s` (routers, gateways,
+the batch service and the autoscaler read it), with the counters and latency histograms it keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from inferbus import logs
+from proto import messages as m
+from proto import subjects
+
+from .attempt import Attempt
+from .http import HTTPError
+from .metrics import KV_USAGE
+
+if TYPE_CHECKING:
+    from .service import Worker
+
+log = logs.get(__name__)
+
+LOAD_REPORT_MIN_GAP_S = 0.02  # at most ~50 load reports a second, however busy
+
+
+@dataclass
+class ServingStats:
+    """Counters since the worker started, and interactive latency histograms (cumulative; one
+    count per bucket of LATENCY_BUCKETS_S / TPOT_BUCKETS_S, see `WorkerLoad`)."""
+
+    completed: int = 0  # requests finished (the gateways' overload policy takes rates from deltas)
+    completed_batch: int = 0
+    batch_in_flight: int = 0
+    pulled_own: int = 0  # requests taken from this worker's own queue (routers compare with their placements)
+    ttft_hist: list[int] = field(default_factory=list)
+    queue_wait_hist: list[int] = field(default_factory=list)
+    tpot_hist: list[int] = field(default_factory=list)
+
+    def observe_ttft(self, seconds: float) -> None:
+        m.observe(self.ttft_hist, m.LATENCY_BUCKETS_S, seconds)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        m.observe(self.queue_wait_hist, m.LATENCY_BUCKETS_S, seconds)
+
+    def observe_tpot(self, entry: Attempt, tokens: int, now: float) -> None:
+        """The mean time per output token after the first, of a request that made `tokens`."""
+        if entry.first_token_at and tokens > 1:
+            m.observe(self.tpot_hist, m.TPOT_BUCKETS_S, (now - entry.first_token_at) / (tokens - 1))
+
+
+def engine_gpu(info: dict[str, Any]) -> tuple[str, int]:
+    """The engine's GPU type and tensor-parallel width from its /server_info ("" / 0: unknown)."""
+    return str(info.get("gpu", "")), int(info.get("tp_size", 0) or 0)
+
+
+def engine_max_adapters(info: dict[str, Any]) -> int:
+    if not info.get("enable_lora"):
+        return 0
+    return int(info.get("max_loaded_loras") or info.get("max_loras_per_batch") or 0)
+
+
+class LoadReporter:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._seq = 0
+
+    # ---- heartbeat -------------------------------------------------------------------------
+
+    def beat(self) -> m.Heartbeat:
+        worker = self.worker
+        s, serving = worker.settings, worker.serving
+        gpu, tp = engine_gpu(worker.engine_info)
+        state: Literal["starting", "ready", "draining"] = ("draining" if worker.draining or worker.watch.holding_pulls
+                 # "starting" while the engine is down: alive, but not to be given requests.
+                 else "ready" if worker.health.up else "starting")
+        return m.Heartbeat(
+            worker_id=s.worker_id, model=s.model, engine_url=s.engine_url, started=worker.started, ts=time.time(),
+            state=state, max_running=serving.capacity if serving is not None else 0, gpu=gpu, tp=tp,
+            # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
+            block_size=s.block_size if worker.cache_relay is not None else 0,
+            max_adapters=engine_max_adapters(worker.engine_info), adapters=worker.adapters.names(),
+        )
+
+    async def heartbeat(self) -> None:
+        worker = self.worker
+        beat = self.beat()
+        worker.liveness.set_beat(beat)  # its thread keeps it fresh, whatever this loop is doing
+        await worker.kv.put(subjects.worker_key(worker.settings.worker_id), m.encode(beat))
+
+    async def publish_heartbeat(self) -> None:
+        """Put the heartbeat now, if this worker is in the registry (serving); failures are logged."""
+        if self.worker.phase != "serving" or self.worker.serving is None:
+            return
+        try:
+            await self.heartbeat()
+        except Exception as error:
+            log.warning("heartbeat_failed", error=repr(error))
+
+    async def heartbeat_loop(self) -> None:
+        # The liveness thread puts the heartbeat; this loop keeps its copy current (state, adapters).
+        while True:
+            await asyncio.sleep(self.worker.settings.heartbeat_interval_s)
+            self.worker.liveness.set_beat(self.beat())
+
+    # ---- load ------------------------------------------------------------------------------
+
+    async def load_loop(self) -> None:
+        worker = self.worker
+        while True:
+            # Every interval, and soon after a prefill finishes: the router weighs queued prefill,
+            # and a report that still counts finished work sends the next request elsewhere.
+            try:
+                await asyncio.wait_for(worker.load_changed.wait(), timeout=worker.settings.load_interval_s)
+                await asyncio.sleep(LOAD_REPORT_MIN_GAP_S)
+            except asyncio.TimeoutError:
+                pass
+            worker.load_changed.clear()
+            serving = worker.serving
+            if worker.phase != "serving" or serving is None:
+                await self.publish_idle()
+                continue
+            if not worker.health.up:
+                continue  # the engine watch probes it, with backoff
+            try:
+                load = await worker.engine.loads()
+            except Exception as error:
+                if worker.health.up:
+                    log.warning("engine_load_failed", error=repr(error))
+                if isinstance(error, HTTPError):
+                    worker.watch.down(f"load poll failed: {error!r}")
+                worker.watch.verify_soon("engine_load_failed")
+                continue
+            try:
+                await serving.batch.check(load)
+            except Exception as error:  # the load report must go out regardless
+                log.warning("preemption_check_failed", error=repr(error))
+            self._seq += 1
+            KV_USAGE.set(load.used_tokens / load.capacity_tokens if load.capacity_tokens else 0.0)
+            snapshot = m.WorkerLoad(
+                worker_id=worker.settings.worker_id, model=worker.settings.model, ts=time.time(), seq=self._seq,
+                running=load.running, waiting=load.waiting, in_flight=len(worker.running),
+                max_running=serving.capacity, kv_used_tokens=load.used_tokens,
+                kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=worker.draining,
+                completed=worker.stats.completed, queued_prefill_tokens=self._queued_prefill_tokens(),
+                adapters=worker.adapters.names(), pulled_own=worker.stats.pulled_own,
+                **self._autoscaling_fields(serving.batch.waiting()),
+            )
+            await worker.nc.publish(subjects.metrics_subject(worker.settings.worker_id), m.encode(snapshot))
+
+    async def publish_idle(self) -> None:
+        """A starting or warm worker offers no slots (max_running 0): gateways count none of it and
+        routers, which know only registered workers, ignore it; the autoscaler counts it."""
+        worker = self.worker
+        self._seq += 1
+        snapshot = m.WorkerLoad(
+            worker_id=worker.settings.worker_id, model=worker.settings.model, ts=time.time(), seq=self._seq,
+            running=0, waiting=0, in_flight=0, max_running=0, kv_used_tokens=0, kv_capacity_tokens=0,
+            draining=worker.leaving, completed=worker.stats.completed, pulled_own=worker.stats.pulled_own,
+            **self._autoscaling_fields(worker.serving.batch.waiting() if worker.serving is not None else 0),
+        )
+        try:
+            await worker.nc.publish(subjects.metrics_subject(worker.settings.worker_id), m.encode(snapshot))
+        except Exception as error:
+            log.warning("load_publish_failed", error=repr(error))
+
+    def _queued_prefill_tokens(self) -> int:
+        return sum(
+            max(0, (entry.request.prompt_tokens or 0) + entry.request.resumed_tokens - entry.request.expected_cached_tokens)
+            for entry in self.worker.running.values() if not entry.prefilled
+        )
+
+    def _autoscaling_fields(self, batch_waiting: int) -> dict[str, Any]:
+        worker, stats = self.worker, self.worker.stats
+        gpu, tp = engine_gpu(worker.engine_info)
+        return dict(
+            phase=worker.phase, batch_in_flight=stats.batch_in_flight, completed_batch=stats.completed_batch,
+            batch_waiting=batch_waiting, ttft_hist=list(stats.ttft_hist), queue_wait_hist=list(stats.queue_wait_hist),
+            tpot_fine_hist=list(stats.tpot_hist), gpu=gpu, tp=tp,
+        )

@@ -1,0 +1,315 @@
+"""The serving loop: pull requests into free slots, run each on the engine, stream it back.
+
+Ownership of a request: the worker acks the JetStream message when it hands the request to the
+engine and tells the gateway (`Accepted`). From then on the gateway, which holds the client,
+watches this worker's heartbeat and migrates the request if the worker dies. A worker that dies
+between pull and accept leaves the message unacked; JetStream redelivers it after `ack_wait`.
+
+Batch lines take the same path up to the engine and end differently (`batch_lines`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+
+from inferbus import logs, tracing
+from proto import messages as m
+from proto import subjects
+
+from .adapters import Adapters
+from .attempt import Attempt
+from .batch_lines import BatchLines
+from .engine import EngineClient, EngineError, EngineUpdate
+from .metrics import ABANDONED, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
+from .preemption import PreemptionPolicy
+from .puller import Puller
+from .slots import SlotBudget
+
+if TYPE_CHECKING:
+    from .service import Worker
+
+log = logs.get(__name__)
+tracer = tracing.tracer("inferbus.worker")
+
+SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
+BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
+_request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
+
+
+def consumer_specs(tiers: list[str], worker_id: str) -> list[tuple[str, str | None]]:
+    """(tier, owner) of each consumer a worker pulls, most important first. Batch lines are only
+    ever queued on the shared subject, so the batch tier has no per-worker consumer."""
+    return [(tier, owner) for tier in tiers for owner in ((None,) if tier == "batch" else (worker_id, None))]
+
+
+class Serving:
+    """A worker's slots and what fills them; built once its engine is loaded (its capacity known)."""
+
+    def __init__(self, worker: Worker, capacity: int, preemption: PreemptionPolicy) -> None:
+        s = worker.settings
+        self.worker = worker
+        self.preemption = preemption
+        specs = consumer_specs(s.tier_list(), s.worker_id)
+        self.budget = SlotBudget(capacity, pullers=len(specs))
+        self.batch = BatchLines(worker, self)
+        self.pullers: list[Puller] = []
+        # Most important first: earlier pullers get slots first. Batch pullers take only what the
+        # preemption policy grants, and hold it briefly when the batch queue is empty.
+        for tier, owner in specs:
+            batch = tier == "batch"
+            puller = Puller(worker.nc, subjects.REQUESTS_STREAM, subjects.request_consumer(tier, s.model, owner),  # type: ignore[arg-type]
+                            self.budget, self.on_request, wake=worker.wake,
+                            expires_s=min(s.fetch_timeout_s, BATCH_POLL_S) if batch else s.fetch_timeout_s,
+                            room=self.batch.room if batch else None, on_consumer_gone=worker.watch.verify_soon)
+            self.pullers.append(puller)
+            if batch:
+                self.batch.pullers.append(puller)
+            else:
+                self.batch.interactive_consumers.append(puller.consumer)
+        self._own_target = "." + subjects.worker_target(s.worker_id)
+
+    @property
+    def capacity(self) -> int:
+        return self.budget.capacity
+
+    # ---- pulling ---------------------------------------------------------------------------
+
+    async def pull_loop(self) -> None:
+        worker, pullers, budget = self.worker, self.pullers, self.budget
+        fetch_timeout_s = worker.settings.fetch_timeout_s
+        turn = 0
+        while not worker.draining:
+            worker.wake.clear()
+            if worker.watch.holding_pulls:
+                await asyncio.sleep(SCARCE_POLL_S)
+                continue
+            if not worker.health.up:
+                # Its engine is down: a request taken now would fail at once and bounce between
+                # workers. The engine watch wakes this loop when it is back.
+                await _wait(worker.wake, fetch_timeout_s)
+                continue
+            if budget.free >= len(pullers):
+                # Room for every consumer: all long-poll at once, most important first.
+                for puller in pullers:
+                    await puller.pull()
+            else:
+                # Fewer free slots than consumers: a long-poll on an empty queue would hold a slot
+                # that a busy queue needs, so consumers take short turns in rotation instead.
+                for i in range(len(pullers)):
+                    puller = pullers[(turn + i) % len(pullers)]
+                    if await puller.pull(SCARCE_POLL_S):
+                        turn = (turn + i + 1) % len(pullers)
+            FREE_SLOTS.set(budget.free)
+            await _wait(worker.wake, fetch_timeout_s)
+
+    def on_request(self, msg: Msg) -> None:
+        worker = self.worker
+        try:
+            request = _request_decoder.decode(msg.data)
+        except msgspec.DecodeError as error:
+            log.error("bad_request_message", error=str(error))
+            worker.background.spawn(msg.term())
+            self.release_slot()
+            return
+        if msg.subject.endswith(self._own_target):
+            worker.stats.pulled_own += 1
+        if request.batch_id is not None and request.request_id in worker.running:
+            # Another attempt of a line this worker already runs (the batch service republished
+            # it after a restart or a lapsed heartbeat): the running one will report the line.
+            log.info("batch_duplicate_dropped", request_id=request.request_id, attempt=request.attempt)
+            worker.background.spawn(msg.ack())
+            self.release_slot()
+            return
+        entry = Attempt(request=request, pause_epoch=worker.pause.epoch)
+        worker.running[request.request_id] = entry
+        if request.tier == "batch":
+            worker.stats.batch_in_flight += 1
+        RUNNING.set(len(worker.running))
+        serve = self.batch.serve if request.batch_id is not None else self.serve
+        entry.task = asyncio.ensure_future(serve(msg, entry))
+
+    def release_slot(self) -> None:
+        self.budget.release(1)
+        self.worker.wake.set()
+
+    # ---- one interactive request -----------------------------------------------------------
+
+    async def serve(self, msg: Msg, entry: Attempt) -> None:
+        worker = self.worker
+        request = entry.request
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, tenant=request.tenant)
+        with tracing.span(tracer, "worker.generate", msg.headers) as trace_headers:
+            status, usage, finish = "failed", m.Usage(prompt_tokens=0, completion_tokens=request.resumed_tokens), None
+            publish_usage = True
+            abandoned: str | None = None  # why this attempt's work is the platform's, not the tenant's
+            try:
+                await msg.ack()
+                if worker.cancels.superseded(request.request_id, request.attempt):
+                    publish_usage = False  # the gateway moved on before this attempt started: no work done
+                    return
+                cancelled = worker.cancels.reason(subjects.reply_owner(request.reply_to), request.request_id)
+                if cancelled is not None:
+                    status, finish = "cancelled", "abort"
+                    # After a deadline the gateway bills what the client got; otherwise nothing ran.
+                    publish_usage = cancelled != "deadline"
+                    return
+                if time.time() > request.deadline:
+                    finish = "error"
+                    worker.events.send(request, m.StreamError(
+                        request_id=request.request_id, attempt=request.attempt, code="timeout",
+                        message="request deadline passed before a worker could start it", status=504,
+                    ))
+                    publish_usage = False  # nothing ran; the gateway bills what the client got
+                    return
+                queue_wait = max(0.0, time.time() - request.created)
+                QUEUE_WAIT.observe(queue_wait)
+                if request.tier != "batch" and request.attempt == 0:
+                    worker.stats.observe_queue_wait(queue_wait)
+                worker.events.send(request, m.Accepted(
+                    request_id=request.request_id, attempt=request.attempt,
+                    worker_id=worker.settings.worker_id, queue_wait=queue_wait,
+                ))
+                status, usage, finish = await self.generate(request, entry, trace_headers)
+                if entry.handed_off:
+                    abandoned = "handoff"  # the next attempt reports the client-visible totals
+                    worker.events.send(request, m.Handoff(
+                        request_id=request.request_id, attempt=request.attempt, worker_id=worker.settings.worker_id
+                    ))
+            except EngineError as error:
+                ENGINE_ERRORS.inc()
+                log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
+                # The gateway bills what the client received when a request ends in an error, and a
+                # retryable one continues elsewhere: this attempt's work is the platform's.
+                abandoned = error.code if error.code == "worker_paused" else "engine_error"
+                worker.events.send(request, m.StreamError(
+                    request_id=request.request_id, attempt=request.attempt, code=error.code,
+                    message=str(error), retryable=error.retryable, status=error.status,
+                ))
+            except Exception as error:  # never leave a client hanging on a bug
+                log.exception("worker_request_failed")
+                worker.events.send(request, m.StreamError(
+                    request_id=request.request_id, attempt=request.attempt, code="internal_error",
+                    message=f"worker failed: {type(error).__name__}", retryable=True, status=500,
+                ))
+                abandoned = "internal_error"
+            finally:
+                worker.running.pop(request.request_id, None)
+                RUNNING.set(len(worker.running))
+                self.release_slot()
+                worker.stats.completed += 1
+                if request.tier == "batch":
+                    worker.stats.batch_in_flight -= 1
+                    worker.stats.completed_batch += 1
+                else:
+                    worker.stats.observe_tpot(entry, usage.completion_tokens - request.resumed_tokens, time.time())
+                REQUESTS.labels(status).inc()
+                structlog.contextvars.unbind_contextvars("request_id", "tenant")
+                if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
+                    # The gateway gave this attempt up (and bills the tenant what the client got).
+                    abandoned = abandoned or ("deadline" if entry.cancel_reason == "deadline" else "superseded")
+                if abandoned is not None:
+                    ABANDONED.labels(abandoned).inc()
+                    if entry.prefilled or entry.completion > request.resumed_tokens:
+                        worker.background.spawn(worker.usage.publish(request, status, entry.work(), finish,
+                                                                     billed_to="platform"))
+                elif publish_usage:
+                    # Spawned, not awaited: this also runs after the early returns above.
+                    worker.background.spawn(worker.usage.publish(request, status, usage, finish))
+
+    async def generate(
+        self, request: m.InferenceRequest, entry: Attempt, trace_headers: dict[str, str]
+    ) -> tuple[str, m.Usage, str | None]:
+        """Run `request` on the engine: interactive tokens stream to the gateway as they come;
+        a batch line's are kept on `entry` for its one result."""
+        worker = self.worker
+        seq = 0
+        completion = request.resumed_tokens
+        prompt_tokens = request.prompt_tokens
+        cached = 0
+        batch = request.batch_id is not None
+        update: EngineUpdate
+        if request.adapter:
+            await worker.adapters.ensure(request.adapter)
+        async for update in engine_stream(worker.engine, worker.adapters, request, trace_headers, worker.watch.down):
+            if not entry.prefilled:
+                entry.prefilled = True
+                entry.first_token_at = time.time()
+                if request.tier != "batch" and request.attempt == 0:  # a migration's TTFT is not the client's
+                    worker.stats.observe_ttft(entry.first_token_at - request.created)
+                worker.load_changed.set()  # its prefill is done: tell the router now, not at the next tick
+            completion = request.resumed_tokens + update.completion_tokens
+            if prompt_tokens is None and update.prompt_tokens is not None:
+                prompt_tokens = max(0, update.prompt_tokens - request.resumed_tokens)
+            cached = min(update.cached_tokens, prompt_tokens or 0)
+            entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
+            if not batch:
+                worker.watch.tick()
+                if entry.pause_epoch != worker.pause.epoch:
+                    # This worker was stopped mid-stream, long enough to be declared dead: the
+                    # gateway may already continue it elsewhere. Give it up, whichever it did;
+                    # the client sees one stream either way.
+                    await worker.engine.abort(request.engine_rid())
+                    raise EngineError("the worker was paused; continuing on another worker", code="worker_paused",
+                                      retryable=True, status=503)
+            if batch:  # no stream to a client: the line's text is kept for its one result
+                entry.text_parts.append(update.text)
+                entry.token_ids.extend(update.token_ids)
+                if update.finish is None:
+                    await self.batch.checkpoint(entry)
+                    continue
+            if update.finish is None:
+                worker.events.send(request, m.TokenChunk(
+                    request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
+                    completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
+                    token_ids=update.token_ids, logprobs=update.logprobs,
+                ))
+                seq += 1
+                continue
+            finish_type = update.finish.get("type")
+            reason: m.FinishReason = {"stop": "stop", "length": "length", "abort": "abort"}.get(finish_type, "stop")  # type: ignore[arg-type,assignment]
+            matched = update.finish.get("matched")
+            usage = m.Usage(prompt_tokens=prompt_tokens or 0, completion_tokens=completion, cached_tokens=cached)
+            entry.matched = matched if isinstance(matched, str) else None
+            if not entry.handed_off and not batch:
+                worker.events.send(request, m.Final(
+                    request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
+                    finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
+                    worker_id=worker.settings.worker_id, token_ids=update.token_ids, logprobs=update.logprobs,
+                ))
+            status = "cancelled" if reason == "abort" else "completed"
+            return status, usage, reason
+        raise EngineError("engine stream ended early", retryable=True, status=502)
+
+
+async def engine_stream(engine: EngineClient, adapters: Adapters, request: m.InferenceRequest,
+                        headers: dict[str, str], engine_down: Callable[[str], None]) -> AsyncIterator[EngineUpdate]:
+    """The engine's stream for `request`. An adapter the engine says it never loaded (it restarted
+    since) is loaded again and the request sent once more: the refusal comes before any token.
+    `engine_down` is told when the engine does not answer."""
+    for attempt in (0, 1):
+        try:
+            async for update in engine.generate(request, headers):
+                yield update
+            return
+        except EngineError as error:
+            if error.code == "engine_unavailable":
+                engine_down(str(error))
+            if attempt or error.code != "adapter_not_loaded" or not request.adapter:
+                raise
+            log.warning("adapter_lost_by_engine", adapter=request.adapter, error=str(error))
+            adapters.forget(request.adapter)
+            await adapters.ensure(request.adapter)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout=timeout)
+    except asyncio.TimeoutError:
+        pass

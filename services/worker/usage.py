@@ -1,0 +1,57 @@
+"""Usage events, the billing ledger's input: written to a local outbox on disk first, then
+published to JetStream until it acknowledges them (what a previous run left is published at start).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+
+from inferbus import logs
+from inferbus.outbox import Outbox
+from inferbus.replies import Replies
+from proto import messages as m
+from proto import subjects
+
+log = logs.get(__name__)
+
+
+class UsageReporter:
+    def __init__(self, outbox: Outbox, worker_id: str) -> None:
+        self.outbox = outbox
+        self.worker_id = worker_id
+
+    @classmethod
+    async def open(cls, state_dir: str, worker_id: str, replies: Replies) -> UsageReporter:
+        async def publish(subject: str, data: bytes, msg_id: str) -> None:
+            await replies.publish_durable(subject, data, msg_id)
+
+        outbox = Outbox(Path(state_dir) / f"usage-outbox-{worker_id}.sqlite3", publish)
+        await outbox.start()
+        return cls(outbox, worker_id)
+
+    async def publish(self, request: m.InferenceRequest, status: str, usage: m.Usage, finish: str | None,
+                      billed_to: str = "tenant") -> None:
+        if request.choice and billed_to == "tenant":  # n > 1: the first choice bills the prompt
+            usage = m.Usage(prompt_tokens=0, completion_tokens=usage.completion_tokens)
+        event = m.UsageEvent(
+            request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
+            tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
+            worker_id=self.worker_id, attempts=request.attempt + 1, finish_reason=finish,
+            api_key_id=request.api_key_id, batch_id=request.batch_id, billed_to=billed_to,  # type: ignore[arg-type]
+            attempt=request.attempt,
+        )
+        try:
+            await self.outbox.add(subjects.usage_subject(request.tenant), m.encode(event), m.usage_msg_id(event))
+        except Exception as error:
+            # The disk refused it: the ledger will miss this event, so say so loudly.
+            log.error("usage_outbox_write_failed", request_id=request.request_id, error=repr(error),
+                      usage=msgspec.to_builtins(usage))
+
+    async def close(self) -> None:
+        """Deliver what JetStream will take now; what it does not stays on disk for the next run."""
+        if not await self.outbox.drained(timeout=5):
+            log.warning("usage_outbox_pending_at_exit", path=str(self.outbox.path))
+        await self.outbox.stop()
