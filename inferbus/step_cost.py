@@ -8,11 +8,12 @@ fleet and each worker enforces it where lines are pulled; both take `base` and `
 engine's GPU and tensor-parallel width (which the worker reads from the engine and reports), so a
 fleet of H200s is not capped with H100 numbers.
 
-`base` and `per_seq` come from the roofline timing model (`services.sim_engine.perf_model`) at a
-typical 2,048-token context per sequence: H100 TP2 gives 18.6 ms with one sequence and 39.9 ms
-with 128, so ≈ 0.168 ms per added sequence (that module gives each constant with its public
-source). An engine the model does not know (SGLang does not report its GPU) is capped with the
-configured constants.
+`base` and `per_seq` of H100 TP2 at a typical 2,048-token context per sequence are the reference
+(18.6 ms with one sequence, 39.6 ms with 128: 0.165 ms per added sequence); other GPUs and TP
+widths scale them by the roofline timing model (`services.sim_engine.perf_model`, which
+gives each of its constants with its public source): an engine's cost is the H100 TP2 constants
+times the model's ratio between that engine and H100 TP2. An engine the model does not know
+(SGLang does not report its GPU) is capped with the configured constants.
 """
 
 from __future__ import annotations
@@ -41,20 +42,29 @@ class StepCost:
         return self.base_s / self.per_seq_s
 
 
-# Where the engine's GPU is unknown: the model's H100 TP2 values (latency preset, 2k context), rounded.
-DEFAULT = StepCost(base_s=0.0186, per_seq_s=0.000168)
+# H100 TP2, latency preset, 2k context; also where the engine's GPU is unknown.
+DEFAULT = StepCost(base_s=0.0186, per_seq_s=0.000165)
+_REFERENCE = ("H100", 2)  # what DEFAULT was measured on
+
+
+def _model_cost(gpu: str, tp: int) -> tuple[float, float]:
+    model = roofline(gpu, tp)
+    base = model.step_time(1, CONTEXT_TOKENS)
+    per_seq = (model.step_time(_FIT_BATCH, _FIT_BATCH * CONTEXT_TOKENS) - base) / (_FIT_BATCH - 1)
+    return base, per_seq
 
 
 @functools.cache
 def engine_step_cost(gpu: str, tp: int) -> StepCost | None:
-    """The timing model's step cost for `tp` GPUs of type `gpu`; None when it does not know them."""
+    """The step cost of `tp` GPUs of type `gpu`: DEFAULT scaled by the timing model; None when the
+    model does not know them."""
     try:
-        model = roofline(gpu, tp)
+        base, per_seq = _model_cost(gpu, tp)
     except ValueError:
         return None
-    base = model.step_time(1, CONTEXT_TOKENS)
-    per_seq = (model.step_time(_FIT_BATCH, _FIT_BATCH * CONTEXT_TOKENS) - base) / (_FIT_BATCH - 1)
-    return StepCost(base_s=base, per_seq_s=per_seq)
+    reference_base, reference_per_seq = _model_cost(*_REFERENCE)
+    return StepCost(base_s=DEFAULT.base_s * base / reference_base,
+                    per_seq_s=DEFAULT.per_seq_s * per_seq / reference_per_seq)
 
 
 def step_cost(gpu: str, tp: int, fallback: StepCost = DEFAULT) -> StepCost:

@@ -10,11 +10,12 @@ from services.batch.feed import FeedPolicy
 from services.worker.preemption import PreemptionConfig, PreemptionPolicy
 
 
-def test_the_default_is_the_timing_models_h100_tp2() -> None:
-    model = step_cost.engine_step_cost("H100", 2)
-    assert model is not None
-    assert model.base_s == pytest.approx(step_cost.DEFAULT.base_s, rel=0.01)
-    assert model.per_seq_s == pytest.approx(step_cost.DEFAULT.per_seq_s, rel=0.01)
+def test_h100_tp2_is_the_reference_and_other_engines_scale_by_the_timing_model() -> None:
+    assert step_cost.engine_step_cost("H100", 2) == step_cost.DEFAULT
+    h200, model = step_cost.engine_step_cost("H200", 2), step_cost._model_cost
+    assert h200 is not None
+    assert h200.base_s / step_cost.DEFAULT.base_s == pytest.approx(model("H200", 2)[0] / model("H100", 2)[0])
+    assert h200.per_seq_s / step_cost.DEFAULT.per_seq_s == pytest.approx(model("H200", 2)[1] / model("H100", 2)[1])
 
 
 def test_known_gpus_come_from_the_model_unknown_ones_from_the_fallback() -> None:

@@ -53,7 +53,7 @@ class BatchSettings:
     max_slowdown: float = env("INFERBUS_BATCH_MAX_SLOWDOWN", 0.06, "Engine step-time increase batch lines may cause (sets the lines per worker).")
     reserve_slots: int = env("INFERBUS_BATCH_RESERVE_SLOTS", 4, "Slots per worker batch never takes (room for interactive arrivals).")
     step_base_s: float = env("INFERBUS_BATCH_STEP_BASE_S", 0.0186, "Engine step time with one sequence, for workers whose engine's GPU and TP the timing model does not know (others are capped by theirs); default H100 TP2.")
-    step_per_seq_s: float = env("INFERBUS_BATCH_STEP_PER_SEQ_S", 0.000168, "Engine step time added per running sequence, for the same workers.")
+    step_per_seq_s: float = env("INFERBUS_BATCH_STEP_PER_SEQ_S", 0.000165, "Engine step time added per running sequence, for the same workers.")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9105, "Port of the batch service's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
 
