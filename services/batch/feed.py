@@ -150,6 +150,8 @@ class FeedPolicy:
     def __init__(self, clock: Callable[[], float], config: FeedConfig = FeedConfig()) -> None:
         self.clock = clock
         self.config = config
+        # For workers whose GPU the timing model does not know.
+        self._fallback_cost = StepCost(config.step_base_s, config.step_per_seq_s)
         self._workers: dict[str, _Worker] = {}
         self._target = 0.0
         self._last_update: float | None = None
@@ -217,7 +219,7 @@ class FeedPolicy:
         c = self.config
         interactive_running = max(0, load.in_flight - load.batch_in_flight)
         # The engine's own GPU and TP when the timing model knows them, else the configured constants.
-        cost = step_cost.step_cost(load.gpu, load.tp, StepCost(c.step_base_s, c.step_per_seq_s))
+        cost = step_cost.step_cost(load.gpu, load.tp, self._fallback_cost)
         by_step = step_cost.batch_cap(c.max_slowdown, cost.seqs, interactive_running)
         by_slots = load.max_running - interactive_running - c.reserve_slots
         return max(0, min(by_step, by_slots))
