@@ -40,6 +40,7 @@ from .engine_health import EngineHealth
 from .http import HTTPError
 from .liveness import LivenessThread, PauseDetector
 from .preemption import BatchRun, PreemptionPolicy
+from . import release_check
 from .puller import Puller
 from .settings import WorkerSettings
 from .slots import SlotBudget
@@ -160,6 +161,8 @@ class Worker:
     _superseded: dict[tuple[str, int], None] = field(default_factory=dict)  # attempts given up before we pulled them
     _verifying: asyncio.Task[None] | None = None
     _holding_pulls: bool = False  # verifying engine and consumers: pull nothing until done
+    release: m.Release | None = None  # verified at start (INFERBUS_WORKER_RELEASE); None: unpinned
+    release_counts: release_check.ReleaseCounters = field(default_factory=lambda: release_check.ReleaseCounters(None))
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
@@ -195,6 +198,10 @@ class Worker:
             await asyncio.sleep(s.sim_cold_start_s)
         await self._wait_for_engine()
         self._engine_info = await self.engine.server_info()
+        self.release = await release_check.verify_at_start(self.js, s.release, s.model, s.model_dir, self._engine_info)
+        self.release_counts = release_check.ReleaseCounters(self.release)
+        if self.release is not None:
+            structlog.contextvars.bind_contextvars(release=self.release.id)
         self.preemption = PreemptionPolicy(s.preemption(), engine_priority=s.engine_has_priority(self._engine_info))
         try:
             capacity = s.max_running or engine_max_running(self._engine_info)
@@ -550,6 +557,7 @@ class Worker:
                     self._completed_batch += 1
                 else:
                     self._observe_tpot(entry, usage.completion_tokens - request.resumed_tokens)
+                    self.release_counts.count(status)
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
                 if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
@@ -984,7 +992,7 @@ class Worker:
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.settings.worker_id, attempts=request.attempt + 1, finish_reason=finish,
             api_key_id=request.api_key_id, batch_id=request.batch_id, billed_to=billed_to,  # type: ignore[arg-type]
-            attempt=request.attempt,
+            attempt=request.attempt, release=self.release_counts.release_id,
         )
         try:
             await self.outbox.add(subjects.usage_subject(request.tenant), m.encode(event), m.usage_msg_id(event))
@@ -1096,6 +1104,7 @@ class Worker:
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
+            release=self.release_counts.release_id,
         )
 
     def _max_adapters(self) -> int:
@@ -1203,6 +1212,7 @@ class Worker:
             phase=self.phase, batch_in_flight=self._batch_in_flight, completed_batch=self._completed_batch,
             batch_waiting=self._batch_waiting(),
             ttft_hist=list(self._ttft_hist), queue_wait_hist=list(self._queue_wait_hist), tpot_fine_hist=list(self._tpot_hist),
+            **self.release_counts.load_fields(),
         )
 
     async def _publish_idle_load(self) -> None:
