@@ -141,6 +141,7 @@ class InferenceRequest(_Message, tag="request"):
     # The release this request was assigned to (a canary's split, or a client's pin): the router
     # places it on a worker of that release only. None: any worker of the model.
     release: str | None = None
+    release_pinned: bool = False  # the client pinned `release`: no other release may serve it
     # Migration: the token ids already streamed to the client; the next attempt continues from
     # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
     resumed_ids: list[int] = []
@@ -486,6 +487,7 @@ class PlacementRequest(_Message):
     block_hashes: list[int] = []
     block_size: int = 0
     release: str | None = None  # place on a worker of this release only (InferenceRequest.release)
+    pinned: bool = False  # the client asked for `release`: no other release may serve it
 
 
 class PlacementReply(_Message):

@@ -83,6 +83,7 @@ class WorkerView:
     block_size: int = 0
     max_adapters: int = 0
     adapters: frozenset[str] = frozenset()
+    release: str = ""  # the release the worker verified it serves ("" unpinned)
     reported_load: int = 0  # running + waiting in the engine at the last report
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
@@ -119,6 +120,13 @@ def _set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None 
     view.base_cost = (queued / config.prefill_tokens_per_s
                       + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
 
+
+
+def release_candidates(found: list[WorkerView], request: m.PlacementRequest) -> list[WorkerView]:
+    """Workers of the release the gateway assigned (a canary's split, or a client's pin). When none
+    is up, a split request goes to the others rather than fail; a pinned one is placed nowhere."""
+    of_release = [view for view in found if view.release == request.release]
+    return of_release if of_release or request.pinned else found
 
 @dataclass
 class Policy(abc.ABC):
@@ -170,6 +178,7 @@ class Policy(abc.ABC):
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
         view.adapters = frozenset(beat.adapters)
+        view.release = beat.release
         self._refresh(view)
 
     def touch(self, worker_id: str) -> bool:
@@ -259,12 +268,14 @@ class Policy(abc.ABC):
             adapter = request.adapter
             # Engines without LoRA support cannot serve it at all.
             found = [view for view in found if view.max_adapters > 0 or adapter in view.adapters]
+        if request.release:
+            found = release_candidates(found, request)
         return found
 
     def place(self, request: m.PlacementRequest, record: bool = True) -> m.PlacementReply:
         """Choose a worker. With `record=False` the caller must call `record` with the reply (the
         router service answers first and updates its view after, off the request's path)."""
-        fast = self._fast_choose(request) if self._fast is not None and not request.adapter else None
+        fast = self._fast_choose(request) if self._fast is not None and not request.adapter and not request.release else None
         if fast is not None:
             chosen, cached_blocks = fast, 0
         else:

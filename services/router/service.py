@@ -30,6 +30,8 @@ from proto import messages as m
 from proto import subjects
 
 from . import recovery
+from .canary import CanaryService
+from inferbus.releases.slo_gate import SloConfig
 from .policy import Policy, RoutingConfig, make_policy
 from .settings import RouterSettings
 
@@ -90,6 +92,10 @@ class Router:
         await self.nc.subscribe(subjects.placed_wildcard(), cb=self._on_placed, pending_msgs_limit=1_000_000)
         # Placement requests last: by then the view is being built.
         await self.nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=self._on_place)
+        self.canary = CanaryService(self.nc, self.router_id, SloConfig(
+            min_samples=s.canary_min_samples, latency_tolerance=s.canary_latency_tolerance,
+            error_tolerance=s.canary_error_tolerance, cancel_tolerance=s.canary_cancel_tolerance), tick_s=s.canary_tick_s)
+        await self.canary.start()
         self._tasks = [
             asyncio.create_task(self._watch(), name="watch-workers"),
             asyncio.create_task(self._expire(), name="expire"),
@@ -101,6 +107,7 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await self.watcher.stop()
+        await self.canary.stop()
         await self.replies.stop()
         await self.nc.drain()
 
@@ -167,7 +174,9 @@ class Router:
 
     async def _on_load(self, msg: Msg) -> None:
         try:
-            self.policy.on_load(_load_decoder.decode(msg.data))
+            load = _load_decoder.decode(msg.data)
+            self.policy.on_load(load)
+            self.canary.on_load(load)
         except msgspec.DecodeError:
             pass
 
