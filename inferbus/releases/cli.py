@@ -26,8 +26,9 @@ T = TypeVar("T")
 
 
 def _run(nats_url: str | None, work: Callable[[Any, Any], Awaitable[T]]) -> T:
-    from inferbus import bus, local_platform
+    from inferbus import bus, local_platform, logs
 
+    logs.configure("inferbus-cli", "error")  # JSON logs on stderr, and only when something is wrong
     chosen = local_platform.nats_url(nats_url)
     click.echo(chosen.note, err=True)
 
