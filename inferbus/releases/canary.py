@@ -77,16 +77,22 @@ class Controller:
             return self._done(Change("rollback", rollback(rollout, now, slo.reason), slo.reason, slo.numbers))
         if now - rollout.step_started < rollout.window_s:
             return None
-        waiting = []
+        waiting, gates = [], []
         if slo.outcome == "wait":
             waiting.append(slo.reason)
+            gates.append("slo")
         if rollout.eval_suite and rollout.eval_verdict != "pass":
-            waiting.append(f"eval gate: waiting for `inferbus eval {rollout.eval_suite} --release {rollout.candidate[7:19]}`")
+            verdict = f"the last run was {rollout.eval_verdict}; " if rollout.eval_verdict else ""
+            waiting.append(f"eval gate: {verdict}waiting for a pass of "
+                           f"`inferbus eval {rollout.eval_suite} --release {rollout.candidate[7:19]}`")
+            gates.append(f"eval:{rollout.eval_verdict}")
         if waiting:
-            reason = "holding at {:.0%}: {}".format(rollout.share, "; ".join(waiting))
-            if self._held.get(rollout.model) == reason:
+            # Said once per step and set of waiting gates, not on every tick while samples come in.
+            key = f"{rollout.step_started} {' '.join(gates)}"
+            if self._held.get(rollout.model) == key:
                 return None
-            self._held[rollout.model] = reason
+            self._held[rollout.model] = key
+            reason = "holding at {:.0%}: {}".format(rollout.share, "; ".join(waiting))
             return Change("hold", msgspec.structs.replace(rollout, reason=reason), reason, slo.numbers)
         next_step = rollout.step + 1
         share = rollout.steps[next_step] if next_step < len(rollout.steps) else 1.0

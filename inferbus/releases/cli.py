@@ -250,17 +250,18 @@ def release_status(model: str | None, history: bool, as_json: bool, nats_url: st
     """Where each model stands: its stable release, a canary's candidate, share, gates and why."""
 
     async def work(nc: Any, kv: Any) -> list[list[m.Rollout]]:
+        from .follow import Rollouts
+
+        current = Rollouts()
+        await current.start(nc.jetstream())
         try:
-            keys = await kv.keys(filters=["rollout.>"])
-        except Exception:  # nats-py raises NoKeysError on none
-            keys = []
+            await asyncio.wait_for(current.loaded.wait(), 10)
+        finally:
+            await current.stop()
         found = []
-        for key in keys:
-            entry = await kv.get(key)
-            rollout = store.decode_rollout(entry.value)
-            if rollout is None or (model is not None and rollout.model != model):
-                continue
-            found.append(await store.rollout_history(kv, rollout.model) if history else [rollout])
+        for name, rollout in sorted(current.by_model.items()):
+            if model is None or name == model:
+                found.append(await store.rollout_history(kv, name) if history else [rollout])
         return found
 
     found = _run(nats_url, work)

@@ -54,18 +54,15 @@ async def get_release(kv: KeyValue, release_id: str) -> m.Release | None:
 
 
 async def releases(kv: KeyValue) -> list[m.Release]:
-    try:
-        keys = await kv.keys(filters=["release.>"])
-    except NoKeysError:
-        return []
+    # A watch of the key range, read to its end: the current value of every release key.
+    watcher = await kv.watch("release.>", ignore_deletes=True)
     found = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            continue
-        if entry.value:
-            found.append(_release.decode(entry.value))
+    try:
+        while (entry := await watcher.updates(timeout=10)) is not None:
+            if entry.value:
+                found.append(_release.decode(entry.value))
+    finally:
+        await watcher.stop()
     return sorted(found, key=lambda r: r.created)
 
 
