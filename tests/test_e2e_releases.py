@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -188,7 +187,7 @@ def decisions(platform: Platform, model: str, until: set[str], timeout: float) -
         await nc.subscribe(subjects.release_subject(model), cb=on)
         try:
             await asyncio.wait_for(done.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         await nc.close()
         return seen

@@ -26,8 +26,8 @@ def model_dir(tmp_path: Path, llama3_model_dir: Path) -> Path:
 
 
 def make(model_dir: Path, **overrides: object) -> m.Release:
-    options: dict = dict(repo="meta-llama/Llama-3.3-70B-Instruct", revision=COMMIT, engine_image=IMAGE,
-                         engine_flags={"quantization": "fp8", "tp_size": 2})
+    options: dict = {"repo": "meta-llama/Llama-3.3-70B-Instruct", "revision": COMMIT, "engine_image": IMAGE,
+                     "engine_flags": {"quantization": "fp8", "tp_size": 2}}
     options.update(overrides)
     return record.build_release("llama", model_dir, **options)
 

@@ -10,6 +10,7 @@ holds the step until it can. Every change comes out as a `Change`, whose reason 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ def start(stable: str, candidate: str, model: str, first: float, now: float, *, 
     if window_s <= 0:
         raise ValueError("the window must be positive")
     steps = steps or steps_from(first)
-    if any(b <= a for a, b in zip(steps, steps[1:])) or steps[-1] != 1.0:
+    if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != 1.0:
         raise ValueError(f"steps must increase and end at 1.0 (100%), got {steps}")
     return m.Rollout(
         model=model, stable=stable, state="canary", candidate=candidate, share=steps[0], steps=steps, step=0,

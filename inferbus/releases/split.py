@@ -30,9 +30,10 @@ def assign(rollout: m.Rollout | None, tenant: str, block_hashes: list[int]) -> s
     """The release id that serves this request (None: the model has no rollout, any worker)."""
     if rollout is None:
         return None
-    if rollout.state == "canary" and rollout.candidate and rollout.share > 0:
-        if rollout.share >= 1 or position(rollout.model, sticky_key(rollout, tenant, block_hashes)) < rollout.share:
-            return rollout.candidate
+    on_candidate = rollout.state == "canary" and rollout.candidate and rollout.share > 0 and (
+        rollout.share >= 1 or position(rollout.model, sticky_key(rollout, tenant, block_hashes)) < rollout.share)
+    if on_candidate:
+        return rollout.candidate
     return rollout.stable
 
 

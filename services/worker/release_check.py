@@ -110,5 +110,5 @@ class ReleaseCounters:
             self.failed += 1
 
     def load_fields(self) -> dict[str, Any]:
-        return dict(release=self.release_id, finished_ok=self.ok, finished_failed=self.failed,
-                    finished_cancelled=self.cancelled)
+        return {"release": self.release_id, "finished_ok": self.ok, "finished_failed": self.failed,
+                "finished_cancelled": self.cancelled}
