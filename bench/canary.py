@@ -35,9 +35,9 @@ FLEET_RATE = 833.0  # req/s: the platform's design peak
 SHARE = 0.05
 ENGINE_RATE = 18.0  # req/s per engine: a fleet at ~80% of its goodput
 WINDOWS_S = (60.0, 300.0)
-FACTORS = (1.0, 1.03, 1.05, 1.08, 1.10, 1.12, 1.15, 1.2, 1.3)
+FACTORS = (1.0, 1.05, 1.10, 1.15, 1.2, 1.3)
 TRIALS = 200
-POOL_S = 300.0  # virtual seconds of traffic per simulated engine pool
+POOL_S = 150.0  # virtual seconds of traffic per simulated engine pool
 
 
 @dataclass

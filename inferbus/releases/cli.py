@@ -129,6 +129,18 @@ def release_create(model: str, model_dir: str, repo: str, revision: str, engine_
                f"{model}, {len(built.files)} files, {sum(f.size for f in built.files):,} bytes.", err=True)
 
 
+@release.command("digest")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+def release_digest(directory: str) -> None:
+    """Print the digest of DIRECTORY's files (sha256 over each file's path and sha256): the version
+    to register a LoRA adapter with (`inferbus adapters register NAME --version ...`), which
+    workers check the adapter's files against on every load."""
+    try:
+        click.echo(record.directory_digest(directory))
+    except record.InvalidRelease as error:
+        raise click.ClickException(str(error)) from None
+
+
 @release.command("list")
 @click.option("--model", default=None, help="Only this model's releases.")
 @_nats_option
