@@ -160,7 +160,7 @@ def release_list(model: str | None, nats_url: str | None) -> None:
 def release_show(reference: str, nats_url: str | None) -> None:
     """One release record as JSON (REFERENCE: its id or a unique prefix)."""
     found = _run(nats_url, lambda nc, kv: store.resolve(kv, reference))
-    click.echo(json.dumps(msgspec.to_builtins(found), indent=2))
+    click.echo(json.dumps(msgspec.to_builtins(msgspec.structs.asdict(found)), indent=2))
 
 
 @release.command("stable")
@@ -277,7 +277,9 @@ def release_status(model: str | None, history: bool, as_json: bool, nats_url: st
 
     found = _run(nats_url, work)
     if as_json:
-        click.echo(json.dumps([msgspec.to_builtins(states) for states in found], indent=2))
+        # Every field, defaults included (the wire encoding leaves them out).
+        click.echo(json.dumps([[msgspec.to_builtins(msgspec.structs.asdict(r)) for r in states] for states in found],
+                              indent=2))
         return
     if not found:
         click.echo("No model has a release yet (`inferbus release create`, then `inferbus release stable`).")
