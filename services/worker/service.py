@@ -555,7 +555,7 @@ class Worker:
                 if request.tier == "batch":
                     self._batch_in_flight -= 1
                     self._completed_batch += 1
-                else:
+                elif not request.release_pinned:
                     self._observe_tpot(entry, usage.completion_tokens - request.resumed_tokens)
                     self.release_counts.count(status)
                 REQUESTS.labels(status).inc()
@@ -587,7 +587,9 @@ class Worker:
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()
-                if request.tier != "batch" and request.attempt == 0:  # a migration's TTFT is not the client's
+                # A migration's TTFT is not the client's; a pinned request (an eval run) is not the
+                # canary's traffic, whose latencies these histograms also carry to its SLO gate.
+                if request.tier != "batch" and request.attempt == 0 and not request.release_pinned:
                     m.observe(self._ttft_hist, m.LATENCY_BUCKETS_S, entry.first_token_at - request.created)
                 self._load_changed.set()  # its prefill is done: tell the router now, not at the next tick
             completion = request.resumed_tokens + update.completion_tokens
