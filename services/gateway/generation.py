@@ -177,7 +177,7 @@ class Generation:
             cached_tokens=usage.cached_tokens if usage else None,
             ttft_ms=round((call.first_token_at - call.started) * 1000, 2) if call.first_token_at else None,
             duration_ms=round((time.monotonic() - call.started) * 1000, 2),
-            attempts=flight.request.attempt + 1, worker=flight.worker_id,
+            attempts=flight.request.attempt + 1, worker=flight.worker_id, release=flight.request.release,
         )
 
     # ---- admission: auth, parsing, publishing -----------------------------------------------
