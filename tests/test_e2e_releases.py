@@ -280,7 +280,7 @@ def test_worse_eval_candidate_is_rolled_back_by_the_eval_gate(platform: Platform
     replicas.start(broken_dir, broken)
     start_canary(platform, broken, "--eval-suite", "arithmetic")
 
-    result = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(broken), "--repeats", "5",
+    result = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(broken), "--repeats", "8",
                                        "--url", platform.stack.gateway_url, "--api-key", platform.api_key,
                                        "--nats-url", platform.stack.nats_url])
     assert result.exit_code == 1, result.output
