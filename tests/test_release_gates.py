@@ -42,6 +42,17 @@ def test_split_by_prefix_and_after_the_canary() -> None:
     assert split.match_pin(by_prefix, "cccccccc") is None
 
 
+def test_router_places_on_the_assigned_release() -> None:
+    from services.router.policy import WorkerView
+
+    views = [WorkerView("a", "llama", 0.0, release=STABLE), WorkerView("b", "llama", 0.0, release=CANDIDATE),
+             WorkerView("c", "llama", 0.0)]
+    assert [v.worker_id for v in split.workers_of(views, CANDIDATE, pinned=False)] == ["b"]
+    other = "sha256:" + "c" * 64
+    assert [v.worker_id for v in split.workers_of(views, other, pinned=False)] == ["a", "b", "c"]  # rather than fail
+    assert split.workers_of(views, other, pinned=True) == []  # a pin is never served by another release
+
+
 def window(ttft_s: float, tpot_s: float, n: int, rng: random.Random, failed: int = 0, cancelled: int = 0) -> slo_gate.Window:
     w = slo_gate.Window()
     for _ in range(n):

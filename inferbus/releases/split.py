@@ -10,8 +10,17 @@ grows: prefix caches on both sides stay warm.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from proto import messages as m
+
+
+class _Worker(Protocol):
+    release: str
+
+
+W = TypeVar("W", bound=_Worker)
 
 
 def position(model: str, key: str) -> float:
@@ -46,3 +55,10 @@ def match_pin(rollout: m.Rollout | None, pin: str) -> str | None:
         if release and release.removeprefix("sha256:").startswith(wanted):
             return release
     return None
+
+
+def workers_of(found: Sequence[W], release: str, *, pinned: bool) -> list[W]:
+    """The router's filter: workers of the release a request was assigned. When none is up, a
+    split request goes to the others rather than fail; a pinned one is placed on none."""
+    of_release = [worker for worker in found if worker.release == release]
+    return of_release if of_release or pinned else list(found)

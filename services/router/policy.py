@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.releases import split
 from proto import messages as m
 from proto import subjects
 
@@ -120,13 +121,6 @@ def _set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None 
     view.base_cost = (queued / config.prefill_tokens_per_s
                       + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
 
-
-
-def release_candidates(found: list[WorkerView], request: m.PlacementRequest) -> list[WorkerView]:
-    """Workers of the release the gateway assigned (a canary's split, or a client's pin). When none
-    is up, a split request goes to the others rather than fail; a pinned one is placed nowhere."""
-    of_release = [view for view in found if view.release == request.release]
-    return of_release if of_release or request.pinned else found
 
 @dataclass
 class Policy(abc.ABC):
@@ -268,8 +262,8 @@ class Policy(abc.ABC):
             adapter = request.adapter
             # Engines without LoRA support cannot serve it at all.
             found = [view for view in found if view.max_adapters > 0 or adapter in view.adapters]
-        if request.release:
-            found = release_candidates(found, request)
+        if request.release:  # a canary's split or a client's pin (inferbus.releases)
+            found = split.workers_of(found, request.release, pinned=request.pinned)
         return found
 
     def place(self, request: m.PlacementRequest, record: bool = True) -> m.PlacementReply:
