@@ -2,10 +2,10 @@
 
 One virtual clock, one event heap, no network. What runs is production code where it decides:
 
-- placement: `services.router.policy` (least-loaded or affinity), fed `Heartbeat` and `WorkerLoad`
-  messages as the router service is, asked `place(PlacementRequest)` per request. The simulator
-  turns on the policy's opt-in fast path (`Policy.enable_fast_path`: same choice distribution,
-  O(√n) in C instead of O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
+- placement: `services.router.placement` (least-loaded or affinity), its registry fed `Heartbeat`
+  and `WorkerLoad` messages as the router service's is. The simulator draws placements with a
+  `sampler.LoadSampler` (the same choice distribution as `Placer.place`, O(√n) in C instead of
+  O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
   cache hits are statistical, from the mix's cached fraction), so placement is load-only.
 - admission: `services.gateway.overload.OverloadPolicy` (sheds a request whose expected wait
   exceeds its band's budget), fed the same load reports. Its inputs change only when reports
@@ -15,12 +15,12 @@ One virtual clock, one event heap, no network. What runs is production code wher
 
 For speed (the results are the same): while arrivals remain, a serving replica's segment ends are
 not heap events but are applied when something looks at the replica (`_catch_up`); placement goes
-through the policy's `place_load_only` (no message objects); finished requests are accounted in
+through the sampler's `place_load_only` (no message objects); finished requests are accounted in
 batches (`_account_finished`).
 
 Load reports go every `load_interval_s` per replica (the fleet is split into cohorts reporting in
 turn, one heap event per cohort), heartbeats every `heartbeat_interval_s` (an unchanged beat
-through `Policy.touch`); both reach the policy at once (a bus delay of ~1 ms is below the model's
+through `WorkerRegistry.touch`); both reach the router at once (a bus delay of ~1 ms is below the model's
 resolution). A placement the policy answers with no worker (nothing eligible) waits on a shared
 queue until a replica has room.
 
@@ -45,10 +45,13 @@ from typing import Literal, Protocol
 
 from proto import messages as m
 from services.gateway.overload import OverloadPolicy
+from services.router.config import RoutingConfig
+from services.router.placement import make_placer
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.perf_model import FixedStepModel, StepTimeModel, roofline
 
 from .analytic import AnalyticReplica, Req
+from .sampler import LoadSampler
 from .timeseries import INF, Bucket, Minute, Summary, close, quantile, quantiles
 
 # One arrival: (time s, input tokens, output tokens, cached prompt tokens).
@@ -63,8 +66,8 @@ class FastConfig:
     warm: int = 0  # warm (loaded, not serving) at t = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     policy: str = "least_loaded"  # least_loaded | affinity | round_robin (round_robin has no fast path)
-    routing: object | None = None  # services.router.policy.RoutingConfig; None: its defaults
-    fast_placement: bool = True  # the policy's fast path (same distribution; off: its O(n) path)
+    routing: object | None = None  # services.router.config.RoutingConfig; None: its defaults
+    fast_placement: bool = True  # draw with a `LoadSampler` (same distribution; off: `Placer.place`, O(n))
     seed: int = 0
     model: str = DEFAULT_MODEL
     # The live worker reports every 0.25 s; between reports the router counts its own placements,
@@ -172,8 +175,6 @@ class FastFleet:
         step_model: StepTimeModel | None = None,
         progress: Callable[[float], None] | None = None,
     ) -> None:
-        from services.router.policy import RoutingConfig, make_policy
-
         self.config = config
         engine = config.engine
         self.step_model = step_model or (
@@ -186,9 +187,9 @@ class FastFleet:
         self._seq = 0
         self.rng = random.Random(config.seed)
         routing = config.routing or RoutingConfig(block_size=engine.block_size)
-        self.policy = make_policy(config.policy, clock=self.clock, config=routing, rng=random.Random(config.seed))  # type: ignore[arg-type]
-        if config.fast_placement:
-            self.policy.enable_fast_path()
+        self.placer = make_placer(config.policy, clock=self.clock, config=routing, rng=random.Random(config.seed))  # type: ignore[arg-type]
+        self.registry = self.placer.registry
+        self.sampler = LoadSampler(self.placer) if config.fast_placement else None
         self.overload = OverloadPolicy(clock=self.clock, budgets_s={"premium": 10.0, "standard": config.admission_budget_s})
         self.controller: Controller = controller or StaticController()
         self.progress = progress
@@ -220,7 +221,7 @@ class FastFleet:
         self._all_tpot: list[float] = []
         # Requests carry no adapter and no prefix hashes: `place_load_only` is `place` for them,
         # without the message objects.
-        self._place = self.policy.place_load_only
+        self._place = self.sampler.place_load_only if self.sampler is not None else self._place_slow
         self._model = config.model
         self._block_size = engine.block_size
         self._stride = 1  # keep every n-th latency for the run's percentiles (doubles past 1M kept)
@@ -240,6 +241,9 @@ class FastFleet:
 
     def clock(self) -> float:
         return self.now
+
+    def _place_slow(self, model: str, prompt_tokens: int) -> str | None:
+        return self.placer.place(m.PlacementRequest(request_id="", model=model, prompt_tokens=prompt_tokens)).worker_id
 
     # ---- the fleet's controls (for controllers) ------------------------------------------------
 
@@ -564,7 +568,7 @@ class FastFleet:
             queued_prefill_tokens=replica.queued_prefill(), draining=node.state == "draining",
             pulled_own=replica.taken,
         )
-        self.policy.on_load(load)
+        self.registry.on_load(load)
         if self.config.admission:
             self.overload.on_load(load)
 
@@ -578,9 +582,9 @@ class FastFleet:
                 ts=self.now, state=state, max_running=engine.max_running_requests, gpu=engine.gpu, tp=engine.tp,
                 block_size=engine.block_size,
             )
-        elif self.policy.touch(node.name):  # the same beat again: only its arrival time is news
+        elif self.registry.touch(node.name):  # the same beat again: only its arrival time is news
             return
-        self.policy.on_heartbeat(beat)
+        self.registry.on_heartbeat(beat)
 
     def _drain_shared(self) -> None:
         for replica in list(self.serving.values()):
@@ -601,7 +605,7 @@ class FastFleet:
             else:
                 self._serve(node)
         elif kind == _EXPIRE:
-            self.policy.expire()
+            self.registry.expire()
             self._push(self.now + self.config.expire_interval_s, _EXPIRE, None, 0)
         elif kind == _CONTROL:
             signals = self.signals()
@@ -696,7 +700,7 @@ class FastFleet:
         node.warm_target = False
         node.replica.draining = False
         node.beat = None
-        self.policy.on_worker_gone(node.name)  # a warm worker leaves the router's registry
+        self.registry.on_worker_gone(node.name)  # a warm worker leaves the router's registry
 
     def _stop(self, node: _Node) -> None:
         if node.state == "stopped":
@@ -705,7 +709,7 @@ class FastFleet:
         self._started -= 1
         node.state = "stopped"
         self.serving.pop(node.name, None)
-        self.policy.on_worker_gone(node.name)
+        self.registry.on_worker_gone(node.name)
         del self.nodes[node.name]
         self._cohorts[node.cohort].remove(node)
 
@@ -728,7 +732,7 @@ class FastFleet:
         ttft = quantiles(self._all_ttft, 0.5, 0.9, 0.99)
         tpot = quantiles(self._all_tpot, 0.5, 0.9)
         return Summary(
-            policy=self.policy.name, gpu=config.engine.gpu, tp=config.engine.tp, duration_s=duration,
+            policy=self.placer.name, gpu=config.engine.gpu, tp=config.engine.tp, duration_s=duration,
             requests=self.requests, completed=self.completed, rejected=self.rejected,
             unfinished=self._outstanding(), minutes=len(minutes),
             minute_attainment=within / len(minutes) if minutes else math.nan,

@@ -1,7 +1,7 @@
 """A fleet of simulated engines behind the router's placement policy, on one virtual clock.
 
-What runs is the production code: `services.router.policy` decides every placement from the same
-messages the router service receives (`proto.messages` heartbeats, load reports, cache events),
+What runs is the production code: `services.router.placement` (the worker registry and the
+policy) decides every placement from the same messages the router service receives (`proto.messages` heartbeats, load reports, cache events),
 and each replica is a `services.sim_engine.scheduler.Engine` (continuous batching, chunked
 prefill, radix prefix cache, KV capacity, the roofline step time). Only the bus and the worker
 are modelled, simply:
@@ -45,11 +45,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from inferbus.tokens import block_hashes
 from inferbus.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from proto import messages as m
+from services.router.config import RoutingConfig
+from services.router.placement import Placer, make_placer
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.perf_model import StepTimeModel
 from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
@@ -61,20 +63,8 @@ from .report import RunReport, build_report
 from .workload import PromptTokens
 
 
-class PlacementPolicy(Protocol):
-    """What the simulator needs of a policy (`services.router.policy.Policy` has it)."""
-
-    workers: dict[str, Any]
-
-    def on_heartbeat(self, beat: m.Heartbeat) -> None: ...
-    def on_load(self, load: m.WorkerLoad) -> None: ...
-    def on_cache(self, event: m.CacheEvent) -> bool: ...
-    def place(self, request: m.PlacementRequest) -> m.PlacementReply: ...
-    def expire(self) -> list[str]: ...
-
-
-# (clock, rng) -> policy
-PolicyFactory = Callable[[Callable[[], float], random.Random], PlacementPolicy]
+# (clock, rng) -> the router's placement (`services.router.placement.Placer`)
+PlacerFactory = Callable[[Callable[[], float], random.Random], Placer]
 
 
 @dataclass
@@ -82,7 +72,7 @@ class FleetConfig:
     replicas: int = 8
     engine: EngineConfig = field(default_factory=EngineConfig)  # H100 TP2, KV from GPU memory
     policy: str = "affinity"  # affinity | least_loaded | round_robin
-    routing: Any = None  # services.router.policy.RoutingConfig; None: its defaults (block size from `engine`)
+    routing: Any = None  # services.router.config.RoutingConfig; None: its defaults (block size from `engine`)
     seed: int = 0
     model: str = DEFAULT_MODEL
     load_interval_s: float = 0.25
@@ -179,11 +169,9 @@ class Replica:
         return self.prefill_tokens + self.engine.generation_tokens_total
 
 
-def default_policy_factory(name: str, routing: Any) -> PolicyFactory:
-    from services.router.policy import make_policy
-
-    def factory(clock: Callable[[], float], rng: random.Random) -> PlacementPolicy:
-        return make_policy(name, clock=clock, config=routing, rng=rng)
+def default_placer_factory(name: str, routing: Any) -> PlacerFactory:
+    def factory(clock: Callable[[], float], rng: random.Random) -> Placer:
+        return make_placer(name, clock=clock, config=routing, rng=rng)
 
     return factory
 
@@ -200,7 +188,7 @@ class FleetSim:
         config: FleetConfig,
         trace: Sequence[TraceRequest],
         *,
-        policy_factory: PolicyFactory | None = None,
+        placer_factory: PlacerFactory | None = None,
         step_model: StepTimeModel | None = None,
         prompts: PromptTokens | None = None,
         batch: BatchSpec | None = None,
@@ -209,13 +197,12 @@ class FleetSim:
         self.loop = EventLoop()
         self.rng = random.Random(config.seed)
         routing = config.routing
-        if routing is None and policy_factory is None:
-            from services.router.policy import RoutingConfig
-
+        if routing is None and placer_factory is None:
             routing = RoutingConfig(block_size=config.engine.block_size)
-        factory = policy_factory or default_policy_factory(config.policy, routing)
-        self.policy = factory(self.loop.clock, random.Random(config.seed))
-        self.policy_name = config.policy if policy_factory is None else getattr(self.policy, "name", config.policy)
+        factory = placer_factory or default_placer_factory(config.policy, routing)
+        self.placer = factory(self.loop.clock, random.Random(config.seed))
+        self.registry = self.placer.registry
+        self.policy_name = self.placer.name
         self.step_model = step_model
         self.block_size = config.engine.block_size
         self.prompts = prompts or PromptTokens(config.trace_block_tokens)
@@ -234,7 +221,7 @@ class FleetSim:
         self.recovered_queued = 0
         self.shared_placements = 0
         self.resyncs = 0
-        self.placement_s = 0.0  # CPU in policy.place (process time)
+        self.placement_s = 0.0  # CPU in placer.place (process time)
         self.stalled = False
         self._last_progress = 0.0
         self._next_arrival = 0
@@ -318,7 +305,7 @@ class FleetSim:
 
     def _place(self, job: Job) -> None:
         started = time.process_time()
-        reply = self.policy.place(m.PlacementRequest(
+        reply = self.placer.place(m.PlacementRequest(
             request_id=job.rid, model=self.config.model, prompt_tokens=len(job.prompt or ()),
             block_hashes=job.hashes or [], block_size=self.block_size,
         ))
@@ -494,7 +481,7 @@ class FleetSim:
     def _deliver_cache(self, replica: Replica, message: m.CacheEvent) -> None:
         if not replica.alive:
             return
-        if not self.policy.on_cache(message):
+        if not self.registry.on_cache(message):
             self._resync(replica)
 
     def _resync(self, replica: Replica) -> None:
@@ -524,8 +511,8 @@ class FleetSim:
             self.loop.after(self.config.heartbeat_interval_s, self._heartbeat, replica)
 
     def _deliver_heartbeat(self, replica: Replica, beat: m.Heartbeat) -> None:
-        known = replica.worker_id in self.policy.workers
-        self.policy.on_heartbeat(beat)
+        known = replica.worker_id in self.registry.workers
+        self.registry.on_heartbeat(beat)
         if not known:
             self._resync(replica)  # the router asks a joining worker for its cache
 
@@ -549,7 +536,7 @@ class FleetSim:
             ttft_hist=list(replica.ttft_hist), queue_wait_hist=list(replica.queue_wait_hist),
             tpot_fine_hist=list(replica.tpot_fine_hist),
         )
-        self.loop.after(self.config.bus_delay_s, self.policy.on_load, report)
+        self.loop.after(self.config.bus_delay_s, self.registry.on_load, report)
         if self.band is not None:
             self.loop.after(self.config.bus_delay_s, self.band.observe, report)
             self.band.check(replica)  # the worker's preemption check runs on its load tick
@@ -559,7 +546,7 @@ class FleetSim:
     # ---- dead workers ----------------------------------------------------------------------------
 
     def _expire(self) -> None:
-        for worker_id in self.policy.expire():
+        for worker_id in self.registry.expire():
             replica = self.by_id.get(worker_id)
             if replica is not None and not replica.alive and not replica.recovered:
                 self._recover(replica)
