@@ -1,6 +1,7 @@
 """The fast fleet simulator: analytic replicas behind the production placement and admission policies.
 
-One virtual clock, one event heap, no network. What runs is production code where it decides:
+One virtual clock, one event heap, no network. What runs is production code where it decides,
+wired as in the per-step simulator (`wiring`):
 
 - placement: `services.router.placement` (least-loaded or affinity), its registry fed `Heartbeat`
   and `WorkerLoad` messages as the router service's is. The simulator draws placements with a
@@ -41,18 +42,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from proto import messages as m
-from services.gateway.overload import OverloadPolicy
-from services.router.config import RoutingConfig
-from services.router.placement import make_placer
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.perf_model import FixedStepModel, StepTimeModel, roofline
 
 from .analytic import AnalyticReplica, Req
-from .sampler import LoadSampler
-from .timeseries import INF, Bucket, Minute, Summary, close, quantile, quantiles
+from .timeseries import INF, Bucket, Minute, Summary, close, quantiles
+from .wiring import Admission, Controller, FleetSignals, StaticController, fleet_signals, fleet_states, make_placement
+
+__all__ = ["Arrival", "Controller", "FastConfig", "FastFleet", "FleetSignals", "StaticController"]
 
 # One arrival: (time s, input tokens, output tokens, cached prompt tokens).
 Arrival = tuple[float, int, int, int]
@@ -103,49 +103,6 @@ class FastConfig:
             raise ValueError("report_cohorts must be at least 1")
 
 
-@dataclass(frozen=True)
-class FleetSignals:
-    """What a controller sees every `interval_s` (windowed values over the last interval)."""
-
-    t: float
-    window_s: float
-    arrivals: int
-    arrival_rps: float
-    rejected: int
-    completed: int
-    ttft_p90_s: float  # NaN when nothing finished in the window
-    tpot_p90_s: float
-    queue_wait_p90_s: float  # arrival → prefill start
-    kv_use_mean: float  # over serving replicas, now
-    kv_use_max: float
-    running: tuple[int, ...]  # per serving replica, now (in `serving_ids` order)
-    waiting: tuple[int, ...]
-    in_flight: int  # requests held by serving and draining replicas (running + waiting)
-    queued_prefill_tokens: int
-    serving: int
-    warm: int
-    starting: int  # cold starts and promotions in progress
-    draining: int
-    serving_ids: tuple[str, ...] = ()  # least busy first (cheapest to drain)
-    warm_ids: tuple[str, ...] = ()
-
-
-class Controller(Protocol):
-    interval_s: float
-
-    def decide(self, signals: FleetSignals, fleet: FastFleet) -> None: ...
-
-
-@dataclass
-class StaticController:
-    """A fixed fleet: never changes anything."""
-
-    interval_s: float = 60.0
-
-    def decide(self, signals: FleetSignals, fleet: FastFleet) -> None:
-        return None
-
-
 class _Node:
     """A replica's fleet-side state."""
 
@@ -186,11 +143,10 @@ class FastFleet:
         self.heap: list[tuple[float, int, int, object, int]] = []
         self._seq = 0
         self.rng = random.Random(config.seed)
-        routing = config.routing or RoutingConfig(block_size=engine.block_size)
-        self.placer = make_placer(config.policy, clock=self.clock, config=routing, rng=random.Random(config.seed))  # type: ignore[arg-type]
+        self.placer, self.sampler = make_placement(config.policy, config.routing, engine.block_size,  # type: ignore[arg-type]
+                                                   self.clock, config.seed, sampler=config.fast_placement)
         self.registry = self.placer.registry
-        self.sampler = LoadSampler(self.placer) if config.fast_placement else None
-        self.overload = OverloadPolicy(clock=self.clock, budgets_s={"premium": 10.0, "standard": config.admission_budget_s})
+        self.admission = Admission(self.clock, config.admission_budget_s, config.admission_refresh_s)
         self.controller: Controller = controller or StaticController()
         self.progress = progress
         self._arrivals: Iterator[Arrival] = iter(arrivals)
@@ -205,8 +161,6 @@ class FastFleet:
         self._gpu_s = 0.0
         self._billed_at = 0.0
         self._peak_serving = 0
-        self._admit_ok = True
-        self._admit_until = -1.0
         # Metrics.
         self.requests = 0
         self.completed = 0
@@ -249,11 +203,7 @@ class FastFleet:
 
     @property
     def counts(self) -> dict[str, int]:
-        out = {"starting": 0, "warm": 0, "serving": 0, "draining": 0}
-        for node in self.nodes.values():
-            if node.state in out:
-                out[node.state] += 1
-        return out
+        return fleet_states(self.nodes.values())
 
     def start(self, count: int = 1, *, warm: bool = False) -> list[str]:
         """Cold-start `count` replicas; serving (or, with `warm`, warm) after `cold_start_s`."""
@@ -422,7 +372,8 @@ class FastFleet:
         bucket = self._buckets.get(int(t // self._bucket_s)) or self._bucket(t)
         bucket.arrivals += 1
         self._window.arrivals += 1
-        if self._admission and (t >= self._admit_until or not self._admit_ok) and not self._admitted(t):
+        admission = self.admission
+        if self._admission and (t >= admission.until or not admission.ok) and not admission.admitted(t):
             self.rejected += 1
             bucket.rejected += 1
             bucket.ttft.append(INF)
@@ -450,12 +401,6 @@ class FastFleet:
         if end < INF and (not self._lazy or replica.draining):
             self._seq += 1
             heapq.heappush(self.heap, (end, self._seq, _SEGMENT, replica, replica.version))
-
-    def _admitted(self, t: float) -> bool:
-        if t >= self._admit_until:
-            self._admit_ok = self.overload.admit("standard").admitted
-            self._admit_until = t + self.config.admission_refresh_s
-        return self._admit_ok
 
     def _on_finish(self, req: Req, t: float) -> None:
         # Only recorded here: the metrics are computed in batches by `_account_finished`.
@@ -570,7 +515,7 @@ class FastFleet:
         )
         self.registry.on_load(load)
         if self.config.admission:
-            self.overload.on_load(load)
+            self.admission.on_load(load)
 
     def _heartbeat(self, node: _Node) -> None:
         state: Literal["ready", "draining"] = "draining" if node.state == "draining" else "ready"
@@ -617,23 +562,9 @@ class FastFleet:
     def signals(self) -> FleetSignals:
         self._catch_up_all()
         self._account_finished()
-        window = self._window
-        span = max(1e-9, self.now - self._window_start)
-        replicas = sorted(self.serving.values(), key=lambda r: r.in_flight)
-        kv = [min(1.0, r.kv_used() / r.kv_capacity) for r in replicas] or [0.0]
-        counts = self.counts
         held = sum(n.replica.in_flight for n in self.nodes.values() if n.state in ("serving", "draining"))
-        return FleetSignals(
-            t=self.now, window_s=span, arrivals=window.arrivals, arrival_rps=window.arrivals / span,
-            rejected=window.rejected, completed=len(window.ttft), ttft_p90_s=quantile(window.ttft, 0.9),
-            tpot_p90_s=quantile(window.tpot, 0.9), queue_wait_p90_s=quantile(window.wait, 0.9),
-            kv_use_mean=sum(kv) / len(kv), kv_use_max=max(kv),
-            running=tuple(r.B + len(r.prefill) for r in replicas), waiting=tuple(len(r.waiting) for r in replicas),
-            in_flight=held + len(self.shared), queued_prefill_tokens=sum(r.queued_prefill() for r in replicas), serving=counts["serving"],
-            warm=counts["warm"], starting=counts["starting"], draining=counts["draining"],
-            serving_ids=tuple(r.name for r in replicas),
-            warm_ids=tuple(n.name for n in self.nodes.values() if n.state == "warm"),
-        )
+        return fleet_signals(self.now, self._window, self._window_start, self.serving.values(), self.counts,
+                             held + len(self.shared), (n.name for n in self.nodes.values() if n.state == "warm"))
 
     def _close_buckets(self, final: bool) -> None:
         config = self.config
