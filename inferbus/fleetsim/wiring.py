@@ -37,8 +37,11 @@ from .timeseries import Bucket, quantile
 class ReplicaModel(Protocol):
     """What the wiring reads of a replica, whichever model serves it."""
 
-    name: str
-    kv_capacity: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kv_capacity(self) -> int: ...
 
     @property
     def running(self) -> int: ...  # requests in the engine's batch (prefilling or decoding)
