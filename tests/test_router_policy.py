@@ -6,6 +6,7 @@ from proto import messages as m
 from services.router.config import RoutingConfig
 from services.router.index import PrefixIndex
 from services.router.placement import Placer, make_placer
+from services.router.policies import POLICY_NAMES, make_policy
 
 
 class Clock:
@@ -216,3 +217,32 @@ def test_requests_still_waiting_in_a_workers_own_queue_count_after_its_report() 
     assert view.backlog() == 4 and view.reported_load + view.backlog() == 6
     picks = [router.place(prompt(list(range(40)))).worker_id for _ in range(10)]
     assert {"b", "c"} & set(picks)  # the hot prefix spills once a's slots and queue outweigh the cache
+
+
+def test_any_policy_object_places_from_the_shared_registry_and_filters() -> None:
+    class Last:
+        """A policy in a few lines: the protocol is all the placer needs."""
+
+        name = "last"
+        rng = random.Random(0)
+
+        def choose(self, request, candidates):
+            return max(candidates, key=lambda view: view.worker_id), 0
+
+        def load_cost(self, view, backlog):
+            return None
+
+        def load_only(self, request):
+            return True
+
+    clock = Clock()
+    registry = make_placer("round_robin", clock).registry
+    router = Placer(registry, Last())
+    for w in ("a", "b", "z"):
+        registry.on_heartbeat(beat(w))
+    registry.on_load(load("z", 0, kv=0.99))  # past the KV ceiling: the registry's filter drops it
+    reply = router.place(ask())
+    assert (reply.worker_id, reply.reason) == ("b", "last")
+    assert registry.workers["b"].backlog() == 1  # counted by the registry
+    assert {name: type(make_policy(name, registry)).__name__ for name in POLICY_NAMES} == {
+        "affinity": "AffinityPolicy", "least_loaded": "LeastLoadedPolicy", "round_robin": "RoundRobinPolicy"}

@@ -50,7 +50,8 @@ from services.sim_engine.perf_model import FixedStepModel, StepTimeModel, roofli
 
 from .analytic import AnalyticReplica, Req
 from .timeseries import INF, Bucket, Minute, Summary, close, quantiles
-from .wiring import Admission, Controller, FleetSignals, StaticController, fleet_signals, fleet_states, make_placement
+from .wiring import (Admission, Controller, FleetSignals, StaticController, fleet_signals, fleet_states, make_placement,
+                     pick)
 
 __all__ = ["Arrival", "Controller", "FastConfig", "FastFleet", "FleetSignals", "StaticController"]
 
@@ -256,9 +257,7 @@ class FastFleet:
         return names
 
     def _pick(self, state: str, count: int, ids: list[str] | None) -> list[_Node]:
-        if ids is not None:
-            return [self.nodes[i] for i in ids if i in self.nodes and self.nodes[i].state == state]
-        return [n for n in self.nodes.values() if n.state == state][: max(0, count)]
+        return pick(self.nodes, state, count, ids)
 
     # ---- running -------------------------------------------------------------------------------
 

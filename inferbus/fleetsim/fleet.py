@@ -66,7 +66,7 @@ from .batch import BatchBand, BatchSpec
 from .events import EventLoop
 from .report import RunReport, build_report
 from .timeseries import Bucket
-from .wiring import Admission, Controller, FleetSignals, fleet_signals, fleet_states, make_placement
+from .wiring import Admission, Controller, FleetSignals, fleet_signals, fleet_states, make_placement, pick
 from .workload import PromptTokens
 
 
@@ -380,9 +380,7 @@ class FleetSim:
                              held + len(self.shared), [r.worker_id for r in nodes if r.state == "warm"])
 
     def _pick(self, state: str, count: int, ids: list[str] | None) -> list[Replica]:
-        if ids is not None:
-            return [self.nodes[i] for i in ids if i in self.nodes and self.nodes[i].state == state]
-        return [r for r in self.nodes.values() if r.state == state][: max(0, count)]
+        return pick(self.nodes, state, count, ids)
 
     def _ready(self, replica: Replica) -> None:
         if replica.state != "starting":

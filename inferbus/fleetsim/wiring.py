@@ -161,6 +161,13 @@ def fleet_states(nodes: Iterable[Any]) -> dict[str, int]:
     return out
 
 
+def pick(nodes: dict[str, Any], state: str, count: int, ids: list[str] | None) -> list[Any]:
+    """The replicas a control acts on: those of `ids` in `state`, else the first `count` in it."""
+    if ids is not None:
+        return [nodes[i] for i in ids if i in nodes and nodes[i].state == state]
+    return [node for node in nodes.values() if node.state == state][: max(0, count)]
+
+
 def fleet_signals(t: float, window: Bucket, window_start: float, serving: Iterable[ReplicaModel],
                   states: dict[str, int], held: int, warm_ids: Iterable[str]) -> FleetSignals:
     """The signals of one controller interval: `window` collected since `window_start`, the
