@@ -43,7 +43,7 @@ def test_split_by_prefix_and_after_the_canary() -> None:
 
 
 def test_router_places_on_the_assigned_release() -> None:
-    from services.router.policy import WorkerView
+    from services.router.registry import WorkerView
 
     views = [WorkerView("a", "llama", 0.0, release=STABLE), WorkerView("b", "llama", 0.0, release=CANDIDATE),
              WorkerView("c", "llama", 0.0)]

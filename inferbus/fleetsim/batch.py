@@ -311,7 +311,7 @@ class BatchBand:
 
     def pull(self, replica: Replica) -> None:
         """Batch lines into the slots the preemption policy grants, at most a pull's fair share."""
-        if not self.queue or not replica.alive or replica.batch_blocked:
+        if not self.queue or not replica.alive or replica.batch_blocked or replica.state != "serving":
             return
         capacity = replica.engine.config.max_running_requests
         prefilling = sum(1 for line in replica.batch_jobs.values() if line.attempt_generated == 0)
