@@ -2,7 +2,7 @@
 
     python -m bench.placement [--workers 200] [--blocks-per-worker 4000] [--requests 5000] [--prompt-blocks 250,32]
 
-1. decision: `AffinityPolicy.place` on a fleet of `--workers` workers whose prefix index holds
+1. decision: `Placer.place` with the affinity policy on a fleet of `--workers` workers whose prefix index holds
    `--blocks-per-worker` blocks each, for prompts of each `--prompt-blocks` size in 64-token blocks
    (250: Mooncake's 16k tokens; 32: a 2k-token chat), half of them a prefix shared with some
    workers; microseconds per decision (including recording it), and the index's memory.
@@ -37,7 +37,8 @@ from inferbus import bus
 from inferbus.local import free_port, http_ok, nats_server_binary
 from proto import messages as m
 from proto import subjects
-from services.router.policy import AffinityPolicy, RoutingConfig
+from services.router.config import RoutingConfig
+from services.router.placement import make_placer
 
 MODEL = "bench-model"
 SHARED_BLOCKS = 125  # the longest shared prefix a family has
@@ -69,33 +70,33 @@ def load(worker_id: str, rng: random.Random) -> m.WorkerLoad:
 def measure_decisions(workers: int, blocks_per_worker: int, requests: int, blocks: int) -> dict[str, Any]:
     rng = random.Random(1)
     # A frozen clock: heartbeats set up minutes earlier must still count as fresh.
-    policy = AffinityPolicy(clock=lambda: 1000.0, config=RoutingConfig(), rng=rng)
+    placer = make_placer("affinity", lambda: 1000.0, RoutingConfig(), rng)
     families = max(1, workers * blocks_per_worker // (SHARED_BLOCKS * 4))
     tracemalloc.start()
     for i in range(workers):
         worker_id = f"w{i}"
-        policy.on_heartbeat(heartbeat(worker_id))
-        policy.on_load(load(worker_id, rng))
+        placer.registry.on_heartbeat(heartbeat(worker_id))
+        placer.registry.on_load(load(worker_id, rng))
         held: list[int] = []
         while len(held) < blocks_per_worker:
             held += family_hashes(rng.randrange(families))
-        policy.on_cache(m.CacheEvent(worker_id=worker_id, seq=1, ts=0, cleared=True,
-                                     stored=[m.BlockStored(block_hashes=held[:blocks_per_worker])]))
+        placer.registry.on_cache(m.CacheEvent(worker_id=worker_id, seq=1, ts=0, cleared=True,
+                                              stored=[m.BlockStored(block_hashes=held[:blocks_per_worker])]))
     index_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     asks = [make_request(rng, families, blocks) for _ in range(requests)]
     timings = []
     for n, ask in enumerate(asks):
         if n % 200 == 0:  # workers report every 250 ms: pulled what was placed on them
-            for view in policy.workers.values():
-                policy.on_load(msgspec.structs.replace(load(view.worker_id, rng), pulled_own=view.placed_total))
+            for view in placer.registry.workers.values():
+                placer.registry.on_load(msgspec.structs.replace(load(view.worker_id, rng), pulled_own=view.placed_total))
         started = time.perf_counter()
-        reply = policy.place(ask)
+        reply = placer.place(ask)
         timings.append(time.perf_counter() - started)
         assert reply.worker_id is not None, reply.reason
     return {
         "workers": workers, "blocks_per_worker": blocks_per_worker, "prompt_blocks": blocks,
-        "indexed_blocks": len(policy.index),
+        "indexed_blocks": len(placer.registry.index),
         "index_mb": round(index_bytes / 2**20, 1), "requests": requests,
         "decision_us_p50": round(percentile(timings, 50) * 1e6, 1),
         "decision_us_p99": round(percentile(timings, 99) * 1e6, 1),

@@ -31,7 +31,7 @@ from typing import Any
 from bench.common import write_results
 from inferbus import traces
 from inferbus.fleetsim import FleetConfig, FleetSim, capacity, markdown_table, workload
-from services.router.policy import POLICY_NAMES
+from services.router.policies import POLICY_NAMES
 from services.sim_engine.config import EngineConfig
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -195,7 +195,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command']}`. Machine: {results['machine']['cpus']} CPUs, Python "
         f"{results['machine']['python']}. Virtual time only: the router's policy code "
-        "(`services/router/policy.py`) places every request from heartbeats, 250 ms load reports and "
+        "(`services/router/placement.py`) places every request from heartbeats, 250 ms load reports and "
         "per-step cache events (1 ms bus delay); each replica is the simulated engine "
         "(`services/sim_engine`). See `inferbus/fleetsim/`.",
         "",

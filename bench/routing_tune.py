@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench import routing_workload
 from inferbus.fleetsim import FleetConfig, FleetSim
-from services.router.policy import RoutingConfig
+from services.router.config import RoutingConfig
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 

@@ -130,6 +130,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
                 f"$KV.{subjects.WORKERS_BUCKET}.{subjects.worker_key(scope) if scope is not None else '*'}",
                 *_kv_read(subjects.ADAPTERS_BUCKET),
+                *_kv_read(subjects.MODELS_BUCKET),  # the release it must verify it serves
             ),
             subscribe=(subjects.cancel_wildcard(),
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
@@ -165,6 +166,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.placed_wildcard(), subjects.control_wildcard(),
                 subjects.shared_request_wildcard(),  # a dead worker's queue, moved to the shared one
                 *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
+                # The canary controller: rollouts (compare-and-set) and its decisions.
+                *_kv_write(subjects.MODELS_BUCKET, "rollout.>"), subjects.release_wildcard(),
             ),
             subscribe=(subjects.placement_wildcard(), subjects.placed_wildcard(), subjects.cache_wildcard(),
                        subjects.metrics_wildcard(), inbox),

@@ -724,5 +724,9 @@ main.add_command(_plan)
 main.add_command(_simulate)
 main.add_command(_mix)
 
+from .releases.cli import register as _register_releases  # noqa: E402
+
+_register_releases(main)
+
 if __name__ == "__main__":
     main()

@@ -138,6 +138,10 @@ class InferenceRequest(_Message, tag="request"):
     # The prompt as the served model's tokenizer encoded it (inferbus.prompt): the engine computes
     # on these ids, so what it caches is what was counted and hashed. Empty: the engine gets `prompt`.
     input_ids: list[int] = []
+    # The release this request was assigned to (a canary's split, or a client's pin): the router
+    # places it on a worker of that release only. None: any worker of the model.
+    release: str | None = None
+    release_pinned: bool = False  # the client pinned `release`: no other release may serve it
     # Migration: the token ids already streamed to the client; the next attempt continues from
     # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
     resumed_ids: list[int] = []
@@ -253,6 +257,7 @@ class UsageEvent(_Message):
     # `<request_id>.<attempt>.abandoned` and rolled up apart from the tenant's bill.
     billed_to: Literal["tenant", "platform"] = "tenant"
     attempt: int = 0  # the attempt this event reports (0 for the first)
+    release: str = ""  # the release (`Release.id`) of the worker that did the work; "" unpinned
 
 
 def usage_msg_id(event: UsageEvent) -> str:
@@ -415,6 +420,12 @@ class WorkerLoad(_Message):
     # step-time cap with them (`inferbus.step_cost`).
     gpu: str = ""
     tp: int = 0
+    # Releases (all optional): what this worker serves, and interactive requests it finished by
+    # status since it started (counters; the canary's SLO gate reads their deltas per release).
+    release: str = ""
+    finished_ok: int = 0
+    finished_failed: int = 0
+    finished_cancelled: int = 0
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -450,6 +461,7 @@ class Heartbeat(_Message):
     tp: int = 0
     block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
+    release: str = ""  # the release (`Release.id`) this worker verified it serves; "" unpinned
 
 
 class LivenessProbe(_Message):
@@ -478,6 +490,8 @@ class PlacementRequest(_Message):
     # the router can count blocks a worker already holds.
     block_hashes: list[int] = []
     block_size: int = 0
+    release: str | None = None  # place on a worker of this release only (InferenceRequest.release)
+    pinned: bool = False  # the client asked for `release`: no other release may serve it
 
 
 class PlacementReply(_Message):
@@ -562,6 +576,81 @@ class ScaleDecision(_Message):
     batch_in_flight: int = 0
     promote: list[str] = []  # warm workers promoted by this decision
     demote: list[str] = []  # serving workers sent back to warm (or drained) by it
+
+
+class ModelFile(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One file of a model directory or adapter: its path inside the directory, size and digest."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class ReleaseAdapter(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    digest: str  # `sha256:<64 hex>` over the adapter's files (`inferbus.releases.record.tree_digest`)
+
+
+class Release(_Message):
+    """An immutable, content-addressed release of one served model: value of `release_key(id)` in
+    the `models` KV bucket, written once. `id` is `sha256:` of the canonical encoding of every other
+    field but `created` and `note` (`inferbus.releases.record.release_id`), so the same content is
+    the same release and a changed byte is another one."""
+
+    id: str
+    model: str  # what clients put in `model`
+    repo: str  # the checkpoint's repository id on its hub
+    revision: str  # a full commit id (40 hex): branches and tags move, so they are refused
+    files: list[ModelFile]  # every file of the model directory: weights, tokenizer, configs, template
+    chat_template_sha256: str  # the Jinja template the gateway renders with (inside tokenizer_config.json or its own file)
+    engine_image: str  # `<image>@sha256:<64 hex>`: the engine build
+    # Engine flags that change behaviour (quantization, tp, speculative decoding, chunked-prefill
+    # budget, ...), as the engine reports them in /server_info: the worker compares.
+    engine_flags: dict[str, str] = {}
+    adapters: list[ReleaseAdapter] = []
+    created: float = 0.0
+    note: str = ""
+
+
+RolloutState = Literal["stable", "canary", "promoted", "rolled_back"]
+
+
+class Rollout(_Message):
+    """Where one model stands: value of `rollout_key(model)` in the `models` KV bucket (its history
+    is the bucket's). Written with compare-and-set by `inferbus release` and the canary controller."""
+
+    model: str
+    stable: str  # the release serving everything not sent to the candidate
+    state: str = "stable"  # a RolloutState
+    candidate: str | None = None
+    share: float = 0.0  # of the model's traffic sent to the candidate (0-1)
+    steps: list[float] = []  # the shares a canary goes through, the last being 1.0
+    step: int = 0  # index into steps of `share`
+    sticky: str = "tenant"  # "tenant" or "prefix": what keeps a client on one side of the split
+    window_s: float = 300.0  # how long each step is observed before the gates are read
+    eval_suite: str | None = None  # the suite whose verdict the eval gate waits for (None: no eval gate)
+    eval_verdict: str | None = None  # "pass" / "fail" (with eval_reason), once `inferbus eval` reported
+    eval_reason: str = ""
+    started: float = 0.0
+    step_started: float = 0.0
+    updated: float = 0.0
+    reason: str = ""  # why it is where it is, in words
+
+
+class ReleaseDecision(_Message):
+    """The canary controller (or an operator) → anyone, on `release_subject(model)`: one per step
+    advanced, hold, promotion or rollback, with the gates' numbers behind it."""
+
+    model: str
+    ts: float
+    action: Literal["start", "hold", "advance", "promote", "rollback", "eval"]
+    stable: str
+    candidate: str | None
+    share_before: float
+    share_after: float
+    reason: str
+    slo: dict[str, float] = {}  # the SLO gate's measurements (p90s, rates, sample sizes)
+    controller: str = ""
 
 
 # ---- internal producers (`subjects.api_subject`) ---------------------------------------------

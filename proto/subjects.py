@@ -12,6 +12,7 @@ Layout (see DESIGN.md):
     inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
     inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
     inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
+    inferbus.release.<model>                       core NATS: canary decisions (ReleaseDecision)
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
@@ -256,3 +257,26 @@ def response_key(tenant: str, response_id: str) -> str:
     """Key of a stored response in the `responses` bucket; tenant first, like `batch_key`."""
     return f"{_durable(tenant)}.{_durable(response_id)}"
 
+
+
+# ---- releases (`models` bucket) ---------------------------------------------------------------
+
+
+def release_key(release_id: str) -> str:
+    """Key of an immutable `Release` in the `models` bucket (`release.<64 hex>`)."""
+    return f"release.{release_id.removeprefix('sha256:')}"
+
+
+def rollout_key(model: str) -> str:
+    """Key of a model's `Rollout` in the `models` bucket (base64url: any model id is one key)."""
+    import base64
+
+    return "rollout." + base64.urlsafe_b64encode(model.encode()).decode().rstrip("=")
+
+
+def release_subject(model: str) -> str:
+    return f"{PREFIX}.release.{token(model)}"
+
+
+def release_wildcard() -> str:
+    return f"{PREFIX}.release.*"

@@ -7,7 +7,9 @@ import pytest
 from inferbus.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
 from inferbus.tokens import block_hashes
 from inferbus.traces import TraceRequest
-from services.router.policy import LeastLoadedPolicy, RoutingConfig
+from services.router.placement import Placer
+from services.router.policies import LeastLoadedPolicy
+from services.router.registry import WorkerRegistry
 from services.sim_engine.config import EngineConfig
 
 BLOCK = 64  # one trace block = one engine block in these tests
@@ -125,17 +127,22 @@ def test_affinity_beats_round_robin_on_a_prefix_heavy_trace():
     assert affinity.hit_rate > round_robin.hit_rate + 0.2, (affinity.hit_rate, round_robin.hit_rate)
 
 
-class _NoCandidates(LeastLoadedPolicy):
-    """A router that never finds an eligible worker (as when every worker drains)."""
+class _NoCandidates(WorkerRegistry):
+    """A registry that never finds an eligible worker (as when every worker drains)."""
 
     def candidates(self, request):
         return []
 
 
+def _no_candidates(clock, rng) -> Placer:
+    registry = _NoCandidates(clock)
+    return Placer(registry, LeastLoadedPolicy(registry, rng))
+
+
 def test_no_eligible_worker_goes_through_the_shared_queue():
     trace = families_trace(60)
     config = FleetConfig(replicas=4, policy="least_loaded", engine=small_engine(), trace_block_tokens=BLOCK)
-    sim = FleetSim(config, trace, policy_factory=lambda clock, rng: _NoCandidates(clock=clock, rng=rng))
+    sim = FleetSim(config, trace, placer_factory=_no_candidates)
     report = sim.run()
     assert report.shared_placements == 60
     assert report.completed == 60
@@ -153,7 +160,7 @@ def test_a_dead_replica_is_forgotten_and_its_requests_finish_elsewhere(recovery)
     report = sim.run()
     victim = sim.by_id["sim-0002"]
     assert not victim.alive and victim.recovered
-    assert "sim-0002" not in sim.policy.workers
+    assert "sim-0002" not in sim.registry.workers
     assert (report.completed, report.failed, report.unfinished) == (240, 0, 0)
     assert report.migrations > 0  # started requests continued elsewhere
     # Clients got every token exactly once across attempts.

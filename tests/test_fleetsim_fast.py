@@ -16,8 +16,9 @@ from inferbus.fleetsim import FleetConfig, FleetSim, capacity, workload
 from inferbus.fleetsim.analytic import AnalyticReplica, Req, step_function
 from inferbus.fleetsim.day import DayWorkload, constant, diurnal, parse_duration, rate_shape
 from inferbus.fleetsim.fast import FastConfig, FastFleet, FleetSignals
+from inferbus.fleetsim.sampler import LoadSampler
 from proto import messages as m
-from services.router.policy import make_policy
+from services.router.placement import make_placer
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.perf_model import roofline
 
@@ -116,26 +117,26 @@ def test_prefill_is_fifo_and_batches_short_prompts_into_one_step():
     assert rep.D == 1
 
 
-# ---- the policy fast path --------------------------------------------------------------------------
+# ---- the load sampler ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["least_loaded", "affinity"])
-def test_policy_fast_path_draws_the_same_distribution(name):
+def test_load_sampler_draws_the_same_distribution_as_the_placer(name):
     now = [100.0]
     choices = {}
     for fast in (False, True):
-        policy = make_policy(name, clock=lambda: now[0], rng=random.Random(3))
-        if fast:
-            policy.enable_fast_path()
+        placer = make_placer(name, clock=lambda: now[0], rng=random.Random(3))
+        router = LoadSampler(placer) if fast else placer
         for i in range(12):
             wid = f"w{i:02d}"
-            policy.on_heartbeat(m.Heartbeat(worker_id=wid, model="m", engine_url="", started=0, ts=now[0], max_running=32))
-            policy.on_load(m.WorkerLoad(
+            placer.registry.on_heartbeat(m.Heartbeat(worker_id=wid, model="m", engine_url="", started=0, ts=now[0],
+                                                     max_running=32))
+            placer.registry.on_load(m.WorkerLoad(
                 worker_id=wid, model="m", ts=now[0], seq=1, running=i % 7, waiting=0, in_flight=i % 7, max_running=32,
                 kv_used_tokens=(950 if i == 11 else 10), kv_capacity_tokens=1000, queued_prefill_tokens=37 * (i % 5),
             ))
         request = m.PlacementRequest(request_id="", model="m", prompt_tokens=300)
-        choices[fast] = Counter(policy.place(request, record=False).worker_id for _ in range(20_000))
+        choices[fast] = Counter(router.place(request, record=False).worker_id for _ in range(20_000))
     slow, fast_ = choices[False], choices[True]
     assert "w11" not in fast_ and "w11" not in slow  # KV past the ceiling: filtered on both paths
     for wid in set(slow) | set(fast_):
@@ -144,15 +145,15 @@ def test_policy_fast_path_draws_the_same_distribution(name):
         assert abs(fast_[wid] / 20_000 - p) < 5 * sigma + 0.002, (wid, slow[wid], fast_[wid])
 
 
-def test_policy_fast_path_falls_back_when_nothing_is_eligible():
+def test_load_sampler_falls_back_when_nothing_is_eligible():
     now = [0.0]
-    policy = make_policy("least_loaded", clock=lambda: now[0], rng=random.Random(0))
-    policy.enable_fast_path()
-    assert policy.place(m.PlacementRequest(request_id="", model="m", prompt_tokens=10)).worker_id is None
-    policy.on_heartbeat(m.Heartbeat(worker_id="a", model="m", engine_url="", started=0, ts=0, max_running=4))
-    assert policy.place(m.PlacementRequest(request_id="", model="m", prompt_tokens=10)).worker_id == "a"
-    now[0] = 10.0  # its heartbeat is stale: the slow path finds no live worker either
-    assert policy.place(m.PlacementRequest(request_id="", model="m", prompt_tokens=10)).worker_id is None
+    placer = make_placer("least_loaded", clock=lambda: now[0], rng=random.Random(0))
+    sampler = LoadSampler(placer)
+    assert sampler.place(m.PlacementRequest(request_id="", model="m", prompt_tokens=10)).worker_id is None
+    placer.registry.on_heartbeat(m.Heartbeat(worker_id="a", model="m", engine_url="", started=0, ts=0, max_running=4))
+    assert sampler.place(m.PlacementRequest(request_id="", model="m", prompt_tokens=10)).worker_id == "a"
+    now[0] = 10.0  # its heartbeat is stale: the placer finds no live worker either
+    assert sampler.place(m.PlacementRequest(request_id="", model="m", prompt_tokens=10)).worker_id is None
 
 
 # ---- against the per-step simulator ----------------------------------------------------------------

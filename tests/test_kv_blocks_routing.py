@@ -17,7 +17,8 @@ import pytest
 from inferbus.kv_blocks import BlockChains, Changes
 from inferbus.tokens import block_hashes
 from proto import messages as m
-from services.router.policy import AffinityPolicy, RoutingConfig
+from services.router.config import RoutingConfig
+from services.router.placement import make_placer
 from services.sim_engine import radix_cache
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
@@ -59,8 +60,8 @@ def _relay(chains: BlockChains, events: list[radix_cache.CacheEvent], worker: st
 def _run(page: int, with_events: bool) -> tuple[float, list[tuple[int, int]]]:
     """(engine-reported hit rate, [(blocks the router expected cached, blocks the engine had)])."""
     now = [100.0]
-    policy = AffinityPolicy(clock=lambda: now[0], config=RoutingConfig(block_size=BLOCK, temperature=0.001),
-                            rng=random.Random(7))
+    placer = make_placer("affinity", lambda: now[0], RoutingConfig(block_size=BLOCK, temperature=0.001),
+                         random.Random(7))
     engines = {w: Engine(EngineConfig(block_size=page, fixed_step_ms=0, kv_capacity_tokens=CAPACITY)) for w in WORKERS}
     chains = {w: BlockChains(BLOCK) for w in WORKERS}
     seqs = dict.fromkeys(WORKERS, 0)
@@ -70,11 +71,11 @@ def _run(page: int, with_events: bool) -> tuple[float, list[tuple[int, int]]]:
     for index, ids in enumerate(_workload(seed=page)):
         now[0] += 0.5
         for worker in WORKERS:  # alive: heartbeats every second
-            policy.on_heartbeat(m.Heartbeat(worker_id=worker, model="m", engine_url="", started=0, ts=0,
-                                            max_running=8, block_size=BLOCK))
+            placer.registry.on_heartbeat(m.Heartbeat(worker_id=worker, model="m", engine_url="", started=0, ts=0,
+                                                     max_running=8, block_size=BLOCK))
         ask = m.PlacementRequest(request_id=f"r{index}", model="m", prompt_tokens=len(ids),
                                  block_hashes=block_hashes(ids, BLOCK), block_size=BLOCK)
-        reply = policy.place(ask)
+        reply = placer.place(ask)
         worker = reply.worker_id
         assert worker is not None
         placed[worker] += 1
@@ -89,10 +90,10 @@ def _run(page: int, with_events: bool) -> tuple[float, list[tuple[int, int]]]:
         events = engine.cache.drain_events()
         if with_events:
             seqs[worker] += 1
-            policy.on_cache(_relay(chains[worker], events, worker, seqs[worker]))
-        policy.on_load(m.WorkerLoad(worker_id=worker, model="m", ts=0, seq=index + 1, running=0, waiting=0,
-                                    in_flight=0, max_running=8, kv_used_tokens=0, kv_capacity_tokens=CAPACITY,
-                                    pulled_own=placed[worker]))
+            placer.registry.on_cache(_relay(chains[worker], events, worker, seqs[worker]))
+        placer.registry.on_load(m.WorkerLoad(worker_id=worker, model="m", ts=0, seq=index + 1, running=0, waiting=0,
+                                             in_flight=0, max_running=8, kv_used_tokens=0, kv_capacity_tokens=CAPACITY,
+                                             pulled_own=placed[worker]))
     return cached / prompt, expectations
 
 

@@ -1,10 +1,12 @@
 import random
 
-from proto import messages as m
-from services.router.policy import AffinityPolicy, LeastLoadedPolicy, RoundRobinPolicy, RoutingConfig, make_policy
-from services.router.index import PrefixIndex
-
 import pytest
+
+from proto import messages as m
+from services.router.config import RoutingConfig
+from services.router.index import PrefixIndex
+from services.router.placement import Placer, make_placer
+from services.router.policies import POLICY_NAMES, make_policy
 
 
 class Clock:
@@ -30,29 +32,29 @@ def ask() -> m.PlacementRequest:
 
 def test_least_loaded_worker_wins_and_own_placements_count_before_the_next_report() -> None:
     clock = Clock()
-    policy = LeastLoadedPolicy(clock=clock, config=RoutingConfig(temperature=0.001), rng=random.Random(1))
+    router = make_placer("least_loaded", clock, RoutingConfig(temperature=0.001), random.Random(1))
     for w in ("a", "b"):
-        policy.on_heartbeat(beat(w))
-    policy.on_load(load("a", 5))
-    policy.on_load(load("b", 2))
-    picks = [policy.place(ask()).worker_id for _ in range(6)]
+        router.registry.on_heartbeat(beat(w))
+    router.registry.on_load(load("a", 5))
+    router.registry.on_load(load("b", 2))
+    picks = [router.place(ask()).worker_id for _ in range(6)]
     assert picks[:3] == ["b", "b", "b"]  # b fills up to a's level from its own placements
     assert set(picks[3:]) == {"a", "b"}
 
 
 def test_draining_full_dead_and_other_model_workers_are_filtered() -> None:
     clock = Clock()
-    policy = make_policy("affinity", clock, RoutingConfig(heartbeat_ttl_s=3))
-    policy.on_heartbeat(beat("draining", state="draining"))
-    policy.on_heartbeat(beat("full"))
-    policy.on_load(load("full", 0, kv=0.99))
-    policy.on_heartbeat(m.Heartbeat(worker_id="other", model="x", engine_url="", started=0, ts=0, max_running=1))
-    assert policy.place(ask()).worker_id == "full"  # every KV past the ceiling: the cost decides
-    policy.on_heartbeat(beat("ok"))
-    assert policy.place(ask()).worker_id == "ok"
+    router = make_placer("affinity", clock, RoutingConfig(heartbeat_ttl_s=3))
+    router.registry.on_heartbeat(beat("draining", state="draining"))
+    router.registry.on_heartbeat(beat("full"))
+    router.registry.on_load(load("full", 0, kv=0.99))
+    router.registry.on_heartbeat(m.Heartbeat(worker_id="other", model="x", engine_url="", started=0, ts=0, max_running=1))
+    assert router.place(ask()).worker_id == "full"  # every KV past the ceiling: the cost decides
+    router.registry.on_heartbeat(beat("ok"))
+    assert router.place(ask()).worker_id == "ok"
     clock.now += 4
-    assert policy.place(ask()).target == "any"
-    assert set(policy.expire()) == {"draining", "full", "other", "ok"}
+    assert router.place(ask()).target == "any"
+    assert set(router.registry.expire()) == {"draining", "full", "other", "ok"}
 
 
 def cache(worker_id: str, seq: int, stored: list[int] = (), removed: list[int] = (), cleared: bool = False) -> m.CacheEvent:
@@ -65,12 +67,12 @@ def prompt(hashes: list[int], tokens: int | None = None, adapter: str | None = N
                               block_size=64, adapter=adapter)
 
 
-def affinity(clock: Clock, **config: float) -> AffinityPolicy:
-    policy = AffinityPolicy(clock=clock, config=RoutingConfig(temperature=0.001, **config), rng=random.Random(7))
+def affinity(clock: Clock, **config: float) -> Placer:
+    router = make_placer("affinity", clock, RoutingConfig(temperature=0.001, **config), random.Random(7))
     for w in ("a", "b", "c"):
-        policy.on_heartbeat(beat(w))
-        policy.on_load(load(w, 0))
-    return policy
+        router.registry.on_heartbeat(beat(w))
+        router.registry.on_load(load(w, 0))
+    return router
 
 
 def test_prefix_index_counts_leading_blocks_only_and_stays_bounded() -> None:
@@ -101,117 +103,146 @@ def test_bisection_finds_every_workers_depth_on_long_prompts() -> None:
 
 def test_affinity_sends_a_shared_prefix_to_the_worker_that_holds_it() -> None:
     clock = Clock()
-    policy = affinity(clock)
-    assert policy.on_cache(cache("b", 1, stored=list(range(100)), cleared=True))
-    reply = policy.place(prompt(list(range(100)) + [500, 501]))
+    router = affinity(clock)
+    assert router.registry.on_cache(cache("b", 1, stored=list(range(100)), cleared=True))
+    reply = router.place(prompt(list(range(100)) + [500, 501]))
     assert reply.worker_id == "b" and reply.cached_blocks == 100 and reply.reason == "affinity"
     # Its own placement is remembered: the next turn of the conversation follows without an event.
-    assert policy.place(prompt(list(range(100)) + [500, 501, 502])).worker_id == "b"
+    assert router.place(prompt(list(range(100)) + [500, 501, 502])).worker_id == "b"
 
 
 def test_a_hot_prefix_spills_to_the_next_worker_once_its_queue_costs_more_than_recomputing() -> None:
     clock = Clock()
-    policy = affinity(clock, prefill_tokens_per_s=10_000)
-    policy.on_cache(cache("a", 1, stored=list(range(10)), cleared=True))
-    picks = [policy.place(prompt(list(range(10)) + [1000 + i], tokens=2000)).worker_id for i in range(12)]
+    router = affinity(clock, prefill_tokens_per_s=10_000)
+    router.registry.on_cache(cache("a", 1, stored=list(range(10)), cleared=True))
+    picks = [router.place(prompt(list(range(10)) + [1000 + i], tokens=2000)).worker_id for i in range(12)]
     assert picks[0] == "a"
     assert {"b", "c"} <= set(picks)  # spilled once a's queued prefill outweighed the 640 cached tokens
     # ...and the spill target now holds the prefix too (it will after serving it).
     spill = next(w for w in picks if w != "a")
-    assert policy.index.matched_blocks(list(range(10)))[spill] == 10
+    assert router.registry.index.matched_blocks(list(range(10)))[spill] == 10
 
 
 def test_queued_prefill_and_decode_load_steer_requests_without_a_shared_prefix() -> None:
     clock = Clock()
-    policy = affinity(clock)
-    policy.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=2, running=9, waiting=0, in_flight=9, max_running=10,
-                                kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=50_000))
-    policy.on_load(m.WorkerLoad(worker_id="b", model="m", ts=0, seq=2, running=1, waiting=0, in_flight=1, max_running=10,
-                                kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=0))
-    policy.on_load(m.WorkerLoad(worker_id="c", model="m", ts=0, seq=2, running=10, waiting=0, in_flight=10, max_running=10,
-                                kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=0))
-    assert policy.place(prompt([1, 2, 3])).worker_id == "b"
+    router = affinity(clock)
+    router.registry.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=2, running=9, waiting=0, in_flight=9, max_running=10,
+                                         kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=50_000))
+    router.registry.on_load(m.WorkerLoad(worker_id="b", model="m", ts=0, seq=2, running=1, waiting=0, in_flight=1, max_running=10,
+                                         kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=0))
+    router.registry.on_load(m.WorkerLoad(worker_id="c", model="m", ts=0, seq=2, running=10, waiting=0, in_flight=10, max_running=10,
+                                         kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=0))
+    assert router.place(prompt([1, 2, 3])).worker_id == "b"
 
 
 def test_cache_event_gaps_and_mid_stream_joins_ask_for_a_resync() -> None:
     clock = Clock()
-    policy = affinity(clock)
-    assert not policy.on_cache(cache("a", 41, stored=[1]))  # first heard mid-stream: ask for a snapshot
-    assert policy.on_cache(cache("a", 42, stored=[1, 2], cleared=True))
-    assert policy.on_cache(cache("a", 43, removed=[2]))
-    assert not policy.on_cache(cache("a", 45, stored=[3]))  # 44 was lost
-    assert policy.index.matched_blocks([1, 2]) == {"a": 1}
-    assert policy.on_cache(cache("unknown", 1, stored=[1]))  # not registered yet: ignored, no resync storm
+    router = affinity(clock)
+    assert not router.registry.on_cache(cache("a", 41, stored=[1]))  # first heard mid-stream: ask for a snapshot
+    assert router.registry.on_cache(cache("a", 42, stored=[1, 2], cleared=True))
+    assert router.registry.on_cache(cache("a", 43, removed=[2]))
+    assert not router.registry.on_cache(cache("a", 45, stored=[3]))  # 44 was lost
+    assert router.registry.index.matched_blocks([1, 2]) == {"a": 1}
+    assert router.registry.on_cache(cache("unknown", 1, stored=[1]))  # not registered yet: ignored, no resync storm
 
 
 def test_cache_events_in_other_blocks_than_the_routers_are_ignored() -> None:
     # An engine paging its cache in 16-token blocks reports hashes that 64-token prompt hashes
     # never match: indexing them would only crowd out the index.
     clock = Clock()
-    policy = affinity(clock)  # block_size 64
-    policy.on_heartbeat(m.Heartbeat(worker_id="small", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=16))
-    policy.on_heartbeat(m.Heartbeat(worker_id="same", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=64))
-    assert not policy.cache_compatible(policy.workers["small"]) and policy.cache_compatible(policy.workers["same"])
-    assert policy.on_cache(cache("small", 1, stored=[1, 2], cleared=True))
-    assert policy.on_cache(cache("same", 1, stored=[1, 2], cleared=True))
-    assert policy.index.matched_blocks([1, 2]) == {"same": 2}
+    router = affinity(clock)  # block_size 64
+    router.registry.on_heartbeat(m.Heartbeat(worker_id="small", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=16))
+    router.registry.on_heartbeat(m.Heartbeat(worker_id="same", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=64))
+    assert not router.registry.cache_compatible(router.registry.workers["small"]) and router.registry.cache_compatible(router.registry.workers["same"])
+    assert router.registry.on_cache(cache("small", 1, stored=[1, 2], cleared=True))
+    assert router.registry.on_cache(cache("same", 1, stored=[1, 2], cleared=True))
+    assert router.registry.index.matched_blocks([1, 2]) == {"same": 2}
 
 
 def test_adapters_prefer_workers_that_have_them_and_skip_engines_without_lora() -> None:
     clock = Clock()
-    policy = affinity(clock)
-    policy.on_heartbeat(m.Heartbeat(worker_id="a", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=0))
-    policy.on_heartbeat(m.Heartbeat(worker_id="b", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4,
-                                    adapters=["support@v1"]))
-    policy.on_heartbeat(m.Heartbeat(worker_id="c", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4))
-    picks = {policy.place(prompt([7], adapter="support@v1")).worker_id for _ in range(5)}
+    router = affinity(clock)
+    router.registry.on_heartbeat(m.Heartbeat(worker_id="a", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=0))
+    router.registry.on_heartbeat(m.Heartbeat(worker_id="b", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4,
+                                             adapters=["support@v1"]))
+    router.registry.on_heartbeat(m.Heartbeat(worker_id="c", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4))
+    picks = {router.place(prompt([7], adapter="support@v1")).worker_id for _ in range(5)}
     assert picks == {"b"}
-    assert policy.place(prompt([7], adapter="other@v2")).worker_id in {"b", "c"}
+    assert router.place(prompt([7], adapter="other@v2")).worker_id in {"b", "c"}
 
 
 def test_router_replicas_count_each_others_placements() -> None:
     clock = Clock()
     one, two = affinity(clock), affinity(clock)
     reply = one.place(prompt(list(range(20))))
-    two.on_placed(m.Placed(router_id="one", worker_id=reply.worker_id, model="m", prefill_tokens=20 * 64 + 10,
-                           block_hashes=list(range(20))))
-    assert two.workers[reply.worker_id].backlog_prefill(1) == 20 * 64 + 10
-    two.on_load(load(reply.worker_id, 1, pulled_own=1))  # the first turn was pulled and prefilled
+    two.registry.on_placed(m.Placed(router_id="one", worker_id=reply.worker_id, model="m", prefill_tokens=20 * 64 + 10,
+                                    block_hashes=list(range(20))))
+    assert two.registry.workers[reply.worker_id].backlog_prefill(1) == 20 * 64 + 10
+    two.registry.on_load(load(reply.worker_id, 1, pulled_own=1))  # the first turn was pulled and prefilled
     assert two.place(prompt(list(range(20)) + [99])).worker_id == reply.worker_id
 
 
 def test_round_robin_takes_turns_and_unknown_policies_are_refused() -> None:
     clock = Clock()
-    policy = RoundRobinPolicy(clock=clock)
+    router = make_placer("round_robin", clock)
     for w in ("a", "b", "c"):
-        policy.on_heartbeat(beat(w))
-    assert sorted(policy.place(ask()).worker_id for _ in range(3)) == ["a", "b", "c"]
+        router.registry.on_heartbeat(beat(w))
+    assert sorted(router.place(ask()).worker_id for _ in range(3)) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="affinity"):
-        make_policy("random", clock)
+        make_placer("random", clock)
 
 
 def test_a_dead_worker_is_forgotten_with_its_cache_entries() -> None:
     clock = Clock()
-    policy = affinity(clock)
-    policy.on_cache(cache("a", 1, stored=[1, 2, 3], cleared=True))
+    router = affinity(clock)
+    router.registry.on_cache(cache("a", 1, stored=[1, 2, 3], cleared=True))
     clock.now += 2
     for w in ("b", "c"):
-        policy.on_heartbeat(beat(w))
+        router.registry.on_heartbeat(beat(w))
     clock.now += 2
-    assert policy.expire() == ["a"]
-    assert policy.index.blocks_of("a") == 0 and "a" not in policy.workers
+    assert router.registry.expire() == ["a"]
+    assert router.registry.index.blocks_of("a") == 0 and "a" not in router.registry.workers
 
 
 def test_requests_still_waiting_in_a_workers_own_queue_count_after_its_report() -> None:
     clock = Clock()
-    policy = affinity(clock, miss_weight=1.5)
-    policy.on_cache(cache("a", 1, stored=list(range(40)), cleared=True))
+    router = affinity(clock, miss_weight=1.5)
+    router.registry.on_cache(cache("a", 1, stored=list(range(40)), cleared=True))
     for _ in range(6):
-        assert policy.place(prompt(list(range(40)))).worker_id == "a"
+        assert router.place(prompt(list(range(40)))).worker_id == "a"
     # `a` reports two pulled and running: the other four still wait in its queue and keep counting.
-    policy.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=3, running=2, waiting=0, in_flight=2, max_running=10,
-                                kv_used_tokens=0, kv_capacity_tokens=1000, pulled_own=2))
-    view = policy.workers["a"]
+    router.registry.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=3, running=2, waiting=0, in_flight=2, max_running=10,
+                                         kv_used_tokens=0, kv_capacity_tokens=1000, pulled_own=2))
+    view = router.registry.workers["a"]
     assert view.backlog() == 4 and view.reported_load + view.backlog() == 6
-    picks = [policy.place(prompt(list(range(40)))).worker_id for _ in range(10)]
+    picks = [router.place(prompt(list(range(40)))).worker_id for _ in range(10)]
     assert {"b", "c"} & set(picks)  # the hot prefix spills once a's slots and queue outweigh the cache
+
+
+def test_any_policy_object_places_from_the_shared_registry_and_filters() -> None:
+    class Last:
+        """A policy in a few lines: the protocol is all the placer needs."""
+
+        name = "last"
+        rng = random.Random(0)
+
+        def choose(self, request, candidates):
+            return max(candidates, key=lambda view: view.worker_id), 0
+
+        def load_cost(self, view, backlog):
+            return None
+
+        def load_only(self, request):
+            return True
+
+    clock = Clock()
+    registry = make_placer("round_robin", clock).registry
+    router = Placer(registry, Last())
+    for w in ("a", "b", "z"):
+        registry.on_heartbeat(beat(w))
+    registry.on_load(load("z", 0, kv=0.99))  # past the KV ceiling: the registry's filter drops it
+    reply = router.place(ask())
+    assert (reply.worker_id, reply.reason) == ("b", "last")
+    assert registry.workers["b"].backlog() == 1  # counted by the registry
+    assert {name: type(make_policy(name, registry)).__name__ for name in POLICY_NAMES} == {
+        "affinity": "AffinityPolicy", "least_loaded": "LeastLoadedPolicy", "round_robin": "RoundRobinPolicy"}

@@ -13,6 +13,9 @@ Modules: `events` (the event loop), `fleet` (replicas, router wiring, failures),
 batch band beside the trace: the batch service's feed policy and the workers' preemption policy,
 `FleetSim(config, trace, batch=BatchSpec(...))`), `workload` (token ids from trace block ids,
 synthetic traces, rate scaling), `capacity` (perf-model load sizing), `report` (metrics and tables).
+`wiring` builds the production decisions both simulators run (placement, admission, the
+controller's signals) and names what they read of a replica (`ReplicaModel`); `sampler` draws the
+router's placement of load-only requests in O(√n).
 
 The fast simulator behind `inferbus simulate` (docs/simulator.md): `analytic` (an engine replica
 advanced a few events per request), `fast` (the fleet loop, the placement and admission

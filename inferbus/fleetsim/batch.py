@@ -317,7 +317,7 @@ class BatchBand:
 
     def pull(self, replica: Replica) -> None:
         """Batch lines into the slots the preemption policy grants, at most a pull's fair share."""
-        if not self.queue or not replica.alive:
+        if not self.queue or not replica.alive or replica.state != "serving":
             return
         capacity = replica.engine.config.max_running_requests
         prefilling = sum(1 for line in replica.batch_jobs.values() if line.attempt_generated == 0)

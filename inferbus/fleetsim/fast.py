@@ -1,11 +1,12 @@
 """The fast fleet simulator: analytic replicas behind the production placement and admission policies.
 
-One virtual clock, one event heap, no network. What runs is production code where it decides:
+One virtual clock, one event heap, no network. What runs is production code where it decides,
+wired as in the per-step simulator (`wiring`):
 
-- placement: `services.router.policy` (least-loaded or affinity), fed `Heartbeat` and `WorkerLoad`
-  messages as the router service is, asked `place(PlacementRequest)` per request. The simulator
-  turns on the policy's opt-in fast path (`Policy.enable_fast_path`: same choice distribution,
-  O(√n) in C instead of O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
+- placement: `services.router.placement` (least-loaded or affinity), its registry fed `Heartbeat`
+  and `WorkerLoad` messages as the router service's is. The simulator draws placements with a
+  `sampler.LoadSampler` (the same choice distribution as `Placer.place`, O(√n) in C instead of
+  O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
   cache hits are statistical, from the mix's cached fraction), so placement is load-only.
 - admission: `services.gateway.overload.OverloadPolicy` (sheds a request whose expected wait
   exceeds its band's budget), fed the same load reports. Its inputs change only when reports
@@ -15,12 +16,12 @@ One virtual clock, one event heap, no network. What runs is production code wher
 
 For speed (the results are the same): while arrivals remain, a serving replica's segment ends are
 not heap events but are applied when something looks at the replica (`_catch_up`); placement goes
-through the policy's `place_load_only` (no message objects); finished requests are accounted in
+through the sampler's `place_load_only` (no message objects); finished requests are accounted in
 batches (`_account_finished`).
 
 Load reports go every `load_interval_s` per replica (the fleet is split into cohorts reporting in
 turn, one heap event per cohort), heartbeats every `heartbeat_interval_s` (an unchanged beat
-through `Policy.touch`); both reach the policy at once (a bus delay of ~1 ms is below the model's
+through `WorkerRegistry.touch`); both reach the router at once (a bus delay of ~1 ms is below the model's
 resolution). A placement the policy answers with no worker (nothing eligible) waits on a shared
 queue until a replica has room.
 
@@ -41,15 +42,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 from proto import messages as m
-from services.gateway.overload import OverloadPolicy
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.perf_model import FixedStepModel, StepTimeModel, roofline
 
 from .analytic import AnalyticReplica, Req
-from .timeseries import INF, Bucket, Minute, Summary, close, quantile, quantiles
+from .timeseries import INF, Bucket, Minute, Summary, close, quantiles
+from .wiring import (Admission, Controller, FleetSignals, StaticController, fleet_signals, fleet_states, make_placement,
+                     pick)
+
+__all__ = ["Arrival", "Controller", "FastConfig", "FastFleet", "FleetSignals", "StaticController"]
 
 # One arrival: (time s, input tokens, output tokens, cached prompt tokens).
 Arrival = tuple[float, int, int, int]
@@ -63,8 +67,8 @@ class FastConfig:
     warm: int = 0  # warm (loaded, not serving) at t = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     policy: str = "least_loaded"  # least_loaded | affinity | round_robin (round_robin has no fast path)
-    routing: object | None = None  # services.router.policy.RoutingConfig; None: its defaults
-    fast_placement: bool = True  # the policy's fast path (same distribution; off: its O(n) path)
+    routing: object | None = None  # services.router.config.RoutingConfig; None: its defaults
+    fast_placement: bool = True  # draw with a `LoadSampler` (same distribution; off: `Placer.place`, O(n))
     seed: int = 0
     model: str = DEFAULT_MODEL
     # The live worker reports every 0.25 s; between reports the router counts its own placements,
@@ -100,49 +104,6 @@ class FastConfig:
             raise ValueError("report_cohorts must be at least 1")
 
 
-@dataclass(frozen=True)
-class FleetSignals:
-    """What a controller sees every `interval_s` (windowed values over the last interval)."""
-
-    t: float
-    window_s: float
-    arrivals: int
-    arrival_rps: float
-    rejected: int
-    completed: int
-    ttft_p90_s: float  # NaN when nothing finished in the window
-    tpot_p90_s: float
-    queue_wait_p90_s: float  # arrival → prefill start
-    kv_use_mean: float  # over serving replicas, now
-    kv_use_max: float
-    running: tuple[int, ...]  # per serving replica, now (in `serving_ids` order)
-    waiting: tuple[int, ...]
-    in_flight: int  # requests held by serving and draining replicas (running + waiting)
-    queued_prefill_tokens: int
-    serving: int
-    warm: int
-    starting: int  # cold starts and promotions in progress
-    draining: int
-    serving_ids: tuple[str, ...] = ()  # least busy first (cheapest to drain)
-    warm_ids: tuple[str, ...] = ()
-
-
-class Controller(Protocol):
-    interval_s: float
-
-    def decide(self, signals: FleetSignals, fleet: FastFleet) -> None: ...
-
-
-@dataclass
-class StaticController:
-    """A fixed fleet: never changes anything."""
-
-    interval_s: float = 60.0
-
-    def decide(self, signals: FleetSignals, fleet: FastFleet) -> None:
-        return None
-
-
 class _Node:
     """A replica's fleet-side state."""
 
@@ -172,8 +133,6 @@ class FastFleet:
         step_model: StepTimeModel | None = None,
         progress: Callable[[float], None] | None = None,
     ) -> None:
-        from services.router.policy import RoutingConfig, make_policy
-
         self.config = config
         engine = config.engine
         self.step_model = step_model or (
@@ -185,11 +144,10 @@ class FastFleet:
         self.heap: list[tuple[float, int, int, object, int]] = []
         self._seq = 0
         self.rng = random.Random(config.seed)
-        routing = config.routing or RoutingConfig(block_size=engine.block_size)
-        self.policy = make_policy(config.policy, clock=self.clock, config=routing, rng=random.Random(config.seed))  # type: ignore[arg-type]
-        if config.fast_placement:
-            self.policy.enable_fast_path()
-        self.overload = OverloadPolicy(clock=self.clock, budgets_s={"premium": 10.0, "standard": config.admission_budget_s})
+        self.placer, self.sampler = make_placement(config.policy, config.routing, engine.block_size,  # type: ignore[arg-type]
+                                                   self.clock, config.seed, sampler=config.fast_placement)
+        self.registry = self.placer.registry
+        self.admission = Admission(self.clock, config.admission_budget_s, config.admission_refresh_s)
         self.controller: Controller = controller or StaticController()
         self.progress = progress
         self._arrivals: Iterator[Arrival] = iter(arrivals)
@@ -204,8 +162,6 @@ class FastFleet:
         self._gpu_s = 0.0
         self._billed_at = 0.0
         self._peak_serving = 0
-        self._admit_ok = True
-        self._admit_until = -1.0
         # Metrics.
         self.requests = 0
         self.completed = 0
@@ -220,7 +176,7 @@ class FastFleet:
         self._all_tpot: list[float] = []
         # Requests carry no adapter and no prefix hashes: `place_load_only` is `place` for them,
         # without the message objects.
-        self._place = self.policy.place_load_only
+        self._place = self.sampler.place_load_only if self.sampler is not None else self._place_slow
         self._model = config.model
         self._block_size = engine.block_size
         self._stride = 1  # keep every n-th latency for the run's percentiles (doubles past 1M kept)
@@ -241,15 +197,14 @@ class FastFleet:
     def clock(self) -> float:
         return self.now
 
+    def _place_slow(self, model: str, prompt_tokens: int) -> str | None:
+        return self.placer.place(m.PlacementRequest(request_id="", model=model, prompt_tokens=prompt_tokens)).worker_id
+
     # ---- the fleet's controls (for controllers) ------------------------------------------------
 
     @property
     def counts(self) -> dict[str, int]:
-        out = {"starting": 0, "warm": 0, "serving": 0, "draining": 0}
-        for node in self.nodes.values():
-            if node.state in out:
-                out[node.state] += 1
-        return out
+        return fleet_states(self.nodes.values())
 
     def start(self, count: int = 1, *, warm: bool = False) -> list[str]:
         """Cold-start `count` replicas; serving (or, with `warm`, warm) after `cold_start_s`."""
@@ -302,9 +257,7 @@ class FastFleet:
         return names
 
     def _pick(self, state: str, count: int, ids: list[str] | None) -> list[_Node]:
-        if ids is not None:
-            return [self.nodes[i] for i in ids if i in self.nodes and self.nodes[i].state == state]
-        return [n for n in self.nodes.values() if n.state == state][: max(0, count)]
+        return pick(self.nodes, state, count, ids)
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -418,7 +371,8 @@ class FastFleet:
         bucket = self._buckets.get(int(t // self._bucket_s)) or self._bucket(t)
         bucket.arrivals += 1
         self._window.arrivals += 1
-        if self._admission and (t >= self._admit_until or not self._admit_ok) and not self._admitted(t):
+        admission = self.admission
+        if self._admission and (t >= admission.until or not admission.ok) and not admission.admitted(t):
             self.rejected += 1
             bucket.rejected += 1
             bucket.ttft.append(INF)
@@ -446,12 +400,6 @@ class FastFleet:
         if end < INF and (not self._lazy or replica.draining):
             self._seq += 1
             heapq.heappush(self.heap, (end, self._seq, _SEGMENT, replica, replica.version))
-
-    def _admitted(self, t: float) -> bool:
-        if t >= self._admit_until:
-            self._admit_ok = self.overload.admit("standard").admitted
-            self._admit_until = t + self.config.admission_refresh_s
-        return self._admit_ok
 
     def _on_finish(self, req: Req, t: float) -> None:
         # Only recorded here: the metrics are computed in batches by `_account_finished`.
@@ -564,9 +512,9 @@ class FastFleet:
             queued_prefill_tokens=replica.queued_prefill(), draining=node.state == "draining",
             pulled_own=replica.taken,
         )
-        self.policy.on_load(load)
+        self.registry.on_load(load)
         if self.config.admission:
-            self.overload.on_load(load)
+            self.admission.on_load(load)
 
     def _heartbeat(self, node: _Node) -> None:
         state: Literal["ready", "draining"] = "draining" if node.state == "draining" else "ready"
@@ -578,9 +526,9 @@ class FastFleet:
                 ts=self.now, state=state, max_running=engine.max_running_requests, gpu=engine.gpu, tp=engine.tp,
                 block_size=engine.block_size,
             )
-        elif self.policy.touch(node.name):  # the same beat again: only its arrival time is news
+        elif self.registry.touch(node.name):  # the same beat again: only its arrival time is news
             return
-        self.policy.on_heartbeat(beat)
+        self.registry.on_heartbeat(beat)
 
     def _drain_shared(self) -> None:
         for replica in list(self.serving.values()):
@@ -601,7 +549,7 @@ class FastFleet:
             else:
                 self._serve(node)
         elif kind == _EXPIRE:
-            self.policy.expire()
+            self.registry.expire()
             self._push(self.now + self.config.expire_interval_s, _EXPIRE, None, 0)
         elif kind == _CONTROL:
             signals = self.signals()
@@ -613,23 +561,9 @@ class FastFleet:
     def signals(self) -> FleetSignals:
         self._catch_up_all()
         self._account_finished()
-        window = self._window
-        span = max(1e-9, self.now - self._window_start)
-        replicas = sorted(self.serving.values(), key=lambda r: r.in_flight)
-        kv = [min(1.0, r.kv_used() / r.kv_capacity) for r in replicas] or [0.0]
-        counts = self.counts
         held = sum(n.replica.in_flight for n in self.nodes.values() if n.state in ("serving", "draining"))
-        return FleetSignals(
-            t=self.now, window_s=span, arrivals=window.arrivals, arrival_rps=window.arrivals / span,
-            rejected=window.rejected, completed=len(window.ttft), ttft_p90_s=quantile(window.ttft, 0.9),
-            tpot_p90_s=quantile(window.tpot, 0.9), queue_wait_p90_s=quantile(window.wait, 0.9),
-            kv_use_mean=sum(kv) / len(kv), kv_use_max=max(kv),
-            running=tuple(r.B + len(r.prefill) for r in replicas), waiting=tuple(len(r.waiting) for r in replicas),
-            in_flight=held + len(self.shared), queued_prefill_tokens=sum(r.queued_prefill() for r in replicas), serving=counts["serving"],
-            warm=counts["warm"], starting=counts["starting"], draining=counts["draining"],
-            serving_ids=tuple(r.name for r in replicas),
-            warm_ids=tuple(n.name for n in self.nodes.values() if n.state == "warm"),
-        )
+        return fleet_signals(self.now, self._window, self._window_start, self.serving.values(), self.counts,
+                             held + len(self.shared), (n.name for n in self.nodes.values() if n.state == "warm"))
 
     def _close_buckets(self, final: bool) -> None:
         config = self.config
@@ -696,7 +630,7 @@ class FastFleet:
         node.warm_target = False
         node.replica.draining = False
         node.beat = None
-        self.policy.on_worker_gone(node.name)  # a warm worker leaves the router's registry
+        self.registry.on_worker_gone(node.name)  # a warm worker leaves the router's registry
 
     def _stop(self, node: _Node) -> None:
         if node.state == "stopped":
@@ -705,7 +639,7 @@ class FastFleet:
         self._started -= 1
         node.state = "stopped"
         self.serving.pop(node.name, None)
-        self.policy.on_worker_gone(node.name)
+        self.registry.on_worker_gone(node.name)
         del self.nodes[node.name]
         self._cohorts[node.cohort].remove(node)
 
@@ -728,7 +662,7 @@ class FastFleet:
         ttft = quantiles(self._all_ttft, 0.5, 0.9, 0.99)
         tpot = quantiles(self._all_tpot, 0.5, 0.9)
         return Summary(
-            policy=self.policy.name, gpu=config.engine.gpu, tp=config.engine.tp, duration_s=duration,
+            policy=self.placer.name, gpu=config.engine.gpu, tp=config.engine.tp, duration_s=duration,
             requests=self.requests, completed=self.completed, rejected=self.rejected,
             unfinished=self._outstanding(), minutes=len(minutes),
             minute_attainment=within / len(minutes) if minutes else math.nan,

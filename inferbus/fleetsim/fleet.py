@@ -1,7 +1,7 @@
 """A fleet of simulated engines behind the router's placement policy, on one virtual clock.
 
-What runs is the production code: `services.router.policy` decides every placement from the same
-messages the router service receives (`proto.messages` heartbeats, load reports, cache events),
+What runs is the production code: `services.router.placement` (the worker registry and the
+policy) decides every placement from the same messages the router service receives (`proto.messages` heartbeats, load reports, cache events),
 and each replica is a `services.sim_engine.scheduler.Engine` (continuous batching, chunked
 prefill, radix prefix cache, KV capacity, the roofline step time). Only the bus and the worker
 are modelled, simply:
@@ -34,6 +34,12 @@ are modelled, simply:
   policy and the workers' preemption policy on a shared batch queue (see `batch`). Then a
   replica's interactive pulls count slots as the worker does (interactive plus batch in flight
   against the engine's `max_running_requests`), and ignore batch lines waiting in the engine.
+- With `admission` on, the gateway's overload policy sheds arrivals (fed the load reports); with
+  a `controller` (the autoscaler's policy), the fleet scales: `start` (a cold start of
+  `cold_start_s`, to serving or to the warm pool), `promote` (`warm_start_s`), `drain` (no new
+  work, the replica finishes its own, then stops or goes warm) and `stop_warm`, as the fast
+  simulator's. Both are wired as in the fast simulator (`wiring`), so one run can combine them
+  with prefix affinity and a batch band.
 
 Time the gateway and router spend on a request (a few ms on the live platform) is not modelled.
 """
@@ -45,12 +51,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from inferbus import continuation
 from inferbus.tokens import block_hashes
 from inferbus.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from proto import messages as m
+from services.router.placement import Placer
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.perf_model import StepTimeModel
 from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
@@ -60,23 +67,13 @@ from services.worker.preemption import Check
 from .batch import BatchBand, BatchSpec
 from .events import EventLoop
 from .report import RunReport, build_report
+from .timeseries import Bucket
+from .wiring import Admission, Controller, FleetSignals, fleet_signals, fleet_states, make_placement, pick
 from .workload import PromptTokens
 
 
-class PlacementPolicy(Protocol):
-    """What the simulator needs of a policy (`services.router.policy.Policy` has it)."""
-
-    workers: dict[str, Any]
-
-    def on_heartbeat(self, beat: m.Heartbeat) -> None: ...
-    def on_load(self, load: m.WorkerLoad) -> None: ...
-    def on_cache(self, event: m.CacheEvent) -> bool: ...
-    def place(self, request: m.PlacementRequest) -> m.PlacementReply: ...
-    def expire(self) -> list[str]: ...
-
-
-# (clock, rng) -> policy
-PolicyFactory = Callable[[Callable[[], float], random.Random], PlacementPolicy]
+# (clock, rng) -> the router's placement (`services.router.placement.Placer`)
+PlacerFactory = Callable[[Callable[[], float], random.Random], Placer]
 
 
 @dataclass
@@ -84,7 +81,7 @@ class FleetConfig:
     replicas: int = 8
     engine: EngineConfig = field(default_factory=EngineConfig)  # H100 TP2, KV from GPU memory
     policy: str = "affinity"  # affinity | least_loaded | round_robin
-    routing: Any = None  # services.router.policy.RoutingConfig; None: its defaults (block size from `engine`)
+    routing: Any = None  # services.router.config.RoutingConfig; None: its defaults (block size from `engine`)
     seed: int = 0
     model: str = DEFAULT_MODEL
     load_interval_s: float = 0.25
@@ -100,10 +97,16 @@ class FleetConfig:
     # Stop when, after the last arrival, no engine has stepped for this long (requests stuck on
     # the shared queue with every replica dead, say); they are counted as unfinished.
     stall_timeout_s: float = 30.0
+    warm: int = 0  # warm replicas (loaded, not serving) at t = 0
+    admission: bool = False  # the gateway's overload policy sheds arrivals (`wiring.Admission`)
+    admission_budget_s: float = 3.0  # the gateway's standard band (OverloadPolicy default)
+    admission_refresh_s: float = 0.25
+    cold_start_s: float = 120.0  # `start`: launch → serving (or warm)
+    warm_start_s: float = 5.0  # `promote`: warm → serving
 
     def __post_init__(self) -> None:
-        if self.replicas < 0:
-            raise ValueError("replicas must not be negative")
+        if self.replicas < 0 or self.warm < 0:
+            raise ValueError("replicas and warm must not be negative")
         if self.recovery not in ("shared", "placement"):
             raise ValueError("recovery must be 'shared' or 'placement'")
         if self.max_attempts < 1:
@@ -131,7 +134,7 @@ class Job:
     finish_s: float | None = None
     cached_tokens: int = 0  # engine-reported, all attempts
     dispatched_s: float = 0.0  # the current attempt entered an engine
-    status: Literal["pending", "completed", "failed"] = "pending"
+    status: Literal["pending", "completed", "failed", "rejected"] = "pending"
     error: str = ""
 
 
@@ -142,6 +145,7 @@ class Replica:
         "worker_id", "engine", "alive", "stepping", "jobs", "inbox", "cache_seq", "load_seq",
         "completed", "busy_s", "prefill_tokens", "steps", "started_s", "died_s", "recovered", "pulled_own",
         "batch_jobs", "batch_aborts", "batch_check", "completed_batch", "ttft_hist", "queue_wait_hist", "tpot_fine_hist",
+        "state", "warm_target", "epoch", "stopped_s",
     )
 
     def __init__(self, worker_id: str, engine: Engine, started_s: float) -> None:
@@ -169,6 +173,41 @@ class Replica:
         self.ttft_hist: list[int] = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
         self.queue_wait_hist: list[int] = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
         self.tpot_fine_hist: list[int] = [0] * (len(m.TPOT_BUCKETS_S) + 1)
+        self.state = "serving"  # starting | warm | serving | draining | stopped (`FleetSim.start` and co.)
+        self.warm_target = False  # a start or drain that ends in the warm pool
+        self.epoch = 0  # serving periods so far: a period's heartbeat and report timers end with it
+        self.stopped_s: float | None = None
+
+    # ---- `wiring.ReplicaModel` ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.worker_id
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.engine.cache.capacity_tokens
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.engine.waiting
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.engine.running) + len(self.engine.waiting)
+
+    def kv_used(self) -> int:
+        cache = self.engine.cache
+        return cache.capacity_tokens - cache.available_tokens()
+
+    def queued_prefill(self) -> int:
+        engine = self.engine
+        queued = sum(len(r.fill_ids) - r.computed for r in engine.waiting)
+        return queued + sum(len(r.fill_ids) - r.computed for r in engine.running if r.computed < len(r.fill_ids))
 
     @property
     def generated_tokens(self) -> int:
@@ -178,15 +217,6 @@ class Replica:
     def processed_tokens(self) -> int:
         """Prompt tokens prefilled plus output tokens generated here."""
         return self.prefill_tokens + self.engine.generation_tokens_total
-
-
-def default_policy_factory(name: str, routing: Any) -> PolicyFactory:
-    from services.router.policy import make_policy
-
-    def factory(clock: Callable[[], float], rng: random.Random) -> PlacementPolicy:
-        return make_policy(name, clock=clock, config=routing, rng=rng)
-
-    return factory
 
 
 class FleetSim:
@@ -201,22 +231,25 @@ class FleetSim:
         config: FleetConfig,
         trace: Sequence[TraceRequest],
         *,
-        policy_factory: PolicyFactory | None = None,
+        placer_factory: PlacerFactory | None = None,
         step_model: StepTimeModel | None = None,
         prompts: PromptTokens | None = None,
         batch: BatchSpec | None = None,
+        controller: Controller | None = None,
     ) -> None:
         self.config = config
         self.loop = EventLoop()
         self.rng = random.Random(config.seed)
-        routing = config.routing
-        if routing is None and policy_factory is None:
-            from services.router.policy import RoutingConfig
-
-            routing = RoutingConfig(block_size=config.engine.block_size)
-        factory = policy_factory or default_policy_factory(config.policy, routing)
-        self.policy = factory(self.loop.clock, random.Random(config.seed))
-        self.policy_name = config.policy if policy_factory is None else getattr(self.policy, "name", config.policy)
+        if placer_factory is not None:
+            self.placer = placer_factory(self.loop.clock, random.Random(config.seed))
+        else:
+            self.placer, _ = make_placement(config.policy, config.routing, config.engine.block_size, self.loop.clock,
+                                            config.seed)
+        self.registry = self.placer.registry
+        self.admission = (Admission(self.loop.clock, config.admission_budget_s, config.admission_refresh_s)
+                          if config.admission else None)
+        self.controller = controller
+        self.policy_name = self.placer.name
         self.step_model = step_model
         self.block_size = config.engine.block_size
         self.prompts = prompts or PromptTokens(config.trace_block_tokens)
@@ -226,8 +259,13 @@ class FleetSim:
                 output_tokens=r.output_tokens)
             for i, r in enumerate(self.trace)
         ]
-        self.replicas: list[Replica] = []
+        self.replicas: list[Replica] = []  # every replica that has served
         self.by_id: dict[str, Replica] = {}
+        self.nodes: dict[str, Replica] = {}  # every replica not stopped (`wiring.FleetControls`)
+        self.rejected = 0
+        self.decisions = 0  # controller calls
+        self._window = Bucket(-1)  # what the controller's next signals cover
+        self._window_start = 0.0
         self.shared: deque[Job] = deque()
         self.outstanding = len(self.jobs)
         self.done = False
@@ -235,7 +273,7 @@ class FleetSim:
         self.recovered_queued = 0
         self.shared_placements = 0
         self.resyncs = 0
-        self.placement_s = 0.0  # CPU in policy.place (process time)
+        self.placement_s = 0.0  # CPU in placer.place (process time)
         self.stalled = False
         self._last_progress = 0.0
         self._next_arrival = 0
@@ -245,29 +283,141 @@ class FleetSim:
         self._has_room = self._has_slot if batch is not None else self._engine_has_room  # type: ignore[method-assign]
         for _ in range(config.replicas):
             self.add_replica(0.0)
+        for _ in range(config.warm):
+            self._new_replica(self._next_worker_id(), "warm")
 
     # ---- fleet changes -------------------------------------------------------------------------
 
     def add_replica(self, at_s: float = 0.0) -> str:
         """A new replica that starts heartbeating at `at_s`; returns its worker id."""
-        self._next_replica += 1
-        worker_id = f"sim-{self._next_replica:04d}"
+        worker_id = self._next_worker_id()
         self.loop.at(at_s, self._start_replica, worker_id)
         return worker_id
+
+    def _next_worker_id(self) -> str:
+        self._next_replica += 1
+        return f"sim-{self._next_replica:04d}"
 
     def kill_replica(self, worker_id: str, at_s: float) -> None:
         """The replica stops dead at `at_s` (no drain): no more steps, reports or heartbeats."""
         self.loop.at(at_s, self._kill, worker_id)
 
     def _start_replica(self, worker_id: str) -> None:
+        self._serve(self._new_replica(worker_id, "starting"))
+
+    def _new_replica(self, worker_id: str, state: str) -> Replica:
         engine = Engine(self.config.engine, self.step_model)
         engine.advance(self.loop.now)
         replica = Replica(worker_id, engine, self.loop.now)
-        self.replicas.append(replica)
-        self.by_id[worker_id] = replica
-        self._heartbeat(replica, first=True)
+        replica.state = state
+        self.nodes[worker_id] = replica
+        return replica
+
+    def _serve(self, replica: Replica) -> None:
+        replica.state = "serving"
+        replica.epoch += 1
+        if replica.worker_id not in self.by_id:
+            replica.started_s = self.loop.now  # the worker starts once its engine is up
+            self.replicas.append(replica)
+            self.by_id[replica.worker_id] = replica
+        self._heartbeat(replica, first=True, epoch=replica.epoch)
         # Reports start at a random phase so the fleet's reports are spread over the interval.
-        self.loop.after(self.rng.random() * self.config.load_interval_s, self._report_load, replica)
+        self.loop.after(self.rng.random() * self.config.load_interval_s, self._report_load, replica, replica.epoch)
+        self._pull_shared()
+
+    # ---- the fleet's controls (`wiring.FleetControls`, for controllers) -----------------------------
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return fleet_states(self.nodes.values())
+
+    def start(self, count: int = 1, *, warm: bool = False) -> list[str]:
+        """Cold-start `count` replicas; serving (or, with `warm`, warm) after `cold_start_s`."""
+        names = []
+        for _ in range(max(0, count)):
+            replica = self._new_replica(self._next_worker_id(), "starting")
+            replica.warm_target = warm
+            self.loop.after(self.config.cold_start_s, self._ready, replica)
+            names.append(replica.worker_id)
+        return names
+
+    def promote(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
+        """Warm replicas (`ids`, else the first `count`) serve after `warm_start_s`."""
+        names = []
+        for replica in self._pick("warm", count, ids):
+            replica.state = "starting"
+            replica.warm_target = False
+            self.loop.after(self.config.warm_start_s, self._ready, replica)
+            names.append(replica.worker_id)
+        return names
+
+    def drain(self, count: int = 1, ids: list[str] | None = None, *, to_warm: bool = False) -> list[str]:
+        """Serving replicas (`ids`, else the `count` least busy) take no new work, finish their
+        own, then stop (or, with `to_warm`, go back to the warm pool, engine kept)."""
+        if ids is None:
+            serving = sorted(self._pick("serving", len(self.nodes), None), key=lambda r: r.in_flight)
+            chosen = serving[: max(0, count)]
+        else:
+            chosen = self._pick("serving", count, ids)
+        for replica in chosen:
+            replica.state = "draining"
+            replica.warm_target = to_warm
+            self._heartbeat(replica, first=True, epoch=replica.epoch, reschedule=False)  # the router stops placing
+            self._drained_check(replica)
+        return [replica.worker_id for replica in chosen]
+
+    def stop_warm(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
+        """Stop warm replicas (`ids`, else the first `count`)."""
+        chosen = self._pick("warm", count, ids)
+        for replica in chosen:
+            self._stop(replica)
+        return [replica.worker_id for replica in chosen]
+
+    def signals(self) -> FleetSignals:
+        nodes = list(self.nodes.values())
+        held = sum(r.in_flight for r in nodes if r.state in ("serving", "draining") and r.alive)
+        return fleet_signals(self.loop.now, self._window, self._window_start,
+                             [r for r in nodes if r.state == "serving" and r.alive], fleet_states(nodes),
+                             held + len(self.shared), [r.worker_id for r in nodes if r.state == "warm"])
+
+    def _pick(self, state: str, count: int, ids: list[str] | None) -> list[Replica]:
+        return pick(self.nodes, state, count, ids)
+
+    def _ready(self, replica: Replica) -> None:
+        if replica.state != "starting":
+            return
+        if replica.warm_target:
+            replica.state = "warm"
+            replica.warm_target = False
+        else:
+            self._serve(replica)
+
+    def _drained_check(self, replica: Replica) -> None:
+        """A draining replica with nothing left: stop it, or park it in the warm pool."""
+        if replica.state != "draining" or replica.jobs or replica.batch_jobs or replica.stepping:
+            return
+        if replica.warm_target:
+            replica.state = "warm"
+            replica.warm_target = False
+            self.registry.on_worker_gone(replica.worker_id)  # a warm worker leaves the router's registry
+        else:
+            self._stop(replica)
+
+    def _stop(self, replica: Replica) -> None:
+        replica.state = "stopped"
+        replica.stopped_s = self.loop.now
+        self.nodes.pop(replica.worker_id, None)
+        self.registry.on_worker_gone(replica.worker_id)
+
+    def _control(self) -> None:
+        assert self.controller is not None
+        signals = self.signals()
+        self._window = Bucket(-1)
+        self._window_start = self.loop.now
+        self.decisions += 1
+        self.controller.decide(signals, self)
+        if not self.done:
+            self.loop.after(self.controller.interval_s, self._control)
 
     def _kill(self, worker_id: str) -> None:
         replica = self.by_id[worker_id]
@@ -289,6 +439,8 @@ class FleetSim:
         if self.band is not None:
             self.band.start()
         self.loop.after(self.config.expire_interval_s, self._expire)
+        if self.controller is not None:
+            self.loop.after(self.controller.interval_s, self._control)
         self.loop.run(until=self.config.max_virtual_s)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         return build_report(self, cpu_s=cpu, wall_s=wall)
@@ -313,13 +465,21 @@ class FleetSim:
         self._last_progress = self.loop.now
         if self._next_arrival < len(self.jobs):
             self.loop.at(self.jobs[self._next_arrival].arrival_s, self._arrive)
+        self._window.arrivals += 1
+        if self.admission is not None and not self.admission.admitted(self.loop.now):
+            self.rejected += 1
+            self._window.rejected += 1
+            job.status = "rejected"
+            job.finish_s = self.loop.now
+            self._finish_one()
+            return
         job.prompt = self.prompts.ids(job.trace, job.index)
         job.hashes = block_hashes(job.prompt, self.block_size)
         self._place(job)
 
     def _place(self, job: Job) -> None:
         started = time.process_time()
-        reply = self.policy.place(m.PlacementRequest(
+        reply = self.placer.place(m.PlacementRequest(
             request_id=job.rid, model=self.config.model, prompt_tokens=len(job.prompt or ()),
             block_hashes=job.hashes or [], block_size=self.block_size,
         ))
@@ -333,6 +493,10 @@ class FleetSim:
 
     def _to_shared(self, job: Job) -> None:
         self.shared.append(job)
+        self._pull_shared()
+
+    def _pull_shared(self) -> None:
+        """Replicas with room take from the shared queue."""
         for replica in self.replicas:
             if not self.shared:
                 break
@@ -342,12 +506,13 @@ class FleetSim:
     @staticmethod
     def _engine_has_room(replica: Replica) -> bool:
         engine = replica.engine
-        return replica.alive and not engine.waiting and len(engine.running) < engine.config.max_running_requests
+        return (replica.alive and replica.state == "serving" and not engine.waiting
+                and len(engine.running) < engine.config.max_running_requests)
 
     @staticmethod
     def _has_slot(replica: Replica) -> bool:
         """With a batch band: a free worker slot and no interactive request waiting in the engine."""
-        if not replica.alive:
+        if not replica.alive or replica.state != "serving":
             return False
         engine = replica.engine
         if len(replica.jobs) + len(replica.batch_jobs) >= engine.config.max_running_requests:
@@ -379,6 +544,7 @@ class FleetSim:
             replica.pulled_own += 1
         if job.attempt == 0:
             m.observe(replica.queue_wait_hist, m.LATENCY_BUCKETS_S, self.loop.now - job.arrival_s)
+            self._window.wait.append(self.loop.now - job.arrival_s)
         assert job.prompt is not None
         engine = replica.engine
         request = Request(
@@ -459,6 +625,11 @@ class FleetSim:
                 job.finish_s = now
                 job.prompt = job.hashes = job.request = None
                 job.replica = None
+                window = self._window
+                if job.first_token_s is not None:
+                    window.ttft.append(job.first_token_s - job.arrival_s)
+                    if job.delivered > 1:
+                        window.tpot.append((now - job.first_token_s) / (job.delivered - 1))
                 self._finish_one()
         if replica.batch_aborts:
             assert band is not None
@@ -469,6 +640,8 @@ class FleetSim:
             band.pull(replica)
         if stepping:
             self._step(replica)
+        if replica.state == "draining" and not replica.stepping:
+            self._drained_check(replica)
 
     # ---- messages to the router ------------------------------------------------------------------
 
@@ -495,7 +668,7 @@ class FleetSim:
     def _deliver_cache(self, replica: Replica, message: m.CacheEvent) -> None:
         if not replica.alive:
             return
-        if not self.policy.on_cache(message):
+        if not self.registry.on_cache(message):
             self._resync(replica)
 
     def _resync(self, replica: Replica) -> None:
@@ -508,35 +681,37 @@ class FleetSim:
         )
         self.loop.after(2 * self.config.bus_delay_s, self._deliver_cache, replica, snapshot)
 
-    def _heartbeat(self, replica: Replica, first: bool = False) -> None:
-        if not replica.alive:
-            return
+    def _heartbeat(self, replica: Replica, first: bool = False, epoch: int = 1, reschedule: bool = True) -> None:
+        if not replica.alive or replica.epoch != epoch or replica.state not in ("serving", "draining"):
+            return  # dead, or the serving period this timer belongs to is over
         config = self.config.engine
         beat = m.Heartbeat(
             worker_id=replica.worker_id, model=self.config.model, engine_url=f"sim://{replica.worker_id}",
-            started=replica.started_s, ts=self.loop.now, state="ready", max_running=config.max_running_requests,
+            started=replica.started_s, ts=self.loop.now, state="draining" if replica.state == "draining" else "ready",
+            max_running=config.max_running_requests,
             gpu=config.gpu, tp=config.tp, block_size=config.block_size,
         )
         if first:
             self._deliver_heartbeat(replica, beat)  # registered before any request can arrive
         else:
             self.loop.after(self.config.bus_delay_s, self._deliver_heartbeat, replica, beat)
-        if not self.done:
-            self.loop.after(self.config.heartbeat_interval_s, self._heartbeat, replica)
+        if reschedule and not self.done:
+            self.loop.after(self.config.heartbeat_interval_s, self._heartbeat, replica, False, epoch)
 
     def _deliver_heartbeat(self, replica: Replica, beat: m.Heartbeat) -> None:
-        known = replica.worker_id in self.policy.workers
-        self.policy.on_heartbeat(beat)
+        if replica.state not in ("serving", "draining"):
+            return  # stopped or parked while the beat was on the bus
+        known = replica.worker_id in self.registry.workers
+        self.registry.on_heartbeat(beat)
         if not known:
             self._resync(replica)  # the router asks a joining worker for its cache
 
-    def _report_load(self, replica: Replica) -> None:
-        if not replica.alive:
+    def _report_load(self, replica: Replica, epoch: int = 1) -> None:
+        if not replica.alive or replica.epoch != epoch or replica.state not in ("serving", "draining"):
             return
         engine = replica.engine
         snapshot = engine.load()
-        queued_prefill = sum(len(r.fill_ids) - r.computed for r in engine.waiting)
-        queued_prefill += sum(len(r.fill_ids) - r.computed for r in engine.running if r.computed < len(r.fill_ids))
+        queued_prefill = replica.queued_prefill()
         replica.load_seq += 1
         report = m.WorkerLoad(
             worker_id=replica.worker_id, model=self.config.model, ts=self.loop.now, seq=replica.load_seq,
@@ -545,22 +720,25 @@ class FleetSim:
             max_running=snapshot.max_running_requests, kv_used_tokens=snapshot.num_used_tokens,
             kv_capacity_tokens=snapshot.max_total_num_tokens, cache_hit_rate=snapshot.cache_hit_rate,
             completed=replica.completed, queued_prefill_tokens=queued_prefill, pulled_own=replica.pulled_own,
+            draining=replica.state == "draining",
             batch_in_flight=len(replica.batch_jobs), completed_batch=replica.completed_batch,
             batch_waiting=sum(1 for line in replica.batch_jobs.values() if line.attempt_generated == 0),
             ttft_hist=list(replica.ttft_hist), queue_wait_hist=list(replica.queue_wait_hist),
             tpot_fine_hist=list(replica.tpot_fine_hist), gpu=self.config.engine.gpu, tp=self.config.engine.tp,
         )
-        self.loop.after(self.config.bus_delay_s, self.policy.on_load, report)
+        self.loop.after(self.config.bus_delay_s, self.registry.on_load, report)
+        if self.admission is not None:
+            self.loop.after(self.config.bus_delay_s, self.admission.on_load, report)
         if self.band is not None:
             self.loop.after(self.config.bus_delay_s, self.band.observe, report)
             self.band.check(replica)  # the worker's preemption check runs on its load tick
         if not self.done:
-            self.loop.after(self.config.load_interval_s, self._report_load, replica)
+            self.loop.after(self.config.load_interval_s, self._report_load, replica, epoch)
 
     # ---- dead workers ----------------------------------------------------------------------------
 
     def _expire(self) -> None:
-        for worker_id in self.policy.expire():
+        for worker_id in self.registry.expire():
             replica = self.by_id.get(worker_id)
             if replica is not None and not replica.alive and not replica.recovered:
                 self._recover(replica)

@@ -65,6 +65,7 @@ class RunReport:
     req_per_cpu_s: float
     events_per_cpu_s: float
     stalled: bool = False
+    rejected: int = 0  # shed by the gateway's overload policy (`FleetConfig.admission`)
     batch: BatchReport | None = None  # with a batch band (fleet.FleetSim(batch=...)); the rest is interactive only
 
     def as_dict(self) -> dict[str, Any]:
@@ -80,11 +81,20 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _ended(replica: Any, last_finish: float) -> float:
+    """When the replica stopped serving: killed, stopped by a controller, or the run's end."""
+    for ended in (replica.died_s, replica.stopped_s):
+        if ended is not None:
+            return float(ended)
+    return last_finish
+
+
 def build_report(sim: FleetSim, *, cpu_s: float, wall_s: float) -> RunReport:
     jobs = sim.jobs
     completed = [job for job in jobs if job.status == "completed"]
     failed = sum(job.status == "failed" for job in jobs)
     unfinished = sum(job.status == "pending" for job in jobs)
+    rejected = sum(job.status == "rejected" for job in jobs)
     ttfts = [job.first_token_s - job.arrival_s for job in completed if job.first_token_s is not None]
     tpots = [
         (job.finish_s - job.first_token_s) / (job.delivered - 1)
@@ -103,7 +113,7 @@ def build_report(sim: FleetSim, *, cpu_s: float, wall_s: float) -> RunReport:
     processed = [replica.processed_tokens for replica in replicas if replica.steps or replica.alive]
     mean_processed = sum(processed) / len(processed) if processed else 0.0
     utilisation = [
-        replica.busy_s / max(1e-9, ((replica.died_s if replica.died_s is not None else last_finish) - replica.started_s))
+        replica.busy_s / max(1e-9, (_ended(replica, last_finish) - replica.started_s))
         for replica in replicas
     ]
     span = (jobs[-1].arrival_s - first_arrival) if len(jobs) > 1 else 0.0
@@ -145,6 +155,7 @@ def build_report(sim: FleetSim, *, cpu_s: float, wall_s: float) -> RunReport:
         req_per_cpu_s=len(jobs) / cpu_s if cpu_s > 0 else float("inf"),
         events_per_cpu_s=events / cpu_s if cpu_s > 0 else float("inf"),
         stalled=sim.stalled,
+        rejected=rejected,
         batch=sim.band.report() if sim.band is not None else None,
     )
 

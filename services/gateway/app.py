@@ -47,6 +47,7 @@ from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
 from .responses_api import ResponsesAPI, responses_router
 from .responses_store import ResponseStore
+from .releases import ReleaseRouting
 from .settings import GatewaySettings
 from .models import ModelCatalog
 from .tenants import Tenant, TenantStore
@@ -115,6 +116,8 @@ class Gateway:
         self.files, self.batches = files, BatchStore(batches_kv, js)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
                                      admission, overload, prices, self.catalog, served)
+        self.generation.releases = ReleaseRouting()
+        await self.generation.releases.start(js)
         if s.internal_api:  # internal producers: the same calls over NATS request/reply
             self.internal_api = InternalApi(self.nc, self.generation, self.gateway_id)
             await self.internal_api.start()
@@ -128,6 +131,8 @@ class Gateway:
             await self.internal_api.stop()
         if self.catalog is not None:
             await self.catalog.stop()
+        if self.generation is not None and self.generation.releases is not None:
+            await self.generation.releases.stop()
         if self.fleet is not None:
             await self.fleet.stop()
         if self.dispatcher is not None:

@@ -165,7 +165,7 @@ class Dispatcher:
         """Ask the router for a target; without an answer in time, the shared queue still serves."""
         request = flight.request
         shared = m.PlacementReply(target=subjects.ANY_TARGET)
-        if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter):
+        if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter or request.release):
             # Shorter than one prefix block and no adapter: no cache to find, and balancing load
             # is what the shared queue does anyway. Skipping the round trip saves ~1 ms.
             return shared
@@ -173,6 +173,7 @@ class Dispatcher:
             request_id=request.request_id, model=request.model, adapter=request.adapter,
             prompt_tokens=(request.prompt_tokens or 0) + request.resumed_tokens, tier=request.tier,
             block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
+            release=request.release, pinned=request.release_pinned,
         )
         try:
             reply = await self.replies.request(subjects.placement_subject(request.model), m.encode(ask), self.placement_timeout_s)

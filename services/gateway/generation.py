@@ -30,6 +30,7 @@ from .sampling import sampling_params
 from .tools import ToolCall, ToolOutput
 from .admission import Admission, AdmissionUnavailable, Decision
 from .dispatch import DispatchError, Dispatcher, Flight
+from .releases import PIN_HEADER, ReleaseRouting
 from .errors import OpenAIError
 from .keys import KeyStore, Principal
 from .models import ModelCatalog
@@ -124,6 +125,7 @@ class Generation:
         self.admission = admission
         self.overload = overload
         self.prices = prices
+        self.releases: ReleaseRouting | None = None  # set by the app: canary splits and release pins
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         request_id = uuid.uuid4().hex
@@ -175,7 +177,7 @@ class Generation:
             cached_tokens=usage.cached_tokens if usage else None,
             ttft_ms=round((call.first_token_at - call.started) * 1000, 2) if call.first_token_at else None,
             duration_ms=round((time.monotonic() - call.started) * 1000, 2),
-            attempts=flight.request.attempt + 1, worker=flight.worker_id,
+            attempts=flight.request.attempt + 1, worker=flight.worker_id, release=flight.request.release,
         )
 
     # ---- admission: auth, parsing, publishing -----------------------------------------------
@@ -224,6 +226,8 @@ class Generation:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
                               code="overloaded", headers=verdict.headers())
+        release, pinned = (self.releases.assign(model, principal.tenant, hashes, _header(scope, PIN_HEADER),
+                                                self.dispatcher) if self.releases is not None else (None, False))
         n = params.n
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
         now = time.time()
@@ -233,7 +237,7 @@ class Generation:
             tier=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
             sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids,
+            created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
             user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
         try:

@@ -30,7 +30,10 @@ from proto import messages as m
 from proto import subjects
 
 from . import recovery
-from .policy import Policy, RoutingConfig, make_policy
+from .canary import CanaryService
+from inferbus.releases.slo_gate import SloConfig
+from .config import RoutingConfig
+from .placement import make_placer
 from .settings import RouterSettings
 
 log = logs.get(__name__)
@@ -67,7 +70,8 @@ class Router:
             decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )
-        self.policy: Policy = make_policy(settings.policy, time.monotonic, config)
+        self.placer = make_placer(settings.policy, time.monotonic, config)
+        self.registry = self.placer.registry
         self._resync_asked: dict[str, float] = {}
         self._preloads: dict[tuple[str, str], float] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -90,17 +94,22 @@ class Router:
         await self.nc.subscribe(subjects.placed_wildcard(), cb=self._on_placed, pending_msgs_limit=1_000_000)
         # Placement requests last: by then the view is being built.
         await self.nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=self._on_place)
+        self.canary = CanaryService(self.nc, self.router_id, SloConfig(
+            min_samples=s.canary_min_samples, latency_tolerance=s.canary_latency_tolerance,
+            error_tolerance=s.canary_error_tolerance, cancel_tolerance=s.canary_cancel_tolerance), tick_s=s.canary_tick_s)
+        await self.canary.start()
         self._tasks = [
             asyncio.create_task(self._watch(), name="watch-workers"),
             asyncio.create_task(self._expire(), name="expire"),
             asyncio.create_task(self._scan_for_orphans(), name="recovery-scan"),
         ]
-        log.info("router_ready", router_id=self.router_id, policy=self.policy.name)
+        log.info("router_ready", router_id=self.router_id, policy=self.placer.name)
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await self.watcher.stop()
+        await self.canary.stop()
         await self.replies.stop()
         await self.nc.drain()
 
@@ -112,7 +121,7 @@ class Router:
             request = _placement_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        reply = self.policy.place(request, record=False)
+        reply = self.placer.place(request, record=False)
         await msg.respond(m.encode(reply))
         PLACE_SECONDS.observe(time.perf_counter() - started)
         PLACEMENTS.labels(reply.reason).inc()
@@ -125,7 +134,7 @@ class Router:
     def _after_placement(self, request: m.PlacementRequest, reply: m.PlacementReply) -> None:
         """Count the placement in this replica's view, tell the other replicas, preload adapters."""
         assert reply.worker_id is not None
-        self.policy.record(request, reply)
+        self.placer.record(request, reply)
         CACHED_BLOCKS.inc(reply.cached_blocks)
         if request.adapter:
             self._spawn(self._preload(reply.worker_id, request.adapter))
@@ -143,7 +152,7 @@ class Router:
 
     async def _preload(self, worker_id: str, adapter: str) -> None:
         """Start loading an adapter while the request is still on its way to the worker."""
-        view = self.policy.workers.get(worker_id)
+        view = self.registry.workers.get(worker_id)
         if view is None or adapter in view.adapters:
             return
         now = time.monotonic()
@@ -161,13 +170,15 @@ class Router:
         except msgspec.DecodeError:
             return
         if placed.router_id != self.router_id:
-            self.policy.on_placed(placed)
+            self.registry.on_placed(placed)
 
     # ---- the view ----------------------------------------------------------------------------
 
     async def _on_load(self, msg: Msg) -> None:
         try:
-            self.policy.on_load(_load_decoder.decode(msg.data))
+            load = _load_decoder.decode(msg.data)
+            self.registry.on_load(load)
+            self.canary.on_load(load)
         except msgspec.DecodeError:
             pass
 
@@ -176,7 +187,7 @@ class Router:
             event = _cache_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if not self.policy.on_cache(event):
+        if not self.registry.on_cache(event):
             await self._ask_resync(event.worker_id)
 
     async def _ask_resync(self, worker_id: str) -> None:
@@ -196,35 +207,35 @@ class Router:
             beat = _heartbeat_decoder.decode(entry.value)
         except msgspec.DecodeError:
             return
-        known = beat.worker_id in self.policy.workers
-        self.policy.on_heartbeat(beat)
+        known = beat.worker_id in self.registry.workers
+        self.registry.on_heartbeat(beat)
         if not known:
             log.info("worker_joined", worker_id=beat.worker_id, model=beat.model)
-            if not self.policy.cache_compatible(self.policy.workers[beat.worker_id]):
+            if not self.registry.cache_compatible(self.registry.workers[beat.worker_id]):
                 log.warning("block_size_mismatch", worker_id=beat.worker_id, worker_block_size=beat.block_size,
                             router_block_size=self.settings.block_size,
                             consequence="its cache events are ignored: affinity only from placements")
             await self._ask_resync(beat.worker_id)
-        WORKERS.set(len(self.policy.workers))
+        WORKERS.set(len(self.registry.workers))
 
     def _on_heartbeat_deleted(self, key: str) -> None:
-        for worker_id in [w for w in self.policy.workers if subjects.worker_key(w) == key]:
+        for worker_id in [w for w in self.registry.workers if subjects.worker_key(w) == key]:
             self._worker_gone(worker_id, "heartbeat deleted")
 
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(min(0.5, self.settings.heartbeat_ttl_s / 4))
-            for worker_id in self.policy.expire():
+            for worker_id in self.registry.expire():
                 self._worker_gone(worker_id, "heartbeat expired", already_forgotten=True)
-            WORKERS.set(len(self.policy.workers))
-            INDEX_BLOCKS.set(len(self.policy.index))
+            WORKERS.set(len(self.registry.workers))
+            INDEX_BLOCKS.set(len(self.registry.index))
 
     def _worker_gone(self, worker_id: str, why: str, already_forgotten: bool = False) -> None:
         if not already_forgotten:
-            self.policy.on_worker_gone(worker_id)
+            self.registry.on_worker_gone(worker_id)
         self._resync_asked.pop(worker_id, None)
         log.warning("worker_gone", worker_id=worker_id, why=why)
-        WORKERS.set(len(self.policy.workers))
+        WORKERS.set(len(self.registry.workers))
         task = asyncio.create_task(self._recover_orphans(), name="recovery")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
@@ -247,7 +258,7 @@ class Router:
         except Exception as error:
             log.warning("recovery_scan_failed", error=repr(error))
             return
-        alive = {subjects.token(worker_id) for worker_id in self.policy.workers}
+        alive = {subjects.token(worker_id) for worker_id in self.registry.workers}
         young = datetime.now(timezone.utc) - timedelta(seconds=2 * self.settings.heartbeat_ttl_s)
         for worker, info in consumers:
             if worker in alive or info.name in self._recovering:

@@ -91,6 +91,10 @@ from .profile_table import load_npz
     "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
 )
+@click.option("--eval-accuracy", default=None, type=click.FloatRange(0, 1),
+              help="Simulated quality: the chance of answering an arithmetic question ('What is 17 + 25?') right "
+                   "(default: eval_accuracy of the model directory's inferbus_sim.json, else 0.95). Eval suites "
+                   "and the canary's eval gate measure it.")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
@@ -123,6 +127,7 @@ def sim_engine_command(
     speculative_acceptance: float,
     speculative_draft_cost: float,
     tool_call_parser: str,
+    eval_accuracy: float | None,
     log_level: str,
 ) -> None:
     """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
@@ -158,6 +163,7 @@ def sim_engine_command(
             kv_cache_dtype=kv_cache_dtype,
             speculative_num_steps=speculative_num_steps,
             speculative_acceptance=speculative_acceptance,
+            eval_accuracy=eval_accuracy,
             speculative_draft_cost=speculative_draft_cost,
             mixed_chunk=mixed_chunk,
             tool_call_parser=tool_call_parser,

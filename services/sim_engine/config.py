@@ -77,6 +77,9 @@ class EngineConfig:
     # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
     # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
     tool_call_parser: str = "llama3"
+    # Chance of answering an arithmetic question right (quality.py); None: the model directory's
+    # inferbus_sim.json, else 0.95.
+    eval_accuracy: float | None = None
     host: str = "127.0.0.1"
     port: int = 30000
 
@@ -113,6 +116,8 @@ class EngineConfig:
             raise ValueError("speculative_num_steps must not be negative")
         if not 0 <= self.speculative_acceptance < 1:
             raise ValueError("speculative_acceptance must be in [0, 1)")
+        if self.eval_accuracy is not None and not 0 <= self.eval_accuracy <= 1:
+            raise ValueError("eval_accuracy must be in [0, 1]")
         if self.speculative_draft_cost < 0:
             raise ValueError("speculative_draft_cost must not be negative")
         if self.fixed_step_ms is not None and self.profile_table is not None:

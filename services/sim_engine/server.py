@@ -28,6 +28,7 @@ from starlette.routing import Route
 from inferbus.prompt import load_model
 from inferbus.tokens import VOCAB_SIZE, encode
 
+from . import quality
 from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
 from .kv_publisher import KvEventPublisher, KvEventsConfig
@@ -160,6 +161,7 @@ class SimEngineServer:
             self.engine = Engine(config, step_model, vocabulary)
         else:
             self.engine = Engine(config, step_model)
+        self.eval_accuracy = quality.accuracy_of(config.model_dir, config.eval_accuracy)
         self.vocab_size = self.served.vocab_size if self.served is not None else VOCAB_SIZE
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
@@ -290,7 +292,7 @@ class SimEngineServer:
         if body.top_logprobs_num < 0:
             return _error(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
         try:
-            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling)
+            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling, rid)
         except SchemaError as exc:
             return _error(f"Invalid grammar request: {exc}")
         request = Request(
@@ -312,7 +314,7 @@ class SimEngineServer:
             raise
         return _json(self._payload(request, update, stream, final=True))
 
-    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams) -> list[tuple[int, str]] | None:
+    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams, rid: str = "") -> list[tuple[int, str]] | None:
         """The output decided up front: a value of the requested JSON schema, or the tool call the
         prompt asks for. Deterministic under the sampling seed (else under the prompt)."""
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
@@ -320,6 +322,9 @@ class SimEngineServer:
         if sampling.json_schema is not None:
             return self.engine.split_output(json_output(sampling.json_schema, rng))
         if sampling.regex is None and sampling.ebnf is None:
+            solved = quality.answer(text, self.eval_accuracy, sampling.sampling_seed if sampling.sampling_seed is not None else rid)
+            if solved is not None:
+                return self.engine.split_output(solved)
             call = tool_call_output(text, self.config.tool_call_parser, rng)
             if call is not None:
                 return self.engine.split_output(call)
@@ -485,6 +490,12 @@ class SimEngineServer:
                 "time_scale": config.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
                 "profile_table": config.profile_table,
+                # What a release pins (SGLang reports its server args here too).
+                "tokenizer_path": config.model_dir or config.model,
+                "quantization": config.quantization,
+                "kv_cache_dtype": config.kv_cache_dtype,
+                "speculative_num_steps": config.speculative_num_steps,
+                "sim_eval_accuracy": self.eval_accuracy,
             }
         )
 

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from inferbus import logs
 from proto import messages as m
 
+from . import release_check
 from .engine import EngineClient, EngineError
 
 log = logs.get(__name__)
@@ -49,6 +50,10 @@ class Adapters:
         spec = await self.lookup(name)
         if spec is None or spec.engine_name != engine_name:
             raise AdapterError(f"adapter {engine_name} is not registered (or its version changed)")
+        mismatch = release_check.adapter_problem(spec)
+        if mismatch is not None:
+            log.error("adapter_digest_mismatch", adapter=engine_name, path=spec.path, problem=mismatch)
+            raise AdapterError(f"adapter {spec.name} refused: {mismatch}")
         result = await self.engine.load_lora(engine_name, spec.path)
         if not result.get("success", False) and engine_name not in (result.get("loaded_adapters") or {}):
             raise AdapterError(f"engine could not load adapter {spec.name}: {result.get('error_message') or 'unknown error'}")

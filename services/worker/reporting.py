@@ -82,6 +82,7 @@ class LoadReporter:
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=s.block_size if worker.cache_relay is not None else 0,
             max_adapters=engine_max_adapters(worker.engine_info), adapters=worker.adapters.names(),
+            release=worker.release_counts.release_id,
         )
 
     async def heartbeat(self) -> None:
@@ -178,5 +179,5 @@ class LoadReporter:
         return dict(
             phase=worker.phase, batch_in_flight=stats.batch_in_flight, completed_batch=stats.completed_batch,
             batch_waiting=batch_waiting, ttft_hist=list(stats.ttft_hist), queue_wait_hist=list(stats.queue_wait_hist),
-            tpot_fine_hist=list(stats.tpot_hist), gpu=gpu, tp=tp,
+            tpot_fine_hist=list(stats.tpot_hist), gpu=gpu, tp=tp, **worker.release_counts.load_fields(),
         )

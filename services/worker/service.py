@@ -38,6 +38,7 @@ from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
+from . import release_check
 from .adapters import Adapters
 from .attempt import Attempt
 from .cache_events import CacheRelay
@@ -86,6 +87,8 @@ class Worker:
         self.serving: Serving | None = None  # once the engine is loaded and its capacity known
         self.cache_relay: CacheRelay | None = None  # with INFERBUS_ENGINE_KV_EVENTS
         self.engine_info: dict[str, Any] = {}
+        self.release: m.Release | None = None  # verified at start (INFERBUS_WORKER_RELEASE); None: unpinned
+        self.release_counts = release_check.ReleaseCounters(None)
         # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
         # "serving". A demoted worker drains its work, then goes back to warm.
         self.phase = "starting"
@@ -145,6 +148,11 @@ class Worker:
             await asyncio.sleep(s.sim_cold_start_s)
         await self._wait_for_engine()
         self.engine_info = await self.engine.server_info()
+        self.release = await release_check.verify_at_start(self.js, s.release, s.model, s.model_dir, self.engine_info)
+        self.release_counts = release_check.ReleaseCounters(self.release)
+        self.usage.release = self.release_counts.release_id
+        if self.release is not None:
+            structlog.contextvars.bind_contextvars(release=self.release.id)
         try:
             capacity = s.max_running or engine_max_running(self.engine_info)
         except EngineError as error:

@@ -207,8 +207,9 @@ class Serving:
                 if request.tier == "batch":
                     worker.stats.batch_in_flight -= 1
                     worker.stats.completed_batch += 1
-                else:
+                elif not request.release_pinned:
                     worker.stats.observe_tpot(entry, usage.completion_tokens - request.resumed_tokens, time.time())
+                    worker.release_counts.count(status)
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
                 if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
@@ -241,7 +242,9 @@ class Serving:
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()
-                if request.tier != "batch" and request.attempt == 0:  # a migration's TTFT is not the client's
+                # A migration's TTFT is not the client's; a pinned request (an eval run) is not the
+                # canary's traffic, whose latencies these histograms also carry to its SLO gate.
+                if request.tier != "batch" and request.attempt == 0 and not request.release_pinned:
                     worker.stats.observe_ttft(entry.first_token_at - request.created)
                 worker.load_changed.set()  # its prefill is done: tell the router now, not at the next tick
             completion = request.resumed_tokens + update.completion_tokens

@@ -44,6 +44,13 @@ class WorkerSettings:
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")
     drain_timeout_s: float = env("INFERBUS_DRAIN_TIMEOUT_S", 30.0, "On SIGTERM, how long in-flight requests may run before they are handed back.")
+    release: str = env(
+        "INFERBUS_WORKER_RELEASE", "",
+        "The release this worker serves (its id, or a unique prefix of it, from `inferbus release create`). At start the "
+        "worker checks that the files of INFERBUS_MODEL_DIR, its chat template and the engine's flags are the release's, and "
+        "refuses to start otherwise; empty: unpinned, left out of canaries and pinned traffic.",
+    )
+    model_dir: str = env("INFERBUS_MODEL_DIR", "", "The model directory the engine loads (the release's files are checked against it).")
     standby: bool = env("INFERBUS_WORKER_STANDBY", False, "Start warm: load the engine, then pull nothing until the autoscaler sends `promote` (the warm pool).")
     sim_cold_start_s: float = env("INFERBUS_WORKER_SIM_COLD_START_S", 0.0, "Extra seconds of start-up standing in for a model load the simulated engine does not do (0 with real engines).")
     sim_warm_start_s: float = env("INFERBUS_WORKER_SIM_WARM_START_S", 0.0, "Seconds a promoted warm worker waits before pulling, standing in for an engine's wake-up (0 with real engines).")

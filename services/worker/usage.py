@@ -22,6 +22,7 @@ class UsageReporter:
     def __init__(self, outbox: Outbox, worker_id: str) -> None:
         self.outbox = outbox
         self.worker_id = worker_id
+        self.release = ""  # the release this worker verified it serves (set at start)
 
     @classmethod
     async def open(cls, state_dir: str, worker_id: str, replies: Replies) -> UsageReporter:
@@ -41,7 +42,7 @@ class UsageReporter:
             tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.worker_id, attempts=request.attempt + 1, finish_reason=finish,
             api_key_id=request.api_key_id, batch_id=request.batch_id, billed_to=billed_to,  # type: ignore[arg-type]
-            attempt=request.attempt,
+            attempt=request.attempt, release=self.release,
         )
         try:
             await self.outbox.add(subjects.usage_subject(request.tenant), m.encode(event), m.usage_msg_id(event))

@@ -1,0 +1,124 @@
+"""Releases and rollouts in the `models` NATS KV bucket.
+
+`release.<64 hex>` holds an immutable `Release` (created once; a second create of the same content
+is the same record), `rollout.<model>` a model's `Rollout`, updated with compare-and-set so that
+an operator's command and the canary controller never overwrite each other. The bucket keeps a
+history of each key, so every rollout state a model went through can be read back.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
+from nats.js.kv import KeyValue
+
+from proto import messages as m
+from proto import subjects
+
+HISTORY = 64  # the most NATS KV keeps per key
+
+_release = msgspec.msgpack.Decoder(m.Release)
+_rollout = msgspec.msgpack.Decoder(m.Rollout)
+
+
+class Conflict(RuntimeError):
+    """The rollout changed since it was read: read it again and decide again."""
+
+
+async def bucket(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(subjects.MODELS_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=subjects.MODELS_BUCKET, storage=StorageType.FILE, history=HISTORY)
+        )
+
+
+async def put_release(kv: KeyValue, release: m.Release) -> bool:
+    """Store `release` once; False when it was there already (same id: same content)."""
+    try:
+        await kv.create(subjects.release_key(release.id), m.encode(release))
+    except KeyWrongLastSequenceError:
+        return False
+    return True
+
+
+async def get_release(kv: KeyValue, release_id: str) -> m.Release | None:
+    try:
+        entry = await kv.get(subjects.release_key(release_id))
+    except KeyNotFoundError:
+        return None
+    return _release.decode(entry.value) if entry.value else None
+
+
+async def releases(kv: KeyValue) -> list[m.Release]:
+    # A watch of the key range, read to its end: the current value of every release key.
+    watcher = await kv.watch("release.>", ignore_deletes=True)
+    found = []
+    try:
+        while (entry := await watcher.updates(timeout=10)) is not None:
+            if entry.value:
+                found.append(_release.decode(entry.value))
+    finally:
+        await watcher.stop()
+    return sorted(found, key=lambda r: r.created)
+
+
+async def resolve(kv: KeyValue, reference: str) -> m.Release:
+    """A release from its id or a unique prefix of its hex (as `inferbus release list` shows it)."""
+    wanted = reference.removeprefix("sha256:").lower()
+    if len(wanted) == 64:
+        found = await get_release(kv, wanted)
+        if found is None:
+            raise LookupError(f"no release {reference}")
+        return found
+    matches = [r for r in await releases(kv) if r.id.removeprefix("sha256:").startswith(wanted)]
+    if len(matches) != 1:
+        raise LookupError(f"{'no' if not matches else 'more than one'} release starts with {reference!r}")
+    return matches[0]
+
+
+async def get_rollout(kv: KeyValue, model: str) -> tuple[m.Rollout | None, int]:
+    """The model's rollout and its revision (0: none yet)."""
+    try:
+        entry = await kv.get(subjects.rollout_key(model))
+    except KeyNotFoundError:
+        return None, 0
+    if not entry.value:
+        return None, entry.revision or 0
+    return _rollout.decode(entry.value), entry.revision or 0
+
+
+async def put_rollout(kv: KeyValue, rollout: m.Rollout, revision: int) -> int:
+    """Write `rollout` if the key is still at `revision` (0: it must not exist); raises Conflict."""
+    key = subjects.rollout_key(rollout.model)
+    try:
+        if revision == 0:
+            return await kv.create(key, m.encode(rollout))
+        return await kv.update(key, m.encode(rollout), last=revision)
+    except KeyWrongLastSequenceError:
+        raise Conflict(f"the rollout of {rollout.model} changed meanwhile") from None
+
+
+async def rollout_history(kv: KeyValue, model: str) -> list[m.Rollout]:
+    try:
+        entries = await kv.history(subjects.rollout_key(model))
+    except (KeyNotFoundError, NoKeysError):
+        return []
+    return [_rollout.decode(e.value) for e in entries if e.value]
+
+
+def decode_rollout(value: bytes | None) -> m.Rollout | None:
+    if not value:
+        return None
+    try:
+        return _rollout.decode(value)
+    except msgspec.DecodeError:
+        return None

@@ -1,0 +1,97 @@
+"""The canary controller, run by every router replica: reads the gates, moves the share.
+
+Why the router: it already receives every worker's load report (the SLO gate's histograms and
+outcome counters, labelled by release) and runs wherever the platform runs; the decisions are
+few and small. Replicas agree through the `models` bucket: each writes its decision with
+compare-and-set on the rollout's revision, so one replica's decision wins and the others, finding
+the rollout changed, read it again. The winner publishes the decision with its reason on
+`inferbus.release.<model>`. The split itself is done by the gateways (`services/gateway/releases.py`)
+from the same rollout record; this replica places a request on a worker of the release it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client
+from prometheus_client import Counter, Gauge
+
+from inferbus import logs
+from inferbus.releases import canary, slo_gate, store
+from inferbus.releases.follow import Rollouts
+from proto import messages as m
+from proto import subjects
+
+log = logs.get(__name__)
+
+DECISIONS = Counter("inferbus_release_decisions_total", "Canary decisions made by this replica", ["model", "action"])
+SHARE = Gauge("inferbus_release_candidate_share", "Share of a model's traffic sent to its candidate release", ["model", "candidate"])
+
+
+class CanaryService:
+    def __init__(self, nc: Client, controller_id: str, config: slo_gate.SloConfig, tick_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.nc = nc
+        self.controller_id = controller_id
+        self.config = config
+        self.tick_s = tick_s
+        self.clock = clock  # wall time: step starts are stored in the bucket and read by every replica
+        self.controller = canary.Controller(clock, config)
+        self.rollouts = Rollouts()
+        self.windows: dict[str, slo_gate.Windows] = {}  # model → per-release windows of its current step
+        self._window_of: dict[str, tuple[str | None, float]] = {}  # model → (candidate, step start) counted
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.rollouts.start(self.nc.jetstream())
+        self._task = asyncio.create_task(self._loop(), name="canary")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.rollouts.stop()
+
+    def on_load(self, load: m.WorkerLoad) -> None:
+        if load.release:
+            self.windows.setdefault(load.model, slo_gate.Windows()).on_load(load)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            for model, rollout in list(self.rollouts.by_model.items()):
+                try:
+                    await self.tick(model, rollout)
+                except Exception as error:  # one model's trouble must not stop the others' canaries
+                    log.warning("canary_tick_failed", model=model, error=repr(error))
+
+    async def tick(self, model: str, rollout: m.Rollout) -> None:
+        if rollout.state != "canary":
+            SHARE.labels(model, rollout.candidate or "").set(0 if rollout.state != "promoted" else 1)
+            return
+        SHARE.labels(model, rollout.candidate or "").set(rollout.share)
+        windows = self.windows.setdefault(model, slo_gate.Windows())
+        step = (rollout.candidate, rollout.step_started)
+        if self._window_of.get(model) != step:
+            windows.reset()  # a new step: the gate reads only what happened at this share
+            self._window_of[model] = step
+        assert rollout.candidate is not None
+        verdict = slo_gate.verdict(windows.of(rollout.stable), windows.of(rollout.candidate), self.config)
+        change = self.controller.decide(rollout, verdict)
+        if change is None:
+            return
+        assert self.rollouts.kv is not None
+        try:
+            await store.put_rollout(self.rollouts.kv, change.rollout, self.rollouts.revisions.get(model, 0))
+        except store.Conflict:
+            return  # another replica (or an operator) changed it first: decide again on the new state
+        decision = m.ReleaseDecision(
+            model=model, ts=self.clock(), action=change.action, stable=rollout.stable,  # type: ignore[arg-type]
+            candidate=rollout.candidate, share_before=rollout.share, share_after=change.rollout.share,
+            reason=change.reason, slo=change.slo, controller=self.controller_id,
+        )
+        await self.nc.publish(subjects.release_subject(model), m.encode(decision))
+        DECISIONS.labels(model, change.action).inc()
+        log.info("release_decision", model=model, action=change.action, candidate=rollout.candidate,
+                 share_before=rollout.share, share_after=change.rollout.share, reason=change.reason)

@@ -1,0 +1,29 @@
+"""The router's tuning, shared by the worker registry and every policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    heartbeat_ttl_s: float = 3.0
+    kv_ceiling: float = 0.95
+    # Softmax temperature, in the cost's unit (seconds for affinity, requests per slot for
+    # least-loaded): choices within about this much of the best share the traffic.
+    temperature: float = 0.02
+    # Prompt tokens one worker prefills per second: turns tokens into seconds of queueing. It only
+    # needs to be about right; the ranking of workers does not depend on its exact value much.
+    prefill_tokens_per_s: float = 10_000.0
+    # Weight of this request's own uncached prefill against queued work. Recomputing a prefix delays
+    # not only this request but every request queued behind it on that worker; at the ~80% load a
+    # fleet is sized for, that displaced work is worth about 1/(1-ρ) ≈ 5 times the request's own
+    # wait. In the fleet simulator on the Mooncake trace, 4-10 all beat 1.5 clearly (docs/routing.md).
+    miss_weight: float = 5.0
+    decode_weight_s: float = 0.25  # cost of a worker whose every slot is decoding
+    adapter_load_s: float = 0.5  # cost of loading an adapter that is not on the worker yet
+    index_blocks_per_worker: int = 250_000
+    index_ttl_s: float = 900.0

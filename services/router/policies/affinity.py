@@ -1,0 +1,56 @@
+"""`affinity` (the default): the lowest estimated time to first token,
+
+    cost = (queued prefill tokens + miss_weight · prompt tokens not cached there) / prefill rate
+           + decode_weight · running / slots
+           + adapter_load_s · [adapter not loaded there],
+
+`miss_weight` (5) > 1 because recomputing a prefix costs the whole fleet GPU time, not only this
+request its wait: the work it adds delays everything queued behind it.
+
+with a softmax at a small temperature over the cost so that several router replicas, or bursts
+within one report interval, do not all land on one worker. A hot prefix spills to the next-best
+worker by itself: each placement adds its prefill to the chosen worker's queue until another
+worker, even without the prefix, becomes cheaper, and that worker then caches it too.
+
+The queued-prefill and load terms are the registry's `base_cost`, kept current on every event.
+"""
+
+from __future__ import annotations
+
+from proto import messages as m
+
+from ..registry import WorkerView
+from .base import RegistryPolicy
+
+
+class AffinityPolicy(RegistryPolicy):
+    name = "affinity"
+
+    def load_cost(self, view: WorkerView, backlog: int) -> float | None:
+        return view.base_cost  # every cost is base_cost + the request's miss cost, the same everywhere
+
+    def load_only(self, request: m.PlacementRequest) -> bool:
+        if request.adapter:
+            return False
+        hashes = request.block_hashes if request.block_size == self.config.block_size else []
+        return not hashes or not self.index.matched_blocks(hashes)
+
+    def choose(self, request: m.PlacementRequest, candidates: list[WorkerView]) -> tuple[WorkerView, int]:
+        config = self.config
+        block_size = config.block_size
+        hashes = request.block_hashes if request.block_size == block_size else []
+        matched = self.index.matched_blocks(hashes) if hashes else {}
+        per_token = config.miss_weight / config.prefill_tokens_per_s
+        prompt = request.prompt_tokens
+        if matched:
+            get = matched.get
+            costs = [view.base_cost + per_token * max(0, prompt - block_size * get(view.worker_id, 0))
+                     for view in candidates]
+        else:
+            miss = per_token * prompt
+            costs = [view.base_cost + miss for view in candidates]
+        if request.adapter:
+            adapter, penalty = request.adapter, config.adapter_load_s
+            costs = [cost if adapter in view.adapters else cost + penalty for cost, view in zip(costs, candidates)]
+        chosen = candidates[self._softmax_pick(costs)]
+        return chosen, matched.get(chosen.worker_id, 0)

@@ -1,0 +1,244 @@
+"""The router's view of the workers: pure, with an injected clock, fed the bus's events.
+
+Every policy places from the same registry: heartbeats (which workers exist, their model, slots,
+page size and adapters), load reports, cache events (the prefix index), and the placements every
+router replica makes, counted per worker until the worker reports it has pulled them (the
+backlog). It applies the hard filters every policy shares (alive, serving the model, not
+draining, KV cache below a ceiling, able to serve the request's LoRA adapter) and keeps each
+worker's base cost (the wait it adds to any request) current, so that a placement only adds the
+request's own part.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from inferbus.releases import split
+from proto import messages as m
+
+from .config import RoutingConfig
+from .index import PrefixIndex
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    model: str
+    last_seen: float
+    max_running: int = 1
+    draining: bool = False
+    block_size: int = 0
+    max_adapters: int = 0
+    adapters: frozenset[str] = frozenset()
+    release: str = ""  # the release the worker verified it serves ("" unpinned)
+    reported_load: int = 0  # running + waiting in the engine at the last report
+    reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
+    running: int = 0
+    kv_usage: float = 0.0
+    # Placements (by any router replica) against what the worker reports it pulled from its own
+    # queue: the difference still waits in that queue, where no engine number shows it.
+    placed_total: int = 0
+    pulled_own: int = 0
+    pulled_offset: int | None = None  # pulled_own when this router first heard from the worker
+    # Running total of prefill tokens placed here, one entry per recent placement, so the prefill
+    # of the last n placements is a subtraction.
+    placed_prefill: deque[int] = field(default_factory=lambda: deque([0], maxlen=4097))
+    # Wait this worker adds to any request, in seconds (queued prefill and load), kept current on
+    # every event that changes it so that a placement only adds the request's own part.
+    base_cost: float = 0.0
+
+    def backlog(self) -> int:
+        pulled = self.pulled_own - (self.pulled_offset or 0)
+        return max(0, self.placed_total - pulled)
+
+    def backlog_prefill(self, backlog: int) -> int:
+        if not backlog:
+            return 0
+        totals = self.placed_prefill
+        return totals[-1] - totals[-1 - min(backlog, len(totals) - 1)]
+
+
+def set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None = None) -> None:
+    """The wait this worker adds to any request, in seconds: its queued prefill and its load.
+    `backlog`: `view.backlog()`, when the caller has it."""
+    if backlog is None:
+        backlog = view.backlog()
+    queued = view.reported_prefill + view.backlog_prefill(backlog) if backlog else view.reported_prefill
+    view.base_cost = (queued / config.prefill_tokens_per_s
+                      + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
+
+
+class RegistryListener(Protocol):
+    """Told of every change to a worker's view (the fleet simulator's sampler keeps its own
+    per-worker weights this way)."""
+
+    def worker_updated(self, view: WorkerView, eligible: bool, backlog: int) -> None: ...
+    def worker_removed(self, view: WorkerView) -> None: ...
+
+
+class WorkerRegistry:
+    def __init__(self, clock: Callable[[], float], config: RoutingConfig | None = None) -> None:
+        self.clock = clock
+        self.config = config = config or RoutingConfig()
+        self.workers: dict[str, WorkerView] = {}
+        self.index = PrefixIndex(max_blocks_per_worker=config.index_blocks_per_worker, ttl_s=config.index_ttl_s)
+        self.listeners: list[RegistryListener] = []
+        # model → workers passing the filters that only events change: not draining (`_serving`),
+        # and also below the KV ceiling (`_eligible`); liveness, which time changes, is checked
+        # per placement.
+        self._serving: dict[str, dict[str, WorkerView]] = {}
+        self._eligible: dict[str, dict[str, WorkerView]] = {}
+
+    def _refresh(self, view: WorkerView) -> None:
+        """Re-apply the event-driven filters and recompute the worker's base cost."""
+        eligible = not (view.draining or view.kv_usage >= self.config.kv_ceiling)
+        for pool, excluded in (
+            (self._serving.setdefault(view.model, {}), view.draining),
+            (self._eligible.setdefault(view.model, {}), not eligible),
+        ):
+            if excluded:
+                pool.pop(view.worker_id, None)
+            else:
+                pool[view.worker_id] = view
+        backlog = view.backlog()
+        set_base_cost(view, self.config, backlog)
+        for listener in self.listeners:
+            listener.worker_updated(view, eligible, backlog)
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def on_heartbeat(self, beat: m.Heartbeat) -> None:
+        view = self.workers.get(beat.worker_id)
+        if view is None:
+            view = self.workers[beat.worker_id] = WorkerView(beat.worker_id, beat.model, self.clock())
+        view.last_seen = self.clock()
+        view.max_running = max(1, beat.max_running)
+        view.draining = beat.state != "ready"  # draining, or its engine is down ("starting"): place nothing there
+        view.block_size = beat.block_size
+        view.max_adapters = beat.max_adapters
+        view.adapters = frozenset(beat.adapters)
+        view.release = beat.release
+        self._refresh(view)
+
+    def touch(self, worker_id: str) -> bool:
+        """`on_heartbeat` for a beat identical to the worker's previous one (for the fleet
+        simulator): its other fields are applied already, so only `last_seen` changes. False: the
+        worker is not registered; send the beat itself."""
+        view = self.workers.get(worker_id)
+        if view is None:
+            return False
+        view.last_seen = self.clock()
+        return True
+
+    def on_worker_gone(self, worker_id: str) -> None:
+        view = self.workers.pop(worker_id, None)
+        if view is not None:
+            self._serving.get(view.model, {}).pop(worker_id, None)
+            self._eligible.get(view.model, {}).pop(worker_id, None)
+            for listener in self.listeners:
+                listener.worker_removed(view)
+        self.index.forget(worker_id)
+
+    def on_load(self, load: m.WorkerLoad) -> None:
+        view = self.workers.get(load.worker_id)
+        if view is None:
+            return
+        view.reported_load = load.running + load.waiting
+        view.reported_prefill = load.queued_prefill_tokens
+        view.running = load.running
+        if view.pulled_offset is None:
+            # First report: assume what was placed so far has been pulled.
+            view.pulled_offset = load.pulled_own - view.placed_total
+        view.pulled_own = load.pulled_own
+        view.draining = load.draining
+        view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
+        view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
+        self._refresh(view)
+
+    def on_cache(self, event: m.CacheEvent) -> bool:
+        """Apply a worker's cache event. False: events were missed, ask the worker to resync."""
+        view = self.workers.get(event.worker_id)
+        if view is None:
+            return True  # not registered yet (its heartbeat follows); the resync on register covers it
+        if not self.cache_compatible(view):
+            return True  # hashes over other blocks than the gateways' never match: keep them out
+        snapshot = event.cleared
+        in_order = self.index.check_seq(event.worker_id, event.seq, snapshot)
+        if snapshot:
+            self.index.clear_blocks(event.worker_id)
+        now = self.clock()
+        for stored in event.stored:
+            self.index.add(event.worker_id, stored.block_hashes, now)
+        if event.removed:
+            self.index.remove(event.worker_id, event.removed)
+        return in_order
+
+    def cache_compatible(self, view: WorkerView) -> bool:
+        """Whether the worker relays its engine's cache in the blocks the gateways hash prompts in
+        (its INFERBUS_BLOCK_SIZE; a worker that does not say is taken at its word)."""
+        return not view.block_size or view.block_size == self.config.block_size
+
+    def on_placed(self, placed: m.Placed) -> None:
+        """A placement made by another router replica."""
+        view = self.workers.get(placed.worker_id)
+        if view is not None:
+            self.count(view, placed.prefill_tokens, placed.block_hashes)
+
+    def alive(self, view: WorkerView) -> bool:
+        return self.clock() - view.last_seen <= self.config.heartbeat_ttl_s
+
+    def expire(self) -> list[str]:
+        dead = [wid for wid, view in self.workers.items() if not self.alive(view)]
+        for worker_id in dead:
+            self.on_worker_gone(worker_id)
+        self.index.expire(self.clock())
+        return dead
+
+    # ---- placement ---------------------------------------------------------------------------
+
+    def candidates(self, request: m.PlacementRequest) -> list[WorkerView]:
+        """The workers that pass the hard filters for this request."""
+        cutoff = self.clock() - self.config.heartbeat_ttl_s
+        found = [view for view in self._eligible.get(request.model, {}).values() if view.last_seen >= cutoff]
+        if not found:
+            # Every worker's KV is past the ceiling: the request waits wherever it goes, so the
+            # cost (cache, queues) decides rather than the shared queue's first free slot.
+            found = [view for view in self._serving.get(request.model, {}).values() if view.last_seen >= cutoff]
+        if request.adapter:
+            adapter = request.adapter
+            # Engines without LoRA support cannot serve it at all.
+            found = [view for view in found if view.max_adapters > 0 or adapter in view.adapters]
+        if request.release:  # a canary's split or a client's pin (inferbus.releases)
+            found = split.workers_of(found, request.release, pinned=request.pinned)
+        return found
+
+    def eligible(self, model: str) -> dict[str, WorkerView]:
+        """Workers of `model` not draining and below the KV ceiling (liveness not checked)."""
+        return self._eligible.get(model, {})
+
+    def count(self, view: WorkerView, prefill_tokens: int, hashes: list[int], known_blocks: int = 0) -> None:
+        """Count a placement on `view` (this router's or another replica's): its backlog, the
+        prefill it queues, the prefix blocks it will cache there."""
+        backlog = self.add_placement(view, prefill_tokens)
+        if self.listeners:
+            eligible = self._eligible.get(view.model, {}).get(view.worker_id) is view
+            for listener in self.listeners:
+                listener.worker_updated(view, eligible, backlog)
+        if hashes:
+            self.index.add(view.worker_id, hashes, self.clock(), known=known_blocks)
+
+    def add_placement(self, view: WorkerView, prefill_tokens: int) -> int:
+        """`count`'s load bookkeeping alone, without telling the listeners: the caller, which
+        knows the worker is eligible, updates what it keeps itself. Returns the worker's backlog.
+        A placement changes neither the worker's model, draining nor KV use: only its load."""
+        view.placed_total += 1
+        totals = view.placed_prefill
+        totals.append(totals[-1] + (prefill_tokens if prefill_tokens > 0 else 0))
+        backlog = view.placed_total - view.pulled_own + (view.pulled_offset or 0)  # `view.backlog()`, inlined
+        if backlog < 0:
+            backlog = 0
+        set_base_cost(view, self.config, backlog)
+        return backlog

@@ -1,0 +1,114 @@
+"""What this worker serves, checked against its release: on start and on every adapter load.
+
+A worker started with `INFERBUS_WORKER_RELEASE` reads that release from the `models` bucket and
+refuses to serve (exits with the differences) unless the files of its model directory hash to the
+release's, its chat template is the release's, and the engine reports the flags the release pins.
+An adapter whose local files do not hash to its registered version is refused at load the same
+way. A worker without a release serves unpinned, and says so in its log and its heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from nats.js import JetStreamContext
+from prometheus_client import Gauge
+
+from inferbus import logs
+from inferbus.releases import record, store
+from proto import messages as m
+
+log = logs.get(__name__)
+
+RELEASE_INFO = Gauge("inferbus_worker_release_info", "The release this worker verified it serves (1)", ["model", "release"])
+
+
+class ReleaseMismatch(SystemExit):
+    """What the engine would serve is not what the release names: the worker does not start."""
+
+
+async def verify_at_start(js: JetStreamContext, release_id: str, model: str, model_dir: str,
+                          server_info: dict[str, Any]) -> m.Release | None:
+    """The verified release, or None when the worker runs unpinned; raises ReleaseMismatch."""
+    if not release_id:
+        log.warning("worker_unpinned", model=model,
+                    consequence="no release verified: this worker is left out of canaries and pinned traffic")
+        return None
+    kv = await store.bucket(js)
+    try:
+        release = await store.resolve(kv, release_id)
+    except LookupError as error:
+        raise ReleaseMismatch(f"worker: INFERBUS_WORKER_RELEASE={release_id}: {error}") from None
+    problems = await asyncio.to_thread(problems_of, release, model, model_dir, server_info)
+    if problems:
+        log.error("release_mismatch", release=release.id, problems=problems)
+        raise ReleaseMismatch(
+            f"worker: refusing to serve release {record.short(release.id)} of {release.model}: "
+            + "; ".join(problems)
+        )
+    RELEASE_INFO.labels(model, release.id).set(1)
+    log.info("release_verified", release=release.id, files=len(release.files), repo=release.repo,
+             revision=release.revision, engine_image=release.engine_image)
+    return release
+
+
+def problems_of(release: m.Release, model: str, model_dir: str, server_info: dict[str, Any]) -> list[str]:
+    """Every difference between the release and what this worker would serve (pure but for reading
+    the model directory's files)."""
+    problems = []
+    if release.model != model:
+        problems.append(f"the release is of model {release.model!r}, this worker serves {model!r}")
+    if not model_dir:
+        return [*problems, "INFERBUS_MODEL_DIR is not set: the engine's files cannot be checked"]
+    problems += record.verify_files(release.files, model_dir)
+    try:
+        template = record.chat_template_sha256(model_dir)
+    except record.InvalidRelease as error:
+        problems.append(str(error))
+    else:
+        if template != release.chat_template_sha256:
+            problems.append("the chat template differs from the release's")
+    engine_dir = server_info.get("tokenizer_path") or server_info.get("model_dir")
+    if engine_dir and Path(str(engine_dir)).resolve() != Path(model_dir).resolve():
+        problems.append(f"the engine loaded {engine_dir}, not INFERBUS_MODEL_DIR {model_dir}")
+    problems += record.verify_engine_flags(release.engine_flags, server_info)
+    return problems
+
+
+def adapter_problem(spec: m.AdapterSpec) -> str | None:
+    """Why the adapter's files are not its registered version (None: they are, or they are not on
+    this machine to hash: a hub id or remote path, which the engine resolves itself)."""
+    directory = Path(spec.path)
+    if not directory.is_dir():
+        log.warning("adapter_unverified", adapter=spec.name, path=spec.path,
+                    why="not a local directory: its files cannot be hashed here")
+        return None
+    try:
+        digest = record.directory_digest(directory)
+    except record.InvalidRelease as error:
+        return str(error)
+    if digest != spec.version:
+        return f"its files at {spec.path} hash to {digest}, the registered version is {spec.version}"
+    return None
+
+
+class ReleaseCounters:
+    """Interactive requests finished by status, reported with load for the canary's SLO gate."""
+
+    def __init__(self, release: m.Release | None) -> None:
+        self.release_id = release.id if release is not None else ""
+        self.ok = self.failed = self.cancelled = 0
+
+    def count(self, status: str) -> None:
+        if status == "completed":
+            self.ok += 1
+        elif status == "cancelled":
+            self.cancelled += 1
+        else:
+            self.failed += 1
+
+    def load_fields(self) -> dict[str, Any]:
+        return {"release": self.release_id, "finished_ok": self.ok, "finished_failed": self.failed,
+                "finished_cancelled": self.cancelled}

@@ -1,0 +1,345 @@
+"""Releases against the live platform: workers verify what they serve, canaries are promoted or
+rolled back by their gates, clients never see an error, usage says which release served them.
+
+The platform starts without workers; each test starts replicas (a simulated engine and its worker)
+on model directories it builds, pinned to releases it creates, as an operator would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+from click.testing import CliRunner
+
+from inferbus.cli import main
+from inferbus.local import EngineSpec, Process, replica_processes
+from inferbus.releases import record
+from proto import messages as m
+from proto import subjects
+from services.sim_engine import quality
+
+from .conftest import MODEL, Platform, read_usage, running_platform
+
+COMMIT = "7d3c7a1f0e5b4d2c9a8b6e4f2d1c0b9a8e7f6d5c"
+IMAGE = "inferbus/sim-engine@sha256:" + "5e" * 32
+STEP_MS = 8.0
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    env = {
+        # Small samples and short windows, so that a canary finishes in seconds (production: 200, 5 min).
+        "INFERBUS_CANARY_MIN_SAMPLES": "40", "INFERBUS_CANARY_TICK_S": "0.5",
+        # CPU contention on a shared test machine moves real step times by tens of percent; the
+        # slow candidate's steps are 2.5 × longer.
+        "INFERBUS_CANARY_LATENCY_TOLERANCE": "0.5",
+    }
+    with running_platform(tmp_path_factory.mktemp("releases"), workers=0, time_scale=1.0, batch=False,
+                          extra_env=env) as running:
+        yield running
+
+
+class Replicas:
+    def __init__(self, platform: Platform, root: Path, llama3_model_dir: Path) -> None:
+        self.platform = platform
+        self.root = root
+        self.source = llama3_model_dir
+        self.processes: list[Process] = []
+        self.count = 0
+
+    def model_dir(self, name: str, accuracy: float, weights: bytes = b"weights-v1") -> Path:
+        target = self.root / name
+        shutil.copytree(self.source, target)
+        (target / "model.safetensors").write_bytes(weights * 1000)
+        quality.write_accuracy(target, accuracy)
+        return target
+
+    def create(self, model_dir: Path, note: str = "") -> str:
+        result = CliRunner().invoke(main, [
+            "release", "create", "--model", MODEL, "--model-dir", str(model_dir), "--repo", "meta-llama/Llama-3.3-70B-Instruct",
+            "--revision", COMMIT, "--engine-image", IMAGE, "--flag", "quantization=fp8",
+            "--flag", f"sim_eval_accuracy={quality.accuracy_of(str(model_dir), None)}", "--note", note,
+            "--nats-url", self.platform.stack.nats_url])
+        assert result.exit_code == 0, result.output
+        return next(line for line in result.stdout.splitlines() if record.DIGEST.match(line))
+
+    def start(self, model_dir: Path, release: str, step_ms: float = STEP_MS, wait: bool = True) -> tuple[Process, Process]:
+        self.count += 1
+        index = 100 + self.count
+        stack = self.platform.stack
+        spec = EngineSpec(model=MODEL, time_scale=1.0, fixed_step_ms=step_ms)
+        env = stack._env(INFERBUS_MODEL_DIR=str(model_dir))
+        engine, worker = replica_processes(
+            index, spec, env, stack.config.state_dir / "logs",
+            worker_env={**stack.credentials(f"worker-{index}"), "INFERBUS_WORKER_RELEASE": release},
+        )
+        self.processes += [engine, worker]
+        engine.start()
+        worker.start()
+        if wait:
+            deadline = time.monotonic() + 60
+            while release not in self.live_releases():
+                assert worker.alive(), worker.tail()
+                assert time.monotonic() < deadline, worker.tail()
+                time.sleep(0.2)
+        return engine, worker
+
+    def live_releases(self) -> set[str]:
+        async def read() -> set[str]:
+            nc = await nats.connect(self.platform.stack.nats_url)
+            try:
+                kv = await nc.jetstream().key_value(subjects.WORKERS_BUCKET)
+                found = set()
+                for key in await kv.keys():
+                    entry = await kv.get(key)
+                    beat = msgspec.msgpack.decode(entry.value, type=m.Heartbeat)
+                    if beat.state == "ready":
+                        found.add(beat.release)
+                return found
+            except Exception:
+                return set()
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
+    def stop_all(self) -> None:
+        for process in reversed(self.processes):
+            process.signal(15)
+        for process in self.processes:
+            if not process.wait(20):
+                process.signal(9)
+        self.processes.clear()
+
+
+@pytest.fixture
+def replicas(platform: Platform, tmp_path: Path, llama3_model_dir: Path) -> Iterator[Replicas]:
+    started = Replicas(platform, tmp_path, llama3_model_dir)
+    yield started
+    started.stop_all()
+
+
+def cli(platform: Platform, *args: str) -> str:
+    result = CliRunner().invoke(main, [*args, "--nats-url", platform.stack.nats_url])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+class Load:
+    """Closed-loop chat clients, each conversation with its own first prefix block."""
+
+    def __init__(self, platform: Platform, clients: int = 8) -> None:
+        self.platform = platform
+        self.clients = clients
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.ids: list[str] = []
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    async def _run(self) -> None:
+        client = self.platform.async_client(timeout=60)
+
+        async def one(worker: int) -> None:
+            i = 0
+            while not self.stop.is_set():
+                i += 1
+                words = " ".join(f"w{(worker * 7919 + i * 31 + k) % 997}" for k in range(60))
+                try:
+                    reply = await client.chat.completions.create(
+                        model=MODEL, max_tokens=12,
+                        messages=[{"role": "user", "content": f"Conversation {worker}-{i}: {words}"}])
+                    self.ids.append(reply.id.removeprefix("chatcmpl-"))
+                except Exception as error:  # any error fails the test
+                    self.errors.append(repr(error))
+
+        await asyncio.gather(*(one(w) for w in range(self.clients)))
+
+
+def decisions(platform: Platform, model: str, until: set[str], timeout: float) -> list[m.ReleaseDecision]:
+    """Canary decisions published for `model`, until one of the actions in `until` (or timeout)."""
+    async def watch() -> list[m.ReleaseDecision]:
+        nc = await nats.connect(platform.stack.nats_url)
+        seen: list[m.ReleaseDecision] = []
+        done = asyncio.Event()
+
+        async def on(msg) -> None:  # type: ignore[no-untyped-def]
+            seen.append(msgspec.msgpack.decode(msg.data, type=m.ReleaseDecision))
+            if seen[-1].action in until:
+                done.set()
+
+        await nc.subscribe(subjects.release_subject(model), cb=on)
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+        except TimeoutError:
+            pass
+        await nc.close()
+        return seen
+
+    return asyncio.run(watch())
+
+
+def status(platform: Platform) -> dict:
+    return json.loads(cli(platform, "release", "status", "--model", MODEL, "--json"))[0][0]
+
+
+def start_canary(platform: Platform, candidate: str, *extra: str) -> None:
+    cli(platform, "release", "canary", candidate, "--traffic", "25%", "--steps", "50%,100%", "--sticky", "prefix",
+        "--window", "3s", *extra)
+
+
+def test_good_candidate_is_promoted_without_a_client_error(platform: Platform, replicas: Replicas) -> None:
+    stable_dir = replicas.model_dir("stable", 0.97)
+    stable = replicas.create(stable_dir, "bf16 checkpoint")
+    cli(platform, "release", "stable", stable)
+    for _ in range(2):
+        replicas.start(stable_dir, stable)
+    # An FP8 conversion that answers the eval suite one point worse: within the suite's threshold.
+    candidate_dir = replicas.model_dir("fp8", 0.96, weights=b"weights-fp8")
+    candidate = replicas.create(candidate_dir, "fp8 conversion")
+    assert candidate != stable
+    replicas.start(candidate_dir, candidate)
+
+    with Load(platform) as load:
+        time.sleep(2)
+        start_canary(platform, candidate, "--eval-suite", "arithmetic")
+        # 40 items × 25 repeats per release: a one-point drop from 97% passes with probability > 0.99.
+        evaluated = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(candidate), "--concurrency", "6",
+                                              "--url", platform.stack.gateway_url, "--api-key", platform.api_key,
+                                              "--nats-url", platform.stack.nats_url])
+        assert evaluated.exit_code == 0, evaluated.output
+        assert evaluated.stdout.startswith("PASS: suite arithmetic: candidate")
+        deadline = time.monotonic() + 150
+        while status(platform)["state"] == "canary" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)  # traffic after the promotion
+    assert load.errors == []
+    history = json.loads(cli(platform, "release", "status", "--model", MODEL, "--history", "--json"))[0]
+    canary_states = history[[h["reason"] for h in history].index("canary started at 25%, eval gate: suite arithmetic"):]
+    shares = [h["share"] for h in canary_states if h["state"] in ("canary", "promoted")]
+    assert shares[0] == 0.25 and shares[-1] == 1.0 and 0.5 in shares, [(h["state"], h["reason"]) for h in canary_states]
+    assert canary_states[-1]["state"] == "promoted" and canary_states[-1]["stable"] == candidate
+    assert "SLO gate passed" in canary_states[-1]["reason"] and "eval gate passed" in canary_states[-1]["reason"]
+    assert any(h["eval_verdict"] == "pass" for h in canary_states)
+
+    # Usage names the release that served each request: both during the canary, only the
+    # candidate's after the promotion.
+    events = read_usage(platform, "demo", set(load.ids), timeout=20)
+    by_release = {e.release for e in events}
+    assert by_release == {stable, candidate}
+    last = sorted(events, key=lambda e: e.finished)[-20:]
+    assert {e.release for e in last} == {candidate}
+
+
+def test_slower_candidate_is_rolled_back_by_the_slo_gate(platform: Platform, replicas: Replicas) -> None:
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    for _ in range(2):
+        replicas.start(stable_dir, stable)
+    slow_dir = replicas.model_dir("slow", 0.95, weights=b"weights-slow")
+    slow = replicas.create(slow_dir, "engine upgrade with slower steps")
+    replicas.start(slow_dir, slow, step_ms=STEP_MS * 2.5)
+
+    with Load(platform) as load:
+        time.sleep(2)
+        start_canary(platform, slow)
+        seen = decisions(platform, MODEL, {"promote", "rollback"}, timeout=150)
+        time.sleep(1)
+    assert load.errors == []
+    assert seen[-1].action == "rollback", [(d.action, d.reason) for d in seen]
+    assert "tpot p90" in seen[-1].reason and "SLO gate failed" in seen[-1].reason
+    assert seen[-1].slo["candidate_requests"] >= 40
+    now = status(platform)
+    assert now["state"] == "rolled_back" and now["stable"] == stable and now.get("share", 0) == 0
+
+
+def test_worse_eval_candidate_is_rolled_back_by_the_eval_gate(platform: Platform, replicas: Replicas) -> None:
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    replicas.start(stable_dir, stable)
+    broken_dir = replicas.model_dir("broken", 0.75, weights=b"weights-broken")
+    broken = replicas.create(broken_dir, "a broken checkpoint")
+    replicas.start(broken_dir, broken)
+    start_canary(platform, broken, "--eval-suite", "arithmetic")
+
+    result = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(broken), "--repeats", "8",
+                                       "--url", platform.stack.gateway_url, "--api-key", platform.api_key,
+                                       "--nats-url", platform.stack.nats_url])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("FAIL: suite arithmetic: candidate")
+    seen = decisions(platform, MODEL, {"rollback"}, timeout=30)
+    assert seen and seen[-1].action == "rollback" and "eval gate failed" in seen[-1].reason
+    assert status(platform)["state"] == "rolled_back"
+
+
+def test_pins_are_checked_at_the_gateway(platform: Platform, replicas: Replicas) -> None:
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    replicas.start(stable_dir, stable)
+    client = platform.client()
+    answer = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+        extra_headers={"inferbus-release": record.short(stable)}, seed=1)
+    assert answer.parse().choices[0].message.content in {str(v) for v in (5, -5, 3, 4, 6, 7, 15)}
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="is not serving"):
+        client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                       extra_headers={"inferbus-release": "deadbeefdeadbeef"})
+
+
+def test_worker_refuses_a_model_dir_that_is_not_its_release(platform: Platform, replicas: Replicas) -> None:
+    good = replicas.model_dir("good", 0.95)
+    release = replicas.create(good)
+    tampered = replicas.model_dir("tampered", 0.95)
+    (tampered / "model.safetensors").write_bytes(b"weights-v1" * 999 + b"x")
+    _, worker = replicas.start(tampered, release, wait=False)
+    assert worker.wait(60), "the worker kept running on files that are not its release"
+    assert worker.returncode != 0
+    log = worker.tail(40)
+    assert "refusing to serve release" in log and "model.safetensors has sha256" in log
+
+
+def test_worker_refuses_adapter_files_that_are_not_their_version(platform: Platform, replicas: Replicas,
+                                                                 tmp_path: Path) -> None:
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    replicas.start(stable_dir, stable)
+    adapter = tmp_path / "adapter-v2"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora-v2" * 100)
+    digest = record.directory_digest(adapter)
+    with platform.admin() as admin:
+        for name, version in (("tenant-bot", digest), ("tampered-bot", digest)):
+            assert admin.post("/adapters", json={"name": name, "version": version, "path": str(adapter if name == "tenant-bot" else tmp_path / "copy")}).status_code == 201
+    shutil.copytree(adapter, tmp_path / "copy")
+    (tmp_path / "copy" / "adapter_model.safetensors").write_bytes(b"lora-v3" * 100)
+    client = platform.client()
+    served = client.chat.completions.create(model="tenant-bot", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert served.choices[0].message.content
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="tampered-bot", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert "the registered version is " + digest in str(refused.value)
