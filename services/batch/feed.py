@@ -6,7 +6,7 @@ and the fleet-scale proof share one policy.
 What "spare" means under continuous batching
 --------------------------------------------
 A free engine slot is not free capacity. Every running sequence lengthens the engine step that
-all sequences share (PERF_MODEL.md: `t_step = T0 + t_w + c_seq·B + t_kv(S) + ...`; H100 TP2 at
+all sequences share (the roofline in services/sim_engine/perf_model.py: `t_step = T0 + t_w + c_seq·B + t_kv(S) + ...`; H100 TP2 at
 2k context: 18.6 ms at B=1, 23.7 at 32, 29.0 at 64, 39.6 at 128), and each batch line's prefill
 takes chunked-prefill budget from interactive prompts. So every batch line costs interactive
 requests some TPOT and TTFT. The goal is not "fill every slot" but "fill as much as possible while
@@ -81,7 +81,7 @@ class FeedConfig:
     window_s: float = 10.0  # latency window: long enough that a p90 is not noise, short enough to follow
     min_latency_samples: int = 5  # fewer interactive completions in the window: no latency verdict
     stale_after_s: float = 3.0  # a worker silent this long is gone (its slots are not spare)
-    # Step-time model of one engine (PERF_MODEL.md, H100 TP2 latency preset, 2k context):
+    # Step-time model of one engine (services/sim_engine/perf_model.py, H100 TP2 latency preset, 2k context):
     step_base_s: float = 0.0186  # step time with one sequence
     step_per_seq_s: float = 0.000165  # added per running sequence
     max_slowdown: float = 0.06  # step-time increase batch may cause (under the 10% promise, leaving room for prefill)

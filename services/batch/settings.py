@@ -52,7 +52,7 @@ class BatchSettings:
     baseline_wait_s: float = env("INFERBUS_BATCH_BASELINE_WAIT_S", 15.0, "After the first worker report, seconds spent learning the interactive-alone p90 before feeding any batch line.")
     max_slowdown: float = env("INFERBUS_BATCH_MAX_SLOWDOWN", 0.06, "Engine step-time increase batch lines may cause (sets the lines per worker).")
     reserve_slots: int = env("INFERBUS_BATCH_RESERVE_SLOTS", 4, "Slots per worker batch never takes (room for interactive arrivals).")
-    step_base_s: float = env("INFERBUS_BATCH_STEP_BASE_S", 0.0186, "Engine step time with one sequence (PERF_MODEL, H100 TP2); scale with the GPU.")
+    step_base_s: float = env("INFERBUS_BATCH_STEP_BASE_S", 0.0186, "Engine step time with one sequence (the simulated engine's roofline, H100 TP2, latency preset); scale with the GPU.")
     step_per_seq_s: float = env("INFERBUS_BATCH_STEP_PER_SEQ_S", 0.000165, "Engine step time added per running sequence.")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9105, "Port of the batch service's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
