@@ -51,7 +51,7 @@ from inferbus.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
 from inferbus.fleetsim.fast import FastConfig, FastFleet, StaticController
 from inferbus.fleetsim.simulate_cli import size_fleet
 from services.autoscaler.policy import PolicyConfig
-from services.autoscaler.simulated import TPOT_MARGIN, PolicyController
+from services.autoscaler.simulated import PolicyController
 from services.autoscaler.threshold import ThresholdConfig, ThresholdController
 from services.sim_engine.config import EngineConfig
 
@@ -141,11 +141,11 @@ def arrivals_for(inputs: dict[str, Any], mix: mix_mod.Mix, path: Path) -> tuple[
 
 
 def policy_config(goodput: float, overrides: dict[str, float] | None = None) -> PolicyConfig:
-    """The autoscaler's settings: the planner's goodput less the TPOT margin, the scenario's start
+    """The autoscaler's settings: the planner's goodput, the scenario's start
     times, serving bounds well above the peak, a warm pool of at most 15 sized from the ramp (no
     burst memory: a pool sized for the day's largest burst cost more than it saved); everything
     else `PolicyConfig`'s defaults (unless `--set` overrides them)."""
-    return PolicyConfig(**{"goodput_rps": round(goodput * TPOT_MARGIN, 2), "cold_start_s": COLD_START_S,
+    return PolicyConfig(**{"goodput_rps": round(goodput, 2), "cold_start_s": COLD_START_S,
                            "warm_start_s": WARM_START_S, "max_serving": 200, "max_warm": 14, "max_replicas": 240,
                            "burst_memory_s": 0.0, **(overrides or {})})
 

@@ -650,7 +650,7 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
         for round_no in range(args.live_rounds):
             seed = args.seed + 100 * round_no
             # ABBA: odd rounds run the batch first, so that a drift of the machine's speed over the
-            # session weighs on both conditions alike.
+            # run weighs on both conditions alike.
             batch_first = round_no % 2 == 1
             load_before = os.getloadavg()[0]
             if batch_first:

@@ -1,12 +1,12 @@
-"""PERF_MODEL.md's worked example through `inferbus plan`, compared with the numbers PERF_MODEL states.
+"""The worked example through `inferbus plan`, compared with the mean-prefill hand estimate.
 
     python -m bench.plan [--out bench/results/plan_worked_example]
 
 Runs `inferbus plan --rpm 50000 --mix worked-example --gpu H100:2.50,H200:3.50 --tp 1,2,4` with
 the warm pool sized from the Azure conversation trace's steepest ramp (if the trace is on the
 traces path), writes plan.md, plan.json, fleet.png and latency.png, then comparison.md: planner vs
-the published timing model. PERF_MODEL prices the mean prefill per step; the planner prices
-prefill in whole chunks (docs/planning.md), so its goodput is lower. A few seconds; no network.
+the hand estimate on the same roofline, which prices one step carrying the mean prefill (λ·u·t
+tokens) with TPOT p90 = 1.15 × that step; the planner prices prefill in whole chunks (docs/planning.md), so its goodput is lower. A few seconds; no network.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from inferbus import traces
 from inferbus.plan.cli import plan
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = "azure_2023_conv.csv"  # looked up on the traces path (INFERBUS_TRACES_DIR, shared/traces)
+TRACE = "azure_2023_conv.csv"  # looked up on the traces path (INFERBUS_TRACES_DIR)
 DEFAULT_OUT = ROOT / "bench" / "results" / "plan_worked_example"
 
-# PERF_MODEL.md, "Capacity math the planner must do": (config, req/s per replica, GPUs).
+# The mean-prefill hand estimate at 833 req/s, 15% headroom (tests/test_plan.py reproduces its
+# 4.1 req/s): (config, req/s per replica, GPUs).
 STATED = [("H100 TP2", 4.1, 464), ("H200 TP2", 4.7, 412)]
-STATED_USD_PER_1M_OUTPUT = (1.2, 1.5)  # "≈ $1.2–1.5 per 1M output tokens at $2.5–3.5 per GPU-hour"
+STATED_USD_PER_1M_OUTPUT = (1.2, 1.5)  # the serving fleet's $ per 1M output tokens at $2.5 / $3.5 per GPU-hour
 
 
 def comparison(data: dict) -> str:  # type: ignore[type-arg]
@@ -34,11 +35,11 @@ def comparison(data: dict) -> str:  # type: ignore[type-arg]
     def off(ours: float, theirs: float) -> str:
         return f"{(ours - theirs) / theirs * 100:+.1f}%"
 
-    lines = ["# Worked example: `inferbus plan` vs PERF_MODEL.md", "",
+    lines = ["# Worked example: `inferbus plan` vs the mean-prefill hand estimate", "",
              f"Inputs: {data['inputs']['rate']} ({data['inputs']['rate_rps']:.1f} req/s), mix `worked-example`, "
              f"{data['inputs']['preset']} preset, chunk {data['inputs']['assumptions']['chunk_tokens']}, "
              f"15% headroom, SLO p90 TTFT 800 ms / TPOT 40 ms.", "",
-             "| quantity | PERF_MODEL | inferbus plan | difference |", "|---|---|---|---|"]
+             "| quantity | mean-prefill estimate | inferbus plan | difference |", "|---|---|---|---|"]
     for config, rps, gpus in STATED:
         row = rows[config]
         lines.append(f"| {config} req/s per replica | ≈ {rps} | {row['goodput_rps_per_replica']:.2f} | "
@@ -50,13 +51,13 @@ def comparison(data: dict) -> str:  # type: ignore[type-arg]
                  f"{off(h100['usd_per_1m_output_serving'], low)} |")
     lines.append(f"| $ per 1M output tokens, H200 TP2 at $3.50 | ≈ {high} | {h200['usd_per_1m_output_serving']:.2f} | "
                  f"{off(h200['usd_per_1m_output_serving'], high)} |")
-    lines += ["", "PERF_MODEL prices a step with the mean prefill per step (λ × u × t tokens) and takes TPOT p90 as "
+    lines += ["", "The hand estimate prices a step with the mean prefill per step (λ × u × t tokens) and takes TPOT p90 as "
               "1.15 × that step. The engine prefills in whole chunks: a step with a 2,048-token chunk is "
               "compute-bound, a decode step memory-bound, so the mean step is longer than the step with the mean "
               "prefill, and the planner's goodput is lower (its TPOT p90 is derived from the spread of chunk "
               "steps, not a constant; docs/planning.md). The fleet simulator agrees with the planner: "
               "bench/results/tight_and_right.md.",
-              "", "The $ per 1M output tokens here is PERF_MODEL's figure: the serving fleet's whole bill on output "
+              "", "The $ per 1M output tokens here is the estimate's form: the serving fleet's whole bill on output "
               "tokens. The plan's own price also counts the warm pool it keeps loaded:", ""]
     for config in ("H100 TP2", "H200 TP2"):
         row = rows[config]

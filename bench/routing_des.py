@@ -206,7 +206,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Sizing: how the replay rate is chosen",
         "",
-        "Perf-model capacity of one replica (`inferbus/fleetsim/capacity.py`, PERF_MODEL.md's fixed point): "
+        "Perf-model capacity of one replica (`inferbus/fleetsim/capacity.py`, the roofline's fixed point): "
         "saturated when every step carries a full prefill chunk, λ_max = chunk / (mean uncached prompt "
         "tokens × t_step), with t_step the roofline step time for that chunk plus the decode batch "
         "B = chunk × mean output / mean uncached input riding along.",

@@ -11,7 +11,7 @@ Parts (`--part`, default all; each writes its JSON under bench/results/, and the
 - validate: the same workloads through the per-step `FleetSim` (the engine's real scheduler) and
   the fast fleet; TTFT and TPOT p50/p90 side by side.
 - day: 24 h, the Azure conversation trace's per-minute rate shape tiled under a diurnal envelope,
-  peak minute 833 req/s, on a static fleet sized by PERF_MODEL arithmetic
+  peak minute 833 req/s, on a static fleet sized by the planner's arithmetic
   (`inferbus.fleetsim.simulate_cli.size_fleet`: the planner's replica model at the engine's chunk
   size, × 1.15 headroom); time series plotted.
 """
@@ -124,7 +124,8 @@ def day(hours: float = 24.0, policy: str = "least_loaded") -> dict[str, object]:
             print(f"  virtual {now / 3600:.0f} h", flush=True)
 
     summary = FastFleet(config, work.arrivals(), progress=progress).run()
-    inputs = {"trace": str(path), "mix": mix.describe(), "peak_rps": PEAK_RPS, "duration_h": hours, "shape": "tile",
+    # The trace by name (found on INFERBUS_TRACES_DIR), so the report names no machine's folders.
+    inputs = {"trace": path.name, "mix": {**mix.describe(), "source": path.name}, "peak_rps": PEAK_RPS, "duration_h": hours, "shape": "tile",
               "trough": 0.35, "replicas": sizing.replicas, "sizing": sizing.method, "policy": policy,
               "expected_requests": round(work.expected_requests())}
     write_report(summary, RESULTS, inputs, stem="simulate_day")

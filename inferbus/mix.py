@@ -3,7 +3,8 @@
 A mix is a set of request classes, each with a weight, input and output length distributions and
 the share of its prompt a prefix cache already holds. It comes from one of three places:
 
-- a built-in name: `worked-example` (the chat mix of PERF_MODEL.md's capacity example);
+- a built-in name: `worked-example` (an assumed chat mix: 60% short chat 600 in / 250 out,
+  60% cached; 30% multi-turn/RAG 3,000 / 400, 50% cached; 10% long 8,000 / 600, 10% cached);
 - a YAML spec (see `docs/capacity.md`)::
 
       name: chat
@@ -224,7 +225,7 @@ class Mix:
         """The q-quantile of a request's uncached prompt tokens (exact for fixed-length classes and traces).
 
         For the worked example 60% of requests prefill 240 tokens, 30% 1,500 and 10% 7,200, so
-        the 90th-percentile request prefills 1,500: PERF_MODEL's "1,500 uncached tokens".
+        the 90th-percentile request prefills 1,500 (the TTFT p90's prompt in the planner).
         """
         if not 0 <= q <= 1:
             raise ValueError(f"q must be in [0, 1], got {q}")
@@ -341,7 +342,7 @@ def _row(request: MixRequest) -> tuple[int, int, int]:
 
 
 def worked_example() -> Mix:
-    """PERF_MODEL.md's assumed chat mix: mean 2,060 input and 330 output tokens."""
+    """The worked example's assumed chat mix: mean 2,060 input and 330 output tokens."""
     return Mix("worked-example", (
         MixClass("short chat", 0.6, Length.parse(600, "short chat"), Length.parse(250, "short chat"), 0.6),
         MixClass("multi-turn/RAG", 0.3, Length.parse(3000, "rag"), Length.parse(400, "rag"), 0.5),

@@ -109,9 +109,11 @@ def running_platform(tmp: Path, **config: object) -> Iterator[Platform]:
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """Two simulated H100 TP2 workers at 10x real speed."""
     # Engines log at debug so tests can see the trace context that reached them. Key lookups are
-    # cached for 1 s (not 10) so that tests see a revoked key refused without a long wait.
+    # cached for 1 s (not 10) so that tests see a revoked key refused without a long wait. Stored
+    # responses are limited to 20 kB, so that tests/test_e2e_responses.py can reach the limit.
     with running_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1,
-                          engine_args=["--log-level", "debug"], extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1"}) as running:
+                          engine_args=["--log-level", "debug"],
+                          extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1", "INFERBUS_RESPONSES_MAX_BYTES": "20000"}) as running:
         yield running
 
 

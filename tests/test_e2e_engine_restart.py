@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from .conftest import MODEL, Platform, running_platform
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -36,22 +36,26 @@ def _ready(platform: Platform) -> tuple[int, dict]:
 
 
 def _wait_ready(platform: Platform, status: int, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        code, body = _ready(platform)
-        if code == status:
-            return body
-        assert time.monotonic() < deadline, f"/ready stayed {code}: {body}"
-        time.sleep(0.1)
+    _, body = wait_for(lambda: (answer := _ready(platform))[0] == status and answer, timeout, interval=0.1,
+                       what=f"/ready answering {status}")
+    return body
+
+
+def _worker_log(platform: Platform) -> list[dict]:
+    return [json.loads(line) for line in platform.stack.get("worker-1").log_path.read_text().splitlines()
+            if line.startswith("{")]
+
+
+def _failed_probes(platform: Platform) -> list[float]:
+    """The delays before the next probe the worker logged, one per failed probe of its engine."""
+    return [entry["retry_in_s"] for entry in _worker_log(platform) if entry.get("event") == "engine_probe_failed"]
 
 
 def test_after_an_engine_restart_adapters_are_loaded_again(single: Platform) -> None:
     with single.admin() as admin:
         assert admin.post("/adapters", json={"name": "helper", "version": DIGEST, "path": "s3://ok/helper"}).status_code == 201
-    deadline = time.monotonic() + 5
-    while "helper" not in {card.id for card in single.client().models.list().data}:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: "helper" in {card.id for card in single.client().models.list().data}, 5, interval=0.1,
+             what="the adapter listed")
     first = single.client(timeout=30).completions.create(model="helper", prompt="hello", max_tokens=3, temperature=0)
     assert first.choices[0].text
 
@@ -60,7 +64,9 @@ def test_after_an_engine_restart_adapters_are_loaded_again(single: Platform) -> 
     engine.wait(10)
     body = _wait_ready(single, 503)  # the worker noticed: no worker can serve, so the gateway is not ready
     assert "no_workers" in body["problems"]
-    time.sleep(2.5)  # some probes fail meanwhile
+    # Some probes fail meanwhile, each after a longer delay.
+    wait_for(lambda: len(probes := _failed_probes(single)) >= 3 and probes[-1] >= 4 * probes[0], 30, interval=0.1,
+             what="three failed probes of the engine, backing off")
     engine.start()  # the same port: as an engine restarted in place
     _wait_ready(single, 200, timeout=60)
     again = single.client(timeout=30).completions.create(model="helper", prompt="hello", max_tokens=3, temperature=0)
@@ -68,9 +74,8 @@ def test_after_an_engine_restart_adapters_are_loaded_again(single: Platform) -> 
     base = single.client(timeout=30).completions.create(model=MODEL, prompt="hello", max_tokens=3, temperature=0)
     assert base.choices[0].text
 
-    log = [json.loads(line) for line in single.stack.get("worker-1").log_path.read_text().splitlines()
-           if line.startswith("{")]
-    probes = [entry["retry_in_s"] for entry in log if entry.get("event") == "engine_probe_failed"]
+    log = _worker_log(single)
+    probes = _failed_probes(single)
     assert len(probes) >= 3 and probes == sorted(probes) and probes[-1] >= 4 * probes[0]  # backing off
     back = next(i for i, entry in enumerate(log) if entry.get("event") == "engine_back")
     assert log[back].get("adapters_forgotten") == 1

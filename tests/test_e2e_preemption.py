@@ -27,6 +27,7 @@ from proto import messages as m
 from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage, running_platform
+from .waiting import await_for
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +43,12 @@ def worker4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     with running_platform(tmp_path_factory.mktemp("preemption"), workers=1, time_scale=0.1,
                           extra_env={"INFERBUS_WORKER_MAX_RUNNING": "4", "INFERBUS_DRAIN_TIMEOUT_S": "30"}) as running:
         yield running
+
+
+def generated_tokens(platform: Platform) -> float:
+    """Tokens the (only) engine has generated so far: its `sglang:generation_tokens_total`."""
+    text = httpx.get(platform.engine_url(1) + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:generation_tokens_total"))
 
 
 def line_request(batch_id: str, line: int, prompt: str, max_new_tokens: int, reply_to: str,
@@ -90,10 +97,8 @@ class BatchFeed:
         await self.nc.publish(subjects.cancel_subject(self.owner, request_id), m.encode(m.Cancel(request_id=request_id, reason="admin")))
 
     async def wait_accepted(self, n: int, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while len({a.request_id for a in self.accepted}) < n:
-            assert time.monotonic() < deadline, f"only {len(self.accepted)} lines accepted"
-            await asyncio.sleep(0.02)
+        await await_for(lambda: len({a.request_id for a in self.accepted}) >= n, timeout, interval=0.02,
+                        what=f"{n} lines accepted")
 
     async def results(self, batch_id: str, n: int, timeout: float = 60) -> list[m.BatchLineResult]:
         """Every result on the batch's subject once `n` lines have one (plus a moment for duplicates)."""
@@ -224,9 +229,10 @@ def test_a_cancelled_line_ends_with_one_error_result_and_bills_what_it_made(work
 
     async def scenario() -> list[m.BatchLineResult]:
         async with BatchFeed(worker4) as feed:
+            made = generated_tokens(worker4)
             await feed.publish(line_request(batch_id, 0, "A line to cancel.", LINE_TOKENS, feed.reply_to))
             await feed.wait_accepted(1)
-            await asyncio.sleep(1.0)  # some tokens made
+            await await_for(lambda: generated_tokens(worker4) >= made + 20, 30, what="some tokens made")
             await feed.cancel(request_id)
             return await feed.results(batch_id, 1)
 

@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from .conftest import MODEL, Platform, read_usage, running_platform
+from .waiting import await_for
 
 pytestmark = pytest.mark.e2e
 
@@ -40,11 +41,11 @@ def test_a_request_cancelled_while_queued_is_never_generated(one_slot: Platform)
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
             holder = asyncio.create_task(_stream(session, one_slot, 3000, running_ids, running_chunks))
-            while not running_chunks:  # it holds the worker's only slot
-                await asyncio.sleep(0.01)
+            await await_for(lambda: running_chunks, 30, interval=0.01, what="the first stream's first chunk")
+            # It holds the worker's only slot.
             waiter = asyncio.create_task(_stream(session, one_slot, 50, queued_ids, queued_chunks))
-            while not queued_ids:  # accepted by the gateway, queued in JetStream
-                await asyncio.sleep(0.01)
+            # Accepted by the gateway, queued in JetStream.
+            await await_for(lambda: queued_ids, 30, interval=0.01, what="the second request accepted")
             await asyncio.sleep(0.3)
             waiter.cancel()  # its client leaves while it is still queued
             await asyncio.sleep(0.3)

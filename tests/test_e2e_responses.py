@@ -7,8 +7,6 @@ import asyncio
 import json
 import secrets
 import signal
-import time
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
@@ -16,7 +14,8 @@ import openai
 import pydantic
 import pytest
 
-from .conftest import MODEL, Platform, read_usage, running_platform
+from .conftest import MODEL, Platform, read_usage
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -24,14 +23,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}, "strict": True}
 LONG_INSTRUCTIONS = "You are a careful assistant of the inferbus platform team; answer briefly. " * 20
-
-
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    # Stored responses limited to 20 kB here, so that the limit can be reached in a test.
-    with running_platform(tmp_path_factory.mktemp("responses"), workers=2, time_scale=0.1,
-                          extra_env={"INFERBUS_RESPONSES_MAX_BYTES": "20000"}) as running:
-        yield running
 
 
 @pytest.fixture
@@ -192,10 +183,7 @@ def test_conversation_survives_a_gateway_restart(platform: Platform, client: ope
     gateway.signal(signal.SIGKILL)
     assert gateway.wait(5)
     gateway.start()
-    deadline = time.monotonic() + 30
-    while not platform.stack.gateway_serving():
-        assert time.monotonic() < deadline, "the gateway did not come back"
-        time.sleep(0.1)
+    wait_for(platform.stack.gateway_serving, 30, interval=0.1, what="the gateway back")
     assert client.responses.retrieve(first.id).output_text == first.output_text
     follow = client.responses.create(model=MODEL, previous_response_id=first.id, input="Which number?",
                                      max_output_tokens=6)

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from .conftest import MODEL, Platform, running_platform
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -25,10 +26,7 @@ def restart(platform: Platform, name: str) -> None:
     process.signal(signal.SIGKILL)  # a no-op if an earlier test already killed it
     assert process.wait(5)
     process.start()  # same port, same data directory
-    deadline = time.monotonic() + 15
-    while not process.ready():
-        assert time.monotonic() < deadline, f"{name} did not come back"
-        time.sleep(0.05)
+    wait_for(process.ready, 15, what=f"{name} back")
 
 
 def serves_within(platform: Platform, seconds: float) -> float:

@@ -20,6 +20,7 @@ import pytest
 from inferbus.traces import _WORDS
 
 from .conftest import MODEL, Platform, read_usage, running_platform
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -93,12 +94,12 @@ def test_adapters_register_with_a_pinned_version_and_list_for_the_tenant(fleet: 
         assert created.status_code == 201, created.text
         assert created.json()["engine_name"] == "support-bot@" + "ab" * 6
         assert admin.post("/adapters", json={"name": "broken", "version": DIGEST, "path": "missing/weights"}).status_code == 201
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def listed() -> dict[str, openai.types.Model] | None:
         models = {card.id: card for card in fleet.client().models.list().data}
-        if "broken" in models:
-            break
-        time.sleep(0.1)
+        return models if "broken" in models else None
+
+    models = wait_for(listed, 5, interval=0.1, what="the adapters listed")
     assert set(models) == {MODEL, "support-bot", "broken"}
     assert models["support-bot"].model_extra["parent"] == MODEL
 
@@ -150,12 +151,9 @@ def _restart_router(platform: Platform) -> None:
 
     ready, snapshots = logged(router.log_path, b"router_ready"), [logged(path, b"cache_snapshot_sent") for path in workers]
     router.start()
-    deadline = time.monotonic() + 30
-    while logged(router.log_path, b"router_ready") <= ready or any(
-        logged(path, b"cache_snapshot_sent") <= before for path, before in zip(workers, snapshots)
-    ):
-        assert time.monotonic() < deadline, "the restarted router did not become ready with every worker's snapshot"
-        time.sleep(0.05)
+    wait_for(lambda: logged(router.log_path, b"router_ready") > ready and all(
+        logged(path, b"cache_snapshot_sent") > before for path, before in zip(workers, snapshots)
+    ), 30, what="the restarted router ready with every worker's snapshot")
     time.sleep(0.2)  # the last snapshot's way from the worker to the router
 
 

@@ -19,6 +19,7 @@ import pytest
 from inferbus.local import PLATFORM_FILE, free_port
 
 from .conftest import MODEL
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +36,12 @@ def test_nats_and_a_worker_that_die_are_restarted_and_requests_succeed_again(tmp
     reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
-        deadline = time.monotonic() + 120
-        while not any("API key:" in line for line in lines):
-            assert up.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
+
+        def started() -> bool:
+            assert up.poll() is None, "".join(lines)
+            return any("API key:" in line for line in lines)
+
+        wait_for(started, 120, interval=0.2, what="inferbus up's API key line")
         key = re.search(r"API key:\s+(ib-\S+)", "".join(lines)).group(1)  # type: ignore[union-attr]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=10)
 

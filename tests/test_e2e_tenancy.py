@@ -17,6 +17,7 @@ import pytest
 from inferbus.local import free_port, http_ok
 
 from .conftest import MODEL, Platform, read_usage, running_platform
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -77,14 +78,8 @@ def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None
         with pytest.raises(openai.RateLimitError):
             ask(client)
     # The stream was closed: the worker aborts, the usage event lands, the lease is released.
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            ask(client)
-            break
-        except openai.RateLimitError:
-            assert time.monotonic() < deadline, "the concurrency lease was not released"
-            time.sleep(0.1)
+    wait_for(lambda: ask(client), 5, interval=0.1, ignore=(openai.RateLimitError,),
+             what="the concurrency lease released")
 
 
 def test_one_at_a_time_never_trips_a_concurrency_limit_of_one(platform: Platform) -> None:
@@ -136,10 +131,9 @@ def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: P
         finally:
             await redis.aclose()
 
-    deadline = time.monotonic() + 10
-    while abs(asyncio.run(spend()) - actual) > 1e-6:  # estimates are replaced by actual cost
-        assert time.monotonic() < deadline, f"spend {asyncio.run(spend())} never reconciled to {actual}"
-        time.sleep(0.2)
+    # Estimates are replaced by actual cost.
+    wait_for(lambda: abs(asyncio.run(spend()) - actual) <= 1e-6, 10, interval=0.2,
+             what=f"spend reconciled to {actual}")
 
 
 @pytest.fixture
@@ -151,11 +145,16 @@ def second_gateway(platform: Platform) -> Iterator[str]:
     process = subprocess.Popen([sys.executable, "-m", "inferbus.cli", "gateway"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not http_ok(url + "/ready"):
-        assert time.monotonic() < deadline and process.poll() is None, "second gateway did not start"
-        time.sleep(0.1)
-    time.sleep(1.5)  # it learns the workers from their next heartbeats
+
+    def started() -> bool:
+        assert process.poll() is None, "the second gateway exited"
+        return http_ok(url + "/ready")
+
+    wait_for(started, 30, interval=0.1, what="the second gateway ready")
+    # It learns the workers from their heartbeats: wait until it knows as many as the first.
+    workers = httpx.get(platform.stack.gateway_url + "/ready").json()["workers"]
+    wait_for(lambda: httpx.get(url + "/ready").json()["workers"] >= workers, 10,
+             what=f"the second gateway knows all {workers} workers")
     yield url
     process.terminate()
     process.wait(10)
@@ -180,10 +179,12 @@ def test_two_gateways_do_not_give_a_tenant_twice_its_limit(platform: Platform, s
 
 
 @pytest.fixture(scope="module")
-def contended(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    """One worker with two slots: any real traffic contends for it."""
-    with running_platform(tmp_path_factory.mktemp("fair"), workers=1, time_scale=0.1,
-                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2"}) as running:
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """One worker with two slots, so that any real traffic contends for it, and a short standard
+    queue budget, so that a flood overloads it quickly (premium tenants wait up to 30 s)."""
+    with running_platform(tmp_path_factory.mktemp("tight"), workers=1, time_scale=0.1,
+                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2", "INFERBUS_QUEUE_BUDGET_STANDARD_S": "0.3",
+                                        "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "30"}) as running:
         yield running
 
 
@@ -204,9 +205,11 @@ async def _closed_loop(platform: Platform, key: str, streams: int, seconds: floa
     return done
 
 
-def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(contended: Platform) -> None:
-    _, heavy = new_tenant(contended)
-    _, light = new_tenant(contended)
+def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(tight: Platform) -> None:
+    # Both premium: fair share between tenants of one band, with a queue budget that sheds nothing.
+    contended = tight
+    _, heavy = new_tenant(contended, band="premium")
+    _, light = new_tenant(contended, band="premium")
 
     async def both() -> tuple[int, int]:
         heavy_done, light_done = await asyncio.gather(
@@ -220,15 +223,6 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(contended: 
     # Idle capacity is not withheld: alone, the heavy tenant gets (about) all of it.
     alone = asyncio.run(_closed_loop(contended, heavy, 20, 4.0))
     assert alone >= 0.8 * (heavy_done + light_done)
-
-
-@pytest.fixture(scope="module")
-def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    """Two slots and a short standard queue budget: a flood overloads it quickly."""
-    with running_platform(tmp_path_factory.mktemp("overload"), workers=1, time_scale=0.1,
-                             extra_env={"INFERBUS_WORKER_MAX_RUNNING": "2", "INFERBUS_QUEUE_BUDGET_STANDARD_S": "0.3",
-                                        "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "30"}) as running:
-        yield running
 
 
 def test_an_overloaded_platform_sheds_standard_with_503_and_keeps_serving_premium(tight: Platform) -> None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from .conftest import MODEL, Platform, read_usage, running_platform
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -136,10 +137,8 @@ def test_a_paused_worker_resumes_without_leaving_any_request_hanging(fleet: Plat
     assert {e.request_id for e in abandoned} >= {s.request_id for s in migrated}
     # The billing service rolls that work up under the platform's own account, not the tenant's.
     wasted = sum(e.usage.completion_tokens for e in abandoned)
-    deadline = time.monotonic() + 30
-    while platform_output_tokens(fleet) != wasted:
-        assert time.monotonic() < deadline, (platform_output_tokens(fleet), wasted)
-        time.sleep(0.5)
+    wait_for(lambda: platform_output_tokens(fleet) == wasted, 30, interval=0.5,
+             what=f"the platform's account at {wasted} output tokens")
 
 
 def platform_output_tokens(platform: Platform) -> int:

@@ -18,6 +18,7 @@ from proto import subjects
 from services.worker.liveness import LivenessThread, PauseDetector, loop_alive
 
 from .nats_server import NatsServer
+from .waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_heartbeats_and_probe_answers_continue_while_the_event_loop_is_starved(s
     liveness.start()
     try:
         liveness.set_beat(beat("busy"))
-        time.sleep(0.5)
+        wait_for(lambda: liveness.beats >= 1, 5, what="the first heartbeat")
         results: dict[str, object] = {}
         watcher = probe_and_watch(server.url, "busy", 4.0, results)
         # The worker's loop does 4 s of CPU-bound work without yielding (generation work that
@@ -123,7 +124,7 @@ def test_a_stalled_loop_gets_no_heartbeat_and_no_answer(server: NatsServer) -> N
     liveness.start()
     try:
         liveness.set_beat(beat("stuck"))
-        time.sleep(0.5)
+        wait_for(lambda: liveness.beats >= 1, 5, what="the first heartbeat")
         lag["s"] = 60.0  # deadlocked for a minute
         time.sleep(0.3)
         results: dict[str, object] = {}

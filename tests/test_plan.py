@@ -1,4 +1,4 @@
-"""`inferbus plan`: the worked example of PERF_MODEL.md, constraints, sweeps, warm pool, CLI."""
+"""`inferbus plan`: the worked example, constraints, sweeps, warm pool, CLI."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def _replica(gpu: str = "H100", tp: int = 2, **assumptions) -> ReplicaModel:  # 
     return ReplicaModel(model, model.kv_capacity_tokens(), WORKLOAD, Assumptions(**assumptions))
 
 
-# ---- PERF_MODEL's worked example -------------------------------------------------------------
+# ---- the worked example -------------------------------------------------------------------
 
 def test_worked_example_prices_prefill_in_whole_chunks() -> None:
     rows = {row.name: row for row in make_plan(_inputs()).rows}
     h100, h200 = rows["H100 TP2"], rows["H200 TP2"]
-    # PERF_MODEL prices the mean prefill per step (≈ 4.1 req/s, 464 GPUs on H100 TP2; 4.7 and 412 on
+    # The hand estimate prices the mean prefill per step (≈ 4.1 req/s, 464 GPUs on H100 TP2; 4.7 and 412 on
     # H200 TP2). Prefill runs in whole chunks, compute-bound steps among memory-bound decode steps,
     # so the mean step is longer and the goodput lower: 3.07 and 4.03 req/s.
     assert h100.goodput_rps == pytest.approx(3.071, rel=1e-3)
@@ -52,8 +52,8 @@ def test_worked_example_prices_prefill_in_whole_chunks() -> None:
     assert h100.binding == h200.binding == "TPOT"
 
 
-def test_pricing_the_mean_prefill_per_step_reproduces_perf_model() -> None:
-    """PERF_MODEL's own arithmetic (one step with λ·u·t prefill tokens, TPOT p90 = 1.15 × t) gives its 4.1 req/s."""
+def test_pricing_the_mean_prefill_per_step_reproduces_the_hand_estimate() -> None:
+    """The hand estimate's arithmetic (one step with λ·u·t prefill tokens, TPOT p90 = 1.15 × t) gives its 4.1 req/s."""
     replica, lam = _replica(), 4.1147
     o, u = WORKLOAD.output_tokens, WORKLOAD.uncached_tokens
     step = 0.02
@@ -145,7 +145,7 @@ def test_costs_by_hand() -> None:
     assert cost.gpus == 46 and cost.usd_per_hour == pytest.approx(138.0)
     out_mtok = 100 * 330 * 3600 / 1e6  # 118.8 M output tokens an hour
     assert cost.usd_per_1m_output_all_in == pytest.approx(138.0 / out_mtok)
-    # PERF_MODEL's form: $/GPU-h × 1e6 / (3600 × tok/s per GPU × utilisation).
+    # The serving fleet's form: $/GPU-h × 1e6 / (3600 × tok/s per GPU × utilisation).
     per_gpu, utilisation = 5.0 * 330 / 2, 100 / (23 * 5.0)
     assert cost.usd_per_1m_output_all_in == pytest.approx(3.0 * 1e6 / (3600 * per_gpu * utilisation))
     assert cost.usd_per_1m_output == pytest.approx(138.0 * 0.75 / out_mtok)

@@ -16,6 +16,8 @@ from inferbus.local import free_port, nats_server_binary
 from proto import messages as m
 from services.gateway.responses_store import ResponseStore
 
+from .waiting import await_for
+
 
 class Nats:
     def __init__(self, data: Path) -> None:
@@ -90,8 +92,8 @@ async def test_retention_and_size_limit_are_the_buckets_and_follow_the_settings(
     await ResponseStore.open(js, retention_s=1, max_bytes=2000)  # a new retention setting, an existing bucket
     assert (await js.stream_info("KV_responses")).config.max_age == 1
     await store.put(record("acme", "resp_old"))
-    deadline = time.monotonic() + 10
-    while await store.get("acme", "resp_old") is not None:  # the server expires it
-        assert time.monotonic() < deadline, "the stored response outlived its retention"
-        time.sleep(0.2)
+    async def expired() -> bool:
+        return await store.get("acme", "resp_old") is None
+
+    await await_for(expired, 10, interval=0.2, what="the server expiring the stored response")
     await nc.close()

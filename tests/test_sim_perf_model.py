@@ -2,7 +2,7 @@ import pytest
 
 from services.sim_engine.perf_model import FixedStepModel, roofline
 
-# PERF_MODEL.md "Derived step times", latency preset, 2k context per decode sequence;
+# The roofline's step times worked out by hand (docs/sim-engine.md), latency preset, 2k context per decode sequence;
 # prefill columns are a fresh prompt of n tokens (mean attended context n/2), no decode.
 DECODE_TABLE = {
     ("H100", 2): (18.6, 23.7, 29.0, 39.6),

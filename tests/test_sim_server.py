@@ -9,6 +9,8 @@ import uvicorn
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.server import SimEngineServer
 
+from .waiting import await_for
+
 
 def make_client(**overrides) -> tuple[SimEngineServer, httpx.AsyncClient]:
     settings = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0}
@@ -32,8 +34,7 @@ class running:
         config = uvicorn.Config(self.server.app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         self._uvicorn = uvicorn.Server(config)
         self._task = asyncio.create_task(self._uvicorn.serve())
-        while not self._uvicorn.started:
-            await asyncio.sleep(0.005)
+        await await_for(lambda: self._uvicorn.started, 10, interval=0.005, what="uvicorn started")
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
         return self.server, self.client
 
@@ -98,11 +99,11 @@ async def test_strict_sampling_params_are_rejected(sampling_params):
 
 
 async def test_duplicate_running_rid_and_unknown_adapter_are_400():
-    async with running(time_scale=1.0) as (_, client):
+    async with running(time_scale=1.0) as (server, client):
         first = asyncio.create_task(
             client.post("/generate", json={"text": "a", "rid": "same", "sampling_params": {"max_new_tokens": 50}})
         )
-        await asyncio.sleep(0.05)
+        await await_for(lambda: server.engine.get("same") is not None, 5, interval=0.005, what="the first one running")
         duplicate = await client.post("/generate", json={"text": "a", "rid": "same"})
         assert duplicate.status_code == 400 and "Duplicate request ID" in duplicate.json()["error"]["message"]
         unknown = await client.post("/generate", json={"text": "a", "lora_path": "ghost"})
@@ -125,8 +126,7 @@ async def test_abort_mid_stream_ends_with_abort_finish_reason():
                         frames.append(line[len("data: "):])
 
         task = asyncio.create_task(consume())
-        while len(frames) < 3:
-            await asyncio.sleep(0.01)
+        await await_for(lambda: len(frames) >= 3, 10, interval=0.01, what="three frames")
         response = await client.post("/abort_request", json={"rid": "req-"})
         assert response.status_code == 200 and response.content == b""
         await asyncio.wait_for(task, 5)
@@ -146,11 +146,7 @@ async def test_client_disconnect_aborts_in_engine():
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     break
-        for _ in range(100):
-            if server.engine.get("gone") is None:
-                break
-            await asyncio.sleep(0.01)
-        assert server.engine.get("gone") is None
+        await await_for(lambda: server.engine.get("gone") is None, 1, interval=0.01, what="the request aborted")
 
 
 async def test_loads_metrics_and_info_endpoints():

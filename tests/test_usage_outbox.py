@@ -18,6 +18,7 @@ from proto import messages as m
 from proto import subjects
 
 from .nats_server import NatsServer
+from .waiting import await_for
 
 
 @pytest.fixture
@@ -50,13 +51,6 @@ async def ledger(url: str) -> list[m.UsageEvent]:
         await nc.close()
 
 
-async def wait_for(check, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.1)
-
-
 async def test_usage_written_while_nats_is_down_is_published_once_it_is_back(server: NatsServer, tmp_path: Path) -> None:
     nc = await bus.connect(server.url, name="test-outbox")
     await bus.ensure_streams(nc.jetstream())
@@ -81,7 +75,7 @@ async def test_usage_written_while_nats_is_down_is_published_once_it_is_back(ser
     assert outbox.pending() == 21
 
     server.start()
-    await wait_for(lambda: asyncio.sleep(0, outbox.pending() == 0))
+    await await_for(lambda: outbox.pending() == 0, 15, interval=0.1, what="the outbox drained")
     await outbox.stop()
     await nc.close()
 
@@ -115,7 +109,7 @@ async def test_a_restart_republishes_what_was_pending_and_duplicates_are_dropped
 
     restarted = Outbox(path, publish)
     await restarted.start()
-    await wait_for(lambda: asyncio.sleep(0, restarted.pending() == 0))
+    await await_for(lambda: restarted.pending() == 0, 15, interval=0.1, what="the outbox drained")
     await restarted.stop()
     await nc.close()
     assert sorted(e.request_id for e in await ledger(server.url)) == [f"q{i}" for i in range(5)]

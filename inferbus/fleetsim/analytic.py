@@ -82,8 +82,11 @@ class AnalyticReplica:
     ) -> None:
         self.name = name
         self.model = model
-        self.step_time = step_function(model)
-        self.chunk = chunk
+        # With speculative decoding a step gives each decoding sequence E tokens, while this replica
+        # counts one token a step: its step is 1/E of the engine's, prefilling 1/E of the chunk.
+        per_step = float(getattr(model, "tokens_per_step", 1.0))  # a profile table has none: 1
+        self.chunk = chunk if per_step == 1.0 else max(1, round(chunk / per_step))
+        self.step_time = step_function(model, chunk / self.chunk)
         self.max_running = max_running
         self.kv_capacity = kv_capacity
         self.on_finish: Callback = on_finish or _ignore
@@ -333,11 +336,23 @@ def _ignore(req: Req, t: float) -> None:
 StepFn = Callable[[int, float, int, float], float]
 
 
-def step_function(model: StepTimeModel) -> StepFn:
+def step_function(model: StepTimeModel, prefill_scale: float = 1.0) -> StepFn:
     """`model.step_time` as a plain function; for the roofline, the same formula with its
     constants folded (the simulator calls it once per segment; `RooflineModel.step_time`
-    recomputes them on every call)."""
-    # Speculative decoding and LoRA add terms the folded formula leaves out: use the model's own.
+    recomputes them on every call).
+
+    With speculative decoding (`model.tokens_per_step` E > 1) a replica's step is 1/E of an engine
+    step: every decoding sequence gains one token and the step prefills 1/E of the engine's chunk,
+    so it costs the engine step, with its prefill scaled back by `prefill_scale` (≈ E), over E."""
+    per_step = float(getattr(model, "tokens_per_step", 1.0))
+    if per_step != 1.0:
+        engine_step = model.step_time
+
+        def speculative_step(batch: int, resident: float, prefill: int = 0, ctx: float = 0.0) -> float:
+            return engine_step(batch, resident, prefill * prefill_scale, ctx) / per_step  # type: ignore[arg-type]
+
+        return speculative_step
+    # LoRA (and any other model) adds terms the folded formula leaves out: use the model's own.
     if not isinstance(model, RooflineModel) or model.spec is not None or model.lora_rank > 0:
         return model.step_time  # type: ignore[return-value]  # (int, int, int, float) takes ints where floats are
     gpu, tp, spec = model.gpu, model.tp, model.model

@@ -1,6 +1,6 @@
 """How fast a trace must be replayed to load a fleet to a given fraction of its capacity.
 
-The capacity of one replica comes from the perf model (PERF_MODEL.md, "Capacity math"): a replica
+The capacity of one replica comes from the simulated engine's roofline (services/sim_engine/perf_model.py): a replica
 is saturated when every engine step carries a full chunked-prefill budget. In that steady state,
 with mean uncached prompt tokens `u` and mean output tokens `o` per request:
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -18,15 +18,16 @@ import click
 from inferbus import mix as mix_mod
 from inferbus import traces
 from services.autoscaler.policy import PolicyConfig
-from services.autoscaler.simulated import TPOT_MARGIN, PolicyController
+from services.autoscaler.simulated import PolicyController
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import roofline
+from services.sim_engine.perf_model import SpecDecoding
 
 from .day import DayWorkload, parse_duration, rate_shape
+from .engine_model import roofline_for, step_model_for
 from .fast import FastConfig, FastFleet
 from .timeseries import Summary, plot
 
-HEADROOM = 1.15  # PERF_MODEL: N+1, bursts and imbalance
+HEADROOM = 1.15  # the planner's default: forecast error, N+1 and the model's error (docs/planning.md)
 
 
 @dataclass(frozen=True)
@@ -38,20 +39,34 @@ class Sizing:
 
 
 def size_fleet(mix: mix_mod.Mix, engine: EngineConfig, peak_rps: float, *, slo_ttft_s: float = 0.8,
-               slo_tpot_s: float = 0.040, headroom: float = HEADROOM) -> Sizing:
-    """Replicas for `peak_rps` by PERF_MODEL's arithmetic (`inferbus.plan.model`, the planner's
+               slo_tpot_s: float = 0.040, headroom: float = HEADROOM, lora_adapters: int = 0) -> Sizing:
+    """Replicas for `peak_rps` by the planner's arithmetic (`inferbus.plan.model`, its
     steady-state replica model at the engine's chunk size): ⌈peak ÷ per-replica goodput × headroom⌉."""
     from inferbus.plan.model import Assumptions, ReplicaModel, Slo, Workload
 
-    model = roofline(engine.gpu, engine.tp, engine.preset)
+    model = roofline_for(engine, lora=lora_adapters > 0)
     capacity = engine.kv_capacity_tokens or model.kv_capacity_tokens()
-    goodput = ReplicaModel(model, capacity, Workload.from_mix(mix), Assumptions(chunk_tokens=engine.chunked_prefill_size)
+    goodput = ReplicaModel(model, capacity, Workload.from_mix(mix), Assumptions(chunk_tokens=engine.chunked_prefill_size),
+                           lora_adapters=lora_adapters, lora_slots=engine.max_loras_per_batch
                            ).goodput(Slo(slo_ttft_s, slo_tpot_s))
     if goodput.rps <= 0:
         raise ValueError(f"no replica of {engine.gpu} TP{engine.tp} meets the SLO on this mix: {goodput.infeasible}")
     return Sizing(math.ceil(peak_rps / goodput.rps * headroom), goodput.rps, goodput.binding,
                   f"inferbus.plan.model goodput {goodput.rps:.2f} req/s per replica ({goodput.binding} binds) "
                   f"× {headroom} headroom")
+
+
+def _parse_spec(text: str | None) -> SpecDecoding | None:
+    """'3:0.7' or '3:0.7:0.1' → SpecDecoding(3, 0.7[, 0.1]); as `inferbus plan --spec`."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"--spec must look like K:ACCEPTANCE[:DRAFT_COST], e.g. 3:0.7 (got {text!r})")
+    try:
+        return SpecDecoding(int(parts[0]), float(parts[1]), *(float(p) for p in parts[2:]))
+    except ValueError as error:
+        raise ValueError(f"--spec {text!r}: {error}") from None
 
 
 def parse_fleet(text: str) -> tuple[str, int, int]:
@@ -81,7 +96,7 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
 @click.option("--trough", default=0.35, show_default=True, type=click.FloatRange(0.01, 1.0),
               help="Night-time rate as a share of the day's peak (tile shape, runs longer than the trace).")
 @click.option("--fleet", default=None, help="GPU:TPxREPLICAS, e.g. H100:2x234. Default: --gpu/--tp and "
-              "--replicas, or a fleet sized by PERF_MODEL arithmetic for --peak-rps.")
+              "--replicas, or a fleet sized by the planner's arithmetic for --peak-rps.")
 @click.option("--gpu", type=click.Choice(["H100", "H200"]), default="H100", show_default=True)
 @click.option("--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True)
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
@@ -99,11 +114,23 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
                    "cold-starts and warm-starts replicas, and may not exceed --replicas × 1.5.")
 @click.option("--autoscale-goodput", type=click.FloatRange(min=0.01), default=None,
               help="Interactive req/s per replica the autoscaler sizes with. Default: the planner's goodput for "
-                   "the mix less a 9% TPOT margin (see docs/autoscaling.md).")
+                   "the mix at the engine's chunked-prefill budget (see docs/autoscaling.md).")
 @click.option("--cold-start", default=120.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds from starting a replica to serving (with --autoscale).")
 @click.option("--warm-start", default=5.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds from promoting a warm replica to serving (with --autoscale).")
+@click.option("--chunk", default=512, show_default=True, type=click.IntRange(min=1),
+              help="The engines' chunked-prefill budget in tokens per step (SGLang --chunked-prefill-size), e.g. 2048.")
+@click.option("--spec", "spec_text", default=None, metavar="K:ACCEPTANCE[:DRAFT_COST]",
+              help="Engines with speculative decoding: K draft tokens per step, each accepted with probability "
+                   "ACCEPTANCE, a draft step costing DRAFT_COST × a decode step (default 0.1), e.g. 3:0.7.")
+@click.option("--lora-adapters", type=click.IntRange(min=0), default=0, show_default=True,
+              help="LoRA adapters the traffic spreads over evenly (0: base model only): each step pays the batched "
+                   "LoRA kernels for the distinct adapters in its batch, at most --max-loras-per-batch, e.g. 16.")
+@click.option("--lora-rank", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Rank of the adapters (their per-step cost).")
+@click.option("--max-loras-per-batch", "lora_slots", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Adapter slots per engine: most distinct adapters in one batch.")
 @click.option("--slo-ttft-ms", default=800.0, show_default=True, type=click.FloatRange(min=1))
 @click.option("--slo-tpot-ms", default=40.0, show_default=True, type=click.FloatRange(min=0.1))
 @click.option("--price", default=2.50, show_default=True, type=click.FloatRange(min=0), help="$ per GPU-hour.")
@@ -114,7 +141,8 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
 def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, peak_rps: float, duration: str,
              shape: str, bin_s: float, trough: float, fleet: str | None, gpu: str, tp: str, replicas: int | None,
              policy: str, admission: bool, load_interval: float, autoscale: bool, autoscale_goodput: float | None,
-             cold_start: float, warm_start: float, slo_ttft_ms: float, slo_tpot_ms: float, price: float,
+             cold_start: float, warm_start: float, chunk: int, spec_text: str | None, lora_adapters: int,
+             lora_rank: int, lora_slots: int, slo_ttft_ms: float, slo_tpot_ms: float, price: float,
              seed: int, out_dir: str, progress: bool) -> None:
     """Replay a day of traffic on a simulated fleet: SLO attainment, goodput, GPU-hours and $.
 
@@ -126,10 +154,11 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
 
     \b
     Examples:
-      inferbus simulate --duration 1h --peak-rps 833              # fleet sized by PERF_MODEL arithmetic
+      inferbus simulate --duration 1h --peak-rps 833              # fleet sized by the planner's arithmetic
       inferbus simulate --fleet H100:2x140 --duration 24h --price 2.50 --out day
       inferbus simulate --trace azure_2023_code.csv --mix worked-example --replicas 240 --policy affinity
       inferbus simulate --duration 24h --autoscale --cold-start 120 --warm-start 5   # the autoscaler sizes it
+      inferbus simulate --duration 1h --chunk 2048 --spec 3:0.7 --lora-adapters 16   # engine options
     """
     try:
         seconds = parse_duration(duration)
@@ -140,9 +169,16 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
             gpu, tp_width, replicas = parse_fleet(fleet)
         else:
             tp_width = int(tp)
-        engine = EngineConfig(gpu=gpu, tp=tp_width)
+        spec = _parse_spec(spec_text)
+        engine = EngineConfig(gpu=gpu, tp=tp_width, chunked_prefill_size=chunk, max_lora_rank=lora_rank,
+                              max_loras_per_batch=lora_slots)
+        if spec is not None:
+            engine = replace(engine, speculative_num_steps=spec.draft_tokens, speculative_acceptance=spec.acceptance,
+                             speculative_draft_cost=spec.draft_cost)
+        step_model = step_model_for(engine, lora_adapters)
         sizing_note = "given"
-        sizing = size_fleet(mix, engine, peak_rps, slo_ttft_s=slo_ttft_ms / 1000, slo_tpot_s=slo_tpot_ms / 1000)
+        sizing = size_fleet(mix, engine, peak_rps, slo_ttft_s=slo_ttft_ms / 1000, slo_tpot_s=slo_tpot_ms / 1000,
+                            lora_adapters=lora_adapters)
         if replicas is None:
             replicas = sizing.replicas
             sizing_note = sizing.method
@@ -150,7 +186,7 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
         controller = None
         if autoscale:
             controller, replicas, sizing_note = autoscaler_for(
-                workload, autoscale_goodput or sizing.replica_goodput_rps * TPOT_MARGIN, replicas,
+                workload, autoscale_goodput or sizing.replica_goodput_rps, replicas,
                 cold_start, warm_start, slo_ttft_ms / 1000, slo_tpot_ms / 1000)
     except (ValueError, FileNotFoundError, mix_mod.MixError) as error:
         raise click.UsageError(str(error)) from error
@@ -172,13 +208,15 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
                     bar.update(step)
                     done[0] += step
 
-            summary = FastFleet(config, workload.arrivals(), controller=controller, progress=advance).run()
+            summary = FastFleet(config, workload.arrivals(), controller=controller, progress=advance,
+                                step_model=step_model).run()
     else:
-        summary = FastFleet(config, workload.arrivals(), controller=controller).run()
+        summary = FastFleet(config, workload.arrivals(), controller=controller, step_model=step_model).run()
     paths = write_report(summary, Path(out_dir), {
         "trace": str(trace_path), "mix": mix.describe(), "peak_rps": peak_rps, "duration_s": seconds, "shape": shape,
         "bin_s": bin_s, "trough": trough, "sizing": sizing_note, "replicas": replicas, "admission": admission,
-        "load_interval_s": load_interval, "seed": seed, "autoscale": autoscale,
+        "load_interval_s": load_interval, "seed": seed, "autoscale": autoscale, "chunk": chunk,
+        "spec": spec_text, "lora_adapters": lora_adapters, "lora_rank": lora_rank if lora_adapters else None,
         **({"cold_start_s": cold_start, "warm_start_s": warm_start,
             "autoscaler": {k: getattr(controller.policy.config, k) for k in controller.policy.config.__dataclass_fields__}}
            if controller is not None else {}),

@@ -163,7 +163,7 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True),
               help="Peak requests per second, instead of --rpm, e.g. --rps 833.")
 @click.option("--mix", "mix_name", default="worked-example", show_default=True,
-              help="Workload mix: a built-in name (worked-example = PERF_MODEL's chat mix), a YAML spec "
+              help="Workload mix: a built-in name (worked-example = an assumed chat mix, docs/capacity.md), a YAML spec "
                    "(docs/planning.md) or a trace file (.jsonl Mooncake, .csv Azure).")
 @click.option("--cached-fraction", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="Prefix-cache hit share for trace mixes without block ids (Azure), e.g. 0.3.")
@@ -176,11 +176,11 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.option("--tp", "tp_text", default="1,2,4", show_default=True,
               help="Tensor-parallel widths to compare (GPUs per replica), e.g. 2,4.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="latency", show_default=True,
-              help="Timing-model preset: latency (online serving, PERF_MODEL's worked example) or throughput "
+              help="Timing-model preset: latency (online serving, fitted to NVIDIA NIM's measurements) or throughput "
                    "(offline upper bound).")
 @click.option("--chunk", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Chunked-prefill budget in tokens per step, e.g. 8192 (PERF_MODEL uses 2048; the simulated "
-                   "engine defaults to 512).")
+              help="Chunked-prefill budget in tokens per step, e.g. 8192 (the worked example uses 2048; the "
+                   "simulated engine defaults to 512).")
 @click.option("--headroom", type=click.FloatRange(min=0), default=0.15, show_default=True,
               help="Spare capacity on top of peak ÷ goodput for N+1, bursts and imbalance, e.g. 0.25.")
 @click.option("--kv-limit", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
@@ -252,7 +252,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
     TPOT within the SLO and the KV cache under its limit), the constraint that binds, replicas =
     ⌈peak ÷ goodput × (1 + headroom)⌉, the warm pool that covers a cold start, GPUs and $/hour
     counting both, $ per 1M input and output tokens and KV use. Goodput comes from the timing
-    model of PERF_MODEL.md (with the engine options: precision, speculative decoding, LoRA)
+    model of the simulated engine's roofline (docs/sim-engine.md; with the engine options: precision, speculative decoding, LoRA)
     unless a measured sweep is given for that GPU × TP; the report says which, shows the
     arithmetic line by line and what each engine option changes. --emit-deploy writes the
     cheapest row as a kustomize overlay.

@@ -1,6 +1,6 @@
 """Dollars: the fleet's $/hour and what a million input and output tokens cost.
 
-All-in (PERF_MODEL): every GPU-hour is charged to output tokens,
+All-in: every GPU-hour is charged to output tokens,
 
     $ per 1M output tokens = $/GPU-h × 1e6 / (3600 × output tok/s per GPU × utilisation)
                            = fleet $/h ÷ (millions of output tokens served per hour),
@@ -8,8 +8,8 @@ All-in (PERF_MODEL): every GPU-hour is charged to output tokens,
 where tok/s per GPU is at the replica's goodput and utilisation = planned rate ÷ (replicas ×
 goodput), i.e. the headroom and rounding up are paid for. Every GPU the plan keeps running is
 in the fleet's $/hour: the serving replicas (headroom included) and the warm pool, whose
-loaded-but-idle replicas hold their GPUs too. The PERF_MODEL form above is the serving fleet
-alone (`usd_per_1m_output_serving`).
+loaded-but-idle replicas hold their GPUs too. The usual form, $/GPU-h × 1e6 ÷ (3600 × tok/s per GPU ×
+utilisation) with the serving fleet's GPUs, is the serving fleet alone (`usd_per_1m_output_serving`).
 
 Split: input and output tokens share the bill by the GPU time each causes, read from the
 step-time model at the fleet's operating point (planned rate ÷ replicas per replica). The prefill
@@ -45,7 +45,7 @@ class Cost:
     output_mtok_per_hour: float  # millions of output tokens served per hour at the planned rate
     input_mtok_per_hour: float
     usd_per_1m_output_all_in: float
-    usd_per_1m_output_serving: float  # the serving fleet alone (PERF_MODEL's form)
+    usd_per_1m_output_serving: float  # the serving fleet alone
     prefill_share: float
     usd_per_1m_input: float
     usd_per_1m_uncached_input: float

@@ -1,6 +1,7 @@
 """Steady state of one engine replica under Poisson arrivals, and its goodput under an SLO.
 
-PERF_MODEL.md, "Capacity math the planner must do" (the worked example's assumptions). At an
+Goodput as DistServe defines it (Zhong et al., OSDI 2024): the highest rate whose requests meet the
+SLO. Step times from the roofline in services/sim_engine/perf_model.py. At an
 arrival rate of λ requests/s per replica, with o mean output tokens, u mean uncached prompt
 tokens, E[u²] their mean square, c_d the time-weighted context of a decoding sequence and c_p the
 mean context a prefill token attends to:
@@ -52,7 +53,7 @@ from services.sim_engine.perf_model import StepTimeModel, expected_distinct_adap
 
 CONSTRAINTS = ("TTFT", "TPOT", "KV")
 
-# p90 of an exponential wait is ln(10) = 2.30 times its mean: PERF_MODEL's "2.3 × W_q".
+# p90 of an exponential wait is ln(10) = 2.30 times its mean ("2.3 × W_q").
 P90_WAIT_FACTOR = math.log(10.0)
 # The standard normal's 90th percentile: a request's TPOT is a mean over many steps.
 Z90 = NormalDist().inv_cdf(0.9)
@@ -78,7 +79,7 @@ class Slo:
 class Assumptions:
     """The worked example's modelling constants; every one is a CLI option or derived."""
 
-    chunk_tokens: int = 2048  # chunked-prefill budget per step (PERF_MODEL; the live engine uses 512)
+    chunk_tokens: int = 2048  # chunked-prefill budget per step (the worked example's; the live engine uses 512)
     kv_limit: float = 0.90  # plan to at most this fraction of KV capacity
     tpot_p90_z: float = Z90  # TPOT p90 = mean step + this many spreads of a request's mean step
     wait_p90_factor: float = P90_WAIT_FACTOR

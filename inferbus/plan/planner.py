@@ -1,7 +1,7 @@
 """One plan row per GPU × TP: goodput (timing model or a measured sweep), replicas, GPUs, dollars, warm pool.
 
     replicas = ⌈planned rate ÷ per-replica goodput × (1 + headroom) × Z ÷ (Z − 1)⌉
-               (PERF_MODEL: 15 % headroom for N+1, bursts and imbalance; with Z > 1 zones the
+               (default 15 % headroom: forecast error, N+1 and the model's error, docs/planning.md; with Z > 1 zones the
                fleet still serves the peak with one zone lost)
     GPUs     = (replicas + warm pool) × TP: every GPU the plan keeps running is priced
 

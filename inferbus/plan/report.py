@@ -249,10 +249,10 @@ def _inputs_section(plan: Plan) -> list[str]:
         f"- prefill context c_p = E[u · (cached + input)/2] ÷ E[u] = {_n(w.prefill_ctx_tokens, 0)} "
         "tokens: what a prefill token attends to.",
         f"- TTFT is quoted for u₉₀ = **{_n(w.ttft_tokens, 0)}** uncached tokens ({u90}).", "",
-        f"- **Timing model:** PERF_MODEL.md's roofline, `{i.preset}` preset (±20%); chunked prefill "
+        f"- **Timing model:** the simulated engine's roofline (docs/sim-engine.md), `{i.preset}` preset (±20%); chunked prefill "
         f"{a.chunk_tokens:,} tokens per step; KV use ≤ {_pct(a.kv_limit, 0)}; prefill priced in whole chunks (a "
         f"chunk step is compute-bound, a decode step memory-bound); TPOT p90 = mean step + {a.tpot_p90_z:.4f} × the "
-        f"spread of a request's mean step; headroom {_pct(i.headroom, 0)} (N+1, bursts, imbalance)"
+        f"spread of a request's mean step; headroom {_pct(i.headroom, 0)} (forecast error, N+1, the model's error)"
         + (f"; {i.zones} zones, one of which may be lost (× {zone_factor(i.zones):.3f})." if i.zones > 1 else "."),
         f"- **Engine:** {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache; "
         + (f"speculative decoding candidate k = {i.spec.draft_tokens} draft tokens at acceptance α = {i.spec.acceptance:g} "
@@ -384,7 +384,7 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
         f"5. **All-in $ per 1M output tokens** (every GPU-hour charged to output): output served = "
         f"{_n(i.rate_rps, 2)} req/s × {_n(i.workload.output_tokens, 0)} tokens × 3,600 s = "
         f"{_n(c.output_mtok_per_hour, 1)} M tokens/hour; {_usd(c.usd_per_hour)} ÷ {_n(c.output_mtok_per_hour, 1)} = "
-        f"**{_price(c.usd_per_1m_output_all_in)}**, warm pool included. PERF_MODEL's form prices the serving fleet "
+        f"**{_price(c.usd_per_1m_output_all_in)}**, warm pool included. The usual form prices the serving fleet "
         f"alone: {_usd(row.usd_per_gpu_hour)} × 10⁶ ÷ (3,600 × {_n(c.output_tok_s_per_gpu, 1)} output tok/s per GPU at "
         f"goodput × {c.utilisation:.3f} utilisation) = {_price(c.usd_per_1m_output_serving)}.",
     ]
@@ -428,7 +428,7 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
     lines = [
         f"# Capacity plan: {i.rate_text} of `{i.mix.get('name')}`", "",
         "Goodput per replica comes from " + (" and ".join(
-            {"model": "the timing model (PERF_MODEL.md roofline, ±20%)", "sweep": "measured sweeps"}[s] for s in sources))
+            {"model": "the timing model (the simulated engine's roofline, ±20%)", "sweep": "measured sweeps"}[s] for s in sources))
         + "; the **goodput from** column says which, row by row.", "",
     ]
     lines += _inputs_section(plan)
@@ -442,7 +442,7 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
     lines += [
         "Columns: *req/s per replica* is the goodput; *binds* is the constraint that limits it (TTFT, TPOT or KV); "
         "*$/1M input* and *$/1M output* split the bill by the GPU time each causes (below); *all-in $/1M output* "
-        "charges the whole bill to output tokens (PERF_MODEL's convention); *KV used (free)* is the share of the KV "
+        "charges the whole bill to output tokens (the usual convention); *KV used (free)* is the share of the KV "
         "cache held at the goodput (and left free); *warm pool* is the replicas kept loaded to cover one cold start of "
         "load growth; *GPUs* and *$/hour* count the serving replicas (headroom included) and the warm pool.", "",
     ]
@@ -458,7 +458,7 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
         lines += _row_section(row, plan)
     lines += [
         "## How the numbers are made", "",
-        "- **Steady state of one replica** (PERF_MODEL.md, capacity math): at λ req/s the engine decodes "
+        "- **Steady state of one replica** (inferbus/plan/model.py): at λ req/s the engine decodes "
         "B = λ·o·t sequences per step (each stays o steps) and holds S = B·c_d KV tokens; prefill runs in whole "
         "chunks, so a share f = λ·u·t ÷ chunk of steps carries a full chunk (t_f, compute-bound) and the rest decode "
         "only (t_d, memory-bound); the mean step t = f·t_f + (1 − f)·t_d is solved as a fixed point. A request's "

@@ -39,7 +39,7 @@ class PolicyConfig:
     ttft_slo_s: float = 0.8  # p90, DESIGN.md
     tpot_slo_s: float = 0.04  # p90
     queue_wait_budget_s: float = 0.5  # p90 wait before an engine starts a request (part of TTFT)
-    goodput_rps: float = 4.1  # interactive req/s one replica serves within the SLO (PERF_MODEL, H100 TP2)
+    goodput_rps: float = 4.1  # interactive req/s one replica serves within the SLO (H100 TP2, worked-example mix, mean-prefill estimate)
     headroom: float = 0.15  # N+1, bursts and imbalance (the capacity plan's 15%)
     slots_per_replica: int = 256  # engine max_running_requests, for the in-flight floor when none report
     min_serving: int = 1

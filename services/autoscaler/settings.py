@@ -27,7 +27,7 @@ class AutoscalerSettings:
     ttft_slo_s: float = env("INFERBUS_AUTOSCALER_TTFT_SLO_S", 0.8, "p90 time to first token the pool must hold (seconds).")
     tpot_slo_s: float = env("INFERBUS_AUTOSCALER_TPOT_SLO_S", 0.04, "p90 time per output token the pool must hold (seconds).")
     queue_wait_budget_s: float = env("INFERBUS_AUTOSCALER_QUEUE_WAIT_BUDGET_S", 0.5, "p90 wait from gateway accept to engine start before the pool counts as short of replicas.")
-    goodput_rps: float = env("INFERBUS_AUTOSCALER_GOODPUT_RPS", 4.1, "Interactive requests per second one replica serves within the SLO: take it from `inferbus plan` for your mix and GPU (4.1 = PERF_MODEL's H100 TP2 chat mix).")
+    goodput_rps: float = env("INFERBUS_AUTOSCALER_GOODPUT_RPS", 4.1, "Interactive requests per second one replica serves within the SLO: take it from `inferbus plan` for your mix and GPU (4.1: H100 TP2 on the worked-example chat mix by the mean-prefill estimate; `inferbus plan` prices whole prefill chunks and gives 3.07).")
     headroom: float = env("INFERBUS_AUTOSCALER_HEADROOM", 0.15, "Capacity kept above the demand (N+1, bursts, imbalance), as a fraction.")
     min_serving: int = env("INFERBUS_AUTOSCALER_MIN_SERVING", 1, "Fewest serving replicas per pool.")
     max_serving: int = env("INFERBUS_AUTOSCALER_MAX_SERVING", 64, "Most serving replicas per pool.")

@@ -60,12 +60,6 @@ class LatencyWindow:
         return out[0], out[1], out[2]
 
 
-# The planner's goodput puts p90 TPOT exactly on the SLO; sizing at it left a day's busiest
-# minutes at 40.0-40.8 ms (bench/autoscale.py). Sizing ~9% below (7.2 of 7.93 req/s on the
-# Azure-shaped day) is the TPOT margin that held the day within the SLO.
-TPOT_MARGIN = 7.2 / 7.93
-
-
 class PolicyController:
     def __init__(self, config: PolicyConfig | None = None, *, interval_s: float = 5.0, pool: str = "sim",
                  slots_per_replica: int | None = None, latency_window_s: float = 30.0) -> None:

@@ -1,8 +1,8 @@
 """GPU step-time model of a 70B-class transformer (roofline, fitted to published measurements).
 
 One engine iteration runs B decode sequences over S resident context tokens plus n_p chunked
-prefill tokens whose mean attended context is ctx_p (see docs/sim-engine.md and
-PERF_MODEL.md for the published numbers the constants reproduce):
+prefill tokens whose mean attended context is ctx_p (see docs/sim-engine.md
+for the published numbers the constants reproduce and their sources):
 
     t_w   = W / (tp · BW · η_w)                        weights streamed once per step
     t_mm  = 2 · P · (B + n_p) / (tp · F_fp8 · η_mm)    GEMM compute
