@@ -69,6 +69,9 @@ class RoutingConfig:
     miss_weight: float = 5.0
     decode_weight_s: float = 0.25  # cost of a worker whose every slot is decoding
     adapter_load_s: float = 0.5  # cost of loading an adapter that is not on the worker yet
+    # Weight of the KV tokens a worker's requests hold (cached prefix included) against prefill
+    # tokens, as in Dynamo's KV router (cost = overlap weight × prefill blocks + active blocks).
+    active_kv_weight: float = 0.0
     index_blocks_per_worker: int = 250_000
     index_ttl_s: float = 900.0
 
@@ -87,6 +90,7 @@ class WorkerView:
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
     kv_usage: float = 0.0
+    kv_used_tokens: int = 0  # held by the engine's requests at the last report (not evictable cache)
     # Placements (by any router replica) against what the worker reports it pulled from its own
     # queue: the difference still waits in that queue, where no engine number shows it.
     placed_total: int = 0
@@ -116,7 +120,7 @@ def _set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None 
     if backlog is None:
         backlog = view.backlog()
     queued = view.reported_prefill + view.backlog_prefill(backlog) if backlog else view.reported_prefill
-    view.base_cost = (queued / config.prefill_tokens_per_s
+    view.base_cost = ((queued + config.active_kv_weight * view.kv_used_tokens) / config.prefill_tokens_per_s
                       + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
 
 
@@ -205,6 +209,7 @@ class Policy(abc.ABC):
         view.draining = load.draining
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
+        view.kv_used_tokens = load.kv_used_tokens
         self._refresh(view)
 
     def on_cache(self, event: m.CacheEvent) -> bool:
