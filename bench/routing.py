@@ -1,12 +1,14 @@
 """Routing benchmark: one Mooncake trace, the same simulated engines, several routers.
 
-    python -m bench.routing [--engines 4] [--time-scale 0.5] [--load 0.8] [--sample-families 0.25]
-                            [--requests N] [--policies round_robin least_loaded sglang affinity]
+    python -m bench.routing [--trace mooncake_synthetic.jsonl] [--engines 4] [--time-scale 0.5] [--load 0.8]
+                            [--sample-families 0.25] [--requests N]
+                            [--policies sglang dynamo_round_robin dynamo_kv affinity]
 
 Defaults take about 13 minutes on 2 cores (4 policies × 147 wall s of arrivals, plus drains and
 start-up); `--sample-families 1` replays the whole trace (about 4× longer). Faster time scales
 distort the platform's numbers on 2 cores: at 0.25 the machine saturates and placement replies
-miss their budget (see bench/README.md).
+miss their budget (see bench/README.md). `make bench-routing` runs a smaller sample of the
+synthetic trace and the start of the conversation trace (about 15 minutes for both).
 
 What runs:
 1. `--engines` simulated engines (`inferbus sim-engine`, H100 TP2 by default: 418,701 KV tokens
@@ -23,13 +25,19 @@ What runs:
      (`INFERBUS_PLACEMENT_TIMEOUT_MS`); the client calls `POST /v1/completions` (raw prompt, no chat
      template) streaming with `include_usage`;
    - `sglang`: `sglang-router --policy cache_aware` (PyPI `sglang-router`, installed here if
-     missing) over the same engines; the client calls its native `POST /generate`.
-   An open-loop client (aiohttp) sends each request at its scaled arrival time.
+     missing) over the same engines; the client calls its native `POST /generate`;
+   - `dynamo_kv`, `dynamo_round_robin`: NVIDIA Dynamo 1.6.1's frontend (`--router-mode kv` or
+     `round-robin`) over one Dynamo mocker engine per engine of ours, with the same timing table,
+     KV pool, block size, chunked prefill and batch limit (`bench/dynamo_live.py`; Dynamo is
+     installed into `.venv-dynamo` on first use); the client calls `POST /v1/completions`.
+   An open-loop client (aiohttp, a new connection per request) sends each request at its scaled
+   arrival time. Every engine, ours and Dynamo's, is timed by the same profile table of the GPU
+   model with SGLang's default scheduling (no decode in a step that prefills).
 4. Measured per policy: token-weighted prefix-cache hit rate (sum of cached / sum of prompt tokens
    as the engines reported them in the responses, cross-checked with the engines' own counters),
    TTFT p50/p90, TPOT p90, throughput, load imbalance (max/mean over engines of prompt + generated
    tokens, from each engine's `/metrics` before and after; also of the tokens actually computed),
-   errors, and CPU use of every process.
+   errors, CPU use of every process and the router's CPU per request.
 
 Time: engines run `--time-scale` wall seconds per simulated second. Every latency is measured by
 the client in wall time and divided by the time scale, so all numbers are in simulated (GPU)
@@ -951,7 +959,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where routing.{json,md,png} go")
     parser.add_argument("--name", default="routing", help="result file name (without extension)")
     args = parser.parse_args()
-    args.trace = args.trace or traces.find("mooncake_synthetic.jsonl")
+    args.trace = traces.find(args.trace or "mooncake_synthetic.jsonl")
     results = run(args)
     write_results(args.out, args.name, results, markdown)
     if results["policies"]:

@@ -171,7 +171,13 @@ class FastFleet:
         controller: Controller | None = None,
         step_model: StepTimeModel | None = None,
         progress: Callable[[float], None] | None = None,
+        prefix_blocks: list[tuple[int, ...]] | None = None,
+        prefix_block_tokens: int = 512,
     ) -> None:
+        """`prefix_blocks`: the i-th arrival's prefix block ids (a Mooncake trace's `hash_ids`, one
+        per `prefix_block_tokens` prompt tokens): every replica then keeps a prefix cache and a
+        request's hits are what it finds there rather than its arrival's cached tokens. Placement
+        stays load-only (it does not see the blocks)."""
         from services.router.policy import RoutingConfig, make_policy
 
         self.config = config
@@ -193,6 +199,8 @@ class FastFleet:
         self.controller: Controller = controller or StaticController()
         self.progress = progress
         self._arrivals: Iterator[Arrival] = iter(arrivals)
+        self._prefix_blocks = prefix_blocks
+        self._prefix_block_tokens = prefix_block_tokens if prefix_blocks is not None else 0
         self.nodes: dict[str, _Node] = {}
         self._cohorts: list[list[_Node]] = [[] for _ in range(config.report_cohorts)]
         self.serving: dict[str, AnalyticReplica] = {}  # placement targets (draining ones stay reachable by id)
@@ -413,7 +421,8 @@ class FastFleet:
 
     def _arrive(self, arrival: Arrival) -> None:
         t, n_in, n_out, cached = arrival
-        req = Req(t, n_in, n_out, cached)
+        blocks = self._prefix_blocks
+        req = Req(t, n_in, n_out, cached, blocks[self.requests] if blocks is not None else None)
         self.requests += 1
         bucket = self._buckets.get(int(t // self._bucket_s)) or self._bucket(t)
         bucket.arrivals += 1
@@ -661,7 +670,8 @@ class FastFleet:
         engine = self.config.engine
         replica = AnalyticReplica(
             name, self.step_model, kv_capacity=self.kv_capacity, chunk=engine.chunked_prefill_size,
-            max_running=engine.max_running_requests, on_finish=self._on_finish,
+            max_running=engine.max_running_requests, on_finish=self._on_finish, mixed=engine.mixed_chunk,
+            prefix_block_tokens=self._prefix_block_tokens, page_tokens=engine.block_size,
         )
         replica.t = self.now
         node = _Node(name, replica, cohort=self._next_id % self.config.report_cohorts)
