@@ -14,9 +14,11 @@ vocabulary is the trace's prompt words (`inferbus.traces`: one word per token), 
 exactly the trace's `input_length` tokens, as it is for our engines. The mocker's output ids are
 drawn from the same vocabulary.
 
-Tokens per worker (for the load imbalance) come from the frontend's log, which names the worker
-of every request (`Selected worker … worker_id=…`, with the request's tokens and cached blocks),
-or, when that line is missing, from the responses' usage alone (imbalance then not reported).
+The frontend logs at info level one line per completed request (its id, `decode_worker_id`,
+input and output tokens, its own `ttft_ms`) and, in KV mode, one per routing decision with the
+blocks its index found cached on the chosen worker (`overlap_blocks`): `request_records` reads
+them, for the tokens per worker (load imbalance), the hits (the mocker puts none in the usage)
+and a TTFT to check the client against.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -39,7 +40,7 @@ ROUTER_MODES = {"dynamo_kv": "kv", "dynamo_round_robin": "round-robin"}
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
-def write_model_dir(path: Path, model_name: str, context_tokens: int) -> Path:
+def write_model_dir(path: Path, context_tokens: int) -> Path:
     """A model directory for Dynamo's frontend: word-level tokenizer over the trace's prompt words."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
@@ -98,7 +99,7 @@ class DynamoFrontend:
         env = environment(self.state)
         block = self.block_size = int(engine_info["page_size"])
         self.summary: dict[str, Any] = {}
-        model_dir = write_model_dir(self.state / "model", model, int(engine_info.get("context_length") or 131_072))
+        model_dir = write_model_dir(self.state / "model", int(engine_info.get("context_length") or 131_072))
         self.log = self.state / "logs" / "frontend.log"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -133,11 +134,9 @@ class DynamoFrontend:
         return len(self.discovered_workers()) >= self.engines
 
     def discovered_workers(self) -> set[str]:
-        found: set[str] = set()
-        for path in (self.state / "discovery").rglob("*"):
-            if path.is_file() and "generate" in str(path) and "backend" in str(path):
-                found.add(path.name)
-        return found
+        """The mockers' `generate` endpoints registered in file discovery (one file per instance)."""
+        return {path.name for path in (self.state / "discovery").rglob("dynamo%2Fbackend%2Fgenerate%2F*")
+                if path.is_file()}
 
     def start(self) -> None:
         for p in self.mockers:
