@@ -6,7 +6,9 @@ One virtual clock, one event heap, no network. What runs is production code wher
   messages as the router service is, asked `place(PlacementRequest)` per request. The simulator
   turns on the policy's opt-in fast path (`Policy.enable_fast_path`: same choice distribution,
   O(√n) in C instead of O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
-  cache hits are statistical, from the mix's cached fraction), so placement is load-only.
+  cache hits are statistical, from the mix's cached fraction), so placement is load-only. Given a
+  prefix trace's block ids (`prefix_blocks`), replicas keep prefix caches; placement still does
+  not see the blocks.
 - admission: `services.gateway.overload.OverloadPolicy` (sheds a request whose expected wait
   exceeds its band's budget), fed the same load reports. Its inputs change only when reports
   arrive, so its verdict is re-evaluated every `admission_refresh_s` rather than per request.
