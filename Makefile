@@ -58,7 +58,7 @@ bench: install
 # first use (not core dependencies). Live: ~15 min for both traces; then the simulators (~5 min).
 bench-routing: install
 	$(PY) -m bench.routing --sample-families 0.15 $(ARGS)
-	$(PY) -m bench.routing --trace mooncake_conversation.jsonl --requests 250 --name routing_conversation $(ARGS)
+	$(PY) -m bench.routing --trace mooncake_conversation.jsonl --sample-families 1 --requests 250 --name routing_conversation $(ARGS)
 	$(PY) -m bench.simulate_vs_dynamo
 
 # The capacity tools' numbers: the planner's worked example (with what FP8, speculative decoding

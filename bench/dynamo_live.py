@@ -90,7 +90,7 @@ class DynamoFrontend:
     endpoint = "completions"
 
     def __init__(self, policy: str, engines: int, model: str, engine_info: dict[str, Any], table_path: Path,
-                 time_scale: float, state: Path) -> None:
+                 model_dir: Path, time_scale: float, state: Path) -> None:
         self.name = policy
         self.model = model
         self.engines = engines
@@ -99,7 +99,6 @@ class DynamoFrontend:
         env = environment(self.state)
         block = self.block_size = int(engine_info["page_size"])
         self.summary: dict[str, Any] = {}
-        model_dir = write_model_dir(self.state / "model", int(engine_info.get("context_length") or 131_072))
         self.log = self.state / "logs" / "frontend.log"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"

@@ -170,6 +170,9 @@ class Fleet:
         # with SGLang's scheduling: no decode in a step that prefills (the mocker's SGLang mode).
         self.table_path = state / "profile.npz"
         save_npz(build_table(roofline(args.gpu, args.tp)), self.table_path)
+        # One tokenizer for every router's path (our gateway, our engines, Dynamo's frontend): one
+        # token per word of the trace's prompt text, so a prompt is the trace's token count everywhere.
+        self.model_dir = dynamo_live.write_model_dir(state / "model", 131_072)
         self.kv_events: list[str] = []  # ZMQ endpoints of the engines' KV-cache events ("" = not supported)
         events = "--kv-events-config" in subprocess.run(
             [sys.executable, "-m", "inferbus.cli", "sim-engine", "--help"], capture_output=True, text=True).stdout
@@ -178,7 +181,8 @@ class Fleet:
             url = f"http://127.0.0.1:{port}"
             argv = [sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
                     "--gpu", args.gpu, "--tp", str(args.tp), "--model", MODEL, "--time-scale", str(args.time_scale),
-                    "--log-level", "warning", "--profile-table", str(self.table_path), "--no-mixed-chunk"]
+                    "--log-level", "warning", "--profile-table", str(self.table_path), "--no-mixed-chunk",
+                    "--model-dir", str(self.model_dir)]
             endpoint = f"tcp://127.0.0.1:{free_port()}" if events else ""
             if endpoint:  # as `inferbus up` runs them: the engine binds, its worker connects and relays
                 argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint, "bind": True})]
@@ -321,6 +325,7 @@ class InferbusFrontend(Frontend):
             "INFERBUS_LOAD_INTERVAL_S": str(max(0.05, min(0.25, 0.25 * time_scale))),
         }
         self.stack = PlatformStack(StackConfig(state_dir=state / policy, workers=0, gateway_port=free_port(),
+                                               model_dir=fleet.model_dir,
                                                log_level="warning", extra_env=env), fleet.urls, fleet.kv_events)
         self.url = self.stack.gateway_url + "/v1/completions"
         self.headers = {"content-type": "application/json"}
@@ -629,7 +634,7 @@ def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str]
         frontend = SglangFrontend(fleet, state)
     elif policy in DYNAMO_POLICIES:  # its own engines (mockers) with our engines' timing and limits
         frontend = dynamo_live.DynamoFrontend(policy, args.engines, MODEL, fleet.info, fleet.table_path,
-                                              args.time_scale, state)
+                                              fleet.model_dir, args.time_scale, state)
     else:
         frontend = InferbusFrontend(policy, fleet, state, args.placement_timeout_ms, args.time_scale)
     print(f"\n{LABELS[policy]}: starting front end…", flush=True)
