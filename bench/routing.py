@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -694,9 +695,7 @@ def dynamo_counters(frontend: Any, outcomes: list[Outcome], workload: Workload,
     workers = sorted({r["worker"] for r in records.values() if "worker" in r})
     by_id = {o.response_id.removeprefix("cmpl-"): o for o in outcomes if o.response_id}
     kv_mode = frontend.name == "dynamo_kv"
-    caches: dict[str, Any] = {}
-    from collections import OrderedDict
-
+    caches: dict[str, OrderedDict[int, None]] = {}
     capacity_blocks = workload.kv_capacity_tokens // traces.MOONCAKE_BLOCK_TOKENS
     ordered = sorted(((o, records[rid]) for rid, o in by_id.items() if rid in records and "worker" in records[rid]),
                      key=lambda pair: pair[0].sent)
