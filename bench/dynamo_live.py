@@ -204,3 +204,56 @@ def request_records(log: Path) -> dict[str, dict[str, Any]]:
             if ids:
                 records.setdefault(ids[-1], {})["overlap_blocks"] = int(fields["overlap_blocks"])
     return records
+
+
+def client_check(requests: int = 30) -> dict[str, dict[str, float]]:
+    """Median TTFT of `requests` sequential short completions as an aiohttp client sees it, with
+    keep-alive and with a new connection per request, next to the frontend's own per-request TTFT
+    (2 mockers at speedup 100, Dynamo KV routing). Run by `python -m bench.dynamo_live`."""
+    import asyncio
+    import statistics
+    import tempfile
+
+    import aiohttp
+
+    from services.sim_engine.perf_model import roofline
+    from services.sim_engine.profile_table import build_table, save_npz
+
+    async def ttfts(frontend: DynamoFrontend, force_close: bool, offset: int) -> list[float]:
+        out = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=force_close)) as session:
+            for i in range(requests):
+                prompt = traces.mooncake_prompt(traces.TraceRequest(0.0, 300, 4, (offset + i,)))
+                body = json.dumps({"model": frontend.model, "prompt": prompt, "max_tokens": 4, "stream": True})
+                start, first = time.perf_counter(), None
+                async with session.post(frontend.url, data=body.encode(), headers=frontend.headers) as response:
+                    async for line in response.content:
+                        if first is None and b'"text":"' in line and b'"text":""' not in line:
+                            first = time.perf_counter() - start
+                out.append((first or float("nan")) * 1000)
+        return out
+
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="dynamo-client-check-") as tmp:
+        state = Path(tmp)
+        save_npz(build_table(roofline("H100", 2)), state / "profile.npz")
+        info = {"page_size": 64, "max_total_num_tokens": 418_688, "max_running_requests": 256,
+                "chunked_prefill_size": 512}
+        frontend = DynamoFrontend("dynamo_kv", 2, "check", info, state / "profile.npz",
+                                  write_model_dir(state / "model", 131_072), 0.01, state)
+        try:
+            frontend.start()
+            asyncio.run(ttfts(frontend, True, 0))  # warm-up, not counted
+            for n, (name, force_close) in enumerate((("keep-alive", False), ("new connection", True))):
+                client = asyncio.run(ttfts(frontend, force_close, 1_000 * (n + 1)))
+                own = [r["ttft_ms"] for r in list(frontend.records().values())[-requests:]]
+                results[name] = {"client_ttft_ms": statistics.median(client), "frontend_ttft_ms": statistics.median(own)}
+        finally:
+            frontend.stop()
+    return results
+
+
+if __name__ == "__main__":
+    for connection, medians in client_check().items():
+        print(f"{connection:>15}: client TTFT median {medians['client_ttft_ms']:.1f} ms, "
+              f"Dynamo frontend's own {medians['frontend_ttft_ms']:.1f} ms")
