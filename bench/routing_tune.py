@@ -16,7 +16,7 @@ as Dynamo's mocker; without it, the roofline with mixed prefill and decode steps
 
 Imbalance: max / mean over engines of all prompt + output tokens (cached prompt tokens included),
 as the live benchmark reports it; in brackets, of the tokens computed (uncached prompt + output).
-Prints one line per SPEC and writes `bench/results/routing_tune.md`.
+Prints one line per SPEC and writes `bench/results/<--name>.md` (default `routing_tune.md`).
 """
 
 from __future__ import annotations
