@@ -11,7 +11,7 @@ help:
 	@echo "make test   install what is missing and run the test suite"
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  measure the serving spine; writes bench/results/"
-	@echo "make bench-routing  replay the Mooncake trace through four routers (~13 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing.* and simulate_vs_dynamo.*"
+	@echo "make bench-routing  replay two Mooncake traces through sglang-router, Dynamo (KV, round-robin) and inferbus affinity (~15 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing*.* and simulate_vs_dynamo.*"
 	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
@@ -54,9 +54,11 @@ bench: install
 	$(PY) -m bench.placement
 	$(PY) -m bench.overload
 
-# Installs sglang-router and matplotlib into the venv on first use (not core dependencies).
+# Installs sglang-router and matplotlib into the venv, and NVIDIA Dynamo into .venv-dynamo, on
+# first use (not core dependencies). Live: ~15 min for both traces; then the simulators (~5 min).
 bench-routing: install
-	$(PY) -m bench.routing $(ARGS)
+	$(PY) -m bench.routing --sample-families 0.15 $(ARGS)
+	$(PY) -m bench.routing --trace mooncake_conversation.jsonl --sample-families 1 --requests 250 --name routing_conversation $(ARGS)
 	$(PY) -m bench.simulate_vs_dynamo
 
 # The capacity tools' numbers: the planner's worked example (with what FP8, speculative decoding

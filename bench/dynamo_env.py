@@ -18,19 +18,21 @@ VENV = ROOT / ".venv-dynamo"
 PYTHON = VENV / "bin" / "python"
 VERSION = "1.6.1"
 WHEELS = [f"ai-dynamo=={VERSION}", f"ai-dynamo-runtime=={VERSION}"]
-# ai-dynamo 1.6.1's declared dependencies (`pip show ai-dynamo`) except aisimulate, plus numpy
-# for the profile tables.
+# ai-dynamo 1.6.1's declared dependencies (`pip show ai-dynamo`) except aisimulate, ai-dynamo-runtime's
+# (the frontend and mocker need them; the offline replay does not), plus numpy for the profile tables.
 DEPENDENCIES = [
     "aiohttp>=3.14.3,<4.0", "certifi>=2026.10.19", "kubernetes>=32.0.1,<33.0.0", "msgspec>=0.19.0",
     "prometheus-client>=0.23.1,<1.0", "pyzmq>=26.0.0", "redis>=6.2.0,<9.0.0", "tqdm>=4.0.0",
-    "transformers>=4.56.0", "typing-extensions>=4.10.0", "zstandard>=0.23.0,<1.0", "numpy",
+    "transformers>=4.56.0", "typing-extensions>=4.10.0", "zstandard>=0.23.0,<1.0",
+    "pydantic>=2.10.6,<=2.13.5", "uvloop>=0.21.0", "numpy",
 ]
 STAMP = VENV / f".installed-{VERSION}"
 
 
 def ensure() -> Path:
     """The Dynamo interpreter, installing it first if needed (a few minutes, ~720 MB)."""
-    if STAMP.exists():
+    wanted = "\n".join(WHEELS + DEPENDENCIES)
+    if STAMP.exists() and STAMP.read_text() == wanted:
         return PYTHON
     print(f"installing NVIDIA Dynamo {VERSION} into {VENV} (first use) …", flush=True)
     if not PYTHON.exists():
@@ -38,5 +40,5 @@ def ensure() -> Path:
     pip = [str(PYTHON), "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, "--no-deps", *WHEELS], check=True)
     subprocess.run([*pip, *DEPENDENCIES], check=True)
-    STAMP.touch()
+    STAMP.write_text(wanted)  # a changed dependency list installs again
     return PYTHON

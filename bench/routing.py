@@ -1,12 +1,14 @@
 """Routing benchmark: one Mooncake trace, the same simulated engines, several routers.
 
-    python -m bench.routing [--engines 4] [--time-scale 0.5] [--load 0.8] [--sample-families 0.25]
-                            [--requests N] [--policies round_robin least_loaded sglang affinity]
+    python -m bench.routing [--trace mooncake_synthetic.jsonl] [--engines 4] [--time-scale 0.5] [--load 0.8]
+                            [--sample-families 0.25] [--requests N]
+                            [--policies sglang dynamo_round_robin dynamo_kv affinity]
 
 Defaults take about 13 minutes on 2 cores (4 policies × 147 wall s of arrivals, plus drains and
 start-up); `--sample-families 1` replays the whole trace (about 4× longer). Faster time scales
 distort the platform's numbers on 2 cores: at 0.25 the machine saturates and placement replies
-miss their budget (see bench/README.md).
+miss their budget (see bench/README.md). `make bench-routing` runs a smaller sample of the
+synthetic trace and the start of the conversation trace (about 15 minutes for both).
 
 What runs:
 1. `--engines` simulated engines (`inferbus sim-engine`, H100 TP2 by default: 418,701 KV tokens
@@ -23,13 +25,19 @@ What runs:
      (`INFERBUS_PLACEMENT_TIMEOUT_MS`); the client calls `POST /v1/completions` (raw prompt, no chat
      template) streaming with `include_usage`;
    - `sglang`: `sglang-router --policy cache_aware` (PyPI `sglang-router`, installed here if
-     missing) over the same engines; the client calls its native `POST /generate`.
-   An open-loop client (aiohttp) sends each request at its scaled arrival time.
+     missing) over the same engines; the client calls its native `POST /generate`;
+   - `dynamo_kv`, `dynamo_round_robin`: NVIDIA Dynamo 1.6.1's frontend (`--router-mode kv` or
+     `round-robin`) over one Dynamo mocker engine per engine of ours, with the same timing table,
+     KV pool, block size, chunked prefill and batch limit (`bench/dynamo_live.py`; Dynamo is
+     installed into `.venv-dynamo` on first use); the client calls `POST /v1/completions`.
+   An open-loop client (aiohttp, a new connection per request) sends each request at its scaled
+   arrival time. Every engine, ours and Dynamo's, is timed by the same profile table of the GPU
+   model with SGLang's default scheduling (no decode in a step that prefills).
 4. Measured per policy: token-weighted prefix-cache hit rate (sum of cached / sum of prompt tokens
    as the engines reported them in the responses, cross-checked with the engines' own counters),
    TTFT p50/p90, TPOT p90, throughput, load imbalance (max/mean over engines of prompt + generated
    tokens, from each engine's `/metrics` before and after; also of the tokens actually computed),
-   errors, and CPU use of every process.
+   errors, CPU use of every process and the router's CPU per request.
 
 Time: engines run `--time-scale` wall seconds per simulated second. Every latency is measured by
 the client in wall time and divided by the time scale, so all numbers are in simulated (GPU)
@@ -52,23 +60,30 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import dynamo_env, dynamo_live
 from bench.common import percentile, write_results
 from bench.routing_workload import Workload, build, request_gpu_seconds
 from inferbus import traces
 from inferbus.local import Process, Stack, StackConfig, free_port, http_ok
 from services.sim_engine.perf_model import roofline
+from services.sim_engine.profile_table import build_table, save_npz
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 INFERBUS_POLICIES = ("round_robin", "least_loaded", "affinity")
-ALL_POLICIES = ("round_robin", "least_loaded", "sglang", "affinity")
+DYNAMO_POLICIES = tuple(dynamo_live.ROUTER_MODES)
+ALL_POLICIES = ("round_robin", "least_loaded", "sglang", "dynamo_round_robin", "dynamo_kv", "affinity")
+DEFAULT_POLICIES = ("sglang", "dynamo_round_robin", "dynamo_kv", "affinity")
 LABELS = {"round_robin": "inferbus round-robin", "least_loaded": "inferbus least-loaded",
-          "sglang": "sglang-router cache_aware", "affinity": "inferbus affinity"}
+          "sglang": "sglang-router cache_aware", "affinity": "inferbus affinity",
+          "dynamo_kv": "Dynamo KV router", "dynamo_round_robin": "Dynamo round-robin"}
+# Processes that are engines or the load generator, not a router's: left out of its CPU per request.
+NOT_ROUTER = ("engine-", "mocker-", "load-generator")
 BENCH_PACKAGES = {"sglang_router": "sglang-router>=0.3,<0.4", "matplotlib": "matplotlib>=3.8"}
 
 
@@ -151,6 +166,14 @@ class Fleet:
     def __init__(self, args: argparse.Namespace, state: Path) -> None:
         self.processes: list[Process] = []
         self.urls: list[str] = []
+        self.info: dict[str, Any] = {}  # the first engine's /server_info, once started
+        # Every engine (ours and Dynamo's mockers) is timed by one profile table of the GPU model,
+        # with SGLang's scheduling: no decode in a step that prefills (the mocker's SGLang mode).
+        self.table_path = state / "profile.npz"
+        save_npz(build_table(roofline(args.gpu, args.tp)), self.table_path)
+        # One tokenizer for every router's path (our gateway, our engines, Dynamo's frontend): one
+        # token per word of the trace's prompt text, so a prompt is the trace's token count everywhere.
+        self.model_dir = dynamo_live.write_model_dir(state / "model", 131_072)
         self.kv_events: list[str] = []  # ZMQ endpoints of the engines' KV-cache events ("" = not supported)
         events = "--kv-events-config" in subprocess.run(
             [sys.executable, "-m", "inferbus.cli", "sim-engine", "--help"], capture_output=True, text=True).stdout
@@ -159,7 +182,8 @@ class Fleet:
             url = f"http://127.0.0.1:{port}"
             argv = [sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
                     "--gpu", args.gpu, "--tp", str(args.tp), "--model", MODEL, "--time-scale", str(args.time_scale),
-                    "--log-level", "warning"]
+                    "--log-level", "warning", "--profile-table", str(self.table_path), "--no-mixed-chunk",
+                    "--model-dir", str(self.model_dir)]
             endpoint = f"tcp://127.0.0.1:{free_port()}" if events else ""
             if endpoint:  # as `inferbus up` runs them: the engine binds, its worker connects and relays
                 argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint, "bind": True})]
@@ -189,7 +213,8 @@ class Fleet:
                 p.wait(5)
 
     def server_info(self) -> dict[str, Any]:
-        return get_json(self.urls[0] + "/server_info")
+        self.info = get_json(self.urls[0] + "/server_info")
+        return self.info
 
     def counters(self) -> list[EngineCounters]:
         out = []
@@ -301,6 +326,7 @@ class InferbusFrontend(Frontend):
             "INFERBUS_LOAD_INTERVAL_S": str(max(0.05, min(0.25, 0.25 * time_scale))),
         }
         self.stack = PlatformStack(StackConfig(state_dir=state / policy, workers=0, gateway_port=free_port(),
+                                               model_dir=fleet.model_dir,
                                                log_level="warning", extra_env=env), fleet.urls, fleet.kv_events)
         self.url = self.stack.gateway_url + "/v1/completions"
         self.headers = {"content-type": "application/json"}
@@ -400,6 +426,7 @@ class Outcome:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    response_id: str | None = None  # the completion's id (Dynamo's is "cmpl-<request id>")
 
 
 def request_body(endpoint: str, prompt: str, max_tokens: int) -> bytes:
@@ -410,6 +437,9 @@ def request_body(endpoint: str, prompt: str, max_tokens: int) -> bytes:
         payload = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                    "stream_options": {"include_usage": True}}
     return json.dumps(payload).encode()
+
+
+_RESPONSE_ID = re.compile(rb'"id":"([^"]+)"')
 
 
 async def one_request(session: Any, frontend: Frontend, body: bytes, outcome: Outcome, t0: float) -> None:
@@ -430,6 +460,8 @@ async def one_request(session: Any, frontend: Frontend, body: bytes, outcome: Ou
                     return
                 if outcome.first is None and b'"text":""' not in line and b'"text":"' in line:
                     outcome.first = time.perf_counter() - t0
+                    found = _RESPONSE_ID.search(line)
+                    outcome.response_id = found.group(1).decode() if found else None
                 if frontend.endpoint == "generate" or b'"usage":{' in line:
                     last = line
         outcome.end = time.perf_counter() - t0
@@ -481,7 +513,9 @@ async def replay(frontend: Frontend, workload: Workload, prompts: list[str], tim
 
     requests = workload.requests
     outcomes = [Outcome(i, r.arrival_s * time_scale) for i, r in enumerate(requests)]
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # A new connection per request: keep-alive aiohttp clients stall ~40 ms per request against
+    # Dynamo's frontend (its own TTFT metric does not show it; checked in the results).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
     progress = Progress(label, len(requests), workload.span_s * time_scale)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -596,8 +630,14 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, workload:
 def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str], args: argparse.Namespace,
                state: Path) -> dict[str, Any]:
     fleet.flush()
-    frontend: Frontend = (SglangFrontend(fleet, state) if policy == "sglang"
-                          else InferbusFrontend(policy, fleet, state, args.placement_timeout_ms, args.time_scale))
+    frontend: Any
+    if policy == "sglang":
+        frontend = SglangFrontend(fleet, state)
+    elif policy in DYNAMO_POLICIES:  # its own engines (mockers) with our engines' timing and limits
+        frontend = dynamo_live.DynamoFrontend(policy, args.engines, MODEL, fleet.info, fleet.table_path,
+                                              fleet.model_dir, args.time_scale, state)
+    else:
+        frontend = InferbusFrontend(policy, fleet, state, args.placement_timeout_ms, args.time_scale)
     print(f"\n{LABELS[policy]}: starting front end…", flush=True)
     frontend.start()
     try:
@@ -615,6 +655,8 @@ def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str]
         while not fleet.idle() and time.monotonic() < deadline:
             time.sleep(0.2)
         after = fleet.counters()
+        if policy in DYNAMO_POLICIES:
+            before, after = dynamo_counters(frontend, outcomes, workload, args.time_scale)
         placements = frontend.counters()
         queue_wait = frontend.queue_wait()
     finally:
@@ -626,14 +668,57 @@ def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str]
                        {k: round(v, 3) for k, v in sorted(cpu.items())}, args.gpu, args.tp)
     if queue_wait:  # wall seconds → simulated
         result["platform_queue_wait_s"] = {k: v / args.time_scale for k, v in queue_wait.items()}
+    router_cpu_s = sum(v for k, v in cpu.items() if not k.startswith(NOT_ROUTER)) * wall
     result.update(policy=policy, label=LABELS[policy], cpu_total_cores=cpu_total, placements=placements,
-                  machine_busy_cores=machine, other_processes_cores=others)
+                  machine_busy_cores=machine, other_processes_cores=others,
+                  router_cpu_ms_per_request=1000 * router_cpu_s / max(1, result["ok"]))
+    if policy in DYNAMO_POLICIES:
+        result.update(getattr(frontend, "summary", {}))
     print(f"{LABELS[policy]}: hit {result['hit_rate']:.1%} (engines {result['hit_rate_engines']:.1%}), "
           f"TTFT p50/p90 {result['ttft_p50_s']:.2f}/{result['ttft_p90_s']:.2f} s, TPOT p90 {result['tpot_p90_ms']:.0f} ms, "
           f"imbalance {result['imbalance']:.2f}, errors {result['errors']}, CPU {cpu_total:.2f} cores "
           f"(machine {machine:.2f} of {os.cpu_count()}, others {others:.2f})"
           + (f", placements {placements}" if placements else ""), flush=True)
     return result
+
+
+def dynamo_counters(frontend: Any, outcomes: list[Outcome], workload: Workload,
+                    time_scale: float) -> tuple[list[EngineCounters], list[EngineCounters]]:
+    """Per-worker counters of a Dynamo run, from its frontend's log, and each outcome's cached tokens.
+
+    The mocker reports no cached tokens in the response's usage. In KV mode the router logs the
+    blocks it found cached on the chosen worker (`overlap_blocks`, from the mockers' KV events): that
+    is the hit count. Round-robin has no index: its hits are estimated by replaying each worker's
+    requests, in the order they were sent, through an LRU cache of the worker's KV size."""
+    records = frontend.records()
+    block = int(frontend.block_size)
+    workers = sorted({r["worker"] for r in records.values() if "worker" in r})
+    by_id = {o.response_id.removeprefix("cmpl-"): o for o in outcomes if o.response_id}
+    kv_mode = frontend.name == "dynamo_kv"
+    caches: dict[str, OrderedDict[int, None]] = {}
+    capacity_blocks = workload.kv_capacity_tokens // traces.MOONCAKE_BLOCK_TOKENS
+    ordered = sorted(((o, records[rid]) for rid, o in by_id.items() if rid in records and "worker" in records[rid]),
+                     key=lambda pair: pair[0].sent)
+    for outcome, record in ordered:
+        if kv_mode:
+            outcome.cached_tokens = min(outcome.prompt_tokens, block * record.get("overlap_blocks", 0))
+        else:
+            cache = caches.setdefault(record["worker"], OrderedDict())
+            outcome.cached_tokens = traces.replay_blocks(workload.requests[outcome.index], cache, capacity_blocks)
+    counters = {w: EngineCounters(0.0, 0.0, 0.0, {}) for w in workers}
+    for outcome, record in ordered:
+        c = counters[record["worker"]]
+        c.prompt += record["input_tokens"]
+        c.generated += record["output_tokens"]
+        c.cached += outcome.cached_tokens
+    ttft = [r["ttft_ms"] / 1000 / time_scale for _, r in ordered if r.get("ttft_ms") == r.get("ttft_ms")]
+    frontend.summary = {
+        "frontend_ttft_p50_s": percentile(ttft, 50), "frontend_ttft_p90_s": percentile(ttft, 90),
+        "hit_rate_source": "router's overlap blocks" if kv_mode else "estimated: LRU replay of its placements",
+        "requests_in_log": len(ordered),
+    }
+    before = [EngineCounters(0.0, 0.0, 0.0, {}) for _ in workers]
+    return before, [counters[w] for w in workers]
 
 
 # ---- reporting ----------------------------------------------------------------------------------------
@@ -646,7 +731,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command']}`",
         "",
-        f"Trace `mooncake_synthetic.jsonl`: {w['requests']} requests ({w['families_kept']} prefix families"
+        f"Trace `{Path(cfg.get('trace', 'mooncake_synthetic.jsonl')).name}`: {w['requests']} requests ({w['families_kept']} prefix families"
         f"{'' if w['families_kept'] == w['families_total'] else ' of ' + str(w['families_total'])}, "
         f"{w['dropped_too_long']} longer than the context window left out), mean input {w['mean_input_tokens']:.0f} / "
         f"output {w['mean_output_tokens']:.0f} tokens, arrivals ×{w['arrival_factor']:.3f} → {w['rate_req_s']:.2f} req/s "
@@ -659,37 +744,54 @@ def markdown(results: dict[str, Any]) -> str:
         f"{w['round_robin_lru_hit_rate']:.1%}. Load: {w['target_load']:.0%} of the fleet at the affinity bound's hits "
         f"({w['load_no_cache']:.0%} with no cache hits).",
         "",
-        "| policy | hit rate (engines) | of ceiling | TTFT p50 / p90 s | TPOT p90 ms | output tok/s | req/s | "
-        "imbalance (computed) | implied load | drain s | placed by router | errors | CPU cores |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| policy | hit rate (engines) | of ceiling | TTFT p50 / p90 / p99 s | TPOT p90 ms | output tok/s | req/s | "
+        "imbalance (computed) | implied load | drain s | placed by router | errors | CPU cores | router CPU ms/req |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["policies"]:
         lines.append(
             f"| {r['label']} | {r['hit_rate']:.1%} ({r['hit_rate_engines']:.1%}) | {r['hit_rate_vs_ceiling']:.0%} | "
-            f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | {r['tpot_p90_ms']:.0f} | {r['output_tok_s']:.0f} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} / {r.get('ttft_p99_s', float('nan')):.2f} | "
+            f"{r['tpot_p90_ms']:.0f} | {r['output_tok_s']:.0f} | "
             f"{r['req_s']:.2f} | {r['imbalance']:.2f} ({r['imbalance_computed']:.2f}) | {r['implied_load']:.0%} | "
-            f"{r.get('drain_s', 0):.0f} | {placed_share(r)} | {r['errors']} | {r['cpu_total_cores']:.2f} |")
+            f"{r.get('drain_s', 0):.0f} | {placed_share(r)} | {r['errors']} | {r['cpu_total_cores']:.2f} | "
+            f"{r.get('router_cpu_ms_per_request', float('nan')):.1f} |")
     lines += ["", "Columns: hit rate = Σ cached / Σ prompt tokens from the responses (the engines' own counters in "
               "brackets); of ceiling = hit rate / infinite-cache ceiling; TTFT and TPOT in simulated seconds; "
               "imbalance = max/mean over engines of prompt + generated tokens (computed: uncached prompt + generated); "
               "implied load = engine time the requests cost at the hits they got / fleet time over the arrival span; "
               "drain = simulated seconds from the last arrival to the last completion; placed by router = share of "
-              "requests queued for the worker the router chose within the placement timeout.",
-              "", "Target: hit rate ≥ 90% of the ceiling, imbalance ≤ 1.15, TTFT p90 below sglang-router's.", ""]
+              "requests queued for the worker the router chose within the placement timeout; router CPU ms/req = "
+              "CPU of the router's processes (all but engines, mockers and the load generator: for inferbus "
+              "NATS, Redis, router, gateway, billing and workers) over the replay, per completed request.",
+              "",
+              "Dynamo rows: Dynamo 1.6.1's frontend over one mocker per engine, timed by the same profile table with "
+              "the same KV pool, block size, chunked-prefill budget and batch limit as our engines. The mocker puts no "
+              "cached tokens in the usage: the KV router's hits are the blocks its index found on the chosen worker "
+              "(`overlap_blocks` in the frontend's log); round-robin's are estimated by an LRU replay of its "
+              "placements. Its per-worker tokens come from the frontend's log (`decode_worker_id`).",
+              "", "Targets: hit rate ≥ 90% of the ceiling and ≥ Dynamo KV's, imbalance ≤ 1.15, TTFT p90 below "
+              "sglang-router's and ≤ 0.8 × Dynamo KV's.", ""]
     verdicts = results.get("verdict")
     if verdicts:
         lines += ["| inferbus affinity | value | target | met |", "| --- | ---: | ---: | --- |"]
         for v in verdicts:
             lines.append(f"| {v['what']} | {v['value']} | {v['target']} | {'yes' if v['met'] else 'no'} |")
         lines.append("")
-    lines += ["Where TTFT goes (simulated s; engine = arrival at the engine → first token, from the engines' "
-              "histograms, coarse buckets; platform queue wait = gateway accept → engine submit, from the gateway's):", "",
-              "| policy | client TTFT p50 / p90 | engine TTFT p50 / p90 | platform queue wait p50 / p90 |",
-              "| --- | ---: | ---: | ---: |"]
+    lines += ["Where TTFT goes, and the client checked against each front end (simulated s; engine = arrival at "
+              "the engine → first token, from the engines' histograms, coarse buckets; Dynamo's frontend's own TTFT "
+              "per request from its log; platform queue wait = gateway accept → engine submit, from the gateway's):",
+              "",
+              "| policy | client TTFT p50 / p90 | engine TTFT p50 / p90 | front end's TTFT p50 / p90 | "
+              "platform queue wait p50 / p90 |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    nan = float("nan")
     for r in results["policies"]:
         wait = r.get("platform_queue_wait_s")
+        own = (f"{r['frontend_ttft_p50_s']:.2f} / {r['frontend_ttft_p90_s']:.2f}" if "frontend_ttft_p50_s" in r
+               else "n/a")
         lines.append(f"| {r['label']} | {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | "
-                     f"{r.get('engine_ttft_p50_s', float('nan')):.2f} / {r.get('engine_ttft_p90_s', float('nan')):.2f} | "
+                     f"{r.get('engine_ttft_p50_s', nan):.2f} / {r.get('engine_ttft_p90_s', nan):.2f} | {own} | "
                      + (f"{wait['p50']:.2f} / {wait['p90']:.2f} |" if wait else "n/a |"))
     lines += ["", "CPU use per process (cores, averaged over the replay):", ""]
     for r in results["policies"]:
@@ -725,6 +827,13 @@ def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
          "met": ours["hit_rate_vs_bound"] >= 0.9},
         {"what": "load imbalance", "value": f"{ours['imbalance']:.2f}", "target": "≤ 1.15", "met": ours["imbalance"] <= 1.15},
     ]
+    if "dynamo_kv" in by:
+        theirs = by["dynamo_kv"]
+        out.append({"what": "hit rate vs Dynamo KV", "value": f"{ours['hit_rate']:.1%}",
+                    "target": f"≥ {theirs['hit_rate']:.1%}", "met": ours["hit_rate"] >= theirs["hit_rate"]})
+        out.append({"what": "TTFT p90 vs Dynamo KV", "value": f"{ours['ttft_p90_s']:.2f} s",
+                    "target": f"≤ {0.8 * theirs['ttft_p90_s']:.2f} s (0.8×)",
+                    "met": ours["ttft_p90_s"] <= 0.8 * theirs["ttft_p90_s"]})
     if "sglang" in by:
         out.append({"what": "TTFT p90 vs sglang-router", "value": f"{ours['ttft_p90_s']:.2f} s",
                     "target": f"< {by['sglang']['ttft_p90_s']:.2f} s", "met": ours["ttft_p90_s"] < by["sglang"]["ttft_p90_s"]})
@@ -773,6 +882,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = list(args.policies)
     ensure_packages(["matplotlib"] + (["sglang_router"] if "sglang" in policies else []))
     skipped: dict[str, str] = {}
+    if any(p in DYNAMO_POLICIES for p in policies):
+        dynamo_env.ensure()
     if any(p in INFERBUS_POLICIES for p in policies) and "INFERBUS_ROUTER_POLICY" not in router_policies():
         for p in [p for p in policies if p in INFERBUS_POLICIES and p != "least_loaded"]:
             if not args.force:
@@ -794,7 +905,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m bench.routing " + " ".join(sys.argv[1:]),
         "config": {"engines": args.engines, "gpu": args.gpu, "tp": args.tp, "time_scale": args.time_scale,
                    "load": args.load, "placement_timeout_ms": args.placement_timeout_ms,
-                   "sample_families": args.sample_families, "requests": args.requests, "seed": args.seed},
+                   "sample_families": args.sample_families, "requests": args.requests, "seed": args.seed,
+                   "trace": str(args.trace)},
         "workload": summary, "policies": [], "skipped": skipped,
     }
     try:
@@ -824,7 +936,9 @@ def _terminate(signum: int, frame: Any) -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL trace")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="Mooncake JSONL trace (default: mooncake_synthetic.jsonl, found as inferbus.traces.find "
+                             "does, e.g. in INFERBUS_TRACES_DIR)")
     parser.add_argument("--engines", type=int, default=4, help="simulated engines (one worker each)")
     parser.add_argument("--gpu", default="H100", choices=["H100", "H200"], help="simulated GPU")
     parser.add_argument("--tp", type=int, default=2, choices=[1, 2, 4, 8], help="GPUs per engine")
@@ -838,8 +952,9 @@ def main() -> None:
                         help="keep this random share of prefix families (whole families, so reuse stays intact; "
                              "1 = the whole trace, about 4x longer)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the family sample")
-    parser.add_argument("--policies", nargs="+", default=list(ALL_POLICIES), choices=ALL_POLICIES,
-                        help="policies to run, in order")
+    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=ALL_POLICIES,
+                        help="policies to run, in order (dynamo_*: Dynamo 1.6.1's frontend over mocker engines, "
+                             "installed into .venv-dynamo on first use)")
     parser.add_argument("--placement-timeout-ms", type=float, default=200.0,
                         help="INFERBUS_PLACEMENT_TIMEOUT_MS of the gateway for the inferbus policies")
     parser.add_argument("--force", action="store_true",
@@ -848,6 +963,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where routing.{json,md,png} go")
     parser.add_argument("--name", default="routing", help="result file name (without extension)")
     args = parser.parse_args()
+    args.trace = traces.find(args.trace or "mooncake_synthetic.jsonl")
     results = run(args)
     write_results(args.out, args.name, results, markdown)
     if results["policies"]:

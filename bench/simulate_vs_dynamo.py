@@ -10,6 +10,9 @@ on virtual clocks:
 - **inferbus**: `inferbus.fleetsim.FleetSim`, the simulated engine (`services/sim_engine`) per
   replica behind the router's own placement code (`round_robin`, and `affinity` as our prefix
   router), timed by the profile table below (`TableStepModel`).
+- **inferbus, fast**: `inferbus.fleetsim.fast.FastFleet` (analytic replicas, a few events per
+  request, compiled by `inferbus.accel` when built) with round-robin placement, SGLang's unmixed
+  steps and a prefix cache per replica fed the trace's block ids.
 - **Dynamo 1.6.1**: `dynamo.replay.api.run_trace_replay` (its mocker engine, SGLang scheduling
   mode, behind `round_robin` and its `kv_router`), timed by the same table through its
   `dynamo_profile` timing provider (`--planner-profile-data`). Run in `.venv-dynamo`
@@ -138,6 +141,29 @@ def run_ours(requests: list[TraceRequest], engine: EngineConfig, step: TableStep
     }
 
 
+def run_fast(requests: list[TraceRequest], engine: EngineConfig, step: TableStepModel, replicas: int) -> dict[str, Any]:
+    """The fast simulator (`FastFleet`: analytic replicas, compiled when built) with a prefix cache
+    per replica fed the trace's block ids, round-robin placement, no admission control."""
+    from inferbus.fleetsim.fast import FastConfig, FastFleet
+
+    arrivals = [(r.arrival_s, r.input_tokens, r.output_tokens, 0) for r in requests]
+    fleet = FastFleet(FastConfig(replicas=replicas, policy="round_robin", engine=engine, admission=False), arrivals,
+                      step_model=step, prefix_blocks=[tuple(r.hash_ids) for r in requests],
+                      prefix_block_tokens=MOONCAKE_BLOCK_TOKENS)
+    summary = fleet.run()
+    engines = [node.replica for node in fleet.nodes.values()]
+    prompt = sum(e.prompt_tokens for e in engines)
+    return {
+        "simulator": f"inferbus FastFleet ({summary.build})", "policy": "round_robin", "replicas": replicas,
+        "requests": summary.requests, "completed": summary.completed,
+        "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
+        "ttft_p50_s": summary.ttft_p50_s, "ttft_p90_s": summary.ttft_p90_s, "ttft_p99_s": summary.ttft_p99_s,
+        "tpot_p50_s": summary.tpot_p50_s, "tpot_p90_s": summary.tpot_p90_s,
+        "cpu_s": summary.cpu_s, "wall_s": summary.wall_s, "req_per_cpu_s": summary.req_per_cpu_s,
+        "imbalance": imbalance({e.name: e.prompt_tokens + e.output_tokens for e in engines}, replicas),
+    }
+
+
 def agreement(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
     """Our number over Dynamo's, per metric (1.00 = identical)."""
     keys = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "hit_rate")
@@ -159,8 +185,13 @@ def compare(requests: list[TraceRequest], engine: EngineConfig, kv_tokens: int, 
         first = order[1]  # alternate who goes first
         pair = {"replicas": replicas, "ours": runs["ours"], "dynamo": runs["dynamo"], "order": list(order),
                 "ratio": agreement(runs["ours"], runs["dynamo"])}
-        for side in ("ours", "dynamo"):
-            r = runs[side]
+        if ours_policy == "round_robin":  # the fast simulator on the same trace, prefix caches per replica
+            pair["fast"] = run_fast(requests, engine, step, replicas)
+            pair["fast_ratio"] = agreement(pair["fast"], runs["dynamo"])
+        for side in ("ours", "fast", "dynamo"):
+            if side not in pair:
+                continue
+            r = pair[side]
             print(f"  {replicas:>4} × {r['policy']:<12} {r['simulator']:<18} hit {r['hit_rate']:6.1%}  TTFT p50/p90/p99 "
                   f"{r['ttft_p50_s'] * 1e3:7,.0f} / {r['ttft_p90_s'] * 1e3:7,.0f} / {r['ttft_p99_s'] * 1e3:7,.0f} ms  "
                   f"TPOT p90 {r['tpot_p90_s'] * 1e3:5.1f} ms  CPU {r['cpu_s']:6.2f} s ({r['req_per_cpu_s']:,.0f} req/CPU-s)",
@@ -280,7 +311,9 @@ def _rows(pairs: list[dict[str, Any]]) -> list[str]:
     out = ["| replicas | policy | simulator | hit rate | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | imbalance | "
            "CPU s | req/CPU-s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pair in pairs:
-        for side in ("ours", "dynamo"):
+        for side in ("ours", "fast", "dynamo"):
+            if side not in pair:
+                continue
             r = pair[side]
             out.append(f"| {r['replicas']} | {r['policy']} | {r['simulator']} | {r['hit_rate']:.1%} | "
                        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} / {_ms(r['ttft_p99_s'])} | "
@@ -291,12 +324,16 @@ def _rows(pairs: list[dict[str, Any]]) -> list[str]:
             "| replicas | policies | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | hit rate | speed |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pair in pairs:
-        q = pair["ratio"]
-        speed = pair["ours"]["req_per_cpu_s"] / pair["dynamo"]["req_per_cpu_s"]
-        out.append(f"| {pair['ours']['replicas']} | {pair['ours']['policy']} / {pair['dynamo']['policy']} | "
-                   + " | ".join(f"{q[k]:.3f}" for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s",
-                                                         "tpot_p90_s", "hit_rate"))
-                   + f" | {speed:.3f} |")
+        for side, key in (("ours", "ratio"), ("fast", "fast_ratio")):
+            if side not in pair:
+                continue
+            q = pair[key]
+            speed = pair[side]["req_per_cpu_s"] / pair["dynamo"]["req_per_cpu_s"]
+            name = "FleetSim" if side == "ours" else "FastFleet"
+            out.append(f"| {pair['ours']['replicas']} | {name} {pair[side]['policy']} / {pair['dynamo']['policy']} | "
+                       + " | ".join(f"{q[k]:.3f}" for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s",
+                                                             "tpot_p90_s", "hit_rate"))
+                       + f" | {speed:.3f} |")
     return out
 
 

@@ -117,6 +117,40 @@ def test_prefill_is_fifo_and_batches_short_prompts_into_one_step():
     assert rep.D == 1
 
 
+def test_unmixed_steps_do_not_decode_while_prefilling():
+    """Without mixed steps (SGLang's default) a running sequence waits out another's prefill."""
+    finish: dict[str, float] = {}
+    for mixed in (True, False):
+        rep = AnalyticReplica("r", MODEL, kv_capacity=400_000, mixed=mixed,
+                              on_finish=lambda req, t, mixed=mixed: finish.__setitem__(f"{mixed}-{req.input}", t))
+        decoder, prompt = Req(0.0, 100, 20), Req(0.01, 8192, 1)
+        run_replica(rep, [decoder, prompt])
+        if not mixed:
+            # 16 prefill-only steps of 512 tokens (their time excludes decode) delay the decoder by them.
+            prefill = sum(MODEL.step_time(0, 0.0, 512, 512 * j + 256) for j in range(16))
+            assert prompt.first - prompt.start == pytest.approx(prefill, rel=1e-9)
+    assert finish["False-100"] > finish["True-100"]
+
+
+def test_prefix_cache_hits_leading_blocks_in_whole_pages():
+    rep = AnalyticReplica("r", MODEL, kv_capacity=400_000, prefix_block_tokens=512, page_tokens=64)
+    first = Req(0.0, 1300, 1, blocks=(7, 8, 9))  # 512 + 512 + 276 tokens: 256 of the last cached (whole pages)
+    again = Req(10.0, 1300, 1, blocks=(7, 8, 9))
+    other = Req(20.0, 1100, 1, blocks=(7, 5, 9))  # shares the first block only
+    run_replica(rep, [first, again, other])
+    assert (first.cached, again.cached, other.cached) == (0, 1280, 512)
+    assert rep.prompt_tokens == 3700 and rep.cached_tokens == 1792
+
+
+def test_prefix_cache_evicts_least_recent_blocks_beyond_the_kv_pool():
+    rep = AnalyticReplica("r", MODEL, kv_capacity=1024, prefix_block_tokens=512, page_tokens=64)
+    reqs = [Req(0.0, 512, 1, blocks=(1,)), Req(1.0, 512, 1, blocks=(2,)), Req(2.0, 512, 1, blocks=(1,)),
+            Req(3.0, 512, 1, blocks=(3,)), Req(4.0, 512, 1, blocks=(2,)), Req(5.0, 512, 1, blocks=(1,))]
+    run_replica(rep, reqs)
+    # Block 1 was used again before 3 came, so 3 evicted 2; 1 survives until 2's return evicts it.
+    assert [r.cached for r in reqs] == [0, 0, 511, 0, 0, 0]
+
+
 # ---- the load sampler ------------------------------------------------------------------------------
 
 

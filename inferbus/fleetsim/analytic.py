@@ -16,6 +16,17 @@ model keeps only what decides the timing and advances over runs of identical ste
 - A segment ends at the earliest change: a decode finish, the head prompt's last step, or the
   switch from full chunks to the queue's partial last chunk. A request arriving mid-segment joins
   at the next step boundary (as in the engine): the segment is cut there (`sync`).
+- Mixed steps or not (`mixed`): with SGLang's `--enable-mixed-chunk` (the default here) a step
+  that prefills also decodes every running sequence. Without it (SGLang's own default, and
+  Dynamo's mocker in SGLang mode) a step prefills when there is prompt work and decodes only
+  when there is none; `D` then counts decode steps only, so a prefill run does not advance the
+  sequences waiting to decode.
+- Prefix cache (optional, `prefix_block_tokens`): for requests that carry prefix block ids (a
+  Mooncake trace's `hash_ids`, one per `prefix_block_tokens` tokens), an LRU of those blocks,
+  each with how many of its tokens are cached in whole engine pages, holding at most the KV pool.
+  A request's leading cached blocks are its hit (at least one prompt token is still computed) and
+  its blocks become the most recent, when it arrives at the replica. Without ids, a request's
+  cached tokens are what it arrived with (the mix's statistic).
 - Admission (SGLang's): a request enters prefill when fewer than `max_running` requests run and
   its prompt, plus `NEW_TOKEN_RATIO` of every running request's remaining output, fits in free
   KV; otherwise it waits in FIFO order (head-of-line). Retraction (recompute after KV overflow)
@@ -28,7 +39,7 @@ Pure: no clock, no I/O; a finished request is reported through the `on_finish` c
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from services.sim_engine.perf_model import (
@@ -40,21 +51,27 @@ from services.sim_engine.scheduler import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKE
 class Req:
     """One request as the fleet and a replica see it (times in virtual seconds)."""
 
-    __slots__ = ("arrival", "input", "output", "cached", "remaining", "start", "first", "finish", "replica", "band")
+    __slots__ = ("arrival", "input", "output", "cached", "remaining", "start", "first", "finish", "replica", "band",
+                 "blocks")
 
-    def __init__(self, arrival: float, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> None:
+    def __init__(self, arrival: float, input_tokens: int, output_tokens: int, cached_tokens: int = 0,
+                 blocks: tuple[int, ...] | None = None) -> None:
         self.arrival = arrival
         self.input = input_tokens
         self.output = output_tokens if output_tokens > 1 else 1
-        # At least one prompt token is computed (its logits give the first output token).
-        cached = cached_tokens if cached_tokens < input_tokens - 1 else input_tokens - 1
-        self.cached = cached = cached if cached > 0 else 0
-        self.remaining = input_tokens - cached  # uncached prompt tokens still to prefill
+        self.blocks = blocks  # prefix block ids (a replica with a prefix cache looks them up)
+        self.set_cached(cached_tokens)
         self.start: float = -1.0  # prefill began (queue wait = start - arrival)
         self.first: float = -1.0  # first token
         self.finish: float = -1.0  # last token (set by the fleet)
         self.replica: AnalyticReplica | None = None
         self.band = "standard"
+
+    def set_cached(self, cached_tokens: int) -> None:
+        # At least one prompt token is computed (its logits give the first output token).
+        cached = cached_tokens if cached_tokens < self.input - 1 else self.input - 1
+        self.cached = cached = cached if cached > 0 else 0
+        self.remaining = self.input - cached  # uncached prompt tokens still to prefill
 
 
 Callback = Callable[[Req, float], None]
@@ -68,6 +85,8 @@ class AnalyticReplica:
         "t", "D", "n", "tau", "full", "end", "version",
         "decoding", "B", "C", "sum_dfin", "prefill", "Q", "prefill_kv", "prefill_out", "waiting",
         "seq", "completed", "taken", "busy_s", "prefilled_tokens", "draining",
+        "mixed", "page", "prefix_block", "prefix_cache", "prefix_tokens", "prompt_tokens", "cached_tokens",
+        "output_tokens",
     )
 
     def __init__(
@@ -79,6 +98,9 @@ class AnalyticReplica:
         chunk: int = 512,
         max_running: int = 256,
         on_finish: Callback | None = None,
+        mixed: bool = True,
+        prefix_block_tokens: int = 0,
+        page_tokens: int = 1,
     ) -> None:
         self.name = name
         self.model = model
@@ -112,6 +134,14 @@ class AnalyticReplica:
         self.busy_s = 0.0  # time spent in steps
         self.draining = False  # set by the fleet: takes no new work, stops once empty
         self.prefilled_tokens = 0
+        self.mixed = mixed  # a prefill step also decodes (else a step prefills or decodes)
+        self.page = page_tokens if page_tokens > 0 else 1  # the engine's KV page: the unit cached
+        self.prefix_block = prefix_block_tokens  # tokens per prefix block id; 0: no prefix cache
+        self.prefix_cache: OrderedDict[int, int] = OrderedDict()  # block id → its tokens cached, LRU first
+        self.prefix_tokens = 0  # Σ of the cache's tokens
+        self.prompt_tokens = 0  # of the requests it took, and of those the cached, and their output
+        self.cached_tokens = 0
+        self.output_tokens = 0
 
     # ---- what the worker reports -------------------------------------------------------------
 
@@ -153,6 +183,11 @@ class AnalyticReplica:
         elif now > self.t:
             self.t = now
         req.replica = self
+        if self.prefix_block and req.blocks is not None:
+            req.set_cached(self._prefix_hit(req))
+        self.prompt_tokens += req.input
+        self.cached_tokens += req.cached
+        self.output_tokens += req.output
         if self.waiting or not self._admit(req):
             self.waiting.append(req)
         return self._plan()
@@ -195,6 +230,41 @@ class AnalyticReplica:
 
     # ---- internals -----------------------------------------------------------------------------
 
+    def _prefix_hit(self, req: Req) -> int:
+        """Prompt tokens of `req` in the prefix cache (its leading cached blocks); its blocks are
+        then the most recent, and the least recent are evicted beyond the KV pool."""
+        cache = self.prefix_cache
+        block, page = self.prefix_block, self.page
+        left = req.input
+        hit = 0
+        alive = True
+        tokens = self.prefix_tokens
+        for block_id in req.blocks or ():
+            size = block if left > block else left
+            left -= size
+            full = size - size % page  # only whole pages are cached
+            held = cache.get(block_id)
+            if held is None:
+                alive = False
+                if full:
+                    cache[block_id] = full
+                    tokens += full
+                continue
+            if alive:
+                hit += held if held < full else full
+                if held < full:
+                    alive = False
+            if full > held:
+                cache[block_id] = full
+                tokens += full - held
+            cache.move_to_end(block_id)
+        capacity = self.kv_capacity
+        while tokens > capacity and cache:
+            _, evicted = cache.popitem(last=False)
+            tokens -= evicted
+        self.prefix_tokens = tokens
+        return hit
+
     def _admit(self, req: Req) -> bool:
         if self.B + len(self.prefill) >= self.max_running:
             return False
@@ -226,10 +296,11 @@ class AnalyticReplica:
         tau = self.tau
         busy = steps * tau
         self.t = t = t0 + busy
-        self.D = D = self.D + steps
+        Q = self.Q
+        # Without mixed steps a prefill run decodes nothing: D counts decode steps only.
+        self.D = D = self.D + steps if self.mixed or not Q else self.D
         self.busy_s += busy
         decoding = self.decoding
-        Q = self.Q
         if Q:
             consumed = steps * self.chunk if self.full else Q
             self.Q = Q - consumed
@@ -302,17 +373,20 @@ class AnalyticReplica:
             else:
                 k = -(-head.remaining // chunk)
                 n = k if Q - (k - 1) * chunk >= chunk else k - 1
-                if B:
+                if B and self.mixed:
                     to_finish = self.decoding[0][0] - self.D
                     if to_finish < n:
                         n = to_finish
                 self.full = True
                 n_p, ctx = chunk, position + n * chunk / 2
-            if n == 1 or not B:
-                resident = float(self.C + B * self.D)
+            if not self.mixed:  # a prefill-only step
+                tau = self.step_time(0, 0.0, n_p, ctx)
             else:
-                resident = self.C + B * (self.D + (n - 1) / 2)
-            tau = self.step_time(B, resident, n_p, ctx)
+                if n == 1 or not B:
+                    resident = float(self.C + B * self.D)
+                else:
+                    resident = self.C + B * (self.D + (n - 1) / 2)
+                tau = self.step_time(B, resident, n_p, ctx)
         elif B:
             D = self.D
             n = self.decoding[0][0] - D

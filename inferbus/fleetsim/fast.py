@@ -7,7 +7,9 @@ wired as in the per-step simulator (`wiring`):
   and `WorkerLoad` messages as the router service's is. The simulator draws placements with a
   `sampler.LoadSampler` (the same choice distribution as `Placer.place`, O(√n) in C instead of
   O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
-  cache hits are statistical, from the mix's cached fraction), so placement is load-only.
+  cache hits are statistical, from the mix's cached fraction), so placement is load-only. Given a
+  prefix trace's block ids (`prefix_blocks`), replicas keep prefix caches; placement still does
+  not see the blocks.
 - admission: `services.gateway.overload.OverloadPolicy` (sheds a request whose expected wait
   exceeds its band's budget), fed the same load reports. Its inputs change only when reports
   arrive, so its verdict is re-evaluated every `admission_refresh_s` rather than per request.
@@ -132,7 +134,13 @@ class FastFleet:
         controller: Controller | None = None,
         step_model: StepTimeModel | None = None,
         progress: Callable[[float], None] | None = None,
+        prefix_blocks: list[tuple[int, ...]] | None = None,
+        prefix_block_tokens: int = 512,
     ) -> None:
+        """`prefix_blocks`: the i-th arrival's prefix block ids (a Mooncake trace's `hash_ids`, one
+        per `prefix_block_tokens` prompt tokens): every replica then keeps a prefix cache and a
+        request's hits are what it finds there rather than its arrival's cached tokens. Placement
+        stays load-only (it does not see the blocks)."""
         self.config = config
         engine = config.engine
         self.step_model = step_model or (
@@ -151,6 +159,8 @@ class FastFleet:
         self.controller: Controller = controller or StaticController()
         self.progress = progress
         self._arrivals: Iterator[Arrival] = iter(arrivals)
+        self._prefix_blocks = prefix_blocks
+        self._prefix_block_tokens = prefix_block_tokens if prefix_blocks is not None else 0
         self.nodes: dict[str, _Node] = {}
         self._cohorts: list[list[_Node]] = [[] for _ in range(config.report_cohorts)]
         self.serving: dict[str, AnalyticReplica] = {}  # placement targets (draining ones stay reachable by id)
@@ -366,7 +376,8 @@ class FastFleet:
 
     def _arrive(self, arrival: Arrival) -> None:
         t, n_in, n_out, cached = arrival
-        req = Req(t, n_in, n_out, cached)
+        blocks = self._prefix_blocks
+        req = Req(t, n_in, n_out, cached, blocks[self.requests] if blocks is not None else None)
         self.requests += 1
         bucket = self._buckets.get(int(t // self._bucket_s)) or self._bucket(t)
         bucket.arrivals += 1
@@ -595,7 +606,8 @@ class FastFleet:
         engine = self.config.engine
         replica = AnalyticReplica(
             name, self.step_model, kv_capacity=self.kv_capacity, chunk=engine.chunked_prefill_size,
-            max_running=engine.max_running_requests, on_finish=self._on_finish,
+            max_running=engine.max_running_requests, on_finish=self._on_finish, mixed=engine.mixed_chunk,
+            prefix_block_tokens=self._prefix_block_tokens, page_tokens=engine.block_size,
         )
         replica.t = self.now
         node = _Node(name, replica, cohort=self._next_id % self.config.report_cohorts)

@@ -25,5 +25,11 @@ class RoutingConfig:
     miss_weight: float = 5.0
     decode_weight_s: float = 0.25  # cost of a worker whose every slot is decoding
     adapter_load_s: float = 0.5  # cost of loading an adapter that is not on the worker yet
+    # Weight of the KV tokens a worker's requests hold (cached prefix included) against prefill
+    # tokens, after Dynamo's KV router (cost = overlap weight × prefill blocks + active blocks). A
+    # worker holding a hot family's long cached prompts is busier than its uncached work shows. In
+    # the fleet simulator (Mooncake synthetic, 4 replicas, 5 family samples) 0.4 took the mean load
+    # imbalance from 1.14 to 1.09 for about 2% of hit rate; 1.0 (Dynamo's default) lost a tenth of it.
+    active_kv_weight: float = 0.4
     index_blocks_per_worker: int = 250_000
     index_ttl_s: float = 900.0

@@ -38,6 +38,7 @@ class WorkerView:
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
     kv_usage: float = 0.0
+    kv_used_tokens: int = 0  # held by the engine's requests at the last report (not evictable cache)
     # Placements (by any router replica) against what the worker reports it pulled from its own
     # queue: the difference still waits in that queue, where no engine number shows it.
     placed_total: int = 0
@@ -67,7 +68,7 @@ def set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None =
     if backlog is None:
         backlog = view.backlog()
     queued = view.reported_prefill + view.backlog_prefill(backlog) if backlog else view.reported_prefill
-    view.base_cost = (queued / config.prefill_tokens_per_s
+    view.base_cost = ((queued + config.active_kv_weight * view.kv_used_tokens) / config.prefill_tokens_per_s
                       + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
 
 
@@ -156,6 +157,7 @@ class WorkerRegistry:
         view.draining = load.draining
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
+        view.kv_used_tokens = load.kv_used_tokens
         self._refresh(view)
 
     def on_cache(self, event: m.CacheEvent) -> bool:

@@ -1,6 +1,7 @@
 """`affinity` (the default): the lowest estimated time to first token,
 
-    cost = (queued prefill tokens + miss_weight · prompt tokens not cached there) / prefill rate
+    cost = (queued prefill tokens + miss_weight · prompt tokens not cached there
+            + active_kv_weight · KV tokens its requests hold) / prefill rate
            + decode_weight · running / slots
            + adapter_load_s · [adapter not loaded there],
 
