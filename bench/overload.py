@@ -58,18 +58,25 @@ class Outcome:
     error: str = ""
 
 
+# An application's system prompt, the same in every request and longer than two 64-token prefix
+# blocks: the router places requests by prefix on the worker that has it cached, so admitted
+# requests wait in that worker's own queue as well as in the shared one, as in production.
+SYSTEM_PROMPT = " ".join(f"Rule {k}: answer in plain English, in full sentences, and at length." for k in range(12))
+
+
 def prompt(i: int) -> str:
-    # Shorter than one 64-token prefix block: no prefix placement, every request waits in the
-    # shared queue, so this measures admission against the fleet as a whole. (With placement a
-    # request waits for the one worker it was placed on, which the pooled estimate does not see.)
     return f"Request {i}: write a long essay about topic {i}."
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(i)}]
 
 
 async def one(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: float) -> Outcome:
     outcome = Outcome(started=started)
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt(i)}], max_tokens=max_tokens, temperature=0,
+            model=MODEL, messages=messages(i), max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
             stream=True, stream_options={"include_usage": True},
         )
         outcome.status = 200
@@ -181,6 +188,9 @@ def summarize(outcomes: list[Outcome], events: list[m.UsageEvent], metrics: dict
         "death_verdicts": {"dead": metrics.get('inferbus_worker_death_verdicts_total{verdict="dead"}', 0.0),
                            "alive": metrics.get('inferbus_worker_death_verdicts_total{verdict="alive"}', 0.0)},
         "migrations": metrics.get("inferbus_migrations_total", 0.0),
+        "placements": {"worker": metrics.get('inferbus_placements_total{target="worker"}', 0.0),
+                       "shared": metrics.get('inferbus_placements_total{target="any"}', 0.0),
+                       "over_budget": metrics.get("inferbus_placements_over_budget_total", 0.0)},
         "dropped_usage_events": len(admitted_ids - set(tenant_events)),
         "delivered_tokens": sum(o.delivered for o in admitted),
         "ledger_tokens": sum(tenant_events[i].usage.completion_tokens for i in admitted_ids if i in tenant_events),
@@ -193,7 +203,7 @@ def service_time(base_url: str, api_key: str, max_tokens: int) -> float:
     """Seconds one request of `max_tokens` takes on an idle fleet."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     started = time.monotonic()
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt(-1)}],
+    client.chat.completions.create(model=MODEL, messages=messages(-1),  # type: ignore[arg-type]
                                    max_tokens=max_tokens, temperature=0)
     return time.monotonic() - started
 
@@ -257,6 +267,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"| false death verdicts (`dead`; no worker died) | {r['death_verdicts']['dead']:.0f} "
         f"(late heartbeats answered the probe: {r['death_verdicts']['alive']:.0f}) |",
         f"| migrations | {r['migrations']:.0f} |",
+        f"| queued on a worker's own queue (prefix placement) / on the shared queue | "
+        f"{r['placements']['worker']:.0f} / {r['placements']['shared']:.0f} (placements moved to the shared queue "
+        f"because that worker's wait exceeded the budget: {r['placements']['over_budget']:.0f}) |",
         f"| dropped usage events | {r['dropped_usage_events']} |",
         f"| ledger output tokens / delivered | {r['ledger_tokens']} / {r['delivered_tokens']} |",
         f"| platform-cost events (abandoned attempts) | {r['platform_events']} ({r['platform_tokens']} tokens) |",

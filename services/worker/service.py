@@ -164,7 +164,7 @@ class Worker:
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
         self.preemption = PreemptionPolicy(self.settings.preemption())
-        self._own_target = "." + subjects.worker_target(self.settings.worker_id)
+        self._own_target = subjects.token(self.settings.worker_id)
         self.adapters = Adapters(self.engine, self._lookup_adapter)
         self.pause = PauseDetector(time.monotonic, pause_after_s=self.settings.heartbeat_ttl_s)
 
@@ -258,7 +258,7 @@ class Worker:
         target = subjects.ANY_TARGET if owner is None else subjects.worker_target(owner)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=subjects.request_subject(tier, self.settings.model, target),  # type: ignore[arg-type]
+            filter_subject=subjects.request_filter(tier, self.settings.model, target),  # type: ignore[arg-type]
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait_s,
             max_ack_pending=-1,
@@ -454,7 +454,14 @@ class Worker:
             self._spawn(msg.term())
             self._release_slot()
             return
-        if msg.subject.endswith(self._own_target):
+        if not subjects.request_reply_allowed(msg.subject, request.reply_to):
+            # Its publisher may name only itself in the subject: a reply_to naming anyone else is
+            # an attempt to have another gateway's stream sent elsewhere (or to forge one).
+            log.error("request_not_owner", request_id=request.request_id, subject=msg.subject)
+            self._spawn(msg.term())
+            self._release_slot()
+            return
+        if subjects.worker_of_request_subject(msg.subject) == self._own_target:
             self._pulled_own += 1
         if request.batch_id is not None and request.request_id in self.running:
             # Another attempt of a line this worker already runs (the batch service republished
@@ -833,7 +840,8 @@ class Worker:
         """Queue the next attempt of a batch line on the shared batch subject, with its progress."""
         assert self.replies is not None
         reason = entry.requeue or "engine_error"
-        subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET)
+        subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET,
+                                           request.reply_to)
         msg_id = f"{request.request_id}.{request.attempt}"
         for attempt in range(REQUEUE_TRIES):
             try:
