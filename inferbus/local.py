@@ -94,15 +94,20 @@ def redis_server_binary() -> str:
     )
 
 
-def nats_config(port: int, monitor_port: int, store_dir: Path, identities: LocalIdentities) -> str:
+def nats_config(port: int, monitor_port: int, store_dir: Path, identities: LocalIdentities,
+                tls: tuple[Path, Path] | None = None) -> str:
     """nats-server's config for a local platform: loopback only, JetStream, and the users with their
-    permissions (no anonymous clients)."""
-    return "\n".join([
+    permissions (no anonymous clients). With `tls` (certificate and key files) the client port
+    speaks TLS only: a plaintext client is refused."""
+    lines = [
         f'listen: "127.0.0.1:{port}"',
         f'http: "127.0.0.1:{monitor_port}"',
         f"jetstream {{ store_dir: {json.dumps(str(store_dir))} }}",
-        authorization_block(identities.all()),
-    ])
+    ]
+    if tls is not None:
+        lines.append(f"tls {{ cert_file: {json.dumps(str(tls[0]))}, key_file: {json.dumps(str(tls[1]))}, "
+                     "timeout: 5 }")
+    return "\n".join([*lines, authorization_block(identities.all())])
 
 
 def redis_config(port: int, password: str, data_dir: Path) -> str:
@@ -292,6 +297,9 @@ class StackConfig:
     # engines; None: $INFERBUS_MODEL_DIR, else a small one built under state_dir (`chat_format`).
     model_dir: Path | None = None
     chat_format: str = "llama3"
+    # TLS on the NATS client port (the NATS this stack starts): a new local CA and server
+    # certificate in state_dir/tls, services verify the server against that CA.
+    tls: bool = False
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
@@ -308,6 +316,7 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
         self.identities: LocalIdentities | None = None  # None: NATS is the operator's, credentials from NATS_*
+        self.nats_tls_ca = ""  # with `tls`: the CA file every NATS client verifies the server with
         self.model_dir = ""
 
     def _env(self, **extra: str) -> dict[str, str]:
@@ -316,6 +325,8 @@ class Stack:
             NATS_URL=self.nats_server_url, REDIS_URL=self.redis_url, INFERBUS_MODEL=self.config.model,
             INFERBUS_LOG_LEVEL=self.config.log_level, PYTHONUNBUFFERED="1", INFERBUS_MODEL_DIR=self.model_dir,
         )
+        if self.nats_tls_ca:
+            env["NATS_TLS_CA"] = self.nats_tls_ca
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
         env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
@@ -349,15 +360,25 @@ class Stack:
         c = self.config
         private_dir(c.state_dir)
         self.model_dir = self.resolve_model_dir()
+        if c.tls and self.nats_server_url:
+            raise ValueError("TLS applies to the NATS the platform starts; for your own (NATS_URL), configure "
+                             "TLS on that server and set NATS_TLS_CA")
         if not self.nats_server_url:
             port, monitor = free_port(), free_port()
-            self.nats_server_url = f"nats://127.0.0.1:{port}"
+            scheme = "tls" if c.tls else "nats"
+            self.nats_server_url = f"{scheme}://127.0.0.1:{port}"
             workers = [] if c.autoscale else [f"worker-{i}" for i in range(1, c.workers + 1)]
             self.identities = LocalIdentities(GATEWAY_ID, BATCH_SERVICE_ID, workers)
             ops = self.identities["ops"]
-            self.nats_url = f"nats://{ops.user}:{ops.password}@127.0.0.1:{port}"
+            self.nats_url = f"{scheme}://{ops.user}:{ops.password}@127.0.0.1:{port}"
+            tls = None
+            if c.tls:
+                from .local_tls import make_local_tls
+
+                made = make_local_tls(c.state_dir / "tls")
+                self.nats_tls_ca, tls = str(made.ca_file), (made.cert_file, made.key_file)
             config = c.state_dir / "nats.conf"
-            write_private(config, nats_config(port, monitor, c.state_dir / "nats", self.identities))
+            write_private(config, nats_config(port, monitor, c.state_dir / "nats", self.identities, tls))
             self._add("nats", [nats_server_binary(), "-c", str(config)],
                       lambda: http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"), self.nats_server_url)
         if not self.redis_url:
@@ -456,7 +477,7 @@ class Stack:
         return {
             "launcher_pid": os.getpid(), "gateway_url": self.gateway_url, "admin_key": self.config.admin_key,
             "nats_url": self.nats_server_url, "nats_user": ops.user if ops else "",
-            "nats_password": ops.password if ops else "", "redis_url": self.redis_url,
+            "nats_password": ops.password if ops else "", "nats_tls_ca": self.nats_tls_ca, "redis_url": self.redis_url,
             "processes": {p.name: p.pid for p in self.processes},
         }
 
