@@ -153,3 +153,25 @@ def test_compose_services_connect_with_their_own_identity() -> None:
             assert env["REDIS_URL"].startswith(f"redis://:${{{REDIS_PASSWORD_ENV}:?"), name
     assert compose["nats"]["networks"] == ["bus"] and compose["redis"]["networks"] == ["store"]
     assert "--requirepass" in compose["redis"]["command"]
+
+
+def test_no_pod_can_read_another_identitys_password() -> None:
+    """What the role-wide identities rest on (docs/security.md): a pod gets its own role's password
+    as one Secret key, never the whole Secret (a volume, envFrom or a projected volume would give
+    every pod every identity's password). Only nats-server itself reads all of them."""
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") not in ("Deployment", "StatefulSet"):
+                continue
+            spec = doc["spec"]["template"]["spec"]
+            for volume in spec.get("volumes", []):
+                assert volume.get("secret", {}).get("secretName") != SECRET, (path, volume)
+                sources = volume.get("projected", {}).get("sources", [])
+                assert all(s.get("secret", {}).get("name") != SECRET for s in sources), (path, volume)
+            for container in spec["containers"] + spec.get("initContainers", []):
+                assert all(e.get("secretRef", {}).get("name") != SECRET for e in container.get("envFrom", [])), path
+                if container["name"] == "nats":
+                    continue
+                keys = {_secret_key(e) for e in container.get("env", [])} - {None}
+                own = {password_env(e["value"]) for e in container.get("env", []) if e["name"] == "NATS_USER"}
+                assert keys <= own | {REDIS_PASSWORD_ENV}, (path, container["name"], keys)
