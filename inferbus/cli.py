@@ -267,6 +267,12 @@ def _register() -> None:
                      "Run the batch service: validates batches, feeds their lines to the fleet on spare capacity "
                      "(pausing on interactive pressure), collects results and writes output and error files. "
                      "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
+    from services.auth_callout.settings import AuthCalloutSettings
+
+    _service_command("auth-callout", AuthCalloutSettings, "services.auth_callout.service:serve",
+                     "Run the NATS auth callout: per-pod identities in Kubernetes. Answers nats-server's authorization "
+                     "requests for pods that present their projected ServiceAccount token (verified with the TokenReview "
+                     "API) with their role's permissions scoped to the pod's name (docs/security.md).")
     try:
         from services.sim_engine.cli import profile_table_command, sim_engine_command
     except ImportError:  # while the engine is being built
@@ -292,8 +298,11 @@ def configuration_markdown() -> str:
     from services.autoscaler.settings import AutoscalerSettings
     from services.batch.settings import BatchSettings
 
+    from services.auth_callout.settings import AuthCalloutSettings
+
     for title, cls in (("gateway", GatewaySettings), ("router", RouterSettings), ("worker", WorkerSettings),
-                       ("billing", BillingSettings), ("autoscaler", AutoscalerSettings), ("batch", BatchSettings)):
+                       ("billing", BillingSettings), ("autoscaler", AutoscalerSettings), ("batch", BatchSettings),
+                       ("auth-callout", AuthCalloutSettings)):
         lines += [f"## {title} (`inferbus {title}`)", "", "| variable | default | meaning |", "| --- | --- | --- |"]
         for name, default, text in settings_mod.describe(cls):
             lines.append(f"| `{name}` | `{default!r}` | {text} |")
@@ -328,6 +337,19 @@ def bus_config() -> None:
     from .bus_auth import deployment_auth_config
 
     click.echo(deployment_auth_config(), nl=False)
+
+
+@main.command("callout-keys")
+def callout_keys() -> None:
+    """Print a new issuer key pair for `inferbus auth-callout`: the seed (INFERBUS_CALLOUT_ISSUER_SEED,
+    keep it secret) and the public key (nats-server's auth_callout.issuer)."""
+    import nkeys
+
+    from .bus_callout import new_account_seed
+
+    seed = new_account_seed()
+    click.echo(f"INFERBUS_CALLOUT_ISSUER_SEED={seed.decode()}")
+    click.echo(f"issuer (public key): {nkeys.from_seed(seed).public_key.decode()}")
 
 
 @main.command("secrets")
