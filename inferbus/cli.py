@@ -327,29 +327,47 @@ def config_docs() -> None:
 
 
 @main.command("bus-config")
-def bus_config() -> None:
+@click.option("--callout", is_flag=True,
+              help="Print the accounts and auth_callout block of per-pod identities instead "
+                   "(deploy/k8s/per-pod-identities/nats-auth.conf).")
+def bus_config(callout: bool) -> None:
     """Print the NATS `authorization` block of a deployment: one user per service role with its
     subject permissions, passwords read from nats-server's environment (NATS_PASSWORD_<ROLE>).
 
     deploy/k8s/base/nats-auth.conf is this output (docker-compose.yml mounts it too); see
-    docs/security.md for what each identity may do.
+    docs/security.md for what each identity may do. With --callout: every pod authorized by
+    `inferbus auth-callout` with permissions scoped to its own name.
     """
+    if callout:
+        from .bus_callout import deployment_callout_config
+
+        click.echo(deployment_callout_config(), nl=False)
+        return
     from .bus_auth import deployment_auth_config
 
     click.echo(deployment_auth_config(), nl=False)
 
 
 @main.command("callout-keys")
-def callout_keys() -> None:
-    """Print a new issuer key pair for `inferbus auth-callout`: the seed (INFERBUS_CALLOUT_ISSUER_SEED,
-    keep it secret) and the public key (nats-server's auth_callout.issuer)."""
+@click.option("--namespace", default="inferbus", show_default=True, help="Namespace of the Secret.")
+def callout_keys(namespace: str) -> None:
+    """Print the `inferbus-callout` Secret of per-pod identities, for `kubectl apply -f -`: a new
+    issuer key pair (the seed, INFERBUS_CALLOUT_ISSUER_SEED, for `inferbus auth-callout` only; the
+    public key, INFERBUS_CALLOUT_ISSUER, for nats-server's auth_callout.issuer) and the callout
+    service's own NATS password (NATS_PASSWORD_AUTH). See docs/security.md."""
+    import json as json_mod
+
     import nkeys
 
-    from .bus_callout import new_account_seed
+    from .bus_auth import new_password
+    from .bus_callout import AUTH_PASSWORD_ENV, ISSUER_ENV, new_account_seed
 
     seed = new_account_seed()
-    click.echo(f"INFERBUS_CALLOUT_ISSUER_SEED={seed.decode()}")
-    click.echo(f"issuer (public key): {nkeys.from_seed(seed).public_key.decode()}")
+    data = {"INFERBUS_CALLOUT_ISSUER_SEED": seed.decode(), ISSUER_ENV: nkeys.from_seed(seed).public_key.decode(),
+            AUTH_PASSWORD_ENV: new_password()}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": "inferbus-callout", "namespace": namespace}, "stringData": data}
+    click.echo(json_mod.dumps(secret, indent=2))
 
 
 @main.command("secrets")

@@ -40,7 +40,7 @@ def make_local_tls(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.
     """Write a new CA and a server certificate for `hosts` (DNS names or IP addresses) signed by it
     into `directory` (0700)."""
     private_dir(directory)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     server_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("inferbus local CA")

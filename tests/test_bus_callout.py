@@ -7,6 +7,8 @@ verifier is the deployment's TokenReview; here a table of tokens stands in for t
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import subprocess
 import threading
 import time
@@ -18,36 +20,51 @@ import nkeys
 import pytest
 
 from inferbus.bus import BusSettings
-from inferbus.bus_auth import inbox_prefix, new_password
-from inferbus.bus_callout import Authorizer, CalloutError, PodIdentity, decode_jwt, encode_jwt, \
-    new_account_seed, server_config
+from inferbus.bus_auth import inbox_prefix, new_password, password_env
+from inferbus.bus_callout import (
+    AUTH_PASSWORD_ENV,
+    CALLOUT_ACCOUNT,
+    ISSUER_ENV,
+    Authorizer,
+    CalloutError,
+    PodIdentity,
+    decode_jwt,
+    deployment_callout_config,
+    encode_jwt,
+    new_account_seed,
+)
 from inferbus.local import free_port, http_ok, nats_server_binary
 from proto import subjects
 from services.auth_callout.service import answer_requests
 
 pytestmark = pytest.mark.e2e
 
+CALLOUT_CONF = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "per-pod-identities" / "nats-auth.conf"
+
 TOKENS = {
-    "token-gw-a": PodIdentity("inferbus", "inferbus-gateway", "gateway-a"),
-    "token-gw-b": PodIdentity("inferbus", "inferbus-gateway", "gateway-b"),
-    "token-other-ns": PodIdentity("default", "inferbus-gateway", "gateway-x"),
+    "token-gw-a": PodIdentity("inferbus", "gateway", "gateway-a"),
+    "token-gw-b": PodIdentity("inferbus", "gateway", "gateway-b"),
+    "token-other-ns": PodIdentity("default", "gateway", "gateway-x"),
     "token-unknown-sa": PodIdentity("inferbus", "default", "someone"),
 }
 
 
 @pytest.fixture
 def callout_nats(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(URL of a nats-server that authorizes through the callout, the ops password)."""
+    """(URL of a nats-server with the deployment's callout config, the ops password)."""
     issuer = nkeys.from_seed(new_account_seed())
     auth_password, ops_password = new_password(), new_password()
     port, monitor = free_port(), free_port()
+    shutil.copy(CALLOUT_CONF, tmp_path / "nats-auth.conf")
     (tmp_path / "nats.conf").write_text(
         f'listen: "127.0.0.1:{port}"\nhttp: "127.0.0.1:{monitor}"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
-        + server_config(issuer.public_key.decode(), "INFERBUS", "auth", auth_password, [("ops", ops_password)]))
-    server = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "nats.conf")],
+        'include "nats-auth.conf"\n')
+    env = {**os.environ, ISSUER_ENV: issuer.public_key.decode(), AUTH_PASSWORD_ENV: auth_password,
+           password_env("ops"): ops_password}
+    server = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "nats.conf")], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"nats://127.0.0.1:{port}"
-    authorizer = Authorizer(issuer=issuer, account="INFERBUS", namespace="inferbus", verify_token=TOKENS.get,
+    authorizer = Authorizer(issuer=issuer, account=CALLOUT_ACCOUNT, namespace="inferbus", verify_token=TOKENS.get,
                             clock=time.time)
     loop = asyncio.new_event_loop()
 
@@ -153,3 +170,8 @@ def test_requests_must_be_signed_by_a_server() -> None:
         decode_jwt(forged)  # an account key is not a server's
     with pytest.raises(CalloutError):
         decode_jwt("a.b.c")
+
+
+def test_the_checked_in_callout_config_is_the_codes() -> None:
+    assert CALLOUT_CONF.read_text() == deployment_callout_config(), (
+        "regenerate: inferbus bus-config --callout > deploy/k8s/per-pod-identities/nats-auth.conf")

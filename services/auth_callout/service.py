@@ -19,6 +19,7 @@ from inferbus.bus_callout import AUTH_SUBJECT, Authorizer, CalloutError, PodIden
 from .settings import AuthCalloutSettings
 
 log = logs.get(__name__)
+CALLOUT_QUEUE = "auth-callout"
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"  # set by the API server for bound (projected) tokens
 
 
@@ -56,7 +57,7 @@ async def answer_requests(nc: Client, authorizer: Authorizer) -> Subscription:
             return
         await msg.respond(response.encode())
 
-    subscription = await nc.subscribe(AUTH_SUBJECT, cb=answer)
+    subscription = await nc.subscribe(AUTH_SUBJECT, queue=CALLOUT_QUEUE, cb=answer)  # replicas share the work
     await nc.flush()
     return subscription
 
