@@ -8,8 +8,9 @@ server asks a service for every connection: the client presents its pod's projec
 ServiceAccount token (audience-bound, expiring, naming the pod), the service verifies it (a
 Kubernetes `TokenReview` in a deployment) and answers with a user JWT whose permissions are
 `bus_auth.permissions(role, pod, scope=pod)`: the role from the pod's ServiceAccount, every
-subject scoped to the pod's own name, which the pod also uses as its gateway, worker or batch
-service id and as its NATS user (the inbox prefix).
+subject scoped to the pod's own name, which the pod also uses as its gateway or worker id and as
+its NATS user (the inbox prefix). The batch service, one per platform, keeps its stable id as
+its scope (`fixed_scopes`).
 
 The JWTs are NATS's (header `{"typ": "JWT", "alg": "ed25519-nkey"}`, claims signed with an
 account nkey): the server's authorization request, signed by the server; our authorization
@@ -24,7 +25,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import nkeys
@@ -135,6 +136,10 @@ class Authorizer:
     verify_token: Callable[[str], PodIdentity | None]  # None: not a valid token
     clock: Callable[[], float]
     ttl_s: float = 3600.0  # a user JWT's lifetime; the server drops the connection when it expires
+    # Roles whose scope is a fixed id rather than the pod's name: the batch service runs once per
+    # platform, and its id must outlive its pod (lines published before a restart still report to
+    # it and can still be cancelled by it; INFERBUS_BATCH_SERVICE_ID, "main" by default).
+    fixed_scopes: dict[str, str] = field(default_factory=lambda: {"batch": "main"})
 
     def decide(self, connect_opts: dict[str, Any]) -> tuple[str, Permissions]:
         """(NATS user name, permissions) for a client's CONNECT options; CalloutError to refuse."""
@@ -152,7 +157,7 @@ class Authorizer:
         claimed = connect_opts.get("user")
         if claimed and claimed != pod.pod:
             raise CalloutError(f"user {claimed!r} is not the pod's name {pod.pod!r}")
-        return pod.pod, permissions(role, pod.pod, pod.pod)
+        return pod.pod, permissions(role, pod.pod, self.fixed_scopes.get(role, pod.pod))
 
     def respond(self, request_jwt: str) -> str:
         """The signed authorization response to a server's signed authorization request."""

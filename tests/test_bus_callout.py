@@ -46,6 +46,7 @@ TOKENS = {
     "token-gw-b": PodIdentity("inferbus", "gateway", "gateway-b"),
     "token-other-ns": PodIdentity("default", "gateway", "gateway-x"),
     "token-unknown-sa": PodIdentity("inferbus", "default", "someone"),
+    "token-batch": PodIdentity("inferbus", "batch", "batch-7d9f-x2"),
 }
 
 
@@ -175,3 +176,17 @@ def test_requests_must_be_signed_by_a_server() -> None:
 def test_the_checked_in_callout_config_is_the_codes() -> None:
     assert CALLOUT_CONF.read_text() == deployment_callout_config(), (
         "regenerate: inferbus bus-config --callout > deploy/k8s/per-pod-identities/nats-auth.conf")
+
+
+def test_the_batch_service_keeps_its_stable_id_as_its_scope() -> None:
+    """One batch service per platform: its scope is its service id, not its (changing) pod name."""
+    authorizer = Authorizer(issuer=nkeys.from_seed(new_account_seed()), account=CALLOUT_ACCOUNT, namespace="inferbus",
+                            verify_token=TOKENS.get, clock=time.time)
+    user, granted = authorizer.decide({"auth_token": "token-batch"})
+    assert user == "batch-7d9f-x2"
+    assert subjects.token_subject("batch-main") in granted.subscribe
+    assert f"{inbox_prefix('batch-7d9f-x2')}.>" in granted.subscribe
+    gateway_user, gateway = authorizer.decide({"auth_token": "token-gw-a"})
+    assert gateway_user == "gateway-a" and subjects.token_subject("gateway-a") in gateway.subscribe
+    with pytest.raises(CalloutError):
+        authorizer.decide({"auth_token": "token-gw-a", "user": "gateway-b"})  # a name that is not its own

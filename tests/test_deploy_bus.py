@@ -222,8 +222,8 @@ def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
         env = {e["name"]: e for e in patched["env"]}
         assert env["NATS_PASSWORD"].get("$patch") == "delete", name
         assert env["NATS_USER"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" and env["NATS_USER"]["value"] is None
-        scope_env = {"gateway": "INFERBUS_GATEWAY_ID", "batch": "INFERBUS_BATCH_SERVICE_ID",
-                     "worker": "INFERBUS_WORKER_ID"}.get(role)
+        # (The batch service keeps its stable id, the callout's fixed scope for it.)
+        scope_env = {"gateway": "INFERBUS_GATEWAY_ID", "worker": "INFERBUS_WORKER_ID"}.get(role)
         if scope_env is not None:  # the worker's is the pod name already
             source = env.get(scope_env) or {e["name"]: e for e in container["env"]}[scope_env]
             assert source["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", (name, scope_env)
