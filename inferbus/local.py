@@ -300,6 +300,9 @@ class StackConfig:
     # TLS on the NATS client port (the NATS this stack starts): a new local CA and server
     # certificate in state_dir/tls, services verify the server against that CA.
     tls: bool = False
+    # Every service authorized by `inferbus auth-callout` with a token of its own instead of a
+    # password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens.
+    callout: bool = False
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
@@ -345,7 +348,40 @@ class Stack:
             chosen = self.identities["worker"]
         if chosen is None or chosen.role == "ops":
             return {}
+        if self.config.callout:
+            return {"NATS_USER": chosen.user, "NATS_TOKEN_FILE": str(self.config.state_dir / "tokens" / chosen.user)}
         return {"NATS_USER": chosen.user, "NATS_PASSWORD": chosen.password}
+
+    def _callout_setup(self, port: int, monitor: int, tls: tuple[Path, Path] | None) -> str:
+        """The nats-server config of a callout platform, a token per service, and the callout."""
+        import nkeys
+
+        from .bus_callout import CALLOUT_ACCOUNT, new_account_seed, server_config
+
+        assert self.identities is not None
+        c = self.config
+        if c.autoscale:
+            raise ValueError("callout: the workers an autoscaler starts have no token of their own")
+        seed = new_account_seed()
+        auth_password = new_password()
+        ops = self.identities["ops"]
+        tokens = {}
+        for identity in self.identities.all():
+            if identity.role in ("ops", "producer") or (identity.role == "worker" and identity.scope is None):
+                continue
+            token = new_password()
+            write_private(c.state_dir / "tokens" / identity.user, token + "\n")
+            tokens[token] = {"namespace": "local", "service_account": identity.role, "pod": identity.user}
+        write_private(c.state_dir / "callout-tokens.json", json.dumps(tokens))
+        callout_log = c.state_dir / "logs" / "auth-callout.log"
+        self._add("auth-callout", self._inferbus("auth-callout"), lambda: _logged(callout_log, b'"auth_callout_ready"'),
+                  "per-service tokens", NATS_USER="auth", NATS_PASSWORD=auth_password,
+                  INFERBUS_CALLOUT_ISSUER_SEED=seed.decode(), INFERBUS_CALLOUT_ACCOUNT=CALLOUT_ACCOUNT,
+                  INFERBUS_CALLOUT_NAMESPACE="local", INFERBUS_CALLOUT_TOKENS_FILE=str(c.state_dir / "callout-tokens.json"),
+                  INFERBUS_LOG_LEVEL="info")
+        head = nats_config(port, monitor, c.state_dir / "nats", self.identities, tls).split("authorization {")[0]
+        return head + server_config(nkeys.from_seed(seed).public_key.decode(), CALLOUT_ACCOUNT, "auth", auth_password,
+                                    (("ops", ops.password),))
 
     def _add(self, name: str, argv: list[str], ready: Callable[[], bool], detail: str = "", **env: str) -> Process:
         env = {**self.credentials(name), **env}
@@ -378,7 +414,8 @@ class Stack:
                 made = make_local_tls(c.state_dir / "tls")
                 self.nats_tls_ca, tls = str(made.ca_file), (made.cert_file, made.key_file)
             config = c.state_dir / "nats.conf"
-            write_private(config, nats_config(port, monitor, c.state_dir / "nats", self.identities, tls))
+            write_private(config, self._callout_setup(port, monitor, tls) if c.callout else
+                          nats_config(port, monitor, c.state_dir / "nats", self.identities, tls))
             self._add("nats", [nats_server_binary(), "-c", str(config)],
                       lambda: http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"), self.nats_server_url)
         if not self.redis_url:
@@ -462,8 +499,9 @@ class Stack:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""
         self.plan()
         infra = [p for p in self.processes if p.name in ("nats", "redis")]
-        services = [p for p in self.processes if p not in infra]
-        for group in (infra, services):
+        callout = [p for p in self.processes if p.name == "auth-callout"]  # before anyone else connects
+        services = [p for p in self.processes if p not in infra and p not in callout]
+        for group in (infra, callout, services):
             for process in group:
                 process.start()
                 process.backoff.started_at = time.monotonic()

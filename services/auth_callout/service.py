@@ -5,8 +5,10 @@ Kubernetes TokenReview API. A thin shell: the decision and the JWTs are in infer
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+from pathlib import Path
 
 import nkeys
 from nats.aio.client import Client
@@ -45,6 +47,12 @@ def token_review_verifier(audience: str):  # type: ignore[no-untyped-def]
     return verify
 
 
+def static_tokens_verifier(path: str):  # type: ignore[no-untyped-def]
+    """A verifier from a file of static tokens (read once): for platforms without Kubernetes."""
+    table = {token: PodIdentity(**who) for token, who in json.loads(Path(path).read_text()).items()}
+    return table.get
+
+
 async def answer_requests(nc: Client, authorizer: Authorizer) -> Subscription:
     """Answer every authorization request the server sends (its `auth_users` may subscribe)."""
 
@@ -66,7 +74,7 @@ async def serve(settings: AuthCalloutSettings) -> None:
     logs.configure("auth-callout", settings.log_level)
     if not settings.issuer_seed:
         raise SystemExit("INFERBUS_CALLOUT_ISSUER_SEED is required (an account nkey seed; see docs/security.md)")
-    verify = token_review_verifier(settings.audience)
+    verify = static_tokens_verifier(settings.tokens_file) if settings.tokens_file else token_review_verifier(settings.audience)
     authorizer = Authorizer(issuer=nkeys.from_seed(settings.issuer_seed.encode()), account=settings.account,
                             namespace=settings.namespace, verify_token=verify, clock=time.time,
                             ttl_s=settings.user_ttl_s)

@@ -16,6 +16,9 @@ class AuthCalloutSettings:
     namespace: str = env("INFERBUS_CALLOUT_NAMESPACE", "inferbus", "Only pods of this Kubernetes namespace are authorized.")
     audience: str = env("INFERBUS_CALLOUT_AUDIENCE", "nats", "Audience the pods' projected ServiceAccount tokens are "
                         "issued for (serviceAccountToken.audience); a token for another audience is refused.")
+    tokens_file: str = env("INFERBUS_CALLOUT_TOKENS_FILE", "", "Instead of the Kubernetes API: a JSON file of static "
+                           "tokens, {token: {namespace, service_account, pod}} (a local platform: `inferbus up "
+                           "--callout`). Empty: TokenReview, from inside the cluster.")
     user_ttl_s: float = env("INFERBUS_CALLOUT_USER_TTL_S", 3600.0, "Lifetime of an issued user JWT: the server closes the "
                             "connection then and the client reconnects with its current token.")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
