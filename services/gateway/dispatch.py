@@ -125,6 +125,7 @@ class Dispatcher:
         self.fair: FairQueue[Flight] = FairQueue()
         self.in_queue = 0  # this gateway's requests published and not yet accepted
         self._in_queue_by_band: dict[str, int] = {}  # the same per band, for the overload policy
+        self._queued_flights: dict[str, Flight] = {}  # the same flights, by request id (few: the window and placed ones)
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
@@ -208,8 +209,7 @@ class Dispatcher:
         """This gateway's requests of `band` or a more important band queued on `worker_id`'s own
         queue and not started yet."""
         ahead = bands_through(band)
-        return sum(1 for f in self.flights.values()
-                   if f.state == "queued" and f.worker_id == worker_id and f.request.tier in ahead)
+        return sum(1 for f in self._queued_flights.values() if f.worker_id == worker_id and f.request.tier in ahead)
 
     async def _publish(self, flight: Flight) -> None:
         request = flight.request
@@ -245,6 +245,10 @@ class Dispatcher:
     def _count_queued(self, flight: Flight, delta: int) -> None:
         band = flight.request.tier
         self._in_queue_by_band[band] = self._in_queue_by_band.get(band, 0) + delta
+        if delta > 0:
+            self._queued_flights[flight.request.request_id] = flight
+        else:
+            self._queued_flights.pop(flight.request.request_id, None)
 
     async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None) -> Flight:
         """Queue a new request; its events arrive on the returned flight's queue.
