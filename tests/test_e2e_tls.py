@@ -114,6 +114,12 @@ def test_up_with_tls_serves_and_refuses_plaintext(tmp_path: Path) -> None:
         # The platform's CA is what makes a client trust the server; the system's CAs do not.
         assert asyncio.run(connect(str(ca_file)))
         assert not asyncio.run(connect(None))
+        # The CLI run against this platform finds its CA in platform.json (an operator command
+        # that reads the ledger over NATS).
+        cli = subprocess.run([sys.executable, "-m", "inferbus.cli", "usage", "rebuild", "--yes"],
+                             env={**env, "INFERBUS_PLATFORM_DIR": str(state)}, capture_output=True, text=True,
+                             timeout=120)
+        assert cli.returncode == 0 and "Rebuilt usage rollups" in cli.stdout, cli.stdout + cli.stderr
         with pytest.raises(ssl.SSLCertVerificationError):
             context = ssl.create_default_context()
             with socket.create_connection(("127.0.0.1", url.port), timeout=5) as sock:
