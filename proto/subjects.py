@@ -1,7 +1,8 @@
 """Every subject, stream, consumer and bucket name on the bus. Build names here, nowhere else.
 
 Layout (see DESIGN.md):
-    inferbus.req.<tier>.<model>.any | .w.<worker>   JetStream REQUESTS (work queue)
+    inferbus.req.<tier>.<model>.any | .w.<worker> .<gateway>   JetStream REQUESTS (work queue); the
+                                                   last token names the gateway its replies go to
     inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
     inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
     inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
@@ -56,29 +57,58 @@ def worker_target(worker_id: str) -> str:
     return f"w.{token(worker_id)}"
 
 
-def request_subject(tier: Tier, model: str, target: str = ANY_TARGET) -> str:
-    """`target` is `ANY_TARGET` or `worker_target(worker_id)`."""
-    return f"{PREFIX}.req.{tier}.{token(model)}.{target}"
+def request_subject(tier: Tier, model: str, target: str, reply_to: str) -> str:
+    """`target` is `ANY_TARGET` or `worker_target(worker_id)`; the last token is the owner of
+    `reply_to` (the request's reply subject, `token_subject(owner)`: a gateway or batch service).
+    A publisher's NATS permissions allow its own owner token only, and a worker runs a request only
+    when its `reply_to` is that owner's (`request_reply_allowed`), so no identity can make a worker
+    stream tokens to another gateway."""
+    return f"{PREFIX}.req.{tier}.{token(model)}.{target}.{reply_owner(reply_to)}"
+
+
+def request_filter(tier: Tier, model: str, target: str = ANY_TARGET) -> str:
+    """A consumer's filter: every owner's requests of `tier` and `model` for `target`."""
+    return f"{PREFIX}.req.{tier}.{token(model)}.{target}.*"
+
+
+def request_owner(subject: str) -> str:
+    """The owner token of a request subject (its last token)."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def request_reply_allowed(subject: str, reply_to: str) -> bool:
+    """Whether a request that arrived on `subject` may stream to `reply_to`: only to the token
+    subject of the owner its publisher was allowed to name."""
+    return reply_to == f"{PREFIX}.tok.{request_owner(subject)}"
 
 
 def shared_request_subject(worker_subject: str) -> str | None:
-    """The shared (`any`) subject for a request queued on `worker_subject` (a worker's own queue),
-    or None when the subject is not a worker's request subject."""
-    head, sep, _worker = worker_subject.rpartition(".w.")
-    if not sep or not head.startswith(f"{PREFIX}.req."):
+    """The shared (`any`) subject for a request queued on `worker_subject` (a worker's own queue,
+    with its owner token), or None when the subject is not a worker's request subject."""
+    head, sep, rest = worker_subject.rpartition(".w.")
+    if not sep or not head.startswith(f"{PREFIX}.req.") or "." not in rest:
         return None
-    return f"{head}.{ANY_TARGET}"
+    return f"{head}.{ANY_TARGET}.{rest.split('.', 1)[1]}"
 
 
 def worker_of_request_subject(subject: str) -> str | None:
-    """The worker token of a worker's request subject (as `token(worker_id)`), else None."""
-    head, sep, worker = subject.rpartition(".w.")
-    return worker if sep and head.startswith(f"{PREFIX}.req.") else None
+    """The worker token of a worker's request subject or filter (as `token(worker_id)`), else None."""
+    head, sep, rest = subject.rpartition(".w.")
+    if not sep or not head.startswith(f"{PREFIX}.req.") or "." not in rest:
+        return None
+    return rest.split(".", 1)[0]
 
 
-def shared_request_wildcard(tier: Tier | None = None) -> str:
-    """Every shared (`any`) request subject of `tier` (of every tier when None), for permissions."""
-    return f"{PREFIX}.req.{tier or '*'}.*.{ANY_TARGET}"
+def shared_request_wildcard(tier: Tier | None = None, owner: str | None = None) -> str:
+    """Shared (`any`) request subjects of `tier` (of every tier when None) and of `owner` (of
+    every owner when None), for permissions."""
+    return f"{PREFIX}.req.{tier or '*'}.*.{ANY_TARGET}.{'*' if owner is None else token(owner)}"
+
+
+def owned_request_wildcards(owner: str) -> tuple[str, str]:
+    """Every request subject a publisher may use when its replies go to `owner`: the shared
+    queue and every worker's own queue, of every tier and model."""
+    return (shared_request_wildcard(None, owner), f"{PREFIX}.req.*.*.w.*.{token(owner)}")
 
 
 def requests_stream_subjects() -> list[str]:

@@ -164,7 +164,8 @@ def test_a_worker_cannot_inject_a_request_nor_cancel_one(platform: Platform) -> 
         async with worker as nc:
             forged = a_request(subjects.token_subject("gateway"))
             for tier in ("premium", "standard"):
-                await nc.publish(subjects.request_subject(tier, MODEL), m.encode(forged))  # type: ignore[arg-type]
+                await nc.publish(subjects.request_subject(tier, MODEL, subjects.ANY_TARGET, forged.reply_to),  # type: ignore[arg-type]
+                                 m.encode(forged))
             await nc.publish(subjects.cancel_subject("gateway", forged.request_id), m.encode(m.Cancel(forged.request_id)))
             await nc.flush()
             await asyncio.sleep(0.3)
@@ -173,8 +174,67 @@ def test_a_worker_cannot_inject_a_request_nor_cancel_one(platform: Platform) -> 
 
     seen, worker = asyncio.run(run())
     assert seen == []
-    assert worker.denied("publish", subjects.request_subject("standard", MODEL))
+    assert worker.denied("publish", subjects.request_subject("standard", MODEL, subjects.ANY_TARGET,
+                                                             subjects.token_subject("gateway")))
     assert worker.denied("publish", f"{subjects.PREFIX}.cancel.gateway.")
+
+
+def test_a_gateway_cannot_make_a_worker_stream_another_gateways_tokens(platform: Platform) -> None:
+    """A request names where its tokens go (`reply_to`). A gateway's identity may publish requests
+    only on subjects that name itself as the owner, and a worker runs a request only when its
+    reply_to is that owner's: a gateway cannot have a worker stream to another gateway's subject
+    (to corrupt its clients' streams), nor, with the same trick, anywhere else. The control: the
+    same gateway's request with its own reply_to does run (its events reach its token subject)."""
+    own_subject, other_subject = subjects.token_subject("gateway"), subjects.token_subject("another-gateway")
+
+    async def forge_as_gateway() -> tuple[list[str], list[str], Connection, str]:
+        own_events: list[str] = []
+        other_events: list[str] = []
+        ops = await nats.connect(platform.stack.nats_url)
+        await ops.subscribe(own_subject, cb=collect(own_events))
+        await ops.subscribe(other_subject, cb=collect(other_events))
+        await ops.flush()
+        gateway = Connection(platform, identity(platform, "gateway"))
+        async with gateway as nc:
+            js = nc.jetstream()
+            honest, forged = a_request(own_subject), a_request(other_subject)
+            # On its own subject, with another gateway's reply_to: JetStream takes it, the worker refuses it.
+            await js.publish(subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, own_subject),
+                             m.encode(forged))
+            # On a subject naming the other gateway: the server refuses the publish itself.
+            await nc.publish(subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, other_subject),
+                             m.encode(forged))
+            await js.publish(subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, own_subject),
+                             m.encode(honest))
+            deadline = time.monotonic() + 20
+            while not own_events and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # the forged one was queued first: its events would be here by now
+        await ops.close()
+        return own_events, other_events, gateway, forged.request_id
+
+    own_events, other_events, gateway, forged_id = asyncio.run(forge_as_gateway())
+    assert own_events, "the gateway's honest request never ran: the test proves nothing"
+    assert other_events == []
+    assert gateway.denied("publish", subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, other_subject))
+    refused = [line for name in ("worker-1", "worker-2")
+               for line in platform.stack.get(name).log_path.read_text(errors="replace").splitlines()
+               if '"request_not_owner"' in line and forged_id in line]
+    assert refused, "no worker saw the forged request"
+
+
+def test_request_subjects_bind_the_reply_owner() -> None:
+    own = subjects.request_subject("standard", "m.1", subjects.worker_target("w1"), subjects.token_subject("gw.1"))
+    assert own == "inferbus.req.standard.m%2E1.w.w1.gw%2E1"
+    assert subjects.request_reply_allowed(own, subjects.token_subject("gw.1"))
+    assert not subjects.request_reply_allowed(own, subjects.token_subject("gw"))
+    assert not subjects.request_reply_allowed(own, "inferbus.tok.gw%2E1.extra")
+    assert subjects.shared_request_subject(own) == "inferbus.req.standard.m%2E1.any.gw%2E1"
+    assert subjects.worker_of_request_subject(own) == "w1"
+    assert subjects.worker_of_request_subject(subjects.request_filter("standard", "m.1", subjects.worker_target("w1"))) == "w1"
+    gateway = permissions("gateway", "gateway-a", "a").publish
+    assert "inferbus.req.>" not in gateway
+    assert set(subjects.owned_request_wildcards("a")) <= set(gateway)
 
 
 def test_a_gateway_cannot_cancel_another_gateways_request(platform: Platform) -> None:

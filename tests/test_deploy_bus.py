@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -15,7 +16,14 @@ import nats
 import pytest
 
 from inferbus.bus import BusSettings
-from inferbus.bus_auth import DEPLOYMENT_ROLES, REDIS_PASSWORD_ENV, deployment_auth_config, new_secrets, password_env
+from inferbus.bus_auth import (
+    DEPLOYMENT_ROLES,
+    REDIS_PASSWORD_ENV,
+    deployment_auth_config,
+    new_password,
+    new_secrets,
+    password_env,
+)
 from inferbus.local import free_port, http_ok, nats_server_binary
 
 yaml = pytest.importorskip("yaml")
@@ -82,9 +90,14 @@ def test_a_nats_server_with_the_deployments_users_closes_the_bus(tmp_path: Path)
         server.wait()
 
 
+def _manifests() -> list[Path]:
+    """Whole manifests (patches, `*-patch.yaml`, are partial objects)."""
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith("-patch.yaml"))
+
+
 def _containers() -> list[tuple[Path, dict]]:
     found = []
-    for path in sorted(K8S.rglob("*.yaml")):
+    for path in _manifests():
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") in ("Deployment", "StatefulSet"):
                 for container in doc["spec"]["template"]["spec"]["containers"]:
@@ -153,3 +166,90 @@ def test_compose_services_connect_with_their_own_identity() -> None:
             assert env["REDIS_URL"].startswith(f"redis://:${{{REDIS_PASSWORD_ENV}:?"), name
     assert compose["nats"]["networks"] == ["bus"] and compose["redis"]["networks"] == ["store"]
     assert "--requirepass" in compose["redis"]["command"]
+
+
+def test_no_pod_can_read_another_identitys_password() -> None:
+    """What the role-wide identities rest on (docs/security.md): a pod gets its own role's password
+    as one Secret key, never the whole Secret (a volume, envFrom or a projected volume would give
+    every pod every identity's password). Only nats-server itself reads all of them."""
+    for path in _manifests():
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") not in ("Deployment", "StatefulSet"):
+                continue
+            spec = doc["spec"]["template"]["spec"]
+            for volume in spec.get("volumes", []):
+                assert volume.get("secret", {}).get("secretName") != SECRET, (path, volume)
+                sources = volume.get("projected", {}).get("sources", [])
+                assert all(s.get("secret", {}).get("name") != SECRET for s in sources), (path, volume)
+            for container in spec["containers"] + spec.get("initContainers", []):
+                assert all(e.get("secretRef", {}).get("name") != SECRET for e in container.get("envFrom", [])), path
+                if container["name"] == "nats":
+                    continue
+                keys = {_secret_key(e) for e in container.get("env", [])} - {None}
+                own = {password_env(e["value"]) for e in container.get("env", []) if e["name"] == "NATS_USER"}
+                assert keys <= own | {REDIS_PASSWORD_ENV}, (path, container["name"], keys)
+
+
+PER_POD = K8S / "per-pod-identities"
+
+
+def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
+    """The per-pod-identities component: every Deployment of a service on the bus is patched to run
+    as the ServiceAccount of its role (as `inferbus auth-callout` maps them), with a projected
+    token for the callout's audience instead of a password, its pod name as its NATS user, and as
+    its gateway or batch service id (the scope of its permissions)."""
+    from inferbus.bus_callout import ROLE_BY_SERVICE_ACCOUNT
+    from services.auth_callout.settings import AuthCalloutSettings
+
+    component = yaml.safe_load((PER_POD / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    patches = {p["target"]["name"]: PER_POD / p["path"] for p in component["patches"]}
+    accounts = {d["metadata"]["name"] for path in _manifests() for d in yaml.safe_load_all(path.read_text())
+                if d and d.get("kind") == "ServiceAccount"}
+    services = {doc["metadata"]["name"]: doc for path in _manifests() for doc in yaml.safe_load_all(path.read_text())
+                if doc and doc.get("kind") == "Deployment"
+                and (doc["spec"]["template"]["spec"]["containers"][0].get("args") or [""])[0] in SERVICES}
+    assert set(services) <= set(patches), set(services) - set(patches)
+    for name, deployment in services.items():
+        base_spec = deployment["spec"]["template"]["spec"]
+        container = base_spec["containers"][0]
+        role = SERVICES[container["args"][0]][0]
+        patch = yaml.safe_load(patches[name].read_text())
+        spec = patch["spec"]["template"]["spec"]
+        account = spec.get("serviceAccountName", base_spec.get("serviceAccountName"))
+        assert account in accounts and ROLE_BY_SERVICE_ACCOUNT[account] == role, (name, account)
+        [patched] = [c for c in spec["containers"] if c["name"] == container["name"]]
+        env = {e["name"]: e for e in patched["env"]}
+        assert env["NATS_PASSWORD"].get("$patch") == "delete", name
+        assert env["NATS_USER"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" and env["NATS_USER"]["value"] is None
+        # (The batch service keeps its stable id, the callout's fixed scope for it.)
+        scope_env = {"gateway": "INFERBUS_GATEWAY_ID", "worker": "INFERBUS_WORKER_ID"}.get(role)
+        if scope_env is not None:  # the worker's is the pod name already
+            source = env.get(scope_env) or {e["name"]: e for e in container["env"]}[scope_env]
+            assert source["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", (name, scope_env)
+        [volume] = [v for v in spec["volumes"] if v["name"] == "nats-token"]
+        token = volume["projected"]["sources"][0]["serviceAccountToken"]
+        assert token["audience"] == AuthCalloutSettings().audience
+        [mount] = [m for m in patched["volumeMounts"] if m["name"] == "nats-token"]
+        assert env["NATS_TOKEN_FILE"]["value"] == f"{mount['mountPath']}/{token['path']}"
+    nats_env = {e["name"] for e in yaml.safe_load((PER_POD / "nats-patch.yaml").read_text())
+                ["spec"]["template"]["spec"]["containers"][0]["env"]}
+    config = (PER_POD / "nats-auth.conf").read_text()
+    referenced = set(re.findall(r"password: \$([A-Z_]+)|issuer: \$([A-Z_]+)", config))
+    assert {n for pair in referenced for n in pair if n} <= nats_env | {"NATS_PASSWORD_OPS"}, referenced
+
+
+def test_the_per_pod_nats_config_is_valid_with_its_secrets(tmp_path: Path) -> None:
+    import nkeys
+
+    from inferbus.bus_callout import new_account_seed
+
+    shutil.copy(PER_POD / "nats-auth.conf", tmp_path / "nats-auth.conf")
+    shutil.copy(K8S / "base" / "nats.conf", tmp_path / "nats.conf")
+    env = {**os.environ, "INFERBUS_CALLOUT_ISSUER": nkeys.from_seed(new_account_seed()).public_key.decode(),
+           "NATS_PASSWORD_AUTH": new_password(), "NATS_PASSWORD_OPS": new_password()}
+    check = [nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"]
+    result = subprocess.run(check, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    del env["INFERBUS_CALLOUT_ISSUER"]
+    assert subprocess.run(check, env=env, capture_output=True).returncode != 0

@@ -90,7 +90,8 @@ class BatchFeed:
         # preempted line continues from its ids (re-tokenized text may split differently).
         prompt = render_prompt(load_model(self.platform.stack.model_dir), prompt=request.prompt)
         request = msgspec.structs.replace(request, input_ids=prompt.ids, prompt_tokens=len(prompt.ids))
-        await self.js.publish(subjects.request_subject("batch", MODEL, subjects.ANY_TARGET), m.encode(request),
+        await self.js.publish(subjects.request_subject("batch", MODEL, subjects.ANY_TARGET, request.reply_to),
+                              m.encode(request),
                               headers={"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
 
     async def cancel(self, request_id: str) -> None:

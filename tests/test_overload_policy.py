@@ -1,5 +1,7 @@
 import math
 
+import msgspec
+
 from proto import messages as m
 from services.gateway.overload import OverloadPolicy, Verdict, poisson_wait_quantile
 
@@ -201,3 +203,55 @@ def test_the_wait_compared_with_the_budget_is_its_90th_percentile() -> None:
     policy.on_queue_depth("standard", 4)  # 5 to start: mean 2.5 s, 90th percentile ~4.0 s
     verdict = policy.admit("standard")
     assert not verdict.admitted and 3.5 < verdict.expected_wait_s < 4.5
+
+
+def test_a_placement_on_a_full_worker_with_a_long_own_queue_does_not_fit_while_the_fleet_admits() -> None:
+    """The fleet has room (worker b is idle), so the pooled estimate admits; but a request placed
+    on worker a's own queue would wait behind a's queue at a's rate, past the budget: that
+    placement does not fit (the request goes to the shared queue), one on b does."""
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    for step in range(10):  # a: full, finishing 1 request/s (10 slots, each held ~10 s); b: idle
+        policy.on_load(load("a", in_flight=10, completed=step))
+        policy.on_load(load("b", in_flight=0, completed=0))
+        clock.now += 1.0
+    policy.on_queue_depth("standard", 6, by_worker={"a": 6})
+    assert policy.admit("standard").admitted  # 6 queued < b's 10 free slots
+    wait_a = policy.worker_wait_s("a", "standard")
+    assert wait_a is not None and wait_a > 3.0  # 7th start on a: Gamma(7, 1 s) 90% ≈ 10.5 s
+    assert not policy.placement_fits("a", "standard")
+    assert policy.placement_fits("b", "standard")
+    # With a's own queue empty, a request placed there is the next to start on a: ~2.3 s (90%).
+    policy.on_queue_depth("standard", 0, by_worker={})
+    assert policy.placement_fits("a", "standard")
+    # ...unless this gateway has just queued requests there that the polled depth does not show yet.
+    assert not policy.placement_fits("a", "standard", queued_here=2)
+
+
+def test_a_placed_request_waits_only_behind_its_own_and_more_important_bands_on_that_worker() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    for step in range(10):
+        policy.on_load(load("a", in_flight=10, completed=2 * step))  # 2 completions/s
+        clock.now += 1.0
+    policy.on_queue_depth("standard", 30, by_worker={"a": 30})
+    policy.on_queue_depth("premium", 2, by_worker={"a": 2})
+    assert policy.placement_fits("a", "premium")  # behind 2 premium: Gamma(3, 0.5 s) 90% ≈ 2.7 s
+    assert not policy.placement_fits("a", "standard")
+
+
+def test_a_worker_without_reports_or_with_unknown_rate() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    assert policy.worker_wait_s("nobody", "standard") is None
+    assert policy.placement_fits("nobody", "standard")  # no data is the router's call, not overload
+    policy.on_load(load("a", in_flight=10, completed=0))  # full, never finished anything yet
+    clock.now += 1.0
+    policy.on_load(load("a", in_flight=10, completed=0))
+    policy.on_queue_depth("standard", 1, by_worker={"a": 1})
+    assert policy.placement_fits("a", "standard")  # stalled 1 s: a lower bound within the budget
+    clock.now += 5.0
+    policy.on_load(load("a", in_flight=10, completed=0))
+    assert not policy.placement_fits("a", "standard")  # no progress for 6 s > 3 s
+    policy.on_load(msgspec.structs.replace(load("a", in_flight=10, completed=0), draining=True))
+    assert policy.worker_wait_s("a", "standard") is None  # draining: not a placement target

@@ -14,10 +14,12 @@ def test_subject_tokens_escape_dots_and_wildcards() -> None:
 
 
 def test_request_subjects_for_any_and_worker_targets_do_not_overlap() -> None:
-    shared = subjects.request_subject("standard", "m.1")
-    own = subjects.request_subject("standard", "m.1", subjects.worker_target("w1"))
-    assert shared == "inferbus.req.standard.m%2E1.any"
-    assert own == "inferbus.req.standard.m%2E1.w.w1"
+    reply_to = subjects.token_subject("gw")
+    shared = subjects.request_subject("standard", "m.1", subjects.ANY_TARGET, reply_to)
+    own = subjects.request_subject("standard", "m.1", subjects.worker_target("w1"), reply_to)
+    assert shared == "inferbus.req.standard.m%2E1.any.gw"
+    assert own == "inferbus.req.standard.m%2E1.w.w1.gw"
+    assert subjects.request_filter("standard", "m.1") == "inferbus.req.standard.m%2E1.any.*"
     assert subjects.request_consumer("standard", "m.1") != subjects.request_consumer("standard", "m.1", "w1")
     assert "." not in subjects.request_consumer("standard", "m.1", "host.a")
 

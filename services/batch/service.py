@@ -584,7 +584,8 @@ class BatchService:
             await self._publish_result(line_format.error_result(
                 run.id, line, error.code or "invalid_request", error.message, error.status, now))
             return
-        subject = subjects.request_subject("batch", run.base_model, subjects.ANY_TARGET)
+        subject = subjects.request_subject("batch", run.base_model, subjects.ANY_TARGET,
+                                           self.reply_subject)
         while True:
             request = line_format.line_request(
                 plan, batch_id=run.id, line=line, tenant=record.tenant, api_key_id=record.api_key_id,

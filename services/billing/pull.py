@@ -20,6 +20,7 @@ import json
 import time
 import urllib.parse
 import uuid
+from pathlib import Path
 from typing import NamedTuple
 
 from inferbus import logs
@@ -114,7 +115,9 @@ class PullConnection:
             await writer.start_tls(self.auth.ssl_context(), server_hostname=host)
         connect: dict[str, object] = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True,
                                       "protocol": 1, "name": self.name, "lang": "python-inferbus", "version": "1"}
-        if self.auth.user:  # the service's identity (bus.BusSettings), as bus.connect applies it
+        if self.auth.token_file:  # the service's identity (bus.BusSettings), as bus.connect applies it
+            connect["auth_token"] = Path(self.auth.token_file).read_text().strip()  # read anew: it rotates
+        elif self.auth.user:
             connect["user"], connect["pass"] = self.auth.user, self.auth.password
         elif server.username and server.password is not None:
             connect["user"] = urllib.parse.unquote(server.username)

@@ -28,7 +28,8 @@ from proto import messages as m
 from proto import subjects
 
 from .fairness import FairQueue
-from .metrics import DEATH_VERDICTS, FAIR_QUEUE, MIGRATIONS, NOT_STARTED, PLACEMENTS
+from .metrics import DEATH_VERDICTS, FAIR_QUEUE, MIGRATIONS, NOT_STARTED, PLACEMENTS, PLACEMENTS_OVER_BUDGET
+from .overload import bands_through
 from .queue_window import QueueWindow
 
 log = logs.get(__name__)
@@ -91,6 +92,7 @@ class Dispatcher:
         window_per_worker: int = 2,
         free_slots: Callable[[], int] = lambda: 0,
         worker_free_slots: Callable[[str], int | None] = lambda worker_id: None,
+        placement_fits: Callable[[str, str, int], bool] = lambda worker_id, band, queued_here: True,
         block_size: int = DEFAULT_BLOCK_SIZE,
         accept_timeout_s: float = 5.0,
         liveness_timeout_s: float = 1.0,
@@ -106,9 +108,13 @@ class Dispatcher:
         self.window = QueueWindow(window_per_worker)
         self.free_slots = free_slots
         self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
+        # Whether a request of a band may wait on a worker's own queue (its expected wait there fits
+        # the band's budget), given how many of ours already wait there unstarted.
+        self.placement_fits = placement_fits
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
+        self._queued_flights: dict[str, Flight] = {}  # published and not yet accepted, by request id (few: the window and placed ones)
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
@@ -182,7 +188,18 @@ class Dispatcher:
             return shared
         if placement.worker_id and (placement.worker_id not in self.live_workers or placement.worker_id == flight.avoid_worker):
             return shared
+        if placement.worker_id and not self.placement_fits(placement.worker_id, request.tier,
+                                                           self._queued_on(placement.worker_id, request.tier)):
+            # That worker's queue would hold it past its band's budget: any worker may take it.
+            PLACEMENTS_OVER_BUDGET.inc()
+            return shared
         return placement
+
+    def _queued_on(self, worker_id: str, band: str) -> int:
+        """This gateway's requests of `band` or a more important band queued on `worker_id`'s own
+        queue and not started yet."""
+        ahead = bands_through(band)
+        return sum(1 for f in self._queued_flights.values() if f.worker_id == worker_id and f.request.tier in ahead)
 
     async def _publish(self, flight: Flight) -> None:
         request = flight.request
@@ -196,7 +213,8 @@ class Dispatcher:
                 request, expected_cached_tokens=placement.cached_blocks * self.block_size
             )
         PLACEMENTS.labels("worker" if placement.worker_id else "any").inc()
-        subject = subjects.request_subject(request.tier, request.model, placement.target)  # type: ignore[arg-type]
+        subject = subjects.request_subject(request.tier, request.model, placement.target,  # type: ignore[arg-type]
+                                           request.reply_to)
         await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
 
@@ -239,10 +257,12 @@ class Dispatcher:
     def _mark_queued(self, flight: Flight) -> None:
         flight.state = "queued"
         self.window.entered(flight.request.tier)
+        self._queued_flights[flight.request.request_id] = flight
 
     def _left_queue(self, flight: Flight) -> None:
         if flight.state == "queued":
             self.window.left(flight.request.tier)
+            self._queued_flights.pop(flight.request.request_id, None)
         flight.state = "accepted"
         self._release()
 
@@ -278,6 +298,7 @@ class Dispatcher:
         else:
             if flight.state == "queued":
                 self.window.left(request.tier)
+                self._queued_flights.pop(request.request_id, None)
             used = float((flight.prompt_tokens or 0) + flight.sent_tokens)
             self.fair.finished(request.tenant, request.tier, flight.estimated_tokens, used)
         self._release()

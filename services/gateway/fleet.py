@@ -51,19 +51,25 @@ class FleetMonitor:
 
     async def _poll_queues(self) -> None:
         # Every consumer of the model's band subjects counts: the shared queue and each worker's
-        # own (placed requests wait there, and are as far from a slot as the shared ones).
-        prefixes = {band: subjects.request_subject(band, self.model, "") for band in BANDS}  # type: ignore[arg-type]
+        # own (placed requests wait there, and are as far from a slot as the shared ones); each
+        # worker's own also on its own, for placements (a placed request waits for that worker).
+        prefixes = {band: subjects.request_filter(band, self.model, "").removesuffix(".*") for band in BANDS}  # type: ignore[arg-type]
         while True:
             depth = dict.fromkeys(BANDS, 0)
+            by_worker: dict[str, dict[str, int]] = {band: {} for band in BANDS}
             try:
                 for info in await self.js.consumers_info(subjects.REQUESTS_STREAM):
                     subject = info.config.filter_subject or ""
                     for band, prefix in prefixes.items():
                         if subject.startswith(prefix):
-                            depth[band] += info.num_pending or 0
+                            pending = info.num_pending or 0
+                            depth[band] += pending
+                            worker = subjects.worker_of_request_subject(subject)
+                            if worker is not None:
+                                by_worker[band][worker] = by_worker[band].get(worker, 0) + pending
             except Exception as error:  # keep the last view; the next poll tries again
                 log.warning("queue_depth_poll_failed", error=repr(error))
             else:
                 for band, queued in depth.items():
-                    self.policy.on_queue_depth(band, queued)
+                    self.policy.on_queue_depth(band, queued, by_worker[band])
             await asyncio.sleep(self.queue_poll_s)

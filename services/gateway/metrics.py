@@ -42,3 +42,6 @@ SHED = Counter("inferbus_shed_total", "Requests refused with 503 `overloaded` be
 DEATH_VERDICTS = Counter("inferbus_worker_death_verdicts_total",
                          "Lapsed heartbeats checked with a liveness probe: `dead` (its streams migrate) or `alive`", ["verdict"])
 NOT_STARTED = Counter("inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue")
+PLACEMENTS_OVER_BUDGET = Counter("inferbus_placements_over_budget_total",
+                                 "Placements on a worker whose own queue would hold the request past its band's budget, "
+                                 "queued on the shared queue instead")

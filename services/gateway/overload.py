@@ -15,6 +15,12 @@ slot-seconds of the window its rate is unknown; then the wait is at least the ti
 fleet last made progress (a completion, or a free slot), a lower bound that sheds once it passes
 the budget instead of admitting blindly.
 
+A request the router places on one worker's own queue (prefix or adapter affinity) waits for
+that worker, not for the fleet: the pooled estimate does not bound its wait. So a placement is
+checked too (`placement_fits`): the same estimate for that one worker (its own queue, its engine's
+waiting requests, its free slots and its own rate) must fit the band's budget, or the request goes
+to the shared queue, which every worker pulls and the pooled estimate does bound.
+
 The wait compared with the budget is not the mean but its `quantile` (90%): with n requests to
 start before this one and slots freeing at random at the measured rate r, the wait is the time of
 the n-th event of a Poisson process, Gamma(n, 1/r). Admitting on the mean would let half of the
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto import messages as m
+from proto import subjects
 
 BANDS = ("premium", "standard")  # most important first
 
@@ -90,11 +97,19 @@ class _Worker:
     samples: deque[tuple[float, float, int]] = field(default_factory=deque)
     slot_seconds: float = 0.0  # sums over `samples`
     completions: int = 0
+    progress_at: float = 0.0  # this worker's last report with a new completion or a free slot
 
     def add(self, sample: tuple[float, float, int]) -> None:
         self.samples.append(sample)
         self.slot_seconds += sample[1]
         self.completions += sample[2]
+
+    def rate(self, min_busy_s: float) -> float | None:
+        """Slots this worker frees per second when full; None until its slots were occupied for
+        `min_busy_s` slot-seconds of the window."""
+        if self.slot_seconds < min_busy_s:
+            return None
+        return self.load.max_running * self.completions / self.slot_seconds
 
     def forget_before(self, cutoff: float, hard_cutoff: float, min_completions: int) -> None:
         """Drop samples older than `cutoff` while enough completions remain; older than
@@ -133,13 +148,15 @@ class OverloadPolicy:
     quantile: float = 0.9  # of the wait, compared with the budget
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
+    # (worker token, band) → requests waiting in that worker's own queue in JetStream
+    _queued_on: dict[tuple[str, str], int] = field(default_factory=dict)
     _progress_at: float | None = None  # last report with a new completion or a free slot
 
     def on_load(self, load: m.WorkerLoad) -> None:
         now = self.clock()
         worker = self._workers.get(load.worker_id)
         if worker is None or load.completed < worker.load.completed:  # new, or restarted (counter reset)
-            worker = self._workers[load.worker_id] = _Worker(seen=now, load=load)
+            worker = self._workers[load.worker_id] = _Worker(seen=now, load=load, progress_at=now)
             self._progress_at = now  # watched from here on
         elif now > worker.seen:
             # Slots held during the interval: as the previous report had them (requests that
@@ -148,14 +165,21 @@ class OverloadPolicy:
             completed = load.completed - worker.load.completed
             worker.add((now, max(0, occupied) * (now - worker.seen), completed))
             if completed > 0:
-                self._progress_at = now
+                self._progress_at = worker.progress_at = now
         worker.forget_before(now - self.rate_window_s, now - self.max_window_s, self.min_completions)
         if _free(load) > 0:
-            self._progress_at = now
+            self._progress_at = worker.progress_at = now
         worker.seen, worker.load = now, load
 
-    def on_queue_depth(self, band: str, queued: int) -> None:
+    def on_queue_depth(self, band: str, queued: int, by_worker: dict[str, int] | None = None) -> None:
+        """`queued`: requests of `band` waiting in JetStream, in the shared queue and every
+        worker's own; `by_worker`: those in each worker's own queue (by `subjects.token(worker_id)`)."""
         self._queued[band] = queued
+        if by_worker is not None:
+            for key in [key for key in self._queued_on if key[1] == band]:
+                del self._queued_on[key]
+            for worker, count in by_worker.items():
+                self._queued_on[(worker, band)] = count
 
     def _live(self) -> list[_Worker]:
         now = self.clock()
@@ -176,12 +200,13 @@ class OverloadPolicy:
     def completion_rate(self) -> float | None:
         """Slots the live workers free per second when full (each: max_running / mean seconds a
         request holds a slot, over the window); None while a worker's rate is not known yet."""
-        rate = 0.0
+        total = 0.0
         for worker in self._live():
-            if worker.slot_seconds < self.min_busy_s:
+            rate = worker.rate(self.min_busy_s)
+            if rate is None:
                 return None
-            rate += worker.load.max_running * worker.completions / worker.slot_seconds
-        return rate
+            total += rate
+        return total
 
     def stalled_for_s(self) -> float:
         """Seconds since the fleet last made progress: a completion, or a free slot."""
@@ -211,9 +236,41 @@ class OverloadPolicy:
             return self.stalled_for_s()
         return poisson_wait_quantile(ahead - free + 1, rate, self.quantile)
 
+    def worker_wait_s(self, worker_id: str, band: str, queued_here: int = 0) -> float | None:
+        """Seconds within which a new request of `band` queued on `worker_id`'s own queue starts,
+        with probability `quantile`; None when that worker is not live (stale, draining, unknown).
+
+        `queued_here`: requests of `band` and more important bands this gateway queued on that
+        worker that it has not started yet (the polled depth counts them too, but late).
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None or self.clock() - worker.seen > self.stale_after_s or worker.load.draining:
+            return None
+        key = subjects.token(worker_id)
+        ahead = max(queued_here, sum(self._queued_on.get((key, b), 0) for b in bands_through(band)))
+        ahead += worker.load.waiting
+        free = _free(worker.load)
+        if ahead < free:
+            return 0.0
+        rate = worker.rate(self.min_busy_s)
+        if rate is None or rate <= 0.0:
+            return self.clock() - worker.progress_at  # a lower bound, as for the fleet
+        return poisson_wait_quantile(ahead - free + 1, rate, self.quantile)
+
+    def placement_fits(self, worker_id: str, band: str, queued_here: int = 0) -> bool:
+        """Whether a request of `band` may wait on `worker_id`'s own queue: its expected wait there
+        fits the band's budget. Otherwise it belongs on the shared queue, where any worker takes it
+        (and which `admit` bounds). A worker it has no recent report of is the router's call: no
+        data is not overload."""
+        wait = self.worker_wait_s(worker_id, band, queued_here)
+        return wait is None or wait <= self._budget(band)
+
+    def _budget(self, band: str) -> float:
+        return self.budgets_s.get(band, min(self.budgets_s.values()))
+
     def admit(self, band: str, held_here: int = 0, queued_here: int = 0) -> Verdict:
         """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget."""
-        budget = self.budgets_s.get(band, min(self.budgets_s.values()))
+        budget = self._budget(band)
         wait = self.expected_wait_s(band, held_here, queued_here)
         if wait <= budget:
             return Verdict(True, wait, 0.0)

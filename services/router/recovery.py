@@ -50,8 +50,7 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
     keeps fetching until nothing is pending or outstanding, for at most `give_up_after_s`.
     """
     durable = info.name
-    shared = subjects.shared_request_subject(info.config.filter_subject or "")
-    if shared is None:
+    if subjects.worker_of_request_subject(info.config.filter_subject or "") is None:
         return 0
     moved = 0
     deadline = time.monotonic() + give_up_after_s
@@ -66,6 +65,11 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
             except NatsTimeoutError:
                 batch = []
             for msg in batch:
+                # The same owner (last token) on the shared subject: its replies still go there.
+                shared = subjects.shared_request_subject(msg.subject)
+                if shared is None:
+                    await msg.term()
+                    continue
                 headers = dict(msg.headers or {})
                 original_id = headers.pop("Nats-Msg-Id", None) or f"seq-{msg.metadata.sequence.stream}"
                 await replies.publish_durable(shared, msg.data, f"{original_id}.recovered", headers=headers or None)

@@ -189,7 +189,8 @@ class BatchLines:
 
     async def _requeue(self, request: m.InferenceRequest, reason: str) -> None:
         """Queue the next attempt of a batch line on the shared batch subject, with its progress."""
-        subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET)
+        subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET,
+                                           request.reply_to)
         if not await self._publish(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                    "batch_requeue_failed", request_id=request.request_id, headers=tracing.inject()):
             log.error("batch_line_not_requeued", request_id=request.request_id, attempt=request.attempt)

@@ -323,7 +323,7 @@ class Worker:
         target = subjects.ANY_TARGET if owner is None else subjects.worker_target(owner)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=subjects.request_subject(tier, self.settings.model, target),  # type: ignore[arg-type]
+            filter_subject=subjects.request_filter(tier, self.settings.model, target),  # type: ignore[arg-type]
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait_s,
             max_ack_pending=-1,

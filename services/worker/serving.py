@@ -73,7 +73,7 @@ class Serving:
                 self.batch.pullers.append(puller)
             else:
                 self.batch.interactive_consumers.append(puller.consumer)
-        self._own_target = "." + subjects.worker_target(s.worker_id)
+        self._own_target = subjects.token(s.worker_id)
 
     @property
     def capacity(self) -> int:
@@ -118,7 +118,14 @@ class Serving:
             worker.background.spawn(msg.term())
             self.release_slot()
             return
-        if msg.subject.endswith(self._own_target):
+        if not subjects.request_reply_allowed(msg.subject, request.reply_to):
+            # Its publisher may name only itself in the subject: a reply_to naming anyone else is
+            # an attempt to have another gateway's stream sent elsewhere (or to forge one).
+            log.error("request_not_owner", request_id=request.request_id, subject=msg.subject)
+            worker.background.spawn(msg.term())
+            self.release_slot()
+            return
+        if subjects.worker_of_request_subject(msg.subject) == self._own_target:
             worker.stats.pulled_own += 1
         if request.batch_id is not None and request.request_id in worker.running:
             # Another attempt of a line this worker already runs (the batch service republished
