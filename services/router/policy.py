@@ -13,7 +13,8 @@ choose among the survivors:
 
       cost = (queued prefill tokens + miss_weight · prompt tokens not cached there) / prefill rate
              + decode_weight · running / slots
-             + adapter_load_s · [adapter not loaded there],
+             + the adapter's part (adapter_slots.py): loading it, waiting for a free
+               distinct-adapter batch slot, and spreading a hot adapter over several workers,
 
   `miss_weight` (5) > 1 because recomputing a prefix costs the whole fleet GPU time, not only this
   request its wait: the work it adds delays everything queued behind it.
@@ -42,6 +43,7 @@ from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from proto import messages as m
 from proto import subjects
 
+from .adapter_slots import AdapterConfig, AdapterSlots
 from .index import PrefixIndex
 
 # The subject of a worker's own queue, escaped once per worker rather than once per placement.
@@ -69,6 +71,8 @@ class RoutingConfig:
     miss_weight: float = 5.0
     decode_weight_s: float = 0.25  # cost of a worker whose every slot is decoding
     adapter_load_s: float = 0.5  # cost of loading an adapter that is not on the worker yet
+    adapter_slot_hold_s: float = 2.0  # mean time a running request holds its adapter's batch slot
+    adapter_spread: float = 2.0  # workers a hot adapter may use per worker-equivalent of its traffic
     index_blocks_per_worker: int = 250_000
     index_ttl_s: float = 900.0
 
@@ -143,6 +147,9 @@ class Policy(abc.ABC):
         self._serving: dict[str, dict[str, WorkerView]] = {}
         self._eligible: dict[str, dict[str, WorkerView]] = {}
         self._fast: dict[str, _FastPool] | None = None  # model → pool; None: fast path off
+        self.adapter_slots = AdapterSlots(self.clock, AdapterConfig(
+            load_s=self.config.adapter_load_s, slot_hold_s=self.config.adapter_slot_hold_s,
+            spread=self.config.adapter_spread))
 
     def _refresh(self, view: WorkerView) -> None:
         """Re-apply the event-driven filters and recompute the worker's base cost."""
@@ -190,6 +197,7 @@ class Policy(abc.ABC):
             if self._fast is not None and view.model in self._fast:
                 self._fast[view.model].remove(worker_id)
         self.index.forget(worker_id)
+        self.adapter_slots.on_worker_gone(worker_id)
 
     def on_load(self, load: m.WorkerLoad) -> None:
         view = self.workers.get(load.worker_id)
@@ -205,6 +213,7 @@ class Policy(abc.ABC):
         view.draining = load.draining
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
+        self.adapter_slots.on_load(load.worker_id, load.adapter_requests)
         self._refresh(view)
 
     def on_cache(self, event: m.CacheEvent) -> bool:
@@ -235,6 +244,7 @@ class Policy(abc.ABC):
         view = self.workers.get(placed.worker_id)
         if view is not None:
             self._count(view, placed.prefill_tokens, placed.block_hashes)
+            self.adapter_slots.on_placed(placed.worker_id, placed.adapter)
 
     def alive(self, view: WorkerView) -> bool:
         return self.clock() - view.last_seen <= self.config.heartbeat_ttl_s
@@ -264,6 +274,7 @@ class Policy(abc.ABC):
     def place(self, request: m.PlacementRequest, record: bool = True) -> m.PlacementReply:
         """Choose a worker. With `record=False` the caller must call `record` with the reply (the
         router service answers first and updates its view after, off the request's path)."""
+        self.adapter_slots.observe(request.adapter)
         fast = self._fast_choose(request) if self._fast is not None and not request.adapter else None
         if fast is not None:
             chosen, cached_blocks = fast, 0
@@ -275,6 +286,7 @@ class Policy(abc.ABC):
         if record:
             self._count(chosen, request.prompt_tokens - cached_blocks * self.config.block_size, request.block_hashes,
                         cached_blocks)
+            self.adapter_slots.on_placed(chosen.worker_id, request.adapter)
         return m.PlacementReply(
             target=_worker_target(chosen.worker_id), worker_id=chosen.worker_id,
             reason=self.name, cached_blocks=cached_blocks,
@@ -286,6 +298,7 @@ class Policy(abc.ABC):
         if view is not None:
             self._count(view, request.prompt_tokens - reply.cached_blocks * self.config.block_size, request.block_hashes,
                         reply.cached_blocks)
+            self.adapter_slots.on_placed(view.worker_id, request.adapter)
 
     @abc.abstractmethod
     def choose(self, request: m.PlacementRequest, candidates: list[WorkerView]) -> tuple[WorkerView, int]:
@@ -466,9 +479,10 @@ class AffinityPolicy(Policy):
         else:
             miss = per_token * prompt
             costs = [view.base_cost + miss for view in candidates]
-        if request.adapter:
-            adapter, penalty = request.adapter, config.adapter_load_s
-            costs = [cost if adapter in view.adapters else cost + penalty for cost, view in zip(costs, candidates)]
+        if request.adapter or candidates[0].max_adapters:
+            extra = self.adapter_slots.costs(
+                request.adapter, [(view.worker_id, view.max_adapters, view.adapters) for view in candidates])
+            costs = [cost + more for cost, more in zip(costs, extra)]
         chosen = candidates[self._softmax_pick(costs)]
         return chosen, matched.get(chosen.worker_id, 0)
 

@@ -33,7 +33,7 @@ from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
-from .adapters import Adapters
+from .adapters import ADAPTER_RESYNC_S, Adapters, adapter_requests
 from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
 from .engine_health import EngineHealth
@@ -133,6 +133,7 @@ class Worker:
     _outbox_flush_scheduled: bool = False
     _load_changed: asyncio.Event = field(default_factory=asyncio.Event)
     _pulled_own: int = 0  # requests taken from this worker's own queue (routers compare with their placements)
+    _adapter_resync_at: float = 0.0  # monotonic time of the next re-read of the engine's adapters
     _own_target: str = ""
     adapters: Adapters = field(init=False)
     health: EngineHealth = field(default_factory=lambda: EngineHealth(time.monotonic))
@@ -668,7 +669,8 @@ class Worker:
             self._engine_info = await self.engine.server_info()
         except Exception as error:
             log.warning("engine_info_failed", error=repr(error))
-        forgotten = self.adapters.forget_all()
+        forgotten = len(self.adapters.loaded)
+        await self.adapters.resync(restarted=True)
         if self.cache_relay is not None:
             try:
                 await self.cache_relay.engine_restarted()
@@ -1096,13 +1098,19 @@ class Worker:
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=self.settings.block_size if self.cache_relay is not None else 0,
             max_adapters=self._max_adapters(), adapters=self.adapters.names(),
+            max_loaded_adapters=self._max_loaded_adapters(),
         )
 
     def _max_adapters(self) -> int:
+        """Distinct adapters per batch, the base model counting as one (SGLang --max-loras-per-batch)."""
         info = self._engine_info
         if not info.get("enable_lora"):
             return 0
-        return int(info.get("max_loaded_loras") or info.get("max_loras_per_batch") or 0)
+        return int(info.get("max_loras_per_batch") or 0)
+
+    def _max_loaded_adapters(self) -> int:
+        """Adapters the engine keeps loaded before it evicts (SGLang --max-loaded-loras; 0: no limit)."""
+        return int(self._engine_info.get("max_loaded_loras") or 0) if self._engine_info.get("enable_lora") else 0
 
     def _queued_prefill_tokens(self) -> int:
         return sum(
@@ -1186,6 +1194,9 @@ class Worker:
                 await self._check_preemption(load)
             except Exception as error:  # the load report must go out regardless
                 log.warning("preemption_check_failed", error=repr(error))
+            if self._max_loaded_adapters() and time.monotonic() >= self._adapter_resync_at:
+                self._adapter_resync_at = time.monotonic() + ADAPTER_RESYNC_S  # the engine evicts by itself
+                await self.adapters.resync()
             self._load_seq += 1
             KV_USAGE.set(load.used_tokens / load.capacity_tokens if load.capacity_tokens else 0.0)
             snapshot = m.WorkerLoad(
@@ -1195,6 +1206,7 @@ class Worker:
                 kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=self.draining,
                 completed=self._completed, queued_prefill_tokens=self._queued_prefill_tokens(),
                 adapters=self.adapters.names(), pulled_own=self._pulled_own, **self._autoscaling_fields(),
+                adapter_requests=adapter_requests(entry.request.adapter for entry in self.running.values()),
             )
             await self.nc.publish(subjects.metrics_subject(self.settings.worker_id), m.encode(snapshot))
 
