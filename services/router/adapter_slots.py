@@ -77,11 +77,16 @@ class AdapterSlots:
     homes: dict[str, _Homes] = field(default_factory=dict)
     _shares: dict[str, _Share] = field(default_factory=dict)
     _total: _Share = field(default_factory=_Share)
+    # Whether any adapter request was seen: until then base-model requests skip the slot estimate
+    # (every batch has room for the base model), which keeps base-only placement as cheap as before.
+    lora_seen: bool = False
 
     # ---- events -------------------------------------------------------------------------------
 
     def on_load(self, worker_id: str, adapter_requests: dict[str, int]) -> None:
         self.reported[worker_id] = dict(adapter_requests)
+        if not self.lora_seen and any(adapter_requests.keys() - {BASE}):
+            self.lora_seen = True
         self.placed.pop(worker_id, None)  # the report counts them now (or they finished)
 
     def on_placed(self, worker_id: str, adapter: str | None) -> None:
@@ -103,6 +108,7 @@ class AdapterSlots:
         now = self.clock()
         self._bump(self._total, now)
         if adapter:
+            self.lora_seen = True
             self._bump(self._shares.setdefault(adapter, _Share(at=now)), now)
 
     # ---- placement ----------------------------------------------------------------------------

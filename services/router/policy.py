@@ -479,7 +479,7 @@ class AffinityPolicy(Policy):
         else:
             miss = per_token * prompt
             costs = [view.base_cost + miss for view in candidates]
-        if request.adapter or candidates[0].max_adapters:
+        if request.adapter or (candidates[0].max_adapters and self.adapter_slots.lora_seen):
             extra = self.adapter_slots.costs(
                 request.adapter, [(view.worker_id, view.max_adapters, view.adapters) for view in candidates])
             costs = [cost + more for cost, more in zip(costs, extra)]
