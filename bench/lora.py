@@ -151,6 +151,15 @@ def _ts(record: dict[str, Any]) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else 0.0
 
 
+def tokens_per_word(platform: Platform) -> float:
+    """Tokens per generated word under the served model's tokenizer, so prompts have the lengths the
+    capacity was computed for."""
+    from inferbus.prompt import load_model
+
+    sample = words(random.Random(0), 4000)
+    return len(load_model(platform.stack.model_dir).encode(sample, add_special_tokens=False)) / 4000
+
+
 async def replay(platform: Platform, plan: list[tuple[float, int, int]], time_scale: float, tenants: int,
                  base_only: bool, seed: int) -> list[dict[str, Any]]:
     import openai
@@ -159,6 +168,7 @@ async def replay(platform: Platform, plan: list[tuple[float, int, int]], time_sc
                                           timeout=600) for tenant, key in platform.keys.items()}
     rng = random.Random(seed)
     records: list[dict[str, Any]] = []
+    per_word = tokens_per_word(platform)
 
     async def one(rank: int, prompt_tokens: int, text: str) -> None:
         tenant = tenant_of(rank, tenants)
@@ -179,7 +189,7 @@ async def replay(platform: Platform, plan: list[tuple[float, int, int]], time_sc
     tasks = []
     begin = time.perf_counter()
     for at, rank, prompt_tokens in plan:
-        text = words(rng, prompt_tokens - 30)
+        text = words(rng, max(1, round((prompt_tokens - 30) / per_word)))  # the chat template adds ~30
         delay = begin + at * time_scale - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
