@@ -102,3 +102,21 @@ def test_the_router_spreads_a_hot_adapter_and_avoids_full_batches() -> None:
     picks = {policy.place(m.PlacementRequest(request_id="n", model="m", prompt_tokens=100, adapter="new@1")).worker_id
              for _ in range(20)}
     assert "a" not in picks
+
+
+def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker() -> None:
+    clock = Clock()
+    slots = AdapterSlots(clock)
+    for _ in range(1000):
+        slots.observe(None)
+    slots.observe("tail")
+    slots.on_placed("w1", "tail")  # its one home
+    pool = workers("w1", "w2", "w3", loaded={"w1": {"tail"}})
+    assert slots.costs("tail", pool)[1] == slots.config.load_s  # balanced fleet: it stays home
+    for _ in range(60):  # w1 takes twice its share of the recent placements
+        slots.on_placed("w1", None)
+    for _ in range(15):
+        slots.on_placed("w2", None)
+        slots.on_placed("w3", None)
+    costs = slots.costs("tail", pool)
+    assert costs[0] > costs[1] and costs[1] == slots.config.away_s  # w2 may become a home; w1 pays for its excess

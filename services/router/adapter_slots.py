@@ -10,6 +10,7 @@ however idle the engine is otherwise. So the adapter part of a worker's cost is
 
     [not one of the adapter's homes] · (away_s if loaded there, else load_s)
     + [its adapter not in the batch and no slot free] · slot_hold_s · (H(k) + overflow)
+    + balance_s · max(0, the worker's recent placements ÷ the mean − 1)
 
 where the batch is what the worker last reported holding per adapter (`WorkerLoad.adapter_requests`)
 plus what routers placed there since; k is the fewest requests any adapter of the batch holds (the
@@ -24,7 +25,10 @@ join it (no load penalty; `away_s` where the adapter is not loaded yet, so a wor
 wins a tie), and every worker a request is placed on joins; a router that places there tells the
 worker to load the adapter at once. When the share falls, the set shrinks after the
 smaller size has held for `release_after_s`, dropping the home placed on least recently; the
-adapter stays loaded there (a cheap choice, `away_s`) until the engine evicts it. So the hottest
+adapter stays loaded there (a cheap choice, `away_s`) until the engine evicts it. Homes also open
+when every one of them has had more than `crowded` (10%) above the mean of recent placements
+(decayed like the shares, once workers average `MIN_PLACEMENTS`): a tail adapter pinned to a
+busy worker then moves some of its traffic to a quieter one, which the balance term prefers. So the hottest
 adapter, which would otherwise be pinned to the one worker that loaded it first (a load penalty
 far larger than any load difference), spreads over as many workers as its traffic needs, and
 tail adapters stay on one.
@@ -37,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BASE = ""  # the base model's key in a worker's per-adapter counts
+MIN_PLACEMENTS = 20.0  # recent placements per worker, on average, before balance counts
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,11 @@ class AdapterConfig:
     share_half_life_s: float = 30.0
     spread: float = 2.0  # homes per worker-equivalent of traffic
     release_after_s: float = 30.0
+    # Balance: a worker placed on more than the mean (decayed placement counts, the share's
+    # half-life) costs balance_s per 100% above it, for adapter requests; and an adapter whose
+    # every home is more than `crowded` above the mean may take a new home.
+    balance_s: float = 0.5
+    crowded: float = 0.1
 
 
 def harmonic(k: int) -> float:
@@ -77,6 +87,7 @@ class AdapterSlots:
     homes: dict[str, _Homes] = field(default_factory=dict)
     _shares: dict[str, _Share] = field(default_factory=dict)
     _total: _Share = field(default_factory=_Share)
+    _worker_placed: dict[str, _Share] = field(default_factory=dict)  # decayed placements per worker
     # Whether any adapter request was seen: until then base-model requests skip the slot estimate
     # (every batch has room for the base model), which keeps base-only placement as cheap as before.
     lora_seen: bool = False
@@ -94,12 +105,15 @@ class AdapterSlots:
         counts = self.placed.setdefault(worker_id, {})
         key = adapter or BASE
         counts[key] = counts.get(key, 0) + 1
+        now = self.clock()
+        self._bump(self._worker_placed.setdefault(worker_id, _Share(at=now)), now)
         if adapter:
             self.homes.setdefault(adapter, _Homes()).workers[worker_id] = self.clock()
 
     def on_worker_gone(self, worker_id: str) -> None:
         self.reported.pop(worker_id, None)
         self.placed.pop(worker_id, None)
+        self._worker_placed.pop(worker_id, None)
         for homes in self.homes.values():
             homes.workers.pop(worker_id, None)
 
@@ -127,22 +141,35 @@ class AdapterSlots:
         adapters per batch or 0 when unknown, adapters loaded there)."""
         config = self.config
         homes = self._homes_for(adapter, len(workers)) if adapter else None
-        # Homes are open to newcomers while fewer than the share asks for; an adapter with none yet
-        # goes where it is loaded, if anywhere (its first home).
-        open_homes = bool(homes) and len(homes) < self.wanted_homes(adapter or "", len(workers))
+        excess = self.excess([worker_id for worker_id, _, _ in workers]) if adapter else {}
+        # Homes are open to newcomers while fewer than the share asks for, or while every home has
+        # more than its share of the placements; an adapter with none yet goes where it is loaded,
+        # if anywhere (its first home).
+        open_homes = bool(homes) and (
+            len(homes) < self.wanted_homes(adapter or "", len(workers))
+            or all(excess.get(w, 0.0) > config.crowded for w in homes))  # type: ignore[union-attr]
         key = adapter or BASE
         out = []
         for worker_id, slots, loaded in workers:
-            cost = 0.0
+            cost = config.balance_s * max(0.0, excess.get(worker_id, 0.0))
             if adapter and worker_id not in homes:  # type: ignore[operator]
                 if open_homes:  # it may join the homes: prefer where it is loaded already
-                    cost = 0.0 if adapter in loaded else config.away_s
+                    cost += 0.0 if adapter in loaded else config.away_s
                 else:
-                    cost = config.away_s if adapter in loaded else config.load_s
+                    cost += config.away_s if adapter in loaded else config.load_s
             if slots:
                 cost += self.slot_wait(worker_id, key, slots)
             out.append(cost)
         return out
+
+    def excess(self, worker_ids: list[str]) -> dict[str, float]:
+        """Each worker's recent placements relative to the mean over `worker_ids`, minus one."""
+        now = self.clock()
+        rates = {w: self._decayed(self._worker_placed.get(w), now) for w in worker_ids}
+        mean = sum(rates.values()) / len(rates) if rates else 0.0
+        if mean < MIN_PLACEMENTS:  # too few placements yet to tell
+            return {}
+        return {w: rate / mean - 1.0 for w, rate in rates.items()}
 
     def slot_wait(self, worker_id: str, key: str, slots: int) -> float:
         """Expected seconds a request for `key` waits for a batch slot on this worker."""
