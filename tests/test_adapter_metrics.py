@@ -43,7 +43,7 @@ def test_series_stay_bounded_over_a_thousand_adapters() -> None:
     seen: set[str] = set()
     for i in range(20_000):
         clock.now = i * 0.01
-        label, dropped = labels.label(f"adapter-{(i * 7919) % 1000}")
+        label, _ = labels.label(f"adapter-{(i * 7919) % 1000}")
         seen.add(label)
         assert len(labels.named) <= 20
     assert OTHER in seen

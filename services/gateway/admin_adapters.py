@@ -28,7 +28,6 @@ from proto import messages as m
 from .admin import _body, _respond, require_admin
 from .errors import OpenAIError
 
-
 BULK_LIMIT = 1000  # adapters per bulk call: a body of ~300 KB
 
 
