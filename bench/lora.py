@@ -326,6 +326,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"the SLO (the planner's goodput is {inputs['goodput_rps']:.2f} req/s per worker); "
         f"{inputs['seconds']:.0f} engine-seconds per run at time scale {inputs['time_scale']:g} "
         f"(latencies in engine milliseconds). Machine: {inputs['machine']}.", "",
+        *(f"{note}\n" for note in results.get("notes", [])),
         "| run | requests | errors | TTFT p50 / p90 / p99 ms | p90 hot / middle / tail ms | p99 hot / middle / tail ms | imbalance |",
         "| --- | ---: | ---: | --- | --- | --- | ---: |",
     ]
