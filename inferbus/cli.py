@@ -514,7 +514,8 @@ def _tenant_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--models", default=None, metavar="A,B",
                      help="Comma-separated model ids the tenant may use; `*` (the default) means every served model."),
         click.option("--adapters", default=None, metavar="A,B",
-                     help="Comma-separated LoRA adapter names the tenant may use (default none)."),
+                     help="Comma-separated public LoRA adapters the tenant may use besides what --models allows; `*`: every "
+                          "public adapter (default none; its own private adapters it may always use)."),
         click.option("--disabled/--enabled", "disabled", default=None,
                      help="A disabled tenant's keys are refused (default enabled)."),
     ]
@@ -717,7 +718,9 @@ def adapters() -> None:
     """Register LoRA adapters of the served base model (--url, --admin-key).
 
     An adapter is pinned to a version digest (sha256:<64 hex>): every worker loads exactly those
-    weights, on first use. Tenants call it by name (`model: NAME`) if their model list allows it.
+    weights, on first use. Tenants call it by name (`model: NAME`): a private one (--owner) its
+    owner only, a public one tenants whose `adapters` or `models` list allows it. `import`
+    registers many from a file.
     """
 
 
@@ -732,6 +735,53 @@ def adapters_register(name: str, version: str, path: str, owner: str | None, url
     """Register adapter NAME (or point NAME at a new version)."""
     spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
     click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
+
+
+@adapters.command("import")
+@click.argument("file", type=click.File("r"))
+@click.option("--chunk", default=100, show_default=True, type=click.IntRange(1, 1000),
+              help="Adapters per admin API call (POST /admin/v1/adapters/bulk).")
+@_admin_options
+def adapters_import(file: Any, chunk: int, url: str | None, admin_key: str) -> None:
+    """Register many adapters from FILE (`-` for stdin): a JSON array of adapter objects, or one
+    object per line (JSON lines), each with `name`, `version` (sha256:<64 hex>), `path` and
+    optionally `owner`. Every entry is checked before any is sent; each chunk is all or nothing."""
+    entries = _adapter_entries(file.read(), getattr(file, "name", "input"))
+    api = AdminAPI(url, admin_key)
+    done = 0
+    with click.progressbar(length=len(entries), label="Registering adapters", file=sys.stderr,
+                           show_pos=True) as bar:
+        for start in range(0, len(entries), chunk):
+            part = entries[start:start + chunk]
+            try:
+                api.call("POST", "/adapters/bulk", {"adapters": part})
+            except click.ClickException as error:
+                raise click.ClickException(f"{error.message} (entries {start + 1}-{start + len(part)}; "
+                                           f"the {done} before them are registered)") from None
+            done += len(part)
+            bar.update(len(part))
+    click.echo(f"Registered {done} adapters.")
+
+
+def _adapter_entries(text: str, source: str) -> list[dict[str, Any]]:
+    """Adapter objects from a JSON array or JSON lines, checked for the fields every entry needs."""
+    stripped = text.strip()
+    if not stripped:
+        raise click.UsageError(f"{source} is empty")
+    try:
+        if stripped.startswith("["):
+            entries = json.loads(stripped)
+        else:
+            entries = [json.loads(line) for line in stripped.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise click.UsageError(f"{source} is neither a JSON array nor JSON lines: {error}") from None
+    for number, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise click.UsageError(f"{source}, entry {number}: an adapter must be a JSON object")
+        missing = [field for field in ("name", "version", "path") if not entry.get(field)]
+        if missing:
+            raise click.UsageError(f"{source}, entry {number}: missing {', '.join(missing)}")
+    return entries
 
 
 @adapters.command("list")

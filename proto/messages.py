@@ -426,6 +426,9 @@ class WorkerLoad(_Message):
     finished_ok: int = 0
     finished_failed: int = 0
     finished_cancelled: int = 0
+    # Requests this worker holds per LoRA adapter ("" for the base model): the distinct adapters its
+    # engine's batch needs, against the heartbeat's `max_adapters` slots.
+    adapter_requests: dict[str, int] = {}
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -460,7 +463,8 @@ class Heartbeat(_Message):
     gpu: str = ""
     tp: int = 0
     block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
-    max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
+    max_adapters: int = 0  # distinct LoRA adapters per batch, the base model counting as one (0: no LoRA)
+    max_loaded_adapters: int = 0  # adapters the engine keeps loaded before evicting (0: no limit)
     release: str = ""  # the release (`Release.id`) this worker verified it serves; "" unpinned
 
 

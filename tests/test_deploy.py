@@ -42,6 +42,8 @@ HISTOGRAMS = {
     "inferbus_e2e_seconds",
     "inferbus_queue_wait_seconds",
     "inferbus_billing_batch_seconds",
+    "inferbus_adapter_ttft_seconds",  # {adapter: the busiest by name, the rest `other`}
+    "inferbus_adapter_load_seconds",
 }
 BILLING_METRICS = {  # services/billing/metrics.py
     "inferbus_billing_tokens_total",  # {tenant, model, kind=input|cached_input|output}
@@ -65,6 +67,11 @@ METRICS = HISTOGRAMS | {
     "inferbus_worker_kv_usage_ratio",
     "inferbus_worker_requests_total",  # {status}
     "inferbus_worker_engine_errors_total",
+    # LoRA adapters: gateway (services/gateway/adapter_metrics.py), worker (services/worker/adapters.py)
+    "inferbus_adapter_requests_total",  # {adapter}
+    "inferbus_adapter_loads_total",  # {result}
+    "inferbus_adapter_evictions_total",  # {reason}
+    "inferbus_adapters_loaded",
 } | BILLING_METRICS
 ENGINE_METRICS = {
     "sglang:num_running_reqs",

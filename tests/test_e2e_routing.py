@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,7 +113,10 @@ def test_an_adapter_is_loaded_on_demand_and_requests_follow_it(fleet: Platform) 
         ids.add(complete(fleet, f"again {i}", model="support-bot").id.removeprefix("cmpl-"))
     events = read_usage(fleet, "demo", ids)
     assert {event.adapter for event in events} == {"support-bot@" + "ab" * 6}
-    assert len({event.worker_id for event in events}) == 1  # the worker that loaded it keeps its traffic
+    # The worker that loaded it keeps most of its traffic. An adapter with a large share of recent
+    # traffic (here most of it) may take a second home when its first is busier (adapter_slots.py).
+    per_worker = Counter(event.worker_id for event in events)
+    assert len(per_worker) <= 2 and per_worker.most_common(1)[0][1] >= 4, per_worker
 
 
 def test_a_bad_adapter_is_caught_by_verification_not_served(fleet: Platform) -> None:

@@ -166,6 +166,8 @@ def test_adapters_prefer_workers_that_have_them_and_skip_engines_without_lora() 
     router.registry.on_heartbeat(m.Heartbeat(worker_id="b", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4,
                                              adapters=["support@v1"]))
     router.registry.on_heartbeat(m.Heartbeat(worker_id="c", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4))
+    for _ in range(100):  # a tail adapter (an adapter with all the traffic spreads: test_adapter_slots.py)
+        router.registry.adapter_slots.observe(None)
     picks = {router.place(prompt([7], adapter="support@v1")).worker_id for _ in range(5)}
     assert picks == {"b"}
     assert router.place(prompt([7], adapter="other@v2")).worker_id in {"b", "c"}

@@ -74,3 +74,52 @@ async def test_an_adapter_the_engine_lost_is_loaded_again_and_the_request_sent_o
     updates = [update async for update in engine_stream(engine, adapters, request, {}, downs.append)]  # type: ignore[arg-type]
     assert [u.text for u in updates] == ["ok"] and engine.generate_calls == 2 and downs == []
     assert spec.engine_name in engine.loaded and adapters.names() == [spec.engine_name]
+
+
+class CappedEngine:
+    """An engine that keeps `cap` adapters and evicts the least recently loaded, as SGLang with
+    --max-loaded-loras does (the order of loads stands in for use here)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.loaded: dict[str, str] = {}
+        self.probes = 0
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        self.loaded[name] = path
+        while len(self.loaded) > self.cap:
+            del self.loaded[next(iter(self.loaded))]
+        return {"success": True, "loaded_adapters": dict(self.loaded)}
+
+    async def probe(self, lora_name: str | None = None) -> None:
+        self.probes += 1
+
+    async def loaded_adapters(self) -> list[str]:
+        return list(self.loaded)
+
+
+def specs(*names: str) -> dict[str, m.AdapterSpec]:
+    return {name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "ab" * 32, path=f"s3://{name}", created=0)
+            for name in names}
+
+
+async def test_the_worker_follows_the_engines_evictions_and_does_not_probe_a_reload_twice() -> None:
+    known = specs("a", "b", "c")
+    engine = CappedEngine(cap=2)
+
+    async def lookup(name: str) -> m.AdapterSpec | None:
+        return known.get(name)
+
+    adapters = Adapters(engine, lookup)  # type: ignore[arg-type]
+    for name in ("a", "b", "c"):
+        await adapters.ensure(known[name].engine_name)
+    assert adapters.names() == sorted([known["b"].engine_name, known["c"].engine_name])
+    assert adapters.evictions == 1 and engine.probes == 3
+    await adapters.ensure(known["a"].engine_name)  # evicted, loaded again: verified before on this engine
+    assert engine.probes == 3 and known["a"].engine_name in adapters.names()
+    # The engine restarts with nothing loaded but one adapter it loads at start-up.
+    engine.loaded = {known["c"].engine_name: "s3://c"}
+    await adapters.resync(restarted=True)
+    assert adapters.names() == [known["c"].engine_name]
+    await adapters.ensure(known["a"].engine_name)  # a new process: verified again
+    assert engine.probes == 4

@@ -26,6 +26,7 @@ from proto import messages as m
 from services.billing.pricing import Prices
 
 from . import carry, json_body, metrics, responses, schemas
+from .adapter_metrics import AdapterMetrics, TopLabels
 from .sampling import sampling_params
 from .tools import ToolCall, ToolOutput
 from .admission import Admission, AdmissionUnavailable, Decision
@@ -72,6 +73,7 @@ class _Call:
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, each its own flight
     pumps: list[asyncio.Future[None]] = field(default_factory=list)  # n > 1: relays of the choices' events
     latency_labels: tuple[str, str, str] = ("", "base", "other")  # metrics.latency_labels: model, adapter, band
+    adapter_label: str | None = None  # its adapter in the per-adapter metrics (adapter_metrics.py)
 
     @property
     def chunk_object(self) -> str:
@@ -126,6 +128,7 @@ class Generation:
         self.overload = overload
         self.prices = prices
         self.releases: ReleaseRouting | None = None  # set by the app: canary splits and release pins
+        self.adapter_metrics = AdapterMetrics(TopLabels(time.monotonic, top=settings.adapter_metrics_top))
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         request_id = uuid.uuid4().hex
@@ -250,7 +253,8 @@ class Generation:
                      stream=params.stream,
                      headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
                      logprobs=inference.sampling.logprobs,
-                     latency_labels=metrics.latency_labels(model, adapter, tenant.band))
+                     latency_labels=metrics.latency_labels(model, adapter, tenant.band),
+                     adapter_label=self.adapter_metrics.request(params.model) if adapter else None)
         # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
         traceparent = _header(scope, b"traceparent")
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
@@ -613,6 +617,8 @@ class Generation:
         if first and call.first_token_at is None:
             call.first_token_at = time.monotonic()
             metrics.TTFT.labels(*call.latency_labels).observe(call.first_token_at - call.started)
+            if call.adapter_label is not None:
+                self.adapter_metrics.first_token(call.adapter_label, call.first_token_at - call.started)
 
     def _record(self, call: _Call, usage: m.Usage) -> None:
         first = call.choices[0]

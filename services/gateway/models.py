@@ -17,7 +17,7 @@ from inferbus import bus
 from proto import messages as m
 
 from .errors import OpenAIError
-from .tenants import Tenant, may_use_model
+from .tenants import Tenant, may_use_adapter, may_use_model
 
 
 class ModelCatalog:
@@ -55,8 +55,8 @@ class ModelCatalog:
         if tenant is None:
             return True
         spec = self.adapters.get(name)
-        if spec is not None and spec.owner is not None and spec.owner != tenant.id:
-            return False
+        if spec is not None:
+            return may_use_adapter(tenant, name, spec.owner)
         return may_use_model(tenant, name)
 
     def resolve(self, model: str, tenant: Tenant | None = None) -> tuple[str, str | None]:

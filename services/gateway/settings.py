@@ -91,6 +91,7 @@ class GatewaySettings:
         "(subjects inferbus.api.v1.*, tenant API key in the Authorization header; see docs/api.md).",
     )
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
+    adapter_metrics_top: int = env("INFERBUS_ADAPTER_METRICS_TOP", 20, "LoRA adapters named in the per-adapter metrics (the busiest, re-ranked every 30 s); the rest are counted as `other`.")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
 

@@ -23,7 +23,7 @@ from .keys import CachedLookup, revoke_all_keys, tenant_key
 
 __all__ = [
     "Band", "InvalidTenant", "Tenant", "TenantExists", "TenantLimits", "TenantNotFound", "TenantStore",
-    "TENANTS_SET", "apply_changes", "may_use_model", "tenant_from_dict", "tenant_key", "valid_tenant_id",
+    "TENANTS_SET", "apply_changes", "may_use_adapter", "may_use_model", "tenant_from_dict", "tenant_key", "valid_tenant_id",
 ]
 
 TENANTS_SET = "inferbus:tenants"
@@ -92,6 +92,14 @@ def valid_tenant_id(tenant_id: str) -> bool:
 
 def may_use_model(tenant: Tenant, model: str) -> bool:
     return "*" in tenant.models or model in tenant.models
+
+
+def may_use_adapter(tenant: Tenant, name: str, owner: str | None) -> bool:
+    """A private adapter: its owner only. A public one: named in the tenant's `adapters` (or `*`
+    there), or allowed by its `models` (`*` is every served model, adapters included)."""
+    if owner is not None:
+        return owner == tenant.id
+    return "*" in tenant.adapters or name in tenant.adapters or may_use_model(tenant, name)
 
 
 def tenant_from_dict(data: Any) -> Tenant:

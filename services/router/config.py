@@ -25,6 +25,8 @@ class RoutingConfig:
     miss_weight: float = 5.0
     decode_weight_s: float = 0.25  # cost of a worker whose every slot is decoding
     adapter_load_s: float = 0.5  # cost of loading an adapter that is not on the worker yet
+    adapter_slot_hold_s: float = 2.0  # mean time a running request holds its adapter's batch slot
+    adapter_spread: float = 2.0  # workers a hot adapter may use per worker-equivalent of its traffic
     # Weight of the KV tokens a worker's requests hold (cached prefix included) against prefill
     # tokens, after Dynamo's KV router (cost = overlap weight × prefill blocks + active blocks). A
     # worker holding a hot family's long cached prompts is busier than its uncached work shows. In

@@ -31,12 +31,14 @@ class Placer:
     def place(self, request: m.PlacementRequest, record: bool = True) -> m.PlacementReply:
         """Choose a worker. With `record=False` the caller must call `record` with the reply (the
         router service answers first and updates its view after, off the request's path)."""
+        self.registry.adapter_slots.observe(request.adapter)
         candidates = self.registry.candidates(request)
         if not candidates:
             return m.PlacementReply(target=subjects.ANY_TARGET, reason="no eligible worker")
         chosen, cached_blocks = self.policy.choose(request, candidates)
         if record:
             self.count(request, chosen, cached_blocks)
+            self.registry.adapter_slots.on_placed(chosen.worker_id, request.adapter)
         return self.reply(chosen, cached_blocks)
 
     def reply(self, chosen: WorkerView, cached_blocks: int) -> m.PlacementReply:
@@ -55,6 +57,7 @@ class Placer:
         view = self.registry.workers.get(reply.worker_id or "")
         if view is not None:
             self.count(request, view, reply.cached_blocks)
+            self.registry.adapter_slots.on_placed(view.worker_id, request.adapter)
 
 
 def make_placer(

@@ -19,6 +19,7 @@ from typing import Protocol
 from inferbus.releases import split
 from proto import messages as m
 
+from .adapter_slots import AdapterConfig, AdapterSlots
 from .config import RoutingConfig
 from .index import PrefixIndex
 
@@ -86,6 +87,9 @@ class WorkerRegistry:
         self.config = config = config or RoutingConfig()
         self.workers: dict[str, WorkerView] = {}
         self.index = PrefixIndex(max_blocks_per_worker=config.index_blocks_per_worker, ttl_s=config.index_ttl_s)
+        # Adapters' batch slots and homes (adapter_slots.py): fed here, priced by affinity.
+        self.adapter_slots = AdapterSlots(clock, AdapterConfig(
+            load_s=config.adapter_load_s, slot_hold_s=config.adapter_slot_hold_s, spread=config.adapter_spread))
         self.listeners: list[RegistryListener] = []
         # model → workers passing the filters that only events change: not draining (`_serving`),
         # and also below the KV ceiling (`_eligible`); liveness, which time changes, is checked
@@ -142,6 +146,7 @@ class WorkerRegistry:
             for listener in self.listeners:
                 listener.worker_removed(view)
         self.index.forget(worker_id)
+        self.adapter_slots.on_worker_gone(worker_id)
 
     def on_load(self, load: m.WorkerLoad) -> None:
         view = self.workers.get(load.worker_id)
@@ -158,6 +163,7 @@ class WorkerRegistry:
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
         view.kv_used_tokens = load.kv_used_tokens
+        self.adapter_slots.on_load(load.worker_id, load.adapter_requests)
         self._refresh(view)
 
     def on_cache(self, event: m.CacheEvent) -> bool:
@@ -188,6 +194,7 @@ class WorkerRegistry:
         view = self.workers.get(placed.worker_id)
         if view is not None:
             self.count(view, placed.prefill_tokens, placed.block_hashes)
+            self.adapter_slots.on_placed(placed.worker_id, placed.adapter)
 
     def alive(self, view: WorkerView) -> bool:
         return self.clock() - view.last_seen <= self.config.heartbeat_ttl_s

@@ -68,6 +68,7 @@ class Router:
             block_size=settings.block_size, heartbeat_ttl_s=settings.heartbeat_ttl_s, kv_ceiling=settings.kv_ceiling,
             temperature=settings.temperature, prefill_tokens_per_s=settings.prefill_tokens_per_s, miss_weight=settings.miss_weight,
             decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
+            adapter_slot_hold_s=settings.adapter_slot_hold_s, adapter_spread=settings.adapter_spread,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )
         self.placer = make_placer(settings.policy, time.monotonic, config)

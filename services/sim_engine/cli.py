@@ -58,7 +58,14 @@ from .profile_table import load_npz
               help="Refuse to load a local adapter directory whose adapter_config.json rank is higher (SGLang's flag), "
                    "and price each distinct adapter's batched kernels and weight reads per step at this rank "
                    "(default: no limit, priced at rank 16).")
-@click.option("--lora-load-time", default=0.2, show_default=True, type=float, help="Simulated seconds to load a LoRA adapter.")
+@click.option("--max-loaded-loras", default=None, type=click.IntRange(min=1),
+              help="Most adapters in host memory (SGLang's flag; at least --max-loras-per-batch): a load beyond it "
+                   "unloads the least recently used unpinned adapter. Default: no limit.")
+@click.option("--lora-eviction-policy", default="lru", show_default=True, type=click.Choice(["lru", "fifo"]),
+              help="Which GPU adapter slot a batch takes when all are full (SGLang's flag).")
+@click.option("--lora-load-time", default=None, type=click.FloatRange(min=0),
+              help="Simulated seconds every adapter load takes, GPU slot copies then free. Default: from the adapter's "
+                   "size (rank × the modelled 70B's projections, BF16): disk at 2 GB/s + 0.1 s, host to GPU at 25 GB/s + 0.05 s.")
 @click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
 @click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
 @click.option(
@@ -115,7 +122,9 @@ def sim_engine_command(
     block_size: int,
     max_loras_per_batch: int,
     max_lora_rank: int | None,
-    lora_load_time: float,
+    max_loaded_loras: int | None,
+    lora_eviction_policy: str,
+    lora_load_time: float | None,
     kv_capacity_tokens: int | None,
     lazy_lora_loading: bool,
     mixed_chunk: bool,
@@ -151,6 +160,8 @@ def sim_engine_command(
             block_size=block_size,
             max_loras_per_batch=max_loras_per_batch,
             max_lora_rank=max_lora_rank,
+            max_loaded_loras=max_loaded_loras,
+            lora_eviction_policy=lora_eviction_policy,
             lora_load_time_s=lora_load_time,
             time_scale=time_scale,
             fixed_step_ms=fixed_step_ms,

@@ -35,7 +35,13 @@ class EngineConfig:
     model_dir: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     max_loras_per_batch: int = 8
-    lora_load_time_s: float = 0.2
+    # SGLang's --max-loaded-loras (adapters in host memory; None: no limit) and
+    # --lora-eviction-policy (which GPU slot a batch takes when all are full): lora_pool.py.
+    max_loaded_loras: int | None = None
+    lora_eviction_policy: str = "lru"
+    # Seconds every adapter load takes, GPU slot copies then free (tests); None: from the
+    # adapter's size and where it comes from (lora_pool.py).
+    lora_load_time_s: float | None = None
     # SGLang's --max-lora-rank: a local adapter directory of higher rank is refused at load, and
     # the timing model prices each distinct adapter's batched kernels at this rank (at
     # PRICED_LORA_RANK when unset, since then any rank loads).
@@ -102,6 +108,13 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be at least 1 (the base model takes one slot)")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("max_loaded_loras should be greater than or equal to max_loras_per_batch "
+                             f"(max_loaded_loras={self.max_loaded_loras}, max_loras_per_batch={self.max_loras_per_batch})")
+        if self.lora_eviction_policy not in ("lru", "fifo"):
+            raise ValueError(f"lora_eviction_policy must be lru or fifo, got {self.lora_eviction_policy!r}")
+        if self.lora_load_time_s is not None and self.lora_load_time_s < 0:
+            raise ValueError("lora_load_time_s must not be negative")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError("max_lora_rank must be at least 1")
         if self.time_scale < 0:

@@ -28,6 +28,7 @@ import msgspec
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
+from .lora_pool import GpuSlots, LoadedAdapters, LoraAdapter, adapter_rank, disk_load_s, host_to_gpu_s
 from .perf_model import FixedStepModel, SpecDecoding, StepTimeModel, roofline
 from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
@@ -188,6 +189,7 @@ class Request:
     priority: int = 0
     lora_name: str | None = None
     # Filled by the engine.
+    lora: LoraAdapter | None = None  # the loaded adapter it runs with (kept if the adapter is evicted meanwhile)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: dict[str, Any] | None = None
@@ -253,15 +255,7 @@ class LoraUpdateResult:
     success: bool
     error_message: str | None
     loaded_adapters: dict[str, str]
-
-
-@dataclass(slots=True)
-class LoraAdapter:
-    name: str
-    path: str
-    pinned: bool
-    ready_at: float
-    broken: bool = False  # accepted without a check (lazy loading) but its weights do not exist
+    evicted: tuple[str, ...] = ()  # unloaded to stay within --max-loaded-loras
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +305,10 @@ class Engine:
         self.now = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.adapters: dict[str, LoraAdapter] = {}
+        self.adapters = LoadedAdapters(config.max_loaded_loras)
+        self.gpu_slots = GpuSlots(config.max_loras_per_batch, config.lora_eviction_policy)
+        self.lora_loads_total = 0  # from disk into host memory, implicit reloads included
+        self.lora_evictions_total = 0  # unloaded to stay within --max-loaded-loras
         # Every adapter loaded since start (SGLang's lora_ref_cache): a request for one that was
         # unloaded since loads it again implicitly; one never loaded is refused.
         self.adapters_seen: dict[str, tuple[str, bool]] = {}
@@ -342,9 +339,13 @@ class Engine:
                 raise RequestRejected(
                     f"Failed to implicitly load LoRA adapter {request.lora_name}: {reloaded.error_message}"
                 )
-        if request.lora_name is not None and self.adapters[request.lora_name].broken:
+        if request.lora_name is not None:
             adapter = self.adapters[request.lora_name]
-            raise RequestRejected(f"Failed to load LoRA adapter {adapter.name} from {adapter.path}: no such adapter (simulated).")
+            if adapter.broken:
+                raise RequestRejected(
+                    f"Failed to load LoRA adapter {adapter.name} from {adapter.path}: no such adapter (simulated).")
+            self.adapters.touch(request.lora_name)  # SGLang's registry `acquire`: most recently used
+            request.lora = adapter
         prompt_len = len(request.input_ids)
         if prompt_len == 0:
             raise RequestRejected("The input is empty: send text or input_ids with at least one token.")
@@ -414,19 +415,30 @@ class Engine:
             return self._lora_result(
                 False, f"Failed to load LoRA adapter {name} from {path}: no such adapter (simulated)."
             )
-        self.adapters[name] = LoraAdapter(
-            name, path, pinned, ready_at=self.now + self.config.lora_load_time_s, broken=broken
-        )
+        rank = adapter_rank(path, self.config.priced_lora_rank)
+        adapter = LoraAdapter(name, path, pinned, ready_at=self.now + self.lora_disk_load_s(rank), broken=broken,
+                              rank=rank)
+        evicted = self.adapters.add(adapter)
+        for victim in evicted:
+            self.gpu_slots.drop(victim)
         self.adapters_seen[name] = (path, pinned)
-        return self._lora_result(True, None)
+        self.lora_loads_total += 1
+        self.lora_evictions_total += len(evicted)
+        return self._lora_result(True, None, tuple(evicted))
+
+    def lora_disk_load_s(self, rank: int) -> float:
+        """Simulated seconds from disk into host memory: --lora-load-time when given, else from the size."""
+        fixed = self.config.lora_load_time_s
+        return disk_load_s(rank) if fixed is None else fixed
 
     def unload_lora(self, name: str) -> LoraUpdateResult:
-        if self.adapters.pop(name, None) is None:
+        if self.adapters.remove(name) is None:
             return self._lora_result(False, f"LoRA adapter {name} is not loaded.")
+        self.gpu_slots.drop(name)
         return self._lora_result(True, None)
 
-    def _lora_result(self, success: bool, error: str | None) -> LoraUpdateResult:
-        return LoraUpdateResult(success, error, {name: a.path for name, a in self.adapters.items()})
+    def _lora_result(self, success: bool, error: str | None, evicted: tuple[str, ...] = ()) -> LoraUpdateResult:
+        return LoraUpdateResult(success, error, {name: a.path for name, a in self.adapters.items()}, evicted)
 
     # ------------------------------------------------------------------ observability
 
@@ -474,10 +486,11 @@ class Engine:
         prefill_tokens = sum(size for _, size in chunks)
         # Mean attended context of a prefill token: the chunk's start plus half the chunk.
         attended = sum(size * (r.computed + size / 2) for r, size in chunks)
-        adapters = len(({r.lora_name for r in decoding} | {r.lora_name for r, _ in chunks}) - {None})
+        batch_adapters = {r.lora_name for r in decoding} | {r.lora_name for r, _ in chunks}
+        adapters = len(batch_adapters - {None})
         duration = self.step_model.step_time(
             len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0, adapters
-        )
+        ) + self._copy_adapters_to_gpu(batch_adapters, [*decoding, *(r for r, _ in chunks)])
         self.now += duration
 
         for request in decoding:
@@ -536,16 +549,10 @@ class Engine:
             if budget <= 0:
                 break
             adapter_name = request.lora_name
-            if adapter_name is not None:
-                adapter = self.adapters.get(adapter_name)
-                if adapter is None:
-                    self.waiting.remove(request)
-                    updates.append(
-                        self._finish(request, {"type": "abort", "message": f"LoRA adapter {adapter_name} was unloaded."})
-                    )
-                    continue
-                if adapter.ready_at > self.now:
-                    continue  # still loading
+            # An adapter unloaded (or evicted) since the request came keeps serving it: SGLang
+            # frees the weights only after the requests that hold them finish.
+            if request.lora is not None and request.lora.ready_at > self.now:
+                continue  # still loading
             if adapter_name not in adapters_in_batch and len(adapters_in_batch) >= config.max_loras_per_batch:
                 continue
             while len(self.running) >= config.max_running_requests:
@@ -601,11 +608,21 @@ class Engine:
             budget -= size
         return chunks
 
+    def _copy_adapters_to_gpu(self, batch: set[str | None], requests: list[Request]) -> float:
+        """Seconds the step waits for adapters copied into GPU slots (none with --lora-load-time,
+        which stands for the whole load)."""
+        if batch == {None}:
+            return 0.0
+        pinned = {name for name, adapter in self.adapters.items() if adapter.pinned}
+        copied = set(self.gpu_slots.prepare(batch, pinned)) - {None}
+        if not copied or self.config.lora_load_time_s is not None:
+            return 0.0
+        ranks = {r.lora_name: r.lora.rank for r in requests if r.lora is not None}
+        return sum(host_to_gpu_s(ranks.get(name, self.config.priced_lora_rank)) for name in copied)
+
     def _wait_for_adapters(self, updates: list[RequestUpdate]) -> StepResult:
         loading = [
-            self.adapters[r.lora_name].ready_at
-            for r in self.waiting
-            if r.lora_name in self.adapters and self.adapters[r.lora_name].ready_at > self.now
+            r.lora.ready_at for r in self.waiting if r.lora is not None and r.lora.ready_at > self.now
         ]
         if loading:
             wait = min(loading) - self.now

@@ -413,8 +413,15 @@ class SimEngineServer:
         result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
         if result.success:
             self._wake.set()
-            # SGLang answers once the weights are loaded.
-            await asyncio.sleep(self.config.lora_load_time_s * self.config.time_scale)
+            # SGLang answers once the weights are loaded, and after an eviction once the evicted
+            # adapter's requests have finished (it frees the weights only then).
+            adapter = self.engine.adapters.get(body.lora_name)
+            if adapter is not None:
+                await asyncio.sleep(max(0.0, adapter.ready_at - self.engine.now) * self.config.time_scale)
+            if result.evicted:
+                holders = [r for r in list(self.engine.waiting) + list(self.engine.running) if r.lora_name in result.evicted]
+                while any(r.finish_reason is None and self.engine.get(r.rid) is r for r in holders):
+                    await asyncio.sleep(0.01)
         return self._lora_response(result)
 
     async def unload_lora_adapter(self, http_request: HttpRequest) -> Response:
@@ -479,6 +486,8 @@ class SimEngineServer:
                 "max_total_num_tokens": self.engine.cache.capacity_tokens,
                 "page_size": config.block_size,
                 "max_loras_per_batch": config.max_loras_per_batch,
+                "max_loaded_loras": config.max_loaded_loras,
+                "lora_eviction_policy": config.lora_eviction_policy,
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
                 "enable_mixed_chunk": config.mixed_chunk,

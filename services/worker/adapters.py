@@ -1,15 +1,27 @@
-"""LoRA adapters on this worker's engine: loaded on first use (or when the router asks), verified.
+"""LoRA adapters on this worker's engine: loaded on first use (or when the router asks), verified,
+and kept in step with what the engine really holds.
 
 Verification does not trust the load call's 200: some engines accept any path and fail only when
 the adapter is first used, or serve the base model. After a load the adapter must be listed by the
 engine and a one-token generation with it must succeed; otherwise it is unloaded and every
-request for it fails with a clear error instead of running on weights nobody registered.
+request for it fails with a clear error instead of running on weights nobody registered. An
+adapter verified once on this engine process is not probed again when it is loaded again.
+
+The engine decides what stays loaded: SGLang with `--max-loaded-loras` unloads its least recently
+used adapter when a load goes past the cap, and loads an evicted one again by itself when a
+request names it. This view follows the engine instead of guessing: every load answer lists what
+is loaded (adapters missing from it were evicted), loads are made one at a time so those lists
+arrive in order, and `resync` re-reads the engine's list (`/v1/models`) after a restart and now
+and then, since an implicit reload can evict without any answer to this worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from prometheus_client import Counter, Gauge, Histogram
 
 from inferbus import logs
 from proto import messages as m
@@ -18,6 +30,26 @@ from . import release_check
 from .engine import EngineClient, EngineError
 
 log = logs.get(__name__)
+
+# How often a worker whose engine evicts by itself (--max-loaded-loras) re-reads its list.
+ADAPTER_RESYNC_S = 5.0
+
+LOADS = Counter("inferbus_adapter_loads_total", "LoRA adapter loads this worker asked its engine for", ["result"])
+EVICTIONS = Counter("inferbus_adapter_evictions_total",
+                    "LoRA adapters the engine unloaded to stay within --max-loaded-loras, or dropped by a restart",
+                    ["reason"])
+LOAD_SECONDS = Histogram("inferbus_adapter_load_seconds", "Wall time of an adapter load, verification included",
+                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+LOADED = Gauge("inferbus_adapters_loaded", "LoRA adapters loaded on this worker's engine")
+
+
+def adapter_requests(adapters: Iterable[str | None]) -> dict[str, int]:
+    """Requests per adapter ("" for the base model) among those a worker holds: which distinct
+    adapters its engine's batch needs, for the router's batch-slot estimate."""
+    counts: dict[str, int] = {}
+    for adapter in adapters:
+        counts[adapter or ""] = counts.get(adapter or "", 0) + 1
+    return counts
 
 
 class AdapterError(EngineError):
@@ -29,8 +61,11 @@ class Adapters:
     def __init__(self, engine: EngineClient, lookup: Callable[[str], Awaitable[m.AdapterSpec | None]]) -> None:
         self.engine = engine
         self.lookup = lookup  # adapter name → registered spec
-        self.loaded: dict[str, m.AdapterSpec] = {}  # engine name → spec
+        self.loaded: dict[str, m.AdapterSpec | None] = {}  # engine name → spec (None: adopted from the engine's list)
+        self.evictions = 0
+        self._verified: set[str] = set()  # verified on this engine process
         self._loading: dict[str, asyncio.Future[None]] = {}
+        self._load_lock = asyncio.Lock()
 
     def names(self) -> list[str]:
         return sorted(self.loaded)
@@ -49,21 +84,48 @@ class Adapters:
         name = engine_name.rpartition("@")[0]
         spec = await self.lookup(name)
         if spec is None or spec.engine_name != engine_name:
+            LOADS.labels("unregistered").inc()
             raise AdapterError(f"adapter {engine_name} is not registered (or its version changed)")
         mismatch = release_check.adapter_problem(spec)
         if mismatch is not None:
             log.error("adapter_digest_mismatch", adapter=engine_name, path=spec.path, problem=mismatch)
             raise AdapterError(f"adapter {spec.name} refused: {mismatch}")
-        result = await self.engine.load_lora(engine_name, spec.path)
-        if not result.get("success", False) and engine_name not in (result.get("loaded_adapters") or {}):
-            raise AdapterError(f"engine could not load adapter {spec.name}: {result.get('error_message') or 'unknown error'}")
-        problem = await self._verify(engine_name, result)
-        if problem is not None:
-            await self.engine.unload_lora(engine_name)
-            log.error("adapter_verification_failed", adapter=engine_name, path=spec.path, problem=problem)
-            raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
-        self.loaded[engine_name] = spec
-        log.info("adapter_loaded", adapter=engine_name, path=spec.path)
+        started = time.perf_counter()
+        async with self._load_lock:  # one at a time: each answer's list of loaded adapters is then current
+            if engine_name in self.loaded:
+                return
+            result = await self.engine.load_lora(engine_name, spec.path)
+            listed = result.get("loaded_adapters")
+            if not result.get("success", False) and engine_name not in (listed or {}):
+                LOADS.labels("failed").inc()
+                raise AdapterError(
+                    f"engine could not load adapter {spec.name}: {result.get('error_message') or 'unknown error'}")
+            if listed is not None:
+                self._follow(listed, engine_name)
+            problem = None if engine_name in self._verified else await self._verify(engine_name, result)
+            if problem is not None:
+                await self.engine.unload_lora(engine_name)
+                LOADS.labels("unverified").inc()
+                log.error("adapter_verification_failed", adapter=engine_name, path=spec.path, problem=problem)
+                raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
+            self._verified.add(engine_name)
+            self.loaded[engine_name] = spec
+            self._set_gauge()
+        seconds = time.perf_counter() - started
+        LOADS.labels("loaded").inc()
+        LOAD_SECONDS.observe(seconds)
+        log.info("adapter_loaded", adapter=engine_name, path=spec.path, load_s=round(seconds, 4),
+                 loaded=len(self.loaded))
+
+    def _follow(self, listed: Iterable[str], loading: str | None = None) -> None:
+        """Take the engine's list of loaded adapters as the truth: what it no longer lists was evicted."""
+        present = set(listed)
+        for name in [name for name in self.loaded if name not in present and name != loading]:
+            del self.loaded[name]
+            self.evictions += 1
+            EVICTIONS.labels("engine_cap").inc()
+            log.info("adapter_evicted", adapter=name, loaded=len(present))
+        self._set_gauge()
 
     async def _verify(self, engine_name: str, result: dict) -> str | None:
         listed = result.get("loaded_adapters")
@@ -75,15 +137,52 @@ class Adapters:
             return f"a one-token generation with it failed: {error}"
         return None
 
+    async def resync(self, restarted: bool = False) -> None:
+        """Re-read what the engine holds. After a restart (a new process) nothing it held before is
+        verified any more; what it lists now (adapters it loads at start-up) is adopted."""
+        if restarted:
+            self._verified.clear()
+        try:
+            listed = await self.engine.loaded_adapters()
+        except Exception as error:  # the next load answer or resync corrects the view
+            log.warning("adapter_resync_failed", error=repr(error))
+            if restarted:
+                dropped = len(self.loaded)
+                self.loaded.clear()
+                if dropped:
+                    EVICTIONS.labels("engine_restart").inc(dropped)
+                self._set_gauge()
+            return
+        if restarted:
+            dropped = [name for name in self.loaded if name not in listed]
+            for name in dropped:
+                del self.loaded[name]
+            if dropped:
+                EVICTIONS.labels("engine_restart").inc(len(dropped))
+                log.info("adapters_lost_by_restart", adapters=dropped)
+        else:
+            self._follow(listed)
+        for name in listed:
+            self.loaded.setdefault(name, None)
+        self._set_gauge()
+
     def forget(self, engine_name: str) -> None:
-        """The engine no longer has it (it restarted): load it again on next use."""
-        self.loaded.pop(engine_name, None)
+        """The engine no longer has it (it said so): load it again on next use."""
+        if self.loaded.pop(engine_name, 0) != 0:
+            self._set_gauge()
 
     def forget_all(self) -> int:
         count = len(self.loaded)
         self.loaded.clear()
+        self._verified.clear()
+        self._set_gauge()
         return count
 
     async def unload(self, engine_name: str) -> None:
-        if self.loaded.pop(engine_name, None) is not None:
+        if engine_name in self.loaded:
+            del self.loaded[engine_name]
+            self._set_gauge()
             await self.engine.unload_lora(engine_name)
+
+    def _set_gauge(self) -> None:
+        LOADED.set(len(self.loaded))

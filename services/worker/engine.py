@@ -245,6 +245,15 @@ class EngineClient:
         if isinstance(finish, dict) and finish.get("type") == "abort":
             raise EngineError(str(finish.get("message", "aborted")))
 
+    async def loaded_adapters(self) -> list[str]:
+        """The adapters the engine has loaded now: the `/v1/models` entries with a `parent` (SGLang
+        lists the base model, then each loaded adapter with the base as its parent)."""
+        status, raw = await self._call("GET", "/v1/models")
+        if status != 200:
+            raise _http_error(status, raw)
+        data = (_json.decode(raw) or {}).get("data") or []
+        return [entry["id"] for entry in data if isinstance(entry, dict) and entry.get("parent") and entry.get("id")]
+
     async def server_info(self) -> dict[str, Any]:
         _, raw = await self._call("GET", "/server_info")
         return _json.decode(raw)

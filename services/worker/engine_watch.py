@@ -66,7 +66,8 @@ class EngineWatch:
             worker.engine_info = await worker.engine.server_info()
         except Exception as error:
             log.warning("engine_info_failed", error=repr(error))
-        forgotten = worker.adapters.forget_all()
+        forgotten = len(worker.adapters.loaded)
+        await worker.adapters.resync(restarted=True)
         if worker.cache_relay is not None:
             try:
                 await worker.cache_relay.engine_restarted()

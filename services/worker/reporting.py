@@ -14,6 +14,7 @@ from inferbus import logs
 from proto import messages as m
 from proto import subjects
 
+from .adapters import ADAPTER_RESYNC_S, adapter_requests
 from .attempt import Attempt
 from .http import HTTPError
 from .metrics import KV_USAGE
@@ -57,15 +58,22 @@ def engine_gpu(info: dict[str, Any]) -> tuple[str, int]:
 
 
 def engine_max_adapters(info: dict[str, Any]) -> int:
+    """Distinct adapters per batch, the base model counting as one (SGLang --max-loras-per-batch)."""
     if not info.get("enable_lora"):
         return 0
-    return int(info.get("max_loaded_loras") or info.get("max_loras_per_batch") or 0)
+    return int(info.get("max_loras_per_batch") or 0)
+
+
+def engine_max_loaded_adapters(info: dict[str, Any]) -> int:
+    """Adapters the engine keeps loaded before it evicts (SGLang --max-loaded-loras; 0: no limit)."""
+    return int(info.get("max_loaded_loras") or 0) if info.get("enable_lora") else 0
 
 
 class LoadReporter:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self._seq = 0
+        self._adapter_resync_at = 0.0  # monotonic time of the next re-read of the engine's adapters
 
     # ---- heartbeat -------------------------------------------------------------------------
 
@@ -82,6 +90,7 @@ class LoadReporter:
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=s.block_size if worker.cache_relay is not None else 0,
             max_adapters=engine_max_adapters(worker.engine_info), adapters=worker.adapters.names(),
+            max_loaded_adapters=engine_max_loaded_adapters(worker.engine_info),
             release=worker.release_counts.release_id,
         )
 
@@ -138,6 +147,9 @@ class LoadReporter:
                 await serving.batch.check(load)
             except Exception as error:  # the load report must go out regardless
                 log.warning("preemption_check_failed", error=repr(error))
+            if engine_max_loaded_adapters(worker.engine_info) and time.monotonic() >= self._adapter_resync_at:
+                self._adapter_resync_at = time.monotonic() + ADAPTER_RESYNC_S  # the engine evicts by itself
+                await worker.adapters.resync()
             self._seq += 1
             KV_USAGE.set(load.used_tokens / load.capacity_tokens if load.capacity_tokens else 0.0)
             snapshot = m.WorkerLoad(
@@ -148,6 +160,7 @@ class LoadReporter:
                 completed=worker.stats.completed, queued_prefill_tokens=self._queued_prefill_tokens(),
                 adapters=worker.adapters.names(), pulled_own=worker.stats.pulled_own,
                 **self._autoscaling_fields(serving.batch.waiting()),
+                adapter_requests=adapter_requests(entry.request.adapter for entry in worker.running.values()),
             )
             await worker.nc.publish(subjects.metrics_subject(worker.settings.worker_id), m.encode(snapshot))
 

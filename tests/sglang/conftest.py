@@ -32,6 +32,8 @@ START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 MAX_TOTAL_TOKENS = 4096
 MAX_LORA_RANK = 8
+# --max-loaded-loras (at least --max-loras-per-batch, 8 by default): the eviction contract loads one more.
+MAX_LOADED_LORAS = 8
 
 
 @dataclass
@@ -88,7 +90,7 @@ def sglang_command(home: Path, models: Path, port: int, kv_events: str) -> tuple
         "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
         "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--skip-server-warmup",
         "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
-        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
+        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "--max-loaded-loras", str(MAX_LOADED_LORAS),
         "--enable-metrics", "--kv-events-config", events,
     ]
     env = dict(os.environ)
@@ -105,6 +107,7 @@ def sim_command(port: int, kv_events: str, model_dir: Path) -> tuple[list[str], 
         sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
         "--model-dir", str(model_dir), "--block-size", "1",  # SGLang's page size on CPU
         "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS), "--max-lora-rank", str(MAX_LORA_RANK),
+        "--max-loaded-loras", str(MAX_LOADED_LORAS),
         "--kv-events-config", events,
     ]
     return argv, dict(os.environ)

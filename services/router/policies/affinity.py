@@ -3,7 +3,8 @@
     cost = (queued prefill tokens + miss_weight · prompt tokens not cached there
             + active_kv_weight · KV tokens its requests hold) / prefill rate
            + decode_weight · running / slots
-           + adapter_load_s · [adapter not loaded there],
+           + the adapter's part (adapter_slots.py): loading it, waiting for a free
+             distinct-adapter batch slot, and spreading a hot adapter over several workers,
 
 `miss_weight` (5) > 1 because recomputing a prefix costs the whole fleet GPU time, not only this
 request its wait: the work it adds delays everything queued behind it.
@@ -50,8 +51,9 @@ class AffinityPolicy(RegistryPolicy):
         else:
             miss = per_token * prompt
             costs = [view.base_cost + miss for view in candidates]
-        if request.adapter:
-            adapter, penalty = request.adapter, config.adapter_load_s
-            costs = [cost if adapter in view.adapters else cost + penalty for cost, view in zip(costs, candidates)]
+        slots = self.registry.adapter_slots
+        if request.adapter or (candidates[0].max_adapters and slots.lora_seen):
+            extra = slots.costs(request.adapter, [(view.worker_id, view.max_adapters, view.adapters) for view in candidates])
+            costs = [cost + more for cost, more in zip(costs, extra)]
         chosen = candidates[self._softmax_pick(costs)]
         return chosen, matched.get(chosen.worker_id, 0)
