@@ -9,7 +9,8 @@ import pytest
 
 from proto import messages as m
 from services.router.adapter_slots import AdapterConfig, AdapterSlots, harmonic
-from services.router.policy import AffinityPolicy, RoutingConfig
+from services.router.config import RoutingConfig
+from services.router.placement import make_placer
 
 
 class Clock:
@@ -81,12 +82,12 @@ def test_a_hot_adapter_opens_more_homes_as_its_share_grows_and_releases_them_whe
 
 def test_the_router_spreads_a_hot_adapter_and_avoids_full_batches() -> None:
     clock = Clock()
-    policy = AffinityPolicy(clock=clock, config=RoutingConfig(temperature=0.01), rng=random.Random(3))
+    policy = make_placer("affinity", clock, RoutingConfig(temperature=0.01), random.Random(3))
     for w in ("a", "b", "c", "d"):
-        policy.on_heartbeat(m.Heartbeat(worker_id=w, model="m", engine_url="", started=0, ts=0, max_running=64,
+        policy.registry.on_heartbeat(m.Heartbeat(worker_id=w, model="m", engine_url="", started=0, ts=0, max_running=64,
                                         max_adapters=4, adapters=["hot@1"] if w == "a" else []))
     for w in ("a", "b", "c", "d"):
-        policy.on_load(m.WorkerLoad(worker_id=w, model="m", ts=0, seq=1, running=0, waiting=0, in_flight=0,
+        policy.registry.on_load(m.WorkerLoad(worker_id=w, model="m", ts=0, seq=1, running=0, waiting=0, in_flight=0,
                                     max_running=64, kv_used_tokens=0, kv_capacity_tokens=1000))
     chosen = []
     for i in range(200):
@@ -97,7 +98,7 @@ def test_the_router_spreads_a_hot_adapter_and_avoids_full_batches() -> None:
     hot_workers = {w for w in chosen if w}
     assert len(hot_workers) >= 3  # half the traffic: ceil(0.5 · 4 · 2) = 4 homes wanted
     # A worker whose batch is full of other adapters loses to one with a free slot.
-    policy.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=2, running=4, waiting=0, in_flight=4, max_running=64,
+    policy.registry.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=2, running=4, waiting=0, in_flight=4, max_running=64,
                                 kv_used_tokens=0, kv_capacity_tokens=1000, adapter_requests={"x": 1, "y": 1, "z": 1, "": 1}))
     picks = {policy.place(m.PlacementRequest(request_id="n", model="m", prompt_tokens=100, adapter="new@1")).worker_id
              for _ in range(20)}
