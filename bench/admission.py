@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 
 from bench.common import percentile, write_results
 from inferbus.local import free_port, redis_reachable, redis_server_binary
-from services.gateway.admission import Admission, TenantLimits
+from inferbus.stores.admission import Admission, TenantLimits
 
 LIMITS = TenantLimits(requests_per_minute=10**9, input_tokens_per_minute=10**12, output_tokens_per_minute=10**12,
                       max_concurrent=10**6, monthly_budget_usd=10.0**9)

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferbus import mix as mix_mod
-from inferbus import traces
-from inferbus.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
-from inferbus.fleetsim.fast import FastConfig, FastFleet, StaticController
-from inferbus.fleetsim.simulate_cli import size_fleet
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity import traces
+from inferbus.capacity.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
+from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet, StaticController
+from inferbus.commands.simulate import size_fleet
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.autoscaler.threshold import ThresholdConfig, ThresholdController

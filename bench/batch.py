@@ -4,7 +4,7 @@ Interactive load alone, then the same interactive load with a large batch beside
 p90 TTFT and TPOT must stay within 10 % of the interactive-only run while batch consumes ≥ 80 %
 of the spare token capacity. Two parts (`--part sim|live|all`):
 
-sim: the per-step fleet simulator (`inferbus.fleetsim.FleetSim`: the router's placement policy,
+sim: the per-step fleet simulator (`inferbus.capacity.fleetsim.FleetSim`: the router's placement policy,
   the sim engine's real scheduler with priority scheduling, and with a batch band the batch
   service's `FeedPolicy` and the workers' `PreemptionPolicy`, unchanged). A fleet of H100 TP2
   replicas (`--replicas`, default 40) sized by the planner: the interactive peak is the rate the
@@ -56,13 +56,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from inferbus import mix as mix_mod
-from inferbus.fleetsim import FleetConfig, FleetSim
-from inferbus.fleetsim.batch import BatchSpec, LineLengths
-from inferbus import traces
-from inferbus.fleetsim.simulate_cli import HEADROOM, size_fleet
-from inferbus.stats import percentile
-from inferbus.traces import TraceRequest
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity import traces
+from inferbus.capacity.fleetsim import FleetConfig, FleetSim
+from inferbus.capacity.fleetsim.batch import BatchSpec, LineLengths
+from inferbus.capacity.stats import percentile
+from inferbus.capacity.traces import TraceRequest
+from inferbus.commands.simulate import HEADROOM, size_fleet
 from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -475,7 +475,7 @@ LIVE_MAX_IN, LIVE_MAX_OUT = 4_096, 1_024  # interactive lengths clipped to keep 
 
 def _content(rng: random.Random, tokens: int) -> str:
     """About `tokens` prompt tokens of chat content (one token per word; the template adds ~30)."""
-    from inferbus.sweep.prompts import words
+    from inferbus.capacity.sweep.prompts import words
 
     return words(rng, max(1, tokens - 30))
 
@@ -570,7 +570,7 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import openai
 
-    from inferbus.cli import _demo_key, new_admin_key
+    from inferbus.commands.main import _demo_key, new_admin_key
     from inferbus.local import Stack, StackConfig, free_port
 
     scale = args.time_scale

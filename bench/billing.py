@@ -20,10 +20,10 @@ import asyncio
 import gc
 import json
 import os
-import sys
 import platform as host
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,12 +35,12 @@ import redis.asyncio as aioredis
 from bench.common import percentile, write_results
 from inferbus import bus
 from inferbus.local import free_port, http_ok, nats_server_binary, redis_reachable, redis_server_binary
+from inferbus.stores import usage as u
+from inferbus.stores.billing import PriceStore, UsageStore
+from inferbus.stores.pricing import Prices
 from proto import messages as m
 from proto import subjects
-from services.billing import usage as u
-from services.billing.pricing import Prices
 from services.billing.rollup import RollupConsumer, rebuild
-from services.billing.store import PriceStore, UsageStore
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from inferbus.releases import eval_gate, slo_gate
+from inferbus.timing import roofline
 from proto import messages as m
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import roofline
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"

@@ -10,7 +10,7 @@ block size, SGLang scheduling with the same chunked-prefill budget and batch lim
 scale of the benchmark as `--speedup-ratio`.
 
 The frontend tokenizes prompts with a model directory written here: a word-level tokenizer whose
-vocabulary is the trace's prompt words (`inferbus.traces`: one word per token), so a prompt is
+vocabulary is the trace's prompt words (`inferbus.capacity.traces`: one word per token), so a prompt is
 exactly the trace's `input_length` tokens, as it is for our engines. The mocker's output ids are
 drawn from the same vocabulary.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import dynamo_env
-from inferbus import traces
+from inferbus.capacity import traces
 from inferbus.local import Process, free_port
 
 ROUTER_MODES = {"dynamo_kv": "kv", "dynamo_round_robin": "round-robin"}
@@ -216,7 +216,7 @@ def client_check(requests: int = 30) -> dict[str, dict[str, float]]:
 
     import aiohttp
 
-    from services.sim_engine.perf_model import roofline
+    from inferbus.timing import roofline
     from services.sim_engine.profile_table import build_table, save_npz
 
     async def ttfts(frontend: DynamoFrontend, force_close: bool, offset: int) -> list[float]:

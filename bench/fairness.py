@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import write_results
-from inferbus.cli import new_admin_key
+from inferbus.commands.main import new_admin_key
 from inferbus.local import Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

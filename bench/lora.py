@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import percentile, write_results
-from inferbus import mix as mix_mod
-from inferbus.fleetsim.simulate_cli import size_fleet
-from inferbus.sweep.prompts import words
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity.sweep.prompts import words
+from inferbus.commands.simulate import size_fleet
 from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -102,7 +102,7 @@ class Platform:
     """A local platform with tenants, keys and registered adapters."""
 
     def __init__(self, workers: int, time_scale: float, engine_args: list[str]) -> None:
-        from inferbus.cli import new_admin_key
+        from inferbus.commands.main import new_admin_key
         from inferbus.local import Stack, StackConfig, free_port
 
         self.state = Path(tempfile.mkdtemp(prefix="inferbus-bench-lora-"))

@@ -233,7 +233,7 @@ PROBE_TOKENS = 200
 
 def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tuple[int, int],
         budget_s: float) -> dict[str, Any]:
-    from inferbus.cli import _demo_key, new_admin_key
+    from inferbus.commands.main import _demo_key, new_admin_key
     from inferbus.local import Stack, StackConfig, free_port
 
     stack = Stack(StackConfig(

@@ -115,7 +115,7 @@ async def measure_round_trip(workers: int, requests: int, blocks: int) -> dict[s
         url = f"nats://127.0.0.1:{port}"
         env = dict(os.environ, NATS_URL=url, INFERBUS_METRICS_PORT="0", INFERBUS_HEARTBEAT_TTL_S="600",
                    INFERBUS_LOG_LEVEL="warning")
-        router = subprocess.Popen([sys.executable, "-m", "inferbus.cli", "router"], env=env,
+        router = subprocess.Popen([sys.executable, "-m", "inferbus.commands.main", "router"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         nc = await nats.connect(url)
         js = nc.jetstream()

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import routing_workload
-from inferbus import traces
-from inferbus.fleetsim import FleetConfig, FleetSim
+from inferbus.capacity import traces
+from inferbus.capacity.fleetsim import FleetConfig, FleetSim
+from inferbus.timing import roofline
 from services.router.config import RoutingConfig
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import roofline
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
 
 

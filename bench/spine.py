@@ -29,7 +29,7 @@ import aiohttp
 import httpx
 
 from bench.common import percentile, write_results
-from inferbus.cli import _demo_key
+from inferbus.commands.main import _demo_key
 from inferbus.local import Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

@@ -120,8 +120,8 @@ CHAT_TEMPLATE = (
 def build_tokenizer(directory: Path) -> Path:
     """A Hugging Face tokenizer that splits text exactly as `inferbus.tokens` does."""
     from inferbus import tokens
+    from inferbus.capacity.sweep.prompts import WORDS
     from inferbus.tokens import standin_render_chat as render_chat
-    from inferbus.sweep.prompts import WORDS
     from services.sim_engine.scheduler import OUTPUT_PIECES
 
     corpus = next((AIPERF_VENV / "lib").glob("python*/site-packages/aiperf/dataset/generator/assets/shakespeare.txt"))
@@ -252,7 +252,7 @@ def run_sweep(url: str, load: tuple[str, float], requests: int, args: argparse.N
                "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
                "--out", str(out), "--no-plots", "--no-progress"]
     # The `inferbus` console script, run by this interpreter (the venv's, whatever PATH says).
-    code = "import sys; from inferbus.cli import main; sys.argv[0] = 'inferbus'; main()"
+    code = "import sys; from inferbus.commands.main import main; sys.argv[0] = 'inferbus'; main()"
     started = time.perf_counter()
     completed = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True)
     wall = time.perf_counter() - started

@@ -247,7 +247,7 @@ def replica_processes(
     engine_port, events_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     events = f"tcp://127.0.0.1:{events_port}"
-    argv = [sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(engine_port),
+    argv = [sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(engine_port),
             "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale", str(spec.time_scale),
             # The engine binds (SGLang's "bind": true) and the worker connects: a connecting publisher
             # loses its first batches while the subscription reaches it (libzmq).
@@ -260,7 +260,7 @@ def replica_processes(
     if kv_events:
         extra["INFERBUS_ENGINE_KV_EVENTS"] = events
         extra["INFERBUS_ENGINE_KV_EVENTS_BIND"] = "false"
-    worker = Process(f"worker-{index}", [sys.executable, "-m", "inferbus.cli", "worker"],
+    worker = Process(f"worker-{index}", [sys.executable, "-m", "inferbus.commands.main", "worker"],
                      {**env, **extra, **(worker_env or {})}, logs_dir / f"worker-{index}.log",
                      lambda: True, f"drives engine-{index}")
     return engine, worker
@@ -390,7 +390,7 @@ class Stack:
         return process
 
     def _inferbus(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "inferbus.cli", *args]
+        return [sys.executable, "-m", "inferbus.commands.main", *args]
 
     def plan(self) -> None:
         c = self.config

@@ -31,7 +31,6 @@ from tokenizers import Tokenizer
 
 from inferbus.tokens import content_text
 
-
 # Above this many characters a prompt is tokenized without holding the GIL (about 1 ms of work).
 LONG_TEXT_CHARS = 4096
 

@@ -14,7 +14,8 @@ import itertools
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 
 class PublishError(Exception):

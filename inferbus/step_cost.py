@@ -10,7 +10,7 @@ fleet of H200s is not capped with H100 numbers.
 
 `base` and `per_seq` of H100 TP2 at a typical 2,048-token context per sequence are the reference
 (18.6 ms with one sequence, 39.6 ms with 128: 0.165 ms per added sequence); other GPUs and TP
-widths scale them by the roofline timing model (`services.sim_engine.perf_model`, which
+widths scale them by the roofline timing model (`inferbus.timing`, which
 gives each of its constants with its public source): an engine's cost is the H100 TP2 constants
 times the model's ratio between that engine and H100 TP2. An engine the model does not know
 (SGLang does not report its GPU) is capped with the configured constants.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from services.sim_engine.perf_model import roofline
+from inferbus.timing import roofline
 
 CONTEXT_TOKENS = 2048  # context per sequence the constants are taken at
 _FIT_BATCH = 128  # the per-sequence slope is taken between one sequence and this many

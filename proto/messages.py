@@ -659,7 +659,7 @@ class ReleaseDecision(_Message):
 
 # ---- internal producers (`subjects.api_subject`) ---------------------------------------------
 # Their bodies are the HTTP API's JSON both ways, so that a producer needs no second schema: a
-# request is a `/v1/chat/completions` or `/v1/completions` body (services/gateway/schemas.py), a
+# request is a `/v1/chat/completions` or `/v1/completions` body (inferbus/openai/schemas.py), a
 # reply is the response body, or one streamed chunk. These headers frame them.
 API_VERSION = "1"
 API_HEADER_VERSION = "Inferbus-Api-Version"

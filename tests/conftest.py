@@ -80,7 +80,7 @@ def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: 
 
 def start_platform(tmp: Path, **config: object) -> Platform:
     """Start a platform; its gateway has an admin key and Redis the `demo` tenant with one key."""
-    from inferbus.cli import _demo_key, new_admin_key
+    from inferbus.commands.main import _demo_key, new_admin_key
 
     config.setdefault("admin_key", new_admin_key())
     stack = Stack(StackConfig(state_dir=tmp, gateway_port=free_port(), **config))  # type: ignore[arg-type]

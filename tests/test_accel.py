@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from inferbus import accel
+from inferbus.capacity import accel
 
 SCENARIO = """
 import json, sys
-from inferbus import accel, mix
-from inferbus.fleetsim.day import constant
-from inferbus.fleetsim.fast import FastConfig, FastFleet
+from inferbus.capacity import accel, mix
+from inferbus.capacity.fleetsim.day import constant
+from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
 out = {"compiled": accel.active()}
 for policy in ("least_loaded", "affinity"):
     summary = FastFleet(FastConfig(replicas=12, policy=policy), list(constant(50.0, 40.0, mix.load("worked-example"), seed=5))).run()
@@ -63,9 +63,9 @@ def test_a_build_is_used_only_when_every_source_and_the_interpreter_match(tmp_pa
     monkeypatch.delenv("INFERBUS_PURE_PYTHON")
 
     manifest = json.loads((tmp_path / accel.MANIFEST).read_text())
-    manifest["sources"]["inferbus.fleetsim.fast"] = "0" * 64  # fast.py edited since the build
+    manifest["sources"]["inferbus.capacity.fleetsim.fast"] = "0" * 64  # fast.py edited since the build
     (tmp_path / accel.MANIFEST).write_text(json.dumps(manifest))
-    assert accel.check(tmp_path) == "stale: inferbus.fleetsim.fast changed since the build"
+    assert accel.check(tmp_path) == "stale: inferbus.capacity.fleetsim.fast changed since the build"
 
     fake_build(tmp_path)
     manifest = json.loads((tmp_path / accel.MANIFEST).read_text())
@@ -81,11 +81,11 @@ def test_activate_puts_only_a_current_build_ahead_of_the_source(tmp_path: Path, 
     monkeypatch.delenv("INFERBUS_PURE_PYTHON", raising=False)
     monkeypatch.setenv("INFERBUS_ACCEL_DIR", str(tmp_path))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    package_path = ["/src/inferbus/fleetsim"]
-    assert not accel.activate(package_path) and package_path == ["/src/inferbus/fleetsim"]
+    package_path = ["/src/inferbus/capacity/fleetsim"]
+    assert not accel.activate(package_path) and package_path == ["/src/inferbus/capacity/fleetsim"]
     fake_build(tmp_path)
     assert accel.activate(package_path)
-    assert package_path == [str(tmp_path / "inferbus" / "fleetsim"), "/src/inferbus/fleetsim"]
+    assert package_path == [str(tmp_path / "inferbus" / "capacity" / "fleetsim"), "/src/inferbus/capacity/fleetsim"]
     assert sys.path[-1] == str(tmp_path)  # the group's shared library, behind everything else
 
 

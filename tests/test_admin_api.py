@@ -10,7 +10,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from inferbus.cli import main
+from inferbus.commands.main import main
 from inferbus.local import free_port
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings

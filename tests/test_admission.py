@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from inferbus.local import free_port
-from services.gateway.admission import (
+from inferbus.stores.admission import (
     _PRELUDE,
     Admission,
     AdmissionUnavailable,
@@ -23,8 +23,6 @@ from services.gateway.admission import (
     openai_duration,
     tenant_prefix,
 )
-
-
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.gateway.admission import Admission, TenantLimits
+from inferbus.stores.admission import Admission, TenantLimits
 
 PROCESSES = 4
 IN_FLIGHT = 4  # concurrent admits per process, like a gateway serving several requests at once

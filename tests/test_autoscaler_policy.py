@@ -459,7 +459,7 @@ def test_a_worker_restart_does_not_make_negative_rates() -> None:
 def test_policy_drives_the_fleet_simulator() -> None:
     import random
 
-    from inferbus.fleetsim.fast import FastConfig, FastFleet
+    from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
     from services.autoscaler.simulated import PolicyController
 
     rng = random.Random(3)

@@ -8,13 +8,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from inferbus.openai import carry
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.json_body import JsonLimits, check_depth, decode, json_depth
 from inferbus.prompt import load_model
 from proto import messages as m
 from services.batch import lines
 from services.batch.validate import Limits, Validated, validate
-from services.gateway import carry
-from services.gateway.errors import OpenAIError
-from services.gateway.json_body import JsonLimits, check_depth, decode, json_depth
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 CHAT = "/v1/chat/completions"
@@ -57,7 +57,7 @@ def test_decode_refuses_size_depth_and_garbage_with_4xx() -> None:
 
 
 def test_the_schema_decoder_turns_a_recursion_error_into_a_400() -> None:
-    from services.gateway.schemas import parse_chat
+    from inferbus.openai.schemas import parse_chat
 
     with pytest.raises(OpenAIError) as raised:
         parse_chat(b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")

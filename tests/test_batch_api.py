@@ -26,10 +26,10 @@ import pytest
 from nats.js.api import KeyValueConfig
 
 from inferbus import bus
+from inferbus.openai.objects import batch_object, file_object
+from inferbus.stores.batches import BatchStore, new_batch_id
+from inferbus.stores.files import FileStore, FileTooLarge, new_file_id
 from proto import messages as m
-from services.batch.files import FileStore, FileTooLarge, new_file_id
-from services.batch.openai_objects import batch_object, file_object
-from services.batch.records import BatchStore, new_batch_id
 from services.gateway.batches_api import NotCancellable, cancel
 
 from .conftest import MODEL, Platform

@@ -10,13 +10,13 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import load_model, render_prompt
 from proto import messages as m
 from services.batch import lines
 from services.batch.feed import FeedConfig, FeedPolicy
 from services.batch.tracker import BatchRun, Tracker, parse_request_id
 from services.batch.validate import Limits, Validated, validate
-from services.gateway.errors import OpenAIError
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 CHAT = "/v1/chat/completions"

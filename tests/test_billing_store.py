@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from inferbus.stores import usage as u
+from inferbus.stores.billing import MAX_EVENTS_PER_CALL, MAX_EVENTS_PER_ROUND_TRIP, PriceStore, UsageStore
+from inferbus.stores.pricing import PriceBook, Prices, PriceVersion
 from proto import messages as m
-from services.billing import usage as u
-from services.billing.pricing import PriceBook, Prices, PriceVersion
-from services.billing.store import MAX_EVENTS_PER_CALL, MAX_EVENTS_PER_ROUND_TRIP, PriceStore, UsageStore
 
 DEFAULT = Prices(0.60, 0.90, 0.15, 0.5)
 BOOK = PriceBook([], DEFAULT)

@@ -13,11 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from proto import messages as m
-from services.billing import usage as u
-from services.gateway.tenants import valid_tenant_id
-from services.billing.export import month_range, previous_month, write_rows
-from services.billing.pricing import (
+from inferbus.stores import usage as u
+from inferbus.stores.pricing import (
     InvalidPrice,
     LineCosts,
     NoPrice,
@@ -27,6 +24,9 @@ from services.billing.pricing import (
     effective_versions,
     to_micro,
 )
+from inferbus.stores.tenants import valid_tenant_id
+from proto import messages as m
+from services.billing.export import month_range, previous_month, write_rows
 from services.billing.pull import PullConnection, num_pending
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -373,8 +373,9 @@ def test_csv_and_jsonl_exports(tmp_path: Path) -> None:
 
 
 def test_parquet_exports_keep_integers_and_exact_dollars(tmp_path: Path) -> None:
-    import pyarrow.parquet as pq
     from decimal import Decimal
+
+    import pyarrow.parquet as pq
 
     write_rows(rows(), "parquet", tmp_path / "x.parquet")
     table = pq.read_table(tmp_path / "x.parquet").to_pylist()

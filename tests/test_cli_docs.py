@@ -2,7 +2,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from inferbus.cli import configuration_markdown, main
+from inferbus.commands.main import configuration_markdown, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

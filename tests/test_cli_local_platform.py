@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from inferbus.cli import main
+from inferbus.commands.main import main
 from inferbus.local import PLATFORM_FILE
 
 from .conftest import MODEL, Platform
@@ -74,7 +74,7 @@ def test_the_launchers_state_is_private(platform: Platform) -> None:
 
 def test_a_stale_platform_file_is_not_used(tmp_path: Path) -> None:
     """A platform file whose launcher is gone (killed without cleaning up) is ignored."""
-    from inferbus import local_platform
+    from inferbus.commands import local_platform
 
     (tmp_path / PLATFORM_FILE).write_text(json.dumps({"launcher_pid": 2**22 + 7, "redis_url": "redis://gone:1/0"}))
     choice = local_platform.redis_url(None, tmp_path)

@@ -26,9 +26,9 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from inferbus.stores.pricing import PriceBook, Prices
 from proto import messages as m
 from proto import subjects
-from services.billing.pricing import PriceBook, Prices
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 
@@ -165,7 +165,7 @@ def rollup_drained(platform: Platform) -> bool:
 
 
 def cli(platform: Platform, *args: str) -> str:
-    from inferbus.cli import main
+    from inferbus.commands.main import main
 
     result = CliRunner().invoke(main, list(args), env={"REDIS_URL": platform.stack.redis_url,
                                                        "NATS_URL": platform.stack.nats_url},
@@ -261,7 +261,7 @@ def test_a_cancelled_stream_bills_the_tokens_that_were_generated(platform: Platf
 def test_budget_spend_equals_the_months_costs(platform: Platform) -> None:
     import redis.asyncio as aioredis
 
-    from services.gateway.admission import Admission
+    from inferbus.stores.admission import Admission
 
     tenant, key, _ = new_tenant(platform, limits={"monthly_budget_usd": 50.0})
     client = openai.OpenAI(base_url=platform.base_url, api_key=key, max_retries=0)
@@ -346,8 +346,8 @@ def test_usage_api_pages_isolation_and_errors(platform: Platform) -> None:
 def test_price_versions_apply_from_their_effective_time(platform: Platform) -> None:
     import redis.asyncio as aioredis
 
-    from services.billing.store import PriceStore
-    from services.gateway.admission import Admission
+    from inferbus.stores.admission import Admission
+    from inferbus.stores.billing import PriceStore
 
     tenant, _, _ = new_tenant(platform)
     model = "price-test-" + secrets.token_hex(3)  # prices of its own, nobody else's
@@ -403,7 +403,7 @@ def test_prices_cli_sets_and_lists_versions(platform: Platform) -> None:
     assert model in output and "50% off batches" in output
     listed = cli(platform, "prices", "list", *admin)
     assert model in listed and "(base)" in listed
-    too_soon = CliRunner().invoke(__import__("inferbus.cli", fromlist=["main"]).main,
+    too_soon = CliRunner().invoke(__import__("inferbus.commands.main", fromlist=["main"]).main,
                                   ["prices", "set", "--model", model, "--input", "1", "--cached-input", "1", "--output",
                                    "1", "--effective", "2020-01-01", *admin])
     assert too_soon.exit_code != 0 and "effective" in too_soon.output
@@ -445,8 +445,8 @@ def test_a_crash_between_writing_and_acking_counts_nothing_twice(platform: Platf
     import nats
     import redis.asyncio as aioredis
 
+    from inferbus.stores.billing import PriceStore, UsageStore
     from services.billing.rollup import RollupConsumer
-    from services.billing.store import PriceStore, UsageStore
 
     tenant, _, _ = new_tenant(platform)
     now = time.time()
@@ -556,8 +556,8 @@ def test_rebuilding_from_the_ledger_after_losing_the_rollups_gives_the_same_tota
 def test_last_months_export_is_written_once_per_tenant(platform: Platform, tmp_path: Path) -> None:
     import redis.asyncio as aioredis
 
+    from inferbus.stores.billing import UsageStore
     from services.billing.export import MonthlyExporter, month_range, previous_month
-    from services.billing.store import UsageStore
 
     tenant, _, _ = new_tenant(platform)
     # Two months back: the running service exports only last month, so this month is ours alone.

@@ -8,14 +8,13 @@ with the openai SDK. One worker with four slots: batch may hold three, one stays
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-
-import json
 
 import httpx
 import msgspec

@@ -20,7 +20,7 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from inferbus.cli import main
+from inferbus.commands.main import main
 from inferbus.local import EngineSpec, Process, replica_processes
 from inferbus.releases import record
 from proto import messages as m

@@ -196,8 +196,15 @@ def test_an_agents_sdk_agent_with_a_function_tool(platform: Platform) -> None:
     """The agent asks the model, the model calls the tool, the SDK runs it; its result is the answer
     (`stop_on_first_tool`: the simulated model's free text never ends before max_output_tokens, and
     the Agents SDK takes an incomplete response for an error). Plain and streamed runs."""
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_default_openai_client,
-                        set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
 
     called: list[str] = []
 

@@ -69,9 +69,9 @@ def test_platform_serves_again_after_redis_restarts(small: Platform) -> None:
     restart(small, "redis")
     # A key made now must work at once after the restart (Redis keeps its append-only file, and a
     # lost key would fail authentication cleanly): make one as an operator would.
-    from inferbus.cli import _demo_key
-
     import asyncio
+
+    from inferbus.commands.main import _demo_key
 
     small.api_key = asyncio.run(_demo_key(small.stack.redis_url))
     serves_within(small, 10)

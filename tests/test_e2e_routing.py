@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from inferbus.traces import _WORDS
+from inferbus.capacity.traces import _WORDS
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import wait_for

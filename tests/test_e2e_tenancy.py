@@ -103,8 +103,8 @@ def test_models_a_tenant_may_not_use_look_like_models_that_do_not_exist(platform
 def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: Platform) -> None:
     import redis.asyncio as aioredis
 
-    from services.billing.pricing import Prices
-    from services.gateway.admission import Admission
+    from inferbus.stores.admission import Admission
+    from inferbus.stores.pricing import Prices
 
     tenant, key = new_tenant(platform, limits={"monthly_budget_usd": 100.0})
     client = client_for(platform, key)
@@ -120,7 +120,7 @@ def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: P
     events = read_usage(platform, tenant, set(ids))
     assert all(e.usage.completion_tokens <= 20 for e in events)
     prices = Prices(0.60, 0.90, 0.15)  # the platform's default price book
-    # Billed in whole micro-dollars per token kind (services/billing/pricing.py), as /v1/costs shows.
+    # Billed in whole micro-dollars per token kind (inferbus/stores/pricing.py), as /v1/costs shows.
     actual = sum(prices.cost_micro(e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.cached_tokens)
                  for e in events) / 1_000_000
 
@@ -142,7 +142,7 @@ def second_gateway(platform: Platform) -> Iterator[str]:
     env = {**os.environ, "NATS_URL": platform.stack.nats_url, "REDIS_URL": platform.stack.redis_url,
            "INFERBUS_GATEWAY_PORT": str(port), "INFERBUS_MODEL": MODEL, "INFERBUS_LOG_LEVEL": "warning",
            "INFERBUS_MODEL_DIR": platform.stack.model_dir}
-    process = subprocess.Popen([sys.executable, "-m", "inferbus.cli", "gateway"], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "inferbus.commands.main", "gateway"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 

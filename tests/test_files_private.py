@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from inferbus import bus
-from services.batch.files import FileStore
+from inferbus.stores.files import FileStore
 
 from .conftest import Platform
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inferbus.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
+from inferbus.capacity.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
+from inferbus.capacity.traces import TraceRequest
 from inferbus.tokens import block_hashes
-from inferbus.traces import TraceRequest
 from services.router.placement import Placer
 from services.router.policies import LeastLoadedPolicy
 from services.router.registry import WorkerRegistry

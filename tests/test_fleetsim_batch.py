@@ -3,9 +3,9 @@ PreemptionPolicy: interactive latency kept, every line done exactly once, resume
 
 from __future__ import annotations
 
-from inferbus.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
-from inferbus.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
-from inferbus.traces import TraceRequest
+from inferbus.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
+from inferbus.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
+from inferbus.capacity.traces import TraceRequest
 from proto import messages as m
 from services.batch.feed import FeedConfig
 from services.sim_engine.config import EngineConfig

@@ -8,14 +8,14 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from inferbus import mix as mix_mod
-from inferbus.fleetsim.analytic import AnalyticReplica, Req
-from inferbus.fleetsim.day import constant
-from inferbus.fleetsim.engine_model import AdapterTraffic, step_model_for
-from inferbus.fleetsim.fast import FastConfig, FastFleet
-from inferbus.plan.model import Assumptions, ReplicaModel, Slo, Workload
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req
+from inferbus.capacity.fleetsim.day import constant
+from inferbus.capacity.fleetsim.engine_model import AdapterTraffic, step_model_for
+from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
+from inferbus.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
+from inferbus.timing import RooflineModel, expected_distinct_adapters
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import RooflineModel, expected_distinct_adapters
 
 SPEC = EngineConfig(speculative_num_steps=3, speculative_acceptance=0.7)
 
@@ -96,11 +96,11 @@ def test_simulate_cli_takes_the_engine_options(tmp_path):
     args = ["--trace", "azure_2023_conv.csv", "--duration", "30s", "--peak-rps", "20", "--chunk", "2048",
             "--no-progress", "--out", str(out)]
     try:
-        from inferbus import traces
+        from inferbus.capacity import traces
         traces.find("azure_2023_conv.csv")
     except FileNotFoundError:
         pytest.skip("the Azure conversation trace is not on INFERBUS_TRACES_DIR")
-    from inferbus.fleetsim.simulate_cli import simulate
+    from inferbus.commands.simulate import simulate
 
     plain = CliRunner().invoke(simulate, args)
     spec = CliRunner().invoke(simulate, [*args, "--spec", "3:0.7", "--out", str(out) + "-spec"])

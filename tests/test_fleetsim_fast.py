@@ -11,16 +11,16 @@ from collections import Counter
 import pytest
 from click.testing import CliRunner
 
-from inferbus import mix as mix_mod
-from inferbus.fleetsim import FleetConfig, FleetSim, capacity, workload
-from inferbus.fleetsim.analytic import AnalyticReplica, Req, step_function
-from inferbus.fleetsim.day import DayWorkload, constant, diurnal, parse_duration, rate_shape
-from inferbus.fleetsim.fast import FastConfig, FastFleet, FleetSignals
-from inferbus.fleetsim.sampler import LoadSampler
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
+from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req, step_function
+from inferbus.capacity.fleetsim.day import DayWorkload, constant, diurnal, parse_duration, rate_shape
+from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet, FleetSignals
+from inferbus.capacity.fleetsim.sampler import LoadSampler
+from inferbus.timing import roofline
 from proto import messages as m
 from services.router.placement import make_placer
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import roofline
 
 MODEL = roofline("H100", 2, "latency")
 
@@ -290,7 +290,7 @@ def test_same_seed_same_run():
 
 
 def test_simulate_cli_writes_its_report(tmp_path):
-    from inferbus.cli import main
+    from inferbus.commands.main import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(
@@ -308,7 +308,7 @@ def test_simulate_cli_writes_its_report(tmp_path):
 
 
 def test_simulate_cli_autoscales_with_the_autoscalers_policy(tmp_path):
-    from inferbus.cli import main
+    from inferbus.commands.main import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(

@@ -1,11 +1,11 @@
-"""The production hooks wired once (`inferbus.fleetsim.wiring`): one run of the per-step
+"""The production hooks wired once (`inferbus.capacity.fleetsim.wiring`): one run of the per-step
 simulator combines autoscaling with a batch band, or admission with prefix affinity."""
 
 from __future__ import annotations
 
-from inferbus.fleetsim import FleetConfig, FleetSim, capacity, workload
-from inferbus.fleetsim.batch import BatchSpec
-from inferbus.fleetsim.wiring import fleet_states
+from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
+from inferbus.capacity.fleetsim.batch import BatchSpec
+from inferbus.capacity.fleetsim.wiring import fleet_states
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.sim_engine.config import EngineConfig

@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from services.gateway.errors import OpenAIError
-from services.gateway.schemas import parse_chat, parse_completion
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.schemas import parse_chat, parse_completion
 
 
 def test_chat_body_with_max_completion_tokens_and_text_parts() -> None:

@@ -7,9 +7,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from inferbus.local import free_port
-from services.gateway.keys import KEY_PREFIX, KeyStore, create_key, hash_secret
-
-
+from inferbus.stores.keys import KEY_PREFIX, KeyStore, create_key, hash_secret
 
 
 class CountingRedis(aioredis.Redis):

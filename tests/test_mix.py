@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferbus import mix, traces
+from inferbus.capacity import mix, traces
 
 
 def shared_trace(name: str) -> Path:

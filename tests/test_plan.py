@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from inferbus import mix
-from inferbus.cli import main
-from inferbus.plan import sweep_table
-from inferbus.plan.costs import fleet_cost
-from inferbus.plan.model import Assumptions, ReplicaModel, Slo, Workload
-from inferbus.plan.planner import PlanInputs, make_plan
-from inferbus.plan.warm_pool import Ramp, ramp_from_arrivals, warm_pool
-from services.sim_engine.perf_model import roofline
+from inferbus.capacity import mix
+from inferbus.capacity.plan import sweep_table
+from inferbus.capacity.plan.costs import fleet_cost
+from inferbus.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
+from inferbus.capacity.plan.planner import PlanInputs, make_plan
+from inferbus.capacity.plan.warm_pool import Ramp, ramp_from_arrivals, warm_pool
+from inferbus.commands.main import main
+from inferbus.timing import roofline
 
 WORKED = mix.load("worked-example")
 WORKLOAD = Workload.from_mix(WORKED)
@@ -199,7 +199,7 @@ def _step(concurrency: int, rps: float, ttft: float, tpot: float, *, limited: bo
 
 def _sweep(hardware: dict | None = None, mix_desc: dict | None = None, steps: list | None = None) -> dict:  # type: ignore[type-arg]
     return {
-        "schema": "inferbus.sweep/v1", "model": "llama", "mix": mix_desc if mix_desc is not None else WORKED.describe(),
+        "schema": "inferbus.capacity.sweep/v1", "model": "llama", "mix": mix_desc if mix_desc is not None else WORKED.describe(),
         "slo": {"ttft_p90_s": 2.0, "tpot_p90_s": 0.1},  # the sweep's own, looser SLO: the planner re-judges
         "hardware": hardware if hardware is not None else {"gpu": "H100", "tp": 2, "replicas": 2}, "mode": "concurrency",
         "steps": steps if steps is not None else [
@@ -245,7 +245,7 @@ def test_sweep_edge_cases() -> None:
         sweep_table.goodput(no_hw, Slo(), {})
     assert sweep_table.parse(_sweep(hardware={}), "f.json", "H200", 4).tp == 4
     with pytest.raises(sweep_table.SweepError, match="no `steps`"):
-        sweep_table.parse({"schema": "inferbus.sweep/v1", "steps": []}, "f.json")
+        sweep_table.parse({"schema": "inferbus.capacity.sweep/v1", "steps": []}, "f.json")
     nan = _step(8, 0.0, float("nan"), float("nan"))
     nan["completed"] = 0
     assert "TTFT" in sweep_table.parse(_sweep(steps=[nan]), "f").steps[0].failures(Slo())
@@ -273,7 +273,7 @@ def test_cli_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     assert "TPOT p90 = t + 1.2816 × σ = 37.31 ms + 2.69 ms = **40.0 ms**" in text
     data = json.loads((out / "plan.json").read_text())
     rows = {row["config"]: row for row in data["rows"]}
-    assert data["schema"] == "inferbus.plan/v1" and data["cheapest"] == "H100 TP2"
+    assert data["schema"] == "inferbus.capacity.plan/v1" and data["cheapest"] == "H100 TP2"
     assert rows["H200 TP2"]["goodput_source"] == "sweep" and rows["H200 TP2"]["goodput_rps_per_replica"] == 2.5
     assert rows["H100 TP2"]["gpus"] == 626 and rows["H100 TP2"]["warm_pool"]["replicas"] == 79  # ⌈2 × 120 ÷ 3.0709⌉
     assert rows["H100 TP1"]["feasible"] is False

@@ -10,13 +10,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from inferbus import mix as mix_mod
-from inferbus.plan import deploy, options
-from inferbus.plan.cli import plan as plan_command
-from inferbus.plan.model import Slo, Workload
-from inferbus.plan.planner import PlanInputs, make_plan
-from inferbus.plan.warm_pool import Ramp
-from services.sim_engine.perf_model import (
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity.plan import deploy, options
+from inferbus.capacity.plan.model import Slo, Workload
+from inferbus.capacity.plan.planner import PlanInputs, make_plan
+from inferbus.capacity.plan.warm_pool import Ramp
+from inferbus.commands.plan import plan as plan_command
+from inferbus.timing import (
     SpecDecoding,
     expected_distinct_adapters,
     lora_adapter_bytes,
@@ -277,7 +277,7 @@ def test_shipped_production_plan_is_what_the_worked_example_emits(tmp_path: Path
 
 
 def test_report_states_adapter_size_load_time_and_slot_pressure() -> None:
-    from inferbus.plan import report
+    from inferbus.capacity.plan import report
 
     text = report.markdown(_plan(lora_adapters=16))
     assert "16 LoRA adapters of rank 16" in text and "holds 414 MB and loads in 67 ms" in text

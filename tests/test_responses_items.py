@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import load_model, render_prompt
 from inferbus.tokens import block_hashes
 from services.gateway import responses_items as items
-from services.gateway.errors import OpenAIError
 
 
 def parse(**body: Any) -> items.ResponsesRequest:

@@ -8,8 +8,8 @@ import random
 import jsonschema
 import pytest
 
+from inferbus.openai.tools import ToolOutput
 from inferbus.tokens import standin_render_chat as render_chat
-from services.gateway.tools import ToolOutput
 from services.sim_engine.constrained import SchemaError, json_output, tool_call_output, value_from_schema
 
 SCHEMAS = [

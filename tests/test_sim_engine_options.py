@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from inferbus.timing import SpecDecoding, roofline
 from services.sim_engine.cli import sim_engine_command
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import SpecDecoding, roofline
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from services.sim_engine.perf_model import FixedStepModel, roofline
+from inferbus.timing import FixedStepModel, roofline
 
 # The roofline's step times worked out by hand (docs/sim-engine.md), latency preset, 2k context per decode sequence;
 # prefill columns are a fresh prompt of n tokens (mean attended context n/2), no decode.

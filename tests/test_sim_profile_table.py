@@ -5,10 +5,14 @@ import zipfile
 import pytest
 from click.testing import CliRunner
 
+from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.perf_model import roofline
 from services.sim_engine.profile_table import (
-    ProfileTable, TableStepModel, build_table, load_npz, save_npz,
+    ProfileTable,
+    TableStepModel,
+    build_table,
+    load_npz,
+    save_npz,
 )
 from services.sim_engine.scheduler import simulate_closed_loop
 
@@ -115,7 +119,7 @@ def test_config_refuses_two_timing_sources():
 
 
 def test_cli_writes_a_table_the_engine_accepts(tmp_path):
-    from inferbus.cli import main
+    from inferbus.commands.main import main
 
     out = tmp_path / "h200.npz"
     result = CliRunner().invoke(main, ["profile-table", "--gpu", "H200", "--tp", "2", "--out", str(out)])

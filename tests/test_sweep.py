@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from inferbus.cli import main
-from inferbus.mix import MixRequest
-from inferbus.tokens import standin_render_chat as render_chat
-from inferbus.sweep.records import ClientSample, RequestRecord
-from inferbus.sweep.metrics import SLO, client_verdict, knee, meets_slo, percentile, step_stats
-from inferbus.sweep.prompts import PromptBuilder
+from inferbus.capacity.mix import MixRequest
+from inferbus.capacity.sweep.metrics import SLO, client_verdict, knee, meets_slo, percentile, step_stats
+from inferbus.capacity.sweep.prompts import PromptBuilder
+from inferbus.capacity.sweep.records import ClientSample, RequestRecord
+from inferbus.commands.main import main
 from inferbus.tokens import count_tokens
+from inferbus.tokens import standin_render_chat as render_chat
 
 IDLE_CLIENT = ClientSample(wall_s=10.0, cpu_s=1.0, loop_lags_s=[0.001] * 100, achieved_vs_target=1.0)
 
@@ -210,7 +210,7 @@ def test_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
     ])
     assert result.exit_code == 0, result.output
     data = json.loads((out / "sweep.json").read_text())
-    assert data["schema"] == "inferbus.sweep/v1" and data["mode"] == "concurrency" and data["endpoint"] == "chat"
+    assert data["schema"] == "inferbus.capacity.sweep/v1" and data["mode"] == "concurrency" and data["endpoint"] == "chat"
     assert data["hardware"] == {"gpu": "H100", "tp": 2, "replicas": 1}
     assert data["slo"] == {"ttft_p90_s": 0.8, "tpot_p90_s": 0.04} and data["mix"]["name"] == "small"
     steps = data["steps"]
@@ -273,7 +273,7 @@ def test_simulated_engine_openai_endpoints(engine: str) -> None:
 
 
 async def test_think_time_delays_each_users_next_request_and_is_not_a_client_shortfall(engine: str) -> None:
-    from inferbus.sweep.loadgen import run_concurrency
+    from inferbus.capacity.sweep.loadgen import run_concurrency
 
     builder = PromptBuilder("completions", MODEL)
     requests = [builder.prepare(MixRequest("c", 20, 3, 0), f"think-{i}") for i in range(8)]
@@ -289,7 +289,7 @@ async def test_think_time_delays_each_users_next_request_and_is_not_a_client_sho
 async def test_connections_are_reused_between_requests(engine: str) -> None:
     """Leaving a stream at [DONE] without reading the body's end closes the connection: every
     request would then pay a new TCP connect inside its TTFT."""
-    from inferbus.sweep.loadgen import send
+    from inferbus.capacity.sweep.loadgen import send
 
     builder = PromptBuilder("completions", "sim")
     async with httpx.AsyncClient(base_url=engine + "/v1") as client:

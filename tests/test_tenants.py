@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.keys import KEY_PREFIX, KeyStore, hash_secret, issue_key, list_keys, revoke_key
-from services.gateway.tenants import (
+from inferbus.stores.keys import KEY_PREFIX, KeyStore, hash_secret, issue_key, list_keys, revoke_key
+from inferbus.stores.tenants import (
     InvalidTenant,
     Tenant,
     TenantExists,
@@ -21,8 +21,6 @@ from services.gateway.tenants import (
     tenant_from_dict,
     tenant_key,
 )
-
-
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 import jsonschema
 import pytest
 
-from services.gateway import tools
-from services.gateway.errors import OpenAIError
-from services.gateway.tools import HermesParser, Llama3Parser, ToolCall, ToolOutput
+from inferbus.openai import tools
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.tools import HermesParser, Llama3Parser, ToolCall, ToolOutput
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -133,8 +133,8 @@ def test_bad_tools_are_400s_naming_the_field(tool_list: list | None, choice: obj
 def test_engine_constraint_of_a_request() -> None:
     import msgspec
 
-    from services.gateway.sampling import sampling_params
-    from services.gateway.schemas import parse_chat, parse_completion
+    from inferbus.openai.sampling import sampling_params
+    from inferbus.openai.schemas import parse_chat, parse_completion
 
     def chat(**fields: object) -> object:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from inferbus import mix as mix_mod
-from inferbus import usage_mix
-from inferbus.mix_cli import from_usage, parse_when
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity import usage_mix
+from inferbus.commands.mix import from_usage, parse_when
 from proto import messages as m
 from proto import subjects
 
@@ -99,7 +99,7 @@ def test_from_usage_reads_the_ledger_window(platform: Platform, tmp_path) -> Non
     spec = yaml.safe_load(out.read_text())
     assert spec["classes"] == [{"name": "in 1024-2047 / out 256-511", "weight": 3, "input_tokens": 2000,
                                 "output_tokens": 300, "cached_fraction": 0.5}]
-    from inferbus.plan.cli import plan
+    from inferbus.commands.plan import plan
 
     planned = CliRunner().invoke(plan, ["--rps", "10", "--mix", str(out), "--tp", "2", "--gpu", "H100:2.5",
                                         "--no-compare"])

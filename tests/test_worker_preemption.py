@@ -8,8 +8,8 @@ import pytest
 
 from inferbus.settings import load
 from proto import messages as m
-from services.worker.preemption import BatchRun, PreemptionConfig, PreemptionPolicy
 from services.worker.attempt import Attempt, line_outcome
+from services.worker.preemption import BatchRun, PreemptionConfig, PreemptionPolicy
 from services.worker.settings import WorkerSettings
 from services.worker.slots import SlotBudget
 

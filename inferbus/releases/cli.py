@@ -25,7 +25,8 @@ T = TypeVar("T")
 
 
 def _run(nats_url: str | None, work: Callable[[Any, Any], Awaitable[T]]) -> T:
-    from inferbus import bus, local_platform, logs
+    from inferbus import bus, logs
+    from inferbus.commands import local_platform
 
     logs.configure("inferbus-cli", "error")  # JSON logs on stderr, and only when something is wrong
     chosen = local_platform.nats_url(nats_url)
@@ -290,7 +291,7 @@ def release_status(model: str | None, history: bool, as_json: bool, nats_url: st
 
 def _eval(suite: str, release_ref: str, baseline: str | None, model: str | None, repeats: int | None,
           concurrency: int, url: str | None, api_key: str, record: bool, nats_url: str | None) -> None:
-    from inferbus import local_platform
+    from inferbus.commands import local_platform
 
     try:
         loaded = eval_gate.load_suite(suite)

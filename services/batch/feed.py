@@ -6,7 +6,7 @@ and the fleet-scale proof share one policy.
 What "spare" means under continuous batching
 --------------------------------------------
 A free engine slot is not free capacity. Every running sequence lengthens the engine step that
-all sequences share (the roofline in services/sim_engine/perf_model.py: `t_step = T0 + t_w + c_seq·B + t_kv(S) + ...`; H100 TP2 at
+all sequences share (the roofline in inferbus/timing.py: `t_step = T0 + t_w + c_seq·B + t_kv(S) + ...`; H100 TP2 at
 2k context: 18.6 ms at B=1, 23.7 at 32, 29.0 at 64, 39.6 at 128), and each batch line's prefill
 takes chunked-prefill budget from interactive prompts. So every batch line costs interactive
 requests some TPOT and TTFT. The goal is not "fill every slot" but "fill as much as possible while

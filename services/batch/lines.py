@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from inferbus.openai import carry, responses, schemas
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.sampling import sampling_params
 from inferbus.prompt import PromptError, ServedModel, render_prompt
 from proto import messages as m
-from services.gateway import carry, responses, schemas
-from services.gateway.errors import OpenAIError
-from services.gateway.sampling import sampling_params
 
 ENDPOINT_KINDS: dict[str, Literal["chat", "completion"]] = {
     "/v1/chat/completions": "chat", "/v1/completions": "completion",

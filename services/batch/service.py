@@ -36,19 +36,19 @@ from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs
+from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import ModelDirError, load_model
 from inferbus.replies import Replies
+from inferbus.stores.batches import BatchStore
+from inferbus.stores.files import FileStore
+from inferbus.stores.models import ModelCatalog
+from inferbus.stores.tenants import TenantStore
 from proto import messages as m
 from proto import subjects
-from services.gateway.errors import OpenAIError
-from services.gateway.models import ModelCatalog
-from services.gateway.tenants import TenantStore
 
 from . import lifecycle
 from . import lines as line_format
 from .feed import FeedPolicy
-from .files import FileStore
-from .records import BatchStore
 from .settings import BatchSettings
 from .tracker import BatchRun, Tracker
 from .validate import Limits, Validated, validate

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.json_body import check_depth
 from proto import messages as m
-from services.gateway.errors import OpenAIError
-from services.gateway.json_body import check_depth
 
 from .lines import ENDPOINT_KINDS, decode_line, line_sampling, parse_body
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from inferbus import logs
+from inferbus.stores import usage as u
+from inferbus.stores.billing import UsageStore, export_lock_key, exported_key
 
 from . import metrics
-from . import usage as u
-from .store import UsageStore, export_lock_key, exported_key
 
 log = logs.get(__name__)
 FORMATS = ("csv", "jsonl", "parquet")

@@ -17,20 +17,17 @@ import asyncio
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import BadRequestError
 
 from inferbus import logs
+from inferbus.stores.admission import Admission
+from inferbus.stores.billing import PriceStore
+from inferbus.stores.usage import contribution
 from proto import messages as m
 from proto import subjects
-
-from services.gateway.admission import Admission
-
-from .usage import contribution
-
-from .store import PriceStore
 
 log = logs.get(__name__)
 RECONCILER = "admission-reconciler"

@@ -36,13 +36,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError, NotFoundError
 
 from inferbus import logs
+from inferbus.stores import usage as u
+from inferbus.stores.billing import PriceStore, UsageStore
 from proto import messages as m
 from proto import subjects
 
 from . import metrics
-from . import usage as u
 from .pull import Delivery, PullConnection, num_pending
-from .store import PriceStore, UsageStore
 
 log = logs.get(__name__)
 ROLLUP_CONSUMER = "usage-rollup"

@@ -19,14 +19,14 @@ import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
 from inferbus import bus, logs
-from services.gateway.admission import Admission
+from inferbus.stores.admission import Admission
+from inferbus.stores.billing import PriceStore, UsageStore
+from inferbus.stores.pricing import Prices
 
 from .export import MonthlyExporter
-from .pricing import Prices
 from .reconcile import UsageReconciler
 from .rollup import RollupConsumer
 from .settings import BillingSettings
-from .store import PriceStore, UsageStore
 
 log = logs.get(__name__)
 

@@ -18,11 +18,10 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from inferbus import logs
-
-from . import json_body
-from .errors import OpenAIError
-from .keys import issue_key, list_keys, revoke_key
-from .tenants import (
+from inferbus.openai import json_body
+from inferbus.openai.errors import OpenAIError
+from inferbus.stores.keys import issue_key, list_keys, revoke_key
+from inferbus.stores.tenants import (
     InvalidTenant,
     Tenant,
     TenantExists,

@@ -23,10 +23,10 @@ from nats.js import JetStreamContext
 from starlette.responses import Response
 
 from inferbus import adapters as registry
+from inferbus.openai.errors import OpenAIError
 from proto import messages as m
 
 from .admin import _body, _respond, require_admin
-from .errors import OpenAIError
 
 BULK_LIMIT = 1000  # adapters per bulk call: a body of ~300 KB
 

@@ -20,37 +20,37 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from inferbus import bus, logs, tracing
-from inferbus.prompt import ModelDirError, load_model
-from services.batch.files import FileStore
-from services.batch.records import BatchStore
-from services.billing.pricing import Prices
-
-from . import openapi
-from .admin import admin_router, require_admin
-from .admin_adapters import adapters_router
-from .admission import Admission
-from .batches_api import batches_router
-from .dispatch import Dispatcher
-from .errors import (
+from inferbus.openai.errors import (
     OpenAIError,
     http_exception_handler,
     openai_error_handler,
     unhandled_exception_handler,
     validation_exception_handler,
 )
+from inferbus.openai.json_body import JsonLimits
+from inferbus.prompt import ModelDirError, load_model
+from inferbus.stores.admission import Admission
+from inferbus.stores.batches import BatchStore
+from inferbus.stores.files import FileStore
+from inferbus.stores.keys import KeyStore, Principal
+from inferbus.stores.models import ModelCatalog
+from inferbus.stores.pricing import Prices
+from inferbus.stores.tenants import Tenant, TenantStore
+
+from . import openapi
+from .admin import admin_router, require_admin
+from .admin_adapters import adapters_router
+from .batches_api import batches_router
+from .dispatch import Dispatcher
 from .files_api import files_router
 from .fleet import FleetMonitor
 from .generation import ENDPOINTS, Generation
 from .internal_api import InternalApi
-from .json_body import JsonLimits
-from .keys import KeyStore, Principal
 from .overload import OverloadPolicy
+from .releases import ReleaseRouting
 from .responses_api import ResponsesAPI, responses_router
 from .responses_store import ResponseStore
-from .releases import ReleaseRouting
 from .settings import GatewaySettings
-from .models import ModelCatalog
-from .tenants import Tenant, TenantStore
 from .usage_api import admin_usage_router, usage_router
 
 log = logs.get(__name__)

@@ -21,13 +21,13 @@ from prometheus_client import Counter
 from starlette.responses import Response
 
 from inferbus import logs
+from inferbus.openai import json_body
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.objects import batch_object, list_page
+from inferbus.stores.batches import BatchStore, new_batch_id
+from inferbus.stores.files import FileStore
 from proto import messages as m
-from services.batch.files import FileStore
-from services.batch.openai_objects import batch_object, list_page
-from services.batch.records import BatchStore, new_batch_id
 
-from . import json_body
-from .errors import OpenAIError
 from .files_api import Identity, int_param, respond, started, storage_errors
 
 log = logs.get(__name__)

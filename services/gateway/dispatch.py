@@ -17,13 +17,14 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, continuation, logs, tracing
 from inferbus.outbox import Outbox
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from inferbus.replies import PublishError, Replies
+from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from proto import messages as m
 from proto import subjects
 

@@ -23,12 +23,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from inferbus import logs
-from services.batch.files import FileStore, FileTooLarge, Staging
-from services.batch.openai_objects import file_object, list_page
-
-from .errors import OpenAIError
-from .keys import Principal
-from .tenants import Tenant
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.objects import file_object, list_page
+from inferbus.stores.files import FileStore, FileTooLarge, Staging
+from inferbus.stores.keys import Principal
+from inferbus.stores.tenants import Tenant
 
 log = logs.get(__name__)
 _json = msgspec.json.Encoder()

@@ -20,24 +20,25 @@ import redis.asyncio as aioredis
 import structlog
 
 from inferbus import logs, tracing
+from inferbus.openai import carry, json_body, responses, schemas
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.sampling import sampling_params
+from inferbus.openai.tools import ToolCall, ToolOutput
 from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, load_model, render_prompt
+from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
+from inferbus.stores.keys import KeyStore, Principal
+from inferbus.stores.models import ModelCatalog
+from inferbus.stores.pricing import Prices
+from inferbus.stores.tenants import Tenant, TenantStore
 from inferbus.tokens import block_hashes
 from proto import messages as m
-from services.billing.pricing import Prices
+from services.gateway import metrics
 
-from . import carry, json_body, metrics, responses, schemas
 from .adapter_metrics import AdapterMetrics, TopLabels
-from .sampling import sampling_params
-from .tools import ToolCall, ToolOutput
-from .admission import Admission, AdmissionUnavailable, Decision
-from .dispatch import DispatchError, Dispatcher, Flight
-from .releases import PIN_HEADER, ReleaseRouting
-from .errors import OpenAIError
-from .keys import KeyStore, Principal
-from .models import ModelCatalog
+from .dispatch import Dispatcher, DispatchError, Flight
 from .overload import OverloadPolicy, bands_through
+from .releases import PIN_HEADER, ReleaseRouting
 from .settings import GatewaySettings
-from .tenants import Tenant, TenantStore
 
 log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.gateway")

@@ -30,10 +30,9 @@ from nats.aio.subscription import Subscription
 from prometheus_client import Counter
 
 from inferbus import logs
+from inferbus.openai.errors import OpenAIError
 from proto import messages as m
 from proto import subjects
-
-from .errors import OpenAIError
 
 log = logs.get(__name__)
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from msgspec import Meta
+
+from inferbus.openai.schemas import ChatCompletionRequest, CompletionRequest
+from inferbus.stores.tenants import Tenant, TenantLimits
 
 from .responses_items import ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .tenants import Tenant, TenantLimits
 
 ADMIN_PREFIX = "/admin"
 _REF = "#/components/schemas/{name}"

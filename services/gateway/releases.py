@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext
 
+from inferbus.openai.errors import OpenAIError
 from inferbus.releases import record, split
 from inferbus.releases.follow import Rollouts
 
 from .dispatch import Dispatcher
-from .errors import OpenAIError
 
 PIN_HEADER = b"inferbus-release"
 

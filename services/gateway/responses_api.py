@@ -21,15 +21,15 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from inferbus import logs
+from inferbus.openai.errors import OpenAIError
+from inferbus.stores.keys import Principal
+from inferbus.stores.tenants import Tenant
 from proto import messages as m
 
 from . import metrics
 from . import responses_items as items
-from .errors import OpenAIError
 from .generation import Generation, send_json
-from .keys import Principal
 from .responses_store import ResponseStore, StoreUnavailable
-from .tenants import Tenant
 
 log = logs.get(__name__)
 _json = msgspec.json.Encoder()

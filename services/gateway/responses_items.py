@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from .errors import OpenAIError
-from .schemas import Temperature, TopP, _decode
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.schemas import Temperature, TopP, _decode
 
 Item = dict[str, Any]
 Event = tuple[str, dict[str, Any]]

@@ -96,7 +96,7 @@ class GatewaySettings:
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
 
     def __post_init__(self) -> None:
-        from .tools import PARSERS
+        from inferbus.openai.tools import PARSERS
 
         if self.tool_call_parser not in PARSERS:
             raise SystemExit(f"invalid value for INFERBUS_TOOL_CALL_PARSER: {self.tool_call_parser!r} "

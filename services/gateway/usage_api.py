@@ -4,7 +4,7 @@
 The answers are read from the billing service's rollups in Redis and have the shape of OpenAI's
 organisation usage and costs APIs: pages of time buckets (`1m`, `1h`, `1d`), each with one result
 per group (`group_by` model, adapter, api_key_id, batch, ...), and a `next_page` cursor. A tenant's
-API key sees only that tenant's usage. Parameters are validated by `services.billing.usage`
+API key sees only that tenant's usage. Parameters are validated by `inferbus.stores.usage`
 (pure); bad ones are a 400 in the OpenAI error format naming the parameter.
 """
 
@@ -22,13 +22,13 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from inferbus import logs
-from services.billing import usage as u
-from services.billing.pricing import InvalidPrice, PriceVersion, effective_versions
-from services.billing.store import BillingState, PriceStore, UsageStore
+from inferbus.openai import json_body
+from inferbus.openai.errors import OpenAIError
+from inferbus.stores import usage as u
+from inferbus.stores.billing import BillingState, PriceStore, UsageStore
+from inferbus.stores.pricing import InvalidPrice, PriceVersion, effective_versions
 
-from . import json_body
 from .admin import require_admin
-from .errors import OpenAIError
 
 log = logs.get(__name__)
 _json = msgspec.json.Encoder()

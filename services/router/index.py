@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-
 TOUCH_INTERVAL_S = 1.0
 
 

@@ -16,8 +16,8 @@ import secrets
 import signal
 import time
 from collections.abc import Coroutine
-from typing import Any
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -25,13 +25,13 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import bus, logs, tracing
+from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
 from . import recovery
 from .canary import CanaryService
-from inferbus.releases.slo_gate import SloConfig
 from .config import RoutingConfig
 from .placement import make_placer
 from .settings import RouterSettings

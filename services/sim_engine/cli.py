@@ -215,7 +215,8 @@ def profile_table_command(gpu: str, tp: str, preset: str, max_prefill_tokens: in
     tokens per iteration, decode milliseconds by KV tokens and mean context. The format is NVIDIA
     Dynamo's mocker `--planner-profile-data`; `inferbus sim-engine --profile-table` reads it back,
     so both engines run from one timing (see docs/sim-engine.md)."""
-    from .perf_model import roofline
+    from inferbus.timing import roofline
+
     from .profile_table import build_table, save_npz
 
     model = roofline(gpu, int(tp), preset)

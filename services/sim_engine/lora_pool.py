@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .perf_model import GB, LORA_LOAD_BANDWIDTH, LORA_LOAD_FIXED_S, lora_adapter_bytes
+from inferbus.timing import GB, LORA_LOAD_BANDWIDTH, LORA_LOAD_FIXED_S, lora_adapter_bytes
 
 # Reading safetensors from a local NVMe drive and turning them into tensors in host memory:
 # ~2 GB/s end to end (assumption: PCIe Gen4 NVMe reads ~7 GB/s, deserialising and the CPU copy

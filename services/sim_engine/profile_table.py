@@ -10,7 +10,7 @@ iteration from two tables instead of its built-in polynomial:
   (extrapolated).
 
 An iteration that prefills and decodes costs the prefill time plus the decode time.
-`build_table` writes such a table from our roofline (`perf_model.RooflineModel`): a prefill of n
+`build_table` writes such a table from our roofline (`inferbus.timing.RooflineModel`): a prefill of n
 fresh tokens costs the roofline's step with n prefill tokens attending on average n/2 positions;
 a decode over S KV tokens at mean context c costs the roofline's step with batch S/c over S
 resident tokens. `TableStepModel` reads the same table back with the same interpolation and the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .perf_model import RooflineModel
+from inferbus.timing import RooflineModel
 
 # Array names the mocker expects in the .npz file.
 PREFILL_X = "prefill_isl"

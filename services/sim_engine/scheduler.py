@@ -25,11 +25,11 @@ from typing import Any
 
 import msgspec
 
+from inferbus.timing import FixedStepModel, SpecDecoding, StepTimeModel, roofline
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
 from .lora_pool import GpuSlots, LoadedAdapters, LoraAdapter, adapter_rank, disk_load_s, host_to_gpu_s
-from .perf_model import FixedStepModel, SpecDecoding, StepTimeModel, roofline
 from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
 

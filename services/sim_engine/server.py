@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from inferbus.prompt import load_model
+from inferbus.timing import StepTimeModel
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from . import quality
@@ -33,9 +34,14 @@ from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
 from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .lora_files import adapter_problem
-from .perf_model import StepTimeModel
 from .scheduler import (
-    Engine, LoraUpdateResult, OutputVocabulary, Request, RequestRejected, RequestUpdate, SamplingParams,
+    Engine,
+    LoraUpdateResult,
+    OutputVocabulary,
+    Request,
+    RequestRejected,
+    RequestUpdate,
+    SamplingParams,
 )
 
 logger = logging.getLogger("inferbus.sim_engine")

@@ -104,7 +104,7 @@ def sglang_command(home: Path, models: Path, port: int, kv_events: str) -> tuple
 def sim_command(port: int, kv_events: str, model_dir: Path) -> tuple[list[str], dict[str, str]]:
     events = json.dumps({"publisher": "zmq", "endpoint": kv_events, "bind": True})
     argv = [
-        sys.executable, "-m", "inferbus.cli", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
         "--model-dir", str(model_dir), "--block-size", "1",  # SGLang's page size on CPU
         "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS), "--max-lora-rank", str(MAX_LORA_RANK),
         "--max-loaded-loras", str(MAX_LOADED_LORAS),

@@ -5,8 +5,8 @@ from `inferbus.local.Stack`, and our worker process driving the engine (real SGL
 from __future__ import annotations
 
 import asyncio
-import json
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import httpx
 import msgspec
 import nats
-from nats.aio.msg import Msg
 import openai
 import pytest
+from nats.aio.msg import Msg
 
 from inferbus.local import Process, Stack, StackConfig, _logged, free_port
 from inferbus.prompt import load_model, render_prompt
@@ -38,7 +38,7 @@ WORKER_ID = "worker-contract"
 @pytest.fixture(scope="module")
 def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """The platform with one worker, ours, on the contract engine."""
-    from inferbus.cli import _demo_key, new_admin_key
+    from inferbus.commands.main import _demo_key, new_admin_key
 
     state = tmp_path_factory.mktemp("platform")
     stack = Stack(StackConfig(state_dir=state, workers=0, batch=False, model=MODEL, model_dir=engine.model_dir,
@@ -47,7 +47,7 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stack.start(timeout=90)
         log = state / "logs" / "worker.log"
         worker = Process(
-            "worker", [sys.executable, "-m", "inferbus.cli", "worker"],
+            "worker", [sys.executable, "-m", "inferbus.commands.main", "worker"],
             stack._env(**stack.credentials(WORKER_ID), INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
                        INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
                        INFERBUS_METRICS_PORT="0"),  # the engine binds its KV-event endpoint ("bind": true)

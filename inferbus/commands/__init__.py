@@ -1,0 +1,1 @@
+"""The `inferbus` command line: the top of the package graph, above the capacity tools and the services."""

@@ -1,0 +1,92 @@
+"""Which platform an `inferbus` CLI command talks to, and how it says so.
+
+An address given on the command line or in the environment wins. Without one, a command uses the
+platform `inferbus up` runs from the state dir (INFERBUS_PLATFORM_DIR, default `.inferbus`): the
+launcher writes its URLs and the operator's credentials to `platform.json` there (0600) while it
+runs. Failing both, the documented defaults. Every choice comes with a line that names it.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferbus.local import PLATFORM_FILE, read_platform_file
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8080"
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("INFERBUS_PLATFORM_DIR") or ".inferbus")
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: str
+    source: str  # "option", "platform" or "default"
+    note: str  # one line for the user: what is used, from where (no secrets)
+
+
+def redact(url: str) -> str:
+    """`url` without its password."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" if parts.username else f":***@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _from_platform(directory: Path, what: str, value: str) -> Choice:
+    return Choice(value, "platform", f"Using the local platform that `inferbus up` runs from {directory} "
+                                     f"({directory / PLATFORM_FILE}): {what} {redact(value)}")
+
+
+def redis_url(given: str | None, directory: Path | None = None) -> Choice:
+    directory = state_dir() if directory is None else directory
+    if given:
+        return Choice(given, "option", f"Using Redis at {redact(given)} (--redis-url / REDIS_URL)")
+    found = read_platform_file(directory)
+    if found and found.get("redis_url"):
+        return _from_platform(directory, "Redis", str(found["redis_url"]))
+    return Choice(DEFAULT_REDIS_URL, "default", f"Using Redis at {DEFAULT_REDIS_URL} (the default: no --redis-url, "
+                                                f"REDIS_URL or running `inferbus up` in {directory})")
+
+
+def nats_url(given: str | None, directory: Path | None = None) -> Choice:
+    """A NATS URL; from the local platform, with the operator's (`ops`) credentials in it."""
+    directory = state_dir() if directory is None else directory
+    if given:
+        return Choice(given, "option", f"Using NATS at {redact(given)} (--nats-url / NATS_URL)")
+    found = read_platform_file(directory)
+    if found and found.get("nats_url"):
+        url = str(found["nats_url"])
+        user, password = str(found.get("nats_user") or ""), str(found.get("nats_password") or "")
+        if found.get("nats_tls_ca") and not os.environ.get("NATS_TLS_CA"):
+            # A platform started with --tls: verify its server with its CA (bus.connect reads this).
+            os.environ["NATS_TLS_CA"] = str(found["nats_tls_ca"])
+        if user:
+            parts = urllib.parse.urlsplit(url)
+            credentials = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}"
+            url = urllib.parse.urlunsplit(parts._replace(netloc=f"{credentials}@{parts.netloc}"))
+        return _from_platform(directory, "NATS", url)
+    return Choice(DEFAULT_NATS_URL, "default", f"Using NATS at {DEFAULT_NATS_URL} (the default: no --nats-url, "
+                                               f"NATS_URL or running `inferbus up` in {directory})")
+
+
+def gateway(url: str | None, admin_key: str, directory: Path | None = None) -> tuple[str, str, str]:
+    """(gateway URL, admin key, note): the local platform's when neither is given."""
+    directory = state_dir() if directory is None else directory
+    if url:
+        return url, admin_key, ""
+    found = read_platform_file(directory)
+    if found and found.get("gateway_url"):
+        chosen = str(found["gateway_url"])
+        return chosen, admin_key or str(found.get("admin_key") or ""), _from_platform(directory, "gateway", chosen).note
+    return DEFAULT_GATEWAY_URL, admin_key, ""

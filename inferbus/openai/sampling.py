@@ -1,0 +1,45 @@
+"""The engine's sampling parameters of an OpenAI request, as one pure function: the gateway and
+the batch service build them alike, so a field is honoured (or refused) the same way in both."""
+
+from __future__ import annotations
+
+import json
+
+from inferbus.openai import schemas, tools
+from proto import messages as m
+
+
+def json_constraint(params: schemas.ChatCompletionRequest | schemas.CompletionRequest) -> str | None:
+    """The JSON schema (as text) the output must follow: a forced tool call's, else the response format's."""
+    if not isinstance(params, schemas.ChatCompletionRequest):
+        return None
+    if params.tools and params.tool_choice not in (None, "none", "auto"):
+        schema = tools.constraint(params.tools, params.tool_choice, params.parallel_tool_calls is not False)
+        if schema is not None:
+            return json.dumps(schema, separators=(",", ":"))
+    response_format = params.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return '{"type":"object"}'
+    assert response_format.json_schema is not None  # checked by schemas.check_response_format
+    return json.dumps(response_format.json_schema.schema or {"type": "object"}, separators=(",", ":"))
+
+
+def sampling_params(params: schemas.ChatCompletionRequest | schemas.CompletionRequest,
+                    max_new_tokens: int) -> m.SamplingParams:
+    if isinstance(params, schemas.ChatCompletionRequest):
+        logprobs, top_logprobs = bool(params.logprobs), params.top_logprobs or 0
+    else:
+        logprobs, top_logprobs = params.logprobs is not None, params.logprobs or 0
+    return m.SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        stop=schemas.stop_list(params.stop), seed=params.seed,
+        presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
+        top_k=-1 if params.top_k is None else params.top_k or -1,
+        min_p=params.min_p or 0.0,
+        json_schema=json_constraint(params),
+        logprobs=logprobs, top_logprobs=top_logprobs,
+    )

@@ -1,0 +1,363 @@
+"""Tool calls: checking `tools`/`tool_choice`, constraining the engine when a call is forced, and
+reading the model's output back into OpenAI `tool_calls`. Pure: no I/O.
+
+Models write tool calls in their family's own format, so one parser per family reads them, chosen
+by configuration (`INFERBUS_TOOL_CALL_PARSER`, named as SGLang's `--tool-call-parser`):
+
+- `llama3`: Llama 3.1+ JSON, `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`,
+  several separated by `;`. Only an output that starts with a call is one.
+- `hermes` (also `qwen25`, `qwen`): Hermes/Qwen blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  anywhere in the output; text outside the blocks is content.
+
+A call that does not parse, or names a tool that was not offered, comes back as content. When
+`tool_choice` forces a call (`required` or a named function) the engine is constrained by a JSON
+schema instead (SGLang's `json_schema` sampling parameter), so the output is always a valid call
+in a family-independent shape: the arguments object (named) or a list of `{"name", "parameters"}`
+(required).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from inferbus.openai.errors import OpenAIError
+from inferbus.openai.jsonschemas import check_json_schema
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_decoder = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def body(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": self.id, "type": "function",
+                                "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            call = {"index": index, **call}
+        return call
+
+
+# ---- the request side ------------------------------------------------------------------------
+
+
+def _invalid(message: str, param: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+def check(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
+    """400 for malformed `tools` or a `tool_choice` that does not fit them."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise _invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", f"tools[{i}]")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _invalid(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -.", f"tools[{i}].function.name")
+        if name in names:
+            raise _invalid(f"tools[{i}].function.name `{name}` is not unique.", f"tools[{i}].function.name")
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise _invalid(f"tools[{i}].function.parameters must be a JSON Schema object.", f"tools[{i}].function.parameters")
+            check_json_schema(parameters, f"tools[{i}].function.parameters")
+    if tool_choice is None or tool_choice == "none" or tool_choice == "auto":
+        return
+    if tool_choice == "required":
+        if not names:
+            raise _invalid("tool_choice `required` needs at least one tool in `tools`.", "tool_choice")
+        return
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise _invalid("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
+        if name not in names:
+            raise _invalid(f"tool_choice names `{name}`, which is not in `tools`.", "tool_choice")
+        return
+    raise _invalid("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def forced_name(tool_choice: str | dict[str, Any] | None) -> str | None:
+    if isinstance(tool_choice, dict):
+        return str(tool_choice["function"]["name"])
+    return None
+
+
+def constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any] | None,
+               parallel: bool) -> dict[str, Any] | None:
+    """The JSON schema the engine must follow for a forced call; None when the model may choose."""
+    name = forced_name(tool_choice)
+    if name is not None:
+        return next(_parameters(t) for t in tools if t["function"]["name"] == name)
+    if tool_choice != "required":
+        return None
+    items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+              "required": ["name", "parameters"]} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+# ---- the output side -------------------------------------------------------------------------
+
+
+class Parser(Protocol):
+    """Reads one model family's tool calls out of its output, whole or as it streams."""
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a finished output; malformed calls stay in the content."""
+        ...
+
+    def stream(self) -> "Stream":
+        ...
+
+
+class Stream(Protocol):
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        """Content that is certainly not part of a call, and calls completed by `delta`, in order."""
+        ...
+
+    def finish(self) -> list[str | ToolCall]:
+        ...
+
+
+def _object_call(obj: Any, names: frozenset[str], arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments" if arguments_key != "arguments" else "parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=obj["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+class Llama3Parser:
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip()
+        if body.startswith(self.PYTHON_TAG):
+            body = body[len(self.PYTHON_TAG):].lstrip()
+        if not body.startswith("{"):
+            return text, []
+        calls: list[ToolCall] = []
+        position = 0
+        while position < len(body):
+            try:
+                obj, end = _decoder.raw_decode(body, position)
+            except ValueError:
+                return text, []
+            call = _object_call(obj, self.names, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+            position = end
+            while position < len(body) and (body[position].isspace() or body[position] == ";"):
+                position += 1
+        return "", calls
+
+    def stream(self) -> "_Llama3Stream":
+        return _Llama3Stream(self)
+
+
+class _Llama3Stream:
+    """A Llama-3 call is the whole output: decide from its first characters, then either pass
+    content through or hold everything until the end."""
+
+    def __init__(self, parser: Llama3Parser) -> None:
+        self.parser = parser
+        self.buffer = ""
+        self.mode: str | None = None  # None: undecided, "content" or "call"
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        if self.mode == "content":
+            return [delta]
+        self.buffer += delta
+        head = self.buffer.lstrip()
+        if self.mode is None and head:
+            tag = Llama3Parser.PYTHON_TAG
+            if head.startswith("{") or head.startswith(tag):
+                self.mode = "call"
+            elif not tag.startswith(head):
+                self.mode = "content"
+                out, self.buffer = self.buffer, ""
+                return [out]
+        return []
+
+    def finish(self) -> list[str | ToolCall]:
+        if not self.buffer:
+            return []
+        content, calls = self.parser.parse(self.buffer)
+        self.buffer = ""
+        return [*([content] if content else []), *calls]
+
+
+class HermesParser:
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def block(self, inner: str) -> ToolCall | None:
+        try:
+            obj = json.loads(inner)
+        except ValueError:
+            return None
+        return _object_call(obj, self.names, "arguments")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        stream = self.stream()
+        parts = [*stream.feed(text), *stream.finish()]
+        calls = [p for p in parts if isinstance(p, ToolCall)]
+        content = "".join(p for p in parts if isinstance(p, str))
+        return (content.strip() if calls else content), calls
+
+    def stream(self) -> "_HermesStream":
+        return _HermesStream(self)
+
+
+class _HermesStream:
+    def __init__(self, parser: HermesParser) -> None:
+        self.parser = parser
+        self.buffer = ""
+        self.inside = False
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        self.buffer += delta
+        out: list[str | ToolCall] = []
+        start, end = HermesParser.START, HermesParser.END
+        while True:
+            if not self.inside:
+                at = self.buffer.find(start)
+                if at < 0:
+                    # Hold back a tail that may be the beginning of `<tool_call>`.
+                    keep = next((k for k in range(min(len(start) - 1, len(self.buffer)), 0, -1)
+                                 if start.startswith(self.buffer[-k:])), 0)
+                    text, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                    if text:
+                        out.append(text)
+                    return out
+                if at:
+                    out.append(self.buffer[:at])
+                self.buffer = self.buffer[at:]
+                self.inside = True
+            at = self.buffer.find(end)
+            if at < 0:
+                return out
+            raw = self.buffer[:at + len(end)]
+            self.buffer = self.buffer[at + len(end):]
+            self.inside = False
+            call = self.parser.block(raw[len(start):-len(end)].strip())
+            out.append(call if call is not None else raw)
+
+    def finish(self) -> list[str | ToolCall]:
+        rest, self.buffer = self.buffer, ""
+        if self.inside:
+            # The model stopped without closing the block (an EOS right after the JSON).
+            call = self.parser.block(rest[len(HermesParser.START):].strip())
+            if call is not None:
+                return [call]
+        return [rest] if rest else []
+
+
+PARSERS: dict[str, type[Llama3Parser] | type[HermesParser]] = {
+    "llama3": Llama3Parser, "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser,
+}
+
+
+def parser_for(family: str, tools: Sequence[dict[str, Any]]) -> Parser:
+    names = frozenset(t["function"]["name"] for t in tools)
+    return PARSERS[family](names)
+
+
+class ConstrainedStream:
+    """The output of a forced call (`constraint`): JSON only, read when complete."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any]) -> None:
+        self.name = forced_name(tool_choice)
+        self.names = frozenset(t["function"]["name"] for t in tools)
+        self.buffer = ""
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        self.buffer += delta
+        return []
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self.buffer = self.buffer, ""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return [text] if text else []  # cut short by max_tokens: what there is, as content
+        if self.name is not None:
+            if isinstance(value, dict):
+                return [ToolCall(name=self.name, arguments=json.dumps(value, ensure_ascii=False))]
+            return [text]
+        calls = [_object_call(item, self.names, "parameters") for item in value] if isinstance(value, list) else [None]
+        if not calls or any(c is None for c in calls):
+            return [text]
+        return [c for c in calls if c is not None]
+
+
+class ToolOutput:
+    """One choice's output when tools are in play: text deltas in, content and calls out.
+
+    `parallel` False keeps only the first call, as OpenAI's `parallel_tool_calls: false` promises.
+    """
+
+    def __init__(self, family: str, tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any] | None,
+                 parallel: bool = True) -> None:
+        forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        self.stream: Stream = ConstrainedStream(tools, tool_choice) if forced else parser_for(family, tools).stream()  # type: ignore[arg-type]
+        self.parallel = parallel
+        self.calls: list[ToolCall] = []
+
+    def _keep(self, parts: list[str | ToolCall]) -> list[str | ToolCall]:
+        kept: list[str | ToolCall] = []
+        for part in parts:
+            if isinstance(part, ToolCall):
+                if self.calls and not self.parallel:
+                    continue
+                self.calls.append(part)
+            elif not part:
+                continue
+            kept.append(part)
+        return kept
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        return self._keep(self.stream.feed(delta))
+
+    def finish(self) -> list[str | ToolCall]:
+        return self._keep(self.stream.finish())
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output, for non-streaming responses."""
+        parts = [*self.feed(text), *self.finish()]
+        content = "".join(p for p in parts if isinstance(p, str))
+        calls = [p for p in parts if isinstance(p, ToolCall)]
+        if calls:
+            content = content.strip()
+        return (content or None) if calls else content, calls
