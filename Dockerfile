@@ -14,7 +14,11 @@ WORKDIR /src
 # Copy only what the package build needs (see .dockerignore), so edits to tests or
 # docs do not bust the layer cache.
 COPY . .
-RUN pip wheel --wheel-dir /wheels .
+# Extras of the package in the image: `k8s` for the autoscaler's Kubernetes actuator. Add `parquet`
+# for INFERBUS_EXPORT_FORMAT=parquet (--build-arg EXTRAS=k8s,parquet); plots are for the CLI's
+# capacity tools and stay out.
+ARG EXTRAS=k8s
+RUN pip wheel --wheel-dir /wheels ".[${EXTRAS}]"
 
 # ---- runtime stage: no compilers, no source tree ----
 FROM ${PYTHON_IMAGE}
@@ -28,7 +32,7 @@ RUN groupadd --system --gid 10001 inferbus \
  && useradd --system --uid 10001 --gid inferbus --home-dir /home/inferbus --create-home inferbus
 
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+RUN pip install --no-index --find-links /wheels /wheels/*.whl && rm -rf /wheels
 
 # A small model directory (a tokenizer trained on the standard library's sources, a Llama-3-style
 # chat template) for the simulated engines and the services that render prompts. With a real

@@ -156,9 +156,9 @@ def start_engine(port: int, time_scale: float) -> subprocess.Popen[bytes]:
         try:
             httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).raise_for_status()
             return process
-        except httpx.HTTPError:
+        except httpx.HTTPError as error:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the simulated engine did not start")
+                raise SystemExit("the simulated engine did not start") from error
             time.sleep(0.2)
 
 

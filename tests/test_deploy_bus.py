@@ -67,7 +67,7 @@ def test_a_nats_server_with_the_deployments_users_closes_the_bus(tmp_path: Path)
         url = f"nats://127.0.0.1:{port}"
 
         async def run() -> list[str]:
-            with pytest.raises(Exception):
+            with pytest.raises(Exception):  # noqa: B017 (nats.py raises several kinds)
                 await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
             errors: list[str] = []
 

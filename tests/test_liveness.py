@@ -7,7 +7,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import nats

@@ -189,8 +189,8 @@ class Autoscaler:
         DECISIONS.labels(pool, decision.direction).inc()
         DESIRED.labels(pool, "serving").set(decision.desired_serving)
         DESIRED.labels(pool, "warm").set(decision.desired_warm)
-        for phase, value in (("serving", s.serving), ("warm", s.warm), ("starting", s.starting), ("draining", s.draining)):
-            REPLICAS.labels(pool, phase).set(value)
+        for phase, count in (("serving", s.serving), ("warm", s.warm), ("starting", s.starting), ("draining", s.draining)):
+            REPLICAS.labels(pool, phase).set(count)
         for name, value in (("arrival_rate", s.arrival_rate), ("forecast_rate", decision.forecast_rate),
                             ("ttft_p90_seconds", s.ttft_p90_s), ("tpot_p90_seconds", s.tpot_p90_s),
                             ("queue_wait_seconds", s.queue_wait_s), ("kv_usage", s.kv_usage),

@@ -54,7 +54,7 @@ class LatencyWindow:
             self._rows.popleft()
         out: list[float | None] = []
         for i in (2, 3, 4):
-            pairs = [(row[1], row[i]) for row in self._rows if row[i] is not None and row[1] > 0]
+            pairs = [(row[1], value) for row in self._rows if (value := row[i]) is not None and row[1] > 0]
             total = sum(n for n, _ in pairs)
             out.append(sum(n * v for n, v in pairs) / total if total else None)
         return out[0], out[1], out[2]

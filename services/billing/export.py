@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from inferbus import logs
+from inferbus.extras import require
 from inferbus.stores import usage as u
 from inferbus.stores.billing import UsageStore, export_lock_key, exported_key
 
@@ -103,7 +104,7 @@ def write_rows(rows: Sequence[dict[str, Any]], fmt: str, out: IO[bytes] | Path) 
 def _write_parquet(rows: Sequence[dict[str, Any]], out: IO[bytes] | Path) -> None:
     from decimal import Decimal
 
-    import pyarrow as pa
+    pa = require("pyarrow", "parquet", "Parquet exports")
     import pyarrow.parquet as pq
 
     strings = ("tenant", "bucket_start", "model", "adapter", "band", "api_key_id", "batch_id")

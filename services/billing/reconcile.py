@@ -44,7 +44,7 @@ class UsageReconciler:
         self.prices = prices
         self.batch = batch
         self._task: asyncio.Task[None] | None = None
-        self._subscription = None
+        self._subscription: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         # One durable pull consumer shared by every billing replica. Batches: what is there is taken at

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
 from inferbus import bus, logs
+from inferbus.extras import MissingExtra, require
 from inferbus.stores.admission import Admission
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices
@@ -46,6 +47,11 @@ async def serve(settings: BillingSettings) -> None:
     defaults = default_prices(settings)  # refuses bad prices before anything starts
     if settings.export_format not in ("csv", "jsonl", "parquet") or settings.export_bucket not in ("1h", "1d"):
         raise SystemExit("INFERBUS_EXPORT_FORMAT must be csv, jsonl or parquet; INFERBUS_EXPORT_BUCKET 1h or 1d")
+    if settings.export_format == "parquet":
+        try:
+            require("pyarrow", "parquet", "INFERBUS_EXPORT_FORMAT=parquet")
+        except MissingExtra as error:
+            raise SystemExit(str(error)) from error  # at start, not at the first month's export
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="0.0.0.0")
     nc = await bus.connect(settings.nats_url, name="billing")

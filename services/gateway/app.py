@@ -15,6 +15,8 @@ import redis.asyncio as aioredis
 import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from nats.aio.client import Client
+from nats.js import JetStreamContext
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -73,8 +75,8 @@ class Gateway:
         self.files: FileStore | None = None
         self.batches: BatchStore | None = None
         self.internal_api: InternalApi | None = None
-        self.js = None
-        self.nc = None
+        self.js: JetStreamContext | None = None
+        self.nc: Client | None = None
 
     async def start(self) -> None:
         s = self.settings

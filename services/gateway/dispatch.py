@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
@@ -120,8 +121,8 @@ class Dispatcher:
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
         self._tasks: list[asyncio.Task[None]] = []
-        self._sub = None
-        self._watcher = None
+        self._sub: Subscription | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
         self.replies = Replies(nc)
         # A request queued on a worker's own subject and not started by it within this long moves
         # to the shared queue; a worker whose heartbeat lapsed is asked (this long) before it is dead.
@@ -308,7 +309,7 @@ class Dispatcher:
         """Tell whichever worker holds (or will pull) the current attempt that it is given up."""
         cancel = m.Cancel(request_id=flight.request.request_id, reason="superseded", attempt=flight.request.attempt)
         try:
-            await self.nc.publish(subjects.cancel_subject(flight.request.request_id), m.encode(cancel))
+            await self.nc.publish(subjects.cancel_subject(self.gateway_id, flight.request.request_id), m.encode(cancel))
         except Exception as error:
             log.warning("cancel_publish_failed", error=repr(error))
 
@@ -423,7 +424,7 @@ class Dispatcher:
 
     def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
         try:
-            beat = _heartbeat_decoder.decode(entry.value)
+            beat = _heartbeat_decoder.decode(entry.value or b"")
         except msgspec.DecodeError:
             return
         self.live_workers[beat.worker_id] = (time.monotonic(), beat)

@@ -184,7 +184,7 @@ async def receive_upload(request: Request, staged: Staging) -> tuple[str, str]:
         raise OpenAIError(400, "Upload files as multipart/form-data with a `file` part and a `purpose` field.",
                           code="invalid_value")
     form = UploadForm()
-    parser = MultipartParser(boundary, form.callbacks())
+    parser = MultipartParser(boundary, form.callbacks())  # type: ignore[arg-type]  # a TypedDict in the stub
     try:
         async for chunk in request.stream():
             parser.write(chunk)

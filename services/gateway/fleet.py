@@ -8,6 +8,7 @@ import asyncio
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from inferbus import logs
@@ -28,7 +29,7 @@ class FleetMonitor:
         self.model = model
         self.policy = policy
         self.queue_poll_s = queue_poll_s
-        self._sub = None
+        self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -144,8 +144,8 @@ class Generation:
         except Exception:
             log.exception("unhandled_error")
             metrics.REQUESTS.labels(endpoint, "500").inc()
-            error = OpenAIError(500, "The server had an error while processing your request.", code="internal_error")
-            await send_json(send, 500, error.body(), request_id)
+            internal = OpenAIError(500, "The server had an error while processing your request.", code="internal_error")
+            await send_json(send, 500, internal.body(), request_id)
             return
         metrics.INFLIGHT.inc()
         status = "200"
@@ -172,7 +172,7 @@ class Generation:
                 self._access_log(call, status)
 
     def _access_log(self, call: _Call, status: str) -> None:
-        flight = call.flight
+        flight = call.choices[0].flight  # an admitted call has its first choice's flight (`call.flight`)
         usage = call.usage
         log.info(
             "request", endpoint=call.endpoint, status=int(status), stream=call.stream,

@@ -186,7 +186,7 @@ class _Relay(ABC):
     async def body(self, message: dict[str, Any]) -> None:
         """A body message of the chat path's 200 response."""
 
-    async def finish(self) -> None:
+    async def finish(self) -> None:  # noqa: B027 (an optional hook: the streaming relay owes nothing)
         """After the chat path returned: send what is still owed to the client."""
 
 

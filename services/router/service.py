@@ -205,7 +205,7 @@ class Router:
 
     async def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
         try:
-            beat = _heartbeat_decoder.decode(entry.value)
+            beat = _heartbeat_decoder.decode(entry.value or b"")
         except msgspec.DecodeError:
             return
         known = beat.worker_id in self.registry.workers

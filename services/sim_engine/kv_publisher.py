@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from inferbus import kv_events
 
@@ -44,7 +45,7 @@ class KvEventPublisher:
     def __init__(self, config: KvEventsConfig | None) -> None:
         self.config = config
         self.seq = 0
-        self._socket = None
+        self._socket: Any = None  # a zmq PUB socket, when configured
         if config is not None:
             import zmq
 
@@ -58,7 +59,7 @@ class KvEventPublisher:
 
     def publish(self, cache: RadixCache) -> None:
         events = cache.drain_events()
-        if not events or self._socket is None:
+        if not events or self._socket is None or self.config is None:
             return
         batch = kv_events.EventBatch(ts=time.time(), events=[_convert(event) for event in events], attn_dp_rank=0)
         import zmq

@@ -174,12 +174,12 @@ class OpenAIRoutes:
                 else:
                     choice["text"] = delta
                 sent, tokens = len(update.text), update.num_output_tokens
-                chunk = {**head, "choices": [choice]}
+                chunk: dict[str, Any] = {**head, "choices": [choice]}
                 if include_usage:
                     chunk["usage"] = None
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             if include_usage:
-                usage = {**head, "choices": [], "usage": _usage(request, tokens)}
+                usage: dict[str, Any] = {**head, "choices": [], "usage": _usage(request, tokens)}
                 yield b"data: " + json.dumps(usage).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:

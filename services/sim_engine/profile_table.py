@@ -125,6 +125,10 @@ class TableStepModel:
 
     table: ProfileTable
 
+    @property
+    def tokens_per_step(self) -> float:
+        return 1.0  # a measured table prices plain decoding: one token per sequence per step
+
     def step_time(
         self,
         batch_decode: int,
@@ -144,7 +148,7 @@ def save_npz(table: ProfileTable, path: str | Path) -> None:
 
     np.savez(
         path,
-        **{
+        **{  # type: ignore[arg-type]  # numpy's stub takes the arrays for savez's keyword flags
             PREFILL_X: np.array(table.prefill_tokens, dtype=np.float64),
             PREFILL_Y: np.array(table.prefill_ms, dtype=np.float64),
             DECODE_X: np.array(table.decode_kv_tokens, dtype=np.float64),

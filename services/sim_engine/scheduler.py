@@ -299,7 +299,7 @@ class Engine:
                 step_model = TableStepModel(load_npz(config.profile_table))
             else:
                 step_model = roofline_model
-        self.step_model = step_model
+        self.step_model: StepTimeModel = step_model
         capacity = config.kv_capacity_tokens or roofline_model.kv_capacity_tokens()
         self.cache = RadixCache(capacity_tokens=capacity, block_size=config.block_size)
         self.now = 0.0

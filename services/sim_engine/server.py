@@ -473,7 +473,7 @@ class SimEngineServer:
         except asyncio.TimeoutError:
             self._abort_if_running(request.rid)
             return Response(status_code=503)
-        return Response(status_code=200 if update.finish_reason.get("type") == "length" else 503)
+        return Response(status_code=200 if (update.finish_reason or {}).get("type") == "length" else 503)
 
     async def server_info(self, http_request: HttpRequest) -> Response:
         config = self.config

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from inferbus import logs
 
@@ -58,7 +59,7 @@ class Puller:
         self.outstanding = 0  # slots reserved by pull requests not yet answered
         self._last_activity = time.monotonic()
         self._inbox = ""
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()

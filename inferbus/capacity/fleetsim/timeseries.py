@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferbus.extras import require
+
 INF = float("inf")
 
 
@@ -168,7 +170,7 @@ def _clean(value: Any) -> Any:
 
 def plot(summary: Summary, out_dir: str | Path, stem: str = "simulate") -> list[Path]:
     """PNG plots of the time series: load and fleet, latency against the SLO, KV and queue."""
-    import matplotlib  # lazily: the simulator itself needs no plotting
+    matplotlib = require("matplotlib", "plots", "the simulation plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -14,6 +14,7 @@ from typing import Any
 from inferbus.capacity.plan.model import OperatingPoint
 from inferbus.capacity.plan.options import Variant
 from inferbus.capacity.plan.planner import Plan, PlanInputs, Row, zone_factor
+from inferbus.extras import require
 from inferbus.timing import lora_adapter_bytes, lora_load_s
 
 SCHEMA = "inferbus.capacity.plan/v1"
@@ -231,11 +232,16 @@ def _inputs_section(plan: Plan) -> list[str]:
     classes = mix.get("classes") or []
     if classes and all("input_tokens" in c for c in classes):
         lines += ["| class | share | input tokens | output tokens | cached fraction |", "|---|---|---|---|---|"]
-        lines += [f"| {c['name']} | {_pct(c['share'], 0)} | {c['input_tokens']} | {c['output_tokens']} | "
-                  f"{_pct(c['cached_fraction'], 0)} |" for c in classes]
+        lines += [
+            f"| {c['name']} | {_pct(c['share'], 0)} | {c['input_tokens']} | {c['output_tokens']} | "
+            f"{_pct(c['cached_fraction'], 0)} |"
+            for c in classes
+        ]
         lines.append("")
     elif classes:
-        lines += [f"  {c['name']}: {c.get('trace_requests', '?')} requests of a trace, each equally likely.", ""]
+        lines += [f"  {c['name']}: {c.get('trace_requests', '?')} requests of a trace, each equally likely."
+                  for c in classes]
+        lines.append("")
     u90 = ("the 90th-percentile request's uncached prompt, from the mix" if w.ttft_tokens_derived
            else "given with --ttft-tokens")
     lines += [
@@ -489,7 +495,7 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
 
 def write_plots(plan: Plan, out: Path) -> list[str]:
     """`fleet.png` (GPUs and $/hour per config) and `latency.png` (TTFT/TPOT p90 vs per-replica rate)."""
-    import matplotlib
+    matplotlib = require("matplotlib", "plots", "the plan plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

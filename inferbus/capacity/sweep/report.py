@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from inferbus.capacity.sweep.metrics import knee
+from inferbus.extras import require
 
 SCHEMA = "inferbus.capacity.sweep/v1"
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
@@ -65,7 +66,7 @@ def _load(step: dict[str, Any]) -> float:
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """Latency vs load (TTFT, TPOT, ITL, E2E percentiles, SLO lines) and throughput/goodput vs load
     with the knee marked. Client-limited steps are drawn hollow: their numbers describe the client."""
-    import matplotlib
+    matplotlib = require("matplotlib", "plots", "the sweep plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

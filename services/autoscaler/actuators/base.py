@@ -37,10 +37,10 @@ class Actuator(abc.ABC):
         """Give the actuator the bus (the service does, once connected)."""
         self._send_control = send_control
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 (an optional hook: most actuators hold nothing)
         """Connect to whatever it drives."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release what it holds (the local actuator stops the replicas it started)."""
 
     @abc.abstractmethod

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inferbus import logs
+from inferbus.extras import require
 
 from .base import Actuator, FleetState, PoolFleet
 
@@ -26,6 +27,7 @@ log = logs.get(__name__)
 
 def api_client(api_url: str = "") -> Any:
     """An ApiClient for `api_url`, else in-cluster (service account), else the local kubeconfig."""
+    require("kubernetes", "k8s", "The Kubernetes actuator")
     from kubernetes import client, config
 
     if api_url:
