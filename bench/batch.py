@@ -1,4 +1,4 @@
-"""`python -m bench.batch`: the batch tier's measured proof.
+"""`python -m bench.batch`: the batch band's measured proof.
 
 Interactive load alone, then the same interactive load with a large batch beside it: interactive
 p90 TTFT and TPOT must stay within 10 % of the interactive-only run while batch consumes ≥ 80 %

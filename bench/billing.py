@@ -65,7 +65,7 @@ def make_events(n: int, tenants: int, now: float, rate: float | None, seed: int 
             request_id=f"{i:08x}{rng.getrandbits(96):024x}", tenant=f"tenant-{t:03d}", model=MODEL,
             status=status, usage=m.Usage(prompt_tokens=prompt, completion_tokens=rng.randint(0, 800),
                                          cached_tokens=rng.randint(0, prompt)),
-            started=started, finished=started + rng.uniform(0.2, 30), tier=rng.choice(["premium", "standard"]),
+            started=started, finished=started + rng.uniform(0.2, 30), band=rng.choice(["premium", "standard"]),
             adapter=rng.choice([None, None, None, f"lora-{t % 5}"]), api_key_id=f"key_{t:03d}_{rng.randrange(3)}",
             batch_id=f"batch_{t % 7}" if rng.random() < 0.1 else None, worker_id="worker-1",
         ))

@@ -280,7 +280,7 @@ class StackConfig:
     time_scale: float = 1.0
     fixed_step_ms: float | None = None
     router: bool = True
-    batch: bool = True  # the batch service (its workers pull the batch tier by default)
+    batch: bool = True  # the batch service (its workers pull the batch band by default)
     admin_key: str = ""  # the gateway's INFERBUS_ADMIN_KEY; empty: inherit it from the environment, if set
     log_level: str = "info"
     extra_env: dict[str, str] = field(default_factory=dict)

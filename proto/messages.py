@@ -117,7 +117,7 @@ class InferenceRequest(_Message, tag="request"):
     created: float  # unix seconds when the gateway accepted the request
     kind: Literal["chat", "completion"] = "chat"
     adapter: str | None = None
-    tier: str = "standard"
+    band: str = "standard"
     priority: int = 0  # engine priority, larger is more important (SGLang's convention)
     attempt: int = 0
     # Migration: the text and token count already streamed to the client by earlier attempts.
@@ -216,7 +216,7 @@ class Handoff(_Message, tag="handoff"):
 StreamEvent = Union[Accepted, TokenChunk, Final, StreamError, Handoff]
 
 
-class StreamBatch(_Message):
+class StreamFrame(_Message):
     """Worker → gateway on `token_subject(gateway)`: the events for that gateway's requests that
     became ready together (one engine step's tokens for many streams), in order per request."""
 
@@ -245,7 +245,7 @@ class UsageEvent(_Message):
     started: float
     finished: float
     adapter: str | None = None
-    tier: str = "standard"
+    band: str = "standard"
     worker_id: str = ""
     attempts: int = 1
     finish_reason: str | None = None
@@ -488,7 +488,7 @@ class PlacementRequest(_Message):
     model: str
     prompt_tokens: int
     adapter: str | None = None
-    tier: str = "standard"
+    band: str = "standard"
     # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
     # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
     # the router can count blocks a worker already holds.
@@ -672,7 +672,7 @@ API_STREAM_DONE = "done"
 
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(StreamBatch)
+_frame_decoder = msgspec.msgpack.Decoder(StreamFrame)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -683,5 +683,5 @@ def decoder(kind: type) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(kind)
 
 
-def decode_stream_batch(data: bytes) -> StreamBatch:
-    return _batch_decoder.decode(data)
+def decode_stream_frame(data: bytes) -> StreamFrame:
+    return _frame_decoder.decode(data)

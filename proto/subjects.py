@@ -1,7 +1,7 @@
 """Every subject, stream, consumer and bucket name on the bus. Build names here, nowhere else.
 
 Layout (see DESIGN.md):
-    inferbus.req.<tier>.<model>.any | .w.<worker> .<gateway>   JetStream REQUESTS (work queue); the
+    inferbus.req.<band>.<model>.any | .w.<worker> .<gateway>   JetStream REQUESTS (work queue); the
                                                    last token names the gateway its replies go to
     inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
     inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
@@ -27,9 +27,9 @@ from typing import Literal
 PREFIX = "inferbus"
 
 # Priority bands, most important first. Workers pull in this order.
-Tier = Literal["premium", "standard", "batch"]
-TIERS: tuple[Tier, ...] = ("premium", "standard", "batch")
-INTERACTIVE_TIERS: tuple[Tier, ...] = ("premium", "standard")
+Band = Literal["premium", "standard", "batch"]
+BANDS: tuple[Band, ...] = ("premium", "standard", "batch")
+INTERACTIVE_BANDS: tuple[Band, ...] = ("premium", "standard")
 
 REQUESTS_STREAM = "REQUESTS"
 USAGE_STREAM = "USAGE"
@@ -57,18 +57,18 @@ def worker_target(worker_id: str) -> str:
     return f"w.{token(worker_id)}"
 
 
-def request_subject(tier: Tier, model: str, target: str, reply_to: str) -> str:
+def request_subject(band: Band, model: str, target: str, reply_to: str) -> str:
     """`target` is `ANY_TARGET` or `worker_target(worker_id)`; the last token is the owner of
     `reply_to` (the request's reply subject, `token_subject(owner)`: a gateway or batch service).
     A publisher's NATS permissions allow its own owner token only, and a worker runs a request only
     when its `reply_to` is that owner's (`request_reply_allowed`), so no identity can make a worker
     stream tokens to another gateway."""
-    return f"{PREFIX}.req.{tier}.{token(model)}.{target}.{reply_owner(reply_to)}"
+    return f"{PREFIX}.req.{band}.{token(model)}.{target}.{reply_owner(reply_to)}"
 
 
-def request_filter(tier: Tier, model: str, target: str = ANY_TARGET) -> str:
-    """A consumer's filter: every owner's requests of `tier` and `model` for `target`."""
-    return f"{PREFIX}.req.{tier}.{token(model)}.{target}.*"
+def request_filter(band: Band, model: str, target: str = ANY_TARGET) -> str:
+    """A consumer's filter: every owner's requests of `band` and `model` for `target`."""
+    return f"{PREFIX}.req.{band}.{token(model)}.{target}.*"
 
 
 def request_owner(subject: str) -> str:
@@ -99,15 +99,15 @@ def worker_of_request_subject(subject: str) -> str | None:
     return rest.split(".", 1)[0]
 
 
-def shared_request_wildcard(tier: Tier | None = None, owner: str | None = None) -> str:
-    """Shared (`any`) request subjects of `tier` (of every tier when None) and of `owner` (of
+def shared_request_wildcard(band: Band | None = None, owner: str | None = None) -> str:
+    """Shared (`any`) request subjects of `band` (of every band when None) and of `owner` (of
     every owner when None), for permissions."""
-    return f"{PREFIX}.req.{tier or '*'}.*.{ANY_TARGET}.{'*' if owner is None else token(owner)}"
+    return f"{PREFIX}.req.{band or '*'}.*.{ANY_TARGET}.{'*' if owner is None else token(owner)}"
 
 
 def owned_request_wildcards(owner: str) -> tuple[str, str]:
     """Every request subject a publisher may use when its replies go to `owner`: the shared
-    queue and every worker's own queue, of every tier and model."""
+    queue and every worker's own queue, of every band and model."""
     return (shared_request_wildcard(None, owner), f"{PREFIX}.req.*.*.w.*.{token(owner)}")
 
 
@@ -115,10 +115,10 @@ def requests_stream_subjects() -> list[str]:
     return [f"{PREFIX}.req.>"]
 
 
-def request_consumer(tier: Tier, model: str, worker_id: str | None = None) -> str:
-    """Durable consumer name: one per worker per tier, plus one shared per tier for `any`."""
+def request_consumer(band: Band, model: str, worker_id: str | None = None) -> str:
+    """Durable consumer name: one per worker per band, plus one shared per band for `any`."""
     owner = "any" if worker_id is None else f"w_{worker_id}"
-    return _durable(f"{tier}_{token(model)}_{owner}")
+    return _durable(f"{band}_{token(model)}_{owner}")
 
 
 def _durable(name: str) -> str:

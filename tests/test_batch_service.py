@@ -15,7 +15,7 @@ from inferbus.prompt import load_model, render_prompt
 from proto import messages as m
 from services.batch import lines
 from services.batch.feed import FeedConfig, FeedPolicy
-from services.batch.tracker import BatchRun, Tracker, parse_request_id
+from services.batch.tracker import ActiveBatch, Tracker, parse_request_id
 from services.batch.validate import Limits, Validated, validate
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -343,7 +343,7 @@ def test_chat_line_renders_like_the_gateway(llama3_model_dir: Path) -> None:
     request = lines.line_request(plan, batch_id="batch_abc", line=7, tenant="t1", api_key_id="k1", base_model=MODEL,
                                  adapter=None, deadline=99.0, now=10.0, reply_to="inferbus.tok.batch-main", attempt=2)
     assert request.request_id == m.batch_request_id("batch_abc", 7) == "batch_abc-7"
-    assert (request.tier, request.priority, request.batch_id, request.batch_line) == ("batch", m.BATCH_ENGINE_PRIORITY, "batch_abc", 7)
+    assert (request.band, request.priority, request.batch_id, request.batch_line) == ("batch", m.BATCH_ENGINE_PRIORITY, "batch_abc", 7)
     assert (request.attempt, request.deadline, request.created, request.prompt_tokens) == (2, 99.0, 10.0, plan.prompt_tokens)
     assert request.input_ids == plan.input_ids
 
@@ -409,11 +409,11 @@ def test_error_lines_per_request_and_for_lines_that_never_ran() -> None:
 # ---- tracker -------------------------------------------------------------------------------------
 
 
-def make_run(batch_id: str, tenant: str, total: int, created_at: int = 0) -> BatchRun:
+def make_run(batch_id: str, tenant: str, total: int, created_at: int = 0) -> ActiveBatch:
     record = m.BatchRecord(id=batch_id, tenant=tenant, endpoint=CHAT, input_file_id="file-x", completion_window="24h",
                            created_at=created_at, expires_at=created_at + 86400, status="in_progress", total=total,
                            model=MODEL)
-    run = BatchRun(record=record, custom_ids=[f"c{i}" for i in range(total)], offsets=list(range(total)),
+    run = ActiveBatch(record=record, custom_ids=[f"c{i}" for i in range(total)], offsets=list(range(total)),
                    base_model=MODEL)
     run.loaded = True
     return run

@@ -67,7 +67,7 @@ def identity(platform: Platform, name: str) -> Identity:
 def a_request(reply_to: str, tenant: str = "demo") -> m.InferenceRequest:
     return m.InferenceRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, api_key_id="forged", model=MODEL,
-        tier="standard", prompt="forged", sampling=m.SamplingParams(max_new_tokens=5), reply_to=reply_to,
+        band="standard", prompt="forged", sampling=m.SamplingParams(max_new_tokens=5), reply_to=reply_to,
         created=time.time(), deadline=time.time() + 60,
     )
 
@@ -163,8 +163,8 @@ def test_a_worker_cannot_inject_a_request_nor_cancel_one(platform: Platform) -> 
         worker = Connection(platform, identity(platform, "worker-1"))
         async with worker as nc:
             forged = a_request(subjects.token_subject("gateway"))
-            for tier in ("premium", "standard"):
-                await nc.publish(subjects.request_subject(tier, MODEL, subjects.ANY_TARGET, forged.reply_to),  # type: ignore[arg-type]
+            for band in ("premium", "standard"):
+                await nc.publish(subjects.request_subject(band, MODEL, subjects.ANY_TARGET, forged.reply_to),  # type: ignore[arg-type]
                                  m.encode(forged))
             await nc.publish(subjects.cancel_subject("gateway", forged.request_id), m.encode(m.Cancel(forged.request_id)))
             await nc.flush()

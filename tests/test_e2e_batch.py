@@ -130,7 +130,7 @@ def test_chat_and_completions_batches_complete(platform: Platform, client: opena
     ids = {m.batch_request_id(chat.id, i) for i in range(40)}
     events = read_usage(platform, "demo", ids, timeout=15)
     assert sorted(e.request_id for e in events) == sorted(ids)
-    assert all(e.batch_id == chat.id and e.tier == "batch" and e.status == "completed" for e in events)
+    assert all(e.batch_id == chat.id and e.band == "batch" and e.status == "completed" for e in events)
 
     finished = wait_for(client, text.id, {"completed", "failed", "expired", "cancelled"})
     assert finished.status == "completed" and finished.request_counts and finished.request_counts.completed == 12

@@ -61,7 +61,7 @@ def test_a_chat_completion_over_the_bus_is_billed_to_the_tenant_in_its_band(plat
     ids = {request_id(answer["id"]), request_id(completion["id"])}
     events = read_usage(platform, tenant, ids)
     assert {e.request_id for e in events} == ids
-    assert all((e.tenant, e.status, e.tier) == (tenant, "completed", "premium") for e in events)
+    assert all((e.tenant, e.status, e.band) == (tenant, "completed", "premium") for e in events)
     by_id = {e.request_id: e for e in events}
     assert by_id[request_id(answer["id"])].usage.completion_tokens == 5
     assert by_id[request_id(answer["id"])].usage.prompt_tokens == answer["usage"]["prompt_tokens"]

@@ -56,7 +56,7 @@ def line_request(batch_id: str, line: int, prompt: str, max_new_tokens: int, rep
         request_id=m.batch_request_id(batch_id, line), tenant=TENANT, model=MODEL, prompt=prompt,
         sampling=m.SamplingParams(max_new_tokens=max_new_tokens, temperature=0), reply_to=reply_to,
         deadline=time.time() + 600 if deadline is None else deadline, created=time.time(), kind="completion",
-        tier="batch", priority=m.BATCH_ENGINE_PRIORITY, api_key_id="test",
+        band="batch", priority=m.BATCH_ENGINE_PRIORITY, api_key_id="test",
         batch_id=batch_id, batch_line=line,
     )
 
@@ -81,7 +81,7 @@ class BatchFeed:
         await self.nc.close()
 
     async def _on_events(self, msg: object) -> None:
-        for event in m.decode_stream_batch(msg.data).events:  # type: ignore[attr-defined]
+        for event in m.decode_stream_frame(msg.data).events:  # type: ignore[attr-defined]
             (self.accepted if isinstance(event, m.Accepted) else self.other_events).append(event)
 
     async def publish(self, request: m.InferenceRequest) -> None:

@@ -29,15 +29,15 @@ def test_stream_batches_round_trip_through_the_tagged_union_in_order() -> None:
                     usage=m.Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=2))
     chunk = m.TokenChunk(request_id="s", attempt=0, seq=0, text="hi", completion_tokens=1, prompt_tokens=5)
     accepted = m.Accepted(request_id="s", attempt=0, worker_id="w", queue_wait=0.1)
-    batch = m.StreamBatch(events=[accepted, chunk, final])
-    assert m.decode_stream_batch(m.encode(batch)).events == [accepted, chunk, final]
+    batch = m.StreamFrame(events=[accepted, chunk, final])
+    assert m.decode_stream_frame(m.encode(batch)).events == [accepted, chunk, final]
 
 
 def test_unknown_fields_from_newer_writers_are_ignored() -> None:
     newer = {"v": 2, "batch_note": "new", "events": [
         {"type": "chunk", "v": 2, "request_id": "r", "attempt": 0, "seq": 0, "text": "x",
          "completion_tokens": 1, "a_field_from_the_future": [1, 2]}]}
-    [event] = m.decode_stream_batch(msgspec.msgpack.encode(newer)).events
+    [event] = m.decode_stream_frame(msgspec.msgpack.encode(newer)).events
     assert isinstance(event, m.TokenChunk) and event.v == 2
 
 

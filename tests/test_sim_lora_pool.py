@@ -1,4 +1,4 @@
-"""The simulated engine's two adapter tiers: SGLang's LRU eviction past --max-loaded-loras, its GPU
+"""The simulated engine's two adapter bands: SGLang's LRU eviction past --max-loaded-loras, its GPU
 slot pool, and load times from the adapter's size and source."""
 
 from __future__ import annotations

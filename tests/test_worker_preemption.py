@@ -9,13 +9,13 @@ import pytest
 from inferbus.settings import load
 from proto import messages as m
 from services.worker.attempt import Attempt, line_outcome
-from services.worker.preemption import BatchRun, PreemptionConfig, PreemptionPolicy
+from services.worker.preemption import PreemptionConfig, PreemptionPolicy, RunningLine
 from services.worker.settings import WorkerSettings
 from services.worker.slots import SlotBudget
 
 
-def run(request_id: str, context: int, started: float = 0.0, generated: int = 0) -> BatchRun:
-    return BatchRun(request_id=request_id, context_tokens=context, generated=generated, started=started)
+def run(request_id: str, context: int, started: float = 0.0, generated: int = 0) -> RunningLine:
+    return RunningLine(request_id=request_id, context_tokens=context, generated=generated, started=started)
 
 
 def test_batch_takes_at_most_its_share_and_never_the_headroom() -> None:
@@ -115,9 +115,9 @@ def test_bad_configurations_are_refused() -> None:
             PreemptionConfig(**bad)  # type: ignore[arg-type]
 
 
-def test_worker_settings_carry_the_batch_tier_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_settings_carry_the_batch_band_and_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = load(WorkerSettings)
-    assert settings.tier_list() == ["premium", "standard", "batch"]
+    assert settings.band_list() == ["premium", "standard", "batch"]
     assert settings.preemption() == PreemptionConfig()
     monkeypatch.setenv("INFERBUS_WORKER_BATCH_SHARE", "0.5")
     monkeypatch.setenv("INFERBUS_WORKER_BATCH_HEADROOM", "2")
@@ -172,7 +172,7 @@ def _line(attempt: int = 0, resumed_text: str = "", resumed_tokens: int = 0, dea
     return m.InferenceRequest(
         request_id=m.batch_request_id("batch_x", 7), tenant="t", model="m", prompt="P",
         sampling=m.SamplingParams(max_new_tokens=100), reply_to="r", deadline=deadline, created=0.0,
-        tier="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, resumed_text=resumed_text,
+        band="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, resumed_text=resumed_text,
         resumed_tokens=resumed_tokens, prompt_tokens=12, batch_id="batch_x", batch_line=7,
     )
 

@@ -22,7 +22,7 @@ from redis.exceptions import WatchError
 from inferbus.stores.keys import CachedLookup, revoke_all_keys, tenant_key
 
 __all__ = [
-    "Band", "InvalidTenant", "Tenant", "TenantExists", "TenantLimits", "TenantNotFound", "TenantStore",
+    "InteractiveBand", "InvalidTenant", "Tenant", "TenantExists", "TenantLimits", "TenantNotFound", "TenantStore",
     "TENANTS_SET", "apply_changes", "may_use_adapter", "may_use_model", "tenant_from_dict", "tenant_key", "valid_tenant_id",
 ]
 
@@ -30,7 +30,7 @@ TENANTS_SET = "inferbus:tenants"
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 _TENANT_ID = re.compile(TENANT_ID_PATTERN)
 
-Band = Literal["premium", "standard"]
+InteractiveBand = Literal["premium", "standard"]
 _Rate = Annotated[int, Meta(ge=1)]
 _Name = Annotated[str, Meta(max_length=200)]
 
@@ -48,7 +48,7 @@ class TenantLimits(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Tenant(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: Annotated[str, Meta(pattern=TENANT_ID_PATTERN)]
     name: _Name = ""
-    band: Band = "standard"
+    band: InteractiveBand = "standard"
     weight: Annotated[float, Meta(gt=0.0)] = 1.0  # fair-share weight within its band
     limits: TenantLimits = msgspec.field(default_factory=TenantLimits)
     models: list[_Name] = msgspec.field(default_factory=lambda: ["*"])  # "*" = every served model

@@ -50,7 +50,7 @@ _COSTS_GROUP_BY = {"line_item": "line_item"}
 # ---- events → rollup contributions ------------------------------------------------------------
 
 def group_of(event: m.UsageEvent) -> str:
-    return GROUP_SEP.join((event.model, event.adapter or "", event.tier, event.api_key_id, event.batch_id or ""))
+    return GROUP_SEP.join((event.model, event.adapter or "", event.band, event.api_key_id, event.batch_id or ""))
 
 
 class Contribution(NamedTuple):

@@ -123,11 +123,11 @@ def encode_request(request: m.InferenceRequest) -> bytes:
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,
                  adapter: str | None, deadline: float, now: float, reply_to: str, attempt: int = 0) -> m.InferenceRequest:
-    """The request of one attempt at a line (the batch tier, below every interactive band)."""
+    """The request of one attempt at a line (the batch band, below every interactive band)."""
     return m.InferenceRequest(
         request_id=m.batch_request_id(batch_id, line), tenant=tenant, model=base_model, prompt=plan.prompt,
         sampling=plan.sampling, reply_to=reply_to, deadline=deadline, created=now, kind=plan.kind, adapter=adapter,
-        tier="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, prompt_tokens=plan.prompt_tokens,
+        band="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, prompt_tokens=plan.prompt_tokens,
         user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line, input_ids=plan.input_ids,
     )
 

@@ -50,7 +50,7 @@ from . import lifecycle
 from . import lines as line_format
 from .feed import FeedPolicy
 from .settings import BatchSettings
-from .tracker import BatchRun, Tracker
+from .tracker import ActiveBatch, Tracker
 from .validate import Limits, Validated, validate
 
 log = logs.get(__name__)
@@ -212,7 +212,7 @@ class BatchService:
 
     async def _on_events(self, msg: Msg) -> None:
         try:
-            batch = m.decode_stream_batch(msg.data)
+            batch = m.decode_stream_frame(msg.data)
         except msgspec.DecodeError:
             log.warning("bad_stream_batch", subject=msg.subject)
             return
@@ -361,7 +361,7 @@ class BatchService:
         log.info("batch_resumed", total=verdict.total, model=verdict.model)
         await self._track(record, verdict, resumed=True)
 
-    async def _track(self, record: m.BatchRecord, verdict: Validated, resumed: bool) -> BatchRun | None:
+    async def _track(self, record: m.BatchRecord, verdict: Validated, resumed: bool) -> ActiveBatch | None:
         try:
             base, adapter = self.catalog.resolve(verdict.model)
         except OpenAIError as error:
@@ -372,7 +372,7 @@ class BatchService:
         if source is None:
             await self._fail(record, [m.BatchErrorEntry(code="file_not_found", message=f"Input file {record.input_file_id} is gone.")])
             return None
-        run = BatchRun(record=record, custom_ids=verdict.custom_ids, offsets=verdict.offsets, base_model=base,
+        run = ActiveBatch(record=record, custom_ids=verdict.custom_ids, offsets=verdict.offsets, base_model=base,
                        adapter=adapter, input_path=str(self.files.path(source)))
         self.tracker.add(run, resumed=resumed)
         await self._follow_results(run)
@@ -398,7 +398,7 @@ class BatchService:
             return 0
         return int(last.seq or 0)
 
-    async def _follow_results(self, run: BatchRun) -> None:
+    async def _follow_results(self, run: ActiveBatch) -> None:
         """Replay the batch's results from the start of the stream, then follow new ones; the run
         may feed once the replay has reached where the stream stood."""
         assert self.js is not None
@@ -543,7 +543,7 @@ class BatchService:
                     self.tracker.unpublished(later_run, later_line, later_attempt)
                 return
 
-    def _read_bodies(self, wanted: list[tuple[BatchRun, int]]) -> list[bytes | None]:
+    def _read_bodies(self, wanted: list[tuple[ActiveBatch, int]]) -> list[bytes | None]:
         """The `body` of each wanted line, read from its input file by offset."""
         assert self.files is not None
         out: list[bytes | None] = []
@@ -568,7 +568,7 @@ class BatchService:
                 handle.close()  # type: ignore[attr-defined]
         return out
 
-    async def _publish_line(self, run: BatchRun, line: int, attempt: int, doubt: bool, body: bytes | None) -> None:
+    async def _publish_line(self, run: ActiveBatch, line: int, attempt: int, doubt: bool, body: bytes | None) -> None:
         assert self.replies is not None
         now = time.time()
         record = run.record
@@ -700,7 +700,7 @@ class BatchService:
                  completed=len(outputs), failed=len(errors), output_file_id=output_file, error_file_id=error_file,
                  input_tokens=usage.input_tokens, output_tokens=usage.output_tokens)
 
-    async def _reopen(self, record: m.BatchRecord, run: BatchRun, results: dict[int, m.BatchLineResult],
+    async def _reopen(self, record: m.BatchRecord, run: ActiveBatch, results: dict[int, m.BatchLineResult],
                       missing: list[int]) -> None:
         """Results this process counted are not in the stream (a NATS server killed hard loses its
         last writes): the stream is the record of what ended, so those lines run again."""
@@ -709,7 +709,7 @@ class BatchService:
             await self._update(record, lifecycle.reopened)
         self.tracker.reopen(run.id, list(results.values()), missing)
 
-    async def _stop_lines(self, record: m.BatchRecord, run: BatchRun | None, reason: str) -> None:
+    async def _stop_lines(self, record: m.BatchRecord, run: ActiveBatch | None, reason: str) -> None:
         """Publish nothing more; cancel lines out in the fleet and wait (briefly) for their results."""
         assert self.nc is not None
         if run is None:

@@ -34,7 +34,7 @@ class Outstanding:
 
 
 @dataclass
-class BatchRun:
+class ActiveBatch:
     record: m.BatchRecord
     custom_ids: list[str]
     offsets: list[int]  # byte offset of each request's line in the input file
@@ -81,12 +81,12 @@ def parse_request_id(request_id: str) -> tuple[str, int] | None:
 class Tracker:
     def __init__(self, line_lease_s: float) -> None:
         self.line_lease_s = line_lease_s
-        self.runs: dict[str, BatchRun] = {}
+        self.runs: dict[str, ActiveBatch] = {}
         self._turn: deque[str] = deque()  # tenants in the order they get their next line
 
     # ---- batches --------------------------------------------------------------------------
 
-    def add(self, run: BatchRun, *, resumed: bool) -> None:
+    def add(self, run: ActiveBatch, *, resumed: bool) -> None:
         """Track a batch; `resumed`: it was in progress before this process started (its lines
         without a result are in doubt). Lines with results already in `run.done` are skipped."""
         self.runs[run.id] = run
@@ -97,7 +97,7 @@ class Tracker:
         if run.tenant not in self._turn:
             self._turn.append(run.tenant)
 
-    def remove(self, batch_id: str) -> BatchRun | None:
+    def remove(self, batch_id: str) -> ActiveBatch | None:
         run = self.runs.pop(batch_id, None)
         if run is not None and not any(r.tenant == run.tenant for r in self.runs.values()):
             self._turn = deque(t for t in self._turn if t != run.tenant)
@@ -202,10 +202,10 @@ class Tracker:
         """Lines that could go out now."""
         return sum(len(run.pending) + len(run.retry) for run in self.runs.values() if run.feeding and run.loaded)
 
-    def take(self, count: int, now: float) -> list[tuple[BatchRun, int, int, bool]]:
+    def take(self, count: int, now: float) -> list[tuple[ActiveBatch, int, int, bool]]:
         """Up to `count` lines to publish now, fairly: (batch, line, attempt, in doubt). They count
         as outstanding from now on; `published` records what the bus actually did."""
-        out: list[tuple[BatchRun, int, int, bool]] = []
+        out: list[tuple[ActiveBatch, int, int, bool]] = []
         while len(out) < count:
             progressed = False
             for _ in range(len(self._turn)):
@@ -226,18 +226,18 @@ class Tracker:
                 break
         return out
 
-    def published(self, run: BatchRun, line: int, attempt: int) -> None:
+    def published(self, run: ActiveBatch, line: int, attempt: int) -> None:
         """The line went out as `attempt` (a line in doubt may have needed a later one)."""
         entry = run.outstanding.get(line)
         if entry is not None:
             entry.attempt = max(entry.attempt, attempt)
 
-    def unpublished(self, run: BatchRun, line: int, attempt: int) -> None:
+    def unpublished(self, run: ActiveBatch, line: int, attempt: int) -> None:
         """Publishing failed: the line goes back to the front, to be tried again."""
         if run.outstanding.pop(line, None) is not None and run.feeding and line not in run.done:
             run.retry.appendleft((line, attempt))
 
-    def _next_of(self, tenant: str) -> tuple[BatchRun, int, int] | None:
+    def _next_of(self, tenant: str) -> tuple[ActiveBatch, int, int] | None:
         runs = sorted((r for r in self.runs.values() if r.tenant == tenant and r.feeding and r.loaded),
                       key=lambda r: (r.record.created_at, r.id))
         for run in runs:
@@ -252,10 +252,10 @@ class Tracker:
         return None
 
     @staticmethod
-    def _forget_pending(run: BatchRun, line: int) -> None:
+    def _forget_pending(run: ActiveBatch, line: int) -> None:
         if line in run.pending:
             run.pending.remove(line)
         run.retry = deque(item for item in run.retry if item[0] != line)
 
-    def batches(self) -> Iterable[BatchRun]:
+    def batches(self) -> Iterable[ActiveBatch]:
         return list(self.runs.values())

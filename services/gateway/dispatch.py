@@ -179,7 +179,7 @@ class Dispatcher:
             return shared
         ask = m.PlacementRequest(
             request_id=request.request_id, model=request.model, adapter=request.adapter,
-            prompt_tokens=(request.prompt_tokens or 0) + request.resumed_tokens, tier=request.tier,
+            prompt_tokens=(request.prompt_tokens or 0) + request.resumed_tokens, band=request.band,
             block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
             release=request.release, pinned=request.release_pinned,
         )
@@ -190,8 +190,8 @@ class Dispatcher:
             return shared
         if placement.worker_id and (placement.worker_id not in self.live_workers or placement.worker_id == flight.avoid_worker):
             return shared
-        if placement.worker_id and not self.placement_fits(placement.worker_id, request.tier,
-                                                           self._queued_on(placement.worker_id, request.tier)):
+        if placement.worker_id and not self.placement_fits(placement.worker_id, request.band,
+                                                           self._queued_on(placement.worker_id, request.band)):
             # That worker's queue would hold it past its band's budget: any worker may take it.
             PLACEMENTS_OVER_BUDGET.inc()
             return shared
@@ -201,7 +201,7 @@ class Dispatcher:
         """This gateway's requests of `band` or a more important band queued on `worker_id`'s own
         queue and not started yet."""
         ahead = bands_through(band)
-        return sum(1 for f in self._queued_flights.values() if f.worker_id == worker_id and f.request.tier in ahead)
+        return sum(1 for f in self._queued_flights.values() if f.worker_id == worker_id and f.request.band in ahead)
 
     async def _publish(self, flight: Flight) -> None:
         request = flight.request
@@ -215,7 +215,7 @@ class Dispatcher:
                 request, expected_cached_tokens=placement.cached_blocks * self.block_size
             )
         PLACEMENTS.labels("worker" if placement.worker_id else "any").inc()
-        subject = subjects.request_subject(request.tier, request.model, placement.target,  # type: ignore[arg-type]
+        subject = subjects.request_subject(request.band, request.model, placement.target,  # type: ignore[arg-type]
                                            request.reply_to)
         await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
@@ -243,7 +243,7 @@ class Dispatcher:
                         block_hashes=block_hashes or [])
         self.flights[request.request_id] = flight
         if self._window_room() > 0 and not len(self.fair):
-            self.fair.dispatched(request.tenant, request.tier, weight, estimate)
+            self.fair.dispatched(request.tenant, request.band, weight, estimate)
             self._mark_queued(flight)
             try:
                 await self._publish(flight)
@@ -252,18 +252,18 @@ class Dispatcher:
                 log.error("publish_failed", error=repr(error))
                 raise DispatchError(503, "service_unavailable", "The request queue is unavailable; retry shortly.", retry_after=1) from error
         else:
-            self.fair.push(flight, request.tenant, request.tier, weight)
+            self.fair.push(flight, request.tenant, request.band, weight)
             FAIR_QUEUE.set(len(self.fair))
         return flight
 
     def _mark_queued(self, flight: Flight) -> None:
         flight.state = "queued"
-        self.window.entered(flight.request.tier)
+        self.window.entered(flight.request.band)
         self._queued_flights[flight.request.request_id] = flight
 
     def _left_queue(self, flight: Flight) -> None:
         if flight.state == "queued":
-            self.window.left(flight.request.tier)
+            self.window.left(flight.request.band)
             self._queued_flights.pop(flight.request.request_id, None)
         flight.state = "accepted"
         self._release()
@@ -296,13 +296,13 @@ class Dispatcher:
         if self.flights.pop(request.request_id, None) is None:
             return
         if flight.state == "held":
-            self.fair.remove(flight, request.tenant, request.tier)
+            self.fair.remove(flight, request.tenant, request.band)
         else:
             if flight.state == "queued":
-                self.window.left(request.tier)
+                self.window.left(request.band)
                 self._queued_flights.pop(request.request_id, None)
             used = float((flight.prompt_tokens or 0) + flight.sent_tokens)
-            self.fair.finished(request.tenant, request.tier, flight.estimated_tokens, used)
+            self.fair.finished(request.tenant, request.band, flight.estimated_tokens, used)
         self._release()
 
     async def supersede(self, flight: Flight) -> None:
@@ -391,7 +391,7 @@ class Dispatcher:
                         completion_tokens=delivered_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
-            tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
+            band=request.band, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
             api_key_id=request.api_key_id, batch_id=request.batch_id, attempt=request.attempt,
         )
@@ -408,7 +408,7 @@ class Dispatcher:
 
     async def _on_events(self, msg: Msg) -> None:
         try:
-            batch = m.decode_stream_batch(msg.data)
+            batch = m.decode_stream_frame(msg.data)
         except msgspec.DecodeError:
             log.warning("bad_stream_batch", subject=msg.subject)
             return

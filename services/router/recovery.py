@@ -2,7 +2,7 @@
 
 A request placed on a worker waits in that worker's own subject (`…​.w.<worker>`) until the
 worker pulls it. When the worker dies, the router moves whatever is still queued there to the
-shared subject of the same tier and model, where any worker takes it, and deletes the dead
+shared subject of the same band and model, where any worker takes it, and deletes the dead
 worker's consumers. Each moved message is published with the id `<original id>.recovered`, so
 two router replicas recovering the same worker, or one retrying after a crash between publish and
 ack, never queue a request twice. Requests the worker had already accepted are not here: the

@@ -1,5 +1,5 @@
 """Where a simulated engine keeps its LoRA adapters, and what moving them costs: SGLang 0.5.23's
-two tiers, pure (the scheduler owns the clock).
+two bands, pure (the scheduler owns the clock).
 
 - **Loaded** (host memory; SGLang's `LoRARegistry`): every adapter `/load_lora_adapter` loaded,
   in least-recently-used order. A request for an adapter moves it to the end (SGLang's

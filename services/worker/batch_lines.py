@@ -22,7 +22,7 @@ from proto import subjects
 from .attempt import Attempt, Failure, line_outcome, line_usage
 from .engine import EngineError, EngineLoad
 from .metrics import BATCH_REQUEUED, ENGINE_ERRORS, PREEMPTIONS, QUEUE_WAIT, REQUESTS, RUNNING
-from .preemption import BatchRun, Check, WorkerState
+from .preemption import Check, RunningLine, WorkerState
 from .puller import Puller
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class BatchLines:
 
     def waiting(self) -> int:
         """Batch lines this worker took that have no first token yet (queued in, or prefilled by, the engine)."""
-        return sum(1 for e in self.worker.running.values() if e.request.tier == "batch" and not e.prefilled)
+        return sum(1 for e in self.worker.running.values() if e.request.band == "batch" and not e.prefilled)
 
     def room(self) -> int:
         """Slots the batch pullers may reserve now (the Puller asks before every pull)."""
@@ -67,12 +67,12 @@ class BatchLines:
         engine priority; the policy decides) in the engine. The bus is asked (consumer info) only
         when the policy needs it."""
         worker, policy = self.worker, self.serving.preemption
-        interactive = [e for e in worker.running.values() if e.request.tier != "batch"]
+        interactive = [e for e in worker.running.values() if e.request.band != "batch"]
         state = WorkerState(
             capacity=self.serving.capacity, interactive=len(interactive),
             interactive_stalled=policy.stalled(time.time(), load.waiting,
                                                (e.started for e in interactive if not e.prefilled)),
-            batch=[BatchRun(request_id=e.request.request_id, context_tokens=(e.prompt_tokens or 0) + e.completion,
+            batch=[RunningLine(request_id=e.request.request_id, context_tokens=(e.prompt_tokens or 0) + e.completion,
                             generated=e.completion, started=e.started)
                    for e in worker.running.values() if e.preemptible],
             reserved=self.reserved(), draining=worker.draining,
@@ -163,7 +163,7 @@ class BatchLines:
             worker.running.pop(request.request_id, None)
             RUNNING.set(len(worker.running))
             self.serving.release_slot()
-            if request.tier == "batch":
+            if request.band == "batch":
                 worker.stats.batch_in_flight -= 1
             structlog.contextvars.unbind_contextvars("request_id", "tenant")
         REQUESTS.labels(status).inc()
@@ -172,7 +172,7 @@ class BatchLines:
             return
         assert result is not None  # line_outcome gives a result or a next attempt
         worker.stats.completed += 1
-        if request.tier == "batch":
+        if request.band == "batch":
             worker.stats.completed_batch += 1
         worker.background.spawn(self._finish(request, result, status, line_usage(entry), result.finish_reason or "error"))
 

@@ -45,6 +45,6 @@ class EventSender:
     async def _publish(self, queued: dict[str, list[m.StreamEvent]]) -> None:
         for subject, events in queued.items():
             try:
-                await self.nc.publish(subject, m.encode(m.StreamBatch(events=events)))
+                await self.nc.publish(subject, m.encode(m.StreamFrame(events=events)))
             except Exception as error:  # a gateway's events must not be lost to another's failure
                 log.error("stream_publish_failed", subject=subject, error=repr(error))

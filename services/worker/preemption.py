@@ -78,7 +78,7 @@ class PreemptionConfig:
 
 
 @dataclass(frozen=True)
-class BatchRun:
+class RunningLine:
     """One running batch line, as the policy sees it."""
 
     request_id: str
@@ -94,7 +94,7 @@ class WorkerState:
     capacity: int  # its request slots
     interactive: int  # interactive requests it holds
     interactive_stalled: int  # of them, kept waiting in its engine (see `PreemptionPolicy.stalled`)
-    batch: Sequence[BatchRun]  # its batch lines that may give way (not already giving way)
+    batch: Sequence[RunningLine]  # its batch lines that may give way (not already giving way)
     reserved: int = 0  # slots reserved by batch pulls on their way: not interactive's to count on
     draining: bool = False
 
@@ -146,7 +146,7 @@ class PreemptionPolicy:
         capacity: int,
         interactive_running: int,
         interactive_waiting: int,
-        batch: Sequence[BatchRun],
+        batch: Sequence[RunningLine],
         *,
         engine_waiting: int = 0,
     ) -> list[str]:

@@ -171,7 +171,7 @@ class Worker:
             await self.setup_bus()
             self.phase = "warm"
             self.load_changed.set()
-            log.info("worker_warm", worker_id=s.worker_id, engine=s.engine_url, capacity=capacity, tiers=s.tier_list())
+            log.info("worker_warm", worker_id=s.worker_id, engine=s.engine_url, capacity=capacity, bands=s.band_list())
             return
         await self._begin_serving(self.serving)
 
@@ -188,7 +188,7 @@ class Worker:
         ]
         self.load_changed.set()
         log.info("worker_ready", worker_id=s.worker_id, engine=s.engine_url, capacity=serving.capacity,
-                 tiers=s.tier_list(), engine_priority=serving.preemption.engine_priority)
+                 bands=s.band_list(), engine_priority=serving.preemption.engine_priority)
 
     async def _wait_for_engine(self) -> None:
         deadline = time.monotonic() + ENGINE_LOAD_TIMEOUT_S
@@ -315,15 +315,15 @@ class Worker:
             return  # warm workers are in no registry and own no queue
         # Heartbeat before the consumers exist: a router never sees a queue without its worker.
         await self.reporter.heartbeat()
-        for tier, owner in consumer_specs(self.settings.tier_list(), self.settings.worker_id):
-            await self._ensure_consumer(tier, owner)
+        for band, owner in consumer_specs(self.settings.band_list(), self.settings.worker_id):
+            await self._ensure_consumer(band, owner)
 
-    async def _ensure_consumer(self, tier: str, owner: str | None) -> None:
-        name = subjects.request_consumer(tier, self.settings.model, owner)  # type: ignore[arg-type]
+    async def _ensure_consumer(self, band: str, owner: str | None) -> None:
+        name = subjects.request_consumer(band, self.settings.model, owner)  # type: ignore[arg-type]
         target = subjects.ANY_TARGET if owner is None else subjects.worker_target(owner)
         config = ConsumerConfig(
             durable_name=name,
-            filter_subject=subjects.request_filter(tier, self.settings.model, target),  # type: ignore[arg-type]
+            filter_subject=subjects.request_filter(band, self.settings.model, target),  # type: ignore[arg-type]
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait_s,
             max_ack_pending=-1,

@@ -43,10 +43,10 @@ BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so intera
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 
 
-def consumer_specs(tiers: list[str], worker_id: str) -> list[tuple[str, str | None]]:
-    """(tier, owner) of each consumer a worker pulls, most important first. Batch lines are only
-    ever queued on the shared subject, so the batch tier has no per-worker consumer."""
-    return [(tier, owner) for tier in tiers for owner in ((None,) if tier == "batch" else (worker_id, None))]
+def consumer_specs(bands: list[str], worker_id: str) -> list[tuple[str, str | None]]:
+    """(band, owner) of each consumer a worker pulls, most important first. Batch lines are only
+    ever queued on the shared subject, so the batch band has no per-worker consumer."""
+    return [(band, owner) for band in bands for owner in ((None,) if band == "batch" else (worker_id, None))]
 
 
 class Serving:
@@ -56,15 +56,15 @@ class Serving:
         s = worker.settings
         self.worker = worker
         self.preemption = preemption
-        specs = consumer_specs(s.tier_list(), s.worker_id)
+        specs = consumer_specs(s.band_list(), s.worker_id)
         self.budget = SlotBudget(capacity, pullers=len(specs))
         self.batch = BatchLines(worker, self)
         self.pullers: list[Puller] = []
         # Most important first: earlier pullers get slots first. Batch pullers take only what the
         # preemption policy grants, and hold it briefly when the batch queue is empty.
-        for tier, owner in specs:
-            batch = tier == "batch"
-            puller = Puller(worker.nc, subjects.REQUESTS_STREAM, subjects.request_consumer(tier, s.model, owner),  # type: ignore[arg-type]
+        for band, owner in specs:
+            batch = band == "batch"
+            puller = Puller(worker.nc, subjects.REQUESTS_STREAM, subjects.request_consumer(band, s.model, owner),  # type: ignore[arg-type]
                             self.budget, self.on_request, wake=worker.wake,
                             expires_s=min(s.fetch_timeout_s, BATCH_POLL_S) if batch else s.fetch_timeout_s,
                             room=self.batch.room if batch else None, on_consumer_gone=worker.watch.verify_soon)
@@ -136,7 +136,7 @@ class Serving:
             return
         entry = Attempt(request=request, pause_epoch=worker.pause.epoch)
         worker.running[request.request_id] = entry
-        if request.tier == "batch":
+        if request.band == "batch":
             worker.stats.batch_in_flight += 1
         RUNNING.set(len(worker.running))
         serve = self.batch.serve if request.batch_id is not None else self.serve
@@ -177,7 +177,7 @@ class Serving:
                     return
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
-                if request.tier != "batch" and request.attempt == 0:
+                if request.band != "batch" and request.attempt == 0:
                     worker.stats.observe_queue_wait(queue_wait)
                 worker.events.send(request, m.Accepted(
                     request_id=request.request_id, attempt=request.attempt,
@@ -211,7 +211,7 @@ class Serving:
                 RUNNING.set(len(worker.running))
                 self.release_slot()
                 worker.stats.completed += 1
-                if request.tier == "batch":
+                if request.band == "batch":
                     worker.stats.batch_in_flight -= 1
                     worker.stats.completed_batch += 1
                 elif not request.release_pinned:
@@ -251,7 +251,7 @@ class Serving:
                 entry.first_token_at = time.time()
                 # A migration's TTFT is not the client's; a pinned request (an eval run) is not the
                 # canary's traffic, whose latencies these histograms also carry to its SLO gate.
-                if request.tier != "batch" and request.attempt == 0 and not request.release_pinned:
+                if request.band != "batch" and request.attempt == 0 and not request.release_pinned:
                     worker.stats.observe_ttft(entry.first_token_at - request.created)
                 worker.load_changed.set()  # its prefill is done: tell the router now, not at the next tick
             completion = request.resumed_tokens + update.completion_tokens

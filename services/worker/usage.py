@@ -39,7 +39,7 @@ class UsageReporter:
             usage = m.Usage(prompt_tokens=0, completion_tokens=usage.completion_tokens)
         event = m.UsageEvent(
             request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
-            tier=request.tier, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
+            band=request.band, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
             worker_id=self.worker_id, attempts=request.attempt + 1, finish_reason=finish,
             api_key_id=request.api_key_id, batch_id=request.batch_id, billed_to=billed_to,  # type: ignore[arg-type]
             attempt=request.attempt, release=self.release,

@@ -66,7 +66,7 @@ BATCH_ID = "batch_sim"
 # Prompt ids of batch lines come from this index up, so they never share a prefix with the
 # interactive trace's requests (whose ids are seeded by their trace position).
 PROMPT_INDEX_BASE = 1 << 40
-# A worker's pull loops (two per tier: premium, standard, batch) share its slots; one pull
+# A worker's pull loops (two per band: premium, standard, batch) share its slots; one pull
 # request reserves at most capacity // PULLERS of them (`services.worker.slots.SlotBudget`).
 PULLERS = 6
 
@@ -207,18 +207,18 @@ class _Fixed:
 
 def make_policies(spec: BatchSpec, clock: Callable[[], float], replicas: int,
                   engine_priority: bool = True, gpu: str = "", tp: int = 0) -> tuple[Feed, Preemption, Any]:
-    """The production policies (or the oracle's); the third value builds a `BatchRun`.
+    """The production policies (or the oracle's); the third value builds a `RunningLine`.
     `engine_priority`: the engines schedule by priority (the worker reads it from /server_info);
     `gpu`, `tp`: the engines' (the worker sizes its step-time cap with them, as `Worker` does)."""
     if spec.fixed_concurrency is not None:
         return _Unlimited(2 * spec.fixed_concurrency * max(1, replicas) + 16), _Fixed(spec.fixed_concurrency), None
     from services.batch.feed import FeedConfig, FeedPolicy
-    from services.worker.preemption import BatchRun, PreemptionConfig, PreemptionPolicy
+    from services.worker.preemption import PreemptionConfig, PreemptionPolicy, RunningLine
 
     feed = FeedPolicy(clock, spec.feed_config if spec.feed_config is not None else FeedConfig())
     config = spec.preemption_config if spec.preemption_config is not None else PreemptionConfig()
     preemption = PreemptionPolicy(config.for_engine(gpu, tp), engine_priority=engine_priority)
-    return feed, preemption, BatchRun
+    return feed, preemption, RunningLine
 
 
 class BatchBand:
