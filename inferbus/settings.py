@@ -14,9 +14,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def env(name: str, default: Any, help: str) -> Any:
-    """Declare a settings field bound to environment variable `name`."""
-    return dataclasses.field(default=default, metadata={"env": name, "help": help})
+def env(name: str, default: Any, help: str, formerly: str | None = None) -> Any:
+    """Declare a settings field bound to environment variable `name` (or, when `name` is not set,
+    to `formerly`: the variable's name before a rename, so existing deployments keep working)."""
+    metadata = {"env": name, "help": help} | ({"formerly": formerly} if formerly else {})
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _parse(raw: str, kind: Any, name: str) -> Any:
@@ -40,6 +42,9 @@ def load(cls: type[T], **overrides: Any) -> T:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         name = f.metadata.get("env")
+        formerly = f.metadata.get("formerly")
+        if name and name not in os.environ and formerly and formerly in os.environ:
+            name = formerly
         if name and name in os.environ:
             values[f.name] = _parse(os.environ[name], f.type, name)
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -2,8 +2,10 @@
 
 Versioning: each struct carries `v` (the schema version it was written with). Decoders ignore
 fields they do not know, so a newer writer may add optional fields without breaking older
-readers; a breaking change bumps `v` and readers branch on it. Fields are only ever added with
-defaults, never renamed or retyped.
+readers; a breaking change bumps `v` and readers branch on it. Fields are added with defaults
+and never retyped. A field renamed keeps its old name as a field that readers take in place of
+the new one and writers never fill, for as long as a message written under the old name may still
+be in a stream at an upgrade: `tier`, the name of `band` until the vocabulary was unified.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def hist_delta(new: list[int], old: list[int], size: int) -> list[int]:
     return [n - o for n, o in zip(new, old)]
 
 
+def _band_from_tier(message: InferenceRequest | UsageEvent | PlacementRequest) -> None:
+    """A message written before `tier` was renamed `band`: its band is in `tier`."""
+    if message.tier is not None:
+        message.band, message.tier = message.tier, None
+
+
 class _Message(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
     v: int = SCHEMA_VERSION
 
@@ -118,6 +126,7 @@ class InferenceRequest(_Message, tag="request"):
     kind: Literal["chat", "completion"] = "chat"
     adapter: str | None = None
     band: str = "standard"
+    tier: str | None = None  # `band` as older writers named it: read, never written
     priority: int = 0  # engine priority, larger is more important (SGLang's convention)
     attempt: int = 0
     # Migration: the text and token count already streamed to the client by earlier attempts.
@@ -149,6 +158,9 @@ class InferenceRequest(_Message, tag="request"):
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
         return f"{self.request_id}-{self.attempt:02d}"
+
+    def __post_init__(self) -> None:
+        _band_from_tier(self)
 
 
 class Accepted(_Message, tag="accepted"):
@@ -246,6 +258,7 @@ class UsageEvent(_Message):
     finished: float
     adapter: str | None = None
     band: str = "standard"
+    tier: str | None = None  # `band` as older writers named it: read, never written
     worker_id: str = ""
     attempts: int = 1
     finish_reason: str | None = None
@@ -258,6 +271,9 @@ class UsageEvent(_Message):
     billed_to: Literal["tenant", "platform"] = "tenant"
     attempt: int = 0  # the attempt this event reports (0 for the first)
     release: str = ""  # the release (`Release.id`) of the worker that did the work; "" unpinned
+
+    def __post_init__(self) -> None:
+        _band_from_tier(self)
 
 
 def usage_msg_id(event: UsageEvent) -> str:
@@ -489,6 +505,7 @@ class PlacementRequest(_Message):
     prompt_tokens: int
     adapter: str | None = None
     band: str = "standard"
+    tier: str | None = None  # `band` as older writers named it: read, never written
     # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
     # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
     # the router can count blocks a worker already holds.
@@ -496,6 +513,9 @@ class PlacementRequest(_Message):
     block_size: int = 0
     release: str | None = None  # place on a worker of this release only (InferenceRequest.release)
     pinned: bool = False  # the client asked for `release`: no other release may serve it
+
+    def __post_init__(self) -> None:
+        _band_from_tier(self)
 
 
 class PlacementReply(_Message):

@@ -46,3 +46,33 @@ def test_engine_rids_are_fixed_length_so_prefix_abort_hits_one_request() -> None
                                  sampling=m.SamplingParams(max_new_tokens=1), reply_to="x", deadline=0, created=0)
     rids = {msgspec.structs.replace(request, attempt=a).engine_rid() for a in range(12)}
     assert len(rids) == 12 and len({len(r) for r in rids}) == 1
+
+
+def test_messages_written_with_the_old_tier_field_are_read_as_their_band():
+    """`band` was called `tier` on the wire: a request, placement or usage event an older writer
+    left in a stream keeps its band across the upgrade; new writers write `band` only."""
+
+    class OldPlacement(msgspec.Struct, kw_only=True, omit_defaults=True):
+        request_id: str
+        model: str
+        prompt_tokens: int
+        tier: str = "standard"
+
+    old = msgspec.msgpack.encode(OldPlacement(request_id="r1", model="m", prompt_tokens=5, tier="premium"))
+    placement = m.decoder(m.PlacementRequest).decode(old)
+    assert (placement.band, placement.tier) == ("premium", None)
+
+    request = m.InferenceRequest(request_id="r1", tenant="t", model="m", prompt="p", sampling=m.SamplingParams(max_new_tokens=4),
+                                 reply_to="x", deadline=1.0, created=0.0, band="batch")
+    written = msgspec.msgpack.decode(m.encode(request))
+    assert written["band"] == "batch" and "tier" not in written
+    written.pop("band")
+    written["tier"] = "batch"
+    assert m.decoder(m.InferenceRequest).decode(msgspec.msgpack.encode(written)).band == "batch"
+
+    event = m.UsageEvent(request_id="r1", tenant="t", model="m", status="completed", usage=m.Usage(prompt_tokens=1, completion_tokens=1),
+                         started=0.0,
+                         finished=1.0, band="premium")
+    written = msgspec.msgpack.decode(m.encode(event))
+    written["tier"] = written.pop("band")
+    assert m.decoder(m.UsageEvent).decode(msgspec.msgpack.encode(written)).band == "premium"

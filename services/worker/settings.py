@@ -27,7 +27,7 @@ class WorkerSettings:
         "Prefix block size in tokens: the engine's cache events are rebuilt into blocks of this size from their token "
         "ids, whatever the engine's page size; must match the gateway's and the router's.",
     )
-    bands: str = env("INFERBUS_WORKER_TIERS", "premium,standard,batch", "Priority bands to pull, most important first (`batch`: lines of the Batch API, only into slots the preemption policy grants).")
+    bands: str = env("INFERBUS_WORKER_BANDS", "premium,standard,batch", "Priority bands to pull, most important first (`batch`: lines of the Batch API, only into slots the preemption policy grants). Formerly INFERBUS_WORKER_TIERS, still read when this is not set.", formerly="INFERBUS_WORKER_TIERS")
     max_running: int = env("INFERBUS_WORKER_MAX_RUNNING", 0, "Requests to hold at once; 0 = the engine's max_running_requests from /server_info.")
     batch_share: float = env("INFERBUS_WORKER_BATCH_SHARE", 0.75, "Largest share of this worker's slots that batch lines may hold (0-1, rounded down).")
     batch_headroom: int = env("INFERBUS_WORKER_BATCH_HEADROOM", 1, "Slots kept free for interactive arrivals while batch lines run; with fewer free, the worker checks for waiting interactive work and preempts batch lines for it.")
