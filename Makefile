@@ -4,11 +4,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
+.PHONY: up test lint test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
-	@echo "make test   install what is missing and run the test suite"
+	@echo "make test   install what is missing and run the test suite (lint, types and package layers included)"
+	@echo "make lint   only ruff, mypy (services, proto) and the package layers (lint-imports)"
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  measure the serving spine; writes bench/results/"
 	@echo "make bench-routing  replay two Mooncake traces through sglang-router, Dynamo (KV, round-robin) and inferbus affinity (~15 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing*.* and simulate_vs_dynamo.*"
@@ -39,6 +40,12 @@ up: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The checks tests/test_toolchain.py runs in `make test`, alone and with their own output.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 # The contract suite (tests/sglang) against real SGLang instead of the simulated engine. SGLang,
 # the tiny model and its adapters are cached under $INFERBUS_CACHE (default ~/.cache/inferbus).
