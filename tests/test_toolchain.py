@@ -4,6 +4,7 @@ dependencies are the ones the code imports (optional ones imported only where th
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
     return found
 
 
+@functools.cache
 def _third_party_imports() -> dict[str, tuple[set[str], set[tuple[str, bool]]]]:
     """Every package imported from outside the stdlib: its distributions, and (file, imported at
     module level) of each import."""
