@@ -141,7 +141,7 @@ def test_pods_without_a_valid_token_of_a_known_service_account_are_refused(callo
     url, _ = callout_nats
 
     async def run() -> None:
-        with pytest.raises(Exception):
+        with pytest.raises(nats.errors.Error, match="(?i)authorization violation"):
             await _connect(url, token or "x", "someone", []) if token else await nats.connect(
                 url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5)
 

@@ -828,7 +828,7 @@ main.add_command(_plan)
 main.add_command(_simulate)
 main.add_command(_mix)
 
-from inferbus.releases.cli import register as _register_releases  # noqa: E402
+from inferbus.commands.releases import register as _register_releases  # noqa: E402
 
 _register_releases(main)
 

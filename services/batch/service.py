@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -160,7 +161,7 @@ class BatchService:
             if old is not None:
                 with contextlib.suppress(Exception):
                     await old.unsubscribe()  # type: ignore[attr-defined]
-            await bus.retry_forever("results", lambda run=run: self._follow_results(run))
+            await bus.retry_forever("results", functools.partial(self._follow_results, run))
         log.info("resubscribed", batches=len(self.tracker.runs))
 
     async def _restart_catalog(self) -> None:
@@ -223,7 +224,7 @@ class BatchService:
 
     def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
         try:
-            beat = _heartbeat_decoder.decode(entry.value)
+            beat = _heartbeat_decoder.decode(entry.value or b"")
         except msgspec.DecodeError:
             return
         self.live_workers[entry.key] = beat.worker_id
@@ -486,9 +487,10 @@ class BatchService:
             record = self._latest.get(run.id, run.record)
             run.finishing = lifecycle.run_outcome(finishing=run.finishing, feeding=run.feeding, loaded=run.loaded,
                                                   all_done=run.finished(), now=now, expires_at=record.expires_at)
-            if lifecycle.finishes_now(record, run.finishing):
+            outcome = run.finishing
+            if outcome is not None and lifecycle.finishes_now(record, outcome):
                 run.feeding = False
-                self._spawn_step(record, lambda record=record, outcome=run.finishing: self._finish(record, outcome))
+                self._spawn_step(record, functools.partial(self._finish, record, outcome))
 
     def _spawn_step(self, record: m.BatchRecord, work: Callable[[], Awaitable[None]]) -> None:
         """Run one step of a batch (validate, resume, finish), one at a time per batch; then look
@@ -628,9 +630,11 @@ class BatchService:
             if not run.dirty:
                 continue
             run.dirty = False
-            completed, failed, usage = run.completed, run.failed, run.usage
+            # The counts as of now, bound (not read again when the compare-and-set retries).
+            change = functools.partial(lifecycle.progress, completed=run.completed, failed_lines=run.failed,
+                                       usage=run.usage)
             try:
-                await self._update(record, lambda current: lifecycle.progress(current, completed, failed, usage))
+                await self._update(record, change)
             except Exception:
                 run.dirty = True
                 raise

@@ -145,9 +145,9 @@ class AdapterSlots:
         # Homes are open to newcomers while fewer than the share asks for, or while every home has
         # more than its share of the placements; an adapter with none yet goes where it is loaded,
         # if anywhere (its first home).
-        open_homes = bool(homes) and (
+        open_homes = homes is not None and bool(homes) and (
             len(homes) < self.wanted_homes(adapter or "", len(workers))
-            or all(excess.get(w, 0.0) > config.crowded for w in homes))  # type: ignore[union-attr]
+            or all(excess.get(w, 0.0) > config.crowded for w in homes))
         key = adapter or BASE
         out = []
         for worker_id, slots, loaded in workers:

@@ -147,10 +147,10 @@ class Adapters:
         except Exception as error:  # the next load answer or resync corrects the view
             log.warning("adapter_resync_failed", error=repr(error))
             if restarted:
-                dropped = len(self.loaded)
+                lost = len(self.loaded)
                 self.loaded.clear()
-                if dropped:
-                    EVICTIONS.labels("engine_restart").inc(dropped)
+                if lost:
+                    EVICTIONS.labels("engine_restart").inc(lost)
                 self._set_gauge()
             return
         if restarted:

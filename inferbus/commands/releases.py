@@ -16,10 +16,9 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
+from inferbus.releases import canary, eval_gate, record, store
 from proto import messages as m
 from proto import subjects
-
-from . import canary, eval_gate, record, store
 
 T = TypeVar("T")
 
@@ -262,7 +261,7 @@ def release_status(model: str | None, history: bool, as_json: bool, nats_url: st
     """Where each model stands: its stable release, a canary's candidate, share, gates and why."""
 
     async def work(nc: Any, kv: Any) -> list[list[m.Rollout]]:
-        from .follow import Rollouts
+        from inferbus.releases.follow import Rollouts
 
         current = Rollouts()
         await current.start(nc.jetstream())
@@ -364,7 +363,7 @@ async def _score_both(gateway_url: str, api_key: str, model: str, suite: eval_ga
                 body["prompt"] = item.prompt
                 path = "/completions"
             async with limit:
-                for attempt in range(5):
+                for _attempt in range(5):
                     response = await client.post(path, json=body, headers={"inferbus-release": release})
                     if response.status_code not in (429, 503):
                         break
