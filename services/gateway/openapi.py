@@ -22,6 +22,7 @@ from msgspec import Meta
 from inferbus.openai.schemas import ChatCompletionRequest, CompletionRequest
 from inferbus.stores.tenants import Tenant, TenantLimits
 
+from .admin_adapters import BULK_LIMIT
 from .responses_items import ResponsesRequest
 
 ADMIN_PREFIX = "/admin"
@@ -230,6 +231,12 @@ class NewAdapter(msgspec.Struct):
     owner: str | None = None
 
 
+class NewAdapters(msgspec.Struct):
+    """`POST /admin/v1/adapters/bulk`: all are checked before any is registered."""
+
+    adapters: Annotated[list[NewAdapter], Meta(min_length=1, max_length=BULK_LIMIT)]
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 
@@ -297,6 +304,8 @@ ADMIN: dict[tuple[str, str], Operation] = {
     ("get", "/admin/v1/tenants/{tenant_id}/keys"): Operation("List a tenant's API keys."),
     ("delete", "/admin/v1/tenants/{tenant_id}/keys/{key_id}"): Operation("Revoke an API key."),
     ("post", "/admin/v1/adapters"): Operation("Register a LoRA adapter.", ok_status=201, body=NewAdapter),
+    ("post", "/admin/v1/adapters/bulk"): Operation(f"Register up to {BULK_LIMIT:,} LoRA adapters in one call (none if any is bad).",
+                                                   ok_status=201, body=NewAdapters),
     ("get", "/admin/v1/adapters"): Operation("List adapters."),
     ("get", "/admin/v1/adapters/{name}"): Operation("Retrieve an adapter."),
     ("delete", "/admin/v1/adapters/{name}"): Operation("Unregister an adapter."),
