@@ -16,9 +16,9 @@ two bands, pure (the scheduler owns the clock).
 
 Load times come from the adapter's size: its rank (`adapter_config.json` of a local directory,
 else the rank the timing model prices) on the seven projections of every layer of the modelled
-70B model, BF16 (`perf_model.lora_adapter_bytes`: 414 MB at rank 16). From disk into host memory
+70B model, BF16 (`inferbus.timing.lora_adapter_bytes`: 414 MB at rank 16). From disk into host memory
 at `DISK_BANDWIDTH` plus a fixed cost for opening and registering it; from host memory into a GPU
-slot at the PCIe rate of `perf_model.lora_load_s`.
+slot at the PCIe rate of `inferbus.timing.lora_load_s`.
 """
 
 from __future__ import annotations

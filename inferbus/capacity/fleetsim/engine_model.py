@@ -8,7 +8,7 @@ costs k draft steps plus a verify step k + 1 tokens wide) and the batched LoRA k
 
 LoRA's cost depends on the traffic, not the engine: a step pays for the distinct adapters in its
 batch. `AdapterTraffic` prices each step at the expected number when requests spread evenly over
-`adapters` (`perf_model.expected_distinct_adapters`, as the planner's replica model does), at most
+`adapters` (`inferbus.timing.expected_distinct_adapters`, as the planner's replica model does), at most
 the engine's adapter slots.
 """
 
