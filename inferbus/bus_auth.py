@@ -243,12 +243,14 @@ class LocalIdentities:
     batch_id: str
     workers: list[str]
     by_name: dict[str, Identity] = field(default_factory=dict)
+    gateways: list[str] = field(default_factory=list)  # more gateways (one per zone), each its own identity
 
     def __post_init__(self) -> None:
         wanted: list[tuple[str, Role, str | None]] = [
             ("ops", "ops", None), ("gateway", "gateway", self.gateway_id), ("router", "router", None),
             ("billing", "billing", None), ("autoscaler", "autoscaler", None), ("batch", "batch", self.batch_id),
             ("worker", "worker", None), ("producer", "producer", None), *[(w, "worker", w) for w in self.workers],
+            *[(g, "gateway", g) for g in self.gateways],
         ]
         for name, role, scope in wanted:
             if name not in self.by_name:
