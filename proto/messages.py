@@ -446,6 +446,7 @@ class Heartbeat(_Message):
     tp: int = 0
     block_size: int = 0  # tokens per prefix block of the cache events this worker relays (0: it relays none)
     max_adapters: int = 0  # LoRA adapters the engine can hold at once (0: no LoRA)
+    zone: str = ""  # failure domain (availability zone) of the worker; "" = none given
 
 
 class LivenessProbe(_Message):
@@ -474,6 +475,7 @@ class PlacementRequest(_Message):
     # the router can count blocks a worker already holds.
     block_hashes: list[int] = []
     block_size: int = 0
+    zone: str = ""  # the asking gateway's zone: placement prefers workers there while they have room
 
 
 class PlacementReply(_Message):

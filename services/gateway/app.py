@@ -93,7 +93,7 @@ class Gateway:
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
             worker_free_slots=overload.worker_free_slots,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
-            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3",
+            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=s.zone,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.

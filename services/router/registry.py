@@ -32,6 +32,7 @@ class WorkerView:
     block_size: int = 0
     max_adapters: int = 0
     adapters: frozenset[str] = frozenset()
+    zone: str = ""
     reported_load: int = 0  # running + waiting in the engine at the last report
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
@@ -118,6 +119,7 @@ class WorkerRegistry:
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
         view.adapters = frozenset(beat.adapters)
+        view.zone = beat.zone
         self._refresh(view)
 
     def touch(self, worker_id: str) -> bool:

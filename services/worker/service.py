@@ -1095,7 +1095,7 @@ class Worker:
             tp=int(self._engine_info.get("tp_size", 0) or 0),
             # The relay rebuilds the engine's pages into platform blocks: those are what the router indexes.
             block_size=self.settings.block_size if self.cache_relay is not None else 0,
-            max_adapters=self._max_adapters(), adapters=self.adapters.names(),
+            max_adapters=self._max_adapters(), adapters=self.adapters.names(), zone=self.settings.zone,
         )
 
     def _max_adapters(self) -> int:

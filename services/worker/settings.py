@@ -36,6 +36,7 @@ class WorkerSettings:
     batch_max_prefilling: int = env("INFERBUS_WORKER_BATCH_MAX_PREFILLING", 1, "Batch lines without a first token yet (in the engine's queue or prefill, or being pulled) before the worker pulls no more.")
     batch_max_slowdown: float = env("INFERBUS_WORKER_BATCH_MAX_SLOWDOWN", 0.06, "Step-time increase batch lines may cause on this worker (caps its batch lines at this share of 113 + interactive running; match INFERBUS_BATCH_MAX_SLOWDOWN).")
     batch_max_attempts: int = env("INFERBUS_WORKER_BATCH_MAX_ATTEMPTS", 5, "Attempts of a batch line across retryable engine failures before it ends with an error result.")
+    zone: str = env("INFERBUS_ZONE", "", "Failure domain (availability zone) this worker runs in; the router prefers workers of the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
     heartbeat_interval_s: float = env("INFERBUS_HEARTBEAT_INTERVAL_S", 1.0, "How often the heartbeat is refreshed in the `workers` KV bucket.")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose heartbeat is older than this is dead.")
     stall_after_s: float = env("INFERBUS_WORKER_STALL_AFTER_S", 30.0, "The heartbeat thread stops heartbeating (and the worker is declared dead) when the worker's event loop has not run for this long.")
