@@ -566,6 +566,7 @@ class Stack:
             if process.backoff.exited_at is None:
                 wait = process.backoff.exited(now())
                 on_status(process, f"exited (code {process.returncode}), restarting in {wait:.0f} s")
+                self._replace_engine_of(process, on_status)
             if process.backoff.due(now()):
                 process.start()
                 process.backoff.restarted(now())
@@ -573,6 +574,19 @@ class Stack:
                 on_status(process, f"restarted (restart {process.backoff.restarts} in a row)")
         if changed:
             self.write_platform_file()
+
+    def _replace_engine_of(self, worker: Process, on_status: Callable[[Process, str], None]) -> None:
+        """A worker that gave its GPU up (exit EXIT_GPU_DEATH) is replaced with its engine: the
+        engine process is killed here and both restart (a new pod, in Kubernetes)."""
+        from services.worker.gpu_death import EXIT_GPU_DEATH
+
+        if not worker.name.startswith("worker-") or worker.returncode != EXIT_GPU_DEATH:
+            return
+        engine = next((p for p in self.processes if p.name == "engine-" + worker.name.split("-", 1)[1]), None)
+        if engine is not None and engine.alive():
+            on_status(engine, "replaced (its worker reported GPU death)")
+            engine.signal(signal.SIGKILL)
+            engine.wait(5)
 
     def _wait_ready(self, group: list[Process], on_status: Callable[[Process, str], None], timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -37,6 +37,7 @@ from .adapters import Adapters
 from .cache_events import CacheRelay
 from .engine import EngineClient, EngineError, EngineLoad, EngineUpdate
 from .engine_health import EngineHealth
+from .gpu_death import GpuDeathDetector, give_up
 from .http import HTTPError
 from .liveness import LivenessThread, PauseDetector
 from .preemption import BatchRun, PreemptionPolicy
@@ -160,6 +161,9 @@ class Worker:
     _superseded: dict[tuple[str, int], None] = field(default_factory=dict)  # attempts given up before we pulled them
     _verifying: asyncio.Task[None] | None = None
     _holding_pulls: bool = False  # verifying engine and consumers: pull nothing until done
+    gpu: GpuDeathDetector = field(init=False)
+    exit_code: int = 0  # non-zero: the process exits with it (gpu_death.EXIT_GPU_DEATH)
+    _giving_up: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.engine = EngineClient(self.settings.engine_url)
@@ -167,6 +171,9 @@ class Worker:
         self._own_target = "." + subjects.worker_target(self.settings.worker_id)
         self.adapters = Adapters(self.engine, self._lookup_adapter)
         self.pause = PauseDetector(time.monotonic, pause_after_s=self.settings.heartbeat_ttl_s)
+        self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=self.settings.engine_hang_after_s,
+                                    down_after_s=self.settings.engine_dead_after_s,
+                                    max_errors=self.settings.engine_max_errors)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -525,6 +532,8 @@ class Worker:
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
+                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable"):
+                    self.gpu.engine_error()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
                 # The gateway bills what the client received when a request ends in an error, and a
                 # retryable one continues elsewhere: this attempt's work is the platform's.
@@ -576,6 +585,7 @@ class Worker:
         if request.adapter:
             await self.adapters.ensure(request.adapter)
         async for update in self._engine_stream(request, trace_headers):
+            self.gpu.progress()
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()
@@ -1123,6 +1133,9 @@ class Worker:
         while True:
             await asyncio.sleep(TICK_S)
             self._tick()
+            reason = self.gpu.verdict(len(self.running), self.health.down_since) if self.phase == "serving" else None
+            if reason is not None and not self._leaving:
+                self._giving_up = asyncio.ensure_future(give_up(self, reason))
 
     def _tick(self) -> None:
         """Note that the loop runs; after a pause (SIGSTOP, a frozen host) verify before pulling."""
@@ -1247,3 +1260,5 @@ async def serve(settings: WorkerSettings) -> None:
         start_http_server(settings.metrics_port, addr="0.0.0.0")
     worker = Worker(settings)
     await worker.run_until_signalled()
+    if worker.exit_code:
+        raise SystemExit(worker.exit_code)
