@@ -728,11 +728,13 @@ from .sweep.cli import sweep as _sweep  # noqa: E402
 from .plan.cli import plan as _plan  # noqa: E402
 from .fleetsim.simulate_cli import simulate as _simulate  # noqa: E402
 from .mix_cli import mix_group as _mix  # noqa: E402
+from .drill.cli import drill as _drill  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_plan)
 main.add_command(_simulate)
 main.add_command(_mix)
+main.add_command(_drill)
 
 if __name__ == "__main__":
     main()

@@ -458,8 +458,12 @@ class Stack:
         self.redis_url = sentinel_url(sentinels, lc.SENTINEL_SERVICE, password)
         # Services: each connects to its own zone's NATS node first.
         def zone_env(index: int) -> dict[str, str]:
+            # Engines serve /fault (`inferbus drill` breaks GPUs through it).
             return {"NATS_URL": lc.preferred_first(urls, index), "INFERBUS_ZONE": zones[index],
-                    "INFERBUS_JS_REPLICAS": str(len(zones))}
+                    "INFERBUS_JS_REPLICAS": str(len(zones)), "INFERBUS_SIM_FAULT_INJECTION": "true",
+                    # A hung GPU is given up after 5 s of no progress here (30 s by default): the
+                    # simulated engines run up to 10x real time, and drills are bounded.
+                    "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5")}
 
         level = c.log_level if c.log_level == "debug" else "info"
         for index, zone in enumerate(zones):
@@ -550,6 +554,7 @@ class Stack:
             "nats_password": ops.password if ops else "", "redis_url": self.redis_url,
             "processes": {p.name: p.pid for p in self.processes},
             "zones": self.zones, "gateway_urls": self.gateway_urls,
+            "details": {p.name: p.detail for p in self.processes},
         }
 
     def write_platform_file(self) -> None:

@@ -89,7 +89,7 @@ def redis_replication_lines(password: str, primary_port: int | None) -> str:
 
 
 def sentinel_config(port: int, primary_port: int, password: str, data_dir: Path, *, quorum: int = 2,
-                    down_after_ms: int = 2000, failover_timeout_ms: int = 10000) -> str:
+                    down_after_ms: int = 1000, failover_timeout_ms: int = 10000) -> str:
     """A sentinel watching the primary: loopback only, the same password as the data nodes (for
     its clients and towards them). Sentinel rewrites this file as the topology changes."""
     return "\n".join([
