@@ -39,6 +39,10 @@ up: install
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# Failure drills on the 3-zone local platform (tests/test_e2e_drills.py, `inferbus drill`).
+test-drills: install
+	INFERBUS_DRILLS=1 $(PY) -m pytest -q -p no:cacheprovider -m drill tests/test_e2e_drills.py $(PYTEST_ARGS)
+
 # The contract suite (tests/sglang) against real SGLang instead of the simulated engine. SGLang,
 # the tiny model and its adapters are cached under $INFERBUS_CACHE (default ~/.cache/inferbus).
 test-sglang: $(STAMP)

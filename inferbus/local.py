@@ -37,12 +37,15 @@ BATCH_SERVICE_ID = "main"
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner may read (0600), whatever the umask: it holds credentials."""
+    """Write a file only its owner may read (0600), whatever the umask: it holds credentials.
+    Replaced whole (a rename), so a reader never sees it half written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         os.fchmod(out.fileno(), 0o600)
         out.write(text)
+    os.replace(partial, path)
 
 
 def private_dir(path: Path) -> None:

@@ -41,9 +41,20 @@ class Platform:
     """What `platform.json` says about a running platform (re-read: restarted processes get new pids)."""
 
     state_dir: Path
+    _cached: dict | None = None
+    _read_at: float = 0.0
 
     def data(self) -> dict:
-        return json.loads((self.state_dir / "platform.json").read_text())
+        """The file's content, re-read at most every 0.2 s."""
+        now = time.monotonic()
+        if self._cached is None or now - self._read_at > 0.2:
+            try:
+                self._cached = json.loads((self.state_dir / "platform.json").read_text())
+                self._read_at = now
+            except (OSError, ValueError):
+                if self._cached is None:
+                    raise
+        return self._cached
 
     @property
     def zones(self) -> list[str]:
