@@ -46,4 +46,4 @@ def zone_to_add(per_zone: dict[str, int]) -> str:
 
 def zone_to_remove(per_zone: dict[str, int]) -> str:
     """Which zone gives up a replica on scale-down: the one with the most (ties: the last by name)."""
-    return max(sorted(per_zone), key=lambda zone: per_zone[zone])
+    return max(sorted(per_zone, reverse=True), key=lambda zone: per_zone[zone])
