@@ -6,8 +6,10 @@ A plain `redis://` / `rediss://` URL is redis-py's own. A Sentinel deployment is
 
 (the sentinels, the name they monitor the primary under, the database). The client asks the
 sentinels where the primary is on every new connection, so after a failover (Sentinel promotes a
-replica when the primary stops answering) the next command goes to the new primary; a command
-that was in flight fails once with a connection error, as it would on a restart. The password is
+replica when the primary stops answering) the next command goes to the new primary. Commands that fail with a connection error meanwhile
+are retried with backoff for about `FAILOVER_RETRY_S` (redis-py's `Retry`), each retry asking the
+sentinels again: a failover (the sentinels' down-after time plus an election) costs a client a
+delay, not an error. The password is
 the data nodes' and the sentinels' (a deployment gives both the same `requirepass`), see
 https://redis.io/docs/latest/operate/oss_and_stack/management/sentinel/.
 """
@@ -24,6 +26,22 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
 SENTINEL_SCHEME = "redis+sentinel"
+FAILOVER_RETRY_S = 4.0  # the retries' total backoff: 0.05 s doubling to 0.5 s, 10 tries
+
+
+def _failover_retry(asyncio_client: bool) -> dict[str, Any]:
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError, TimeoutError
+
+    if asyncio_client:
+        from redis.asyncio.retry import Retry as AsyncRetry
+
+        retry: Any = AsyncRetry(ExponentialBackoff(cap=0.5, base=0.05), 10)
+    else:
+        from redis.retry import Retry
+
+        retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 10)
+    return {"retry": retry, "retry_on_error": [ConnectionError, TimeoutError]}
 
 
 @dataclass(frozen=True)
@@ -78,7 +96,7 @@ def async_client(url: str, *, max_connections: int | None = None, **kwargs: Any)
         return aioredis.Redis(connection_pool=pool)
     kwargs.pop("timeout", None)  # Sentinel pools are not blocking pools
     sentinel = AsyncSentinel(list(parsed.sentinels), sentinel_kwargs=_sentinel_kwargs(parsed, kwargs))
-    options: dict[str, Any] = {**kwargs, "db": parsed.db}
+    options: dict[str, Any] = {**_failover_retry(True), **kwargs, "db": parsed.db}
     if parsed.password:
         options["password"] = parsed.password
     if max_connections is not None:

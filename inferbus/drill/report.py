@@ -24,6 +24,7 @@ class Attempt:
     finished: float
     completion_tokens: int | None = None  # the usage the client received with a complete answer
     prompt_tokens: int | None = None
+    retry_after: float = 0.0  # the server's Retry-After, when it sent one
 
 
 @dataclass

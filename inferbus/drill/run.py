@@ -191,6 +191,10 @@ async def _attempt(client: openai.AsyncOpenAI, rng: random.Random, max_tokens: i
     except openai.APIStatusError as error:
         attempt.status = error.status_code
         attempt.request_id = error.response.headers.get("x-request-id", "") or attempt.request_id
+        try:
+            attempt.retry_after = float(error.response.headers.get("retry-after", "0"))
+        except ValueError:
+            pass
     except openai.APIError as error:  # an error event in the stream, or a broken connection
         code = getattr(error, "code", None)
         attempt.status = int(code) if isinstance(code, int) or (isinstance(code, str) and code.isdigit()) else \
@@ -219,7 +223,8 @@ async def _client_loop(gateways: Callable[[], list[str]], key: str, until: float
             call.attempts.append(attempt)
             if attempt.status == 200 or not (attempt.status == 0 or attempt.status == 429 or attempt.status >= 500):
                 break
-            await asyncio.sleep(min(2.0, 0.25 * 2 ** n))
+            # Backoff, or the server's retry-after if longer (as the OpenAI SDK does), at most 2 s.
+            await asyncio.sleep(min(2.0, max(0.25 * 2 ** n, attempt.retry_after)))
     for client in clients.values():
         await client.close()
 
