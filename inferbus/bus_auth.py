@@ -271,6 +271,7 @@ DEPLOYMENT_ROLES: tuple[tuple[str, Role, str | None], ...] = (
     ("producer", "producer", None),
 )
 REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
+ROUTE_PASSWORD_ENV = "NATS_ROUTE_PASSWORD"
 
 
 def password_env(user: str) -> str:
@@ -294,4 +295,5 @@ def new_secrets() -> dict[str, str]:
     """Fresh passwords for a deployment: every NATS identity's and Redis's, by environment name."""
     found = {password_env(user): new_password() for user, _, _ in DEPLOYMENT_ROLES}
     found[REDIS_PASSWORD_ENV] = new_password()
+    found[ROUTE_PASSWORD_ENV] = new_password()  # the NATS cluster's routes (deploy/k8s/base/nats.conf)
     return found
