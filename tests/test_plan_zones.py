@@ -3,7 +3,12 @@
 import pytest
 
 from inferbus.plan.zones import (
-    left_after_zone_loss, replicas_for_zone_loss, spread, survives_zone_loss, zone_to_add, zone_to_remove,
+    left_after_zone_loss,
+    replicas_for_zone_loss,
+    spread,
+    survives_zone_loss,
+    zone_to_add,
+    zone_to_remove,
 )
 
 

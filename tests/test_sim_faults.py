@@ -12,7 +12,7 @@ GENERATE = {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
 
 
 async def test_without_fault_injection_there_is_no_fault_endpoint() -> None:
-    async with running() as (server, client):
+    async with running() as (_server, client):
         assert (await client.post("/fault", json={"mode": "hang"})).status_code in (404, 405)
 
 

@@ -50,9 +50,9 @@ def drill(kind: str, state_dir: str | None, duration_s: float, fault_at_s: float
     """
     from inferbus.cli import _demo_key
 
-    from . import run as runner
     from ..local import read_platform_file
     from ..local_platform import state_dir as default_state_dir
+    from . import run as runner
 
     directory = Path(state_dir) if state_dir else default_state_dir()
     found = read_platform_file(directory)

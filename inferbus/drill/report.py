@@ -85,11 +85,11 @@ class DrillReport:
             f"  completed          {self.completed}",
             f"  failed by status   {failed}",
             f"  needed a retry     {self.retried}",
-            f"  5xx ratio          {self.error_ratio:.3%} (budget {ERROR_BUDGET:.1%}: "
-            f"{'within' if self.within_budget else 'OVER'})",
+            (f"  5xx ratio          {self.error_ratio:.3%} (budget {ERROR_BUDGET:.1%}: "
+             f"{'within' if self.within_budget else 'OVER'})"),
             f"  streams migrated   {self.migrated}",
-            f"  usage events       lost {self.usage_lost}, duplicated {self.usage_duplicated}, "
-            f"tokens differ {self.usage_mismatched}",
+            (f"  usage events       lost {self.usage_lost}, duplicated {self.usage_duplicated}, "
+             f"tokens differ {self.usage_mismatched}"),
             f"  time to recover    {recovered}" + (f" ({self.recovery})" if self.recovery else ""),
             *[f"  note: {note}" for note in self.notes],
         ]

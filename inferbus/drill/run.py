@@ -241,7 +241,7 @@ def _http_json(url: str) -> dict | None:
             return json.load(error)
         except ValueError:
             return None
-    except Exception:
+    except (OSError, ValueError):  # not answering (yet), or not JSON
         return None
 
 
@@ -249,7 +249,7 @@ def _migrations(gateway: str) -> float:
     try:
         with urllib.request.urlopen(gateway + "/metrics", timeout=2) as response:
             text = response.read().decode()
-    except Exception:
+    except OSError:  # a gateway that is down has no counter to read
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("inferbus_migrations_total"))
@@ -297,7 +297,7 @@ async def read_ledger(platform: Platform, request_ids: set[str], wanted: set[str
                     if event.billed_to == "tenant" and event.request_id in request_ids:
                         events.append(LedgerEvent(event.request_id, event.usage.completion_tokens,
                                                   event.usage.prompt_tokens, event.status))
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 pass
             finally:
                 await sub.unsubscribe()
