@@ -54,7 +54,10 @@ def markdown(results: dict) -> str:
     lines = [f"# Cost of JetStream R3 on the spine ({results['when']}, {results['cpus']} CPUs)", "",
              "Command: `python -m bench.replication` (" + results["args"] + "). Single: one nats-server, R1. "
              "Cluster: `inferbus up --zones 3` (3 NATS nodes, R3 streams and buckets, Redis with Sentinel), "
-             "one worker. Zero step time, 16 output tokens; the load client shares the machine.", "",
+             "one worker. Zero step time, 16 output tokens; the load client shares the machine. The cluster's "
+             "numbers include more than R3: its gateways have a zone, so every request asks a router for a "
+             "placement (a single-node gateway skips the round trip for prompts shorter than a prefix block), "
+             "three routers count every placement, and admission goes through Sentinel-managed Redis.", "",
              "| | single node, R1 | 3-node cluster, R3 | added by R3 |", "| --- | ---: | ---: | ---: |"]
     for key, label in (("ttft_p50_ms", "TTFT p50 ms (concurrency 1)"), ("ttft_p99_ms", "TTFT p99 ms (concurrency 1)"),
                        ("e2e_p50_ms", "e2e p50 ms (concurrency 1)")):
