@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch install clean help
+.PHONY: up test test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"

@@ -3,7 +3,7 @@
 lost or double counted, fewer than 0.1% of requests may end in a 5xx after the clients' own
 retries, and service must be restored within the stated time.
 
-Their own suite (about 6 minutes on 2 cores): `make test-drills`, or INFERBUS_DRILLS=1 pytest -m drill.
+Their own suite (about 3.5 minutes on 2 cores): `make test-drills`, or INFERBUS_DRILLS=1 pytest -m drill.
 """
 
 from __future__ import annotations
