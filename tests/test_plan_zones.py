@@ -35,3 +35,23 @@ def test_replicas_go_to_the_emptiest_zone_and_leave_the_fullest() -> None:
     assert zone_to_add({"a": 2, "b": 1, "c": 2}) == "b"
     assert zone_to_remove({"a": 2, "b": 1, "c": 2}) == "c"
     assert zone_to_add({"a": 1, "b": 1}) == "a"
+
+
+def test_the_plan_states_the_rule_and_says_when_rounding_falls_short() -> None:
+    from inferbus.plan.report import _zone_lines
+
+    assert _zone_lines(6, 1, 5.0) == []
+    (holds,) = _zone_lines(24, 3, 15.43)
+    assert "8 + 8 + 8" in holds and "leaves 16 ≥ the 15.43" in holds
+    (short,) = _zone_lines(4, 3, 2.1)  # ⌈2.1 × 3 ÷ 2⌉ = 4 leaves 2: the rule needs 5
+    assert "fewer than the 2.10" in short and "needs **5** serving (2 + 2 + 1)" in short
+
+
+def test_inferbus_plan_prints_the_rule_for_the_cheapest_row() -> None:
+    from click.testing import CliRunner
+
+    from inferbus.cli import main
+
+    result = CliRunner().invoke(main, ["plan", "--rpm", "6000", "--zones", "3"])
+    assert result.exit_code == 0, result.output
+    assert "N+1 per zone: spread evenly" in result.output and "losing the largest zone leaves" in result.output

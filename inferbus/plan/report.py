@@ -214,6 +214,9 @@ def summary(plan: Plan) -> str:
     tail = (f"Cheapest: {cheapest.name}, {cheapest.replicas:,} serving + {cheapest.warm_replicas:,} warm replicas = "
             f"{cheapest.gpus_total:,} GPUs, {_usd(cheapest.cost.usd_per_hour)}/hour."
             if cheapest and cheapest.cost else "No feasible configuration.")
+    if cheapest and cheapest.cost and inputs.zones > 1 and cheapest.goodput_rps > 0:
+        needed = inputs.rate_rps / cheapest.goodput_rps * (1 + inputs.headroom)
+        tail += "\n" + " ".join(_zone_lines(cheapest.replicas, inputs.zones, needed)).strip().replace("**", "")
     warnings = [f"warning ({row.name}): {w}" for row in plan.rows for w in row.warnings]
     return "\n".join([head, "", comparison_table(plan), "", tail, *warnings]) + "\n"
 
