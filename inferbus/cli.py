@@ -133,7 +133,8 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     fleet = (f"{min_workers}-{max_workers} autoscaled" if autoscale else f"{workers}")
     click.echo(f"inferbus up: {fleet} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
     try:
-        stack.start(on_status=status, timeout=120)
+        # Three zones start ~20 processes at once: on a small machine they take longer to be ready.
+        stack.start(on_status=status, timeout=120 if zones == 1 else 300)
         key = asyncio.run(_demo_key(stack.redis_url))
         click.echo("")
         click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")

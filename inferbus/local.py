@@ -617,7 +617,7 @@ class Stack:
 
         needed = self.config.min_workers if self.config.autoscale else self.config.workers
         try:
-            with urllib.request.urlopen(f"{url or self.gateway_url}/ready", timeout=0.5) as response:
+            with urllib.request.urlopen(f"{url or self.gateway_url}/ready", timeout=2) as response:
                 return json.load(response).get("workers", 0) >= needed
         except urllib.error.HTTPError as error:  # 503 until a worker is ready: its body still counts them
             try:

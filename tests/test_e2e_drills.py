@@ -47,7 +47,7 @@ def zones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 330
         while not any("Press Ctrl-C" in line for line in lines):
             assert up.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
