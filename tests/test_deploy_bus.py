@@ -256,7 +256,9 @@ def test_the_per_pod_nats_config_is_valid_with_its_secrets(tmp_path: Path) -> No
     shutil.copy(PER_POD / "nats-auth.conf", tmp_path / "nats-auth.conf")
     shutil.copy(K8S / "base" / "nats.conf", tmp_path / "nats.conf")
     env = {**os.environ, "INFERBUS_CALLOUT_ISSUER": nkeys.from_seed(new_account_seed()).public_key.decode(),
-           "NATS_PASSWORD_AUTH": new_password(), "NATS_PASSWORD_OPS": new_password()}
+           "NATS_PASSWORD_AUTH": new_password(), "NATS_PASSWORD_OPS": new_password(),
+           # The base StatefulSet's env, which the component's patch merges into by name.
+           ROUTE_PASSWORD_ENV: new_password()}
     check = [nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"]
     result = subprocess.run(check, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
