@@ -229,6 +229,10 @@ class NewAdapter(msgspec.Struct):
     owner: str | None = None
 
 
+class NewAdapters(msgspec.Struct):
+    adapters: Annotated[list[NewAdapter], Meta(min_length=1, max_length=1000)]  # admin_adapters.BULK_LIMIT
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 
@@ -296,6 +300,8 @@ ADMIN: dict[tuple[str, str], Operation] = {
     ("get", "/admin/v1/tenants/{tenant_id}/keys"): Operation("List a tenant's API keys."),
     ("delete", "/admin/v1/tenants/{tenant_id}/keys/{key_id}"): Operation("Revoke an API key."),
     ("post", "/admin/v1/adapters"): Operation("Register a LoRA adapter.", ok_status=201, body=NewAdapter),
+    ("post", "/admin/v1/adapters/bulk"): Operation("Register many LoRA adapters at once (all or none).", ok_status=201,
+                                                   body=NewAdapters, errors=(400, 401, 503)),
     ("get", "/admin/v1/adapters"): Operation("List adapters."),
     ("get", "/admin/v1/adapters/{name}"): Operation("Retrieve an adapter."),
     ("delete", "/admin/v1/adapters/{name}"): Operation("Unregister an adapter."),
