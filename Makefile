@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
+.PHONY: up test lint test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
@@ -46,6 +46,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+
+# Failure drills on the 3-zone local platform (tests/test_e2e_drills.py, `inferbus drill`).
+test-drills: install
+	INFERBUS_DRILLS=1 $(PY) -m pytest -q -p no:cacheprovider -m drill tests/test_e2e_drills.py $(PYTEST_ARGS)
 
 # The contract suite (tests/sglang) against real SGLang instead of the simulated engine. SGLang,
 # the tiny model and its adapters are cached under $INFERBUS_CACHE (default ~/.cache/inferbus).

@@ -20,6 +20,8 @@ from nats.js.kv import KeyValue
 from proto import messages as m
 from proto import subjects
 
+from .bus import replicas
+
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _decoder = msgspec.msgpack.Decoder(m.AdapterSpec)
@@ -47,7 +49,8 @@ async def bucket(js: JetStreamContext) -> KeyValue:
     try:
         return await js.key_value(subjects.ADAPTERS_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(KeyValueConfig(bucket=subjects.ADAPTERS_BUCKET, storage=StorageType.FILE, history=5))
+        return await js.create_key_value(KeyValueConfig(bucket=subjects.ADAPTERS_BUCKET, storage=StorageType.FILE, history=5,
+                                                    replicas=replicas()))
 
 
 def key(name: str) -> str:

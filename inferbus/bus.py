@@ -68,6 +68,9 @@ class BusSettings:
                       "`tls://` NATS_URL, turns TLS on. Empty with `tls://`: the system's CAs.")
     tls_cert: str = env("NATS_TLS_CERT", "", "Client certificate (PEM file), where the server asks for one (mutual TLS).")
     tls_key: str = env("NATS_TLS_KEY", "", "Private key (PEM file) of NATS_TLS_CERT.")
+    replicas: int = env("INFERBUS_JS_REPLICAS", 1, "Copies JetStream keeps of the platform's streams and KV buckets "
+                        "(REQUESTS, USAGE, batch results, workers, ...): 1 on a single nats-server, 3 on a 3-node "
+                        "cluster, so that losing one node loses no queued request and no usage event.")
 
     def options(self, url: str) -> dict[str, object]:
         """nats-py `connect` options: credentials, the user's own inbox prefix (its permissions
@@ -115,8 +118,12 @@ async def connect(
         if on_reconnect is not None:
             await on_reconnect()
 
+    servers = server_list(url)
+    if len(servers) > 1:
+        # The caller lists its own zone's node first: keep that order instead of nats-py's shuffle.
+        options.setdefault("dont_randomize", True)
     nc = await nats.connect(
-        url,
+        servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -137,6 +144,17 @@ async def connect(
     return nc
 
 
+def server_list(url: str) -> list[str]:
+    """NATS_URL may name several servers of one cluster, comma-separated (`nats://a:4222,nats://b:4222`):
+    the client connects to the first that answers and fails over to the others."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+def replicas() -> int:
+    """Copies of each stream and bucket (INFERBUS_JS_REPLICAS): 3 on a 3-node cluster."""
+    return max(1, bus_settings().replicas)
+
+
 async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 3600.0) -> None:
     """Create or update the streams every service expects. Idempotent; any service may call it."""
     await _ensure_stream(
@@ -149,6 +167,7 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             discard=DiscardPolicy.NEW,
             max_age=request_max_age_s,
             duplicate_window=120.0,
+            num_replicas=replicas(),
         ),
     )
     await _ensure_stream(
@@ -160,6 +179,7 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             storage=StorageType.FILE,
             max_age=400 * 24 * 3600.0,  # over a year: the billing ledger of record
             duplicate_window=600.0,
+            num_replicas=replicas(),
         ),
     )
     await _ensure_stream(
@@ -173,6 +193,7 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             # from here when its output file is written (and again after a restart).
             max_age=BATCH_RESULTS_MAX_AGE_S,
             duplicate_window=600.0,
+            num_replicas=replicas(),
         ),
     )
 
@@ -192,7 +213,8 @@ async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
     except Exception:
         pass
     try:
-        return await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE))
+        return await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE,
+                                                              replicas=replicas()))
     except BadRequestError:  # created meanwhile by another service
         return await js.key_value(name)
 
@@ -227,6 +249,7 @@ async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyVal
                 # File, not memory: a memory stream does not survive a NATS restart, and every
                 # heartbeat after it would fail against a bucket that no longer exists.
                 storage=StorageType.FILE,
+                replicas=replicas(),
             )
         )
     except BadRequestError:

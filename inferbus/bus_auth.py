@@ -248,12 +248,14 @@ class LocalIdentities:
     batch_id: str
     workers: list[str]
     by_name: dict[str, Identity] = field(default_factory=dict)
+    gateways: list[str] = field(default_factory=list)  # more gateways (one per zone), each its own identity
 
     def __post_init__(self) -> None:
         wanted: list[tuple[str, Role, str | None]] = [
             ("ops", "ops", None), ("gateway", "gateway", self.gateway_id), ("router", "router", None),
             ("billing", "billing", None), ("autoscaler", "autoscaler", None), ("batch", "batch", self.batch_id),
             ("worker", "worker", None), ("producer", "producer", None), *[(w, "worker", w) for w in self.workers],
+            *[(g, "gateway", g) for g in self.gateways],
         ]
         for name, role, scope in wanted:
             if name not in self.by_name:
@@ -274,6 +276,7 @@ DEPLOYMENT_ROLES: tuple[tuple[str, Role, str | None], ...] = (
     ("producer", "producer", None),
 )
 REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
+ROUTE_PASSWORD_ENV = "NATS_ROUTE_PASSWORD"
 
 
 def password_env(user: str) -> str:
@@ -297,4 +300,5 @@ def new_secrets() -> dict[str, str]:
     """Fresh passwords for a deployment: every NATS identity's and Redis's, by environment name."""
     found = {password_env(user): new_password() for user, _, _ in DEPLOYMENT_ROLES}
     found[REDIS_PASSWORD_ENV] = new_password()
+    found[ROUTE_PASSWORD_ENV] = new_password()  # the NATS cluster's routes (deploy/k8s/base/nats.conf)
     return found

@@ -37,12 +37,15 @@ BATCH_SERVICE_ID = "main"
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner may read (0600), whatever the umask: it holds credentials."""
+    """Write a file only its owner may read (0600), whatever the umask: it holds credentials.
+    Replaced whole (a rename), so a reader never sees it half written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         os.fchmod(out.fileno(), 0o600)
         out.write(text)
+    os.replace(partial, path)
 
 
 def private_dir(path: Path) -> None:
@@ -142,10 +145,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def redis_reachable(url: str, timeout: float = 0.5) -> bool:
-    import redis
+    from . import redis_conn
 
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping())
+        return bool(redis_conn.sync_client(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping())
     except Exception:
         return False
 
@@ -303,6 +306,9 @@ class StackConfig:
     # Every service authorized by `inferbus auth-callout` with a token of its own instead of a
     # password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens.
     callout: bool = False
+    # Zones (> 1: a NATS cluster with a node per zone and JetStream R3, Redis primary + replica
+    # with a sentinel per zone, a router and a gateway per zone, workers spread over the zones).
+    zones: int = 1
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
@@ -321,6 +327,9 @@ class Stack:
         self.identities: LocalIdentities | None = None  # None: NATS is the operator's, credentials from NATS_*
         self.nats_tls_ca = ""  # with `tls`: the CA file every NATS client verifies the server with
         self.model_dir = ""
+        self.zones: list[str] = []  # with config.zones > 1: the zones' names
+        self.gateway_urls: dict[str, str] = {}  # zone → its gateway's URL (zone "" on a single-zone platform)
+        self.nats_urls: list[str] = []  # every NATS node's URL, with the `ops` credentials
 
     def _env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -346,6 +355,8 @@ class Stack:
         chosen = self.identities.by_name.get(process)
         if chosen is None and process.startswith("worker-"):
             chosen = self.identities["worker"]
+        if chosen is None and process.startswith("router-"):
+            chosen = self.identities["router"]
         if chosen is None or chosen.role == "ops":
             return {}
         if self.config.callout:
@@ -399,6 +410,12 @@ class Stack:
         if c.tls and self.nats_server_url:
             raise ValueError("TLS applies to the NATS the platform starts; for your own (NATS_URL), configure "
                              "TLS on that server and set NATS_TLS_CA")
+        if c.zones > 1:
+            if c.tls or c.callout:
+                raise ValueError("--zones does not combine with --tls or --callout yet: the cluster's nodes, routes "
+                                 "and sentinels are set up with passwords on loopback")
+            self._plan_zones()
+            return
         if not self.nats_server_url:
             port, monitor = free_port(), free_port()
             scheme = "tls" if c.tls else "nats"
@@ -457,6 +474,90 @@ class Stack:
                       f"{c.min_workers}-{c.max_workers} workers, cold start {c.cold_start_s:g} s",
                       **self.autoscaler_env())
 
+    def _plan_zones(self) -> None:
+        """The multi-zone platform (see `inferbus.local_cluster`)."""
+        from . import local_cluster as lc
+        from .redis_conn import sentinel_url
+
+        c = self.config
+        if c.nats_url or c.redis_url or c.autoscale:
+            raise ValueError("zones > 1 runs its own NATS cluster and Redis with sentinels, without the autoscaler")
+        self.zones = zones = lc.zone_names(c.zones)
+        logs = c.state_dir / "logs"
+        workers = [f"worker-{i}" for i in range(1, c.workers + 1)]
+        self.identities = LocalIdentities(GATEWAY_ID, BATCH_SERVICE_ID, workers,
+                                          gateways=[f"gateway-{z}" for z in zones])
+        ops = self.identities["ops"]
+        layout = lc.ClusterLayout([lc.NatsNode(z, free_port(), free_port(), free_port()) for z in zones], new_password())
+        urls = [node.url for node in layout.nodes]
+        self.nats_urls = [f"nats://{ops.user}:{ops.password}@127.0.0.1:{node.port}" for node in layout.nodes]
+        self.nats_server_url = ",".join(urls)
+        self.nats_url = ",".join(self.nats_urls)
+        for node in layout.nodes:
+            config = c.state_dir / f"nats-{node.zone}.conf"
+            write_private(config, nats_config(node.port, node.monitor_port, c.state_dir / f"nats-{node.zone}", self.identities)
+                          + "\n" + lc.nats_cluster_block(layout, node) + "\n")
+            self._add(f"nats-{node.zone}", [nats_server_binary(), "-c", str(config)],
+                      lambda m=node.monitor_port: http_ok(f"http://127.0.0.1:{m}/healthz"), node.url)
+        # Redis: the primary in the first zone, a replica in the second, a sentinel in each.
+        password = new_password()
+        primary_port, replica_port = free_port(), free_port()
+        for zone, port, primary in ((zones[0], primary_port, None), (zones[1], replica_port, primary_port)):
+            data_dir = c.state_dir / f"redis-{zone}"
+            private_dir(data_dir)
+            config = c.state_dir / f"redis-{zone}.conf"
+            write_private(config, redis_config(port, password, data_dir) + lc.redis_replication_lines(password, primary))
+            url = f"redis://:{password}@127.0.0.1:{port}/0"
+            self._add(f"redis-{zone}", [redis_server_binary(), str(config)], lambda u=url: redis_reachable(u),
+                      f"redis://127.0.0.1:{port}/0 ({'replica' if primary else 'primary'})")
+        sentinels = []
+        for zone in zones:
+            port = free_port()
+            sentinels.append(("127.0.0.1", port))
+            config = c.state_dir / f"sentinel-{zone}.conf"
+            write_private(config, lc.sentinel_config(port, primary_port, password, c.state_dir))
+            url = f"redis://:{password}@127.0.0.1:{port}/0"
+            self._add(f"sentinel-{zone}", [redis_server_binary(), str(config), "--sentinel"],
+                      lambda u=url: redis_reachable(u), f"127.0.0.1:{port}")
+        self.redis_url = sentinel_url(sentinels, lc.SENTINEL_SERVICE, password)
+        # Services: each connects to its own zone's NATS node first.
+        def zone_env(index: int) -> dict[str, str]:
+            # Engines serve /fault (`inferbus drill` breaks GPUs through it).
+            return {"NATS_URL": lc.preferred_first(urls, index), "INFERBUS_ZONE": zones[index],
+                    "INFERBUS_JS_REPLICAS": str(len(zones)), "INFERBUS_SIM_FAULT_INJECTION": "true",
+                    # A hung GPU is given up after 5 s of no progress here (30 s by default): the
+                    # simulated engines run up to 10x real time, and drills are bounded.
+                    "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5")}
+
+        level = c.log_level if c.log_level == "debug" else "info"
+        for index, zone in enumerate(zones):
+            router_log = logs / f"router-{zone}.log"
+            self._add(f"router-{zone}", self._inferbus("router"), lambda p=router_log: _logged(p, b'"router_ready"'),
+                      f"zone {zone}", INFERBUS_METRICS_PORT="0", INFERBUS_LOG_LEVEL=level, **zone_env(index))
+        self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0",
+                  **zone_env(0))
+        if c.batch:
+            batch_log = logs / "batch.log"
+            self._add("batch", self._inferbus("batch"), lambda: _logged(batch_log, b'"batch_ready"'),
+                      "OpenAI Batch API on spare capacity", INFERBUS_METRICS_PORT="0",
+                      INFERBUS_BATCH_SERVICE_ID=BATCH_SERVICE_ID, INFERBUS_LOG_LEVEL=level, **zone_env(0))
+        for i in range(1, c.workers + 1):
+            index = zones.index(lc.worker_zone(i, zones))
+            engine, worker = replica_processes(i, c.engine_spec(), self._env(**zone_env(index)), logs,
+                                               worker_env=self.credentials(f"worker-{i}"),
+                                               kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env)
+            worker.detail += f", zone {zones[index]}"
+            self.processes += [engine, worker]
+        admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}
+        for index, zone in enumerate(zones):
+            port = c.gateway_port if index == 0 else free_port()
+            url = f"http://{c.gateway_host}:{port}"
+            self.gateway_urls[zone] = url
+            self._add(f"gateway-{zone}", self._inferbus("gateway"), lambda u=url: self.gateway_serving(u), url,
+                      INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(port),
+                      INFERBUS_GATEWAY_ID=f"gateway-{zone}", **admin, **zone_env(index))
+        self.gateway_url = self.gateway_urls[zones[0]]
+
     def resolve_model_dir(self) -> str:
         """The configured model directory, or a small one written under the state directory (a
         tokenizer trained on local text, cached between runs: seconds the first time)."""
@@ -498,7 +599,7 @@ class Stack:
     def start(self, on_status: Callable[[Process, str], None] = lambda p, s: None, timeout: float = 60.0) -> None:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""
         self.plan()
-        infra = [p for p in self.processes if p.name in ("nats", "redis")]
+        infra = [p for p in self.processes if p.name.split("-")[0] in ("nats", "redis", "sentinel")]
         callout = [p for p in self.processes if p.name == "auth-callout"]  # before anyone else connects
         services = [p for p in self.processes if p not in infra and p not in callout]
         for group in (infra, callout, services):
@@ -517,6 +618,8 @@ class Stack:
             "nats_url": self.nats_server_url, "nats_user": ops.user if ops else "",
             "nats_password": ops.password if ops else "", "nats_tls_ca": self.nats_tls_ca, "redis_url": self.redis_url,
             "processes": {p.name: p.pid for p in self.processes},
+            "zones": self.zones, "gateway_urls": self.gateway_urls,
+            "details": {p.name: p.detail for p in self.processes},
         }
 
     def write_platform_file(self) -> None:
@@ -533,6 +636,7 @@ class Stack:
             if process.backoff.exited_at is None:
                 wait = process.backoff.exited(now())
                 on_status(process, f"exited (code {process.returncode}), restarting in {wait:.0f} s")
+                self._replace_engine_of(process, on_status)
             if process.backoff.due(now()):
                 process.start()
                 process.backoff.restarted(now())
@@ -540,6 +644,19 @@ class Stack:
                 on_status(process, f"restarted (restart {process.backoff.restarts} in a row)")
         if changed:
             self.write_platform_file()
+
+    def _replace_engine_of(self, worker: Process, on_status: Callable[[Process, str], None]) -> None:
+        """A worker that gave its GPU up (exit EXIT_GPU_DEATH) is replaced with its engine: the
+        engine process is killed here and both restart (a new pod, in Kubernetes)."""
+        from services.worker.gpu_death import EXIT_GPU_DEATH
+
+        if not worker.name.startswith("worker-") or worker.returncode != EXIT_GPU_DEATH:
+            return
+        engine = next((p for p in self.processes if p.name == "engine-" + worker.name.split("-", 1)[1]), None)
+        if engine is not None and engine.alive():
+            on_status(engine, "replaced (its worker reported GPU death)")
+            engine.signal(signal.SIGKILL)
+            engine.wait(5)
 
     def _wait_ready(self, group: list[Process], on_status: Callable[[Process, str], None], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -556,13 +673,13 @@ class Stack:
                 raise RuntimeError(f"not ready after {timeout:.0f} s: {names}\n" + "\n".join(p.tail() for p in pending))
             time.sleep(0.1)
 
-    def gateway_serving(self) -> bool:
-        """The gateway is up, connected, and sees every worker's heartbeat."""
+    def gateway_serving(self, url: str | None = None) -> bool:
+        """The gateway (at `url`, default the platform's) is up, connected, and sees every worker's heartbeat."""
         import json
 
         needed = self.config.min_workers if self.config.autoscale else self.config.workers
         try:
-            with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=0.5) as response:
+            with urllib.request.urlopen(f"{url or self.gateway_url}/ready", timeout=2) as response:
                 return json.load(response).get("workers", 0) >= needed
         except urllib.error.HTTPError as error:  # 503 until a worker is ready: its body still counts them
             try:

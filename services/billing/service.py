@@ -18,7 +18,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
-from inferbus import bus, logs
+from inferbus import bus, logs, redis_conn
 from inferbus.extras import MissingExtra, require
 from inferbus.stores.admission import Admission
 from inferbus.stores.billing import PriceStore, UsageStore
@@ -57,7 +57,7 @@ async def serve(settings: BillingSettings) -> None:
     nc = await bus.connect(settings.nats_url, name="billing")
     js = nc.jetstream()
     await bus.ensure_streams(js)
-    redis = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    redis = redis_conn.async_client(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
     prices = PriceStore(redis, default=defaults)
     store = usage_store(redis, settings)
 

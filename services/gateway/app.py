@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from inferbus import bus, logs, tracing
+from inferbus import bus, logs, redis_conn, tracing
 from inferbus.openai.errors import (
     OpenAIError,
     http_exception_handler,
@@ -96,14 +96,13 @@ class Gateway:
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
             worker_free_slots=overload.worker_free_slots, placement_fits=overload.placement_fits,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
-            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3",
+            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=s.zone,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
-        pool = aioredis.BlockingConnectionPool.from_url(
+        self.redis = redis_conn.async_client(
             s.redis_url, max_connections=s.redis_max_connections, timeout=2, socket_timeout=2, socket_connect_timeout=2
         )
-        self.redis = aioredis.Redis(connection_pool=pool)
         self.tenants = TenantStore(self.redis)
         admission = Admission(self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s)  # type: ignore[arg-type]
         prices = Prices(s.price_input_per_mtok, s.price_output_per_mtok, s.price_cached_input_per_mtok)

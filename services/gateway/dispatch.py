@@ -99,8 +99,10 @@ class Dispatcher:
         accept_timeout_s: float = 5.0,
         liveness_timeout_s: float = 1.0,
         outbox_path: Path | None = None,
+        zone: str = "",
     ) -> None:
         self.block_size = block_size
+        self.zone = zone
         self.nc = nc
         self.kv = workers
         self.gateway_id = gateway_id
@@ -173,15 +175,16 @@ class Dispatcher:
         """Ask the router for a target; without an answer in time, the shared queue still serves."""
         request = flight.request
         shared = m.PlacementReply(target=subjects.ANY_TARGET)
-        if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter or request.release):
-            # Shorter than one prefix block and no adapter: no cache to find, and balancing load
-            # is what the shared queue does anyway. Skipping the round trip saves ~1 ms.
+        if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter or request.release or self.zone):
+            # Shorter than one prefix block, no adapter, no release and no zone to keep it in: no
+            # cache to find, and balancing load is what the shared queue does anyway. Skipping the
+            # round trip saves ~1 ms.
             return shared
         ask = m.PlacementRequest(
             request_id=request.request_id, model=request.model, adapter=request.adapter,
             prompt_tokens=(request.prompt_tokens or 0) + request.resumed_tokens, band=request.band,
             block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
-            release=request.release, pinned=request.release_pinned,
+            release=request.release, pinned=request.release_pinned, zone=self.zone,
         )
         try:
             reply = await self.replies.request(subjects.placement_subject(request.model), m.encode(ask), self.placement_timeout_s)

@@ -17,7 +17,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from inferbus import logs
+from inferbus import bus, logs
 from proto import messages as m
 from proto import subjects
 
@@ -49,7 +49,7 @@ class ResponseStore:
             try:
                 kv = await js.create_key_value(KeyValueConfig(
                     bucket=name, history=1, ttl=retention_s, storage=StorageType.FILE,
-                    max_value_size=max_bytes + _ENVELOPE_BYTES))
+                    max_value_size=max_bytes + _ENVELOPE_BYTES, replicas=bus.replicas()))
             except BadRequestError:  # created meanwhile by another gateway
                 kv = await js.key_value(name)
         else:

@@ -27,6 +27,7 @@ class GatewaySettings:
         "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
         "a small one (python -m inferbus.modeldir DIR).",
     )
+    zone: str = env("INFERBUS_ZONE", "", "Failure domain (availability zone) this gateway runs in; the router prefers workers of the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
     max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest JSON request body (and batch input line) accepted (413 above).")
     max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")

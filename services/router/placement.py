@@ -14,6 +14,7 @@ from proto import subjects
 from .config import RoutingConfig
 from .policies import Policy, make_policy
 from .registry import WorkerRegistry, WorkerView
+from .zones import prefer_zone
 
 # The subject of a worker's own queue, escaped once per worker rather than once per placement.
 worker_target = functools.lru_cache(maxsize=65_536)(subjects.worker_target)
@@ -32,7 +33,7 @@ class Placer:
         """Choose a worker. With `record=False` the caller must call `record` with the reply (the
         router service answers first and updates its view after, off the request's path)."""
         self.registry.adapter_slots.observe(request.adapter)
-        candidates = self.registry.candidates(request)
+        candidates = prefer_zone(self.registry.candidates(request), request.zone)
         if not candidates:
             return m.PlacementReply(target=subjects.ANY_TARGET, reason="no eligible worker")
         chosen, cached_blocks = self.policy.choose(request, candidates)

@@ -35,6 +35,7 @@ class WorkerView:
     max_adapters: int = 0
     adapters: frozenset[str] = frozenset()
     release: str = ""  # the release the worker verified it serves ("" unpinned)
+    zone: str = ""
     reported_load: int = 0  # running + waiting in the engine at the last report
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
@@ -126,6 +127,7 @@ class WorkerRegistry:
         view.max_adapters = beat.max_adapters
         view.adapters = frozenset(beat.adapters)
         view.release = beat.release
+        view.zone = beat.zone
         self._refresh(view)
 
     def touch(self, worker_id: str) -> bool:

@@ -106,6 +106,12 @@ from .profile_table import load_npz
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
 )
+@click.option("--fault-injection/--no-fault-injection", default=False, show_default=True,
+              envvar="INFERBUS_SIM_FAULT_INJECTION", show_envvar=True,
+              help="Serve POST /fault {\"mode\": \"hang\"|\"fail\"|\"none\"}: a hung GPU (steps stop, requests make no "
+                   "progress) or a failing one (generations and health checks answer 500), for failure drills.")
+@click.option("--fault", type=click.Choice(["none", "hang", "fail"]), default="none", show_default=True,
+              help="With --fault-injection: the fault to start in.")
 def sim_engine_command(
     host: str,
     port: int,
@@ -138,6 +144,8 @@ def sim_engine_command(
     tool_call_parser: str,
     eval_accuracy: float | None,
     log_level: str,
+    fault_injection: bool,
+    fault: str,
 ) -> None:
     """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
     /metrics, ...) from a simulated GPU: a roofline timing model of a 70B FP8 model with
@@ -190,7 +198,7 @@ def sim_engine_command(
             raise click.BadParameter(str(exc), param_hint="--profile-table") from exc
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(
-        create_app(config),
+        create_app(config, faults=fault if fault_injection else None),  # type: ignore[arg-type]
         host=host,
         port=port,
         loop="uvloop",

@@ -30,6 +30,7 @@ from inferbus.timing import StepTimeModel
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from . import quality
+from .faults import Faults, Mode
 from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
 from .kv_publisher import KvEventPublisher, KvEventsConfig
@@ -190,7 +191,13 @@ class SimEngineServer:
             Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
         ]
+        self.faults: Faults | None = None  # set by `enable_faults` (--fault-injection)
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
+
+    def enable_faults(self, mode: Mode = "none") -> None:
+        """Serve `/fault` and obey it (see services/sim_engine/faults.py)."""
+        self.faults = Faults(mode)
+        self.app.router.routes.append(self.faults.route())
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -211,6 +218,10 @@ class SimEngineServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time()
         while True:
+            if self.faults is not None and self.faults.hung:
+                await self.faults.wait_unhung()  # a hung GPU: nothing runs, nothing finishes
+                deadline = loop.time()
+                continue
             if not engine.has_work:
                 await self._idle(scale)
                 deadline = loop.time()
@@ -280,6 +291,8 @@ class SimEngineServer:
     # ------------------------------------------------------------------ /generate
 
     async def generate(self, http_request: HttpRequest) -> Response:
+        if self.faults is not None and self.faults.failing:
+            return self.faults.failure()
         try:
             body = msgspec.json.decode(await http_request.body(), type=GenerateInput)
             sampling = body.sampling_params or SamplingParams()
@@ -462,6 +475,8 @@ class SimEngineServer:
 
     async def health(self, http_request: HttpRequest) -> Response:
         """Like SGLang: pass a 1-token generation through the scheduler."""
+        if self.faults is not None and self.faults.failing:
+            return self.faults.failure()
         request = Request(
             rid=HEALTH_CHECK_PREFIX + uuid.uuid4().hex,
             input_ids=self.encode("health"),
@@ -536,10 +551,14 @@ class SimEngineServer:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(config: EngineConfig, step_model: StepTimeModel | None = None) -> Starlette:
-    """The native SGLang API and, beside it, SGLang's OpenAI-compatible endpoints."""
+def create_app(config: EngineConfig, step_model: StepTimeModel | None = None, *,
+               faults: Mode | None = None) -> Starlette:
+    """The native SGLang API and, beside it, SGLang's OpenAI-compatible endpoints; with `faults`,
+    the fault-injection endpoint, starting in that mode."""
     from .openai_api import OpenAIRoutes
 
     server = SimEngineServer(config, step_model)
     OpenAIRoutes(server)
+    if faults is not None:
+        server.enable_faults(faults)
     return server.app

@@ -178,14 +178,17 @@ class BatchLines:
 
     async def _finish(self, request: m.InferenceRequest, result: m.BatchLineResult, status: str,
                       usage: m.Usage, finish: str) -> None:
-        """The result first, durably (the batch service keeps the first per line), then usage."""
+        """Usage first (on disk, its delivery under way), then the result, durably (the batch service
+        keeps the first per line). The other order lost the line's usage when the worker died
+        between the two: the result stood, so the line never ran again. This order at worst runs a
+        line again after its usage went out, and the ledger keeps one tenant event per request id."""
         assert request.batch_id is not None  # only batch lines come here
+        await self.worker.usage.publish(request, status, usage, finish)
         subject = subjects.batch_result_subject(request.batch_id)
         if not await self._publish(subject, m.encode(result), request.request_id, "batch_result_publish_failed",
                                    request_id=request.request_id):
             # The batch service re-feeds a line without a result after its lease: it runs again.
             log.error("batch_result_lost", request_id=request.request_id)
-        await self.worker.usage.publish(request, status, usage, finish)
 
     async def _requeue(self, request: m.InferenceRequest, reason: str) -> None:
         """Queue the next attempt of a batch line on the shared batch subject, with its progress."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from inferbus import bus, logs
 
+from .gpu_death import give_up
 from .metrics import PAUSES
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class EngineWatch:
         self.holding_pulls = False  # verifying engine and consumers: pull nothing until done
         self._probing: asyncio.Task[None] | None = None
         self._verifying: asyncio.Task[None] | None = None
+        self._giving_up: asyncio.Task[None] | None = None  # gpu_death.give_up, once
 
     def stop(self) -> None:
         if self._probing is not None:
@@ -85,6 +87,10 @@ class EngineWatch:
         while True:
             await asyncio.sleep(TICK_S)
             self.tick()
+            worker = self.worker
+            reason = worker.gpu.verdict(len(worker.running), worker.health.down_since) if worker.phase == "serving" else None
+            if reason is not None and not worker.leaving:
+                self._giving_up = asyncio.ensure_future(give_up(worker, reason))
 
     def tick(self) -> None:
         """Note that the loop runs; after a pause (SIGSTOP, a frozen host) verify before pulling."""

@@ -91,7 +91,7 @@ class LoadReporter:
             block_size=s.block_size if worker.cache_relay is not None else 0,
             max_adapters=engine_max_adapters(worker.engine_info), adapters=worker.adapters.names(),
             max_loaded_adapters=engine_max_loaded_adapters(worker.engine_info),
-            release=worker.release_counts.release_id,
+            release=worker.release_counts.release_id, zone=s.zone,
         )
 
     async def heartbeat(self) -> None:

@@ -46,6 +46,7 @@ from .cancels import CancelMemory
 from .engine import EngineClient, EngineError
 from .engine_health import EngineHealth
 from .engine_watch import EngineWatch
+from .gpu_death import GpuDeathDetector
 from .events_out import EventSender
 from .liveness import LivenessThread, PauseDetector
 from .metrics import FREE_SLOTS
@@ -80,6 +81,9 @@ class Worker:
         self.cancels = CancelMemory(time.monotonic)
         self.adapters = Adapters(engine, self._lookup_adapter)
         self.health = EngineHealth(time.monotonic)
+        self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=settings.engine_hang_after_s,
+                                    down_after_s=settings.engine_dead_after_s, max_errors=settings.engine_max_errors)
+        self.exit_code = 0  # non-zero: the process exits with it (gpu_death.EXIT_GPU_DEATH)
         self.watch = EngineWatch(self)
         self.stats = ServingStats()
         self.reporter = LoadReporter(self)
@@ -437,3 +441,5 @@ async def serve(settings: WorkerSettings) -> None:
     if stop_requested.is_set():
         worker.start_drain()
     await worker.run_until_signalled()
+    if worker.exit_code:
+        raise SystemExit(worker.exit_code)

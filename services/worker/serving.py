@@ -191,6 +191,8 @@ class Serving:
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
+                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable"):
+                    worker.gpu.engine_error()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
                 # The gateway bills what the client received when a request ends in an error, and a
                 # retryable one continues elsewhere: this attempt's work is the platform's.
@@ -246,6 +248,7 @@ class Serving:
         if request.adapter:
             await worker.adapters.ensure(request.adapter)
         async for update in engine_stream(worker.engine, worker.adapters, request, trace_headers, worker.watch.down):
+            worker.gpu.progress()
             if not entry.prefilled:
                 entry.prefilled = True
                 entry.first_token_at = time.time()

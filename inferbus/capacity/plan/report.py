@@ -17,6 +17,11 @@ from inferbus.capacity.plan.planner import Plan, PlanInputs, Row, zone_factor
 from inferbus.extras import require
 from inferbus.timing import lora_adapter_bytes, lora_load_s
 
+from .model import OperatingPoint
+from .options import Variant
+from .planner import Plan, PlanInputs, Row, zone_factor
+from .zones import left_after_zone_loss, replicas_for_zone_loss, spread
+
 SCHEMA = "inferbus.capacity.plan/v1"
 
 
@@ -213,6 +218,9 @@ def summary(plan: Plan) -> str:
     tail = (f"Cheapest: {cheapest.name}, {cheapest.replicas:,} serving + {cheapest.warm_replicas:,} warm replicas = "
             f"{cheapest.gpus_total:,} GPUs, {_usd(cheapest.cost.usd_per_hour)}/hour."
             if cheapest and cheapest.cost else "No feasible configuration.")
+    if cheapest and cheapest.cost and inputs.zones > 1 and cheapest.goodput_rps > 0:
+        needed = inputs.rate_rps / cheapest.goodput_rps * (1 + inputs.headroom)
+        tail += "\n" + " ".join(_zone_lines(cheapest.replicas, inputs.zones, needed)).strip().replace("**", "")
     warnings = [f"warning ({row.name}): {w}" for row in plan.rows for w in row.warnings]
     return "\n".join([head, "", comparison_table(plan), "", tail, *warnings]) + "\n"
 
@@ -380,6 +388,7 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
     lines += [
         f"2. **Replicas** = ⌈peak ÷ goodput × (1 + headroom){' × Z ÷ (Z − 1)' if zones else ''}⌉ = "
         f"⌈{_n(i.rate_rps, 2)} ÷ {lam:.3f} × {1 + h:g}{zones}⌉ = ⌈{row.replicas_exact:.2f}⌉ = **{row.replicas:,}** serving.",
+        *_zone_lines(row.replicas, i.zones, i.rate_rps / lam * (1 + h) if lam > 0 else 0.0),
         f"3. **GPUs** = (serving + warm pool) × TP = ({row.replicas:,} + {warm:,}) × {row.tp} = **{row.gpus_total:,}** "
         "(warm pool: step 7).",
         f"4. **Cost per hour** = {row.gpus_total:,} GPUs × {_usd(row.usd_per_gpu_hour)} = **{_usd(c.usd_per_hour)}**, "
@@ -562,3 +571,19 @@ def write_plots(plan: Plan, out: Path) -> list[str]:
     fig.savefig(out / "latency.png", dpi=110)
     plt.close(fig)
     return ["fleet.png", "latency.png"]
+
+
+def _zone_lines(replicas: int, zones: int, needed: float) -> list[str]:
+    """The N+1-per-zone rule for this row: the spread, and what is left when a zone is lost."""
+    if zones < 2:
+        return []
+    per_zone = spread(replicas, zones)
+    left = left_after_zone_loss(per_zone)
+    line = (f"   **N+1 per zone:** spread evenly, {' + '.join(map(str, per_zone))} across the {zones} zones (Kubernetes: "
+            f"topology spread, maxSkew 1 by zone); losing the largest zone leaves {left:,}")
+    enough = replicas_for_zone_loss(needed, zones)
+    if enough <= replicas:
+        return [line + f" ≥ the {needed:.2f} the peak needs with headroom; the warm pool, spread the same way, "
+                       "refills the lost zone's share."]
+    return [line + f", fewer than the {needed:.2f} the peak needs with headroom: in whole replicas per zone the rule "
+                   f"needs **{enough:,}** serving ({' + '.join(map(str, spread(enough, zones)))})."]

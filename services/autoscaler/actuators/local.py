@@ -14,6 +14,7 @@ from pathlib import Path
 
 from inferbus import logs
 from inferbus.local import EngineSpec, Process, replica_processes
+from inferbus.plan.zones import zone_to_add, zone_to_remove
 
 from .base import Actuator, FleetState, PoolFleet
 
@@ -30,7 +31,7 @@ class LocalActuator(Actuator):
     name = "local"
 
     def __init__(self, pool: str, spec: EngineSpec, logs_dir: Path, *, cold_start_s: float, warm_start_s: float,
-                 drain_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> None:
+                 drain_timeout_s: float = 30.0, env: dict[str, str] | None = None, zones: Sequence[str] = ()) -> None:
         super().__init__()
         self.pool = pool
         self.spec = spec
@@ -42,6 +43,8 @@ class LocalActuator(Actuator):
         self.replicas: dict[str, _Replica] = {}  # worker id → its processes, in start order
         self._retiring: set[asyncio.Task[None]] = set()
         self._next = 1
+        self.zones = list(zones)  # replicas kept spread over these (inferbus.plan.zones: N+1 per zone)
+        self.zone_of: dict[str, str] = {}  # worker id → its zone
 
     async def current(self) -> FleetState:
         self._reap()
@@ -56,8 +59,32 @@ class LocalActuator(Actuator):
         while len(self.replicas) < replicas:
             self._launch()
         excess = len(self.replicas) - replicas
-        for worker_id in [w for w in retire if w in self.replicas][:max(0, excess)]:
+        for worker_id in self._spread_order([w for w in retire if w in self.replicas], max(0, excess)):
             self._retire(worker_id, "scaled down")
+
+    def _per_zone(self) -> dict[str, int]:
+        counts = dict.fromkeys(self.zones, 0)
+        for worker_id in self.replicas:
+            zone = self.zone_of.get(worker_id)
+            if zone in counts:
+                counts[zone] += 1
+        return counts
+
+    def _spread_order(self, candidates: list[str], count: int) -> list[str]:
+        """`count` of the policy's retire candidates; with zones, each from the fullest zone that has
+        one, so that what is left stays spread."""
+        if not self.zones:
+            return candidates[:count]
+        chosen: list[str] = []
+        counts = self._per_zone()
+        left = list(candidates)
+        while left and len(chosen) < count:
+            fullest = zone_to_remove({self.zone_of.get(w, ""): counts.get(self.zone_of.get(w, ""), 0) for w in left})
+            pick = next(w for w in left if self.zone_of.get(w, "") == fullest)
+            left.remove(pick)
+            chosen.append(pick)
+            counts[fullest] = counts.get(fullest, 0) - 1
+        return chosen
 
     async def close(self) -> None:
         for worker_id in list(self.replicas):
@@ -68,20 +95,25 @@ class LocalActuator(Actuator):
     def _launch(self) -> None:
         index = self._next
         self._next += 1
+        zone = zone_to_add(self._per_zone()) if self.zones else ""
         engine, worker = replica_processes(index, self.spec, self.env, self.logs_dir, worker_env={
             "INFERBUS_WORKER_STANDBY": "true",
             "INFERBUS_WORKER_SIM_COLD_START_S": str(self.cold_start_s),
             "INFERBUS_WORKER_SIM_WARM_START_S": str(self.warm_start_s),
+            **({"INFERBUS_ZONE": zone} if zone else {}),
         })
         engine.start()
         worker.start()
         worker_id = worker.env["INFERBUS_WORKER_ID"]
         self.replicas[worker_id] = _Replica(engine, worker)
+        if zone:
+            self.zone_of[worker_id] = zone
         log.info("replica_started", pool=self.pool, worker_id=worker_id, worker_pid=worker.pid, engine_pid=engine.pid,
                  engine_url=engine.detail, cold_start_s=self.cold_start_s)
 
     def _retire(self, worker_id: str, why: str) -> None:
         replica = self.replicas.pop(worker_id)
+        self.zone_of.pop(worker_id, None)
         log.info("replica_stopping", pool=self.pool, worker_id=worker_id, worker_pid=replica.worker.pid, why=why)
         task = asyncio.ensure_future(self._stop(worker_id, replica))
         self._retiring.add(task)
