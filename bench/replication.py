@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.spine import closed_loop, cpu_seconds, gateway_target, sequential
-from inferbus.cli import _demo_key
+from inferbus.commands.main import _demo_key
 from inferbus.local import Stack, StackConfig, free_port
 
 GROUPS = ("nats", "gateway", "router", "worker", "billing", "redis", "sentinel")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bus_auth import LocalIdentities, authorization_block, new_password
-from .supervise import Backoff
+from .supervise import EXIT_GPU_DEATH, Backoff
 
 BIN_DIR = Path(sys.executable).parent
 PLATFORM_FILE = "platform.json"
@@ -648,7 +648,6 @@ class Stack:
     def _replace_engine_of(self, worker: Process, on_status: Callable[[Process, str], None]) -> None:
         """A worker that gave its GPU up (exit EXIT_GPU_DEATH) is replaced with its engine: the
         engine process is killed here and both restart (a new pod, in Kubernetes)."""
-        from services.worker.gpu_death import EXIT_GPU_DEATH
 
         if not worker.name.startswith("worker-") or worker.returncode != EXIT_GPU_DEATH:
             return

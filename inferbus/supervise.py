@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A worker that gave its GPU up exits with this (EX_TEMPFAIL): replace the replica, engine included.
+EXIT_GPU_DEATH = 75
+
 
 @dataclass
 class Backoff:

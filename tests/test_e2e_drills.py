@@ -40,7 +40,7 @@ def zones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     state = tmp_path_factory.mktemp("zones") / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "inferbus.cli", "up", "--zones", "3", "--workers", "3", "--port", str(free_port()),
+        [sys.executable, "-m", "inferbus.commands.main", "up", "--zones", "3", "--workers", "3", "--port", str(free_port()),
          "--time-scale", "0.1", "--state-dir", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -63,7 +63,7 @@ def zones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.parametrize("kind", list(RECOVER_WITHIN_S))
 def test_drill(zones: Path, kind: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "inferbus.cli", "drill", kind, "--state-dir", str(zones), "--duration", "20",
+        [sys.executable, "-m", "inferbus.commands.main", "drill", kind, "--state-dir", str(zones), "--duration", "20",
          "--fault-at", "4", "--clients", "4", "--recover-within", str(RECOVER_WITHIN_S[kind]), "--json"],
         capture_output=True, text=True, timeout=180,
     )

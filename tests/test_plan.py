@@ -273,7 +273,7 @@ def test_cli_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     assert "TPOT p90 = t + 1.2816 × σ = 37.31 ms + 2.69 ms = **40.0 ms**" in text
     data = json.loads((out / "plan.json").read_text())
     rows = {row["config"]: row for row in data["rows"]}
-    assert data["schema"] == "inferbus.capacity.plan/v1" and data["cheapest"] == "H100 TP2"
+    assert data["schema"] == "inferbus.plan/v1" and data["cheapest"] == "H100 TP2"
     assert rows["H200 TP2"]["goodput_source"] == "sweep" and rows["H200 TP2"]["goodput_rps_per_replica"] == 2.5
     assert rows["H100 TP2"]["gpus"] == 626 and rows["H100 TP2"]["warm_pool"]["replicas"] == 79  # ⌈2 × 120 ÷ 3.0709⌉
     assert rows["H100 TP1"]["feasible"] is False

@@ -2,7 +2,7 @@
 
 import pytest
 
-from inferbus.plan.zones import (
+from inferbus.zones import (
     left_after_zone_loss,
     replicas_for_zone_loss,
     spread,
@@ -38,7 +38,7 @@ def test_replicas_go_to_the_emptiest_zone_and_leave_the_fullest() -> None:
 
 
 def test_the_plan_states_the_rule_and_says_when_rounding_falls_short() -> None:
-    from inferbus.plan.report import _zone_lines
+    from inferbus.capacity.plan.report import _zone_lines
 
     assert _zone_lines(6, 1, 5.0) == []
     (holds,) = _zone_lines(24, 3, 15.43)
@@ -50,7 +50,7 @@ def test_the_plan_states_the_rule_and_says_when_rounding_falls_short() -> None:
 def test_inferbus_plan_prints_the_rule_for_the_cheapest_row() -> None:
     from click.testing import CliRunner
 
-    from inferbus.cli import main
+    from inferbus.commands.main import main
 
     result = CliRunner().invoke(main, ["plan", "--rpm", "6000", "--zones", "3"])
     assert result.exit_code == 0, result.output

@@ -828,11 +828,11 @@ def _register_billing() -> None:
 
 _register_billing()
 
+from inferbus.commands.drill import drill as _drill  # noqa: E402
 from inferbus.commands.mix import mix_group as _mix  # noqa: E402
 from inferbus.commands.plan import plan as _plan  # noqa: E402
 from inferbus.commands.simulate import simulate as _simulate  # noqa: E402
 from inferbus.commands.sweep import sweep as _sweep  # noqa: E402
-from inferbus.drill.cli import drill as _drill  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_plan)

@@ -30,9 +30,9 @@ from inferbus.timing import StepTimeModel
 from inferbus.tokens import VOCAB_SIZE, encode
 
 from . import quality
-from .faults import Faults, Mode
 from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
+from .faults import Faults, Mode
 from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .lora_files import adapter_problem
 from .scheduler import (

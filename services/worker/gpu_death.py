@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter
 
 from inferbus import logs
+from inferbus.supervise import EXIT_GPU_DEATH
 
 if TYPE_CHECKING:
     from .service import Worker
 
-EXIT_GPU_DEATH = 75  # EX_TEMPFAIL: replace this replica; inferbus up restarts its engine too
 
 GPU_DEATHS = Counter("inferbus_worker_gpu_deaths_total", "Replicas this worker gave up on a dead engine", ["reason"])
 

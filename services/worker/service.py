@@ -46,8 +46,8 @@ from .cancels import CancelMemory
 from .engine import EngineClient, EngineError
 from .engine_health import EngineHealth
 from .engine_watch import EngineWatch
-from .gpu_death import GpuDeathDetector
 from .events_out import EventSender
+from .gpu_death import GpuDeathDetector
 from .liveness import LivenessThread, PauseDetector
 from .metrics import FREE_SLOTS
 from .preemption import PreemptionPolicy

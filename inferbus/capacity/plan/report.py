@@ -16,13 +16,9 @@ from inferbus.capacity.plan.options import Variant
 from inferbus.capacity.plan.planner import Plan, PlanInputs, Row, zone_factor
 from inferbus.extras import require
 from inferbus.timing import lora_adapter_bytes, lora_load_s
+from inferbus.zones import left_after_zone_loss, replicas_for_zone_loss, spread
 
-from .model import OperatingPoint
-from .options import Variant
-from .planner import Plan, PlanInputs, Row, zone_factor
-from .zones import left_after_zone_loss, replicas_for_zone_loss, spread
-
-SCHEMA = "inferbus.capacity.plan/v1"
+SCHEMA = "inferbus.plan/v1"
 
 
 # ---- formatting -----------------------------------------------------------------------------

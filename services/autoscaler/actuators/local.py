@@ -14,7 +14,7 @@ from pathlib import Path
 
 from inferbus import logs
 from inferbus.local import EngineSpec, Process, replica_processes
-from inferbus.plan.zones import zone_to_add, zone_to_remove
+from inferbus.zones import zone_to_add, zone_to_remove
 
 from .base import Actuator, FleetState, PoolFleet
 
@@ -43,7 +43,7 @@ class LocalActuator(Actuator):
         self.replicas: dict[str, _Replica] = {}  # worker id → its processes, in start order
         self._retiring: set[asyncio.Task[None]] = set()
         self._next = 1
-        self.zones = list(zones)  # replicas kept spread over these (inferbus.plan.zones: N+1 per zone)
+        self.zones = list(zones)  # replicas kept spread over these (inferbus.zones: N+1 per zone)
         self.zone_of: dict[str, str] = {}  # worker id → its zone
 
     async def current(self) -> FleetState:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .run import KINDS
+from inferbus.drill.run import KINDS
 
 
 @click.command("drill")
@@ -48,11 +48,10 @@ def drill(kind: str, state_dir: str | None, duration_s: float, fault_at_s: float
     and the time to recover. Exit status 1 when the drill fails one of them. Runbooks:
     docs/runbooks/.
     """
-    from inferbus.cli import _demo_key
-
-    from ..local import read_platform_file
-    from ..local_platform import state_dir as default_state_dir
-    from . import run as runner
+    from inferbus.commands.local_platform import state_dir as default_state_dir
+    from inferbus.commands.main import _demo_key
+    from inferbus.drill import run as runner
+    from inferbus.local import read_platform_file
 
     directory = Path(state_dir) if state_dir else default_state_dir()
     found = read_platform_file(directory)
