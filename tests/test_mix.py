@@ -12,7 +12,7 @@ from inferbus.capacity import mix, traces
 
 
 def shared_trace(name: str) -> Path:
-    """One of the project's shared traces (`shared/traces/`, or `INFERBUS_TRACES_DIR`)."""
+    """One of the project's shared traces (`traces/`, or `INFERBUS_TRACES_DIR`)."""
     try:
         return traces.find(name)
     except FileNotFoundError as missing:

@@ -20,7 +20,7 @@ the share of its prompt a prefix cache already holds. It comes from one of three
           output_tokens: {dist: normal, mean: 400, std: 100, min: 1}
           cached_fraction: 0.5
 
-- a trace file (`shared/traces` formats): every request of the trace is one equally likely sample,
+- a trace file (the formats of `traces/`): every request of the trace is one equally likely sample,
   input and output lengths kept together. Mooncake traces carry prefix block ids, so their cached
   tokens are what an infinite cache replayed in time order would hold; Azure traces carry none, so
   `cached_fraction` (default 0) applies.

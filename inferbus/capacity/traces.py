@@ -1,4 +1,4 @@
-"""Workload traces (`shared/traces/`): arrivals, token counts and, for Mooncake, prefix blocks.
+"""Workload traces (`traces/` in this repository): arrivals, token counts and, for Mooncake, prefix blocks.
 
 One reader for the live benchmarks and the discrete-event simulator, so both replay the same
 requests. Mooncake traces name each 512-token block by an id that stands for the whole prefix up
@@ -44,11 +44,10 @@ class TraceRequest:
 
 
 def search_path() -> list[Path]:
-    """Folders a trace named without a path is looked up in: `INFERBUS_TRACES_DIR` if set, then
-    `shared/traces` beside the working directory and beside this checkout."""
+    """Folders a trace named without a path is looked up in: `INFERBUS_TRACES_DIR` if set, then the
+    checkout's own `traces/` (the public traces, with their sources in its README)."""
     folders = [Path(os.environ["INFERBUS_TRACES_DIR"])] if os.environ.get("INFERBUS_TRACES_DIR") else []
-    folders += [Path("../shared/traces"), Path(__file__).resolve().parents[3] / "shared" / "traces",
-                Path("/work/shared/traces")]
+    folders.append(Path(__file__).resolve().parents[2] / "traces")
     return folders
 
 

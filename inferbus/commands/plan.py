@@ -199,7 +199,7 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.option("--ramp-trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Read the ramp from a trace instead: the steepest per-minute rise within one cold start, "
                    "scaled so the trace's busiest minute equals the planned rate, e.g. azure_2023_conv.csv "
-                   "(a path, or a file name looked up in INFERBUS_TRACES_DIR and shared/traces).")
+                   "(a path, or a file name looked up in INFERBUS_TRACES_DIR and traces/).")
 @click.option("--weights", type=click.Choice(sorted(PRECISIONS)), default="fp8", show_default=True,
               help="Precision of the model weights: fp8 (SGLang --quantization fp8) or bf16 (the checkpoint's own).")
 @click.option("--kv-cache", type=click.Choice(sorted(PRECISIONS)), default="fp8", show_default=True,
