@@ -5,7 +5,6 @@ from `inferbus.local.Stack`, and our worker process driving the engine (real SGL
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import sys
 import time
@@ -20,6 +19,7 @@ from nats.aio.msg import Msg
 
 from inferbus.local import Process, Stack, StackConfig, _logged, free_port
 from inferbus.prompt import load_model, render_prompt
+from inferbus.releases.record import directory_digest
 from inferbus.tokens import DEFAULT_BLOCK_SIZE, block_hashes
 from proto import messages as m
 from proto import subjects
@@ -31,7 +31,6 @@ from .conftest import Engine
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # the first engine start may take minutes
 
 MODEL = "contract-model"
-DIGEST = "sha256:" + hashlib.sha256(b"contract adapter").hexdigest()
 WORKER_ID = "worker-contract"
 
 
@@ -119,7 +118,8 @@ def test_the_worker_offers_the_engines_effective_running_limit(served: Platform,
 def test_an_adapter_is_served_again_after_the_engine_forgot_it(served: Platform, engine: Engine,
                                                                 client: openai.OpenAI) -> None:
     with served.admin() as admin:
-        created = admin.post("/adapters", json={"name": "contract-bot", "version": DIGEST, "path": engine.lora_path})
+        created = admin.post("/adapters", json={"name": "contract-bot", "version": directory_digest(engine.lora_path),
+                                                 "path": engine.lora_path})
         assert created.status_code == 201, created.text
         engine_name = created.json()["engine_name"]
     first = client.completions.create(model="contract-bot", prompt="def main():\n", max_tokens=4, temperature=0)
@@ -233,7 +233,7 @@ def test_after_an_engine_restart_the_platform_waits_for_it_and_loads_the_adapter
     gateway is not ready; the restarted engine has never loaded the adapter (SGLang says "never
     been loaded"), and the worker loads it again instead of failing the request."""
     with served.admin() as admin:
-        created = admin.post("/adapters", json={"name": "restart-bot", "version": "sha256:" + "ef" * 32,
+        created = admin.post("/adapters", json={"name": "restart-bot", "version": directory_digest(engine.lora_path),
                                                 "path": engine.lora_path})
         assert created.status_code == 201, created.text
     first = client.completions.create(model="restart-bot", prompt="def main():\n", max_tokens=4, temperature=0)
