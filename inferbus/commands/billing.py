@@ -292,9 +292,8 @@ def _split(value: str) -> list[str]:
 
 
 async def _store(redis_url: str) -> Any:
-    from services.billing.service import usage_store
-
     from inferbus import redis_conn
+    from services.billing.service import usage_store
 
     return usage_store(redis_conn.async_client(redis_url, socket_timeout=10), _billing_settings())
 
