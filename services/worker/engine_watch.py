@@ -7,6 +7,8 @@
 - The worker's own process was paused (SIGSTOP, a frozen host; `PauseDetector`) or a consumer
   went missing (a router deletes those of a worker it thought dead): before it pulls again, it
   verifies that the engine answers and its consumers exist.
+- The engine is hung, keeps failing or stays down too long (`gpu_death.GpuDeathDetector`, asked on
+  every tick): the worker hands its streams off and exits so that its replica is replaced.
 """
 
 from __future__ import annotations
