@@ -26,6 +26,7 @@ from inferbus.bus import BusSettings
 from inferbus.local import PLATFORM_FILE, free_port
 
 from .conftest import MODEL
+from .waiting import read_until_api_key
 
 pytestmark = pytest.mark.e2e
 
@@ -65,15 +66,7 @@ def test_up_with_tls_serves_and_refuses_plaintext(tmp_path: Path) -> None:
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
-        key = None
-        assert up.stdout is not None
-        while key is None and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"API key:\s+(ib-\S+)", line)
-            key = match.group(1) if match else None
+        key = read_until_api_key(up, lines, deadline)
         assert key, "".join(lines)
         while not any(line.lstrip().startswith("TLS:") for line in lines) and time.monotonic() < deadline:
             lines.append(up.stdout.readline())

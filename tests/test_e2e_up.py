@@ -16,6 +16,7 @@ import pytest
 from inferbus.local import free_port
 
 from .conftest import MODEL
+from .waiting import read_until_api_key
 
 pytestmark = pytest.mark.e2e
 
@@ -41,15 +42,7 @@ def test_up_serves_the_demo_key_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> N
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 90
-        key = None
-        assert up.stdout is not None
-        while key is None and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"API key:\s+(ib-\S+)", line)
-            key = match.group(1) if match else None
+        key = read_until_api_key(up, lines, deadline)
         assert key, "".join(lines)
         output = "".join(lines)
         for service in ("nats", "redis", "router", "engine-1", "worker-1", "gateway"):

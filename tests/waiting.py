@@ -1,4 +1,5 @@
-"""Waiting on a condition instead of sleeping for a guess: `wait_for` and `await_for`.
+"""Waiting on a condition instead of sleeping for a guess: `wait_for`, `await_for`, and
+`read_until_api_key` for `inferbus up`'s output.
 
 A test that sleeps "long enough" for something to happen is slow when the machine is idle and
 flaky when it is busy. These poll the condition instead and fail with what was awaited.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -59,3 +62,19 @@ async def await_for(predicate: Callable[[], T | Awaitable[T]], timeout: float = 
 
 def _name(predicate: Callable[..., Any]) -> str:
     return getattr(predicate, "__qualname__", repr(predicate))
+
+
+def read_until_api_key(up: subprocess.Popen[str], lines: list[str], deadline: float) -> str | None:
+    """Read `inferbus up`'s output into `lines` until it prints the demo API key (returned), it
+    exits, or `deadline` (monotonic) passes (None)."""
+    assert up.stdout is not None
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            return None
+        lines.append(line)
+        match = re.search(r"API key:\s+(ib-\S+)", line)
+        if match:
+            return match.group(1)
+    return None
+
