@@ -1,15 +1,29 @@
-"""Serving-spine benchmark: what the platform adds on top of the engine, measured in one run.
+"""Serving-spine benchmark: inferbus and sglang-router side by side in front of one simulated engine.
 
-    python -m bench.spine [--requests N] [--seconds S] [--out bench/results]
+    python -m bench.spine [--quick] [--seconds S] [--reps N] [--concurrency 1 16 64 256] [--out bench/results]
 
-1. Concurrency 1, zero step time, 16 output tokens, an ordinary HTTP client (httpx, defaults):
-   TTFT and end-to-end p50/p99 through the gateway and straight to the engine.
-2. Closed loop at concurrency 16/64/256, zero step time: requests/s, and CPU-ms per request of
-   gateway + router + worker together (read from /proc before and after).
-3. Paced: engine at a fixed 10 ms per step, 64 concurrent streams: TTFT through the gateway vs
-   straight to the engine.
+Three systems take the same streaming chat requests (`POST /v1/chat/completions`, 16 output
+tokens, `stream_options.include_usage`) from one closed-loop client on this machine:
 
-Everything runs on this machine: the client shares the cores with the platform, as in CI.
+- **engine**: the simulated SGLang engine alone, the floor;
+- **sglang-router**: `sglang-router` from PyPI (installed on first use, as `make bench-routing`
+  does) with its defaults, in front of that engine;
+- **inferbus**: the whole platform (`inferbus.local.Stack`: NATS, Redis, router, billing, batch,
+  gateway, one worker) in front of that same engine process.
+
+Scenarios: closed loop at concurrency 1, 16, 64 and 256 with zero step time, and "paced" (the engine
+takes 10 ms per step, so tokens arrive 10 ms apart) at concurrency 64. Each scenario runs every
+system `--reps` times, alternating the order (engine, sglang-router, inferbus; then reversed), so a
+slow patch of the shared machine does not land on one system only.
+
+Per phase: requests/s, time to the first token's bytes (TTFB) p50/p99 and what each router adds over
+the engine alone in the same rep, and CPU-ms per request of every process **with its whole tree**
+(utime + stime + reaped children's, read from /proc before and after the measured window).
+
+The client sets TCP_NODELAY and re-arms TCP_QUICKACK after every read, for every system: a server
+that writes the response head and the first event in two small segments without TCP_NODELAY (Nagle
+on) otherwise waits for the client's delayed ACK (~40 ms on Linux) before the first token. A short
+"client check" at concurrency 1 shows what an ordinary client (no quick ACK) sees.
 """
 
 from __future__ import annotations
@@ -17,239 +31,622 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform as host
+import re
+import signal
+import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
-import httpx
+import httptools
 
 from bench.common import percentile, write_results
+from bench.routing import ensure_packages
 from inferbus.commands.main import _demo_key
-from inferbus.local import Stack, StackConfig, free_port
+from inferbus.local import Process, Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 OUTPUT_TOKENS = 16
+PACED_STEP_MS = 10.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SYSTEMS = ("engine", "sglang-router", "inferbus")
+ROUTERS = ("sglang-router", "inferbus")
+# The stack's process names → the names reported (one worker, one engine).
+STACK_PROCESSES = {"gateway": "gateway", "worker-1": "worker", "router": "router", "billing": "billing",
+                   "batch": "batch", "nats": "nats-server", "redis": "redis", "engine-1": "engine"}
+# What each system's CPU per request adds up (the engine is everyone's, shown apart).
+OWN_PROCESSES = {"engine": (), "sglang-router": ("sglang-router",),
+                 "inferbus": ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis")}
+TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)  # Linux
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+# ---- pure helpers (tests/test_bench_spine.py) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class ProcStat:
+    """One process from /proc/<pid>/stat: its parent and the CPU ticks it and its reaped children used."""
+
+    ppid: int
+    ticks: int  # utime + stime + cutime + cstime
+
+
+def parse_proc_stat(text: str) -> ProcStat:
+    # The command name (field 2) is in parentheses and may hold spaces or ")": split after the last ")".
+    fields = text.rsplit(")", 1)[1].split()
+    return ProcStat(ppid=int(fields[1]), ticks=sum(int(fields[i]) for i in (11, 12, 13, 14)))
+
+
+def tree_ticks(procs: Mapping[int, ProcStat], root: int) -> int:
+    """CPU ticks of `root` and every live descendant. A child that exited and was reaped is already in
+    its parent's cutime/cstime, so the whole tree's CPU is counted once."""
+    children: dict[int, list[int]] = {}
+    for pid, stat in procs.items():
+        children.setdefault(stat.ppid, []).append(pid)
+    total, pending, seen = 0, [root], set()
+    while pending:
+        pid = pending.pop()
+        if pid in seen or pid not in procs:
+            continue
+        seen.add(pid)
+        total += procs[pid].ticks
+        pending.extend(children.get(pid, ()))
+    return total
+
+
+def cpu_ms_per_request(before: Mapping[str, int], after: Mapping[str, int], requests: int,
+                       clk_tck: int = CLK_TCK) -> dict[str, float]:
+    """CPU-ms per request of each named tree between two readings of tick counts."""
+    n = max(1, requests)
+    return {name: (after[name] - before[name]) * 1000 / clk_tck / n for name in before if name in after}
+
+
+_FIRST_TOKEN = re.compile(rb'"content": ?"[^"]')  # a delta with non-empty content ("" is the role-only chunk)
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens": ?(\d+)')
+
+
+def first_token_at(body: bytes | bytearray, start: int = 0) -> bool:
+    """Whether the SSE body, scanned from `start`, holds a chunk with non-empty content."""
+    return _FIRST_TOKEN.search(body, start) is not None
+
+
+def completed_tokens(body: bytes | bytearray) -> int | None:
+    """Completion tokens in the stream's final usage chunk, if the stream ended with `[DONE]`."""
+    if not body.rstrip().endswith(b"data: [DONE]"):
+        return None
+    found = list(_COMPLETION_TOKENS.finditer(body))
+    return int(found[-1].group(1)) if found else None
+
+
+def mean(values: Iterable[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    scenario: str
+    metric: str  # key of a router's summary in that scenario
+    bound: float
+    higher_is_better: bool = False
+    unit: str = "ms"
+
+
+TARGETS = (
+    Target("added TTFB p50, C=1", "c1", "added_ttfb_p50_ms", 1.5),
+    Target("whole-platform CPU-ms per request, C=64", "c64", "own_cpu_ms_per_request", 0.6, unit="CPU-ms"),
+    Target("req/s, C=64", "c64", "req_per_s", 2500.0, higher_is_better=True, unit="req/s"),
+    Target("paced added TTFB p50, C=64", "paced64", "added_ttfb_p50_ms", 3.0),
+    Target("paced added TTFB p99, C=64", "paced64", "added_ttfb_p99_ms", 10.0),
+)
+
+
+def summarise(phases: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per scenario and system: means over reps (with each rep's value), TTFB added over the engine
+    alone in the same rep, CPU per request by process."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    by_key = {(p["scenario"], p["rep"], p["system"]): p for p in phases}
+    for scenario in dict.fromkeys(p["scenario"] for p in phases):
+        out[scenario] = {}
+        for system in SYSTEMS:
+            runs = [p for p in phases if p["scenario"] == scenario and p["system"] == system]
+            if not runs:
+                continue
+            s: dict[str, Any] = {"reps": len(runs), "concurrency": runs[0]["concurrency"]}
+            for key in ("req_per_s", "ttfb_p50_ms", "ttfb_p99_ms", "e2e_p50_ms", "own_cpu_ms_per_request",
+                        "client_cpu_ms_per_request", "other_load_cores"):
+                s[key] = mean(r[key] for r in runs)
+                s[key + "_reps"] = [r[key] for r in runs]
+            s["errors"] = sum(r["errors"] for r in runs)
+            s["requests"] = sum(r["requests"] for r in runs)
+            names = dict.fromkeys(n for r in runs for n in r["cpu_ms_per_request"])
+            s["cpu_ms_per_request"] = {n: mean(r["cpu_ms_per_request"].get(n, float("nan")) for r in runs) for n in names}
+            if system != "engine":
+                for q in ("p50", "p99"):
+                    added = [r[f"ttfb_{q}_ms"] - by_key[(scenario, r["rep"], "engine")][f"ttfb_{q}_ms"]
+                             for r in runs if (scenario, r["rep"], "engine") in by_key]
+                    s[f"added_ttfb_{q}_ms"] = mean(added)
+                    s[f"added_ttfb_{q}_ms_reps"] = added
+            out[scenario][system] = s
+    return out
+
+
+def verdict(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """The issue's targets for inferbus, met or missed, with sglang-router's value and the ratio."""
+    rows = []
+    for t in TARGETS:
+        systems = summary.get(t.scenario, {})
+        ours = systems.get("inferbus", {}).get(t.metric, float("nan"))
+        theirs = systems.get("sglang-router", {}).get(t.metric, float("nan"))
+        met = ours >= t.bound if t.higher_is_better else ours <= t.bound
+        # A ratio over a value within measuring noise of zero (or below it) says nothing.
+        ratio = ours / theirs if theirs >= 0.05 else float("nan")
+        rows.append({"what": t.what, "target": f"{'≥' if t.higher_is_better else '≤'} {t.bound:g} {t.unit}",
+                     "inferbus": ours, "sglang_router": theirs, "ratio_to_sglang_router": ratio,
+                     "met": bool(met) and not math.isnan(ours),
+                     "reps": systems.get("inferbus", {}).get(t.metric + "_reps", [])})
+    return rows
+
+
+# ---- /proc --------------------------------------------------------------------------------------
+
+def read_procs() -> dict[int, ProcStat]:
+    procs = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    procs[int(entry.name)] = parse_proc_stat(f.read())
+            except (OSError, ValueError, IndexError):
+                continue  # exited while we read
+    return procs
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core has spent busy since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK  # minus idle and iowait
 
 
 @dataclass
-class Target:
-    """How to ask one endpoint for a 16-token stream and recognise its first token."""
+class Reading:
+    ticks: dict[str, int]
+    client: float  # this process's CPU seconds
+    machine: float  # busy seconds of the whole machine
+    wall: float
 
-    name: str
+
+def reading(roots: Mapping[str, int]) -> Reading:
+    procs = read_procs()
+    t = os.times()
+    return Reading({name: tree_ticks(procs, pid) for name, pid in roots.items()}, t.user + t.system,
+                   machine_busy_seconds(), time.perf_counter())
+
+
+# ---- the client ---------------------------------------------------------------------------------
+
+class StreamConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection reading SSE responses with httptools: notes when the first
+    token's bytes arrive and checks the stream's usage. TCP_NODELAY always; TCP_QUICKACK re-armed
+    after every read when `quickack` (Linux resets it on its own)."""
+
+    def __init__(self, quickack: bool) -> None:
+        self.quickack = quickack
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.sock: Any = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.body = bytearray()
+        self.scanned = 0
+        self.sent = self.first = self.end = 0.0
+        self.status = 0
+        self.keep_alive = True
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.sock = transport.get_extra_info("socket")
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.quickack:
+            self.sock.setsockopt(socket.IPPROTO_TCP, TCP_QUICKACK, 1)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail(exc or ConnectionError("connection closed"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.body.clear()
+        self.scanned = 0
+
+    def on_body(self, chunk: bytes) -> None:
+        self.body += chunk
+        if not self.first:
+            if first_token_at(self.body, max(0, self.scanned - 16)):  # the marker may straddle two reads
+                self.first = time.perf_counter()
+            self.scanned = len(self.body)
+
+    def on_message_complete(self) -> None:
+        self.end = time.perf_counter()
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def exchange(self, request: bytes) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.first = 0.0
+        self.sent = time.perf_counter()
+        assert self.transport is not None
+        self.transport.write(request)
+        await self.waiter
+
+
+@dataclass
+class Endpoint:
+    """Where one system takes chat completions, and the raw requests for it."""
+
+    system: str
     url: str
-    headers: dict[str, str]
+    headers: dict[str, str] = field(default_factory=dict)
 
-    def body(self, i: int, max_tokens: int = OUTPUT_TOKENS) -> bytes:
+    def request(self, i: int, max_tokens: int = OUTPUT_TOKENS) -> bytes:
         prompt = f"Benchmark request {i}: summarise the serving spine in one line."
-        if self.name == "engine":
-            payload = {"text": prompt, "stream": True,
-                       "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
-        else:
-            payload = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True}
-        return json.dumps(payload).encode()
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
+                          separators=(",", ":")).encode()
+        parts = urlsplit(self.url)
+        head = [f"POST {parts.path} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
+                f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in self.headers.items())]
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + body  # one write
+
+    @property
+    def address(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or 80
 
 
-def is_first_token(name: str, data: bytes) -> bool:
-    # The engine's first chunk with text, or the gateway's first chunk with content.
-    return (b'"text":"' in data and b'"text":""' not in data) if name == "engine" else b'"content":"' in data
-
-
-def engine_target(stack: Stack) -> Target:
-    return Target("engine", stack.get("engine-1").detail + "/generate", {"content-type": "application/json"})
-
-
-def gateway_target(stack: Stack, key: str) -> Target:
-    return Target("inferbus", stack.gateway_url + "/v1/chat/completions",
-                  {"content-type": "application/json", "authorization": f"Bearer {key}"})
-
-
-# ---- 1. concurrency 1, ordinary client ----------------------------------------------------------
-
-def sequential(target: Target, n: int) -> dict[str, float]:
-    ttft, e2e = [], []
-    with httpx.Client(timeout=30) as client:
-        for i in range(n + 20):
-            start = time.perf_counter()
-            first = None
-            with client.stream("POST", target.url, content=target.body(i), headers=target.headers) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if first is None and line.startswith("data: ") and is_first_token(target.name, line.encode()):
-                        first = time.perf_counter()
-            end = time.perf_counter()
-            if i >= 20 and first is not None:  # the first 20 warm connections and caches
-                ttft.append((first - start) * 1000)
-                e2e.append((end - start) * 1000)
-    return {"requests": len(ttft), "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99)}
-
-
-# ---- 2 and 3. closed loops -----------------------------------------------------------------------
-
-async def closed_loop(target: Target, concurrency: int, seconds: float, max_tokens: int = OUTPUT_TOKENS,
-                      warmup: float = 1.0) -> dict[str, float]:
-    ttft: list[float] = []
-    errors = 0
-    done = 0
-    stop_at = time.perf_counter() + warmup + seconds
-    measure_from = time.perf_counter() + warmup
+async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warmup: float, roots: Mapping[str, int],
+                      quickack: bool = True) -> dict[str, Any]:
+    """`concurrency` connections each sending the next request when the last one ended; measured over
+    `seconds` after `warmup`: requests that started in the window count for TTFB, those that ended
+    in it for throughput and CPU."""
+    loop = asyncio.get_running_loop()
+    ttfb: list[float] = []
+    e2e: list[float] = []
+    state = {"errors": 0, "done": 0, "measuring": False, "stopping": False, "bad": ""}
     counter = iter(range(10**9))
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+    host_, port = endpoint.address
 
-        async def loop() -> None:
-            nonlocal errors, done
-            while time.perf_counter() < stop_at:
-                start = time.perf_counter()
-                first = None
-                try:
-                    async with session.post(target.url, data=target.body(next(counter), max_tokens),
-                                            headers=target.headers) as response:
-                        if response.status != 200:
-                            errors += 1
-                            await response.read()
-                            continue
-                        async for line in response.content:
-                            if first is None and is_first_token(target.name, line):
-                                first = time.perf_counter()
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    errors += 1
-                    continue
-                if start >= measure_from and first is not None:
-                    ttft.append((first - start) * 1000)
-                    done += 1
+    async def one_connection() -> None:
+        conn: StreamConnection | None = None
+        while not state["stopping"]:
+            if conn is None or conn.lost or not conn.keep_alive:
+                if conn is not None and conn.transport is not None:
+                    conn.transport.close()
+                _, conn = await loop.create_connection(lambda: StreamConnection(quickack), host_, port)
+            try:
+                await conn.exchange(endpoint.request(next(counter)))
+            except (OSError, httptools.HttpParserError) as exc:
+                if not state["stopping"]:
+                    state["errors"] += 1
+                    state["bad"] = state["bad"] or f"{type(exc).__name__}: {exc}"
+                    await asyncio.sleep(0.01)
+                conn = None
+                continue
+            tokens = completed_tokens(conn.body) if conn.status == 200 else None
+            if tokens != OUTPUT_TOKENS or not conn.first:
+                if state["measuring"]:
+                    state["errors"] += 1
+                    state["bad"] = state["bad"] or f"HTTP {conn.status}: {bytes(conn.body[:300])!r}"
+                continue
+            if state["measuring"]:
+                state["done"] += 1
+                if conn.sent >= window_start:
+                    ttfb.append((conn.first - conn.sent) * 1000)
+                    e2e.append((conn.end - conn.sent) * 1000)
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
 
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-    return {"concurrency": concurrency, "requests": done, "errors": errors, "req_per_s": done / seconds,
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99)}
+    window_start = float("inf")
+    tasks = [asyncio.create_task(one_connection()) for _ in range(concurrency)]
+    await asyncio.sleep(warmup)
+    before = reading(roots)
+    window_start = before.wall
+    state["measuring"] = True
+    await asyncio.sleep(seconds)
+    state["measuring"] = False
+    after = reading(roots)
+    state["stopping"] = True
+    await asyncio.wait(tasks, timeout=30)
+    for task in tasks:
+        task.cancel()
+
+    wall = after.wall - before.wall
+    done = int(state["done"])
+    cpu = cpu_ms_per_request(before.ticks, after.ticks, done)
+    own = OWN_PROCESSES[endpoint.system]
+    measured_cores = (sum(after.ticks.values()) - sum(before.ticks.values())) / CLK_TCK / wall
+    client_cores = (after.client - before.client) / wall
+    return {
+        "system": endpoint.system, "concurrency": concurrency, "quickack": quickack, "seconds": wall,
+        "requests": done, "errors": state["errors"], "first_error": state["bad"],
+        "req_per_s": done / wall,
+        "ttfb_p50_ms": percentile(ttfb, 50), "ttfb_p99_ms": percentile(ttfb, 99),
+        "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "cpu_ms_per_request": cpu,
+        "own_cpu_ms_per_request": sum(cpu[name] for name in own),
+        "client_cpu_ms_per_request": (after.client - before.client) * 1000 / max(1, done),
+        # Busy cores of the whole machine not explained by the processes measured here (other
+        # users of a shared machine, and idle systems' background work).
+        "machine_busy_cores": (after.machine - before.machine) / wall,
+        "other_load_cores": max(0.0, (after.machine - before.machine) / wall - measured_cores - client_cores),
+    }
 
 
-SPINE = ("gateway", "router", "worker-1")
+# ---- the systems --------------------------------------------------------------------------------
 
-
-async def measured_loop(stack: Stack, target: Target, concurrency: int, seconds: float) -> dict[str, float]:
-    pids = {name: stack.get(name).pid for name in (*SPINE, "billing", "engine-1", "nats")}
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    wall = time.perf_counter()
-    result = await closed_loop(target, concurrency, seconds, warmup=0.0)
-    wall = time.perf_counter() - wall
-    n = max(1, result["requests"])
-    cpu_ms = {name: (cpu_seconds(pid) - before[name]) * 1000 / n for name, pid in pids.items()}
-    result.update(
-        spine_cpu_ms_per_request=sum(cpu_ms[name] for name in SPINE),
-        cpu_ms_per_request=cpu_ms,
-        engine_cpu_ms_per_request=cpu_ms["engine-1"],
-        nats_cpu_ms_per_request=cpu_ms["nats"],
-        billing_cpu_ms_per_request=cpu_ms["billing"],
-        req_per_s=n / wall,
-    )
-    return result
-
-
-def start_stack(**config: object) -> tuple[Stack, str]:
-    stack = Stack(StackConfig(state_dir=Path(tempfile.mkdtemp(prefix="inferbus-bench-")), gateway_port=free_port(),
-                              workers=1, log_level="warning", **config))  # type: ignore[arg-type]
+def start_stack(paced: bool) -> tuple[Stack, str]:
+    config = StackConfig(state_dir=Path(tempfile.mkdtemp(prefix="inferbus-bench-")), gateway_port=free_port(),
+                         workers=1, log_level="warning", time_scale=1.0 if paced else 0.0,
+                         fixed_step_ms=PACED_STEP_MS if paced else None)
+    stack = Stack(config)
     stack.start(timeout=90)
     return stack, asyncio.run(_demo_key(stack.redis_url))
 
 
-def run(args: argparse.Namespace) -> dict:
-    results: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": host.platform()},
-                     "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    print("zero step time: starting stack…", flush=True)
-    stack, key = start_stack(time_scale=0.0)
-    try:
-        engine, gateway = engine_target(stack), gateway_target(stack, key)
-        print(f"1. concurrency 1, {args.requests} requests each", flush=True)
-        direct = sequential(engine, args.requests)
-        through = sequential(gateway, args.requests)
-        results["sequential"] = {"engine": direct, "inferbus": through,
-                                 "added_ttft_p50_ms": through["ttft_p50_ms"] - direct["ttft_p50_ms"],
-                                 "added_ttft_p99_ms": through["ttft_p99_ms"] - direct["ttft_p99_ms"]}
-        print(json.dumps(results["sequential"], indent=1), flush=True)
-        results["closed_loop"] = []
-        for concurrency in args.concurrency:
-            print(f"2. closed loop, concurrency {concurrency}, {args.seconds:.0f} s each", flush=True)
-            direct_loop = asyncio.run(closed_loop(engine, concurrency, args.seconds))
-            through_loop = asyncio.run(measured_loop(stack, gateway, concurrency, args.seconds))
-            results["closed_loop"].append({"concurrency": concurrency, "engine": direct_loop, "inferbus": through_loop})
-            print(json.dumps(results["closed_loop"][-1], indent=1), flush=True)
-    finally:
-        stack.stop()
-        stack.rmtree()
+def start_sglang_router(engine_url: str, state: Path) -> tuple[Process, str]:
+    """sglang-router with its defaults (cache_aware policy) in front of the one engine."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
 
-    print("3. paced: engine 10 ms per step, 64 streams: starting stack…", flush=True)
-    stack, key = start_stack(time_scale=1.0, fixed_step_ms=10.0)
-    try:
-        engine, gateway = engine_target(stack), gateway_target(stack, key)
-        # Twice as long as the other runs: the p99 of a 10 s window rests on a handful of samples.
-        direct_paced = asyncio.run(closed_loop(engine, 64, 2 * args.seconds, max_tokens=32))
-        through_paced = asyncio.run(closed_loop(gateway, 64, 2 * args.seconds, max_tokens=32))
-        results["paced"] = {"step_ms": 10, "streams": 64, "output_tokens": 32, "engine": direct_paced,
-                            "inferbus": through_paced,
-                            "added_ttft_p50_ms": through_paced["ttft_p50_ms"] - direct_paced["ttft_p50_ms"],
-                            "added_ttft_p99_ms": through_paced["ttft_p99_ms"] - direct_paced["ttft_p99_ms"]}
-        print(json.dumps(results["paced"], indent=1), flush=True)
-    finally:
-        stack.stop()
-        stack.rmtree()
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(base + "/workers", timeout=1) as response:
+                workers = json.load(response).get("workers", [])
+        except Exception:
+            return False
+        return any(w.get("is_healthy") for w in workers)
+
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", engine_url,
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--log-level", "warn"]
+    process = Process("sglang-router", argv, dict(os.environ), state / "logs" / "sglang-router.log", ready, base)
+    process.start()
+    deadline = time.monotonic() + 60
+    while not process.ready():
+        if not process.alive() or time.monotonic() > deadline:
+            stop_process(process)
+            raise RuntimeError(f"sglang-router did not start:\n{process.tail()}")
+        time.sleep(0.2)
+    return process, base
+
+
+def stop_process(process: Process) -> None:
+    process.signal(signal.SIGTERM)
+    if not process.wait(10):
+        process.signal(signal.SIGKILL)
+        process.wait(5)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    concurrency: int
+    paced: bool
+
+    @property
+    def label(self) -> str:
+        return f"paced {PACED_STEP_MS:g} ms/token, C={self.concurrency}" if self.paced else f"C={self.concurrency}"
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    out = [Scenario(f"c{c}", c, False) for c in args.concurrency]
+    if args.paced_concurrency:
+        out.append(Scenario(f"paced{args.paced_concurrency}", args.paced_concurrency, True))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ensure_packages(["sglang_router"] + (["matplotlib"] if args.plot else []))
+    from importlib.metadata import version
+
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": host.platform()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python -m bench.spine " + " ".join(sys.argv[1:]),
+        "sglang_router": version("sglang-router"),
+        "config": {"seconds": args.seconds, "warmup": args.warmup, "reps": args.reps, "output_tokens": OUTPUT_TOKENS,
+                   "paced_step_ms": PACED_STEP_MS},
+        "phases": [], "client_check": [],
+    }
+    plan = scenarios(args)
+    for paced in (False, True):
+        todo = [s for s in plan if s.paced == paced]
+        if not todo and (paced or not args.client_check):
+            continue
+        print(f"{'paced' if paced else 'zero step time'}: starting inferbus and sglang-router…", flush=True)
+        stack, key = start_stack(paced)
+        router: Process | None = None
+        try:
+            engine = stack.get("engine-1")
+            router, router_url = start_sglang_router(engine.detail, stack.config.state_dir)
+            roots = {STACK_PROCESSES[p.name]: p.pid for p in stack.processes if p.name in STACK_PROCESSES}
+            roots["sglang-router"] = router.pid
+            endpoints = {
+                "engine": Endpoint("engine", engine.detail + "/v1/chat/completions"),
+                "sglang-router": Endpoint("sglang-router", router_url + "/v1/chat/completions"),
+                "inferbus": Endpoint("inferbus", stack.gateway_url + "/v1/chat/completions",
+                                     {"Authorization": f"Bearer {key}"}),
+            }
+            if not paced and args.client_check:
+                for system in SYSTEMS:
+                    for quickack in (False, True):
+                        phase = asyncio.run(closed_loop(endpoints[system], 1, args.client_check, 0.5, roots, quickack))
+                        results["client_check"].append(phase)
+                        print(f"  client check  {system:14} quickack={quickack!s:5} "
+                              f"TTFB p50 {phase['ttfb_p50_ms']:.2f} ms  p99 {phase['ttfb_p99_ms']:.2f} ms", flush=True)
+            for scenario in todo:
+                for rep in range(args.reps):
+                    order = SYSTEMS if rep % 2 == 0 else tuple(reversed(SYSTEMS))
+                    for system in order:
+                        phase = asyncio.run(closed_loop(endpoints[system], scenario.concurrency, args.seconds,
+                                                        args.warmup, roots))
+                        phase.update(scenario=scenario.name, label=scenario.label, rep=rep, paced=scenario.paced)
+                        results["phases"].append(phase)
+                        print(f"  {scenario.label:24} rep {rep} {system:14} {phase['req_per_s']:7.0f} req/s  "
+                              f"TTFB p50 {phase['ttfb_p50_ms']:6.2f} p99 {phase['ttfb_p99_ms']:6.2f} ms  "
+                              f"{phase['own_cpu_ms_per_request']:.3f} CPU-ms/req  errors {phase['errors']}"
+                              + (f" ({phase['first_error'][:120]})" if phase["errors"] else ""), flush=True)
+        finally:
+            if router is not None:
+                stop_process(router)
+            stack.stop()
+            stack.rmtree()
+    results["summary"] = summarise(results["phases"])
+    results["targets"] = verdict(results["summary"])
+    if args.plot:
+        plot(results, args.out / "spine.png")
     return results
 
 
-def markdown(results: dict) -> str:
-    seq = results["sequential"]
+# ---- output -------------------------------------------------------------------------------------
+
+PROCESS_ORDER = ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis", "sglang-router")
+
+
+def _f(value: float, digits: int = 2) -> str:
+    return "–" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    summary = results["summary"]
+    labels = {p["scenario"]: p["label"] for p in results["phases"]}
+    cfg = results["config"]
     lines = [
-        f"# Serving spine benchmark ({results['when']}, {results['machine']['cpus']} CPUs)",
+        f"# Serving spine: inferbus and sglang-router side by side ({results['when']}, {results['machine']['cpus']} CPUs)",
         "",
-        "Command: `make bench` (`python -m bench.spine`). Simulated engine, one worker; the load client shares the machine. "
-        "Every request passes tenant admission (one atomic Redis call); billing reconciles it from the usage ledger.",
+        f"Command: `{results['command']}`. One simulated SGLang engine (the stack's `engine-1`) behind "
+        f"sglang-router {results['sglang_router']} (defaults) and behind inferbus (one worker); streaming chat with usage, "
+        f"{cfg['output_tokens']} output tokens, closed loop, {cfg['reps']} reps of {cfg['seconds']:g} s (after "
+        f"{cfg['warmup']:g} s warm-up) alternating the systems' order; client with TCP_NODELAY and quick ACK. "
+        "Everything, the client included, shares this machine; TTFB is added over the engine alone in the same rep.",
         "",
-        "## Concurrency 1, zero step time, 16 output tokens, httpx client",
+        "## Targets (inferbus; ratio = inferbus / sglang-router)",
         "",
-        "| path | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| target | bound | inferbus | per rep | sglang-router | ratio | |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for name in ("engine", "inferbus"):
-        r = seq[name]
-        lines.append(f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['e2e_p50_ms']:.2f} | {r['e2e_p99_ms']:.2f} |")
-    lines += [f"| **added by inferbus** | **{seq['added_ttft_p50_ms']:.2f}** | {seq['added_ttft_p99_ms']:.2f} | | |", "",
-              "## Closed loop, zero step time, 16 output tokens (streaming)", "",
-              "| concurrency | engine req/s | inferbus req/s | inferbus TTFT p50 / p99 ms | gateway+router+worker CPU-ms/req | billing CPU-ms/req | engine CPU-ms/req | NATS CPU-ms/req | errors |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for row in results["closed_loop"]:
-        e, i = row["engine"], row["inferbus"]
-        lines.append(f"| {row['concurrency']} | {e['req_per_s']:.0f} | {i['req_per_s']:.0f} | {i['ttft_p50_ms']:.1f} / {i['ttft_p99_ms']:.1f} | "
-                     f"{i['spine_cpu_ms_per_request']:.2f} | {i['billing_cpu_ms_per_request']:.2f} | {i['engine_cpu_ms_per_request']:.2f} | "
-                     f"{i['nats_cpu_ms_per_request']:.2f} | {i['errors']} |")
-    paced = results["paced"]
-    lines += ["", "## Paced: engine 10 ms per step, 64 concurrent streams, 32 output tokens", "",
-              "| path | req/s | TTFT p50 ms | TTFT p99 ms |", "| --- | ---: | ---: | ---: |"]
-    for name in ("engine", "inferbus"):
-        r = paced[name]
-        lines.append(f"| {name} | {r['req_per_s']:.1f} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} |")
-    lines.append(f"| **added by inferbus** | | **{paced['added_ttft_p50_ms']:.2f}** | **{paced['added_ttft_p99_ms']:.2f}** |")
+    for row in results["targets"]:
+        digits = 0 if "req/s" in row["target"] else 2
+        reps = " / ".join(_f(v, digits) for v in row["reps"])
+        lines.append(f"| {row['what']} | {row['target']} | {_f(row['inferbus'], digits)} | {reps} | "
+                     f"{_f(row['sglang_router'], digits)} | {_f(row['ratio_to_sglang_router'])}× | "
+                     f"{'met' if row['met'] else '**missed**'} |")
+    lines += ["", "## Every scenario (means over reps)", "",
+              "| scenario | system | req/s | TTFB p50 / p99 ms | added TTFB p50 / p99 ms | own CPU-ms/req | engine CPU-ms/req | client CPU-ms/req | other load (cores) | errors |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for scenario, systems in summary.items():
+        for system, s in systems.items():
+            added = (f"{_f(s['added_ttfb_p50_ms'])} / {_f(s['added_ttfb_p99_ms'])}" if system != "engine" else "floor")
+            lines.append(f"| {labels[scenario]} | {system} | {_f(s['req_per_s'], 0)} | {_f(s['ttfb_p50_ms'])} / "
+                         f"{_f(s['ttfb_p99_ms'])} | {added} | {_f(s['own_cpu_ms_per_request'], 3)} | "
+                         f"{_f(s['cpu_ms_per_request'].get('engine', float('nan')), 3)} | "
+                         f"{_f(s['client_cpu_ms_per_request'], 3)} | {_f(s['other_load_cores'])} | {s['errors']} |")
+    lines += ["", "## CPU-ms per request by process (whole process trees, means over reps)", "",
+              "| scenario | system | " + " | ".join(PROCESS_ORDER) + " | total | engine |",
+              "| --- | --- | " + " | ".join("---:" for _ in PROCESS_ORDER) + " | ---: | ---: |"]
+    for scenario, systems in summary.items():
+        for system in ROUTERS:
+            if system not in systems:
+                continue
+            s = systems[system]
+            own = OWN_PROCESSES[system]
+            cells = [_f(s["cpu_ms_per_request"].get(p, float("nan")), 3) if p in own else "" for p in PROCESS_ORDER]
+            lines.append(f"| {labels[scenario]} | {system} | " + " | ".join(cells) +
+                         f" | **{_f(s['own_cpu_ms_per_request'], 3)}** | {_f(s['cpu_ms_per_request'].get('engine', float('nan')), 3)} |")
+    if results["client_check"]:
+        lines += ["", "## Client check: concurrency 1, with and without quick ACK", "",
+                  "| system | ordinary client (TCP_NODELAY only) TTFB p50 / p99 ms | quick-ACK client TTFB p50 / p99 ms |",
+                  "| --- | ---: | ---: |"]
+        for system in SYSTEMS:
+            rows = {p["quickack"]: p for p in results["client_check"] if p["system"] == system}
+            if len(rows) == 2:
+                lines.append(f"| {system} | {_f(rows[False]['ttfb_p50_ms'])} / {_f(rows[False]['ttfb_p99_ms'])} | "
+                             f"{_f(rows[True]['ttfb_p50_ms'])} / {_f(rows[True]['ttfb_p99_ms'])} |")
+    if results.get("plot"):
+        lines += ["", f"![CPU-ms per request by process]({Path(results['plot']).name})"]
     return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Stacked bars: CPU-ms per request by process, per system, per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    labels = {p["scenario"]: p["label"] for p in results["phases"]}
+    bars = [(f"{labels[sc]}\n{'sglang' if sy == 'sglang-router' else sy}", summary[sc][sy])
+            for sc in summary for sy in ROUTERS if sy in summary[sc]]
+    if not bars:
+        return
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(bars)), 4.2))
+    bottoms = [0.0] * len(bars)
+    for process in PROCESS_ORDER:
+        heights = [s["cpu_ms_per_request"].get(process, 0.0) if process in OWN_PROCESSES[
+            "inferbus" if "inferbus" in name else "sglang-router"] else 0.0 for name, s in bars]
+        if any(h > 0 for h in heights):
+            ax.bar(range(len(bars)), heights, bottom=bottoms, label=process)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+    ax.set_ylabel("CPU-ms per request")
+    ax.set_title("Whole-process-tree CPU per request (engine and client not included)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    results["plot"] = str(path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=300, help="requests per path at concurrency 1")
-    parser.add_argument("--seconds", type=float, default=10.0, help="duration of each closed-loop run")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256], help="closed-loop levels")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where spine.json and spine.md go")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds of each phase (default 4)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase (default 1)")
+    parser.add_argument("--reps", type=int, default=2, help="reps of each scenario, alternating the order (default 2)")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256],
+                        help="closed-loop levels at zero step time (default 1 16 64 256)")
+    parser.add_argument("--paced-concurrency", type=int, default=64,
+                        help=f"concurrency of the paced case ({PACED_STEP_MS:g} ms per token; 0 skips it; default 64)")
+    parser.add_argument("--client-check", type=float, default=2.0,
+                        help="seconds of each C=1 run with and without quick ACK (0 skips it; default 2)")
+    parser.add_argument("--quick", action="store_true", help="one rep of 1.5 s per phase, 0.5 s warm-up, 1 s client check")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip spine.png (needs matplotlib)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where spine.json, .md and .png go")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.warmup, args.reps, args.client_check = 1.5, 0.5, 1, min(args.client_check, 1.0)
     results = run(args)
     write_results(args.out, "spine", results, markdown)
 

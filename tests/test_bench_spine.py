@@ -1,0 +1,173 @@
+"""The spine benchmark's pure parts: /proc tree CPU accounting, the SSE reading, the summary and the
+targets' verdict; and its client against a small local SSE server (no timing asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from typing import Any
+
+from bench.spine import (
+    Endpoint,
+    ProcStat,
+    closed_loop,
+    completed_tokens,
+    cpu_ms_per_request,
+    first_token_at,
+    parse_proc_stat,
+    summarise,
+    tree_ticks,
+    verdict,
+)
+
+
+def test_parse_proc_stat_reads_parent_and_all_four_cpu_fields_past_a_command_name_with_parentheses() -> None:
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
+    line = "4242 (python (x) y) S 17 4242 4242 0 -1 4194304 100 0 0 0 250 40 7 3 20 0 5 0 123 0\n"
+    assert parse_proc_stat(line) == ProcStat(ppid=17, ticks=250 + 40 + 7 + 3)
+
+
+def test_tree_ticks_adds_every_live_descendant_once_and_nothing_else() -> None:
+    procs = {
+        1: ProcStat(0, 1000),  # init: not in the tree
+        10: ProcStat(1, 5),  # the root
+        11: ProcStat(10, 7),  # its child
+        12: ProcStat(11, 11),  # a grandchild
+        13: ProcStat(10, 0),
+        20: ProcStat(1, 300),  # a sibling of the root's: not in the tree
+        21: ProcStat(20, 50),
+    }
+    assert tree_ticks(procs, 10) == 5 + 7 + 11 + 0
+    assert tree_ticks(procs, 12) == 11
+    assert tree_ticks(procs, 99) == 0  # gone
+
+
+def test_a_child_reaped_during_the_window_is_counted_once_through_its_parent() -> None:
+    before = {10: ProcStat(1, 100), 11: ProcStat(10, 40)}
+    # The child used 10 more ticks and exited; the parent reaped it (its 50 ticks now in cutime).
+    after = {10: ProcStat(1, 100 + 5 + 50)}
+    used = tree_ticks(after, 10) - tree_ticks(before, 10)
+    assert used == 5 + 10
+
+
+def test_cpu_ms_per_request_divides_each_trees_ticks_by_requests() -> None:
+    before = {"gateway": 100, "worker": 50, "gone": 1}
+    after = {"gateway": 300, "worker": 60}
+    result = cpu_ms_per_request(before, after, requests=1000, clk_tck=100)
+    assert result == {"gateway": 2.0, "worker": 0.1}  # 200 ticks = 2 s over 1000 requests
+    assert cpu_ms_per_request({"x": 0}, {"x": 100}, 0, clk_tck=100) == {"x": 1000.0}  # no division by zero
+
+
+def test_first_token_skips_the_role_only_chunk_and_reads_both_json_spacings() -> None:
+    role_only = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    assert not first_token_at(role_only)
+    assert first_token_at(role_only + b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n')
+    assert first_token_at(b'data: {"choices": [{"delta": {"role": "assistant", "content": " the"}}]}\n\n')
+    body = role_only + b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+    assert not first_token_at(body, start=len(body))  # scanning starts where the last read ended
+
+
+def test_completed_tokens_needs_the_done_line_and_reads_the_last_usage() -> None:
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":16,"total_tokens":36}}\n\n'
+    assert completed_tokens(usage + b"data: [DONE]\n\n") == 16
+    assert completed_tokens(usage) is None  # cut off before the end
+    assert completed_tokens(b'data: {"choices":[],"usage":null}\n\ndata: [DONE]\n\n') is None
+
+
+def phase(scenario: str, rep: int, system: str, **values: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"scenario": scenario, "rep": rep, "system": system, "concurrency": 64, "requests": 100,
+                            "errors": 0, "req_per_s": 1000.0, "ttfb_p50_ms": 1.0, "ttfb_p99_ms": 2.0, "e2e_p50_ms": 3.0,
+                            "own_cpu_ms_per_request": 0.0, "client_cpu_ms_per_request": 0.3, "other_load_cores": 0.0,
+                            "cpu_ms_per_request": {"engine": 1.0}}
+    return {**base, **values}
+
+
+def test_summary_adds_ttfb_over_the_engine_of_the_same_rep_and_averages_reps() -> None:
+    phases = [
+        phase("c64", 0, "engine", ttfb_p50_ms=1.0, ttfb_p99_ms=5.0),
+        phase("c64", 0, "inferbus", ttfb_p50_ms=3.0, ttfb_p99_ms=9.0, own_cpu_ms_per_request=1.0,
+              cpu_ms_per_request={"gateway": 0.6, "worker": 0.4, "engine": 1.0}),
+        phase("c64", 1, "inferbus", ttfb_p50_ms=6.0, ttfb_p99_ms=20.0, own_cpu_ms_per_request=2.0,
+              cpu_ms_per_request={"gateway": 1.0, "worker": 1.0, "engine": 1.2}),
+        phase("c64", 1, "engine", ttfb_p50_ms=2.0, ttfb_p99_ms=4.0),
+    ]
+    s = summarise(phases)["c64"]["inferbus"]
+    assert s["added_ttfb_p50_ms_reps"] == [2.0, 4.0]
+    assert s["added_ttfb_p50_ms"] == 3.0
+    assert s["added_ttfb_p99_ms"] == (4.0 + 16.0) / 2
+    assert s["own_cpu_ms_per_request"] == 1.5
+    assert s["cpu_ms_per_request"] == {"gateway": 0.8, "worker": 0.7, "engine": 1.1}
+    assert "added_ttfb_p50_ms" not in summarise(phases)["c64"]["engine"]
+
+
+def test_verdict_marks_each_target_and_gives_no_ratio_over_a_value_within_noise_of_zero() -> None:
+    phases = []
+    for system, c1_ttfb, cpu, rps, paced_p50, paced_p99 in (
+        ("engine", 1.0, 0.0, 3000.0, 20.0, 30.0),
+        ("sglang-router", 1.3, 0.2, 2800.0, 20.02, 31.0),
+        ("inferbus", 2.0, 0.5, 2600.0, 22.0, 45.0),
+    ):
+        phases += [phase("c1", 0, system, ttfb_p50_ms=c1_ttfb),
+                   phase("c64", 0, system, own_cpu_ms_per_request=cpu, req_per_s=rps),
+                   phase("paced64", 0, system, ttfb_p50_ms=paced_p50, ttfb_p99_ms=paced_p99)]
+    rows = {r["what"]: r for r in verdict(summarise(phases))}
+    c1 = rows["added TTFB p50, C=1"]
+    assert c1["met"] and math.isclose(c1["inferbus"], 1.0) and math.isclose(c1["ratio_to_sglang_router"], 1.0 / 0.3)
+    cpu = rows["whole-platform CPU-ms per request, C=64"]
+    assert cpu["met"] and math.isclose(cpu["ratio_to_sglang_router"], 2.5)
+    assert rows["req/s, C=64"]["met"]  # higher is better
+    paced_p50 = rows["paced added TTFB p50, C=64"]
+    assert paced_p50["met"] and math.isnan(paced_p50["ratio_to_sglang_router"])  # sglang adds 0.02 ms
+    assert not rows["paced added TTFB p99, C=64"]["met"]  # 15 ms > 10 ms
+
+
+def test_verdict_on_a_run_without_the_scenario_is_missed_not_met() -> None:
+    rows = verdict(summarise([phase("c1", 0, "engine"), phase("c1", 0, "inferbus")]))
+    assert not rows[1]["met"] and math.isnan(rows[1]["inferbus"])
+
+
+async def sse_server(tokens: int) -> tuple[asyncio.Server, int]:
+    """An HTTP/1.1 keep-alive server answering every POST with a chunked SSE stream of `tokens` chat
+    chunks, its head and each event written separately."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                events = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n']
+                events += [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(tokens)]
+                events += [b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % tokens, b"data: [DONE]\n\n"]
+                for event in events:
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_closed_loop_reads_streams_and_counts_cpu_of_the_named_trees() -> None:
+    server, port = await sse_server(16)
+    async with server:
+        result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 4,
+                                   seconds=0.5, warmup=0.1, roots={"engine": os.getpid()})
+    assert result["errors"] == 0, result["first_error"]
+    assert result["requests"] > 0
+    assert not math.isnan(result["ttfb_p50_ms"]) and result["ttfb_p50_ms"] <= result["e2e_p50_ms"]
+    assert set(result["cpu_ms_per_request"]) == {"engine"}
+
+
+async def test_closed_loop_counts_a_stream_with_the_wrong_token_count_as_an_error() -> None:
+    server, port = await sse_server(3)
+    async with server:
+        result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 2,
+                                   seconds=0.3, warmup=0.05, roots={}, quickack=False)
+    assert result["requests"] == 0 and result["errors"] > 0
