@@ -15,6 +15,7 @@ from bench.spine import (
     completed_tokens,
     cpu_ms_per_request,
     first_token_at,
+    markdown,
     parse_proc_stat,
     summarise,
     tree_ticks,
@@ -117,9 +118,21 @@ def test_verdict_marks_each_target_and_gives_no_ratio_over_a_value_within_noise_
     cpu = rows["whole-platform CPU-ms per request, C=64"]
     assert cpu["met"] and math.isclose(cpu["ratio_to_sglang_router"], 2.5)
     assert rows["req/s, C=64"]["met"]  # higher is better
+    assert rows["req/s, C=64"]["engine_alone"] == 3000.0
     paced_p50 = rows["paced added TTFB p50, C=64"]
     assert paced_p50["met"] and math.isnan(paced_p50["ratio_to_sglang_router"])  # sglang adds 0.02 ms
     assert not rows["paced added TTFB p99, C=64"]["met"]  # 15 ms > 10 ms
+
+
+def test_markdown_shows_every_target_and_scenario() -> None:
+    phases = [phase(sc, 0, sy, label=sc) for sc in ("c1", "c64", "paced64") for sy in ("engine", "sglang-router", "inferbus")]
+    summary = summarise(phases)
+    results = {"when": "now", "machine": {"cpus": 2}, "command": "python -m bench.spine", "sglang_router": "0.3.2",
+               "config": {"output_tokens": 16, "reps": 1, "seconds": 4.0, "warmup": 1.0}, "phases": phases,
+               "client_check": [], "summary": summary, "targets": verdict(summary)}
+    text = markdown(results)
+    assert text.count("**missed**") + text.count("| met |") == 5
+    assert "| paced64 | inferbus |" in text
 
 
 def test_verdict_on_a_run_without_the_scenario_is_missed_not_met() -> None:
