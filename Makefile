@@ -11,7 +11,7 @@ help:
 	@echo "make test   install what is missing and run the test suite (lint, types and package layers included)"
 	@echo "make lint   only ruff, mypy (services, proto) and the package layers (lint-imports)"
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
-	@echo "make bench  measure the serving spine; writes bench/results/"
+	@echo "make bench  the serving spine side by side with sglang-router (~4 min, ARGS=--quick ~1.5 min), then admission, fairness, billing, placement, overload (~7 min); writes bench/results/"
 	@echo "make bench-routing  replay two Mooncake traces through sglang-router, Dynamo (KV, round-robin) and inferbus affinity (~15 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing*.* and simulate_vs_dynamo.*"
 	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
@@ -58,6 +58,7 @@ test-sglang: $(STAMP)
 	  INFERBUS_CONTRACT_ENGINE=sglang INFERBUS_SGLANG_HOME="$$home" \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/sglang $(PYTEST_ARGS)
 
+# bench.spine installs sglang-router into the venv on first use (as bench-routing does); ARGS go to it.
 bench: install
 	$(PY) -m bench.spine $(ARGS)
 	$(PY) -m bench.admission

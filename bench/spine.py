@@ -622,7 +622,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = results["summary"]
-    labels = {p["scenario"]: p["label"] for p in results["phases"]}
+    labels = {p["scenario"]: ("paced " if p["paced"] else "") + f"C={p['concurrency']}" for p in results["phases"]}
     bars = [(f"{labels[sc]}\n{'sglang' if sy == 'sglang-router' else sy}", summary[sc][sy])
             for sc in summary for sy in ROUTERS if sy in summary[sc]]
     if not bars:
@@ -635,9 +635,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         if any(h > 0 for h in heights):
             ax.bar(range(len(bars)), heights, bottom=bottoms, label=process)
             bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for x, total in enumerate(bottoms):
+        ax.annotate(f"{total:.2f}", (x, total), ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, max(bottoms) * 1.12)
     ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
     ax.set_ylabel("CPU-ms per request")
-    ax.set_title("Whole-process-tree CPU per request (engine and client not included)", fontsize=9)
+    ax.set_title("CPU-ms per request by process, whole process trees (engine and client not included)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
