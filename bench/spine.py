@@ -346,14 +346,14 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
     async def one_connection() -> None:
         conn: StreamConnection | None = None
         while not state["stopping"]:
-            if conn is None or conn.lost or not conn.keep_alive:
-                if conn is not None and conn.transport is not None:
-                    conn.transport.close()
-                _, conn = await loop.create_connection(lambda: StreamConnection(quickack), host_, port)
             try:
+                if conn is None or conn.lost or not conn.keep_alive:
+                    if conn is not None and conn.transport is not None:
+                        conn.transport.close()
+                    _, conn = await loop.create_connection(lambda: StreamConnection(quickack), host_, port)
                 await conn.exchange(endpoint.request(next(counter)))
             except (OSError, httptools.HttpParserError) as exc:
-                if not state["stopping"]:
+                if not state["stopping"]:  # warm-up's errors count too: a failing system is not hidden
                     state["errors"] += 1
                     state["bad"] = state["bad"] or f"{type(exc).__name__}: {exc}"
                     await asyncio.sleep(0.01)
@@ -361,7 +361,7 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
                 continue
             tokens = completed_tokens(conn.body) if conn.status == 200 else None
             if tokens != OUTPUT_TOKENS or not conn.first:
-                if state["measuring"]:
+                if not state["stopping"]:
                     state["errors"] += 1
                     state["bad"] = state["bad"] or f"HTTP {conn.status}: {bytes(conn.body[:300])!r}"
                 continue

@@ -184,3 +184,12 @@ async def test_closed_loop_counts_a_stream_with_the_wrong_token_count_as_an_erro
         result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 2,
                                    seconds=0.3, warmup=0.05, roots={}, quickack=False)
     assert result["requests"] == 0 and result["errors"] > 0
+
+
+async def test_closed_loop_counts_a_refused_connection_as_an_error() -> None:
+    server, port = await sse_server(16)
+    server.close()
+    await server.wait_closed()  # nothing listens on the port now
+    result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 1,
+                               seconds=0.1, warmup=0.05, roots={})
+    assert result["requests"] == 0 and result["errors"] > 0 and "Error" in result["first_error"]
