@@ -128,6 +128,53 @@ def completed_tokens(body: bytes | bytearray) -> int | None:
     return int(found[-1].group(1)) if found else None
 
 
+@dataclass
+class Slice:
+    """What one measured window of a closed loop saw: raw samples and counter differences."""
+
+    ttfb_ms: list[float]
+    e2e_ms: list[float]
+    requests: int  # streams completed in the window
+    errors: int
+    first_error: str
+    wall: float  # seconds
+    ticks: dict[str, int]  # CPU ticks of each named process tree
+    client_seconds: float  # the load client's CPU
+    machine_seconds: float  # busy CPU seconds of the whole machine
+
+
+def phase_metrics(system: str, slices: list[Slice], clk_tck: int = CLK_TCK) -> dict[str, Any]:
+    """One system's numbers from its slices of a rep, pooled: samples together, counters summed."""
+    wall = sum(s.wall for s in slices)
+    done = sum(s.requests for s in slices)
+    ttfb = [x for s in slices for x in s.ttfb_ms]
+    e2e = [x for s in slices for x in s.e2e_ms]
+    names = dict.fromkeys(n for s in slices for n in s.ticks)
+    ticks = {n: sum(s.ticks.get(n, 0) for s in slices) for n in names}
+    cpu = cpu_ms_per_request(dict.fromkeys(ticks, 0), ticks, done, clk_tck)
+    own = OWN_PROCESSES[system]
+    others = [n for n in ticks if n not in own and n != "engine"]
+    client = sum(s.client_seconds for s in slices)
+    machine = sum(s.machine_seconds for s in slices)
+    measured = sum(ticks.values()) / clk_tck
+    return {
+        "system": system, "seconds": wall, "slices": len(slices), "requests": done,
+        "errors": sum(s.errors for s in slices), "first_error": next((s.first_error for s in slices if s.first_error), ""),
+        "req_per_s": done / wall if wall else float("nan"),
+        "ttfb_p50_ms": percentile(ttfb, 50), "ttfb_p99_ms": percentile(ttfb, 99),
+        "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "cpu_ms_per_request": cpu,
+        "own_cpu_ms_per_request": sum(cpu.get(n, 0.0) for n in own),
+        "client_cpu_ms_per_request": client * 1000 / max(1, done),
+        # The other systems' processes, idle meanwhile (timers, heartbeats, polling).
+        "others_idle_cores": sum(ticks[n] for n in others) / clk_tck / wall if wall else float("nan"),
+        "machine_busy_cores": machine / wall if wall else float("nan"),
+        # Busy cores of the machine not explained by the processes measured here and the client:
+        # other users of a shared machine.
+        "other_load_cores": max(0.0, (machine - measured - client) / wall) if wall else float("nan"),
+    }
+
+
 def mean(values: Iterable[float]) -> float:
     values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else float("nan")
@@ -334,7 +381,7 @@ class Endpoint:
 
 
 async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warmup: float, roots: Mapping[str, int],
-                      quickack: bool = True) -> dict[str, Any]:
+                      quickack: bool = True) -> Slice:
     """`concurrency` connections each sending the next request when the last one ended; measured over
     `seconds` after `warmup`: requests that started in the window count for TTFB, those that ended
     in it for throughput and CPU."""
@@ -389,29 +436,10 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
     for task in tasks:
         task.cancel()
 
-    wall = after.wall - before.wall
-    done = int(state["done"])
-    cpu = cpu_ms_per_request(before.ticks, after.ticks, done)
-    own = OWN_PROCESSES[endpoint.system]
-    others = [name for name in after.ticks if name not in own and name != "engine"]
-    measured_cores = (sum(after.ticks.values()) - sum(before.ticks.values())) / CLK_TCK / wall
-    client_cores = (after.client - before.client) / wall
-    return {
-        "system": endpoint.system, "concurrency": concurrency, "quickack": quickack, "seconds": wall,
-        "requests": done, "errors": state["errors"], "first_error": state["bad"],
-        "req_per_s": done / wall,
-        "ttfb_p50_ms": percentile(ttfb, 50), "ttfb_p99_ms": percentile(ttfb, 99),
-        "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
-        "cpu_ms_per_request": cpu,
-        "own_cpu_ms_per_request": sum(cpu[name] for name in own),
-        "client_cpu_ms_per_request": (after.client - before.client) * 1000 / max(1, done),
-        # Busy cores of the whole machine not explained by the processes measured here (other
-        # users of a shared machine, and idle systems' background work).
-        # The other systems' processes, idle meanwhile (timers, heartbeats, polling).
-        "others_idle_cores": sum(after.ticks[n] - before.ticks[n] for n in others) / CLK_TCK / wall,
-        "machine_busy_cores": (after.machine - before.machine) / wall,
-        "other_load_cores": max(0.0, (after.machine - before.machine) / wall - measured_cores - client_cores),
-    }
+    return Slice(ttfb_ms=ttfb, e2e_ms=e2e, requests=int(state["done"]), errors=int(state["errors"]),
+                 first_error=str(state["bad"]), wall=after.wall - before.wall,
+                 ticks={name: after.ticks[name] - before.ticks[name] for name in before.ticks if name in after.ticks},
+                 client_seconds=after.client - before.client, machine_seconds=after.machine - before.machine)
 
 
 # ---- the systems --------------------------------------------------------------------------------
@@ -484,11 +512,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": host.platform()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python -m bench.spine " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m bench.spine", *sys.argv[1:]]),
         "sglang_router": version("sglang-router"),
-        "config": {"seconds": args.seconds, "warmup": args.warmup, "reps": args.reps, "output_tokens": OUTPUT_TOKENS,
+        "config": {"seconds": args.seconds, "warmup": args.warmup, "reps": args.reps, "slices": args.slices,
+                   "output_tokens": OUTPUT_TOKENS,
                    "paced_step_ms": PACED_STEP_MS},
-        "phases": [], "client_check": [],
+        "phases": [], "client_check": [], "load_average_before": os.getloadavg()[0],
     }
     plan = scenarios(args)
     for paced in (False, True):
@@ -512,17 +541,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not paced and args.client_check:
                 for system in SYSTEMS:
                     for quickack in (False, True):
-                        phase = asyncio.run(closed_loop(endpoints[system], 1, args.client_check, 0.5, roots, quickack))
+                        window = asyncio.run(closed_loop(endpoints[system], 1, args.client_check, 0.5, roots, quickack))
+                        phase = {**phase_metrics(system, [window]), "concurrency": 1, "quickack": quickack}
                         results["client_check"].append(phase)
                         print(f"  client check  {system:14} quickack={quickack!s:5} "
                               f"TTFB p50 {phase['ttfb_p50_ms']:.2f} ms  p99 {phase['ttfb_p99_ms']:.2f} ms", flush=True)
             for scenario in todo:
                 for rep in range(args.reps):
                     order = SYSTEMS if rep % 2 == 0 else tuple(reversed(SYSTEMS))
+                    windows: dict[str, list[Slice]] = {system: [] for system in order}
+                    # With --slices > 1 the systems take turns slice by slice within the rep, so
+                    # a burst of other work on the machine falls on all of them alike.
+                    for _ in range(args.slices):
+                        for system in order:
+                            windows[system].append(asyncio.run(closed_loop(
+                                endpoints[system], scenario.concurrency, args.seconds / args.slices, args.warmup, roots)))
                     for system in order:
-                        phase = asyncio.run(closed_loop(endpoints[system], scenario.concurrency, args.seconds,
-                                                        args.warmup, roots))
-                        phase.update(scenario=scenario.name, label=scenario.label, rep=rep, paced=scenario.paced)
+                        phase = phase_metrics(system, windows[system])
+                        phase.update(scenario=scenario.name, label=scenario.label, rep=rep, paced=scenario.paced,
+                                     concurrency=scenario.concurrency, quickack=True)
                         results["phases"].append(phase)
                         print(f"  {scenario.label:24} rep {rep} {system:14} {phase['req_per_s']:7.0f} req/s  "
                               f"TTFB p50 {phase['ttfb_p50_ms']:6.2f} p99 {phase['ttfb_p99_ms']:6.2f} ms  "
@@ -533,6 +570,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 stop_process(router)
             stack.stop()
             stack.rmtree()
+    results["load_average_after"] = os.getloadavg()[0]
     results["summary"] = summarise(results["phases"])
     results["targets"] = verdict(results["summary"])
     if args.plot:
@@ -542,11 +580,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- output -------------------------------------------------------------------------------------
 
+NOISY_CORES = 0.25  # average other load above which the report says the run was disturbed
 PROCESS_ORDER = ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis", "sglang-router")
 
 
 def _f(value: float, digits: int = 2) -> str:
     return "–" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def noise_note(results: dict[str, Any]) -> list[str]:
+    """A warning when other work kept the machine's cores busy during the phases."""
+    other = [p["other_load_cores"] for p in results["phases"]]
+    if not other or mean(other) < NOISY_CORES:
+        return []
+    return [f"**The machine was busy with other work**: {mean(other):.2f} cores on average (up to {max(other):.2f}) "
+            f"outside the measured processes and the client, on {results['machine']['cpus']} CPUs; load average "
+            f"{results.get('load_average_before', float('nan')):.1f} before, {results.get('load_average_after', float('nan')):.1f} after. "
+            "Latency and req/s swing with it from phase to phase; CPU-ms per request is the steadiest number here.", ""]
 
 
 def ratio_cell(ratio: float) -> str:
@@ -562,10 +612,13 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command']}`. One simulated SGLang engine (the stack's `engine-1`) behind "
         f"sglang-router {results['sglang_router']} (defaults) and behind inferbus (one worker); streaming chat with usage, "
-        f"{cfg['output_tokens']} output tokens, closed loop, {cfg['reps']} reps of {cfg['seconds']:g} s (after "
-        f"{cfg['warmup']:g} s warm-up) alternating the systems' order; client with TCP_NODELAY and quick ACK. "
+        f"{cfg['output_tokens']} output tokens, closed loop, {cfg['reps']} reps of {cfg['seconds']:g} s"
+        + (f" in {cfg['slices']} slices taken in turn" if cfg.get("slices", 1) > 1 else "")
+        + f" (after {cfg['warmup']:g} s warm-up{' each' if cfg.get('slices', 1) > 1 else ''}) alternating the "
+        "systems' order; client with TCP_NODELAY and quick ACK. "
         "Everything, the client included, shares this machine; TTFB is added over the engine alone in the same rep.",
         "",
+        *noise_note(results),
         "## Targets (inferbus; ratio = inferbus / sglang-router)",
         "",
         "| target | bound | inferbus | per rep | sglang-router | ratio | | engine alone |",
@@ -656,6 +709,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds of each phase (default 4)")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each phase (default 1)")
     parser.add_argument("--reps", type=int, default=2, help="reps of each scenario, alternating the order (default 2)")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="split each phase into this many slices, the systems taking turns slice by slice "
+                             "(each slice after its own warm-up); more evens out a noisy machine (default 1)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256],
                         help="closed-loop levels at zero step time (default 1 16 64 256)")
     parser.add_argument("--paced-concurrency", type=int, default=64,

@@ -11,12 +11,14 @@ from typing import Any
 from bench.spine import (
     Endpoint,
     ProcStat,
+    Slice,
     closed_loop,
     completed_tokens,
     cpu_ms_per_request,
     first_token_at,
     markdown,
     parse_proc_stat,
+    phase_metrics,
     summarise,
     tree_ticks,
     verdict,
@@ -76,6 +78,27 @@ def test_completed_tokens_needs_the_done_line_and_reads_the_last_usage() -> None
     assert completed_tokens(b'data: {"choices":[],"usage":null}\n\ndata: [DONE]\n\n') is None
 
 
+def test_phase_metrics_pools_the_slices_samples_and_sums_their_counters() -> None:
+    slices = [
+        Slice(ttfb_ms=[1.0, 2.0], e2e_ms=[5.0, 6.0], requests=100, errors=0, first_error="", wall=1.0,
+              ticks={"gateway": 10, "worker": 5, "engine": 20, "sglang-router": 1}, client_seconds=0.02,
+              machine_seconds=1.0),
+        Slice(ttfb_ms=[3.0], e2e_ms=[7.0], requests=300, errors=2, first_error="HTTP 500", wall=1.0,
+              ticks={"gateway": 30, "worker": 15, "engine": 60, "sglang-router": 1}, client_seconds=0.06,
+              machine_seconds=1.9),
+    ]
+    m = phase_metrics("inferbus", slices, clk_tck=100)
+    assert m["requests"] == 400 and m["errors"] == 2 and m["first_error"] == "HTTP 500"
+    assert m["req_per_s"] == 200.0
+    assert m["ttfb_p50_ms"] == 2.0 and m["e2e_p99_ms"] == 7.0
+    assert m["cpu_ms_per_request"] == {"gateway": 1.0, "worker": 0.5, "engine": 2.0, "sglang-router": 0.05}
+    assert m["own_cpu_ms_per_request"] == 1.5  # gateway + worker; not the engine, not the other router
+    assert math.isclose(m["client_cpu_ms_per_request"], 0.2)
+    assert math.isclose(m["others_idle_cores"], 0.01)  # sglang-router's 2 ticks over 2 s
+    # 2.9 busy seconds - 1.42 measured - 0.08 client, over 2 s
+    assert math.isclose(m["other_load_cores"], (2.9 - 1.42 - 0.08) / 2)
+
+
 def phase(scenario: str, rep: int, system: str, **values: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"scenario": scenario, "rep": rep, "system": system, "concurrency": 64, "requests": 100,
                             "errors": 0, "req_per_s": 1000.0, "ttfb_p50_ms": 1.0, "ttfb_p99_ms": 2.0, "e2e_p50_ms": 3.0,
@@ -133,6 +156,10 @@ def test_markdown_shows_every_target_and_scenario() -> None:
     text = markdown(results)
     assert text.count("**missed**") + text.count("| met |") == 5
     assert "| paced64 | inferbus |" in text
+    assert "busy with other work" not in text
+    for p in phases:
+        p["other_load_cores"] = 1.2
+    assert "busy with other work**: 1.20 cores" in markdown(results)
 
 
 def test_verdict_on_a_run_without_the_scenario_is_missed_not_met() -> None:
@@ -170,11 +197,12 @@ async def sse_server(tokens: int) -> tuple[asyncio.Server, int]:
 async def test_closed_loop_reads_streams_and_counts_cpu_of_the_named_trees() -> None:
     server, port = await sse_server(16)
     async with server:
-        result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 4,
+        window = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 4,
                                    seconds=0.5, warmup=0.1, roots={"engine": os.getpid()})
+    result = phase_metrics("engine", [window])
     assert result["errors"] == 0, result["first_error"]
-    assert result["requests"] > 0
-    assert not math.isnan(result["ttfb_p50_ms"]) and result["ttfb_p50_ms"] <= result["e2e_p50_ms"]
+    assert result["requests"] > 0 and len(window.ttfb_ms) > 0
+    assert all(first <= end for first, end in zip(window.ttfb_ms, window.e2e_ms))
     assert set(result["cpu_ms_per_request"]) == {"engine"}
 
 
@@ -183,7 +211,7 @@ async def test_closed_loop_counts_a_stream_with_the_wrong_token_count_as_an_erro
     async with server:
         result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 2,
                                    seconds=0.3, warmup=0.05, roots={}, quickack=False)
-    assert result["requests"] == 0 and result["errors"] > 0
+    assert result.requests == 0 and result.errors > 0
 
 
 async def test_closed_loop_counts_a_refused_connection_as_an_error() -> None:
@@ -192,4 +220,4 @@ async def test_closed_loop_counts_a_refused_connection_as_an_error() -> None:
     await server.wait_closed()  # nothing listens on the port now
     result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 1,
                                seconds=0.1, warmup=0.05, roots={})
-    assert result["requests"] == 0 and result["errors"] > 0 and "Error" in result["first_error"]
+    assert result.requests == 0 and result.errors > 0 and "Error" in result.first_error
