@@ -444,17 +444,18 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
 
 # ---- the systems --------------------------------------------------------------------------------
 
-def start_stack(paced: bool) -> tuple[Stack, str]:
+def start_stack(paced: bool, quiet_logs: bool = False) -> tuple[Stack, str]:
+    """The platform as `inferbus up` runs it (log level info: the gateway's access log on), one worker."""
     config = StackConfig(state_dir=Path(tempfile.mkdtemp(prefix="inferbus-bench-")), gateway_port=free_port(),
-                         workers=1, log_level="warning", time_scale=1.0 if paced else 0.0,
+                         workers=1, log_level="warning" if quiet_logs else "info", time_scale=1.0 if paced else 0.0,
                          fixed_step_ms=PACED_STEP_MS if paced else None)
     stack = Stack(config)
     stack.start(timeout=90)
     return stack, asyncio.run(_demo_key(stack.redis_url))
 
 
-def start_sglang_router(engine_url: str, state: Path) -> tuple[Process, str]:
-    """sglang-router with its defaults (cache_aware policy) in front of the one engine."""
+def start_sglang_router(engine_url: str, state: Path, quiet_logs: bool = False) -> tuple[Process, str]:
+    """sglang-router with its defaults (cache_aware policy, its log level) in front of the one engine."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
 
@@ -468,7 +469,7 @@ def start_sglang_router(engine_url: str, state: Path) -> tuple[Process, str]:
 
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", engine_url,
             "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
-            "--prometheus-host", "127.0.0.1", "--log-level", "warn"]
+            "--prometheus-host", "127.0.0.1", *(["--log-level", "warn"] if quiet_logs else [])]
     process = Process("sglang-router", argv, dict(os.environ), state / "logs" / "sglang-router.log", ready, base)
     process.start()
     deadline = time.monotonic() + 60
@@ -515,6 +516,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python -m bench.spine", *sys.argv[1:]]),
         "sglang_router": version("sglang-router"),
         "config": {"seconds": args.seconds, "warmup": args.warmup, "reps": args.reps, "slices": args.slices,
+                   "quiet_logs": args.quiet_logs,
                    "output_tokens": OUTPUT_TOKENS,
                    "paced_step_ms": PACED_STEP_MS},
         "phases": [], "client_check": [], "load_average_before": os.getloadavg()[0],
@@ -525,11 +527,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not todo and (paced or not args.client_check):
             continue
         print(f"{'paced' if paced else 'zero step time'}: starting inferbus and sglang-router…", flush=True)
-        stack, key = start_stack(paced)
+        stack, key = start_stack(paced, args.quiet_logs)
         router: Process | None = None
         try:
             engine = stack.get("engine-1")
-            router, router_url = start_sglang_router(engine.detail, stack.config.state_dir)
+            router, router_url = start_sglang_router(engine.detail, stack.config.state_dir, args.quiet_logs)
             roots = {STACK_PROCESSES[p.name]: p.pid for p in stack.processes if p.name in STACK_PROCESSES}
             roots["sglang-router"] = router.pid
             endpoints = {
@@ -611,7 +613,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"# Serving spine: inferbus and sglang-router side by side ({results['when']}, {results['machine']['cpus']} CPUs)",
         "",
         f"Command: `{results['command']}`. One simulated SGLang engine (the stack's `engine-1`) behind "
-        f"sglang-router {results['sglang_router']} (defaults) and behind inferbus (one worker); streaming chat with usage, "
+        f"sglang-router {results['sglang_router']} (defaults) and behind inferbus (one worker, "
+        f"{'log level warning' if cfg.get('quiet_logs') else 'defaults: log level info, access log on'}); "
+        "streaming chat with usage, "
         f"{cfg['output_tokens']} output tokens, closed loop, {cfg['reps']} reps of {cfg['seconds']:g} s"
         + (f" in {cfg['slices']} slices taken in turn" if cfg.get("slices", 1) > 1 else "")
         + f" (after {cfg['warmup']:g} s warm-up{' each' if cfg.get('slices', 1) > 1 else ''}) alternating the "
@@ -718,6 +722,9 @@ def main() -> None:
                         help=f"concurrency of the paced case ({PACED_STEP_MS:g} ms per token; 0 skips it; default 64)")
     parser.add_argument("--client-check", type=float, default=2.0,
                         help="seconds of each C=1 run with and without quick ACK (0 skips it; default 2)")
+    parser.add_argument("--quiet-logs", action="store_true",
+                        help="inferbus at log level warning (no access log) and sglang-router at warn, instead of "
+                             "each one's default (info)")
     parser.add_argument("--quick", action="store_true", help="one rep of 1.5 s per phase, 0.5 s warm-up, 1 s client check")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip spine.png (needs matplotlib)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where spine.json, .md and .png go")
