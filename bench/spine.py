@@ -383,8 +383,9 @@ class Endpoint:
 async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warmup: float, roots: Mapping[str, int],
                       quickack: bool = True) -> Slice:
     """`concurrency` connections each sending the next request when the last one ended; measured over
-    `seconds` after `warmup`: requests that started in the window count for TTFB, those that ended
-    in it for throughput and CPU."""
+    `seconds` after `warmup`. Requests sent in the window count for TTFB and end-to-end time however
+    late they end (the loop drains them: counting only those that also ended in the window would
+    drop the slow ones); requests that ended in the window count for throughput and CPU."""
     loop = asyncio.get_running_loop()
     ttfb: list[float] = []
     e2e: list[float] = []
@@ -408,31 +409,34 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
                     await asyncio.sleep(0.01)
                 conn = None
                 continue
+            in_window = window[0] <= conn.sent < window[1]
             tokens = completed_tokens(conn.body) if conn.status == 200 else None
             if tokens != OUTPUT_TOKENS or not conn.first:
-                if not state["stopping"]:
+                if not state["stopping"] or in_window:
                     state["errors"] += 1
                     state["bad"] = state["bad"] or f"HTTP {conn.status}: {bytes(conn.body[:300])!r}"
                 continue
             if state["measuring"]:
                 state["done"] += 1
-                if conn.sent >= window_start:
-                    ttfb.append((conn.first - conn.sent) * 1000)
-                    e2e.append((conn.end - conn.sent) * 1000)
+            if in_window:
+                ttfb.append((conn.first - conn.sent) * 1000)
+                e2e.append((conn.end - conn.sent) * 1000)
         if conn is not None and conn.transport is not None:
             conn.transport.close()
 
-    window_start = float("inf")
+    window = [float("inf"), float("inf")]  # perf_counter at its start and end
     tasks = [asyncio.create_task(one_connection()) for _ in range(concurrency)]
     await asyncio.sleep(warmup)
     before = reading(roots)
-    window_start = before.wall
+    window[0] = before.wall
     state["measuring"] = True
     await asyncio.sleep(seconds)
+    # No await from here to `stopping`: no request is sent after the window's end.
     state["measuring"] = False
     after = reading(roots)
+    window[1] = after.wall
     state["stopping"] = True
-    await asyncio.wait(tasks, timeout=30)
+    await asyncio.wait(tasks, timeout=60)
     for task in tasks:
         task.cancel()
 

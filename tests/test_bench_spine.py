@@ -167,9 +167,9 @@ def test_verdict_on_a_run_without_the_scenario_is_missed_not_met() -> None:
     assert not rows[1]["met"] and math.isnan(rows[1]["inferbus"])
 
 
-async def sse_server(tokens: int) -> tuple[asyncio.Server, int]:
+async def sse_server(tokens: int, pause: float = 0.0) -> tuple[asyncio.Server, int]:
     """An HTTP/1.1 keep-alive server answering every POST with a chunked SSE stream of `tokens` chat
-    chunks, its head and each event written separately."""
+    chunks, its head and each event written separately, `pause` seconds before each event."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -183,6 +183,7 @@ async def sse_server(tokens: int) -> tuple[asyncio.Server, int]:
                 events += [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(tokens)]
                 events += [b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % tokens, b"data: [DONE]\n\n"]
                 for event in events:
+                    await asyncio.sleep(pause)
                     writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                     await writer.drain()
                 writer.write(b"0\r\n\r\n")
@@ -211,6 +212,7 @@ async def test_closed_loop_counts_a_stream_with_the_wrong_token_count_as_an_erro
     async with server:
         result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 2,
                                    seconds=0.3, warmup=0.05, roots={}, quickack=False)
+    # (the server streams 3 tokens, the client asks for 16)
     assert result.requests == 0 and result.errors > 0
 
 
@@ -221,3 +223,15 @@ async def test_closed_loop_counts_a_refused_connection_as_an_error() -> None:
     result = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 1,
                                seconds=0.1, warmup=0.05, roots={})
     assert result.requests == 0 and result.errors > 0 and "Error" in result.first_error
+
+
+async def test_closed_loop_keeps_the_requests_sent_in_the_window_that_end_after_it() -> None:
+    # Each stream takes ~0.3 s (19 events 15 ms apart) and the window, from the start, 0.1 s: every
+    # connection's first request is sent in it and ends after it. Counting only requests that also
+    # ended in the window would leave no TTFB samples at all (with real servers: only fast ones).
+    server, port = await sse_server(16, pause=0.015)
+    async with server:
+        window = await closed_loop(Endpoint("engine", f"http://127.0.0.1:{port}/v1/chat/completions"), 3,
+                                   seconds=0.1, warmup=0.0, roots={})
+    assert window.errors == 0, window.first_error
+    assert len(window.ttfb_ms) == 3 and len(window.e2e_ms) == 3  # one per connection, sent in the window
