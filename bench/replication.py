@@ -1,7 +1,8 @@
 """What JetStream replication (R3 on a 3-node cluster) costs the serving spine.
 
-The same spine benchmark (bench/spine.py: simulated engine at zero step time, one worker, 16
-output tokens, every request admitted through Redis and billed from the usage ledger) on a single
+The spine benchmark's requests and client (bench/spine.py: streaming chat with usage, simulated
+engine at zero step time, one worker, 16 output tokens, every request admitted through Redis and
+billed from the usage ledger) on a single
 nats-server with R1 streams, then on `inferbus up --zones 3`'s platform: a 3-node NATS cluster with
 REQUESTS, USAGE and every bucket at R3, Redis behind Sentinel. Reported: TTFT at concurrency 1
 (what R3 adds to a request's latency: the request publish and its ack wait for a quorum), and at a
@@ -21,29 +22,29 @@ import time
 from pathlib import Path
 
 from bench.common import write_results
-from bench.spine import closed_loop, cpu_seconds, gateway_target, sequential
+from bench.spine import CLK_TCK, Endpoint, closed_loop, phase_metrics
 from inferbus.commands.main import _demo_key
 from inferbus.local import Stack, StackConfig, free_port
 
 GROUPS = ("nats", "gateway", "router", "worker", "billing", "redis", "sentinel")
 
 
-def measure(zones: int, requests: int, concurrency: int, seconds: float) -> dict:
+def measure(zones: int, single_seconds: float, concurrency: int, seconds: float) -> dict:
     stack = Stack(StackConfig(state_dir=Path(tempfile.mkdtemp(prefix="inferbus-bench-r3-")), gateway_port=free_port(),
                               workers=1, log_level="warning", time_scale=0.0, batch=False, zones=zones))
     stack.start(timeout=120)
     try:
-        gateway = gateway_target(stack, asyncio.run(_demo_key(stack.redis_url)))
-        sequential(gateway, 20)  # warm up: connections, caches
-        single = sequential(gateway, requests)
-        pids = {p.name: p.pid for p in stack.processes if p.name.split("-")[0] in GROUPS}
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        loop = asyncio.run(closed_loop(gateway, concurrency, seconds))
-        n = max(1, loop["requests"])
-        cpu = {group: sum(cpu_seconds(pid) - before[name] for name, pid in pids.items() if name.split("-")[0] == group)
-               * 1000 / n for group in GROUPS}
-        return {"zones": zones, "sequential": single, "closed_loop": loop,
-                "cpu_ms_per_request": cpu}
+        key = asyncio.run(_demo_key(stack.redis_url))
+        gateway = Endpoint("inferbus", stack.gateway_url + "/v1/chat/completions", {"Authorization": f"Bearer {key}"})
+        # The spine benchmark's client (quick ACK, one keep-alive connection per stream), 1 s warm-up each.
+        single = phase_metrics("inferbus", [asyncio.run(closed_loop(gateway, 1, single_seconds, 1.0, {}))])
+        roots = {p.name: p.pid for p in stack.processes if p.name.split("-")[0] in GROUPS}
+        window = asyncio.run(closed_loop(gateway, concurrency, seconds, 1.0, roots))
+        loop = {**phase_metrics("inferbus", [window]), "concurrency": concurrency}
+        n = max(1, window.requests)
+        cpu = {group: sum(ticks for name, ticks in window.ticks.items() if name.split("-")[0] == group)
+               * 1000 / CLK_TCK / n for group in GROUPS}
+        return {"zones": zones, "sequential": single, "closed_loop": loop, "cpu_ms_per_request": cpu}
     finally:
         stack.stop()
         stack.rmtree()
@@ -59,7 +60,7 @@ def markdown(results: dict) -> str:
              "placement (a single-node gateway skips the round trip for prompts shorter than a prefix block), "
              "three routers count every placement, and admission goes through Sentinel-managed Redis.", "",
              "| | single node, R1 | 3-node cluster, R3 | added by R3 |", "| --- | ---: | ---: | ---: |"]
-    for key, label in (("ttft_p50_ms", "TTFT p50 ms (concurrency 1)"), ("ttft_p99_ms", "TTFT p99 ms (concurrency 1)"),
+    for key, label in (("ttfb_p50_ms", "TTFT p50 ms (concurrency 1)"), ("ttfb_p99_ms", "TTFT p99 ms (concurrency 1)"),
                        ("e2e_p50_ms", "e2e p50 ms (concurrency 1)")):
         a, b = one["sequential"][key], three["sequential"][key]
         lines.append(f"| {label} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
@@ -76,15 +77,15 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=200, help="requests at concurrency 1, per platform")
+    parser.add_argument("--single-seconds", type=float, default=5.0, help="seconds at concurrency 1, per platform")
     parser.add_argument("--concurrency", type=int, default=16, help="closed-loop concurrency")
     parser.add_argument("--seconds", type=float, default=10.0, help="closed-loop duration")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-               "args": f"--requests {args.requests} --concurrency {args.concurrency} --seconds {args.seconds:g}"}
-    results["single"] = measure(1, args.requests, args.concurrency, args.seconds)
-    results["cluster"] = measure(3, args.requests, args.concurrency, args.seconds)
+               "args": f"--single-seconds {args.single_seconds:g} --concurrency {args.concurrency} --seconds {args.seconds:g}"}
+    results["single"] = measure(1, args.single_seconds, args.concurrency, args.seconds)
+    results["cluster"] = measure(3, args.single_seconds, args.concurrency, args.seconds)
     write_results(args.out, "replication", results, markdown)
 
 
