@@ -456,8 +456,13 @@ def start_stack(paced: bool, quiet_logs: bool = False) -> tuple[Stack, str]:
                          workers=1, log_level="warning" if quiet_logs else "info", time_scale=1.0 if paced else 0.0,
                          fixed_step_ms=PACED_STEP_MS if paced else None)
     stack = Stack(config)
-    stack.start(timeout=90)
-    return stack, asyncio.run(_demo_key(stack.redis_url))
+    try:
+        stack.start(timeout=90)
+        return stack, asyncio.run(_demo_key(stack.redis_url))
+    except BaseException:
+        stack.stop()
+        stack.rmtree()
+        raise
 
 
 def start_sglang_router(engine_url: str, state: Path, quiet_logs: bool = False) -> tuple[Process, str]:
