@@ -1,11 +1,17 @@
 """The deployment survives a node's or a zone's loss: NATS as a 3-node cluster with routes and
 JetStream R3, Redis with Sentinel failover, every stateful and serving part spread by zone and
-kept from sharing a host, and disruption budgets that let drains take one at a time."""
+kept from sharing a host, disruption budgets that let drains take one at a time, and gateways and
+workers that know their zone (the router's zone preference)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
@@ -61,3 +67,71 @@ def test_every_part_is_spread_by_zone_and_drains_one_at_a_time() -> None:
     for name in ("nats", "redis"):  # stateful: never two replicas on one host
         anti = found[("StatefulSet", name)]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
         assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == "kubernetes.io/hostname"
+
+
+def _render(overlay: str) -> list[dict]:
+    """`kubectl kustomize` of an overlay given as a kustomization's text, in which `K8S` stands for
+    deploy/k8s (kustomize takes relative paths only)."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl not installed: kustomize rendering not checked")
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "kustomization.yaml").write_text(overlay.replace("K8S", os.path.relpath(K8S, directory)))
+        out = subprocess.run([kubectl, "kustomize", directory], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+OVERLAYS = {
+    "production": ("inferbus", "resources: [K8S]\n", ("gateway", "worker")),
+    "staging": ("inferbus-staging", "resources: [K8S/staging]\n", ("gateway", "worker-sim")),
+    "per-pod-identities": ("inferbus", "resources: [K8S]\ncomponents: [K8S/per-pod-identities]\n", ("gateway", "worker")),
+}
+KUSTOMIZATION = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_gateways_and_workers_learn_their_nodes_zone(overlay: str) -> None:
+    """The Downward API cannot read node labels: a `zone` init container reads the node's zone from
+    the Kubernetes API, with a ServiceAccount that may only get nodes and a token only it holds, and
+    writes it where the service reads INFERBUS_ZONE_FILE."""
+    namespace, text, deployments = OVERLAYS[overlay]
+    docs = _render(KUSTOMIZATION + text)
+    found = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    bindings = [d for d in docs if d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == "inferbus-node-zone"]
+    assert len(bindings) == 1
+    assert found[("ClusterRole", "inferbus-node-zone")]["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    bound = {(s["namespace"], s["name"]) for s in bindings[0]["subjects"] if s["kind"] == "ServiceAccount"}
+    for name in deployments:
+        spec = found[("Deployment", name)]["spec"]["template"]["spec"]
+        assert (namespace, spec["serviceAccountName"]) in bound, (overlay, name)
+        assert spec["automountServiceAccountToken"] is False, name  # no API token in the service's container
+        zone = spec["initContainers"][0]
+        assert zone["name"] == "zone", f"{name}: the zone is read first, before an engine loads"
+        assert zone["args"][:2] == ["node-zone", "--out"]
+        out = Path(zone["args"][2])
+        node = {e["name"]: e for e in zone["env"]}["NODE_NAME"]
+        assert node["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        writes = {m["mountPath"]: m["name"] for m in zone["volumeMounts"]}
+        assert "emptyDir" in volumes[writes[str(out.parent)]]
+        api = volumes[writes["/var/run/secrets/kubernetes.io/serviceaccount"]]["projected"]["sources"]
+        assert {"serviceAccountToken": {"path": "token", "expirationSeconds": 600}} in api  # the API's audience
+        assert any(s.get("configMap", {}).get("name") == "kube-root-ca.crt" for s in api)
+        [service] = [c for c in spec["containers"] if c["name"] in ("gateway", "worker")]
+        assert {e["name"]: e.get("value") for e in service["env"]}["INFERBUS_ZONE_FILE"] == str(out)
+        reads = {m["mountPath"]: m for m in service["volumeMounts"]}[str(out.parent)]
+        assert reads["name"] == writes[str(out.parent)] and reads["readOnly"] is True
+        token_volume = writes["/var/run/secrets/kubernetes.io/serviceaccount"]
+        holders = [c["name"] for c in spec["initContainers"] + spec["containers"]
+                   if any(m["name"] == token_volume for m in c.get("volumeMounts", []))]
+        assert holders == ["zone"], name
+
+
+def test_staging_binds_its_own_accounts_under_its_own_name() -> None:
+    """The binding is cluster-scoped: staging applied to the same cluster must not take production's."""
+    names = {overlay: [d["metadata"]["name"] for d in _render(KUSTOMIZATION + OVERLAYS[overlay][1])
+                       if d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == "inferbus-node-zone"]
+             for overlay in ("production", "staging")}
+    assert names["production"] != names["staging"]

@@ -408,6 +408,45 @@ def secrets_command(fmt: str, namespace: str) -> None:
                           "type: Opaque", "stringData:", *[f'  {name}: "{value}"' for name, value in values.items()]]))
 
 
+@main.command("node-zone")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="File to write the zone to (the service reads it as INFERBUS_ZONE_FILE).")
+@click.option("--node", envvar="NODE_NAME", default="", show_envvar=True,
+              help="The node this pod runs on (the Downward API's spec.nodeName).")
+@click.option("--service-account-dir", type=click.Path(file_okay=False, path_type=Path),
+              default="/var/run/secrets/kubernetes.io/serviceaccount", show_default=True,
+              help="Where the pod's API token (token) and the cluster's CA (ca.crt) are mounted.")
+@click.option("--tries", default=5, show_default=True, help="Attempts against the API before giving up (2 s apart).")
+def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> None:
+    """Write the zone of the node this pod runs on to a file (a Kubernetes init container).
+
+    The Downward API cannot read node labels: this reads the node's topology.kubernetes.io/zone
+    label from the Kubernetes API with the pod's ServiceAccount (which may only `get` nodes,
+    deploy/k8s/base/zone.yaml) and writes it to --out, where the gateway or worker reads it
+    (INFERBUS_ZONE_FILE). A node without the label gives an empty file: the service runs without
+    a zone. Exits 1 when the API cannot be read after --tries attempts, so the pod does not start
+    with a zone silently missing.
+    """
+    from inferbus.node_zone import ApiAccess, ZoneError, fetch_node_zone, write_zone_file
+
+    error: ZoneError | None = None
+    for attempt in range(max(1, tries)):
+        if attempt:
+            time.sleep(2.0)
+        try:
+            zone = fetch_node_zone(ApiAccess.in_cluster(os.environ, service_account_dir), node)
+        except ZoneError as failure:
+            error = failure
+            click.echo(f"node-zone: {failure}", err=True)
+            continue
+        write_zone_file(out, zone)
+        click.echo(f"node {node}: zone {zone!r}" if zone else
+                   f"node {node} has no {'topology.kubernetes.io/zone'} label: running without a zone")
+        return
+    click.echo(click.style(f"node-zone: giving up: {error}", fg="red"), err=True)
+    sys.exit(1)
+
+
 # ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
 
 from inferbus.commands.local_platform import DEFAULT_GATEWAY_URL as DEFAULT_URL  # noqa: E402
