@@ -69,12 +69,13 @@ def main() -> None:
 @click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
               help="Without --model-dir: the chat template family of the model directory built.")
 @click.option("--tls", is_flag=True,
-              help="TLS on NATS's client port: a new local CA and server certificate in STATE_DIR/tls (keys 0600); "
-                   "every service verifies the server against that CA and plaintext clients are refused.")
+              help="TLS on NATS's client port (with --zones, on every node's and on the cluster routes, where the "
+                   "nodes verify each other's certificate): a new local CA and server certificate in STATE_DIR/tls "
+                   "(keys 0600); every service verifies the server against that CA and plaintext clients are refused.")
 @click.option("--callout", is_flag=True,
               help="Authorize every service through `inferbus auth-callout` with a token of its own instead of a "
                    "password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens (not with "
-                   "--autoscale).")
+                   "--autoscale; with --zones, a callout per zone).")
 @click.option("--zones", default=1, show_default=True, type=click.IntRange(1, 10),
               help="Zones to spread the platform over. Above 1: a NATS cluster with a node per zone (JetStream keeps "
                    "3 copies of the request queue, the usage ledger and the buckets), Redis primary and replica with "
