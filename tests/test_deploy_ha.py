@@ -135,3 +135,69 @@ def test_staging_binds_its_own_accounts_under_its_own_name() -> None:
                        if d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == "inferbus-node-zone"]
              for overlay in ("production", "staging")}
     assert names["production"] != names["staging"]
+
+
+COMPOSE = K8S.parent.parent / "docker-compose.yml"
+COMPOSE_HA = K8S.parent.parent / "docker-compose.ha.yml"
+
+
+def test_the_compose_ha_override_matches_the_compose_spec() -> None:
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).resolve().parent / "schemas" / "compose-spec.json").read_text())
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in jsonschema.Draft7Validator(schema).iter_errors(yaml.safe_load(COMPOSE_HA.read_text()))]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_compose_ha_override_clusters_nats_fails_redis_over_and_zones_the_services() -> None:
+    """docker-compose.ha.yml over docker-compose.yml: three NATS nodes routed to each other with the
+    route user, every service of the base on all three with R3, Redis through three sentinels, and
+    a gateway and a worker pair in each of two zones."""
+    from inferbus.bus_auth import ROUTE_PASSWORD_ENV, new_secrets
+
+    base = yaml.safe_load(COMPOSE.read_text())["services"]
+    ha = yaml.safe_load(COMPOSE_HA.read_text())["services"]
+    nodes = ("nats", "nats-b", "nats-c")
+    names, route_lists = set(), []
+    for node in nodes:
+        command = ha[node]["command"]
+        names.add(command[command.index("--name") + 1])
+        route_lists.append(command[command.index("--routes") + 1].split(","))
+        assert command[:2] == ["-c", "/etc/nats/nats.conf"] and "-js" in command
+        mounts = ha[node]["volumes"] + (base[node]["volumes"] if node in base else [])
+        assert "./deploy/k8s/base/nats.conf:/etc/nats/nats.conf:ro" in mounts
+        assert "./deploy/k8s/base/nats-auth.conf:/etc/nats/nats-auth.conf:ro" in mounts
+        assert ROUTE_PASSWORD_ENV in ha[node]["environment"]
+    assert len(names) == 3  # JetStream places replicas by server name
+    password = "${NATS_ROUTE_PASSWORD:?run: inferbus secrets --format env > .env}"
+    assert all(routes == [f"nats://route:{password}@{n}:6222" for n in nodes] for routes in route_lists)
+    assert ROUTE_PASSWORD_ENV in new_secrets()  # `inferbus secrets --format env > .env` gives it
+    conf = (K8S / "base" / "nats.conf").read_text()
+    assert "user: route" in conf and "password: $NATS_ROUTE_PASSWORD" in conf and 'include "nats-auth.conf"' in conf
+
+    sentinel = [n for n in ha if n.startswith("sentinel-")]
+    assert len(sentinel) == 3
+    for name in sentinel:
+        script = ha[name]["command"][0]
+        assert "sentinel monitor inferbus redis 6379 2" in script and ha[name]["networks"] == ["store"]
+    replica = ha["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1:replica.index("--replicaof") + 3] == ["redis", "6379"]
+    redis_url = "redis+sentinel://:${REDIS_PASSWORD:?run: inferbus secrets --format env > .env}@" + \
+        ",".join(f"{s}:26379" for s in sorted(sentinel)) + "/inferbus/0"
+
+    services = {**{n: s for n, s in base.items() if n not in ("nats", "redis")}, "gateway-b": ha["gateway-b"]}
+    zones = {}
+    for name, service in services.items():
+        env = {**service.get("environment", {}), **ha.get(name, {}).get("environment", {})}
+        if "NATS_USER" in env:  # a service on the bus (the engines get NATS_URL with the shared env, unused)
+            assert sorted(env["NATS_URL"].split(",")) == sorted(f"nats://{n}:4222" for n in nodes), name
+            assert env["INFERBUS_JS_REPLICAS"] == "3", name
+        if "REDIS_URL" in env:
+            assert env["REDIS_URL"] == redis_url, name
+        if env.get("INFERBUS_ZONE"):
+            zones[name] = env["INFERBUS_ZONE"]
+    assert {zones["gateway"], zones["gateway-b"]} == {"a", "b"}
+    assert {zones["worker-1"], zones["worker-2"]} == {"a", "b"}
+    assert ha["gateway-b"]["networks"] == base["gateway"]["networks"]
