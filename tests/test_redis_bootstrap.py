@@ -12,11 +12,8 @@ their files' modes are taken from the manifest as kubelet would mount them."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .podnet import PodNetwork
+
 REDIS_YAML = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "redis.yaml"
 NAMESPACE = "inferbus"
 PASSWORD = "test-redis-password"  # noqa: S105 (a test's)
-SUBNET = "10.77.0"
 PODS = 3
 
 
@@ -52,7 +50,7 @@ def pod_env(statefulset: dict, container: str, pod: int, tmp: Path) -> dict[str,
     spec = statefulset["spec"]["template"]["spec"]
     [entry] = [c for c in spec["containers"] if c["name"] == container]
     mounts = {m["mountPath"]: m["name"] for m in entry["volumeMounts"]}
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp)}
+    env = {"HOME": str(tmp)}
     for var in entry["env"]:
         if "value" in var:
             value = var["value"]
@@ -70,8 +68,7 @@ def pod_env(statefulset: dict, container: str, pod: int, tmp: Path) -> dict[str,
 
 
 class Cluster:
-    """A network namespace with a bridge (the cluster network) whose pods are network namespaces of
-    their own; commands run inside it with `run`."""
+    """The StatefulSet's three pods on a network of their own (`tests/podnet.py`)."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -84,59 +81,28 @@ class Cluster:
         for name, text in configmap["data"].items():
             (self.scripts / name).write_text(text)
             (self.scripts / name).chmod(mode)
-        hosts = ["127.0.0.1 localhost"] + [f"{SUBNET}.{10 + i} {fqdn(i)} redis-{i}.redis-headless" for i in range(PODS)]
-        (tmp / "hosts").write_text("\n".join(hosts) + "\n")
-        (tmp / "logs").mkdir()
-        self.network = subprocess.Popen(
-            ["unshare", "--user", "--map-root-user", "--net", "--mount", "--fork", "sh", "-c",
-             f"set -e; mount --bind {tmp / 'hosts'} /etc/hosts; ip link set lo up; ip link add br0 type bridge; "
-             f"ip addr add {SUBNET}.1/24 dev br0; ip link set br0 up; echo $$; exec sleep 600"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.network.stdout.readline() if self.network.stdout else ""
-        if not line.strip().isdigit():
-            error = self.network.stderr.read() if self.network.stderr else ""
-            self.network.kill()
-            pytest.skip(f"no user and network namespaces here (unshare: {error.strip()})")
-        self.pid = int(line)
-        self.pods: dict[int, int] = {}
-
-    def run(self, *argv: str, env: dict[str, str] | None = None, timeout: float = 10) -> str:
-        out = subprocess.run(["nsenter", "-t", str(self.pid), "--user", "--net", "--mount", "--preserve-credentials",
-                              *argv], capture_output=True, text=True, timeout=timeout, env=env)
-        assert out.returncode == 0, f"{argv}: {out.stderr}"
-        return out.stdout
+        self.network = PodNetwork(tmp, {f"redis-{i}": [fqdn(i), f"redis-{i}.redis-headless"] for i in range(PODS)})
+        self.pods: set[int] = set()
 
     def start_pod(self, pod: int) -> None:
-        """The pod's network (its address on the bridge), then its two containers as the manifest
-        runs them (`/bin/sh SCRIPT`), each with its own environment."""
-        containers = {c["name"]: c for c in self.statefulset["spec"]["template"]["spec"]["containers"]}
-        commands = []
-        for name in ("redis", "sentinel"):
-            shell, script = containers[name]["command"]
-            assert shell == "/bin/sh" and script.startswith("/scripts/"), containers[name]["command"]
-            env = " ".join(f"{k}='{v}'" for k, v in pod_env(self.statefulset, name, pod, self.tmp).items())
-            commands.append(f"env -i {env} /bin/sh {self.scripts / Path(script).name} "
-                            f">>{self.tmp / 'logs' / f'{name}-{pod}.log'} 2>&1 &")
-        inside = (f"while ! ip -4 addr show eth0 2>/dev/null | grep -q inet; do sleep 0.05; done; "
-                  f"{' '.join(commands)} wait")
-        started = self.run("sh", "-c", f"""
-            ip link del v{pod} 2>/dev/null || true
-            setsid unshare --net sh -c "{inside}" </dev/null >/dev/null 2>&1 &
-            pod=$!
-            while [ "$(readlink /proc/$pod/ns/net)" = "$(readlink /proc/self/ns/net)" ]; do sleep 0.01; done
-            ip link add v{pod} type veth peer name eth0 netns $pod
-            ip link set v{pod} master br0 up
-            nsenter -t $pod --net sh -c 'ip link set lo up; ip addr add {SUBNET}.{10 + pod}/24 dev eth0; ip link set eth0 up'
-            echo $pod""")
-        self.pods[pod] = int(started.strip().splitlines()[-1])
+        """Its two containers as the manifest runs them (`/bin/sh SCRIPT`), each with its own
+        environment."""
+        containers = []
+        for container in self.statefulset["spec"]["template"]["spec"]["containers"]:
+            shell, script = container["command"]
+            assert shell == "/bin/sh" and script.startswith("/scripts/"), container["command"]
+            containers.append(([shell, str(self.scripts / Path(script).name)],
+                               pod_env(self.statefulset, container["name"], pod, self.tmp)))
+        self.network.start(f"redis-{pod}", containers)
+        self.pods.add(pod)
 
     def kill_pod(self, pod: int) -> None:
-        os.killpg(self.pods.pop(pod), signal.SIGKILL)
+        self.network.kill(f"redis-{pod}")
+        self.pods.discard(pod)
 
     def cli(self, pod: int, port: int, *command: str) -> list[str]:
-        out = subprocess.run(["nsenter", "-t", str(self.pid), "--user", "--net", "--mount", "--preserve-credentials",
-                              "redis-cli", "-h", f"redis-{pod}.redis-headless", "-p", str(port), "--no-auth-warning",
-                              "-a", PASSWORD, *command], capture_output=True, text=True, timeout=10)
+        out = self.network.run("redis-cli", "-h", f"redis-{pod}.redis-headless", "-p", str(port), "--no-auth-warning",
+                               "-a", PASSWORD, *command)
         return out.stdout.splitlines() if out.returncode == 0 else []
 
     def info(self, pod: int) -> dict[str, str]:
@@ -152,13 +118,10 @@ class Cluster:
         return sum(1 for key, value in zip(answer, answer[1:], strict=False) if key == "flags" and value == "slave")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.tmp / "logs").iterdir()))
+        return self.network.log_tails()
 
     def close(self) -> None:
-        for pod in list(self.pods):
-            self.kill_pod(pod)
-        self.network.kill()
-        self.network.wait()
+        self.network.close()
 
 
 @pytest.fixture
