@@ -40,27 +40,35 @@ class PodNetwork:
         self.running: dict[str, int] = {}
 
     def run(self, *argv: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
-        """A command on the pods' network (as from another pod)."""
-        return subprocess.run(["nsenter", "-t", str(self.pid), "--user", "--net", "--mount", "--preserve-credentials",
-                               *argv], capture_output=True, text=True, timeout=timeout)
+        """A command on the pods' network (as from another pod); one that has not ended within
+        `timeout` (a pod not answering) counts as failed."""
+        command = ["nsenter", "-t", str(self.pid), "--user", "--net", "--mount", "--preserve-credentials", *argv]
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            return subprocess.CompletedProcess(command, 124, "", f"timed out after {expired.timeout} s")
 
-    def start(self, pod: str, containers: list[tuple[list[str], dict[str, str]]]) -> None:
+    def start(self, pod: str, containers: list[tuple[list[str], dict[str, str]]], workdir: Path | None = None) -> None:
         """The pod's network (its address on the bridge), then its containers: each an argv with
-        exactly the environment given (plus PATH), logging to logs/POD-N.log."""
-        commands = []
+        exactly the environment given (plus PATH), in `workdir` (else the test's), logging to
+        logs/POD-N.log."""
+        commands = [f"cd {shlex.quote(str(workdir))};"] if workdir else []
         for n, (argv, env) in enumerate(containers):
             assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in {"PATH": os.environ["PATH"], **env}.items())
             log = shlex.quote(str(self.logs / f"{pod}-{n}.log"))
             commands.append(f"env -i {assignments} {shlex.join(argv)} >>{log} 2>&1 &")
         inside = ("while ! ip -4 addr show eth0 2>/dev/null | grep -q inet; do sleep 0.05; done; "
                   + " ".join(commands) + " wait")
-        link = f"v{list(self.addresses).index(pod)}"
+        index = list(self.addresses).index(pod)
+        link = f"v{index}"
+        # The same MAC address every time the pod starts, as its address: the other pods' ARP
+        # caches stay right when it is restarted.
         started = self.run("sh", "-c", f"""
             ip link del {link} 2>/dev/null || true
             setsid unshare --net sh -c {shlex.quote(inside)} </dev/null >/dev/null 2>&1 &
             pod=$!
             while [ "$(readlink /proc/$pod/ns/net)" = "$(readlink /proc/self/ns/net)" ]; do sleep 0.01; done
-            ip link add {link} type veth peer name eth0 netns $pod
+            ip link add {link} type veth peer name eth0 address 02:42:0a:4d:00:{10 + index:02x} netns $pod
             ip link set {link} master br0 up
             nsenter -t $pod --net sh -c 'ip link set lo up; ip addr add {self.addresses[pod]}/24 dev eth0; ip link set eth0 up'
             echo $pod""")

@@ -1,9 +1,10 @@
-"""docker-compose.ha.yml's NATS cluster, run as compose would run it: the three services' commands,
-environments (with the passwords `inferbus secrets --format env` makes) and mounted files (the
-deployment's nats.conf and nats-auth.conf), each node a pod on a network of its own under its
-service name (`tests/podnet.py`; the test machines have no Docker engine). The nodes must route to
-each other with the route user, hold a stream with three replicas, and keep taking writes with
-one node lost."""
+"""docker-compose.ha.yml's NATS cluster and Redis with sentinels, run as compose would run them:
+the services' commands, environments (with the passwords `inferbus secrets --format env` makes)
+and mounted files (the deployment's nats.conf and nats-auth.conf), each container a pod on a
+network of its own under its service name (`tests/podnet.py`; the test machines have no Docker
+engine). The NATS nodes must route to each other with the route user, hold a stream with three
+replicas and keep taking writes with one node lost; the sentinels must promote the replica when
+the primary is lost and make the returning primary a replica."""
 
 from __future__ import annotations
 
@@ -141,3 +142,75 @@ def test_the_compose_nats_nodes_form_a_cluster_that_survives_a_node(cluster: tup
                           "'nats://nats-b:4222', user='route', password=sys.argv[1], max_reconnect_attempts=0, "
                           "allow_reconnect=False, connect_timeout=5))", variables["NATS_ROUTE_PASSWORD"])
     assert refused.returncode != 0 and "Authorization" in refused.stderr, refused.stderr
+
+
+REDIS_PODS = ("redis", "redis-replica", "sentinel-a", "sentinel-b", "sentinel-c")
+
+
+def container(name: str, tmp: Path, variables: dict[str, str]) -> tuple[list[str], dict[str, str], Path]:
+    """A Redis or sentinel service's argv (entrypoint + command), environment and working directory
+    after the merge. The container's own /tmp (where the sentinels write their config) is a
+    directory of the pod's here."""
+    base = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"].get(name, {})
+    ha = yaml.safe_load((REPO / "docker-compose.ha.yml").read_text())["services"][name]
+    entrypoint = ha.get("entrypoint", base.get("entrypoint", []))
+    command = ha.get("command", base.get("command"))
+    workdir = tmp / f"{name}-root"
+    (workdir / "tmp").mkdir(parents=True, exist_ok=True)
+    argv = [interpolate(str(a), variables).replace("/tmp/", f"{workdir}/tmp/") for a in [*entrypoint, *command]]
+    env = {k: interpolate(str(v), variables) for k, v in {**base.get("environment", {}),
+                                                          **ha.get("environment", {})}.items()}
+    return argv, env, workdir
+
+
+@pytest.fixture
+def redis_pods(tmp_path: Path) -> Iterator[tuple[PodNetwork, dict[str, str]]]:
+    for tool in ("unshare", "nsenter", "ip", "redis-server", "redis-cli"):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} not installed")
+    variables = new_secrets()
+    network = PodNetwork(tmp_path, {name: [name] for name in REDIS_PODS})
+    try:
+        for name in REDIS_PODS:
+            argv, env, workdir = container(name, tmp_path, variables)
+            network.start(name, [(argv, env)], workdir)
+        yield network, variables
+    finally:
+        network.close()
+
+
+def test_the_compose_sentinels_promote_the_replica_and_demote_a_returning_primary(
+        redis_pods: tuple[PodNetwork, dict[str, str]], tmp_path: Path) -> None:
+    network, variables = redis_pods
+
+    def cli(host: str, port: int, *command: str) -> list[str]:
+        out = network.run("redis-cli", "-h", host, "-p", str(port), "--no-auth-warning", "-a",
+                          variables["REDIS_PASSWORD"], *command)
+        return out.stdout.splitlines() if out.returncode == 0 else []
+
+    def primary(sentinel: str) -> str:
+        answer = cli(sentinel, 26379, "sentinel", "get-master-addr-by-name", "inferbus")
+        return answer[0] if answer else ""
+
+    def role(host: str) -> str:
+        return (cli(host, 6379, "role") or [""])[0]  # master | slave
+
+    sentinels = ("sentinel-a", "sentinel-b", "sentinel-c")
+
+    def replicas_known(sentinel: str) -> int:
+        answer = cli(sentinel, 26379, "sentinel", "replicas", "inferbus")
+        return sum(1 for key, value in zip(answer, answer[1:], strict=False) if key == "flags" and value == "slave")
+
+    wait_for("the sentinels watching redis with its replica",
+             lambda: all(primary(s) == "redis" and replicas_known(s) == 1 for s in sentinels)
+             and role("redis-replica") == "slave", network, 30)
+    assert cli("redis", 6379, "set", "tenant:acme", "kept") == ["OK"]
+    wait_for("the write replicated (asynchronously)", lambda: cli("redis-replica", 6379, "get", "tenant:acme")
+             == ["kept"], network, 10)
+    network.kill("redis")
+    wait_for("redis-replica promoted", lambda: all(primary(s) == "redis-replica" for s in sentinels)
+             and role("redis-replica") == "master", network, 5 + 2 * 10 + 10)
+    assert cli("redis-replica", 6379, "get", "tenant:acme") == ["kept"]
+    argv, env, workdir = container("redis", tmp_path, variables)  # the same data volume
+    network.start("redis", [(argv, env)], workdir)  # `restart: unless-stopped`: it comes back as a primary
+    wait_for("the returning redis made a replica of redis-replica", lambda: role("redis") == "slave", network, 30)
