@@ -518,15 +518,14 @@ class Stack:
                     "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5")}
 
         with_callout = self._callout_setup([zone_env(i) for i in range(len(zones))]) if c.callout else None
-        for node in layout.nodes:
+        for node, url in zip(layout.nodes, urls, strict=True):
             config = c.state_dir / f"nats-{node.zone}.conf"
             node_config = nats_config(node.port, node.monitor_port, c.state_dir / f"nats-{node.zone}", self.identities, tls)
             if with_callout is not None:
                 node_config = with_callout(node_config)
-            write_private(config, node_config + "\n" + lc.nats_cluster_block(layout, node, route_tls)
-                          + "\n")
+            write_private(config, node_config + "\n" + lc.nats_cluster_block(layout, node, route_tls) + "\n")
             self._add(f"nats-{node.zone}", [nats_server_binary(), "-c", str(config)],
-                      lambda m=node.monitor_port: http_ok(f"http://127.0.0.1:{m}/healthz"), urls[layout.nodes.index(node)])
+                      lambda m=node.monitor_port: http_ok(f"http://127.0.0.1:{m}/healthz"), url)
         # Redis: the primary in the first zone, a replica in the second, a sentinel in each.
         password = new_password()
         primary_port, replica_port = free_port(), free_port()

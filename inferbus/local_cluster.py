@@ -47,10 +47,6 @@ class NatsNode:
     cluster_port: int
 
     @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    @property
     def server_name(self) -> str:
         return f"nats-{self.zone}"
 
