@@ -428,7 +428,7 @@ def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> No
     a zone. Exits 1 when the API cannot be read after --tries attempts, so the pod does not start
     with a zone silently missing.
     """
-    from inferbus.node_zone import ApiAccess, ZoneError, fetch_node_zone, write_zone_file
+    from inferbus.node_zone import ZONE_LABEL, ApiAccess, ZoneError, fetch_node_zone, write_zone_file
 
     error: ZoneError | None = None
     for attempt in range(max(1, tries)):
@@ -442,7 +442,7 @@ def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> No
             continue
         write_zone_file(out, zone)
         click.echo(f"node {node}: zone {zone!r}" if zone else
-                   f"node {node} has no {'topology.kubernetes.io/zone'} label: running without a zone")
+                   f"node {node} has no {ZONE_LABEL} label: running without a zone")
         return
     click.echo(click.style(f"node-zone: giving up: {error}", fg="red"), err=True)
     sys.exit(1)
