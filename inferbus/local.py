@@ -363,8 +363,10 @@ class Stack:
             return {"NATS_USER": chosen.user, "NATS_TOKEN_FILE": str(self.config.state_dir / "tokens" / chosen.user)}
         return {"NATS_USER": chosen.user, "NATS_PASSWORD": chosen.password}
 
-    def _callout_setup(self, port: int, monitor: int, tls: tuple[Path, Path] | None) -> str:
-        """The nats-server config of a callout platform, a token per service, and the callout."""
+    def _callout_setup(self, zone_env: list[dict[str, str]] | None = None) -> Callable[[str], str]:
+        """A callout platform: a token per service, the callout service (one per zone, each with its
+        `zone_env`, on a multi-zone platform), and what turns a node's nats-server config (from
+        `nats_config`) into the callout's (its users replaced by the callout's accounts)."""
         import nkeys
 
         from .bus_callout import CALLOUT_ACCOUNT, new_account_seed, server_config
@@ -384,15 +386,18 @@ class Stack:
             write_private(c.state_dir / "tokens" / identity.user, token + "\n")
             tokens[token] = {"namespace": "local", "service_account": identity.role, "pod": identity.user}
         write_private(c.state_dir / "callout-tokens.json", json.dumps(tokens))
-        callout_log = c.state_dir / "logs" / "auth-callout.log"
-        self._add("auth-callout", self._inferbus("auth-callout"), lambda: _logged(callout_log, b'"auth_callout_ready"'),
-                  "per-service tokens", NATS_USER="auth", NATS_PASSWORD=auth_password,
-                  INFERBUS_CALLOUT_ISSUER_SEED=seed.decode(), INFERBUS_CALLOUT_ACCOUNT=CALLOUT_ACCOUNT,
-                  INFERBUS_CALLOUT_NAMESPACE="local", INFERBUS_CALLOUT_TOKENS_FILE=str(c.state_dir / "callout-tokens.json"),
-                  INFERBUS_LOG_LEVEL="info")
-        head = nats_config(port, monitor, c.state_dir / "nats", self.identities, tls).split("authorization {")[0]
-        return head + server_config(nkeys.from_seed(seed).public_key.decode(), CALLOUT_ACCOUNT, "auth", auth_password,
-                                    (("ops", ops.password),))
+        for zone, env in zip(self.zones or [""], zone_env or [{}], strict=True):
+            name = f"auth-callout-{zone}" if zone else "auth-callout"
+            callout_log = c.state_dir / "logs" / f"{name}.log"
+            self._add(name, self._inferbus("auth-callout"), lambda p=callout_log: _logged(p, b'"auth_callout_ready"'),
+                      "per-service tokens" + (f", zone {zone}" if zone else ""), NATS_USER="auth",
+                      NATS_PASSWORD=auth_password, INFERBUS_CALLOUT_ISSUER_SEED=seed.decode(),
+                      INFERBUS_CALLOUT_ACCOUNT=CALLOUT_ACCOUNT, INFERBUS_CALLOUT_NAMESPACE="local",
+                      INFERBUS_CALLOUT_TOKENS_FILE=str(c.state_dir / "callout-tokens.json"), INFERBUS_LOG_LEVEL="info",
+                      **{k: v for k, v in env.items() if k in ("NATS_URL", "INFERBUS_ZONE_FILE")})
+        accounts = server_config(nkeys.from_seed(seed).public_key.decode(), CALLOUT_ACCOUNT, "auth", auth_password,
+                                 (("ops", ops.password),))
+        return lambda node_config: node_config.split("authorization {")[0] + accounts
 
     def _add(self, name: str, argv: list[str], ready: Callable[[], bool], detail: str = "", **env: str) -> Process:
         env = {**self.credentials(name), **env}
@@ -411,9 +416,6 @@ class Stack:
             raise ValueError("TLS applies to the NATS the platform starts; for your own (NATS_URL), configure "
                              "TLS on that server and set NATS_TLS_CA")
         if c.zones > 1:
-            if c.tls or c.callout:
-                raise ValueError("--zones does not combine with --tls or --callout yet: the cluster's nodes, routes "
-                                 "and sentinels are set up with passwords on loopback")
             self._plan_zones()
             return
         if not self.nats_server_url:
@@ -431,8 +433,8 @@ class Stack:
                 made = make_local_tls(c.state_dir / "tls")
                 self.nats_tls_ca, tls = str(made.ca_file), (made.cert_file, made.key_file)
             config = c.state_dir / "nats.conf"
-            write_private(config, self._callout_setup(port, monitor, tls) if c.callout else
-                          nats_config(port, monitor, c.state_dir / "nats", self.identities, tls))
+            node_config = nats_config(port, monitor, c.state_dir / "nats", self.identities, tls)
+            write_private(config, self._callout_setup()(node_config) if c.callout else node_config)
             self._add("nats", [nats_server_binary(), "-c", str(config)],
                       lambda: http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"), self.nats_server_url)
         if not self.redis_url:
@@ -489,16 +491,41 @@ class Stack:
                                           gateways=[f"gateway-{z}" for z in zones])
         ops = self.identities["ops"]
         layout = lc.ClusterLayout([lc.NatsNode(z, free_port(), free_port(), free_port()) for z in zones], new_password())
-        urls = [node.url for node in layout.nodes]
-        self.nats_urls = [f"nats://{ops.user}:{ops.password}@127.0.0.1:{node.port}" for node in layout.nodes]
+        tls: tuple[Path, Path] | None = None
+        route_tls: tuple[Path, Path, Path] | None = None
+        if c.tls:  # one certificate for every node (all on loopback), on client ports and routes
+            from .local_tls import make_local_tls
+
+            made = make_local_tls(c.state_dir / "tls", client_auth=True)  # a route presents it as a client too
+            self.nats_tls_ca, tls = str(made.ca_file), (made.cert_file, made.key_file)
+            route_tls = (made.cert_file, made.key_file, made.ca_file)
+        scheme = "tls" if c.tls else "nats"
+        urls = [f"{scheme}://127.0.0.1:{node.port}" for node in layout.nodes]
+        self.nats_urls = [f"{scheme}://{ops.user}:{ops.password}@127.0.0.1:{node.port}" for node in layout.nodes]
         self.nats_server_url = ",".join(urls)
         self.nats_url = ",".join(self.nats_urls)
-        for node in layout.nodes:
+        # Each service is told its zone as a Kubernetes pod is (INFERBUS_ZONE_FILE, inferbus.node_zone).
+        for zone in zones:
+            write_private(c.state_dir / "zones" / zone, zone + "\n")
+
+        def zone_env(index: int) -> dict[str, str]:
+            """A zone's services: its own NATS node first, its zone, R3; engines serve /fault
+            (`inferbus drill` breaks GPUs through it)."""
+            return {"NATS_URL": lc.preferred_first(urls, index), "INFERBUS_ZONE_FILE": str(c.state_dir / "zones" / zones[index]),
+                    "INFERBUS_JS_REPLICAS": str(len(zones)), "INFERBUS_SIM_FAULT_INJECTION": "true",
+                    # A hung GPU is given up after 5 s of no progress here (30 s by default): the
+                    # simulated engines run up to 10x real time, and drills are bounded.
+                    "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5")}
+
+        with_callout = self._callout_setup([zone_env(i) for i in range(len(zones))]) if c.callout else None
+        for node, url in zip(layout.nodes, urls, strict=True):
             config = c.state_dir / f"nats-{node.zone}.conf"
-            write_private(config, nats_config(node.port, node.monitor_port, c.state_dir / f"nats-{node.zone}", self.identities)
-                          + "\n" + lc.nats_cluster_block(layout, node) + "\n")
+            node_config = nats_config(node.port, node.monitor_port, c.state_dir / f"nats-{node.zone}", self.identities, tls)
+            if with_callout is not None:
+                node_config = with_callout(node_config)
+            write_private(config, node_config + "\n" + lc.nats_cluster_block(layout, node, route_tls) + "\n")
             self._add(f"nats-{node.zone}", [nats_server_binary(), "-c", str(config)],
-                      lambda m=node.monitor_port: http_ok(f"http://127.0.0.1:{m}/healthz"), node.url)
+                      lambda m=node.monitor_port: http_ok(f"http://127.0.0.1:{m}/healthz"), url)
         # Redis: the primary in the first zone, a replica in the second, a sentinel in each.
         password = new_password()
         primary_port, replica_port = free_port(), free_port()
@@ -520,15 +547,6 @@ class Stack:
             self._add(f"sentinel-{zone}", [redis_server_binary(), str(config), "--sentinel"],
                       lambda u=url: redis_reachable(u), f"127.0.0.1:{port}")
         self.redis_url = sentinel_url(sentinels, lc.SENTINEL_SERVICE, password)
-        # Services: each connects to its own zone's NATS node first.
-        def zone_env(index: int) -> dict[str, str]:
-            # Engines serve /fault (`inferbus drill` breaks GPUs through it).
-            return {"NATS_URL": lc.preferred_first(urls, index), "INFERBUS_ZONE": zones[index],
-                    "INFERBUS_JS_REPLICAS": str(len(zones)), "INFERBUS_SIM_FAULT_INJECTION": "true",
-                    # A hung GPU is given up after 5 s of no progress here (30 s by default): the
-                    # simulated engines run up to 10x real time, and drills are bounded.
-                    "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5")}
-
         level = c.log_level if c.log_level == "debug" else "info"
         for index, zone in enumerate(zones):
             router_log = logs / f"router-{zone}.log"
@@ -600,7 +618,7 @@ class Stack:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""
         self.plan()
         infra = [p for p in self.processes if p.name.split("-")[0] in ("nats", "redis", "sentinel")]
-        callout = [p for p in self.processes if p.name == "auth-callout"]  # before anyone else connects
+        callout = [p for p in self.processes if p.name.startswith("auth-callout")]  # before anyone else connects
         services = [p for p in self.processes if p not in infra and p not in callout]
         for group in (infra, callout, services):
             for process in group:

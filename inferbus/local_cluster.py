@@ -47,10 +47,6 @@ class NatsNode:
     cluster_port: int
 
     @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    @property
     def server_name(self) -> str:
         return f"nats-{self.zone}"
 
@@ -65,18 +61,24 @@ class ClusterLayout:
         self.routes = [f"nats-route://{ROUTE_USER}:{self.route_password}@127.0.0.1:{n.cluster_port}" for n in self.nodes]
 
 
-def nats_cluster_block(layout: ClusterLayout, node: NatsNode) -> str:
+def nats_cluster_block(layout: ClusterLayout, node: NatsNode, tls: tuple[Path, Path, Path] | None = None) -> str:
     """nats-server's `server_name` and `cluster` block for `node`: routes to every node (its own
-    is ignored by the server), authenticated with the route user."""
-    return "\n".join([
+    is ignored by the server), authenticated with the route user. With `tls` (certificate, key,
+    CA) routes speak TLS only, and each side verifies the other's certificate against the CA
+    (nats-server requires a client certificate on routes):
+    https://docs.nats.io/running-a-nats-service/configuration/securing_nats/tls#tls-for-routes"""
+    lines = [
         f"server_name: {json.dumps(node.server_name)}",
         "cluster {",
         f"  name: {json.dumps(CLUSTER_NAME)}",
         f'  listen: "127.0.0.1:{node.cluster_port}"',
         f"  authorization {{ user: {json.dumps(ROUTE_USER)}, password: {json.dumps(layout.route_password)} }}",
         "  routes: [" + ", ".join(json.dumps(r) for r in layout.routes if f":{node.cluster_port}" not in r) + "]",
-        "}",
-    ])
+    ]
+    if tls is not None:
+        cert, key, ca = (json.dumps(str(path)) for path in tls)
+        lines.append(f"  tls {{ cert_file: {cert}, key_file: {key}, ca_file: {ca}, timeout: 5 }}")
+    return "\n".join([*lines, "}"])
 
 
 def redis_replication_lines(password: str, primary_port: int | None) -> str:

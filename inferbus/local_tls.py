@@ -36,9 +36,11 @@ def _name(common_name: str) -> x509.Name:
                       x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_local_tls(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> LocalTLS:
+def make_local_tls(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
+                   client_auth: bool = False) -> LocalTLS:
     """Write a new CA and a server certificate for `hosts` (DNS names or IP addresses) signed by it
-    into `directory` (0700)."""
+    into `directory` (0700). With `client_auth` the certificate may also authenticate its holder
+    as a client: nats-servers of a cluster present theirs to each other on routes."""
     private_dir(directory)
     now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -64,7 +66,9 @@ def make_local_tls(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.
               .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + VALID_FOR)
               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
               .add_extension(x509.SubjectAlternativeName(names), critical=False)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                    *([ExtendedKeyUsageOID.CLIENT_AUTH] if client_auth else [])]),
+                             critical=False)
               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
               .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM

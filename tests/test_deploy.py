@@ -286,7 +286,7 @@ def test_workers_pair_with_an_engine_sidecar_and_drain():
         env = {e["name"]: e for e in worker["env"]}
         assert env["INFERBUS_ENGINE_URL"]["value"] == f"http://127.0.0.1:{engine_port}"
         assert spec["terminationGracePeriodSeconds"] >= 120, f"{name}: too short to drain"
-    gpu = deps["worker"]["spec"]["template"]["spec"]["initContainers"][0]
+    [gpu] = [c for c in deps["worker"]["spec"]["template"]["spec"]["initContainers"] if c["name"] == "sglang"]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 

@@ -38,6 +38,11 @@ def test_each_node_routes_to_the_others_with_the_route_user() -> None:
     block = lc.nats_cluster_block(layout, layout.nodes[0])
     assert 'server_name: "nats-a"' in block and '"nats-route://route:pw@127.0.0.1:6001"' in block
     assert ":6000\"" not in block.split("routes:")[1]  # not to itself
+    assert "tls" not in block
+    paths = tuple(__import__("pathlib").Path(f"/state/tls/{name}") for name in ("n.pem", "n.key", "ca.pem"))
+    secured = lc.nats_cluster_block(layout, layout.nodes[0], paths)  # routes under TLS, verified by the CA
+    assert 'tls { cert_file: "/state/tls/n.pem", key_file: "/state/tls/n.key", ca_file: "/state/tls/ca.pem"' in secured
+    assert secured.rstrip().endswith("}") and secured.count("{") == secured.count("}")
     sentinel = lc.sentinel_config(26379, 6379, "pw", __import__("pathlib").Path("/tmp"))
     assert "sentinel monitor inferbus 127.0.0.1 6379 2" in sentinel and "requirepass pw" in sentinel
     assert lc.redis_replication_lines("pw", 6379) == "masterauth pw\nreplicaof 127.0.0.1 6379\n"

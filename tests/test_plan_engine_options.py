@@ -248,7 +248,8 @@ def test_overlay_files_are_a_kustomize_component() -> None:
     assert "# GPUs = (312 + 75) x 2 = 774" in files["kustomization.yaml"]
     worker = yaml.safe_load(files["worker-patch.yaml"])
     spec = worker["spec"]["template"]["spec"]
-    assert spec["initContainers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert [c["name"] for c in spec["initContainers"]] == ["zone", "sglang"]  # the base's order kept
+    assert spec["initContainers"][1]["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert spec["containers"][0]["env"] == [{"name": "INFERBUS_WORKER_STANDBY", "value": "true"}]
 
 
@@ -256,7 +257,8 @@ def test_base_worker_runs_the_arguments_every_engine_needs() -> None:
     """The component replaces the engine's argument list: what the base always sets must be in it."""
     worker = next(d for d in yaml.safe_load_all((REPO / "deploy" / "k8s" / "worker.yaml").read_text())
                   if d and d["kind"] == "Deployment")
-    base_args = worker["spec"]["template"]["spec"]["initContainers"][0]["args"]
+    [engine] = [c for c in worker["spec"]["template"]["spec"]["initContainers"] if c["name"] == "sglang"]
+    base_args = engine["args"]
     common = list(deploy.COMMON_ENGINE_ARGS)
     for flag in ("--host", "--port", "--page-size", "--kv-events-config"):
         assert base_args[base_args.index(flag) + 1] == common[common.index(flag) + 1], flag

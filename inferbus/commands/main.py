@@ -69,12 +69,13 @@ def main() -> None:
 @click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
               help="Without --model-dir: the chat template family of the model directory built.")
 @click.option("--tls", is_flag=True,
-              help="TLS on NATS's client port: a new local CA and server certificate in STATE_DIR/tls (keys 0600); "
-                   "every service verifies the server against that CA and plaintext clients are refused.")
+              help="TLS on NATS's client port (with --zones, on every node's and on the cluster routes, where the "
+                   "nodes verify each other's certificate): a new local CA and server certificate in STATE_DIR/tls "
+                   "(keys 0600); every service verifies the server against that CA and plaintext clients are refused.")
 @click.option("--callout", is_flag=True,
               help="Authorize every service through `inferbus auth-callout` with a token of its own instead of a "
                    "password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens (not with "
-                   "--autoscale).")
+                   "--autoscale; with --zones, a callout per zone).")
 @click.option("--zones", default=1, show_default=True, type=click.IntRange(1, 10),
               help="Zones to spread the platform over. Above 1: a NATS cluster with a node per zone (JetStream keeps "
                    "3 copies of the request queue, the usage ledger and the buckets), Redis primary and replica with "
@@ -406,6 +407,45 @@ def secrets_command(fmt: str, namespace: str) -> None:
     click.echo("\n".join(["apiVersion: v1", "kind: Secret", "metadata:", "  name: inferbus-bus",
                           f"  namespace: {namespace}", "  labels:", "    app.kubernetes.io/part-of: inferbus",
                           "type: Opaque", "stringData:", *[f'  {name}: "{value}"' for name, value in values.items()]]))
+
+
+@main.command("node-zone")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="File to write the zone to (the service reads it as INFERBUS_ZONE_FILE).")
+@click.option("--node", envvar="NODE_NAME", default="", show_envvar=True,
+              help="The node this pod runs on (the Downward API's spec.nodeName).")
+@click.option("--service-account-dir", type=click.Path(file_okay=False, path_type=Path),
+              default="/var/run/secrets/kubernetes.io/serviceaccount", show_default=True,
+              help="Where the pod's API token (token) and the cluster's CA (ca.crt) are mounted.")
+@click.option("--tries", default=5, show_default=True, help="Attempts against the API before giving up (2 s apart).")
+def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> None:
+    """Write the zone of the node this pod runs on to a file (a Kubernetes init container).
+
+    The Downward API cannot read node labels: this reads the node's topology.kubernetes.io/zone
+    label from the Kubernetes API with the pod's ServiceAccount (which may only `get` nodes,
+    deploy/k8s/base/zone.yaml) and writes it to --out, where the gateway or worker reads it
+    (INFERBUS_ZONE_FILE). A node without the label gives an empty file: the service runs without
+    a zone. Exits 1 when the API cannot be read after --tries attempts, so the pod does not start
+    with a zone silently missing.
+    """
+    from inferbus.node_zone import ZONE_LABEL, ApiAccess, ZoneError, fetch_node_zone, write_zone_file
+
+    error: ZoneError | None = None
+    for attempt in range(max(1, tries)):
+        if attempt:
+            time.sleep(2.0)
+        try:
+            zone = fetch_node_zone(ApiAccess.in_cluster(os.environ, service_account_dir), node)
+        except ZoneError as failure:
+            error = failure
+            click.echo(f"node-zone: {failure}", err=True)
+            continue
+        write_zone_file(out, zone)
+        click.echo(f"node {node}: zone {zone!r}" if zone else
+                   f"node {node} has no {ZONE_LABEL} label: running without a zone")
+        return
+    click.echo(click.style(f"node-zone: giving up: {error}", fg="red"), err=True)
+    sys.exit(1)
 
 
 # ---- operator commands: tenants and API keys, through the gateway's admin API ------------------

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import signal
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -74,9 +75,14 @@ class Platform:
         data = self.data()
         user, password = data.get("nats_user") or "", data.get("nats_password") or ""
         servers = bus.server_list(str(data["nats_url"]))
-        if user:
-            servers = [s.replace("nats://", f"nats://{user}:{password}@", 1) for s in servers]
+        if user:  # nats:// or, on a platform started with --tls, tls://
+            servers = [s.replace("://", f"://{user}:{password}@", 1) for s in servers]
         return servers
+
+    def nats_tls(self) -> ssl.SSLContext | None:
+        """On a platform started with --tls: a context verifying its servers against its CA."""
+        ca = self.data().get("nats_tls_ca")
+        return ssl.create_default_context(cafile=str(ca)) if ca else None
 
     def workers(self) -> list[str]:
         return sorted(name for name in self.pids() if name.startswith("worker-"))
@@ -281,7 +287,9 @@ async def read_ledger(platform: Platform, request_ids: set[str], wanted: set[str
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    nc = await nats.connect(platform.nats_servers(), connect_timeout=5, max_reconnect_attempts=3)
+    tls = platform.nats_tls()
+    nc = await nats.connect(platform.nats_servers(), connect_timeout=5, max_reconnect_attempts=3,
+                            **({"tls": tls} if tls else {}))
     try:
         js = nc.jetstream()
         deadline = time.monotonic() + settle_s

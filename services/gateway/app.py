@@ -65,6 +65,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.gateway_id = settings.resolved_gateway_id()
+        self.zone = settings.zone  # with INFERBUS_ZONE_FILE read at start()
         self.dispatcher: Dispatcher | None = None
         self.redis: aioredis.Redis | None = None
         self.generation: Generation | None = None
@@ -84,6 +85,7 @@ class Gateway:
             served = load_model(s.model_dir)  # before the bus: a misconfigured gateway stops at once
         except ModelDirError as error:
             raise SystemExit(f"gateway: {error}") from None
+        self.zone = s.resolved_zone()  # before the bus too: a zone file that cannot be read stops it at once
         self.nc = await bus.connect(s.nats_url, name=f"gateway-{self.gateway_id}")
         js = self.js = self.nc.jetstream()
         await bus.ensure_streams(js)
@@ -96,7 +98,7 @@ class Gateway:
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
             worker_free_slots=overload.worker_free_slots, placement_fits=overload.placement_fits,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
-            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=s.zone,
+            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=self.zone,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.
@@ -125,7 +127,7 @@ class Gateway:
         # The Responses API: stored responses in KV, generation through the chat path above.
         store = await ResponseStore.open(js, s.responses_retention_s, s.responses_max_bytes)
         self.responses = ResponsesAPI(self.generation, store)
-        log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model)
+        log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model, zone=self.zone)
 
     async def stop(self) -> None:
         if self.internal_api is not None:

@@ -5,6 +5,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from inferbus.node_zone import read_zone
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
@@ -28,6 +29,7 @@ class GatewaySettings:
         "a small one (python -m inferbus.modeldir DIR).",
     )
     zone: str = env("INFERBUS_ZONE", "", "Failure domain (availability zone) this gateway runs in; the router prefers workers of the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
+    zone_file: str = env("INFERBUS_ZONE_FILE", "", "File holding this gateway's zone, used when INFERBUS_ZONE is empty: in Kubernetes the `zone` init container writes the node's topology.kubernetes.io/zone label there (inferbus node-zone). Empty: none.")
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
     max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest JSON request body (and batch input line) accepted (413 above).")
     max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
@@ -105,3 +107,7 @@ class GatewaySettings:
 
     def resolved_gateway_id(self) -> str:
         return self.gateway_id or _default_gateway_id()
+
+    def resolved_zone(self) -> str:
+        """INFERBUS_ZONE, else the zone in INFERBUS_ZONE_FILE (Kubernetes: the node's zone label)."""
+        return read_zone(self.zone, self.zone_file)

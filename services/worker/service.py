@@ -192,7 +192,7 @@ class Worker:
         ]
         self.load_changed.set()
         log.info("worker_ready", worker_id=s.worker_id, engine=s.engine_url, capacity=serving.capacity,
-                 bands=s.band_list(), engine_priority=serving.preemption.engine_priority)
+                 bands=s.band_list(), engine_priority=serving.preemption.engine_priority, zone=s.zone)
 
     async def _wait_for_engine(self) -> None:
         deadline = time.monotonic() + ENGINE_LOAD_TIMEOUT_S

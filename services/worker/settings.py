@@ -4,6 +4,7 @@ import dataclasses
 import socket
 from dataclasses import dataclass
 
+from inferbus.node_zone import read_zone
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
@@ -37,6 +38,7 @@ class WorkerSettings:
     batch_max_slowdown: float = env("INFERBUS_WORKER_BATCH_MAX_SLOWDOWN", 0.06, "Step-time increase batch lines may cause on this worker (caps its batch lines at this share of its engine's base step in sequences, about 113 on H100 TP2, plus interactive running; match INFERBUS_BATCH_MAX_SLOWDOWN).")
     batch_max_attempts: int = env("INFERBUS_WORKER_BATCH_MAX_ATTEMPTS", 5, "Attempts of a batch line across retryable engine failures before it ends with an error result.")
     zone: str = env("INFERBUS_ZONE", "", "Failure domain (availability zone) this worker runs in; the router prefers workers of the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
+    zone_file: str = env("INFERBUS_ZONE_FILE", "", "File holding this worker's zone, used when INFERBUS_ZONE is empty: in Kubernetes the `zone` init container writes the node's topology.kubernetes.io/zone label there (inferbus node-zone). Empty: none.")
     engine_hang_after_s: float = env("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", 30.0, "GPU death: with requests running and none producing a token for this long, the engine is hung; the worker hands its streams off and exits so its replica is replaced (0: never).")
     engine_dead_after_s: float = env("INFERBUS_WORKER_ENGINE_DEAD_AFTER_S", 120.0, "GPU death: an engine that has not answered its readiness probe for this long is given up, as a hung one is (0: wait forever).")
     engine_max_errors: int = env("INFERBUS_WORKER_ENGINE_MAX_ERRORS", 5, "GPU death: this many requests in a row ending in an engine error (5xx), none succeeding in between, and the engine is given up (0: never).")
@@ -63,7 +65,10 @@ class WorkerSettings:
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
 
     def resolved(self) -> WorkerSettings:
-        return self if self.worker_id else dataclasses.replace(self, worker_id=socket.gethostname())
+        """With its id (the host name when none is given) and its zone (INFERBUS_ZONE_FILE when
+        INFERBUS_ZONE is empty) filled in."""
+        zone = read_zone(self.zone, self.zone_file)
+        return dataclasses.replace(self, worker_id=self.worker_id or socket.gethostname(), zone=zone)
 
     def __post_init__(self) -> None:
         if self.sim_cold_start_s < 0 or self.sim_warm_start_s < 0:

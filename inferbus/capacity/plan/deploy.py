@@ -172,6 +172,7 @@ def overlay(plan: Plan, row: Row, target: DeployTarget) -> dict[str, str]:
         "  template:\n"
         "    spec:\n"
         "      initContainers:\n"
+        "        - name: zone                    # unchanged, named to keep it first: the node's zone, then the engine\n"
         "        - name: sglang\n"
         "          args:\n"
         f"{args}\n"
