@@ -25,6 +25,7 @@ class EventSender:
         self.pending = PendingFrames(window_s, time.monotonic)
         self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
         self._timer_urgent = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def send(self, request: m.InferenceRequest, event: m.StreamEvent) -> bool:
         """Queue `event` for the gateway of `request`. True when it was merged into the request's
@@ -40,7 +41,9 @@ class EventSender:
             return
         if self._timer is not None:
             self._timer.cancel()
-        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()  # once: on Python 3.11 every lookup is a getpid() call
+        loop = self._loop
         self._timer_urgent = due_in <= 0
         self._timer = loop.call_soon(self._flush) if due_in <= 0 else loop.call_later(due_in, self._flush)
 
