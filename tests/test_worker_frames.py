@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Iterator
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+
 from proto import messages as m
+from services.worker.events_out import EventSender
 from services.worker.frames import PendingFrames, merge, urgent
+from services.worker.tasks import Background
+
+from .nats_server import NatsServer
 
 GATEWAY_A, GATEWAY_B = "tokens.gw-a", "tokens.gw-b"
 
@@ -113,3 +125,63 @@ def test_nothing_merges_across_attempts_other_events_or_sent_frames() -> None:
 def test_merge_keeps_the_later_prompt_count_when_the_first_had_none() -> None:
     merged = merge(chunk(2, "a"), chunk(3, "b", prompt_tokens=4))
     assert isinstance(merged, m.TokenChunk) and merged.prompt_tokens == 4 and merged.logprobs is None
+
+
+# ---- the shell: EventSender on a real nats-server ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    running = NatsServer(tmp_path_factory.mktemp("nats"))
+    running.start()
+    yield running
+    running.stop()
+
+
+def request_for(reply_to: str, rid: str = "r1") -> m.InferenceRequest:
+    return m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="p",
+                              sampling=m.SamplingParams(max_new_tokens=8), reply_to=reply_to, deadline=0, created=0)
+
+
+async def test_a_window_of_events_leaves_as_one_frame_and_a_first_token_without_waiting(server: NatsServer) -> None:
+    nc = await nats.connect(server.url)
+    frames: asyncio.Queue[tuple[float, m.StreamFrame]] = asyncio.Queue()
+
+    async def on_frame(msg: Msg) -> None:
+        frames.put_nowait((time.monotonic(), m.decode_stream_frame(msg.data)))
+
+    await nc.subscribe(GATEWAY_A, cb=on_frame)
+    await nc.flush()
+    sender = EventSender(nc, Background(), window_s=0.2)
+    r1, r2 = request_for(GATEWAY_A), request_for(GATEWAY_A, "r2")
+    try:
+        # A first token leaves at the end of the loop pass, with what else was queued.
+        sent_at = time.monotonic()
+        assert not sender.send(r1, m.Accepted(request_id="r1", attempt=0, worker_id="w1", queue_wait=0.0))
+        assert not sender.send(r1, chunk(0, "Hel", completion=1))
+        assert sender.send(r1, chunk(1, "lo", completion=2))  # merged into the waiting first chunk
+        arrived, frame = await asyncio.wait_for(frames.get(), 5)
+        assert arrived - sent_at < 0.15  # well inside the 200 ms window
+        assert [type(e).__name__ for e in frame.events] == ["Accepted", "TokenChunk"]
+        first = frame.events[1]
+        assert isinstance(first, m.TokenChunk) and (first.seq, first.text, first.completion_tokens) == (0, "Hello", 2)
+
+        # Later tokens of two streams wait for the window, then leave as one message.
+        sent_at = time.monotonic()
+        sender.send(r1, chunk(1, " wor", completion=3))
+        sender.send(r2, chunk(3, "x", rid="r2"))
+        assert sender.send(r1, final(2, "ld"))
+        arrived, frame = await asyncio.wait_for(frames.get(), 5)
+        assert arrived - sent_at >= 0.15
+        assert [(type(e).__name__, e.request_id) for e in frame.events] == [("Final", "r1"), ("TokenChunk", "r2")]
+        assert isinstance(frame.events[0], m.Final) and frame.events[0].text == " world" and frame.events[0].seq == 1
+
+        # Stopping sends what waits at once.
+        sent_at = time.monotonic()
+        sender.send(r2, chunk(4, "y", rid="r2"))
+        sender.flush()
+        arrived, frame = await asyncio.wait_for(frames.get(), 5)
+        assert arrived - sent_at < 0.15 and frame.events[0].request_id == "r2"
+        assert frames.empty()
+    finally:
+        await nc.close()

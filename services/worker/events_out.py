@@ -47,6 +47,12 @@ class EventSender:
         self._timer_urgent = due_in <= 0
         self._timer = loop.call_soon(self._flush) if due_in <= 0 else loop.call_later(due_in, self._flush)
 
+    def flush(self) -> None:
+        """Send what waits now, without waiting for the window (the worker is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._flush()
+
     def _flush(self) -> None:
         self._timer = None
         self._timer_urgent = False
