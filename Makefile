@@ -1,10 +1,5 @@
 # Two commands on a fresh machine: `make up` and `make test`. Both install what is missing.
-# Python 3.12 where the machine has one (on PATH, or installed by pyenv as on this project's
-# machines), else python3 (3.11+). From 3.12 on, asyncio.get_running_loop() no longer makes a
-# getpid() system call each time, and the services call it several times per streamed token.
-# Nothing is downloaded for it: no package registry we use ships a Python 3.12 for Debian 12.
-PYTHON ?= $(or $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 python3; do \
-	"$$p" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && { echo "$$p"; break; }; done),python3)
+PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
