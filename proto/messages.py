@@ -230,7 +230,8 @@ StreamEvent = Union[Accepted, TokenChunk, Final, StreamError, Handoff]
 
 class StreamFrame(_Message):
     """Worker → gateway on `token_subject(gateway)`: the events for that gateway's requests that
-    became ready together (one engine step's tokens for many streams), in order per request."""
+    became ready together (one engine step's tokens for many streams, gathered for up to the
+    worker's frame window), in order per request."""
 
     events: list[StreamEvent]
 

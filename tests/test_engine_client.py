@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import pytest
+
 from proto import messages as m
-from services.worker.engine import new_logprobs, sampling_params
+from services.worker.engine import EngineError, StreamReader, new_logprobs, sampling_params
 
 
 def test_engine_logprobs_cumulative_or_incremental() -> None:
@@ -28,3 +33,48 @@ def test_sampling_params_carry_every_field_sglang_knows() -> None:
         "max_new_tokens": 7, "temperature": 1.0, "top_p": 1.0, "stop": ["."], "sampling_seed": 5,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.1, "json_schema": '{"type":"object"}',
     }
+
+
+def sse(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def cumulative(n: int, words: list[str], finish: dict[str, Any] | None = None) -> bytes:
+    meta = {"id": "r", "prompt_tokens": 12, "completion_tokens": n, "cached_tokens": 4, "finish_reason": finish,
+            "e2e_latency": 0.1, "weight_version": "default"}  # fields the reader does not use are skipped
+    return sse({"text": "".join(words[:n]), "output_ids": list(range(100, 100 + n)), "meta_info": meta})
+
+
+def test_the_chunks_of_one_read_make_one_update_with_only_what_is_new() -> None:
+    words = ["Hel", "lo", ",", " wor", "ld"]
+    reader = StreamReader()
+    update = reader.feed(cumulative(1, words) + cumulative(2, words) + cumulative(3, words)[:20])  # the third in part
+    assert update is not None and (update.text, update.token_ids) == ("Hello", [100, 101])
+    assert (update.completion_tokens, update.prompt_tokens, update.cached_tokens, update.finish) == (2, 12, 4, None)
+    assert reader.feed(b"") is None  # nothing whole yet
+    rest = cumulative(3, words)[20:] + cumulative(5, words, {"type": "length", "length": 5}) + b"data: [DONE]\n\n"
+    update = reader.feed(rest)
+    assert update is not None and (update.text, update.token_ids) == (", world", [102, 103, 104])
+    assert update.finish == {"type": "length", "length": 5} and update.completion_tokens == 5 and reader.done
+
+
+def test_incremental_output_ids_and_logprobs_are_placed_by_completion_tokens() -> None:
+    reader = StreamReader()
+    first = {"text": "a", "output_ids": [7], "meta_info": {
+        "completion_tokens": 1, "output_token_logprobs": [[-0.1, 7, "a"]], "output_top_logprobs": [None]}}
+    second = {"text": "ab", "output_ids": [8], "meta_info": {
+        "completion_tokens": 2, "output_token_logprobs": [[-0.2, 8, "b"]], "output_top_logprobs": [None],
+        "finish_reason": {"type": "stop", "matched": "."}}}
+    update = reader.feed(sse(first) + sse(second))
+    assert update is not None and update.text == "ab" and update.token_ids == [7, 8]
+    assert [(lp.token, lp.logprob) for lp in update.logprobs or []] == [("a", -0.1), ("b", -0.2)]
+    assert update.finish == {"type": "stop", "matched": "."} and reader.done
+
+
+def test_an_in_band_error_is_the_engines_refusal_and_done_without_finish_ends_the_read() -> None:
+    error = {"error": {"message": "Input too long", "type": "invalid_request_error", "code": 400}}
+    with pytest.raises(EngineError) as refused:
+        StreamReader().feed(sse(error))
+    assert refused.value.status == 400 and refused.value.code == "invalid_request"
+    reader = StreamReader()
+    assert reader.feed(b": keep-alive\n\ndata: [DONE]\n\n") is None and reader.done

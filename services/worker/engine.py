@@ -99,6 +99,103 @@ def new_logprobs(meta: dict[str, Any], sent: int) -> list[TokenLogprob]:
     return out
 
 
+class _Meta(msgspec.Struct):
+    """The fields of a chunk's meta_info the worker reads; the rest are skipped unparsed."""
+
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: Any = None
+    output_token_logprobs: list[Any] | None = None
+    output_top_logprobs: list[Any] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    text: str = ""
+    output_ids: list[int] | None = None
+    meta_info: _Meta | None = None
+    error: Any = None
+
+
+_chunks_decoder = msgspec.json.Decoder(list[_Chunk])
+_NO_META = _Meta()
+
+
+class StreamReader:
+    """SGLang's `/generate` stream (server-sent events of JSON chunks) read as it arrives: each
+    `feed` of the bytes one socket read brought returns one update with everything they said.
+
+    The chunks of a read are decoded in one call into typed structs (only the fields read here),
+    not one dict per chunk. SGLang repeats the whole text (and output_ids, unless
+    --incremental-streaming-output) in every chunk: only what is new goes into the update."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._sent_chars = 0
+        self._sent_ids = 0
+        self._sent_logprobs = 0
+        self._completion_tokens = 0
+        self._cached_tokens = 0
+        self.done = False  # the stream said [DONE] or finished
+
+    def feed(self, data: bytes) -> EngineUpdate | None:
+        buffer = self._buffer + data if self._buffer else data
+        frames = buffer.split(b"\n\n")
+        self._buffer = frames.pop()
+        payloads = []
+        for frame in frames:
+            if not frame.startswith(b"data:"):
+                continue
+            payload = frame[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                break
+            payloads.append(payload)
+        if not payloads:
+            return None
+        update = EngineUpdate(completion_tokens=self._completion_tokens, cached_tokens=self._cached_tokens)
+        texts: list[str] = []
+        for chunk in _chunks_decoder.decode(b"[" + b",".join(payloads) + b"]"):
+            if chunk.error is not None:
+                raise _stream_error(chunk.error)
+            text = chunk.text
+            if len(text) > self._sent_chars:  # cumulative: send only what is new
+                texts.append(text[self._sent_chars:])
+                self._sent_chars = len(text)
+            meta = chunk.meta_info or _NO_META
+            output_ids = chunk.output_ids
+            if output_ids:
+                # Cumulative, or only the new ids with --incremental-streaming-output: the list
+                # ends at completion_tokens either way, which tells where it starts.
+                count = len(output_ids)
+                first = max(0, (meta.completion_tokens if meta.completion_tokens is not None else count) - count)
+                update.token_ids.extend(output_ids[max(0, self._sent_ids - first):])
+                self._sent_ids = max(self._sent_ids, first + count)
+            if meta.completion_tokens is not None:
+                update.completion_tokens = meta.completion_tokens
+            if meta.prompt_tokens is not None:
+                update.prompt_tokens = meta.prompt_tokens
+            if meta.cached_tokens is not None:
+                update.cached_tokens = meta.cached_tokens
+            if meta.output_token_logprobs is not None:
+                fresh = new_logprobs({"output_token_logprobs": meta.output_token_logprobs,
+                                      "output_top_logprobs": meta.output_top_logprobs,
+                                      "completion_tokens": meta.completion_tokens
+                                      if meta.completion_tokens is not None else len(meta.output_token_logprobs)},
+                                     self._sent_logprobs)
+                self._sent_logprobs += len(fresh)
+                update.logprobs = (update.logprobs or []) + fresh
+            if meta.finish_reason:
+                update.finish = meta.finish_reason
+        update.text = "".join(texts)
+        self._completion_tokens, self._cached_tokens = update.completion_tokens, update.cached_tokens
+        if update.finish:
+            self.done = True
+        if update.text or update.finish or update.prompt_tokens is not None:
+            return update
+        return None
+
+
 class EngineClient:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
@@ -145,49 +242,12 @@ class EngineClient:
             response = await self.pool.request("POST", "/generate", msgspec.json.encode(body), headers)
             if response.status != 200:
                 raise _http_error(response.status, await response.read())
-            sent_chars = sent_ids = 0
-            sent_logprobs = 0
-            buffer = b""
+            reader = StreamReader()
             async for data in response.iter_chunks():
-                buffer += data
-                frames = buffer.split(b"\n\n")
-                buffer = frames.pop()
-                update = EngineUpdate()
-                done = False
-                for frame in frames:
-                    if not frame.startswith(b"data:"):
-                        continue
-                    payload = frame[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    chunk = _json.decode(payload)
-                    if "error" in chunk:
-                        raise _stream_error(chunk["error"])
-                    text = chunk.get("text", "")
-                    # SGLang streams cumulative text: send only what is new.
-                    update.text += text[sent_chars:]
-                    sent_chars = max(sent_chars, len(text))
-                    meta = chunk.get("meta_info", {})
-                    output_ids = chunk.get("output_ids")
-                    if output_ids:
-                        # Cumulative, or only the new ids with --incremental-streaming-output: the
-                        # list ends at completion_tokens either way, which tells where it starts.
-                        first = max(0, int(meta.get("completion_tokens", len(output_ids))) - len(output_ids))
-                        update.token_ids.extend(output_ids[max(0, sent_ids - first):])
-                        sent_ids = max(sent_ids, first + len(output_ids))
-                    update.completion_tokens = meta.get("completion_tokens", update.completion_tokens)
-                    update.prompt_tokens = meta.get("prompt_tokens", update.prompt_tokens)
-                    update.cached_tokens = meta.get("cached_tokens", update.cached_tokens)
-                    if "output_token_logprobs" in meta:
-                        fresh = new_logprobs(meta, sent_logprobs)
-                        sent_logprobs += len(fresh)
-                        update.logprobs = (update.logprobs or []) + fresh
-                    if meta.get("finish_reason"):
-                        update.finish = meta["finish_reason"]
-                if update.text or update.finish or update.prompt_tokens is not None:
+                update = reader.feed(data)
+                if update is not None:
                     yield update
-                if done or update.finish:
+                if reader.done:
                     return
         except HTTPError as error:
             raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True, status=503) from error

@@ -21,6 +21,8 @@ class HTTPError(ConnectionError):
 
 class Response:
     def __init__(self) -> None:
+        # Looked up once per response, not per read: on Python 3.11 every lookup is a getpid() call.
+        self._loop = asyncio.get_running_loop()
         self.status = 0
         self.headers: dict[str, str] = {}
         self._chunks: list[bytes] = []
@@ -34,7 +36,7 @@ class Response:
             self._waiter.set_result(None)
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:

@@ -20,3 +20,7 @@ QUEUE_WAIT = Histogram(
     "Gateway accept to engine submit",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+STREAM_FRAMES = Counter("inferbus_worker_stream_frames_total", "Stream frames (bus messages) sent to gateways")
+STREAM_EVENTS = Counter(
+    "inferbus_worker_stream_events_total", "Stream events sent to gateways, after merging a stream's waiting tokens"
+)

@@ -77,7 +77,7 @@ class Worker:
         self.pause = pause
         self._adapter_kv = adapter_kv
         self.background = Background()  # usage and stream publishes in flight
-        self.events = EventSender(nc, self.background)
+        self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000)
         self.cancels = CancelMemory(time.monotonic)
         self.adapters = Adapters(engine, self._lookup_adapter)
         self.health = EngineHealth(time.monotonic)
@@ -297,12 +297,15 @@ class Worker:
         for task in [*self._tasks, *self._serving_tasks]:
             task.cancel()
         self.watch.stop()
+        self.events.flush()  # stream events waiting for their frame window leave now
         await self.background.wait(timeout=10)  # usage events are the billing ledger: let them reach the outbox
         await self.usage.close()  # and JetStream, if it answers; what does not stays on disk
         await asyncio.to_thread(self.liveness.stop)
         await self._leave_registry()
         if self.cache_relay is not None:
             await self.cache_relay.stop()
+        self.events.flush()
+        await self.background.wait(timeout=1)
         await self.nc.drain()
         await self.engine.close()
         log.info("worker_stopped")

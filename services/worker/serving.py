@@ -278,12 +278,13 @@ class Serving:
                     await self.batch.checkpoint(entry)
                     continue
             if update.finish is None:
-                worker.events.send(request, m.TokenChunk(
+                merged = worker.events.send(request, m.TokenChunk(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
                     token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
-                seq += 1
+                if not merged:  # a merged chunk went into the waiting one, which keeps its number
+                    seq += 1
                 continue
             finish_type = update.finish.get("type")
             reason: m.FinishReason = {"stop": "stop", "length": "length", "abort": "abort"}.get(finish_type, "stop")  # type: ignore[arg-type,assignment]

@@ -46,6 +46,12 @@ class WorkerSettings:
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose heartbeat is older than this is dead.")
     stall_after_s: float = env("INFERBUS_WORKER_STALL_AFTER_S", 30.0, "The heartbeat thread stops heartbeating (and the worker is declared dead) when the worker's event loop has not run for this long.")
     state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of this service's durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
+    frame_window_ms: float = env(
+        "INFERBUS_WORKER_FRAME_WINDOW_MS", 1.0,
+        "Stream events for one gateway wait at most this long to leave together as one bus message (an engine step's "
+        "tokens for many streams reach the worker over several reads); a stream's first token, errors and handoffs "
+        "never wait. 0: one message per gateway per event-loop pass.",
+    )
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")
@@ -74,6 +80,8 @@ class WorkerSettings:
         if self.sim_cold_start_s < 0 or self.sim_warm_start_s < 0:
             raise SystemExit("INFERBUS_WORKER_SIM_COLD_START_S and INFERBUS_WORKER_SIM_WARM_START_S must be >= 0")
         self.preemption()  # refuse bad INFERBUS_WORKER_BATCH_* values at start-up
+        if self.frame_window_ms < 0:
+            raise SystemExit("INFERBUS_WORKER_FRAME_WINDOW_MS must be >= 0")
         if self.engine_priority not in ("auto", "on", "off"):
             raise SystemExit(f"INFERBUS_WORKER_ENGINE_PRIORITY must be auto, on or off, not {self.engine_priority!r}")
 
