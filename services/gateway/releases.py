@@ -4,6 +4,10 @@ The rollout of each model is followed from the `models` bucket; `inferbus.releas
 A client (an eval run, an operator's smoke test) pins a request with the `Inferbus-Release`
 header: the release, or 8+ hex of its id, must be the model's stable or candidate release, and a
 worker of it must be up, else the request is refused (400 / 503) rather than served by another.
+
+A LoRA adapter with a canary (two registered versions, and its rollout) is split the same way
+within its own requests: the version chosen is part of the engine name the worker loads. For a
+request of an adapter, the header pins a version of the adapter (its digest, or 8+ hex of it).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from nats.js import JetStreamContext
 from inferbus.openai.errors import OpenAIError
 from inferbus.releases import record, split
 from inferbus.releases.follow import Rollouts
+from proto import messages as m
 
 from .dispatch import Dispatcher
 
@@ -46,3 +51,21 @@ class ReleaseRouting:
             raise OpenAIError(503, f"No worker of release {record.short(release)} is serving `{model}` right now.",
                               code="release_unavailable", headers={"retry-after": "5"})
         return release, True
+
+    def assign_adapter(self, spec: m.AdapterSpec, tenant: str, prompt_ids: list[int], block_size: int,
+                       pin: str | None) -> tuple[str, bool]:
+        """(engine name of the version that serves it, whether the adapter's canary counts it) for a
+        request of adapter `spec`; raises OpenAIError for a pin naming no version of it."""
+        rollout = self.rollouts.adapter(spec.name)
+        if pin:
+            version = split.match_adapter_pin(spec, pin)
+            if version is None:
+                raise OpenAIError(400, f"Version {pin!r} is not a registered version of adapter `{spec.name}`: pin its "
+                                       "version or its candidate's (`inferbus release status`), by digest or at least "
+                                       "8 hex digits of it.", code="release_not_found")
+            return m.adapter_engine_name(spec.name, version), False  # an eval run: not the canary's traffic
+        if rollout is None:
+            return spec.engine_name, False
+        key = split.adapter_sticky_key(rollout, tenant, prompt_ids, block_size)
+        return (m.adapter_engine_name(spec.name, split.adapter_version(rollout, spec, key)),
+                split.adapter_in_canary(rollout, spec))

@@ -13,6 +13,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from nats.js import JetStreamContext
 from prometheus_client import Gauge
 
@@ -112,3 +113,42 @@ class ReleaseCounters:
     def load_fields(self) -> dict[str, Any]:
         return {"release": self.release_id, "finished_ok": self.ok, "finished_failed": self.failed,
                 "finished_cancelled": self.cancelled}
+
+
+class AdapterOutcomes:
+    """Per adapter version (engine name), the latencies and outcomes of interactive requests of
+    adapters with a canary running, reported with load for the adapter canary's SLO gate. Kept
+    for the worker's lifetime like the other counters, but only for `limit` versions (the least
+    recently used goes first): only adapters under a canary are counted, and they are few."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self.by_version: dict[str, m.AdapterOutcomes] = {}
+
+    def _of(self, engine_name: str) -> m.AdapterOutcomes:
+        found = self.by_version.pop(engine_name, None)
+        if found is None:
+            found = m.AdapterOutcomes(ttft_hist=[0] * (len(m.LATENCY_BUCKETS_S) + 1),
+                                      tpot_fine_hist=[0] * (len(m.TPOT_BUCKETS_S) + 1))
+            while len(self.by_version) >= self.limit:
+                del self.by_version[next(iter(self.by_version))]
+        self.by_version[engine_name] = found  # last: the most recently used
+        return found
+
+    def first_token(self, engine_name: str, seconds: float) -> None:
+        m.observe(self._of(engine_name).ttft_hist, m.LATENCY_BUCKETS_S, seconds)
+
+    def finished(self, engine_name: str, status: str, tpot_s: float | None) -> None:
+        outcomes = self._of(engine_name)
+        if tpot_s is not None:
+            m.observe(outcomes.tpot_fine_hist, m.TPOT_BUCKETS_S, tpot_s)
+        if status == "completed":
+            outcomes.finished_ok += 1
+        elif status == "cancelled":
+            outcomes.finished_cancelled += 1
+        else:
+            outcomes.finished_failed += 1
+
+    def load_field(self) -> dict[str, m.AdapterOutcomes]:
+        return {name: msgspec.structs.replace(o, ttft_hist=list(o.ttft_hist), tpot_fine_hist=list(o.tpot_fine_hist))
+                for name, o in self.by_version.items()}

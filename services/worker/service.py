@@ -93,6 +93,7 @@ class Worker:
         self.engine_info: dict[str, Any] = {}
         self.release: m.Release | None = None  # verified at start (INFERBUS_WORKER_RELEASE); None: unpinned
         self.release_counts = release_check.ReleaseCounters(None)
+        self.adapter_outcomes = release_check.AdapterOutcomes()  # adapters with a canary: per version
         # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
         # "serving". A demoted worker drains its work, then goes back to warm.
         self.phase = "starting"
