@@ -72,7 +72,8 @@ class Replicas:
         assert result.exit_code == 0, result.output
         return next(line for line in result.stdout.splitlines() if record.DIGEST.match(line))
 
-    def start(self, model_dir: Path, release: str, step_ms: float = STEP_MS, wait: bool = True) -> tuple[Process, Process]:
+    def start(self, model_dir: Path, release: str, step_ms: float = STEP_MS, wait: bool = True,
+              worker_env: dict[str, str] | None = None) -> tuple[Process, Process]:
         self.count += 1
         index = 100 + self.count
         stack = self.platform.stack
@@ -80,7 +81,7 @@ class Replicas:
         env = stack._env(INFERBUS_MODEL_DIR=str(model_dir))
         engine, worker = replica_processes(
             index, spec, env, stack.config.state_dir / "logs",
-            worker_env={**stack.credentials(f"worker-{index}"), "INFERBUS_WORKER_RELEASE": release},
+            worker_env={**stack.credentials(f"worker-{index}"), "INFERBUS_WORKER_RELEASE": release, **(worker_env or {})},
         )
         self.processes += [engine, worker]
         engine.start()
@@ -343,3 +344,28 @@ def test_worker_refuses_adapter_files_that_are_not_their_version(platform: Platf
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model="tampered-bot", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert "the registered version is " + digest in str(refused.value)
+
+
+def test_worker_refuses_an_engine_image_that_is_not_its_release(platform: Platform, replicas: Replicas) -> None:
+    """The kubelet's `imageID` of the engine container, read from the worker's own pod over the
+    Kubernetes API (here a local server answering as the API does), is not the release's image."""
+    from http.server import ThreadingHTTPServer
+
+    from tests.test_engine_image import OTHER, _Api, pod
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Api.status, _Api.served = 200, pod("docker.io/inferbus/sim-engine@" + OTHER)
+    try:
+        good = replicas.model_dir("good", 0.95)
+        release = replicas.create(good)
+        _, worker = replicas.start(good, release, wait=False, worker_env={
+            "INFERBUS_ENGINE_IMAGE_CHECK": "kubernetes", "INFERBUS_K8S_API_URL": f"http://127.0.0.1:{server.server_address[1]}",
+            "INFERBUS_POD_NAME": "worker-7c9f-abcde", "INFERBUS_POD_NAMESPACE": "inferbus"})
+        assert worker.wait(60), "the worker kept running on an engine image that is not its release's"
+        assert worker.returncode != 0
+        log = worker.tail(40)
+        assert "refusing to serve release" in log and f"the engine runs image {OTHER}, the release pins {IMAGE}" in log
+        assert ("/api/v1/namespaces/inferbus/pods/worker-7c9f-abcde", None) in _Api.seen
+    finally:
+        server.shutdown()

@@ -10,6 +10,7 @@ way. A worker without a release serves unpinned, and says so in its log and its 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from inferbus import logs
 from inferbus.releases import record, store
 from proto import messages as m
 
+from . import engine_image
+
 log = logs.get(__name__)
 
 RELEASE_INFO = Gauge("inferbus_worker_release_info", "The release this worker verified it serves (1)", ["model", "release"])
@@ -31,8 +34,10 @@ class ReleaseMismatch(SystemExit):
 
 
 async def verify_at_start(js: JetStreamContext, release_id: str, model: str, model_dir: str,
-                          server_info: dict[str, Any]) -> m.Release | None:
-    """The verified release, or None when the worker runs unpinned; raises ReleaseMismatch."""
+                          server_info: dict[str, Any],
+                          image_check: Callable[[str], Awaitable[str | None]] | None = None) -> m.Release | None:
+    """The verified release, or None when the worker runs unpinned; raises ReleaseMismatch.
+    `image_check(release image)` says why the engine's image is not the release's (engine_image.py)."""
     if not release_id:
         log.warning("worker_unpinned", model=model,
                     consequence="no release verified: this worker is left out of canaries and pinned traffic")
@@ -43,6 +48,13 @@ async def verify_at_start(js: JetStreamContext, release_id: str, model: str, mod
     except LookupError as error:
         raise ReleaseMismatch(f"worker: INFERBUS_WORKER_RELEASE={release_id}: {error}") from None
     problems = await asyncio.to_thread(problems_of, release, model, model_dir, server_info)
+    if image_check is not None:
+        try:
+            image_problem = await image_check(release.engine_image)
+        except engine_image.ImageCheckError as error:
+            image_problem = f"the engine image cannot be checked: {error}"
+        if image_problem is not None:
+            problems.append(image_problem)
     if problems:
         log.error("release_mismatch", release=release.id, problems=problems)
         raise ReleaseMismatch(
