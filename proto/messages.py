@@ -154,6 +154,14 @@ class InferenceRequest(_Message, tag="request"):
     # Its adapter has a canary running: the worker reports this request's latency and outcome per
     # adapter version (`WorkerLoad.adapter_outcomes`) for the canary's SLO gate.
     adapter_canary: bool = False
+    # The client pinned a version of its adapter (an eval run): like `release_pinned`, not the
+    # traffic whose latencies the SLO gates read.
+    adapter_pinned: bool = False
+
+    @property
+    def pinned(self) -> bool:
+        """A client's pin (release or adapter version): left out of the canaries' latency histograms."""
+        return self.release_pinned or self.adapter_pinned
     # Migration: the token ids already streamed to the client; the next attempt continues from
     # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
     resumed_ids: list[int] = []

@@ -53,9 +53,10 @@ class ReleaseRouting:
         return release, True
 
     def assign_adapter(self, spec: m.AdapterSpec, tenant: str, prompt_ids: list[int], block_size: int,
-                       pin: str | None) -> tuple[str, bool]:
-        """(engine name of the version that serves it, whether the adapter's canary counts it) for a
-        request of adapter `spec`; raises OpenAIError for a pin naming no version of it."""
+                       pin: str | None) -> tuple[str, bool, bool]:
+        """(engine name of the version that serves it, whether the adapter's canary counts it,
+        whether the client pinned it) for a request of adapter `spec`; raises OpenAIError for a pin
+        naming no version of it."""
         rollout = self.rollouts.adapter(spec.name)
         if pin:
             version = split.match_adapter_pin(spec, pin)
@@ -63,9 +64,9 @@ class ReleaseRouting:
                 raise OpenAIError(400, f"Version {pin!r} is not a registered version of adapter `{spec.name}`: pin its "
                                        "version or its candidate's (`inferbus release status`), by digest or at least "
                                        "8 hex digits of it.", code="release_not_found")
-            return m.adapter_engine_name(spec.name, version), False  # an eval run: not the canary's traffic
+            return m.adapter_engine_name(spec.name, version), False, True  # an eval run: not the canary's traffic
         if rollout is None:
-            return spec.engine_name, False
+            return spec.engine_name, False, False
         key = split.adapter_sticky_key(rollout, tenant, prompt_ids, block_size)
         return (m.adapter_engine_name(spec.name, split.adapter_version(rollout, spec, key)),
-                split.adapter_in_canary(rollout, spec))
+                split.adapter_in_canary(rollout, spec), False)

@@ -217,7 +217,7 @@ class Serving:
                 if request.band == "batch":
                     worker.stats.batch_in_flight -= 1
                     worker.stats.completed_batch += 1
-                elif not request.release_pinned:
+                elif not request.pinned:
                     generated, finished_at = usage.completion_tokens - request.resumed_tokens, time.time()
                     worker.stats.observe_tpot(entry, generated, finished_at)
                     worker.release_counts.count(status)
@@ -259,7 +259,7 @@ class Serving:
                 entry.first_token_at = time.time()
                 # A migration's TTFT is not the client's; a pinned request (an eval run) is not the
                 # canary's traffic, whose latencies these histograms also carry to its SLO gate.
-                if request.band != "batch" and request.attempt == 0 and not request.release_pinned:
+                if request.band != "batch" and request.attempt == 0 and not request.pinned:
                     worker.stats.observe_ttft(entry.first_token_at - request.created)
                     if request.adapter_canary and request.adapter:
                         worker.adapter_outcomes.first_token(request.adapter, entry.first_token_at - request.created)
