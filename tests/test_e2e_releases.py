@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import msgspec
 import nats
 import pytest
@@ -246,6 +247,23 @@ def test_good_candidate_is_promoted_without_a_client_error(platform: Platform, r
     assert by_release == {stable, candidate}
     last = sorted(events, key=lambda e: e.finished)[-20:]
     assert {e.release for e in last} == {candidate}
+
+    # The billing rollups group by release: each release's requests (the load's, plus the eval
+    # run's pinned ones) are counted under it.
+    served = {release: sum(1 for e in events if e.release == release) for release in (stable, candidate)}
+
+    def by_release() -> dict[str | None, int] | None:
+        response = httpx.get(platform.base_url + "/usage", headers={"authorization": f"Bearer {platform.api_key}"},
+                             params={"start_time": int(time.time()) - 3600, "bucket_width": "1d", "group_by": "release"})
+        assert response.status_code == 200, response.text
+        counts = {r["release"]: r["num_model_requests"] for b in response.json()["data"] for r in b["results"]}
+        return counts if all(counts.get(release, 0) >= n for release, n in served.items()) else None
+
+    deadline = time.monotonic() + 30
+    while (counts := by_release()) is None:
+        assert time.monotonic() < deadline, f"the rollups never counted {served} by release"
+        time.sleep(0.5)
+    assert set(served) <= set(counts)
 
 
 def test_slower_candidate_is_rolled_back_by_the_slo_gate(platform: Platform, replicas: Replicas) -> None:
