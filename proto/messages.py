@@ -157,6 +157,9 @@ class InferenceRequest(_Message, tag="request"):
     # The client pinned a version of its adapter (an eval run): like `release_pinned`, not the
     # traffic whose latencies the SLO gates read.
     adapter_pinned: bool = False
+    # Sent to an adapter canary's candidate version: the registered version's engine name, which
+    # the gateway continues the request on if the candidate cannot be loaded before any token.
+    adapter_fallback: str | None = None
 
     @property
     def pinned(self) -> bool:

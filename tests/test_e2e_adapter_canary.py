@@ -233,3 +233,28 @@ def test_an_adapter_version_that_answers_worse_is_rolled_back_by_the_eval_gate(p
         platform.client().chat.completions.create(model="acme-summarizer", max_tokens=4,
                                                   messages=[{"role": "user", "content": "hi"}],
                                                   extra_headers={"inferbus-release": broken.removeprefix("sha256:")[:12]})
+
+
+def test_a_candidate_that_cannot_load_is_rolled_back_by_the_slo_gate_without_a_client_error(
+        platform: Platform, tmp_path: Path) -> None:
+    v1 = register(platform, "acme-router", adapter_dir(tmp_path, "router-v1", 0.95, b"router-v1"), owner="demo")
+    v2_dir = adapter_dir(tmp_path, "router-v2", 0.95, b"router-v2")
+    v2 = record.directory_digest(v2_dir)
+
+    with Load(platform, platform.api_key, "acme-router", 8, "routing") as load:
+        time.sleep(1)
+        cli(platform, "release", "adapter-canary", "acme-router", "--path", str(v2_dir), "--traffic", "50%",
+            "--steps", "100%", "--window", "60s")
+        # The files change after the version was taken from them: every worker refuses to load it.
+        (v2_dir / "adapter_model.safetensors").write_bytes(b"router-v2-overwritten" * 100)
+        seen = decisions(platform, "acme-router", {"rollback", "promote"}, timeout=90)
+        time.sleep(1)
+    # The candidate's requests went on to the registered version: the clients saw none of it.
+    assert load.errors == []
+    assert seen and seen[-1].action == "rollback", [(d.action, d.reason) for d in seen]
+    assert "SLO gate failed" in seen[-1].reason and "error rate 100.00%" in seen[-1].reason
+    assert seen[-1].slo["candidate_requests"] >= 40 and seen[-1].candidate == v2
+    assert adapter_status(platform, "acme-router")[0]["state"] == "rolled_back"
+    events = read_usage(platform, "demo", set(load.ids), timeout=20)
+    assert len(events) == len(load.ids) and {e.adapter for e in events} == {engine_name("acme-router", v1)}
+    assert any(e.attempts == 2 for e in events)  # continued on the registered version

@@ -216,10 +216,11 @@ class Generation:
         prompt_tokens = len(prompt.ids)
         pin = _header(scope, PIN_HEADER)
         adapter_canary = adapter_pinned = False
+        adapter_fallback = None
         spec = self.catalog.adapters.get(params.model) if adapter else None
         if spec is not None and self.releases is not None:
             # The adapter's version first: it is part of the engine name the prefix hashes are made in.
-            adapter, adapter_canary, adapter_pinned = self.releases.assign_adapter(
+            adapter, adapter_canary, adapter_pinned, adapter_fallback = self.releases.assign_adapter(
                 spec, principal.tenant, prompt.ids, self.settings.block_size, pin)
             pin = None  # the pin named the adapter's version, not the base model's release
         hashes: list[int] = []
@@ -250,7 +251,7 @@ class Generation:
             sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
-            adapter_canary=adapter_canary, adapter_pinned=adapter_pinned,
+            adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
             user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
         try:

@@ -12,6 +12,8 @@ request of an adapter, the header pins a version of the adapter (its digest, or 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from nats.js import JetStreamContext
 
 from inferbus.openai.errors import OpenAIError
@@ -22,6 +24,13 @@ from proto import messages as m
 from .dispatch import Dispatcher
 
 PIN_HEADER = b"inferbus-release"
+
+
+class AdapterChoice(NamedTuple):
+    engine_name: str  # of the version that serves the request
+    canary: bool = False  # the adapter has a canary: its latencies count per version
+    pinned: bool = False  # the client pinned the version (an eval run)
+    fallback: str | None = None  # on the candidate: the registered version, if the candidate cannot load
 
 
 class ReleaseRouting:
@@ -53,10 +62,9 @@ class ReleaseRouting:
         return release, True
 
     def assign_adapter(self, spec: m.AdapterSpec, tenant: str, prompt_ids: list[int], block_size: int,
-                       pin: str | None) -> tuple[str, bool, bool]:
-        """(engine name of the version that serves it, whether the adapter's canary counts it,
-        whether the client pinned it) for a request of adapter `spec`; raises OpenAIError for a pin
-        naming no version of it."""
+                       pin: str | None) -> AdapterChoice:
+        """The version of adapter `spec` that serves a request; raises OpenAIError for a pin naming
+        no version of it."""
         rollout = self.rollouts.adapter(spec.name)
         if pin:
             version = split.match_adapter_pin(spec, pin)
@@ -64,9 +72,11 @@ class ReleaseRouting:
                 raise OpenAIError(400, f"Version {pin!r} is not a registered version of adapter `{spec.name}`: pin its "
                                        "version or its candidate's (`inferbus release status`), by digest or at least "
                                        "8 hex digits of it.", code="release_not_found")
-            return m.adapter_engine_name(spec.name, version), False, True  # an eval run: not the canary's traffic
+            return AdapterChoice(m.adapter_engine_name(spec.name, version), pinned=True)  # an eval run
         if rollout is None:
-            return spec.engine_name, False, False
+            return AdapterChoice(spec.engine_name)
         key = split.adapter_sticky_key(rollout, tenant, prompt_ids, block_size)
-        return (m.adapter_engine_name(spec.name, split.adapter_version(rollout, spec, key)),
-                split.adapter_in_canary(rollout, spec), False)
+        version = split.adapter_version(rollout, spec, key)
+        in_canary = split.adapter_in_canary(rollout, spec)
+        fallback = spec.engine_name if in_canary and version != spec.version else None
+        return AdapterChoice(m.adapter_engine_name(spec.name, version), canary=in_canary, fallback=fallback)

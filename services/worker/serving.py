@@ -192,7 +192,8 @@ class Serving:
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
-                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable"):
+                # An adapter the engine cannot load or that fails its check says nothing of the GPU.
+                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable", "adapter_unavailable"):
                     worker.gpu.engine_error()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
                 # The gateway bills what the client received when a request ends in an error, and a
