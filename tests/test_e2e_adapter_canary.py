@@ -171,6 +171,10 @@ def test_a_good_adapter_version_is_promoted_within_its_tenants_traffic(platform:
                       "--steps", "100%", "--window", "3s", "--eval-suite", "arithmetic")
         assert "adapter acme-bot (of " in started and "share 50%" in started
         assert registration(platform, "acme-bot")["candidate_version"] == v2
+        listed = CliRunner().invoke(main, ["adapters", "list", "--url", platform.stack.gateway_url,
+                                           "--admin-key", platform.admin_key])
+        row = next(line for line in listed.output.splitlines() if line.startswith("acme-bot "))
+        assert v1[:19] in row and v2[:19] in row, listed.output
         # 40 items × 25 repeats per version, both at 96%: a pass with probability > 0.99.
         code, verdict, output = run_eval(platform, "acme-bot", v2, "--concurrency", "6")
         assert code == 0, output
