@@ -242,15 +242,14 @@ def test_an_adapter_version_that_answers_worse_is_rolled_back_by_the_eval_gate(p
 def test_a_candidate_that_cannot_load_is_rolled_back_by_the_slo_gate_without_a_client_error(
         platform: Platform, tmp_path: Path) -> None:
     v1 = register(platform, "acme-router", adapter_dir(tmp_path, "router-v1", 0.95, b"router-v1"), owner="demo")
-    v2_dir = adapter_dir(tmp_path, "router-v2", 0.95, b"router-v2")
-    v2 = record.directory_digest(v2_dir)
+    v2 = record.directory_digest(adapter_dir(tmp_path, "router-v2", 0.95, b"router-v2"))
 
     with Load(platform, platform.api_key, "acme-router", 8, "routing") as load:
         time.sleep(1)
-        cli(platform, "release", "adapter-canary", "acme-router", "--path", str(v2_dir), "--traffic", "50%",
-            "--steps", "100%", "--window", "60s")
-        # The files change after the version was taken from them: every worker refuses to load it.
-        (v2_dir / "adapter_model.safetensors").write_bytes(b"router-v2-overwritten" * 100)
+        # The new version's files are not where the workers look (a remote path that was never
+        # uploaded; the simulated engine fails to load paths starting with "missing").
+        cli(platform, "release", "adapter-canary", "acme-router", "--path", "missing/acme-router-v2", "--version", v2,
+            "--traffic", "50%", "--steps", "100%", "--window", "60s")
         seen = decisions(platform, "acme-router", {"rollback", "promote"}, timeout=90)
         time.sleep(1)
     # The candidate's requests went on to the registered version: the clients saw none of it.

@@ -290,3 +290,15 @@ def msgspec_replace(rollout: m.Rollout, **fields: object) -> m.Rollout:
     import msgspec
 
     return msgspec.structs.replace(rollout, **fields)
+
+
+def test_an_adapter_canary_whose_candidate_left_the_registration_is_rolled_back() -> None:
+    running = adapter_rollout(0.3)
+    assert canary.unregistered_candidate(running, adapter_spec(), 5.0) is None
+    replaced = canary.unregistered_candidate(running, adapter_spec(None), 5.0)
+    assert replaced is not None and replaced.action == "rollback" and replaced.rollout.share == 0
+    assert "registered again" in replaced.reason
+    removed = canary.unregistered_candidate(running, None, 5.0)
+    assert removed is not None and "was removed" in removed.reason
+    assert canary.unregistered_candidate(canary.rollback(running, 1.0, "x"), None, 5.0) is None  # over already
+    assert canary.unregistered_candidate(rollout(0.05), None, 5.0) is None  # a model's canary: no registration

@@ -68,6 +68,16 @@ def rollback(rollout: m.Rollout, now: float, reason: str) -> m.Rollout:
     return msgspec.structs.replace(rollout, state="rolled_back", share=0.0, updated=now, reason=reason)
 
 
+def unregistered_candidate(rollout: m.Rollout, spec: m.AdapterSpec | None, now: float) -> Change | None:
+    """An adapter canary whose candidate the registration no longer names (the adapter was
+    re-registered or removed meanwhile) has no candidate traffic left to judge: roll it back."""
+    if not rollout.adapter or rollout.state != "canary" or (spec is not None and spec.candidate_version == rollout.candidate):
+        return None
+    what = "was removed" if spec is None else f"was registered again (version {spec.version}) without it"
+    reason = f"the adapter {what}: its candidate serves nothing any more"
+    return Change("rollback", rollback(rollout, now, reason), reason, {})
+
+
 class Controller:
     def __init__(self, clock: Callable[[], float], config: slo_gate.SloConfig | None = None) -> None:
         self.clock = clock

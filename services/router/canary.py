@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable
 
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
+from inferbus import adapters as registry
 from inferbus import logs
 from inferbus.releases import canary, slo_gate, store
 from inferbus.releases.follow import Rollouts
@@ -50,10 +52,12 @@ class CanaryService:
         self._window_of: dict[str, tuple[str | None, float]] = {}  # model → (candidate, step start) counted
         self.adapter_windows = slo_gate.AdapterWindows()  # per adapter version, of its canary's current step
         self._adapter_window_of: dict[str, tuple[str | None, float]] = {}  # adapter → (candidate, step start)
+        self._adapters: KeyValue | None = None  # the adapter registry (a canary's candidate must stay in it)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.rollouts.start(self.nc.jetstream())
+        self._adapters = await registry.bucket(self.nc.jetstream())
         self._task = asyncio.create_task(self._loop(), name="canary")
 
     async def stop(self) -> None:
@@ -102,18 +106,26 @@ class CanaryService:
             SHARE.labels(adapter, candidate).set(0 if rollout.state != "promoted" else 1)
             return
         SHARE.labels(adapter, candidate).set(rollout.share)
+        assert self._adapters is not None
+        revision = self.rollouts.adapter_revisions.get(adapter, 0)
+        orphaned = canary.unregistered_candidate(rollout, await registry.get(self._adapters, adapter), self.clock())
+        if orphaned is not None:
+            await self._apply(rollout, orphaned, revision)
+            return
         stable = m.adapter_engine_name(adapter, rollout.stable)
         step = (rollout.candidate, rollout.step_started)
         if self._adapter_window_of.get(adapter) != step:
             self.adapter_windows.reset({stable, candidate})
             self._adapter_window_of[adapter] = step
         verdict = slo_gate.verdict(self.adapter_windows.of(stable), self.adapter_windows.of(candidate), self.config)
-        await self._decide(rollout, verdict, self.rollouts.adapter_revisions.get(adapter, 0))
+        await self._decide(rollout, verdict, revision)
 
     async def _decide(self, rollout: m.Rollout, verdict: slo_gate.Verdict, revision: int) -> None:
         change = self.controller.decide(rollout, verdict)
-        if change is None:
-            return
+        if change is not None:
+            await self._apply(rollout, change, revision)
+
+    async def _apply(self, rollout: m.Rollout, change: canary.Change, revision: int) -> None:
         assert self.rollouts.kv is not None
         try:
             await store.put_rollout(self.rollouts.kv, change.rollout, revision)
