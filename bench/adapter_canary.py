@@ -15,7 +15,11 @@ good candidate is the same engine (drawn from the baseline's pool); a bad one ha
 longer (TPOT p90 about +60%). The controller reads the gate every second, as the router does, so a
 good candidate's false rollbacks here include those of looking again and again.
 Completion times are taken as arrival times (a request counts when it arrives, not a few seconds
-later when it finishes): read times to a verdict as a lower bound by that much.
+later when it finishes): read times to a verdict as a lower bound by that much. The two versions'
+latencies are drawn independently; on engines, both versions of an adapter share batches, so a
+version whose own cost is higher slows the other's requests in the same batches too, and the
+difference the gate sees is smaller than here. What it measures is the clock: how long a verdict
+takes at a given adapter traffic.
 """
 
 from __future__ import annotations
