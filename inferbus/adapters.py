@@ -14,7 +14,7 @@ import time
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from proto import messages as m
@@ -60,6 +60,30 @@ def key(name: str) -> str:
 
 async def put(kv: KeyValue, spec: m.AdapterSpec) -> None:
     await kv.put(key(spec.name), m.encode(spec))
+
+
+class Conflict(RuntimeError):
+    """The registration changed since it was read."""
+
+
+async def get_with_revision(kv: KeyValue, name: str) -> tuple[m.AdapterSpec | None, int]:
+    """The registration and its revision (0: none)."""
+    try:
+        entry = await kv.get(key(name))
+    except (KeyNotFoundError, InvalidKeyError):
+        return None, 0
+    return decode(entry.value), entry.revision or 0
+
+
+async def update(kv: KeyValue, spec: m.AdapterSpec, revision: int) -> None:
+    """Write `spec` if its key is still at `revision` (0: it must not exist); raises Conflict."""
+    try:
+        if revision == 0:
+            await kv.create(key(spec.name), m.encode(spec))
+        else:
+            await kv.update(key(spec.name), m.encode(spec), last=revision)
+    except KeyWrongLastSequenceError:
+        raise Conflict(f"the registration of adapter {spec.name} changed meanwhile") from None
 
 
 async def get(kv: KeyValue, name: str) -> m.AdapterSpec | None:

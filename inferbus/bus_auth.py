@@ -168,8 +168,10 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.placed_wildcard(), subjects.control_wildcard(),
                 subjects.shared_request_wildcard(),  # a dead worker's queue, moved to the shared one
                 *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
-                # The canary controller: rollouts (compare-and-set) and its decisions.
+                # The canary controller: rollouts (compare-and-set) and its decisions; an adapter
+                # canary's end settles the adapter's registration.
                 *_kv_write(subjects.MODELS_BUCKET, "rollout.>"), subjects.release_wildcard(),
+                *_kv_write(subjects.ADAPTERS_BUCKET),
             ),
             subscribe=(subjects.placement_wildcard(), subjects.placed_wildcard(), subjects.cache_wildcard(),
                        subjects.metrics_wildcard(), inbox),

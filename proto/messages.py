@@ -151,6 +151,20 @@ class InferenceRequest(_Message, tag="request"):
     # places it on a worker of that release only. None: any worker of the model.
     release: str | None = None
     release_pinned: bool = False  # the client pinned `release`: no other release may serve it
+    # Its adapter has a canary running: the worker reports this request's latency and outcome per
+    # adapter version (`WorkerLoad.adapter_outcomes`) for the canary's SLO gate.
+    adapter_canary: bool = False
+    # The client pinned a version of its adapter (an eval run): like `release_pinned`, not the
+    # traffic whose latencies the SLO gates read.
+    adapter_pinned: bool = False
+    # Sent to an adapter canary's candidate version: the registered version's engine name, which
+    # the gateway continues the request on if the candidate cannot be loaded before any token.
+    adapter_fallback: str | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """A client's pin (release or adapter version): left out of the canaries' latency histograms."""
+        return self.release_pinned or self.adapter_pinned
     # Migration: the token ids already streamed to the client; the next attempt continues from
     # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
     resumed_ids: list[int] = []
@@ -446,6 +460,19 @@ class WorkerLoad(_Message):
     # Requests this worker holds per LoRA adapter ("" for the base model): the distinct adapters its
     # engine's batch needs, against the heartbeat's `max_adapters` slots.
     adapter_requests: dict[str, int] = {}
+    # Per adapter engine name (a version), for requests of adapters with a canary running
+    # (`InferenceRequest.adapter_canary`): cumulative histograms and outcomes, as above.
+    adapter_outcomes: dict[str, AdapterOutcomes] = {}
+
+
+class AdapterOutcomes(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One adapter version's interactive requests on one worker since it started (cumulative)."""
+
+    ttft_hist: list[int] = []
+    tpot_fine_hist: list[int] = []
+    finished_ok: int = 0
+    finished_failed: int = 0
+    finished_cancelled: int = 0
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -554,10 +581,31 @@ class AdapterSpec(_Message):
     path: str  # where the engine loads the weights from
     created: float
     owner: str | None = None  # a tenant's private adapter; None: any tenant allowed the name
+    # A new version being canaried within the adapter's traffic (`inferbus release adapter-canary`):
+    # the adapter's rollout (`adapter_rollout_key`) says which share of its requests it serves.
+    candidate_version: str | None = None
+    candidate_path: str | None = None
 
     @property
     def engine_name(self) -> str:
-        return f"{self.name}@{self.version.removeprefix('sha256:')[:12]}"
+        return adapter_engine_name(self.name, self.version)
+
+    @property
+    def candidate_engine_name(self) -> str | None:
+        return adapter_engine_name(self.name, self.candidate_version) if self.candidate_version else None
+
+    def version_of(self, engine_name: str) -> tuple[str, str] | None:
+        """(version, path) of the registered version engines know as `engine_name`, or None."""
+        if engine_name == self.engine_name:
+            return self.version, self.path
+        if self.candidate_version and self.candidate_path and engine_name == self.candidate_engine_name:
+            return self.candidate_version, self.candidate_path
+        return None
+
+
+def adapter_engine_name(name: str, version: str) -> str:
+    """What engines call version `version` of adapter `name`: `<name>@<first 12 hex of the digest>`."""
+    return f"{name}@{version.removeprefix('sha256:')[:12]}"
 
 
 class ControlCommand(_Message):
@@ -649,6 +697,8 @@ class Rollout(_Message):
     model: str
     stable: str  # the release serving everything not sent to the candidate
     state: str = "stable"  # a RolloutState
+    # Set: this is the rollout of LoRA adapter `adapter` of `model` (key `adapter_rollout_key`),
+    # and `stable`/`candidate` are versions of the adapter (the digest of its files), not releases.
     candidate: str | None = None
     share: float = 0.0  # of the model's traffic sent to the candidate (0-1)
     steps: list[float] = []  # the shares a canary goes through, the last being 1.0
@@ -662,6 +712,7 @@ class Rollout(_Message):
     step_started: float = 0.0
     updated: float = 0.0
     reason: str = ""  # why it is where it is, in words
+    adapter: str | None = None
 
 
 class ReleaseDecision(_Message):
@@ -678,6 +729,7 @@ class ReleaseDecision(_Message):
     reason: str
     slo: dict[str, float] = {}  # the SLO gate's measurements (p90s, rates, sample sizes)
     controller: str = ""
+    adapter: str | None = None  # a decision of the canary of this adapter of `model` (versions, not releases)
 
 
 # ---- internal producers (`subjects.api_subject`) ---------------------------------------------

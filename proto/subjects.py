@@ -13,7 +13,7 @@ Layout (see DESIGN.md):
     inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
     inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
     inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
-    inferbus.release.<model>                       core NATS: canary decisions (ReleaseDecision)
+    inferbus.release.<model or adapter>            core NATS: canary decisions (ReleaseDecision)
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
@@ -302,6 +302,13 @@ def rollout_key(model: str) -> str:
     import base64
 
     return "rollout." + base64.urlsafe_b64encode(model.encode()).decode().rstrip("=")
+
+
+def adapter_rollout_key(model: str, adapter: str) -> str:
+    """Key of the `Rollout` of LoRA adapter `adapter` of `model` (its canary between two versions)."""
+    import base64
+
+    return rollout_key(model) + "." + base64.urlsafe_b64encode(adapter.encode()).decode().rstrip("=")
 
 
 def release_subject(model: str) -> str:

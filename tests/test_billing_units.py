@@ -169,7 +169,32 @@ def test_an_event_is_priced_at_its_accept_time_with_the_batch_discount() -> None
     batch = u.contribution(event(batch_id="batch_1", status="cancelled"), book)
     assert batch.costs == LineCosts(30, 20, 25) and batch.row[3] == 1
     assert u.split_group(batch.row[2]) == {"model": MODEL, "adapter": "", "band": "standard",
-                                           "api_key_id": "key_1", "batch_id": "batch_1"}
+                                           "api_key_id": "key_1", "batch_id": "batch_1", "release": ""}
+    released = u.contribution(event(release="sha256:" + "ab" * 32), book)
+    assert u.split_group(released.row[2])["release"] == "sha256:" + "ab" * 32
+
+
+def test_usage_groups_by_release_and_older_groups_read_as_no_release() -> None:
+    stable, candidate = "sha256:" + "aa" * 32, "sha256:" + "cc" * 32
+    rollups = {"acme": {
+        group(): u.Totals(1, 0, 0, 10, 0, 5, 1, 0, 1),  # written before `release` was a dimension: five parts
+        group() + u.GROUP_SEP + stable: u.Totals(3, 0, 0, 30, 0, 15, 3, 0, 3),
+        group(key="key_2") + u.GROUP_SEP + stable: u.Totals(1, 0, 0, 10, 0, 5, 1, 0, 1),
+        group() + u.GROUP_SEP + candidate: u.Totals(2, 0, 1, 20, 0, 10, 2, 0, 2),
+    }}
+    query = q(start_time=0, end_time=86400, bucket_width="1d", group_by="release")
+    by_release = u.regroup(rollups, query)
+    assert {k: t.requests for k, t in by_release.items()} == {(None,): 1, (stable,): 4, (candidate,): 2}
+    results = u.usage_results(by_release, query.group_by)
+    assert [(r["release"], r["num_model_requests"]) for r in results] == [(None, 1), (stable, 4), (candidate, 2)]
+    costs = u.cost_results(by_release, query.group_by)
+    assert {c["release"]: c["amount"]["value"] for c in costs}[candidate] == 4 / 1_000_000
+    # Not grouped by release: the field is absent, and the totals are the same.
+    assert "release" not in u.usage_results(u.regroup(rollups, q(start_time=0, end_time=86400)), ())[0]
+    exported = u.export_rows(0, "1d", u.regroup(rollups, u.UsageQuery(0, 86400, "1d", group_by=u.EXPORT_GROUP_BY)),
+                             u.EXPORT_GROUP_BY, "acme")
+    assert sorted((r["release"] or "", r["api_key_id"], r["num_model_requests"]) for r in exported) == [
+        ("", "key_1", 1), (stable, "key_1", 3), (stable, "key_2", 1), (candidate, "key_1", 2)]
 
 
 def test_abandoned_attempts_are_the_platforms_cost_under_their_own_dedup_id() -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import msgspec
 import nats
 import pytest
@@ -72,7 +73,8 @@ class Replicas:
         assert result.exit_code == 0, result.output
         return next(line for line in result.stdout.splitlines() if record.DIGEST.match(line))
 
-    def start(self, model_dir: Path, release: str, step_ms: float = STEP_MS, wait: bool = True) -> tuple[Process, Process]:
+    def start(self, model_dir: Path, release: str, step_ms: float = STEP_MS, wait: bool = True,
+              worker_env: dict[str, str] | None = None) -> tuple[Process, Process]:
         self.count += 1
         index = 100 + self.count
         stack = self.platform.stack
@@ -80,7 +82,7 @@ class Replicas:
         env = stack._env(INFERBUS_MODEL_DIR=str(model_dir))
         engine, worker = replica_processes(
             index, spec, env, stack.config.state_dir / "logs",
-            worker_env={**stack.credentials(f"worker-{index}"), "INFERBUS_WORKER_RELEASE": release},
+            worker_env={**stack.credentials(f"worker-{index}"), "INFERBUS_WORKER_RELEASE": release, **(worker_env or {})},
         )
         self.processes += [engine, worker]
         engine.start()
@@ -228,7 +230,7 @@ def test_good_candidate_is_promoted_without_a_client_error(platform: Platform, r
         deadline = time.monotonic() + 150
         while status(platform)["state"] == "canary" and time.monotonic() < deadline:
             time.sleep(0.5)
-        time.sleep(2)  # traffic after the promotion
+        time.sleep(3)  # traffic after the promotion
     assert load.errors == []
     history = json.loads(cli(platform, "release", "status", "--model", MODEL, "--history", "--json"))[0]
     canary_states = history[[h["reason"] for h in history].index("canary started at 25%, eval gate: suite arithmetic"):]
@@ -243,8 +245,28 @@ def test_good_candidate_is_promoted_without_a_client_error(platform: Platform, r
     events = read_usage(platform, "demo", set(load.ids), timeout=20)
     by_release = {e.release for e in events}
     assert by_release == {stable, candidate}
-    last = sorted(events, key=lambda e: e.finished)[-20:]
-    assert {e.release for e in last} == {candidate}
+    # Accepted after the promotion (and the second gateways take to see it): the candidate's. (Not
+    # "the last N to finish": on a busy machine some accepted before it finish after it.)
+    promoted_at = canary_states[-1]["updated"]
+    after = [e for e in events if e.started > promoted_at + 1.0]
+    assert after and {e.release for e in after} == {candidate}
+
+    # The billing rollups group by release: each release's requests (the load's, plus the eval
+    # run's pinned ones) are counted under it.
+    served = {release: sum(1 for e in events if e.release == release) for release in (stable, candidate)}
+
+    def by_release() -> dict[str | None, int] | None:
+        response = httpx.get(platform.base_url + "/usage", headers={"authorization": f"Bearer {platform.api_key}"},
+                             params={"start_time": int(time.time()) - 3600, "bucket_width": "1d", "group_by": "release"})
+        assert response.status_code == 200, response.text
+        counts = {r["release"]: r["num_model_requests"] for b in response.json()["data"] for r in b["results"]}
+        return counts if all(counts.get(release, 0) >= n for release, n in served.items()) else None
+
+    deadline = time.monotonic() + 30
+    while (counts := by_release()) is None:
+        assert time.monotonic() < deadline, f"the rollups never counted {served} by release"
+        time.sleep(0.5)
+    assert set(served) <= set(counts)
 
 
 def test_slower_candidate_is_rolled_back_by_the_slo_gate(platform: Platform, replicas: Replicas) -> None:
@@ -343,3 +365,28 @@ def test_worker_refuses_adapter_files_that_are_not_their_version(platform: Platf
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model="tampered-bot", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert "the registered version is " + digest in str(refused.value)
+
+
+def test_worker_refuses_an_engine_image_that_is_not_its_release(platform: Platform, replicas: Replicas) -> None:
+    """The kubelet's `imageID` of the engine container, read from the worker's own pod over the
+    Kubernetes API (here a local server answering as the API does), is not the release's image."""
+    from http.server import ThreadingHTTPServer
+
+    from tests.test_engine_image import OTHER, _Api, pod
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Api.status, _Api.served = 200, pod("docker.io/inferbus/sim-engine@" + OTHER)
+    try:
+        good = replicas.model_dir("good", 0.95)
+        release = replicas.create(good)
+        _, worker = replicas.start(good, release, wait=False, worker_env={
+            "INFERBUS_ENGINE_IMAGE_CHECK": "kubernetes", "INFERBUS_K8S_API_URL": f"http://127.0.0.1:{server.server_address[1]}",
+            "INFERBUS_POD_NAME": "worker-7c9f-abcde", "INFERBUS_POD_NAMESPACE": "inferbus"})
+        assert worker.wait(60), "the worker kept running on an engine image that is not its release's"
+        assert worker.returncode != 0
+        log = worker.tail(40)
+        assert "refusing to serve release" in log and f"the engine runs image {OTHER}, the release pins {IMAGE}" in log
+        assert ("/api/v1/namespaces/inferbus/pods/worker-7c9f-abcde", None) in _Api.seen
+    finally:
+        server.shutdown()

@@ -175,3 +175,130 @@ def test_eval_verdicts_separate_one_point_from_twenty() -> None:
         outcomes["broken"].append(eval_gate.compare(broken, n, base, n, 0.05).outcome)
     assert outcomes["broken"].count("fail") == 200
     assert outcomes["fp8"].count("fail") == 0 and outcomes["fp8"].count("pass") >= 185
+
+
+# ---- an adapter's canary: two versions of one adapter -------------------------------------------
+
+V1, V2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+
+
+def adapter_spec(candidate: str | None = V2) -> m.AdapterSpec:
+    return m.AdapterSpec(name="acme-bot", base_model="llama", version=V1, path="/a/v1", created=0.0, owner="acme",
+                         candidate_version=candidate, candidate_path="/a/v2" if candidate else None)
+
+
+def adapter_rollout(share: float = 0.3, **fields: object) -> m.Rollout:
+    started = canary.start(V1, V2, "llama", share, now=0.0, window_s=60.0, sticky="prefix", adapter="acme-bot")
+    return m.Rollout(**{**{f: getattr(started, f) for f in started.__struct_fields__}, **fields})  # type: ignore[arg-type]
+
+
+def test_an_adapters_versions_are_named_and_found_by_engine_name() -> None:
+    spec = adapter_spec()
+    assert spec.engine_name == "acme-bot@" + "1" * 12 and spec.candidate_engine_name == "acme-bot@" + "2" * 12
+    assert spec.version_of(spec.engine_name) == (V1, "/a/v1")
+    assert spec.version_of("acme-bot@" + "2" * 12) == (V2, "/a/v2")
+    assert spec.version_of("acme-bot@" + "3" * 12) is None
+    assert adapter_spec(None).version_of("acme-bot@" + "2" * 12) is None  # no candidate: only the registered one
+
+
+def test_an_adapters_split_is_per_conversation_sticky_and_meets_its_share() -> None:
+    spec, rollout = adapter_spec(), adapter_rollout(0.3)
+    prompts = [[i, i + 1, i + 2] * 8 for i in range(5_000)]
+    keys = [split.adapter_sticky_key(rollout, "acme", ids, 16) for ids in prompts]
+    on_candidate = [k for k in keys if split.adapter_version(rollout, spec, k) == V2]
+    assert abs(len(on_candidate) / len(keys) - 0.3) < 0.02  # one tenant's conversations go both ways
+    # Sticky: the first block decides, whatever follows it (a conversation's later turns).
+    first = prompts[0][:16]
+    assert split.adapter_sticky_key(rollout, "acme", first + [9, 9, 9], 16) == split.adapter_sticky_key(rollout, "x", first, 16)
+    grown = adapter_rollout(0.6)
+    assert all(split.adapter_version(grown, spec, k) == V2 for k in on_candidate)  # stays as the share grows
+    by_tenant = adapter_rollout(0.3, sticky="tenant")
+    assert len({split.adapter_version(by_tenant, spec, split.adapter_sticky_key(by_tenant, "acme", ids, 16))
+                for ids in prompts[:200]}) == 1
+    assert split.adapter_in_canary(rollout, spec)
+
+
+def test_an_adapters_split_after_its_canary_and_when_the_registration_changed() -> None:
+    spec = adapter_spec()
+    assert split.adapter_version(None, spec, "k") == V1
+    rolled = canary.rollback(adapter_rollout(0.5), 1.0, "x")
+    assert {split.adapter_version(rolled, spec, f"k{i}") for i in range(50)} == {V1}
+    assert not split.adapter_in_canary(rolled, spec)
+    promoted = m.Rollout(model="llama", adapter="acme-bot", stable=V2, state="promoted", candidate=V2, share=1.0)
+    # Promoted, before or after the registration was settled (V2 the candidate, then the version).
+    assert split.adapter_version(promoted, spec, "k") == V2
+    settled = m.AdapterSpec(name="acme-bot", base_model="llama", version=V2, path="/a/v2", created=0.0)
+    assert split.adapter_version(promoted, settled, "k") == V2
+    # Re-registered meanwhile with another version and no candidate: the registration wins.
+    other = m.AdapterSpec(name="acme-bot", base_model="llama", version="sha256:" + "3" * 64, path="/a/v3", created=0.0)
+    assert split.adapter_version(adapter_rollout(0.99), other, "k") == other.version
+    assert split.adapter_version(promoted, other, "k") == other.version
+    assert split.match_adapter_pin(spec, "22222222") == V2 and split.match_adapter_pin(spec, "sha256:1111111111") == V1
+    assert split.match_adapter_pin(spec, "2222") is None and split.match_adapter_pin(adapter_spec(None), "22222222") is None
+
+
+def adapter_load(worker: str, seq: int, outcomes: dict[str, m.AdapterOutcomes]) -> m.WorkerLoad:
+    return m.WorkerLoad(worker_id=worker, model="llama", ts=float(seq), seq=seq, running=0, waiting=0, in_flight=0,
+                        max_running=8, kv_used_tokens=0, kv_capacity_tokens=1, adapter_outcomes=outcomes)
+
+
+def test_adapter_windows_sum_deltas_per_version_and_survive_restarts() -> None:
+    from services.worker.release_check import AdapterOutcomes
+
+    tracker = AdapterOutcomes(limit=2)
+    windows = slo_gate.AdapterWindows()
+    windows.on_load(adapter_load("w1", 1, tracker.load_field()))  # the baseline report
+    for _ in range(3):
+        tracker.first_token("a@1", 0.2)
+        tracker.finished("a@1", "completed", 0.02)
+    tracker.first_token("a@2", 0.9)
+    tracker.finished("a@2", "failed", None)
+    windows.on_load(adapter_load("w1", 2, tracker.load_field()))
+    v1, v2 = windows.of("a@1"), windows.of("a@2")
+    assert (v1.ok, v1.failed, sum(v1.ttft), sum(v1.tpot)) == (3, 0, 3, 3)
+    assert (v2.ok, v2.failed, sum(v2.ttft), sum(v2.tpot)) == (0, 1, 1, 0)
+    tracker.finished("a@1", "cancelled", None)
+    windows.on_load(adapter_load("w1", 3, tracker.load_field()))
+    assert windows.of("a@1").cancelled == 1 and windows.of("a@1").ok == 3  # deltas, not totals again
+    # The worker restarted: its counters start over, and all of the new ones count.
+    fresh = AdapterOutcomes()
+    fresh.finished("a@1", "completed", 0.02)
+    windows.on_load(adapter_load("w1", 1, fresh.load_field()))
+    assert windows.of("a@1").ok == 4
+    windows.reset({"a@1"})
+    assert windows.of("a@1").requests == 0 and windows.of("a@2").requests == 1
+    # A worker keeps `limit` versions, the least recently used going first.
+    tracker.finished("a@3", "completed", None)
+    assert set(tracker.load_field()) == {"a@1", "a@3"}
+
+
+def test_the_controller_keeps_an_adapters_canary_apart_from_its_models() -> None:
+    now = [100.0]
+    controller = canary.Controller(lambda: now[0])
+    wait = slo_gate.Verdict("wait", "too few requests", {})
+    model_canary, adapter_canary = rollout(0.05), adapter_rollout(0.3, eval_suite="arithmetic")
+    assert controller.decide(model_canary, wait).action == "hold"  # type: ignore[union-attr]
+    held = controller.decide(adapter_canary, wait)
+    assert held is not None and held.action == "hold"  # its own hold, not silenced by the model's
+    assert "--model acme-bot" in held.reason
+    failed = controller.decide(msgspec_replace(adapter_canary, eval_verdict="fail", eval_reason="worse"), wait)
+    assert failed is not None and failed.action == "rollback" and failed.rollout.adapter == "acme-bot"
+    assert failed.rollout.stable == V1 and failed.rollout.share == 0
+
+
+def msgspec_replace(rollout: m.Rollout, **fields: object) -> m.Rollout:
+    import msgspec
+
+    return msgspec.structs.replace(rollout, **fields)
+
+
+def test_an_adapter_canary_whose_candidate_left_the_registration_is_rolled_back() -> None:
+    running = adapter_rollout(0.3)
+    assert canary.unregistered_candidate(running, adapter_spec(), 5.0) is None
+    replaced = canary.unregistered_candidate(running, adapter_spec(None), 5.0)
+    assert replaced is not None and replaced.action == "rollback" and replaced.rollout.share == 0
+    assert "registered again" in replaced.reason
+    removed = canary.unregistered_candidate(running, None, 5.0)
+    assert removed is not None and "was removed" in removed.reason
+    assert canary.unregistered_candidate(canary.rollback(running, 1.0, "x"), None, 5.0) is None  # over already
+    assert canary.unregistered_candidate(rollout(0.05), None, 5.0) is None  # a model's canary: no registration

@@ -109,3 +109,9 @@ def test_sim_quality_answers_arithmetic_at_its_accuracy(tmp_path: Path) -> None:
     assert quality.accuracy_of(str(tmp_path), None) == 0.5
     assert quality.accuracy_of(str(tmp_path), 0.9) == 0.9
     assert quality.accuracy_of(None, None) == quality.DEFAULT_ACCURACY
+    # An adapter's directory may set its own accuracy; without one, its requests are the model's.
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    assert quality.adapter_accuracy(str(adapter), 0.93) == 0.93
+    quality.write_accuracy(adapter, 0.7)
+    assert quality.adapter_accuracy(str(adapter), 0.93) == 0.7

@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-GROUP_BY_DEFAULT = "model,adapter,band,api_key,batch_id"
+GROUP_BY_DEFAULT = "model,adapter,band,api_key,batch_id,release"
 
 
 def parse_time(text: str) -> float:
@@ -97,7 +97,8 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
     @click.option("--bucket", default="1h", show_default=True, type=click.Choice(["1m", "1h", "1d"]),
                   help="Width of a row's time bucket (UTC; 1m buckets are kept 48 h by default).")
     @click.option("--group-by", default=GROUP_BY_DEFAULT, show_default=True, metavar="A,B",
-                  help="Dimensions of a row: model, adapter, band, api_key, batch (yes/no), batch_id.")
+                  help="Dimensions of a row: model, adapter, band, api_key, batch (yes/no), batch_id, release "
+                       "(the release that served the requests, `inferbus release`; empty: unpinned workers).")
     @click.option("--format", "fmt", default="csv", show_default=True, type=click.Choice(["csv", "jsonl", "parquet"]))
     @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
                   help="File to write (default: standard output; parquet needs a file).")
@@ -107,7 +108,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         """Write usage as one row per time bucket and group, with tokens and dollars.
 
         Columns: tenant, start_time, end_time, bucket_start, model, adapter, band, api_key_id,
-        batch_id, num_model_requests, num_cancelled_requests, num_failed_requests, input_tokens
+        batch_id, release, num_model_requests, num_cancelled_requests, num_failed_requests, input_tokens
         (cached included), input_cached_tokens, output_tokens, the micro-dollars of each token kind,
         cost_micro_usd and cost_usd (exact, 6 decimals). Empty buckets have no row.
         """

@@ -780,7 +780,8 @@ def adapters() -> None:
 @click.option("--owner", default=None, metavar="TENANT", help="Only this tenant may use it (default: any tenant allowed the name).")
 @_admin_options
 def adapters_register(name: str, version: str, path: str, owner: str | None, url: str | None, admin_key: str) -> None:
-    """Register adapter NAME (or point NAME at a new version)."""
+    """Register adapter NAME (or point NAME at a new version, for all its requests at once; to
+    canary a new version within its requests instead: `inferbus release adapter-canary`)."""
     spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
     click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
 
@@ -836,7 +837,7 @@ def _adapter_entries(text: str, source: str) -> list[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="Print the adapters as JSON.")
 @_admin_options
 def adapters_list(url: str | None, admin_key: str, as_json: bool) -> None:
-    """List registered adapters: name, pinned version, path and owner."""
+    """List registered adapters: name, pinned version, a canary's candidate version, path and owner."""
     found = AdminAPI(url, admin_key).call("GET", "/adapters")["data"]
     if as_json:
         click.echo(json.dumps(found, indent=2))
@@ -844,8 +845,9 @@ def adapters_list(url: str | None, admin_key: str, as_json: bool) -> None:
     if not found:
         click.echo("No adapters. Register one with: inferbus adapters register NAME --version sha256:... --path ...")
         return
-    rows = [[a["name"], a["version"][:19] + "…", a["path"], a.get("owner") or "-", _when(a["created"])] for a in found]
-    click.echo(_table(["NAME", "VERSION", "PATH", "OWNER", "REGISTERED"], rows))
+    rows = [[a["name"], a["version"][:19] + "…", (a.get("candidate_version") or "-")[:19] + ("…" if a.get("candidate_version") else ""),
+             a["path"], a.get("owner") or "-", _when(a["created"])] for a in found]
+    click.echo(_table(["NAME", "VERSION", "CANDIDATE", "PATH", "OWNER", "REGISTERED"], rows))
 
 
 @adapters.command("remove")

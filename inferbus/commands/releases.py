@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
-from inferbus.releases import canary, eval_gate, record, store
+from inferbus import adapters as registry
+from inferbus.releases import canary, eval_gate, record, split, store
 from proto import messages as m
 from proto import subjects
 
@@ -41,7 +42,7 @@ def _run(nats_url: str | None, work: Callable[[Any, Any], Awaitable[T]]) -> T:
 
     try:
         return asyncio.run(main())
-    except (LookupError, ValueError, store.Conflict) as error:
+    except (LookupError, ValueError, store.Conflict, registry.Conflict) as error:
         raise click.ClickException(str(error)) from None
 
 
@@ -72,11 +73,12 @@ def _duration(text: str) -> float:
 
 
 async def _publish(nc: Any, decision: m.ReleaseDecision) -> None:
-    await nc.publish(subjects.release_subject(decision.model), m.encode(decision))
+    await nc.publish(subjects.release_subject(decision.adapter or decision.model), m.encode(decision))
 
 
 def _describe(rollout: m.Rollout) -> list[str]:
-    lines = [f"{rollout.model}: {rollout.state}", f"  stable     {record.short(rollout.stable)}"]
+    what = f"adapter {rollout.adapter} (of {rollout.model})" if rollout.adapter else rollout.model
+    lines = [f"{what}: {rollout.state}", f"  stable     {record.short(rollout.stable)}"]
     if rollout.candidate:
         lines.append(f"  candidate  {record.short(rollout.candidate)}  share {rollout.share:.0%}"
                      f"  steps {' → '.join(f'{s:.0%}' for s in rollout.steps)}  sticky per {rollout.sticky}"
@@ -230,35 +232,123 @@ def release_canary(reference: str, traffic: str, steps: str | None, sticky: str,
     click.echo("\n".join(_describe(_run(nats_url, work))))
 
 
+@release.command("adapter-canary")
+@click.argument("adapter")
+@click.option("--path", required=True, help="Where engines load the new version from (a local directory is hashed here, "
+                                          "and by every worker on every load).")
+@click.option("--version", "version", default=None,
+              help="The new version's digest, sha256:<64 hex> (`inferbus release digest DIR`; default: the digest of "
+                   "--path, which must then be a local directory). Given with a local --path, they must agree.")
+@click.option("--traffic", default="5%", show_default=True, help="The new version's first share of the adapter's requests.")
+@click.option("--steps", default=None, help="Shares after it, comma-separated, the last 100% (default: those of 1%, 5%, 25%, 100% above --traffic).")
+@click.option("--sticky", type=click.Choice(["prefix", "tenant"]), default="prefix", show_default=True,
+              help="What keeps a conversation on one version: its first prefix block, or (all on one side) its tenant.")
+@click.option("--window", default="5m", show_default=True, help="How long each step is observed before it may advance.")
+@click.option("--eval-suite", default=None,
+              help="Also require this eval suite to pass (`inferbus eval SUITE --model ADAPTER --release VERSION`).")
+@_nats_option
+def release_adapter_canary(adapter: str, path: str, version: str | None, traffic: str, steps: str | None, sticky: str,
+                           window: str, eval_suite: str | None, nats_url: str | None) -> None:
+    """Canary a new version of LoRA adapter ADAPTER within its own requests: the version is
+    registered as the adapter's candidate, a sticky share of the adapter's requests (per
+    conversation, by default) runs on it, and the router's canary controller advances, promotes
+    (the version becomes the registered one) or rolls it back on the SLO gate, measured per
+    adapter version, and the eval gate. The base model and other adapters are not touched."""
+    import os
+
+    first = _share(traffic)
+    if first >= 1:
+        raise click.BadParameter("the first share must be below 100%", param_hint="--traffic")
+    plan = [first, *(_share(s) for s in steps.split(","))] if steps else None
+    if os.path.isdir(path):
+        try:
+            digest = record.directory_digest(path)
+        except record.InvalidRelease as error:
+            raise click.ClickException(str(error)) from None
+        if version is not None and version != digest:
+            raise click.ClickException(f"the files at {path} hash to {digest}, not --version {version}")
+        version = digest
+    elif version is None:
+        raise click.BadParameter("give the version's digest: --path is not a local directory to hash",
+                                 param_hint="--version")
+    if not registry.DIGEST.match(version):
+        raise click.BadParameter(f"{version!r} is not sha256:<64 hex digits>", param_hint="--version")
+    if eval_suite is not None:
+        try:
+            eval_gate.load_suite(eval_suite)
+        except eval_gate.SuiteError as error:
+            raise click.ClickException(str(error)) from None
+    assert version is not None
+    chosen: str = version
+
+    async def work(nc: Any, kv: Any) -> m.Rollout:
+        adapters_kv = await registry.bucket(nc.jetstream())
+        spec, spec_revision = await registry.get_with_revision(adapters_kv, adapter)
+        if spec is None:
+            raise LookupError(f"no adapter {adapter} is registered: `inferbus adapters register` its first version")
+        if spec.version == chosen:
+            raise ValueError(f"{chosen} is the registered version of {adapter} already")
+        current, revision = await store.get_adapter_rollout(kv, spec.base_model, adapter)
+        if current is not None and current.state == "canary":
+            raise ValueError(f"adapter {adapter} has a canary running ({record.short(current.candidate or '')}): "
+                             f"roll it back (`inferbus release rollback {adapter} --adapter`) or let it finish first")
+        now = time.time()
+        rollout = canary.start(spec.version, chosen, spec.base_model, first, now, sticky=sticky,
+                               window_s=_duration(window), eval_suite=eval_suite, steps=plan, adapter=adapter)
+        # The candidate's files first, then the share: a gateway never splits towards a version
+        # it has no path for.
+        await registry.update(adapters_kv, msgspec.structs.replace(spec, candidate_version=chosen, candidate_path=path),
+                              spec_revision)
+        await store.put_rollout(kv, rollout, revision)
+        await _publish(nc, m.ReleaseDecision(model=spec.base_model, ts=now, action="start", stable=spec.version,
+                                             candidate=chosen, share_before=0.0, share_after=rollout.share,
+                                             reason=rollout.reason, controller="operator", adapter=adapter))
+        return rollout
+
+    click.echo("\n".join(_describe(_run(nats_url, work))))
+
+
 @release.command("rollback")
 @click.argument("model")
 @click.option("--reason", default="rolled back by an operator", show_default=True)
+@click.option("--adapter", "is_adapter", is_flag=True, help="MODEL is a LoRA adapter's name: end its canary.")
 @_nats_option
-def release_rollback(model: str, reason: str, nats_url: str | None) -> None:
-    """End MODEL's canary now: the stable release takes all its traffic back."""
+def release_rollback(model: str, reason: str, is_adapter: bool, nats_url: str | None) -> None:
+    """End MODEL's canary now: the stable release (or with --adapter, the adapter's stable
+    version) takes all its traffic back."""
 
     async def work(nc: Any, kv: Any) -> m.Rollout:
-        current, revision = await store.get_rollout(kv, model)
+        if is_adapter:
+            spec = await registry.get(await registry.bucket(nc.jetstream()), model)
+            if spec is None:
+                raise LookupError(f"no adapter {model} is registered")
+            current, revision = await store.get_adapter_rollout(kv, spec.base_model, model)
+        else:
+            current, revision = await store.get_rollout(kv, model)
         if current is None or current.state != "canary":
             raise LookupError(f"{model} has no canary running")
         now = time.time()
         rolled = canary.rollback(current, now, reason)
         await store.put_rollout(kv, rolled, revision)
-        await _publish(nc, m.ReleaseDecision(model=model, ts=now, action="rollback", stable=current.stable,
+        if rolled.adapter and not await store.settle_adapter(nc.jetstream(), rolled):
+            click.echo(f"The registration of adapter {model} kept changing: its candidate is still registered.",
+                       err=True)
+        await _publish(nc, m.ReleaseDecision(model=current.model, ts=now, action="rollback", stable=current.stable,
                                              candidate=current.candidate, share_before=current.share, share_after=0.0,
-                                             reason=reason, controller="operator"))
+                                             reason=reason, controller="operator", adapter=current.adapter))
         return rolled
 
     click.echo("\n".join(_describe(_run(nats_url, work))))
 
 
 @release.command("status")
-@click.option("--model", default=None, help="Only this model.")
+@click.option("--model", default=None, help="Only this model (and its adapters' canaries), or only this adapter.")
 @click.option("--history", is_flag=True, help="Every state the model's rollout went through (the bucket keeps 64).")
 @click.option("--json", "as_json", is_flag=True, help="As JSON.")
 @_nats_option
 def release_status(model: str | None, history: bool, as_json: bool, nats_url: str | None) -> None:
-    """Where each model stands: its stable release, a canary's candidate, share, gates and why."""
+    """Where each model stands: its stable release, a canary's candidate, share, gates and why;
+    then each adapter that had a canary: its stable and candidate versions, the same way."""
 
     async def work(nc: Any, kv: Any) -> list[list[m.Rollout]]:
         from inferbus.releases.follow import Rollouts
@@ -273,6 +363,9 @@ def release_status(model: str | None, history: bool, as_json: bool, nats_url: st
         for name, rollout in sorted(current.by_model.items()):
             if model is None or name == model:
                 found.append(await store.rollout_history(kv, name) if history else [rollout])
+        for name, rollout in sorted(current.by_adapter.items()):
+            if model is None or name == model or rollout.model == model:
+                found.append(await store.rollout_history(kv, rollout.model, name) if history else [rollout])
         return found
 
     found = _run(nats_url, work)
@@ -300,19 +393,30 @@ def _eval(suite: str, release_ref: str, baseline: str | None, model: str | None,
     if note:
         click.echo(note, err=True)
 
-    async def resolve(nc: Any, kv: Any) -> tuple[m.Release, str, m.Rollout | None]:
+    async def resolve(nc: Any, kv: Any) -> tuple[str, str, str, m.AdapterSpec | None]:
+        """(candidate, baseline, served model, the adapter when --model names one)."""
+        spec = await registry.get(await registry.bucket(nc.jetstream()), model) if model else None
+        if spec is not None:
+            # An adapter's versions: the pin names a version of the adapter, not a release.
+            version = split.match_adapter_pin(spec, release_ref)
+            if version is None:
+                raise LookupError(f"{release_ref} is not a registered version of adapter {spec.name} "
+                                  f"(registered: {spec.version}, candidate: {spec.candidate_version or 'none'})")
+            base_version = split.match_adapter_pin(spec, baseline) if baseline else spec.version
+            if base_version is None or base_version == version:
+                raise LookupError(f"adapter {spec.name} has no other version to compare {record.short(version)} with")
+            return version, base_version, spec.name, spec
         candidate = await store.resolve(kv, release_ref)
         rollout, _ = await store.get_rollout(kv, model or candidate.model)
         base = (await store.resolve(kv, baseline)).id if baseline else rollout.stable if rollout else None
         if base is None:
             raise LookupError(f"{candidate.model} has no stable release to compare with: give --baseline")
-        return candidate, base, rollout
+        return candidate.id, base, model or candidate.model, None
 
-    candidate, base, _ = _run(nats_url, resolve)
+    candidate_id, base, served, adapter = _run(nats_url, resolve)
     rounds = repeats or loaded.repeats
-    served = model or candidate.model
-    scores = asyncio.run(_score_both(gateway_url, api_key, served, loaded, rounds, concurrency, [candidate.id, base]))
-    cand_score, base_score = scores[candidate.id], scores[base]
+    scores = asyncio.run(_score_both(gateway_url, api_key, served, loaded, rounds, concurrency, [candidate_id, base]))
+    cand_score, base_score = scores[candidate_id], scores[base]
     verdict = eval_gate.compare(cand_score.passed, cand_score.graded, base_score.passed, base_score.graded,
                                 loaded.threshold, loaded.name)
     click.echo(f"{verdict.outcome.upper()}: {verdict.reason}")
@@ -321,8 +425,9 @@ def _eval(suite: str, release_ref: str, baseline: str | None, model: str | None,
     if record:
         async def write(nc: Any, kv: Any) -> str:
             for _ in range(5):
-                rollout, revision = await store.get_rollout(kv, served)
-                if rollout is None or rollout.state != "canary" or rollout.candidate != candidate.id:
+                rollout, revision = (await store.get_adapter_rollout(kv, adapter.base_model, adapter.name) if adapter
+                                     else await store.get_rollout(kv, served))
+                if rollout is None or rollout.state != "canary" or rollout.candidate != candidate_id:
                     return "not recorded: the release is not the model's running canary"
                 updated = msgspec.structs.replace(rollout, eval_suite=rollout.eval_suite or loaded.name,
                                                   eval_verdict=verdict.outcome, eval_reason=verdict.reason)
@@ -331,8 +436,9 @@ def _eval(suite: str, release_ref: str, baseline: str | None, model: str | None,
                 except store.Conflict:
                     continue
                 await _publish(nc, m.ReleaseDecision(
-                    model=served, ts=time.time(), action="eval", stable=rollout.stable, candidate=candidate.id,
+                    model=rollout.model, ts=time.time(), action="eval", stable=rollout.stable, candidate=candidate_id,
                     share_before=rollout.share, share_after=rollout.share, reason=verdict.reason, controller="eval",
+                    adapter=rollout.adapter,
                     slo={"candidate_score": verdict.candidate_score, "baseline_score": verdict.baseline_score,
                          "difference_low": verdict.low, "difference_high": verdict.high}))
                 return "recorded in the canary's eval gate"
@@ -382,9 +488,13 @@ async def _score_both(gateway_url: str, api_key: str, model: str, suite: eval_ga
 
 @click.command("eval")
 @click.argument("suite")
-@click.option("--release", "release_ref", required=True, help="The release to evaluate (its id, or 8+ hex of it).")
-@click.option("--baseline", default=None, help="The release to compare with (default: the model's stable release).")
-@click.option("--model", default=None, help="The served model (default: the release's).")
+@click.option("--release", "release_ref", required=True,
+              help="The release to evaluate (its id, or 8+ hex of it); with --model ADAPTER, a version of the adapter.")
+@click.option("--baseline", default=None,
+              help="The release (or adapter version) to compare with (default: the model's stable release, or the "
+                   "adapter's registered version).")
+@click.option("--model", default=None,
+              help="The served model (default: the release's), or a LoRA adapter: its versions are compared then.")
 @click.option("--repeats", default=None, type=click.IntRange(min=1), help="Runs of the suite per release (default: the suite's).")
 @click.option("--concurrency", default=16, show_default=True, type=click.IntRange(min=1), help="Requests in flight.")
 @click.option("--url", envvar="INFERBUS_URL", default=None, help="Gateway base URL without /v1 (env INFERBUS_URL; default: the local platform's).")

@@ -39,7 +39,10 @@ def steps_from(first: float, steps: tuple[float, ...] = DEFAULT_STEPS) -> list[f
 
 
 def start(stable: str, candidate: str, model: str, first: float, now: float, *, sticky: str = "tenant",
-          window_s: float = 300.0, eval_suite: str | None = None, steps: list[float] | None = None) -> m.Rollout:
+          window_s: float = 300.0, eval_suite: str | None = None, steps: list[float] | None = None,
+          adapter: str | None = None) -> m.Rollout:
+    """A canary of release `candidate` of `model`, or with `adapter`, of version `candidate` of
+    that adapter of `model` (within the adapter's own requests)."""
     if candidate == stable:
         raise ValueError("the candidate is the stable release already")
     if sticky not in ("tenant", "prefix"):
@@ -52,19 +55,34 @@ def start(stable: str, candidate: str, model: str, first: float, now: float, *, 
     return m.Rollout(
         model=model, stable=stable, state="canary", candidate=candidate, share=steps[0], steps=steps, step=0,
         sticky=sticky, window_s=window_s, eval_suite=eval_suite, started=now, step_started=now, updated=now,
-        reason=f"canary started at {steps[0]:.0%}" + (f", eval gate: suite {eval_suite}" if eval_suite else ""),
+        adapter=adapter, reason=f"canary started at {steps[0]:.0%}" + (f", eval gate: suite {eval_suite}" if eval_suite else ""),
     )
+
+
+def subject_of(rollout: m.Rollout) -> str:
+    """What a rollout is of: the model, or `<model> adapter <name>`."""
+    return f"{rollout.model} adapter {rollout.adapter}" if rollout.adapter else rollout.model
 
 
 def rollback(rollout: m.Rollout, now: float, reason: str) -> m.Rollout:
     return msgspec.structs.replace(rollout, state="rolled_back", share=0.0, updated=now, reason=reason)
 
 
+def unregistered_candidate(rollout: m.Rollout, spec: m.AdapterSpec | None, now: float) -> Change | None:
+    """An adapter canary whose candidate the registration no longer names (the adapter was
+    re-registered or removed meanwhile) has no candidate traffic left to judge: roll it back."""
+    if not rollout.adapter or rollout.state != "canary" or (spec is not None and spec.candidate_version == rollout.candidate):
+        return None
+    what = "was removed" if spec is None else f"was registered again (version {spec.version}) without it"
+    reason = f"the adapter {what}: its candidate serves nothing any more"
+    return Change("rollback", rollback(rollout, now, reason), reason, {})
+
+
 class Controller:
     def __init__(self, clock: Callable[[], float], config: slo_gate.SloConfig | None = None) -> None:
         self.clock = clock
         self.config = config or slo_gate.SloConfig()
-        self._held: dict[str, str] = {}  # model → reason of the last hold reported (report changes only)
+        self._held: dict[str, str] = {}  # subject_of(rollout) → the last hold reported (report changes only)
 
     def decide(self, rollout: m.Rollout, slo: slo_gate.Verdict) -> Change | None:
         """What to do with a canary now, given the SLO verdict over its current step's window."""
@@ -84,15 +102,16 @@ class Controller:
             gates.append("slo")
         if rollout.eval_suite and rollout.eval_verdict != "pass":
             verdict = f"the last run was {rollout.eval_verdict}; " if rollout.eval_verdict else ""
+            pinned = f" --model {rollout.adapter}" if rollout.adapter else ""
             waiting.append(f"eval gate: {verdict}waiting for a pass of "
-                           f"`inferbus eval {rollout.eval_suite} --release {rollout.candidate[7:19]}`")
+                           f"`inferbus eval {rollout.eval_suite} --release {rollout.candidate[7:19]}{pinned}`")
             gates.append(f"eval:{rollout.eval_verdict}")
         if waiting:
             # Said once per step and set of waiting gates, not on every tick while samples come in.
             key = f"{rollout.step_started} {' '.join(gates)}"
-            if self._held.get(rollout.model) == key:
+            if self._held.get(subject_of(rollout)) == key:
                 return None
-            self._held[rollout.model] = key
+            self._held[subject_of(rollout)] = key
             reason = "holding at {:.0%}: {}".format(rollout.share, "; ".join(waiting))
             return Change("hold", msgspec.structs.replace(rollout, reason=reason), reason, slo.numbers)
         next_step = rollout.step + 1
@@ -108,9 +127,9 @@ class Controller:
         reason = f"{rollout.share:.0%} → {share:.0%}: {passed}"
         advanced = msgspec.structs.replace(rollout, share=share, step=next_step, step_started=now, updated=now,
                                            reason=reason)
-        self._held.pop(rollout.model, None)
+        self._held.pop(subject_of(rollout), None)
         return Change("advance", advanced, reason, slo.numbers)
 
     def _done(self, change: Change) -> Change:
-        self._held.pop(change.rollout.model, None)
+        self._held.pop(subject_of(change.rollout), None)
         return change

@@ -1,4 +1,5 @@
-"""Every model's rollout, kept current from the `models` bucket (gateways and routers hold one)."""
+"""Every model's rollout, and every adapter's, kept current from the `models` bucket (gateways and
+routers hold one)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ class Rollouts:
     def __init__(self) -> None:
         self.by_model: dict[str, m.Rollout] = {}
         self.revisions: dict[str, int] = {}
+        self.by_adapter: dict[str, m.Rollout] = {}  # adapter name → its rollout (between two versions)
+        self.adapter_revisions: dict[str, int] = {}
         self.kv: KeyValue | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self._task: asyncio.Task[None] | None = None
-        self._keys: dict[str, str] = {}  # KV key → model
+        self._keys: dict[str, tuple[str, str]] = {}  # KV key → ("model" or "adapter", its name)
         self.loaded = asyncio.Event()
 
     async def start(self, js: JetStreamContext) -> None:
@@ -38,15 +41,27 @@ class Rollouts:
     def get(self, model: str) -> m.Rollout | None:
         return self.by_model.get(model)
 
+    def adapter(self, name: str) -> m.Rollout | None:
+        return self.by_adapter.get(name)
+
     def _on_put(self, entry: KeyValue.Entry) -> None:
         rollout = store.decode_rollout(entry.value)
-        if rollout is not None:
+        if rollout is None:
+            return
+        if rollout.adapter:
+            self.by_adapter[rollout.adapter] = rollout
+            self.adapter_revisions[rollout.adapter] = entry.revision or 0
+            self._keys[entry.key] = ("adapter", rollout.adapter)
+        else:
             self.by_model[rollout.model] = rollout
             self.revisions[rollout.model] = entry.revision or 0
-            self._keys[entry.key] = rollout.model
+            self._keys[entry.key] = ("model", rollout.model)
 
     def _on_delete(self, key: str) -> None:
-        model = self._keys.pop(key, None)
-        if model is not None:
-            self.by_model.pop(model, None)
-            self.revisions.pop(model, None)
+        kind, name = self._keys.pop(key, ("", ""))
+        if kind == "model":
+            self.by_model.pop(name, None)
+            self.revisions.pop(name, None)
+        elif kind == "adapter":
+            self.by_adapter.pop(name, None)
+            self.adapter_revisions.pop(name, None)

@@ -181,3 +181,49 @@ class Windows:
 
     def of(self, release: str) -> Window:
         return self.by_release.get(release, Window())
+
+
+def _add_delta(window: Window, new: m.AdapterOutcomes | m.WorkerLoad, old: m.AdapterOutcomes | m.WorkerLoad | None,
+               ttft: list[int], tpot: list[int], old_ttft: list[int], old_tpot: list[int]) -> None:
+    for total, now, before, bounds in ((window.ttft, ttft, old_ttft, m.LATENCY_BUCKETS_S),
+                                       (window.tpot, tpot, old_tpot, m.TPOT_BUCKETS_S)):
+        for i, count in enumerate(m.hist_delta(now, before, len(bounds) + 1)):
+            total[i] += count
+    restarted = old is None or new.finished_ok < old.finished_ok
+    window.ok += new.finished_ok - (0 if restarted else old.finished_ok)  # type: ignore[union-attr]
+    window.failed += new.finished_failed - (0 if restarted else old.finished_failed)  # type: ignore[union-attr]
+    window.cancelled += new.finished_cancelled - (0 if restarted else old.finished_cancelled)  # type: ignore[union-attr]
+
+
+class AdapterWindows:
+    """Per adapter version (engine name), sums of workers' cumulative `adapter_outcomes` since a
+    start (pure: fed `WorkerLoad`s). A version a worker's previous report did not have started
+    from zero since (workers add a version on its first request), so all of it counts."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, m.WorkerLoad] = {}
+        self.by_version: dict[str, Window] = {}
+
+    def reset(self, engine_names: set[str] | None = None) -> None:
+        """Start a new window (for these versions only, or all)."""
+        if engine_names is None:
+            self.by_version.clear()
+        for name in engine_names or ():
+            self.by_version.pop(name, None)
+
+    def on_load(self, load: m.WorkerLoad) -> None:
+        previous = self._last.get(load.worker_id)
+        self._last[load.worker_id] = load
+        if previous is None:
+            return  # the first report of a worker is its baseline, not a delta
+        for name, outcomes in load.adapter_outcomes.items():
+            old = previous.adapter_outcomes.get(name)
+            window = self.by_version.setdefault(name, Window())
+            _add_delta(window, outcomes, old, outcomes.ttft_hist, outcomes.tpot_fine_hist,
+                       old.ttft_hist if old is not None else [], old.tpot_fine_hist if old is not None else [])
+
+    def forget(self, worker_id: str) -> None:
+        self._last.pop(worker_id, None)
+
+    def of(self, engine_name: str) -> Window:
+        return self.by_version.get(engine_name, Window())

@@ -62,3 +62,47 @@ def workers_of(found: Sequence[W], release: str, *, pinned: bool) -> list[W]:
     split request goes to the others rather than fail; a pinned one is placed on none."""
     of_release = [worker for worker in found if worker.release == release]
     return of_release if of_release or pinned else list(found)
+
+
+# ---- an adapter's canary: two versions of one adapter, within its requests -------------------
+
+def adapter_sticky_key(rollout: m.Rollout, tenant: str, prompt_ids: list[int], block_size: int) -> str:
+    """What keeps a client on one version: its conversation's first prefix block (`prefix`, the
+    default for adapters: an adapter usually has one tenant, who would otherwise be all on one
+    side), or its tenant. A prompt shorter than a block is its own key."""
+    if rollout.sticky == "tenant":
+        return f"tenant:{tenant}"
+    first = prompt_ids[:block_size]
+    return "prefix:" + hashlib.sha256(b"".join(i.to_bytes(4, "little", signed=False) for i in first)).hexdigest()[:16]
+
+
+def adapter_in_canary(rollout: m.Rollout | None, spec: m.AdapterSpec) -> bool:
+    """Whether requests of this adapter are split between two versions now."""
+    return (rollout is not None and rollout.adapter == spec.name and rollout.state == "canary"
+            and rollout.candidate is not None and rollout.candidate == spec.candidate_version)
+
+
+def adapter_version(rollout: m.Rollout | None, spec: m.AdapterSpec, key: str) -> str:
+    """The version of adapter `spec` that serves a request with sticky `key`.
+
+    The rollout says which share goes to the candidate and, after a promotion, which version is
+    stable; the registration says which versions have files to load. A rollout naming a version
+    the registration no longer has (re-registered meanwhile) yields to the registration."""
+    if rollout is None or rollout.adapter != spec.name:
+        return spec.version
+    known = {spec.version} | ({spec.candidate_version} if spec.candidate_version and spec.candidate_path else set())
+    if adapter_in_canary(rollout, spec) and rollout.candidate in known and rollout.share > 0 and (
+            rollout.share >= 1 or position(spec.name, key) < rollout.share):
+        return rollout.candidate  # type: ignore[return-value]
+    return rollout.stable if rollout.stable in known else spec.version
+
+
+def match_adapter_pin(spec: m.AdapterSpec, pin: str) -> str | None:
+    """The version of the adapter a client's pin (its digest, or 8+ hex of it) names, or None."""
+    wanted = pin.strip().lower().removeprefix("sha256:")
+    if len(wanted) < 8:
+        return None
+    for version in (spec.version, spec.candidate_version if spec.candidate_path else None):
+        if version and version.removeprefix("sha256:").startswith(wanted):
+            return version
+    return None

@@ -19,6 +19,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from inferbus import adapters as registry
 from proto import messages as m
 from proto import subjects
 
@@ -96,9 +97,26 @@ async def get_rollout(kv: KeyValue, model: str) -> tuple[m.Rollout | None, int]:
     return _rollout.decode(entry.value), entry.revision or 0
 
 
+def key_of(rollout: m.Rollout) -> str:
+    if rollout.adapter:
+        return subjects.adapter_rollout_key(rollout.model, rollout.adapter)
+    return subjects.rollout_key(rollout.model)
+
+
+async def get_adapter_rollout(kv: KeyValue, model: str, adapter: str) -> tuple[m.Rollout | None, int]:
+    """An adapter's rollout and its revision (0: none yet)."""
+    try:
+        entry = await kv.get(subjects.adapter_rollout_key(model, adapter))
+    except KeyNotFoundError:
+        return None, 0
+    if not entry.value:
+        return None, entry.revision or 0
+    return _rollout.decode(entry.value), entry.revision or 0
+
+
 async def put_rollout(kv: KeyValue, rollout: m.Rollout, revision: int) -> int:
     """Write `rollout` if the key is still at `revision` (0: it must not exist); raises Conflict."""
-    key = subjects.rollout_key(rollout.model)
+    key = key_of(rollout)
     try:
         if revision == 0:
             return await kv.create(key, m.encode(rollout))
@@ -107,9 +125,10 @@ async def put_rollout(kv: KeyValue, rollout: m.Rollout, revision: int) -> int:
         raise Conflict(f"the rollout of {rollout.model} changed meanwhile") from None
 
 
-async def rollout_history(kv: KeyValue, model: str) -> list[m.Rollout]:
+async def rollout_history(kv: KeyValue, model: str, adapter: str | None = None) -> list[m.Rollout]:
+    key = subjects.adapter_rollout_key(model, adapter) if adapter else subjects.rollout_key(model)
     try:
-        entries = await kv.history(subjects.rollout_key(model))
+        entries = await kv.history(key)
     except (KeyNotFoundError, NoKeysError):
         return []
     return [_rollout.decode(e.value) for e in entries if e.value]
@@ -122,3 +141,28 @@ def decode_rollout(value: bytes | None) -> m.Rollout | None:
         return _rollout.decode(value)
     except msgspec.DecodeError:
         return None
+
+
+async def settle_adapter(js: JetStreamContext, rollout: m.Rollout) -> bool:
+    """After an adapter's canary ended, make its registration say what serves: a promoted
+    candidate becomes the registered version, a rolled-back one is dropped. Compare-and-set on the
+    registration: an operator who registered another version meanwhile wins, and is left alone."""
+    assert rollout.adapter is not None
+    kv = await registry.bucket(js)
+    for _ in range(5):
+        spec, revision = await registry.get_with_revision(kv, rollout.adapter)
+        if spec is None or spec.candidate_version is None:
+            return True
+        if rollout.state == "promoted" and spec.candidate_version == rollout.stable and spec.candidate_path:
+            settled = msgspec.structs.replace(spec, version=spec.candidate_version, path=spec.candidate_path,
+                                              candidate_version=None, candidate_path=None)
+        elif rollout.state == "rolled_back" and spec.candidate_version == rollout.candidate:
+            settled = msgspec.structs.replace(spec, candidate_version=None, candidate_path=None)
+        else:
+            return True  # the registration names another candidate now: not this canary's to settle
+        try:
+            await registry.update(kv, settled, revision)
+            return True
+        except registry.Conflict:
+            continue
+    return False

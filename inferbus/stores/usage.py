@@ -1,6 +1,6 @@
 """Usage rollups, queries and their answers: pure functions, no I/O, no clock (callers pass `now`).
 
-A usage event contributes to one **group** (model, adapter, band, API key, batch id) of its tenant
+A usage event contributes to one **group** (model, adapter, band, API key, batch id, release) of its tenant
 in three time buckets: its minute, hour and UTC day, all taken from the time the gateway accepted
 the request (`UsageEvent.started`; every publisher of a request's event reports the same one, so a
 request's bucket, price and dedup set never depend on who reported it). Per group and bucket the
@@ -27,7 +27,8 @@ from proto import messages as m
 WIDTHS: dict[str, int] = {"1m": 60, "1h": 3600, "1d": 86400}
 # (default, maximum) buckets per page, as OpenAI's usage API has them.
 PAGE_LIMITS: dict[str, tuple[int, int]] = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
-DIMENSIONS = ("model", "adapter", "band", "api_key_id", "batch_id")
+# `release` last: groups written before it existed have five parts and read as release "".
+DIMENSIONS = ("model", "adapter", "band", "api_key_id", "batch_id", "release")
 # Counters per group and bucket, in this order everywhere (the Lua script, exports, results).
 # (requests, cancelled, failed, input tokens, cached, output, µ$ input, µ$ cached, µ$ output)
 METRICS = ("n", "nc", "nf", "in", "cin", "out", "$in", "$cin", "$out")
@@ -42,7 +43,7 @@ Kind = Literal["usage", "costs"]
 
 # group_by values a client may ask for, and the dimension each means.
 _GROUP_BY = {"model": "model", "adapter": "adapter", "band": "band", "tier": "band", "api_key": "api_key_id",
-             "api_key_id": "api_key_id", "batch": "batch", "batch_id": "batch_id"}
+             "api_key_id": "api_key_id", "batch": "batch", "batch_id": "batch_id", "release": "release"}
 _ADMIN_GROUP_BY = {"tenant": "tenant", "project_id": "tenant"}
 _COSTS_GROUP_BY = {"line_item": "line_item"}
 
@@ -50,7 +51,8 @@ _COSTS_GROUP_BY = {"line_item": "line_item"}
 # ---- events → rollup contributions ------------------------------------------------------------
 
 def group_of(event: m.UsageEvent) -> str:
-    return GROUP_SEP.join((event.model, event.adapter or "", event.band, event.api_key_id, event.batch_id or ""))
+    return GROUP_SEP.join((event.model, event.adapter or "", event.band, event.api_key_id, event.batch_id or "",
+                           event.release))
 
 
 class Contribution(NamedTuple):
@@ -348,7 +350,7 @@ def _sort_key(values: GroupValues) -> tuple[str, ...]:
     return tuple("" if v is None else str(v) for v in values)
 
 
-_EXTENSIONS = ("adapter", "band", "batch_id")
+_EXTENSIONS = ("adapter", "band", "batch_id", "release")
 
 
 def _group_fields(group_by: Sequence[str], values: GroupValues) -> dict[str, Any]:
@@ -423,10 +425,10 @@ def page_body(buckets: Iterable[tuple[int, list[dict[str, Any]]]], width: str, n
 # ---- exports --------------------------------------------------------------------------------------
 
 EXPORT_COLUMNS = ("tenant", "start_time", "end_time", "bucket_start", "model", "adapter", "band", "api_key_id",
-                  "batch_id", "num_model_requests", "num_cancelled_requests", "num_failed_requests", "input_tokens",
+                  "batch_id", "release", "num_model_requests", "num_cancelled_requests", "num_failed_requests", "input_tokens",
                   "input_cached_tokens", "output_tokens", "input_cost_micro_usd", "cached_input_cost_micro_usd",
                   "output_cost_micro_usd", "cost_micro_usd", "cost_usd")
-EXPORT_GROUP_BY = ("model", "adapter", "band", "api_key_id", "batch_id")
+EXPORT_GROUP_BY = ("model", "adapter", "band", "api_key_id", "batch_id", "release")
 
 
 def export_rows(bucket_start: int, width: str, groups: Mapping[GroupValues, Totals], group_by: Sequence[str],
@@ -446,7 +448,7 @@ def export_rows(bucket_start: int, width: str, groups: Mapping[GroupValues, Tota
             "tenant": grouped.get("tenant", tenant), "start_time": bucket_start,
             "end_time": bucket_start + WIDTHS[width], "bucket_start": iso,
             "model": grouped.get("model"), "adapter": grouped.get("adapter"), "band": grouped.get("band"),
-            "api_key_id": grouped.get("api_key_id"), "batch_id": batch_id,
+            "api_key_id": grouped.get("api_key_id"), "batch_id": batch_id, "release": grouped.get("release"),
             "num_model_requests": t.requests, "num_cancelled_requests": t.cancelled, "num_failed_requests": t.failed,
             "input_tokens": t.input_tokens, "input_cached_tokens": t.cached_tokens, "output_tokens": t.output_tokens,
             "input_cost_micro_usd": t.input_cost, "cached_input_cost_micro_usd": t.cached_cost,

@@ -107,7 +107,7 @@ def _write_parquet(rows: Sequence[dict[str, Any]], out: IO[bytes] | Path) -> Non
     pa = require("pyarrow", "parquet", "Parquet exports")
     import pyarrow.parquet as pq
 
-    strings = ("tenant", "bucket_start", "model", "adapter", "band", "api_key_id", "batch_id")
+    strings = ("tenant", "bucket_start", "model", "adapter", "band", "api_key_id", "batch_id", "release")
     schema = pa.schema([
         (name, pa.string() if name in strings else pa.decimal128(20, 6) if name == "cost_usd" else pa.int64())
         for name in u.EXPORT_COLUMNS

@@ -381,6 +381,14 @@ class Dispatcher:
             if isinstance(event, m.Handoff) or (isinstance(event, m.StreamError) and event.retryable):
                 if await self.migrate(flight, why=type(event).__name__):
                     continue
+            if (isinstance(event, m.StreamError) and event.code == "adapter_unavailable"
+                    and flight.request.adapter_fallback and not flight.sent_ids and not flight.sent_text):
+                # An adapter canary's candidate that cannot be loaded: the client gets the registered
+                # version's answer; the candidate's failure is counted by its worker for the SLO gate.
+                flight.request = msgspec.structs.replace(flight.request, adapter=flight.request.adapter_fallback,
+                                                         adapter_fallback=None)
+                if await self.migrate(flight, why=f"adapter candidate unavailable: {event.message}"):
+                    continue
             yield event
             if isinstance(event, (m.Final, m.StreamError, m.Handoff)):
                 return

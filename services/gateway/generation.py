@@ -214,6 +214,15 @@ class Generation:
             raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
                               code="invalid_prompt") from None
         prompt_tokens = len(prompt.ids)
+        pin = _header(scope, PIN_HEADER)
+        adapter_canary = adapter_pinned = False
+        adapter_fallback = None
+        spec = self.catalog.adapters.get(params.model) if adapter else None
+        if spec is not None and self.releases is not None:
+            # The adapter's version first: it is part of the engine name the prefix hashes are made in.
+            adapter, adapter_canary, adapter_pinned, adapter_fallback = self.releases.assign_adapter(
+                spec, principal.tenant, prompt.ids, self.settings.block_size, pin)
+            pin = None  # the pin named the adapter's version, not the base model's release
         hashes: list[int] = []
         if self.dispatcher.placement_timeout_s > 0:
             # The router places by prefix: the blocks of the ids the engine will cache.
@@ -230,8 +239,8 @@ class Generation:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
                               code="overloaded", headers=verdict.headers())
-        release, pinned = (self.releases.assign(model, principal.tenant, hashes, _header(scope, PIN_HEADER),
-                                                self.dispatcher) if self.releases is not None else (None, False))
+        release, pinned = (self.releases.assign(model, principal.tenant, hashes, pin, self.dispatcher)
+                           if self.releases is not None else (None, False))
         n = params.n
         decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
         now = time.time()
@@ -242,6 +251,7 @@ class Generation:
             sampling=sampling_params(params, max_new_tokens),
             reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
             created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
+            adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
             user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
         )
         try:

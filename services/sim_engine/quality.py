@@ -8,6 +8,9 @@ lets eval gates be tested: a model directory (or `--eval-accuracy`) sets the acc
 "FP8 candidate" a point worse and a broken checkpoint twenty points worse are both simulated.
 
 Per model directory: `inferbus_sim.json` with `{"eval_accuracy": 0.9}`; the flag overrides it.
+A LoRA adapter's directory may hold its own `inferbus_sim.json`: requests with that adapter are
+answered at its accuracy (a tenant's new adapter version that is better or worse), others at the
+model's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ def accuracy_of(model_dir: str | None, flag: float | None) -> float:
                 raise ValueError(f"{path}: eval_accuracy must be in [0, 1], got {value}")
             return value
     return DEFAULT_ACCURACY
+
+
+def adapter_accuracy(adapter_dir: str, base: float) -> float:
+    """The accuracy of requests with the adapter at `adapter_dir`: its own, else the model's."""
+    if Path(adapter_dir, SIM_FILE).is_file():
+        return accuracy_of(adapter_dir, None)
+    return base
 
 
 def write_accuracy(model_dir: str | Path, accuracy: float) -> Path:

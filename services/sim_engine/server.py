@@ -169,6 +169,7 @@ class SimEngineServer:
         else:
             self.engine = Engine(config, step_model)
         self.eval_accuracy = quality.accuracy_of(config.model_dir, config.eval_accuracy)
+        self._adapter_accuracy: dict[str, float] = {}  # adapter path → its accuracy (quality.adapter_accuracy)
         self.vocab_size = self.served.vocab_size if self.served is not None else VOCAB_SIZE
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
@@ -311,7 +312,8 @@ class SimEngineServer:
         if body.top_logprobs_num < 0:
             return _error(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
         try:
-            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling, rid)
+            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling, rid,
+                                  body.lora_path)
         except SchemaError as exc:
             return _error(f"Invalid grammar request: {exc}")
         request = Request(
@@ -333,7 +335,17 @@ class SimEngineServer:
             raise
         return _json(self._payload(request, update, stream, final=True))
 
-    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams, rid: str = "") -> list[tuple[int, str]] | None:
+    def _accuracy(self, lora_name: str | None) -> float:
+        adapter = self.engine.adapters.get(lora_name) if lora_name else None
+        if adapter is None:
+            return self.eval_accuracy
+        found = self._adapter_accuracy.get(adapter.path)
+        if found is None:
+            found = self._adapter_accuracy[adapter.path] = quality.adapter_accuracy(adapter.path, self.eval_accuracy)
+        return found
+
+    def _script(self, text: str, input_ids: list[int], sampling: SamplingParams, rid: str = "",
+                lora_name: str | None = None) -> list[tuple[int, str]] | None:
         """The output decided up front: a value of the requested JSON schema, or the tool call the
         prompt asks for. Deterministic under the sampling seed (else under the prompt)."""
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
@@ -341,7 +353,8 @@ class SimEngineServer:
         if sampling.json_schema is not None:
             return self.engine.split_output(json_output(sampling.json_schema, rng))
         if sampling.regex is None and sampling.ebnf is None:
-            solved = quality.answer(text, self.eval_accuracy, sampling.sampling_seed if sampling.sampling_seed is not None else rid)
+            solved = quality.answer(text, self._accuracy(lora_name),
+                                    sampling.sampling_seed if sampling.sampling_seed is not None else rid)
             if solved is not None:
                 return self.engine.split_output(solved)
             call = tool_call_output(text, self.config.tool_call_parser, rng)

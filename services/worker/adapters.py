@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
 from inferbus import logs
@@ -82,10 +83,15 @@ class Adapters:
 
     async def _load(self, engine_name: str) -> None:
         name = engine_name.rpartition("@")[0]
-        spec = await self.lookup(name)
-        if spec is None or spec.engine_name != engine_name:
+        registered = await self.lookup(name)
+        found = registered.version_of(engine_name) if registered is not None else None
+        if registered is None or found is None:
             LOADS.labels("unregistered").inc()
             raise AdapterError(f"adapter {engine_name} is not registered (or its version changed)")
+        # The version the request names: the registered one, or the candidate of the adapter's canary.
+        version, path = found
+        spec = msgspec.structs.replace(registered, version=version, path=path, candidate_version=None,
+                                       candidate_path=None)
         mismatch = release_check.adapter_problem(spec)
         if mismatch is not None:
             log.error("adapter_digest_mismatch", adapter=engine_name, path=spec.path, problem=mismatch)

@@ -10,15 +10,19 @@ way. A worker without a release serves unpinned, and says so in its log and its 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from nats.js import JetStreamContext
 from prometheus_client import Gauge
 
 from inferbus import logs
 from inferbus.releases import record, store
 from proto import messages as m
+
+from . import engine_image
 
 log = logs.get(__name__)
 
@@ -30,8 +34,10 @@ class ReleaseMismatch(SystemExit):
 
 
 async def verify_at_start(js: JetStreamContext, release_id: str, model: str, model_dir: str,
-                          server_info: dict[str, Any]) -> m.Release | None:
-    """The verified release, or None when the worker runs unpinned; raises ReleaseMismatch."""
+                          server_info: dict[str, Any],
+                          image_check: Callable[[str], Awaitable[str | None]] | None = None) -> m.Release | None:
+    """The verified release, or None when the worker runs unpinned; raises ReleaseMismatch.
+    `image_check(release image)` says why the engine's image is not the release's (engine_image.py)."""
     if not release_id:
         log.warning("worker_unpinned", model=model,
                     consequence="no release verified: this worker is left out of canaries and pinned traffic")
@@ -42,6 +48,13 @@ async def verify_at_start(js: JetStreamContext, release_id: str, model: str, mod
     except LookupError as error:
         raise ReleaseMismatch(f"worker: INFERBUS_WORKER_RELEASE={release_id}: {error}") from None
     problems = await asyncio.to_thread(problems_of, release, model, model_dir, server_info)
+    if image_check is not None:
+        try:
+            image_problem = await image_check(release.engine_image)
+        except engine_image.ImageCheckError as error:
+            image_problem = f"the engine image cannot be checked: {error}"
+        if image_problem is not None:
+            problems.append(image_problem)
     if problems:
         log.error("release_mismatch", release=release.id, problems=problems)
         raise ReleaseMismatch(
@@ -112,3 +125,42 @@ class ReleaseCounters:
     def load_fields(self) -> dict[str, Any]:
         return {"release": self.release_id, "finished_ok": self.ok, "finished_failed": self.failed,
                 "finished_cancelled": self.cancelled}
+
+
+class AdapterOutcomes:
+    """Per adapter version (engine name), the latencies and outcomes of interactive requests of
+    adapters with a canary running, reported with load for the adapter canary's SLO gate. Kept
+    for the worker's lifetime like the other counters, but only for `limit` versions (the least
+    recently used goes first): only adapters under a canary are counted, and they are few."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self.by_version: dict[str, m.AdapterOutcomes] = {}
+
+    def _of(self, engine_name: str) -> m.AdapterOutcomes:
+        found = self.by_version.pop(engine_name, None)
+        if found is None:
+            found = m.AdapterOutcomes(ttft_hist=[0] * (len(m.LATENCY_BUCKETS_S) + 1),
+                                      tpot_fine_hist=[0] * (len(m.TPOT_BUCKETS_S) + 1))
+            while len(self.by_version) >= self.limit:
+                del self.by_version[next(iter(self.by_version))]
+        self.by_version[engine_name] = found  # last: the most recently used
+        return found
+
+    def first_token(self, engine_name: str, seconds: float) -> None:
+        m.observe(self._of(engine_name).ttft_hist, m.LATENCY_BUCKETS_S, seconds)
+
+    def finished(self, engine_name: str, status: str, tpot_s: float | None) -> None:
+        outcomes = self._of(engine_name)
+        if tpot_s is not None:
+            m.observe(outcomes.tpot_fine_hist, m.TPOT_BUCKETS_S, tpot_s)
+        if status == "completed":
+            outcomes.finished_ok += 1
+        elif status == "cancelled":
+            outcomes.finished_cancelled += 1
+        else:
+            outcomes.finished_failed += 1
+
+    def load_field(self) -> dict[str, m.AdapterOutcomes]:
+        return {name: msgspec.structs.replace(o, ttft_hist=list(o.ttft_hist), tpot_fine_hist=list(o.tpot_fine_hist))
+                for name, o in self.by_version.items()}

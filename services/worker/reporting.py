@@ -48,8 +48,13 @@ class ServingStats:
 
     def observe_tpot(self, entry: Attempt, tokens: int, now: float) -> None:
         """The mean time per output token after the first, of a request that made `tokens`."""
-        if entry.first_token_at and tokens > 1:
-            m.observe(self.tpot_hist, m.TPOT_BUCKETS_S, (now - entry.first_token_at) / (tokens - 1))
+        tpot = tpot_of(entry, tokens, now)
+        if tpot is not None:
+            m.observe(self.tpot_hist, m.TPOT_BUCKETS_S, tpot)
+
+
+def tpot_of(entry: Attempt, tokens: int, now: float) -> float | None:
+    return (now - entry.first_token_at) / (tokens - 1) if entry.first_token_at and tokens > 1 else None
 
 
 def engine_gpu(info: dict[str, Any]) -> tuple[str, int]:
@@ -193,4 +198,5 @@ class LoadReporter:
             phase=worker.phase, batch_in_flight=stats.batch_in_flight, completed_batch=stats.completed_batch,
             batch_waiting=batch_waiting, ttft_hist=list(stats.ttft_hist), queue_wait_hist=list(stats.queue_wait_hist),
             tpot_fine_hist=list(stats.tpot_hist), gpu=gpu, tp=tp, **worker.release_counts.load_fields(),
+            adapter_outcomes=worker.adapter_outcomes.load_field(),
         )

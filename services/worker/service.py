@@ -38,7 +38,7 @@ from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
 
-from . import release_check
+from . import engine_image, release_check
 from .adapters import Adapters
 from .attempt import Attempt
 from .cache_events import CacheRelay
@@ -93,6 +93,7 @@ class Worker:
         self.engine_info: dict[str, Any] = {}
         self.release: m.Release | None = None  # verified at start (INFERBUS_WORKER_RELEASE); None: unpinned
         self.release_counts = release_check.ReleaseCounters(None)
+        self.adapter_outcomes = release_check.AdapterOutcomes()  # adapters with a canary: per version
         # Autoscaling: "starting" (engine loading), "warm" (loaded, pulls nothing until promoted) or
         # "serving". A demoted worker drains its work, then goes back to warm.
         self.phase = "starting"
@@ -152,7 +153,12 @@ class Worker:
             await asyncio.sleep(s.sim_cold_start_s)
         await self._wait_for_engine()
         self.engine_info = await self.engine.server_info()
-        self.release = await release_check.verify_at_start(self.js, s.release, s.model, s.model_dir, self.engine_info)
+        if s.engine_image_check not in ("auto", "kubernetes", "off"):
+            raise SystemExit(f"worker: INFERBUS_ENGINE_IMAGE_CHECK must be auto, kubernetes or off, not {s.engine_image_check!r}")
+        access = engine_image.pod_access(s.k8s_api_url, s.pod_name, s.pod_namespace)
+        self.release = await release_check.verify_at_start(
+            self.js, s.release, s.model, s.model_dir, self.engine_info,
+            lambda image: engine_image.check(s.engine_image_check, image, s.engine_container, access))
         self.release_counts = release_check.ReleaseCounters(self.release)
         self.usage.release = self.release_counts.release_id
         if self.release is not None:

@@ -30,6 +30,7 @@ from .engine import EngineClient, EngineError, EngineUpdate
 from .metrics import ABANDONED, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
 from .preemption import PreemptionPolicy
 from .puller import Puller
+from .reporting import tpot_of
 from .slots import SlotBudget
 
 if TYPE_CHECKING:
@@ -191,7 +192,8 @@ class Serving:
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
-                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable"):
+                # An adapter the engine cannot load or that fails its check says nothing of the GPU.
+                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable", "adapter_unavailable"):
                     worker.gpu.engine_error()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
                 # The gateway bills what the client received when a request ends in an error, and a
@@ -216,9 +218,13 @@ class Serving:
                 if request.band == "batch":
                     worker.stats.batch_in_flight -= 1
                     worker.stats.completed_batch += 1
-                elif not request.release_pinned:
-                    worker.stats.observe_tpot(entry, usage.completion_tokens - request.resumed_tokens, time.time())
+                elif not request.pinned:
+                    generated, finished_at = usage.completion_tokens - request.resumed_tokens, time.time()
+                    worker.stats.observe_tpot(entry, generated, finished_at)
                     worker.release_counts.count(status)
+                    if request.adapter_canary and request.adapter:
+                        worker.adapter_outcomes.finished(request.adapter, status,
+                                                         tpot_of(entry, generated, finished_at))
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
                 if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
@@ -254,8 +260,10 @@ class Serving:
                 entry.first_token_at = time.time()
                 # A migration's TTFT is not the client's; a pinned request (an eval run) is not the
                 # canary's traffic, whose latencies these histograms also carry to its SLO gate.
-                if request.band != "batch" and request.attempt == 0 and not request.release_pinned:
+                if request.band != "batch" and request.attempt == 0 and not request.pinned:
                     worker.stats.observe_ttft(entry.first_token_at - request.created)
+                    if request.adapter_canary and request.adapter:
+                        worker.adapter_outcomes.first_token(request.adapter, entry.first_token_at - request.created)
                 worker.load_changed.set()  # its prefill is done: tell the router now, not at the next tick
             completion = request.resumed_tokens + update.completion_tokens
             if prompt_tokens is None and update.prompt_tokens is not None:

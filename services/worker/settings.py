@@ -63,6 +63,17 @@ class WorkerSettings:
         "refuses to start otherwise; empty: unpinned, left out of canaries and pinned traffic.",
     )
     model_dir: str = env("INFERBUS_MODEL_DIR", "", "The model directory the engine loads (the release's files are checked against it).")
+    engine_image_check: str = env(
+        "INFERBUS_ENGINE_IMAGE_CHECK", "auto",
+        "With a release: compare the digest of the image the engine container runs, as the kubelet reports it in the "
+        "pod's status (`imageID`), with the release's engine image. `auto`: in a Kubernetes pod, and say why not when "
+        "the pod cannot be read; `kubernetes`: required (refuse to start without it); `off`: never. Outside Kubernetes "
+        "nothing reports the digest, and the worker logs `engine_image_unverified`.",
+    )
+    engine_container: str = env("INFERBUS_ENGINE_CONTAINER", "sglang", "The engine's container in this worker's pod (whose image digest is checked).")
+    k8s_api_url: str = env("INFERBUS_K8S_API_URL", "", "Kubernetes API for reading this worker's own pod (default: in-cluster, with its ServiceAccount).")
+    pod_name: str = env("INFERBUS_POD_NAME", "", "This worker's pod (default: HOSTNAME, which Kubernetes sets to the pod's name).")
+    pod_namespace: str = env("INFERBUS_POD_NAMESPACE", "", "This worker's namespace (default: its ServiceAccount's).")
     standby: bool = env("INFERBUS_WORKER_STANDBY", False, "Start warm: load the engine, then pull nothing until the autoscaler sends `promote` (the warm pool).")
     sim_cold_start_s: float = env("INFERBUS_WORKER_SIM_COLD_START_S", 0.0, "Extra seconds of start-up standing in for a model load the simulated engine does not do (0 with real engines).")
     sim_warm_start_s: float = env("INFERBUS_WORKER_SIM_WARM_START_S", 0.0, "Seconds a promoted warm worker waits before pulling, standing in for an engine's wake-up (0 with real engines).")
