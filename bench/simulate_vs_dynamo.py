@@ -410,6 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-replicas", type=int, default=200, help="replicas of the speed run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="simulate_vs_dynamo", help="result file name (without extension)")
     args = p.parse_args(argv)
     args.trace = traces.find(args.trace or "mooncake_synthetic.jsonl")
     return args
@@ -417,7 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    write_results(args.out, "simulate_vs_dynamo", run(args), markdown)
+    write_results(args.out, args.name, run(args), markdown)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,8 @@ class FastFleet:
         self._prefix_routing = prefix_blocks is not None and config.policy == "affinity"
         routing = config.routing
         if self._prefix_routing:
-            routing = replace(routing or RoutingConfig(), block_size=prefix_block_tokens)
+            routing = replace(routing if isinstance(routing, RoutingConfig) else RoutingConfig(),
+                              block_size=prefix_block_tokens)
         self.step_model = step_model or (
             FixedStepModel(engine.fixed_step_ms / 1000.0) if engine.fixed_step_ms is not None
             else roofline(engine.gpu, engine.tp, engine.preset)
