@@ -181,6 +181,10 @@ def test_router_replicas_count_each_others_placements() -> None:
     two.registry.on_placed(m.Placed(router_id="one", worker_id=reply.worker_id, model="m", prefill_tokens=20 * 64 + 10,
                                     block_hashes=list(range(20))))
     assert two.registry.workers[reply.worker_id].backlog_prefill(1) == 20 * 64 + 10
+    assert two.registry.workers[reply.worker_id].intake == 20 * 64 + 10  # an older router's Placed: its prefill
+    two.registry.on_placed(m.Placed(router_id="one", worker_id=reply.worker_id, model="m", prefill_tokens=10,
+                                    block_hashes=list(range(20)), prompt_tokens=20 * 64 + 10))
+    assert two.registry.workers[reply.worker_id].intake == 2 * (20 * 64 + 10)  # the whole prompt, cached part too
     two.registry.on_load(load(reply.worker_id, 1, pulled_own=1))  # the first turn was pulled and prefilled
     assert two.place(prompt(list(range(20)) + [99])).worker_id == reply.worker_id
 
