@@ -274,12 +274,18 @@ def test_a_worker_past_its_share_of_recent_traffic_loses_even_a_cached_family() 
         return picks
 
     clock = Clock()
-    for router, spreads in ((affinity(clock, share_weight_s=0.0), False), (affinity(clock), True)):
+    cases = (
+        (affinity(clock, share_weight_s=0.0), False),
+        # Four requests are too few to judge shares by (the limit is 15 requests' worth wide)...
+        (affinity(clock), False),
+        # ...but where they would be enough, "a" holding all of the fleet's traffic is far past it.
+        (affinity(clock, share_granularity=0.1), True),
+    )
+    for router, spreads in cases:
         router.registry.on_cache(cache("a", 1, stored=list(range(100)), cleared=True))
         picks = hits(router)
         assert picks[0] == "a"
-        # Each hit queues 10 tokens of prefill there: without the share term "a" keeps them all;
-        # with it, "a" holding every token of the fleet's traffic is far past the limit.
+        # Each hit queues only 10 tokens of prefill there.
         assert (len(set(picks)) > 1) is spreads
     # Cached tokens count in the share, not only the 10 prefilled: a took two of the four hits.
     assert router.registry.workers["a"].intake == 2 * (101 * 64 + 10)

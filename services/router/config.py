@@ -41,9 +41,13 @@ class RoutingConfig:
     # instantaneous load terms cannot see coming; near the limit even a long cached prefix spills.
     # In the fleet simulator (Mooncake synthetic, 4 replicas, 5 family samples × 3 simulator
     # seeds) it kept every run's imbalance of all tokens at or below 1.12 (without it: up to 1.22)
-    # for about 1 point of hit rate (bench/results/routing_tune_share.md). 0 turns it off.
+    # for about 1 point of hit rate (bench/results/routing_tune_share.md). 0 turns it off. A share
+    # over few requests is mostly the luck of their sizes: the limit is never narrower than
+    # `share_granularity` requests' worth of the mean (on 200 replicas at 833 req/s a limit of
+    # 0.15 cost affinity half its hit rate).
     share_weight_s: float = 1.0
     share_limit: float = 0.15
+    share_granularity: float = 15.0
     share_window_s: float = 300.0
     index_blocks_per_worker: int = 250_000
     index_ttl_s: float = 900.0

@@ -55,6 +55,8 @@ class WorkerView:
     # fleet's traffic (`set_base_cost`).
     intake: float = 0.0
     intake_mean: float = 0.0
+    intake_requests: float = 0.0  # placements, decaying likewise
+    share_limit: float = 0.0  # `RoutingConfig.share_limit`, widened when the fleet's window holds few requests per worker
     # Wait this worker adds to any request, in seconds (queued prefill and load), kept current on
     # every event that changes it so that a placement only adds the request's own part.
     base_cost: float = 0.0
@@ -80,17 +82,17 @@ def set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None =
     cost = ((queued + config.active_kv_weight * view.kv_used_tokens) / config.prefill_tokens_per_s
             + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
     if view.intake_mean > 0.0:
-        cost += share_cost(view.intake / view.intake_mean - 1.0, config)
+        cost += share_cost(view.intake / view.intake_mean - 1.0, config, view.share_limit)
     view.base_cost = cost
 
 
-def share_cost(excess: float, config: RoutingConfig) -> float:
+def share_cost(excess: float, config: RoutingConfig, limit: float = 0.0) -> float:
     """The cost, in seconds, of a worker whose recent traffic is `excess` (0.1: 10%) above the
     fleet's mean: `share_weight_s` at half of `share_limit`, growing without bound towards the
     limit (a barrier: near it even a long cached prefix moves; past it, still growing with the
     excess, so that workers over the limit rank among themselves), a bonus of at most
-    `share_weight_s` below the mean."""
-    limit = config.share_limit
+    `share_weight_s` below the mean. `limit`: the worker's own (0: `config.share_limit`)."""
+    limit = limit or config.share_limit
     if excess <= 0.0:
         return config.share_weight_s * max(excess, -limit) / limit
     room = limit - excess
@@ -253,9 +255,16 @@ class WorkerRegistry:
                 continue
             for view in views:
                 view.intake *= factor
+                view.intake_requests *= factor
             mean = sum(view.intake for view in views) / len(views)
+            # A share over few requests is mostly the luck of their sizes: the limit is never
+            # narrower than `share_granularity` requests' worth of the mean (a big fleet's window
+            # holds few requests per worker, and there the limit binds only on gross excess).
+            requests = sum(view.intake_requests for view in views) / len(views)
+            limit = max(config.share_limit, config.share_granularity / requests if requests > 0 else 1.0)
             for view in views:
                 view.intake_mean = mean
+                view.share_limit = limit
                 self._refresh(view)
 
     # ---- placement ---------------------------------------------------------------------------
@@ -300,6 +309,7 @@ class WorkerRegistry:
         `prompt_tokens` None: the whole prompt is prefill."""
         view.placed_total += 1
         view.intake += prefill_tokens if prompt_tokens is None else prompt_tokens
+        view.intake_requests += 1.0
         totals = view.placed_prefill
         totals.append(totals[-1] + (prefill_tokens if prefill_tokens > 0 else 0))
         backlog = view.placed_total - view.pulled_own + (view.pulled_offset or 0)  # `view.backlog()`, inlined

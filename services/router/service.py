@@ -70,6 +70,7 @@ class Router:
             decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
             adapter_slot_hold_s=settings.adapter_slot_hold_s, adapter_spread=settings.adapter_spread,
             share_weight_s=settings.share_weight_s, share_limit=settings.share_limit, share_window_s=settings.share_window_s,
+            share_granularity=settings.share_granularity,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )
         self.placer = make_placer(settings.policy, time.monotonic, config)

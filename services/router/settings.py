@@ -20,6 +20,7 @@ class RouterSettings:
     decode_weight_s: float = env("INFERBUS_ROUTER_DECODE_WEIGHT_S", 0.25, "Cost (seconds) of a worker whose every slot is busy decoding.")
     share_weight_s: float = env("INFERBUS_ROUTER_SHARE_WEIGHT_S", 1.0, "Cost (seconds) of a worker whose share of the fleet's recent traffic (prompt tokens placed, cached ones included) is half of the share limit above the mean; 0 turns the term off.")
     share_limit: float = env("INFERBUS_ROUTER_SHARE_LIMIT", 0.15, "Share of recent traffic above the fleet's mean (0.15: 15%) at which a worker's cost grows without bound, so that even a cached family moves elsewhere.")
+    share_granularity: float = env("INFERBUS_ROUTER_SHARE_GRANULARITY", 15.0, "The share limit is never narrower than this many requests' worth of a worker's mean recent traffic: where workers see few requests, shares are mostly luck.")
     share_window_s: float = env("INFERBUS_ROUTER_SHARE_WINDOW_S", 300.0, "Time constant (seconds) over which a worker's recent traffic decays.")
     adapter_load_s: float = env("INFERBUS_ROUTER_ADAPTER_LOAD_S", 0.5, "Cost (seconds) of a worker that must load the request's LoRA adapter first (and is not one of the adapter's homes).")
     adapter_slot_hold_s: float = env("INFERBUS_ROUTER_ADAPTER_SLOT_HOLD_S", 2.0, "Mean seconds a running request keeps its LoRA adapter's batch slot: the unit of the expected wait for a free distinct-adapter slot.")
