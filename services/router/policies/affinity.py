@@ -48,7 +48,13 @@ class AffinityPolicy(RegistryPolicy):
         matched = self.index.matched_blocks(hashes) if hashes else {}
         per_token = config.miss_weight / config.prefill_tokens_per_s
         prompt = request.prompt_tokens
-        if matched:
+        if matched and block_size * max(matched.values()) <= prompt:
+            # No worker holds more than the prompt (always, for hashes of this prompt): the miss
+            # is the whole prompt less a credit per cached block, with no floor to check.
+            get = matched.get
+            miss, credit = per_token * prompt, per_token * block_size
+            costs = [view.base_cost + miss - credit * get(view.worker_id, 0) for view in candidates]
+        elif matched:
             get = matched.get
             costs = [view.base_cost + per_token * max(0, prompt - block_size * get(view.worker_id, 0))
                      for view in candidates]
