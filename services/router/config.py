@@ -40,8 +40,8 @@ class RoutingConfig:
     # later on the Mooncake trace), so a worker's recent share predicts its next one, which the
     # instantaneous load terms cannot see coming; near the limit even a long cached prefix spills.
     # In the fleet simulator (Mooncake synthetic, 4 replicas, 5 family samples × 3 simulator
-    # seeds) it kept every run's imbalance of all tokens at or below 1.12 (without it: up to 1.22)
-    # for about 1 point of hit rate (bench/results/routing_tune_share.md). 0 turns it off. A share
+    # seeds) it kept every run's imbalance of all tokens at or below 1.13 (without it: up to 1.22)
+    # for half a point of hit rate (bench/results/routing_tune_share.md). 0 turns it off. A share
     # over few requests is mostly the luck of their sizes: the limit is never narrower than
     # `share_granularity` requests' worth of the mean (on 200 replicas at 833 req/s a limit of
     # 0.15 cost affinity half its hit rate).
