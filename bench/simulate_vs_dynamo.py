@@ -11,8 +11,9 @@ on virtual clocks:
   replica behind the router's own placement code (`round_robin`, and `affinity` as our prefix
   router), timed by the profile table below (`TableStepModel`).
 - **inferbus, fast**: `inferbus.capacity.fleetsim.fast.FastFleet` (analytic replicas, a few events per
-  request, compiled by `inferbus.capacity.accel` when built) with round-robin placement, SGLang's unmixed
-  steps and a prefix cache per replica fed the trace's block ids.
+  request, compiled by `inferbus.capacity.accel` when built) with SGLang's unmixed steps and a prefix
+  cache per replica fed the trace's block ids, behind `round_robin` and behind `affinity`, whose
+  router sees those caches (the trace's blocks as prefix hashes, the caches' changes as KV events).
 - **Dynamo 1.6.1**: `dynamo.replay.api.run_trace_replay` (its mocker engine, SGLang scheduling
   mode, behind `round_robin` and its `kv_router`), timed by the same table through its
   `dynamo_profile` timing provider (`--planner-profile-data`). Run in `.venv-dynamo`
@@ -141,20 +142,21 @@ def run_ours(requests: list[TraceRequest], engine: EngineConfig, step: TableStep
     }
 
 
-def run_fast(requests: list[TraceRequest], engine: EngineConfig, step: TableStepModel, replicas: int) -> dict[str, Any]:
+def run_fast(requests: list[TraceRequest], engine: EngineConfig, step: TableStepModel, replicas: int,
+             policy: str = "round_robin") -> dict[str, Any]:
     """The fast simulator (`FastFleet`: analytic replicas, compiled when built) with a prefix cache
-    per replica fed the trace's block ids, round-robin placement, no admission control."""
+    per replica fed the trace's block ids, no admission control; `affinity` places by those caches."""
     from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
 
     arrivals = [(r.arrival_s, r.input_tokens, r.output_tokens, 0) for r in requests]
-    fleet = FastFleet(FastConfig(replicas=replicas, policy="round_robin", engine=engine, admission=False), arrivals,
+    fleet = FastFleet(FastConfig(replicas=replicas, policy=policy, engine=engine, admission=False), arrivals,
                       step_model=step, prefix_blocks=[tuple(r.hash_ids) for r in requests],
                       prefix_block_tokens=MOONCAKE_BLOCK_TOKENS)
     summary = fleet.run()
     engines = [node.replica for node in fleet.nodes.values()]
     prompt = sum(e.prompt_tokens for e in engines)
     return {
-        "simulator": f"inferbus FastFleet ({summary.build})", "policy": "round_robin", "replicas": replicas,
+        "simulator": f"inferbus FastFleet ({summary.build})", "policy": policy, "replicas": replicas,
         "requests": summary.requests, "completed": summary.completed,
         "hit_rate": sum(e.cached_tokens for e in engines) / prompt if prompt else 0.0,
         "ttft_p50_s": summary.ttft_p50_s, "ttft_p90_s": summary.ttft_p90_s, "ttft_p99_s": summary.ttft_p99_s,
@@ -185,9 +187,9 @@ def compare(requests: list[TraceRequest], engine: EngineConfig, kv_tokens: int, 
         first = order[1]  # alternate who goes first
         pair = {"replicas": replicas, "ours": runs["ours"], "dynamo": runs["dynamo"], "order": list(order),
                 "ratio": agreement(runs["ours"], runs["dynamo"])}
-        if ours_policy == "round_robin":  # the fast simulator on the same trace, prefix caches per replica
-            pair["fast"] = run_fast(requests, engine, step, replicas)
-            pair["fast_ratio"] = agreement(pair["fast"], runs["dynamo"])
+        # The fast simulator on the same trace, prefix caches per replica.
+        pair["fast"] = run_fast(requests, engine, step, replicas, ours_policy)
+        pair["fast_ratio"] = agreement(pair["fast"], runs["dynamo"])
         for side in ("ours", "fast", "dynamo"):
             if side not in pair:
                 continue
@@ -408,6 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-replicas", type=int, default=200, help="replicas of the speed run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default="simulate_vs_dynamo", help="result file name (without extension)")
     args = p.parse_args(argv)
     args.trace = traces.find(args.trace or "mooncake_synthetic.jsonl")
     return args
@@ -415,7 +418,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    write_results(args.out, "simulate_vs_dynamo", run(args), markdown)
+    write_results(args.out, args.name, run(args), markdown)
 
 
 if __name__ == "__main__":

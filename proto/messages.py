@@ -565,6 +565,7 @@ class Placed(_Message):
     prefill_tokens: int  # prompt tokens the worker must compute (not expected to be cached)
     block_hashes: list[int] = []
     adapter: str | None = None
+    prompt_tokens: int = 0  # the whole prompt, cached part included (0: an older router; take prefill_tokens)
 
 
 class AdapterSpec(_Message):

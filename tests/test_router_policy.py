@@ -7,6 +7,7 @@ from services.router.config import RoutingConfig
 from services.router.index import PrefixIndex
 from services.router.placement import Placer, make_placer
 from services.router.policies import POLICY_NAMES, make_policy
+from services.router.registry import share_cost
 
 
 class Clock:
@@ -180,6 +181,10 @@ def test_router_replicas_count_each_others_placements() -> None:
     two.registry.on_placed(m.Placed(router_id="one", worker_id=reply.worker_id, model="m", prefill_tokens=20 * 64 + 10,
                                     block_hashes=list(range(20))))
     assert two.registry.workers[reply.worker_id].backlog_prefill(1) == 20 * 64 + 10
+    assert two.registry.workers[reply.worker_id].intake == 20 * 64 + 10  # an older router's Placed: its prefill
+    two.registry.on_placed(m.Placed(router_id="one", worker_id=reply.worker_id, model="m", prefill_tokens=10,
+                                    block_hashes=list(range(20)), prompt_tokens=20 * 64 + 10))
+    assert two.registry.workers[reply.worker_id].intake == 2 * (20 * 64 + 10)  # the whole prompt, cached part too
     two.registry.on_load(load(reply.worker_id, 1, pulled_own=1))  # the first turn was pulled and prefilled
     assert two.place(prompt(list(range(20)) + [99])).worker_id == reply.worker_id
 
@@ -248,3 +253,39 @@ def test_any_policy_object_places_from_the_shared_registry_and_filters() -> None
     assert registry.workers["b"].backlog() == 1  # counted by the registry
     assert {name: type(make_policy(name, registry)).__name__ for name in POLICY_NAMES} == {
         "affinity": "AffinityPolicy", "least_loaded": "LeastLoadedPolicy", "round_robin": "RoundRobinPolicy"}
+
+
+def test_share_cost_is_a_barrier_at_the_limit_and_a_small_bonus_below_the_mean() -> None:
+    config = RoutingConfig(share_weight_s=1.0, share_limit=0.15)
+    assert share_cost(0.0, config) == 0.0
+    assert share_cost(0.075, config) == pytest.approx(1.0)  # the weight at half the limit
+    assert share_cost(0.14, config) == pytest.approx(14.0)
+    assert 50 < share_cost(0.15, config) < share_cost(0.3, config)  # prohibitive at the limit, ranked past it
+    assert share_cost(-0.075, config) == pytest.approx(-0.5)
+    assert share_cost(-3.0, config) == pytest.approx(-1.0)
+
+
+def test_a_worker_past_its_share_of_recent_traffic_loses_even_a_cached_family() -> None:
+    def hits(router: Placer) -> list[str]:
+        picks = []
+        for i in range(4):
+            picks.append(router.place(prompt(list(range(100)) + [1000 + i])).worker_id or "")
+            router.registry.expire()  # the registry's tick takes the fleet's mean intake
+        return picks
+
+    clock = Clock()
+    cases = (
+        (affinity(clock, share_weight_s=0.0), False),
+        # Four requests are too few to judge shares by (the limit is 15 requests' worth wide)...
+        (affinity(clock), False),
+        # ...but where they would be enough, "a" holding all of the fleet's traffic is far past it.
+        (affinity(clock, share_granularity=0.1), True),
+    )
+    for router, spreads in cases:
+        router.registry.on_cache(cache("a", 1, stored=list(range(100)), cleared=True))
+        picks = hits(router)
+        assert picks[0] == "a"
+        # Each hit queues only 10 tokens of prefill there.
+        assert (len(set(picks)) > 1) is spreads
+    # Cached tokens count in the share, not only the 10 prefilled: a took two of the four hits.
+    assert router.registry.workers["a"].intake == 2 * (101 * 64 + 10)

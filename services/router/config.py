@@ -33,5 +33,21 @@ class RoutingConfig:
     # the fleet simulator (Mooncake synthetic, 4 replicas, 5 family samples) 0.4 took the mean load
     # imbalance from 1.14 to 1.09 for about 2% of hit rate; 1.0 (Dynamo's default) lost a tenth of it.
     active_kv_weight: float = 0.4
+    # A worker's share of the fleet's recent traffic (prompt tokens placed there, cached ones
+    # included, decaying over `share_window_s`) against the fleet's mean, priced by
+    # `registry.share_cost`: `share_weight_s` at half of `share_limit` above the mean, without
+    # bound towards the limit. Families come back to the worker that caches them (a median 55 s
+    # later on the Mooncake trace), so a worker's recent share predicts its next one, which the
+    # instantaneous load terms cannot see coming; near the limit even a long cached prefix spills.
+    # In the fleet simulator (Mooncake synthetic, 4 replicas, 5 family samples × 3 simulator
+    # seeds) it kept every run's imbalance of all tokens at or below 1.13 (without it: up to 1.22)
+    # for half a point of hit rate (bench/results/routing_tune_share.md). 0 turns it off. A share
+    # over few requests is mostly the luck of their sizes: the limit is never narrower than
+    # `share_granularity` requests' worth of the mean (on 200 replicas at 833 req/s a limit of
+    # 0.15 cost affinity half its hit rate).
+    share_weight_s: float = 1.0
+    share_limit: float = 0.15
+    share_granularity: float = 15.0
+    share_window_s: float = 300.0
     index_blocks_per_worker: int = 250_000
     index_ttl_s: float = 900.0

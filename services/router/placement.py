@@ -51,7 +51,7 @@ class Placer:
     def count(self, request: m.PlacementRequest, chosen: WorkerView, cached_blocks: int) -> None:
         """The registry's bookkeeping of placing `request` on `chosen`."""
         self.registry.count(chosen, request.prompt_tokens - cached_blocks * self.registry.config.block_size,
-                            request.block_hashes, cached_blocks)
+                            request.block_hashes, cached_blocks, request.prompt_tokens)
 
     def record(self, request: m.PlacementRequest, reply: m.PlacementReply) -> None:
         """Count a placement made with `place(..., record=False)`."""

@@ -11,6 +11,7 @@ request's own part.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,13 @@ class WorkerView:
     # Running total of prefill tokens placed here, one entry per recent placement, so the prefill
     # of the last n placements is a subtraction.
     placed_prefill: deque[int] = field(default_factory=lambda: deque([0], maxlen=4097))
+    # Prompt tokens (cached ones included) placed here, decaying over `RoutingConfig.share_window_s`,
+    # and the fleet's mean of it at the registry's last tick: this worker's recent share of the
+    # fleet's traffic (`set_base_cost`).
+    intake: float = 0.0
+    intake_mean: float = 0.0
+    intake_requests: float = 0.0  # placements, decaying likewise
+    share_limit: float = 0.0  # `RoutingConfig.share_limit`, widened when the fleet's window holds few requests per worker
     # Wait this worker adds to any request, in seconds (queued prefill and load), kept current on
     # every event that changes it so that a placement only adds the request's own part.
     base_cost: float = 0.0
@@ -65,13 +73,30 @@ class WorkerView:
 
 
 def set_base_cost(view: WorkerView, config: RoutingConfig, backlog: int | None = None) -> None:
-    """The wait this worker adds to any request, in seconds: its queued prefill and its load.
+    """The wait this worker adds to any request, in seconds: its queued prefill, its load, and its
+    share of the fleet's recent traffic above (or below) the mean, capped at ±1 share.
     `backlog`: `view.backlog()`, when the caller has it."""
     if backlog is None:
         backlog = view.backlog()
     queued = view.reported_prefill + view.backlog_prefill(backlog) if backlog else view.reported_prefill
-    view.base_cost = ((queued + config.active_kv_weight * view.kv_used_tokens) / config.prefill_tokens_per_s
-                      + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
+    cost = ((queued + config.active_kv_weight * view.kv_used_tokens) / config.prefill_tokens_per_s
+            + config.decode_weight_s * (view.reported_load + backlog) / view.max_running)
+    if view.intake_mean > 0.0:
+        cost += share_cost(view.intake / view.intake_mean - 1.0, config, view.share_limit)
+    view.base_cost = cost
+
+
+def share_cost(excess: float, config: RoutingConfig, limit: float = 0.0) -> float:
+    """The cost, in seconds, of a worker whose recent traffic is `excess` (0.1: 10%) above the
+    fleet's mean: `share_weight_s` at half of `share_limit`, growing without bound towards the
+    limit (a barrier: near it even a long cached prefix moves; past it, still growing with the
+    excess, so that workers over the limit rank among themselves), a bonus of at most
+    `share_weight_s` below the mean. `limit`: the worker's own (0: `config.share_limit`)."""
+    limit = limit or config.share_limit
+    if excess <= 0.0:
+        return config.share_weight_s * max(excess, -limit) / limit
+    room = limit - excess
+    return config.share_weight_s * excess / (room if room > 0.01 * limit else 0.01 * limit)
 
 
 class RegistryListener(Protocol):
@@ -97,6 +122,7 @@ class WorkerRegistry:
         # per placement.
         self._serving: dict[str, dict[str, WorkerView]] = {}
         self._eligible: dict[str, dict[str, WorkerView]] = {}
+        self._aged_at = clock()
 
     def _refresh(self, view: WorkerView) -> None:
         """Re-apply the event-driven filters and recompute the worker's base cost."""
@@ -195,18 +221,51 @@ class WorkerRegistry:
         """A placement made by another router replica."""
         view = self.workers.get(placed.worker_id)
         if view is not None:
-            self.count(view, placed.prefill_tokens, placed.block_hashes)
+            self.count(view, placed.prefill_tokens, placed.block_hashes, prompt_tokens=placed.prompt_tokens or None)
             self.adapter_slots.on_placed(placed.worker_id, placed.adapter)
 
     def alive(self, view: WorkerView) -> bool:
         return self.clock() - view.last_seen <= self.config.heartbeat_ttl_s
 
     def expire(self) -> list[str]:
+        """The registry's tick (the router calls it every ~0.5 s): forget dead workers and stale
+        index entries, and age the workers' traffic shares."""
         dead = [wid for wid, view in self.workers.items() if not self.alive(view)]
         for worker_id in dead:
             self.on_worker_gone(worker_id)
-        self.index.expire(self.clock())
+        now = self.clock()
+        self.index.expire(now)
+        self._age_intake(now)
         return dead
+
+    def _age_intake(self, now: float) -> None:
+        """Decay every worker's intake to `now` and give each the mean of its model's serving
+        workers, then recompute their costs. Between ticks a worker's intake only grows by its own
+        placements and the mean stays put, so its cost changes only on its own events (what the
+        simulators' `LoadSampler` relies on)."""
+        config = self.config
+        if not config.share_weight_s:
+            return
+        elapsed = now - self._aged_at
+        self._aged_at = now
+        factor = math.exp(-elapsed / config.share_window_s) if elapsed > 0 else 1.0
+        for pool in self._serving.values():
+            views = list(pool.values())
+            if not views:
+                continue
+            for view in views:
+                view.intake *= factor
+                view.intake_requests *= factor
+            mean = sum(view.intake for view in views) / len(views)
+            # A share over few requests is mostly the luck of their sizes: the limit is never
+            # narrower than `share_granularity` requests' worth of the mean (a big fleet's window
+            # holds few requests per worker, and there the limit binds only on gross excess).
+            requests = sum(view.intake_requests for view in views) / len(views)
+            limit = max(config.share_limit, config.share_granularity / requests if requests > 0 else 1.0)
+            for view in views:
+                view.intake_mean = mean
+                view.share_limit = limit
+                self._refresh(view)
 
     # ---- placement ---------------------------------------------------------------------------
 
@@ -230,10 +289,12 @@ class WorkerRegistry:
         """Workers of `model` not draining and below the KV ceiling (liveness not checked)."""
         return self._eligible.get(model, {})
 
-    def count(self, view: WorkerView, prefill_tokens: int, hashes: list[int], known_blocks: int = 0) -> None:
+    def count(self, view: WorkerView, prefill_tokens: int, hashes: list[int], known_blocks: int = 0,
+              prompt_tokens: int | None = None) -> None:
         """Count a placement on `view` (this router's or another replica's): its backlog, the
-        prefill it queues, the prefix blocks it will cache there."""
-        backlog = self.add_placement(view, prefill_tokens)
+        prefill it queues (`prompt_tokens` less what is cached there), the prefix blocks it will
+        cache there."""
+        backlog = self.add_placement(view, prefill_tokens, prompt_tokens)
         if self.listeners:
             eligible = self._eligible.get(view.model, {}).get(view.worker_id) is view
             for listener in self.listeners:
@@ -241,11 +302,14 @@ class WorkerRegistry:
         if hashes:
             self.index.add(view.worker_id, hashes, self.clock(), known=known_blocks)
 
-    def add_placement(self, view: WorkerView, prefill_tokens: int) -> int:
+    def add_placement(self, view: WorkerView, prefill_tokens: int, prompt_tokens: int | None = None) -> int:
         """`count`'s load bookkeeping alone, without telling the listeners: the caller, which
         knows the worker is eligible, updates what it keeps itself. Returns the worker's backlog.
-        A placement changes neither the worker's model, draining nor KV use: only its load."""
+        A placement changes neither the worker's model, draining nor KV use: only its load.
+        `prompt_tokens` None: the whole prompt is prefill."""
         view.placed_total += 1
+        view.intake += prefill_tokens if prompt_tokens is None else prompt_tokens
+        view.intake_requests += 1.0
         totals = view.placed_prefill
         totals.append(totals[-1] + (prefill_tokens if prefill_tokens > 0 else 0))
         backlog = view.placed_total - view.pulled_own + (view.pulled_offset or 0)  # `view.backlog()`, inlined

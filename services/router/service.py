@@ -69,6 +69,8 @@ class Router:
             temperature=settings.temperature, prefill_tokens_per_s=settings.prefill_tokens_per_s, miss_weight=settings.miss_weight,
             decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
             adapter_slot_hold_s=settings.adapter_slot_hold_s, adapter_spread=settings.adapter_spread,
+            share_weight_s=settings.share_weight_s, share_limit=settings.share_limit, share_window_s=settings.share_window_s,
+            share_granularity=settings.share_granularity,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )
         self.placer = make_placer(settings.policy, time.monotonic, config)
@@ -142,7 +144,7 @@ class Router:
         placed = m.Placed(
             router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
             prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),
-            block_hashes=request.block_hashes,
+            block_hashes=request.block_hashes, prompt_tokens=request.prompt_tokens,
         )
         self._spawn(self.nc.publish(subjects.placed_subject(request.model), m.encode(placed)))
 

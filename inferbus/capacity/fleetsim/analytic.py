@@ -91,7 +91,7 @@ class AnalyticReplica:
         "decoding", "B", "C", "sum_dfin", "prefill", "Q", "prefill_kv", "prefill_out", "waiting",
         "seq", "completed", "taken", "busy_s", "prefilled_tokens", "draining",
         "mixed", "page", "prefix_block", "prefix_cache", "prefix_tokens", "prompt_tokens", "cached_tokens",
-        "output_tokens",
+        "output_tokens", "cache_log", "stored_blocks", "evicted_blocks",
     )
 
     def __init__(
@@ -144,6 +144,11 @@ class AnalyticReplica:
         self.prefix_block = prefix_block_tokens  # tokens per prefix block id; 0: no prefix cache
         self.prefix_cache: OrderedDict[int, int] = OrderedDict()  # block id → its tokens cached, LRU first
         self.prefix_tokens = 0  # Σ of the cache's tokens
+        # With `cache_log` (the router sees the cache, as from an engine's KV events), the block ids
+        # the prefix cache took in and evicted since the fleet last drained these lists.
+        self.cache_log = False
+        self.stored_blocks: list[int] = []
+        self.evicted_blocks: list[int] = []
         self.prompt_tokens = 0  # of the requests it took, and of those the cached, and their output
         self.cached_tokens = 0
         self.output_tokens = 0
@@ -254,6 +259,8 @@ class AnalyticReplica:
                 if full:
                     cache[block_id] = full
                     tokens += full
+                    if self.cache_log:
+                        self.stored_blocks.append(block_id)
                 continue
             if alive:
                 hit += held if held < full else full
@@ -265,8 +272,10 @@ class AnalyticReplica:
             cache.move_to_end(block_id)
         capacity = self.kv_capacity
         while tokens > capacity and cache:
-            _, evicted = cache.popitem(last=False)
+            evicted_id, evicted = cache.popitem(last=False)
             tokens -= evicted
+            if self.cache_log:
+                self.evicted_blocks.append(evicted_id)
         self.prefix_tokens = tokens
         return hit
 

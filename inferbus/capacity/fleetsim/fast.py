@@ -8,8 +8,12 @@ wired as in the per-step simulator (`wiring`):
   `sampler.LoadSampler` (the same choice distribution as `Placer.place`, O(√n) in C instead of
   O(workers) in Python). Requests carry no prefix hashes (Azure traces have none;
   cache hits are statistical, from the mix's cached fraction), so placement is load-only. Given a
-  prefix trace's block ids (`prefix_blocks`), replicas keep prefix caches; placement still does
-  not see the blocks.
+  prefix trace's block ids (`prefix_blocks`), replicas keep prefix caches, and with the `affinity`
+  policy the router sees them as it sees an engine's: a request's full blocks are its prefix
+  hashes (the router's block is the trace's, `prefix_block_tokens`), and each replica's cache
+  changes (blocks taken in, blocks evicted) reach the router's prefix index at once, as the engines'
+  KV events would ~1 ms later, without the message objects. Requests whose blocks the index does not
+  know still take the sampler's load-only draw.
 - admission: `services.gateway.overload.OverloadPolicy` (sheds a request whose expected wait
   exceeds its band's budget), fed the same load reports. Its inputs change only when reports
   arrive, so its verdict is re-evaluated every `admission_refresh_s` rather than per request.
@@ -43,7 +47,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req
@@ -60,6 +64,7 @@ from inferbus.capacity.fleetsim.wiring import (
 )
 from inferbus.timing import FixedStepModel, StepTimeModel, roofline
 from proto import messages as m
+from services.router.config import RoutingConfig
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 
 __all__ = ["Arrival", "Controller", "FastConfig", "FastFleet", "FleetSignals", "StaticController"]
@@ -146,10 +151,16 @@ class FastFleet:
     ) -> None:
         """`prefix_blocks`: the i-th arrival's prefix block ids (a Mooncake trace's `hash_ids`, one
         per `prefix_block_tokens` prompt tokens): every replica then keeps a prefix cache and a
-        request's hits are what it finds there rather than its arrival's cached tokens. Placement
-        stays load-only (it does not see the blocks)."""
+        request's hits are what it finds there rather than its arrival's cached tokens. The
+        `affinity` policy places by them (see the module's docstring); the others do not look."""
         self.config = config
         engine = config.engine
+        # The router sees prefixes in the trace's blocks: its block size is theirs.
+        self._prefix_routing = prefix_blocks is not None and config.policy == "affinity"
+        routing = config.routing
+        if self._prefix_routing:
+            routing = replace(routing if isinstance(routing, RoutingConfig) else RoutingConfig(),
+                              block_size=prefix_block_tokens)
         self.step_model = step_model or (
             FixedStepModel(engine.fixed_step_ms / 1000.0) if engine.fixed_step_ms is not None
             else roofline(engine.gpu, engine.tp, engine.preset)
@@ -159,7 +170,7 @@ class FastFleet:
         self.heap: list[tuple[float, int, int, object, int]] = []
         self._seq = 0
         self.rng = random.Random(config.seed)
-        self.placer, self.sampler = make_placement(config.policy, config.routing, engine.block_size,  # type: ignore[arg-type]
+        self.placer, self.sampler = make_placement(config.policy, routing, engine.block_size,  # type: ignore[arg-type]
                                                    self.clock, config.seed, sampler=config.fast_placement)
         self.registry = self.placer.registry
         self.admission = Admission(self.clock, config.admission_budget_s, config.admission_refresh_s)
@@ -396,7 +407,10 @@ class FastFleet:
             bucket.ttft.append(INF)
             self._window.rejected += 1
             return
-        worker_id = self._place(self._model, n_in)
+        if self._prefix_routing:
+            worker_id = self._place_prefix(n_in, req.blocks)
+        else:
+            worker_id = self._place(self._model, n_in)
         replica = self.serving.get(worker_id) if worker_id is not None else None
         if replica is None:
             self.shared.append(req)
@@ -406,15 +420,38 @@ class FastFleet:
         if replica.end <= t:
             self._catch_up(replica, t)
         end = replica.add(req, t)
+        if replica.cache_log:
+            self._publish_cache(replica)
         if end < INF and (not self._lazy or replica.draining):
             self._seq += 1
             heapq.heappush(self.heap, (end, self._seq, _SEGMENT, replica, replica.version))
+
+    def _place_prefix(self, prompt_tokens: int, blocks: tuple[int, ...] | None) -> str | None:
+        """The router's placement of a request with prefix blocks (its full ones are its hashes)."""
+        full = prompt_tokens // self._prefix_block_tokens
+        request = m.PlacementRequest(request_id="", model=self._model, prompt_tokens=prompt_tokens,
+                                     block_hashes=list(blocks[:full]) if blocks else [],
+                                     block_size=self._prefix_block_tokens)
+        reply = self.sampler.place(request) if self.sampler is not None else self.placer.place(request)
+        return reply.worker_id
+
+    def _publish_cache(self, replica: AnalyticReplica) -> None:
+        """The replica's prefix-cache changes into the router's index (its KV events)."""
+        index = self.registry.index
+        if replica.stored_blocks:
+            index.add(replica.name, replica.stored_blocks, self.now)
+            replica.stored_blocks = []
+        if replica.evicted_blocks:
+            index.remove(replica.name, replica.evicted_blocks)
+            replica.evicted_blocks = []
 
     def _dispatch(self, replica: AnalyticReplica, req: Req) -> None:
         now = self.now
         if replica.end <= now:
             self._catch_up(replica, now)
         end = replica.add(req, now)
+        if replica.cache_log:
+            self._publish_cache(replica)
         if end < INF and (not self._lazy or replica.draining):
             self._seq += 1
             heapq.heappush(self.heap, (end, self._seq, _SEGMENT, replica, replica.version))
@@ -616,6 +653,7 @@ class FastFleet:
             max_running=engine.max_running_requests, on_finish=self._on_finish, mixed=engine.mixed_chunk,
             prefix_block_tokens=self._prefix_block_tokens, page_tokens=engine.block_size,
         )
+        replica.cache_log = self._prefix_routing
         replica.t = self.now
         node = _Node(name, replica, cohort=self._next_id % self.config.report_cohorts)
         self._cohorts[node.cohort].append(node)

@@ -140,6 +140,9 @@ class Job:
     finish_s: float | None = None
     cached_tokens: int = 0  # engine-reported, all attempts
     dispatched_s: float = 0.0  # the current attempt entered an engine
+    # Prompt tokens the router expected cached where it placed this attempt (0 from the shared
+    # queue): the worker leaves them out of the queued prefill it reports.
+    expected_cached: int = 0
     status: Literal["pending", "completed", "failed", "rejected"] = "pending"
     error: str = ""
 
@@ -211,8 +214,19 @@ class Replica:
         return cache.capacity_tokens - cache.available_tokens()
 
     def queued_prefill(self) -> int:
+        """Prompt tokens taken and not prefilled, as the worker reports them: a request the engine
+        has not started counts its prompt less what the router expected cached (the engine matches
+        its prefix only when it schedules it)."""
         engine = self.engine
-        queued = sum(len(r.fill_ids) - r.computed for r in engine.waiting)
+        jobs = self.jobs
+        queued = 0
+        for request in engine.waiting:
+            left = len(request.fill_ids) - request.computed
+            if not request.computed:
+                job = jobs.get(request.rid)
+                if job is not None:
+                    left = max(0, left - job.expected_cached)
+            queued += left
         return queued + sum(len(r.fill_ids) - r.computed for r in engine.running if r.computed < len(r.fill_ids))
 
     @property
@@ -495,9 +509,11 @@ class FleetSim:
             self.shared_placements += 1
             self._to_shared(job)
         else:
+            job.expected_cached = reply.cached_blocks * self.block_size
             self._dispatch(replica, job, own=True)
 
     def _to_shared(self, job: Job) -> None:
+        job.expected_cached = 0
         self.shared.append(job)
         self._pull_shared()
 

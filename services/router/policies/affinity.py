@@ -3,6 +3,9 @@
     cost = (queued prefill tokens + miss_weight · prompt tokens not cached there
             + active_kv_weight · KV tokens its requests hold) / prefill rate
            + decode_weight · running / slots
+           + the worker's share of the fleet's recent traffic above the mean (a barrier at
+             share_limit, `registry.share_cost`): hot families' cached tokens are cheap to
+             serve one at a time but add up, and they keep coming back to the same worker
            + the adapter's part (adapter_slots.py): loading it, waiting for a free
              distinct-adapter batch slot, and spreading a hot adapter over several workers,
 
@@ -14,7 +17,8 @@ within one report interval, do not all land on one worker. A hot prefix spills t
 worker by itself: each placement adds its prefill to the chosen worker's queue until another
 worker, even without the prefix, becomes cheaper, and that worker then caches it too.
 
-The queued-prefill and load terms are the registry's `base_cost`, kept current on every event.
+The queued-prefill, load and share terms are the registry's `base_cost`, kept current on every event
+(the share's fleet mean on the registry's tick, `expire`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,13 @@ class AffinityPolicy(RegistryPolicy):
         matched = self.index.matched_blocks(hashes) if hashes else {}
         per_token = config.miss_weight / config.prefill_tokens_per_s
         prompt = request.prompt_tokens
-        if matched:
+        if matched and block_size * max(matched.values()) <= prompt:
+            # No worker holds more than the prompt (always, for hashes of this prompt): the miss
+            # is the whole prompt less a credit per cached block, with no floor to check.
+            get = matched.get
+            miss, credit = per_token * prompt, per_token * block_size
+            costs = [view.base_cost + miss - credit * get(view.worker_id, 0) for view in candidates]
+        elif matched:
             get = matched.get
             costs = [view.base_cost + per_token * max(0, prompt - block_size * get(view.worker_id, 0))
                      for view in candidates]
