@@ -445,6 +445,12 @@ class WorkerLoad(_Message):
     # Requests this worker holds per LoRA adapter ("" for the base model): the distinct adapters its
     # engine's batch needs, against the heartbeat's `max_adapters` slots.
     adapter_requests: dict[str, int] = {}
+    # LoRA adapter loads queued or in flight here (the engine loads one at a time): adapter →
+    # expected seconds until it is ready, its place in the queue included. A request for one of
+    # them waits that long; one for any other adapter not loaded waits for the whole queue plus
+    # `adapter_load_s`, this worker's expected seconds for one more load (0: not measured yet).
+    adapter_loads: dict[str, float] = {}
+    adapter_load_s: float = 0.0
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):

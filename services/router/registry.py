@@ -165,7 +165,8 @@ class WorkerRegistry:
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
         view.kv_used_tokens = load.kv_used_tokens
-        self.adapter_slots.on_load(load.worker_id, load.adapter_requests)
+        self.adapter_slots.on_load(load.worker_id, load.adapter_requests, load.adapter_loads, load.adapter_load_s,
+                                   view.adapters)
         self._refresh(view)
 
     def on_cache(self, event: m.CacheEvent) -> bool:
@@ -196,7 +197,7 @@ class WorkerRegistry:
         view = self.workers.get(placed.worker_id)
         if view is not None:
             self.count(view, placed.prefill_tokens, placed.block_hashes)
-            self.adapter_slots.on_placed(placed.worker_id, placed.adapter)
+            self.adapter_slots.on_placed(placed.worker_id, placed.adapter, view.adapters)
 
     def alive(self, view: WorkerView) -> bool:
         return self.clock() - view.last_seen <= self.config.heartbeat_ttl_s

@@ -139,6 +139,9 @@ class Router:
         CACHED_BLOCKS.inc(reply.cached_blocks)
         if request.adapter:
             self._spawn(self._preload(reply.worker_id, request.adapter))
+            warm = self.placer.warm_target(request)
+            if warm is not None:  # a hot adapter's next home: loaded before traffic moves there
+                self._spawn(self._preload(warm, request.adapter))
         placed = m.Placed(
             router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
             prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),

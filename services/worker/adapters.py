@@ -18,8 +18,10 @@ and then, since an implicit reload can evict without any answer to this worker.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -27,6 +29,7 @@ from inferbus import logs
 from proto import messages as m
 
 from . import release_check
+from .adapter_loads import LoadQueue
 from .engine import EngineClient, EngineError
 
 log = logs.get(__name__)
@@ -52,15 +55,31 @@ def adapter_requests(adapters: Iterable[str | None]) -> dict[str, int]:
     return counts
 
 
+def local_size(path: str) -> int | None:
+    """Bytes of a local adapter directory (or file); None for anything else (an object store's path)."""
+    try:
+        root = Path(path)
+        if root.is_file():
+            return root.stat().st_size
+        if not root.is_dir():
+            return None
+        return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file()) or None
+    except OSError:
+        return None
+
+
 class AdapterError(EngineError):
     def __init__(self, message: str) -> None:
         super().__init__(message, code="adapter_unavailable", retryable=False, status=503)
 
 
 class Adapters:
-    def __init__(self, engine: EngineClient, lookup: Callable[[str], Awaitable[m.AdapterSpec | None]]) -> None:
+    def __init__(self, engine: EngineClient, lookup: Callable[[str], Awaitable[m.AdapterSpec | None]],
+                 on_change: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
         self.lookup = lookup  # adapter name → registered spec
+        self.on_change = on_change  # the queue of loads changed: report it soon
+        self.queue = LoadQueue(time.monotonic)  # loads queued and in flight, for the routers' cost
         self.loaded: dict[str, m.AdapterSpec | None] = {}  # engine name → spec (None: adopted from the engine's list)
         self.evictions = 0
         self._verified: set[str] = set()  # verified on this engine process
@@ -76,9 +95,24 @@ class Adapters:
             return
         pending = self._loading.get(engine_name)
         if pending is None:
+            self.queue.enqueue(engine_name)
+            self.on_change()
             pending = self._loading[engine_name] = asyncio.ensure_future(self._load(engine_name))
-            pending.add_done_callback(lambda _: self._loading.pop(engine_name, None))
+            pending.add_done_callback(lambda _: self._loaded_or_failed(engine_name))
         await asyncio.shield(pending)
+
+    def _loaded_or_failed(self, engine_name: str) -> None:
+        self._loading.pop(engine_name, None)
+        self.queue.finish(engine_name, measured=False)  # a failed load (a success finished already)
+        self.on_change()
+
+    def pending_loads(self) -> dict[str, float]:
+        """Adapters queued or loading → expected seconds until each is ready (for the load report)."""
+        return self.queue.expected()
+
+    def one_load_s(self) -> float:
+        """Expected seconds of one more load here (0: none measured yet, the router's default applies)."""
+        return self.queue.mean_s or 0.0
 
     async def _load(self, engine_name: str) -> None:
         name = engine_name.rpartition("@")[0]
@@ -90,10 +124,14 @@ class Adapters:
         if mismatch is not None:
             log.error("adapter_digest_mismatch", adapter=engine_name, path=spec.path, problem=mismatch)
             raise AdapterError(f"adapter {spec.name} refused: {mismatch}")
+        size = await asyncio.to_thread(local_size, spec.path) if os.path.isabs(spec.path) else None
+        if size:
+            self.queue.enqueue(engine_name, size)  # keeps its place; the estimate now knows its size
         started = time.perf_counter()
         async with self._load_lock:  # one at a time: each answer's list of loaded adapters is then current
             if engine_name in self.loaded:
                 return
+            self.queue.start(engine_name)
             result = await self.engine.load_lora(engine_name, spec.path)
             listed = result.get("loaded_adapters")
             if not result.get("success", False) and engine_name not in (listed or {}):
@@ -110,6 +148,7 @@ class Adapters:
                 raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
             self._verified.add(engine_name)
             self.loaded[engine_name] = spec
+            self.queue.finish(engine_name)
             self._set_gauge()
         seconds = time.perf_counter() - started
         LOADS.labels("loaded").inc()
