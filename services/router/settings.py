@@ -18,7 +18,7 @@ class RouterSettings:
     prefill_tokens_per_s: float = env("INFERBUS_ROUTER_PREFILL_TOKENS_PER_S", 10_000.0, "A worker's prefill rate, turning queued prompt tokens into seconds of wait in the cost.")
     miss_weight: float = env("INFERBUS_ROUTER_MISS_WEIGHT", 5.0, "Weight of a request's uncached prompt tokens against queued ones: recomputing a prefix delays everything queued behind it too (about 1/(1-load)).")
     decode_weight_s: float = env("INFERBUS_ROUTER_DECODE_WEIGHT_S", 0.25, "Cost (seconds) of a worker whose every slot is busy decoding.")
-    adapter_load_s: float = env("INFERBUS_ROUTER_ADAPTER_LOAD_S", 0.5, "Cost (seconds) of a worker that must load the request's LoRA adapter first (and is not one of the adapter's homes).")
+    adapter_load_s: float = env("INFERBUS_ROUTER_ADAPTER_LOAD_S", 0.5, "Expected seconds of one LoRA adapter load on a worker that has not measured one yet (workers report their own, and their queued loads, which the placement cost counts).")
     adapter_slot_hold_s: float = env("INFERBUS_ROUTER_ADAPTER_SLOT_HOLD_S", 2.0, "Mean seconds a running request keeps its LoRA adapter's batch slot: the unit of the expected wait for a free distinct-adapter slot.")
     adapter_spread: float = env("INFERBUS_ROUTER_ADAPTER_SPREAD", 2.0, "Workers a hot LoRA adapter may run on per worker-equivalent of its traffic share (ceil(share x workers x this), at least 1).")
     index_blocks_per_worker: int = env("INFERBUS_ROUTER_INDEX_BLOCKS", 250_000, "Prefix blocks remembered per worker (LRU beyond this).")

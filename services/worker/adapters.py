@@ -11,7 +11,8 @@ The engine decides what stays loaded: SGLang with `--max-loaded-loras` unloads i
 used adapter when a load goes past the cap, and loads an evicted one again by itself when a
 request names it. This view follows the engine instead of guessing: every load answer lists what
 is loaded (adapters missing from it were evicted), loads are made one at a time so those lists
-arrive in order, and `resync` re-reads the engine's list (`/v1/models`) after a restart and now
+arrive in order (the engine makes them one at a time anyway; the queue and its expected times go
+into the load report, adapter_loads.py), and `resync` re-reads the engine's list (`/v1/models`) after a restart and now
 and then, since an implicit reload can evict without any answer to this worker.
 """
 
@@ -140,16 +141,17 @@ class Adapters:
                     f"engine could not load adapter {spec.name}: {result.get('error_message') or 'unknown error'}")
             if listed is not None:
                 self._follow(listed, engine_name)
-            problem = None if engine_name in self._verified else await self._verify(engine_name, result)
-            if problem is not None:
-                await self.engine.unload_lora(engine_name)
-                LOADS.labels("unverified").inc()
-                log.error("adapter_verification_failed", adapter=engine_name, path=spec.path, problem=problem)
-                raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
-            self._verified.add(engine_name)
-            self.loaded[engine_name] = spec
-            self.queue.finish(engine_name)
-            self._set_gauge()
+            self.queue.finish(engine_name)  # the engine is free for the next load
+        # Verified outside the lock: the probe waits for a batch step, and the next load need not.
+        problem = None if engine_name in self._verified else await self._verify(engine_name, result)
+        if problem is not None:
+            await self.engine.unload_lora(engine_name)
+            LOADS.labels("unverified").inc()
+            log.error("adapter_verification_failed", adapter=engine_name, path=spec.path, problem=problem)
+            raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
+        self._verified.add(engine_name)
+        self.loaded[engine_name] = spec
+        self._set_gauge()
         seconds = time.perf_counter() - started
         LOADS.labels("loaded").inc()
         LOAD_SECONDS.observe(seconds)
