@@ -515,6 +515,7 @@ class SimEngineServer:
                 "max_loras_per_batch": config.max_loras_per_batch,
                 "max_loaded_loras": config.max_loaded_loras,
                 "lora_eviction_policy": config.lora_eviction_policy,
+                "enable_lora_overlap_loading": config.lora_overlap_loading,
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
                 "enable_mixed_chunk": config.mixed_chunk,
