@@ -321,7 +321,8 @@ def markdown(results: dict[str, Any]) -> str:
         "# LoRA adapters at the tail (`make bench-lora`)", "",
         f"{inputs['workers']} simulated H100 TP2 workers, {inputs['tenants']} tenants, Zipf(1) adapter popularity, "
         f"prompts {PROMPT_LOW}-{PROMPT_HIGH} tokens, {OUTPUT_TOKENS} output tokens, streamed, engines with "
-        f"--max-loras-per-batch {inputs['slots']}. Rate {inputs['rate_rps']:.1f} req/s (engine time) = "
+        f"--max-loras-per-batch {inputs['slots']}"
+        f"{' --enable-lora-overlap-loading' if inputs.get('overlap_loading') else ''}. Rate {inputs['rate_rps']:.1f} req/s (engine time) = "
         f"{inputs['share']:.0%} of {inputs['capacity_rps']:.1f} req/s, what the workers hold on the base model at "
         f"the SLO (the planner's goodput is {inputs['goodput_rps']:.2f} req/s per worker); "
         f"{inputs['seconds']:.0f} engine-seconds per run at time scale {inputs['time_scale']:g} "
@@ -377,6 +378,8 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.8, help="the rate as a share of that capacity")
     parser.add_argument("--slots", type=int, default=32,
                         help="the engines' --max-loras-per-batch (distinct adapters per batch, base model included)")
+    parser.add_argument("--overlap-loading", action=argparse.BooleanOptionalAction, default=True,
+                        help="engines copy adapters into GPU slots beside the steps (SGLang's --enable-lora-overlap-loading)")
     parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23)
@@ -389,12 +392,12 @@ def main() -> None:
     results: dict[str, Any] = {"inputs": {
         "workers": args.workers, "tenants": args.tenants, "adapters": args.adapters,
         "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
-        "capacity_rps": capacity, "slots": args.slots,
+        "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
         "rate_rps": rate, "seconds": args.seconds, "time_scale": args.time_scale, "seed": args.seed,
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
     }}
     print(f"rate {rate:.1f} req/s engine time ({rate / args.time_scale:.2f} wall)", flush=True)
-    slots = ["--max-loras-per-batch", str(args.slots)]
+    slots = ["--max-loras-per-batch", str(args.slots)] + (["--enable-lora-overlap-loading"] if args.overlap_loading else [])
     results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
                                   warm_ranks=args.adapters, rate=rate)
     results["verdicts"] = verdicts(results)
