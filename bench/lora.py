@@ -16,7 +16,10 @@ whose adapter finds no slot is skipped by the scheduler while adapters already i
 admitting theirs (SGLang 0.5.23 does the same; its `--lora-drain-wait-threshold` is off by
 default). Measured at 58.5 req/s with 8 slots: adapter TTFT p50/p90/p99 402/8,986/12,071 ms
 against the base model's 171/856/1,569 ms. Slots cost HBM (414 MB each at rank 16 on a 70B),
-which the simulated engine does not take out of its KV cache.
+which the simulated engine does not take out of its KV cache. The engines also copy adapters into
+GPU slots beside the steps (`--overlap-loading`, SGLang's `--enable-lora-overlap-loading`): with
+SGLang's default every step that needs an adapter copied in waits ~67 ms for it, and with ~50
+adapters per engine against 31 adapter slots that happens several times a second.
 
 The engines run `--time-scale` wall seconds per simulated second (default 10: a 2-core machine
 shared with other work cannot carry the platform at full speed), arrivals are slowed by the same
