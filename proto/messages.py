@@ -451,6 +451,7 @@ class WorkerLoad(_Message):
     # `adapter_load_s`, this worker's expected seconds for one more load (0: not measured yet).
     adapter_loads: dict[str, float] = {}
     adapter_load_s: float = 0.0
+    adapter_prefetches: int = 0  # prefetches into host memory queued or loading here (not in adapter_loads until they start)
 
 
 class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -574,6 +575,9 @@ class ControlCommand(_Message):
     action: Literal["drain", "resume", "load_adapter", "unload_adapter", "resync_cache", "promote", "demote"]
     adapter: str | None = None
     adapter_path: str | None = None
+    # load_adapter: a prefetch into host memory, made only while no load a request waits for is
+    # queued there (router/adapter_prefetch.py); it becomes one if a request asks for the adapter.
+    background: bool = False
 
 
 class ScaleDecision(_Message):

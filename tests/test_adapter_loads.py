@@ -54,7 +54,7 @@ def test_the_expected_time_of_a_load_follows_the_adapters_size_once_one_of_known
     assert queue.one_load_s(800_000_000) == pytest.approx(2.0)
     assert queue.one_load_s(None) == pytest.approx(0.25)  # unknown size: the mean load
     queue.enqueue("big")
-    queue.enqueue("big", 800_000_000)  # its size learned after it was queued
+    queue.set_size("big", 800_000_000)  # its size learned after it was queued
     assert queue.expected() == pytest.approx({"big": 2.0})
 
 
@@ -83,7 +83,9 @@ async def test_the_worker_reports_its_queued_loads_until_each_is_loaded() -> Non
 
     engine = SlowEngine()
     changes: list[int] = []
-    adapters = Adapters(engine, lookup, on_change=lambda: changes.append(1))  # type: ignore[arg-type]
+    answered: list[int] = []  # the engine answering loads is progress, not a hung GPU
+    adapters = Adapters(engine, lookup, on_change=lambda: changes.append(1),  # type: ignore[arg-type]
+                        on_progress=lambda: answered.append(1))
     a, b = known["a"].engine_name, known["b"].engine_name
     first = asyncio.ensure_future(adapters.ensure(a))
     second = asyncio.ensure_future(adapters.ensure(b))
@@ -93,10 +95,58 @@ async def test_the_worker_reports_its_queued_loads_until_each_is_loaded() -> Non
     assert adapters.one_load_s() == 0.0 and changes  # nothing measured yet; the report was asked for
     engine.release.setdefault(a, asyncio.Event()).set()
     await first
-    assert list(adapters.pending_loads()) == [b] and adapters.one_load_s() > 0.0
+    assert list(adapters.pending_loads()) == [b] and adapters.one_load_s() > 0.0 and answered == [1]
     engine.release.setdefault(b, asyncio.Event()).set()
     await second
     assert adapters.pending_loads() == {} and adapters.names() == sorted([a, b])
     with pytest.raises(AdapterError):
         await adapters.ensure("nope@0123456789ab")  # not registered: fails and leaves no queued load
     assert adapters.pending_loads() == {}
+
+
+def test_prefetches_load_after_every_load_a_request_waits_for() -> None:
+    clock = Clock()
+    queue = LoadQueue(clock, default_s=0.5)
+    queue.enqueue("pre-1", background=True)
+    queue.enqueue("pre-2", background=True)
+    queue.enqueue("wanted")
+    assert queue.next_up() == "wanted" and queue.prefetches() == 2
+    assert queue.expected() == pytest.approx({"wanted": 0.5})  # nobody waits for a queued prefetch
+    queue.enqueue("pre-2")  # a request asks for a queued prefetch: it goes ahead of the other
+    assert [q.name for q in queue.in_turn()] == ["wanted", "pre-2", "pre-1"]
+    queue.start("wanted")
+    queue.finish("wanted")
+    queue.start("pre-2")
+    queue.finish("pre-2")
+    queue.start("pre-1")
+    assert queue.prefetches() == 1 and "pre-1" in queue.expected()  # in flight: it does delay the next load
+
+
+async def test_a_worker_loads_what_requests_wait_for_before_its_prefetches() -> None:
+    known = {name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "ef" * 32, path=f"s3://{name}", created=0)
+             for name in ("busy", "pre", "wanted")}
+
+    async def lookup(name: str) -> m.AdapterSpec | None:
+        return known.get(name)
+
+    engine = SlowEngine()
+    order: list[str] = []
+    load = engine.load_lora
+
+    async def recording_load(name: str, path: str) -> dict:
+        order.append(name.partition("@")[0])
+        return await load(name, path)
+
+    engine.load_lora = recording_load  # type: ignore[method-assign]
+    adapters = Adapters(engine, lookup)  # type: ignore[arg-type]
+    busy, pre, wanted = (known[n].engine_name for n in ("busy", "pre", "wanted"))
+    first = asyncio.ensure_future(adapters.ensure(busy))
+    await asyncio.sleep(0.02)  # the engine is loading `busy`
+    prefetch = asyncio.ensure_future(adapters.ensure(pre, background=True))
+    request = asyncio.ensure_future(adapters.ensure(wanted))
+    await asyncio.sleep(0.02)
+    assert adapters.prefetches() == 1 and list(adapters.pending_loads()) == [busy, wanted]
+    for name in (busy, wanted, pre):
+        engine.release.setdefault(name, asyncio.Event()).set()
+    await asyncio.gather(first, prefetch, request)
+    assert order == ["busy", "wanted", "pre"] and adapters.prefetches() == 0

@@ -33,7 +33,9 @@ class WorkerView:
     draining: bool = False
     block_size: int = 0
     max_adapters: int = 0
+    max_loaded_adapters: int = 0  # its engine's cap on adapters in host memory (0: none)
     adapters: frozenset[str] = frozenset()
+    adapter_prefetches: int = 0  # adapter prefetches queued or loading there at the last report
     release: str = ""  # the release the worker verified it serves ("" unpinned)
     zone: str = ""
     reported_load: int = 0  # running + waiting in the engine at the last report
@@ -125,6 +127,7 @@ class WorkerRegistry:
         view.draining = beat.state != "ready"  # draining, or its engine is down ("starting"): place nothing there
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
+        view.max_loaded_adapters = beat.max_loaded_adapters
         view.adapters = frozenset(beat.adapters)
         view.release = beat.release
         view.zone = beat.zone
@@ -163,6 +166,7 @@ class WorkerRegistry:
         view.pulled_own = load.pulled_own
         view.draining = load.draining
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
+        view.adapter_prefetches = load.adapter_prefetches
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
         view.kv_used_tokens = load.kv_used_tokens
         self.adapter_slots.on_load(load.worker_id, load.adapter_requests, load.adapter_loads, load.adapter_load_s,

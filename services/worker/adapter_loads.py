@@ -27,6 +27,7 @@ EWMA_WEIGHT = 0.3  # of the latest measured load in the running means
 class _Queued:
     name: str
     size_bytes: int | None
+    background: bool = False  # a prefetch: loaded only when no other load is queued
 
 
 @dataclass
@@ -39,14 +40,33 @@ class LoadQueue:
     mean_s: float | None = None  # seconds per load, measured
     bytes_per_s: float | None = None  # for adapters of known size, measured
 
-    def enqueue(self, name: str, size_bytes: int | None = None) -> None:
-        """Queue a load of `name` (already queued: it keeps its place, and learns its size if given)."""
+    def enqueue(self, name: str, size_bytes: int | None = None, background: bool = False) -> None:
+        """Queue a load of `name` (already queued: it keeps its place, learns its size if given, and
+        a prefetch asked for by a request is one no longer)."""
         for entry in self.queued:
             if entry.name == name:
                 entry.size_bytes = size_bytes or entry.size_bytes
+                if entry.background and not background:  # behind the loads requests asked for before
+                    entry.background = False
+                    self.queued.remove(entry)
+                    self.queued.append(entry)
                 return
         if self.current is None or self.current.name != name:
-            self.queued.append(_Queued(name, size_bytes))
+            self.queued.append(_Queued(name, size_bytes, background))
+
+    def set_size(self, name: str, size_bytes: int) -> None:
+        for entry in self.queued:
+            if entry.name == name:
+                entry.size_bytes = size_bytes
+
+    def in_turn(self) -> list[_Queued]:
+        """The queue in the order loads start: those requests wait for first, then prefetches."""
+        return [q for q in self.queued if not q.background] + [q for q in self.queued if q.background]
+
+    def next_up(self) -> str | None:
+        """Whose load starts when the engine is free."""
+        order = self.in_turn()
+        return order[0].name if order else None
 
     def start(self, name: str) -> None:
         """The engine starts loading `name` now (it leaves the queue, wherever it stood)."""
@@ -77,7 +97,8 @@ class LoadQueue:
         return self.mean_s if self.mean_s is not None else self.default_s
 
     def expected(self) -> dict[str, float]:
-        """Adapter → expected seconds until it is loaded, the loads ahead of it included."""
+        """Adapter → expected seconds until it is loaded, the loads ahead of it included; queued
+        prefetches are left out (nobody waits for them, and a request would go ahead of them)."""
         out: dict[str, float] = {}
         ahead = 0.0
         if self.current is not None:
@@ -86,9 +107,14 @@ class LoadQueue:
             ahead = max(self.one_load_s(self.current.size_bytes) - elapsed, 0.1 * self.one_load_s(self.current.size_bytes))
             out[self.current.name] = round(ahead, 4)
         for entry in self.queued:
-            ahead += self.one_load_s(entry.size_bytes)
-            out[entry.name] = round(ahead, 4)
+            if not entry.background:
+                ahead += self.one_load_s(entry.size_bytes)
+                out[entry.name] = round(ahead, 4)
         return out
+
+    def prefetches(self) -> int:
+        """Prefetches queued or in flight."""
+        return sum(q.background for q in self.queued) + int(self.current is not None and self.current.background)
 
     def backlog_s(self) -> float:
         """Seconds until every queued load is done."""

@@ -79,7 +79,8 @@ class Worker:
         self.background = Background()  # usage and stream publishes in flight
         self.events = EventSender(nc, self.background)
         self.cancels = CancelMemory(time.monotonic)
-        self.adapters = Adapters(engine, self._lookup_adapter, on_change=lambda: self.load_changed.set())
+        self.adapters = Adapters(engine, self._lookup_adapter, on_change=lambda: self.load_changed.set(),
+                                 on_progress=lambda: self.gpu.progress())
         self.health = EngineHealth(time.monotonic)
         self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=settings.engine_hang_after_s,
                                     down_after_s=settings.engine_dead_after_s, max_errors=settings.engine_max_errors)
@@ -392,15 +393,15 @@ class Worker:
             await self.cache_relay.publish_snapshot()
         elif command.action == "load_adapter" and command.adapter:
             # In the background: a load takes a while, and other commands (a drain) must not wait for it.
-            task = asyncio.ensure_future(self._preload_adapter(command.adapter))
+            task = asyncio.ensure_future(self._preload_adapter(command.adapter, command.background))
             self._preloads.add(task)
             task.add_done_callback(self._preloads.discard)
         elif command.action == "unload_adapter" and command.adapter:
             await self.adapters.unload(command.adapter)
 
-    async def _preload_adapter(self, engine_name: str) -> None:
+    async def _preload_adapter(self, engine_name: str, background: bool) -> None:
         try:
-            await self.adapters.ensure(engine_name)
+            await self.adapters.ensure(engine_name, background=background)
         except EngineError as error:
             log.warning("adapter_preload_failed", adapter=engine_name, error=str(error))
 
