@@ -27,8 +27,11 @@ factor, and every latency is reported in engine seconds (wall ÷ time scale), so
 own CPU delays shrink by that factor too; the comparison between runs is what counts.
 
 Before the 200-adapter run every adapter gets one request (the engines load them; a steady state,
-not a cold start); the 1,000-adapter run warms its 100 most popular only, so its tail loads and
-evicts while measured. Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
+not a cold start); the 1,000-adapter run warms its 100 most popular only, then (`--settle`, the
+default) waits while the routers prefetch registered adapters into the engines' host memory up to
+their cap (`INFERBUS_ROUTER_ADAPTER_PREFETCH`: 4 × 200 of the 1,000 fit), as a platform whose
+adapters were registered before their traffic would be; the rest of the tail loads from disk and
+evicts while measured (`--no-settle`: the whole tail does). Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
 top 10, middle: 11-50, tail: the rest), requests, errors, requests and adapter loads/evictions
 per worker (the gateway's access log and the workers' `adapter_loaded`/`adapter_evicted` lines),
 and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
@@ -241,6 +244,23 @@ async def warm(platform: Platform, ranks: list[int], tenants: int, concurrency: 
     return errors
 
 
+def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: float) -> dict[str, Any]:
+    """Wait while the routers prefetch registered adapters into the engines' host memory: until every
+    worker holds `cap` adapters, or no load for `quiet_s` wall seconds, or `max_s` have passed."""
+    since = time.time()
+    begin = last_change = time.perf_counter()
+    count, holding = -1, [0] * workers
+    while True:
+        lines = [platform.log_events(f"worker-{i}", "adapter_loaded", since) for i in range(1, workers + 1)]
+        now = time.perf_counter()
+        if sum(map(len, lines)) != count:
+            count, last_change = sum(map(len, lines)), now
+        holding = [int(x[-1].get("loaded", 0)) if x else h for x, h in zip(lines, holding)]
+        if all(h >= cap for h in holding) or now - last_change >= quiet_s or now - begin >= max_s:
+            return {"wall_s": now - begin, "loads": count, "loaded_per_worker": holding}
+        time.sleep(5)
+
+
 def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
     ok = [r for r in records if r["error"] is None and "ttft_s" in r]
     errors = [r["error"] for r in records if r["error"] is not None]
@@ -271,7 +291,7 @@ def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, s
 
 
 def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], runs: list[tuple[str, bool]],
-              warm_ranks: int, rate: float) -> dict[str, Any]:
+              warm_ranks: int, rate: float, cap: int = 0) -> dict[str, Any]:
     platform = Platform(args.workers, args.time_scale, engine_args)
     print(f"starting {args.workers} workers ({' '.join(engine_args) or 'no engine flags'}) for {adapters} adapters",
           flush=True)
@@ -286,6 +306,10 @@ def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], r
                          "loads": sum(len(platform.log_events(f"worker-{i}", "adapter_loaded", warm_started))
                                       for i in range(1, args.workers + 1))}
         print(f"  warmed {warm_ranks} adapters in {out['warmup']['wall_s']:.0f} s", flush=True)
+        if cap and getattr(args, "settle", False):
+            out["prefetch"] = settle(platform, args.workers, cap, quiet_s=30.0, max_s=args.settle_max)
+            print(f"  prefetched {out['prefetch']['loads']} adapters in {out['prefetch']['wall_s']:.0f} s, "
+                  f"holding {out['prefetch']['loaded_per_worker']}", flush=True)
         plan = arrivals(rate, args.seconds, adapters, args.seed)
         for name, base_only in runs:
             since = time.time()
@@ -362,7 +386,11 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "Warm-up and registration: " + "; ".join(
         f"{results[k]['adapters']} adapters registered in bulk in {results[k]['registration_s']:.1f} s, "
         f"{results[k]['warmup']['adapters']} warmed ({results[k]['warmup']['loads']} loads, "
-        f"{results[k]['warmup']['wall_s']:.0f} s wall)" for k in ("at_200", "at_1000") if k in results), "",
+        f"{results[k]['warmup']['wall_s']:.0f} s wall)"
+        + (f", then {results[k]['prefetch']['loads']} prefetched into host memory by the routers in "
+           f"{results[k]['prefetch']['wall_s']:.0f} s wall (adapters loaded per worker after it: "
+           f"{' / '.join(map(str, results[k]['prefetch']['loaded_per_worker']))})" if "prefetch" in results[k] else "")
+        for k in ("at_200", "at_1000") if k in results), "",
               "| run | target | measured | met |", "| --- | --- | --- | --- |"]
     lines += [f"| {v['run']} | {v['target']} | {v['value']} | {'yes' if v['met'] else '**no**'} |"
               for v in results["verdicts"]]
@@ -383,6 +411,10 @@ def main() -> None:
                         help="the engines' --max-loras-per-batch (distinct adapters per batch, base model included)")
     parser.add_argument("--overlap-loading", action=argparse.BooleanOptionalAction, default=True,
                         help="engines copy adapters into GPU slots beside the steps (SGLang's --enable-lora-overlap-loading)")
+    parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=True,
+                        help="before measuring the capped scenario, wait while the routers prefetch adapters into "
+                             "the engines' host memory (up to the cap)")
+    parser.add_argument("--settle-max", type=float, default=1200.0, help="at most this many wall seconds of it")
     parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23)
@@ -396,7 +428,7 @@ def main() -> None:
         "workers": args.workers, "tenants": args.tenants, "adapters": args.adapters,
         "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
         "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
-        "rate_rps": rate, "seconds": args.seconds, "time_scale": args.time_scale, "seed": args.seed,
+        "rate_rps": rate, "seconds": args.seconds, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
     }}
     print(f"rate {rate:.1f} req/s engine time ({rate / args.time_scale:.2f} wall)", flush=True)
@@ -407,7 +439,8 @@ def main() -> None:
     write_results(args.out, "lora", results, markdown)  # kept if the second scenario fails
     if args.many_adapters:
         results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap)],
-                                       [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate)
+                                       [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate,
+                                       cap=args.cap)
         results["verdicts"] = verdicts(results)
         write_results(args.out, "lora", results, markdown)
 
