@@ -61,6 +61,7 @@ def test_a_hot_adapter_opens_more_homes_as_its_share_grows_and_releases_them_whe
         for _ in range(2):
             slots.observe(None)
     assert slots.wanted_homes("hot", 4) == 3
+    assert AdapterSlots(clock).wanted_homes("hot", 4) == 1  # without traffic seen, no share to go by
     slots.on_placed("w1", "hot")
     # Homes open: other workers cost no `away_s`, only the load they would wait for.
     load = slots.config.load_s

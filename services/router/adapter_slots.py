@@ -30,7 +30,8 @@ plus one load (`load_s` before the worker has measured one).
 
 **Homes.** Each adapter has a set of workers it is meant to run on. Its size follows the adapter's
 share of recent placements (an exponentially decayed count, half-life `share_half_life_s`):
-`ceil(share · workers · spread)`, at least one. While the set is smaller than that, any worker may
+`ceil(share · workers · spread)`, at least one (one while fewer than `MIN_PLACEMENTS` requests
+were seen recently). While the set is smaller than that, any worker may
 join it without the `away_s` penalty, and every worker a request is placed on joins. Traffic does
 not move to a worker before the adapter is loaded there (it would wait for the load): while the
 homes take newcomers and no other worker holds or is loading the adapter, `warm_target` names
@@ -174,6 +175,8 @@ class AdapterSlots:
         return self._decayed(entry, now) / total if entry is not None and total > 0 else 0.0
 
     def wanted_homes(self, adapter: str, workers: int) -> int:
+        if self._decayed(self._total, self.clock()) < MIN_PLACEMENTS:
+            return 1  # a handful of requests tell no share: not worth loading it elsewhere
         return max(1, min(workers, math.ceil(self.share(adapter) * workers * self.config.spread - 1e-9)))
 
     def costs(self, adapter: str | None, workers: list[tuple[str, int, frozenset[str]]]) -> list[float]:
