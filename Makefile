@@ -15,7 +15,7 @@ help:
 	@echo "make bench-routing  replay two Mooncake traces through sglang-router, Dynamo (KV, round-robin) and inferbus affinity (~15 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing*.* and simulate_vs_dynamo.*"
 	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
-	@echo "make bench-lora  200 and 1,000 LoRA adapters (Zipf) against the base model on 4 simulated workers (~15 min); writes bench/results/lora.*"
+	@echo "make bench-lora  200 and 1,000 LoRA adapters (Zipf) against the base model on 4 simulated workers (~30 min); writes bench/results/lora.*"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make clean  remove the virtualenv and local state"
 

@@ -16,7 +16,10 @@ whose adapter finds no slot is skipped by the scheduler while adapters already i
 admitting theirs (SGLang 0.5.23 does the same; its `--lora-drain-wait-threshold` is off by
 default). Measured at 58.5 req/s with 8 slots: adapter TTFT p50/p90/p99 402/8,986/12,071 ms
 against the base model's 171/856/1,569 ms. Slots cost HBM (414 MB each at rank 16 on a 70B),
-which the simulated engine does not take out of its KV cache.
+which the simulated engine does not take out of its KV cache. The engines also copy adapters into
+GPU slots beside the steps (`--overlap-loading`, SGLang's `--enable-lora-overlap-loading`): with
+SGLang's default every step that needs an adapter copied in waits ~67 ms for it, and with ~50
+adapters per engine against 31 adapter slots that happens several times a second.
 
 The engines run `--time-scale` wall seconds per simulated second (default 10: a 2-core machine
 shared with other work cannot carry the platform at full speed), arrivals are slowed by the same
@@ -24,8 +27,12 @@ factor, and every latency is reported in engine seconds (wall ÷ time scale), so
 own CPU delays shrink by that factor too; the comparison between runs is what counts.
 
 Before the 200-adapter run every adapter gets one request (the engines load them; a steady state,
-not a cold start); the 1,000-adapter run warms its 100 most popular only, so its tail loads and
-evicts while measured. Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
+not a cold start). The 1,000-adapter run first (`--settle`, the default) waits while the routers
+prefetch registered adapters into the engines' host memory up to their cap
+(`INFERBUS_ROUTER_ADAPTER_PREFETCH`: 4 × 200 of the 1,000 fit), as a platform whose adapters were
+registered before their traffic would, then warms its 100 most popular (their recent traffic: in
+the engines' least-recently-used order they come after the prefetched ones); the rest of the tail
+loads from disk and evicts while measured (`--no-settle`: the whole tail does). Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
 top 10, middle: 11-50, tail: the rest), requests, errors, requests and adapter loads/evictions
 per worker (the gateway's access log and the workers' `adapter_loaded`/`adapter_evicted` lines),
 and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
@@ -238,6 +245,23 @@ async def warm(platform: Platform, ranks: list[int], tenants: int, concurrency: 
     return errors
 
 
+def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: float) -> dict[str, Any]:
+    """Wait while the routers prefetch registered adapters into the engines' host memory: until every
+    worker holds `cap` adapters, or no load for `quiet_s` wall seconds, or `max_s` have passed."""
+    since = time.time()
+    begin = last_change = time.perf_counter()
+    count, holding = -1, [0] * workers
+    while True:
+        lines = [platform.log_events(f"worker-{i}", "adapter_loaded", since) for i in range(1, workers + 1)]
+        now = time.perf_counter()
+        if sum(map(len, lines)) != count:
+            count, last_change = sum(map(len, lines)), now
+        holding = [int(x[-1].get("loaded", 0)) if x else h for x, h in zip(lines, holding)]
+        if all(h >= cap for h in holding) or now - last_change >= quiet_s or now - begin >= max_s:
+            return {"wall_s": now - begin, "loads": count, "loaded_per_worker": holding}
+        time.sleep(5)
+
+
 def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
     ok = [r for r in records if r["error"] is None and "ttft_s" in r]
     errors = [r["error"] for r in records if r["error"] is not None]
@@ -268,7 +292,7 @@ def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, s
 
 
 def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], runs: list[tuple[str, bool]],
-              warm_ranks: int, rate: float) -> dict[str, Any]:
+              warm_ranks: int, rate: float, cap: int = 0) -> dict[str, Any]:
     platform = Platform(args.workers, args.time_scale, engine_args)
     print(f"starting {args.workers} workers ({' '.join(engine_args) or 'no engine flags'}) for {adapters} adapters",
           flush=True)
@@ -276,6 +300,13 @@ def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], r
     out: dict[str, Any] = {"adapters": adapters, "engine_args": engine_args}
     try:
         out["registration_s"] = platform.setup(args.tenants, adapters)
+        if cap and getattr(args, "settle", False):
+            # The time between registration and traffic: the routers prefetch adapters into the
+            # engines' host memory meanwhile. Then the warm-up stands for the recent traffic, which
+            # a live platform's popular adapters have had since (and the engines' LRU order shows).
+            out["prefetch"] = settle(platform, args.workers, cap, quiet_s=30.0, max_s=args.settle_max)
+            print(f"  prefetched {out['prefetch']['loads']} adapters in {out['prefetch']['wall_s']:.0f} s, "
+                  f"holding {out['prefetch']['loaded_per_worker']}", flush=True)
         warm_started = time.time()
         begin = time.perf_counter()
         out["warmup_errors"] = asyncio.run(warm(platform, list(range(1, warm_ranks + 1)), args.tenants))
@@ -321,7 +352,8 @@ def markdown(results: dict[str, Any]) -> str:
         "# LoRA adapters at the tail (`make bench-lora`)", "",
         f"{inputs['workers']} simulated H100 TP2 workers, {inputs['tenants']} tenants, Zipf(1) adapter popularity, "
         f"prompts {PROMPT_LOW}-{PROMPT_HIGH} tokens, {OUTPUT_TOKENS} output tokens, streamed, engines with "
-        f"--max-loras-per-batch {inputs['slots']}. Rate {inputs['rate_rps']:.1f} req/s (engine time) = "
+        f"--max-loras-per-batch {inputs['slots']}"
+        f"{' --enable-lora-overlap-loading' if inputs.get('overlap_loading') else ''}. Rate {inputs['rate_rps']:.1f} req/s (engine time) = "
         f"{inputs['share']:.0%} of {inputs['capacity_rps']:.1f} req/s, what the workers hold on the base model at "
         f"the SLO (the planner's goodput is {inputs['goodput_rps']:.2f} req/s per worker); "
         f"{inputs['seconds']:.0f} engine-seconds per run at time scale {inputs['time_scale']:g} "
@@ -358,7 +390,11 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["", "Warm-up and registration: " + "; ".join(
         f"{results[k]['adapters']} adapters registered in bulk in {results[k]['registration_s']:.1f} s, "
         f"{results[k]['warmup']['adapters']} warmed ({results[k]['warmup']['loads']} loads, "
-        f"{results[k]['warmup']['wall_s']:.0f} s wall)" for k in ("at_200", "at_1000") if k in results), "",
+        f"{results[k]['warmup']['wall_s']:.0f} s wall)"
+        + (f", after {results[k]['prefetch']['loads']} were prefetched into host memory by the routers in "
+           f"{results[k]['prefetch']['wall_s']:.0f} s wall (adapters loaded per worker then: "
+           f"{' / '.join(map(str, results[k]['prefetch']['loaded_per_worker']))})" if "prefetch" in results[k] else "")
+        for k in ("at_200", "at_1000") if k in results), "",
               "| run | target | measured | met |", "| --- | --- | --- | --- |"]
     lines += [f"| {v['run']} | {v['target']} | {v['value']} | {'yes' if v['met'] else '**no**'} |"
               for v in results["verdicts"]]
@@ -377,6 +413,12 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.8, help="the rate as a share of that capacity")
     parser.add_argument("--slots", type=int, default=32,
                         help="the engines' --max-loras-per-batch (distinct adapters per batch, base model included)")
+    parser.add_argument("--overlap-loading", action=argparse.BooleanOptionalAction, default=True,
+                        help="engines copy adapters into GPU slots beside the steps (SGLang's --enable-lora-overlap-loading)")
+    parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=True,
+                        help="before measuring the capped scenario, wait while the routers prefetch adapters into "
+                             "the engines' host memory (up to the cap)")
+    parser.add_argument("--settle-max", type=float, default=1200.0, help="at most this many wall seconds of it")
     parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23)
@@ -389,19 +431,20 @@ def main() -> None:
     results: dict[str, Any] = {"inputs": {
         "workers": args.workers, "tenants": args.tenants, "adapters": args.adapters,
         "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
-        "capacity_rps": capacity, "slots": args.slots,
-        "rate_rps": rate, "seconds": args.seconds, "time_scale": args.time_scale, "seed": args.seed,
+        "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
+        "rate_rps": rate, "seconds": args.seconds, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
     }}
     print(f"rate {rate:.1f} req/s engine time ({rate / args.time_scale:.2f} wall)", flush=True)
-    slots = ["--max-loras-per-batch", str(args.slots)]
+    slots = ["--max-loras-per-batch", str(args.slots)] + (["--enable-lora-overlap-loading"] if args.overlap_loading else [])
     results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
                                   warm_ranks=args.adapters, rate=rate)
     results["verdicts"] = verdicts(results)
     write_results(args.out, "lora", results, markdown)  # kept if the second scenario fails
     if args.many_adapters:
         results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap)],
-                                       [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate)
+                                       [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate,
+                                       cap=args.cap)
         results["verdicts"] = verdicts(results)
         write_results(args.out, "lora", results, markdown)
 

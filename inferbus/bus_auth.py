@@ -168,6 +168,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.placed_wildcard(), subjects.control_wildcard(),
                 subjects.shared_request_wildcard(),  # a dead worker's queue, moved to the shared one
                 *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
+                *_kv_read(subjects.ADAPTERS_BUCKET),  # registered adapters, to prefetch them
                 # The canary controller: rollouts (compare-and-set) and its decisions; an adapter
                 # canary's end settles the adapter's registration.
                 *_kv_write(subjects.MODELS_BUCKET, "rollout.>"), subjects.release_wildcard(),

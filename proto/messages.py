@@ -460,6 +460,13 @@ class WorkerLoad(_Message):
     # Requests this worker holds per LoRA adapter ("" for the base model): the distinct adapters its
     # engine's batch needs, against the heartbeat's `max_adapters` slots.
     adapter_requests: dict[str, int] = {}
+    # LoRA adapter loads queued or in flight here (the engine loads one at a time): adapter →
+    # expected seconds until it is ready, its place in the queue included. A request for one of
+    # them waits that long; one for any other adapter not loaded waits for the whole queue plus
+    # `adapter_load_s`, this worker's expected seconds for one more load (0: not measured yet).
+    adapter_loads: dict[str, float] = {}
+    adapter_load_s: float = 0.0
+    adapter_prefetches: int = 0  # prefetches into host memory queued or loading here (not in adapter_loads until they start)
     # Per adapter engine name (a version), for requests of adapters with a canary running
     # (`InferenceRequest.adapter_canary`): cumulative histograms and outcomes, as above.
     adapter_outcomes: dict[str, AdapterOutcomes] = {}
@@ -618,6 +625,9 @@ class ControlCommand(_Message):
     action: Literal["drain", "resume", "load_adapter", "unload_adapter", "resync_cache", "promote", "demote"]
     adapter: str | None = None
     adapter_path: str | None = None
+    # load_adapter: a prefetch into host memory, made only while no load a request waits for is
+    # queued there (router/adapter_prefetch.py); it becomes one if a request asks for the adapter.
+    background: bool = False
 
 
 class ScaleDecision(_Message):

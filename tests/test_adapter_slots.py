@@ -45,10 +45,11 @@ def test_an_adapter_goes_where_it_is_loaded_and_a_tail_adapter_keeps_one_home() 
         slots.observe(None)  # mostly base-model traffic
     slots.observe("tail")
     pool = workers("w1", "w2", "w3", "w4", loaded={"w2": {"tail"}})
+    cold = slots.config.away_s + slots.config.load_s  # not a home, and a load first
     costs = slots.costs("tail", pool)
-    assert costs.index(min(costs)) == 1 and costs[0] == slots.config.load_s
+    assert costs.index(min(costs)) == 1 and costs[0] == pytest.approx(cold)
     slots.on_placed("w2", "tail")
-    assert slots.costs("tail", pool) == [slots.config.load_s, 0.0, slots.config.load_s, slots.config.load_s]
+    assert slots.costs("tail", pool) == pytest.approx([cold, 0.0, cold, cold])
 
 
 def test_a_hot_adapter_opens_more_homes_as_its_share_grows_and_releases_them_when_it_falls() -> None:
@@ -60,13 +61,15 @@ def test_a_hot_adapter_opens_more_homes_as_its_share_grows_and_releases_them_whe
         for _ in range(2):
             slots.observe(None)
     assert slots.wanted_homes("hot", 4) == 3
+    assert AdapterSlots(clock).wanted_homes("hot", 4) == 1  # without traffic seen, no share to go by
     slots.on_placed("w1", "hot")
-    # Homes open: other workers cost only `away_s` (not loaded yet), not a load.
-    assert slots.costs("hot", pool) == [0.0, slots.config.away_s, slots.config.away_s, slots.config.away_s]
+    # Homes open: other workers cost no `away_s`, only the load they would wait for.
+    load = slots.config.load_s
+    assert slots.costs("hot", pool) == pytest.approx([0.0, load, load, load])
     slots.on_placed("w2", "hot")
     slots.on_placed("w3", "hot")
     assert set(slots.homes["hot"].workers) == {"w1", "w2", "w3"}
-    assert slots.costs("hot", pool)[3] == slots.config.load_s  # full: the fourth is no home
+    assert slots.costs("hot", pool)[3] == pytest.approx(slots.config.away_s + load)  # full: the fourth is no home
     # Traffic moves away: after half-lives its share is small, and after the hold the homes shrink.
     for _ in range(6):
         clock.now += 10.0
@@ -113,11 +116,84 @@ def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker
     slots.observe("tail")
     slots.on_placed("w1", "tail")  # its one home
     pool = workers("w1", "w2", "w3", loaded={"w1": {"tail"}})
-    assert slots.costs("tail", pool)[1] == slots.config.load_s  # balanced fleet: it stays home
+    assert slots.costs("tail", pool)[1] == pytest.approx(slots.config.away_s + slots.config.load_s)  # balanced: it stays home
     for _ in range(60):  # w1 takes twice its share of the recent placements
         slots.on_placed("w1", None)
     for _ in range(15):
         slots.on_placed("w2", None)
         slots.on_placed("w3", None)
     costs = slots.costs("tail", pool)
-    assert costs[0] > costs[1] and costs[1] == slots.config.away_s  # w2 may become a home; w1 pays for its excess
+    # w2 may become a home (no `away_s`), though not before the adapter is loaded there; w1 pays for its excess.
+    assert costs[1] == pytest.approx(slots.config.load_s)
+    assert costs[0] == pytest.approx(slots.config.balance_s * slots.excess(["w1", "w2", "w3"])["w1"])
+    assert slots.warm_target("tail", pool) in ("w2", "w3")  # so it is loaded there in the background
+    assert slots.warm_target("tail", pool) is None  # once
+
+
+def test_a_cold_adapter_goes_to_the_worker_whose_load_queue_ends_first() -> None:
+    clock = Clock()
+    slots = AdapterSlots(clock, AdapterConfig(load_s=0.5))
+    pool = workers("w1", "w2", "w3")
+    # w1 is loading two adapters (ready in 0.3 and 0.9 s); w2 measured 0.4 s per load, none queued.
+    slots.on_load("w1", {}, {"x": 0.3, "y": 0.9}, adapter_load_s=0.3)
+    slots.on_load("w2", {}, {}, adapter_load_s=0.4)
+    assert slots.load_wait("w1", "x", frozenset()) == pytest.approx(0.3)  # queued there: its time left
+    assert slots.load_wait("w1", "new", frozenset()) == pytest.approx(0.9 + 0.3)  # the queue, then its own
+    assert slots.load_wait("w2", "new", frozenset()) == pytest.approx(0.4)
+    assert slots.load_wait("w3", "new", frozenset()) == pytest.approx(0.5)  # nothing measured: the default
+    clock.now += 0.2  # the report ages: w1's queue is 0.2 s shorter now
+    assert slots.load_wait("w1", "new", frozenset()) == pytest.approx(0.7 + 0.3)
+    costs = slots.costs("new", pool)
+    assert costs.index(min(costs)) == 1
+    # Placed on w2, which must load it: until a report shows that load, it counts in w2's queue.
+    slots.on_placed("w2", "new", frozenset())
+    assert slots.load_wait("w2", "new", frozenset()) == pytest.approx(0.4)
+    assert slots.load_wait("w2", "other", frozenset()) == pytest.approx(0.8)
+    slots.on_load("w2", {"new": 1}, {"new": 0.35}, adapter_load_s=0.4)  # the report counts it now
+    assert slots.asked["w2"] == {} and slots.load_wait("w2", "other", frozenset()) == pytest.approx(0.75)
+    slots.on_placed("w3", "lost", frozenset())  # a load asked for that no report ever shows
+    clock.now += 10.0
+    slots.on_load("w3", {}, {})
+    assert slots.asked["w3"] == {}
+    assert slots.load_wait("w2", "new", frozenset({"new"})) == 0.0  # loaded
+
+
+def test_a_hot_adapter_is_loaded_on_its_next_home_before_traffic_moves_there() -> None:
+    clock = Clock()
+    slots = AdapterSlots(clock, AdapterConfig(load_s=0.5))
+    for _ in range(30):  # a third of the traffic: 3 homes wanted
+        slots.observe("hot")
+        slots.observe(None)
+        slots.observe(None)
+    loaded = {"w1": {"hot"}}
+    slots.on_placed("w1", "hot", frozenset(loaded["w1"]))
+    pool = workers("w1", "w2", "w3", "w4", loaded=loaded)
+    costs = slots.costs("hot", pool)
+    assert costs.index(min(costs)) == 0  # not moved to a worker that would load it first
+    target = slots.warm_target("hot", pool)
+    assert target in ("w2", "w3", "w4")
+    assert slots.warm_target("hot", pool) is None  # one warm-up at a time while it loads
+    slots.on_load(target, {}, {"other": 0.1, "hot": 0.4})
+    assert slots.warm_target("hot", pool) is None  # the report shows it loading
+    loaded[target] = {"hot"}
+    slots.on_load(target, {}, {}, loaded=frozenset({"hot"}))
+    pool = workers("w1", "w2", "w3", "w4", loaded=loaded)
+    costs = slots.costs("hot", pool)
+    assert costs[["w1", "w2", "w3", "w4"].index(target)] == 0.0  # loaded, homes open: as cheap as a home
+    slots.on_placed(target, "hot", frozenset({"hot"}))
+    next_target = slots.warm_target("hot", pool)  # still short of 3 homes: the next one warms up
+    assert next_target not in (None, "w1", target)
+
+
+def test_an_evicted_adapter_costs_its_reload_even_on_its_home() -> None:
+    clock = Clock()
+    slots = AdapterSlots(clock, AdapterConfig(load_s=0.5))
+    for _ in range(100):
+        slots.observe(None)
+    slots.observe("a")  # a tail adapter: one home
+    slots.on_placed("w1", "a", frozenset({"a"}))
+    slots.on_load("w2", {}, {}, adapter_load_s=0.3)
+    # The engine evicted it from w1 (--max-loaded-loras) and w1 has a long load queue.
+    slots.on_load("w1", {}, {"b": 1.0, "c": 2.0}, adapter_load_s=0.3)
+    costs = slots.costs("a", workers("w1", "w2"))
+    assert costs[0] == pytest.approx(2.3) and costs[1] == pytest.approx(slots.config.away_s + 0.3)

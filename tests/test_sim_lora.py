@@ -9,6 +9,7 @@ import pytest
 
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.lora_files import adapter_problem
+from services.sim_engine.lora_pool import host_to_gpu_s
 from services.sim_engine.scheduler import Engine, Request, RequestRejected, SamplingParams
 
 
@@ -56,3 +57,36 @@ def test_an_adapter_changes_greedy_output() -> None:
     assert sim.load_lora("ada", "/adapters/ada").success
     assert greedy(sim, "base") == greedy(sim, "base-again")
     assert greedy(sim, "with-adapter", "ada") != greedy(sim, "base-third")
+
+
+def copy_into_gpu(overlap: bool) -> tuple[float, float, Request]:
+    """A base request decoding, then one for an adapter in host memory but in no GPU slot: the
+    longest step, and how long after its arrival the adapter request's first token came."""
+    sim = Engine(EngineConfig(fixed_step_ms=10.0, block_size=4, max_loras_per_batch=4, lora_overlap_loading=overlap))
+    assert sim.load_lora("ada", "/adapters/ada").success
+    sim.advance(1.0)  # read from disk into host memory
+    sim.add(Request(rid="base", input_ids=list(range(1, 20)), sampling=SamplingParams(max_new_tokens=40)))
+    sim.step()
+    sim.step()
+    request = Request(rid="lora", input_ids=list(range(1, 20)), sampling=SamplingParams(max_new_tokens=2),
+                      lora_name="ada")
+    sim.add(request)
+    arrived, first_token_at, longest = sim.now, None, 0.0
+    while sim.has_work:
+        longest = max(longest, sim.step().duration_s)
+        if first_token_at is None and request.output_ids:
+            first_token_at = sim.now
+    assert first_token_at is not None
+    return longest, first_token_at - arrived, request
+
+
+def test_overlap_loading_copies_an_adapter_into_its_gpu_slot_beside_the_steps() -> None:
+    copy_s = host_to_gpu_s(16)
+    # SGLang's default: the step that needs the adapter waits for its copy, and so does every request in it.
+    longest, ttft, _ = copy_into_gpu(overlap=False)
+    assert longest == pytest.approx(0.010 + copy_s)
+    # --enable-lora-overlap-loading: steps keep their length; the adapter's request joins once copied.
+    longest, ttft, request = copy_into_gpu(overlap=True)
+    assert longest == pytest.approx(0.010)
+    assert copy_s <= ttft <= copy_s + 0.03
+    assert request.finish_reason is not None

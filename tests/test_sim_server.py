@@ -195,6 +195,17 @@ async def test_lora_load_use_and_unload():
         assert after.status_code == 200
 
 
+async def test_adapter_loads_run_one_at_a_time_as_in_sglang():
+    async with running(time_scale=0.01, lora_load_time_s=1.0) as (server, client):
+        first, second = await asyncio.gather(
+            client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "/adapters/a"}),
+            client.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": "/adapters/b"}))
+        assert first.json()["success"] and second.json()["success"]
+        ready = {name: adapter.ready_at for name, adapter in server.engine.adapters.items()}
+        # The second load started when the first had answered: its weights are ready a load later.
+        assert abs(ready["b"] - ready["a"]) >= 1.0
+
+
 async def test_many_concurrent_streams_at_zero_step_time():
     async with running(fixed_step_ms=0.0) as (server, client):
 

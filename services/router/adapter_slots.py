@@ -8,7 +8,8 @@ one (SGLang's `--max-loras-per-batch`, in the worker's heartbeat). A request who
 in the batch while every slot is taken waits until one adapter's requests have all finished,
 however idle the engine is otherwise. So the adapter part of a worker's cost is
 
-    [not one of the adapter's homes] · (away_s if loaded there, else load_s)
+    [not one of the adapter's homes, and they take no newcomer] · away_s
+    + the expected wait for the adapter's load there (0 if loaded; see below)
     + [its adapter not in the batch and no slot free] · slot_hold_s · (H(k) + overflow)
     + balance_s · max(0, the worker's recent placements ÷ the mean − 1)
 
@@ -18,12 +19,25 @@ slot frees when the last of them finishes: for k requests with exponentially dis
 times of mean `slot_hold_s`, the expected longest is `slot_hold_s` · H(k), H the harmonic number),
 and overflow the number of adapters already waiting there for a slot (each takes one first).
 
+**Loads.** An engine loads one adapter at a time, so a request for an adapter not loaded waits
+for every load queued there and then its own. Workers report their queued and in-flight loads
+with the expected seconds until each is ready, and their expected seconds for one more load
+(`WorkerLoad.adapter_loads`, `adapter_load_s`; worker/adapter_loads.py); loads this router asked
+for since (a placement on a worker without the adapter, a warm-up) count `adapter_load_s` each
+until a report shows them. The wait for adapter a on a worker is then: 0 if loaded there; the
+reported time left if it is queued there; else the reported queue plus the loads asked for since
+plus one load (`load_s` before the worker has measured one).
+
 **Homes.** Each adapter has a set of workers it is meant to run on. Its size follows the adapter's
 share of recent placements (an exponentially decayed count, half-life `share_half_life_s`):
-`ceil(share · workers · spread)`, at least one. While the set is smaller than that, any worker may
-join it (no load penalty; `away_s` where the adapter is not loaded yet, so a worker that has it
-wins a tie), and every worker a request is placed on joins; a router that places there tells the
-worker to load the adapter at once. When the share falls, the set shrinks after the
+`ceil(share · workers · spread)`, at least one (one while fewer than `MIN_PLACEMENTS` requests
+were seen recently). While the set is smaller than that, any worker may
+join it without the `away_s` penalty, and every worker a request is placed on joins. Traffic does
+not move to a worker before the adapter is loaded there (it would wait for the load): while the
+homes take newcomers and no other worker holds or is loading the adapter, `warm_target` names
+the worker with the least balance excess and load queue, and the router asks it to load the
+adapter in the background; its cost drops once it reports it loaded. When the share falls, the
+set shrinks after the
 smaller size has held for `release_after_s`, dropping the home placed on least recently; the
 adapter stays loaded there (a cheap choice, `away_s`) until the engine evicts it. Homes also open
 when every one of them has had more than `crowded` (10%) above the mean of recent placements
@@ -42,6 +56,9 @@ from dataclasses import dataclass, field
 
 BASE = ""  # the base model's key in a worker's per-adapter counts
 MIN_PLACEMENTS = 20.0  # recent placements per worker, on average, before balance counts
+# A load asked for that no report has shown after this long is not counted any more (the command
+# was lost, or the load failed and was answered to the request that asked).
+ASKED_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -88,32 +105,56 @@ class AdapterSlots:
     _shares: dict[str, _Share] = field(default_factory=dict)
     _total: _Share = field(default_factory=_Share)
     _worker_placed: dict[str, _Share] = field(default_factory=dict)  # decayed placements per worker
+    # Per worker: its reported loads (adapter → seconds until ready), when it reported them, its
+    # expected seconds for one load, and loads this router asked for since (adapter → when).
+    loading: dict[str, dict[str, float]] = field(default_factory=dict)
+    reported_at: dict[str, float] = field(default_factory=dict)
+    worker_load_s: dict[str, float] = field(default_factory=dict)
+    asked: dict[str, dict[str, float]] = field(default_factory=dict)
     # Whether any adapter request was seen: until then base-model requests skip the slot estimate
     # (every batch has room for the base model), which keeps base-only placement as cheap as before.
     lora_seen: bool = False
 
     # ---- events -------------------------------------------------------------------------------
 
-    def on_load(self, worker_id: str, adapter_requests: dict[str, int]) -> None:
+    def on_load(self, worker_id: str, adapter_requests: dict[str, int], adapter_loads: dict[str, float] | None = None,
+                adapter_load_s: float = 0.0, loaded: frozenset[str] = frozenset()) -> None:
+        """A worker's load report: requests per adapter, loads queued there, adapters loaded."""
+        now = self.clock()
         self.reported[worker_id] = dict(adapter_requests)
         if not self.lora_seen and any(adapter_requests.keys() - {BASE}):
             self.lora_seen = True
         self.placed.pop(worker_id, None)  # the report counts them now (or they finished)
+        self.loading[worker_id] = dict(adapter_loads or {})
+        self.reported_at[worker_id] = now
+        if adapter_load_s > 0:
+            self.worker_load_s[worker_id] = adapter_load_s
+        asked = self.asked.get(worker_id)
+        if asked:  # the report shows them now, or they were asked for too long ago to still be on their way
+            self.asked[worker_id] = {name: at for name, at in asked.items() if name not in self.loading[worker_id]
+                                     and name not in loaded and now - at < ASKED_TTL_S}
 
-    def on_placed(self, worker_id: str, adapter: str | None) -> None:
-        """A placement by this router or a replica."""
+    def on_placed(self, worker_id: str, adapter: str | None, loaded: frozenset[str] | None = None) -> None:
+        """A placement by this router or a replica; `loaded`: the adapters loaded there (None:
+        unknown), so a placement that makes the worker load its adapter counts as a load asked for."""
         counts = self.placed.setdefault(worker_id, {})
         key = adapter or BASE
         counts[key] = counts.get(key, 0) + 1
         now = self.clock()
         self._bump(self._worker_placed.setdefault(worker_id, _Share(at=now)), now)
         if adapter:
-            self.homes.setdefault(adapter, _Homes()).workers[worker_id] = self.clock()
+            self.homes.setdefault(adapter, _Homes()).workers[worker_id] = now
+            if loaded is not None and adapter not in loaded and not self._loading(worker_id, adapter):
+                self._ask_load(worker_id, adapter)
 
     def on_worker_gone(self, worker_id: str) -> None:
         self.reported.pop(worker_id, None)
         self.placed.pop(worker_id, None)
         self._worker_placed.pop(worker_id, None)
+        self.loading.pop(worker_id, None)
+        self.reported_at.pop(worker_id, None)
+        self.worker_load_s.pop(worker_id, None)
+        self.asked.pop(worker_id, None)
         for homes in self.homes.values():
             homes.workers.pop(worker_id, None)
 
@@ -134,6 +175,8 @@ class AdapterSlots:
         return self._decayed(entry, now) / total if entry is not None and total > 0 else 0.0
 
     def wanted_homes(self, adapter: str, workers: int) -> int:
+        if self._decayed(self._total, self.clock()) < MIN_PLACEMENTS:
+            return 1  # a handful of requests tell no share: not worth loading it elsewhere
         return max(1, min(workers, math.ceil(self.share(adapter) * workers * self.config.spread - 1e-9)))
 
     def costs(self, adapter: str | None, workers: list[tuple[str, int, frozenset[str]]]) -> list[float]:
@@ -142,25 +185,52 @@ class AdapterSlots:
         config = self.config
         homes = self._homes_for(adapter, len(workers)) if adapter else None
         excess = self.excess([worker_id for worker_id, _, _ in workers]) if adapter else {}
-        # Homes are open to newcomers while fewer than the share asks for, or while every home has
-        # more than its share of the placements; an adapter with none yet goes where it is loaded,
-        # if anywhere (its first home).
-        open_homes = homes is not None and bool(homes) and (
-            len(homes) < self.wanted_homes(adapter or "", len(workers))
-            or all(excess.get(w, 0.0) > config.crowded for w in homes))
+        open_homes = adapter is not None and self._open(adapter, homes or {}, excess, len(workers))
         key = adapter or BASE
         out = []
         for worker_id, slots, loaded in workers:
             cost = config.balance_s * max(0.0, excess.get(worker_id, 0.0))
-            if adapter and worker_id not in homes:  # type: ignore[operator]
-                if open_homes:  # it may join the homes: prefer where it is loaded already
-                    cost += 0.0 if adapter in loaded else config.away_s
-                else:
-                    cost += config.away_s if adapter in loaded else config.load_s
+            if adapter:
+                cost += self.load_wait(worker_id, adapter, loaded)
+                if worker_id not in homes and not open_homes:  # type: ignore[operator]
+                    cost += config.away_s
             if slots:
                 cost += self.slot_wait(worker_id, key, slots)
             out.append(cost)
         return out
+
+    def warm_target(self, adapter: str, workers: list[tuple[str, int, frozenset[str]]]) -> str | None:
+        """The worker to load `adapter` on in the background now, if any: its homes take a newcomer
+        and no worker outside them holds or is loading it. Counted as a load asked for there."""
+        homes = self._homes_for(adapter, len(workers))
+        excess = self.excess([worker_id for worker_id, _, _ in workers])
+        if not homes or not self._open(adapter, homes, excess, len(workers)):
+            return None
+        outside = [(worker_id, loaded) for worker_id, _, loaded in workers if worker_id not in homes]
+        if not outside or any(adapter in loaded or self._loading(worker_id, adapter) for worker_id, loaded in outside):
+            return None
+        def cost(worker_id: str, loaded: frozenset[str]) -> float:
+            return self.config.balance_s * max(0.0, excess.get(worker_id, 0.0)) + self.load_wait(worker_id, adapter, loaded)
+
+        best = min(outside, key=lambda w: cost(*w))[0]
+        self._ask_load(best, adapter)
+        return best
+
+    def load_wait(self, worker_id: str, adapter: str, loaded: frozenset[str]) -> float:
+        """Expected seconds before `adapter` is loaded on this worker (0: it is)."""
+        if adapter in loaded:
+            return 0.0
+        now = self.clock()
+        age = now - self.reported_at.get(worker_id, now)
+        reported = self.loading.get(worker_id, {})
+        left = reported.get(adapter)
+        if left is not None:
+            return max(0.0, left - age)
+        one = self.worker_load_s.get(worker_id) or self.config.load_s
+        queue = max(0.0, max(reported.values(), default=0.0) - age)
+        asked = [name for name in self.asked.get(worker_id, {}) if name not in reported and name not in loaded]
+        ahead = asked.index(adapter) if adapter in asked else len(asked)
+        return queue + one * (ahead + 1)
 
     def excess(self, worker_ids: list[str]) -> dict[str, float]:
         """Each worker's recent placements relative to the mean over `worker_ids`, minus one."""
@@ -183,6 +253,19 @@ class AdapterSlots:
         return self.config.slot_hold_s * (harmonic(min(holding)) + overflow)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _open(self, adapter: str, homes: dict[str, float], excess: dict[str, float], workers: int) -> bool:
+        """Whether the adapter's homes take a newcomer: fewer than its share asks for, or every one
+        has more than its share of the placements. An adapter with none yet goes where it is
+        loaded, if anywhere (its first home)."""
+        return bool(homes) and (len(homes) < self.wanted_homes(adapter, workers)
+                                or all(excess.get(w, 0.0) > self.config.crowded for w in homes))
+
+    def _loading(self, worker_id: str, adapter: str) -> bool:
+        return adapter in self.loading.get(worker_id, {}) or adapter in self.asked.get(worker_id, {})
+
+    def _ask_load(self, worker_id: str, adapter: str) -> None:
+        self.asked.setdefault(worker_id, {})[adapter] = self.clock()
 
     def _batch(self, worker_id: str) -> dict[str, int]:
         reported = self.reported.get(worker_id, {})

@@ -24,7 +24,7 @@ class RoutingConfig:
     # wait. In the fleet simulator on the Mooncake trace, 4-10 all beat 1.5 clearly (docs/routing.md).
     miss_weight: float = 5.0
     decode_weight_s: float = 0.25  # cost of a worker whose every slot is decoding
-    adapter_load_s: float = 0.5  # cost of loading an adapter that is not on the worker yet
+    adapter_load_s: float = 0.5  # one adapter load, until the worker reports its measured time
     adapter_slot_hold_s: float = 2.0  # mean time a running request holds its adapter's batch slot
     adapter_spread: float = 2.0  # workers a hot adapter may use per worker-equivalent of its traffic
     # Weight of the KV tokens a worker's requests hold (cached prefix included) against prefill

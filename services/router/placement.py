@@ -39,7 +39,7 @@ class Placer:
         chosen, cached_blocks = self.policy.choose(request, candidates)
         if record:
             self.count(request, chosen, cached_blocks)
-            self.registry.adapter_slots.on_placed(chosen.worker_id, request.adapter)
+            self.registry.adapter_slots.on_placed(chosen.worker_id, request.adapter, chosen.adapters)
         return self.reply(chosen, cached_blocks)
 
     def reply(self, chosen: WorkerView, cached_blocks: int) -> m.PlacementReply:
@@ -58,7 +58,17 @@ class Placer:
         view = self.registry.workers.get(reply.worker_id or "")
         if view is not None:
             self.count(request, view, reply.cached_blocks)
-            self.registry.adapter_slots.on_placed(view.worker_id, request.adapter)
+            self.registry.adapter_slots.on_placed(view.worker_id, request.adapter, view.adapters)
+
+
+    def warm_target(self, request: m.PlacementRequest) -> str | None:
+        """A worker to load the request's adapter on in the background (adapter_slots.py), if its
+        homes take a newcomer that holds it nowhere yet; counted as a load asked for there."""
+        if not request.adapter:
+            return None
+        candidates = prefer_zone(self.registry.candidates(request), request.zone)
+        workers = [(view.worker_id, view.max_adapters, view.adapters) for view in candidates]
+        return self.registry.adapter_slots.warm_target(request.adapter, workers) if workers else None
 
 
 def make_placer(

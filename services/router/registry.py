@@ -34,7 +34,9 @@ class WorkerView:
     draining: bool = False
     block_size: int = 0
     max_adapters: int = 0
+    max_loaded_adapters: int = 0  # its engine's cap on adapters in host memory (0: none)
     adapters: frozenset[str] = frozenset()
+    adapter_prefetches: int = 0  # adapter prefetches queued or loading there at the last report
     release: str = ""  # the release the worker verified it serves ("" unpinned)
     zone: str = ""
     reported_load: int = 0  # running + waiting in the engine at the last report
@@ -151,6 +153,7 @@ class WorkerRegistry:
         view.draining = beat.state != "ready"  # draining, or its engine is down ("starting"): place nothing there
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
+        view.max_loaded_adapters = beat.max_loaded_adapters
         view.adapters = frozenset(beat.adapters)
         view.release = beat.release
         view.zone = beat.zone
@@ -189,9 +192,11 @@ class WorkerRegistry:
         view.pulled_own = load.pulled_own
         view.draining = load.draining
         view.adapters = frozenset(load.adapters) if load.adapters else view.adapters
+        view.adapter_prefetches = load.adapter_prefetches
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
         view.kv_used_tokens = load.kv_used_tokens
-        self.adapter_slots.on_load(load.worker_id, load.adapter_requests)
+        self.adapter_slots.on_load(load.worker_id, load.adapter_requests, load.adapter_loads, load.adapter_load_s,
+                                   view.adapters)
         self._refresh(view)
 
     def on_cache(self, event: m.CacheEvent) -> bool:
@@ -222,7 +227,7 @@ class WorkerRegistry:
         view = self.workers.get(placed.worker_id)
         if view is not None:
             self.count(view, placed.prefill_tokens, placed.block_hashes, prompt_tokens=placed.prompt_tokens or None)
-            self.adapter_slots.on_placed(placed.worker_id, placed.adapter)
+            self.adapter_slots.on_placed(placed.worker_id, placed.adapter, view.adapters)
 
     def alive(self, view: WorkerView) -> bool:
         return self.clock() - view.last_seen <= self.config.heartbeat_ttl_s

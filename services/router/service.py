@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
@@ -31,6 +32,7 @@ from proto import messages as m
 from proto import subjects
 
 from . import recovery
+from .adapter_prefetch import Prefetcher, PrefetchWorker
 from .canary import CanaryService
 from .config import RoutingConfig
 from .placement import make_placer
@@ -52,6 +54,9 @@ PLACE_SECONDS = Histogram(
 ROUTER_QUEUE = "routers"
 RESYNC_MIN_INTERVAL_S = 2.0
 PRELOAD_REPEAT_S = 5.0  # a worker told to load an adapter is not told again this soon
+PREFETCH_INTERVAL_S = 1.0  # how often the router looks for adapters to prefetch
+REGISTERED_REFRESH_S = 10.0  # how often it re-reads the registered adapters
+PREFETCHES = Counter("inferbus_router_adapter_prefetches_total", "LoRA adapter prefetches into host memory asked of workers")
 
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementRequest)
 _load_decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
@@ -81,6 +86,7 @@ class Router:
         self._recovering: set[str] = set()
         self._registry_loaded = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.prefetcher = Prefetcher(time.monotonic)
 
     async def start(self) -> None:
         s = self.settings
@@ -106,6 +112,9 @@ class Router:
             asyncio.create_task(self._expire(), name="expire"),
             asyncio.create_task(self._scan_for_orphans(), name="recovery-scan"),
         ]
+        if s.adapter_prefetch:
+            self._adapter_kv = await adapter_registry.bucket(self.js)
+            self._tasks.append(asyncio.create_task(self._prefetch_adapters(), name="adapter-prefetch"))
         log.info("router_ready", router_id=self.router_id, policy=self.placer.name)
 
     async def stop(self) -> None:
@@ -141,6 +150,9 @@ class Router:
         CACHED_BLOCKS.inc(reply.cached_blocks)
         if request.adapter:
             self._spawn(self._preload(reply.worker_id, request.adapter))
+            warm = self.placer.warm_target(request)
+            if warm is not None:  # a hot adapter's next home: loaded before traffic moves there
+                self._spawn(self._preload(warm, request.adapter))
         placed = m.Placed(
             router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
             prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),
@@ -166,6 +178,35 @@ class Router:
             self._preloads = {key: at for key, at in self._preloads.items() if now - at < PRELOAD_REPEAT_S}
         command = m.ControlCommand(action="load_adapter", adapter=adapter)
         await self.nc.publish(subjects.control_subject(worker_id), m.encode(command))
+
+    async def _prefetch_adapters(self) -> None:
+        """Ask workers whose engines cap their host memory to load registered adapters nobody
+        holds yet, in the background (adapter_prefetch.py)."""
+        registered: dict[str, list[str]] = {}  # base model → engine names
+        read_at = -REGISTERED_REFRESH_S
+        while True:
+            await asyncio.sleep(PREFETCH_INTERVAL_S)
+            try:
+                if not any(view.max_loaded_adapters for view in self.registry.workers.values()):
+                    continue
+                if time.monotonic() - read_at >= REGISTERED_REFRESH_S:
+                    read_at = time.monotonic()
+                    registered = {}
+                    for spec in await adapter_registry.list_all(self._adapter_kv):
+                        registered.setdefault(spec.base_model, []).append(spec.engine_name)
+                slots = self.registry.adapter_slots
+                for model, names in registered.items():
+                    workers = [PrefetchWorker(view.worker_id, view.max_loaded_adapters, view.adapters,
+                                              tuple(slots.loading.get(view.worker_id, {})), view.adapter_prefetches)
+                               for view in self.registry.eligible(model).values() if self.registry.alive(view)]
+                    for worker_id, adapter in self.prefetcher.plan(names, workers, slots.share):
+                        PREFETCHES.inc()
+                        command = m.ControlCommand(action="load_adapter", adapter=adapter, background=True)
+                        await self.nc.publish(subjects.control_subject(worker_id), m.encode(command))
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the next pass tries again
+                log.warning("adapter_prefetch_failed", error=repr(error))
 
     async def _on_placed(self, msg: Msg) -> None:
         try:

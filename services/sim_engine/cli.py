@@ -63,6 +63,9 @@ from .profile_table import load_npz
                    "unloads the least recently used unpinned adapter. Default: no limit.")
 @click.option("--lora-eviction-policy", default="lru", show_default=True, type=click.Choice(["lru", "fifo"]),
               help="Which GPU adapter slot a batch takes when all are full (SGLang's flag).")
+@click.option("--enable-lora-overlap-loading", "lora_overlap_loading", is_flag=True,
+              help="Copy adapters into GPU slots beside the running steps instead of blocking them; a request whose "
+                   "adapter is being copied waits for it (SGLang's flag).")
 @click.option("--lora-load-time", default=None, type=click.FloatRange(min=0),
               help="Simulated seconds every adapter load takes, GPU slot copies then free. Default: from the adapter's "
                    "size (rank × the modelled 70B's projections, BF16): disk at 2 GB/s + 0.1 s, host to GPU at 25 GB/s + 0.05 s.")
@@ -130,6 +133,7 @@ def sim_engine_command(
     max_lora_rank: int | None,
     max_loaded_loras: int | None,
     lora_eviction_policy: str,
+    lora_overlap_loading: bool,
     lora_load_time: float | None,
     kv_capacity_tokens: int | None,
     lazy_lora_loading: bool,
@@ -170,6 +174,7 @@ def sim_engine_command(
             max_lora_rank=max_lora_rank,
             max_loaded_loras=max_loaded_loras,
             lora_eviction_policy=lora_eviction_policy,
+            lora_overlap_loading=lora_overlap_loading,
             lora_load_time_s=lora_load_time,
             time_scale=time_scale,
             fixed_step_ms=fixed_step_ms,

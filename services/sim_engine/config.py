@@ -38,6 +38,9 @@ class EngineConfig:
     # --lora-eviction-policy (which GPU slot a batch takes when all are full): lora_pool.py.
     max_loaded_loras: int | None = None
     lora_eviction_policy: str = "lru"
+    # SGLang's --enable-lora-overlap-loading: copies into GPU adapter slots run beside the steps
+    # instead of blocking them, and a request joins the batch once its adapter's copy is done.
+    lora_overlap_loading: bool = False
     # Seconds every adapter load takes, GPU slot copies then free (tests); None: from the
     # adapter's size and where it comes from (lora_pool.py).
     lora_load_time_s: float | None = None

@@ -307,6 +307,10 @@ class Engine:
         self.running: list[Request] = []
         self.adapters = LoadedAdapters(config.max_loaded_loras)
         self.gpu_slots = GpuSlots(config.max_loras_per_batch, config.lora_eviction_policy)
+        # --enable-lora-overlap-loading: adapters being copied into GPU slots beside the steps → when
+        # the copy is done (one copy stream: copies follow each other), and when that stream is free.
+        self.gpu_copies: dict[str, float] = {}
+        self.copy_stream_free_at = 0.0
         self.lora_loads_total = 0  # from disk into host memory, implicit reloads included
         self.lora_evictions_total = 0  # unloaded to stay within --max-loaded-loras
         # Every adapter loaded since start (SGLang's lora_ref_cache): a request for one that was
@@ -555,6 +559,9 @@ class Engine:
                 continue  # still loading
             if adapter_name not in adapters_in_batch and len(adapters_in_batch) >= config.max_loras_per_batch:
                 continue
+            if (config.lora_overlap_loading and adapter_name is not None and adapter_name not in adapters_in_batch
+                    and not self._overlap_copied(request, adapters_in_batch)):
+                continue
             while len(self.running) >= config.max_running_requests:
                 if not self._preempt_for(request):
                     return
@@ -608,13 +615,44 @@ class Engine:
             budget -= size
         return chunks
 
+    def _overlap_copied(self, request: Request, running: set[str | None]) -> bool:
+        """--enable-lora-overlap-loading (SGLang's `LoRAOverlapLoader.try_overlap_load_lora`):
+        whether the request's adapter is in a GPU slot, its copy done. One not there starts copying
+        now if the batch's adapters, the copies under way and it fit the slots; either way the
+        request waits for a later step."""
+        name = request.lora_name
+        assert name is not None
+        for done in [n for n, ready in self.gpu_copies.items() if ready <= self.now]:
+            del self.gpu_copies[done]  # drained: resident like any other
+        if name in self.gpu_copies:
+            return False  # still copying
+        if name in self.gpu_slots.resident:
+            return True
+        wanted = running | set(self.gpu_copies) | {name}
+        if len(wanted) > self.config.max_loras_per_batch:
+            return False
+        pinned = {n for n, adapter in self.adapters.items() if adapter.pinned}
+        try:
+            self.gpu_slots.prepare(wanted, pinned)
+        except ValueError:
+            return False  # every other slot pinned: it waits
+        if self.config.lora_load_time_s is not None:
+            return True  # copies are free with a fixed load time (tests): in its slot now
+        rank = request.lora.rank if request.lora is not None else self.config.priced_lora_rank
+        self.copy_stream_free_at = max(self.now, self.copy_stream_free_at) + host_to_gpu_s(rank)
+        self.gpu_copies[name] = self.copy_stream_free_at
+        return False
+
     def _copy_adapters_to_gpu(self, batch: set[str | None], requests: list[Request]) -> float:
         """Seconds the step waits for adapters copied into GPU slots (none with --lora-load-time,
-        which stands for the whole load)."""
+        which stands for the whole load, and none with overlap loading, whose copies ran before)."""
         if batch == {None}:
             return 0.0
         pinned = {name for name, adapter in self.adapters.items() if adapter.pinned}
-        copied = set(self.gpu_slots.prepare(batch, pinned)) - {None}
+        try:  # copies under way keep their slots (SGLang excludes them from eviction)
+            copied = set(self.gpu_slots.prepare(batch | set(self.gpu_copies), pinned)) - {None}
+        except ValueError:  # the batch and the copies do not fit together: the batch's needs first
+            copied = set(self.gpu_slots.prepare(batch, pinned)) - {None}
         if not copied or self.config.lora_load_time_s is not None:
             return 0.0
         ranks = {r.lora_name: r.lora.rank for r in requests if r.lora is not None}
@@ -624,6 +662,8 @@ class Engine:
         loading = [
             r.lora.ready_at for r in self.waiting if r.lora is not None and r.lora.ready_at > self.now
         ]
+        if self.waiting:  # copies into GPU slots the waiting requests wait for
+            loading += [ready for ready in self.gpu_copies.values() if ready > self.now]
         if loading:
             wait = min(loading) - self.now
             self.now += wait

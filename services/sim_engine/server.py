@@ -174,6 +174,9 @@ class SimEngineServer:
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
+        # SGLang serialises adapter loads and unloads behind one lock (its tokenizer manager's
+        # lora_update_lock): a load queued behind another starts when that one has answered.
+        self._lora_update_lock = asyncio.Lock()
         self._loop_task: asyncio.Task[None] | None = None
         self.kv_events = KvEventPublisher(KvEventsConfig.parse(config.kv_events_config))
         routes = [
@@ -442,18 +445,20 @@ class SimEngineServer:
         if problem is not None:
             loaded = {name: adapter.path for name, adapter in self.engine.adapters.items()}
             return self._lora_response(LoraUpdateResult(False, problem, loaded))
-        result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
-        if result.success:
-            self._wake.set()
-            # SGLang answers once the weights are loaded, and after an eviction once the evicted
-            # adapter's requests have finished (it frees the weights only then).
-            adapter = self.engine.adapters.get(body.lora_name)
-            if adapter is not None:
-                await asyncio.sleep(max(0.0, adapter.ready_at - self.engine.now) * self.config.time_scale)
-            if result.evicted:
-                holders = [r for r in list(self.engine.waiting) + list(self.engine.running) if r.lora_name in result.evicted]
-                while any(r.finish_reason is None and self.engine.get(r.rid) is r for r in holders):
-                    await asyncio.sleep(0.01)
+        async with self._lora_update_lock:
+            result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
+            if result.success:
+                self._wake.set()
+                # SGLang answers once the weights are loaded, and after an eviction once the evicted
+                # adapter's requests have finished (it frees the weights only then).
+                adapter = self.engine.adapters.get(body.lora_name)
+                if adapter is not None:
+                    await asyncio.sleep(max(0.0, adapter.ready_at - self.engine.now) * self.config.time_scale)
+                if result.evicted:
+                    holders = [r for r in list(self.engine.waiting) + list(self.engine.running)
+                               if r.lora_name in result.evicted]
+                    while any(r.finish_reason is None and self.engine.get(r.rid) is r for r in holders):
+                        await asyncio.sleep(0.01)
         return self._lora_response(result)
 
     async def unload_lora_adapter(self, http_request: HttpRequest) -> Response:
@@ -461,7 +466,8 @@ class SimEngineServer:
             body = msgspec.json.decode(await http_request.body(), type=UnloadLoraInput)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return _error(str(exc))
-        return self._lora_response(self.engine.unload_lora(body.lora_name))
+        async with self._lora_update_lock:
+            return self._lora_response(self.engine.unload_lora(body.lora_name))
 
     @staticmethod
     def _lora_response(result: LoraUpdateResult) -> Response:
@@ -522,6 +528,7 @@ class SimEngineServer:
                 "max_loras_per_batch": config.max_loras_per_batch,
                 "max_loaded_loras": config.max_loaded_loras,
                 "lora_eviction_policy": config.lora_eviction_policy,
+                "enable_lora_overlap_loading": config.lora_overlap_loading,
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
                 "enable_mixed_chunk": config.mixed_chunk,

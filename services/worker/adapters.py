@@ -11,15 +11,18 @@ The engine decides what stays loaded: SGLang with `--max-loaded-loras` unloads i
 used adapter when a load goes past the cap, and loads an evicted one again by itself when a
 request names it. This view follows the engine instead of guessing: every load answer lists what
 is loaded (adapters missing from it were evicted), loads are made one at a time so those lists
-arrive in order, and `resync` re-reads the engine's list (`/v1/models`) after a restart and now
+arrive in order (the engine makes them one at a time anyway; the queue and its expected times go
+into the load report, adapter_loads.py), and `resync` re-reads the engine's list (`/v1/models`) after a restart and now
 and then, since an implicit reload can evict without any answer to this worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
@@ -28,6 +31,7 @@ from inferbus import logs
 from proto import messages as m
 
 from . import release_check
+from .adapter_loads import LoadQueue
 from .engine import EngineClient, EngineError
 
 log = logs.get(__name__)
@@ -53,33 +57,100 @@ def adapter_requests(adapters: Iterable[str | None]) -> dict[str, int]:
     return counts
 
 
+def local_size(path: str) -> int | None:
+    """Bytes of a local adapter directory (or file); None for anything else (an object store's path)."""
+    try:
+        root = Path(path)
+        if root.is_file():
+            return root.stat().st_size
+        if not root.is_dir():
+            return None
+        return sum(entry.stat().st_size for entry in root.rglob("*") if entry.is_file()) or None
+    except OSError:
+        return None
+
+
 class AdapterError(EngineError):
     def __init__(self, message: str) -> None:
         super().__init__(message, code="adapter_unavailable", retryable=False, status=503)
 
 
 class Adapters:
-    def __init__(self, engine: EngineClient, lookup: Callable[[str], Awaitable[m.AdapterSpec | None]]) -> None:
+    def __init__(self, engine: EngineClient, lookup: Callable[[str], Awaitable[m.AdapterSpec | None]],
+                 on_change: Callable[[], None] = lambda: None, on_progress: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
         self.lookup = lookup  # adapter name → registered spec
+        self.on_change = on_change  # the queue of loads changed: report it soon
+        # The engine answered a load: its scheduler is alive. Requests waiting for their adapter's
+        # turn produce no token meanwhile, which must not read as a hung GPU (gpu_death.py).
+        self.on_progress = on_progress
+        self.queue = LoadQueue(time.monotonic)  # loads queued and in flight, for the routers' cost
         self.loaded: dict[str, m.AdapterSpec | None] = {}  # engine name → spec (None: adopted from the engine's list)
         self.evictions = 0
         self._verified: set[str] = set()  # verified on this engine process
         self._loading: dict[str, asyncio.Future[None]] = {}
-        self._load_lock = asyncio.Lock()
+        # One load at a time, in the queue's order (loads requests wait for before prefetches).
+        self._turn = asyncio.Condition()
+        self._engine_busy = False
+        self._notifies: set[asyncio.Future[None]] = set()
 
     def names(self) -> list[str]:
         return sorted(self.loaded)
 
-    async def ensure(self, engine_name: str) -> None:
-        """Make `engine_name` (`<name>@<digest prefix>`) usable on the engine, once."""
+    async def ensure(self, engine_name: str, background: bool = False) -> None:
+        """Make `engine_name` (`<name>@<digest prefix>`) usable on the engine, once. `background`: a
+        prefetch, loaded only while no other load is queued (until a request asks for it too)."""
         if engine_name in self.loaded:
             return
         pending = self._loading.get(engine_name)
         if pending is None:
+            self.queue.enqueue(engine_name, background=background)
+            self.on_change()
             pending = self._loading[engine_name] = asyncio.ensure_future(self._load(engine_name))
-            pending.add_done_callback(lambda _: self._loading.pop(engine_name, None))
+            pending.add_done_callback(lambda _: self._loaded_or_failed(engine_name))
+        elif not background:
+            self.queue.enqueue(engine_name)  # a prefetch a request now waits for goes ahead of the others
+            self._spawn_notify()
+            self.on_change()
         await asyncio.shield(pending)
+
+    def _loaded_or_failed(self, engine_name: str) -> None:
+        self._loading.pop(engine_name, None)
+        self.queue.finish(engine_name, measured=False)  # a failed load (a success finished already)
+        self._spawn_notify()  # it may have been next in the queue
+        self.on_change()
+
+    def _spawn_notify(self) -> None:
+        task = asyncio.ensure_future(self._notify())
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
+
+    async def _notify(self) -> None:
+        async with self._turn:
+            self._turn.notify_all()
+
+    async def _take_turn(self, engine_name: str) -> None:
+        async with self._turn:
+            await self._turn.wait_for(lambda: not self._engine_busy and self.queue.next_up() == engine_name)
+            self._engine_busy = True
+            self.queue.start(engine_name)
+
+    async def _end_turn(self) -> None:
+        async with self._turn:
+            self._engine_busy = False
+            self._turn.notify_all()
+
+    def prefetches(self) -> int:
+        """Prefetches queued or loading here."""
+        return self.queue.prefetches()
+
+    def pending_loads(self) -> dict[str, float]:
+        """Adapters queued or loading → expected seconds until each is ready (for the load report)."""
+        return self.queue.expected()
+
+    def one_load_s(self) -> float:
+        """Expected seconds of one more load here (0: none measured yet, the router's default applies)."""
+        return self.queue.mean_s or 0.0
 
     async def _load(self, engine_name: str) -> None:
         name = engine_name.rpartition("@")[0]
@@ -96,8 +167,12 @@ class Adapters:
         if mismatch is not None:
             log.error("adapter_digest_mismatch", adapter=engine_name, path=spec.path, problem=mismatch)
             raise AdapterError(f"adapter {spec.name} refused: {mismatch}")
+        size = await asyncio.to_thread(local_size, spec.path) if os.path.isabs(spec.path) else None
+        if size:
+            self.queue.set_size(engine_name, size)  # the estimate of its load now knows its size
         started = time.perf_counter()
-        async with self._load_lock:  # one at a time: each answer's list of loaded adapters is then current
+        await self._take_turn(engine_name)  # one at a time: each answer's list of loaded adapters is then current
+        try:
             if engine_name in self.loaded:
                 return
             result = await self.engine.load_lora(engine_name, spec.path)
@@ -108,15 +183,20 @@ class Adapters:
                     f"engine could not load adapter {spec.name}: {result.get('error_message') or 'unknown error'}")
             if listed is not None:
                 self._follow(listed, engine_name)
-            problem = None if engine_name in self._verified else await self._verify(engine_name, result)
-            if problem is not None:
-                await self.engine.unload_lora(engine_name)
-                LOADS.labels("unverified").inc()
-                log.error("adapter_verification_failed", adapter=engine_name, path=spec.path, problem=problem)
-                raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
-            self._verified.add(engine_name)
-            self.loaded[engine_name] = spec
-            self._set_gauge()
+            self.queue.finish(engine_name)  # the engine is free for the next load
+            self.on_progress()
+        finally:
+            await self._end_turn()
+        # Verified after its turn: the probe waits for a batch step, and the next load need not.
+        problem = None if engine_name in self._verified else await self._verify(engine_name, result)
+        if problem is not None:
+            await self.engine.unload_lora(engine_name)
+            LOADS.labels("unverified").inc()
+            log.error("adapter_verification_failed", adapter=engine_name, path=spec.path, problem=problem)
+            raise AdapterError(f"adapter {spec.name} failed verification after loading: {problem}")
+        self._verified.add(engine_name)
+        self.loaded[engine_name] = spec
+        self._set_gauge()
         seconds = time.perf_counter() - started
         LOADS.labels("loaded").inc()
         LOAD_SECONDS.observe(seconds)

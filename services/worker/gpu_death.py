@@ -4,7 +4,9 @@ A hung GPU (a stuck kernel, a lost NCCL peer) often leaves the engine's HTTP ser
 while no request makes progress, so neither the engine health probe nor the worker's own liveness
 sees it. `GpuDeathDetector` (pure, injected clock) watches what the requests do:
 
-- **hung**: requests are running and none has produced a token for `hang_after_s`;
+- **hung**: requests are running and none has produced a token for `hang_after_s` (an adapter
+  load the engine answered counts as progress: requests queued for their adapters' loads, one at a
+  time, produce no token meanwhile on a healthy engine);
 - **failing**: `max_errors` requests in a row ended in an engine error, none in between succeeded;
 - **down**: the engine has not answered its readiness probe for `down_after_s`.
 

@@ -166,6 +166,8 @@ class LoadReporter:
                 adapters=worker.adapters.names(), pulled_own=worker.stats.pulled_own,
                 **self._autoscaling_fields(serving.batch.waiting()),
                 adapter_requests=adapter_requests(entry.request.adapter for entry in worker.running.values()),
+                adapter_loads=worker.adapters.pending_loads(), adapter_load_s=round(worker.adapters.one_load_s(), 4),
+                adapter_prefetches=worker.adapters.prefetches(),
             )
             await worker.nc.publish(subjects.metrics_subject(worker.settings.worker_id), m.encode(snapshot))
 

@@ -79,7 +79,8 @@ class Worker:
         self.background = Background()  # usage and stream publishes in flight
         self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000)
         self.cancels = CancelMemory(time.monotonic)
-        self.adapters = Adapters(engine, self._lookup_adapter)
+        self.adapters = Adapters(engine, self._lookup_adapter, on_change=lambda: self.load_changed.set(),
+                                 on_progress=lambda: self.gpu.progress())
         self.health = EngineHealth(time.monotonic)
         self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=settings.engine_hang_after_s,
                                     down_after_s=settings.engine_dead_after_s, max_errors=settings.engine_max_errors)
@@ -102,6 +103,7 @@ class Worker:
         self.started = time.time()
         self.wake = asyncio.Event()  # slots or the engine came back: the pull loop looks again
         self.load_changed = asyncio.Event()  # report load soon, not at the next interval
+        self._preloads: set[asyncio.Future[None]] = set()  # adapter loads the routers asked for
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._serving_tasks: list[asyncio.Task[None]] = []
@@ -399,12 +401,18 @@ class Worker:
         elif command.action == "resync_cache" and self.cache_relay is not None:
             await self.cache_relay.publish_snapshot()
         elif command.action == "load_adapter" and command.adapter:
-            try:
-                await self.adapters.ensure(command.adapter)
-            except EngineError as error:
-                log.warning("adapter_preload_failed", adapter=command.adapter, error=str(error))
+            # In the background: a load takes a while, and other commands (a drain) must not wait for it.
+            task = asyncio.ensure_future(self._preload_adapter(command.adapter, command.background))
+            self._preloads.add(task)
+            task.add_done_callback(self._preloads.discard)
         elif command.action == "unload_adapter" and command.adapter:
             await self.adapters.unload(command.adapter)
+
+    async def _preload_adapter(self, engine_name: str, background: bool) -> None:
+        try:
+            await self.adapters.ensure(engine_name, background=background)
+        except EngineError as error:
+            log.warning("adapter_preload_failed", adapter=engine_name, error=str(error))
 
     async def _lookup_adapter(self, name: str) -> m.AdapterSpec | None:
         return await adapter_registry.get(self._adapter_kv, name)
