@@ -68,6 +68,9 @@ class Flight:
     block_hashes: list[int] = field(default_factory=list)  # the prompt's prefix blocks, for placement
     placed_at: float = 0.0  # monotonic time the current attempt was queued on a worker's own subject
     avoid_worker: str | None = None  # a worker that never started this request: not placed there again
+    # Choice k > 0 of an n-choice request: placed where choice 0 went, whose engine will hold their
+    # common prompt (one prefill for all n).
+    follows: Flight | None = None
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -175,6 +178,12 @@ class Dispatcher:
         """Ask the router for a target; without an answer in time, the shared queue still serves."""
         request = flight.request
         shared = m.PlacementReply(target=subjects.ANY_TARGET)
+        lead = flight.follows
+        if (lead is not None and lead.worker_id and lead.worker_id in self.live_workers
+                and lead.worker_id != flight.avoid_worker
+                and self.placement_fits(lead.worker_id, request.band, self._queued_on(lead.worker_id, request.band))):
+            return m.PlacementReply(target=subjects.worker_target(lead.worker_id), worker_id=lead.worker_id,
+                                    reason="with choice 0")
         if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter or request.release or self.zone):
             # Shorter than one prefix block, no adapter, no release and no zone to keep it in: no
             # cache to find, and balancing load is what the shared queue does anyway. Skipping the
@@ -235,15 +244,17 @@ class Dispatcher:
         once, where the queue depth the overload policy polls lags)."""
         return self.window.queued(band)
 
-    async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None) -> Flight:
-        """Queue a new request; its events arrive on the returned flight's queue.
+    async def open(self, request: m.InferenceRequest, weight: float = 1.0, block_hashes: list[int] | None = None,
+                   follows: Flight | None = None) -> Flight:
+        """Queue a new request; its events arrive on the returned flight's queue. `follows`: a
+        flight to place it beside (the first choice of an n-choice request).
 
         With room in the window it is published now (a failure raises DispatchError); otherwise
         it waits in the fair queue and is published when its turn comes.
         """
         estimate = float((request.prompt_tokens or 0) + request.sampling.max_new_tokens)
         flight = Flight(request=request, prompt_tokens=request.prompt_tokens, weight=weight, estimated_tokens=estimate,
-                        block_hashes=block_hashes or [])
+                        block_hashes=block_hashes or [], follows=follows)
         self.flights[request.request_id] = flight
         if self._window_room() > 0 and not len(self.fair):
             self.fair.dispatched(request.tenant, request.band, weight, estimate)

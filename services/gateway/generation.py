@@ -271,10 +271,11 @@ class Generation:
         with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
             try:
                 for index in range(n):
-                    # n > 1: one engine request per choice, with equal prompts (placed by the same
-                    # prefix hashes, so they meet the prompt in the same cache).
+                    # n > 1: one engine request per choice, with equal prompts, placed beside the
+                    # first so that they meet the prompt in the same cache.
                     flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
-                                                        block_hashes=hashes)
+                                                        block_hashes=hashes,
+                                                        follows=call.choices[0].flight if call.choices else None)
                     call.choices.append(_Choice(index=index, flight=flight))
             except DispatchError as error:
                 for choice in call.choices:
