@@ -6,15 +6,11 @@ on its own adapter keeps being served exactly as before).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
-import nats
 import openai
 import pytest
 from click.testing import CliRunner
@@ -22,9 +18,9 @@ from click.testing import CliRunner
 from inferbus.commands.main import main
 from inferbus.releases import record
 from proto import messages as m
-from proto import subjects
 from services.sim_engine import quality
 
+from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform
 
 
@@ -73,12 +69,6 @@ def registration(platform: Platform, name: str) -> dict:
         return admin.get(f"/adapters/{name}").json()
 
 
-def cli(platform: Platform, *args: str) -> str:
-    result = CliRunner().invoke(main, [*args, "--nats-url", platform.stack.nats_url])
-    assert result.exit_code == 0, result.output
-    return result.stdout
-
-
 def adapter_status(platform: Platform, adapter: str, history: bool = False) -> list[dict]:
     found = json.loads(cli(platform, "release", "status", "--model", adapter, "--json", *(["--history"] if history else [])))
     return next(states for states in found if states[0].get("adapter") == adapter)
@@ -86,66 +76,6 @@ def adapter_status(platform: Platform, adapter: str, history: bool = False) -> l
 
 def engine_name(adapter: str, version: str) -> str:
     return m.adapter_engine_name(adapter, version)
-
-
-class Load:
-    """Closed-loop chat clients on one model, each conversation with its own first prefix block."""
-
-    def __init__(self, platform: Platform, api_key: str, model: str, clients: int, tag: str) -> None:
-        self.platform, self.api_key, self.model, self.clients, self.tag = platform, api_key, model, clients, tag
-        self.stop = threading.Event()
-        self.errors: list[str] = []
-        self.ids: list[str] = []
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(60)
-
-    async def _run(self) -> None:
-        client = openai.AsyncOpenAI(base_url=self.platform.base_url, api_key=self.api_key, max_retries=0, timeout=60)
-
-        async def one(worker: int) -> None:
-            i = 0
-            while not self.stop.is_set():
-                i += 1
-                words = " ".join(f"w{(worker * 7919 + i * 31 + k) % 997}" for k in range(60))
-                try:
-                    reply = await client.chat.completions.create(
-                        model=self.model, max_tokens=12,
-                        messages=[{"role": "user", "content": f"{self.tag} conversation {worker}-{i}: {words}"}])
-                    self.ids.append(reply.id.removeprefix("chatcmpl-"))
-                except Exception as error:  # any error fails the test
-                    self.errors.append(repr(error))
-
-        await asyncio.gather(*(one(w) for w in range(self.clients)))
-
-
-def decisions(platform: Platform, adapter: str, until: set[str], timeout: float) -> list[m.ReleaseDecision]:
-    """Canary decisions published for `adapter`, until one of the actions in `until` (or timeout)."""
-    async def watch() -> list[m.ReleaseDecision]:
-        nc = await nats.connect(platform.stack.nats_url)
-        seen: list[m.ReleaseDecision] = []
-        done = asyncio.Event()
-
-        async def on(msg) -> None:  # type: ignore[no-untyped-def]
-            seen.append(msgspec.msgpack.decode(msg.data, type=m.ReleaseDecision))
-            if seen[-1].action in until:
-                done.set()
-
-        await nc.subscribe(subjects.release_subject(adapter), cb=on)
-        try:
-            await asyncio.wait_for(done.wait(), timeout)
-        except TimeoutError:
-            pass
-        await nc.close()
-        return seen
-
-    return asyncio.run(watch())
 
 
 def run_eval(platform: Platform, adapter: str, version: str, *extra: str) -> tuple[int, str, str]:

@@ -28,6 +28,7 @@ from proto import messages as m
 from proto import subjects
 from services.sim_engine import quality
 
+from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform
 
 COMMIT = "7d3c7a1f0e5b4d2c9a8b6e4f2d1c0b9a8e7f6d5c"
@@ -128,73 +129,6 @@ def replicas(platform: Platform, tmp_path: Path, llama3_model_dir: Path) -> Iter
     started = Replicas(platform, tmp_path, llama3_model_dir)
     yield started
     started.stop_all()
-
-
-def cli(platform: Platform, *args: str) -> str:
-    result = CliRunner().invoke(main, [*args, "--nats-url", platform.stack.nats_url])
-    assert result.exit_code == 0, result.output
-    return result.stdout
-
-
-class Load:
-    """Closed-loop chat clients, each conversation with its own first prefix block."""
-
-    def __init__(self, platform: Platform, clients: int = 8) -> None:
-        self.platform = platform
-        self.clients = clients
-        self.stop = threading.Event()
-        self.errors: list[str] = []
-        self.ids: list[str] = []
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(60)
-
-    async def _run(self) -> None:
-        client = self.platform.async_client(timeout=60)
-
-        async def one(worker: int) -> None:
-            i = 0
-            while not self.stop.is_set():
-                i += 1
-                words = " ".join(f"w{(worker * 7919 + i * 31 + k) % 997}" for k in range(60))
-                try:
-                    reply = await client.chat.completions.create(
-                        model=MODEL, max_tokens=12,
-                        messages=[{"role": "user", "content": f"Conversation {worker}-{i}: {words}"}])
-                    self.ids.append(reply.id.removeprefix("chatcmpl-"))
-                except Exception as error:  # any error fails the test
-                    self.errors.append(repr(error))
-
-        await asyncio.gather(*(one(w) for w in range(self.clients)))
-
-
-def decisions(platform: Platform, model: str, until: set[str], timeout: float) -> list[m.ReleaseDecision]:
-    """Canary decisions published for `model`, until one of the actions in `until` (or timeout)."""
-    async def watch() -> list[m.ReleaseDecision]:
-        nc = await nats.connect(platform.stack.nats_url)
-        seen: list[m.ReleaseDecision] = []
-        done = asyncio.Event()
-
-        async def on(msg) -> None:  # type: ignore[no-untyped-def]
-            seen.append(msgspec.msgpack.decode(msg.data, type=m.ReleaseDecision))
-            if seen[-1].action in until:
-                done.set()
-
-        await nc.subscribe(subjects.release_subject(model), cb=on)
-        try:
-            await asyncio.wait_for(done.wait(), timeout)
-        except TimeoutError:
-            pass
-        await nc.close()
-        return seen
-
-    return asyncio.run(watch())
 
 
 def status(platform: Platform) -> dict:

@@ -1,0 +1,88 @@
+"""Shared by the release and adapter canary end-to-end tests: closed-loop conversations, the
+canary's published decisions, and the CLI pointed at the test platform's bus."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgspec
+import nats
+import openai
+from click.testing import CliRunner
+
+from inferbus.commands.main import main
+from proto import messages as m
+from proto import subjects
+
+from .conftest import MODEL, Platform
+
+
+def cli(platform: Platform, *args: str) -> str:
+    result = CliRunner().invoke(main, [*args, "--nats-url", platform.stack.nats_url])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+class Load:
+    """Closed-loop chat clients on one model, each conversation with its own first prefix block."""
+
+    def __init__(self, platform: Platform, api_key: str | None = None, model: str = MODEL, clients: int = 8,
+                 tag: str = "") -> None:
+        self.platform, self.model, self.clients = platform, model, clients
+        self.api_key = api_key or platform.api_key
+        self.prefix = f"{tag} conversation" if tag else "Conversation"
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.ids: list[str] = []
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    async def _run(self) -> None:
+        client = openai.AsyncOpenAI(base_url=self.platform.base_url, api_key=self.api_key, max_retries=0, timeout=60)
+
+        async def one(worker: int) -> None:
+            i = 0
+            while not self.stop.is_set():
+                i += 1
+                words = " ".join(f"w{(worker * 7919 + i * 31 + k) % 997}" for k in range(60))
+                try:
+                    reply = await client.chat.completions.create(
+                        model=self.model, max_tokens=12,
+                        messages=[{"role": "user", "content": f"{self.prefix} {worker}-{i}: {words}"}])
+                    self.ids.append(reply.id.removeprefix("chatcmpl-"))
+                except Exception as error:  # any error fails the test
+                    self.errors.append(repr(error))
+
+        await asyncio.gather(*(one(w) for w in range(self.clients)))
+
+
+def decisions(platform: Platform, name: str, until: set[str], timeout: float) -> list[m.ReleaseDecision]:
+    """Canary decisions published for the model or adapter `name`, until one of the actions in
+    `until` (or timeout)."""
+    async def watch() -> list[m.ReleaseDecision]:
+        nc = await nats.connect(platform.stack.nats_url)
+        seen: list[m.ReleaseDecision] = []
+        done = asyncio.Event()
+
+        async def on(msg) -> None:  # type: ignore[no-untyped-def]
+            seen.append(msgspec.msgpack.decode(msg.data, type=m.ReleaseDecision))
+            if seen[-1].action in until:
+                done.set()
+
+        await nc.subscribe(subjects.release_subject(name), cb=on)
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+        except TimeoutError:
+            pass
+        await nc.close()
+        return seen
+
+    return asyncio.run(watch())
