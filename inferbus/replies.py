@@ -32,6 +32,10 @@ class _PubAck(msgspec.Struct):
 _ack_decoder = msgspec.json.Decoder(_PubAck)
 
 
+# Bytes kept free for a message's headers (message id, trace context) under the server's max_payload.
+HEADER_ROOM = 4096
+
+
 class Replies:
     def __init__(self, nc: Client) -> None:
         self._nc = nc
@@ -51,6 +55,11 @@ class Replies:
         future = self._pending.pop(msg.subject[len(self._prefix):], None)
         if future is not None and not future.done():
             future.set_result(msg)
+
+    @property
+    def max_payload(self) -> int:
+        """Largest message body the server takes, less room for the headers it also counts."""
+        return int(self._nc.max_payload) - HEADER_ROOM
 
     async def request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None) -> Msg:
         """Like `nc.request`: NoRespondersError at once if nobody listens, TimeoutError after `timeout`."""

@@ -169,6 +169,13 @@ class InferenceRequest(_Message, tag="request"):
     # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
     resumed_ids: list[int] = []
 
+    def on_wire(self) -> "InferenceRequest":
+        """The copy published on the bus. With `input_ids` set the engine computes on the ids, so the
+        prompt's text stays with the sender (which keeps it to continue from text if it must):
+        carrying both nearly doubles a long prompt, and a 120k-token prompt's text plus ids
+        exceeded NATS's default 1 MiB max_payload."""
+        return msgspec.structs.replace(self, prompt="") if self.input_ids and self.prompt else self
+
     def engine_rid(self) -> str:
         """Fixed-length engine request id: SGLang's abort matches rids by prefix."""
         return f"{self.request_id}-{self.attempt:02d}"

@@ -116,7 +116,7 @@ def line_sampling(params: schemas.ChatCompletionRequest | schemas.CompletionRequ
 def encode_request(request: m.InferenceRequest) -> bytes:
     """The request as published; OpenAIError 400 when it cannot be encoded, which no retry mends."""
     try:
-        return m.encode(request)
+        return m.encode(request.on_wire())
     except carry.UNENCODABLE as error:
         raise OpenAIError(400, f"The request cannot be carried to the engine: {error}.", code="invalid_value") from None
 

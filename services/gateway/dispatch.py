@@ -229,7 +229,12 @@ class Dispatcher:
         PLACEMENTS.labels("worker" if placement.worker_id else "any").inc()
         subject = subjects.request_subject(request.band, request.model, placement.target,  # type: ignore[arg-type]
                                            request.reply_to)
-        await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
+        payload = m.encode(request.on_wire())
+        if len(payload) > self.replies.max_payload:
+            raise DispatchError(413, "request_too_large",
+                                f"The request is {len(payload):,} bytes on the bus, over the platform's limit of "
+                                f"{self.replies.max_payload:,}; shorten the prompt.")
+        await self.replies.publish_durable(subject, payload, f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
 
     def _window_room(self) -> int:
@@ -261,6 +266,9 @@ class Dispatcher:
             self._mark_queued(flight)
             try:
                 await self._publish(flight)
+            except DispatchError:
+                self.close(flight)
+                raise
             except Exception as error:
                 self.close(flight)
                 log.error("publish_failed", error=repr(error))
@@ -298,6 +306,11 @@ class Dispatcher:
     async def _publish_released(self, flight: Flight) -> None:
         try:
             await self._publish(flight)
+        except DispatchError as error:
+            flight.events.put_nowait(m.StreamError(
+                request_id=flight.request.request_id, attempt=flight.request.attempt, code=error.code,
+                message=str(error), status=error.status,
+            ))
         except Exception as error:
             log.error("publish_failed", request_id=flight.request.request_id, error=repr(error))
             flight.events.put_nowait(m.StreamError(

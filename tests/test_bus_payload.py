@@ -1,0 +1,77 @@
+"""What a long prompt costs on the bus: the request carries the prompt once (ids when the gateway
+tokenized it), and the largest message the server takes is read from the server itself."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nats.errors import MaxPayloadError
+
+from inferbus import bus
+from inferbus.local import free_port, nats_server_binary
+from inferbus.replies import HEADER_ROOM, Replies
+from proto import messages as m
+
+from .waiting import wait_for
+
+MIB = 1024 * 1024
+
+
+def long_request(tokens: int) -> m.InferenceRequest:
+    # Word-level text (6 characters a token) and ids past 65,535 (5 bytes each in msgpack), as a
+    # 128k-vocabulary tokenizer gives.
+    return m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="abcdef" * tokens, reply_to="x",
+                              sampling=m.SamplingParams(max_new_tokens=16), deadline=1e12, created=0,
+                              input_ids=[70_000 + i % 50_000 for i in range(tokens)])
+
+
+def test_a_long_prompt_is_carried_once_and_its_text_stays_with_the_sender() -> None:
+    request = long_request(120_000)
+    assert len(m.encode(request)) > MIB  # text and ids: over NATS's default max_payload
+    wire = request.on_wire()
+    assert len(m.encode(wire)) < MIB and wire.prompt == "" and wire.input_ids == request.input_ids
+    assert request.prompt  # the sender keeps the text, to continue from it if it must
+    text_only = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="abc", reply_to="x",
+                                   sampling=m.SamplingParams(max_new_tokens=1), deadline=1e12, created=0)
+    assert text_only.on_wire() is text_only
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def small_payload_server(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: 65536\njetstream {{ store_dir: "{tmp_path}" }}\n')
+    process = subprocess.Popen([nats_server_binary(), "-c", str(config)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: _listening(port), what="nats-server listening")
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+async def test_the_limit_is_the_servers_less_room_for_headers(small_payload_server: str) -> None:
+    nc = await bus.connect(small_payload_server, name="test")
+    try:
+        replies = Replies(nc)
+        await replies.start()
+        assert replies.max_payload == 65536 - HEADER_ROOM
+        # Past it nats.py refuses the publish, which the gateway would have answered with a 503.
+        with pytest.raises(MaxPayloadError):
+            await replies.publish_durable("anything", b"x" * 70_000, "id-1", timeout=0.5)
+        await replies.stop()
+    finally:
+        await nc.close()
