@@ -106,7 +106,7 @@ def run(rate: float, good: list[tuple[float, float]], candidate: Candidate, seed
             next_arrival += rng.expovariate(rate)
         now[0] = tick
         if verdict is None:
-            verdict = slo_gate.verdict(windows[V1], windows[V2], config)
+            verdict = slo_gate.verdict(windows[V1], windows[V2], config, canary.judged_steps(rollout))
         change = controller.decide(rollout, verdict)
         if change is not None and change.action != "hold":
             rollout = change.rollout
