@@ -177,6 +177,30 @@ def test_a_bad_candidate_is_rolled_back_quickly() -> None:
     assert slo_gate.verdict(window(0.3, 0.02, 40, random.Random(2)), broken, few, steps).outcome == "fail"
 
 
+def test_an_erroring_candidate_does_not_pass_on_a_small_sample() -> None:
+    # 5% of requests failing against a baseline's 0.2%: at 200 requests a sample may hold too few
+    # failures to fail it yet, and then it must wait for more, not pass the step. A good version
+    # (the baseline's rates: 0.2% errors, 2% cancels) passes within 400 requests.
+    config = slo_gate.SloConfig()
+    ttft, tpot = lognormal_buckets(m.LATENCY_BUCKETS_S, 0.3, 0.35), lognormal_buckets(m.TPOT_BUCKETS_S, 0.02, 0.15)
+    rng = np.random.default_rng(11)
+    base = slo_gate.Window()
+    add_requests(base, 4000, ttft, tpot, 0.002, 0.02, rng)
+    passed_bad = good_in_time = 0
+    for _ in range(200):
+        erroring, good = slo_gate.Window(), slo_gate.Window()
+        add_requests(erroring, 200, ttft, tpot, 0.05, 0.02, rng)
+        while (outcome := slo_gate.verdict(base, erroring, config, 3).outcome) == "wait":
+            add_requests(erroring, 50, ttft, tpot, 0.05, 0.02, rng)
+        passed_bad += outcome == "pass"
+        add_requests(good, 200, ttft, tpot, 0.002, 0.02, rng)
+        while (outcome := slo_gate.verdict(base, good, config, 3).outcome) == "wait" and good.requests < 400:
+            add_requests(good, 50, ttft, tpot, 0.002, 0.02, rng)
+        good_in_time += outcome == "pass"
+    assert passed_bad <= 4, passed_bad
+    assert good_in_time >= 180, good_in_time
+
+
 def test_windows_sum_deltas_per_release() -> None:
     windows = slo_gate.Windows()
     def load(seq: int, ok: int, release: str = STABLE, worker: str = "w1") -> m.WorkerLoad:

@@ -35,7 +35,9 @@ test of its own), the union bound keeps the sum within it. A latency comparison 
 kind of test turned around: the candidate's share above the threshold is shown to be below
 10% + `p90_margin` (the reference, with rates p_j below it) at level `false_pass`, so a version that
 far worse passes a step with probability at most 5% however long the step holds. Error and cancel
-rates pass when they do not fail. Two approximations are not covered by the bound: the latency
+rates pass the same way: the candidate's rate is shown to be below its reference plus
+`rate_pass_margin`, at level `false_pass`; until then they wait, so a version that errors often
+enough to matter cannot pass a step on a sample too small to fail it. Two approximations are not covered by the bound: the latency
 threshold and the baseline's rates are the baseline's own estimates, taken as known (the baseline
 has more requests than the candidate at steps up to 50%, and the tolerances are wider than their
 noise), and a histogram's share above a threshold is interpolated inside its bucket.
@@ -71,6 +73,8 @@ class SloConfig:
     p90_margin: float = 0.05  # pass: the share above the threshold is surely below 10% + this
     error_tolerance: float = 0.002  # allowed absolute increase of the error rate
     cancel_tolerance: float = 0.02  # and of the cancel rate (clients give up on slow answers)
+    # pass: the error or cancel rate is surely below the rate that fails plus this
+    rate_pass_margin: float = 0.025
     # A candidate no worse than its baseline is rolled back by this gate with probability at most
     # this over its whole canary, however often the gate is read.
     false_rollback: float = 0.01
@@ -168,19 +172,26 @@ def _latency(name: str, base: list[int], cand: list[int], bounds: tuple[float, .
 
 
 def compare_rate(name: str, base_bad: int, base_n: int, cand_bad: int, cand_n: int, tolerance: float,
-                 alpha: float, numbers: dict[str, float]) -> tuple[Outcome, str]:
+                 alpha: float, numbers: dict[str, float], pass_margin: float = 0.025,
+                 false_pass: float = 0.05) -> tuple[Outcome, str]:
     """Is the candidate's rate of bad requests (failed, cancelled) above the baseline's plus
-    `tolerance`, by the mixture test at level `alpha`? ("fail" or "pass", and what in words.)"""
+    `tolerance`, by the mixture test at level `alpha` ("fail"), or surely below that plus
+    `pass_margin`, at level `false_pass` ("pass")? Otherwise "wait". With what in words."""
     p_b, p_c = base_bad / base_n, cand_bad / cand_n
     # The baseline's rate with half a request of continuity, so that a baseline without a single
     # failure does not make the reference the tolerance alone.
     reference = min((base_bad + 0.5) / (base_n + 1) + tolerance, 0.99)
     worse = log_mixture_ratio(cand_bad, cand_n, reference, worse_rates(reference))
-    to_fail = math.log(1 / alpha)
-    numbers.update({f"{name}_rate_baseline": p_b, f"{name}_rate_candidate": p_c, f"{name}_log_lr_worse": worse})
+    bound = min(reference + pass_margin, 0.99)
+    better = log_mixture_ratio(cand_bad, cand_n, bound, better_rates(bound))
+    to_fail, to_pass = math.log(1 / alpha), math.log(1 / false_pass)
+    numbers.update({f"{name}_rate_baseline": p_b, f"{name}_rate_candidate": p_c, f"{name}_log_lr_worse": worse,
+                    f"{name}_log_lr_better": better})
     what = (f"{name} rate {p_c:.2%} vs baseline {p_b:.2%} (evidence of >{reference:.2%}: {worse:.1f}, "
-            f"fails at {to_fail:.1f})")
-    return ("fail" if worse >= to_fail else "pass"), what
+            f"fails at {to_fail:.1f}; of <{bound:.2%}: {better:.1f}, passes at {to_pass:.1f})")
+    if worse >= to_fail:
+        return "fail", what
+    return ("pass" if better >= to_pass else "wait"), what
 
 
 def verdict(baseline: Window, candidate: Window, config: SloConfig, steps: int = 1) -> Verdict:
@@ -197,9 +208,9 @@ def verdict(baseline: Window, candidate: Window, config: SloConfig, steps: int =
                  numbers),
         _latency("tpot", baseline.tpot, candidate.tpot, m.TPOT_BUCKETS_S, config.tpot_slack_s, config, alpha, numbers),
         compare_rate("error", baseline.failed, baseline.requests, candidate.failed, candidate.requests,
-                     config.error_tolerance, alpha, numbers),
+                     config.error_tolerance, alpha, numbers, config.rate_pass_margin, config.false_pass),
         compare_rate("cancel", baseline.cancelled, baseline.requests, candidate.cancelled, candidate.requests,
-                     config.cancel_tolerance, alpha, numbers),
+                     config.cancel_tolerance, alpha, numbers, config.rate_pass_margin, config.false_pass),
     ]
     failed = [what for outcome, what in results if outcome == "fail"]
     if failed:
