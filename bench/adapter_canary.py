@@ -27,6 +27,7 @@ takes at a given adapter traffic.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -120,6 +121,8 @@ def run(rate: float, good: list[tuple[float, float]], candidate: Candidate, seed
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m bench.adapter_canary", description=__doc__.split("\n\n")[0],
+                            epilog="No options: it runs the whole comparison (several minutes).").parse_args()
     started = time.monotonic()
     # A good candidate is drawn from the baseline's own pool: the same distribution, so that any
     # rollback of it is the gate's false alarm, not a difference between two finite samples.
