@@ -8,7 +8,9 @@ prompts and outputs of a chat mix. A "regressed" candidate is the same engine wi
 `factor` times longer (an engine upgrade with slower kernels). For each factor the SLO gate
 (inferbus.releases.slo_gate, the code the router runs) is given what a canary at 5% of 833 req/s
 collects in a window (candidate and baseline requests drawn from those pools) many times over;
-the detection rate is the share of fail verdicts. Error rates and the eval gate are binomial, so
+the detection rate is the share of fail verdicts. The gate is at the level of a canary from 5% (two
+steps judged), whose sequential tests hold that level over every look; here it is read once, at
+the window's end, which is when a regression's evidence is largest. Error rates and the eval gate are binomial, so
 they are drawn directly. Requests of one engine share its load, so drawing them independently
 makes the gate look a little sharper than it is on a real fleet: read the numbers as a floor.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inferbus.releases import eval_gate, slo_gate
+from inferbus.releases import canary, eval_gate, slo_gate
 from inferbus.timing import roofline
 from proto import messages as m
 from services.sim_engine.config import EngineConfig
@@ -39,6 +41,7 @@ FACTORS = (1.0, 1.05, 1.10, 1.15, 1.2, 1.3)
 TRIALS = 200
 POOL_S = 600.0  # virtual seconds of traffic per simulated engine
 ENGINES_PER_POOL = 4
+STEPS_JUDGED = len(canary.steps_from(SHARE)) - 1  # a canary from 5%: 5% and 25% judged, then 100%
 
 
 @dataclass
@@ -140,7 +143,7 @@ def main() -> None:
             row = {}
             for factor, probabilities in candidates.items():
                 fails = sum(slo_gate.verdict(window_of(baseline, n_b, draw), window_of(probabilities, n_c, draw),
-                                             config).outcome == "fail" for _ in range(TRIALS))
+                                             config, STEPS_JUDGED).outcome == "fail" for _ in range(TRIALS))
                 row[str(factor)] = fails / TRIALS
             report["slo"][f"{window:g}s {name}"] = {"candidate_requests": n_c, "baseline_requests": n_b,
                                                      "fail_rate_by_step_factor": row}
@@ -151,10 +154,9 @@ def main() -> None:
             fails = 0
             for _ in range(TRIALS):
                 base_failed, cand_failed = int(draw.binomial(n_b, 0.001)), int(draw.binomial(n_c, candidate_errors))
-                p_b, p_c = base_failed / n_b, cand_failed / n_c
-                pooled = (base_failed + cand_failed + 0.5) / (n_b + n_c + 1)
-                z = (p_c - p_b - config.error_tolerance) / math.sqrt(pooled * (1 - pooled) * (1 / n_b + 1 / n_c))
-                fails += z > config.z_fail
+                outcome, _ = slo_gate.compare_rate("error", base_failed, n_b, cand_failed, n_c, config.error_tolerance,
+                                                   slo_gate.rollback_level(config, STEPS_JUDGED), {})
+                fails += outcome == "fail"
             if fails / TRIALS >= 0.8:
                 found = candidate_errors
                 break

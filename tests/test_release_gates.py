@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 
 from inferbus.releases import canary, eval_gate, slo_gate, split
@@ -81,6 +83,122 @@ def test_slo_gate_passes_equal_and_fails_slower() -> None:
     assert outcomes["same"].count("fail") == 0 and outcomes["same"].count("pass") >= 18
     assert outcomes["slower"] == ["fail"] * 20
     assert outcomes["errors"] == ["fail"] * 20
+
+
+def test_the_mixture_test_keeps_its_level_however_often_it_is_read() -> None:
+    # Outcomes at the reference rate itself (the hardest "no worse" case), read after every 10th of
+    # 2,000 requests: the mixture test reaches 1/α in at most α of the runs, where a one-look z-test
+    # read as often crosses its own α line in many times more of them.
+    rng = np.random.default_rng(11)
+    alpha, reference, runs, looks = 0.05, 0.1, 1000, range(10, 2001, 10)
+    bad = np.cumsum(rng.random((runs, looks[-1])) < reference, axis=1)
+    worse = slo_gate.worse_rates(reference)
+    crossed = fixed_crossed = 0
+    for run in bad:
+        crossed += any(slo_gate.log_mixture_ratio(float(run[n - 1]), n, reference, worse) >= math.log(1 / alpha)
+                       for n in looks)
+        fixed_crossed += any((run[n - 1] / n - reference) / math.sqrt(reference * (1 - reference) / n) > 1.645
+                             for n in looks)
+    assert crossed / runs <= alpha * 0.8
+    assert fixed_crossed / runs >= 4 * alpha
+    # Below the reference it is rarer still; well above it, found.
+    assert slo_gate.log_mixture_ratio(0, 200, reference, worse) < 0
+    assert slo_gate.log_mixture_ratio(40, 200, reference, worse) > math.log(1 / 0.01)
+
+
+def lognormal_buckets(bounds: tuple[float, ...], median: float, sigma: float) -> list[float]:
+    """The probabilities of a histogram's buckets for a lognormal latency."""
+    cdf = [0.5 * (1 + math.erf(math.log(b / median) / (sigma * math.sqrt(2)))) for b in bounds] + [1.0]
+    return [high - low for low, high in zip([0.0, *cdf[:-1]], cdf)]
+
+
+def add_requests(window: slo_gate.Window, n: int, ttft: list[float], tpot: list[float], error_rate: float,
+                 cancel_rate: float, rng: np.random.Generator) -> None:
+    failed, cancelled, ok = rng.multinomial(n, [error_rate, cancel_rate, 1 - error_rate - cancel_rate])
+    window.ttft = (np.array(window.ttft) + rng.multinomial(cancelled + ok, ttft)).tolist()
+    window.tpot = (np.array(window.tpot) + rng.multinomial(ok, tpot)).tolist()
+    window.failed += int(failed)
+    window.cancelled += int(cancelled)
+    window.ok += int(ok)
+
+
+def test_a_good_candidate_read_every_few_seconds_is_rarely_rolled_back() -> None:
+    # The whole gate with no tolerances at all (a good candidate is then exactly at the edge of
+    # "no worse" on all four comparisons), both releases failing 1% and cancelling 5% of requests,
+    # read after every 50 candidate requests from 200 to 3,000 (57 looks) in 300 steps: at most the
+    # bound of rollbacks, with margin. The same looks at a z-test's 99% line, as the gate had, fail
+    # several times more of these steps (shown on one comparison above).
+    config = slo_gate.SloConfig(latency_tolerance=0.0, ttft_slack_s=0.0, tpot_slack_s=0.0, error_tolerance=0.0,
+                                cancel_tolerance=0.0, false_rollback=0.05)
+    ttft, tpot = lognormal_buckets(m.LATENCY_BUCKETS_S, 0.3, 0.35), lognormal_buckets(m.TPOT_BUCKETS_S, 0.02, 0.15)
+    rng = np.random.default_rng(5)
+    runs, rolled_back, passed = 300, 0, 0
+    for _ in range(runs):
+        base, cand = slo_gate.Window(), slo_gate.Window()
+        outcomes = []
+        for _look in range(60):
+            add_requests(cand, 50, ttft, tpot, 0.01, 0.05, rng)
+            add_requests(base, 500, ttft, tpot, 0.01, 0.05, rng)
+            outcomes.append(slo_gate.verdict(base, cand, config).outcome)
+        rolled_back += "fail" in outcomes
+        passed += "pass" in outcomes
+    assert rolled_back <= 0.6 * config.false_rollback * runs, rolled_back
+    assert passed >= 0.9 * runs  # and the gate does pass them: their share above is 10%, under 15%
+
+
+def test_a_bad_candidate_is_rolled_back_quickly() -> None:
+    # At the defaults, at the level of a canary from 1% (three steps judged): steps 30% slower fail
+    # at the first look the gate may take (200 requests); 5% of requests failing, mostly there and
+    # always within 400; a version that cannot load at all at the first look (the e2e tests' 40).
+    config = slo_gate.SloConfig()
+    ttft, tpot = lognormal_buckets(m.LATENCY_BUCKETS_S, 0.3, 0.35), lognormal_buckets(m.TPOT_BUCKETS_S, 0.02, 0.15)
+    slow_ttft = lognormal_buckets(m.LATENCY_BUCKETS_S, 0.39, 0.35)
+    slow_tpot = lognormal_buckets(m.TPOT_BUCKETS_S, 0.026, 0.15)
+    steps = canary.judged_steps(canary.start(STABLE, CANDIDATE, "llama", 0.01, now=0.0))
+    assert steps == 3
+    rng = np.random.default_rng(9)
+    erroring_at: list[int] = []
+    for trial in range(50):
+        base, slow = slo_gate.Window(), slo_gate.Window()
+        add_requests(base, 4000, ttft, tpot, 0.002, 0.02, rng)
+        add_requests(slow, 200, slow_ttft, slow_tpot, 0.002, 0.02, rng)
+        assert slo_gate.verdict(base, slow, config, steps).outcome == "fail", trial
+        erroring = slo_gate.Window()
+        add_requests(erroring, 150, ttft, tpot, 0.05, 0.02, rng)
+        while (failed := slo_gate.verdict(base, erroring, config, steps)).outcome != "fail":
+            assert erroring.requests < 400, (trial, failed.reason)
+            add_requests(erroring, 50, ttft, tpot, 0.05, 0.02, rng)
+            add_requests(base, 1000, ttft, tpot, 0.002, 0.02, rng)
+        assert "error rate" in failed.reason
+        erroring_at.append(erroring.requests)
+    assert erroring_at.count(200) >= 30, erroring_at
+    few = slo_gate.SloConfig(min_samples=40)
+    broken = slo_gate.Window(failed=40)
+    assert slo_gate.verdict(window(0.3, 0.02, 40, random.Random(2)), broken, few, steps).outcome == "fail"
+
+
+def test_an_erroring_candidate_does_not_pass_on_a_small_sample() -> None:
+    # 5% of requests failing against a baseline's 0.2%: at 200 requests a sample may hold too few
+    # failures to fail it yet, and then it must wait for more, not pass the step. A good version
+    # (the baseline's rates: 0.2% errors, 2% cancels) passes within 400 requests.
+    config = slo_gate.SloConfig()
+    ttft, tpot = lognormal_buckets(m.LATENCY_BUCKETS_S, 0.3, 0.35), lognormal_buckets(m.TPOT_BUCKETS_S, 0.02, 0.15)
+    rng = np.random.default_rng(11)
+    base = slo_gate.Window()
+    add_requests(base, 4000, ttft, tpot, 0.002, 0.02, rng)
+    passed_bad = good_in_time = 0
+    for _ in range(200):
+        erroring, good = slo_gate.Window(), slo_gate.Window()
+        add_requests(erroring, 200, ttft, tpot, 0.05, 0.02, rng)
+        while (outcome := slo_gate.verdict(base, erroring, config, 3).outcome) == "wait":
+            add_requests(erroring, 50, ttft, tpot, 0.05, 0.02, rng)
+        passed_bad += outcome == "pass"
+        add_requests(good, 200, ttft, tpot, 0.002, 0.02, rng)
+        while (outcome := slo_gate.verdict(base, good, config, 3).outcome) == "wait" and good.requests < 400:
+            add_requests(good, 50, ttft, tpot, 0.002, 0.02, rng)
+        good_in_time += outcome == "pass"
+    assert passed_bad <= 4, passed_bad
+    assert good_in_time >= 180, good_in_time
 
 
 def test_windows_sum_deltas_per_release() -> None:

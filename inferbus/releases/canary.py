@@ -59,6 +59,12 @@ def start(stable: str, candidate: str, model: str, first: float, now: float, *, 
     )
 
 
+def judged_steps(rollout: m.Rollout) -> int:
+    """The steps whose window the SLO gate judges (all but the last, 100%: reaching it is the
+    promotion); the gate splits its false-rollback bound between them."""
+    return max(1, sum(1 for share in rollout.steps if share < 1.0))
+
+
 def subject_of(rollout: m.Rollout) -> str:
     """What a rollout is of: the model, or `<model> adapter <name>`."""
     return f"{rollout.model} adapter {rollout.adapter}" if rollout.adapter else rollout.model

@@ -95,7 +95,8 @@ class CanaryService:
             windows.reset()  # a new step: the gate reads only what happened at this share
             self._window_of[model] = step
         assert rollout.candidate is not None
-        verdict = slo_gate.verdict(windows.of(rollout.stable), windows.of(rollout.candidate), self.config)
+        verdict = slo_gate.verdict(windows.of(rollout.stable), windows.of(rollout.candidate), self.config,
+                                   canary.judged_steps(rollout))
         await self._decide(rollout, verdict, self.rollouts.revisions.get(model, 0))
 
     async def tick_adapter(self, adapter: str, rollout: m.Rollout) -> None:
@@ -117,7 +118,8 @@ class CanaryService:
         if self._adapter_window_of.get(adapter) != step:
             self.adapter_windows.reset({stable, candidate})
             self._adapter_window_of[adapter] = step
-        verdict = slo_gate.verdict(self.adapter_windows.of(stable), self.adapter_windows.of(candidate), self.config)
+        verdict = slo_gate.verdict(self.adapter_windows.of(stable), self.adapter_windows.of(candidate), self.config,
+                                   canary.judged_steps(rollout))
         await self._decide(rollout, verdict, revision)
 
     async def _decide(self, rollout: m.Rollout, verdict: slo_gate.Verdict, revision: int) -> None:

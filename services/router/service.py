@@ -105,7 +105,8 @@ class Router:
         await self.nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=self._on_place)
         self.canary = CanaryService(self.nc, self.router_id, SloConfig(
             min_samples=s.canary_min_samples, latency_tolerance=s.canary_latency_tolerance,
-            error_tolerance=s.canary_error_tolerance, cancel_tolerance=s.canary_cancel_tolerance), tick_s=s.canary_tick_s)
+            error_tolerance=s.canary_error_tolerance, cancel_tolerance=s.canary_cancel_tolerance,
+            false_rollback=s.canary_false_rollback), tick_s=s.canary_tick_s)
         await self.canary.start()
         self._tasks = [
             asyncio.create_task(self._watch(), name="watch-workers"),

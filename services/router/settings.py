@@ -33,6 +33,7 @@ class RouterSettings:
     canary_latency_tolerance: float = env("INFERBUS_CANARY_LATENCY_TOLERANCE", 0.10, "Canary SLO gate: how much worse than the stable release's TTFT/TPOT p90 the candidate's may be (0.10: 10%).")
     canary_error_tolerance: float = env("INFERBUS_CANARY_ERROR_TOLERANCE", 0.002, "Canary SLO gate: allowed absolute increase of the error rate.")
     canary_cancel_tolerance: float = env("INFERBUS_CANARY_CANCEL_TOLERANCE", 0.02, "Canary SLO gate: allowed absolute increase of the cancel rate.")
+    canary_false_rollback: float = env("INFERBUS_CANARY_FALSE_ROLLBACK", 0.01, "Canary SLO gate: the probability, over a whole canary however often the gate is read, of rolling back a candidate no worse than the stable release (its sequential tests' level).")
     canary_tick_s: float = env("INFERBUS_CANARY_TICK_S", 1.0, "How often the canary controller reads its gates.")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9101, "Port of the router's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
