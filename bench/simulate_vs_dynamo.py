@@ -14,6 +14,9 @@ on virtual clocks:
   request, compiled by `inferbus.capacity.accel` when built) with SGLang's unmixed steps and a prefix
   cache per replica fed the trace's block ids, behind `round_robin` and behind `affinity`, whose
   router sees those caches (the trace's blocks as prefix hashes, the caches' changes as KV events).
+- **inferbus + the mocker's quirks** (round-robin, small fleets): `FleetSim` whose engines add the two
+  things Dynamo's mocker does that SGLang does not (`MockerQuirks`), to measure how much of the
+  difference they are.
 - **Dynamo 1.6.1**: `dynamo.replay.api.run_trace_replay` (its mocker engine, SGLang scheduling
   mode, behind `round_robin` and its `kv_router`), timed by the same table through its
   `dynamo_profile` timing provider (`--planner-profile-data`). Run in `.venv-dynamo`
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,7 @@ from inferbus.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
+from services.sim_engine.scheduler import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKEN_RATIO, Engine, Request, StepResult
 
 RUNNER = Path(__file__).resolve().parent / "dynamo_replay.py"
 # Dynamo's kv_router away from its defaults (KvRouterConfig keywords): a miss priced like ours
@@ -64,6 +69,40 @@ ROUTER_VARIANTS: tuple[dict[str, Any], ...] = (
 )
 # Our policy and Dynamo's router mode that play the same part.
 PAIRS = (("round_robin", "round_robin"), ("affinity", "kv_router"))
+QUIRKS_UP_TO = 8  # fleets this small also run our engine with the mocker's quirks (`MockerQuirks`)
+
+
+class MockerQuirks(Engine):
+    """Our engine with the two things Dynamo 1.6.1's mocker does in SGLang mode that SGLang does not
+    (its source, lib/mocker/src/scheduler/sglang/), to measure what they change; not a model of
+    SGLang. (1) A pass that completes prompts also runs a decode step over just those before
+    their first token, though it is the prefill forward that samples it. (2) A long prompt is
+    scheduled once its next chunk fits in free KV; SGLang needs room for the whole prompt and its
+    output."""
+
+    def step(self) -> StepResult:
+        prefilling = [r for r in self.running if r.prefilling]
+        result = super().step()
+        first = [r for r in prefilling if not r.prefilling and r.first_token_time == self.now]
+        if not first:
+            return result
+        context = sum(r.context_len - 1 for r in first)  # before the token the pass produced
+        extra = self.step_model.step_time(len(first), context)
+        self.now += extra
+        for r in first:
+            r.first_token_time = self.now
+            if r.finish_time is not None:
+                r.finish_time = self.now
+        return replace(result, duration_s=result.duration_s + extra)
+
+    def _prompt_room(self, request: Request, cached: int) -> int:
+        chunk = self.config.chunked_prefill_size
+        left = len(request.fill_ids) - cached
+        needed = min(left, chunk) + 1 + int(NEW_TOKEN_RATIO * sum(
+            min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in self.running))
+        if left <= chunk:  # the last chunk: its output is reserved with it
+            needed += min(request.max_new_tokens - len(request.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATE)
+        return needed
 
 
 def write_mooncake(requests: list[TraceRequest], path: Path) -> None:
@@ -127,13 +166,14 @@ def run_dynamo(trace_path: Path, engine: dict[str, Any], replicas: int, mode: st
 
 
 def run_ours(requests: list[TraceRequest], engine: EngineConfig, step: TableStepModel, replicas: int,
-             policy: str) -> dict[str, Any]:
-    sim = FleetSim(FleetConfig(replicas=replicas, policy=policy, engine=engine), requests, step_model=step)
+             policy: str, quirks: bool = False) -> dict[str, Any]:
+    sim = FleetSim(FleetConfig(replicas=replicas, policy=policy, engine=engine), requests, step_model=step,
+                   engine_factory=MockerQuirks if quirks else Engine)
     report = sim.run()
     by_worker: dict[Any, int] = {r.worker_id: r.engine.prompt_tokens_total + r.engine.generation_tokens_total
                                  for r in sim.replicas}
     return {
-        "simulator": "inferbus FleetSim", "policy": policy, "replicas": replicas, "requests": report.requests,
+        "simulator": "inferbus FleetSim + mocker quirks" if quirks else "inferbus FleetSim", "policy": policy, "replicas": replicas, "requests": report.requests,
         "completed": report.completed, "hit_rate": report.hit_rate,
         "ttft_p50_s": report.ttft_p50_s, "ttft_p90_s": report.ttft_p90_s, "ttft_p99_s": report.ttft_p99_s,
         "tpot_p50_s": report.tpot_p50_s, "tpot_p90_s": report.tpot_p90_s,
@@ -185,12 +225,16 @@ def compare(requests: list[TraceRequest], engine: EngineConfig, kv_tokens: int, 
             runs[side] = (run_dynamo(trace_path, mocker, replicas, dynamo_mode) if side == "dynamo"
                           else run_ours(requests, engine, step, replicas, ours_policy))
         first = order[1]  # alternate who goes first
-        pair = {"replicas": replicas, "ours": runs["ours"], "dynamo": runs["dynamo"], "order": list(order),
-                "ratio": agreement(runs["ours"], runs["dynamo"])}
+        pair: dict[str, Any] = {"replicas": replicas, "ours": runs["ours"], "dynamo": runs["dynamo"],
+                                "order": list(order), "ratio": agreement(runs["ours"], runs["dynamo"])}
         # The fast simulator on the same trace, prefix caches per replica.
         pair["fast"] = run_fast(requests, engine, step, replicas, ours_policy)
         pair["fast_ratio"] = agreement(pair["fast"], runs["dynamo"])
-        for side in ("ours", "fast", "dynamo"):
+        if ours_policy == "round_robin" and replicas <= QUIRKS_UP_TO:
+            # Our engine with Dynamo's mocker quirks: how much of the difference they explain.
+            pair["quirks"] = run_ours(requests, engine, step, replicas, ours_policy, quirks=True)
+            pair["quirks_ratio"] = agreement(pair["quirks"], runs["dynamo"])
+        for side in ("ours", "quirks", "fast", "dynamo"):
             if side not in pair:
                 continue
             r = pair[side]
@@ -313,7 +357,7 @@ def _rows(pairs: list[dict[str, Any]]) -> list[str]:
     out = ["| replicas | policy | simulator | hit rate | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | imbalance | "
            "CPU s | req/CPU-s |", "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pair in pairs:
-        for side in ("ours", "fast", "dynamo"):
+        for side in ("ours", "quirks", "fast", "dynamo"):
             if side not in pair:
                 continue
             r = pair[side]
@@ -326,12 +370,12 @@ def _rows(pairs: list[dict[str, Any]]) -> list[str]:
             "| replicas | policies | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | hit rate | speed |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pair in pairs:
-        for side, key in (("ours", "ratio"), ("fast", "fast_ratio")):
+        for side, key in (("ours", "ratio"), ("quirks", "quirks_ratio"), ("fast", "fast_ratio")):
             if side not in pair:
                 continue
             q = pair[key]
             speed = pair[side]["req_per_cpu_s"] / pair["dynamo"]["req_per_cpu_s"]
-            name = "FleetSim" if side == "ours" else "FastFleet"
+            name = {"ours": "FleetSim", "quirks": "FleetSim + mocker quirks", "fast": "FastFleet"}[side]
             out.append(f"| {pair['ours']['replicas']} | {name} {pair[side]['policy']} / {pair['dynamo']['policy']} | "
                        + " | ".join(f"{q[k]:.3f}" for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s",
                                                              "tpot_p90_s", "hit_rate"))

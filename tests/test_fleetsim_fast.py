@@ -151,6 +151,41 @@ def test_prefix_cache_evicts_least_recent_blocks_beyond_the_kv_pool():
     assert [r.cached for r in reqs] == [0, 0, 511, 0, 0, 0]
 
 
+def test_a_prompt_waits_unscheduled_until_the_prefill_budget_has_room_and_matches_its_prefix_then():
+    rep = AnalyticReplica("r", MODEL, kv_capacity=400_000, prefix_block_tokens=512, page_tokens=64)
+    first = Req(0.0, 2048, 4, blocks=(1, 2, 3, 4))
+    second = Req(0.0, 2048, 4, blocks=(1, 2, 3, 5))
+    rep.add(first, 0.0)
+    rep.add(second, 0.0)
+    # As in the engine: more than a chunk of the first prompt is left, so the second is not scheduled.
+    assert list(rep.prefill) == [first] and list(rep.waiting) == [second] and second.cached == 0
+    assert rep.kv_used() == 2049
+    while rep.end < math.inf:
+        rep.segment_end()
+    assert second.cached == 1536 and second.start >= first.start + 2 * MODEL.step_time(0, 0.0, 512, 512)
+
+
+def test_a_prefix_the_batch_shares_takes_kv_once():
+    # Room for one 5,120-token prompt and a little: the second, the same prompt, is scheduled beside
+    # the first only because its blocks are the first's, which the pool holds once (as the engine's
+    # radix cache does).
+    blocks = tuple(range(10))
+    finished: list[tuple[Req, float]] = []
+    rep = AnalyticReplica("r", MODEL, kv_capacity=6_000, prefix_block_tokens=512, page_tokens=64, mixed=False,
+                          on_finish=lambda req, t: finished.append((req, t)))
+    first, second = Req(0.0, 5120, 200, blocks=blocks), Req(0.0, 5120, 200, blocks=blocks)
+    rep.add(first, 0.0)
+    while not rep.B:  # through the first prompt's prefill
+        rep.segment_end()
+    rep.add(second, rep.t)
+    assert list(rep.prefill) == [second] and second.cached == 5119
+    assert rep.shared_kv == 5120 and rep.kv_used() == 5121 + 5121 - 5120
+    while rep.end < math.inf:
+        rep.segment_end()
+    assert [req for req, _ in finished] == [first, second] and second.first < finished[0][1]
+    assert rep.held == {} and rep.shared_kv == 0 and rep.kv_used() == 0
+
+
 def test_affinity_places_by_the_replicas_prefix_caches_which_the_router_mirrors():
     # 40 families of 8 requests, each 6 blocks of 512 tokens, interleaved, on replicas whose KV holds
     # a quarter of the families: round-robin scatters a family over the replicas (and evicts it),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
 from inferbus.capacity.fleetsim.batch import BatchSpec
-from inferbus.capacity.fleetsim.wiring import fleet_states
+from inferbus.capacity.fleetsim.wiring import Lifecycle, fleet_states
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.sim_engine.config import EngineConfig
@@ -47,6 +47,91 @@ def test_a_drained_replica_finishes_its_work_and_stops():
     assert all(job.finish_s is not None and job.finish_s > 0 for job in sim.jobs)
     # Nothing was placed on it once the router heard it drain.
     assert drained.completed < min(sim.by_id[w].completed for w in ("sim-0001", "sim-0003"))
+
+
+class Node:
+    def __init__(self, name: str, in_flight: int = 0) -> None:
+        self.name, self.in_flight, self.state, self.warm_target = name, in_flight, "starting", False
+
+
+class Loop:
+    """A loop's side of `Lifecycle`: a timer list instead of a clock, and a log of what it was asked."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.timers: list[tuple[float, Node]] = []
+        self.log: list[tuple[str, str]] = []
+        self.lifecycle = Lifecycle(self.nodes, cold_start_s=120.0, warm_start_s=5.0, new_replica=self.new_replica,
+                                   after=lambda delay, node: self.timers.append((delay, node)), serve=self.serve,
+                                   begin_drain=self.begin_drain, park=lambda node: self.log.append(("park", node.name)),
+                                   stop=self.stop)
+
+    def new_replica(self) -> Node:
+        node = self.nodes[f"r{len(self.nodes)}"] = Node(f"r{len(self.nodes)}")
+        return node
+
+    def serve(self, node: Node) -> None:
+        node.state = "serving"
+
+    def begin_drain(self, node: Node) -> None:
+        self.log.append(("drain", node.name))
+        if node.in_flight == 0:
+            self.lifecycle.drained(node)
+
+    def stop(self, node: Node) -> None:
+        node.state = "stopped"
+        del self.nodes[node.name]
+
+    def fire(self) -> list[float]:
+        delays = [delay for delay, _ in self.timers]
+        for _, node in self.timers:
+            self.lifecycle.ready(node)
+        self.timers.clear()
+        return delays
+
+
+def test_lifecycle_moves_replicas_between_states_the_same_way_for_both_loops():
+    loop = Loop()
+    life = loop.lifecycle
+    assert life.start(2) == ["r0", "r1"] and life.start(1, warm=True) == ["r2"]
+    assert loop.fire() == [120.0, 120.0, 120.0]
+    assert [n.state for n in loop.nodes.values()] == ["serving", "serving", "warm"]
+    assert life.promote(5) == ["r2"] and loop.nodes["r2"].state == "starting" and loop.fire() == [5.0]
+    assert loop.nodes["r2"].state == "serving"
+    # Drain picks the least busy; one with work left waits for `drained`, an empty one goes at once.
+    loop.nodes["r0"].in_flight, loop.nodes["r1"].in_flight, loop.nodes["r2"].in_flight = 3, 0, 1
+    assert life.drain(2, to_warm=True) == ["r1", "r2"]
+    assert loop.nodes["r1"].state == "warm" and loop.nodes["r2"].state == "draining"
+    assert ("park", "r1") in loop.log and ("park", "r2") not in loop.log
+    life.drained(loop.nodes["r2"])
+    assert loop.nodes["r2"].state == "warm" and not loop.nodes["r2"].warm_target
+    assert life.drain(ids=["r0", "r1"]) == ["r0"]  # r1 is warm, not serving
+    life.drained(loop.nodes["r0"])
+    assert "r0" not in loop.nodes
+    assert life.stop_warm(ids=["r2"]) == ["r2"] and list(loop.nodes) == ["r1"]
+    # A timer of a replica no longer starting (stopped meanwhile) changes nothing.
+    stale = Node("gone")
+    stale.state = "stopped"
+    life.ready(stale)
+    assert stale.state == "stopped"
+    assert fleet_states(loop.nodes.values()) == {"starting": 0, "warm": 1, "serving": 0, "draining": 0}
+
+
+def test_the_per_step_fleet_parks_a_drained_replica_warm_and_promotes_it_again():
+    engine = EngineConfig()
+    trace = workload.at_rate(workload.azure_like(400), 8.0)  # arrivals for ~50 s
+    sim = FleetSim(FleetConfig(replicas=2, policy="least_loaded", engine=engine, warm_start_s=2.0), trace)
+    sim.loop.at(3.0, lambda: sim.drain(ids=["sim-0002"], to_warm=True))
+    sim.loop.at(30.0, sim.promote, 1)
+    seen: dict[float, tuple[str, int]] = {}
+    for t in (29.0, 31.0, 33.0):
+        sim.loop.at(t, lambda t=t: seen.update({t: (sim.by_id["sim-0002"].state, sim.by_id["sim-0002"].completed)}))
+    report = sim.run()
+    replica = sim.by_id["sim-0002"]
+    assert (report.completed, report.failed, report.unfinished) == (400, 0, 0)
+    assert [state for state, _ in seen.values()] == ["warm", "starting", "serving"]
+    assert seen[29.0][1] == seen[31.0][1] < replica.completed  # idle while warm and starting, serving again after
+    assert replica.epoch == 2 and "sim-0002" in sim.nodes
 
 
 def families(rate_rps: float) -> list:

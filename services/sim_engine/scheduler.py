@@ -580,13 +580,7 @@ class Engine:
         usable = min(len(request.hashes), (len(request.fill_ids) - 1) // bs)
         matched = self.cache.match(request.hashes[:usable])
         self.cache.lock(request.hashes[:matched])
-        needed = len(request.fill_ids) - matched * bs + 1
-        needed += sum(len(r.fill_ids) - r.computed for r in self.running if r.prefilling)
-        needed += int(
-            NEW_TOKEN_RATIO
-            * sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in (*self.running, request))
-        )
-        if self.cache.available_tokens() < needed:
+        if self.cache.available_tokens() < self._prompt_room(request, matched * bs):
             self.cache.unlock(request.hashes[:matched])
             return False
         request.locked = matched
@@ -595,6 +589,18 @@ class Engine:
             request.cached_tokens = matched * bs
             self.cached_tokens_total += matched * bs
         return True
+
+    def _prompt_room(self, request: Request, cached: int) -> int:
+        """KV tokens a waiting request needs free to be scheduled: the whole uncached prompt (as
+        SGLang checks it, though it prefills a chunk at a time), the rest of the prompts being
+        prefilled, and a share of every running request's remaining output."""
+        needed = len(request.fill_ids) - cached + 1
+        needed += sum(len(r.fill_ids) - r.computed for r in self.running if r.prefilling)
+        needed += int(
+            NEW_TOKEN_RATIO
+            * sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in (*self.running, request))
+        )
+        return needed
 
     def _plan_prefill(self) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size

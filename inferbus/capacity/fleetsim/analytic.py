@@ -25,12 +25,15 @@ model keeps only what decides the timing and advances over runs of identical ste
   Mooncake trace's `hash_ids`, one per `prefix_block_tokens` tokens), an LRU of those blocks,
   each with how many of its tokens are cached in whole engine pages, holding at most the KV pool.
   A request's leading cached blocks are its hit (at least one prompt token is still computed) and
-  its blocks become the most recent, when it arrives at the replica. Without ids, a request's
-  cached tokens are what it arrived with (the mix's statistic).
-- Admission (SGLang's): a request enters prefill when fewer than `max_running` requests run and
-  its prompt, plus `NEW_TOKEN_RATIO` of every running request's remaining output, fits in free
-  KV; otherwise it waits in FIFO order (head-of-line). Retraction (recompute after KV overflow)
-  is not modelled: the reservation makes it rare, and resident KV may then exceed capacity.
+  its blocks become the most recent, when it is scheduled (as the engine matches its prefix).
+  While requests in the batch share blocks, the KV pool holds them once: a request is charged
+  only for the blocks no other request in the batch holds. Without ids, a request's cached
+  tokens are what it arrived with (the mix's statistic).
+- Admission (SGLang's): a request is scheduled into prefill while the step's prefill budget has
+  room (less than a chunk of scheduled prompt left), fewer than `max_running` requests run and its
+  prompt, plus `NEW_TOKEN_RATIO` of every running request's remaining output, fits in free KV;
+  otherwise it waits in FIFO order (head-of-line). Retraction (recompute after KV overflow) is
+  not modelled: the reservation makes it rare, and resident KV may then exceed capacity.
 
 Pure: no clock, no I/O; a finished request is reported through the `on_finish` callback (its
 `first` and `start` times are set on it).
@@ -91,7 +94,8 @@ class AnalyticReplica:
         "decoding", "B", "C", "sum_dfin", "prefill", "Q", "prefill_kv", "prefill_out", "waiting",
         "seq", "completed", "taken", "busy_s", "prefilled_tokens", "draining",
         "mixed", "page", "prefix_block", "prefix_cache", "prefix_tokens", "prompt_tokens", "cached_tokens",
-        "output_tokens", "cache_log", "stored_blocks", "evicted_blocks",
+        "output_tokens", "cache_log", "stored_blocks", "evicted_blocks", "held", "held_tokens",
+        "shared_kv",
     )
 
     def __init__(
@@ -149,6 +153,11 @@ class AnalyticReplica:
         self.cache_log = False
         self.stored_blocks: list[int] = []
         self.evicted_blocks: list[int] = []
+        # Prefix blocks held by requests in the batch (block id → how many hold it), and the KV that
+        # sharing saves: a prefix several running requests share is in the pool once, as in the engine.
+        self.held: dict[int, int] = {}
+        self.held_tokens = 0  # Σ of the held blocks' tokens (each once)
+        self.shared_kv = 0
         self.prompt_tokens = 0  # of the requests it took, and of those the cached, and their output
         self.cached_tokens = 0
         self.output_tokens = 0
@@ -164,7 +173,7 @@ class AnalyticReplica:
         return self.B + len(self.prefill) + len(self.waiting)
 
     def kv_used(self) -> int:
-        return self.C + self.B * self.D + self.prefill_kv
+        return self.C + self.B * self.D + self.prefill_kv - self.shared_kv
 
     def queued_prefill(self) -> int:
         return self.Q + sum(r.remaining for r in self.waiting)
@@ -193,10 +202,9 @@ class AnalyticReplica:
         elif now > self.t:
             self.t = now
         req.replica = self
-        if self.prefix_block and req.blocks is not None:
-            req.set_cached(self._prefix_hit(req))
         self.prompt_tokens += req.input
-        self.cached_tokens += req.cached
+        if not self.prefix_block or req.blocks is None:
+            self.cached_tokens += req.cached  # its hit came with it; a prefix hit is looked up on admission
         self.output_tokens += req.output
         if self.waiting or not self._admit(req):
             self.waiting.append(req)
@@ -242,7 +250,9 @@ class AnalyticReplica:
 
     def _prefix_hit(self, req: Req) -> int:
         """Prompt tokens of `req` in the prefix cache (its leading cached blocks); its blocks are
-        then the most recent, and the least recent are evicted beyond the KV pool."""
+        then the most recent, its first block the most recent of all, so that a prefix loses its
+        last blocks first (as the engine's radix cache evicts leaves), and the least recent are
+        evicted beyond the room the batch leaves."""
         cache = self.prefix_cache
         block, page = self.prefix_block, self.page
         left = req.input
@@ -269,27 +279,79 @@ class AnalyticReplica:
             if full > held:
                 cache[block_id] = full
                 tokens += full - held
-            cache.move_to_end(block_id)
-        capacity = self.kv_capacity
-        while tokens > capacity and cache:
+        for block_id in reversed(req.blocks or ()):
+            if block_id in cache:
+                cache.move_to_end(block_id)
+        # The cache has the pool less what the batch holds outside it (its output, its prompts'
+        # partial pages), and never gives up a block the batch holds (the engine's are locked).
+        capacity = self.kv_capacity - (self.kv_used() - self.held_tokens)
+        in_batch = self.held
+        skipped = 0
+        while tokens > capacity and len(cache) > skipped:
             evicted_id, evicted = cache.popitem(last=False)
+            if evicted_id in in_batch:
+                cache[evicted_id] = evicted  # in use: now the most recent
+                skipped += 1
+                continue
             tokens -= evicted
             if self.cache_log:
                 self.evicted_blocks.append(evicted_id)
         self.prefix_tokens = tokens
         return hit
 
+    def _hold(self, req: Req, delta: int) -> int:
+        """`req`'s prompt blocks (whole pages of them) taken into the batch (`delta` 1), let go (-1)
+        or only looked at (0); returns the tokens of them that another request in the batch holds
+        too, which the KV pool holds once."""
+        held = self.held
+        block, page = self.prefix_block, self.page
+        left = req.input
+        shared = 0
+        for block_id in req.blocks or ():
+            size = block if left > block else left
+            left -= size
+            full = size - size % page
+            if not full:
+                continue
+            count = held.get(block_id, 0)
+            if delta == 0 and not count:
+                break  # block ids are chained (a trace's hash ids): none after this one is held either
+            if delta > 0:
+                held[block_id] = count + 1
+                if not count:
+                    self.held_tokens += full
+            elif delta < 0:
+                if count <= 1:
+                    if held.pop(block_id, None) is not None:
+                        self.held_tokens -= full
+                    continue
+                held[block_id] = count - 1
+                count -= 1
+            if count:
+                shared += full
+        return shared
+
     def _admit(self, req: Req) -> bool:
-        if self.B + len(self.prefill) >= self.max_running:
+        # The engine schedules a waiting prompt only while the step's prefill budget has room
+        # (prompts already scheduled leave less than a chunk to prefill), so the rest wait
+        # unscheduled: no KV held, prefix not yet matched.
+        if self.Q >= self.chunk or self.B + len(self.prefill) >= self.max_running:
             return False
         out = req.output if req.output < CLIP_MAX_NEW_TOKENS_ESTIMATE else CLIP_MAX_NEW_TOKENS_ESTIMATE
         remaining_out = self.sum_dfin - self.B * self.D + self.prefill_out + out
-        needed = req.input + 1 + int(NEW_TOKEN_RATIO * remaining_out)
-        used = self.C + self.B * self.D + self.prefill_kv
+        sharing = self.prefix_block and req.blocks is not None
+        shared = self._hold(req, 0) if sharing else 0
+        needed = req.input + 1 - shared + int(NEW_TOKEN_RATIO * remaining_out)
+        used = self.C + self.B * self.D + self.prefill_kv - self.shared_kv
         if used + needed > self.kv_capacity and (self.B or self.prefill):
             return False  # an empty replica takes anything that fits at all (the engine rejects larger)
         if not self.prefill:
             req.start = self.t
+        if sharing:
+            # As the engine: the prefix is matched when the request is scheduled, not when it queues.
+            req.set_cached(self._prefix_hit(req))
+            self.cached_tokens += req.cached
+            self.shared_kv += self._hold(req, 1)
         self.prefill.append(req)
         self.Q += req.remaining
         self.prefill_kv += req.input + 1
@@ -335,6 +397,8 @@ class AnalyticReplica:
                     prefill_kv -= req.input + 1
                     prefill_out -= output if output < CLIP_MAX_NEW_TOKENS_ESTIMATE else CLIP_MAX_NEW_TOKENS_ESTIMATE
                     if output <= 1:
+                        if req.blocks is not None and self.prefix_block:
+                            self.shared_kv -= self._hold(req, -1)
                         self.completed += 1
                         self.B, self.C, self.sum_dfin, self.seq = B, C, sum_dfin, seq  # the callback may look
                         self.prefill_kv, self.prefill_out = prefill_kv, prefill_out
@@ -362,6 +426,8 @@ class AnalyticReplica:
                 C -= req.input + 1 - (dfin - req.output + 1)
                 sum_dfin -= dfin
                 completed += 1
+                if req.blocks is not None and self.prefix_block:
+                    self.shared_kv -= self._hold(req, -1)
                 # Written back before the callback: the fleet may look at the replica from it.
                 self.B, self.C, self.sum_dfin, self.completed = B, C, sum_dfin, completed
                 on_finish(req, t)

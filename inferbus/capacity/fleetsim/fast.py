@@ -56,11 +56,11 @@ from inferbus.capacity.fleetsim.wiring import (
     Admission,
     Controller,
     FleetSignals,
+    Lifecycle,
     StaticController,
     fleet_signals,
     fleet_states,
     make_placement,
-    pick,
 )
 from inferbus.timing import FixedStepModel, StepTimeModel, roofline
 from proto import messages as m
@@ -133,6 +133,10 @@ class _Node:
         self.beat: m.Heartbeat | None = None
         self.since = 0.0
         self.warm_target = False  # a cold start that ends in the warm pool
+
+    @property
+    def in_flight(self) -> int:
+        return self.replica.in_flight
 
 
 class FastFleet:
@@ -217,6 +221,9 @@ class FastFleet:
         self._window_start = 0.0
         self._admission = config.admission
         self._lazy = config.lazy_replicas  # serving replicas' segment ends applied on demand (`_catch_up`)
+        self.lifecycle = Lifecycle(self.nodes, cold_start_s=config.cold_start_s, warm_start_s=config.warm_start_s,
+                                   new_replica=self._new_starting, after=self._ready_after, serve=self._serve,
+                                   begin_drain=self._begin_drain, park=self._park, stop=self._stop)
         for _ in range(config.replicas):
             self._new_node("serving")
         for _ in range(config.warm):
@@ -235,57 +242,37 @@ class FastFleet:
         return fleet_states(self.nodes.values())
 
     def start(self, count: int = 1, *, warm: bool = False) -> list[str]:
-        """Cold-start `count` replicas; serving (or, with `warm`, warm) after `cold_start_s`."""
-        names = []
-        for _ in range(max(0, count)):
-            node = self._new_node("starting")
-            node.warm_target = warm
-            self._push(self.now + self.config.cold_start_s, _READY, node, 0)
-            names.append(node.name)
-        return names
+        return self.lifecycle.start(count, warm=warm)
 
     def promote(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
-        """Warm replicas (`ids`, else the first `count`) serve after `warm_start_s` (billed all along)."""
-        names = []
-        for node in self._pick("warm", count, ids):
-            node.state = "starting"
-            node.warm_target = False
-            self._push(self.now + self.config.warm_start_s, _READY, node, 0)
-            names.append(node.name)
-        return names
+        return self.lifecycle.promote(count, ids)
 
     def drain(self, count: int = 1, ids: list[str] | None = None, *, to_warm: bool = False) -> list[str]:
-        """Serving replicas (`ids`, else the `count` least busy) take no new work, finish their
-        own, then stop (or, with `to_warm`, go back to the warm pool, engine kept)."""
-        self._catch_up_all()
-        if ids is None:
-            chosen = sorted(self._pick("serving", len(self.nodes), None), key=lambda n: n.replica.in_flight)[: max(0, count)]
-        else:
-            chosen = self._pick("serving", count, ids)
-        names = []
-        for node in chosen:
-            node.state = "draining"
-            node.warm_target = to_warm
-            node.replica.draining = True
-            self.serving.pop(node.name, None)
-            if self._lazy:
-                self._push_segment(node.replica)  # eager from now: its last finish stops it on time
-            self._heartbeat(node)
-            names.append(node.name)
-            if node.replica.in_flight == 0:
-                self._drained(node)
-        return names
+        self._catch_up_all()  # "least busy" as of now
+        return self.lifecycle.drain(count, ids, to_warm=to_warm)
 
     def stop_warm(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
-        """Stop warm replicas (`ids`, else the first `count`)."""
-        names = []
-        for node in self._pick("warm", count, ids):
-            self._stop(node)
-            names.append(node.name)
-        return names
+        return self.lifecycle.stop_warm(count, ids)
 
-    def _pick(self, state: str, count: int, ids: list[str] | None) -> list[_Node]:
-        return pick(self.nodes, state, count, ids)
+    def _new_starting(self) -> _Node:
+        return self._new_node("starting")
+
+    def _ready_after(self, delay_s: float, node: _Node) -> None:
+        self._push(self.now + delay_s, _READY, node, 0)
+
+    def _begin_drain(self, node: _Node) -> None:
+        node.replica.draining = True
+        self.serving.pop(node.name, None)
+        if self._lazy:
+            self._push_segment(node.replica)  # eager from now: its last finish stops it on time
+        self._heartbeat(node)
+        if node.replica.in_flight == 0:
+            self.lifecycle.drained(node)
+
+    def _park(self, node: _Node) -> None:
+        node.replica.draining = False
+        node.beat = None
+        self.registry.on_worker_gone(node.name)  # a warm worker leaves the router's registry
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -463,7 +450,7 @@ class FastFleet:
         self._finished.append(req)
         replica = req.replica
         if replica is not None and replica.draining and not replica.B and not replica.prefill and not replica.waiting:
-            self._drained(self.by_id[replica.name])
+            self.lifecycle.drained(self.by_id[replica.name])
 
     def _account_finished(self) -> None:
         """Add the requests finished since the last call to their buckets (the minute they finished
@@ -596,13 +583,7 @@ class FastFleet:
 
     def _other(self, kind: int, obj: object) -> None:
         if kind == _READY:
-            node: _Node = obj  # type: ignore[assignment]
-            if node.state != "starting":
-                return
-            if node.warm_target:
-                node.state = "warm"
-            else:
-                self._serve(node)
+            self.lifecycle.ready(obj)
         elif kind == _EXPIRE:
             self.registry.expire()
             self._push(self.now + self.config.expire_interval_s, _EXPIRE, None, 0)
@@ -677,17 +658,6 @@ class FastFleet:
         self._report(node)
         if self.shared:
             self._drain_shared()
-
-    def _drained(self, node: _Node) -> None:
-        """A draining replica has finished its work: stop it, or park it in the warm pool."""
-        if not node.warm_target:
-            self._stop(node)
-            return
-        node.state = "warm"
-        node.warm_target = False
-        node.replica.draining = False
-        node.beat = None
-        self.registry.on_worker_gone(node.name)  # a warm worker leaves the router's registry
 
     def _stop(self, node: _Node) -> None:
         if node.state == "stopped":

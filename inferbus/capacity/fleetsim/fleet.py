@@ -62,10 +62,10 @@ from inferbus.capacity.fleetsim.wiring import (
     Admission,
     Controller,
     FleetSignals,
+    Lifecycle,
     fleet_signals,
     fleet_states,
     make_placement,
-    pick,
 )
 from inferbus.capacity.fleetsim.workload import PromptTokens
 from inferbus.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -256,8 +256,12 @@ class FleetSim:
         prompts: PromptTokens | None = None,
         batch: BatchSpec | None = None,
         controller: Controller | None = None,
+        engine_factory: Callable[[EngineConfig, StepTimeModel | None], Engine] = Engine,
     ) -> None:
+        """`engine_factory` makes each replica's engine (a variant of the scheduler, to measure what
+        a behaviour changes)."""
         self.config = config
+        self.engine_factory = engine_factory
         self.loop = EventLoop()
         self.rng = random.Random(config.seed)
         if placer_factory is not None:
@@ -301,6 +305,9 @@ class FleetSim:
         self._ran = False
         self.band = BatchBand(self, batch) if batch is not None else None
         self._has_room = self._has_slot if batch is not None else self._engine_has_room  # type: ignore[method-assign]
+        self.lifecycle = Lifecycle(self.nodes, cold_start_s=config.cold_start_s, warm_start_s=config.warm_start_s,
+                                   new_replica=self._new_starting, after=self._ready_after, serve=self._serve,
+                                   begin_drain=self._begin_drain, park=self._park, stop=self._stop)
         for _ in range(config.replicas):
             self.add_replica(0.0)
         for _ in range(config.warm):
@@ -326,7 +333,7 @@ class FleetSim:
         self._serve(self._new_replica(worker_id, "starting"))
 
     def _new_replica(self, worker_id: str, state: str) -> Replica:
-        engine = Engine(self.config.engine, self.step_model)
+        engine = self.engine_factory(self.config.engine, self.step_model)
         engine.advance(self.loop.now)
         replica = Replica(worker_id, engine, self.loop.now)
         replica.state = state
@@ -352,46 +359,16 @@ class FleetSim:
         return fleet_states(self.nodes.values())
 
     def start(self, count: int = 1, *, warm: bool = False) -> list[str]:
-        """Cold-start `count` replicas; serving (or, with `warm`, warm) after `cold_start_s`."""
-        names = []
-        for _ in range(max(0, count)):
-            replica = self._new_replica(self._next_worker_id(), "starting")
-            replica.warm_target = warm
-            self.loop.after(self.config.cold_start_s, self._ready, replica)
-            names.append(replica.worker_id)
-        return names
+        return self.lifecycle.start(count, warm=warm)
 
     def promote(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
-        """Warm replicas (`ids`, else the first `count`) serve after `warm_start_s`."""
-        names = []
-        for replica in self._pick("warm", count, ids):
-            replica.state = "starting"
-            replica.warm_target = False
-            self.loop.after(self.config.warm_start_s, self._ready, replica)
-            names.append(replica.worker_id)
-        return names
+        return self.lifecycle.promote(count, ids)
 
     def drain(self, count: int = 1, ids: list[str] | None = None, *, to_warm: bool = False) -> list[str]:
-        """Serving replicas (`ids`, else the `count` least busy) take no new work, finish their
-        own, then stop (or, with `to_warm`, go back to the warm pool, engine kept)."""
-        if ids is None:
-            serving = sorted(self._pick("serving", len(self.nodes), None), key=lambda r: r.in_flight)
-            chosen = serving[: max(0, count)]
-        else:
-            chosen = self._pick("serving", count, ids)
-        for replica in chosen:
-            replica.state = "draining"
-            replica.warm_target = to_warm
-            self._heartbeat(replica, first=True, epoch=replica.epoch, reschedule=False)  # the router stops placing
-            self._drained_check(replica)
-        return [replica.worker_id for replica in chosen]
+        return self.lifecycle.drain(count, ids, to_warm=to_warm)
 
     def stop_warm(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
-        """Stop warm replicas (`ids`, else the first `count`)."""
-        chosen = self._pick("warm", count, ids)
-        for replica in chosen:
-            self._stop(replica)
-        return [replica.worker_id for replica in chosen]
+        return self.lifecycle.stop_warm(count, ids)
 
     def signals(self) -> FleetSignals:
         nodes = list(self.nodes.values())
@@ -400,28 +377,24 @@ class FleetSim:
                              [r for r in nodes if r.state == "serving" and r.alive], fleet_states(nodes),
                              held + len(self.shared), [r.worker_id for r in nodes if r.state == "warm"])
 
-    def _pick(self, state: str, count: int, ids: list[str] | None) -> list[Replica]:
-        return pick(self.nodes, state, count, ids)
+    def _new_starting(self) -> Replica:
+        return self._new_replica(self._next_worker_id(), "starting")
 
-    def _ready(self, replica: Replica) -> None:
-        if replica.state != "starting":
-            return
-        if replica.warm_target:
-            replica.state = "warm"
-            replica.warm_target = False
-        else:
-            self._serve(replica)
+    def _ready_after(self, delay_s: float, replica: Replica) -> None:
+        self.loop.after(delay_s, self.lifecycle.ready, replica)
+
+    def _begin_drain(self, replica: Replica) -> None:
+        self._heartbeat(replica, first=True, epoch=replica.epoch, reschedule=False)  # the router stops placing
+        self._drained_check(replica)
 
     def _drained_check(self, replica: Replica) -> None:
         """A draining replica with nothing left: stop it, or park it in the warm pool."""
         if replica.state != "draining" or replica.jobs or replica.batch_jobs or replica.stepping:
             return
-        if replica.warm_target:
-            replica.state = "warm"
-            replica.warm_target = False
-            self.registry.on_worker_gone(replica.worker_id)  # a warm worker leaves the router's registry
-        else:
-            self._stop(replica)
+        self.lifecycle.drained(replica)
+
+    def _park(self, replica: Replica) -> None:
+        self.registry.on_worker_gone(replica.worker_id)  # a warm worker leaves the router's registry
 
     def _stop(self, replica: Replica) -> None:
         replica.state = "stopped"

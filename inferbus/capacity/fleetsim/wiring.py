@@ -10,7 +10,8 @@ analytic replicas a few events per request, compiled with mypyc, to simulate a d
 - admission: `Admission`, the gateway's `OverloadPolicy` fed the workers' load reports;
 - scaling: a `Controller` (the autoscaler's policy, `services.autoscaler.simulated`) called every
   `interval_s` with `FleetSignals` built by `fleet_signals` from either replica model, acting
-  through the loop's `FleetControls`;
+  through the loop's `FleetControls`, which both loops implement with one `Lifecycle` (start,
+  promote, drain, stop warm replicas), each supplying how its replicas are made, timed and stopped;
 - the batch band (the batch service's feed, the workers' preemption tick): `batch.BatchBand`,
   which needs the per-step engine (it preempts and resumes engine requests).
 
@@ -165,6 +166,94 @@ def pick(nodes: dict[str, Any], state: str, count: int, ids: list[str] | None) -
     if ids is not None:
         return [nodes[i] for i in ids if i in nodes and nodes[i].state == state]
     return [node for node in nodes.values() if node.state == state][: max(0, count)]
+
+
+class Lifecycle:
+    """The fleet's controls (`FleetControls`) and a replica's lifecycle, the same in both loops:
+    starting (cold start) → serving, or → warm (loaded, not serving) → promoted (warm start) →
+    serving → draining (no new work, finishes its own) → stopped, or back to warm.
+
+    `nodes` is the loop's replicas not stopped (each with `name`, `state`, `warm_target` and
+    `in_flight`); the loop supplies what differs between its replica models:
+    `new_replica()` (a billed replica in state "starting"), `after(delay_s, node)` (call `ready(node)`
+    that much later), `serve(node)`, `begin_drain(node)` (stop placing on a replica just marked
+    draining; then `drained(node)` once it holds nothing), `park(node)` (a drained replica that
+    went back to the warm pool leaves the router's registry) and `stop(node)`. Controls are rare
+    (a controller's interval), so calling through here costs the compiled loop nothing measurable."""
+
+    def __init__(self, nodes: dict[str, Any], *, cold_start_s: float, warm_start_s: float,
+                 new_replica: Callable[[], Any], after: Callable[[float, Any], None], serve: Callable[[Any], None],
+                 begin_drain: Callable[[Any], None], park: Callable[[Any], None],
+                 stop: Callable[[Any], None]) -> None:
+        self.nodes = nodes
+        self.cold_start_s = cold_start_s
+        self.warm_start_s = warm_start_s
+        self._new_replica = new_replica
+        self._after = after
+        self._serve = serve
+        self._begin_drain = begin_drain
+        self._park = park
+        self._stop = stop
+
+    def start(self, count: int = 1, *, warm: bool = False) -> list[str]:
+        """Cold-start `count` replicas; serving (or, with `warm`, warm) after `cold_start_s`."""
+        names = []
+        for _ in range(max(0, count)):
+            node = self._new_replica()
+            node.warm_target = warm
+            self._after(self.cold_start_s, node)
+            names.append(node.name)
+        return names
+
+    def promote(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
+        """Warm replicas (`ids`, else the first `count`) serve after `warm_start_s` (billed all along)."""
+        names = []
+        for node in pick(self.nodes, "warm", count, ids):
+            node.state = "starting"
+            node.warm_target = False
+            self._after(self.warm_start_s, node)
+            names.append(node.name)
+        return names
+
+    def drain(self, count: int = 1, ids: list[str] | None = None, *, to_warm: bool = False) -> list[str]:
+        """Serving replicas (`ids`, else the `count` least busy) take no new work, finish their
+        own, then stop (or, with `to_warm`, go back to the warm pool, engine kept)."""
+        if ids is None:
+            serving = sorted(pick(self.nodes, "serving", len(self.nodes), None), key=lambda node: node.in_flight)
+            chosen = serving[: max(0, count)]
+        else:
+            chosen = pick(self.nodes, "serving", count, ids)
+        for node in chosen:
+            node.state = "draining"
+            node.warm_target = to_warm
+            self._begin_drain(node)
+        return [node.name for node in chosen]
+
+    def stop_warm(self, count: int = 1, ids: list[str] | None = None) -> list[str]:
+        """Stop warm replicas (`ids`, else the first `count`)."""
+        chosen = pick(self.nodes, "warm", count, ids)
+        for node in chosen:
+            self._stop(node)
+        return [node.name for node in chosen]
+
+    def ready(self, node: Any) -> None:
+        """A start or promotion is done: the replica serves, or joins the warm pool."""
+        if node.state != "starting":
+            return
+        if node.warm_target:
+            node.state = "warm"
+            node.warm_target = False
+        else:
+            self._serve(node)
+
+    def drained(self, node: Any) -> None:
+        """A draining replica holds nothing more: it stops, or goes back to the warm pool."""
+        if not node.warm_target:
+            self._stop(node)
+            return
+        node.state = "warm"
+        node.warm_target = False
+        self._park(node)
 
 
 def fleet_signals(t: float, window: Bucket, window_start: float, serving: Iterable[ReplicaModel],
