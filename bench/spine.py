@@ -20,7 +20,10 @@ slow patch of the shared machine does not land on one system only.
 
 Per phase: requests/s, time to the first token's bytes (TTFB) p50/p99 and what each router adds over
 the engine alone in the same rep, and CPU-ms per request of every process **with its whole tree**
-(utime + stime + reaped children's, read from /proc before and after the measured window).
+(utime + stime + reaped children's, read from /proc before and after the measured window); for
+inferbus also NATS messages per request by connection (nats-server's /connz and /varz) and Redis
+commands per request by command (`INFO commandstats`), counts that do not depend on how busy the
+machine is; and after each start, the platform's idle cost (`--idle-seconds` without requests).
 
 The client sets TCP_NODELAY and re-arms TCP_QUICKACK after every read, for every system: a server
 that writes the response head and the first event in two small segments without TCP_NODELAY (Nagle
