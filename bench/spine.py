@@ -20,7 +20,10 @@ slow patch of the shared machine does not land on one system only.
 
 Per phase: requests/s, time to the first token's bytes (TTFB) p50/p99 and what each router adds over
 the engine alone in the same rep, and CPU-ms per request of every process **with its whole tree**
-(utime + stime + reaped children's, read from /proc before and after the measured window).
+(utime + stime + reaped children's, read from /proc before and after the measured window); for
+inferbus also NATS messages per request by connection (nats-server's /connz and /varz) and Redis
+commands per request by command (`INFO commandstats`), counts that do not depend on how busy the
+machine is; and after each start, the platform's idle cost (`--idle-seconds` without requests).
 
 The client sets TCP_NODELAY and re-arms TCP_QUICKACK after every read, for every system: a server
 that writes the response head and the first event in two small segments without TCP_NODELAY (Nagle
@@ -43,7 +46,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +114,56 @@ def cpu_ms_per_request(before: Mapping[str, int], after: Mapping[str, int], requ
     return {name: (after[name] - before[name]) * 1000 / clk_tck / n for name in before if name in after}
 
 
+# ---- deterministic counts: NATS messages, Redis commands (tests/test_bench_spine.py) -----------
+
+def connection_role(name: str) -> str:
+    """The service behind a NATS connection's name (`gateway-<id>`, `worker-1-liveness`, `billing-rollup`…)."""
+    if name.startswith("worker-"):
+        return "worker heartbeat" if name.endswith("-liveness") else "worker"
+    if name == "billing-rollup":
+        return "billing rollup"
+    for role in ("gateway", "router", "batch", "billing"):
+        if name == role or name.startswith(role + "-"):
+            return role
+    return name or "unnamed"
+
+
+NATS_FIELDS = ("in_msgs", "out_msgs", "in_bytes", "out_bytes")
+
+
+def nats_counts(connz: Mapping[str, Any], varz: Mapping[str, Any]) -> dict[str, int]:
+    """Counters from nats-server's /connz and /varz: per connection (`nats.<role>#<cid>.<field>`, the
+    server's view: `in` is what the client published, `out` what it was sent) and the server's
+    totals (`nats.server.<field>`, JetStream's internal traffic included)."""
+    out = {f"nats.server.{f}": int(varz.get(f, 0)) for f in NATS_FIELDS}
+    for conn in connz.get("connections") or []:
+        key = f"nats.{connection_role(str(conn.get('name', '')))}#{conn.get('cid')}"
+        for f in NATS_FIELDS:
+            out[f"{key}.{f}"] = int(conn.get(f, 0))
+    return out
+
+
+def redis_counts(commandstats: Mapping[str, Any]) -> dict[str, int]:
+    """Calls per command from Redis's `INFO commandstats` (as redis-py parses it), `redis.<command>`."""
+    return {"redis." + name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in commandstats.items()
+            if isinstance(stat, Mapping) and "calls" in stat}
+
+
+def count_deltas(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """What each counter grew by; a connection that closed in between is left out, one that opened
+    counts from zero. Per-connection counters are then summed by role (`nats.<role>.<field>`)."""
+    out: dict[str, int] = {}
+    for key, value in after.items():
+        name = key.split("#", 1)[0] + "." + key.rsplit(".", 1)[1] if "#" in key else key
+        out[name] = out.get(name, 0) + value - before.get(key, 0)
+    return out
+
+
+def per_unit(counts: Mapping[str, float], units: float) -> dict[str, float]:
+    """Counts divided by requests (or seconds)."""
+    return {key: value / units for key, value in counts.items()} if units else {}
+
+
 _FIRST_TOKEN = re.compile(rb'"content": ?"[^"]')  # a delta with non-empty content ("" is the role-only chunk)
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens": ?(\d+)')
 
@@ -141,6 +194,7 @@ class Slice:
     ticks: dict[str, int]  # CPU ticks of each named process tree
     client_seconds: float  # the load client's CPU
     machine_seconds: float  # busy CPU seconds of the whole machine
+    counts: dict[str, int] = field(default_factory=dict)  # growth of the platform's counters (count_deltas)
 
 
 def phase_metrics(system: str, slices: list[Slice], clk_tck: int = CLK_TCK) -> dict[str, Any]:
@@ -157,6 +211,10 @@ def phase_metrics(system: str, slices: list[Slice], clk_tck: int = CLK_TCK) -> d
     client = sum(s.client_seconds for s in slices)
     machine = sum(s.machine_seconds for s in slices)
     measured = sum(ticks.values()) / clk_tck
+    counts: dict[str, int] = {}
+    for piece in slices:
+        for key, value in piece.counts.items():
+            counts[key] = counts.get(key, 0) + value
     return {
         "system": system, "seconds": wall, "slices": len(slices), "requests": done,
         "errors": sum(s.errors for s in slices), "first_error": next((s.first_error for s in slices if s.first_error), ""),
@@ -165,6 +223,7 @@ def phase_metrics(system: str, slices: list[Slice], clk_tck: int = CLK_TCK) -> d
         "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
         "cpu_ms_per_request": cpu,
         "own_cpu_ms_per_request": sum(cpu.get(n, 0.0) for n in own),
+        "counts_per_request": per_unit(counts, done),
         "client_cpu_ms_per_request": client * 1000 / max(1, done),
         # The other systems' processes, idle meanwhile (timers, heartbeats, polling).
         "others_idle_cores": sum(ticks[n] for n in others) / clk_tck / wall if wall else float("nan"),
@@ -223,6 +282,8 @@ def summarise(phases: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
             s["cpu_ms_per_request"] = {n: mean(r["cpu_ms_per_request"].get(n, float("nan")) for r in runs) for n in names}
             s["engine_cpu_ms_per_request"] = s["cpu_ms_per_request"].get("engine", float("nan"))
             s["others_idle_cores"] = mean(r.get("others_idle_cores", float("nan")) for r in runs)
+            keys = dict.fromkeys(k for r in runs for k in r.get("counts_per_request", {}))
+            s["counts_per_request"] = {k: mean(r.get("counts_per_request", {}).get(k, 0.0) for r in runs) for k in keys}
             if system != "engine":
                 for q in ("p50", "p99"):
                     added = [r[f"ttfb_{q}_ms"] - by_key[(scenario, r["rep"], "engine")][f"ttfb_{q}_ms"]
@@ -383,11 +444,12 @@ class Endpoint:
 
 
 async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warmup: float, roots: Mapping[str, int],
-                      quickack: bool = True) -> Slice:
+                      quickack: bool = True, counters: Counters | None = None) -> Slice:
     """`concurrency` connections each sending the next request when the last one ended; measured over
     `seconds` after `warmup`. Requests sent in the window count for TTFB and end-to-end time however
     late they end (the loop drains them: counting only those that also ended in the window would
-    drop the slow ones); requests that ended in the window count for throughput and CPU."""
+    drop the slow ones); requests that ended in the window count for throughput and CPU; `counters`
+    (the platform's NATS and Redis counters) are read at both ends of the window."""
     loop = asyncio.get_running_loop()
     ttfb: list[float] = []
     e2e: list[float] = []
@@ -431,12 +493,14 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
     await asyncio.sleep(warmup)
     before = reading(roots)
     window[0] = before.wall
+    counted_before = counters() if counters else {}
     state["measuring"] = True
     await asyncio.sleep(seconds)
     # No await from here to `stopping`: no request is sent after the window's end.
     state["measuring"] = False
     after = reading(roots)
     window[1] = after.wall
+    counted_after = counters() if counters else {}
     state["stopping"] = True
     await asyncio.wait(tasks, timeout=60)
     for task in tasks:
@@ -445,10 +509,45 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
     return Slice(ttfb_ms=ttfb, e2e_ms=e2e, requests=int(state["done"]), errors=int(state["errors"]),
                  first_error=str(state["bad"]), wall=after.wall - before.wall,
                  ticks={name: after.ticks[name] - before.ticks[name] for name in before.ticks if name in after.ticks},
-                 client_seconds=after.client - before.client, machine_seconds=after.machine - before.machine)
+                 client_seconds=after.client - before.client, machine_seconds=after.machine - before.machine,
+                 counts=count_deltas(counted_before, counted_after))
 
 
 # ---- the systems --------------------------------------------------------------------------------
+
+Counters = Callable[[], dict[str, int]]
+
+
+def platform_counters(stack: Stack) -> Counters:
+    """Reads the stack's NATS (/connz, /varz on its monitoring port) and Redis (`INFO commandstats`)
+    counters. The reading's own `INFO` shows up as `redis.info` (one per reading)."""
+    import redis
+
+    client = redis.Redis.from_url(stack.redis_url)
+
+    def get(path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(stack.nats_monitor_url + path, timeout=5) as response:
+            return dict(json.load(response))
+
+    def read() -> dict[str, int]:
+        counts = nats_counts(get("/connz?limit=4096"), get("/varz"))
+        counts.update(redis_counts(client.info("commandstats")))
+        return counts
+
+    return read
+
+
+def measure_idle(roots: Mapping[str, int], counters: Counters, seconds: float) -> dict[str, Any]:
+    """The platform with no requests for `seconds`: cores each process burns (heartbeats, pull
+    loops, timers) and NATS messages and Redis commands per second."""
+    before, counted = reading(roots), counters()
+    time.sleep(seconds)
+    after, counted_after = reading(roots), counters()
+    wall = after.wall - before.wall
+    return {"seconds": wall,
+            "cores": {name: (after.ticks[name] - before.ticks[name]) / CLK_TCK / wall for name in before.ticks},
+            "counts_per_second": per_unit(count_deltas(counted, counted_after), wall)}
+
 
 def start_stack(paced: bool, quiet_logs: bool = False) -> tuple[Stack, str]:
     """The platform as `inferbus up` runs it (log level info: the gateway's access log on), one worker."""
@@ -527,10 +626,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python -m bench.spine", *sys.argv[1:]]),
         "sglang_router": version("sglang-router"),
         "config": {"seconds": args.seconds, "warmup": args.warmup, "reps": args.reps, "slices": args.slices,
+                   "idle_seconds": args.idle_seconds,
                    "quiet_logs": args.quiet_logs,
                    "output_tokens": OUTPUT_TOKENS,
                    "paced_step_ms": PACED_STEP_MS},
-        "phases": [], "client_check": [], "load_average_before": os.getloadavg()[0],
+        "phases": [], "client_check": [], "idle": {}, "load_average_before": os.getloadavg()[0],
     }
     plan = scenarios(args)
     for paced in (False, True):
@@ -545,6 +645,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             router, router_url = start_sglang_router(engine.detail, stack.config.state_dir, args.quiet_logs)
             roots = {STACK_PROCESSES[p.name]: p.pid for p in stack.processes if p.name in STACK_PROCESSES}
             roots["sglang-router"] = router.pid
+            counters = platform_counters(stack)
+            if args.idle_seconds:
+                time.sleep(1.0)  # start-up work done
+                own = {name: roots[name] for name in OWN_PROCESSES["inferbus"] if name in roots}
+                idle = measure_idle(own, counters, args.idle_seconds)
+                results["idle"]["paced" if paced else "zero step time"] = idle
+                print(f"  idle {idle['seconds']:.1f} s: inferbus {sum(idle['cores'].values()):.3f} cores, "
+                      f"{idle['counts_per_second'].get('nats.server.in_msgs', 0):.1f} NATS msgs/s in, "
+                      f"{sum(v for k, v in idle['counts_per_second'].items() if k.startswith('redis.') and k != 'redis.info'):.1f} "
+                      "Redis commands/s", flush=True)
             endpoints = {
                 "engine": Endpoint("engine", engine.detail + "/v1/chat/completions"),
                 "sglang-router": Endpoint("sglang-router", router_url + "/v1/chat/completions"),
@@ -568,7 +678,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for _ in range(args.slices):
                         for system in order:
                             windows[system].append(asyncio.run(closed_loop(
-                                endpoints[system], scenario.concurrency, args.seconds / args.slices, args.warmup, roots)))
+                                endpoints[system], scenario.concurrency, args.seconds / args.slices, args.warmup, roots,
+                            counters=counters if system == "inferbus" else None)))
                     for system in order:
                         phase = phase_metrics(system, windows[system])
                         phase.update(scenario=scenario.name, label=scenario.label, rep=rep, paced=scenario.paced,
@@ -670,6 +781,7 @@ def markdown(results: dict[str, Any]) -> str:
             cells = [_f(s["cpu_ms_per_request"].get(p, float("nan")), 3) if p in own else "" for p in PROCESS_ORDER]
             lines.append(f"| {labels[scenario]} | {system} | " + " | ".join(cells) +
                          f" | **{_f(s['own_cpu_ms_per_request'], 3)}** | {_f(s['cpu_ms_per_request'].get('engine', float('nan')), 3)} |")
+    lines += count_tables(results)
     if results["client_check"]:
         lines += ["", "## Client check: concurrency 1, with and without quick ACK", "",
                   "| system | ordinary client (TCP_NODELAY only) TTFB p50 / p99 ms | quick-ACK client TTFB p50 / p99 ms |",
@@ -682,6 +794,81 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("plot"):
         lines += ["", f"![CPU-ms per request by process]({Path(results['plot']).name})"]
     return "\n".join(lines) + "\n"
+
+
+def _roles(keys: Iterable[str]) -> list[str]:
+    """Connection roles in `nats.<role>.<field>` keys, the server's totals left out."""
+    return sorted({k[len("nats."):].rsplit(".", 1)[0] for k in keys if k.startswith("nats.") and not k.startswith("nats.server.")})
+
+
+def count_tables(results: dict[str, Any]) -> list[str]:
+    """inferbus's NATS messages and Redis commands per request, its idle cost, and CPU per request
+    split into idle background and work: counts do not depend on how busy the machine is."""
+    summary = results["summary"]
+    labels = {p["scenario"]: p["label"] for p in results["phases"]}
+    ours = {sc: systems["inferbus"] for sc, systems in summary.items() if "inferbus" in systems
+            and systems["inferbus"].get("counts_per_request")}
+    idle = results.get("idle", {})
+    if not ours and not idle:
+        return []
+    lines: list[str] = []
+    if ours:
+        cols = list(ours)
+        head = "| | " + " | ".join(labels[c] for c in cols) + " |"
+        rule = "| --- | " + " | ".join("---:" for _ in cols) + " |"
+        counts = {c: ours[c]["counts_per_request"] for c in cols}
+        keys = {k for c in cols for k in counts[c]}
+        lines += ["", "## NATS messages per request (inferbus, from nats-server's /connz and /varz; means over reps)", "",
+                  "Per connection, the server's view: *published* is what the service sent to nats-server "
+                  "(requests, JetStream publishes, acks, pull requests, replies), *received* what nats-server "
+                  "delivered to it. The server's totals include JetStream's internal messages.", "", head, rule]
+        for role in _roles(keys):
+            for field_, what in (("in_msgs", "published"), ("out_msgs", "received")):
+                lines.append(f"| {role}: {what} | " + " | ".join(_f(counts[c].get(f"nats.{role}.{field_}", 0.0))
+                                                                 for c in cols) + " |")
+        lines.append("| **nats-server total in / out** | " + " | ".join(
+            f"{_f(counts[c].get('nats.server.in_msgs', 0.0))} / {_f(counts[c].get('nats.server.out_msgs', 0.0))}"
+            for c in cols) + " |")
+        lines.append("| nats-server bytes in + out | " + " | ".join(
+            _f(counts[c].get("nats.server.in_bytes", 0.0) + counts[c].get("nats.server.out_bytes", 0.0), 0)
+            for c in cols) + " |")
+        commands = sorted({k for k in keys if k.startswith("redis.") and k != "redis.info"})
+        lines += ["", "## Redis commands per request (inferbus, `INFO commandstats`; means over reps)", "",
+                  "A pipeline or a Lua script is one round trip for several commands; `evalsha` is one script call.",
+                  "", head, rule]
+        for command in commands:
+            lines.append(f"| {command[len('redis.'):]} | " + " | ".join(_f(counts[c].get(command, 0.0)) for c in cols) + " |")
+        lines.append("| **total** | " + " | ".join(_f(sum(counts[c].get(k, 0.0) for k in commands)) for c in cols) + " |")
+    for name, run_ in idle.items():
+        cores = run_["cores"]
+        per_s = run_["counts_per_second"]
+        lines += ["", f"## inferbus idle ({name} stack, {run_['seconds']:.1f} s without requests)", "",
+                  "| process | cores | | connection | NATS msgs/s published / received |", "| --- | ---: | --- | --- | ---: |"]
+        roles = _roles(per_s)
+        procs = [p for p in PROCESS_ORDER if p in cores]
+        for i in range(max(len(procs), len(roles))):
+            left = f"{procs[i]} | {_f(cores[procs[i]], 3)}" if i < len(procs) else " | "
+            right = (f"{roles[i]} | {_f(per_s.get(f'nats.{roles[i]}.in_msgs', 0.0), 1)} / "
+                     f"{_f(per_s.get(f'nats.{roles[i]}.out_msgs', 0.0), 1)}") if i < len(roles) else " | "
+            lines.append(f"| {left} | | {right} |")
+        redis_per_s = sum(v for k, v in per_s.items() if k.startswith("redis.") and k != "redis.info")
+        lines.append(f"| **total** | **{_f(sum(cores.values()), 3)}** | | nats-server in / out | "
+                     f"{_f(per_s.get('nats.server.in_msgs', 0.0), 1)} / {_f(per_s.get('nats.server.out_msgs', 0.0), 1)} |")
+        lines.append(f"| | | | Redis commands/s | {_f(redis_per_s, 1)} |")
+    zero = idle.get("zero step time")
+    if zero and ours:
+        background = sum(zero["cores"].values())
+        lines += ["", "## CPU per request: idle background and work (inferbus)", "",
+                  f"Background = the idle cores measured above ({_f(background, 3)}) × 1000 / req/s: what the "
+                  "platform would burn anyway, spread over the requests; work = the rest.", "",
+                  "| scenario | req/s | CPU-ms/req | background | work |", "| --- | ---: | ---: | ---: | ---: |"]
+        for c, s in ours.items():
+            if c.startswith("paced"):
+                continue
+            share = background * 1000 / s["req_per_s"] if s["req_per_s"] else float("nan")
+            lines.append(f"| {labels[c]} | {_f(s['req_per_s'], 0)} | {_f(s['own_cpu_ms_per_request'], 3)} | "
+                         f"{_f(share, 3)} | {_f(s['own_cpu_ms_per_request'] - share, 3)} |")
+    return lines
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -736,12 +923,16 @@ def main() -> None:
     parser.add_argument("--quiet-logs", action="store_true",
                         help="inferbus at log level warning (no access log) and sglang-router at warn, instead of "
                              "each one's default (info)")
-    parser.add_argument("--quick", action="store_true", help="one rep of 1.5 s per phase, 0.5 s warm-up, 1 s client check")
+    parser.add_argument("--idle-seconds", type=float, default=5.0,
+                        help="seconds the platform is measured with no requests after each start (0 skips it; default 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one rep of 1.5 s per phase, 0.5 s warm-up, 1 s client check, 3 s idle")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip spine.png (needs matplotlib)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="where spine.json, .md and .png go")
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.warmup, args.reps, args.client_check = 1.5, 0.5, 1, min(args.client_check, 1.0)
+        args.idle_seconds = min(args.idle_seconds, 3.0)
     results = run(args)
     write_results(args.out, "spine", results, markdown)
 

@@ -330,6 +330,7 @@ class Stack:
         self.zones: list[str] = []  # with config.zones > 1: the zones' names
         self.gateway_urls: dict[str, str] = {}  # zone → its gateway's URL (zone "" on a single-zone platform)
         self.nats_urls: list[str] = []  # every NATS node's URL, with the `ops` credentials
+        self.nats_monitor_url = ""  # the monitoring endpoint (/varz, /connz) of the NATS the stack starts
 
     def _env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -432,6 +433,7 @@ class Stack:
 
                 made = make_local_tls(c.state_dir / "tls")
                 self.nats_tls_ca, tls = str(made.ca_file), (made.cert_file, made.key_file)
+            self.nats_monitor_url = f"http://127.0.0.1:{monitor}"
             config = c.state_dir / "nats.conf"
             node_config = nats_config(port, monitor, c.state_dir / "nats", self.identities, tls)
             write_private(config, self._callout_setup()(node_config) if c.callout else node_config)

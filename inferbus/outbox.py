@@ -9,8 +9,10 @@ per id after that.
 
 The publish starts at once, alongside the disk write (so a message reaches JetStream as soon as
 without the outbox); it is deleted only once both are done. Writes made while a commit is on disk
-are committed together (group commit), off the event loop; so are the deletes of acknowledged
-messages (a lost delete only republishes a duplicate).
+are committed together (group commit), off the event loop. The deletes of acknowledged messages
+ride in the next write's transaction (one commit, one fsync, per message instead of two when
+messages come one at a time), or are committed by themselves `delete_delay_s` later when no write
+comes: a delete lost in a crash only republishes a duplicate, which the message id drops.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import asyncio
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from . import logs
@@ -33,11 +35,13 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS pending (
 
 
 class Outbox:
-    def __init__(self, path: Path, publish: Publish, *, retry_min_s: float = 0.2, retry_max_s: float = 5.0) -> None:
+    def __init__(self, path: Path, publish: Publish, *, retry_min_s: float = 0.2, retry_max_s: float = 5.0,
+                 delete_delay_s: float = 0.25) -> None:
         self.path = path
         self._publish = publish
         self._retry_min_s = retry_min_s
         self._retry_max_s = retry_max_s
+        self._delete_delay_s = delete_delay_s
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()  # one statement or transaction at a time on the connection
         self._to_write: list[tuple[str, str, bytes, asyncio.Future[None]]] = []
@@ -94,9 +98,11 @@ class Outbox:
         try:
             while self._to_write:
                 batch, self._to_write = self._to_write, []
+                deletes, self._to_delete = self._to_delete, []  # acknowledged: they ride in this commit
                 try:
-                    await asyncio.to_thread(self._insert, [(i, s, d) for i, s, d, _ in batch])
+                    await asyncio.to_thread(self._insert, [(i, s, d) for i, s, d, _ in batch], deletes)
                 except BaseException as error:
+                    self._to_delete.extend(deletes)
                     for *_, future in batch:
                         if not future.done():
                             future.set_exception(error)
@@ -109,13 +115,15 @@ class Outbox:
         finally:
             self._writing = False
 
-    def _insert(self, rows: list[tuple[str, str, bytes]]) -> None:
+    def _insert(self, rows: list[tuple[str, str, bytes]], deletes: Sequence[str] = ()) -> None:
         assert self._db is not None
         now = time.time()
         with self._lock, self._db:  # one transaction, one fsync
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR IGNORE INTO pending VALUES (?, ?, ?, ?)",
                                  [(i, s, d, now) for i, s, d in rows])
+            if deletes:
+                self._db.executemany("DELETE FROM pending WHERE msg_id = ?", [(i,) for i in deletes])
 
     def _delete(self, msg_ids: list[str]) -> None:
         assert self._db is not None
@@ -125,6 +133,7 @@ class Outbox:
 
     async def _delete_acknowledged(self) -> None:
         try:
+            await asyncio.sleep(self._delete_delay_s)  # the next write's commit may take them along
             while self._to_delete and self._db is not None:
                 batch, self._to_delete = self._to_delete, []
                 try:
@@ -191,6 +200,12 @@ class Outbox:
             task.cancel()
         if self._deliveries:
             await asyncio.wait(self._deliveries, timeout=5)
+        if self._to_delete and self._db is not None:  # acknowledged, delete not committed yet
+            deletes, self._to_delete = self._to_delete, []
+            try:
+                await asyncio.to_thread(self._delete, deletes)
+            except Exception as error:  # republished (and deduplicated) at the next start
+                log.warning("outbox_delete_failed", error=repr(error), messages=len(deletes))
         if self._db is not None:
             db, self._db = self._db, None
             await asyncio.to_thread(self._close, db)

@@ -291,6 +291,20 @@ async def test_scripts_come_back_after_a_redis_restart(client: aioredis.Redis, t
     assert (await admission.admit(tenant, TenantLimits(requests_per_minute=5), rid(), 1, 1, 0.0)).admitted
 
 
+async def test_reconcile_many_reconciles_each_once_and_survives_a_lost_script_cache(client: aioredis.Redis,
+                                                                                     tenant: str) -> None:
+    admission = Admission(client)
+    limits = TenantLimits(max_concurrent=2)
+    first, second, third = rid(), rid(), rid()
+    for request in (first, second):
+        assert (await admission.admit(tenant, limits, request, 10, 10, 0.0)).admitted
+    assert not (await admission.admit(tenant, limits, third, 10, 10, 0.0)).admitted  # both slots held
+    await client.script_flush()  # what a restarted Redis looks like to EVALSHA
+    assert await admission.reconcile_many([(tenant, first, 10, 5, 0.0), (tenant, second, 10, 5, 0.0)]) == [True, True]
+    assert await admission.reconcile_many([(tenant, first, 10, 5, 0.0)]) == [False]  # once only
+    assert (await admission.admit(tenant, limits, third, 10, 10, 0.0)).admitted  # the slots came back
+
+
 async def test_unreachable_redis_fails_closed_or_open_as_configured() -> None:
     dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
     limits = TenantLimits(requests_per_minute=1)

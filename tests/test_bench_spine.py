@@ -14,11 +14,15 @@ from bench.spine import (
     Slice,
     closed_loop,
     completed_tokens,
+    connection_role,
+    count_deltas,
     cpu_ms_per_request,
     first_token_at,
     markdown,
+    nats_counts,
     parse_proc_stat,
     phase_metrics,
+    redis_counts,
     summarise,
     tree_ticks,
     verdict,
@@ -243,3 +247,53 @@ async def test_closed_loop_keeps_the_requests_sent_in_the_window_that_end_after_
                                    seconds=0.1, warmup=0.0, roots={})
     assert window.errors == 0, window.first_error
     assert len(window.ttfb_ms) == 3 and len(window.e2e_ms) == 3  # one per connection, sent in the window
+
+
+def test_connections_are_named_by_the_service_behind_them() -> None:
+    assert connection_role("gateway-gw-1a2b") == "gateway"
+    assert connection_role("worker-1") == "worker"
+    assert connection_role("worker-1-liveness") == "worker heartbeat"
+    assert connection_role("billing") == "billing" and connection_role("billing-rollup") == "billing rollup"
+    assert connection_role("router-7") == "router" and connection_role("batch-x") == "batch"
+    assert connection_role("") == "unnamed" and connection_role("ops-cli") == "ops-cli"
+
+
+def test_count_deltas_sum_connections_by_role_and_skip_one_that_closed() -> None:
+    def connz(*conns: tuple[int, str, int, int]) -> dict[str, Any]:
+        return {"connections": [{"cid": cid, "name": name, "in_msgs": i, "out_msgs": o, "in_bytes": 10 * i,
+                                 "out_bytes": 10 * o} for cid, name, i, o in conns]}
+
+    before = nats_counts(connz((1, "gateway-a", 100, 50), (2, "worker-1", 7, 7), (3, "batch-b", 5, 5)),
+                         {"in_msgs": 1000, "out_msgs": 2000, "in_bytes": 1, "out_bytes": 2})
+    # Connection 3 closed; 4, another worker connection, opened in between.
+    after = nats_counts(connz((1, "gateway-a", 130, 60), (2, "worker-1", 9, 17), (4, "worker-1-liveness", 3, 1)),
+                        {"in_msgs": 1100, "out_msgs": 2500, "in_bytes": 11, "out_bytes": 22})
+    before.update(redis_counts({"cmdstat_evalsha": {"calls": 40, "usec": 9}, "cmdstat_get": {"calls": 3}}))
+    after.update(redis_counts({"cmdstat_evalsha": {"calls": 52, "usec": 99}, "cmdstat_get": {"calls": 3},
+                               "cmdstat_xadd": {"calls": 2}}))
+    deltas = count_deltas(before, after)
+    assert deltas["nats.gateway.in_msgs"] == 30 and deltas["nats.gateway.out_bytes"] == 100
+    assert deltas["nats.worker.out_msgs"] == 10 and deltas["nats.worker heartbeat.in_msgs"] == 3
+    assert not any(k.startswith("nats.batch.") for k in deltas)
+    assert deltas["nats.server.in_msgs"] == 100 and deltas["nats.server.out_msgs"] == 500
+    assert deltas["redis.evalsha"] == 12 and deltas["redis.get"] == 0 and deltas["redis.xadd"] == 2
+
+
+def test_markdown_shows_the_counts_per_request_and_the_idle_split() -> None:
+    counts = {"nats.gateway.in_msgs": 4.0, "nats.gateway.out_msgs": 6.0, "nats.server.in_msgs": 20.0,
+              "nats.server.out_msgs": 25.0, "redis.evalsha": 2.5, "redis.info": 0.01}
+    phases = [phase("c1", 0, "engine", label="C=1"), phase("c1", 0, "inferbus", counts_per_request=counts, req_per_s=100.0,
+                                              own_cpu_ms_per_request=5.0, label="C=1")]
+    summary = summarise(phases)
+    assert summary["c1"]["inferbus"]["counts_per_request"]["redis.evalsha"] == 2.5
+    idle = {"zero step time": {"seconds": 3.0, "cores": {"gateway": 0.02, "billing": 0.03},
+                               "counts_per_second": {"nats.gateway.in_msgs": 2.0, "redis.get": 1.0}}}
+    results = {"when": "now", "machine": {"cpus": 2}, "command": "python -m bench.spine", "sglang_router": "0.3.2",
+               "config": {"output_tokens": 16, "reps": 1, "seconds": 4.0, "warmup": 1.0}, "phases": phases,
+               "client_check": [], "summary": summary, "targets": verdict(summary), "idle": idle}
+    text = markdown(results)
+    assert "| gateway: published | 4.00 |" in text and "| **nats-server total in / out** | 20.00 / 25.00 |" in text
+    assert "| evalsha | 2.50 |" in text and "| info |" not in text
+    assert "| **total** | **0.050** |" in text
+    # 0.05 idle cores over 100 req/s: 0.5 CPU-ms of each request's 5 is background.
+    assert "| C=1 | 100 | 5.000 | 0.500 | 4.500 |" in text

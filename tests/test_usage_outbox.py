@@ -113,3 +113,35 @@ async def test_a_restart_republishes_what_was_pending_and_duplicates_are_dropped
     await restarted.stop()
     await nc.close()
     assert sorted(e.request_id for e in await ledger(server.url)) == [f"q{i}" for i in range(5)]
+
+
+async def test_an_acknowledged_message_is_deleted_in_the_next_writes_commit(server: NatsServer, tmp_path: Path) -> None:
+    nc = await bus.connect(server.url, name="test-outbox")
+    await bus.ensure_streams(nc.jetstream())
+    replies = Replies(nc)
+    await replies.start()
+    acknowledged: list[str] = []
+
+    async def publish(subject: str, data: bytes, msg_id: str) -> None:
+        await replies.publish_durable(subject, data, msg_id)
+        acknowledged.append(msg_id)
+
+    path = tmp_path / "outbox.sqlite3"
+    # No delete commits on their own during the test: only a write takes deletes along.
+    outbox = Outbox(path, publish, delete_delay_s=60)
+    await outbox.start()
+    await outbox.add(subjects.usage_subject("acme"), m.encode(usage("a0", 1)), "a0")
+    await await_for(lambda: "a0" in acknowledged, 5, interval=0.01, what="a0 acknowledged")
+    await asyncio.sleep(0.05)  # its delete is queued behind the acknowledgement
+    assert outbox.pending() == 1  # acknowledged, its delete not committed yet
+    await outbox.add(subjects.usage_subject("acme"), m.encode(usage("a1", 2)), "a1")
+    assert await asyncio.to_thread(outbox.pending) == 1  # a1 written, a0 deleted in the same commit
+    await await_for(lambda: "a1" in acknowledged, 5, interval=0.01, what="a1 acknowledged")
+    await asyncio.sleep(0.05)
+    await outbox.stop()  # commits the deletes still waiting
+    reopened = Outbox(path, publish)
+    await reopened.start()
+    assert reopened.pending() == 0
+    await reopened.stop()
+    await nc.close()
+    assert sorted(acknowledged) == ["a0", "a1"]  # nothing republished

@@ -442,17 +442,36 @@ class Admission:
             raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
 
     async def reconcile_many(self, usages: Sequence[tuple[str, str, int, int, float]]) -> list[bool]:
-        """`reconcile` for many (tenant, request_id, input, output, cost) at once: one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
+        """`reconcile` for many (tenant, request_id, input, output, cost) at once: one round trip.
+
+        Raw EVALSHA in the pipeline: a registered script run through a pipeline costs another
+        round trip (`SCRIPT EXISTS`) on every call; a lost script cache is handled here instead."""
+        calls = []
         for tenant, request_id, input_tokens, output_tokens, cost_usd in usages:
             prefix = tenant_prefix(tenant)
-            keys = [prefix + "quota", prefix + "leases", prefix + "res:" + request_id, prefix + "done:" + request_id]
-            await self._reconcile(keys=keys, args=(request_id, input_tokens, output_tokens, _micro(cost_usd),
-                                                   RECONCILE_MARK_TTL_S), client=pipe)
+            calls.append(("EVALSHA", self._reconcile.sha, 4, prefix + "quota", prefix + "leases",
+                          prefix + "res:" + request_id, prefix + "done:" + request_id,
+                          request_id, input_tokens, output_tokens, _micro(cost_usd), RECONCILE_MARK_TTL_S))
         try:
-            return [bool(done) for done in await pipe.execute()]
+            results = await self._pipelined(calls)
+            if any(isinstance(r, NoScriptError) for r in results):
+                # Redis lost its script cache (a restart): load it and run the calls that did not run.
+                await self.redis.script_load(self._reconcile.script)
+                for i, result in enumerate(results):
+                    if isinstance(result, NoScriptError):
+                        results[i] = await self.redis.execute_command(*calls[i])
         except _UNAVAILABLE as error:
             raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return [bool(done) for done in results]
+
+    async def _pipelined(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*call)
+        return list(await pipe.execute(raise_on_error=False))
 
     async def spend_this_month(self, tenant: str) -> float:
         """The tenant's spend in the current UTC month (Redis time), reservations included, in USD."""

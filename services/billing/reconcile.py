@@ -38,8 +38,10 @@ _usage_decoder = msgspec.msgpack.Decoder(m.UsageEvent)
 
 
 class UsageReconciler:
-    def __init__(self, js: JetStreamContext, admission: Admission, prices: PriceStore, batch: int = 512) -> None:
+    def __init__(self, js: JetStreamContext, admission: Admission, prices: PriceStore, batch: int = 512,
+                 linger_s: float = 0.0) -> None:
         self.js = js
+        self.linger_s = linger_s  # after a batch smaller than `batch`, let events gather this long
         self.admission = admission
         self.prices = prices
         self.batch = batch
@@ -91,6 +93,10 @@ class UsageReconciler:
             except Exception:  # never let one bad batch end reconciliation for good
                 log.exception("reconcile_batch_failed", events=len(messages))
                 await asyncio.sleep(0.5)
+            if len(messages) < self.batch and self.linger_s > 0:
+                # Caught up: the next fetch takes what gathered meanwhile in one pull, one Redis
+                # round trip and one ack, instead of an event at a time.
+                await asyncio.sleep(self.linger_s)
 
     async def _reconcile(self, messages: list[Msg]) -> None:
         events = []

@@ -71,8 +71,9 @@ class RollupConsumer:
 
     def __init__(self, nc: Client, nats_url: str, store: UsageStore, prices: PriceStore, *, batch: int = 2000,
                  expires_s: float = 1.0, count_metrics: bool = True, concurrency: int = 2,
-                 ack_wait_s: float = 30.0) -> None:
+                 ack_wait_s: float = 30.0, linger_s: float = 0.005) -> None:
         self.nc = nc
+        self.linger_s = linger_s  # how long a batch gathers after its first event (see `next_batch`)
         self.store = store
         self.prices = prices
         self.batch = batch
@@ -124,7 +125,7 @@ class RollupConsumer:
         try:
             while True:
                 try:
-                    deliveries = await self.next_batch(wait_s=0.1 if drained else None)
+                    deliveries = await self.next_batch(self.linger_s, wait_s=0.1 if drained else None)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -166,8 +167,8 @@ class RollupConsumer:
 
     async def next_batch(self, linger_s: float = 0.005, wait_s: float | None = None) -> list[Delivery]:
         """Up to `batch` deliveries: waits up to `wait_s` (about `expires_s`) for the first one, then
-        up to `linger_s` more while the rest of a batch is on its way (small batches cost more per
-        event)."""
+        up to `linger_s` more while the rest of a batch is on its way, or more events come (small
+        batches cost more per event: a Redis round trip, an ack write and wake-ups each)."""
         await self._pull()
         c = self.connection
         deadline = time.monotonic() + (self.expires_s + 0.5 if wait_s is None else wait_s)

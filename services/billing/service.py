@@ -67,9 +67,9 @@ async def serve(settings: BillingSettings) -> None:
 
     await bus.retry_forever("billing_redis_setup", prepare)
     rollup = RollupConsumer(nc, settings.nats_url, store, prices, batch=settings.rollup_batch,
-                            ack_wait_s=settings.ack_wait_s)
+                            ack_wait_s=settings.ack_wait_s, linger_s=settings.linger_s)
     await rollup.start()
-    reconciler = UsageReconciler(js, Admission(redis), prices)
+    reconciler = UsageReconciler(js, Admission(redis), prices, linger_s=settings.linger_s)
     await reconciler.start()
     exporter = None
     if settings.export_dir:

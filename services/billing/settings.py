@@ -16,6 +16,10 @@ class BillingSettings:
     price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens (seeds the price book).")
     batch_discount: float = env("INFERBUS_BATCH_DISCOUNT", 0.5, "Fraction off for requests of a batch, 0..1 (seeds the price book).")
     rollup_batch: int = env("INFERBUS_BILLING_BATCH", 2000, "Usage events pulled per request by the rollup consumer (two requests in flight).")
+    linger_s: float = env(
+        "INFERBUS_BILLING_LINGER_S", 0.05,
+        "How long the rollup and the reconciler let usage events gather before taking a batch: at a low rate each "
+        "event would otherwise cost its own pull, Redis round trips and ack; rollups and budget spend lag by up to this.")
     ack_wait_s: float = env(
         "INFERBUS_BILLING_ACK_WAIT_S", 30.0,
         "Usage events a billing replica pulled and did not acknowledge within this are delivered again (to any replica).")
