@@ -522,13 +522,19 @@ def test_rebuilding_from_the_ledger_after_losing_the_rollups_gives_the_same_tota
     publish(platform, synthetic(tenant, 500, now - 7200) + synthetic(tenant, 100, now - 120))
     wait_for("the ledger to be rolled up", lambda: rollup_drained(platform))
     start = now - 40 * 86400
+    # Every query ends at the same moment: without an end the last bucket is "now", and a minute
+    # or hour that begins between the two snapshots would add a bucket to one of them.
+    end = int(now) + 1
 
     def snapshot() -> tuple[Any, ...]:
-        everyone = admin_get(platform, "/usage", start_time=int(start), bucket_width="1d", limit=31, group_by="tenant,model,api_key")
-        costs = admin_get(platform, "/costs", start_time=int(start), bucket_width="1d", limit=31, group_by="tenant,line_item")
-        hours = admin_get(platform, "/usage", tenant=tenant, start_time=int(now - 3 * 3600), bucket_width="1h",
-                          group_by="api_key,batch")
-        minutes = admin_get(platform, "/usage", tenant=tenant, start_time=int(now - 300), bucket_width="1m", limit=10)
+        everyone = admin_get(platform, "/usage", start_time=int(start), end_time=end, bucket_width="1d", limit=31,
+                             group_by="tenant,model,api_key")
+        costs = admin_get(platform, "/costs", start_time=int(start), end_time=end, bucket_width="1d", limit=31,
+                          group_by="tenant,line_item")
+        hours = admin_get(platform, "/usage", tenant=tenant, start_time=int(now - 3 * 3600), end_time=end,
+                          bucket_width="1h", group_by="api_key,batch")
+        minutes = admin_get(platform, "/usage", tenant=tenant, start_time=int(now - 300), end_time=end,
+                            bucket_width="1m", limit=10)
         return everyone["data"], costs["data"], hours["data"], minutes["data"]
 
     before = snapshot()
