@@ -196,7 +196,7 @@ async def replay(platform: Platform, plan: list[tuple[float, int, int]], time_sc
         tenant = tenant_of(rank, tenants)
         model = MODEL if base_only else adapter_name(rank)
         started = time.perf_counter()
-        record: dict[str, Any] = {"rank": rank, "class": popularity_class(rank), "error": None}
+        record: dict[str, Any] = {"rank": rank, "class": popularity_class(rank), "error": None, "at": time.time()}
         try:
             stream = await clients[tenant].chat.completions.create(
                 model=model, messages=[{"role": "user", "content": text}], max_tokens=OUTPUT_TOKENS,
@@ -245,6 +245,15 @@ async def warm(platform: Platform, ranks: list[int], tenants: int, concurrency: 
     return errors
 
 
+def set_time_scale(platform: Platform, scale: float) -> None:
+    """Every engine's wall seconds per simulated second (engines started with --time-scale-control)."""
+    import httpx
+
+    for process in platform.stack.processes:
+        if process.name.startswith("engine-"):
+            httpx.post(f"{process.detail}/time_scale", json={"time_scale": scale}, timeout=10).raise_for_status()
+
+
 def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: float) -> dict[str, Any]:
     """Wait while the routers prefetch registered adapters into the engines' host memory: until every
     worker holds `cap` adapters, or no load for `quiet_s` wall seconds, or `max_s` have passed."""
@@ -260,6 +269,57 @@ def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: fl
         if all(h >= cap for h in holding) or now - last_change >= quiet_s or now - begin >= max_s:
             return {"wall_s": now - begin, "loads": count, "loaded_per_worker": holding}
         time.sleep(5)
+
+
+def rank_of(engine_name: str) -> int | None:
+    """The popularity rank of an adapter's engine name (`ft-0042@…` → 42)."""
+    name = engine_name.partition("@")[0]
+    return int(name[3:]) if name.startswith("ft-") and name[3:].isdigit() else None
+
+
+def adapter_activity(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
+    """Why adapters were loaded and evicted while measured, by popularity class: loads a request
+    waited for or the router asked for (`request`) against prefetches into host memory; homes the
+    routers opened for an adapter already loaded elsewhere (`share`: its traffic asks for more
+    homes; `crowded`: every home had more than its share of placements); evictions, and how many of
+    the evicted adapters were requested again later in the run (each such request loads it again)."""
+    classes = ("hot", "middle", "tail")
+
+    def by_class() -> dict[str, int]:
+        return dict.fromkeys(classes, 0)
+
+    out: dict[str, Any] = {"loads": {"request": by_class(), "prefetch": by_class()}, "evictions": by_class(),
+                           "evicted_then_requested": by_class(), "homes_opened": {"share": by_class(), "crowded": by_class()},
+                           "prefetches_asked": 0, "per_worker": {}}
+    requested_at: dict[int, list[float]] = {}
+    for record in records:
+        requested_at.setdefault(record["rank"], []).append(record["at"])
+    for i in range(1, workers + 1):
+        worker = f"worker-{i}"
+        mine = {"request": 0, "prefetch": 0, "evictions": 0, "evicted_then_requested": 0}
+        for line in platform.log_events(worker, "adapter_loaded", since):
+            rank = rank_of(line.get("adapter", ""))
+            if rank is not None:
+                kind = "prefetch" if line.get("prefetch") else "request"
+                out["loads"][kind][popularity_class(rank)] += 1
+                mine[kind] += 1
+        for line in platform.log_events(worker, "adapter_evicted", since):
+            rank = rank_of(line.get("adapter", ""))
+            if rank is None:
+                continue
+            out["evictions"][popularity_class(rank)] += 1
+            mine["evictions"] += 1
+            if any(at > _ts(line) for at in requested_at.get(rank, ())):
+                out["evicted_then_requested"][popularity_class(rank)] += 1
+                mine["evicted_then_requested"] += 1
+        out["per_worker"][worker] = mine
+    for line in platform.log_events("router", "adapter_home_warmed", since):
+        rank = rank_of(line.get("adapter", ""))
+        if rank is not None:
+            reason = "share" if int(line.get("homes", 0)) < int(line.get("wanted", 1)) else "crowded"
+            out["homes_opened"][reason][popularity_class(rank)] += 1
+    out["prefetches_asked"] = len(platform.log_events("router", "adapter_prefetch_asked", since))
+    return out
 
 
 def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
@@ -288,6 +348,7 @@ def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, s
         "ttft_by_class": {c: latency([r for r in ok if r["class"] == c]) for c in ("hot", "middle", "tail")},
         "per_worker": per_worker,
         "imbalance": max(counts) / mean if mean else None,
+        "adapter_activity": adapter_activity(records, platform, workers, since),
     }
 
 
@@ -304,7 +365,16 @@ def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], r
             # The time between registration and traffic: the routers prefetch adapters into the
             # engines' host memory meanwhile. Then the warm-up stands for the recent traffic, which
             # a live platform's popular adapters have had since (and the engines' LRU order shows).
+            # Nothing but prefetches runs meanwhile, so the engines may run faster in wall time
+            # (--settle-time-scale): every simulated load time stays what it is; the workers' load
+            # time estimates, learned in wall seconds, are learned again by the warm-up's loads.
+            settle_scale = getattr(args, "settle_time_scale", 0.0)
+            if settle_scale:
+                set_time_scale(platform, settle_scale)
             out["prefetch"] = settle(platform, args.workers, cap, quiet_s=30.0, max_s=args.settle_max)
+            if settle_scale:
+                set_time_scale(platform, args.time_scale)
+                out["prefetch"]["time_scale"] = settle_scale
             print(f"  prefetched {out['prefetch']['loads']} adapters in {out['prefetch']['wall_s']:.0f} s, "
                   f"holding {out['prefetch']['loaded_per_worker']}", flush=True)
         warm_started = time.time()
@@ -387,6 +457,27 @@ def markdown(results: dict[str, Any]) -> str:
             if run:
                 lines.append(f"| {title}, {'adapters' if name == 'lora' else 'base model only'} | " + " | ".join(
                     f"{w['requests']} / {w['loads']} / {w['evictions']}" for w in run["per_worker"].values()) + " |")
+    activity_rows = []
+    for key, title in (("at_200", "200 adapters"), ("at_1000", "1,000 adapters")):
+        run = results.get(key, {}).get("lora")
+        if run and "adapter_activity" in run:
+            a = run["adapter_activity"]
+
+            def triple(counts: dict[str, int]) -> str:
+                return " / ".join(str(counts[c]) for c in ("hot", "middle", "tail"))
+
+            activity_rows.append(
+                f"| {title} | {triple(a['loads']['request'])} | {triple(a['loads']['prefetch'])} | {triple(a['evictions'])} | "
+                f"{triple(a['evicted_then_requested'])} | {triple(a['homes_opened']['share'])} | "
+                f"{triple(a['homes_opened']['crowded'])} | {a['prefetches_asked']} |")
+    if activity_rows:
+        lines += ["", "Adapter loads and evictions during the measured run by popularity class, hot / middle / tail "
+                  "(loads a request waited for or the router asked for; prefetches into host memory; evictions; evicted "
+                  "adapters requested again later in the run; homes opened for an adapter loaded elsewhere because its "
+                  "share asked for more, or because every home had more than its share of placements):", "",
+                  "| run | loads | prefetch loads | evictions | evicted, requested again | homes opened: share | "
+                  "homes opened: crowded | prefetches asked |",
+                  "| --- | --- | --- | --- | --- | --- | --- | ---: |", *activity_rows]
     lines += ["", "Warm-up and registration: " + "; ".join(
         f"{results[k]['adapters']} adapters registered in bulk in {results[k]['registration_s']:.1f} s, "
         f"{results[k]['warmup']['adapters']} warmed ({results[k]['warmup']['loads']} loads, "
@@ -419,6 +510,12 @@ def main() -> None:
                         help="before measuring the capped scenario, wait while the routers prefetch adapters into "
                              "the engines' host memory (up to the cap)")
     parser.add_argument("--settle-max", type=float, default=1200.0, help="at most this many wall seconds of it")
+    parser.add_argument("--settle-time-scale", type=float, default=1.0,
+                        help="the engines' time scale while settling (0: --time-scale): only prefetch loads run then, "
+                             "whose simulated times do not change")
+    parser.add_argument("--scenarios", default="200,1000",
+                        help="which to run: 200 (with the base-model run) and/or 1000; a run of 1000 alone takes the "
+                             "200-adapter results (for the base model's p99) from the existing lora.json in --out")
     parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23)
@@ -433,16 +530,22 @@ def main() -> None:
         "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
         "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
         "rate_rps": rate, "seconds": args.seconds, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
+        "settle_time_scale": args.settle_time_scale, "scenarios": args.scenarios,
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
     }}
     print(f"rate {rate:.1f} req/s engine time ({rate / args.time_scale:.2f} wall)", flush=True)
     slots = ["--max-loras-per-batch", str(args.slots)] + (["--enable-lora-overlap-loading"] if args.overlap_loading else [])
-    results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
-                                  warm_ranks=args.adapters, rate=rate)
-    results["verdicts"] = verdicts(results)
-    write_results(args.out, "lora", results, markdown)  # kept if the second scenario fails
-    if args.many_adapters:
-        results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap)],
+    scenarios = {part.strip() for part in args.scenarios.split(",") if part.strip()}
+    if "200" in scenarios:
+        results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
+                                      warm_ranks=args.adapters, rate=rate)
+        results["verdicts"] = verdicts(results)
+        write_results(args.out, "lora", results, markdown)  # kept if the second scenario fails
+    else:
+        results["at_200"] = json.loads((args.out / "lora.json").read_text())["at_200"]
+    if args.many_adapters and "1000" in scenarios:
+        control = ["--time-scale-control"] if args.settle and args.settle_time_scale else []
+        results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap), *control],
                                        [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate,
                                        cap=args.cap)
         results["verdicts"] = verdicts(results)

@@ -172,6 +172,7 @@ class Adapters:
             self.queue.set_size(engine_name, size)  # the estimate of its load now knows its size
         started = time.perf_counter()
         await self._take_turn(engine_name)  # one at a time: each answer's list of loaded adapters is then current
+        prefetch = self.queue.current is not None and self.queue.current.background  # nobody waited for it
         try:
             if engine_name in self.loaded:
                 return
@@ -201,7 +202,7 @@ class Adapters:
         LOADS.labels("loaded").inc()
         LOAD_SECONDS.observe(seconds)
         log.info("adapter_loaded", adapter=engine_name, path=spec.path, load_s=round(seconds, 4),
-                 loaded=len(self.loaded))
+                 loaded=len(self.loaded), prefetch=prefetch)
 
     def _follow(self, listed: Iterable[str], loading: str | None = None) -> None:
         """Take the engine's list of loaded adapters as the truth: what it no longer lists was evicted."""
