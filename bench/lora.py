@@ -32,10 +32,17 @@ prefetch registered adapters into the engines' host memory up to their cap
 (`INFERBUS_ROUTER_ADAPTER_PREFETCH`: 4 × 200 of the 1,000 fit), as a platform whose adapters were
 registered before their traffic would, then warms its 100 most popular (their recent traffic: in
 the engines' least-recently-used order they come after the prefetched ones); the rest of the tail
-loads from disk and evicts while measured (`--no-settle`: the whole tail does). Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
+loads from disk and evicts while measured (`--no-settle`: the whole tail does). Only prefetches run
+while it settles, so the engines then run at `--settle-time-scale` (1: ten times faster in wall
+time than the measured runs; sim-engine `--time-scale-control`): every simulated load takes what it
+takes, and the warm-up's loads, at the measured time scale, teach the workers' load-time estimates
+the wall time again. `--scenarios 1000` runs the capped scenario alone and takes the 200-adapter
+rows (the base model's p99 for its verdict) from the lora.json already in `--out`. Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
 top 10, middle: 11-50, tail: the rest), requests, errors, requests and adapter loads/evictions
 per worker (the gateway's access log and the workers' `adapter_loaded`/`adapter_evicted` lines),
-and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
+why adapters were loaded and evicted by popularity class (loads requests waited for against
+prefetches, evictions and evicted adapters requested again, homes the routers opened: their
+`adapter_home_warmed` and `adapter_prefetch_asked` lines), and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
 2× the base model's, imbalance ≤ 1.2, no errors, at 200 and at 1,000 adapters.
 Writes bench/results/lora.json and lora.md.
 """
