@@ -84,7 +84,7 @@ class AdapterConfig:
     # On an engine that caps its loaded adapters (--max-loaded-loras), a new home evicts another
     # adapter once it is full, which that adapter's next request loads again from disk: homes
     # open there for crowding only for adapters with at least this share of recent traffic.
-    crowd_min_share: float = 0.01
+    crowd_min_share: float = 0.02
 
 
 def harmonic(k: int) -> float:
