@@ -32,10 +32,17 @@ prefetch registered adapters into the engines' host memory up to their cap
 (`INFERBUS_ROUTER_ADAPTER_PREFETCH`: 4 × 200 of the 1,000 fit), as a platform whose adapters were
 registered before their traffic would, then warms its 100 most popular (their recent traffic: in
 the engines' least-recently-used order they come after the prefetched ones); the rest of the tail
-loads from disk and evicts while measured (`--no-settle`: the whole tail does). Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
+loads from disk and evicts while measured (`--no-settle`: the whole tail does). Only prefetches run
+while it settles, so the engines then run at `--settle-time-scale` (1: ten times faster in wall
+time than the measured runs; sim-engine `--time-scale-control`): every simulated load takes what it
+takes; its last 10 prefetches per worker run at the measured time scale, which the workers'
+load-time estimates (wall seconds, priced by the routers) are learned at again before the warm-up. `--scenarios 1000` runs the capped scenario alone and takes the 200-adapter
+rows (the base model's p99 for its verdict) from the lora.json already in `--out`. Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
 top 10, middle: 11-50, tail: the rest), requests, errors, requests and adapter loads/evictions
 per worker (the gateway's access log and the workers' `adapter_loaded`/`adapter_evicted` lines),
-and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
+why adapters were loaded and evicted by popularity class (loads requests waited for against
+prefetches, evictions and evicted adapters requested again, homes the routers opened: their
+`adapter_home_warmed` and `adapter_prefetch_asked` lines), and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
 2× the base model's, imbalance ≤ 1.2, no errors, at 200 and at 1,000 adapters.
 Writes bench/results/lora.json and lora.md.
 """
@@ -68,6 +75,9 @@ HOT, MIDDLE = 10, 50  # popularity ranks 1-10 hot, 11-50 middle, the rest tail
 # past the SLO's 800 ms: the planner's arithmetic is a little optimistic for this mix, and 58.5/4
 # is where the SLO binds.
 MEASURED_CAPACITY_PER_WORKER = 58.5 / 4
+# Prefetches per worker made at the measured time scale at the end of a faster settle: the workers'
+# load-time estimate (a mean weighting the latest load 0.3) is then within 3% of that scale's.
+RELEARN_LOADS = 10
 
 
 def workload() -> mix_mod.Mix:
@@ -196,7 +206,7 @@ async def replay(platform: Platform, plan: list[tuple[float, int, int]], time_sc
         tenant = tenant_of(rank, tenants)
         model = MODEL if base_only else adapter_name(rank)
         started = time.perf_counter()
-        record: dict[str, Any] = {"rank": rank, "class": popularity_class(rank), "error": None}
+        record: dict[str, Any] = {"rank": rank, "class": popularity_class(rank), "error": None, "at": time.time()}
         try:
             stream = await clients[tenant].chat.completions.create(
                 model=model, messages=[{"role": "user", "content": text}], max_tokens=OUTPUT_TOKENS,
@@ -245,12 +255,22 @@ async def warm(platform: Platform, ranks: list[int], tenants: int, concurrency: 
     return errors
 
 
-def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: float) -> dict[str, Any]:
+def set_time_scale(platform: Platform, scale: float) -> None:
+    """Every engine's wall seconds per simulated second (engines started with --time-scale-control)."""
+    import httpx
+
+    for process in platform.stack.processes:
+        if process.name.startswith("engine-"):
+            httpx.post(f"{process.detail}/time_scale", json={"time_scale": scale}, timeout=10).raise_for_status()
+
+
+def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: float,
+           holding: list[int] | None = None) -> dict[str, Any]:
     """Wait while the routers prefetch registered adapters into the engines' host memory: until every
     worker holds `cap` adapters, or no load for `quiet_s` wall seconds, or `max_s` have passed."""
     since = time.time()
     begin = last_change = time.perf_counter()
-    count, holding = -1, [0] * workers
+    count, holding = -1, list(holding or [0] * workers)
     while True:
         lines = [platform.log_events(f"worker-{i}", "adapter_loaded", since) for i in range(1, workers + 1)]
         now = time.perf_counter()
@@ -260,6 +280,57 @@ def settle(platform: Platform, workers: int, cap: int, quiet_s: float, max_s: fl
         if all(h >= cap for h in holding) or now - last_change >= quiet_s or now - begin >= max_s:
             return {"wall_s": now - begin, "loads": count, "loaded_per_worker": holding}
         time.sleep(5)
+
+
+def rank_of(engine_name: str) -> int | None:
+    """The popularity rank of an adapter's engine name (`ft-0042@…` → 42)."""
+    name = engine_name.partition("@")[0]
+    return int(name[3:]) if name.startswith("ft-") and name[3:].isdigit() else None
+
+
+def adapter_activity(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
+    """Why adapters were loaded and evicted while measured, by popularity class: loads a request
+    waited for or the router asked for (`request`) against prefetches into host memory; homes the
+    routers opened for an adapter already loaded elsewhere (`share`: its traffic asks for more
+    homes; `crowded`: every home had more than its share of placements); evictions, and how many of
+    the evicted adapters were requested again later in the run (each such request loads it again)."""
+    classes = ("hot", "middle", "tail")
+
+    def by_class() -> dict[str, int]:
+        return dict.fromkeys(classes, 0)
+
+    out: dict[str, Any] = {"loads": {"request": by_class(), "prefetch": by_class()}, "evictions": by_class(),
+                           "evicted_then_requested": by_class(), "homes_opened": {"share": by_class(), "crowded": by_class()},
+                           "prefetches_asked": 0, "per_worker": {}}
+    requested_at: dict[int, list[float]] = {}
+    for record in records:
+        requested_at.setdefault(record["rank"], []).append(record["at"])
+    for i in range(1, workers + 1):
+        worker = f"worker-{i}"
+        mine = {"request": 0, "prefetch": 0, "evictions": 0, "evicted_then_requested": 0}
+        for line in platform.log_events(worker, "adapter_loaded", since):
+            rank = rank_of(line.get("adapter", ""))
+            if rank is not None:
+                kind = "prefetch" if line.get("prefetch") else "request"
+                out["loads"][kind][popularity_class(rank)] += 1
+                mine[kind] += 1
+        for line in platform.log_events(worker, "adapter_evicted", since):
+            rank = rank_of(line.get("adapter", ""))
+            if rank is None:
+                continue
+            out["evictions"][popularity_class(rank)] += 1
+            mine["evictions"] += 1
+            if any(at > _ts(line) for at in requested_at.get(rank, ())):
+                out["evicted_then_requested"][popularity_class(rank)] += 1
+                mine["evicted_then_requested"] += 1
+        out["per_worker"][worker] = mine
+    for line in platform.log_events("router", "adapter_home_warmed", since):
+        rank = rank_of(line.get("adapter", ""))
+        if rank is not None:
+            reason = "share" if int(line.get("homes", 0)) < int(line.get("wanted", 1)) else "crowded"
+            out["homes_opened"][reason][popularity_class(rank)] += 1
+    out["prefetches_asked"] = len(platform.log_events("router", "adapter_prefetch_asked", since))
+    return out
 
 
 def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
@@ -288,6 +359,7 @@ def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, s
         "ttft_by_class": {c: latency([r for r in ok if r["class"] == c]) for c in ("hot", "middle", "tail")},
         "per_worker": per_worker,
         "imbalance": max(counts) / mean if mean else None,
+        "adapter_activity": adapter_activity(records, platform, workers, since),
     }
 
 
@@ -304,7 +376,24 @@ def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], r
             # The time between registration and traffic: the routers prefetch adapters into the
             # engines' host memory meanwhile. Then the warm-up stands for the recent traffic, which
             # a live platform's popular adapters have had since (and the engines' LRU order shows).
-            out["prefetch"] = settle(platform, args.workers, cap, quiet_s=30.0, max_s=args.settle_max)
+            # Nothing but prefetches runs meanwhile, so the engines may run faster in wall time
+            # (--settle-time-scale) without changing any simulated load time. The workers learn
+            # their load time in wall seconds, though, and the routers price loads with it: the
+            # last RELEARN_LOADS prefetches per worker run at the measured time scale, so the
+            # warm-up places as it would after a settle at that scale.
+            settle_scale = getattr(args, "settle_time_scale", 0.0)
+            out["prefetch"] = {"wall_s": 0.0, "loads": 0}
+            if settle_scale and cap > RELEARN_LOADS:
+                set_time_scale(platform, settle_scale)
+                fast = settle(platform, args.workers, cap - RELEARN_LOADS, quiet_s=30.0, max_s=args.settle_max)
+                set_time_scale(platform, args.time_scale)
+                out["prefetch"] = {"wall_s": fast["wall_s"], "loads": fast["loads"], "time_scale": settle_scale,
+                                   "fast_loads_per_worker": fast["loaded_per_worker"]}
+            rest = settle(platform, args.workers, cap, quiet_s=30.0, max_s=args.settle_max,
+                          holding=out["prefetch"].get("fast_loads_per_worker"))
+            out["prefetch"] = {**out["prefetch"], "wall_s": out["prefetch"]["wall_s"] + rest["wall_s"],
+                               "loads": out["prefetch"]["loads"] + rest["loads"],
+                               "loaded_per_worker": rest["loaded_per_worker"]}
             print(f"  prefetched {out['prefetch']['loads']} adapters in {out['prefetch']['wall_s']:.0f} s, "
                   f"holding {out['prefetch']['loaded_per_worker']}", flush=True)
         warm_started = time.time()
@@ -387,6 +476,27 @@ def markdown(results: dict[str, Any]) -> str:
             if run:
                 lines.append(f"| {title}, {'adapters' if name == 'lora' else 'base model only'} | " + " | ".join(
                     f"{w['requests']} / {w['loads']} / {w['evictions']}" for w in run["per_worker"].values()) + " |")
+    activity_rows = []
+    for key, title in (("at_200", "200 adapters"), ("at_1000", "1,000 adapters")):
+        run = results.get(key, {}).get("lora")
+        if run and "adapter_activity" in run:
+            a = run["adapter_activity"]
+
+            def triple(counts: dict[str, int]) -> str:
+                return " / ".join(str(counts[c]) for c in ("hot", "middle", "tail"))
+
+            activity_rows.append(
+                f"| {title} | {triple(a['loads']['request'])} | {triple(a['loads']['prefetch'])} | {triple(a['evictions'])} | "
+                f"{triple(a['evicted_then_requested'])} | {triple(a['homes_opened']['share'])} | "
+                f"{triple(a['homes_opened']['crowded'])} | {a['prefetches_asked']} |")
+    if activity_rows:
+        lines += ["", "Adapter loads and evictions during the measured run by popularity class, hot / middle / tail "
+                  "(loads a request waited for or the router asked for; prefetches into host memory; evictions; evicted "
+                  "adapters requested again later in the run; homes opened for an adapter loaded elsewhere because its "
+                  "share asked for more, or because every home had more than its share of placements):", "",
+                  "| run | loads | prefetch loads | evictions | evicted, requested again | homes opened: share | "
+                  "homes opened: crowded | prefetches asked |",
+                  "| --- | --- | --- | --- | --- | --- | --- | ---: |", *activity_rows]
     lines += ["", "Warm-up and registration: " + "; ".join(
         f"{results[k]['adapters']} adapters registered in bulk in {results[k]['registration_s']:.1f} s, "
         f"{results[k]['warmup']['adapters']} warmed ({results[k]['warmup']['loads']} loads, "
@@ -419,6 +529,12 @@ def main() -> None:
                         help="before measuring the capped scenario, wait while the routers prefetch adapters into "
                              "the engines' host memory (up to the cap)")
     parser.add_argument("--settle-max", type=float, default=1200.0, help="at most this many wall seconds of it")
+    parser.add_argument("--settle-time-scale", type=float, default=1.0,
+                        help="the engines' time scale while settling (0: --time-scale): only prefetch loads run then, "
+                             "whose simulated times do not change")
+    parser.add_argument("--scenarios", default="200,1000",
+                        help="which to run: 200 (with the base-model run) and/or 1000; a run of 1000 alone takes the "
+                             "200-adapter results (for the base model's p99) from the existing lora.json in --out")
     parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23)
@@ -433,16 +549,22 @@ def main() -> None:
         "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
         "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
         "rate_rps": rate, "seconds": args.seconds, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
+        "settle_time_scale": args.settle_time_scale, "scenarios": args.scenarios,
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
     }}
     print(f"rate {rate:.1f} req/s engine time ({rate / args.time_scale:.2f} wall)", flush=True)
     slots = ["--max-loras-per-batch", str(args.slots)] + (["--enable-lora-overlap-loading"] if args.overlap_loading else [])
-    results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
-                                  warm_ranks=args.adapters, rate=rate)
-    results["verdicts"] = verdicts(results)
-    write_results(args.out, "lora", results, markdown)  # kept if the second scenario fails
-    if args.many_adapters:
-        results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap)],
+    scenarios = {part.strip() for part in args.scenarios.split(",") if part.strip()}
+    if "200" in scenarios:
+        results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
+                                      warm_ranks=args.adapters, rate=rate)
+        results["verdicts"] = verdicts(results)
+        write_results(args.out, "lora", results, markdown)  # kept if the second scenario fails
+    else:
+        results["at_200"] = json.loads((args.out / "lora.json").read_text())["at_200"]
+    if args.many_adapters and "1000" in scenarios:
+        control = ["--time-scale-control"] if args.settle and args.settle_time_scale else []
+        results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap), *control],
                                        [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate,
                                        cap=args.cap)
         results["verdicts"] = verdicts(results)

@@ -150,3 +150,30 @@ async def test_a_worker_loads_what_requests_wait_for_before_its_prefetches() -> 
         engine.release.setdefault(name, asyncio.Event()).set()
     await asyncio.gather(first, prefetch, request)
     assert order == ["busy", "wanted", "pre"] and adapters.prefetches() == 0
+
+
+async def test_an_adapter_being_verified_is_reported_as_a_load_ready_now() -> None:
+    """The engine holds it (and counts it against its cap) before the worker's probe ends: a report
+    without it would show the router room that is not there, and a prefetch into it evicts."""
+    spec = m.AdapterSpec(name="new", base_model="m", version="sha256:" + "ab" * 32, path="s3://new", created=0)
+
+    async def lookup(name: str) -> m.AdapterSpec | None:
+        return spec if name == "new" else None
+
+    engine = SlowEngine()
+    probing = asyncio.Event()
+    probed = asyncio.Event()
+
+    async def slow_probe(lora_name: str | None = None) -> None:
+        probing.set()
+        await probed.wait()
+
+    engine.probe = slow_probe  # type: ignore[method-assign]
+    adapters = Adapters(engine, lookup)  # type: ignore[arg-type]
+    engine.release.setdefault(spec.engine_name, asyncio.Event()).set()
+    load = asyncio.ensure_future(adapters.ensure(spec.engine_name))
+    await asyncio.wait_for(probing.wait(), 5)
+    assert adapters.pending_loads() == {spec.engine_name: 0.0} and adapters.names() == []
+    probed.set()
+    await load
+    assert adapters.pending_loads() == {} and adapters.names() == [spec.engine_name]

@@ -197,3 +197,35 @@ def test_an_evicted_adapter_costs_its_reload_even_on_its_home() -> None:
     slots.on_load("w1", {}, {"b": 1.0, "c": 2.0}, adapter_load_s=0.3)
     costs = slots.costs("a", workers("w1", "w2"))
     assert costs[0] == pytest.approx(2.3) and costs[1] == pytest.approx(slots.config.away_s + 0.3)
+
+
+def test_on_capped_engines_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker() -> None:
+    """A new home on an engine with --max-loaded-loras evicts another adapter once it is full; for
+    a tail adapter that copy serves almost nothing, for a hot one it moves real load."""
+    clock = Clock()
+    slots = AdapterSlots(clock, AdapterConfig(crowd_min_share=0.05))
+    for w in ("w1", "w2", "w3"):
+        slots.on_cap(w, 200)
+    for _ in range(100):
+        slots.observe(None)
+    slots.observe("tail")  # ~1% of the traffic
+    for _ in range(10):
+        slots.observe("hot")  # ~9%
+    slots.on_placed("w1", "tail")
+    slots.on_placed("w1", "hot")
+    for _ in range(60):  # w1 takes twice its share of the recent placements
+        slots.on_placed("w1", None)
+    for _ in range(15):
+        slots.on_placed("w2", None)
+        slots.on_placed("w3", None)
+    pool = workers("w1", "w2", "w3", loaded={"w1": {"tail", "hot"}, "w3": {"tail"}})
+    load, away = slots.config.load_s, slots.config.away_s
+    # The tail adapter: no new home where it would be loaded, but a worker holding it already may take it.
+    assert slots.costs("tail", pool)[1:] == pytest.approx([away + load, 0.0])
+    assert slots.warm_target("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}})) is None
+    # The hot one opens a home, loaded in the background first.
+    assert slots.costs("hot", pool)[1] == pytest.approx(load)
+    assert slots.warm_target("hot", pool) in ("w2", "w3")
+    # Without a cap a copy evicts nothing: crowding opens homes for any adapter, as before.
+    slots.on_cap("w2", 0)
+    assert slots.warm_target("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}})) == "w2"

@@ -219,3 +219,23 @@ async def test_many_concurrent_streams_at_zero_step_time():
 
         assert await asyncio.gather(*(one(i) for i in range(20))) == [20] * 20
         assert not server.engine.has_work
+
+
+async def test_the_time_scale_changes_while_running_only_with_its_control_on() -> None:
+    """A benchmark runs an idle phase (adapter prefetching) faster in wall time: an adapter load of
+    0.5 simulated seconds takes the wall time of the scale set."""
+    load = {"lora_name": "a", "lora_path": "s3://a"}
+    async with running(time_scale=1.0, lora_load_time_s=0.5) as (server, client):
+        assert (await client.post("/time_scale", json={"time_scale": 0.1})).status_code in (404, 405)
+        server.enable_time_scale_control()
+        assert (await client.post("/time_scale", json={"time_scale": 0})).status_code == 400
+        assert (await client.post("/time_scale", json={"time_scale": 0.1})).json() == {"time_scale": 0.1}
+        assert (await client.get("/server_info")).json()["time_scale"] == 0.1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert (await client.post("/load_lora_adapter", json=load)).json()["success"]
+        assert loop.time() - started < 0.4  # 0.5 simulated seconds at 0.1 wall seconds each
+        await client.post("/time_scale", json={"time_scale": 1.0})
+        started = loop.time()
+        await client.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": "s3://b"})
+        assert loop.time() - started >= 0.45

@@ -42,7 +42,12 @@ smaller size has held for `release_after_s`, dropping the home placed on least r
 adapter stays loaded there (a cheap choice, `away_s`) until the engine evicts it. Homes also open
 when every one of them has had more than `crowded` (10%) above the mean of recent placements
 (decayed like the shares, once workers average `MIN_PLACEMENTS`): a tail adapter pinned to a
-busy worker then moves some of its traffic to a quieter one, which the balance term prefers. So the hottest
+busy worker then moves some of its traffic to a quieter one, which the balance term prefers. On a
+worker whose engine caps its loaded adapters (`--max-loaded-loras`, in the heartbeat) a new home
+evicts another adapter once the engine is full, and that adapter's next request reads it from disk
+again: there crowding opens a home only for an adapter loaded there already or with at least
+`crowd_min_share` of recent traffic, so the copies that balance the load are of adapters that use
+them, and the tail stays on one worker each. So the hottest
 adapter, which would otherwise be pinned to the one worker that loaded it first (a load penalty
 far larger than any load difference), spreads over as many workers as its traffic needs, and
 tail adapters stay on one.
@@ -76,6 +81,11 @@ class AdapterConfig:
     # every home is more than `crowded` above the mean may take a new home.
     balance_s: float = 0.5
     crowded: float = 0.1
+    # On an engine that caps its loaded adapters (--max-loaded-loras), a new home evicts another
+    # adapter once it is full, which that adapter's next request loads again from disk: homes
+    # open there for crowding only for adapters with at least this share of recent traffic (at
+    # 1%, two requests in a row of a tail adapter were enough at ~200 recent requests).
+    crowd_min_share: float = 0.02
 
 
 def harmonic(k: int) -> float:
@@ -111,6 +121,8 @@ class AdapterSlots:
     reported_at: dict[str, float] = field(default_factory=dict)
     worker_load_s: dict[str, float] = field(default_factory=dict)
     asked: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per worker: its engine's cap on loaded adapters (0: none), from its heartbeat.
+    caps: dict[str, int] = field(default_factory=dict)
     # Whether any adapter request was seen: until then base-model requests skip the slot estimate
     # (every batch has room for the base model), which keeps base-only placement as cheap as before.
     lora_seen: bool = False
@@ -147,7 +159,12 @@ class AdapterSlots:
             if loaded is not None and adapter not in loaded and not self._loading(worker_id, adapter):
                 self._ask_load(worker_id, adapter)
 
+    def on_cap(self, worker_id: str, cap: int) -> None:
+        """The worker's engine keeps at most `cap` adapters loaded (0: no cap)."""
+        self.caps[worker_id] = cap
+
     def on_worker_gone(self, worker_id: str) -> None:
+        self.caps.pop(worker_id, None)
         self.reported.pop(worker_id, None)
         self.placed.pop(worker_id, None)
         self._worker_placed.pop(worker_id, None)
@@ -183,16 +200,16 @@ class AdapterSlots:
         """The adapter part of each worker's cost, in seconds. `workers`: (worker id, distinct
         adapters per batch or 0 when unknown, adapters loaded there)."""
         config = self.config
-        homes = self._homes_for(adapter, len(workers)) if adapter else None
+        homes = self._homes_for(adapter, len(workers)) if adapter else {}
         excess = self.excess([worker_id for worker_id, _, _ in workers]) if adapter else {}
-        open_homes = adapter is not None and self._open(adapter, homes or {}, excess, len(workers))
+        opening = self._opening(adapter, homes, excess, len(workers)) if adapter else None
         key = adapter or BASE
         out = []
         for worker_id, slots, loaded in workers:
             cost = config.balance_s * max(0.0, excess.get(worker_id, 0.0))
             if adapter:
                 cost += self.load_wait(worker_id, adapter, loaded)
-                if worker_id not in homes and not open_homes:  # type: ignore[operator]
+                if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded):
                     cost += config.away_s
             if slots:
                 cost += self.slot_wait(worker_id, key, slots)
@@ -204,10 +221,14 @@ class AdapterSlots:
         and no worker outside them holds or is loading it. Counted as a load asked for there."""
         homes = self._homes_for(adapter, len(workers))
         excess = self.excess([worker_id for worker_id, _, _ in workers])
-        if not homes or not self._open(adapter, homes, excess, len(workers)):
+        opening = self._opening(adapter, homes, excess, len(workers))
+        if opening is None:
             return None
         outside = [(worker_id, loaded) for worker_id, _, loaded in workers if worker_id not in homes]
-        if not outside or any(adapter in loaded or self._loading(worker_id, adapter) for worker_id, loaded in outside):
+        if any(adapter in loaded or self._loading(worker_id, adapter) for worker_id, loaded in outside):
+            return None
+        outside = [(worker_id, loaded) for worker_id, loaded in outside if self._takes(opening, worker_id, adapter, loaded)]
+        if not outside:
             return None
         def cost(worker_id: str, loaded: frozenset[str]) -> float:
             return self.config.balance_s * max(0.0, excess.get(worker_id, 0.0)) + self.load_wait(worker_id, adapter, loaded)
@@ -254,12 +275,25 @@ class AdapterSlots:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _open(self, adapter: str, homes: dict[str, float], excess: dict[str, float], workers: int) -> bool:
-        """Whether the adapter's homes take a newcomer: fewer than its share asks for, or every one
-        has more than its share of the placements. An adapter with none yet goes where it is
-        loaded, if anywhere (its first home)."""
-        return bool(homes) and (len(homes) < self.wanted_homes(adapter, workers)
-                                or all(excess.get(w, 0.0) > self.config.crowded for w in homes))
+    def _opening(self, adapter: str, homes: dict[str, float], excess: dict[str, float], workers: int) -> str | None:
+        """Why the adapter's homes take a newcomer, if they do: "share" (fewer than its share asks
+        for) or "crowded" (every one has more than its share of the placements). An adapter with
+        none yet goes where it is loaded, if anywhere (its first home)."""
+        if not homes:
+            return None
+        if len(homes) < self.wanted_homes(adapter, workers):
+            return "share"
+        if all(excess.get(w, 0.0) > self.config.crowded for w in homes):
+            return "crowded"
+        return None
+
+    def _takes(self, opening: str | None, worker_id: str, adapter: str, loaded: frozenset[str]) -> bool:
+        """Whether `worker_id` may become a home of `adapter` now. For crowding, a worker whose
+        engine caps its loaded adapters takes only an adapter it holds already or one with enough
+        traffic to pay for the adapter its load evicts."""
+        if opening != "crowded" or not self.caps.get(worker_id) or adapter in loaded:
+            return opening is not None
+        return self.share(adapter) >= self.config.crowd_min_share
 
     def _loading(self, worker_id: str, adapter: str) -> bool:
         return adapter in self.loading.get(worker_id, {}) or adapter in self.asked.get(worker_id, {})

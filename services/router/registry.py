@@ -154,6 +154,7 @@ class WorkerRegistry:
         view.block_size = beat.block_size
         view.max_adapters = beat.max_adapters
         view.max_loaded_adapters = beat.max_loaded_adapters
+        self.adapter_slots.on_cap(beat.worker_id, beat.max_loaded_adapters)
         view.adapters = frozenset(beat.adapters)
         view.release = beat.release
         view.zone = beat.zone

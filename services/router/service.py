@@ -153,6 +153,11 @@ class Router:
             self._spawn(self._preload(reply.worker_id, request.adapter))
             warm = self.placer.warm_target(request)
             if warm is not None:  # a hot adapter's next home: loaded before traffic moves there
+                slots = self.registry.adapter_slots
+                homes = slots.homes.get(request.adapter)
+                log.info("adapter_home_warmed", adapter=request.adapter, worker=warm,
+                         homes=len(homes.workers) if homes else 0,
+                         wanted=slots.wanted_homes(request.adapter, len(self.registry.workers)))
                 self._spawn(self._preload(warm, request.adapter))
         placed = m.Placed(
             router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
@@ -202,6 +207,7 @@ class Router:
                                for view in self.registry.eligible(model).values() if self.registry.alive(view)]
                     for worker_id, adapter in self.prefetcher.plan(names, workers, slots.share):
                         PREFETCHES.inc()
+                        log.info("adapter_prefetch_asked", adapter=adapter, worker=worker_id)
                         command = m.ControlCommand(action="load_adapter", adapter=adapter, background=True)
                         await self.nc.publish(subjects.control_subject(worker_id), m.encode(command))
             except asyncio.CancelledError:

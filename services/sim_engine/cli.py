@@ -115,6 +115,9 @@ from .profile_table import load_npz
                    "progress) or a failing one (generations and health checks answer 500), for failure drills.")
 @click.option("--fault", type=click.Choice(["none", "hang", "fail"]), default="none", show_default=True,
               help="With --fault-injection: the fault to start in.")
+@click.option("--time-scale-control", is_flag=True,
+              help="Serve POST /time_scale {\"time_scale\": S}: change the wall seconds per simulated second while "
+                   "running (benchmarks speed up idle phases such as adapter prefetching; simulated durations unchanged).")
 def sim_engine_command(
     host: str,
     port: int,
@@ -150,6 +153,7 @@ def sim_engine_command(
     log_level: str,
     fault_injection: bool,
     fault: str,
+    time_scale_control: bool,
 ) -> None:
     """Serve SGLang 0.5.23's native HTTP API (/generate, /abort_request, LoRA, /v1/loads,
     /metrics, ...) from a simulated GPU: a roofline timing model of a 70B FP8 model with
@@ -203,7 +207,8 @@ def sim_engine_command(
             raise click.BadParameter(str(exc), param_hint="--profile-table") from exc
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(
-        create_app(config, faults=fault if fault_injection else None),  # type: ignore[arg-type]
+        create_app(config, faults=fault if fault_injection else None,  # type: ignore[arg-type]
+                   time_scale_control=time_scale_control),
         host=host,
         port=port,
         loop="uvloop",

@@ -77,6 +77,10 @@ class AbortInput(msgspec.Struct):
     abort_all: bool = False
 
 
+class _TimeScaleBody(msgspec.Struct):
+    time_scale: float
+
+
 class LoadLoraInput(msgspec.Struct):
     lora_name: str
     lora_path: str
@@ -174,6 +178,8 @@ class SimEngineServer:
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
+        # Wall seconds per simulated second; `/time_scale` (--time-scale-control) changes it.
+        self.time_scale = config.time_scale
         # SGLang serialises adapter loads and unloads behind one lock (its tokenizer manager's
         # lora_update_lock): a load queued behind another starts when that one has answered.
         self._lora_update_lock = asyncio.Lock()
@@ -198,6 +204,23 @@ class SimEngineServer:
         self.faults: Faults | None = None  # set by `enable_faults` (--fault-injection)
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
 
+    def enable_time_scale_control(self) -> None:
+        """Serve `GET/POST /time_scale {"time_scale": S}` (--time-scale-control): a benchmark speeds
+        up an idle phase (adapter prefetching) without changing any simulated duration."""
+        self.app.router.routes.append(Route("/time_scale", self.time_scale_endpoint, methods=["GET", "POST"]))
+
+    async def time_scale_endpoint(self, http_request: HttpRequest) -> Response:
+        if http_request.method == "POST":
+            try:
+                body = msgspec.json.decode(await http_request.body(), type=_TimeScaleBody)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                return _error(str(exc))
+            if body.time_scale <= 0:
+                return _error("time_scale must be positive")
+            self.time_scale = body.time_scale
+            self._wake.set()  # an idle wait so far is accounted at the old scale
+        return _json({"time_scale": self.time_scale})
+
     def enable_faults(self, mode: Mode = "none") -> None:
         """Serve `/fault` and obey it (see services/sim_engine/faults.py)."""
         self.faults = Faults(mode)
@@ -218,10 +241,10 @@ class SimEngineServer:
 
     async def _run(self) -> None:
         engine = self.engine
-        scale = self.config.time_scale
         loop = asyncio.get_running_loop()
         deadline = loop.time()
         while True:
+            scale = self.time_scale
             if self.faults is not None and self.faults.hung:
                 await self.faults.wait_unhung()  # a hung GPU: nothing runs, nothing finishes
                 deadline = loop.time()
@@ -453,7 +476,7 @@ class SimEngineServer:
                 # adapter's requests have finished (it frees the weights only then).
                 adapter = self.engine.adapters.get(body.lora_name)
                 if adapter is not None:
-                    await asyncio.sleep(max(0.0, adapter.ready_at - self.engine.now) * self.config.time_scale)
+                    await asyncio.sleep(max(0.0, adapter.ready_at - self.engine.now) * self.time_scale)
                 if result.evicted:
                     holders = [r for r in list(self.engine.waiting) + list(self.engine.running)
                                if r.lora_name in result.evicted]
@@ -537,7 +560,7 @@ class SimEngineServer:
                 "inferbus_simulated": True,
                 "gpu": config.gpu,
                 "preset": config.preset,
-                "time_scale": config.time_scale,
+                "time_scale": self.time_scale,
                 "fixed_step_ms": config.fixed_step_ms,
                 "profile_table": config.profile_table,
                 # What a release pins (SGLang reports its server args here too).
@@ -572,13 +595,15 @@ class SimEngineServer:
 
 
 def create_app(config: EngineConfig, step_model: StepTimeModel | None = None, *,
-               faults: Mode | None = None) -> Starlette:
+               faults: Mode | None = None, time_scale_control: bool = False) -> Starlette:
     """The native SGLang API and, beside it, SGLang's OpenAI-compatible endpoints; with `faults`,
-    the fault-injection endpoint, starting in that mode."""
+    the fault-injection endpoint, starting in that mode; with `time_scale_control`, `/time_scale`."""
     from .openai_api import OpenAIRoutes
 
     server = SimEngineServer(config, step_model)
     OpenAIRoutes(server)
     if faults is not None:
         server.enable_faults(faults)
+    if time_scale_control:
+        server.enable_time_scale_control()
     return server.app

@@ -88,6 +88,8 @@ class Adapters:
         self.loaded: dict[str, m.AdapterSpec | None] = {}  # engine name → spec (None: adopted from the engine's list)
         self.evictions = 0
         self._verified: set[str] = set()  # verified on this engine process
+        # Loaded by the engine, now being verified: in the engine's list, not yet in `loaded`.
+        self._verifying: set[str] = set()
         self._loading: dict[str, asyncio.Future[None]] = {}
         # One load at a time, in the queue's order (loads requests wait for before prefetches).
         self._turn = asyncio.Condition()
@@ -116,6 +118,7 @@ class Adapters:
 
     def _loaded_or_failed(self, engine_name: str) -> None:
         self._loading.pop(engine_name, None)
+        self._verifying.discard(engine_name)
         self.queue.finish(engine_name, measured=False)  # a failed load (a success finished already)
         self._spawn_notify()  # it may have been next in the queue
         self.on_change()
@@ -145,8 +148,13 @@ class Adapters:
         return self.queue.prefetches()
 
     def pending_loads(self) -> dict[str, float]:
-        """Adapters queued or loading → expected seconds until each is ready (for the load report)."""
-        return self.queue.expected()
+        """Adapters queued, loading or being verified → expected seconds until each is ready (for the
+        load report; one being verified holds its place in the engine's memory already, which a
+        router filling that memory must count)."""
+        pending = self.queue.expected()
+        for name in self._verifying:
+            pending.setdefault(name, 0.0)
+        return pending
 
     def one_load_s(self) -> float:
         """Expected seconds of one more load here (0: none measured yet, the router's default applies)."""
@@ -172,6 +180,7 @@ class Adapters:
             self.queue.set_size(engine_name, size)  # the estimate of its load now knows its size
         started = time.perf_counter()
         await self._take_turn(engine_name)  # one at a time: each answer's list of loaded adapters is then current
+        prefetch = self.queue.current is not None and self.queue.current.background  # nobody waited for it
         try:
             if engine_name in self.loaded:
                 return
@@ -183,12 +192,16 @@ class Adapters:
                     f"engine could not load adapter {spec.name}: {result.get('error_message') or 'unknown error'}")
             if listed is not None:
                 self._follow(listed, engine_name)
+            self._verifying.add(engine_name)  # in the engine's memory from now on
             self.queue.finish(engine_name)  # the engine is free for the next load
             self.on_progress()
         finally:
             await self._end_turn()
         # Verified after its turn: the probe waits for a batch step, and the next load need not.
-        problem = None if engine_name in self._verified else await self._verify(engine_name, result)
+        try:
+            problem = None if engine_name in self._verified else await self._verify(engine_name, result)
+        finally:
+            self._verifying.discard(engine_name)
         if problem is not None:
             await self.engine.unload_lora(engine_name)
             LOADS.labels("unverified").inc()
@@ -201,7 +214,7 @@ class Adapters:
         LOADS.labels("loaded").inc()
         LOAD_SECONDS.observe(seconds)
         log.info("adapter_loaded", adapter=engine_name, path=spec.path, load_s=round(seconds, 4),
-                 loaded=len(self.loaded))
+                 loaded=len(self.loaded), prefetch=prefetch)
 
     def _follow(self, listed: Iterable[str], loading: str | None = None) -> None:
         """Take the engine's list of loaded adapters as the truth: what it no longer lists was evicted."""
