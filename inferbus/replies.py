@@ -31,6 +31,10 @@ class _PubAck(msgspec.Struct):
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
 
+# JetStream's error code for a message id whose first publish the stream has not yet stored
+# (nats-server's JSStreamDuplicateMessageConflict).
+DUPLICATE_IN_PROCESS = 10158
+
 
 # Bytes kept free for a message's headers (message id, trace context) under the server's max_payload.
 HEADER_ROOM = 4096
@@ -92,16 +96,22 @@ class Replies:
             left = deadline - asyncio.get_running_loop().time()
             try:
                 reply = await self.request(subject, data, max(0.05, left), all_headers)
-                break
             except NoRespondersError:
                 if left <= delay:
                     raise PublishError(f"no JetStream stream captures {subject}") from None
                 await asyncio.sleep(delay)
                 delay = min(0.5, delay * 2)
-        ack = _ack_decoder.decode(reply.data)
-        if ack.error:
-            raise PublishError(str(ack.error.get("description", ack.error)))
-        return not ack.duplicate
+                continue
+            ack = _ack_decoder.decode(reply.data)
+            if not ack.error:
+                return not ack.duplicate
+            description = str(ack.error.get("description", ack.error))
+            # An earlier copy (a retry after a timeout) is still going through the stream's
+            # consensus: asking again later gets its acknowledgement, or "duplicate".
+            if ack.error.get("err_code") != DUPLICATE_IN_PROCESS or left <= delay:
+                raise PublishError(description)
+            await asyncio.sleep(delay)
+            delay = min(0.5, delay * 2)
 
 
 def _expire(future: asyncio.Future[Msg]) -> None:

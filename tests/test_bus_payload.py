@@ -13,7 +13,7 @@ from nats.errors import MaxPayloadError
 
 from inferbus import bus
 from inferbus.local import free_port, nats_server_binary
-from inferbus.replies import HEADER_ROOM, Replies
+from inferbus.replies import HEADER_ROOM, PublishError, Replies
 from proto import messages as m
 
 from .waiting import wait_for
@@ -72,6 +72,35 @@ async def test_the_limit_is_the_servers_less_room_for_headers(small_payload_serv
         # Past it nats.py refuses the publish, which the gateway would have answered with a 503.
         with pytest.raises(MaxPayloadError):
             await replies.publish_durable("anything", b"x" * 70_000, "id-1", timeout=0.5)
+        await replies.stop()
+    finally:
+        await nc.close()
+
+
+async def test_a_publish_whose_earlier_copy_is_still_being_stored_is_asked_again(small_payload_server: str) -> None:
+    # A publish retried after a timeout can reach a clustered stream while the first copy is still
+    # going through its consensus; the server answers 409 "duplicate message id is in process".
+    # Played here by a subscriber in the stream's place, so the answers are exactly the server's.
+    nc = await bus.connect(small_payload_server, name="test")
+    try:
+        answers = [b'{"error":{"code":409,"err_code":10158,"description":"duplicate message id is in process"}}'] * 2
+        answers.append(b'{"stream":"S","seq":7,"duplicate":true}')
+        seen: list[str] = []
+
+        async def leader(msg) -> None:  # type: ignore[no-untyped-def]
+            seen.append(msg.headers["Nats-Msg-Id"])
+            await msg.respond(answers[len(seen) - 1] if len(seen) <= len(answers) else answers[-1])
+
+        await nc.subscribe("events.x", cb=leader)
+        replies = Replies(nc)
+        await replies.start()
+        assert await replies.publish_durable("events.x", b"e", "id-1", timeout=5) is False  # stored by the first copy
+        assert seen == ["id-1"] * 3
+        answers[:] = [b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}']
+        seen.clear()
+        with pytest.raises(PublishError, match="maximum messages exceeded"):  # other errors are the caller's
+            await replies.publish_durable("events.x", b"e", "id-2", timeout=5)
+        assert seen == ["id-2"]
         await replies.stop()
     finally:
         await nc.close()

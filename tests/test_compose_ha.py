@@ -109,6 +109,10 @@ CLIENT = textwrap.dedent('''
                     break
                 except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError):
                     await asyncio.sleep(0.25)
+                except nats.js.errors.APIError as error:
+                    if error.err_code != 10158:  # "duplicate message id is in process": an earlier try is
+                        raise                    # still being replicated; asking again gets its answer
+                    await asyncio.sleep(0.25)
             else:
                 raise SystemExit("no acknowledgement")
         info = await js.stream_info(stream)
