@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import NamedTuple
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -43,21 +44,31 @@ async def worker_consumers(js: JetStreamContext) -> list[tuple[str, ConsumerInfo
     return found
 
 
-async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *, give_up_after_s: float) -> int:
-    """Move everything queued on a dead worker's consumer to the shared subject; returns how many.
+class Recovered(NamedTuple):
+    moved: int  # requests moved to the shared subject by this pass
+    drained: bool  # nothing left: the consumer was deleted
+    error: str = ""  # why the pass stopped early, if it did
+
+
+async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *, give_up_after_s: float) -> Recovered:
+    """Move everything queued on a dead worker's consumer to the shared subject.
 
     Messages the worker pulled but never acked come back after the consumer's ack wait, so this
-    keeps fetching until nothing is pending or outstanding, for at most `give_up_after_s`.
+    keeps fetching until nothing is pending or outstanding, for at most `give_up_after_s`. The
+    consumer is deleted only once it is drained: a pass that ran out of time or met an error (a
+    JetStream call timing out on a busy server) leaves the rest to the next scan, and says how
+    many it had moved already.
     """
     durable = info.name
     if subjects.worker_of_request_subject(info.config.filter_subject or "") is None:
-        return 0
+        return Recovered(0, False)
     moved = 0
     deadline = time.monotonic() + give_up_after_s
     try:
-        subscription = await js.pull_subscribe_bind(durable, subjects.REQUESTS_STREAM)
+        await js.consumer_info(subjects.REQUESTS_STREAM, durable)  # binding does not check
     except NotFoundError:
-        return 0
+        return Recovered(0, True)  # deleted since the scan (another router replica)
+    subscription = await js.pull_subscribe_bind(durable, subjects.REQUESTS_STREAM)
     try:
         while time.monotonic() < deadline:
             try:
@@ -81,10 +92,18 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
             if state.num_pending == 0 and state.num_ack_pending == 0:
                 break
             await asyncio.sleep(0.2)
-    finally:
-        await subscription.unsubscribe()
-    try:
+        else:
+            return Recovered(moved, False, f"still queued after {give_up_after_s:.0f} s")
         await js.delete_consumer(subjects.REQUESTS_STREAM, durable)
+        return Recovered(moved, True)
     except NotFoundError:
-        pass
-    return moved
+        return Recovered(moved, True)  # deleted meanwhile (another router replica)
+    except Exception as error:
+        # Unacknowledged messages stay queued; a republished one that was stored keeps its id, so
+        # moving it again next pass is deduplicated.
+        return Recovered(moved, False, repr(error))
+    finally:
+        try:
+            await subscription.unsubscribe()
+        except Exception:
+            pass  # the connection is gone: so is the subscription

@@ -319,16 +319,18 @@ class Router:
                 continue  # a worker still starting: its first heartbeat may not be out yet
             self._recovering.add(info.name)
             try:
-                moved = await recovery.recover(
+                result = await recovery.recover(
                     self.js, self.replies, info, give_up_after_s=float(info.config.ack_wait or 30) + 5,
                 )
-            except Exception as error:
+            except Exception as error:  # before it moved anything: the next scan tries again
                 log.warning("recovery_failed", consumer=info.name, error=repr(error))
                 continue
             finally:
                 self._recovering.discard(info.name)
-            RECOVERED.inc(moved)
-            log.warning("recovered_queue", worker=worker, consumer=info.name, moved=moved)
+            RECOVERED.inc(result.moved)
+            # Not drained: the rest waits for the next scan.
+            log.warning("recovered_queue", worker=worker, consumer=info.name, moved=result.moved,
+                        drained=result.drained, error=result.error or None)
 
 
 async def serve(settings: RouterSettings) -> None:
