@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import time
 
 import httpx
@@ -176,6 +177,25 @@ def test_unknown_endpoint_is_openai_404(platform: Platform) -> None:
     response = httpx.get(f"{platform.base_url}/nothing-here", headers={"authorization": f"Bearer {platform.api_key}"})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "unknown_url"
+
+
+def test_an_idle_connection_outlives_the_clients_own_keep_alive(platform: Platform) -> None:
+    # httpx (so the openai SDK) drops idle connections after 5 s. Were the gateway to close them
+    # first, a request sent on one just as it closes would fail with a connection error.
+    url = httpx.URL(platform.base_url)
+    connection = http.client.HTTPConnection(url.host, url.port, timeout=10)
+    headers = {"authorization": f"Bearer {platform.api_key}"}
+    try:
+        connection.request("GET", "/v1/models", headers=headers)
+        assert connection.getresponse().read()
+        socket = connection.sock
+        time.sleep(6)
+        connection.request("GET", "/v1/models", headers=headers)
+        response = connection.getresponse()
+        assert response.status == 200 and response.read()
+        assert connection.sock is socket
+    finally:
+        connection.close()
 
 
 def _running_in_engines(platform: Platform) -> int:

@@ -287,4 +287,5 @@ def serve(settings: GatewaySettings) -> None:
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, loop="uvloop", http="httptools",
         access_log=False, log_level="warning", timeout_graceful_shutdown=10, lifespan="on",
+        timeout_keep_alive=settings.keep_alive_s,
     )

@@ -18,6 +18,12 @@ def _default_gateway_id() -> str:
 class GatewaySettings:
     host: str = env("INFERBUS_GATEWAY_HOST", "127.0.0.1", "Address the HTTP API listens on.")
     port: int = env("INFERBUS_GATEWAY_PORT", 8080, "Port of the HTTP API.")
+    keep_alive_s: int = env(
+        "INFERBUS_GATEWAY_KEEP_ALIVE_S", 75,
+        "How long an idle client connection stays open. Longer than clients' and load balancers' own idle timeouts "
+        "(httpx, and so the openai SDK, 5 s; AWS ALB 60 s), so the client, not the gateway, closes an idle "
+        "connection: when the gateway closes it first, a request sent on it at that moment fails with a connection error.",
+    )
     nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
     redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas); with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
     redis_max_connections: int = env("INFERBUS_REDIS_MAX_CONNECTIONS", 64, "Redis connections per gateway; more requests wait for one.")
