@@ -513,9 +513,9 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--tenants", type=int, default=20)
-    parser.add_argument("--adapters", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=4, help="simulated H100 TP2 workers (`inferbus up --workers`)")
+    parser.add_argument("--tenants", type=int, default=20, help="tenants the adapters are spread over, evenly")
+    parser.add_argument("--adapters", type=int, default=200, help="the first scenario's adapters (engines without a cap)")
     parser.add_argument("--many-adapters", type=int, default=1000, help="the second scenario's adapters (0: skip it)")
     parser.add_argument("--cap", type=int, default=200, help="--max-loaded-loras of the engines in the second scenario")
     parser.add_argument("--capacity", type=float, default=None,
@@ -537,8 +537,8 @@ def main() -> None:
                              "200-adapter results (for the base model's p99) from the existing lora.json in --out")
     parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
-    parser.add_argument("--seed", type=int, default=23)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--seed", type=int, default=23, help="seed of the arrivals, prompts and adapter popularity")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of lora.json and lora.md")
     args = parser.parse_args()
 
     goodput = size_fleet(workload(), EngineConfig(), 1.0).replica_goodput_rps

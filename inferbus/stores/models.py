@@ -1,7 +1,9 @@
 """The models a tenant can call: the base model plus the registered LoRA adapters it may use.
 
-Adapters come from the `adapters` KV bucket, watched so a registration is visible at once. A
-request for an adapter runs on its base model with the adapter's engine name (pinned version).
+Adapters come from the `adapters` KV bucket, watched so a registration is visible at once. The
+watch trails a registration by a moment, so a name it has not shown yet is read from the bucket
+before it is refused: a client that registers an adapter and calls it at once is served. A request
+for an adapter runs on its base model with the adapter's engine name (pinned version).
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ class ModelCatalog:
         self.adapters: dict[str, m.AdapterSpec] = {}
         self._task: asyncio.Task[None] | None = None
         self._watcher = None
+        self._kv: KeyValue | None = None
 
     async def start(self, js: JetStreamContext) -> None:
-        kv = await registry.bucket(js)
+        kv = self._kv = await registry.bucket(js)
         self._watcher = await kv.watchall()
         self._task = asyncio.create_task(self._watch(), name="watch-adapters")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        if self._watcher is not None:
-            await self._watcher.stop()
+        task, watcher, self._task, self._watcher = self._task, self._watcher, None, None
+        if task is not None:
+            task.cancel()
+        if watcher is not None:
+            await watcher.stop()
 
     async def _watch(self) -> None:
         assert self._watcher is not None
@@ -68,6 +72,15 @@ class ModelCatalog:
         # 404, not 403, for a model the tenant may not use: names must not leak.
         raise OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.",
                           param="model", code="model_not_found")
+
+    async def lookup(self, model: str, tenant: Tenant | None = None) -> tuple[str, str | None]:
+        """`resolve`, reading an adapter the watch has not shown yet from the bucket first."""
+        if model != self.base_model and model not in self.adapters and self._kv is not None \
+                and registry.NAME.match(model):
+            spec = await registry.get(self._kv, model)
+            if spec is not None and model not in self.adapters:
+                self.adapters[model] = spec
+        return self.resolve(model, tenant)
 
     def card(self, model: str) -> dict[str, Any]:
         spec = self.adapters.get(model)

@@ -240,7 +240,7 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     async def get_model(model_id: str, request: Request) -> Response:
         tenant = await caller(request)
         assert gateway.catalog is not None
-        gateway.catalog.resolve(model_id, tenant)
+        await gateway.catalog.lookup(model_id, tenant)
         return Response(_json.encode(gateway.catalog.card(model_id)), media_type="application/json")
 
     @api.get("/health")

@@ -192,7 +192,7 @@ class Generation:
         body = await self._read_body(receive, _header(scope, b"content-length"))
         if endpoint == "chat":
             chat = schemas.parse_chat(body)
-            model, adapter = self.catalog.resolve(chat.model, tenant)
+            model, adapter = await self.catalog.lookup(chat.model, tenant)
             # tool_choice none: the model is not told about the tools (SGLang does the same).
             offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
             render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
@@ -201,7 +201,7 @@ class Generation:
             object_id = f"chatcmpl-{request_id}"
         else:
             completion = schemas.parse_completion(body)
-            model, adapter = self.catalog.resolve(completion.model, tenant)
+            model, adapter = await self.catalog.lookup(completion.model, tenant)
             assert isinstance(completion.prompt, str)
             render = functools.partial(render_prompt, self.served, prompt=completion.prompt)
             params, object_id = completion, f"cmpl-{request_id}"
@@ -375,9 +375,6 @@ class Generation:
                 body = b"".join(chunks)
                 json_body.check_depth(body, self.settings.max_json_depth)
                 return body
-
-    def check_model(self, model: str, tenant: Tenant | None = None) -> None:
-        self.catalog.resolve(model, tenant)
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
         return responses.max_new_tokens(requested, prompt_tokens, self.settings.max_model_len,
