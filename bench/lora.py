@@ -535,7 +535,7 @@ def main() -> None:
     parser.add_argument("--scenarios", default="200,1000",
                         help="which to run: 200 (with the base-model run) and/or 1000; a run of 1000 alone takes the "
                              "200-adapter results (for the base model's p99) from the existing lora.json in --out")
-    parser.add_argument("--seconds", type=float, default=12.0, help="engine-seconds of arrivals per run")
+    parser.add_argument("--seconds", type=float, default=24.0, help="engine-seconds of arrivals per run")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23, help="seed of the arrivals, prompts and adapter popularity")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory of lora.json and lora.md")
