@@ -314,12 +314,15 @@ class BatchService:
                                                         message=f"The input file is larger than {self.settings.max_bytes} bytes.")])
             return
         tenant = await self.tenants.get(record.tenant)
+        loop = asyncio.get_running_loop()
 
         def check_model(model: str) -> str | None:
+            # Runs in the validation thread; the lookup (which may read the adapter registry)
+            # runs on the service's loop.
             if tenant is None or tenant.disabled:
                 return f"Tenant `{record.tenant}` may not run batches."
             try:
-                self.catalog.resolve(model, tenant)
+                asyncio.run_coroutine_threadsafe(self.catalog.lookup(model, tenant), loop).result()
             except OpenAIError as error:
                 return error.message
             return None
@@ -364,7 +367,7 @@ class BatchService:
 
     async def _track(self, record: m.BatchRecord, verdict: Validated, resumed: bool) -> ActiveBatch | None:
         try:
-            base, adapter = self.catalog.resolve(verdict.model)
+            base, adapter = await self.catalog.lookup(verdict.model)
         except OpenAIError as error:
             await self._fail(record, [m.BatchErrorEntry(code="model_not_found", message=error.message)])
             return None
