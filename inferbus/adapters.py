@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from proto import messages as m
 from proto import subjects
 
+from . import bus
 from .bus import replicas
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -102,10 +103,7 @@ async def delete(kv: KeyValue, name: str) -> bool:
 
 
 async def list_all(kv: KeyValue) -> list[m.AdapterSpec]:
-    try:
-        names = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError on an empty bucket
-        return []
+    names = await bus.kv_keys(kv)
     specs = []
     for name in names:
         try:

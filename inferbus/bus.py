@@ -272,6 +272,18 @@ async def retry_forever(
             delay = min(max_delay, delay * 2)
 
 
+async def kv_keys(kv: KeyValue, within: str = ">") -> list[str]:
+    """The keys of `kv` matching `within` (`release.>`), deleted ones included (their get raises
+    KeyNotFoundError), from the stream's own index of subjects: one request, complete by
+    construction. nats.py's `keys()`, and a watch read to its first None, can end early: the watch
+    marks the end of the initial values from a consumer-info reply that may overtake deliveries
+    already on their way, and then lists none or some of the keys."""
+    # KeyValue keeps its stream and subject prefix private; nats.py has no public way to ask.
+    prefix: str = kv._pre  # noqa: SLF001
+    info = await kv._js.stream_info(kv._stream, subjects_filter=prefix + within)  # noqa: SLF001
+    return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
+
+
 async def follow(
     watcher: KeyValue.KeyWatcher,
     on_put: Callable[[KeyValue.Entry], Awaitable[None] | None],

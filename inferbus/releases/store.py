@@ -20,6 +20,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from inferbus import adapters as registry
+from inferbus import bus
 from proto import messages as m
 from proto import subjects
 
@@ -60,15 +61,14 @@ async def get_release(kv: KeyValue, release_id: str) -> m.Release | None:
 
 
 async def releases(kv: KeyValue) -> list[m.Release]:
-    # A watch of the key range, read to its end: the current value of every release key.
-    watcher = await kv.watch("release.>", ignore_deletes=True)
     found = []
-    try:
-        while (entry := await watcher.updates(timeout=10)) is not None:
-            if entry.value:
-                found.append(_release.decode(entry.value))
-    finally:
-        await watcher.stop()
+    for key in await bus.kv_keys(kv, "release.>"):
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # deleted
+            continue
+        if entry.value:
+            found.append(_release.decode(entry.value))
     return sorted(found, key=lambda r: r.created)
 
 
