@@ -94,6 +94,11 @@ class Replicas:
                 assert worker.alive(), worker.tail()
                 assert time.monotonic() < deadline, worker.tail()
                 time.sleep(0.2)
+            # The gateway learns of the worker from its own watch, a moment later: until then,
+            # with no other worker up, it answers 503 no_capacity.
+            while httpx.get(f"{stack.gateway_url}/ready", timeout=5).status_code != 200:
+                assert time.monotonic() < deadline, "the gateway never saw the worker"
+                time.sleep(0.1)
         return engine, worker
 
     def live_releases(self) -> set[str]:
