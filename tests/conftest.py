@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from nats.aio.client import Client
 
+from inferbus import bus
 from inferbus.local import Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -136,6 +138,21 @@ def chatml_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def client(platform: Platform) -> openai.OpenAI:
     return platform.client()
+
+
+@pytest.fixture
+async def nc(tmp_path: Path) -> AsyncIterator[Client]:
+    """A client of a nats-server with JetStream of the test's own."""
+    from .nats_server import NatsServer
+
+    server = NatsServer(tmp_path)
+    server.start()
+    client = await bus.connect(server.url, name="test")
+    try:
+        yield client
+    finally:
+        await client.close()
+        server.stop()
 
 
 @pytest.fixture(scope="module")

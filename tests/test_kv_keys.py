@@ -3,31 +3,14 @@ after a write, deleted keys left to the caller, an empty bucket an empty list.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from inferbus import adapters as registry
 from inferbus import bus
 
-from .nats_server import NatsServer
-
 DIGEST = "sha256:" + "cd" * 32
 
-
-@pytest.fixture
-async def nc(tmp_path: Path) -> AsyncIterator[Client]:
-    server = NatsServer(tmp_path)
-    server.start()
-    client = await bus.connect(server.url, name="test")
-    try:
-        yield client
-    finally:
-        await client.close()
-        server.stop()
 
 
 async def test_keys_are_listed_completely_at_once_after_each_write(nc: Client) -> None:

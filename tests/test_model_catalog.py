@@ -3,33 +3,16 @@ registered a moment ago is served even before the catalog's watch has shown it."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 from nats.aio.client import Client
 
 from inferbus import adapters as registry
-from inferbus import bus
 from inferbus.openai.errors import OpenAIError
 from inferbus.stores.models import ModelCatalog
-
-from .nats_server import NatsServer
 
 BASE = "base-model"
 DIGEST = "sha256:" + "ab" * 32
 
-
-@pytest.fixture
-async def nc(tmp_path: Path) -> AsyncIterator[Client]:
-    server = NatsServer(tmp_path)
-    server.start()
-    client = await bus.connect(server.url, name="test")
-    try:
-        yield client
-    finally:
-        await client.close()
-        server.stop()
 
 
 async def test_an_adapter_the_watch_has_not_shown_yet_is_read_from_the_bucket(nc: Client) -> None:

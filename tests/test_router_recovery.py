@@ -4,9 +4,6 @@ it is empty, so nothing queued is stranded."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -17,22 +14,9 @@ from inferbus.replies import Replies
 from proto import subjects
 from services.router import recovery
 
-from .nats_server import NatsServer
-
 MODEL = "m"
 WORKER = "w1"
 
-
-@pytest.fixture
-async def nc(tmp_path: Path) -> AsyncIterator[Client]:
-    server = NatsServer(tmp_path)
-    server.start()
-    client = await bus.connect(server.url, name="test")
-    try:
-        yield client
-    finally:
-        await client.close()
-        server.stop()
 
 
 async def test_a_pass_that_cannot_finish_counts_what_it_moved_and_leaves_the_rest_queued(nc: Client) -> None:
