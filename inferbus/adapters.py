@@ -21,7 +21,6 @@ from proto import messages as m
 from proto import subjects
 
 from . import bus
-from .bus import replicas
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -51,7 +50,7 @@ async def bucket(js: JetStreamContext) -> KeyValue:
         return await js.key_value(subjects.ADAPTERS_BUCKET)
     except BucketNotFoundError:
         return await js.create_key_value(KeyValueConfig(bucket=subjects.ADAPTERS_BUCKET, storage=StorageType.FILE, history=5,
-                                                    replicas=replicas()))
+                                                    replicas=bus.replicas()))
 
 
 def key(name: str) -> str:
