@@ -305,6 +305,34 @@ async def test_reconcile_many_reconciles_each_once_and_survives_a_lost_script_ca
     assert (await admission.admit(tenant, limits, third, 10, 10, 0.0)).admitted  # the slots came back
 
 
+async def test_concurrent_admits_share_round_trips_and_each_gets_its_own_answer(client: aioredis.Redis,
+                                                                                 tenant: str) -> None:
+    admission = Admission(client)
+    limits = TenantLimits(requests_per_minute=30)
+    await probe(admission, "other-" + tenant, limits)  # the script is loaded (a fresh Redis answers NOSCRIPT once)
+    before = (await client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+    connections = {c["id"] for c in await client.client_list()}
+    decisions = await asyncio.gather(*(admission.admit(tenant, limits, rid(), 1, 1, 0.0) for _ in range(50)))
+    assert sum(decision.admitted for decision in decisions) == 30
+    assert {decision.reason for decision in decisions if not decision.admitted} == {"requests"}
+    assert (await client.info("commandstats"))["cmdstat_evalsha"]["calls"] - before == 50  # each ran once
+    assert {c["id"] for c in await client.client_list()} <= connections  # on the one the probe opened
+    await admission.aclose()
+
+
+async def test_admission_reconnects_after_redis_drops_its_connection(client: aioredis.Redis, tenant: str) -> None:
+    admission = Admission(client)
+    limits = TenantLimits(requests_per_minute=10)
+    assert (await admission.admit(tenant, limits, rid(), 1, 1, 0.0)).admitted
+    killed = await client.client_kill_filter(_type="normal", skipme=True)  # as a Redis restart would
+    assert killed >= 1
+    await asyncio.sleep(0.1)  # the server's close reaches the client
+    decision = await admission.admit(tenant, limits, rid(), 1, 1, 0.0)  # on a new connection, not a 503
+    assert decision.admitted and decision.limits["requests"] == 10
+    await admission.release(tenant, rid())
+    await admission.aclose()
+
+
 async def test_unreachable_redis_fails_closed_or_open_as_configured() -> None:
     dead = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
     limits = TenantLimits(requests_per_minute=1)

@@ -74,6 +74,42 @@ def test_a_first_token_makes_the_whole_frame_leave_now() -> None:
     assert frames.due_in() > 0  # type: ignore[operator]
 
 
+def accepted(rid: str = "r1") -> m.Accepted:
+    return m.Accepted(request_id=rid, attempt=0, worker_id="w1", queue_wait=0.0)
+
+
+def test_an_accepted_waits_for_its_first_token_up_to_its_own_wait() -> None:
+    clock = Clock()
+    frames = PendingFrames(0.001, clock, accepted_wait_s=0.02)
+    frames.add(GATEWAY_A, accepted())
+    assert abs(frames.due_in() - 0.02) < 1e-9  # type: ignore[operator]
+    clock.now += 0.003  # past the window: still waiting for the first token
+    assert abs(frames.due_in() - 0.017) < 1e-9  # type: ignore[operator]
+    frames.add(GATEWAY_A, chunk(0, "Hi"))  # the first token: both leave at the end of this pass
+    assert frames.due_in() == 0.0
+    assert [type(e).__name__ for e in frames.take()[GATEWAY_A]] == ["Accepted", "TokenChunk"]
+    # Without a first token it leaves on its own once its wait is over.
+    frames.add(GATEWAY_A, accepted("r2"))
+    clock.now += 0.02
+    assert frames.due_in() == 0.0
+
+
+def test_another_streams_tokens_take_a_waiting_accepted_along_within_their_window() -> None:
+    clock = Clock()
+    frames = PendingFrames(0.001, clock, accepted_wait_s=0.02)
+    frames.add(GATEWAY_A, accepted("r1"))
+    clock.now += 0.005
+    frames.add(GATEWAY_A, chunk(7, "x", rid="r2"))
+    assert abs(frames.due_in() - 0.001) < 1e-9  # type: ignore[operator]
+    assert [e.request_id for e in frames.take()[GATEWAY_A]] == ["r1", "r2"]
+
+
+def test_an_accepted_never_waits_less_than_the_window() -> None:
+    frames = PendingFrames(0.005, Clock(), accepted_wait_s=0.001)
+    frames.add(GATEWAY_A, accepted())
+    assert abs(frames.due_in() - 0.005) < 1e-9  # type: ignore[operator]
+
+
 def test_no_window_sends_every_loop_pass() -> None:
     frames = PendingFrames(0.0, Clock())
     frames.add(GATEWAY_A, chunk(2, "a"))
@@ -175,6 +211,18 @@ async def test_a_window_of_events_leaves_as_one_frame_and_a_first_token_without_
         assert arrived - sent_at >= 0.15
         assert [(type(e).__name__, e.request_id) for e in frame.events] == [("Final", "r1"), ("TokenChunk", "r2")]
         assert isinstance(frame.events[0], m.Final) and frame.events[0].text == " world" and frame.events[0].seq == 1
+
+        # An Accepted alone waits for its first token (here past the 200 ms window, within its own
+        # wait); a later token of another stream brings the flush forward to its window.
+        sender_wait = EventSender(nc, Background(), window_s=0.05, accepted_wait_s=5.0)
+        sent_at = time.monotonic()
+        sender_wait.send(r2, m.Accepted(request_id="r2", attempt=0, worker_id="w1", queue_wait=0.0))
+        await asyncio.sleep(0.1)
+        assert frames.empty()
+        sender_wait.send(r1, chunk(2, "!", completion=4))
+        arrived, frame = await asyncio.wait_for(frames.get(), 5)
+        assert 0.1 <= arrived - sent_at < 1.0
+        assert [(type(e).__name__, e.request_id) for e in frame.events] == [("Accepted", "r2"), ("TokenChunk", "r1")]
 
         # Stopping sends what waits at once.
         sent_at = time.monotonic()

@@ -69,7 +69,8 @@ async def serve(settings: BillingSettings) -> None:
     rollup = RollupConsumer(nc, settings.nats_url, store, prices, batch=settings.rollup_batch,
                             ack_wait_s=settings.ack_wait_s, linger_s=settings.linger_s)
     await rollup.start()
-    reconciler = UsageReconciler(js, Admission(redis), prices, linger_s=settings.linger_s)
+    admission = Admission(redis)
+    reconciler = UsageReconciler(js, admission, prices, linger_s=settings.linger_s)
     await reconciler.start()
     exporter = None
     if settings.export_dir:
@@ -89,5 +90,6 @@ async def serve(settings: BillingSettings) -> None:
     await rollup.stop()
     await reconciler.stop()
     await nc.drain()
+    await admission.aclose()
     await redis.aclose()
     log.info("billing_stopped")

@@ -68,6 +68,7 @@ class Gateway:
         self.zone = settings.zone  # with INFERBUS_ZONE_FILE read at start()
         self.dispatcher: Dispatcher | None = None
         self.redis: aioredis.Redis | None = None
+        self.admission: Admission | None = None
         self.generation: Generation | None = None
         self.responses: ResponsesAPI | None = None
         self.tenants: TenantStore | None = None
@@ -106,7 +107,7 @@ class Gateway:
             s.redis_url, max_connections=s.redis_max_connections, timeout=2, socket_timeout=2, socket_connect_timeout=2
         )
         self.tenants = TenantStore(self.redis)
-        admission = Admission(self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s)  # type: ignore[arg-type]
+        self.admission = admission = Admission(self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s)  # type: ignore[arg-type]
         prices = Prices(s.price_input_per_mtok, s.price_output_per_mtok, s.price_cached_input_per_mtok)
         self.fleet = FleetMonitor(self.nc, js, s.model, overload)
         await self.fleet.start()
@@ -142,6 +143,8 @@ class Gateway:
             await self.dispatcher.stop()
         if self.nc is not None:
             await self.nc.drain()
+        if self.admission is not None:
+            await self.admission.aclose()
         if self.redis is not None:
             await self.redis.aclose()
 

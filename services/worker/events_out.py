@@ -4,6 +4,7 @@ together and when), published from the event loop without a round trip per event
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from nats.aio.client import Client
@@ -19,32 +20,32 @@ log = logs.get(__name__)
 
 
 class EventSender:
-    def __init__(self, nc: Client, background: Background, window_s: float = 0.001) -> None:
+    def __init__(self, nc: Client, background: Background, window_s: float = 0.001,
+                 accepted_wait_s: float | None = None) -> None:
         self.nc = nc
         self.background = background
-        self.pending = PendingFrames(window_s, time.monotonic)
+        self.pending = PendingFrames(window_s, time.monotonic, accepted_wait_s)
         self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
-        self._timer_urgent = False
+        self._timer_at = math.inf  # when the scheduled flush runs (-inf: this loop pass)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def send(self, request: m.InferenceRequest, event: m.StreamEvent) -> bool:
         """Queue `event` for the gateway of `request`. True when it was merged into the request's
         chunk still waiting to leave (which keeps its `seq`)."""
         merged = self.pending.add(request.reply_to, event)
-        if self._timer is None or (self.pending.urgent and not self._timer_urgent):
-            self._schedule()
+        due_at = self.pending.due_at()
+        if due_at is not None and due_at < self._timer_at:  # sooner than the flush scheduled, if any
+            self._schedule(due_at)
         return merged
 
-    def _schedule(self) -> None:
-        due_in = self.pending.due_in()
-        if due_in is None:
-            return
+    def _schedule(self, due_at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
         if self._loop is None:
             self._loop = asyncio.get_running_loop()  # once: on Python 3.11 every lookup is a getpid() call
         loop = self._loop
-        self._timer_urgent = due_in <= 0
+        due_in = due_at - time.monotonic()
+        self._timer_at = due_at
         self._timer = loop.call_soon(self._flush) if due_in <= 0 else loop.call_later(due_in, self._flush)
 
     def flush(self) -> None:
@@ -55,7 +56,7 @@ class EventSender:
 
     def _flush(self) -> None:
         self._timer = None
-        self._timer_urgent = False
+        self._timer_at = math.inf
         frames = self.pending.take()
         if frames:
             self.background.spawn(self._publish(frames))

@@ -7,6 +7,10 @@ engine writes one step's tokens for all its streams at once, and they reach the 
 loop passes, so a short window gathers a whole step into one message per gateway instead of one
 per pass, while no stream's first token waits for it.
 
+A stream's `Accepted` may wait longer (`accepted_wait_s`) for the stream's first token, so that
+at low load, where nothing else is on its way to that gateway, the two leave as one message
+instead of two a millisecond apart; under load some other stream's tokens take it along sooner.
+
 A stream's tokens that arrive while its previous chunk is still waiting are merged into that chunk
 (one TokenChunk, one `seq`), and a Final into the chunk before it: the gateway writes one HTTP
 chunk per event, so a merged event also saves the client a write.
@@ -16,6 +20,7 @@ Pure: the service shell (`events_out`) owns the timer and the publishing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from proto import messages as m
@@ -51,13 +56,14 @@ def urgent(event: m.StreamEvent) -> bool:
 class PendingFrames:
     """Events waiting to leave, per reply subject, in order per request; merged where they can be."""
 
-    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, window_s: float, clock: Callable[[], float], accepted_wait_s: float | None = None) -> None:
         self.window_s = window_s
+        self.accepted_wait_s = window_s if accepted_wait_s is None else max(window_s, accepted_wait_s)
         self.clock = clock
         self._frames: dict[str, list[m.StreamEvent]] = {}  # reply subject → events, in order
         # request id → (subject, index in its frame) of its last waiting event: a chunk there may take more
         self._last: dict[str, tuple[str, int]] = {}
-        self._opened_at: float | None = None  # when the oldest waiting event came
+        self._due_at: float | None = None  # when the waiting events must leave, at the latest
         self.urgent = False
 
     def __len__(self) -> int:
@@ -66,8 +72,9 @@ class PendingFrames:
     def add(self, subject: str, event: m.StreamEvent) -> bool:
         """Queue `event` for `subject`; True when it was merged into the request's waiting chunk
         (the chunk keeps its `seq`: the caller's next chunk takes the number this one would have)."""
-        if self._opened_at is None:
-            self._opened_at = self.clock()
+        due_at = self.clock() + (self.accepted_wait_s if isinstance(event, m.Accepted) else self.window_s)
+        if self._due_at is None or due_at < self._due_at:
+            self._due_at = due_at
         frame = self._frames.setdefault(subject, [])
         last = self._last.get(event.request_id)
         if last is not None and last[0] == subject and isinstance(event, (m.TokenChunk, m.Final)):
@@ -80,19 +87,25 @@ class PendingFrames:
         self.urgent = self.urgent or urgent(event)
         return False
 
+    def due_at(self) -> float | None:
+        """When the waiting events must leave, on `clock` (-inf: at the end of this loop pass);
+        None when nothing waits."""
+        if self._due_at is None:
+            return None
+        if self.urgent:
+            return -math.inf
+        return self._due_at
+
     def due_in(self) -> float | None:
         """Seconds until the waiting events must leave (0: at the end of this loop pass); None
         when nothing waits."""
-        if self._opened_at is None:
-            return None
-        if self.urgent or self.window_s <= 0:
-            return 0.0
-        return max(0.0, self._opened_at + self.window_s - self.clock())
+        due_at = self.due_at()
+        return None if due_at is None else max(0.0, due_at - self.clock())
 
     def take(self) -> dict[str, list[m.StreamEvent]]:
         """Everything waiting, per subject; the next event opens a new window."""
         frames, self._frames = self._frames, {}
         self._last.clear()
-        self._opened_at = None
+        self._due_at = None
         self.urgent = False
         return frames

@@ -52,6 +52,12 @@ class WorkerSettings:
         "tokens for many streams reach the worker over several reads); a stream's first token, errors and handoffs "
         "never wait. 0: one message per gateway per event-loop pass.",
     )
+    accepted_wait_ms: float = env(
+        "INFERBUS_WORKER_ACCEPTED_WAIT_MS", 20.0,
+        "A stream's `accepted` event waits at most this long for the stream's first token, to leave with it as one bus "
+        "message (at low load they would otherwise go a millisecond apart); never less than the frame window. The "
+        "gateway's queue accounting learns of the start this much later at most.",
+    )
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")
@@ -93,6 +99,8 @@ class WorkerSettings:
         self.preemption()  # refuse bad INFERBUS_WORKER_BATCH_* values at start-up
         if self.frame_window_ms < 0:
             raise SystemExit("INFERBUS_WORKER_FRAME_WINDOW_MS must be >= 0")
+        if self.accepted_wait_ms < 0:
+            raise SystemExit("INFERBUS_WORKER_ACCEPTED_WAIT_MS must be >= 0")
         if self.engine_priority not in ("auto", "on", "off"):
             raise SystemExit(f"INFERBUS_WORKER_ENGINE_PRIORITY must be auto, on or off, not {self.engine_priority!r}")
 
