@@ -102,17 +102,8 @@ async def delete(kv: KeyValue, name: str) -> bool:
 
 
 async def list_all(kv: KeyValue) -> list[m.AdapterSpec]:
-    names = await bus.kv_keys(kv)
-    specs = []
-    for name in names:
-        try:
-            entry = await kv.get(name)
-        except KeyNotFoundError:
-            continue
-        spec = decode(entry.value)
-        if spec is not None:
-            specs.append(spec)
-    return sorted(specs, key=lambda spec: spec.name)
+    specs = [decode(entry.value) for entry in await bus.kv_values(kv)]
+    return sorted((spec for spec in specs if spec is not None), key=lambda spec: spec.name)
 
 
 def decode(value: bytes | None) -> m.AdapterSpec | None:

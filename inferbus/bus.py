@@ -23,7 +23,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from proto import subjects
@@ -282,6 +282,28 @@ async def kv_keys(kv: KeyValue, within: str = ">") -> list[str]:
     prefix: str = kv._pre  # noqa: SLF001
     info = await kv._js.stream_info(kv._stream, subjects_filter=prefix + within)  # noqa: SLF001
     return sorted(subject[len(prefix):] for subject in (info.state.subjects or {}))
+
+
+# At most this many gets of one listing in flight at once.
+KV_READS_IN_FLIGHT = 64
+
+
+async def kv_values(kv: KeyValue, within: str = ">") -> list[KeyValue.Entry]:
+    """The current entries of `kv` whose keys match `within`, by key: the keys from the stream's
+    subject index (`kv_keys`), then their values read concurrently. Keys deleted meanwhile, or
+    holding a delete marker, are left out."""
+    keys = await kv_keys(kv, within)
+    limit = asyncio.Semaphore(KV_READS_IN_FLIGHT)
+
+    async def read(key: str) -> KeyValue.Entry | None:
+        async with limit:
+            try:
+                return await kv.get(key)
+            except KeyNotFoundError:  # deleted since it was listed
+                return None
+
+    entries = await asyncio.gather(*(read(key) for key in keys))
+    return [entry for entry in entries if entry is not None and entry.value]
 
 
 async def follow(

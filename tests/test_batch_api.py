@@ -284,7 +284,7 @@ def test_cancelling_a_finished_batch_is_a_409_like_openai(platform: Platform) ->
             record = m.BatchRecord(id=new_batch_id(), tenant=tenant, endpoint="/v1/chat/completions",
                                    input_file_id=new_file_id(), completion_window="24h", created_at=now,
                                    expires_at=now + 86400, status="completed", completed_at=now, total=3, completed=3)
-            await BatchStore(batches_kv, nc.jetstream()).create(record)
+            await BatchStore(batches_kv).create(record)
             return record.id
         finally:
             await nc.close()
@@ -391,7 +391,7 @@ async def test_batch_store_compare_and_set_pages_active_and_watch(platform: Plat
     js = nc.jetstream()
     bucket = f"batches_test_{secrets.token_hex(4)}"
     try:
-        store = BatchStore(await js.create_key_value(KeyValueConfig(bucket=bucket, history=1)), js)
+        store = BatchStore(await js.create_key_value(KeyValueConfig(bucket=bucket, history=1)))
         tenant = "t-" + secrets.token_hex(4)
 
         def record(created_at: int, status: str = "validating", owner: str = tenant) -> m.BatchRecord:

@@ -61,14 +61,7 @@ async def get_release(kv: KeyValue, release_id: str) -> m.Release | None:
 
 
 async def releases(kv: KeyValue) -> list[m.Release]:
-    found = []
-    for key in await bus.kv_keys(kv, "release.>"):
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:  # deleted
-            continue
-        if entry.value:
-            found.append(_release.decode(entry.value))
+    found = [_release.decode(entry.value) for entry in await bus.kv_values(kv, "release.>")]
     return sorted(found, key=lambda r: r.created)
 
 

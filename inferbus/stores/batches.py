@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import nats.errors
-from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from inferbus import logs
+from inferbus import bus, logs
 from inferbus.stores.files import paginate, sortable_hex
 from proto import messages as m
 from proto import subjects
@@ -52,10 +51,8 @@ def decode(value: bytes) -> m.BatchRecord:
 
 
 class BatchStore:
-    def __init__(self, kv: KeyValue, js: JetStreamContext) -> None:
+    def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
-        self.js = js
-        self._bucket = ""
 
     async def create(self, record: m.BatchRecord) -> int:
         """Store a new batch; returns its KV revision (fails if the key exists)."""
@@ -101,22 +98,10 @@ class BatchStore:
         raise UpdateConflict(f"batch {batch_id}: {_CAS_ATTEMPTS} compare-and-set conflicts in a row")
 
     async def _scan(self, pattern: str) -> builtins.list[m.BatchRecord]:
-        """The current records whose keys match `pattern`. The key set comes from the server in one
-        answer (the stream's subjects): a KV watch ends its initial values early when a record is
-        rewritten while it scans, and the batch service rewrites records all the time."""
-        if not self._bucket:
-            self._bucket = (await self.kv.status()).bucket
-        prefix = f"$KV.{self._bucket}."
-        info = await self.js.stream_info(f"KV_{self._bucket}", subjects_filter=prefix + pattern)
-        records = []
-        for subject in info.state.subjects or {}:
-            try:
-                entry = await self.kv.get(subject.removeprefix(prefix))
-            except KeyNotFoundError:  # deleted since
-                continue
-            if entry.value:
-                records.append(decode(entry.value))
-        return records
+        """The current records whose keys match `pattern` (`bus.kv_values`: a KV watch ends its
+        initial values early when a record is rewritten while it scans, and the batch service
+        rewrites records all the time)."""
+        return [decode(entry.value) for entry in await bus.kv_values(self.kv, pattern)]
 
     async def list(self, tenant: str, after: str | None = None,
                    limit: int = 20) -> tuple[builtins.list[m.BatchRecord], bool]:

@@ -25,7 +25,7 @@ import msgspec
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from inferbus import logs
+from inferbus import bus, logs
 from proto import messages as m
 from proto import subjects
 
@@ -35,9 +35,6 @@ MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 FILE_ID = re.compile(r"^file-[0-9a-f]{32}$")
 _FLUSH_BYTES = 1024 * 1024  # buffer this much before each write to disk (done in a thread)
 _TEMP_PREFIX = ".tmp-"
-# A listing reads the current values through a short-lived ordered consumer; once unsubscribed the
-# server drops it after this long (the default, 5 minutes, would pile them up under busy lists).
-SCAN_CONSUMER_TTL_S = 10.0
 _decoder = msgspec.msgpack.Decoder(m.FileRecord)
 
 
@@ -221,21 +218,10 @@ class FileStore:
         return record if record.tenant == tenant and record.id == file_id else None
 
     async def all(self, tenant: str) -> builtins.list[m.FileRecord]:
-        """Every file of `tenant`, in no particular order (one ordered consumer over its keys)."""
-        records = []
-        watcher = await self.kv.watch(f"{_tenant_token(tenant)}.>", ignore_deletes=True,
-                                      inactive_threshold=SCAN_CONSUMER_TTL_S)
-        try:
-            async for entry in watcher:
-                if entry is None:  # the end of the current values
-                    break
-                if entry.value:
-                    record = _decoder.decode(entry.value)
-                    if record.tenant == tenant:
-                        records.append(record)
-        finally:
-            await watcher.stop()
-        return records
+        """Every file of `tenant`, in no particular order; one just uploaded included (`bus.kv_values`:
+        a KV watch read to its first None can end before the values it should list)."""
+        records = [_decoder.decode(entry.value) for entry in await bus.kv_values(self.kv, f"{_tenant_token(tenant)}.>")]
+        return [record for record in records if record.tenant == tenant]
 
     async def list(self, tenant: str, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
                    order: str = "desc") -> tuple[builtins.list[m.FileRecord], bool]:

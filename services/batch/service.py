@@ -112,7 +112,7 @@ class BatchService:
         js = self.js
         await bus.retry_forever("ensure_streams", lambda: bus.ensure_streams(js))
         batches_kv, files_kv = await bus.batch_buckets(js)
-        self.batches = BatchStore(batches_kv, js)
+        self.batches = BatchStore(batches_kv)
         self.files = FileStore(s.files_dir, files_kv, max_bytes=s.max_bytes)
         self.redis = redis_conn.async_client(s.redis_url)
         self.tenants = TenantStore(self.redis)

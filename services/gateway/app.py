@@ -117,7 +117,7 @@ class Gateway:
         batches_kv, files_kv = await bus.batch_buckets(js)
         files = FileStore(s.files_dir, files_kv, max_bytes=s.max_file_bytes)
         await asyncio.to_thread(files.sweep_temporary)
-        self.files, self.batches = files, BatchStore(batches_kv, js)
+        self.files, self.batches = files, BatchStore(batches_kv)
         self.generation = Generation(s, self.dispatcher, KeyStore(self.redis, s.key_cache_ttl_s), self.tenants,
                                      admission, overload, prices, self.catalog, served)
         self.generation.releases = ReleaseRouting()
