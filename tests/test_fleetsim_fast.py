@@ -151,6 +151,16 @@ def test_prefix_cache_evicts_least_recent_blocks_beyond_the_kv_pool():
     assert [r.cached for r in reqs] == [0, 0, 511, 0, 0, 0]
 
 
+def test_prefix_cache_evicts_pages_not_whole_blocks():
+    # Room for two and a half blocks: the third block takes only the pages it needs from the least
+    # recent one, whose first half is still a hit when its prefix comes back.
+    rep = AnalyticReplica("r", MODEL, kv_capacity=1280, prefix_block_tokens=512, page_tokens=64)
+    reqs = [Req(0.0, 512, 1, blocks=(1,)), Req(1.0, 512, 1, blocks=(2,)), Req(2.0, 512, 1, blocks=(3,)),
+            Req(3.0, 600, 1, blocks=(1, 4))]
+    run_replica(rep, reqs)
+    assert [r.cached for r in reqs] == [0, 0, 0, 256]
+
+
 def test_a_prompt_waits_unscheduled_until_the_prefill_budget_has_room_and_matches_its_prefix_then():
     rep = AnalyticReplica("r", MODEL, kv_capacity=400_000, prefix_block_tokens=512, page_tokens=64)
     first = Req(0.0, 2048, 4, blocks=(1, 2, 3, 4))

@@ -23,7 +23,9 @@ model keeps only what decides the timing and advances over runs of identical ste
   sequences waiting to decode.
 - Prefix cache (optional, `prefix_block_tokens`): for requests that carry prefix block ids (a
   Mooncake trace's `hash_ids`, one per `prefix_block_tokens` tokens), an LRU of those blocks,
-  each with how many of its tokens are cached in whole engine pages, holding at most the KV pool.
+  each with how many of its tokens are cached in whole engine pages, holding at most the KV pool
+  (beyond it the least recent block gives up its last pages, as many as needed: the engine evicts
+  pages, not trace blocks).
   A request's leading cached blocks are its hit (at least one prompt token is still computed) and
   its blocks become the most recent, when it is scheduled (as the engine matches its prefix).
   While requests in the batch share blocks, the KV pool holds them once: a request is charged
@@ -284,16 +286,25 @@ class AnalyticReplica:
                 cache.move_to_end(block_id)
         # The cache has the pool less what the batch holds outside it (its output, its prompts'
         # partial pages), and never gives up a block the batch holds (the engine's are locked).
+        # The engine evicts pages, not blocks: the least recent block gives up only as many of its
+        # last pages as the pool needs, and stays the least recent with the rest.
         capacity = self.kv_capacity - (self.kv_used() - self.held_tokens)
         in_batch = self.held
         skipped = 0
         while tokens > capacity and len(cache) > skipped:
-            evicted_id, evicted = cache.popitem(last=False)
+            evicted_id, cached = cache.popitem(last=False)
             if evicted_id in in_batch:
-                cache[evicted_id] = evicted  # in use: now the most recent
+                cache[evicted_id] = cached  # in use: now the most recent
                 skipped += 1
                 continue
-            tokens -= evicted
+            excess = tokens - capacity
+            pages = (excess + page - 1) // page * page
+            if pages < cached:
+                cache[evicted_id] = cached - pages
+                cache.move_to_end(evicted_id, last=False)
+                tokens -= pages
+                break
+            tokens -= cached
             if self.cache_log:
                 self.evicted_blocks.append(evicted_id)
         self.prefix_tokens = tokens
