@@ -161,6 +161,16 @@ def test_prefix_cache_evicts_pages_not_whole_blocks():
     assert [r.cached for r in reqs] == [0, 0, 0, 256]
 
 
+def test_a_finished_requests_prefix_becomes_the_most_recent():
+    # As the engine inserts a finished sequence into its radix cache (touching its nodes): the
+    # long request's block, scheduled first but finished last, outlives the short one's.
+    rep = AnalyticReplica("r", MODEL, kv_capacity=1280, prefix_block_tokens=512, page_tokens=64)
+    reqs = [Req(0.0, 512, 200, blocks=(1,)), Req(0.001, 512, 1, blocks=(2,)), Req(100.0, 512, 1, blocks=(3,)),
+            Req(200.0, 512, 1, blocks=(1,)), Req(300.0, 512, 1, blocks=(2,))]
+    run_replica(rep, reqs)
+    assert [r.cached for r in reqs] == [0, 0, 0, 511, 256]
+
+
 def test_a_prompt_waits_unscheduled_until_the_prefill_budget_has_room_and_matches_its_prefix_then():
     rep = AnalyticReplica("r", MODEL, kv_capacity=400_000, prefix_block_tokens=512, page_tokens=64)
     first = Req(0.0, 2048, 4, blocks=(1, 2, 3, 4))

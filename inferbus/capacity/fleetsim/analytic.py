@@ -27,7 +27,8 @@ model keeps only what decides the timing and advances over runs of identical ste
   (beyond it the least recent block gives up its last pages, as many as needed: the engine evicts
   pages, not trace blocks).
   A request's leading cached blocks are its hit (at least one prompt token is still computed) and
-  its blocks become the most recent, when it is scheduled (as the engine matches its prefix).
+  its blocks become the most recent, when it is scheduled (as the engine matches its prefix) and
+  again when it finishes (as the engine inserts the finished sequence).
   While requests in the batch share blocks, the KV pool holds them once: a request is charged
   only for the blocks no other request in the batch holds. Without ids, a request's cached
   tokens are what it arrived with (the mix's statistic).
@@ -310,6 +311,14 @@ class AnalyticReplica:
         self.prefix_tokens = tokens
         return hit
 
+    def _touch(self, req: Req) -> None:
+        """A finished request's cached blocks become the most recent (the engine inserts the
+        finished sequence into its radix cache, which touches its nodes)."""
+        cache = self.prefix_cache
+        for block_id in reversed(req.blocks or ()):
+            if block_id in cache:
+                cache.move_to_end(block_id)
+
     def _hold(self, req: Req, delta: int) -> int:
         """`req`'s prompt blocks (whole pages of them) taken into the batch (`delta` 1), let go (-1)
         or only looked at (0); returns the tokens of them that another request in the batch holds
@@ -410,6 +419,7 @@ class AnalyticReplica:
                     if output <= 1:
                         if req.blocks is not None and self.prefix_block:
                             self.shared_kv -= self._hold(req, -1)
+                            self._touch(req)
                         self.completed += 1
                         self.B, self.C, self.sum_dfin, self.seq = B, C, sum_dfin, seq  # the callback may look
                         self.prefill_kv, self.prefill_out = prefill_kv, prefill_out
@@ -439,6 +449,7 @@ class AnalyticReplica:
                 completed += 1
                 if req.blocks is not None and self.prefix_block:
                     self.shared_kv -= self._hold(req, -1)
+                    self._touch(req)
                 # Written back before the callback: the fleet may look at the replica from it.
                 self.B, self.C, self.sum_dfin, self.completed = B, C, sum_dfin, completed
                 on_finish(req, t)
