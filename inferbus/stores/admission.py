@@ -117,8 +117,13 @@ class _PassBatcher:
             # server's close (a Redis restart, an idle timeout): reconnect instead of failing a
             # request on it. (redis-py 8's pool skips this check when maintenance notifications
             # are on "auto", its default.)
-            if connection.is_connected and await connection.can_read():
-                await connection.disconnect()
+            if connection.is_connected:
+                try:
+                    stale = await connection.can_read()
+                except RedisConnectionError:  # the socket failed: redis-py has closed it already
+                    stale = True
+                if stale:
+                    await connection.disconnect()
             results = await connection.retry.call_with_retry(
                 lambda: _round_trip(connection, commands), lambda _: connection.disconnect())
         except BaseException as error:
