@@ -112,10 +112,12 @@ class SpecDecoding:
 
 
 # LoRA serving (S-LoRA, Sheng et al. 2023; Punica, Chen et al. 2023; SGLang `--enable-lora`):
-# adapters on all seven projections of every layer; each projection runs a shrink and an expand
-# kernel per step, about 1 µs each under CUDA graphs (assumption); every distinct adapter in the
-# batch streams its A and B matrices from HBM once per step; adapters are BF16.
-LORA_MODULES = 7
+# adapters on all seven projections of every layer. SGLang wraps the fused layers, so a layer runs
+# four LoRA modules (qkv_proj, o_proj, gate_up_proj, down_proj; `sglang/srt/lora/layers.py`), each a
+# shrink and an expand kernel per step (`lora/backend/chunked_backend.py`), about 1 µs each under
+# CUDA graphs (assumption); every distinct adapter in the batch streams its A and B matrices from
+# HBM once per step; adapters are BF16.
+LORA_KERNELS_PER_LAYER = 8
 LORA_KERNEL_S = 1e-6
 LORA_BYTES_PER_ELEMENT = 2.0
 # Host-to-GPU copy of an adapter on load: PCIe Gen5 x16 at ~25 GB/s achieved (assumption), plus a
@@ -249,7 +251,7 @@ class RooflineModel:
             return 0.0
         tp, gpu = self.tp, self.gpu
         adapter_bytes = lora_adapter_bytes(self.lora_rank, self.model)
-        launches = self.model.layers * LORA_MODULES * 2 * LORA_KERNEL_S
+        launches = self.model.layers * LORA_KERNELS_PER_LAYER * LORA_KERNEL_S
         reads = adapters * adapter_bytes / (tp * gpu.hbm_bandwidth * ETA_WEIGHTS)
         # Every token multiplies by its adapter's A and B: 2 FLOPs per adapter element.
         gemm = 2 * tokens * adapter_bytes / LORA_BYTES_PER_ELEMENT / (tp * gpu.bf16_flops * ETA_GEMM)

@@ -114,17 +114,17 @@ def test_lora_adapter_size_and_load_time() -> None:
 
 
 def test_lora_step_cost_by_rank_and_distinct_adapters() -> None:
-    # H100 TP2, rank 16, 4 distinct adapters over 32 tokens: launches 80 × 7 × 2 × 1 µs = 1.12 ms;
-    # reads 4 × 414.19 MB ÷ (2 × 3.35e12 × 0.75) = 0.32970 ms; GEMM 2 × 32 × 207.09e6 ÷ (2 × 989e12 × 0.5)
-    # = 0.0134 ms → 1.4631 ms.
+    # H100 TP2, rank 16, 4 distinct adapters over 32 tokens: launches 80 layers × 4 fused modules
+    # × 2 kernels × 1 µs = 0.64 ms; reads 4 × 414.19 MB ÷ (2 × 3.35e12 × 0.75) = 0.32970 ms;
+    # GEMM 2 × 32 × 207.09e6 ÷ (2 × 989e12 × 0.5) = 0.0134 ms → 0.9831 ms.
     model = roofline("H100", 2, lora_rank=16, lora_slots=8)
-    assert model.lora_step_s(32, 4) == pytest.approx(1.4631e-3, rel=1e-3)
+    assert model.lora_step_s(32, 4) == pytest.approx(0.9831e-3, rel=1e-3)
     assert model.lora_step_s(32, 0) == 0.0
     assert model.step_time(32, 65_536, lora_adapters=4) - roofline("H100", 2).step_time(32, 65_536) == \
         pytest.approx(model.lora_step_s(32, 4))
     # Rank 64 streams four times the bytes.
     wide = roofline("H100", 2, lora_rank=64, lora_slots=8)
-    assert wide.lora_step_s(32, 4) - 1.12e-3 == pytest.approx(4 * (model.lora_step_s(32, 4) - 1.12e-3), rel=1e-6)
+    assert wide.lora_step_s(32, 4) - 0.64e-3 == pytest.approx(4 * (model.lora_step_s(32, 4) - 0.64e-3), rel=1e-6)
     # Slots hold their adapters in HBM: (68.6e9 − 8 × 414.19e6) B ÷ 163,840 B = 398,477 tokens.
     assert model.kv_capacity_tokens() == pytest.approx(398_477, abs=2)
 
