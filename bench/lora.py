@@ -9,17 +9,21 @@ MEASURED_CAPACITY_PER_WORKER), so 46.8 req/s. Then the same arrivals on the base
 the same rate over 1,000 adapters (50 per tenant) on engines that keep at most `--cap` adapters
 loaded (`--max-loaded-loras`).
 
-The engines run 32 distinct adapters per batch (`--slots`, SGLang's `--max-loras-per-batch`).
-With SGLang's default of 8 (the base model taking one) 200 Zipf adapters do not fit at this load:
-~120 requests in flight span ~70 distinct adapters against 4 × 7 adapter slots, and a request
-whose adapter finds no slot is skipped by the scheduler while adapters already in the batch keep
-admitting theirs (SGLang 0.5.23 does the same; its `--lora-drain-wait-threshold` is off by
+The engines run 64 distinct adapters per batch (`--slots`, SGLang's `--max-loras-per-batch`), so
+an engine's ~50-55 adapters (the routers give each adapter one home, hot ones more) all stay in its
+GPU slots. With SGLang's default of 8 (the base model taking one) 200 Zipf adapters do not fit at
+this load: ~120 requests in flight span ~70 distinct adapters against 4 × 7 adapter slots, and a
+request whose adapter finds no slot is skipped by the scheduler while adapters already in the batch
+keep admitting theirs (SGLang 0.5.23 does the same; its `--lora-drain-wait-threshold` is off by
 default). Measured at 58.5 req/s with 8 slots: adapter TTFT p50/p90/p99 402/8,986/12,071 ms
-against the base model's 171/856/1,569 ms. Slots cost HBM (414 MB each at rank 16 on a 70B),
-which the simulated engine does not take out of its KV cache. The engines also copy adapters into
-GPU slots beside the steps (`--overlap-loading`, SGLang's `--enable-lora-overlap-loading`): with
-SGLang's default every step that needs an adapter copied in waits ~67 ms for it, and with ~50
-adapters per engine against 31 adapter slots that happens several times a second.
+against the base model's 171/856/1,569 ms. With 32 slots the batches fit but the ~20 adapters per
+engine beyond its slots are copied in and out: each copy takes ~67 ms on one copy stream, so a few
+at once queue and set the p99 (293 ms against 166 ms with 64 slots, bench/README.md). Slots cost
+HBM (414 MB each at rank 16 on a 70B: 26.5 GB at 64, 39% of the KV cache of an H100 TP2 engine
+with FP8 weights, far more than this load's ~10k resident tokens need), which the simulated engine
+does not take out of its KV cache (the planner does). The engines also copy adapters into GPU
+slots beside the steps (`--overlap-loading`, SGLang's `--enable-lora-overlap-loading`): with
+SGLang's default every step that needs an adapter copied in waits ~67 ms for it.
 
 The engines run `--time-scale` wall seconds per simulated second (default 10: a 2-core machine
 shared with other work cannot carry the platform at full speed), arrivals are slowed by the same
@@ -521,7 +525,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=None,
                         help="req/s the workers hold on the base model (default: measured, see the module docstring)")
     parser.add_argument("--share", type=float, default=0.8, help="the rate as a share of that capacity")
-    parser.add_argument("--slots", type=int, default=32,
+    parser.add_argument("--slots", type=int, default=64,
                         help="the engines' --max-loras-per-batch (distinct adapters per batch, base model included)")
     parser.add_argument("--overlap-loading", action=argparse.BooleanOptionalAction, default=True,
                         help="engines copy adapters into GPU slots beside the steps (SGLang's --enable-lora-overlap-loading)")
