@@ -117,11 +117,12 @@ class SpecDecoding:
 # shrink and an expand kernel per step (`lora/backend/chunked_backend.py`), about 1 µs each under
 # CUDA graphs (assumption); every distinct adapter in the batch streams its A and B matrices from
 # HBM once per step; adapters are BF16.
-LORA_KERNELS_PER_LAYER = 8
+LORA_MODULES_PER_LAYER = 4
 LORA_KERNEL_S = 1e-6
 LORA_BYTES_PER_ELEMENT = 2.0
-# Host-to-GPU copy of an adapter on load: PCIe Gen5 x16 at ~25 GB/s achieved (assumption), plus a
-# fixed 50 ms for reading the file and registering it with the engine.
+# The planner's load of an adapter onto the GPU: PCIe Gen5 x16 at ~25 GB/s achieved (assumption),
+# plus a fixed 50 ms for reading the file and registering it with the engine. (The simulated engine
+# prices the disk read and the copy into a GPU slot separately: services/sim_engine/lora_pool.py.)
 LORA_LOAD_BANDWIDTH = 25 * GB
 LORA_LOAD_FIXED_S = 0.05
 
@@ -251,7 +252,7 @@ class RooflineModel:
             return 0.0
         tp, gpu = self.tp, self.gpu
         adapter_bytes = lora_adapter_bytes(self.lora_rank, self.model)
-        launches = self.model.layers * LORA_KERNELS_PER_LAYER * LORA_KERNEL_S
+        launches = self.model.layers * LORA_MODULES_PER_LAYER * 2 * LORA_KERNEL_S
         reads = adapters * adapter_bytes / (tp * gpu.hbm_bandwidth * ETA_WEIGHTS)
         # Every token multiplies by its adapter's A and B: 2 FLOPs per adapter element.
         gemm = 2 * tokens * adapter_bytes / LORA_BYTES_PER_ELEMENT / (tp * gpu.bf16_flops * ETA_GEMM)

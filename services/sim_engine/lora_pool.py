@@ -17,8 +17,12 @@ two bands, pure (the scheduler owns the clock).
 Load times come from the adapter's size: its rank (`adapter_config.json` of a local directory,
 else the rank the timing model prices) on the seven projections of every layer of the modelled
 70B model, BF16 (`inferbus.timing.lora_adapter_bytes`: 414 MB at rank 16). From disk into host memory
-at `DISK_BANDWIDTH` plus a fixed cost for opening and registering it; from host memory into a GPU
-slot at the PCIe rate of `inferbus.timing.lora_load_s`.
+at `DISK_BANDWIDTH` plus a fixed cost for opening and registering it. From host memory into a GPU
+slot as SGLang 0.5.23 copies it (`LoRAMemoryPool.load_lora_weight_to_buffer`): no file read, one
+`copy_(non_blocking=True)` per A and B of each of a layer's four LoRA modules, from pinned memory at
+the PCIe rate of `inferbus.timing.LORA_LOAD_BANDWIDTH`. Without `--enable-lora-overlap-loading` every
+copy pins its weights first (`weight.pin_memory()`: a host memory copy); with it the pinned copy is
+kept with the adapter (`_get_maybe_cached_weight_for_transfer`), so only its first copy pins.
 """
 
 from __future__ import annotations
@@ -28,13 +32,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferbus.timing import GB, LORA_LOAD_BANDWIDTH, LORA_LOAD_FIXED_S, lora_adapter_bytes
+from inferbus.timing import GB, LLAMA_70B, LORA_LOAD_BANDWIDTH, LORA_MODULES_PER_LAYER, lora_adapter_bytes
 
 # Reading safetensors from a local NVMe drive and turning them into tensors in host memory:
 # ~2 GB/s end to end (assumption: PCIe Gen4 NVMe reads ~7 GB/s, deserialising and the CPU copy
 # halve it twice), plus 100 ms to open the directory, parse its config and register the adapter.
 DISK_BANDWIDTH = 2 * GB
 DISK_FIXED_S = 0.1
+# Issuing one tensor copy to the GPU, and pinning host memory (a host memory copy into a fresh
+# page-locked buffer): assumptions, ~5 µs and ~10 GB/s.
+COPY_ISSUE_S = 5e-6
+PIN_BANDWIDTH = 10 * GB
 EVICTION_POLICIES = ("lru", "fifo")
 
 
@@ -52,9 +60,12 @@ def disk_load_s(rank: int) -> float:
     return DISK_FIXED_S + lora_adapter_bytes(rank) / DISK_BANDWIDTH
 
 
-def host_to_gpu_s(rank: int) -> float:
-    """Seconds from host memory into a GPU slot (the planner's adapter load: PCIe plus a fixed cost)."""
-    return LORA_LOAD_FIXED_S + lora_adapter_bytes(rank) / LORA_LOAD_BANDWIDTH
+def host_to_gpu_s(rank: int, pinned: bool) -> float:
+    """Seconds from host memory into a GPU slot; `pinned`: the weights are in pinned memory already."""
+    size = lora_adapter_bytes(rank)
+    tensors = LLAMA_70B.layers * LORA_MODULES_PER_LAYER * 2
+    pin = 0.0 if pinned else size / PIN_BANDWIDTH
+    return tensors * COPY_ISSUE_S + pin + size / LORA_LOAD_BANDWIDTH
 
 
 @dataclass(slots=True)
@@ -65,6 +76,7 @@ class LoraAdapter:
     ready_at: float  # when its weights are in host memory
     broken: bool = False  # accepted without a check (lazy loading) but its weights do not exist
     rank: int = 16
+    host_pinned: bool = False  # a pinned copy kept for overlap loading's transfers
 
 
 class LoadedAdapters:

@@ -645,9 +645,19 @@ class Engine:
         if self.config.lora_load_time_s is not None:
             return True  # copies are free with a fixed load time (tests): in its slot now
         rank = request.lora.rank if request.lora is not None else self.config.priced_lora_rank
-        self.copy_stream_free_at = max(self.now, self.copy_stream_free_at) + host_to_gpu_s(rank)
+        self.copy_stream_free_at = max(self.now, self.copy_stream_free_at) + self._copy_s(name, rank)
         self.gpu_copies[name] = self.copy_stream_free_at
         return False
+
+    def _copy_s(self, name: str, rank: int) -> float:
+        """One adapter's copy into a GPU slot. With overlap loading SGLang keeps the pinned host copy
+        it made for the first one (lora_pool.py); without it every copy pins again."""
+        adapter = self.adapters.get(name)
+        if not self.config.lora_overlap_loading or adapter is None:
+            return host_to_gpu_s(rank, pinned=False)
+        seconds = host_to_gpu_s(rank, pinned=adapter.host_pinned)
+        adapter.host_pinned = True
+        return seconds
 
     def _copy_adapters_to_gpu(self, batch: set[str | None], requests: list[Request]) -> float:
         """Seconds the step waits for adapters copied into GPU slots (none with --lora-load-time,
@@ -662,7 +672,7 @@ class Engine:
         if not copied or self.config.lora_load_time_s is not None:
             return 0.0
         ranks = {r.lora_name: r.lora.rank for r in requests if r.lora is not None}
-        return sum(host_to_gpu_s(ranks.get(name, self.config.priced_lora_rank)) for name in copied)
+        return sum(self._copy_s(name, ranks.get(name, self.config.priced_lora_rank)) for name in copied if name is not None)
 
     def _wait_for_adapters(self, updates: list[RequestUpdate]) -> StepResult:
         loading = [
