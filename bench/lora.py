@@ -17,13 +17,13 @@ request whose adapter finds no slot is skipped by the scheduler while adapters a
 keep admitting theirs (SGLang 0.5.23 does the same; its `--lora-drain-wait-threshold` is off by
 default). Measured at 58.5 req/s with 8 slots: adapter TTFT p50/p90/p99 402/8,986/12,071 ms
 against the base model's 171/856/1,569 ms. With 32 slots the batches fit but the ~20 adapters per
-engine beyond its slots are copied in and out: each copy takes ~67 ms on one copy stream, so a few
-at once queue and set the p99 (293 ms against 166 ms with 64 slots, bench/README.md). Slots cost
-HBM (414 MB each at rank 16 on a 70B: 26.5 GB at 64, 39% of the KV cache of an H100 TP2 engine
-with FP8 weights, far more than this load's ~10k resident tokens need), which the simulated engine
-does not take out of its KV cache (the planner does). The engines also copy adapters into GPU
-slots beside the steps (`--overlap-loading`, SGLang's `--enable-lora-overlap-loading`): with
-SGLang's default every step that needs an adapter copied in waits ~67 ms for it.
+engine beyond its slots are copied in and out, one copy at a time, and a few at once set the p99
+(293 ms against 166 ms with 64 slots when a copy cost 67 ms, bench/README.md). Slots cost HBM
+(414 MB each at rank 16 on a 70B: 26.5 GB at 64, 39% of the KV cache of an H100 TP2 engine with
+FP8 weights, far more than this load's ~10k resident tokens need), which the simulated engine does
+not take out of its KV cache (the planner does). The engines also copy adapters into GPU slots
+beside the steps (`--overlap-loading`, SGLang's `--enable-lora-overlap-loading`): with SGLang's
+default every step that needs an adapter copied in waits for it (61 ms at rank 16).
 
 The engines run `--time-scale` wall seconds per simulated second (default 10: a 2-core machine
 shared with other work cannot carry the platform at full speed), arrivals are slowed by the same
