@@ -99,7 +99,16 @@ CLIENT = textwrap.dedent('''
         nc = await nats.connect(servers.split(","), user=user, password=password, connect_timeout=5)
         js = nc.jetstream()
         if count == 0:
-            await js.add_stream(name=stream, subjects=[stream + ".>"], num_replicas=3)
+            # Just after the meta leader's election its answer can be lost while routes settle
+            # (duplicate routes closing): asked again, the same config is answered with the stream.
+            for attempt in range(10):
+                try:
+                    await js.add_stream(name=stream, subjects=[stream + ".>"], num_replicas=3)
+                    break
+                except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                    await asyncio.sleep(0.5)
+            else:
+                raise SystemExit("the stream was not made")
         for i in range(max(count, 1)):
             # While the stream elects a leader (just made, or its leader's node lost) nobody
             # answers: retried with the same message id, as the services do.
