@@ -229,3 +229,22 @@ def test_on_capped_engines_crowding_moves_adapters_with_traffic_and_leaves_the_t
     # Without a cap a copy evicts nothing: crowding opens homes for any adapter, as before.
     slots.on_cap("w2", 0)
     assert slots.warm_target("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}})) == "w2"
+
+
+def test_a_load_under_way_holds_up_every_request_on_its_worker() -> None:
+    # The engine reads the adapter inside its scheduler's loop: no batch runs meanwhile, so a
+    # request for a loaded adapter, or for the base model, goes to a worker that is not loading.
+    clock = Clock()
+    slots = AdapterSlots(clock, AdapterConfig(load_s=0.5))
+    slots.on_load("w1", {}, {"x": 0.3, "y": 0.6}, adapter_load_s=0.3)
+    slots.on_load("w2", {}, {}, adapter_load_s=0.3)
+    everywhere = {"w1": {"a"}, "w2": {"a"}}
+    assert slots.stall("w1", frozenset({"a"})) == pytest.approx(0.3)  # the load under way, not the queue
+    away = slots.config.away_s  # a is at home on neither
+    assert slots.costs("a", workers("w1", "w2", loaded=everywhere)) == pytest.approx([away + 0.3, away])
+    assert slots.costs(None, workers("w1", "w2")) == pytest.approx([0.3, 0.0])
+    clock.now += 0.1
+    assert slots.stall("w1", frozenset()) == pytest.approx(0.2)
+    slots.on_placed("w2", "b", frozenset())  # w2 must load b: asked for, no report shows it yet
+    assert slots.stall("w2", frozenset()) == pytest.approx(0.3)
+    assert slots.costs("a", workers("w1", "w2", loaded=everywhere)) == pytest.approx([away + 0.2, away + 0.3])

@@ -123,7 +123,7 @@ def test_with_overlap_loading_only_an_adapters_first_copy_pins_its_weights() -> 
     assert again_a == pytest.approx(host_to_gpu_s(16, pinned=True))  # b took its slot; a's pinned copy is kept
 
 
-def test_a_size_priced_load_delays_only_that_adapters_requests_and_a_gpu_copy_costs_a_step(tmp_path) -> None:
+def test_a_load_is_priced_by_size_and_a_gpu_copy_costs_a_step() -> None:
     eng = engine(fixed_step_ms=None, max_loras_per_batch=8, max_loaded_loras=None)
     eng.load_lora("a", "/adapters/a")
     assert eng.adapters["a"].ready_at == pytest.approx(disk_load_s(16))
@@ -134,6 +134,21 @@ def test_a_size_priced_load_delays_only_that_adapters_requests_and_a_gpu_copy_co
     eng.add(request("lora", "a", tokens=1))
     with_copy = eng.step().duration_s
     assert with_copy - plain > host_to_gpu_s(16, pinned=False) * 0.9
+
+
+def test_a_load_stops_every_batch_until_the_adapter_is_read_and_loads_follow_each_other() -> None:
+    # SGLang reads the weights inside its scheduler's loop: running requests, base model's
+    # included, get no token meanwhile.
+    eng = engine(fixed_step_ms=10.0, max_loras_per_batch=8, max_loaded_loras=None, lora_load_time_s=0.3)
+    eng.add(request("base", None, tokens=50))
+    eng.step()
+    eng.step()
+    eng.load_lora("a", "/adapters/a")
+    eng.load_lora("b", "/adapters/b")
+    assert eng.adapters["b"].ready_at == pytest.approx(eng.adapters["a"].ready_at + 0.3)
+    stalled = eng.step()
+    assert stalled.duration_s == pytest.approx(0.6) and not stalled.updates and not stalled.idle
+    assert [u.request.rid for u in eng.step().updates] == ["base"]  # the batch runs again
 
 
 def test_the_cap_must_hold_a_batch() -> None:

@@ -9,7 +9,8 @@ in the batch while every slot is taken waits until one adapter's requests have a
 however idle the engine is otherwise. So the adapter part of a worker's cost is
 
     [not one of the adapter's homes, and they take no newcomer] · away_s
-    + the expected wait for the adapter's load there (0 if loaded; see below)
+    + the expected wait for the adapter's load there (see below), or, if it is loaded (or the
+      request is for the base model), for the load under way there (`stall`)
     + [its adapter not in the batch and no slot free] · slot_hold_s · (H(k) + overflow)
     + balance_s · max(0, the worker's recent placements ÷ the mean − 1)
 
@@ -20,7 +21,9 @@ times of mean `slot_hold_s`, the expected longest is `slot_hold_s` · H(k), H th
 and overflow the number of adapters already waiting there for a slot (each takes one first).
 
 **Loads.** An engine loads one adapter at a time, so a request for an adapter not loaded waits
-for every load queued there and then its own. Workers report their queued and in-flight loads
+for every load queued there and then its own. SGLang reads the weights inside its scheduler's
+loop, so while it does no batch runs there: every other request on that worker waits for the load
+under way too. Workers report their queued and in-flight loads
 with the expected seconds until each is ready, and their expected seconds for one more load
 (`WorkerLoad.adapter_loads`, `adapter_load_s`; worker/adapter_loads.py); loads this router asked
 for since (a placement on a worker without the adapter, a warm-up) count `adapter_load_s` each
@@ -207,8 +210,11 @@ class AdapterSlots:
         out = []
         for worker_id, slots, loaded in workers:
             cost = config.balance_s * max(0.0, excess.get(worker_id, 0.0))
-            if adapter:
+            if adapter and adapter not in loaded:
                 cost += self.load_wait(worker_id, adapter, loaded)
+            else:
+                cost += self.stall(worker_id, loaded)
+            if adapter:
                 if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded):
                     cost += config.away_s
             if slots:
@@ -252,6 +258,19 @@ class AdapterSlots:
         asked = [name for name in self.asked.get(worker_id, {}) if name not in reported and name not in loaded]
         ahead = asked.index(adapter) if adapter in asked else len(asked)
         return queue + one * (ahead + 1)
+
+    def stall(self, worker_id: str, loaded: frozenset[str]) -> float:
+        """Expected seconds before the worker's engine runs a batch again. It reads an adapter from
+        disk inside its scheduler's loop, so a request that needs no load still waits for the load
+        under way; the worker sends the next load only after that one's answer, and the engine runs
+        a batch in between."""
+        reported = self.loading.get(worker_id)
+        if reported:
+            now = self.clock()
+            return max(0.0, min(reported.values()) - (now - self.reported_at.get(worker_id, now)))
+        if any(name not in loaded for name in self.asked.get(worker_id, ())):
+            return self.worker_load_s.get(worker_id) or self.config.load_s  # asked for, not reported yet
+        return 0.0
 
     def excess(self, worker_ids: list[str]) -> dict[str, float]:
         """Each worker's recent placements relative to the mean over `worker_ids`, minus one."""

@@ -311,6 +311,10 @@ class Engine:
         # the copy is done (one copy stream: copies follow each other), and when that stream is free.
         self.gpu_copies: dict[str, float] = {}
         self.copy_stream_free_at = 0.0
+        # SGLang's scheduler reads an adapter from disk inside its own loop (`load_lora_adapter` is
+        # dispatched with the requests it receives), so no batch runs until the read is done, and
+        # loads follow each other: when the last one asked for is done.
+        self.loading_until = 0.0
         self.lora_loads_total = 0  # from disk into host memory, implicit reloads included
         self.lora_evictions_total = 0  # unloaded to stay within --max-loaded-loras
         # Every adapter loaded since start (SGLang's lora_ref_cache): a request for one that was
@@ -420,8 +424,8 @@ class Engine:
                 False, f"Failed to load LoRA adapter {name} from {path}: no such adapter (simulated)."
             )
         rank = adapter_rank(path, self.config.priced_lora_rank)
-        adapter = LoraAdapter(name, path, pinned, ready_at=self.now + self.lora_disk_load_s(rank), broken=broken,
-                              rank=rank)
+        self.loading_until = max(self.now, self.loading_until) + self.lora_disk_load_s(rank)
+        adapter = LoraAdapter(name, path, pinned, ready_at=self.loading_until, broken=broken, rank=rank)
         evicted = self.adapters.add(adapter)
         for victim in evicted:
             self.gpu_slots.drop(victim)
@@ -475,6 +479,10 @@ class Engine:
     def step(self) -> StepResult:
         """Run one iteration: decode every running sequence, prefill up to the token budget."""
         updates: list[RequestUpdate] = []
+        if self.loading_until > self.now:  # the scheduler is reading an adapter from disk: no batch runs
+            wait = self.loading_until - self.now
+            self.now = self.loading_until
+            return StepResult(wait, updates)
         if self.config.mixed_chunk:
             decoding = self._reserve_decode_slots()
             self._admit(updates)

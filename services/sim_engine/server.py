@@ -178,6 +178,7 @@ class SimEngineServer:
         self.metrics = _Metrics(config.model)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
+        self._idle_since: float | None = None  # when the step loop went idle, if it is
         # Wall seconds per simulated second; `/time_scale` (--time-scale-control) changes it.
         self.time_scale = config.time_scale
         # SGLang serialises adapter loads and unloads behind one lock (its tokenizer manager's
@@ -270,11 +271,18 @@ class SimEngineServer:
 
     async def _idle(self, scale: float) -> None:
         self._wake.clear()
-        started = time.monotonic()
+        self._idle_since = time.monotonic()
         await self._wake.wait()
-        if scale > 0:
-            # Idle wall time is simulated time too (adapter loads progress meanwhile).
-            self.engine.advance((time.monotonic() - started) / scale)
+        self._catch_up()
+        self._idle_since = None
+
+    def _catch_up(self) -> None:
+        """Idle wall time is simulated time too: brought in before anything that reads the engine's
+        clock (a load starts now, not when the engine went idle)."""
+        if self._idle_since is not None and self.time_scale > 0:
+            now = time.monotonic()
+            self.engine.advance((now - self._idle_since) / self.time_scale)
+            self._idle_since = now
 
     def _deliver(self, updates: list[RequestUpdate]) -> None:
         now = time.monotonic()
@@ -391,6 +399,7 @@ class SimEngineServer:
     def _submit(self, request: Request, stream_interval: int, internal: bool = False) -> _Stream:
         if request.rid in self._streams:
             raise RequestRejected("Duplicate request ID detected")
+        self._catch_up()  # an implicit reload starts now
         self.engine.add(request)
         stream = _Stream(time.monotonic(), stream_interval, internal)
         self._streams[request.rid] = stream
@@ -469,6 +478,7 @@ class SimEngineServer:
             loaded = {name: adapter.path for name, adapter in self.engine.adapters.items()}
             return self._lora_response(LoraUpdateResult(False, problem, loaded))
         async with self._lora_update_lock:
+            self._catch_up()
             result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
             if result.success:
                 self._wake.set()

@@ -43,6 +43,7 @@ class Engine:
     kv_events: str  # the ZMQ endpoint the engine's KV-cache events are published on
     model_dir: Path  # the served model's directory: tokenizer, chat template (ChatML), config
     lora_path: str  # a LoRA adapter the engine can load
+    slow_lora_path: str  # one that takes a measurable time to load (hundreds of milliseconds)
     bad_lora_path: str  # an adapter directory the engine must refuse (rank above --max-lora-rank)
     missing_lora_path: str  # where no adapter is
     argv: list[str]
@@ -162,6 +163,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         home, models = sglang_paths()
         argv, env = sglang_command(home, models, port, kv_events)
         lora_path, bad_lora_path, missing = str(models / "lora"), str(models / "bad-lora"), str(models / "no-such-adapter")
+        slow_lora_path = str(models / "slow-lora")
         model_dir = models / "model"
     else:
         from inferbus.modeldir import build_model_dir
@@ -169,8 +171,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         model_dir = build_model_dir(workdir / "model", "chatml", model_max_length=4096)
         argv, env = sim_command(port, kv_events, model_dir)
         lora_path, bad_lora_path = sim_adapter(workdir / "lora", 4), sim_adapter(workdir / "bad-lora", 16)
+        slow_lora_path = sim_adapter(workdir / "slow-lora", 8)  # priced by rank: 0.2 s
         missing = "missing/no-such-adapter"  # the simulator's convention for a path with nothing there
-    running = Engine(kind, f"http://127.0.0.1:{port}", kv_events, model_dir, lora_path, bad_lora_path, missing,
+    running = Engine(kind, f"http://127.0.0.1:{port}", kv_events, model_dir, lora_path, slow_lora_path, bad_lora_path, missing,
                      argv, env, workdir / "engine.log")
     try:
         running.start()

@@ -4,13 +4,13 @@ No model hub is reachable, so everything is made here. The tokenizer, chat templ
 nothing can assume Llama-3's) and configuration come from `inferbus.modeldir`, exactly as the
 simulated engine and the gateway get them; this adds what only a real engine needs: a 2-layer
 Llama with seeded random weights saved by `transformers`, a LoRA adapter made with `peft`
-(non-zero B, so its output differs from the base model's), and an adapter SGLang must refuse
-(rank above the engine's `--max-lora-rank`). Run with SGLang's Python (it has torch,
+(non-zero B, so its output differs from the base model's), the same adapter padded to take a
+while to load, and an adapter SGLang must refuse (rank above the engine's `--max-lora-rank`). Run with SGLang's Python (it has torch,
 transformers and peft), the repository on its path:
 
     PYTHONPATH=. python tests/sglang/modeldir.py OUT_DIR
 
-which writes OUT_DIR/model, OUT_DIR/lora and OUT_DIR/bad-lora, then OUT_DIR/.built last.
+which writes OUT_DIR/model, OUT_DIR/lora, OUT_DIR/slow-lora and OUT_DIR/bad-lora, then OUT_DIR/.built last.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from inferbus.modeldir import build_model_dir
 CHAT_FORMAT = "chatml"
 LORA_RANK = 4
 BAD_LORA_RANK = 16  # above the engine's --max-lora-rank 8
+SLOW_PAD_BYTES = 768 * 2**20
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -49,11 +50,26 @@ def build_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> None:
     get_peft_model(base, config).save_pretrained(str(out))
 
 
+def build_slow_adapter(adapter: Path, out: Path) -> None:
+    """The adapter again with a tensor of `SLOW_PAD_BYTES` no module uses: SGLang reads every tensor
+    of the file and keeps only its modules', so loading it takes a measurable time on any machine."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, out)
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    weights["padding"] = torch.zeros(SLOW_PAD_BYTES // 2, dtype=torch.bfloat16)
+    save_file(weights, str(out / "adapter_model.safetensors"))
+
+
 def build(out: Path) -> None:
     model = build_model_dir(out / "model", CHAT_FORMAT, model_max_length=4096)
     build_weights(model)
     build_adapter(model, out / "lora", LORA_RANK, seed=1)
     build_adapter(model, out / "bad-lora", BAD_LORA_RANK, seed=2)
+    build_slow_adapter(out / "lora", out / "slow-lora")
     (out / ".built").write_text("ok\n")
 
 

@@ -166,6 +166,38 @@ async def test_an_adapter_loads_verifies_serves_and_unloads(engine: Engine, clie
     await client.unload_lora(name)
 
 
+async def test_a_load_holds_up_the_running_batch(engine: Engine, client: EngineClient) -> None:
+    """SGLang reads an adapter from disk inside its scheduler's loop: a stream already running gets
+    no token until the read is done. The router prices this (`AdapterSlots.stall`)."""
+    arrivals: list[float] = []
+    body = {"text": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
+
+    async def stream() -> None:
+        async with httpx.AsyncClient(timeout=300) as http, http.stream("POST", engine.url + "/generate", json=body) as answer:
+            assert answer.status_code == 200
+            async for line in answer.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    arrivals.append(time.monotonic())
+
+    running = asyncio.create_task(stream())
+    assert await until(lambda: asyncio.sleep(0, len(arrivals) >= 20), timeout=120)
+    name = f"slow-{uuid.uuid4().hex[:6]}"
+    started = time.monotonic()
+    result = await client.load_lora(name, engine.slow_lora_path)
+    took = time.monotonic() - started
+    try:
+        assert result["success"] is True, result
+        await running
+    finally:
+        await client.unload_lora(name)
+    gaps = [(b - a, a, b) for a, b in zip(arrivals, arrivals[1:])]
+    longest, before, after = max(gaps)
+    usual = sorted(gap for gap, _, _ in gaps)[len(gaps) // 2]
+    assert before < started + took and after > started, "the longest pause was not during the load"
+    assert longest >= 0.5 * took and longest > 5 * usual, (longest, took, usual)
+
+
 async def test_an_adapter_that_cannot_load_is_a_400(engine: Engine, client: EngineClient) -> None:
     for path in (engine.bad_lora_path, engine.missing_lora_path):
         name = f"bad-{uuid.uuid4().hex[:6]}"
