@@ -103,7 +103,8 @@ def arrivals(rate: float, seconds: float, adapters: int, seed: int) -> list[tupl
     rng = random.Random(seed)
     weights = zipf_weights(adapters)
     ranks = list(range(1, adapters + 1))
-    out, t = [], 0.0
+    out: list[tuple[float, int, int]] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= seconds:
@@ -218,6 +219,8 @@ async def replay(platform: Platform, plan: list[tuple[float, int, int]], time_sc
             async for chunk in stream:
                 if "ttft_s" not in record and chunk.choices and chunk.choices[0].delta.content:
                     record["ttft_s"] = (time.perf_counter() - started) / time_scale
+                    record["first_at"] = time.time()
+                    record["id"] = chunk.id.removeprefix("chatcmpl-")  # the gateway's request_id
         except Exception as error:
             record["error"] = repr(error)[:200]
         records.append(record)
@@ -337,6 +340,39 @@ def adapter_activity(records: list[dict[str, Any]], platform: Platform, workers:
     return out
 
 
+WAITS = ("own load", "other load", "no load")
+
+
+def waits_of_the_slowest(records: list[dict[str, Any]], platform: Platform, workers: int, since: float,
+                         percentiles: tuple[int, ...] = (90, 99)) -> dict[str, Any]:
+    """What the requests slower than the run's p90 and p99 waited for, by popularity class: a load of
+    their own adapter on the worker that served them (`own load`), a load of another adapter there
+    (`other load`: the engine runs no batch while it reads one), or neither (`no load`: batch slots,
+    copies into GPU slots, queueing). A load is an interval of a worker's `adapter_loaded` log line
+    (its `load_s`, the wait for its turn included); a request is the time from its arrival to its
+    first token, on the worker the gateway's access log names for it."""
+    worker_of = {line.get("request_id"): line.get("worker") for line in platform.log_events("gateway", "request", since)}
+    loads: dict[str, list[tuple[float, float, int | None]]] = {}
+    for i in range(1, workers + 1):
+        worker = f"worker-{i}"
+        loads[worker] = [(_ts(line) - float(line.get("load_s", 0.0)), _ts(line), rank_of(line.get("adapter", "")))
+                         for line in platform.log_events(worker, "adapter_loaded", since - 60.0)]
+    timed = [r for r in records if r["error"] is None and "first_at" in r]
+    out: dict[str, Any] = {}
+    if not timed:
+        return out
+    for pct in percentiles:
+        threshold = percentile([r["ttft_s"] for r in timed], pct)
+        counts = {c: dict.fromkeys(WAITS, 0) for c in ("hot", "middle", "tail")}
+        for record in (r for r in timed if r["ttft_s"] > threshold):
+            overlapping = [rank for start, end, rank in loads.get(worker_of.get(record["id"]) or "", [])
+                           if start < record["first_at"] and end > record["at"]]
+            wait = ("own load" if record["rank"] in overlapping else "other load" if overlapping else "no load")
+            counts[record["class"]][wait] += 1
+        out[f"p{pct}"] = {"threshold_ms": threshold * 1000, "by_class": counts}
+    return out
+
+
 def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, since: float) -> dict[str, Any]:
     ok = [r for r in records if r["error"] is None and "ttft_s" in r]
     errors = [r["error"] for r in records if r["error"] is not None]
@@ -364,6 +400,7 @@ def summarise(records: list[dict[str, Any]], platform: Platform, workers: int, s
         "per_worker": per_worker,
         "imbalance": max(counts) / mean if mean else None,
         "adapter_activity": adapter_activity(records, platform, workers, since),
+        "slowest": waits_of_the_slowest(records, platform, workers, since),
     }
 
 
@@ -501,6 +538,20 @@ def markdown(results: dict[str, Any]) -> str:
                   "| run | loads | prefetch loads | evictions | evicted, requested again | homes opened: share | "
                   "homes opened: crowded | prefetches asked |",
                   "| --- | --- | --- | --- | --- | --- | --- | ---: |", *activity_rows]
+    slow_rows = []
+    for key, title in (("at_200", "200 adapters"), ("at_1000", "1,000 adapters")):
+        for name in ("lora", "base"):
+            run = results.get(key, {}).get(name)
+            for pct, slow in (run or {}).get("slowest", {}).items():
+                cells = [" / ".join(str(slow["by_class"][c][wait]) for c in ("hot", "middle", "tail")) for wait in WAITS]
+                slow_rows.append(f"| {title}, {'adapters' if name == 'lora' else 'base model only'} | over {pct} "
+                                 f"({slow['threshold_ms']:.0f} ms) | " + " | ".join(cells) + " |")
+    if slow_rows:
+        lines += ["", "What the slowest requests waited for, hot / middle / tail (for the base model, the classes of "
+                  "the adapters the same arrivals name): a load of their own adapter on their worker; a load of another "
+                  "adapter there (no batch runs while the engine reads one); neither:", "",
+                  "| run | requests over the run's | own load | other load | no load |",
+                  "| --- | --- | --- | --- | --- |", *slow_rows]
     lines += ["", "Warm-up and registration: " + "; ".join(
         f"{results[k]['adapters']} adapters registered in bulk in {results[k]['registration_s']:.1f} s, "
         f"{results[k]['warmup']['adapters']} warmed ({results[k]['warmup']['loads']} loads, "
