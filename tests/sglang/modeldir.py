@@ -51,17 +51,20 @@ def build_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> None:
 
 
 def build_slow_adapter(adapter: Path, out: Path) -> None:
-    """The adapter again with a tensor of `SLOW_PAD_BYTES` no module uses: SGLang reads every tensor
-    of the file and keeps only its modules', so loading it takes a measurable time on any machine."""
+    """The adapter again, in PyTorch's format (`adapter_model.bin`) with a tensor of `SLOW_PAD_BYTES`
+    no module uses: SGLang reads the whole file (`torch.load`; safetensors it would map, reading
+    only the tensors it touches) and keeps only its modules' tensors, so the load takes a
+    measurable time on any machine."""
     import shutil
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     shutil.copytree(adapter, out)
     weights = load_file(str(out / "adapter_model.safetensors"))
-    weights["padding"] = torch.zeros(SLOW_PAD_BYTES // 2, dtype=torch.bfloat16)
-    save_file(weights, str(out / "adapter_model.safetensors"))
+    weights["padding"] = torch.ones(SLOW_PAD_BYTES // 2, dtype=torch.bfloat16)
+    torch.save(weights, str(out / "adapter_model.bin"))
+    (out / "adapter_model.safetensors").unlink()
 
 
 def build(out: Path) -> None:
