@@ -113,21 +113,29 @@ def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker
     slots = AdapterSlots(clock)
     for _ in range(1000):
         slots.observe(None)
-    slots.observe("tail")
-    slots.on_placed("w1", "tail")  # its one home
-    pool = workers("w1", "w2", "w3", loaded={"w1": {"tail"}})
-    assert slots.costs("tail", pool)[1] == pytest.approx(slots.config.away_s + slots.config.load_s)  # balanced: it stays home
+    for _ in range(30):  # 3% of the traffic: one home wanted, but enough to pay for a load
+        slots.observe("warm")
+    slots.on_placed("w1", "warm")  # its one home
+    pool = workers("w1", "w2", "w3", loaded={"w1": {"warm"}})
+    assert slots.costs("warm", pool)[1] == pytest.approx(slots.config.away_s + slots.config.load_s)  # balanced: it stays home
     for _ in range(60):  # w1 takes twice its share of the recent placements
         slots.on_placed("w1", None)
     for _ in range(15):
         slots.on_placed("w2", None)
         slots.on_placed("w3", None)
-    costs = slots.costs("tail", pool)
+    costs = slots.costs("warm", pool)
     # w2 may become a home (no `away_s`), though not before the adapter is loaded there; w1 pays for its excess.
     assert costs[1] == pytest.approx(slots.config.load_s)
     assert costs[0] == pytest.approx(slots.config.balance_s * slots.excess(["w1", "w2", "w3"])["w1"])
-    assert slots.warm_target("tail", pool) in ("w2", "w3")  # so it is loaded there in the background
-    assert slots.warm_target("tail", pool) is None  # once
+    # A tail adapter's traffic would not pay for the load (its read stops w2's or w3's batches):
+    # it moves only to a worker that holds it already.
+    slots.observe("tail")
+    slots.on_placed("w1", "tail")
+    assert slots.warm_target("tail", pool) is None
+    tail_costs = slots.costs("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}, "w3": {"tail"}}))
+    assert tail_costs[1] == pytest.approx(slots.config.away_s + slots.config.load_s) and tail_costs[2] == 0.0
+    assert slots.warm_target("warm", pool) in ("w2", "w3")  # so it is loaded there in the background
+    assert slots.warm_target("warm", pool) is None  # once
 
 
 def test_a_cold_adapter_goes_to_the_worker_whose_load_queue_ends_first() -> None:
@@ -199,9 +207,10 @@ def test_an_evicted_adapter_costs_its_reload_even_on_its_home() -> None:
     assert costs[0] == pytest.approx(2.3) and costs[1] == pytest.approx(slots.config.away_s + 0.3)
 
 
-def test_on_capped_engines_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker() -> None:
-    """A new home on an engine with --max-loaded-loras evicts another adapter once it is full; for
-    a tail adapter that copy serves almost nothing, for a hot one it moves real load."""
+def test_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker() -> None:
+    """A new home's load stops its engine's batches for the read (and on an engine with
+    --max-loaded-loras evicts another adapter once it is full); for a tail adapter that copy serves
+    almost nothing, for a hot one it moves real load."""
     clock = Clock()
     slots = AdapterSlots(clock, AdapterConfig(crowd_min_share=0.05))
     for w in ("w1", "w2", "w3"):
@@ -226,9 +235,10 @@ def test_on_capped_engines_crowding_moves_adapters_with_traffic_and_leaves_the_t
     # The hot one opens a home, loaded in the background first.
     assert slots.costs("hot", pool)[1] == pytest.approx(load)
     assert slots.warm_target("hot", pool) in ("w2", "w3")
-    # Without a cap a copy evicts nothing: crowding opens homes for any adapter, as before.
+    # Without a cap a copy evicts nothing, but its load still stops the engine's batches: the tail stays.
     slots.on_cap("w2", 0)
-    assert slots.warm_target("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}})) == "w2"
+    slots.on_cap("w3", 0)
+    assert slots.warm_target("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}})) is None
 
 
 def test_a_load_under_way_holds_up_every_request_on_its_worker() -> None:

@@ -45,12 +45,13 @@ smaller size has held for `release_after_s`, dropping the home placed on least r
 adapter stays loaded there (a cheap choice, `away_s`) until the engine evicts it. Homes also open
 when every one of them has had more than `crowded` (10%) above the mean of recent placements
 (decayed like the shares, once workers average `MIN_PLACEMENTS`): a tail adapter pinned to a
-busy worker then moves some of its traffic to a quieter one, which the balance term prefers. On a
-worker whose engine caps its loaded adapters (`--max-loaded-loras`, in the heartbeat) a new home
-evicts another adapter once the engine is full, and that adapter's next request reads it from disk
-again: there crowding opens a home only for an adapter loaded there already or with at least
-`crowd_min_share` of recent traffic, so the copies that balance the load are of adapters that use
-them, and the tail stays on one worker each. So the hottest
+busy worker then moves some of its traffic to a quieter one, which the balance term prefers. But a
+new home's load stops that engine's batch for its read (and on a worker whose engine caps its
+loaded adapters, `--max-loaded-loras` in the heartbeat, it evicts another adapter once the engine
+is full, whose next request reads it from disk again): so crowding opens a home only on a worker
+that has the adapter loaded already, or for an adapter with at least `crowd_min_share` of recent
+traffic. The copies that balance the load are of adapters that use them, and the tail stays on
+one worker each. So the hottest
 adapter, which would otherwise be pinned to the one worker that loaded it first (a load penalty
 far larger than any load difference), spreads over as many workers as its traffic needs, and
 tail adapters stay on one.
@@ -84,10 +85,11 @@ class AdapterConfig:
     # every home is more than `crowded` above the mean may take a new home.
     balance_s: float = 0.5
     crowded: float = 0.1
-    # On an engine that caps its loaded adapters (--max-loaded-loras), a new home evicts another
-    # adapter once it is full, which that adapter's next request loads again from disk: homes
-    # open there for crowding only for adapters with at least this share of recent traffic (at
-    # 1%, two requests in a row of a tail adapter were enough at ~200 recent requests).
+    # A new home's load stops its engine's batches for the read (and on an engine that caps its
+    # loaded adapters evicts another, read from disk again by its next request): homes open for
+    # crowding where the adapter is not loaded only for adapters with at least this share of
+    # recent traffic (at 1%, two requests in a row of a tail adapter were enough at ~200 recent
+    # requests).
     crowd_min_share: float = 0.02
 
 
@@ -307,10 +309,10 @@ class AdapterSlots:
         return None
 
     def _takes(self, opening: str | None, worker_id: str, adapter: str, loaded: frozenset[str]) -> bool:
-        """Whether `worker_id` may become a home of `adapter` now. For crowding, a worker whose
-        engine caps its loaded adapters takes only an adapter it holds already or one with enough
-        traffic to pay for the adapter its load evicts."""
-        if opening != "crowded" or not self.caps.get(worker_id) or adapter in loaded:
+        """Whether `worker_id` may become a home of `adapter` now. For crowding, a worker takes only
+        an adapter it holds already or one with enough traffic to pay for the load: its read
+        stops the engine's batches, and on a capped engine it evicts another adapter."""
+        if opening != "crowded" or adapter in loaded:
             return opening is not None
         return self.share(adapter) >= self.config.crowd_min_share
 
