@@ -45,7 +45,7 @@ def test_an_adapter_goes_where_it_is_loaded_and_a_tail_adapter_keeps_one_home() 
         slots.observe(None)  # mostly base-model traffic
     slots.observe("tail")
     pool = workers("w1", "w2", "w3", "w4", loaded={"w2": {"tail"}})
-    cold = slots.config.away_s + slots.config.load_s  # not a home, and a load first
+    cold = slots.config.away_s + 2 * slots.config.load_s  # not a home, a load first, and everyone's batches wait for it
     costs = slots.costs("tail", pool)
     assert costs.index(min(costs)) == 1 and costs[0] == pytest.approx(cold)
     slots.on_placed("w2", "tail")
@@ -63,13 +63,14 @@ def test_a_hot_adapter_opens_more_homes_as_its_share_grows_and_releases_them_whe
     assert slots.wanted_homes("hot", 4) == 3
     assert AdapterSlots(clock).wanted_homes("hot", 4) == 1  # without traffic seen, no share to go by
     slots.on_placed("w1", "hot")
-    # Homes open: other workers cost no `away_s`, only the load they would wait for.
+    # Homes open: other workers cost no `away_s`, only the load they would wait for (twice: the
+    # request waits for it, and so do the batches it stops there).
     load = slots.config.load_s
-    assert slots.costs("hot", pool) == pytest.approx([0.0, load, load, load])
+    assert slots.costs("hot", pool) == pytest.approx([0.0, 2 * load, 2 * load, 2 * load])
     slots.on_placed("w2", "hot")
     slots.on_placed("w3", "hot")
     assert set(slots.homes["hot"].workers) == {"w1", "w2", "w3"}
-    assert slots.costs("hot", pool)[3] == pytest.approx(slots.config.away_s + load)  # full: the fourth is no home
+    assert slots.costs("hot", pool)[3] == pytest.approx(slots.config.away_s + 2 * load)  # full: the fourth is no home
     # Traffic moves away: after half-lives its share is small, and after the hold the homes shrink.
     for _ in range(6):
         clock.now += 10.0
@@ -93,10 +94,16 @@ def test_the_router_spreads_a_hot_adapter_and_avoids_full_batches() -> None:
         policy.registry.on_load(m.WorkerLoad(worker_id=w, model="m", ts=0, seq=1, running=0, waiting=0, in_flight=0,
                                     max_running=64, kv_used_tokens=0, kv_capacity_tokens=1000))
     chosen = []
+    loaded = {"a": ["hot@1"], "b": [], "c": [], "d": []}
     for i in range(200):
         adapter = "hot@1" if i % 2 else f"tail-{i}@1"
-        chosen.append(policy.place(m.PlacementRequest(request_id=str(i), model="m", prompt_tokens=100,
-                                                      adapter=adapter)).worker_id if adapter == "hot@1" else None)
+        request = m.PlacementRequest(request_id=str(i), model="m", prompt_tokens=100, adapter=adapter)
+        chosen.append(policy.place(request).worker_id if adapter == "hot@1" else None)
+        warmed = policy.warm_target(request) if adapter == "hot@1" else None
+        if warmed:  # the worker loads it in the background, and its next heartbeat lists it
+            loaded[warmed].append("hot@1")
+            policy.registry.on_heartbeat(m.Heartbeat(worker_id=warmed, model="m", engine_url="", started=0, ts=0,
+                                                     max_running=64, max_adapters=4, adapters=loaded[warmed]))
         clock.now += 0.01
     hot_workers = {w for w in chosen if w}
     assert len(hot_workers) >= 3  # half the traffic: ceil(0.5 · 4 · 2) = 4 homes wanted
@@ -117,7 +124,7 @@ def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker
         slots.observe("warm")
     slots.on_placed("w1", "warm")  # its one home
     pool = workers("w1", "w2", "w3", loaded={"w1": {"warm"}})
-    assert slots.costs("warm", pool)[1] == pytest.approx(slots.config.away_s + slots.config.load_s)  # balanced: it stays home
+    assert slots.costs("warm", pool)[1] == pytest.approx(slots.config.away_s + 2 * slots.config.load_s)  # balanced: it stays home
     for _ in range(60):  # w1 takes twice its share of the recent placements
         slots.on_placed("w1", None)
     for _ in range(15):
@@ -125,7 +132,7 @@ def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker
         slots.on_placed("w3", None)
     costs = slots.costs("warm", pool)
     # w2 may become a home (no `away_s`), though not before the adapter is loaded there; w1 pays for its excess.
-    assert costs[1] == pytest.approx(slots.config.load_s)
+    assert costs[1] == pytest.approx(2 * slots.config.load_s)
     assert costs[0] == pytest.approx(slots.config.balance_s * slots.excess(["w1", "w2", "w3"])["w1"])
     # A tail adapter's traffic would not pay for the load (its read stops w2's or w3's batches):
     # it moves only to a worker that holds it already.
@@ -133,7 +140,7 @@ def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker
     slots.on_placed("w1", "tail")
     assert slots.warm_target("tail", pool) is None
     tail_costs = slots.costs("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}, "w3": {"tail"}}))
-    assert tail_costs[1] == pytest.approx(slots.config.away_s + slots.config.load_s) and tail_costs[2] == 0.0
+    assert tail_costs[1] == pytest.approx(slots.config.away_s + 2 * slots.config.load_s) and tail_costs[2] == 0.0
     assert slots.warm_target("warm", pool) in ("w2", "w3")  # so it is loaded there in the background
     assert slots.warm_target("warm", pool) is None  # once
 
@@ -203,8 +210,8 @@ def test_an_evicted_adapter_costs_its_reload_even_on_its_home() -> None:
     slots.on_load("w2", {}, {}, adapter_load_s=0.3)
     # The engine evicted it from w1 (--max-loaded-loras) and w1 has a long load queue.
     slots.on_load("w1", {}, {"b": 1.0, "c": 2.0}, adapter_load_s=0.3)
-    costs = slots.costs("a", workers("w1", "w2"))
-    assert costs[0] == pytest.approx(2.3) and costs[1] == pytest.approx(slots.config.away_s + 0.3)
+    costs = slots.costs("a", workers("w1", "w2"))  # each fresh load once more for the batches it stops
+    assert costs[0] == pytest.approx(2.3 + 0.3) and costs[1] == pytest.approx(slots.config.away_s + 0.3 + 0.3)
 
 
 def test_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker() -> None:
@@ -230,10 +237,10 @@ def test_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker(
     pool = workers("w1", "w2", "w3", loaded={"w1": {"tail", "hot"}, "w3": {"tail"}})
     load, away = slots.config.load_s, slots.config.away_s
     # The tail adapter: no new home where it would be loaded, but a worker holding it already may take it.
-    assert slots.costs("tail", pool)[1:] == pytest.approx([away + load, 0.0])
+    assert slots.costs("tail", pool)[1:] == pytest.approx([away + 2 * load, 0.0])
     assert slots.warm_target("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}})) is None
     # The hot one opens a home, loaded in the background first.
-    assert slots.costs("hot", pool)[1] == pytest.approx(load)
+    assert slots.costs("hot", pool)[1] == pytest.approx(2 * load)
     assert slots.warm_target("hot", pool) in ("w2", "w3")
     # Without a cap a copy evicts nothing, but its load still stops the engine's batches: the tail stays.
     slots.on_cap("w2", 0)

@@ -11,6 +11,7 @@ however idle the engine is otherwise. So the adapter part of a worker's cost is
     [not one of the adapter's homes, and they take no newcomer] · away_s
     + the expected wait for the adapter's load there (see below), or, if it is loaded (or the
       request is for the base model), for the load under way there (`stall`)
+    + [the adapter neither loaded nor loading there] · one load, for the batches its load stops
     + [its adapter not in the batch and no slot free] · slot_hold_s · (H(k) + overflow)
     + balance_s · max(0, the worker's recent placements ÷ the mean − 1)
 
@@ -23,7 +24,9 @@ and overflow the number of adapters already waiting there for a slot (each takes
 **Loads.** An engine loads one adapter at a time, so a request for an adapter not loaded waits
 for every load queued there and then its own. SGLang reads the weights inside its scheduler's
 loop, so while it does no batch runs there: every other request on that worker waits for the load
-under way too. Workers report their queued and in-flight loads
+under way too. A placement that makes a worker load its adapter therefore costs that load
+twice: once for the request, once for everyone else's batches there; so a request waits for a
+home busy with another load rather than start a load elsewhere, unless the home's queue is long. Workers report their queued and in-flight loads
 with the expected seconds until each is ready, and their expected seconds for one more load
 (`WorkerLoad.adapter_loads`, `adapter_load_s`; worker/adapter_loads.py); loads this router asked
 for since (a placement on a worker without the adapter, a warm-up) count `adapter_load_s` each
@@ -214,6 +217,8 @@ class AdapterSlots:
             cost = config.balance_s * max(0.0, excess.get(worker_id, 0.0))
             if adapter and adapter not in loaded:
                 cost += self.load_wait(worker_id, adapter, loaded)
+                if not self._loading(worker_id, adapter):
+                    cost += self._one_load(worker_id)  # the load it asks for stops everyone's batches there
             else:
                 cost += self.stall(worker_id, loaded)
             if adapter:
@@ -255,7 +260,7 @@ class AdapterSlots:
         left = reported.get(adapter)
         if left is not None:
             return max(0.0, left - age)
-        one = self.worker_load_s.get(worker_id) or self.config.load_s
+        one = self._one_load(worker_id)
         queue = max(0.0, max(reported.values(), default=0.0) - age)
         asked = [name for name in self.asked.get(worker_id, {}) if name not in reported and name not in loaded]
         ahead = asked.index(adapter) if adapter in asked else len(asked)
@@ -271,8 +276,12 @@ class AdapterSlots:
             now = self.clock()
             return max(0.0, min(reported.values()) - (now - self.reported_at.get(worker_id, now)))
         if any(name not in loaded for name in self.asked.get(worker_id, ())):
-            return self.worker_load_s.get(worker_id) or self.config.load_s  # asked for, not reported yet
+            return self._one_load(worker_id)  # asked for, not reported yet
         return 0.0
+
+    def _one_load(self, worker_id: str) -> float:
+        """Expected seconds of one more load on this worker (the default before it measured one)."""
+        return self.worker_load_s.get(worker_id) or self.config.load_s
 
     def excess(self, worker_ids: list[str]) -> dict[str, float]:
         """Each worker's recent placements relative to the mean over `worker_ids`, minus one."""
