@@ -30,13 +30,18 @@ shared with other work cannot carry the platform at full speed), arrivals are sl
 factor, and every latency is reported in engine seconds (wall ÷ time scale), so the platform's
 own CPU delays shrink by that factor too; the comparison between runs is what counts.
 
-Before the 200-adapter run every adapter gets one request (the engines load them; a steady state,
-not a cold start). The 1,000-adapter run first (`--settle`, the default) waits while the routers
+Before the 200-adapter run every adapter gets one request (the engines load them), then `--steady`
+engine-seconds of the same traffic with other arrivals, not measured: the routers' homes follow the
+adapters' shares, and the loads that opening them takes (each stops its engine's batches for its
+read, as SGLang reads adapters inside its scheduler's loop) are over before the measured run; the
+run measures serving, not the platform converging after a start. The 1,000-adapter run first (`--settle`, the default) waits while the routers
 prefetch registered adapters into the engines' host memory up to their cap
-(`INFERBUS_ROUTER_ADAPTER_PREFETCH`: 4 × 200 of the 1,000 fit), as a platform whose adapters were
-registered before their traffic would, then warms its 100 most popular (their recent traffic: in
-the engines' least-recently-used order they come after the prefetched ones); the rest of the tail
-loads from disk and evicts while measured (`--no-settle`: the whole tail does). Only prefetches run
+(`INFERBUS_ROUTER_ADAPTER_PREFETCH`: at the default cap of 300 all 1,000 fit in the 4 engines' host
+memory; at `--cap 200`, 800 do), as a platform whose adapters were registered before their traffic
+would, then warms its 100 most popular (their recent traffic: in the engines' least-recently-used
+order they come after the prefetched ones), then runs the same `--steady` traffic; below a cap
+that holds them all, the rest of the tail loads from disk and evicts while measured
+(`--no-settle`: the whole tail does), each read stopping its engine's batches. Only prefetches run
 while it settles, so the engines then run at `--settle-time-scale` (1: ten times faster in wall
 time than the measured runs; sim-engine `--time-scale-control`): every simulated load takes what it
 takes; its last 10 prefetches per worker run at the measured time scale, which the workers'
@@ -444,6 +449,17 @@ def run_stack(args: argparse.Namespace, adapters: int, engine_args: list[str], r
                          "loads": sum(len(platform.log_events(f"worker-{i}", "adapter_loaded", warm_started))
                                       for i in range(1, args.workers + 1))}
         print(f"  warmed {warm_ranks} adapters in {out['warmup']['wall_s']:.0f} s", flush=True)
+        steady = getattr(args, "steady", 0.0)
+        if steady > 0:
+            # The same traffic (other arrivals) before measuring, not measured: the routers' shares and
+            # homes follow it, and the loads that opening those homes takes are over before the run.
+            since, begin = time.time(), time.perf_counter()
+            asyncio.run(replay(platform, arrivals(rate, steady, adapters, args.seed + 100), args.time_scale,
+                               args.tenants, False, args.seed + 101))
+            out["steady"] = {"engine_s": steady, "wall_s": time.perf_counter() - begin,
+                             "loads": sum(len(platform.log_events(f"worker-{i}", "adapter_loaded", since))
+                                          for i in range(1, args.workers + 1))}
+            print(f"  {steady:g} engine-seconds of steady traffic, {out['steady']['loads']} loads", flush=True)
         plan = arrivals(rate, args.seconds, adapters, args.seed)
         for name, base_only in runs:
             since = time.time()
@@ -559,6 +575,8 @@ def markdown(results: dict[str, Any]) -> str:
         + (f", after {results[k]['prefetch']['loads']} were prefetched into host memory by the routers in "
            f"{results[k]['prefetch']['wall_s']:.0f} s wall (adapters loaded per worker then: "
            f"{' / '.join(map(str, results[k]['prefetch']['loaded_per_worker']))})" if "prefetch" in results[k] else "")
+        + (f", then {results[k]['steady']['engine_s']:g} engine-seconds of the same traffic, not measured "
+           f"({results[k]['steady']['loads']} loads)" if "steady" in results[k] else "")
         for k in ("at_200", "at_1000") if k in results), "",
               "| run | target | measured | met |", "| --- | --- | --- | --- |"]
     lines += [f"| {v['run']} | {v['target']} | {v['value']} | {'yes' if v['met'] else '**no**'} |"
@@ -572,7 +590,9 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=20, help="tenants the adapters are spread over, evenly")
     parser.add_argument("--adapters", type=int, default=200, help="the first scenario's adapters (engines without a cap)")
     parser.add_argument("--many-adapters", type=int, default=1000, help="the second scenario's adapters (0: skip it)")
-    parser.add_argument("--cap", type=int, default=200, help="--max-loaded-loras of the engines in the second scenario")
+    parser.add_argument("--cap", type=int, default=300,
+                        help="--max-loaded-loras of the engines in the second scenario (300: the 4 engines' host memory "
+                             "holds all 1,000 adapters; below that the tail is read from disk while serving)")
     parser.add_argument("--capacity", type=float, default=None,
                         help="req/s the workers hold on the base model (default: measured, see the module docstring)")
     parser.add_argument("--share", type=float, default=0.8, help="the rate as a share of that capacity")
@@ -591,6 +611,9 @@ def main() -> None:
                         help="which to run: 200 (with the base-model run) and/or 1000; a run of 1000 alone takes the "
                              "200-adapter results (for the base model's p99) from the existing lora.json in --out")
     parser.add_argument("--seconds", type=float, default=24.0, help="engine-seconds of arrivals per run")
+    parser.add_argument("--steady", type=float, default=12.0,
+                        help="engine-seconds of the same traffic (other arrivals) after the warm-up and before the "
+                             "adapter run, not measured, so the routers' homes follow the shares first (0: none)")
     parser.add_argument("--time-scale", type=float, default=10.0, help="wall seconds per engine second")
     parser.add_argument("--seed", type=int, default=23, help="seed of the arrivals, prompts and adapter popularity")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory of lora.json and lora.md")
@@ -603,7 +626,7 @@ def main() -> None:
         "workers": args.workers, "tenants": args.tenants, "adapters": args.adapters,
         "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
         "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
-        "rate_rps": rate, "seconds": args.seconds, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
+        "rate_rps": rate, "seconds": args.seconds, "steady_s": args.steady, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
         "settle_time_scale": args.settle_time_scale, "scenarios": args.scenarios,
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
     }}
