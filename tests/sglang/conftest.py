@@ -43,7 +43,7 @@ class Engine:
     kv_events: str  # the ZMQ endpoint the engine's KV-cache events are published on
     model_dir: Path  # the served model's directory: tokenizer, chat template (ChatML), config
     lora_path: str  # a LoRA adapter the engine can load
-    slow_lora_path: str  # one that takes a measurable time to load (hundreds of milliseconds)
+    slow_lora_path: str  # one that takes a measurable time to load (0.2 s simulated, ~2 s on real SGLang here)
     bad_lora_path: str  # an adapter directory the engine must refuse (rank above --max-lora-rank)
     missing_lora_path: str  # where no adapter is
     argv: list[str]
