@@ -361,7 +361,7 @@ def waits_of_the_slowest(records: list[dict[str, Any]], platform: Platform, work
     for i in range(1, workers + 1):
         worker = f"worker-{i}"
         loads[worker] = [(_ts(line) - float(line.get("load_s", 0.0)), _ts(line), rank_of(line.get("adapter", "")))
-                         for line in platform.log_events(worker, "adapter_loaded", since - 60.0)]
+                         for line in platform.log_events(worker, "adapter_loaded", since)]  # logged at its end
     timed = [r for r in records if r["error"] is None and "first_at" in r]
     out: dict[str, Any] = {}
     if not timed:
