@@ -28,7 +28,10 @@ default every step that needs an adapter copied in waits for it (61 ms at rank 1
 The engines run `--time-scale` wall seconds per simulated second (default 10: a 2-core machine
 shared with other work cannot carry the platform at full speed), arrivals are slowed by the same
 factor, and every latency is reported in engine seconds (wall ÷ time scale), so the platform's
-own CPU delays shrink by that factor too; the comparison between runs is what counts.
+own CPU delays shrink by that factor too; the comparison between runs is what counts. The routers
+read their adapter terms (load times, traffic shares, homes' lifetimes) in engine seconds too
+(`INFERBUS_ROUTER_TIME_SCALE`, which the local stack sets from its engines' time scale), so they
+weigh a load against the traffic it moves as they would at full speed.
 
 Before the 200-adapter run every adapter gets one request (the engines load them), then `--steady`
 engine-seconds of the same traffic with other arrivals, not measured: the routers' homes follow the

@@ -354,6 +354,8 @@ class Stack:
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
         env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
+        if self.config.time_scale not in (0.0, 1.0):  # slowed engines: the router prices adapters in engine time
+            env["INFERBUS_ROUTER_TIME_SCALE"] = str(self.config.time_scale)
         env.update(self.config.extra_env)
         env.update(extra)
         return env

@@ -3,6 +3,7 @@ grow with an adapter's share of traffic and shrink when it falls."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -118,30 +119,43 @@ def test_the_router_spreads_a_hot_adapter_and_avoids_full_batches() -> None:
 def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker() -> None:
     clock = Clock()
     slots = AdapterSlots(clock)
-    for _ in range(1000):
+    for _ in range(850):
         slots.observe(None)
-    for _ in range(30):  # 3% of the traffic: one home wanted, but enough to pay for a load
+    for _ in range(150):  # 15% of the traffic: one home wanted (ceil(0.15 · 3 · 2) = 1)
         slots.observe("warm")
     slots.on_placed("w1", "warm")  # its one home
     pool = workers("w1", "w2", "w3", loaded={"w1": {"warm"}})
     assert slots.costs("warm", pool)[1] == pytest.approx(slots.config.away_s + 2 * slots.config.load_s)  # balanced: it stays home
-    for _ in range(60):  # w1 takes twice its share of the recent placements
+    for _ in range(600):  # w1 takes twice its share of the recent placements
         slots.on_placed("w1", None)
-    for _ in range(15):
+    for _ in range(150):
         slots.on_placed("w2", None)
         slots.on_placed("w3", None)
+    for w in ("w1", "w2", "w3"):
+        slots.on_load(w, {"": 4})  # each holds 4 requests now
     costs = slots.costs("warm", pool)
     # w2 may become a home (no `away_s`), though not before the adapter is loaded there; w1 pays for its excess.
     assert costs[1] == pytest.approx(2 * slots.config.load_s)
     assert costs[0] == pytest.approx(slots.config.balance_s * slots.excess(["w1", "w2", "w3"])["w1"])
-    # A tail adapter's traffic would not pay for the load (its read stops w2's or w3's batches):
-    # it moves only to a worker that holds it already.
+    # ~3 requests/s of "warm", half of them moved for 30 s, each 0.75 s cheaper: far more than a
+    # 0.5 s read holding up w2's 4 requests and the next one.
+    homes = slots.homes["warm"].workers
+    excess = slots.excess(["w1", "w2", "w3"])
+    assert slots.copy_gain("warm", "w2", homes, excess) == pytest.approx(
+        0.15 * 901 * math.log(2) / 30 * 30 / 2 * 0.5 * (excess["w1"] - excess["w2"]))
+    assert slots.copy_cost("w2") == pytest.approx(0.5 * 5)
+    # A tail adapter's traffic would not pay for the read (it stops w2's or w3's batches): it
+    # moves only to a worker that holds it already.
     slots.observe("tail")
     slots.on_placed("w1", "tail")
     assert slots.warm_target("tail", pool) is None
     tail_costs = slots.costs("tail", workers("w1", "w2", "w3", loaded={"w1": {"tail"}, "w3": {"tail"}}))
     assert tail_costs[1] == pytest.approx(slots.config.away_s + 2 * slots.config.load_s) and tail_costs[2] == 0.0
-    assert slots.warm_target("warm", pool) in ("w2", "w3")  # so it is loaded there in the background
+    # On a worker holding 80 requests the read would cost more than the copy gains: "warm" is
+    # loaded in the background on the other quiet worker.
+    slots.on_load("w2", {"": 80})
+    assert slots.costs("warm", pool)[1] == pytest.approx(slots.config.away_s + 2 * slots.config.load_s)
+    assert slots.warm_target("warm", pool) == "w3"
     assert slots.warm_target("warm", pool) is None  # once
 
 
@@ -219,7 +233,7 @@ def test_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker(
     --max-loaded-loras evicts another adapter once it is full); for a tail adapter that copy serves
     almost nothing, for a hot one it moves real load."""
     clock = Clock()
-    slots = AdapterSlots(clock, AdapterConfig(crowd_min_share=0.05))
+    slots = AdapterSlots(clock)
     for w in ("w1", "w2", "w3"):
         slots.on_cap(w, 200)
     for _ in range(100):
@@ -234,6 +248,8 @@ def test_crowding_moves_adapters_with_traffic_and_leaves_the_tail_on_one_worker(
     for _ in range(15):
         slots.on_placed("w2", None)
         slots.on_placed("w3", None)
+    for w in ("w1", "w2", "w3"):
+        slots.on_load(w, {})  # every request finished
     pool = workers("w1", "w2", "w3", loaded={"w1": {"tail", "hot"}, "w3": {"tail"}})
     load, away = slots.config.load_s, slots.config.away_s
     # The tail adapter: no new home where it would be loaded, but a worker holding it already may take it.
@@ -265,3 +281,16 @@ def test_a_load_under_way_holds_up_every_request_on_its_worker() -> None:
     slots.on_placed("w2", "b", frozenset())  # w2 must load b: asked for, no report shows it yet
     assert slots.stall("w2", frozenset()) == pytest.approx(0.3)
     assert slots.costs("a", workers("w1", "w2", loaded=everywhere)) == pytest.approx([away + 0.2, away + 0.3])
+
+
+def test_with_slowed_engines_the_adapter_terms_run_on_engine_time() -> None:
+    # Engines at --time-scale 10 take 10 wall seconds per engine second: a 0.3 s load measures 3 s
+    # on the worker's clock, and the token terms of the cost are engine seconds, so the adapter
+    # terms are read in engine seconds too.
+    clock = Clock()
+    slots = AdapterSlots(clock, AdapterConfig(time_scale=10.0))
+    slots.on_load("w1", {}, {"x": 3.0}, adapter_load_s=3.0)
+    assert slots.load_wait("w1", "y", frozenset()) == pytest.approx(0.3 + 0.3)
+    clock.now += 1.0  # a tenth of an engine second
+    assert slots.stall("w1", frozenset()) == pytest.approx(0.2)
+    assert slots.clock() == pytest.approx(100.1)

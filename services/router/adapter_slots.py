@@ -49,11 +49,14 @@ adapter stays loaded there (a cheap choice, `away_s`) until the engine evicts it
 when every one of them has had more than `crowded` (10%) above the mean of recent placements
 (decayed like the shares, once workers average `MIN_PLACEMENTS`): a tail adapter pinned to a
 busy worker then moves some of its traffic to a quieter one, which the balance term prefers. But a
-new home's load stops that engine's batch for its read (and on a worker whose engine caps its
+new home's load stops that engine's batches for its read (and on a worker whose engine caps its
 loaded adapters, `--max-loaded-loras` in the heartbeat, it evicts another adapter once the engine
-is full, whose next request reads it from disk again): so crowding opens a home only on a worker
-that has the adapter loaded already, or for an adapter with at least `crowd_min_share` of recent
-traffic. The copies that balance the load are of adapters that use them, and the tail stays on
+is full, whose next request reads it from disk again): so crowding opens a home where the adapter
+is not loaded only when what the copy gains outweighs what its read costs. It gains, over the
+`release_after_s` it is kept at least, its part of the adapter's traffic (one of homes + 1) times
+the balance price of the gap between the homes' mean excess and its own; its read costs one load
+for every request running or queued there, and the one that follows.
+The copies that balance the load are of adapters that use them, and the tail stays on
 one worker each. So the hottest
 adapter, which would otherwise be pinned to the one worker that loaded it first (a load penalty
 far larger than any load difference), spreads over as many workers as its traffic needs, and
@@ -85,15 +88,13 @@ class AdapterConfig:
     release_after_s: float = 30.0
     # Balance: a worker placed on more than the mean (decayed placement counts, the share's
     # half-life) costs balance_s per 100% above it, for adapter requests; and an adapter whose
-    # every home is more than `crowded` above the mean may take a new home.
+    # every home is more than `crowded` above the mean may take a new home (where it is not
+    # loaded, only if the moved traffic pays for the read: see the module's docstring).
     balance_s: float = 0.5
     crowded: float = 0.1
-    # A new home's load stops its engine's batches for the read (and on an engine that caps its
-    # loaded adapters evicts another, read from disk again by its next request): homes open for
-    # crowding where the adapter is not loaded only for adapters with at least this share of
-    # recent traffic (at 1%, two requests in a row of a tail adapter were enough at ~200 recent
-    # requests).
-    crowd_min_share: float = 0.02
+    # Wall seconds per engine second: with engines slowed down, the clock and the workers'
+    # measured load times (wall seconds) are read in engine seconds, which every cost here is in.
+    time_scale: float = 1.0
 
 
 def harmonic(k: int) -> float:
@@ -135,6 +136,13 @@ class AdapterSlots:
     # (every batch has room for the base model), which keeps base-only placement as cheap as before.
     lora_seen: bool = False
 
+    def __post_init__(self) -> None:
+        # 0 (engines stepping back to back) has no fixed ratio: read wall seconds then.
+        self._scale = self.config.time_scale if self.config.time_scale > 0 else 1.0
+        if self._scale != 1.0:
+            wall, scale = self.clock, self._scale
+            self.clock = lambda: wall() / scale
+
     # ---- events -------------------------------------------------------------------------------
 
     def on_load(self, worker_id: str, adapter_requests: dict[str, int], adapter_loads: dict[str, float] | None = None,
@@ -145,10 +153,11 @@ class AdapterSlots:
         if not self.lora_seen and any(adapter_requests.keys() - {BASE}):
             self.lora_seen = True
         self.placed.pop(worker_id, None)  # the report counts them now (or they finished)
-        self.loading[worker_id] = dict(adapter_loads or {})
+        scale = self._scale
+        self.loading[worker_id] = {name: left / scale for name, left in (adapter_loads or {}).items()}
         self.reported_at[worker_id] = now
         if adapter_load_s > 0:
-            self.worker_load_s[worker_id] = adapter_load_s
+            self.worker_load_s[worker_id] = adapter_load_s / scale
         asked = self.asked.get(worker_id)
         if asked:  # the report shows them now, or they were asked for too long ago to still be on their way
             self.asked[worker_id] = {name: at for name, at in asked.items() if name not in self.loading[worker_id]
@@ -222,7 +231,7 @@ class AdapterSlots:
             else:
                 cost += self.stall(worker_id, loaded)
             if adapter:
-                if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded):
+                if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded, homes, excess):
                     cost += config.away_s
             if slots:
                 cost += self.slot_wait(worker_id, key, slots)
@@ -240,7 +249,8 @@ class AdapterSlots:
         outside = [(worker_id, loaded) for worker_id, _, loaded in workers if worker_id not in homes]
         if any(adapter in loaded or self._loading(worker_id, adapter) for worker_id, loaded in outside):
             return None
-        outside = [(worker_id, loaded) for worker_id, loaded in outside if self._takes(opening, worker_id, adapter, loaded)]
+        outside = [(worker_id, loaded) for worker_id, loaded in outside
+                   if self._takes(opening, worker_id, adapter, loaded, homes, excess)]
         if not outside:
             return None
         def cost(worker_id: str, loaded: frozenset[str]) -> float:
@@ -317,13 +327,31 @@ class AdapterSlots:
             return "crowded"
         return None
 
-    def _takes(self, opening: str | None, worker_id: str, adapter: str, loaded: frozenset[str]) -> bool:
-        """Whether `worker_id` may become a home of `adapter` now. For crowding, a worker takes only
-        an adapter it holds already or one with enough traffic to pay for the load: its read
-        stops the engine's batches, and on a capped engine it evicts another adapter."""
+    def _takes(self, opening: str | None, worker_id: str, adapter: str, loaded: frozenset[str],
+               homes: dict[str, float], excess: dict[str, float]) -> bool:
+        """Whether `worker_id` may become a home of `adapter` now. For crowding, a worker takes an
+        adapter it holds already, or one whose moved traffic pays for the read that would stop its
+        engine's batches (and, on a capped engine, evict another adapter)."""
         if opening != "crowded" or adapter in loaded:
             return opening is not None
-        return self.share(adapter) >= self.config.crowd_min_share
+        return self.copy_gain(adapter, worker_id, homes, excess) > self.copy_cost(worker_id)
+
+    def copy_gain(self, adapter: str, worker_id: str, homes: dict[str, float], excess: dict[str, float]) -> float:
+        """Seconds a new home on `worker_id` saves the adapter's requests while it is kept: the
+        requests it takes (its part of the adapter's traffic over `release_after_s`) times the
+        balance price of the gap between its homes' mean excess and this worker's."""
+        now = self.clock()
+        placed = sum(self._decayed(entry, now) for entry in self._worker_placed.values())
+        # A decayed count of a steady rate r is r · half-life / ln 2.
+        rate = self.share(adapter) * placed * math.log(2) / self.config.share_half_life_s
+        moved = rate * self.config.release_after_s / (len(homes) + 1)
+        gap = sum(excess.get(w, 0.0) for w in homes) / len(homes) - excess.get(worker_id, 0.0)
+        return moved * self.config.balance_s * max(0.0, gap)
+
+    def copy_cost(self, worker_id: str) -> float:
+        """Seconds a read on `worker_id` costs the requests there: one load for each request it
+        holds (running or queued), and for the next one."""
+        return self._one_load(worker_id) * (sum(self._batch(worker_id).values()) + 1)
 
     def _loading(self, worker_id: str, adapter: str) -> bool:
         return adapter in self.loading.get(worker_id, {}) or adapter in self.asked.get(worker_id, {})

@@ -27,6 +27,10 @@ class RoutingConfig:
     adapter_load_s: float = 0.5  # one adapter load, until the worker reports its measured time
     adapter_slot_hold_s: float = 2.0  # mean time a running request holds its adapter's batch slot
     adapter_spread: float = 2.0  # workers a hot adapter may use per worker-equivalent of its traffic
+    # Wall seconds per engine second (simulated engines slowed down for a benchmark). The token
+    # terms are engine seconds already (tokens ÷ an engine's rate); the adapter terms read the
+    # clock and the workers' measured load times, so they are converted (adapter_slots.py).
+    time_scale: float = 1.0
     # Weight of the KV tokens a worker's requests hold (cached prefix included) against prefill
     # tokens, after Dynamo's KV router (cost = overlap weight × prefill blocks + active blocks). A
     # worker holding a hot family's long cached prompts is busier than its uncached work shows. In

@@ -117,7 +117,8 @@ class WorkerRegistry:
         self.index = PrefixIndex(max_blocks_per_worker=config.index_blocks_per_worker, ttl_s=config.index_ttl_s)
         # Adapters' batch slots and homes (adapter_slots.py): fed here, priced by affinity.
         self.adapter_slots = AdapterSlots(clock, AdapterConfig(
-            load_s=config.adapter_load_s, slot_hold_s=config.adapter_slot_hold_s, spread=config.adapter_spread))
+            load_s=config.adapter_load_s, slot_hold_s=config.adapter_slot_hold_s, spread=config.adapter_spread,
+            time_scale=config.time_scale))
         self.listeners: list[RegistryListener] = []
         # model → workers passing the filters that only events change: not draining (`_serving`),
         # and also below the KV ceiling (`_eligible`); liveness, which time changes, is checked

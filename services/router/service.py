@@ -74,7 +74,7 @@ class Router:
             temperature=settings.temperature, prefill_tokens_per_s=settings.prefill_tokens_per_s, miss_weight=settings.miss_weight,
             decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
             adapter_slot_hold_s=settings.adapter_slot_hold_s, adapter_spread=settings.adapter_spread,
-            share_weight_s=settings.share_weight_s, share_limit=settings.share_limit, share_window_s=settings.share_window_s,
+            time_scale=settings.time_scale, share_weight_s=settings.share_weight_s, share_limit=settings.share_limit, share_window_s=settings.share_window_s,
             share_granularity=settings.share_granularity,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )

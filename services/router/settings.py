@@ -25,6 +25,7 @@ class RouterSettings:
     adapter_load_s: float = env("INFERBUS_ROUTER_ADAPTER_LOAD_S", 0.5, "Expected seconds of one LoRA adapter load on a worker that has not measured one yet (workers report their own, and their queued loads, which the placement cost counts).")
     adapter_slot_hold_s: float = env("INFERBUS_ROUTER_ADAPTER_SLOT_HOLD_S", 2.0, "Mean seconds a running request keeps its LoRA adapter's batch slot: the unit of the expected wait for a free distinct-adapter slot.")
     adapter_spread: float = env("INFERBUS_ROUTER_ADAPTER_SPREAD", 2.0, "Workers a hot LoRA adapter may run on per worker-equivalent of its traffic share (ceil(share x workers x this), at least 1).")
+    time_scale: float = env("INFERBUS_ROUTER_TIME_SCALE", 1.0, "Wall seconds per engine second: with simulated engines slowed down (`--time-scale`, set by `inferbus up --time-scale`), the LoRA adapter terms of the cost (load times, traffic shares, homes' lifetimes) run on engine time, as the token-based terms do. 1 for real engines.")
     adapter_prefetch: bool = env("INFERBUS_ROUTER_ADAPTER_PREFETCH", True, "Load registered LoRA adapters that no worker holds into the host memory of engines that cap it (--max-loaded-loras), up to the cap, one at a time per worker and behind every load a request waits for (docs/routing.md).")
     index_blocks_per_worker: int = env("INFERBUS_ROUTER_INDEX_BLOCKS", 250_000, "Prefix blocks remembered per worker (LRU beyond this).")
     index_ttl_s: float = env("INFERBUS_ROUTER_INDEX_TTL_S", 900.0, "Prefix blocks untouched this long are forgotten.")
