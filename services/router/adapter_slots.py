@@ -55,12 +55,14 @@ is full, whose next request reads it from disk again): so crowding opens a home 
 is not loaded only when what the copy gains outweighs what its read costs. It gains, over the
 `release_after_s` it is kept at least, its part of the adapter's traffic (one of homes + 1) times
 the balance price of the gap between the homes' mean excess and its own; its read costs one load
-for every request running or queued there, and the one that follows.
-The copies that balance the load are of adapters that use them, and the tail stays on
-one worker each. So the hottest
+for every request running or queued there, and the one that follows. The copies that balance
+the load are of adapters that use them, and the tail stays on one worker each. So the hottest
 adapter, which would otherwise be pinned to the one worker that loaded it first (a load penalty
 far larger than any load difference), spreads over as many workers as its traffic needs, and
 tail adapters stay on one.
+
+Every time here is in engine seconds: with simulated engines slowed down (`time_scale` wall
+seconds per engine second) the clock and the workers' measured load times are divided by it.
 """
 
 from __future__ import annotations
