@@ -5,6 +5,7 @@ The tests share one platform of three workers and run in file order, each leavin
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -181,3 +182,8 @@ def test_losing_the_last_worker_ends_streams_with_a_clear_error_then_503s(fleet:
         fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert raised.value.status_code == 503
     assert raised.value.response.headers["retry-after"]
+    # The refusal leaves a trace in the gateway's log, with its code and request id.
+    request_id = raised.value.response.headers["x-request-id"]
+    refused = [json.loads(line) for line in fleet.stack.get("gateway").log_path.read_text().splitlines()
+               if '"request_refused"' in line and request_id in line]
+    assert [(r["status"], r["code"]) for r in refused] == [(503, "no_capacity")]

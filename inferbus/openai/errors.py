@@ -57,6 +57,10 @@ class OpenAIError(Exception):
 
 async def openai_error_handler(request: Request, error: Exception) -> Response:
     assert isinstance(error, OpenAIError)
+    if error.status >= 500:  # the platform's refusals (no workers, overload, a store down) leave a trace
+        from inferbus import logs
+
+        logs.get(__name__).warning("request_refused", path=request.url.path, status=error.status, code=error.code)
     return error.response(getattr(request.state, "request_id", None))
 
 

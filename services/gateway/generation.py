@@ -139,6 +139,8 @@ class Generation:
             call = await self._admit(scope, receive, request_id, endpoint)
         except OpenAIError as error:
             metrics.REQUESTS.labels(endpoint, str(error.status)).inc()
+            if error.status >= 500:  # the platform's refusal (no workers, overload, a store down): leave a trace
+                log.warning("request_refused", endpoint=endpoint, status=error.status, code=error.code)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return
         except Exception:
