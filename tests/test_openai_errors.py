@@ -3,6 +3,9 @@ mistake does not (the access log has those)."""
 
 from __future__ import annotations
 
+import logging
+
+import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
@@ -21,9 +24,14 @@ async def refuse(request: Request) -> None:
 def test_a_refusal_is_logged_with_its_code_and_a_client_error_is_not() -> None:
     app = Starlette(routes=[Route("/v1/x/{status}", refuse)], exception_handlers={OpenAIError: openai_error_handler})
     client = TestClient(app)
-    with capture_logs() as logged:
-        refused = client.get("/v1/x/503")
-        bad = client.get("/v1/x/400")
+    saved = structlog.get_config()  # a service started in this process may have set a higher level
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logged:
+            refused = client.get("/v1/x/503")
+            bad = client.get("/v1/x/400")
+    finally:
+        structlog.configure(**saved)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
     assert refused.json()["error"]["code"] == "no_capacity"
     assert bad.status_code == 400
