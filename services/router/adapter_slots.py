@@ -222,6 +222,7 @@ class AdapterSlots:
         homes = self._homes_for(adapter, len(workers)) if adapter else {}
         excess = self.excess([worker_id for worker_id, _, _ in workers]) if adapter else {}
         opening = self._opening(adapter, homes, excess, len(workers)) if adapter else None
+        moved = self._moved(adapter, homes) if adapter and opening == "crowded" else 0.0
         key = adapter or BASE
         out = []
         for worker_id, slots, loaded in workers:
@@ -233,7 +234,7 @@ class AdapterSlots:
             else:
                 cost += self.stall(worker_id, loaded)
             if adapter:
-                if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded, homes, excess):
+                if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded, homes, excess, moved):
                     cost += config.away_s
             if slots:
                 cost += self.slot_wait(worker_id, key, slots)
@@ -251,8 +252,9 @@ class AdapterSlots:
         outside = [(worker_id, loaded) for worker_id, _, loaded in workers if worker_id not in homes]
         if any(adapter in loaded or self._loading(worker_id, adapter) for worker_id, loaded in outside):
             return None
+        moved = self._moved(adapter, homes) if opening == "crowded" else 0.0
         outside = [(worker_id, loaded) for worker_id, loaded in outside
-                   if self._takes(opening, worker_id, adapter, loaded, homes, excess)]
+                   if self._takes(opening, worker_id, adapter, loaded, homes, excess, moved)]
         if not outside:
             return None
         def cost(worker_id: str, loaded: frozenset[str]) -> float:
@@ -330,23 +332,29 @@ class AdapterSlots:
         return None
 
     def _takes(self, opening: str | None, worker_id: str, adapter: str, loaded: frozenset[str],
-               homes: dict[str, float], excess: dict[str, float]) -> bool:
+               homes: dict[str, float], excess: dict[str, float], moved: float) -> bool:
         """Whether `worker_id` may become a home of `adapter` now. For crowding, a worker takes an
-        adapter it holds already, or one whose moved traffic pays for the read that would stop its
-        engine's batches (and, on a capped engine, evict another adapter)."""
+        adapter it holds already, or one whose moved traffic (`moved`, from `_moved`) pays for the
+        read that would stop its engine's batches (and, on a capped engine, evict another adapter)."""
         if opening != "crowded" or adapter in loaded:
             return opening is not None
-        return self.copy_gain(adapter, worker_id, homes, excess) > self.copy_cost(worker_id)
+        return self._gain(moved, worker_id, homes, excess) > self.copy_cost(worker_id)
 
     def copy_gain(self, adapter: str, worker_id: str, homes: dict[str, float], excess: dict[str, float]) -> float:
         """Seconds a new home on `worker_id` saves the adapter's requests while it is kept: the
         requests it takes (its part of the adapter's traffic over `release_after_s`) times the
         balance price of the gap between its homes' mean excess and this worker's."""
+        return self._gain(self._moved(adapter, homes), worker_id, homes, excess)
+
+    def _moved(self, adapter: str, homes: dict[str, float]) -> float:
+        """Requests a new home would take while it is kept (the same for every candidate worker)."""
         now = self.clock()
         placed = sum(self._decayed(entry, now) for entry in self._worker_placed.values())
         # A decayed count of a steady rate r is r · half-life / ln 2.
         rate = self.share(adapter) * placed * math.log(2) / self.config.share_half_life_s
-        moved = rate * self.config.release_after_s / (len(homes) + 1)
+        return rate * self.config.release_after_s / (len(homes) + 1)
+
+    def _gain(self, moved: float, worker_id: str, homes: dict[str, float], excess: dict[str, float]) -> float:
         gap = sum(excess.get(w, 0.0) for w in homes) / len(homes) - excess.get(worker_id, 0.0)
         return moved * self.config.balance_s * max(0.0, gap)
 
