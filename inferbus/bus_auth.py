@@ -135,8 +135,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             subscribe=(subjects.cancel_wildcard(),
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
                        subjects.liveness_subject(scope) if scope is not None else subjects.liveness_wildcard(),
+                       subjects.resend_worker_subjects(scope) if scope is not None else subjects.resend_wildcard(),
                        inbox),
-            allow_responses=True,  # answers the gateways' liveness probes
+            allow_responses=True,  # answers the gateways' liveness probes and requests to resend
         )
     if role == "gateway":
         return Permissions(
@@ -154,6 +155,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 # The responses bucket takes a changed retention or size limit at gateway start.
                 f"$JS.API.STREAM.UPDATE.KV_{subjects.RESPONSES_BUCKET}",
                 subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
+                # asks a worker to send its own streams' events again (a gap, or silence)
+                subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
             ),
             subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
                        subjects.metrics_wildcard(), inbox,

@@ -257,6 +257,26 @@ class StreamFrame(_Message):
     events: list[StreamEvent]
 
 
+class ResendRequest(_Message):
+    """Gateway → worker on `resend_subject(worker_id, gateway_id)` (request/reply): send again the
+    stream events of one attempt from chunk `from_seq` on, because the gateway saw a gap in its
+    chunks or heard nothing for a while (core NATS drops what is in flight when a node dies or a
+    connection moves, and a lost last event would otherwise hold the client until its timeout)."""
+
+    request_id: str
+    attempt: int
+    from_seq: int
+
+
+class ResendReply(_Message):
+    """`running`: the worker still generates the attempt; `finished`: it ended and its last events
+    were sent again; `unknown`: the worker cannot resend them (it never had the attempt, or it no
+    longer keeps the events asked for), so the gateway continues the request elsewhere."""
+
+    state: Literal["running", "finished", "unknown"]
+    resent: int = 0  # events sent again (to the request's reply_to, as one StreamFrame)
+
+
 class Cancel(_Message):
     request_id: str
     reason: Literal["client_disconnect", "deadline", "admin", "superseded"] = "client_disconnect"

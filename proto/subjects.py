@@ -145,6 +145,32 @@ def cancel_subjects_of(gateway_id: str) -> str:
     return f"{PREFIX}.cancel.{token(gateway_id)}.*"
 
 
+def resend_subject(worker_id: str, gateway_id: str) -> str:
+    """Ask `worker_id` to send again events of a request of `gateway_id` (request/reply): a
+    gateway's NATS permissions allow its own resend subjects only, and the worker resends only to
+    that gateway's `token_subject`."""
+    return f"{PREFIX}.resend.{token(worker_id)}.{token(gateway_id)}"
+
+
+def resend_subjects_of(gateway_id: str) -> str:
+    """Every worker's resend subject for one gateway's requests (its NATS permission)."""
+    return f"{PREFIX}.resend.*.{token(gateway_id)}"
+
+
+def resend_worker_subjects(worker_id: str) -> str:
+    """One worker's resend subjects, for every gateway."""
+    return f"{PREFIX}.resend.{token(worker_id)}.*"
+
+
+def resend_wildcard() -> str:
+    return f"{PREFIX}.resend.*.*"
+
+
+def resend_owner(subject: str) -> str:
+    """The gateway token of a resend subject, to compare with `reply_owner` of the request."""
+    return subject.split(".")[3] if subject.count(".") >= 3 else ""
+
+
 def cancel_wildcard() -> str:
     return f"{PREFIX}.cancel.*.*"
 

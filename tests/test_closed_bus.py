@@ -286,6 +286,45 @@ def test_a_gateway_cannot_cancel_another_gateways_request(platform: Platform) ->
     assert refused, "the forged cancel never reached the worker: the test proves nothing"
 
 
+def test_a_gateway_asks_workers_to_resend_its_own_streams_only(platform: Platform) -> None:
+    """The gateway's identity may ask any worker to send its own streams' events again (the worker
+    holding the stream answers `running`, another `unknown`), but may not ask for another
+    gateway's; and a worker asked for another gateway's stream (as a shared identity could) says
+    `unknown` and resends nothing."""
+    from inferbus.local import GATEWAY_ID
+
+    async def ask() -> tuple[dict[str, str], dict[str, str], Connection]:
+        gateway = Connection(platform, identity(platform, "gateway"))
+        ops = await nats.connect(platform.stack.nats_url)
+        own: dict[str, str] = {}
+        other: dict[str, str] = {}
+        client = platform.async_client()
+        async with gateway as nc, client.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=400,
+                stream=True) as response:
+            request_id = response.headers["x-request-id"]
+            # Past the end of the stream: nothing to resend, so the client's stream is untouched.
+            question = m.encode(m.ResendRequest(request_id=request_id, attempt=0, from_seq=10**6))
+            async for _ in await response.parse():
+                if own:
+                    continue
+                for worker in ("worker-1", "worker-2"):
+                    reply = await nc.request(subjects.resend_subject(worker, GATEWAY_ID), question, timeout=5)
+                    own[worker] = msgspec.msgpack.decode(reply.data, type=m.ResendReply).state
+                    reply = await ops.request(subjects.resend_subject(worker, "another-gateway"), question, timeout=5)
+                    other[worker] = msgspec.msgpack.decode(reply.data, type=m.ResendReply).state
+                await nc.publish(subjects.resend_subject("worker-1", "another-gateway"), question)
+                await nc.flush()
+                await asyncio.sleep(0.2)
+        await ops.close()
+        return own, other, gateway
+
+    own, other, gateway = asyncio.run(ask())
+    assert sorted(own.values()) == ["running", "unknown"], own
+    assert other == {"worker-1": "unknown", "worker-2": "unknown"}
+    assert gateway.denied("publish", f"{subjects.PREFIX}.resend.worker-1.another-gateway")
+
+
 def test_each_identity_has_its_own_inbox_only() -> None:
     """No identity may subscribe to another's replies (JetStream deliveries, request/reply)."""
     for role, user in (("worker", "worker-1"), ("gateway", "gateway"), ("router", "router"), ("billing", "billing"),

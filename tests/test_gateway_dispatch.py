@@ -46,7 +46,7 @@ def test_constrained_output_is_not_continued_from_its_text() -> None:
     assert fresh is not None and fresh.attempt == 1 and fresh.resumed_text == ""
 
 
-async def test_a_gap_in_the_stream_migrates_instead_of_skipping_text() -> None:
+async def test_a_gap_asks_the_worker_to_resend_and_resent_duplicates_are_skipped() -> None:
     import asyncio
 
     from services.gateway.dispatch import Dispatcher
@@ -54,6 +54,29 @@ async def test_a_gap_in_the_stream_migrates_instead_of_skipping_text() -> None:
     request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
                                  sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
     dispatcher = Dispatcher.__new__(Dispatcher)  # the relay logic only, no connections
+    asked: list[tuple[int, str]] = []
+    dispatcher.recover = lambda flight, why: asked.append((flight.next_seq, why))  # type: ignore[method-assign]
+    flight = Flight(request=request, events=asyncio.Queue())
+    chunk = lambda seq, text: m.TokenChunk(request_id="r", attempt=0, seq=seq, text=text, completion_tokens=seq + 1)  # noqa: E731
+    # Chunk 1 was lost: chunk 2 is set aside and the worker asked; its resend brings 1 and 2, and
+    # chunk 2's late original arrives after them.
+    for event in (chunk(0, " a"), chunk(2, " c"), chunk(1, " b"), chunk(2, " c"), chunk(2, " c"),
+                  m.Final(request_id="r", attempt=0, seq=3, text="", finish_reason="length",
+                          usage=m.Usage(prompt_tokens=1, completion_tokens=3))):
+        flight.events.put_nowait(event)
+    seen = [e async for e in dispatcher.events(flight)]
+    assert [getattr(e, "text", None) for e in seen] == [" a", " b", " c", ""]
+    assert asked == [(1, "stream gap: chunk 2, expected 1")]
+
+
+async def test_a_stream_its_worker_cannot_resend_continues_elsewhere() -> None:
+    import asyncio
+
+    from services.gateway.dispatch import Dispatcher
+
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    dispatcher = Dispatcher.__new__(Dispatcher)
     migrations: list[str] = []
 
     async def migrate(flight: Flight, why: str) -> bool:
@@ -65,13 +88,16 @@ async def test_a_gap_in_the_stream_migrates_instead_of_skipping_text() -> None:
     dispatcher.migrate = migrate  # type: ignore[method-assign]
     flight = Flight(request=request, events=asyncio.Queue())
     chunk = lambda attempt, seq, text: m.TokenChunk(request_id="r", attempt=attempt, seq=seq, text=text, completion_tokens=seq + 1)  # noqa: E731
-    for event in (chunk(0, 0, " a"), chunk(0, 2, " c"), chunk(1, 0, " b"), chunk(0, 3, " late"),
+    for event in (chunk(0, 0, " a"),
+                  m.StreamError(request_id="r", attempt=0, code="stream_lost", retryable=True, status=503,
+                                message="no event for 2.1 s; worker w cannot send the missing events again"),
+                  chunk(1, 0, " b"), chunk(0, 3, " late"),
                   m.Final(request_id="r", attempt=1, seq=1, text="", finish_reason="length",
                           usage=m.Usage(prompt_tokens=1, completion_tokens=2))):
         flight.events.put_nowait(event)
     seen = [e async for e in dispatcher.events(flight)]
     assert [getattr(e, "text", None) for e in seen] == [" a", " b", ""]
-    assert len(migrations) == 1 and "gap" in migrations[0]
+    assert len(migrations) == 1 and "cannot send" in migrations[0]
 
 
 def test_the_shared_queue_window_is_free_slots_and_a_few_per_worker() -> None:

@@ -99,6 +99,7 @@ class Gateway:
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
             worker_free_slots=overload.worker_free_slots, placement_fits=overload.placement_fits,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
+            silence_s=s.stream_silence_s,
             outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=self.zone,
         )
         await self.dispatcher.start()

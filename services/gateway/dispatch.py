@@ -30,7 +30,15 @@ from proto import messages as m
 from proto import subjects
 
 from .fairness import FairQueue
-from .metrics import DEATH_VERDICTS, FAIR_QUEUE, MIGRATIONS, NOT_STARTED, PLACEMENTS, PLACEMENTS_OVER_BUDGET
+from .metrics import (
+    DEATH_VERDICTS,
+    FAIR_QUEUE,
+    MIGRATIONS,
+    NOT_STARTED,
+    PLACEMENTS,
+    PLACEMENTS_OVER_BUDGET,
+    RESENDS,
+)
 from .overload import bands_through
 from .queue_window import QueueWindow
 
@@ -39,6 +47,7 @@ log = logs.get(__name__)
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
 _liveness_decoder = msgspec.msgpack.Decoder(m.LivenessReply)
+_resend_decoder = msgspec.msgpack.Decoder(m.ResendReply)
 
 
 class DispatchError(Exception):
@@ -62,6 +71,8 @@ class Flight:
     prompt_tokens: int | None = None
     queue_wait: float | None = None
     next_seq: int = 0  # of the current attempt's chunks: a gap means events were lost
+    heard_at: float = 0.0  # monotonic time an event of this request last arrived
+    resending: bool = False  # its worker was asked to send missed events again, no answer yet
     weight: float = 1.0  # the tenant's fair-share weight
     estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
     state: str = "held"  # held (in the fair queue) → queued (in JetStream) → accepted (by a worker)
@@ -101,6 +112,7 @@ class Dispatcher:
         block_size: int = DEFAULT_BLOCK_SIZE,
         accept_timeout_s: float = 5.0,
         liveness_timeout_s: float = 1.0,
+        silence_s: float = 2.0,
         outbox_path: Path | None = None,
         zone: str = "",
     ) -> None:
@@ -134,6 +146,10 @@ class Dispatcher:
         self.accept_timeout_s = accept_timeout_s
         self.liveness_timeout_s = liveness_timeout_s
         self._probing: set[str] = set()
+        # A started stream that hears nothing for this long asks its worker whether it sent events
+        # that never came (a stream's last events lost on the bus would hold its client until its
+        # timeout: nothing later reveals the gap).
+        self.silence_s = silence_s
         self.outbox = Outbox(outbox_path, self._publish_durable) if outbox_path is not None else None
 
     async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
@@ -386,13 +402,12 @@ class Dispatcher:
                 continue
             if isinstance(event, (m.TokenChunk, m.Final)):
                 if event.seq != flight.next_seq:
-                    # Events went missing (core NATS drops what arrives during a reconnect): continue
-                    # elsewhere from exactly what the client has, rather than stall or skip text.
-                    if await self.migrate(flight, why=f"stream gap: chunk {event.seq}, expected {flight.next_seq}"):
-                        continue
-                    yield m.StreamError(request_id=event.request_id, attempt=event.attempt, code="stream_interrupted",
-                                        message="The token stream was interrupted; retry the request.", status=502)
-                    return
+                    if event.seq > flight.next_seq:
+                        # Events went missing (core NATS drops what is in flight when a node dies or a
+                        # connection moves): the worker sends them again from the first one missing,
+                        # and this one after them.
+                        self.recover(flight, why=f"stream gap: chunk {event.seq}, expected {flight.next_seq}")
+                    continue  # below: a chunk sent again that had arrived after all
                 flight.next_seq += 1
             if isinstance(event, m.TokenChunk):
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
@@ -402,6 +417,12 @@ class Dispatcher:
                 flight.sent_tokens = event.completion_tokens
                 yield event
                 continue
+            if isinstance(event, m.StreamError) and event.code == "stream_lost":
+                if await self.migrate(flight, why=event.message):
+                    continue
+                yield m.StreamError(request_id=event.request_id, attempt=event.attempt, code="stream_interrupted",
+                                    message="The token stream was interrupted; retry the request.", status=502)
+                return
             if isinstance(event, m.Handoff) or (isinstance(event, m.StreamError) and event.retryable):
                 if await self.migrate(flight, why=type(event).__name__):
                     continue
@@ -447,11 +468,57 @@ class Dispatcher:
         except msgspec.DecodeError:
             log.warning("bad_stream_batch", subject=msg.subject)
             return
-        flights = self.flights
+        flights, now = self.flights, time.monotonic()
         for event in batch.events:
             flight = flights.get(event.request_id)
             if flight is not None:
+                flight.heard_at = now
                 flight.events.put_nowait(event)
+
+    # ---- events lost on the bus -------------------------------------------------------------
+
+    def recover(self, flight: Flight, why: str) -> None:
+        """Ask the flight's worker to send the current attempt's events again from the first the
+        gateway lacks; where it cannot (it no longer has them, or never answers), the request
+        continues on another worker from what the client has."""
+        if flight.resending:
+            return
+        flight.resending = True
+        task = asyncio.ensure_future(self._resend(flight, why))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _resend(self, flight: Flight, why: str) -> None:
+        request, from_seq, worker_id = flight.request, flight.next_seq, flight.worker_id
+        ask = m.ResendRequest(request_id=request.request_id, attempt=request.attempt, from_seq=from_seq)
+        reply: m.ResendReply | None = None
+        try:
+            if worker_id is not None:
+                answer = await self.replies.request(subjects.resend_subject(worker_id, self.gateway_id), m.encode(ask),
+                                                    self.liveness_timeout_s)
+                reply = _resend_decoder.decode(answer.data)
+        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
+            pass
+        except Exception as error:  # the bus itself failed: ask again at the next silence
+            log.warning("resend_request_failed", request_id=request.request_id, error=repr(error))
+            return
+        finally:
+            flight.resending = False
+            flight.heard_at = time.monotonic()
+        RESENDS.labels(reply.state if reply is not None else "no_answer").inc()
+        if reply is not None and reply.state != "unknown":
+            if reply.resent:
+                log.warning("stream_resent", request_id=request.request_id, worker_id=worker_id, why=why,
+                            from_seq=from_seq, resent=reply.resent, state=reply.state)
+            return
+        if reply is None and not why.startswith("stream gap") and worker_id in self.live_workers:
+            # Silence, and the worker did not answer: its heartbeat decides whether it is dead.
+            return
+        if flight.request is request and self.flights.get(request.request_id) is flight:
+            flight.events.put_nowait(m.StreamError(
+                request_id=request.request_id, attempt=request.attempt, code="stream_lost", retryable=True, status=503,
+                message=f"{why}; worker {worker_id} cannot send the missing events again",
+            ))
 
     async def _watch_workers(self) -> None:
         assert self._watcher is not None
@@ -533,6 +600,18 @@ class Dispatcher:
             for worker_id in dead:
                 self._worker_gone(subjects.worker_key(worker_id))
             self._move_unstarted(now)
+            self._ask_silent(now)
+
+    def _ask_silent(self, now: float) -> None:
+        """A started stream that heard nothing for `silence_s` with nothing left to read asks its
+        worker whether events went missing (usually they did not: a long prefill, a full engine)."""
+        if self.silence_s <= 0:
+            return
+        for flight in list(self.flights.values()):
+            if (flight.state == "accepted" and flight.worker_id is not None and not flight.resending
+                    and now - flight.heard_at > self.silence_s and flight.events.empty()
+                    and flight.request.batch_id is None):
+                self.recover(flight, why=f"no event for {now - flight.heard_at:.1f} s")
 
     def _move_unstarted(self, now: float) -> None:
         """A request queued on a worker that has not started it within `accept_timeout_s`, while

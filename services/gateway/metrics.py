@@ -41,6 +41,11 @@ FAIR_QUEUE = Gauge("inferbus_fair_queue_requests", "Requests waiting in this gat
 SHED = Counter("inferbus_shed_total", "Requests refused with 503 `overloaded` before queueing, by band", ["band"])
 DEATH_VERDICTS = Counter("inferbus_worker_death_verdicts_total",
                          "Lapsed heartbeats checked with a liveness probe: `dead` (its streams migrate) or `alive`", ["verdict"])
+RESENDS = Counter(
+    "inferbus_stream_resends_total",
+    "Streams whose worker was asked to send missed events again (a gap in their chunks, or silence), by its answer: "
+    "running, finished, unknown (the request continues on another worker) or no_answer", ["answer"],
+)
 NOT_STARTED = Counter("inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue")
 PLACEMENTS_OVER_BUDGET = Counter("inferbus_placements_over_budget_total",
                                  "Placements on a worker whose own queue would hold the request past its band's budget, "

@@ -45,6 +45,13 @@ class GatewaySettings:
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
     heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are asked whether they live (match the workers').")
     liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "How long a worker whose heartbeat lapsed has to answer the liveness probe before it is declared dead and its streams migrate.")
+    stream_silence_s: float = env(
+        "INFERBUS_STREAM_SILENCE_S", 2.0,
+        "A started stream that receives nothing from its worker for this long asks the worker to send again any events "
+        "the gateway missed (core NATS drops messages in flight when a node dies: a stream's lost last events would "
+        "otherwise hold its client until the client gives up); a worker that no longer has them continues the request "
+        "elsewhere. Keep it below the workers' INFERBUS_WORKER_REPLAY_KEEP_S. 0: never ask.",
+    )
     accept_timeout_s: float = env("INFERBUS_ACCEPT_TIMEOUT_S", 5.0, "A request queued on one worker that has not started it within this long moves to the shared queue.")
     state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
     placement_timeout_ms: float = env(

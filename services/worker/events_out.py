@@ -14,6 +14,7 @@ from proto import messages as m
 
 from .frames import PendingFrames
 from .metrics import STREAM_EVENTS, STREAM_FRAMES
+from .replay import ReplayLog
 from .tasks import Background
 
 log = logs.get(__name__)
@@ -21,10 +22,11 @@ log = logs.get(__name__)
 
 class EventSender:
     def __init__(self, nc: Client, background: Background, window_s: float = 0.001,
-                 accepted_wait_s: float | None = None) -> None:
+                 accepted_wait_s: float | None = None, replay_keep_s: float = 10.0) -> None:
         self.nc = nc
         self.background = background
         self.pending = PendingFrames(window_s, time.monotonic, accepted_wait_s)
+        self.replay = ReplayLog(time.monotonic, keep_s=replay_keep_s)  # what left, for gateways that missed some
         self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
         self._timer_at = math.inf  # when the scheduled flush runs (-inf: this loop pass)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,7 +61,13 @@ class EventSender:
         self._timer_at = math.inf
         frames = self.pending.take()
         if frames:
+            for subject, events in frames.items():
+                self.replay.record(subject, events)
             self.background.spawn(self._publish(frames))
+
+    def resend(self, subject: str, events: list[m.StreamEvent]) -> None:
+        """Publish `events` again, as one frame (after the frames already taken: tasks start in order)."""
+        self.background.spawn(self._publish({subject: events}))
 
     async def _publish(self, frames: dict[str, list[m.StreamEvent]]) -> None:
         # nats-py queues each publish and writes them all to the socket in one go after this pass.

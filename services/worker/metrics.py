@@ -21,6 +21,11 @@ QUEUE_WAIT = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 STREAM_FRAMES = Counter("inferbus_worker_stream_frames_total", "Stream frames (bus messages) sent to gateways")
+RESENDS = Counter(
+    "inferbus_worker_stream_resends_total",
+    "Gateways' requests to send a stream's events again (they saw a gap or heard nothing), by the attempt's state: "
+    "running, finished or unknown (not kept: the gateway continues the request elsewhere)", ["state"],
+)
 STREAM_EVENTS = Counter(
     "inferbus_worker_stream_events_total", "Stream events sent to gateways, after merging a stream's waiting tokens"
 )

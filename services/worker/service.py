@@ -49,7 +49,7 @@ from .engine_watch import EngineWatch
 from .events_out import EventSender
 from .gpu_death import GpuDeathDetector
 from .liveness import LivenessThread, PauseDetector
-from .metrics import FREE_SLOTS
+from .metrics import FREE_SLOTS, RESENDS
 from .preemption import PreemptionPolicy
 from .reporting import LoadReporter, ServingStats, engine_gpu
 from .serving import Serving, consumer_specs
@@ -61,6 +61,7 @@ log = logs.get(__name__)
 
 ENGINE_LOAD_TIMEOUT_S = 600.0
 _cancel_decoder = msgspec.msgpack.Decoder(m.Cancel)
+_resend_decoder = msgspec.msgpack.Decoder(m.ResendRequest)
 
 
 class Worker:
@@ -77,7 +78,8 @@ class Worker:
         self.pause = pause
         self._adapter_kv = adapter_kv
         self.background = Background()  # usage and stream publishes in flight
-        self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000, settings.accepted_wait_ms / 1000)
+        self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000, settings.accepted_wait_ms / 1000,
+                                  replay_keep_s=settings.replay_keep_s)
         self.cancels = CancelMemory(time.monotonic)
         self.adapters = Adapters(engine, self._lookup_adapter, on_change=lambda: self.load_changed.set(),
                                  on_progress=lambda: self.gpu.progress())
@@ -179,6 +181,7 @@ class Worker:
                                           bind=s.engine_kv_events_bind)
             self.cache_relay.start()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
+        await self.nc.subscribe(subjects.resend_worker_subjects(s.worker_id), cb=self._on_resend)
         if s.standby:
             await self.setup_bus()
             self.phase = "warm"
@@ -386,6 +389,27 @@ class Worker:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
             await self.engine.abort(entry.request.engine_rid())
+
+    async def _on_resend(self, msg: Msg) -> None:
+        """A gateway missed events of a stream: send them again from what the replay log kept."""
+        try:
+            ask = _resend_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        owner = subjects.resend_owner(msg.subject)
+        entry = self.running.get(ask.request_id)
+        running = (entry is not None and entry.request.attempt == ask.attempt
+                   and subjects.reply_owner(entry.request.reply_to) == owner)
+        state, subject, events = self.events.replay.since(ask.request_id, ask.attempt, ask.from_seq, owner=owner,
+                                                           running=running)
+        if events and state != "unknown":
+            self.events.resend(subject, events)
+        RESENDS.labels(state).inc()
+        if events or state == "unknown":
+            log.warning("stream_resent", request_id=ask.request_id, attempt=ask.attempt, from_seq=ask.from_seq,
+                        state=state, resent=len(events))
+        if msg.reply:
+            await msg.respond(m.encode(m.ResendReply(state=state, resent=len(events) if state != "unknown" else 0)))
 
     async def _on_control(self, msg: Msg) -> None:
         try:

@@ -212,6 +212,8 @@ class Serving:
                 abandoned = "internal_error"
             finally:
                 worker.running.pop(request.request_id, None)
+                if request.batch_id is None:
+                    worker.events.replay.ended(request.request_id, request.attempt)
                 RUNNING.set(len(worker.running))
                 self.release_slot()
                 worker.stats.completed += 1

@@ -58,6 +58,12 @@ class WorkerSettings:
         "message (at low load they would otherwise go a millisecond apart); never less than the frame window. The "
         "gateway's queue accounting learns of the start this much later at most.",
     )
+    replay_keep_s: float = env(
+        "INFERBUS_WORKER_REPLAY_KEEP_S", 10.0,
+        "How long a finished stream's last events are kept to be sent again to a gateway that missed them (core NATS "
+        "drops messages in flight when a node dies); longer than the gateways' INFERBUS_STREAM_SILENCE_S plus a "
+        "reconnect. A stream's last 256 events are kept while it runs.",
+    )
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")
