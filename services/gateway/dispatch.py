@@ -424,7 +424,7 @@ class Dispatcher:
                                     message="The token stream was interrupted; retry the request.", status=502)
                 return
             if isinstance(event, m.Handoff) or (isinstance(event, m.StreamError) and event.retryable):
-                if await self.migrate(flight, why=type(event).__name__):
+                if await self.migrate(flight, why="handoff" if isinstance(event, m.Handoff) else event.code):
                     continue
             if (isinstance(event, m.StreamError) and event.code == "adapter_unavailable"
                     and flight.request.adapter_fallback and not flight.sent_ids and not flight.sent_text):
