@@ -136,6 +136,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
                        subjects.liveness_subject(scope) if scope is not None else subjects.liveness_wildcard(),
                        subjects.resend_worker_subjects(scope) if scope is not None else subjects.resend_wildcard(),
+                       subjects.holder_wildcard(),
                        inbox),
             allow_responses=True,  # answers the gateways' liveness probes and requests to resend
         )
@@ -157,6 +158,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
                 # asks a worker to send its own streams' events again (a gap, or silence)
                 subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
+                subjects.holder_subject(scope) if scope is not None else subjects.holder_wildcard(),
             ),
             subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
                        subjects.metrics_wildcard(), inbox,

@@ -204,6 +204,7 @@ class TokenChunk(_Message, tag="chunk"):
     prompt_tokens: int | None = None
     logprobs: list[TokenLogprob] | None = None  # of this chunk's tokens, when the request asked
     token_ids: list[int] = []  # the ids of `text` (the engine's output_ids since the previous chunk)
+    worker_id: str = ""  # on a stream's first chunk: who runs it, should its `Accepted` be lost
 
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -258,7 +259,8 @@ class StreamFrame(_Message):
 
 
 class ResendRequest(_Message):
-    """Gateway → worker on `resend_subject(worker_id, gateway_id)` (request/reply): send again the
+    """Gateway → worker on `resend_subject(worker_id, gateway_id)`, or every worker on
+    `holder_subject(gateway_id)` (request/reply; there only the holder answers): send again the
     stream events of one attempt from chunk `from_seq` on, because the gateway saw a gap in its
     chunks or heard nothing for a while (core NATS drops what is in flight when a node dies or a
     connection moves, and a lost last event would otherwise hold the client until its timeout)."""
@@ -275,6 +277,7 @@ class ResendReply(_Message):
 
     state: Literal["running", "finished", "unknown"]
     resent: int = 0  # events sent again (to the request's reply_to, as one StreamFrame)
+    worker_id: str = ""
 
 
 class Cancel(_Message):

@@ -166,9 +166,19 @@ def resend_wildcard() -> str:
     return f"{PREFIX}.resend.*.*"
 
 
+def holder_subject(gateway_id: str) -> str:
+    """Ask every worker at once to send again events of a request of `gateway_id` whose worker the
+    gateway does not know (its `Accepted` lost with them); only the worker holding it answers."""
+    return f"{PREFIX}.holder.{token(gateway_id)}"
+
+
+def holder_wildcard() -> str:
+    return f"{PREFIX}.holder.*"
+
+
 def resend_owner(subject: str) -> str:
-    """The gateway token of a resend subject, to compare with `reply_owner` of the request."""
-    return subject.split(".")[3] if subject.count(".") >= 3 else ""
+    """The gateway token of a resend or holder subject, to compare with `reply_owner` of the request."""
+    return subject.rsplit(".", 1)[-1]
 
 
 def cancel_wildcard() -> str:

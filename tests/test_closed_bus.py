@@ -293,11 +293,12 @@ def test_a_gateway_asks_workers_to_resend_its_own_streams_only(platform: Platfor
     `unknown` and resends nothing."""
     from inferbus.local import GATEWAY_ID
 
-    async def ask() -> tuple[dict[str, str], dict[str, str], Connection]:
+    async def ask() -> tuple[dict[str, str], dict[str, str], m.ResendReply, Connection]:
         gateway = Connection(platform, identity(platform, "gateway"))
         ops = await nats.connect(platform.stack.nats_url)
         own: dict[str, str] = {}
         other: dict[str, str] = {}
+        holder = m.ResendReply(state="unknown")
         client = platform.async_client()
         async with gateway as nc, client.chat.completions.with_streaming_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=400,
@@ -313,16 +314,22 @@ def test_a_gateway_asks_workers_to_resend_its_own_streams_only(platform: Platfor
                     own[worker] = msgspec.msgpack.decode(reply.data, type=m.ResendReply).state
                     reply = await ops.request(subjects.resend_subject(worker, "another-gateway"), question, timeout=5)
                     other[worker] = msgspec.msgpack.decode(reply.data, type=m.ResendReply).state
+                # Asked of every worker at once: only the one running it answers.
+                reply = await nc.request(subjects.holder_subject(GATEWAY_ID), question, timeout=5)
+                holder = msgspec.msgpack.decode(reply.data, type=m.ResendReply)
                 await nc.publish(subjects.resend_subject("worker-1", "another-gateway"), question)
+                await nc.publish(subjects.holder_subject("another-gateway"), question)
                 await nc.flush()
                 await asyncio.sleep(0.2)
         await ops.close()
-        return own, other, gateway
+        return own, other, holder, gateway
 
-    own, other, gateway = asyncio.run(ask())
+    own, other, holder, gateway = asyncio.run(ask())
     assert sorted(own.values()) == ["running", "unknown"], own
+    assert holder.state == "running" and own[holder.worker_id] == "running"
     assert other == {"worker-1": "unknown", "worker-2": "unknown"}
     assert gateway.denied("publish", f"{subjects.PREFIX}.resend.worker-1.another-gateway")
+    assert gateway.denied("publish", f"{subjects.PREFIX}.holder.another-gateway")
 
 
 def test_each_identity_has_its_own_inbox_only() -> None:

@@ -80,6 +80,10 @@ class Gateway:
         self.js: JetStreamContext | None = None
         self.nc: Client | None = None
 
+    async def _on_reconnect(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.reconnected()  # stream events sent while the connection was away are lost
+
     async def start(self) -> None:
         s = self.settings
         try:
@@ -87,7 +91,7 @@ class Gateway:
         except ModelDirError as error:
             raise SystemExit(f"gateway: {error}") from None
         self.zone = s.resolved_zone()  # before the bus too: a zone file that cannot be read stops it at once
-        self.nc = await bus.connect(s.nats_url, name=f"gateway-{self.gateway_id}")
+        self.nc = await bus.connect(s.nats_url, name=f"gateway-{self.gateway_id}", on_reconnect=self._on_reconnect)
         js = self.js = self.nc.jetstream()
         await bus.ensure_streams(js)
         workers = await bus.workers_bucket(js, s.heartbeat_ttl_s)

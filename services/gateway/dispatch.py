@@ -409,6 +409,9 @@ class Dispatcher:
                         self.recover(flight, why=f"stream gap: chunk {event.seq}, expected {flight.next_seq}")
                     continue  # below: a chunk sent again that had arrived after all
                 flight.next_seq += 1
+                if flight.state == "queued":  # its Accepted was lost: the output says it started
+                    self._left_queue(flight)
+                    flight.worker_id = event.worker_id or flight.worker_id
             if isinstance(event, m.TokenChunk):
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
                     flight.prompt_tokens = event.prompt_tokens
@@ -479,8 +482,8 @@ class Dispatcher:
 
     def recover(self, flight: Flight, why: str) -> None:
         """Ask the flight's worker to send the current attempt's events again from the first the
-        gateway lacks; where it cannot (it no longer has them, or never answers), the request
-        continues on another worker from what the client has."""
+        gateway lacks; where it cannot (it no longer has them, or a gap goes unanswered), the
+        request continues on another worker from what the client has."""
         if flight.resending:
             return
         flight.resending = True
@@ -488,15 +491,24 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def reconnected(self) -> None:
+        """This gateway's NATS connection came back: whatever its streams' workers sent meanwhile
+        is lost. Ask for it now rather than at the next gap or silence, for queued requests too
+        (a worker may have started one, its `Accepted` lost with the rest)."""
+        for flight in list(self.flights.values()):
+            if flight.state != "held" and flight.request.batch_id is None:
+                self.recover(flight, why="gateway reconnected")
+
     async def _resend(self, flight: Flight, why: str) -> None:
         request, from_seq, worker_id = flight.request, flight.next_seq, flight.worker_id
-        ask = m.ResendRequest(request_id=request.request_id, attempt=request.attempt, from_seq=from_seq)
+        started = flight.state == "accepted"
+        ask = m.encode(m.ResendRequest(request_id=request.request_id, attempt=request.attempt, from_seq=from_seq))
+        # Its worker, or, for a request no worker has reported starting yet, whichever holds it.
+        subject = (subjects.resend_subject(worker_id, self.gateway_id) if worker_id is not None
+                   else subjects.holder_subject(self.gateway_id))
         reply: m.ResendReply | None = None
         try:
-            if worker_id is not None:
-                answer = await self.replies.request(subjects.resend_subject(worker_id, self.gateway_id), m.encode(ask),
-                                                    self.liveness_timeout_s)
-                reply = _resend_decoder.decode(answer.data)
+            reply = _resend_decoder.decode((await self.replies.request(subject, ask, self.liveness_timeout_s)).data)
         except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
             pass
         except Exception as error:  # the bus itself failed: ask again at the next silence
@@ -507,13 +519,16 @@ class Dispatcher:
             flight.heard_at = time.monotonic()
         RESENDS.labels(reply.state if reply is not None else "no_answer").inc()
         if reply is not None and reply.state != "unknown":
+            if flight.worker_id is None and flight.request is request:
+                flight.worker_id = reply.worker_id or None
             if reply.resent:
-                log.warning("stream_resent", request_id=request.request_id, worker_id=worker_id, why=why,
+                log.warning("stream_resent", request_id=request.request_id, worker_id=reply.worker_id, why=why,
                             from_seq=from_seq, resent=reply.resent, state=reply.state)
             return
+        if not started:
+            return  # no worker has it: it is still queued (a worker that never starts it is moved on)
         if reply is None and not why.startswith("stream gap") and worker_id in self.live_workers:
-            # Silence, and the worker did not answer: its heartbeat decides whether it is dead.
-            return
+            return  # silence, and the worker did not answer: its heartbeat decides whether it is dead
         if flight.request is request and self.flights.get(request.request_id) is flight:
             flight.events.put_nowait(m.StreamError(
                 request_id=request.request_id, attempt=request.attempt, code="stream_lost", retryable=True, status=503,

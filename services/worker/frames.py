@@ -36,7 +36,7 @@ def merge(pending: m.TokenChunk, later: m.TokenChunk | m.Final) -> m.TokenChunk 
             request_id=pending.request_id, attempt=pending.attempt, seq=pending.seq, text=pending.text + later.text,
             completion_tokens=later.completion_tokens,
             prompt_tokens=pending.prompt_tokens if pending.prompt_tokens is not None else later.prompt_tokens,
-            token_ids=[*pending.token_ids, *later.token_ids], logprobs=logprobs,
+            token_ids=[*pending.token_ids, *later.token_ids], logprobs=logprobs, worker_id=pending.worker_id,
         )
     return m.Final(
         request_id=later.request_id, attempt=later.attempt, seq=pending.seq, text=pending.text + later.text,

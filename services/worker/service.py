@@ -182,6 +182,7 @@ class Worker:
             self.cache_relay.start()
         await self.nc.subscribe(subjects.cancel_wildcard(), cb=self._on_cancel)
         await self.nc.subscribe(subjects.resend_worker_subjects(s.worker_id), cb=self._on_resend)
+        await self.nc.subscribe(subjects.holder_wildcard(), cb=self._on_holder)
         if s.standby:
             await self.setup_bus()
             self.phase = "warm"
@@ -391,7 +392,16 @@ class Worker:
             await self.engine.abort(entry.request.engine_rid())
 
     async def _on_resend(self, msg: Msg) -> None:
-        """A gateway missed events of a stream: send them again from what the replay log kept."""
+        """A gateway missed events of a stream it knows this worker runs: send them again from what
+        the replay log kept."""
+        await self._resend(msg, holder_only=False)
+
+    async def _on_holder(self, msg: Msg) -> None:
+        """The same question asked of every worker (the gateway does not know which one took the
+        request): only the holder answers."""
+        await self._resend(msg, holder_only=True)
+
+    async def _resend(self, msg: Msg, holder_only: bool) -> None:
         try:
             ask = _resend_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -402,6 +412,8 @@ class Worker:
                    and subjects.reply_owner(entry.request.reply_to) == owner)
         state, subject, events = self.events.replay.since(ask.request_id, ask.attempt, ask.from_seq, owner=owner,
                                                            running=running)
+        if state == "unknown" and holder_only:
+            return
         if events and state != "unknown":
             self.events.resend(subject, events)
         RESENDS.labels(state).inc()
@@ -409,7 +421,8 @@ class Worker:
             log.warning("stream_resent", request_id=ask.request_id, attempt=ask.attempt, from_seq=ask.from_seq,
                         state=state, resent=len(events))
         if msg.reply:
-            await msg.respond(m.encode(m.ResendReply(state=state, resent=len(events) if state != "unknown" else 0)))
+            resent = len(events) if state != "unknown" else 0
+            await msg.respond(m.encode(m.ResendReply(state=state, resent=resent, worker_id=self.settings.worker_id)))
 
     async def _on_control(self, msg: Msg) -> None:
         try:

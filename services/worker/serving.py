@@ -292,6 +292,7 @@ class Serving:
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     completion_tokens=completion, prompt_tokens=prompt_tokens if seq == 0 else None,
                     token_ids=update.token_ids, logprobs=update.logprobs,
+                    worker_id=worker.settings.worker_id if seq == 0 else "",
                 ))
                 if not merged:  # a merged chunk went into the waiting one, which keeps its number
                     seq += 1
