@@ -16,6 +16,7 @@ https://redis.io/docs/latest/operate/oss_and_stack/management/sentinel/.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -23,7 +24,9 @@ from urllib.parse import unquote, urlsplit
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.exceptions import NoScriptError
 from redis.sentinel import Sentinel
+from redis.typing import ScriptTextT
 
 SENTINEL_SCHEME = "redis+sentinel"
 FAILOVER_RETRY_S = 4.0  # the retries' total backoff: 0.05 s doubling to 0.5 s, 10 tries
@@ -120,3 +123,23 @@ def sentinel_url(sentinels: list[tuple[str, int]], service: str, password: str =
     auth = f":{password}@" if password else ""
     hosts = ",".join(f"{host}:{port}" for host, port in sentinels)
     return f"{SENTINEL_SCHEME}://{auth}{hosts}/{service}/{db}"
+
+
+async def rerun_unloaded(client: aioredis.Redis, script: ScriptTextT, calls: Sequence[tuple[Any, ...]],
+                         results: list[Any]) -> list[Any]:
+    """`results` of a pipeline of `calls` (raw EVALSHAs of `script`, errors as values), with the
+    calls that found no script run again behind a SCRIPT LOAD in one pipeline. The server loses its
+    script cache on a restart, and a replica promoted by a failover may never have run the script;
+    one pipeline is one connection, so the load reaches the server that runs the calls (loading
+    through any pooled connection could reach the old primary instead)."""
+    missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+    if not missing:
+        return results
+    pipe = client.pipeline(transaction=False)
+    pipe.script_load(script)
+    for i in missing:
+        pipe.execute_command(*calls[i])
+    again = (await pipe.execute(raise_on_error=False))[1:]
+    for i, result in zip(missing, again, strict=True):
+        results[i] = result
+    return results

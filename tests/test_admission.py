@@ -305,6 +305,29 @@ async def test_reconcile_many_reconciles_each_once_and_survives_a_lost_script_ca
     assert (await admission.admit(tenant, limits, third, 10, 10, 0.0)).admitted  # the slots came back
 
 
+async def test_a_lost_script_is_loaded_where_the_call_runs(client: aioredis.Redis, tenant: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failover the promoted replica may never have run the scripts, while a pooled
+    connection still reaches the old primary: loading through the pool would load them there.
+    The reload goes with the call, on its own connection (the pool's loader here stands for the
+    old primary: gone)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    admission = Admission(client)
+    limits = TenantLimits(max_concurrent=2)
+    first, second = rid(), rid()
+    assert (await admission.admit(tenant, limits, first, 10, 10, 0.0)).admitted
+
+    async def old_primary(*args: object) -> None:
+        raise RedisConnectionError("the old primary is gone")
+
+    monkeypatch.setattr(client, "script_load", old_primary)
+    await client.script_flush()
+    assert (await admission.admit(tenant, limits, second, 10, 10, 0.0)).admitted
+    await client.script_flush()
+    assert await admission.reconcile_many([(tenant, first, 10, 5, 0.0), (tenant, second, 10, 5, 0.0)]) == [True, True]
+
+
 async def test_concurrent_admits_share_round_trips_and_each_gets_its_own_answer(client: aioredis.Redis,
                                                                                  tenant: str) -> None:
     admission = Admission(client)

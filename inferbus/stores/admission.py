@@ -33,6 +33,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from inferbus import logs
+from inferbus.redis_conn import rerun_unloaded
 from inferbus.stores.tenants import TenantLimits  # noqa: F401  (re-exported: callers pass a tenant's limits)
 
 log = logs.get(__name__)
@@ -43,7 +44,9 @@ RECONCILE_MARK_TTL_S = 7 * 24 * 3600
 # A reservation outlives its lease by an hour so that a late reconcile (usage replayed from the
 # USAGE stream after a gateway restart) still finds what was reserved.
 RESERVATION_GRACE_S = 3600
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+# A script missing even after its reload means the server changed between the two (a failover
+# under way): as transient as a lost connection.
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, NoScriptError)
 
 
 class _PassBatcher:
@@ -135,10 +138,11 @@ class _PassBatcher:
             return
         for (command, future, script), result in zip(batch, results):
             if isinstance(result, NoScriptError) and script is not None:
-                # Redis lost its script cache (a restart): load it and run this call again.
+                # The server lost its script cache (a restart, a failover to a replica that never
+                # ran it): load it and run this call again, on this connection, so that the load
+                # reaches the server that runs the call.
                 try:
-                    await self.redis.script_load(script.script)
-                    result = await self.redis.execute_command(*command)
+                    result = (await _round_trip(connection, [("SCRIPT", "LOAD", script.script), command]))[1]
                 except Exception as error:
                     result = error
             if future.done():
@@ -496,13 +500,7 @@ class Admission:
                           prefix + "res:" + request_id, prefix + "done:" + request_id,
                           request_id, input_tokens, output_tokens, _micro(cost_usd), RECONCILE_MARK_TTL_S))
         try:
-            results = await self._pipelined(calls)
-            if any(isinstance(r, NoScriptError) for r in results):
-                # Redis lost its script cache (a restart): load it and run the calls that did not run.
-                await self.redis.script_load(self._reconcile.script)
-                for i, result in enumerate(results):
-                    if isinstance(result, NoScriptError):
-                        results[i] = await self.redis.execute_command(*calls[i])
+            results = await rerun_unloaded(self.redis, self._reconcile.script, calls, await self._pipelined(calls))
         except _UNAVAILABLE as error:
             raise AdmissionUnavailable(f"quota store unreachable: {error}") from error
         for result in results:

@@ -32,8 +32,8 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
+from inferbus.redis_conn import rerun_unloaded
 from inferbus.stores import usage as u
 from inferbus.stores.pricing import PriceBook, Prices, PriceVersion
 
@@ -313,13 +313,8 @@ class UsageStore:
         if tenants:
             pipe.sadd(TENANTS_KEY, *tenants)
         results = (await pipe.execute(raise_on_error=False))[:len(calls)]
-        if any(isinstance(r, NoScriptError) for r in results):
-            # Redis lost its script cache (a restart): load it and run the calls that did not run.
-            await self.redis.script_load(INGEST)
-            for i, result in enumerate(results):
-                if isinstance(result, NoScriptError):
-                    prefix, _, args = calls[i]
-                    results[i] = await self.redis.execute_command("EVALSHA", sha, 1, prefix, *args)
+        results = await rerun_unloaded(self.redis, INGEST, [("EVALSHA", sha, 1, prefix, *args) for prefix, _, args in calls],
+                                       results)
         for result in results:
             if isinstance(result, Exception):
                 raise result
