@@ -34,6 +34,13 @@ _ack_decoder = msgspec.json.Decoder(_PubAck)
 # JetStream's error code for a message id whose first publish the stream has not yet stored
 # (nats-server's JSStreamDuplicateMessageConflict).
 DUPLICATE_IN_PROCESS = 10158
+# Errors of a cluster between leaders, which the same publish gets past a moment later
+# (nats-server's JSClusterNotAvailErr, "JetStream system temporarily unavailable", and
+# JSClusterNotLeaderErr; server/jetstream_errors_generated.go).
+RETRYABLE = frozenset({DUPLICATE_IN_PROCESS, 10008, 10009})
+# A publish's acknowledgement normally takes milliseconds; one not back within this long (the
+# stream's leader died with the request, say) is asked again, under the same message id.
+ACK_WAIT_S = 1.0
 
 
 # Bytes kept free for a message's headers (message id, trace context) under the server's max_payload.
@@ -86,29 +93,36 @@ class Replies:
                               headers: dict[str, str] | None = None) -> bool:
         """JetStream publish deduplicated by `msg_id`; True if stored now, False if it was a duplicate.
 
-        No responders is retried within `timeout`: in a cluster, a stream answers nobody while it
-        elects a new leader (seconds, after its leader's node is lost), and the message id makes
-        a repeated publish safe."""
+        Within `timeout` it is tried again where a cluster between leaders fails it (seconds after
+        a stream's leader's node is lost): no responders, no acknowledgement within `ACK_WAIT_S`
+        (the request or its reply lost with the node), or a transient cluster error. The
+        message id makes a repeated publish safe."""
         all_headers = {"Nats-Msg-Id": msg_id, **(headers or {})}
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         delay = 0.05
         while True:
-            left = deadline - asyncio.get_running_loop().time()
+            left = deadline - loop.time()
             try:
-                reply = await self.request(subject, data, max(0.05, left), all_headers)
+                reply = await self.request(subject, data, max(0.05, min(left, ACK_WAIT_S)), all_headers)
             except NoRespondersError:
                 if left <= delay:
                     raise PublishError(f"no JetStream stream captures {subject}") from None
                 await asyncio.sleep(delay)
                 delay = min(0.5, delay * 2)
                 continue
+            except NatsTimeoutError:
+                if deadline - loop.time() <= 0.05:
+                    raise
+                continue
             ack = _ack_decoder.decode(reply.data)
             if not ack.error:
                 return not ack.duplicate
             description = str(ack.error.get("description", ack.error))
-            # An earlier copy (a retry after a timeout) is still going through the stream's
-            # consensus: asking again later gets its acknowledgement, or "duplicate".
-            if ack.error.get("err_code") != DUPLICATE_IN_PROCESS or left <= delay:
+            # An earlier copy (a retry after a timeout) still going through the stream's consensus,
+            # or a stream between leaders: asking again later gets the acknowledgement, or
+            # "duplicate".
+            if ack.error.get("err_code") not in RETRYABLE or left <= delay:
                 raise PublishError(description)
             await asyncio.sleep(delay)
             delay = min(0.5, delay * 2)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from nats.errors import MaxPayloadError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from inferbus import bus
 from inferbus.local import free_port, nats_server_binary
@@ -101,6 +102,34 @@ async def test_a_publish_whose_earlier_copy_is_still_being_stored_is_asked_again
         with pytest.raises(PublishError, match="maximum messages exceeded"):  # other errors are the caller's
             await replies.publish_durable("events.x", b"e", "id-2", timeout=5)
         assert seen == ["id-2"]
+        await replies.stop()
+    finally:
+        await nc.close()
+
+
+async def test_a_publish_lost_with_a_leader_or_refused_between_leaders_is_asked_again(small_payload_server: str) -> None:
+    # A stream's leader dies with the request (no answer at all), then the stream answers
+    # "temporarily unavailable" while it elects another, then stores it: one publish, no error.
+    nc = await bus.connect(small_payload_server, name="test")
+    try:
+        answers = [None, b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}',
+                   b'{"stream":"S","seq":8}']
+        seen: list[str] = []
+
+        async def leader(msg) -> None:  # type: ignore[no-untyped-def]
+            seen.append(msg.headers["Nats-Msg-Id"])
+            answer = answers[min(len(seen), len(answers)) - 1]
+            if answer is not None:
+                await msg.respond(answer)
+
+        await nc.subscribe("events.y", cb=leader)
+        replies = Replies(nc)
+        await replies.start()
+        assert await replies.publish_durable("events.y", b"e", "id-3", timeout=5) is True
+        assert seen == ["id-3"] * 3
+        answers[:] = [None]  # nobody ever answers: the caller's timeout still holds
+        with pytest.raises(NatsTimeoutError):
+            await replies.publish_durable("events.y", b"e", "id-4", timeout=1.5)
         await replies.stop()
     finally:
         await nc.close()
