@@ -166,7 +166,9 @@ def test_events_lost_without_a_reconnect_are_found_by_the_gap_or_the_silence(
     expected, attempt, asked = asyncio.run(relay(platform, "whole", lambda seq, final: False))
     assert attempt == 0 and asked == [] and expected
     middle = asyncio.run(relay(platform, "middle", lambda seq, final: 5 <= seq < 10))
-    assert middle[:2] == (expected, 0) and middle[2] == ["stream gap: chunk 10, expected 5"]
+    # A machine busy enough to stall the stream for SILENCE_S adds a silence question or two.
+    assert middle[:2] == (expected, 0) and middle[2][0] == "stream gap: chunk 10, expected 5"
+    assert all(why.startswith("no event for") for why in middle[2][1:])
     started = time.monotonic()
     tail = asyncio.run(relay(platform, "tail", lambda seq, final: seq >= 20 or final))
     # Every chunk from 20 on is lost the first time, those after the first question too: asked again.
@@ -183,5 +185,7 @@ def test_a_stream_lost_whole_while_the_gateway_was_away_is_found_by_asking_every
     expected = asyncio.run(relay(platform, "whole-2", lambda seq, final: False))[0]
     text, attempt, asked = asyncio.run(relay(platform, "all-lost", lambda seq, final: True, lose_accepted=True,
                                              reconnect_after_s=3.0))
-    assert (text, attempt, asked) == (expected, 0, ["gateway reconnected"])
+    # Still running when asked on a slow machine: its later chunks are lost too, and silence asks again.
+    assert (text, attempt) == (expected, 0) and asked[0] == "gateway reconnected"
+    assert all(why.startswith("no event for") for why in asked[1:])
 
