@@ -2,7 +2,7 @@
 
     python -m bench.spine [--quick] [--seconds S] [--reps N] [--concurrency 1 16 64 256] [--out bench/results]
 
-About 4 minutes with the defaults, 1.5 with --quick (sglang-router is pip-installed on first use).
+About 6 minutes with the defaults, 2 with --quick (sglang-router is pip-installed on first use).
 
 Three systems take the same streaming chat requests (`POST /v1/chat/completions`, 16 output
 tokens, `stream_options.include_usage`) from one closed-loop client on this machine:
@@ -11,7 +11,11 @@ tokens, `stream_options.include_usage`) from one closed-loop client on this mach
 - **sglang-router**: `sglang-router` from PyPI (installed on first use, as `make bench-routing`
   does) with its defaults, in front of that engine;
 - **inferbus**: the whole platform (`inferbus.local.Stack`: NATS, Redis, router, billing, batch,
-  gateway, one worker) in front of that same engine process.
+  gateway, one worker) in front of that same engine process;
+- **the floors** (`bench/floor.py`, skipped with `--no-floors`): *python-over-nats*, two bare
+  Python relays with core NATS between them, the platform's shape with nothing else;
+  *python-over-jetstream*, the same through a durable JetStream work queue; *python-relay*, one
+  bare Python relay: what any Python spine of this shape costs at least.
 
 Scenarios: closed loop at concurrency 1, 16, 64 and 256 with zero step time, and "paced" (the engine
 takes 10 ms per step, so tokens arrive 10 ms apart) at concurrency 64. Each scenario runs every
@@ -57,20 +61,24 @@ import httptools
 from bench.common import percentile, write_results
 from bench.routing import ensure_packages
 from inferbus.commands.main import _demo_key
-from inferbus.local import Process, Stack, StackConfig, free_port
+from inferbus.local import Process, Stack, StackConfig, free_port, nats_server_binary, tcp_open
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 OUTPUT_TOKENS = 16
 PACED_STEP_MS = 10.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = ("engine", "sglang-router", "inferbus")
-ROUTERS = ("sglang-router", "inferbus")
+# Bare relays of inferbus's shape and nothing else (bench/floor.py): what any Python spine costs.
+FLOORS = ("python-over-jetstream", "python-over-nats", "python-relay")
+ROUTERS = ("sglang-router", "inferbus", *FLOORS)
 # The stack's process names → the names reported (one worker, one engine).
 STACK_PROCESSES = {"gateway": "gateway", "worker-1": "worker", "router": "router", "billing": "billing",
                    "batch": "batch", "nats": "nats-server", "redis": "redis", "engine-1": "engine"}
 # What each system's CPU per request adds up (the engine is everyone's, shown apart).
 OWN_PROCESSES = {"engine": (), "sglang-router": ("sglang-router",),
-                 "inferbus": ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis")}
+                 "inferbus": ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis"),
+                 "python-over-jetstream": ("front-js", "back-js", "floor-nats"),
+                 "python-over-nats": ("front", "back", "floor-nats"), "python-relay": ("relay",)}
 TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)  # Linux
 
 
@@ -267,7 +275,7 @@ def summarise(phases: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
     by_key = {(p["scenario"], p["rep"], p["system"]): p for p in phases}
     for scenario in dict.fromkeys(p["scenario"] for p in phases):
         out[scenario] = {}
-        for system in SYSTEMS:
+        for system in (*SYSTEMS, *FLOORS):
             runs = [p for p in phases if p["scenario"] == scenario and p["system"] == system]
             if not runs:
                 continue
@@ -591,6 +599,51 @@ def start_sglang_router(engine_url: str, state: Path, quiet_logs: bool = False) 
     return process, base
 
 
+def start_floors(engine_url: str, state: Path) -> tuple[list[Process], dict[str, str]]:
+    """The bare relays of bench/floor.py in front of the engine: processes and each floor's URL."""
+    nats_port, relay_port, front_port, front_js_port = free_port(), free_port(), free_port(), free_port()
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    logs = state / "logs"
+
+    def listening(port: int) -> Callable[[], bool]:
+        return lambda: tcp_open(port)
+
+    def said_ready(path: Path) -> Callable[[], bool]:
+        return lambda: path.exists() and b"ready" in path.read_bytes()
+
+    floor = [sys.executable, "-m", "bench.floor"]
+    processes = [
+        Process("floor-nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-js",
+                               "-sd", str(state / "floor-nats")], dict(os.environ),
+                logs / "floor-nats.log", listening(nats_port)),
+        Process("relay", [*floor, "relay", "--port", str(relay_port), "--engine", engine_url], dict(os.environ),
+                logs / "relay.log", listening(relay_port)),
+        Process("back", [*floor, "back", "--nats", nats_url, "--engine", engine_url], dict(os.environ),
+                logs / "back.log", said_ready(logs / "back.log")),
+        Process("front", [*floor, "front", "--port", str(front_port), "--nats", nats_url], dict(os.environ),
+                logs / "front.log", listening(front_port)),
+        Process("back-js", [*floor, "back", "--jetstream", "--nats", nats_url, "--engine", engine_url],
+                dict(os.environ), logs / "back-js.log", said_ready(logs / "back-js.log")),
+        Process("front-js", [*floor, "front", "--jetstream", "--port", str(front_js_port), "--nats", nats_url],
+                dict(os.environ), logs / "front-js.log", listening(front_js_port)),
+    ]
+    try:
+        for process in processes:
+            process.start()
+            deadline = time.monotonic() + 30
+            while not process.ready():
+                if not process.alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"{process.name} did not start:\n{process.tail()}")
+                time.sleep(0.1)
+    except BaseException:
+        for process in processes:
+            stop_process(process)
+        raise
+    urls = {"python-relay": f"http://127.0.0.1:{relay_port}", "python-over-nats": f"http://127.0.0.1:{front_port}",
+            "python-over-jetstream": f"http://127.0.0.1:{front_js_port}"}
+    return processes, urls
+
+
 def stop_process(process: Process) -> None:
     process.signal(signal.SIGTERM)
     if not process.wait(10):
@@ -626,6 +679,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python -m bench.spine", *sys.argv[1:]]),
         "sglang_router": version("sglang-router"),
         "config": {"seconds": args.seconds, "warmup": args.warmup, "reps": args.reps, "slices": args.slices,
+                   "floors": args.floors,
                    "idle_seconds": args.idle_seconds,
                    "quiet_logs": args.quiet_logs,
                    "output_tokens": OUTPUT_TOKENS,
@@ -640,11 +694,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{'paced' if paced else 'zero step time'}: starting inferbus and sglang-router…", flush=True)
         stack, key = start_stack(paced, args.quiet_logs)
         router: Process | None = None
+        floors: list[Process] = []
         try:
             engine = stack.get("engine-1")
             router, router_url = start_sglang_router(engine.detail, stack.config.state_dir, args.quiet_logs)
             roots = {STACK_PROCESSES[p.name]: p.pid for p in stack.processes if p.name in STACK_PROCESSES}
             roots["sglang-router"] = router.pid
+            floor_urls: dict[str, str] = {}
+            if args.floors:
+                floors, floor_urls = start_floors(engine.detail, stack.config.state_dir)
+                roots.update({p.name: p.pid for p in floors})
             counters = platform_counters(stack)
             if args.idle_seconds:
                 time.sleep(1.0)  # start-up work done
@@ -660,7 +719,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "sglang-router": Endpoint("sglang-router", router_url + "/v1/chat/completions"),
                 "inferbus": Endpoint("inferbus", stack.gateway_url + "/v1/chat/completions",
                                      {"Authorization": f"Bearer {key}"}),
+                **{name: Endpoint(name, url + "/v1/chat/completions") for name, url in floor_urls.items()},
             }
+            systems = (*SYSTEMS, *(FLOORS if args.floors else ()))
             if not paced and args.client_check:
                 for system in SYSTEMS:
                     for quickack in (False, True):
@@ -671,7 +732,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               f"TTFB p50 {phase['ttfb_p50_ms']:.2f} ms  p99 {phase['ttfb_p99_ms']:.2f} ms", flush=True)
             for scenario in todo:
                 for rep in range(args.reps):
-                    order = SYSTEMS if rep % 2 == 0 else tuple(reversed(SYSTEMS))
+                    order = systems if rep % 2 == 0 else tuple(reversed(systems))
                     windows: dict[str, list[Slice]] = {system: [] for system in order}
                     # With --slices > 1 the systems take turns slice by slice within the rep, so
                     # a burst of other work on the machine falls on all of them alike.
@@ -692,6 +753,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if router is not None:
                 stop_process(router)
+            for process in reversed(floors):
+                stop_process(process)
             stack.stop()
             stack.rmtree()
     results["load_average_after"] = os.getloadavg()[0]
@@ -705,7 +768,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # ---- output -------------------------------------------------------------------------------------
 
 NOISY_CORES = 0.25  # average other load above which the report says the run was disturbed
-PROCESS_ORDER = ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis", "sglang-router")
+PROCESS_ORDER = ("gateway", "worker", "router", "billing", "batch", "nats-server", "redis", "sglang-router",
+                 "front-js", "back-js", "front", "back", "floor-nats", "relay")
 
 
 def _f(value: float, digits: int = 2) -> str:
@@ -759,6 +823,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {row['what']} | {row['target']} | {_f(row['inferbus'], digits)} | {reps} | "
                      f"{_f(row['sglang_router'], digits)} | {ratio_cell(row['ratio_to_sglang_router'])} | "
                      f"{'met' if row['met'] else '**missed**'} | {engine} |")
+    lines += floor_table(results)
     lines += ["", "## Every scenario (means over reps)", "",
               "| scenario | system | req/s | TTFB p50 / p99 ms | added TTFB p50 / p99 ms | own CPU-ms/req | engine CPU-ms/req | client CPU-ms/req | other load (cores) | errors |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -794,6 +859,31 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("plot"):
         lines += ["", f"![CPU-ms per request by process]({Path(results['plot']).name})"]
     return "\n".join(lines) + "\n"
+
+
+def floor_table(results: dict[str, Any]) -> list[str]:
+    """The targets beside what the bare relays of inferbus's shape reach (bench/floor.py)."""
+    summary = results["summary"]
+    present = [f for f in FLOORS if any(f in systems for systems in summary.values())]
+    if not present:
+        return []
+    lines = ["", "## The floor: inferbus's shape with nothing else (`bench/floor.py`, means over reps)", "",
+             "*python-over-nats* is two bare Python relays with core NATS between them (HTTP in, the request to "
+             "the other over NATS, the engine's SSE bytes back one message per read); *python-over-jetstream* the "
+             "same with the request through a durable JetStream work queue (file storage, acknowledged on both "
+             "sides, pulled by the worker's own puller); *python-relay* one bare "
+             "relay: the same libraries as the platform (uvicorn + httptools + uvloop, nats-py, the worker's HTTP "
+             "client), no tenancy, admission, durable queue, placement, billing, parsing or rendering. What these "
+             "cost is the least a Python spine of this shape can.", "",
+             "| target | bound | inferbus | " + " | ".join(present) + " | sglang-router |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in present) + " | ---: |"]
+    for t in TARGETS:
+        systems = summary.get(t.scenario, {})
+        digits = 0 if t.unit == "req/s" else 2
+        cells = [_f(systems.get(name, {}).get(t.metric, float("nan")), digits)
+                 for name in ("inferbus", *present, "sglang-router")]
+        lines.append(f"| {t.what} | {'≥' if t.higher_is_better else '≤'} {t.bound:g} {t.unit} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _roles(keys: Iterable[str]) -> list[str]:
@@ -880,22 +970,24 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     summary = results["summary"]
     labels = {p["scenario"]: ("paced " if p["paced"] else "") + f"C={p['concurrency']}" for p in results["phases"]}
-    bars = [(f"{labels[sc]}\n{'sglang' if sy == 'sglang-router' else sy}", summary[sc][sy])
+    short = {"sglang-router": "sglang", "python-over-jetstream": "py+js", "python-over-nats": "py+nats",
+             "python-relay": "py relay"}
+    bars = [(f"{labels[sc]}\n{short.get(sy, sy)}", sy, summary[sc][sy])
             for sc in summary for sy in ROUTERS if sy in summary[sc]]
     if not bars:
         return
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(bars)), 4.2))
     bottoms = [0.0] * len(bars)
     for process in PROCESS_ORDER:
-        heights = [s["cpu_ms_per_request"].get(process, 0.0) if process in OWN_PROCESSES[
-            "inferbus" if "inferbus" in name else "sglang-router"] else 0.0 for name, s in bars]
+        heights = [s["cpu_ms_per_request"].get(process, 0.0) if process in OWN_PROCESSES[system] else 0.0
+                   for _, system, s in bars]
         if any(h > 0 for h in heights):
             ax.bar(range(len(bars)), heights, bottom=bottoms, label=process)
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     for x, total in enumerate(bottoms):
         ax.annotate(f"{total:.2f}", (x, total), ha="center", va="bottom", fontsize=7)
     ax.set_ylim(0, max(bottoms) * 1.12)
-    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=7)
+    ax.set_xticks(range(len(bars)), [name for name, _, _ in bars], fontsize=7)
     ax.set_ylabel("CPU-ms per request")
     ax.set_title("CPU-ms per request by process, whole process trees (engine and client not included)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
@@ -923,6 +1015,9 @@ def main() -> None:
     parser.add_argument("--quiet-logs", action="store_true",
                         help="inferbus at log level warning (no access log) and sglang-router at warn, instead of "
                              "each one's default (info)")
+    parser.add_argument("--no-floors", dest="floors", action="store_false",
+                        help="skip the bare relays (bench/floor.py: one Python process, two over core NATS, two over JetStream) "
+                             "that show what any Python spine of inferbus's shape costs")
     parser.add_argument("--idle-seconds", type=float, default=5.0,
                         help="seconds the platform is measured with no requests after each start (0 skips it; default 5)")
     parser.add_argument("--quick", action="store_true",

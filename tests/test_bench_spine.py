@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from bench.spine import (
@@ -23,6 +24,8 @@ from bench.spine import (
     parse_proc_stat,
     phase_metrics,
     redis_counts,
+    start_floors,
+    stop_process,
     summarise,
     tree_ticks,
     verdict,
@@ -297,3 +300,35 @@ def test_markdown_shows_the_counts_per_request_and_the_idle_split() -> None:
     assert "| **total** | **0.050** |" in text
     # 0.05 idle cores over 100 req/s: 0.5 CPU-ms of each request's 5 is background.
     assert "| C=1 | 100 | 5.000 | 0.500 | 4.500 |" in text
+
+
+def test_markdown_puts_the_floors_beside_the_targets() -> None:
+    phases = [phase("c64", 0, sy, label="C=64", own_cpu_ms_per_request=cpu)
+              for sy, cpu in (("engine", 0.0), ("sglang-router", 0.4), ("inferbus", 1.5), ("python-over-jetstream", 0.9),
+                              ("python-over-nats", 0.7), ("python-relay", 0.25))]
+    summary = summarise(phases)
+    results = {"when": "now", "machine": {"cpus": 2}, "command": "python -m bench.spine", "sglang_router": "0.3.2",
+               "config": {"output_tokens": 16, "reps": 1, "seconds": 4.0, "warmup": 1.0}, "phases": phases,
+               "client_check": [], "summary": summary, "targets": verdict(summary)}
+    text = markdown(results)
+    assert "| target | bound | inferbus | python-over-jetstream | python-over-nats | python-relay | sglang-router |" in text
+    assert "| whole-platform CPU-ms per request, C=64 | ≤ 0.6 CPU-ms | 1.50 | 0.90 | 0.70 | 0.25 | 0.40 |" in text
+    assert "| C=64 | python-relay |" in text  # in the per-process table too
+
+
+async def test_the_floors_pass_the_engines_stream_through_whole(tmp_path: Path) -> None:
+    # Real nats-server (with JetStream) and the three relays in their own processes, in front of a
+    # stand-in engine; the client counts a stream only if it ends with its 16 tokens and [DONE].
+    server, port = await sse_server(16)
+    async with server:
+        processes, urls = await asyncio.to_thread(start_floors, f"http://127.0.0.1:{port}", tmp_path)
+        try:
+            assert set(urls) == {"python-over-jetstream", "python-over-nats", "python-relay"}
+            for name, url in urls.items():
+                window = await closed_loop(Endpoint(name, url + "/v1/chat/completions"), 4, seconds=0.5, warmup=0.1,
+                                           roots={})
+                assert window.errors == 0, (name, window.first_error)
+                assert window.requests >= 4, name
+        finally:
+            for process in reversed(processes):
+                await asyncio.to_thread(stop_process, process)
