@@ -77,3 +77,12 @@ def test_recovery_waits_for_the_last_request_that_needed_a_retry() -> None:
     assert report.recovered_after_s == pytest.approx(8.0)
     assert report.ok(max_recovery_s=10) and not report.ok(max_recovery_s=5)
     assert summarize("x", [late], [], fault_at=4.0, ready_at=None, migrated=0).recovered_after_s is None
+
+
+def test_drill_clients_wait_as_long_as_the_server_asks_like_the_openai_sdk() -> None:
+    from inferbus.drill.run import retry_wait
+
+    assert retry_wait(0, 5.0) == 5.0  # a 503 "no capacity" says retry-after 5: the SDK waits 5 s
+    assert retry_wait(3, 1.0) == 1.0
+    assert [retry_wait(n, 0.0) for n in range(5)] == [0.25, 0.5, 1.0, 2.0, 2.0]  # no header: backoff
+    assert retry_wait(1, 600.0) == 0.5  # beyond what the SDK honours: its own backoff

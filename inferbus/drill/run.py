@@ -4,8 +4,9 @@ The platform is the one `inferbus up` runs from a state dir (its `platform.json`
 process ids, the operator's NATS credentials, Redis). The load is streamed chat completions through
 the official OpenAI SDK from a few concurrent clients spread over the zones' gateways; a client
 retries a request that failed with a connection error, a 429 or a 5xx (as the SDK's own retries
-would, but on the next gateway), up to `max_attempts` in all. The fault is made the way the
-failure happens: a process killed (SIGKILL), stopped (SIGSTOP, a hang), or a GPU told to hang;
+would, waiting what the server's retry-after asks, but on the next gateway), up to `max_attempts`
+in all. The fault is made the way the failure happens: a process killed (SIGKILL), stopped
+(SIGSTOP, a hang), or a GPU told to hang;
 the launcher's supervisor brings killed processes back, as a deployment's would.
 """
 
@@ -209,6 +210,17 @@ async def _attempt(client: openai.AsyncOpenAI, rng: random.Random, max_tokens: i
     return attempt
 
 
+MAX_RETRY_AFTER_S = 120.0  # the OpenAI SDK honours a server's retry-after up to two minutes
+
+
+def retry_wait(retry: int, retry_after: float) -> float:
+    """Seconds before retry number `retry` (0 first): the server's retry-after when it sent one, as
+    the OpenAI SDK waits; otherwise exponential backoff from 0.25 s, at most 2 s."""
+    if 0 < retry_after <= MAX_RETRY_AFTER_S:
+        return retry_after
+    return min(2.0, 0.25 * 2 ** retry)
+
+
 async def _client_loop(gateways: Callable[[], list[str]], key: str, until: float, calls: list[Call], seed: int,
                        max_attempts: int, max_tokens: int, origin: float) -> None:
     rng = random.Random(seed)
@@ -229,8 +241,7 @@ async def _client_loop(gateways: Callable[[], list[str]], key: str, until: float
             call.attempts.append(attempt)
             if attempt.status == 200 or not (attempt.status == 0 or attempt.status == 429 or attempt.status >= 500):
                 break
-            # Backoff, or the server's retry-after if longer (as the OpenAI SDK does), at most 2 s.
-            await asyncio.sleep(min(2.0, max(0.25 * 2 ** n, attempt.retry_after)))
+            await asyncio.sleep(retry_wait(n, attempt.retry_after))
     for client in clients.values():
         await client.close()
 
