@@ -2,7 +2,7 @@
 
     python -m bench.spine [--quick] [--seconds S] [--reps N] [--concurrency 1 16 64 256] [--out bench/results]
 
-About 6 minutes with the defaults, 2 with --quick (sglang-router is pip-installed on first use).
+About 8 minutes with the defaults, 2 with --quick (sglang-router is pip-installed on first use).
 
 Three systems take the same streaming chat requests (`POST /v1/chat/completions`, 16 output
 tokens, `stream_options.include_usage`) from one closed-loop client on this machine:
