@@ -20,6 +20,13 @@ SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+# What a worker's engine does in prefill/decode disaggregation (SGLang's `--disaggregation-mode`:
+# `null` is "aggregated" here): an aggregated engine prefills and decodes its own requests; a
+# prefill engine computes prompts and sends their KV to a decode engine, which generates.
+# A plain str on the wire (readers keep an unknown future role apart rather than failing).
+Role = Literal["aggregated", "prefill", "decode"]
+ROLES: tuple[str, ...] = ("aggregated", "prefill", "decode")
+
 # Upper bounds (seconds) of the latency histograms in WorkerLoad. Part of the schema: changing
 # them needs new fields, because readers pair counts with these bounds.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -500,6 +507,7 @@ class WorkerLoad(_Message):
     # Per adapter engine name (a version), for requests of adapters with a canary running
     # (`InferenceRequest.adapter_canary`): cumulative histograms and outcomes, as above.
     adapter_outcomes: dict[str, AdapterOutcomes] = {}
+    role: str = "aggregated"  # a `Role` (as in the worker's Heartbeat): which pool this load belongs to
 
 
 class AdapterOutcomes(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -548,6 +556,7 @@ class Heartbeat(_Message):
     max_loaded_adapters: int = 0  # adapters the engine keeps loaded before evicting (0: no limit)
     release: str = ""  # the release (`Release.id`) this worker verified it serves; "" unpinned
     zone: str = ""  # failure domain (availability zone) of the worker; "" = none given
+    role: str = "aggregated"  # a `Role`: what this worker's engine does (prefill/decode disaggregation)
 
 
 class LivenessProbe(_Message):
