@@ -164,7 +164,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                        subjects.metrics_wildcard(), inbox,
                        # Internal producers' calls (answered as replies) and their cancels.
                        subjects.api_wildcard(),
-                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_all()),
+                       subjects.api_cancel_wildcard(scope) if scope is not None else subjects.api_cancel_all(),
+                       # The web console shows the autoscaler's and the canary controller's decisions.
+                       subjects.scale_wildcard(), subjects.release_wildcard()),
             allow_responses=True, responses_max=STREAMED_REPLIES_MAX, responses_expire=STREAMED_REPLIES_EXPIRE,
         )
     if role == "router":

@@ -557,6 +557,7 @@ class Heartbeat(_Message):
     release: str = ""  # the release (`Release.id`) this worker verified it serves; "" unpinned
     zone: str = ""  # failure domain (availability zone) of the worker; "" = none given
     role: str = "aggregated"  # a `Role`: what this worker's engine does (prefill/decode disaggregation)
+    bands: list[str] = []  # the priority bands it pulls, most important first ([] from older workers)
 
 
 class LivenessProbe(_Message):

@@ -113,7 +113,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         cost_micro_usd and cost_usd (exact, 6 decimals). Empty buckets have no row.
         """
         from inferbus.stores import usage as u
-        from services.billing.export import collect_rows, write_rows
+        from inferbus.stores.usage_export import collect_rows, write_rows
 
         if fmt == "parquet" and out is None:
             raise click.UsageError("--format parquet needs --out FILE")

@@ -529,3 +529,62 @@ def _limit(value: int | None) -> int:
     if value < 0:
         raise ValueError(f"limits must not be negative: {value}")
     return value
+
+
+# ---- reading a tenant's quota state (the console's "how close to each limit") -----------------
+
+class QuotaUse(msgspec.Struct, frozen=True):
+    """How much of one limit is in use now: `used` of `limit` (a token or request bucket's used
+    part refills at `limit` per minute; concurrency counts live leases; budget the month's spend)."""
+
+    name: Literal["requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute", "max_concurrent",
+                  "monthly_budget_usd"]
+    limit: float
+    used: float
+
+    @property
+    def share(self) -> float:
+        return self.used / self.limit if self.limit > 0 else (1.0 if self.used > 0 else 0.0)
+
+
+def utc_month(seconds: float) -> str:
+    """'YYYY-MM' of a unix time, as the scripts' `month_of` computes it."""
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).strftime("%Y-%m")
+
+
+def quota_uses(limits: TenantLimits, state: Sequence[Any], in_flight: int, spend_micro: int,
+               now_us: int) -> list[QuotaUse]:
+    """Pure: every limit the tenant has, with its use now, from the quota hash's fields
+    (req, req:t, in, in:t, out, out:t: level and time of each bucket, as `_ADMIT` writes them)."""
+    found: list[QuotaUse] = []
+    buckets = (("requests_per_minute", limits.requests_per_minute, 0),
+               ("input_tokens_per_minute", limits.input_tokens_per_minute, 2),
+               ("output_tokens_per_minute", limits.output_tokens_per_minute, 4))
+    for name, cap, at in buckets:
+        if cap is None:
+            continue
+        level_raw, time_raw = state[at], state[at + 1]
+        if level_raw is None or time_raw is None:
+            level = float(cap)  # never used: full
+        else:  # the scripts' refill(): starts full, refills at cap per minute, never above cap
+            level = min(float(cap), float(level_raw) + (now_us - float(time_raw)) * cap / 60_000_000)
+        found.append(QuotaUse(name=name, limit=float(cap), used=max(0.0, cap - level)))  # type: ignore[arg-type]
+    if limits.max_concurrent is not None:
+        found.append(QuotaUse(name="max_concurrent", limit=float(limits.max_concurrent), used=float(in_flight)))
+    if limits.monthly_budget_usd is not None:
+        found.append(QuotaUse(name="monthly_budget_usd", limit=limits.monthly_budget_usd, used=spend_micro / 1_000_000))
+    return found
+
+
+async def read_quota(redis: aioredis.Redis, tenant: str, limits: TenantLimits) -> list[QuotaUse]:
+    """The tenant's use of each of its limits now (Redis time), without changing anything."""
+    prefix = tenant_prefix(tenant)
+    seconds, micros = await redis.time()
+    now_us = int(seconds) * 1_000_000 + int(micros)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hmget(prefix + "quota", ["req", "req:t", "in", "in:t", "out", "out:t", f"spend:{utc_month(seconds)}"])
+        pipe.zcount(prefix + "leases", f"({now_us}", "+inf")
+        state, in_flight = await pipe.execute()
+    return quota_uses(limits, state[:6], int(in_flight), int(float(state[6] or 0)), now_us)

@@ -5,7 +5,10 @@ Two records per key:
 - `inferbus:apikey:<sha256>` → {tenant, key_id, created}: the global lookup that authenticates a
   request (the gateway never knows the tenant before it has looked the key up);
 - `inferbus:{t:<tenant>}:keys`, a hash key_id → {id, name, created, last4, hash}: the tenant's own
-  list, under the tenant's hash tag, so keys can be listed and revoked without the secret.
+  list, under the tenant's hash tag, so keys can be listed and revoked without the secret;
+- `inferbus:{t:<tenant>}:keys:used`, a hash key_id → when a gateway last authenticated a request
+  with it (unix seconds, to `LAST_USED_PRECISION_S`: each gateway writes it at most once a minute
+  per key, off the request's path).
 
 Lookups are cached in-process for a few seconds so that the hot path does not pay a Redis round
 trip per request; a revoked key stops working within `cache_ttl_s`.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +30,7 @@ import redis.asyncio as aioredis
 
 KEY_PREFIX = "inferbus:apikey:"
 SECRET_PREFIX = "ib-"
+LAST_USED_PRECISION_S = 60.0
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -55,9 +60,14 @@ class KeyInfo(msgspec.Struct, kw_only=True):
     name: str = ""
     created: float = 0.0
     last4: str = ""
+    last_used: float | None = None  # None: never used (to within LAST_USED_PRECISION_S)
 
 
-class _KeyMeta(KeyInfo, kw_only=True):
+class _KeyMeta(msgspec.Struct, kw_only=True):
+    id: str
+    name: str = ""
+    created: float = 0.0
+    last4: str = ""
     hash: str
 
 
@@ -95,11 +105,23 @@ async def create_key(redis: aioredis.Redis, tenant: str, name: str = "") -> str:
 
 
 async def list_keys(redis: aioredis.Redis, tenant: str) -> list[KeyInfo]:
-    """The tenant's keys, oldest first."""
-    raw = await redis.hgetall(tenant_key(tenant, "keys"))
+    """The tenant's keys, oldest first, with when each was last used."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(tenant_key(tenant, "keys"))
+        pipe.hgetall(tenant_key(tenant, "keys:used"))
+        raw, used_raw = await pipe.execute()
+    used = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in used_raw.items()}
     metas = [msgspec.json.decode(value, type=_KeyMeta) for value in raw.values()]
-    return [KeyInfo(id=m.id, name=m.name, created=m.created, last4=m.last4)
+    return [KeyInfo(id=m.id, name=m.name, created=m.created, last4=m.last4, last_used=used.get(m.id))
             for m in sorted(metas, key=lambda m: (m.created, m.id))]
+
+
+async def record_use(redis: aioredis.Redis, tenant: str, key_id: str, when: float) -> None:
+    """Note that `key_id` was used at `when` (never moving it back)."""
+    field = tenant_key(tenant, "keys:used")
+    previous = await redis.hget(field, key_id)
+    if previous is None or float(previous) < when:
+        await redis.hset(field, key_id, repr(when))
 
 
 async def revoke_key(redis: aioredis.Redis, tenant: str, key_id: str) -> bool:
@@ -111,6 +133,7 @@ async def revoke_key(redis: aioredis.Redis, tenant: str, key_id: str) -> bool:
     # Lookup record first: once it is gone the key is dead even if the second call fails.
     await redis.delete(KEY_PREFIX + meta.hash)
     await redis.hdel(tenant_key(tenant, "keys"), key_id)
+    await redis.hdel(tenant_key(tenant, "keys:used"), key_id)
     return True
 
 
@@ -123,7 +146,7 @@ async def revoke_all_keys(redis: aioredis.Redis, tenant: str) -> int:
             for value in raw.values():
                 pipe.delete(KEY_PREFIX + msgspec.json.decode(value, type=_KeyMeta).hash)
             await pipe.execute()
-    await redis.delete(tenant_key(tenant, "keys"))
+    await redis.delete(tenant_key(tenant, "keys"), tenant_key(tenant, "keys:used"))
     return len(raw)
 
 
@@ -172,13 +195,43 @@ class CachedLookup(Generic[K, V]):
 
 
 class KeyStore:
-    def __init__(self, redis: aioredis.Redis, cache_ttl_s: float = 10.0) -> None:
+    def __init__(self, redis: aioredis.Redis, cache_ttl_s: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
         self.cache_ttl_s = cache_ttl_s
+        self.clock = clock
         self._cache: CachedLookup[str, Principal | None] = CachedLookup(cache_ttl_s)
+        self._used: dict[str, float] = {}  # key id → when this process last recorded its use
+        self._recording: set[asyncio.Task[None]] = set()
 
     async def lookup(self, secret: str) -> Principal | None:
-        return await self._cache.get(hash_secret(secret), self._fetch)
+        principal = await self._cache.get(hash_secret(secret), self._fetch)
+        if principal is not None:
+            self._note_use(principal)
+        return principal
+
+    def forget(self, digest: str) -> None:
+        """Drop a cached lookup (the key's SHA-256), e.g. at once after revoking it here."""
+        self._cache.forget(digest)
+
+    def _note_use(self, principal: Principal) -> None:
+        """Record the key's use at most once per `LAST_USED_PRECISION_S` per process, off the
+        request's path: a write that fails only leaves `last_used` a minute older."""
+        now = self.clock()
+        if now - self._used.get(principal.key_id, -math.inf) < LAST_USED_PRECISION_S:
+            return
+        if len(self._used) >= 100_000:  # bounded, like the lookup cache
+            self._used.clear()
+        self._used[principal.key_id] = now
+        task = asyncio.ensure_future(self._record(principal, now))
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
+
+    async def _record(self, principal: Principal, now: float) -> None:
+        try:
+            await record_use(self.redis, principal.tenant, principal.key_id, now)
+        except Exception:  # noqa: BLE001 - a lost note of use must never fail a request
+            self._used.pop(principal.key_id, None)
 
     async def _fetch(self, digest: str) -> Principal | None:
         raw = await self.redis.get(KEY_PREFIX + digest)

@@ -43,6 +43,7 @@ from . import openapi
 from .admin import admin_router, require_admin
 from .admin_adapters import adapters_router
 from .batches_api import batches_router
+from .console import Console, install_console
 from .dispatch import Dispatcher
 from .files_api import files_router
 from .fleet import FleetMonitor
@@ -79,6 +80,7 @@ class Gateway:
         self.internal_api: InternalApi | None = None
         self.js: JetStreamContext | None = None
         self.nc: Client | None = None
+        self.console: Console | None = None  # the web console (/console), when INFERBUS_CONSOLE
 
     async def _on_reconnect(self) -> None:
         if self.dispatcher is not None:
@@ -133,9 +135,14 @@ class Gateway:
         # The Responses API: stored responses in KV, generation through the chat path above.
         store = await ResponseStore.open(js, s.responses_retention_s, s.responses_max_bytes)
         self.responses = ResponsesAPI(self.generation, store)
+        if s.console:
+            self.console = Console(self)
+            await self.console.start()
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model, zone=self.zone)
 
     async def stop(self) -> None:
+        if self.console is not None:
+            await self.console.stop()
         if self.internal_api is not None:
             await self.internal_api.stop()
         if self.catalog is not None:
@@ -276,6 +283,9 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     @api.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.console:  # the web console: /console (docs/console.md)
+        install_console(api, gateway)
 
     # The public document leaves the admin API out; admins read theirs with the admin key.
     openapi.install(api)

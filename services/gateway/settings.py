@@ -108,6 +108,22 @@ class GatewaySettings:
     )
     access_log: bool = env("INFERBUS_ACCESS_LOG", True, "One JSON log line per generation request (tenant, status, tokens, latency).")
     adapter_metrics_top: int = env("INFERBUS_ADAPTER_METRICS_TOP", 20, "LoRA adapters named in the per-adapter metrics (the busiest, re-ranked every 30 s); the rest are counted as `other`.")
+    console: bool = env(
+        "INFERBUS_CONSOLE", True,
+        "Serve the web console at /console: tenants sign in with an API key (usage and cost, keys, limits, batches, "
+        "adapters), operators with INFERBUS_ADMIN_KEY (SLOs, fleet, tenants and prices, releases, autoscaler); see "
+        "docs/console.md.",
+    )
+    console_idle_s: float = env("INFERBUS_CONSOLE_IDLE_S", 3600.0, "A console session ends after this long without a page view.")
+    console_max_age_s: float = env("INFERBUS_CONSOLE_MAX_AGE_S", 43200.0, "A console session ends this long after sign-in, in use or not.")
+    slo_ttft_p90_s: float = env("INFERBUS_SLO_TTFT_P90_S", 0.8, "The p90 time-to-first-token budget the console judges the SLO by (seconds).")
+    slo_tpot_p90_s: float = env("INFERBUS_SLO_TPOT_P90_S", 0.04, "The p90 time-per-output-token budget the console judges the SLO by (seconds).")
+    slo_error_share: float = env("INFERBUS_SLO_ERROR_SHARE", 0.001, "The share of 5xx answers the console judges the SLO by.")
+    slo_record_interval_s: float = env(
+        "INFERBUS_SLO_RECORD_INTERVAL_S", 10.0,
+        "How often this gateway adds what its SLO metrics gained (TTFT, TPOT, requests by status, shed) to the "
+        "per-minute totals in Redis that the console's SLO page reads.",
+    )
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
 

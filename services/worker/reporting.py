@@ -97,6 +97,7 @@ class LoadReporter:
             max_adapters=engine_max_adapters(worker.engine_info), adapters=worker.adapters.names(),
             max_loaded_adapters=engine_max_loaded_adapters(worker.engine_info),
             release=worker.release_counts.release_id, zone=s.zone,
+            bands=s.band_list(),
         )
 
     async def heartbeat(self) -> None:
