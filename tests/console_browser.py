@@ -111,3 +111,12 @@ def wait_until(predicate: Any, timeout: float, message: Any = "", interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(message() if callable(message) else message or f"not within {timeout:g} s")
         time.sleep(interval)
+
+
+def off_loop(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call `function` in a thread of its own: Playwright's sync API keeps an event loop running in
+    the test's thread, where `asyncio.run` (the CLI, the ledger reader) refuses to start another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(function, *args, **kwargs).result()

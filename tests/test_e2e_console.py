@@ -34,7 +34,17 @@ from services.sim_engine import quality
 
 from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform
-from .console_browser import Browser, artifacts_dir, cells, charts_drawn, chromium, secrets_in, sign_in, wait_until
+from .console_browser import (
+    Browser,
+    artifacts_dir,
+    cells,
+    charts_drawn,
+    chromium,
+    off_loop,
+    secrets_in,
+    sign_in,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -106,8 +116,8 @@ def today() -> tuple[str, str]:
 
 
 def export(platform: Platform, tenant: str, start: str, end: str, *extra: str) -> str:
-    result = CliRunner().invoke(main, ["usage", "export", "--tenant", tenant, "--from", start, "--to", end,
-                                       "--redis-url", platform.stack.redis_url, *extra])
+    result = off_loop(CliRunner().invoke, main, ["usage", "export", "--tenant", tenant, "--from", start, "--to", end,
+                                                 "--redis-url", platform.stack.redis_url, *extra])
     assert result.exit_code == 0, result.output
     return result.stdout
 
@@ -140,7 +150,7 @@ def test_a_tenant_sees_its_requests_with_the_exports_tokens_and_dollars(platform
     client = platform.client()
     ids = {chat(client, f"Question {i}: " + "word " * (5 + 7 * i), 4 + 3 * i) for i in range(6)}
     # The ledger (the USAGE stream) is the independent count: what the workers reported.
-    events = read_usage(platform, "demo", ids, timeout=20)
+    events = off_loop(read_usage, platform, "demo", ids, timeout=20)
     assert {e.request_id for e in events} == ids
     start, end = today()
 
@@ -228,7 +238,8 @@ def test_a_tenant_creates_a_key_uses_it_and_revokes_it(platform: Platform, brows
 def test_a_tenant_sees_its_limits_batches_files_and_adapters(platform: Platform, browser: Browser,
                                                              tmp_path: Path) -> None:
     with platform.admin() as admin:
-        admin.patch("/tenants/demo", json={"limits": {"requests_per_minute": 600, "monthly_budget_usd": 5.0}}
+        # 10 a minute refill one request every 6 s: the page sees most of the 3 requests below in use.
+        admin.patch("/tenants/demo", json={"limits": {"requests_per_minute": 10, "monthly_budget_usd": 5.0}}
                     ).raise_for_status()
     client = platform.client()
     for i in range(3):
@@ -251,10 +262,12 @@ def test_a_tenant_sees_its_limits_batches_files_and_adapters(platform: Platform,
         page.goto(platform.stack.gateway_url + "/console/limits")
         limits = {row["key"]: row["values"] for row in cells(page, "#limits")}
         assert set(limits) == {"requests_per_minute", "monthly_budget_usd"}
-        assert float(limits["requests_per_minute"]["limit"]) == 600
-        assert 3 <= float(limits["requests_per_minute"]["used"]) <= 600  # the 3 requests, less what refilled
+        assert float(limits["requests_per_minute"]["limit"]) == 10
+        assert 1 < float(limits["requests_per_minute"]["used"]) <= 3  # the 3 requests, less what refilled
         assert 0 < float(limits["monthly_budget_usd"]["used"]) < 5.0
         browser.shot(page, "tenant-limits")
+        with platform.admin() as admin:  # the other tests' traffic is not limited
+            admin.patch("/tenants/demo", json={"limits": {"requests_per_minute": None}}).raise_for_status()
 
         page.goto(platform.stack.gateway_url + "/console/batches")
         assert batch.id in [r["key"] for r in cells(page, "#batches")]
@@ -434,9 +447,9 @@ def test_an_operator_sees_an_adapter_canary_rolled_back_by_its_gate(platform: Pl
         time.sleep(1)
         # The candidate's files are not where the workers look: every request it gets fails to load
         # it and goes on to the registered version, and the SLO gate sees its error rate.
-        cli(platform, "release", "adapter-canary", "acme-router", "--path", "missing/acme-router-v2", "--version", v2,
+        off_loop(cli, platform, "release", "adapter-canary", "acme-router", "--path", "missing/acme-router-v2", "--version", v2,
             "--traffic", "50%", "--steps", "100%", "--window", "60s")
-        seen = decisions(platform, "acme-router", {"rollback", "promote"}, timeout=90)
+        seen = off_loop(decisions, platform, "acme-router", {"rollback", "promote"}, timeout=90)
     assert load.errors == []
     assert seen and seen[-1].action == "rollback", [(d.action, d.reason) for d in seen]
     with browser.viewer() as page:

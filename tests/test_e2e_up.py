@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -48,6 +49,10 @@ def test_up_serves_the_demo_key_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> N
         for service in ("nats", "redis", "router", "engine-1", "worker-1", "gateway"):
             assert re.search(rf"✓ {service}\s+ready", output), output
         assert f"http://127.0.0.1:{port}/v1" in output
+        # The web console's URL, printed before the key, opens its sign-in page.
+        console = re.search(r"Console:\s+(http://\S+)", output)
+        assert console and console.group(1) == f"http://127.0.0.1:{port}/console/", output
+        assert "Sign in" in httpx.get(console.group(1), follow_redirects=True).text
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)

@@ -154,6 +154,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")
         for zone, url in stack.gateway_urls.items():
             click.echo(f"            {url}/v1   (zone {zone})")
+        click.echo(f"  Console:  {stack.gateway_url}/console/   (sign in with the API key, or the admin key)")
         click.echo(f"  API key:  {key}   (tenant 'demo')")
         click.echo(f"  Admin key: {config.admin_key}   (for inferbus tenants/keys)")
         click.echo(f"  Model:    {model}")

@@ -371,9 +371,10 @@ def console_router(gateway: Gateway, env: jinja2.Environment) -> APIRouter:
         now = time.time()
         rows = []
         for worker_id, seen in sorted(c.live.workers.items(), key=lambda item: (item[1].heartbeat.zone, item[0])):
-            load = c.live.load_of(worker_id)
+            state = c.live.worker_state(seen, now)
+            load = c.live.load_of(worker_id) if state not in ("gone", "silent") else None  # no stale numbers
             kv = load.kv_used_tokens / load.kv_capacity_tokens if load and load.kv_capacity_tokens else None
-            rows.append(FleetRow(worker_id, seen.heartbeat, seen, c.live.worker_state(seen, now), load, kv))
+            rows.append(FleetRow(worker_id, seen.heartbeat, seen, state, load, kv))
         groups: dict[tuple[str, str, str], int] = {}
         for row in rows:
             if row.state in ("ready", "starting", "draining"):

@@ -3,7 +3,7 @@
 // /console/static only); each <canvas data-chart=KIND data-source=ID> draws the block ID.
 "use strict";
 
-function chartOptions(kind, format) {
+function chartOptions(kind, format, max) {
   const stacked = kind === "bar-stacked";
   const ticks = format === "usd" ? { callback: (value) => "$" + Number(value).toPrecision(3) } : {};
   return {
@@ -12,7 +12,7 @@ function chartOptions(kind, format) {
     animation: false,
     interaction: { mode: "index", intersect: false },
     plugins: { legend: { position: "bottom" } },
-    scales: { x: { stacked: stacked }, y: { stacked: stacked, beginAtZero: true, ticks: ticks } },
+    scales: { x: { stacked: stacked }, y: { stacked: stacked, beginAtZero: true, ticks: ticks, suggestedMax: max } },
   };
 }
 
@@ -42,7 +42,7 @@ function drawCharts() {
       }
     }
     const type = kind.startsWith("line") ? "line" : "bar";
-    const chart = new Chart(canvas, { type: type, data: data, options: chartOptions(kind, canvas.dataset.format) });
+    const chart = new Chart(canvas, { type: type, data: data, options: chartOptions(kind, canvas.dataset.format, canvas.dataset.max ? Number(canvas.dataset.max) : undefined) });
     canvas.dataset.drawn = String(chart.data.datasets.length);
   }
 }
