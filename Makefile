@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
+.PHONY: up test lint browser console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
@@ -17,6 +17,7 @@ help:
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-lora  200 and 1,000 LoRA adapters (Zipf) against the base model on 4 simulated workers (~30 min); writes bench/results/lora.*"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
+	@echo "make console-assets  re-vendor the web console's Chart.js and Pico CSS from npm (package-lock.json; needs Node.js)"
 	@echo "make clean  remove the virtualenv and local state"
 
 $(PY):
@@ -38,8 +39,24 @@ install: $(STAMP) accel
 up: install
 	$(VENV)/bin/inferbus up $(ARGS)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The web console's browser tests (tests/test_e2e_console.py) drive Debian's Chromium through
+# Playwright (never `playwright install`, which downloads a browser of its own): installed here
+# when missing, with apt-get (as root, else through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium for the console's browser tests"; \
+	    $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "no chromium and no apt-get: the console's browser tests will be skipped (set INFERBUS_CHROMIUM)"; fi
+
+# The console's browser libraries are committed (services/gateway/console/static/vendor) so that
+# the gateway needs no build step; this refreshes them from the versions package-lock.json pins.
+console-assets:
+	cd services/gateway/console && npm ci --ignore-scripts --no-audit --no-fund && npm run vendor
 
 # The checks tests/test_toolchain.py runs in `make test`, alone and with their own output.
 lint: $(STAMP)

@@ -326,6 +326,8 @@ def test_sign_in_sessions_and_csrf(platform: Platform) -> None:
         assert web.get("/console/usage").headers["location"].startswith("/console/login")
         form = web.get("/console/login")
         assert "default-src 'none'" in form.headers["content-security-policy"]
+        assert form.headers["x-frame-options"] == "DENY" and form.headers["x-content-type-options"] == "nosniff"
+        assert form.headers["cache-control"] == "no-store"
         token = form.text.split('name="csrf_token" value="')[1].split('"')[0]
         # The sign-in form's token must come with its cookie, from this site.
         assert web.post("/console/login", data={"key": platform.api_key}).status_code == 403
