@@ -125,7 +125,7 @@ def test_a_key_made_through_the_api_works_with_the_sdk_until_revoked(platform: P
         assert issued["secret"].startswith("ib-") and issued["id"].startswith("key_") and issued["name"] == "ci"
         listed = admin.get(f"/tenants/{tenant_id}/keys").json()["data"]
         assert listed == [{"id": issued["id"], "name": "ci", "created": issued["created"],
-                           "last4": issued["secret"][-4:]}]
+                           "last4": issued["secret"][-4:], "last_used": None}]
 
         client = openai.OpenAI(base_url=platform.base_url, api_key=issued["secret"], max_retries=0)
         assert [m.id for m in client.models.list()] == [platform.stack.config.model]

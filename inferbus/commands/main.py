@@ -736,13 +736,15 @@ def keys_create(tenant_id: str, name: str, url: str | None, admin_key: str) -> N
 @click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant whose keys to list.")
 @_admin_options
 def keys_list(tenant_id: str, url: str | None, admin_key: str) -> None:
-    """List a tenant's keys: id, name, creation time and the secret's last 4 characters."""
+    """List a tenant's keys: id, name, creation time, the secret's last 4 characters and when a
+    gateway last authenticated a request with it (to within a minute)."""
     found = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}/keys")["data"]
     if not found:
         click.echo(f"Tenant '{tenant_id}' has no keys. Create one with: inferbus keys create --tenant {tenant_id}")
         return
-    rows = [[k["id"], k["name"], _when(k["created"]), f"ib-…{k['last4']}"] for k in found]
-    click.echo(_table(["ID", "NAME", "CREATED", "SECRET"], rows))
+    rows = [[k["id"], k["name"], _when(k["created"]), f"ib-…{k['last4']}",
+             _when(k["last_used"]) if k.get("last_used") else "never"] for k in found]
+    click.echo(_table(["ID", "NAME", "CREATED", "SECRET", "LAST USED"], rows))
 
 
 @keys.command("revoke")

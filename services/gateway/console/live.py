@@ -54,7 +54,9 @@ class Live:
         self.gone_keep_s = gone_keep_s
         self.clock = clock
         self.workers: dict[str, WorkerSeen] = {}
-        self.loads: dict[str, tuple[float, m.WorkerLoad]] = {}  # worker → (received, latest report)
+        # Subject token of a worker → (received, its latest report, undecoded): decoded only when a
+        # page asks, so a gateway pays nothing per report for the console.
+        self.loads: dict[str, tuple[float, bytes]] = {}
         self.scale: deque[m.ScaleDecision] = deque(maxlen=keep)
         self.releases: deque[m.ReleaseDecision] = deque(maxlen=keep)
         self._keys: dict[str, str] = {}  # KV key → worker id
@@ -114,14 +116,10 @@ class Live:
         for worker_id in [w for w, seen in self.workers.items()
                           if seen.gone_at is not None and now - seen.gone_at > self.gone_keep_s]:
             del self.workers[worker_id]
-            self.loads.pop(worker_id, None)
+            self.loads.pop(subjects.token(worker_id), None)
 
     async def _on_load(self, msg: Msg) -> None:
-        try:
-            load = _load.decode(msg.data)
-        except msgspec.DecodeError:
-            return
-        self.loads[load.worker_id] = (self.clock(), load)
+        self.loads[msg.subject.rsplit(".", 1)[-1]] = (self.clock(), msg.data)
 
     async def _on_scale(self, msg: Msg) -> None:
         try:
@@ -146,7 +144,12 @@ class Live:
         return seen.heartbeat.state
 
     def load_of(self, worker_id: str, fresh_s: float = 10.0) -> m.WorkerLoad | None:
-        found = self.loads.get(worker_id)
+        """The worker's latest load report, if it sent one in the last `fresh_s`."""
+        found = self.loads.get(subjects.token(worker_id))
         if found is None or self.clock() - found[0] > fresh_s:
             return None
-        return found[1]
+        try:
+            load = _load.decode(found[1])
+        except msgspec.DecodeError:
+            return None
+        return load if load.worker_id == worker_id else None
