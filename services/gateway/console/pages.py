@@ -24,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from inferbus import logs
+from inferbus.openai.errors import unhandled_exception_handler
 from inferbus.releases import record
 from inferbus.releases import store as release_store
 from inferbus.stores import usage as u
@@ -145,6 +146,14 @@ def install(api: FastAPI, gateway: Gateway) -> None:
     async def page_error(request: Request, error: PageError) -> Response:
         return _render(env, request, "error.html", {"viewer": None, "status": error.status, "message": error.message},
                        error.status)
+
+    @api.exception_handler(aioredis.RedisError)
+    async def storage_error(request: Request, error: aioredis.RedisError) -> Response:
+        if not request.url.path.startswith("/console"):
+            return await unhandled_exception_handler(request, error)  # as before: the API's own 500
+        log.error("console_storage_failed", error=repr(error))
+        return _render(env, request, "error.html", {"viewer": None, "status": 503,
+                                                    "message": "The platform's store (Redis) is unavailable; reload in a moment."}, 503)
 
 
 def _render(env: jinja2.Environment, request: Request, template: str, context: dict[str, Any],
