@@ -312,8 +312,10 @@ def test_a_tenant_never_sees_another_tenants_data(platform: Platform, browser: B
                                    max_redirects=0)
         assert answer.status == 404
         chat(platform.client(), "demo's key still works", 3)
-        # An operator's page is not a tenant's.
+        # An operator's page is not a tenant's, nor is another tenant's usage through the operator's URL.
         assert page.request.get(base + "/console/ops").status == 403
+        assert page.request.get(base + "/console/ops/tenants/demo/usage").status == 403
+        assert page.request.get(base + "/console/ops/tenants/demo/usage.csv").status == 403
     # The CSV with the other tenant's key holds its rows only.
     csv_text = httpx.get(base + "/console/usage.csv", headers={"authorization": f"Bearer {other_key}"}).text
     assert {r["tenant"] for r in rows_of(csv_text)} == {"other"}
@@ -497,3 +499,14 @@ def test_an_operator_sees_the_autoscalers_decisions_tenants_and_prices(platform:
             assert tenants[tenant]["cost"] == "$" + exported["cost_usd"]
         assert page.locator("#prices tbody tr").count() >= 1
         browser.shot(page, "ops-tenants")
+
+        # An operator opens a tenant's usage: the tenant's own page, the same export.
+        page.click("#tenants a[href='/console/ops/tenants/demo/usage']")
+        assert page.inner_text("#usage-tenant") == "demo"
+        totals = dict(page.eval_on_selector_all("[data-total]", "es => es.map(e => [e.dataset.total, e.dataset.value])"))
+        exported = rows_of(export(platform, "demo", start, end))
+        assert {k: totals[k] for k in sums(exported)} == sums(exported)
+        with page.expect_download() as download:
+            page.click("#csv-hourly")
+        assert Path(download.value.path()).read_text() == export(platform, "demo", start, end)
+        browser.shot(page, "ops-tenant-usage")

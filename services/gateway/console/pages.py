@@ -32,7 +32,7 @@ from inferbus.stores.admission import read_quota
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.keys import issue_key, list_keys, revoke_key, tenant_key
 from inferbus.stores.pricing import effective_versions
-from inferbus.stores.tenants import Tenant
+from inferbus.stores.tenants import Tenant, valid_tenant_id
 from inferbus.stores.usage_export import collect_rows, write_rows
 from proto import messages as m
 
@@ -258,29 +258,52 @@ def console_router(gateway: Gateway, env: jinja2.Environment) -> APIRouter:
         except usage_view.WindowError as error:
             raise PageError(400, str(error)) from None
 
-    @router.get("/usage")
-    async def usage(request: Request) -> Response:
-        v = await viewer(request, "tenant")
+    async def usage_page(request: Request, v: Viewer, tenant: str, base: str) -> Response:
         win = window_of(request)
-        rows = await usage_rows(v.tenant, win, "1d")
-        names = {key.id: key.name for key in await list_keys(redis(), v.tenant)}
+        rows = await usage_rows(tenant, win, "1d")
+        names = {key.id: key.name for key in await list_keys(redis(), tenant)}
         summary = usage_view.summarize(rows, win, names)
-        return page(request, "usage.html", v, summary=summary, dimensions=usage_view.DIMENSIONS,
-                    command=win.export_command(v.tenant, "1d"), csv_command=win.export_command(v.tenant, "1h"))
+        return page(request, "usage.html", v, summary=summary, dimensions=usage_view.DIMENSIONS, tenant=tenant,
+                    base=base, command=win.export_command(tenant, "1d"), csv_command=win.export_command(tenant, "1h"))
 
-    @router.get("/usage.csv")
-    async def usage_csv(request: Request) -> Response:
-        v = await viewer(request, "tenant")
+    async def usage_csv_of(request: Request, tenant: str) -> Response:
         win = window_of(request)
         bucket = request.query_params.get("bucket", "1h")
         if bucket not in ("1h", "1d"):
             raise PageError(400, "`bucket` is 1h or 1d.")
-        rows = await usage_rows(v.tenant, win, bucket)
+        rows = await usage_rows(tenant, win, bucket)
         out = io.BytesIO()
         write_rows(rows, "csv", out)
-        name = f"usage-{v.tenant}-{win.first_day}-{win.last_day}-{bucket}.csv"
+        name = f"usage-{tenant}-{win.first_day}-{win.last_day}-{bucket}.csv"
         return Response(out.getvalue(), media_type="text/csv; charset=utf-8",
                         headers={**SECURITY_HEADERS, "content-disposition": f'attachment; filename="{name}"'})
+
+    @router.get("/usage")
+    async def usage(request: Request) -> Response:
+        v = await viewer(request, "tenant")
+        return await usage_page(request, v, v.tenant, "/console/usage")
+
+    @router.get("/usage.csv")
+    async def usage_csv(request: Request) -> Response:
+        v = await viewer(request, "tenant")
+        return await usage_csv_of(request, v.tenant)
+
+    # An operator reads any tenant's page (and `_platform`'s, the abandoned attempts), the same way.
+    def tenant_param(tenant_id: str) -> str:
+        if tenant_id != u.PLATFORM_ACCOUNT and not valid_tenant_id(tenant_id):
+            raise PageError(404, f"No tenant `{tenant_id}`.")
+        return tenant_id
+
+    @router.get("/ops/tenants/{tenant_id}/usage")
+    async def tenant_usage(tenant_id: str, request: Request) -> Response:
+        v = await viewer(request, "admin")
+        tenant = tenant_param(tenant_id)
+        return await usage_page(request, v, tenant, f"/console/ops/tenants/{tenant}/usage")
+
+    @router.get("/ops/tenants/{tenant_id}/usage.csv")
+    async def tenant_usage_csv(tenant_id: str, request: Request) -> Response:
+        await viewer(request, "admin")
+        return await usage_csv_of(request, tenant_param(tenant_id))
 
     # ---- tenant: API keys --------------------------------------------------------------------------
 
