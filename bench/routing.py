@@ -2,13 +2,15 @@
 
     python -m bench.routing [--trace mooncake_synthetic.jsonl] [--engines 4] [--time-scale 0.5] [--load 0.8]
                             [--sample-families 0.25] [--requests N]
-                            [--policies sglang dynamo_round_robin dynamo_kv affinity]
+                            [--policies sglang dynamo_round_robin dynamo_kv affinity] [--busy-cores N]
 
 Defaults take about 13 minutes on 2 cores (4 policies × 147 wall s of arrivals, plus drains and
 start-up); `--sample-families 1` replays the whole trace (about 4× longer). Faster time scales
 distort the platform's numbers on 2 cores: at 0.25 the machine saturates and placement replies
 miss their budget (see bench/README.md). `make bench-routing` runs a smaller sample of the
 synthetic trace and the start of the conversation trace (about 15 minutes for both).
+`--busy-cores 1` runs every policy beside a process that takes one core for itself: the slow
+control plane of a host with other work or a pod at its CPU limit.
 
 What runs:
 1. `--engines` simulated engines (`inferbus sim-engine`, H100 TP2 by default: 418,701 KV tokens
@@ -913,9 +915,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "load": args.load, "placement_timeout_ms": args.placement_timeout_ms,
                    "placement_patience_ms": args.placement_patience_ms,
                    "sample_families": args.sample_families, "requests": args.requests, "seed": args.seed,
+                   "busy_cores": args.busy_cores,
                    "trace": str(args.trace)},
         "workload": summary, "policies": [], "skipped": skipped,
     }
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)]
     try:
         fleet.start()
         info = fleet.server_info()
@@ -925,6 +929,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for policy in policies:
             results["policies"].append(run_policy(policy, fleet, workload, prompts, args, state))
     finally:
+        for process in busy:
+            process.kill()
         fleet.stop()
         if not args.keep_logs:
             import shutil
@@ -967,6 +973,10 @@ def main() -> None:
     parser.add_argument("--placement-patience-ms", type=float, default=None,
                         help="INFERBUS_PLACEMENT_PATIENCE_MS of the gateway (default: the gateway's; 0 waits only the "
                              "timeout, as gateways did before they waited for a slow router)")
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="run this many processes that only spin, for the whole run: the platforms compete with "
+                             "them for the CPU, as with a host's other work or a pod's CPU limit (1 on a 2-core machine "
+                             "takes about one core)")
     parser.add_argument("--force", action="store_true",
                         help="run inferbus policies even if the router does not list INFERBUS_ROUTER_POLICY")
     parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (path printed at the end)")
