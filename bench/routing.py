@@ -2,13 +2,15 @@
 
     python -m bench.routing [--trace mooncake_synthetic.jsonl] [--engines 4] [--time-scale 0.5] [--load 0.8]
                             [--sample-families 0.25] [--requests N]
-                            [--policies sglang dynamo_round_robin dynamo_kv affinity]
+                            [--policies sglang dynamo_round_robin dynamo_kv affinity] [--busy-cores N]
 
 Defaults take about 13 minutes on 2 cores (4 policies × 147 wall s of arrivals, plus drains and
 start-up); `--sample-families 1` replays the whole trace (about 4× longer). Faster time scales
 distort the platform's numbers on 2 cores: at 0.25 the machine saturates and placement replies
 miss their budget (see bench/README.md). `make bench-routing` runs a smaller sample of the
 synthetic trace and the start of the conversation trace (about 15 minutes for both).
+`--busy-cores 1` runs every policy beside a process that takes one core for itself: the slow
+control plane of a host with other work or a pod at its CPU limit.
 
 What runs:
 1. `--engines` simulated engines (`inferbus sim-engine`, H100 TP2 by default: 418,701 KV tokens
@@ -294,7 +296,8 @@ def router_policies() -> str:
     return result.stdout
 
 
-_PLACEMENT = re.compile(r"^(inferbus_(?:router_)?placements_total)\{([^}]*)\} ([0-9.eE+-]+)$", re.M)
+_PLACEMENT = re.compile(
+    r"^(inferbus_(?:router_)?placements_total|inferbus_placement_seconds_count)\{([^}]*)\} ([0-9.eE+-]+)$", re.M)
 
 
 class Frontend:
@@ -313,11 +316,13 @@ class Frontend:
 class InferbusFrontend(Frontend):
     endpoint = "completions"
 
-    def __init__(self, policy: str, fleet: Fleet, state: Path, placement_timeout_ms: float, time_scale: float) -> None:
+    def __init__(self, policy: str, fleet: Fleet, state: Path, placement_timeout_ms: float, time_scale: float,
+                 placement_patience_ms: float | None = None) -> None:
         self.name = policy
         env = {
             "INFERBUS_ROUTER_POLICY": policy,
             "INFERBUS_PLACEMENT_TIMEOUT_MS": str(placement_timeout_ms),
+            **({} if placement_patience_ms is None else {"INFERBUS_PLACEMENT_PATIENCE_MS": str(placement_patience_ms)}),
             # Compare routing, not admission: nothing is refused for queueing (sglang-router refuses nothing).
             "INFERBUS_QUEUE_BUDGET_STANDARD_S": "1000000", "INFERBUS_QUEUE_BUDGET_PREMIUM_S": "1000000",
             "INFERBUS_REQUEST_TIMEOUT_S": "3600", "INFERBUS_ACCESS_LOG": "false",
@@ -637,7 +642,8 @@ def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str]
         frontend = dynamo_live.DynamoFrontend(policy, args.engines, MODEL, fleet.info, fleet.table_path,
                                               fleet.model_dir, args.time_scale, state)
     else:
-        frontend = InferbusFrontend(policy, fleet, state, args.placement_timeout_ms, args.time_scale)
+        frontend = InferbusFrontend(policy, fleet, state, args.placement_timeout_ms, args.time_scale,
+                                    args.placement_patience_ms)
     print(f"\n{LABELS[policy]}: starting front end…", flush=True)
     frontend.start()
     try:
@@ -807,12 +813,14 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def placed_share(result: dict[str, Any]) -> str:
-    """Share of requests the gateway queued for the worker the router chose (the rest timed out
-    waiting for a placement and went to the shared queue)."""
+    """Share of requests the gateway queued for the worker the router chose (the rest were too short
+    to ask about, or their answer came after they had gone to the shared queue: how many, in brackets)."""
     p = result.get("placements") or {}
     worker = p.get('inferbus_placements_total{target="worker"}', 0.0)
     anywhere = p.get('inferbus_placements_total{target="any"}', 0.0)
-    return f"{worker / (worker + anywhere):.0%}" if worker + anywhere else "n/a"
+    late = p.get('inferbus_placement_seconds_count{outcome="late"}')
+    share = f"{worker / (worker + anywhere):.0%}" if worker + anywhere else "n/a"
+    return share if late is None else f"{share} ({late:.0f} late)"
 
 
 def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -905,10 +913,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m bench.routing " + " ".join(sys.argv[1:]),
         "config": {"engines": args.engines, "gpu": args.gpu, "tp": args.tp, "time_scale": args.time_scale,
                    "load": args.load, "placement_timeout_ms": args.placement_timeout_ms,
+                   "placement_patience_ms": args.placement_patience_ms,
                    "sample_families": args.sample_families, "requests": args.requests, "seed": args.seed,
+                   "busy_cores": args.busy_cores,
                    "trace": str(args.trace)},
         "workload": summary, "policies": [], "skipped": skipped,
     }
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)]
     try:
         fleet.start()
         info = fleet.server_info()
@@ -918,6 +929,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for policy in policies:
             results["policies"].append(run_policy(policy, fleet, workload, prompts, args, state))
     finally:
+        for process in busy:
+            process.kill()
         fleet.stop()
         if not args.keep_logs:
             import shutil
@@ -957,6 +970,13 @@ def main() -> None:
                              "installed into .venv-dynamo on first use)")
     parser.add_argument("--placement-timeout-ms", type=float, default=200.0,
                         help="INFERBUS_PLACEMENT_TIMEOUT_MS of the gateway for the inferbus policies")
+    parser.add_argument("--placement-patience-ms", type=float, default=None,
+                        help="INFERBUS_PLACEMENT_PATIENCE_MS of the gateway (default: the gateway's; 0 waits only the "
+                             "timeout, as gateways did before they waited for a slow router)")
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="run this many processes that only spin, for the whole run: the platforms compete with "
+                             "them for the CPU, as with a host's other work or a pod's CPU limit (1 on a 2-core machine "
+                             "takes about one core)")
     parser.add_argument("--force", action="store_true",
                         help="run inferbus policies even if the router does not list INFERBUS_ROUTER_POLICY")
     parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (path printed at the end)")

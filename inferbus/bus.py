@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -333,3 +335,33 @@ async def follow(
         result = on_put(entry)
         if result is not None:
             await result
+
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+def taking_turns(handler: Handler, turn_s: float = 0.001) -> Handler:
+    """`handler` as a subscription callback that hands the event loop back at least every `turn_s`
+    of its own work.
+
+    nats-py runs one task per subscription that awaits the callback for each queued message, and
+    taking a message from a queue that holds one does not suspend: a backlog of one subscription
+    (a burst of cache events, say, after the process was starved of CPU) runs to its end before
+    any other subscription's message is looked at. A router answering placement questions on one
+    subscription behind another's backlog answers late, and a late answer is a request queued
+    without it. Wrapped, a backlog yields after each `turn_s` of callbacks (one event-loop pass,
+    microseconds); a message that arrives alone costs two clock reads."""
+    turn_started = finished = time.perf_counter()
+
+    async def take_turns(msg: Msg) -> None:
+        nonlocal turn_started, finished
+        started = time.perf_counter()
+        if started - finished > turn_s:
+            turn_started = started  # the loop ran other work since the last message: a new turn
+        await handler(msg)
+        finished = time.perf_counter()
+        if finished - turn_started >= turn_s:
+            await asyncio.sleep(0)
+            turn_started = finished = time.perf_counter()
+
+    return take_turns

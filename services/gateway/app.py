@@ -102,6 +102,7 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
+            placement_patience_s=s.placement_patience_ms / 1000,
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
             worker_free_slots=overload.worker_free_slots, placement_fits=overload.placement_fits,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,

@@ -35,17 +35,21 @@ from .metrics import (
     FAIR_QUEUE,
     MIGRATIONS,
     NOT_STARTED,
+    PLACEMENT_SECONDS,
     PLACEMENTS,
     PLACEMENTS_OVER_BUDGET,
     RESENDS,
 )
 from .overload import bands_through
+from .patience import PlacementPatience
 from .queue_window import QueueWindow
 
 log = logs.get(__name__)
 
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
+# A placement answer this long after its question is no longer awaited: the router did not answer.
+LATE_ANSWER_S = 30.0
 _liveness_decoder = msgspec.msgpack.Decoder(m.LivenessReply)
 _resend_decoder = msgspec.msgpack.Decoder(m.ResendReply)
 
@@ -105,6 +109,7 @@ class Dispatcher:
         heartbeat_ttl_s: float,
         max_attempts: int,
         placement_timeout_s: float,
+        placement_patience_s: float = 0.0,
         window_per_worker: int = 2,
         free_slots: Callable[[], int] = lambda: 0,
         worker_free_slots: Callable[[str], int | None] = lambda worker_id: None,
@@ -124,6 +129,7 @@ class Dispatcher:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.max_attempts = max_attempts
         self.placement_timeout_s = placement_timeout_s
+        self.patience = PlacementPatience(placement_timeout_s, placement_patience_s, time.monotonic)
         self.window = QueueWindow(window_per_worker)
         self.free_slots = free_slots
         self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
@@ -160,7 +166,7 @@ class Dispatcher:
         if self.outbox is not None:
             await self.outbox.start()
         self._sub = await self.nc.subscribe(
-            subjects.token_subject(self.gateway_id), cb=self._on_events, pending_msgs_limit=1_000_000,
+            subjects.token_subject(self.gateway_id), cb=bus.taking_turns(self._on_events), pending_msgs_limit=1_000_000,
             pending_bytes_limit=256 * 1024 * 1024,
         )
         self._watcher = await self.kv.watchall()
@@ -211,11 +217,20 @@ class Dispatcher:
             block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
             release=request.release, pinned=request.release_pinned, zone=self.zone,
         )
-        try:
-            reply = await self.replies.request(subjects.placement_subject(request.model), m.encode(ask), self.placement_timeout_s)
-            placement = _placement_decoder.decode(reply.data)
-        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
+        asked = time.monotonic()
+        answer = asyncio.ensure_future(self.replies.request(
+            subjects.placement_subject(request.model), m.encode(ask), LATE_ANSWER_S))
+        done, _ = await asyncio.wait({answer}, timeout=self.patience.wait_s())
+        if not done:
+            answer.add_done_callback(lambda late: self._late_answer(late, asked))
             return shared
+        try:
+            placement = _placement_decoder.decode(answer.result().data)
+        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
+            PLACEMENT_SECONDS.labels("unanswered").observe(time.monotonic() - asked)
+            return shared
+        self.patience.answered()
+        PLACEMENT_SECONDS.labels("answered").observe(time.monotonic() - asked)
         if placement.worker_id and (placement.worker_id not in self.live_workers or placement.worker_id == flight.avoid_worker):
             return shared
         if placement.worker_id and not self.placement_fits(placement.worker_id, request.band,
@@ -224,6 +239,15 @@ class Dispatcher:
             PLACEMENTS_OVER_BUDGET.inc()
             return shared
         return placement
+
+    def _late_answer(self, answer: asyncio.Future[Msg], asked: float) -> None:
+        """A placement answer that came after its request went to the shared queue: the router is
+        answering, only slowly, and the next questions wait for it (patience.py)."""
+        if answer.cancelled() or answer.exception() is not None:
+            PLACEMENT_SECONDS.labels("unanswered").observe(time.monotonic() - asked)
+            return
+        self.patience.answered()
+        PLACEMENT_SECONDS.labels("late").observe(time.monotonic() - asked)
 
     def _queued_on(self, worker_id: str, band: str) -> int:
         """This gateway's requests of `band` or a more important band queued on `worker_id`'s own

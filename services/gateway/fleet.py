@@ -11,7 +11,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from inferbus import logs
+from inferbus import bus, logs
 from proto import messages as m
 from proto import subjects
 
@@ -33,7 +33,7 @@ class FleetMonitor:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
+        self._sub = await self.nc.subscribe(subjects.metrics_wildcard(), cb=bus.taking_turns(self._on_load))
         self._task = asyncio.create_task(self._poll_queues(), name="queue-depth")
 
     async def stop(self) -> None:

@@ -47,6 +47,12 @@ RESENDS = Counter(
     "running, finished, unknown (the request continues on another worker) or no_answer", ["answer"],
 )
 NOT_STARTED = Counter("inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue")
+PLACEMENT_SECONDS = Histogram(
+    "inferbus_placement_seconds", "From asking the router where to queue a request to its answer, by outcome: "
+    "`answered` while the request waited for it, `late` (after the request went to the shared queue: the router is "
+    "slow; see INFERBUS_PLACEMENT_PATIENCE_MS), `unanswered` (no router, or none within 30 s)",
+    ["outcome"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
+)
 PLACEMENTS_OVER_BUDGET = Counter("inferbus_placements_over_budget_total",
                                  "Placements on a worker whose own queue would hold the request past its band's budget, "
                                  "queued on the shared queue instead")

@@ -59,6 +59,13 @@ class GatewaySettings:
         "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
         "without an answer the request goes to the shared queue, which any worker serves. 0 = never ask.",
     )
+    placement_patience_ms: float = env(
+        "INFERBUS_PLACEMENT_PATIENCE_MS", 1000.0,
+        "How long a placement waits for a router that is answering (one answered, in time or late, in the last 5 s), "
+        "instead of INFERBUS_PLACEMENT_TIMEOUT_MS: a slow router (its CPU limited, its host busy) still answers from "
+        "its whole view, where the shared queue would place by chance. A router that stops answering is waited for "
+        "INFERBUS_PLACEMENT_TIMEOUT_MS again.",
+    )
     block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the workers' (engines may use any page size).")
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
     admin_key: str = env(

@@ -98,9 +98,11 @@ class Router:
         self.replies = Replies(self.nc)
         await self.replies.start()
         self.watcher = await self.kv.watchall()
-        await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
-        await self.nc.subscribe(subjects.cache_wildcard(), cb=self._on_cache, pending_msgs_limit=1_000_000)
-        await self.nc.subscribe(subjects.placed_wildcard(), cb=self._on_placed, pending_msgs_limit=1_000_000)
+        # The view's subscriptions take turns with the others: a backlog of events (after the
+        # process was starved of CPU) must not hold placement questions until it is worked off.
+        await self.nc.subscribe(subjects.metrics_wildcard(), cb=bus.taking_turns(self._on_load))
+        await self.nc.subscribe(subjects.cache_wildcard(), cb=bus.taking_turns(self._on_cache), pending_msgs_limit=1_000_000)
+        await self.nc.subscribe(subjects.placed_wildcard(), cb=bus.taking_turns(self._on_placed), pending_msgs_limit=1_000_000)
         # Placement requests last: by then the view is being built.
         await self.nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=self._on_place)
         self.canary = CanaryService(self.nc, self.router_id, SloConfig(
