@@ -39,6 +39,9 @@ class WorkerView:
     adapter_prefetches: int = 0  # adapter prefetches queued or loading there at the last report
     release: str = ""  # the release the worker verified it serves ("" unpinned)
     zone: str = ""
+    role: str = "aggregated"  # prefill/decode disaggregation (`m.Role`); pairs are chosen in `pairing.py`
+    local_prefill: bool = False  # a decode worker whose engine can also compute a prompt
+    kv_capacity_tokens: int = 0  # its engine's KV cache (0: unknown)
     reported_load: int = 0  # running + waiting in the engine at the last report
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
@@ -159,6 +162,9 @@ class WorkerRegistry:
         view.adapters = frozenset(beat.adapters)
         view.release = beat.release
         view.zone = beat.zone
+        view.role = beat.role
+        view.local_prefill = beat.local_prefill
+        view.kv_capacity_tokens = beat.kv_capacity_tokens or view.kv_capacity_tokens
         self._refresh(view)
 
     def touch(self, worker_id: str) -> bool:
@@ -197,6 +203,7 @@ class WorkerRegistry:
         view.adapter_prefetches = load.adapter_prefetches
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
         view.kv_used_tokens = load.kv_used_tokens
+        view.kv_capacity_tokens = load.kv_capacity_tokens or view.kv_capacity_tokens
         self.adapter_slots.on_load(load.worker_id, load.adapter_requests, load.adapter_loads, load.adapter_load_s,
                                    view.adapters)
         self._refresh(view)
@@ -256,8 +263,10 @@ class WorkerRegistry:
         elapsed = now - self._aged_at
         self._aged_at = now
         factor = math.exp(-elapsed / config.share_window_s) if elapsed > 0 else 1.0
-        for pool in self._serving.values():
-            views = list(pool.values())
+        # Per model and role: a prefill pool's share is of the prefill traffic.
+        pools = [[v for v in pool.values() if v.role == role] for pool in self._serving.values()
+                 for role in {v.role for v in pool.values()}]
+        for views in pools:
             if not views:
                 continue
             for view in views:

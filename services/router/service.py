@@ -151,6 +151,8 @@ class Router:
         CACHED_BLOCKS.inc(reply.cached_blocks)
         if request.adapter:
             self._spawn(self._preload(reply.worker_id, request.adapter))
+            if reply.prefill_worker_id:  # a pair: both engines run the adapter
+                self._spawn(self._preload(reply.prefill_worker_id, request.adapter))
             warm = self.placer.warm_target(request)
             if warm is not None:  # a hot adapter's next home: loaded before traffic moves there
                 slots = self.registry.adapter_slots
@@ -159,12 +161,12 @@ class Router:
                          homes=len(homes.workers) if homes else 0,
                          wanted=slots.wanted_homes(request.adapter, len(self.registry.workers)))
                 self._spawn(self._preload(warm, request.adapter))
-        placed = m.Placed(
-            router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
-            prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),
-            block_hashes=request.block_hashes, prompt_tokens=request.prompt_tokens,
-        )
-        self._spawn(self.nc.publish(subjects.placed_subject(request.model), m.encode(placed)))
+        for worker_id, prefill_tokens, hashes, _ in self.placer.placements(request, reply):  # both halves of a pair
+            placed = m.Placed(
+                router_id=self.router_id, worker_id=worker_id, model=request.model, adapter=request.adapter,
+                prefill_tokens=prefill_tokens, block_hashes=hashes, prompt_tokens=request.prompt_tokens,
+            )
+            self._spawn(self.nc.publish(subjects.placed_subject(request.model), m.encode(placed)))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
