@@ -12,7 +12,7 @@ from proto import messages as m
 from proto import subjects
 
 from .config import RoutingConfig
-from .pairing import Pair, PairConfig, PairPolicy, is_disaggregated
+from .pairing import Pair, PairPolicy, is_disaggregated
 from .policies import Policy, make_policy
 from .registry import WorkerRegistry, WorkerView
 from .zones import prefer_zone
