@@ -49,7 +49,7 @@ lint: $(STAMP)
 
 # Failure drills on the 3-zone local platform (tests/test_e2e_drills.py, `inferbus drill`).
 test-drills: install
-	INFERBUS_DRILLS=1 $(PY) -m pytest -q -p no:cacheprovider -m drill tests/test_e2e_drills.py $(PYTEST_ARGS)
+	INFERBUS_DRILLS=1 $(PY) -m pytest -q -p no:cacheprovider -m drill tests/test_e2e_drills.py tests/test_e2e_pd_drills.py $(PYTEST_ARGS)
 
 # The contract suite (tests/sglang) against real SGLang instead of the simulated engine. SGLang,
 # the tiny model and its adapters are cached under $INFERBUS_CACHE (default ~/.cache/inferbus).

@@ -1,0 +1,133 @@
+"""Prefill/decode disaggregation end to end (`inferbus up --prefill 1 --decode 1`): what only a
+disaggregated fleet does. The OpenAI SDK suites (test_e2e_openai*.py, test_e2e_responses.py) run
+on this platform too; here, where each half ran, what is billed, and a cancel on both engines."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import MODEL, Platform, read_usage
+
+pytestmark = pytest.mark.e2e
+
+PREFILL, DECODE = 1, 2  # engine-1 is the prefill engine, engine-2 the decode engine
+_COUNTER = re.compile(rb"^(sglang:(?:prompt|generation)_tokens_total)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+def counters(platform: Platform, engine: int) -> dict[str, float]:
+    text = httpx.get(platform.engine_url(engine) + "/metrics").content
+    found: dict[str, float] = {}
+    for match in _COUNTER.finditer(text):
+        name = match.group(1).decode()
+        found[name] = found.get(name, 0.0) + float(match.group(2))
+    return found
+
+
+def busy(platform: Platform, engine: int) -> int:
+    loads = httpx.get(platform.engine_url(engine) + "/v1/loads", params={"include": "all"}).json()["loads"]
+    return sum(entry["num_running_reqs"] + entry["num_waiting_reqs"] for entry in loads)
+
+
+def server_info(platform: Platform, engine: int) -> dict:
+    return httpx.get(platform.engine_url(engine) + "/server_info").json()
+
+
+def test_the_fleet_is_one_prefill_and_one_decode_engine(pd_platform: Platform) -> None:
+    assert server_info(pd_platform, PREFILL)["disaggregation_mode"] == "prefill"
+    assert server_info(pd_platform, DECODE)["disaggregation_mode"] == "decode"
+    ready = httpx.get(pd_platform.stack.gateway_url + "/ready").json()
+    assert ready["workers"] == 2
+
+
+def test_the_prompt_is_computed_on_the_prefill_engine_and_the_answer_on_the_decode_engine(pd_platform: Platform) -> None:
+    client = pd_platform.client()
+    prefill_before, decode_before = counters(pd_platform, PREFILL), counters(pd_platform, DECODE)
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Where does this prompt run? " * 20}], max_tokens=9)
+    assert response.usage is not None and response.usage.completion_tokens == 9
+    prefill_after, decode_after = counters(pd_platform, PREFILL), counters(pd_platform, DECODE)
+    prompt = response.usage.prompt_tokens
+    prefilled = prefill_after["sglang:prompt_tokens_total"] - prefill_before["sglang:prompt_tokens_total"]
+    assert prefilled == prompt  # the whole prompt went through the prefill engine, once
+    # The prefill engine made one token (the first, which travels with the KV); the decode engine the rest.
+    assert prefill_after["sglang:generation_tokens_total"] - prefill_before["sglang:generation_tokens_total"] == 1
+    assert decode_after["sglang:generation_tokens_total"] - decode_before["sglang:generation_tokens_total"] >= 8
+
+
+def test_usage_is_billed_once_with_the_cached_tokens_the_prefill_engine_saw(pd_platform: Platform) -> None:
+    client = pd_platform.client()
+    assert server_info(pd_platform, DECODE).get("disable_radix_cache") is True  # a decode engine caches nothing
+    system = "You are the inferbus platform team's careful assistant. " * 30
+    client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system},
+                                                          {"role": "user", "content": "warm the cache"}], max_tokens=2)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": "a follow-up"}],
+        max_tokens=5)
+    response = raw.parse()
+    assert response.usage and response.usage.prompt_tokens_details
+    cached = response.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached > 0.8 * response.usage.prompt_tokens  # the prefill engine's prefix cache
+    [event] = read_usage(pd_platform, "demo", {raw.headers["x-request-id"]})
+    assert event.status == "completed" and event.billed_to == "tenant"
+    assert (event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens) == (
+        response.usage.prompt_tokens, 5, cached)
+
+
+def test_a_client_that_leaves_during_the_prefill_aborts_both_engines(pd_platform: Platform) -> None:
+    # Long enough that its prefill (and the decode engine's wait for its KV) is still under way when
+    # the client leaves: ~50k tokens, a few hundred ms of wall time at the platform's time scale.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 50_000}], "max_tokens": 50,
+            "stream": True}
+    headers = {"authorization": f"Bearer {pd_platform.api_key}"}
+    with httpx.Client(timeout=30) as http, http.stream("POST", pd_platform.base_url + "/chat/completions", json=body,
+                                                       headers=headers) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        deadline = time.monotonic() + 10
+        while not (busy(pd_platform, PREFILL) and busy(pd_platform, DECODE)):
+            assert time.monotonic() < deadline, "the request never reached both engines"
+            time.sleep(0.005)
+    # The client has gone: both halves must stop, not only the decode engine's.
+    deadline = time.monotonic() + 5
+    while (busy(pd_platform, PREFILL) or busy(pd_platform, DECODE)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert busy(pd_platform, PREFILL) == 0 and busy(pd_platform, DECODE) == 0
+    [event] = read_usage(pd_platform, "demo", {request_id}, timeout=10)
+    assert event.status == "cancelled" and event.usage.completion_tokens == 0
+
+
+def test_n_choices_share_the_prefill_worker(pd_platform: Platform) -> None:
+    client = pd_platform.client()
+    before = counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"]
+    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "three ways " * 50}],
+                                              max_tokens=4, n=3)
+    assert len(response.choices) == 3 and response.usage is not None
+    # Every choice's prompt went through the one prefill engine, the decode worker of choice 0 asking it.
+    assert counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"] - before == 3 * response.usage.prompt_tokens
+
+
+def test_a_prefill_fleet_alone_serves_nothing(pd_platform: Platform) -> None:
+    """Only decode (and aggregated) workers take requests: without them the gateway is not ready."""
+    decode = pd_platform.stack.get("worker-2")
+    decode.signal(15)  # a drain: it leaves the registry
+    try:
+        deadline = time.monotonic() + 20
+        while httpx.get(pd_platform.stack.gateway_url + "/ready").status_code == 200:
+            assert time.monotonic() < deadline, "the gateway stayed ready with a prefill worker alone"
+            time.sleep(0.1)
+        with pytest.raises(openai.APIStatusError) as raised:
+            pd_platform.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=2)
+        assert raised.value.status_code == 503
+    finally:
+        decode.wait(30)
+        decode.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(pd_platform.stack.gateway_url + "/ready").json().get("workers", 0) < 2:
+            assert time.monotonic() < deadline, "the decode worker did not come back"
+            time.sleep(0.1)
