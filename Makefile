@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora install clean help
+.PHONY: up test lint test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-lora  200 and 1,000 LoRA adapters (Zipf) against the base model on 4 simulated workers (~30 min); writes bench/results/lora.*"
+	@echo "make bench-pd  aggregated against disaggregated (prefill/decode) on the same simulated GPUs, live; writes bench/results/pd_live.*"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make clean  remove the virtualenv and local state"
 
@@ -92,6 +93,10 @@ bench-batch: install
 
 bench-lora: install
 	$(PY) -m bench.lora $(ARGS)
+
+# Aggregated against disaggregated on the same GPUs: live on simulated engines (~10 min); ARGS go to it.
+bench-pd: install
+	$(PY) -m bench.pd_live $(ARGS)
 
 clean:
 	rm -rf $(VENV) .inferbus .accel
