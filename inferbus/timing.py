@@ -139,6 +139,47 @@ def lora_load_s(rank: int) -> float:
     return LORA_LOAD_FIXED_S + lora_adapter_bytes(rank) / LORA_LOAD_BANDWIDTH
 
 
+@dataclass(frozen=True)
+class KvLink:
+    """The link a prefill replica sends a prompt's KV to its decode replica over (prefill/decode
+    disaggregation): each of the prefill's tp GPUs sends its share of every token's KV on its own
+    link, at `bandwidth` × `efficiency`, plus a fixed `latency_s` per send (the transfer engine's
+    request and completion notice)."""
+
+    name: str
+    bandwidth: float  # bytes/s per GPU, one direction, nominal
+    efficiency: float  # achieved share of it (assumption)
+    latency_s: float  # per send (assumption)
+
+    def transfer_s(self, tokens: float, tp: int, model: ModelSpec = LLAMA_70B) -> float:
+        """Seconds to move the KV of `tokens` tokens from a prefill replica of `tp` GPUs."""
+        if tokens <= 0:
+            return 0.0
+        return self.latency_s + tokens * model.kv_bytes_per_token / (tp * self.bandwidth * self.efficiency)
+
+
+# NVLink 4 inside an H100/H200 SXM node: 900 GB/s per GPU both ways, 450 GB/s each way (NVIDIA
+# datasheet). RDMA between nodes: one 400 Gb/s ConnectX-7 NIC per GPU, 50 GB/s (NVIDIA DGX H100
+# reference architecture). 80% achieved and the per-send latencies are assumptions.
+KV_LINKS: dict[str, KvLink] = {
+    "nvlink": KvLink("nvlink", 450 * GB, 0.8, 0.1e-3),
+    "rdma": KvLink("rdma", 50 * GB, 0.8, 1e-3),
+}
+
+
+def kv_link(name: str, bandwidth_gb_s: float | None = None) -> KvLink:
+    """A named link, its nominal bandwidth per GPU optionally replaced (GB/s)."""
+    try:
+        link = KV_LINKS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV link {name!r}; known: {sorted(KV_LINKS)}") from None
+    if bandwidth_gb_s is not None:
+        if bandwidth_gb_s <= 0:
+            raise ValueError("the KV link's bandwidth must be positive")
+        link = replace(link, bandwidth=bandwidth_gb_s * GB)
+    return link
+
+
 def expected_distinct_adapters(batch: float, adapters: int, slots: int) -> float:
     """Distinct adapters among `batch` sequences spread evenly over `adapters`, at most `slots`.
 

@@ -305,6 +305,7 @@ class Engine:
         self.now = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.held: list[Request] = []  # accepted, not schedulable yet (`add(held=True)`)
         self.adapters = LoadedAdapters(config.max_loaded_loras)
         self.gpu_slots = GpuSlots(config.max_loras_per_batch, config.lora_eviction_policy)
         # --enable-lora-overlap-loading: adapters being copied into GPU slots beside the steps → when
@@ -329,8 +330,11 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: Request) -> None:
-        """Queue a request; raises RequestRejected with SGLang's message when it cannot run."""
+    def add(self, request: Request, *, held: bool = False) -> None:
+        """Queue a request; raises RequestRejected with SGLang's message when it cannot run.
+
+        `held`: accepted but kept out of scheduling until `release` or `start_transferred` (a
+        request of a prefill/decode pair waiting for the other engine)."""
         if request.rid in self._requests:
             raise RequestRejected("Duplicate request ID detected")
         if not self.config.priority_scheduling:
@@ -378,7 +382,32 @@ class Engine:
         self._set_fill(request, request.input_ids)
         self.prompt_tokens_total += prompt_len
         self._requests[request.rid] = request
+        (self.held if held else self.waiting).append(request)
+
+    def release(self, rid: str) -> None:
+        """A held request may be scheduled now (its decode engine has said where the KV goes)."""
+        request = self._requests[rid]
+        self.held.remove(request)
         self.waiting.append(request)
+
+    def start_transferred(self, rid: str, first_token: tuple[int, str] | None, cached_tokens: int,
+                          reserved_tokens: int, matched_blocks: int = 0) -> RequestUpdate:
+        """Start decoding a held request whose prompt KV another engine computed and sent (the
+        decode role of prefill/decode disaggregation): `reserved_tokens` of the pool hold that KV,
+        the first `matched_blocks` blocks of its hashes are this engine's cache (locked by the
+        caller), the prefill's sampled token is its first output (None: this engine samples it, as
+        after SGLang's fake transfer), `cached_tokens` the prefill's hits."""
+        request = self._requests[rid]
+        self.held.remove(request)
+        request.computed = len(request.fill_ids)
+        request.private = reserved_tokens
+        request.locked = matched_blocks
+        request.cached_tokens = cached_tokens
+        self.cached_tokens_total += cached_tokens
+        self.running.append(request)
+        if request.max_new_tokens == 0:
+            return self._retire(request, {"type": "length", "length": 0})
+        return self._emit_token(request, first_token)
 
     def abort(
         self, rid_prefix: str, message: str = "Abort by user request.", *, exact: bool = False
@@ -396,6 +425,8 @@ class Engine:
             if request in self.running:
                 self.running.remove(request)
                 self._free(request, cache_blocks=True)
+            elif request in self.held:
+                self.held.remove(request)
             else:
                 self.waiting.remove(request)
             updates.append(self._finish(request, {"type": "abort", "message": message}))
@@ -585,7 +616,7 @@ class Engine:
         """Match the prefix cache and check the rest of the prompt fits; locks the matched blocks."""
         bs = self.config.block_size
         # At least one token is always computed: its logits give the first output token.
-        usable = min(len(request.hashes), (len(request.fill_ids) - 1) // bs)
+        usable = min(len(request.hashes), (len(request.fill_ids) - 1) // bs) if self.config.prefix_cache else 0
         matched = self.cache.match(request.hashes[:usable])
         self.cache.lock(request.hashes[:matched])
         if self.cache.available_tokens() < self._prompt_room(request, matched * bs):
@@ -719,12 +750,15 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens and finishing
 
-    def _emit_token(self, request: Request) -> RequestUpdate:
+    def _emit_token(self, request: Request, given: tuple[int, str] | None = None) -> RequestUpdate:
         # Each token is a function of the whole context, as with a real model: a prompt extended
         # by part of an output (a migrated request) continues with the rest of that output.
+        # `given`: a token another engine sampled (a prefill engine's first token).
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
         script = request.script
-        if script is not None:
+        if given is not None:
+            token_id, piece = given
+        elif script is not None:
             token_id, piece = script[len(request.output_ids)]
         else:
             token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
@@ -786,6 +820,8 @@ class Engine:
 
     def _cache_computed_blocks(self, request: Request) -> None:
         """Publish the prompt blocks prefilled so far (SGLang caches unfinished requests too)."""
+        if not self.config.prefix_cache:
+            return
         full = min(request.computed // self.config.block_size, len(request.hashes))
         if full <= request.locked:
             return
@@ -802,7 +838,7 @@ class Engine:
     def _free(self, request: Request, cache_blocks: bool) -> None:
         """Release a request's KV; its computed full blocks stay behind in the prefix cache."""
         bs = self.config.block_size
-        if cache_blocks:
+        if cache_blocks and self.config.prefix_cache:
             if request.prefilling:
                 kv_len = request.computed
                 sequence = request.fill_ids
