@@ -4,12 +4,19 @@ on this platform too; here, where each half ran, what is billed, and a cancel on
 
 from __future__ import annotations
 
+import asyncio
 import re
+import secrets
 import time
 
 import httpx
+import msgspec
+import nats
 import openai
 import pytest
+
+from proto import messages as m
+from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage
 
@@ -131,3 +138,60 @@ def test_a_prefill_fleet_alone_serves_nothing(pd_platform: Platform) -> None:
         while httpx.get(pd_platform.stack.gateway_url + "/ready").json().get("workers", 0) < 2:
             assert time.monotonic() < deadline, "the decode worker did not come back"
             time.sleep(0.1)
+
+
+def _half(request_id: str, tokens: int) -> m.PrefillRequest:
+    request = m.InferenceRequest(request_id=request_id, tenant="demo", model=MODEL, prompt="", reply_to="inferbus.tok.gateway",
+                                 deadline=time.time() + 60, created=time.time(), input_ids=list(range(10, 10 + tokens)),
+                                 sampling=m.SamplingParams(max_new_tokens=4), prompt_tokens=tokens)
+    return m.PrefillRequest(request=request, bootstrap_room=int.from_bytes(request_id.encode()[:7], "big"))
+
+
+async def _ask_prefill(platform: Platform, half: m.PrefillRequest, then: bytes | None = None,
+                       then_subject: str = "") -> tuple[m.PrefillAccepted, m.PrefillDone | None, int]:
+    """Send a prefill half to worker-1 as decode worker `test-decode` would (no decode engine joins
+    its room, so the prefill engine waits for one), optionally publish `then`; the prefill
+    worker's answer, its report (if any within 5 s) and the prefill engine's load after it."""
+    nc = await nats.connect(platform.stack.nats_url)
+    try:
+        reports = await nc.subscribe(subjects.prefilled_subject("test-decode"))
+        reply = await nc.request(subjects.prefill_subject("worker-1", "test-decode"), m.encode(half), timeout=5)
+        accepted = msgspec.msgpack.decode(reply.data, type=m.PrefillAccepted)
+        done = None
+        if accepted.accepted:
+            deadline = time.monotonic() + 5
+            while not busy(platform, PREFILL):
+                assert time.monotonic() < deadline, "the half never reached the prefill engine"
+                await asyncio.sleep(0.01)
+            if then is not None:
+                await nc.publish(then_subject, then)
+            try:
+                done = msgspec.msgpack.decode((await reports.next_msg(timeout=5)).data, type=m.PrefillDone)
+            except nats.errors.TimeoutError:
+                done = None
+        return accepted, done, busy(platform, PREFILL)
+    finally:
+        await nc.close()
+
+
+def test_a_gateways_cancel_aborts_a_prefill_half_whatever_its_decode_side_does(pd_platform: Platform) -> None:
+    """The prefill worker hears the gateway's cancel itself: a half whose decode worker is gone (no
+    decode engine in its room here) stops at once instead of waiting SGLang's bootstrap timeout."""
+    request_id = "pd-cancel-" + secrets.token_hex(4)
+    half = _half(request_id, 2_000)
+    cancel = m.encode(m.Cancel(request_id=request_id))
+    accepted, done, load = asyncio.run(_ask_prefill(pd_platform, half, cancel, subjects.cancel_subject("gateway", request_id)))
+    assert accepted.accepted and accepted.worker_id == "worker-1" and accepted.bootstrap_port > 0
+    assert done is not None and not done.ok and done.worker_id == "worker-1" and done.request_id == request_id
+    assert load == 0
+    # Asked again after its cancel (a decode worker that pulled it late): refused, nothing computed.
+    again, _, load = asyncio.run(_ask_prefill(pd_platform, half))
+    assert (again.accepted, again.reason, load) == (False, "cancelled", 0)
+
+
+def test_a_decode_worker_gives_a_prefill_half_up(pd_platform: Platform) -> None:
+    request_id = "pd-abort-" + secrets.token_hex(4)
+    abort = m.encode(m.PrefillAbort(request_id=request_id, attempt=0))
+    accepted, done, load = asyncio.run(_ask_prefill(pd_platform, _half(request_id, 2_000), abort,
+                                                    subjects.prefill_subject("worker-1", "test-decode")))
+    assert accepted.accepted and done is not None and not done.ok and load == 0

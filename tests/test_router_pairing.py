@@ -89,6 +89,31 @@ def test_the_pair_stays_in_one_zone_and_the_gateways_zone_first() -> None:
     assert (reply.worker_id, reply.prefill_worker_id) == ("da", "pa")
 
 
+def test_a_pair_never_crosses_zones_while_the_decode_workers_zone_has_a_prefill_worker() -> None:
+    router = placer()
+    for w, role, zone in (("pa", "prefill", "a"), ("pb", "prefill", "b"), ("db", "decode", "b")):
+        router.registry.on_heartbeat(beat(w, role, zone))
+    cache(router, "pa", PROMPT)  # the cheapest prefill worker is in zone a, the only decode worker in zone b
+    for zone in ("", "c"):  # no gateway zone, or one without workers: every candidate is offered
+        reply = router.place(ask(PROMPT, zone=zone))
+        assert (reply.worker_id, reply.prefill_worker_id) == ("db", "pb")
+
+
+def test_a_decode_worker_without_kv_room_for_the_prompt_is_left_out() -> None:
+    router = placer()
+    registry = router.registry
+    registry.on_heartbeat(beat("p", "prefill"))
+    for w in ("roomy", "full"):
+        registry.on_heartbeat(beat(w, "decode", kv_capacity=10_000))
+    registry.on_load(load("full", running=0, kv_used=9_000, kv_capacity=10_000))
+    registry.on_load(load("roomy", running=10, kv_used=1_000, kv_capacity=10_000))
+    pairing = PairPolicy(registry, PairConfig(decode_kv_weight_s=0.0), random.Random(1))  # the load alone prefers "full"
+    request = ask(PROMPT)
+    for _ in range(5):
+        pair = pairing.choose(request, registry.candidates(request))
+        assert pair is not None and pair.decode.worker_id == "roomy"
+
+
 def test_both_halves_serve_the_adapter() -> None:
     router = placer()
     router.registry.on_heartbeat(beat("p-nolora", "prefill"))
