@@ -66,6 +66,20 @@ def test_the_prompt_is_computed_on_the_prefill_engine_and_the_answer_on_the_deco
     assert decode_after["sglang:generation_tokens_total"] - decode_before["sglang:generation_tokens_total"] >= 8
 
 
+def test_a_client_trace_reaches_both_engines(pd_platform: Platform) -> None:
+    """The trace context crosses the prefill hop too (decode worker → prefill worker, in NATS headers)."""
+    trace_id = secrets.token_hex(16)
+    pd_platform.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "trace me"}], max_tokens=2,
+        extra_headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+    for engine in ("engine-1", "engine-2"):
+        log = pd_platform.stack.get(engine).log_path
+        deadline = time.monotonic() + 5
+        while trace_id not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the trace never reached {engine}"
+            time.sleep(0.05)
+
+
 def test_usage_is_billed_once_with_the_cached_tokens_the_prefill_engine_saw(pd_platform: Platform) -> None:
     client = pd_platform.client()
     assert server_info(pd_platform, DECODE).get("disable_radix_cache") is True  # a decode engine caches nothing

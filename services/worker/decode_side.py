@@ -214,7 +214,7 @@ class DecodeSide:
                                   retryable=True, status=503)
             worker_id, placed = chosen
             current = PrefillTry(request, try_no, worker_id, m.prefill_rid(request, try_no))
-            accepted = await self._send(current, placed)
+            accepted = await self._send(current, placed, headers)
             if accepted is None or not accepted.accepted:
                 reason = accepted.reason if accepted is not None else "no answer"
                 PREFILL_TRIES.labels(f"refused_{reason}" if accepted is not None else "no_answer").inc()
@@ -298,13 +298,14 @@ class DecodeSide:
             return None
         return worker_id
 
-    async def _send(self, current: PrefillTry, placed: bool) -> m.PrefillAccepted | None:
+    async def _send(self, current: PrefillTry, placed: bool, headers: dict[str, str]) -> m.PrefillAccepted | None:
+        """The half to its prefill worker, with the request's trace context in the NATS headers."""
         s = self.worker.settings
         ask = m.PrefillRequest(request=current.request.on_wire(), bootstrap_room=current.room,
                                try_no=current.try_no, placed=placed)
         try:
             reply = await self.worker.replies.request(subjects.prefill_subject(current.worker_id, s.worker_id),
-                                                      m.encode(ask), s.liveness_timeout_s)
+                                                      m.encode(ask), s.liveness_timeout_s, headers=headers or None)
             return _accepted_decoder.decode(reply.data)
         except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
             # It may have taken it: tell it to drop it, whatever it did.

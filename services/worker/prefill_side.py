@@ -48,6 +48,7 @@ class Half:
 
     ask: m.PrefillRequest
     decode_token: str  # the decode worker's subject token
+    headers: dict[str, str] | None = None  # the request's trace context, from the decode worker
     task: asyncio.Task[None] | None = None
     aborted: bool = False
 
@@ -90,11 +91,11 @@ class PrefillSide:
             if half is not None and half.ask.try_no == message.try_no and half.decode_token == sender:
                 await self._abort(half, "decode worker gave it up")
             return
-        answer = self._admit(message, sender)
+        answer = self._admit(message, sender, msg.headers)
         if msg.reply:
             await msg.respond(m.encode(answer))
 
-    def _admit(self, ask: m.PrefillRequest, sender: str) -> m.PrefillAccepted:
+    def _admit(self, ask: m.PrefillRequest, sender: str, headers: dict[str, str] | None = None) -> m.PrefillAccepted:
         worker, request = self.worker, ask.request
         me = worker.settings.worker_id
         if ask.placed:
@@ -115,7 +116,7 @@ class PrefillSide:
         previous = self.halves.get(key)
         if previous is not None:  # an earlier try of the same attempt the decode worker gave up
             self.worker.background.spawn(self._abort(previous, "superseded by a new try"))
-        half = self.halves[key] = Half(ask, sender)
+        half = self.halves[key] = Half(ask, sender, headers)
         half.task = asyncio.ensure_future(self._run(half))
         worker.load_changed.set()
         return m.PrefillAccepted(accepted=True, worker_id=me, bootstrap_host=self.bootstrap_host,
@@ -129,7 +130,7 @@ class PrefillSide:
         done = m.PrefillDone(request_id=request.request_id, attempt=request.attempt, try_no=half.ask.try_no,
                              worker_id=worker.settings.worker_id, ok=False)
         try:
-            with tracing.span(tracer, "worker.prefill", None) as headers:
+            with tracing.span(tracer, "worker.prefill", half.headers) as headers:
                 if request.adapter:
                     await worker.adapters.ensure(request.adapter)
                 result = await worker.engine.prefill(request, headers, bootstrap=bootstrap, rid=half.rid)
