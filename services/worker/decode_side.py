@@ -201,6 +201,9 @@ class DecodeSide:
         hint = request.prefill_worker
         try_no = 0
         while True:
+            if entry.cancelled:  # the client left while its prefill was being arranged: billed as cancelled
+                yield cancelled_update()
+                return
             chosen = await self._choose(request, hint, avoid)
             hint = None
             if chosen is None:
@@ -220,8 +223,9 @@ class DecodeSide:
                 PREFILL_TRIES.labels(f"refused_{reason}" if accepted is not None else "no_answer").inc()
                 avoid.add(worker_id)
                 refused_full += reason == "full"
-                if accepted is not None and reason == "cancelled":
-                    raise EngineError("the request was cancelled", code="cancelled", status=499)
+                if accepted is not None and reason == "cancelled":  # its gateway's cancel reached the prefill worker first
+                    yield cancelled_update()
+                    return
                 continue
             entry.prefill_worker = worker_id
             key = (request.request_id, request.attempt)
@@ -256,6 +260,7 @@ class DecodeSide:
             if not prefill_choice.retry(code=code, got_first_token=got_token, cancelled=entry.cancelled, tries=try_no,
                                         now=time.time(), deadline=request.deadline):
                 if entry.cancelled:
+                    yield cancelled_update()
                     return
                 raise EngineError(f"prefill failed on {worker_id}: {why}", code="prefill_failed", retryable=True,
                                   status=503)
@@ -334,3 +339,7 @@ class DecodeSide:
             update.cached_tokens = result.cached_tokens
 
 
+def cancelled_update() -> EngineUpdate:
+    """How a request cancelled before its decode engine produced anything ends: as the engine's own
+    abort does (usage `cancelled`, nothing generated)."""
+    return EngineUpdate(finish={"type": "abort", "message": "cancelled"})
