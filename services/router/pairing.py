@@ -80,12 +80,6 @@ class Pair:
         return "local_prefill" if self.local else "aggregated"
 
 
-def is_disaggregated(candidates: list[WorkerView]) -> bool:
-    """Whether the fleet these candidates come from serves the model disaggregated (some worker
-    is a prefill or decode worker)."""
-    return any(view.role != "aggregated" for view in candidates)
-
-
 class PairPolicy:
     """Chooses pairs (and prefill workers for decode workers that ask) from the registry."""
 

@@ -12,7 +12,7 @@ from proto import messages as m
 from proto import subjects
 
 from .config import RoutingConfig
-from .pairing import Pair, PairPolicy, is_disaggregated
+from .pairing import Pair, PairPolicy
 from .policies import Policy, make_policy
 from .registry import WorkerRegistry, WorkerView
 from .zones import prefer_zone
@@ -36,7 +36,7 @@ class Placer:
         router service answers first and updates its view after, off the request's path)."""
         self.registry.adapter_slots.observe(request.adapter)
         found = self.registry.candidates(request)
-        if request.role == "prefill" or (found and is_disaggregated(found)):
+        if request.role == "prefill" or self.registry.disaggregated(request.model):
             return self._place_disaggregated(request, found, record)
         candidates = prefer_zone(found, request.zone)
         if not candidates:

@@ -128,6 +128,7 @@ class WorkerRegistry:
         # per placement.
         self._serving: dict[str, dict[str, WorkerView]] = {}
         self._eligible: dict[str, dict[str, WorkerView]] = {}
+        self._split: dict[str, set[str]] = {}  # model → its prefill and decode workers (`disaggregated`)
         self._aged_at = clock()
 
     def _refresh(self, view: WorkerView) -> None:
@@ -163,6 +164,11 @@ class WorkerRegistry:
         view.release = beat.release
         view.zone = beat.zone
         view.role = beat.role
+        split = self._split.setdefault(view.model, set())
+        if beat.role != "aggregated":
+            split.add(view.worker_id)
+        else:
+            split.discard(view.worker_id)
         view.local_prefill = beat.local_prefill
         view.kv_capacity_tokens = beat.kv_capacity_tokens or view.kv_capacity_tokens
         self._refresh(view)
@@ -180,6 +186,7 @@ class WorkerRegistry:
     def on_worker_gone(self, worker_id: str) -> None:
         view = self.workers.pop(worker_id, None)
         if view is not None:
+            self._split.get(view.model, set()).discard(worker_id)
             self._serving.get(view.model, {}).pop(worker_id, None)
             self._eligible.get(view.model, {}).pop(worker_id, None)
             for listener in self.listeners:
@@ -300,6 +307,10 @@ class WorkerRegistry:
         if request.release:  # a canary's split or a client's pin (inferbus.releases)
             found = split.workers_of(found, request.release, pinned=request.pinned)
         return found
+
+    def disaggregated(self, model: str) -> bool:
+        """Whether `model` has prefill or decode workers (placements are pairs: `pairing.py`)."""
+        return bool(self._split.get(model))
 
     def eligible(self, model: str) -> dict[str, WorkerView]:
         """Workers of `model` not draining and below the KV ceiling (liveness not checked)."""
