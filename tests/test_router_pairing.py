@@ -205,3 +205,15 @@ def test_aggregated_fleets_place_as_before() -> None:
     reply = router.place(ask(PROMPT))
     assert (reply.worker_id, reply.prefill_worker_id, reply.reason) == ("b", None, "affinity")
     assert reply.cached_blocks == len(PROMPT) // BLOCK
+
+
+def test_a_model_whose_prefill_and_decode_workers_are_gone_places_as_aggregated_again() -> None:
+    router = placer()
+    router.registry.on_heartbeat(beat("agg", "aggregated"))
+    router.registry.on_heartbeat(beat("p", "prefill"))
+    router.registry.on_heartbeat(beat("d", "decode"))
+    assert router.place(ask(PROMPT)).reason in ("pair", "aggregated")  # priced together
+    router.registry.on_worker_gone("p")
+    router.registry.on_worker_gone("d")
+    reply = router.place(ask(PROMPT))
+    assert (reply.worker_id, reply.reason) == ("agg", "affinity")  # the aggregated policy, as before
