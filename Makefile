@@ -94,9 +94,11 @@ bench-batch: install
 bench-lora: install
 	$(PY) -m bench.lora $(ARGS)
 
-# Aggregated against disaggregated on the same GPUs: live on simulated engines (~10 min); ARGS go to it.
+# Aggregated against disaggregated on the same GPUs, live on simulated engines: the Mooncake synthetic
+# and conversation traces, 4 H100 TP2 engines against 3 prefill + 1 decode (~15 min); ARGS go to both.
 bench-pd: install
-	$(PY) -m bench.pd_live $(ARGS)
+	$(PY) -m bench.pd_live --prefill 3 --load 0.5 $(ARGS)
+	$(PY) -m bench.pd_live --prefill 3 --load 0.5 --trace mooncake_conversation.jsonl --sample-families 1 --name pd_live_conversation $(ARGS)
 
 clean:
 	rm -rf $(VENV) .inferbus .accel

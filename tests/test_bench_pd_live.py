@@ -22,3 +22,4 @@ def test_goodput_counts_requests_within_both_slos_per_gpu_second() -> None:
     assert result["sim_seconds"] == 20.0
     assert abs(result["goodput_req_s_per_gpu"] - 2 / 20 / 4) < 1e-12
     assert abs(result["ttft_p90_s"] - 0.9) < 0.1 and result["hit_rate"] == 0.4
+    assert (result["within_ttft_share"], result["within_tpot_share"]) == (3 / 5, 3 / 5)
