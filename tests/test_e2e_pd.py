@@ -5,6 +5,7 @@ on this platform too; here, where each half ran, what is billed, and a cancel on
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import secrets
 import time
@@ -130,6 +131,29 @@ def test_n_choices_share_the_prefill_worker(pd_platform: Platform) -> None:
     assert len(response.choices) == 3 and response.usage is not None
     # Every choice's prompt went through the one prefill engine, the decode worker of choice 0 asking it.
     assert counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"] - before == 3 * response.usage.prompt_tokens
+
+
+def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
+    """Batch lines are pulled by the decode worker like any request; their prompts run on the prefill worker."""
+    client = pd_platform.client(timeout=30)
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Batch question {i}?"}], "max_tokens": 5}}
+             for i in range(6)]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    file_id = client.files.create(file=("input.jsonl", data), purpose="batch").id
+    before = counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"]
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 90
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts is not None and batch.request_counts.completed == 6
+    assert batch.output_file_id is not None
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines() if line.strip()]
+    assert sorted(o["custom_id"] for o in output) == [f"line-{i}" for i in range(6)]
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 5 for o in output)
+    assert counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"] - before == sum(
+        o["response"]["body"]["usage"]["prompt_tokens"] for o in output)
 
 
 def test_a_prefill_fleet_alone_serves_nothing(pd_platform: Platform) -> None:
