@@ -87,10 +87,21 @@ class BootstrapServer:
         self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         self.room_to_dp_rank: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # open keep-alive connections, cut on close
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with server._lock:
+                    server._connections.discard(self.connection)
+                super().finish()
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
                 logger.debug("bootstrap %s", format % args)
@@ -174,8 +185,14 @@ class BootstrapServer:
         return 200, json.dumps(rank).encode()
 
     def close(self) -> None:
+        """Stop serving and cut open connections, so peers see it gone (not a keep-alive that still answers)."""
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
 
 class DisaggEngineServer(SimEngineServer):
