@@ -272,10 +272,13 @@ class DisaggEngineServer(SimEngineServer):
             "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
             "enable_kv_cache_sharding": False, "prefill_http_port": self.config.port,
             "decode_allocation_policy": "early",
+            # Filled in by each decode engine for itself; SGLang's server sends them empty.
+            "target_tp_rank": None, "target_tp_ranks": None, "target_cp_ranks": None, "target_pp_ranks": None,
+            "required_dst_info_num": None, "required_prefill_response_num": None,
         }
 
     def _kv_dtype(self) -> str:
-        return "fp8_e4m3" if self.config.kv_cache_dtype == "fp8_e4m3" else "bfloat16"
+        return self.config.kv_cache_dtype  # SGLang reports its --kv-cache-dtype as given
 
     # ------------------------------------------------------------------ requests
 
@@ -691,7 +694,9 @@ class DisaggEngineServer(SimEngineServer):
         config = self.config
         payload.update({
             "disaggregation_mode": self.mode,
-            "disaggregation_transfer_backend": config.disaggregation_transfer_backend,
+            # SGLang resolves mooncake_tcp to mooncake with TCP forced, and reports the result.
+            "disaggregation_transfer_backend": ("mooncake" if config.disaggregation_transfer_backend == "mooncake_tcp"
+                                                else config.disaggregation_transfer_backend),
             "disaggregation_bootstrap_port": config.disaggregation_bootstrap_port,
             "disaggregation_ib_device": config.disaggregation_ib_device,
             "disaggregation_decode_enable_radix_cache": config.disaggregation_decode_enable_radix_cache,
