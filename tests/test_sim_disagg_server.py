@@ -18,6 +18,7 @@ import uvicorn
 from inferbus.local import free_port
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.disagg_server import DisaggEngineServer
+from services.sim_engine.openai_api import OpenAIRoutes
 from services.sim_engine.server import SimEngineServer
 
 from .test_sim_server import parse_events
@@ -33,6 +34,7 @@ class served:
     def __init__(self, **settings: Any) -> None:
         config = EngineConfig(**{**FAST, "port": free_port(), **settings})
         self.server = (DisaggEngineServer(config) if config.disaggregation_mode != "null" else SimEngineServer(config))
+        OpenAIRoutes(self.server)  # as create_app does
         self.port = config.port
 
     async def start(self) -> served:
@@ -145,6 +147,10 @@ async def test_a_request_without_a_room_is_refused_as_sglang():
             streamed = await role.client.post("/generate", json={"text": "hi", "rid": "y", "stream": True})
             event = json.loads(parse_events(streamed.text)[0])
             assert event["meta_info"]["finish_reason"]["status_code"] == 400
+            # The OpenAI-compatible endpoints take no bootstrap trio: refused the same way.
+            completion = await role.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert completion.status_code == 400
+            assert "without bootstrap room id" in completion.json()["error"]["message"]
         # Health checks go through (SGLang sends them with its fake bootstrap host).
         assert (await pd.prefill.client.get("/health")).status_code == 200
         assert (await pd.decode.client.get("/health")).status_code == 200
