@@ -315,3 +315,20 @@ async def test_fake_backend_decodes_without_a_prefill():
     async with served(disaggregation_mode="decode", disaggregation_transfer_backend="fake").start_context() as decode:
         response = await decode.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
         assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] == 3
+
+
+async def test_a_decode_engine_with_its_own_cache_is_sent_only_what_it_lacks():
+    async with pair(decode={"disaggregation_decode_enable_radix_cache": True}) as pd:
+        first = await pd.generate(pd.body(rid="a"))
+        whole = pd.prefill.server.prefill_rooms.last_transfer
+        assert pd.decode.server.engine.cache.cached_tokens > 0  # it caches (and publishes) prompt and output
+        second = await pd.generate(pd.body(rid="b"))
+        part = pd.prefill.server.prefill_rooms.last_transfer
+        prompt = first[0].json()["meta_info"]["prompt_tokens"]
+        assert whole is not None and part is not None
+        assert whole[1] == prompt * 163_840
+        # The decode engine held the prompt's full 16-token blocks but the last: only the rest came.
+        held = (prompt - 1) // 16 * 16
+        assert part[1] == (prompt - held) * 163_840
+        assert second[1].json()["output_ids"] == first[1].json()["output_ids"]
+        assert pd.decode.server.engine.cache.used_tokens == pd.decode.server.engine.cache.cached_tokens
