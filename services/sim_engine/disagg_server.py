@@ -87,10 +87,21 @@ class BootstrapServer:
         self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         self.room_to_dp_rank: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # open keep-alive connections, cut on close
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with server._lock:
+                    server._connections.discard(self.connection)
+                super().finish()
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
                 logger.debug("bootstrap %s", format % args)
@@ -174,8 +185,14 @@ class BootstrapServer:
         return 200, json.dumps(rank).encode()
 
     def close(self) -> None:
+        """Stop serving and cut open connections, so peers see it gone (not a keep-alive that still answers)."""
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
 
 class DisaggEngineServer(SimEngineServer):
@@ -255,10 +272,13 @@ class DisaggEngineServer(SimEngineServer):
             "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
             "enable_kv_cache_sharding": False, "prefill_http_port": self.config.port,
             "decode_allocation_policy": "early",
+            # Filled in by each decode engine for itself; SGLang's server sends them empty.
+            "target_tp_rank": None, "target_tp_ranks": None, "target_cp_ranks": None, "target_pp_ranks": None,
+            "required_dst_info_num": None, "required_prefill_response_num": None,
         }
 
     def _kv_dtype(self) -> str:
-        return "fp8_e4m3" if self.config.kv_cache_dtype == "fp8_e4m3" else "bfloat16"
+        return self.config.kv_cache_dtype  # SGLang reports its --kv-cache-dtype as given
 
     # ------------------------------------------------------------------ requests
 
@@ -674,7 +694,9 @@ class DisaggEngineServer(SimEngineServer):
         config = self.config
         payload.update({
             "disaggregation_mode": self.mode,
-            "disaggregation_transfer_backend": config.disaggregation_transfer_backend,
+            # SGLang resolves mooncake_tcp to mooncake with TCP forced, and reports the result.
+            "disaggregation_transfer_backend": ("mooncake" if config.disaggregation_transfer_backend == "mooncake_tcp"
+                                                else config.disaggregation_transfer_backend),
             "disaggregation_bootstrap_port": config.disaggregation_bootstrap_port,
             "disaggregation_ib_device": config.disaggregation_ib_device,
             "disaggregation_decode_enable_radix_cache": config.disaggregation_decode_enable_radix_cache,
