@@ -217,3 +217,22 @@ def test_a_model_whose_prefill_and_decode_workers_are_gone_places_as_aggregated_
     router.registry.on_worker_gone("d")
     reply = router.place(ask(PROMPT))
     assert (reply.worker_id, reply.reason) == ("agg", "affinity")  # the aggregated policy, as before
+
+
+def test_the_kv_transfer_is_priced_on_the_prefill_workers_link() -> None:
+    from inferbus.timing import kv_link
+
+    router = placer()
+    registry = router.registry
+    registry.on_heartbeat(beat("p", "prefill"))
+    registry.on_heartbeat(beat("d", "decode", local_prefill=True))
+    registry.on_load(load("d", running=10))  # a busy decode worker: on a fast link the prefill worker wins
+    request = ask(list(range(800)))
+    fast = PairPolicy(registry, PairConfig(link=kv_link("nvlink")), random.Random(1))
+    slow = PairPolicy(registry, PairConfig(link=kv_link("rdma", 0.05)), random.Random(1))  # 50 MB/s
+    view = registry.workers["p"]
+    assert fast.transfer_s(request, view) < 0.001 < 1.0 < slow.transfer_s(request, view)
+    pair = fast.choose(request, registry.candidates(request))
+    assert pair is not None and pair.prefill is not None
+    pair = slow.choose(request, registry.candidates(request))  # moving the KV costs more than the stall
+    assert pair is not None and pair.local

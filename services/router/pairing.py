@@ -32,22 +32,21 @@ import math
 import random
 from dataclasses import dataclass
 
-from inferbus.timing import LLAMA_70B
+from inferbus.timing import KV_LINKS, KvLink
 from proto import messages as m
 
 from .registry import WorkerRegistry, WorkerView
 from .zones import prefer_zone
 
-# A link of 50 GB/s (400 Gb/s RDMA between nodes; NVLink inside a node is faster) moving the FP8 KV
-# of a 70B-class model (163,840 bytes per token): about 305,000 tokens per second.
-DEFAULT_LINK_BYTES_PER_S = 50e9
-DEFAULT_TRANSFER_TOKENS_PER_S = DEFAULT_LINK_BYTES_PER_S / LLAMA_70B.kv_bytes_per_token
+DEFAULT_TP = 2  # a prefill worker that does not report its tensor-parallel width
 
 
 @dataclass(frozen=True)
 class PairConfig:
-    # Prompt tokens of KV the link between a prefill and a decode engine moves per second.
-    transfer_tokens_per_s: float = DEFAULT_TRANSFER_TOKENS_PER_S
+    # The link a prefill engine sends a prompt's KV to its decode engine over (the timing model's, as
+    # the simulated engine and the planner price it): RDMA between nodes by default, one 400 Gb/s
+    # NIC per GPU; NVLink inside a node.
+    link: KvLink = KV_LINKS["rdma"]
     # Cost (seconds) of a decode worker whose KV cache the request would fill: a full cache makes
     # the engine retract running requests or keep the new one waiting.
     decode_kv_weight_s: float = 0.5
@@ -125,10 +124,11 @@ class PairPolicy:
         """Whether `view`'s KV cache can take the prompt now (unknown capacity: assumed so)."""
         return not view.kv_capacity_tokens or view.kv_used_tokens + request.prompt_tokens <= view.kv_capacity_tokens
 
-    def transfer_s(self, request: m.PlacementRequest) -> float:
+    def transfer_s(self, request: m.PlacementRequest, prefill: WorkerView) -> float:
         """Moving the prompt's KV from the prefill engine to the decode engine: every prompt token's
-        KV goes, cached or not (the decode engine holds none of it)."""
-        return request.prompt_tokens / self.config.transfer_tokens_per_s
+        KV goes, cached or not (a decode engine without a prefix cache holds none of it), each of
+        the prefill's GPUs sending its share on its own link."""
+        return self.config.link.transfer_s(request.prompt_tokens, prefill.tp or DEFAULT_TP)
 
     def local_cost(self, request: m.PlacementRequest, view: WorkerView, matched: dict[str, int]) -> float | None:
         """A decode worker computing the prompt itself (seconds), or None where it may not: it
@@ -171,7 +171,6 @@ class PairPolicy:
         options: list[Pair] = []
         if decodes:
             prefill_costs = dict(zip((v.worker_id for v in prefills), self.prefill_costs(request, prefills, matched)))
-            transfer = self.transfer_s(request)
             # The best prefill worker per zone: a pair's two halves share one zone while it has both.
             best_prefill: dict[str, WorkerView] = {}
             for view in prefills:
@@ -184,7 +183,7 @@ class PairPolicy:
                 decode_s = self.decode_cost(request, decode)
                 remote = None
                 if prefill is not None:
-                    remote = prefill_costs[prefill.worker_id] + transfer + decode_s
+                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill) + decode_s
                 local = self.local_cost(request, decode, matched)
                 if local is not None and (remote is None or local + decode_s < remote):
                     options.append(Pair(decode, None, matched.get(decode.worker_id, 0), local=True,

@@ -12,7 +12,7 @@ from proto import messages as m
 from proto import subjects
 
 from .config import RoutingConfig
-from .pairing import Pair, PairPolicy
+from .pairing import Pair, PairConfig, PairPolicy
 from .policies import Policy, make_policy
 from .registry import WorkerRegistry, WorkerView
 from .zones import prefer_zone
@@ -119,8 +119,11 @@ class Placer:
 
 
 def make_placer(
-    name: str, clock: Callable[[], float], config: RoutingConfig | None = None, rng: random.Random | None = None
+    name: str, clock: Callable[[], float], config: RoutingConfig | None = None, rng: random.Random | None = None,
+    pair_config: PairConfig | None = None,
 ) -> Placer:
-    """A registry and the policy `name` (affinity, least_loaded or round_robin) placing from it."""
+    """A registry and the policy `name` (affinity, least_loaded or round_robin) placing from it;
+    on a disaggregated fleet, pairs (`pairing.py`, with `pair_config`)."""
     registry = WorkerRegistry(clock, config)
-    return Placer(registry, make_policy(name, registry, rng))
+    policy = make_policy(name, registry, rng)
+    return Placer(registry, policy, PairPolicy(registry, pair_config, policy.rng))

@@ -42,6 +42,7 @@ class WorkerView:
     role: str = "aggregated"  # prefill/decode disaggregation (`m.Role`); pairs are chosen in `pairing.py`
     local_prefill: bool = False  # a decode worker whose engine can also compute a prompt
     kv_capacity_tokens: int = 0  # its engine's KV cache (0: unknown)
+    tp: int = 0  # its engine's tensor-parallel width (0: unknown)
     reported_load: int = 0  # running + waiting in the engine at the last report
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
@@ -170,6 +171,7 @@ class WorkerRegistry:
         else:
             split.discard(view.worker_id)
         view.local_prefill = beat.local_prefill
+        view.tp = beat.tp
         view.kv_capacity_tokens = beat.kv_capacity_tokens or view.kv_capacity_tokens
         self._refresh(view)
 

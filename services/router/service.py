@@ -28,6 +28,7 @@ from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
+from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects
 
@@ -35,6 +36,7 @@ from . import recovery
 from .adapter_prefetch import Prefetcher, PrefetchWorker
 from .canary import CanaryService
 from .config import RoutingConfig
+from .pairing import PairConfig
 from .placement import make_placer
 from .settings import RouterSettings
 
@@ -78,7 +80,11 @@ class Router:
             share_granularity=settings.share_granularity,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )
-        self.placer = make_placer(settings.policy, time.monotonic, config)
+        try:
+            link = kv_link(settings.kv_link)
+        except ValueError as error:
+            raise SystemExit(f"INFERBUS_ROUTER_KV_LINK: {error}") from None
+        self.placer = make_placer(settings.policy, time.monotonic, config, pair_config=PairConfig(link=link))
         self.registry = self.placer.registry
         self._resync_asked: dict[str, float] = {}
         self._preloads: dict[tuple[str, str], float] = {}
