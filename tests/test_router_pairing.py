@@ -59,7 +59,7 @@ def test_prefill_by_prefix_cache_and_decode_by_load_not_the_other_way() -> None:
     for w, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
         router.registry.on_heartbeat(beat(w, role))
     cache(router, "p2", PROMPT)  # the prefill side's cache is the one that counts
-    cache(router, "d1", PROMPT)  # a decode engine's cache does not make it a better decode choice
+    cache(router, "d1", PROMPT)  # a decode engine's cache saves only the transfer (ms), not its load
     router.registry.on_load(load("d1", running=8))
     router.registry.on_load(load("d2", running=1))
     reply = router.place(ask(PROMPT))
@@ -236,3 +236,21 @@ def test_the_kv_transfer_is_priced_on_the_prefill_workers_link() -> None:
     assert pair is not None and pair.prefill is not None
     pair = slow.choose(request, registry.candidates(request))  # moving the KV costs more than the stall
     assert pair is not None and pair.local
+
+
+def test_a_decode_engine_with_its_own_prefix_cache_is_sent_less_kv() -> None:
+    from inferbus.timing import kv_link
+
+    router = placer()
+    registry = router.registry
+    registry.on_heartbeat(beat("p", "prefill"))
+    for w in ("d-cached", "d-cold"):
+        registry.on_heartbeat(beat(w, "decode"))
+    cache(router, "d-cached", PROMPT)  # a decode engine started with a radix cache publishes its blocks
+    slow = PairPolicy(registry, PairConfig(link=kv_link("rdma", 1.0)), random.Random(1))  # 1 GB/s: KV is dear
+    request = ask(PROMPT)
+    view = registry.workers["p"]
+    assert slow.transfer_s(request, view, decode_cached=len(PROMPT)) < 0.01 < slow.transfer_s(request, view)
+    for _ in range(5):
+        pair = slow.choose(request, registry.candidates(request))
+        assert pair is not None and pair.decode.worker_id == "d-cached"

@@ -124,11 +124,12 @@ class PairPolicy:
         """Whether `view`'s KV cache can take the prompt now (unknown capacity: assumed so)."""
         return not view.kv_capacity_tokens or view.kv_used_tokens + request.prompt_tokens <= view.kv_capacity_tokens
 
-    def transfer_s(self, request: m.PlacementRequest, prefill: WorkerView) -> float:
-        """Moving the prompt's KV from the prefill engine to the decode engine: every prompt token's
-        KV goes, cached or not (a decode engine without a prefix cache holds none of it), each of
-        the prefill's GPUs sending its share on its own link."""
-        return self.config.link.transfer_s(request.prompt_tokens, prefill.tp or DEFAULT_TP)
+    def transfer_s(self, request: m.PlacementRequest, prefill: WorkerView, decode_cached: int = 0) -> float:
+        """Moving the prompt's KV from the prefill engine to the decode engine, each of the prefill's
+        GPUs sending its share on its own link: every prompt token's KV, cached on the prefill side
+        or not, except what the decode engine's own prefix cache holds (`decode_cached` tokens;
+        SGLang's decode engines keep none unless started with a radix cache)."""
+        return self.config.link.transfer_s(max(0, request.prompt_tokens - decode_cached), prefill.tp or DEFAULT_TP)
 
     def local_cost(self, request: m.PlacementRequest, view: WorkerView, matched: dict[str, int]) -> float | None:
         """A decode worker computing the prompt itself (seconds), or None where it may not: it
@@ -183,7 +184,8 @@ class PairPolicy:
                 decode_s = self.decode_cost(request, decode)
                 remote = None
                 if prefill is not None:
-                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill) + decode_s
+                    held = self.registry.config.block_size * matched.get(decode.worker_id, 0)
+                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill, held) + decode_s
                 local = self.local_cost(request, decode, matched)
                 if local is not None and (remote is None or local + decode_s < remote):
                     options.append(Pair(decode, None, matched.get(decode.worker_id, 0), local=True,
