@@ -175,8 +175,8 @@ class PairPolicy:
             # The best prefill worker per zone: a pair's two halves share one zone while it has both.
             best_prefill: dict[str, WorkerView] = {}
             for view in prefills:
-                held = best_prefill.get(view.zone)
-                if held is None or prefill_costs[view.worker_id] < prefill_costs[held.worker_id]:
+                best = best_prefill.get(view.zone)
+                if best is None or prefill_costs[view.worker_id] < prefill_costs[best.worker_id]:
                     best_prefill[view.zone] = view
             overall = min(prefills, key=lambda v: prefill_costs[v.worker_id]) if prefills else None
             for decode in decodes:
@@ -184,8 +184,8 @@ class PairPolicy:
                 decode_s = self.decode_cost(request, decode)
                 remote = None
                 if prefill is not None:
-                    held = self.registry.config.block_size * matched.get(decode.worker_id, 0)
-                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill, held) + decode_s
+                    cached_there = self.registry.config.block_size * matched.get(decode.worker_id, 0)
+                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill, cached_there) + decode_s
                 local = self.local_cost(request, decode, matched)
                 if local is not None and (remote is None or local + decode_s < remote):
                     options.append(Pair(decode, None, matched.get(decode.worker_id, 0), local=True,
