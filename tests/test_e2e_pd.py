@@ -156,6 +156,26 @@ def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
         o["response"]["body"]["usage"]["prompt_tokens"] for o in output)
 
 
+def test_a_lora_adapters_request_runs_with_the_adapter_on_both_engines(pd_platform: Platform) -> None:
+    digest = "sha256:" + "cd" * 32
+    with pd_platform.admin() as admin:
+        created = admin.post("/adapters", json={"name": "pd-bot", "version": digest, "path": "s3://ok/pd-bot"})
+        assert created.status_code == 201, created.text
+    client = pd_platform.client(timeout=60)
+    deadline = time.monotonic() + 10
+    while "pd-bot" not in {card.id for card in client.models.list().data}:
+        assert time.monotonic() < deadline, "the adapter was never listed"
+        time.sleep(0.1)
+    raw = client.completions.with_raw_response.create(model="pd-bot", prompt="hello adapter " * 30, max_tokens=4)
+    assert raw.parse().choices[0].text
+    engine_name = "pd-bot@" + "cd" * 6
+    for engine in (PREFILL, DECODE):  # each half ran with it: each engine has it loaded
+        listed = {entry["id"] for entry in httpx.get(pd_platform.engine_url(engine) + "/v1/models").json()["data"]}
+        assert engine_name in listed, (engine, listed)
+    [event] = read_usage(pd_platform, "demo", {raw.headers["x-request-id"]})
+    assert event.adapter == engine_name and event.usage.completion_tokens == 4
+
+
 def test_a_prefill_fleet_alone_serves_nothing(pd_platform: Platform) -> None:
     """Only decode (and aggregated) workers take requests: without them the gateway is not ready."""
     decode = pd_platform.stack.get("worker-2")

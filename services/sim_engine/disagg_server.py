@@ -65,6 +65,9 @@ logger = logging.getLogger("inferbus.sim_engine.disagg")
 
 MAINTENANCE_INTERVAL_S = 0.25  # how often timeouts are checked
 HEARTBEAT_TIMEOUT_S = 3.0  # SGLang's heartbeat request timeout (connect 2 s, read 3 s)
+# SGLang's fake bootstrap host (disaggregation/utils.py): a request that names it has no peer, its KV
+# transfer is faked on either role (its warm-up and health checks; a client may send one too).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -285,6 +288,10 @@ class DisaggEngineServer(SimEngineServer):
     def _submit(self, request: Request, stream_interval: int, internal: bool = False,
                 bootstrap: Bootstrap | None = None) -> _Stream:
         if internal:  # health checks: SGLang sends them with its fake bootstrap host, no peer involved
+            return super()._submit(request, stream_interval, internal)
+        if bootstrap is not None and bootstrap.host == FAKE_BOOTSTRAP_HOST:  # computed alone, as SGLang's fake sender/receiver
+            if self.mode == "prefill":
+                request.sampling = msgspec.structs.replace(request.sampling, max_new_tokens=1, min_new_tokens=0)
             return super()._submit(request, stream_interval, internal)
         if bootstrap is None and self.fake:  # SGLang numbers fake rooms itself
             bootstrap = Bootstrap(None, None, self._fake_rooms)

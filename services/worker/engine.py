@@ -5,6 +5,7 @@ The simulated engine serves the same API, so this client cannot tell them apart.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,10 +223,18 @@ class StreamReader:
         return None
 
 
+# SGLang's fake bootstrap host: a prefill or decode engine computes a request naming it alone, its KV
+# transfer faked (what SGLang's own warm-up sends), so a probe needs no peer engine.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
 class EngineClient:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
         self._pool: ConnectionPool | None = None
+        # A prefill or decode engine (SGLang's PD mode) refuses a request without a bootstrap room:
+        # its probes name the fake bootstrap host.
+        self.disaggregated = False
 
     async def start(self) -> None:
         self._pool = ConnectionPool(self.base_url)
@@ -344,6 +353,9 @@ class EngineClient:
         body: dict[str, Any] = {"text": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if lora_name:
             body["lora_path"] = lora_name
+        if self.disaggregated:
+            body.update(bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_port=None,
+                        bootstrap_room=secrets.randbits(63))
         status, raw = await self._call("POST", "/generate", body)
         if status != 200:
             raise _http_error(status, raw)

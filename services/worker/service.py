@@ -171,6 +171,7 @@ class Worker:
             self.role = resolve_role(s.role, self.engine_info)
         except ValueError as error:
             raise SystemExit(f"worker: {error}") from None
+        self.engine.disaggregated = self.role != "aggregated"
         if s.engine_image_check not in ("auto", "kubernetes", "off"):
             raise SystemExit(f"worker: INFERBUS_ENGINE_IMAGE_CHECK must be auto, kubernetes or off, not {s.engine_image_check!r}")
         access = engine_image.pod_access(s.k8s_api_url, s.pod_name, s.pod_namespace)
