@@ -138,9 +138,6 @@ class PrefillSide:
                                            cached_tokens=result.cached_tokens,
                                            code="" if not half.aborted else "prefill_aborted")
             worker.gpu.progress()
-            if request.band != "batch" and request.attempt == 0 and not request.pinned:
-                # The prefill pool's time to first token: the gateway's accept to the KV sent.
-                worker.stats.observe_ttft(time.time() - request.created)
         except EngineError as error:
             if error.code == "engine_unavailable":
                 worker.watch.down(str(error))
