@@ -309,8 +309,10 @@ class DisaggEngineServer(SimEngineServer):
         return stream
 
     def _refused(self, request: Request, stream_interval: int, message: str) -> _Stream:
-        """A request SGLang's scheduler refuses after accepting it: one abort with status 400."""
+        """A request SGLang's scheduler refuses after accepting it: one abort with status 400 (its
+        prompt swapped for a one-token stub, so `prompt_tokens` is 1, as SGLang reports it)."""
         stream = _Stream(time.monotonic(), stream_interval, False)
+        request.input_ids = request.input_ids[:1]
         request.finish_reason = abort_reason(message, 400)
         stream.queue.put_nowait(RequestUpdate(request, "", 0, request.finish_reason))
         return stream

@@ -249,10 +249,18 @@ async def test_a_streamed_request_through_the_pair(pair: Pair, http: httpx.Async
 
 async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
     for role in (pair.prefill, pair.decode):
-        response = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": f"no-room-{role.name}"})
-        assert response.status_code == 400
-        assert response.json()["error"]["message"] == (
-            f"Invalid request: Disaggregated request received without bootstrap room id. req.rid='no-room-{role.name}'")
+        rid = f"no-room-{role.name}"
+        message = f"Invalid request: Disaggregated request received without bootstrap room id. req.rid='{rid}'"
+        response = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": rid})
+        assert response.status_code == 400 and response.json()["error"]["message"] == message
+        # Streamed: the scheduler's abort, in-band, with the status (and the prompt swapped for a stub).
+        streamed = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": rid + "-s", "stream": True})
+        events = [f[len("data: "):] for f in streamed.text.split("\n\n") if f]
+        assert streamed.status_code == 200 and events[-1] == "[DONE]" and len(events) == 2
+        meta = json.loads(events[0])["meta_info"]
+        assert meta["finish_reason"] == {"type": "abort", "message": message.replace(rid, rid + "-s"), "status_code": 400,
+                                         "err_type": None}
+        assert meta["prompt_tokens"] == 1 and meta["completion_tokens"] == 0
 
 
 async def test_a_decode_abort_fails_the_prefill_waiting_for_it(pair: Pair, http: httpx.AsyncClient):
@@ -270,6 +278,8 @@ async def test_a_decode_abort_fails_the_prefill_waiting_for_it(pair: Pair, http:
                     and d["disaggregation"]["decode_prealloc_queue_reqs"] == 1)
 
     assert await until(both_waiting), "the pair never waited for the decode engine's KV"
+    # SGLang counts both queues as waiting requests.
+    assert (await loads(http, pair.prefill))["num_waiting_reqs"] == (await loads(http, pair.decode))["num_waiting_reqs"] == 1
     await http.post(pair.decode.url + "/abort_request", json={"rid": "pd-decode-abort"})
     prefill, decode = await asyncio.wait_for(requests, 60)
     assert decode.status_code == 500 and decode.json()["message"] == (
@@ -353,17 +363,35 @@ async def test_kv_events_come_from_the_prefill_engine_only(pair: Pair, http: htt
         context.term()
 
 
+async def _transferring(http: httpx.AsyncClient, pair: Pair) -> bool:
+    load = await loads(http, pair.decode)
+    return bool(load["disaggregation"]["decode_transfer_queue_reqs"] == 1)
+
+
+async def test_a_decode_abort_while_its_kv_is_awaited(pair: Pair, http: httpx.AsyncClient):
+    body = pair.body(rid="pd-late-abort")
+    room = body["bootstrap_room"]
+    # Only the decode side gets the request: it reserves KV, says where it goes, and waits.
+    waiting = asyncio.ensure_future(http.post(pair.decode.url + "/generate", json=body))
+    assert await until(lambda: _transferring(http, pair)), "the decode engine never waited for the KV"
+    load = await loads(http, pair.decode)
+    assert load["num_used_tokens"] >= 1 and load["num_waiting_reqs"] == 1  # the reservation, the transfer queue
+    await http.post(pair.decode.url + "/abort_request", json={"rid": "pd-late-abort"})
+    response = await asyncio.wait_for(waiting, 60)
+    assert response.status_code == 500 and response.json()["message"] == (
+        f"Decode transfer failed for request rank=0 decode_req.req.rid='pd-late-abort' decode_req.req.bootstrap_room="
+        f"{room} with exception KVTransferError(bootstrap_room={room}): Aborted by AbortReq.")
+    assert await until(lambda: _idle(http, pair)), "the decode engine still holds the aborted request"
+    assert (await loads(http, pair.decode))["num_used_tokens"] == 0
+
+
 async def test_a_dead_prefill_fails_the_decode_sides_requests(pair: Pair, http: httpx.AsyncClient):
     """Last: it kills the prefill engine."""
     body = pair.body(rid="pd-orphan")
     room = body["bootstrap_room"]
     # Only the decode side gets the request: it reserves KV, says where it goes, and waits.
     waiting = asyncio.ensure_future(http.post(pair.decode.url + "/generate", json=body))
-
-    async def transferring() -> bool:
-        return bool((await loads(http, pair.decode))["disaggregation"]["decode_transfer_queue_reqs"] == 1)
-
-    assert await until(transferring), "the decode engine never waited for the KV"
+    assert await until(lambda: _transferring(http, pair)), "the decode engine never waited for the KV"
     assert pair.prefill.process is not None
     os.killpg(pair.prefill.process.pid, signal.SIGKILL)
     pair.prefill.process.wait()
