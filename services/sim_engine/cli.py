@@ -133,8 +133,8 @@ from .profile_table import load_npz
               help="Decode role: KV tokens held back per running or arriving request when reserving KV for a "
                    "transfer (SGLang's flag).")
 @click.option("--kv-transfer-link", type=click.Choice(["rdma", "nvlink"]), default="rdma", show_default=True,
-              help="Simulated: the link the prefill sends KV over, per GPU: RDMA between nodes (400 Gb/s NIC, "
-                   "50 GB/s) or NVLink inside one (450 GB/s); 80% of it achieved.")
+              help="Simulated: the link the prefill sends KV over, per GPU and one way: RDMA between nodes "
+                   "(a 400 Gb/s port, 50 GB/s) or NVLink inside one (450 GB/s); the side with fewer GPUs sets the pace.")
 @click.option("--kv-transfer-bandwidth", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Simulated: the link's nominal GB/s per GPU, replacing the link's own.")
 @click.option("--disable-radix-cache", is_flag=True, help="No prefix cache: nothing is matched or published (SGLang's flag).")
