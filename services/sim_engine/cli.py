@@ -126,6 +126,10 @@ from .profile_table import load_npz
               help="SGLang's KV transfer backend name. Only 'fake' changes the simulation: a decode engine then "
                    "needs no prefill (a prefill engine refuses it, as SGLang).")
 @click.option("--disaggregation-ib-device", default=None, help="Accepted for SGLang compatibility; nothing to select here.")
+@click.option("--disaggregation-decode-retraction-backup", type=click.Choice(["cpu_tensor", "host_pool", "none"]),
+              default=None,
+              help="Accepted and reported for SGLang compatibility (where SGLang keeps a retracted decode request's KV); "
+                   "the simulated engine recomputes a retracted request.")
 @click.option("--disaggregation-decode-enable-radix-cache", is_flag=True,
               help="Decode role: keep a prefix cache (off by default, as SGLang), publish its events, and have the "
                    "prefill send only what it does not hold.")
@@ -187,6 +191,7 @@ def sim_engine_command(
     disaggregation_bootstrap_port: int,
     disaggregation_transfer_backend: str,
     disaggregation_ib_device: str | None,
+    disaggregation_decode_retraction_backup: str | None,
     disaggregation_decode_enable_radix_cache: bool,
     num_reserved_decode_tokens: int,
     kv_transfer_link: str,
@@ -241,6 +246,7 @@ def sim_engine_command(
             disaggregation_bootstrap_port=disaggregation_bootstrap_port,
             disaggregation_transfer_backend=disaggregation_transfer_backend,
             disaggregation_ib_device=disaggregation_ib_device,
+            disaggregation_decode_retraction_backup=disaggregation_decode_retraction_backup,
             disaggregation_decode_enable_radix_cache=disaggregation_decode_enable_radix_cache,
             num_reserved_decode_tokens=num_reserved_decode_tokens,
             kv_transfer_link=kv_transfer_link,

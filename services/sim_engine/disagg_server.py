@@ -309,10 +309,8 @@ class DisaggEngineServer(SimEngineServer):
         return stream
 
     def _refused(self, request: Request, stream_interval: int, message: str) -> _Stream:
-        """A request SGLang's scheduler refuses after accepting it: one abort with status 400 (its
-        prompt swapped for a one-token stub, so `prompt_tokens` is 1, as SGLang reports it)."""
+        """A request SGLang's scheduler refuses after accepting it: one abort with status 400."""
         stream = _Stream(time.monotonic(), stream_interval, False)
-        request.input_ids = request.input_ids[:1]
         request.finish_reason = abort_reason(message, 400)
         stream.queue.put_nowait(RequestUpdate(request, "", 0, request.finish_reason))
         return stream
@@ -701,6 +699,7 @@ class DisaggEngineServer(SimEngineServer):
                                                 else config.disaggregation_transfer_backend),
             "disaggregation_bootstrap_port": config.disaggregation_bootstrap_port,
             "disaggregation_ib_device": config.disaggregation_ib_device,
+            "disaggregation_decode_retraction_backup": config.disaggregation_decode_retraction_backup,
             "disaggregation_decode_enable_radix_cache": config.disaggregation_decode_enable_radix_cache,
             "disaggregation_decode_allocation_policy": "early",
             "num_reserved_decode_tokens": config.num_reserved_decode_tokens,

@@ -87,6 +87,8 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
               tmp: Path) -> tuple[list[str], dict[str, str]]:
     events = json.dumps({"publisher": "zmq", "endpoint": kv_events, "bind": True})
     pd = ["--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if role == "decode":  # SGLang's default backup pool registers host memory with CUDA
+        pd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     if kind == "sglang":
         home, models = sglang_paths()
         argv = [
@@ -96,8 +98,6 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--skip-server-warmup", "--kv-events-config", events,
             *pd, "--disaggregation-transfer-backend", "mooncake_tcp",
         ]
-        if role == "decode":
-            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
         env = dict(os.environ)
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(home / "cuda-stub"), env.get("LD_LIBRARY_PATH")]))
@@ -209,6 +209,7 @@ async def test_each_engine_reports_its_role(pair: Pair, http: httpx.AsyncClient)
     # SGLang turns the prefix cache off on a decode engine; the prefill keeps its own.
     assert prefill["disable_radix_cache"] is False and decode["disable_radix_cache"] is True
     assert decode["num_reserved_decode_tokens"] == 512
+    assert decode["disaggregation_decode_retraction_backup"] == "cpu_tensor"
     assert (await http.get(pair.decode.url + "/model_info")).json()["disaggregation_mode"] == "decode"
     assert (await loads(http, pair.decode))["disaggregation"]["mode"] == "decode"
     assert (await loads(http, pair.prefill))["disaggregation"]["mode"] == "prefill"
@@ -248,19 +249,21 @@ async def test_a_streamed_request_through_the_pair(pair: Pair, http: httpx.Async
 
 
 async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
+    prefill, _ = await both(http, pair, pair.body(rid="pd-counted"))
+    prompt_tokens = prefill.json()["meta_info"]["prompt_tokens"]
     for role in (pair.prefill, pair.decode):
         rid = f"no-room-{role.name}"
         message = f"Invalid request: Disaggregated request received without bootstrap room id. req.rid='{rid}'"
         response = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": rid})
         assert response.status_code == 400 and response.json()["error"]["message"] == message
-        # Streamed: the scheduler's abort, in-band, with the status (and the prompt swapped for a stub).
+        # Streamed: the scheduler's abort, in-band, with the status.
         streamed = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": rid + "-s", "stream": True})
         events = [f[len("data: "):] for f in streamed.text.split("\n\n") if f]
         assert streamed.status_code == 200 and events[-1] == "[DONE]" and len(events) == 2
         meta = json.loads(events[0])["meta_info"]
         assert meta["finish_reason"] == {"type": "abort", "message": message.replace(rid, rid + "-s"), "status_code": 400,
                                          "err_type": None}
-        assert meta["prompt_tokens"] == 1 and meta["completion_tokens"] == 0
+        assert meta["prompt_tokens"] == prompt_tokens and meta["completion_tokens"] == 0
 
 
 async def test_a_decode_abort_fails_the_prefill_waiting_for_it(pair: Pair, http: httpx.AsyncClient):
