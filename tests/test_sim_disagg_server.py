@@ -195,7 +195,7 @@ async def test_the_kv_transfer_takes_the_links_time():
         assert section["kv_transfer_speed_gb_s"] == pytest.approx(tokens * 163_840 / link_s / 1e9, rel=0.01)
 
 
-SLOW_PREFILL = {"fixed_step_ms": 100.0, "time_scale": 1.0, "chunked_prefill_size": 16}  # ~2 s for 320 tokens
+SLOW_PREFILL = {"fixed_step_ms": 100.0, "time_scale": 1.0, "chunked_prefill_size": 2}  # ~4 s for an 81-token prompt
 
 
 async def test_decode_abort_fails_both_sides_with_sglangs_messages():
