@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from inferbus.local import free_port
 
-from .conftest import HERE, MAX_TOTAL_TOKENS, engine_kind, sglang_paths, stop
+from .conftest import HERE, MAX_LORA_RANK, MAX_TOTAL_TOKENS, engine_kind, sglang_paths, sim_adapter, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -72,6 +72,7 @@ class Pair:
     prefill: Role
     decode: Role
     bootstrap_port: int
+    lora_path: str  # a LoRA adapter both engines can load
 
     def body(self, **fields: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -96,6 +97,8 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
             "--model-path", str(models / "model"), "--host", "127.0.0.1", "--port", str(port),
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--skip-server-warmup", "--kv-events-config", events,
+            "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
+            "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
             *pd, "--disaggregation-transfer-backend", "mooncake_tcp",
         ]
         env = dict(os.environ)
@@ -112,7 +115,7 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
         argv = [
             sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
             "--model-dir", str(model_dir), "--block-size", "1", "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS),
-            "--kv-events-config", events, *pd,
+            "--max-lora-rank", str(MAX_LORA_RANK), "--kv-events-config", events, *pd,
         ]
         env = dict(os.environ)
     env.update(TIMEOUTS)
@@ -149,7 +152,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for role in roles:
             _wait_healthy(role, deadline)
-        yield Pair(kind, roles[0], roles[1], bootstrap_port)
+        if kind == "sglang":
+            lora_path = str(sglang_paths()[1] / "lora")
+        else:
+            lora_path = sim_adapter(tmp / "lora", 4)
+        yield Pair(kind, roles[0], roles[1], bootstrap_port, lora_path)
     finally:
         for role in roles:
             if role.process is not None:
@@ -246,6 +253,17 @@ async def test_a_streamed_request_through_the_pair(pair: Pair, http: httpx.Async
     assert chunks[0]["output_ids"][:1] == last_p["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(chunks[-1]["output_ids"]) == 6
+
+
+async def test_an_adapter_loaded_on_both_engines_serves_through_the_pair(pair: Pair, http: httpx.AsyncClient):
+    for role in (pair.prefill, pair.decode):
+        loaded = await http.post(role.url + "/load_lora_adapter", json={"lora_name": "pd-lora", "lora_path": pair.lora_path})
+        assert loaded.status_code == 200, loaded.text
+    base = (await both(http, pair, pair.body(rid="pd-base")))[1].json()
+    prefill, decode = await both(http, pair, pair.body(rid="pd-adapter", lora_path="pd-lora"))
+    assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+    assert prefill.json()["output_ids"] == decode.json()["output_ids"][:1]
+    assert decode.json()["output_ids"] != base["output_ids"]  # the adapter's weights, on both engines
 
 
 async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
