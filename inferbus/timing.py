@@ -142,33 +142,31 @@ def lora_load_s(rank: int) -> float:
 @dataclass(frozen=True)
 class KvLink:
     """The link a prefill replica sends a prompt's KV to its decode replica over (prefill/decode
-    disaggregation): each of the prefill's tp GPUs sends its share of every token's KV on its own
-    link, at `bandwidth` × `efficiency`, plus a fixed `latency_s` per send (the transfer engine's
-    request and completion notice)."""
+    disaggregation), per GPU and one way. Every GPU holds its share of the KV heads and sends or
+    receives it on its own link, so the side with fewer GPUs sets the pace (the planner's
+    arithmetic, docs/planning.md)."""
 
     name: str
-    bandwidth: float  # bytes/s per GPU, one direction, nominal
-    efficiency: float  # achieved share of it (assumption)
-    latency_s: float  # per send (assumption)
+    bandwidth: float  # bytes/s per GPU, one way
 
-    def transfer_s(self, tokens: float, tp: int, model: ModelSpec = LLAMA_70B) -> float:
-        """Seconds to move the KV of `tokens` tokens from a prefill replica of `tp` GPUs."""
+    def transfer_s(self, tokens: float, tp_prefill: int, tp_decode: int, model: ModelSpec = LLAMA_70B) -> float:
+        """Seconds to move the KV of `tokens` tokens."""
         if tokens <= 0:
             return 0.0
-        return self.latency_s + tokens * model.kv_bytes_per_token / (tp * self.bandwidth * self.efficiency)
+        return tokens * model.kv_bytes_per_token / (min(tp_prefill, tp_decode) * self.bandwidth)
 
 
-# NVLink 4 inside an H100/H200 SXM node: 900 GB/s per GPU both ways, 450 GB/s each way (NVIDIA
-# datasheet). RDMA between nodes: one 400 Gb/s ConnectX-7 NIC per GPU, 50 GB/s (NVIDIA DGX H100
-# reference architecture). 80% achieved and the per-send latencies are assumptions.
+# NVLink 4 inside an H100/H200 SXM node: 900 GB/s per GPU both ways, 450 GB/s one way (NVIDIA
+# datasheets). RDMA between nodes: one 400 Gb/s ConnectX-7 port per GPU, 50 GB/s one way (NVIDIA
+# DGX H100 datasheet). Line rates.
 KV_LINKS: dict[str, KvLink] = {
-    "nvlink": KvLink("nvlink", 450 * GB, 0.8, 0.1e-3),
-    "rdma": KvLink("rdma", 50 * GB, 0.8, 1e-3),
+    "nvlink": KvLink("nvlink", 450 * GB),
+    "rdma": KvLink("rdma", 50 * GB),
 }
 
 
 def kv_link(name: str, bandwidth_gb_s: float | None = None) -> KvLink:
-    """A named link, its nominal bandwidth per GPU optionally replaced (GB/s)."""
+    """A named link, its bandwidth per GPU optionally replaced (GB/s)."""
     try:
         link = KV_LINKS[name]
     except KeyError:

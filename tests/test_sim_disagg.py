@@ -31,23 +31,25 @@ def prefill_rooms(bootstrap_s: float = 300.0, link: str = "rdma", tp: int = 2) -
 # ---------------------------------------------------------------------------------- the link
 
 
-def test_transfer_time_is_bytes_over_the_links_of_the_prefills_gpus():
-    # 4,000 tokens × 163,840 B over 2 GPUs' RDMA NICs at 50 GB/s, 80% achieved, + 1 ms.
+def test_transfer_time_is_bytes_over_the_links_of_the_fewer_gpus():
+    # 4,000 tokens × 163,840 B over 2 GPUs' 400 Gb/s ports (50 GB/s each, one way): 6.6 ms.
     assert LLAMA_70B.kv_bytes_per_token == KV_BYTES
-    assert KV_LINKS["rdma"].transfer_s(4000, tp=2) == pytest.approx(1e-3 + 4000 * KV_BYTES / (2 * 50e9 * 0.8))
-    assert KV_LINKS["nvlink"].transfer_s(4000, tp=2) == pytest.approx(0.1e-3 + 4000 * KV_BYTES / (2 * 450e9 * 0.8))
-    assert KV_LINKS["rdma"].transfer_s(0, tp=2) == 0.0
-    assert kv_link("rdma", 100).transfer_s(4000, tp=2) == pytest.approx(1e-3 + 4000 * KV_BYTES / (2 * 100e9 * 0.8))
+    assert KV_LINKS["rdma"].transfer_s(4000, 2, 2) == pytest.approx(4000 * KV_BYTES / (2 * 50e9))
+    assert KV_LINKS["rdma"].transfer_s(4000, 4, 2) == KV_LINKS["rdma"].transfer_s(4000, 2, 4)  # the fewer GPUs pace it
+    assert KV_LINKS["rdma"].transfer_s(4000, 4, 2) == KV_LINKS["rdma"].transfer_s(4000, 2, 2)
+    assert KV_LINKS["nvlink"].transfer_s(4000, 2, 2) == pytest.approx(4000 * KV_BYTES / (2 * 450e9))
+    assert KV_LINKS["rdma"].transfer_s(0, 2, 2) == 0.0
+    assert kv_link("rdma", 100).transfer_s(4000, 2, 2) == pytest.approx(4000 * KV_BYTES / (2 * 100e9))
     with pytest.raises(ValueError):
         kv_link("carrier-pigeon")
 
 
 def test_sends_queue_on_the_link_one_after_another():
     link = LinkQueue(KV_LINKS["rdma"], 1, LLAMA_70B)
-    one = KV_LINKS["rdma"].transfer_s(1000, 1)
-    assert link.send(1000, 0.0) == pytest.approx(one)
-    assert link.send(1000, 0.0) == pytest.approx(2 * one)  # ready at once, but the link is busy
-    assert link.send(1000, 10.0) == pytest.approx(10.0 + one)  # an idle link starts when the KV is ready
+    one = KV_LINKS["rdma"].transfer_s(1000, 1, 1)
+    assert link.send(1000, 0.0, 1) == pytest.approx(one)
+    assert link.send(1000, 0.0, 1) == pytest.approx(2 * one)  # ready at once, but the link is busy
+    assert link.send(1000, 10.0, 1) == pytest.approx(10.0 + one)  # an idle link starts when the KV is ready
 
 
 # ---------------------------------------------------------------------------------- prefill side
@@ -85,7 +87,7 @@ def test_prefill_sends_each_computed_chunk_and_lands_after_the_last():
     rooms.computed(1, 512, now=0.2)  # nothing new: nothing sent
     landed = rooms.finish(1, 1000, now=0.3)
     link = KV_LINKS["rdma"]
-    assert landed == pytest.approx(0.3 + link.transfer_s(488, 1))  # the first chunk was on its way long before
+    assert landed == pytest.approx(0.3 + link.transfer_s(488, 1, 1))  # the first chunk was on its way long before
     state = rooms.succeed(1)
     assert state.status == KVPoll.SUCCESS and state.sent_bytes == 1000 * KV_BYTES
     assert rooms.last_transfer == (pytest.approx(landed - 0.1), 1000 * KV_BYTES)
@@ -261,3 +263,10 @@ def test_prefill_role_refuses_the_fake_backend_as_sglang():
     with pytest.raises(ValueError, match="incompatible"):
         EngineConfig(disaggregation_mode="decode", disaggregation_transfer_backend="fake",
                      disaggregation_decode_enable_radix_cache=True)
+
+
+def test_a_decode_engine_with_fewer_gpus_paces_the_transfer():
+    rooms = prefill_rooms(tp=4)
+    rooms.open(1, "a", 0.0)
+    rooms.destination(1, "tcp://d:1", 0, 0.0, tp=1)
+    assert rooms.finish(1, 1000, now=0.0) == pytest.approx(1000 * KV_BYTES / 50e9)  # one GPU's port

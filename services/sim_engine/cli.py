@@ -126,6 +126,10 @@ from .profile_table import load_npz
               help="SGLang's KV transfer backend name. Only 'fake' changes the simulation: a decode engine then "
                    "needs no prefill (a prefill engine refuses it, as SGLang).")
 @click.option("--disaggregation-ib-device", default=None, help="Accepted for SGLang compatibility; nothing to select here.")
+@click.option("--disaggregation-decode-retraction-backup", type=click.Choice(["cpu_tensor", "host_pool", "none"]),
+              default=None,
+              help="Accepted and reported for SGLang compatibility (where SGLang keeps a retracted decode request's KV); "
+                   "the simulated engine recomputes a retracted request.")
 @click.option("--disaggregation-decode-enable-radix-cache", is_flag=True,
               help="Decode role: keep a prefix cache (off by default, as SGLang), publish its events, and have the "
                    "prefill send only what it does not hold.")
@@ -133,8 +137,8 @@ from .profile_table import load_npz
               help="Decode role: KV tokens held back per running or arriving request when reserving KV for a "
                    "transfer (SGLang's flag).")
 @click.option("--kv-transfer-link", type=click.Choice(["rdma", "nvlink"]), default="rdma", show_default=True,
-              help="Simulated: the link the prefill sends KV over, per GPU: RDMA between nodes (400 Gb/s NIC, "
-                   "50 GB/s) or NVLink inside one (450 GB/s); 80% of it achieved.")
+              help="Simulated: the link the prefill sends KV over, per GPU and one way: RDMA between nodes "
+                   "(a 400 Gb/s port, 50 GB/s) or NVLink inside one (450 GB/s); the side with fewer GPUs sets the pace.")
 @click.option("--kv-transfer-bandwidth", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Simulated: the link's nominal GB/s per GPU, replacing the link's own.")
 @click.option("--disable-radix-cache", is_flag=True, help="No prefix cache: nothing is matched or published (SGLang's flag).")
@@ -187,6 +191,7 @@ def sim_engine_command(
     disaggregation_bootstrap_port: int,
     disaggregation_transfer_backend: str,
     disaggregation_ib_device: str | None,
+    disaggregation_decode_retraction_backup: str | None,
     disaggregation_decode_enable_radix_cache: bool,
     num_reserved_decode_tokens: int,
     kv_transfer_link: str,
@@ -241,6 +246,7 @@ def sim_engine_command(
             disaggregation_bootstrap_port=disaggregation_bootstrap_port,
             disaggregation_transfer_backend=disaggregation_transfer_backend,
             disaggregation_ib_device=disaggregation_ib_device,
+            disaggregation_decode_retraction_backup=disaggregation_decode_retraction_backup,
             disaggregation_decode_enable_radix_cache=disaggregation_decode_enable_radix_cache,
             num_reserved_decode_tokens=num_reserved_decode_tokens,
             kv_transfer_link=kv_transfer_link,

@@ -108,14 +108,15 @@ class LinkQueue:
     after another (FIFO), each taking the link's time for its tokens."""
 
     link: KvLink
-    tp: int
+    tp: int  # the prefill engine's GPUs
     model: ModelSpec
     free_at: float = 0.0
 
-    def send(self, tokens: int, ready_at: float) -> float:
-        """Queue `tokens` tokens' KV, computed at `ready_at`; when they have landed."""
+    def send(self, tokens: int, ready_at: float, tp_decode: int) -> float:
+        """Queue `tokens` tokens' KV, computed at `ready_at`, for a decode engine of `tp_decode`
+        GPUs; when they have landed."""
         start = max(ready_at, self.free_at)
-        self.free_at = start + self.link.transfer_s(tokens, self.tp, self.model)
+        self.free_at = start + self.link.transfer_s(tokens, self.tp, tp_decode, self.model)
         return self.free_at
 
     def bytes_of(self, tokens: int) -> float:
@@ -133,6 +134,7 @@ class Destination:
     endpoint: str
     prefix_len: int
     received_at: float  # wall seconds
+    tp: int = 1  # the decode engine's GPUs (each receives its share of the KV)
 
 
 @dataclass
@@ -177,9 +179,9 @@ class PrefillRooms:
             self._bootstrapped(state, destination)
         return state
 
-    def destination(self, room: int, endpoint: str, prefix_len: int, now: float) -> PrefillRoom | None:
+    def destination(self, room: int, endpoint: str, prefix_len: int, now: float, tp: int = 1) -> PrefillRoom | None:
         """The decode side reserved KV and says where it goes; the room, if that starts its prefill."""
-        destination = Destination(endpoint, max(0, prefix_len), now)
+        destination = Destination(endpoint, max(0, prefix_len), now, tp)
         state = self.rooms.get(room)
         if state is None or not state.active:
             self._destinations[room] = destination
@@ -244,7 +246,8 @@ class PrefillRooms:
     def _send(self, state: PrefillRoom, tokens: int, now: float) -> None:
         if state.first_sent_at is None:
             state.first_sent_at = now
-        self.link.send(tokens, now)
+        assert state.destination is not None
+        self.link.send(tokens, now, state.destination.tp)
         state.sent_bytes += self.link.bytes_of(tokens)
 
     def succeed(self, room: int) -> PrefillRoom | None:

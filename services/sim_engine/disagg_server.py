@@ -12,7 +12,7 @@
   that stopped answering; both sides expire rooms by SGLang's timeouts.
 
 Wire format between the two engines (multipart ZMQ frames, ASCII; the simulator's own, since no
-KV moves): `DEST room endpoint prefix_len`, `ABORT room endpoint`, `DONE room json`.
+KV moves): `DEST room endpoint prefix_len tp`, `ABORT room endpoint`, `DONE room json`.
 """
 
 from __future__ import annotations
@@ -462,8 +462,8 @@ class DisaggEngineServer(SimEngineServer):
         self._fail_prefill(state, "bootstrap" if status == KVPoll.BOOTSTRAPPING else "transfer")
         return True
 
-    def _on_destination(self, room: int, endpoint: str, prefix_len: int) -> None:
-        state = self.prefill_rooms.destination(room, endpoint, prefix_len, time.monotonic())
+    def _on_destination(self, room: int, endpoint: str, prefix_len: int, tp: int) -> None:
+        state = self.prefill_rooms.destination(room, endpoint, prefix_len, time.monotonic(), tp)
         if state is not None:
             self._release(state.rid)
 
@@ -566,7 +566,7 @@ class DisaggEngineServer(SimEngineServer):
             else:
                 assert state.endpoint is not None
                 self._send(state.endpoint, [b"DEST", str(state.room).encode(), self.endpoint.encode(),
-                                            str(matched * bs).encode()])
+                                            str(matched * bs).encode(), str(self.config.tp).encode()])
 
     def _on_landed(self, room: int, payload: dict[str, Any] | None) -> None:
         state = self.decode_rooms.landed(room)
@@ -649,7 +649,7 @@ class DisaggEngineServer(SimEngineServer):
             try:
                 kind, room = frames[0], int(frames[1])
                 if kind == b"DEST" and self.mode == "prefill":
-                    self._on_destination(room, frames[2].decode(), int(frames[3]))
+                    self._on_destination(room, frames[2].decode(), int(frames[3]), int(frames[4]))
                 elif kind == b"ABORT" and self.mode == "prefill":
                     self._on_decode_abort(room)
                 elif kind == b"DONE" and self.mode == "decode":
@@ -706,6 +706,7 @@ class DisaggEngineServer(SimEngineServer):
                                                 else config.disaggregation_transfer_backend),
             "disaggregation_bootstrap_port": config.disaggregation_bootstrap_port,
             "disaggregation_ib_device": config.disaggregation_ib_device,
+            "disaggregation_decode_retraction_backup": config.disaggregation_decode_retraction_backup,
             "disaggregation_decode_enable_radix_cache": config.disaggregation_decode_enable_radix_cache,
             "disaggregation_decode_allocation_policy": "early",
             "num_reserved_decode_tokens": config.num_reserved_decode_tokens,

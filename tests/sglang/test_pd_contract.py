@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from inferbus.local import free_port
 
-from .conftest import HERE, MAX_TOTAL_TOKENS, engine_kind, sglang_paths, stop
+from .conftest import HERE, MAX_LORA_RANK, MAX_TOTAL_TOKENS, engine_kind, sglang_paths, sim_adapter, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -72,6 +72,7 @@ class Pair:
     prefill: Role
     decode: Role
     bootstrap_port: int
+    lora_path: str  # a LoRA adapter both engines can load
 
     def body(self, **fields: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -87,6 +88,8 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
               tmp: Path) -> tuple[list[str], dict[str, str]]:
     events = json.dumps({"publisher": "zmq", "endpoint": kv_events, "bind": True})
     pd = ["--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if role == "decode":  # SGLang's default backup pool registers host memory with CUDA
+        pd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     if kind == "sglang":
         home, models = sglang_paths()
         argv = [
@@ -94,10 +97,10 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
             "--model-path", str(models / "model"), "--host", "127.0.0.1", "--port", str(port),
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--skip-server-warmup", "--kv-events-config", events,
+            "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
+            "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
             *pd, "--disaggregation-transfer-backend", "mooncake_tcp",
         ]
-        if role == "decode":
-            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
         env = dict(os.environ)
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(home / "cuda-stub"), env.get("LD_LIBRARY_PATH")]))
@@ -112,7 +115,7 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
         argv = [
             sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
             "--model-dir", str(model_dir), "--block-size", "1", "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS),
-            "--kv-events-config", events, *pd,
+            "--max-lora-rank", str(MAX_LORA_RANK), "--kv-events-config", events, *pd,
         ]
         env = dict(os.environ)
     env.update(TIMEOUTS)
@@ -149,7 +152,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         deadline = time.monotonic() + START_TIMEOUT_S
         for role in roles:
             _wait_healthy(role, deadline)
-        yield Pair(kind, roles[0], roles[1], bootstrap_port)
+        if kind == "sglang":
+            lora_path = str(sglang_paths()[1] / "lora")
+        else:
+            lora_path = sim_adapter(tmp / "lora", 4)
+        yield Pair(kind, roles[0], roles[1], bootstrap_port, lora_path)
     finally:
         for role in roles:
             if role.process is not None:
@@ -209,6 +216,7 @@ async def test_each_engine_reports_its_role(pair: Pair, http: httpx.AsyncClient)
     # SGLang turns the prefix cache off on a decode engine; the prefill keeps its own.
     assert prefill["disable_radix_cache"] is False and decode["disable_radix_cache"] is True
     assert decode["num_reserved_decode_tokens"] == 512
+    assert decode["disaggregation_decode_retraction_backup"] == "cpu_tensor"
     assert (await http.get(pair.decode.url + "/model_info")).json()["disaggregation_mode"] == "decode"
     assert (await loads(http, pair.decode))["disaggregation"]["mode"] == "decode"
     assert (await loads(http, pair.prefill))["disaggregation"]["mode"] == "prefill"
@@ -247,12 +255,33 @@ async def test_a_streamed_request_through_the_pair(pair: Pair, http: httpx.Async
     assert len(chunks[-1]["output_ids"]) == 6
 
 
-async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
+async def test_an_adapter_loaded_on_both_engines_serves_through_the_pair(pair: Pair, http: httpx.AsyncClient):
     for role in (pair.prefill, pair.decode):
-        response = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": f"no-room-{role.name}"})
-        assert response.status_code == 400
-        assert response.json()["error"]["message"] == (
-            f"Invalid request: Disaggregated request received without bootstrap room id. req.rid='no-room-{role.name}'")
+        loaded = await http.post(role.url + "/load_lora_adapter", json={"lora_name": "pd-lora", "lora_path": pair.lora_path})
+        assert loaded.status_code == 200, loaded.text
+    base = (await both(http, pair, pair.body(rid="pd-base")))[1].json()
+    prefill, decode = await both(http, pair, pair.body(rid="pd-adapter", lora_path="pd-lora"))
+    assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+    assert prefill.json()["output_ids"] == decode.json()["output_ids"][:1]
+    assert decode.json()["output_ids"] != base["output_ids"]  # the adapter's weights, on both engines
+
+
+async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
+    prefill, _ = await both(http, pair, pair.body(rid="pd-counted"))
+    prompt_tokens = prefill.json()["meta_info"]["prompt_tokens"]
+    for role in (pair.prefill, pair.decode):
+        rid = f"no-room-{role.name}"
+        message = f"Invalid request: Disaggregated request received without bootstrap room id. req.rid='{rid}'"
+        response = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": rid})
+        assert response.status_code == 400 and response.json()["error"]["message"] == message
+        # Streamed: the scheduler's abort, in-band, with the status.
+        streamed = await http.post(role.url + "/generate", json={"text": PROMPT, "rid": rid + "-s", "stream": True})
+        events = [f[len("data: "):] for f in streamed.text.split("\n\n") if f]
+        assert streamed.status_code == 200 and events[-1] == "[DONE]" and len(events) == 2
+        meta = json.loads(events[0])["meta_info"]
+        assert meta["finish_reason"] == {"type": "abort", "message": message.replace(rid, rid + "-s"), "status_code": 400,
+                                         "err_type": None}
+        assert meta["prompt_tokens"] == prompt_tokens and meta["completion_tokens"] == 0
 
 
 async def test_a_decode_abort_fails_the_prefill_waiting_for_it(pair: Pair, http: httpx.AsyncClient):
@@ -270,6 +299,8 @@ async def test_a_decode_abort_fails_the_prefill_waiting_for_it(pair: Pair, http:
                     and d["disaggregation"]["decode_prealloc_queue_reqs"] == 1)
 
     assert await until(both_waiting), "the pair never waited for the decode engine's KV"
+    # SGLang counts both queues as waiting requests.
+    assert (await loads(http, pair.prefill))["num_waiting_reqs"] == (await loads(http, pair.decode))["num_waiting_reqs"] == 1
     await http.post(pair.decode.url + "/abort_request", json={"rid": "pd-decode-abort"})
     prefill, decode = await asyncio.wait_for(requests, 60)
     assert decode.status_code == 500 and decode.json()["message"] == (
@@ -353,17 +384,35 @@ async def test_kv_events_come_from_the_prefill_engine_only(pair: Pair, http: htt
         context.term()
 
 
+async def _transferring(http: httpx.AsyncClient, pair: Pair) -> bool:
+    load = await loads(http, pair.decode)
+    return bool(load["disaggregation"]["decode_transfer_queue_reqs"] == 1)
+
+
+async def test_a_decode_abort_while_its_kv_is_awaited(pair: Pair, http: httpx.AsyncClient):
+    body = pair.body(rid="pd-late-abort")
+    room = body["bootstrap_room"]
+    # Only the decode side gets the request: it reserves KV, says where it goes, and waits.
+    waiting = asyncio.ensure_future(http.post(pair.decode.url + "/generate", json=body))
+    assert await until(lambda: _transferring(http, pair)), "the decode engine never waited for the KV"
+    load = await loads(http, pair.decode)
+    assert load["num_used_tokens"] >= 1 and load["num_waiting_reqs"] == 1  # the reservation, the transfer queue
+    await http.post(pair.decode.url + "/abort_request", json={"rid": "pd-late-abort"})
+    response = await asyncio.wait_for(waiting, 60)
+    assert response.status_code == 500 and response.json()["message"] == (
+        f"Decode transfer failed for request rank=0 decode_req.req.rid='pd-late-abort' decode_req.req.bootstrap_room="
+        f"{room} with exception KVTransferError(bootstrap_room={room}): Aborted by AbortReq.")
+    assert await until(lambda: _idle(http, pair)), "the decode engine still holds the aborted request"
+    assert (await loads(http, pair.decode))["num_used_tokens"] == 0
+
+
 async def test_a_dead_prefill_fails_the_decode_sides_requests(pair: Pair, http: httpx.AsyncClient):
     """Last: it kills the prefill engine."""
     body = pair.body(rid="pd-orphan")
     room = body["bootstrap_room"]
     # Only the decode side gets the request: it reserves KV, says where it goes, and waits.
     waiting = asyncio.ensure_future(http.post(pair.decode.url + "/generate", json=body))
-
-    async def transferring() -> bool:
-        return bool((await loads(http, pair.decode))["disaggregation"]["decode_transfer_queue_reqs"] == 1)
-
-    assert await until(transferring), "the decode engine never waited for the KV"
+    assert await until(lambda: _transferring(http, pair)), "the decode engine never waited for the KV"
     assert pair.prefill.process is not None
     os.killpg(pair.prefill.process.pid, signal.SIGKILL)
     pair.prefill.process.wait()
