@@ -230,8 +230,8 @@ def test_the_kv_transfer_is_priced_on_the_prefill_workers_link() -> None:
     request = ask(list(range(800)))
     fast = PairPolicy(registry, PairConfig(link=kv_link("nvlink")), random.Random(1))
     slow = PairPolicy(registry, PairConfig(link=kv_link("rdma", 0.05)), random.Random(1))  # 50 MB/s
-    view = registry.workers["p"]
-    assert fast.transfer_s(request, view) < 0.001 < 1.0 < slow.transfer_s(request, view)
+    view, decode = registry.workers["p"], registry.workers["d"]
+    assert fast.transfer_s(request, view, decode) < 0.001 < 1.0 < slow.transfer_s(request, view, decode)
     pair = fast.choose(request, registry.candidates(request))
     assert pair is not None and pair.prefill is not None
     pair = slow.choose(request, registry.candidates(request))  # moving the KV costs more than the stall
@@ -249,8 +249,8 @@ def test_a_decode_engine_with_its_own_prefix_cache_is_sent_less_kv() -> None:
     cache(router, "d-cached", PROMPT)  # a decode engine started with a radix cache publishes its blocks
     slow = PairPolicy(registry, PairConfig(link=kv_link("rdma", 1.0)), random.Random(1))  # 1 GB/s: KV is dear
     request = ask(PROMPT)
-    view = registry.workers["p"]
-    assert slow.transfer_s(request, view, decode_cached=len(PROMPT)) < 0.01 < slow.transfer_s(request, view)
+    view, decode = registry.workers["p"], registry.workers["d-cached"]
+    assert slow.transfer_s(request, view, decode, decode_cached=len(PROMPT)) < 0.01 < slow.transfer_s(request, view, decode)
     for _ in range(5):
         pair = slow.choose(request, registry.candidates(request))
         assert pair is not None and pair.decode.worker_id == "d-cached"

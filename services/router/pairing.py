@@ -45,7 +45,7 @@ DEFAULT_TP = 2  # a prefill worker that does not report its tensor-parallel widt
 class PairConfig:
     # The link a prefill engine sends a prompt's KV to its decode engine over (the timing model's, as
     # the simulated engine and the planner price it): RDMA between nodes by default, one 400 Gb/s
-    # NIC per GPU; NVLink inside a node.
+    # port per GPU; NVLink inside a node.
     link: KvLink = KV_LINKS["rdma"]
     # Cost (seconds) of a decode worker whose KV cache the request would fill: a full cache makes
     # the engine retract running requests or keep the new one waiting.
@@ -124,12 +124,15 @@ class PairPolicy:
         """Whether `view`'s KV cache can take the prompt now (unknown capacity: assumed so)."""
         return not view.kv_capacity_tokens or view.kv_used_tokens + request.prompt_tokens <= view.kv_capacity_tokens
 
-    def transfer_s(self, request: m.PlacementRequest, prefill: WorkerView, decode_cached: int = 0) -> float:
-        """Moving the prompt's KV from the prefill engine to the decode engine, each of the prefill's
-        GPUs sending its share on its own link: every prompt token's KV, cached on the prefill side
-        or not, except what the decode engine's own prefix cache holds (`decode_cached` tokens;
-        SGLang's decode engines keep none unless started with a radix cache)."""
-        return self.config.link.transfer_s(max(0, request.prompt_tokens - decode_cached), prefill.tp or DEFAULT_TP)
+    def transfer_s(self, request: m.PlacementRequest, prefill: WorkerView, decode: WorkerView,
+                   decode_cached: int = 0) -> float:
+        """Moving the prompt's KV from the prefill engine to the decode engine, each GPU sending or
+        receiving its share on its own link (the side with fewer GPUs sets the pace): every prompt
+        token's KV, cached on the prefill side or not, except what the decode engine's own prefix
+        cache holds (`decode_cached` tokens; SGLang's decode engines keep none unless started with a
+        radix cache)."""
+        return self.config.link.transfer_s(max(0, request.prompt_tokens - decode_cached), prefill.tp or DEFAULT_TP,
+                                           decode.tp or DEFAULT_TP)
 
     def local_cost(self, request: m.PlacementRequest, view: WorkerView, matched: dict[str, int]) -> float | None:
         """A decode worker computing the prompt itself (seconds), or None where it may not: it
@@ -185,7 +188,7 @@ class PairPolicy:
                 remote = None
                 if prefill is not None:
                     cached_there = self.registry.config.block_size * matched.get(decode.worker_id, 0)
-                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill, cached_there) + decode_s
+                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill, decode, cached_there) + decode_s
                 local = self.local_cost(request, decode, matched)
                 if local is not None and (remote is None or local + decode_s < remote):
                     options.append(Pair(decode, None, matched.get(decode.worker_id, 0), local=True,
