@@ -94,11 +94,12 @@ bench-batch: install
 bench-lora: install
 	$(PY) -m bench.lora $(ARGS)
 
-# Aggregated against disaggregated on the same GPUs, live on simulated engines: the Mooncake synthetic
-# and conversation traces, 4 H100 TP2 engines against 3 prefill + 1 decode (~15 min); ARGS go to both.
+# Aggregated against disaggregated on the same GPUs, live on simulated engines (bench/pd_live.py): the
+# Mooncake synthetic and conversation traces, 4 H100 TP2 engines against 3 prefill + 1 decode
+# (~15 min on 2 cores); LIVE_ARGS go to both runs.
 bench-pd: install
-	$(PY) -m bench.pd_live --prefill 3 --load 0.5 $(ARGS)
-	$(PY) -m bench.pd_live --prefill 3 --load 0.5 --trace mooncake_conversation.jsonl --sample-families 1 --name pd_live_conversation $(ARGS)
+	$(PY) -m bench.pd_live --prefill 3 --load 0.5 $(LIVE_ARGS)
+	$(PY) -m bench.pd_live --prefill 3 --load 0.5 --trace mooncake_conversation.jsonl --sample-families 1 --name pd_live_conversation $(LIVE_ARGS)
 
 clean:
 	rm -rf $(VENV) .inferbus .accel
