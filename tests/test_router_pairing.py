@@ -254,3 +254,19 @@ def test_a_decode_engine_with_its_own_prefix_cache_is_sent_less_kv() -> None:
     for _ in range(5):
         pair = slow.choose(request, registry.candidates(request))
         assert pair is not None and pair.decode.worker_id == "d-cached"
+
+
+def test_the_canaries_gates_read_no_prefill_workers_latencies() -> None:
+    """A prefill worker's TTFT is its pool's (accept to KV sent), not the client's: the canary's
+    SLO gate, which compares releases on client latencies, leaves it out."""
+    from inferbus.releases.slo_gate import SloConfig
+    from services.router.canary import CanaryService
+
+    service = CanaryService(None, "router", SloConfig())  # type: ignore[arg-type]
+    hist = [0] * (len(m.LATENCY_BUCKETS_S) + 1)
+    hist[-1] = 50
+    for role in ("prefill", "decode"):
+        service.on_load(m.WorkerLoad(worker_id=f"w-{role}", model="m", ts=0, seq=1, running=0, waiting=0, in_flight=0,
+                                     max_running=1, kv_used_tokens=0, kv_capacity_tokens=1, release="r1", role=role,
+                                     ttft_hist=hist))
+        assert ("m" in service.windows) == (role == "decode")

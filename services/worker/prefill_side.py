@@ -138,6 +138,11 @@ class PrefillSide:
                                            cached_tokens=result.cached_tokens,
                                            code="" if not half.aborted else "prefill_aborted")
             worker.gpu.progress()
+            if request.band != "batch" and request.attempt == 0 and not request.pinned:
+                # The prefill pool's own TTFT (its load report's ttft_hist, role "prefill"): the
+                # gateway's accept to the prompt's KV sent. The autoscaler sizes the prefill pool on
+                # it; the client's TTFT is the decode worker's (the canaries' gates read only that).
+                worker.stats.observe_ttft(time.time() - request.created)
         except EngineError as error:
             if error.code == "engine_unavailable":
                 worker.watch.down(str(error))
