@@ -284,6 +284,8 @@ def replica_processes(
                      lambda: http_ok(f"{engine_url}/ready"), engine_url)
     extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0",
              "INFERBUS_WORKER_ROLE": role}
+    if role == "prefill":  # every engine on this machine's loopback: the decode engines reach it there
+        extra["INFERBUS_ENGINE_BOOTSTRAP_HOST"] = "127.0.0.1"
     if kv_events:
         extra["INFERBUS_ENGINE_KV_EVENTS"] = events
         extra["INFERBUS_ENGINE_KV_EVENTS_BIND"] = "false"

@@ -32,9 +32,14 @@ def test_the_role_is_the_engines_and_a_contradicting_setting_is_refused() -> Non
 
 def test_bootstrap_address_is_the_engines_host_and_bootstrap_port_unless_set() -> None:
     info = {"disaggregation_bootstrap_port": 9123}
-    assert bootstrap_address(info, "http://10.0.0.5:30000") == ("10.0.0.5", 9123)
-    assert bootstrap_address(info, "http://127.0.0.1:30000", "10.1.2.3") == ("10.1.2.3", 9123)
-    assert bootstrap_address({}, "http://h:1") == ("h", 8998)  # SGLang's default port
+    pod_ip = lambda: "10.9.8.7"  # noqa: E731
+    assert bootstrap_address(info, "http://10.0.0.5:30000", own=pod_ip) == ("10.0.0.5", 9123)
+    assert bootstrap_address(info, "http://127.0.0.1:30000", "10.1.2.3", own=pod_ip) == ("10.1.2.3", 9123)
+    assert bootstrap_address({}, "http://h:1", own=pod_ip) == ("h", 8998)  # SGLang's default port
+    # The engine in the worker's own pod, on localhost: decode engines elsewhere reach it at the pod's IP.
+    assert bootstrap_address(info, "http://127.0.0.1:30000", own=pod_ip) == ("10.9.8.7", 9123)
+    assert bootstrap_address(info, "http://localhost:30000", own=pod_ip) == ("10.9.8.7", 9123)
+    assert bootstrap_address(info, "http://127.0.0.1:30000", "127.0.0.1", own=pod_ip) == ("127.0.0.1", 9123)
 
 
 def test_fallback_prefers_the_own_zone_then_the_fewest_halves_in_flight() -> None:

@@ -99,8 +99,9 @@ class WorkerSettings:
     engine_bootstrap_host: str = env(
         "INFERBUS_ENGINE_BOOTSTRAP_HOST", "",
         "Prefill workers: the host decode engines reach this engine's bootstrap server at (SGLang's bootstrap_host; "
-        "its port is the engine's --disaggregation-bootstrap-port). Empty: the host of INFERBUS_ENGINE_URL, which "
-        "suits engines reachable at that name; in a pod whose engine listens on localhost, set the pod's IP.",
+        "its port is the engine's --disaggregation-bootstrap-port; the engine must listen there on an address "
+        "they reach, e.g. --host 0.0.0.0). Empty: the host of INFERBUS_ENGINE_URL, or, when that is a loopback "
+        "address (the engine in this worker's pod), this host's own address (its name resolved: the pod's IP).",
     )
     liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "Decode workers: how long a prefill worker whose heartbeat lapsed has to answer the liveness probe before its prefill halves are tried elsewhere; also how long a prefill worker has to answer a prefill half.")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9102, "Port of this worker's Prometheus /metrics (0 disables).")
