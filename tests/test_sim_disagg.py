@@ -270,3 +270,33 @@ def test_a_decode_engine_with_fewer_gpus_paces_the_transfer():
     rooms.open(1, "a", 0.0)
     rooms.destination(1, "tcp://d:1", 0, 0.0, tp=1)
     assert rooms.finish(1, 1000, now=0.0) == pytest.approx(1000 * KV_BYTES / 50e9)  # one GPU's port
+
+
+def test_a_decode_engine_restores_a_retracted_requests_kv_instead_of_recomputing_it():
+    def transferred(e: Engine, rid: str) -> None:
+        e.add(Request(rid, list(range(100)), SamplingParams(max_new_tokens=60, temperature=0)), held=True)
+        assert e.cache.allocate(100)
+        e.start_transferred(rid, None, 0, 100)
+
+    roomy, tight = engine(disaggregation_mode="decode"), engine(disaggregation_mode="decode", kv_capacity_tokens=300)
+    expected = {}
+    for rid in ("a", "b"):
+        transferred(roomy, rid)
+        transferred(tight, rid)
+    for u in run(roomy, 200):
+        if u.finish_reason:
+            expected[u.request.rid] = u.request.output_ids
+    steps, prefilled, finished = [], 0, {}
+    while tight.has_work and len(steps) < 400:
+        result = tight.step()
+        steps.append(result.duration_s)
+        prefilled += result.prefill_tokens
+        finished.update({u.request.rid: u.request.output_ids for u in result.updates if u.finish_reason})
+    assert tight.preemptions_total >= 1  # 2 × (100 + 60) tokens do not fit in 300
+    assert prefilled == 0  # a decode engine never prefills: the KV came back from host memory
+    assert finished == expected
+    # Each restore costs its copy: (100 + outputs so far) tokens × 163,840 B over 2 GPUs' PCIe at
+    # 25 GB/s (0.33 ms per 100 tokens), on top of the steps' fixed 10 ms or on its own.
+    restores = [d - 0.010 if d > 0.010 else d for d in steps if d != 0.010]
+    assert len(restores) == tight.preemptions_total
+    assert all(100 * KV_BYTES / (2 * 25e9) <= d <= 160 * KV_BYTES / (2 * 25e9) for d in restores)

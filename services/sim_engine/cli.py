@@ -129,7 +129,7 @@ from .profile_table import load_npz
 @click.option("--disaggregation-decode-retraction-backup", type=click.Choice(["cpu_tensor", "host_pool", "none"]),
               default=None,
               help="Accepted and reported for SGLang compatibility (where SGLang keeps a retracted decode request's KV); "
-                   "the simulated engine recomputes a retracted request.")
+                   "a simulated decode engine always restores it from host memory.")
 @click.option("--disaggregation-decode-enable-radix-cache", is_flag=True,
               help="Decode role: keep a prefix cache (off by default, as SGLang), publish its events, and have the "
                    "prefill send only what it does not hold.")

@@ -100,7 +100,7 @@ class EngineConfig:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_ib_device: str | None = None
-    disaggregation_decode_retraction_backup: str | None = None  # accepted and reported (the simulator recomputes)
+    disaggregation_decode_retraction_backup: str | None = None  # reported; a decode engine always restores
     num_reserved_decode_tokens: int = 512
     kv_transfer_link: str = "rdma"
     kv_transfer_bandwidth_gb_s: float | None = None

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from inferbus.timing import FixedStepModel, SpecDecoding, StepTimeModel, roofline
+from inferbus.timing import LORA_LOAD_BANDWIDTH, FixedStepModel, SpecDecoding, StepTimeModel, roofline
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
@@ -38,6 +38,8 @@ MAX_STOP_SEQUENCES = 32
 # request), like SGLang's new_token_ratio estimate; an underestimate is fixed by retraction.
 NEW_TOKEN_RATIO = 0.3
 CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+# Host memory to GPU over PCIe Gen5 x16, achieved (the planner's adapter-load rate, inferbus/timing.py).
+HOST_TO_DEVICE_BANDWIDTH = LORA_LOAD_BANDWIDTH
 EOS_TOKEN_ID = 128009  # Llama-3's <|eot_id|>: the finish `matched` of an output that ended by itself
 
 
@@ -198,6 +200,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    # A decode engine of a prefill/decode pair backs a retracted request's KV up to host memory and
+    # restores it on readmission instead of recomputing it (SGLang's decode retraction backup).
+    backed_up: bool = field(default=False, init=False)
     # Scheduling state: `fill_ids` are the tokens whose KV must exist before decoding (the
     # prompt, plus the output so far after a retraction); `computed` of them have KV; the first
     # `locked` blocks of `hashes` are pinned in the cache, `private` tokens are held outside it.
@@ -325,6 +330,8 @@ class Engine:
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0
+        self._restore_s = 0.0  # KV restores from host memory the next step waits for
+        self._kv_bytes_per_token = roofline_model.model.kv_bytes_per_token
         self._requests: dict[str, Request] = {}
         self._next_order = 0
 
@@ -522,7 +529,11 @@ class Engine:
             self._admit(updates)
             chunks = self._plan_prefill()
             decoding = [] if chunks else self._reserve_decode_slots()
+        restore_s, self._restore_s = self._restore_s, 0.0
         if not decoding and not chunks:
+            if restore_s:
+                self.now += restore_s
+                return StepResult(restore_s, updates)
             return self._wait_for_adapters(updates)
 
         resident = sum(r.context_len for r in decoding)
@@ -533,7 +544,7 @@ class Engine:
         adapters = len(batch_adapters - {None})
         duration = self.step_model.step_time(
             len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0, adapters
-        ) + self._copy_adapters_to_gpu(batch_adapters, [*decoding, *(r for r, _ in chunks)])
+        ) + self._copy_adapters_to_gpu(batch_adapters, [*decoding, *(r for r, _ in chunks)]) + restore_s
         self.now += duration
 
         for request in decoding:
@@ -610,6 +621,8 @@ class Engine:
             self.waiting.remove(request)
             self.running.append(request)
             adapters_in_batch.add(adapter_name)
+            if request.backed_up:
+                self._restore(request)
             budget -= len(request.fill_ids) - request.computed
 
     def _try_reserve_prompt(self, request: Request) -> bool:
@@ -746,7 +759,18 @@ class Engine:
         request.preemptions += 1
         self.preemptions_total += 1
         self._set_fill(request, request.input_ids + request.output_ids)
+        request.backed_up = self.config.disaggregation_mode == "decode"
         self.waiting.append(request)
+
+    def _restore(self, request: Request) -> None:
+        """Copy a backed-up request's KV back from host memory (every GPU its share, over PCIe):
+        it decodes again at once, the copy added to this step."""
+        tokens = len(request.fill_ids) - request.computed
+        if tokens > 0 and self.cache.allocate(tokens):
+            request.private += tokens
+            request.computed = len(request.fill_ids)
+            self._restore_s += tokens * self._kv_bytes_per_token / (self.config.tp * HOST_TO_DEVICE_BANDWIDTH)
+        request.backed_up = False
 
     # ------------------------------------------------------------------ tokens and finishing
 
