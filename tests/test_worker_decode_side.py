@@ -91,7 +91,7 @@ class PrefillWorker:
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.prefill_subjects_to(self.worker_id), cb=self._on)
-        beat = m.Heartbeat(worker_id=self.worker_id, model=MODEL, engine_url="", started=0, ts=time.time(),
+        beat = m.Heartbeat(worker_id=self.worker_id, model=MODEL, engine_url="", started=time.time(), ts=time.time(),
                            role="prefill", max_running=8)
         await (await bus.workers_bucket(self.nc.jetstream(), 30)).put(subjects.worker_key(self.worker_id), m.encode(beat))
 
@@ -106,6 +106,8 @@ class PrefillWorker:
             return
         await msg.respond(m.encode(m.PrefillAccepted(accepted=True, worker_id=self.worker_id, bootstrap_host="h",
                                                      bootstrap_port=1)))
+        if self.report == "never":  # it dies holding the half: no report, no KV
+            return
         await asyncio.sleep(0.05)
         ok = self.report == "ok"
         done = m.PrefillDone(request_id=ask.request.request_id, attempt=ask.request.attempt, try_no=ask.try_no,
@@ -179,4 +181,28 @@ async def test_a_request_cancelled_while_its_prefill_is_arranged_ends_as_an_abor
     updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
     assert [u.finish for u in updates] == [{"type": "abort", "message": "cancelled"}]  # billed as cancelled, once
     assert worker.engine.requests == []
+    await side.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_worker_that_restarted_before_its_heartbeat_lapsed_loses_its_halves(nc: Client) -> None:
+    """Its new process puts its heartbeat under the same key before the old one expired, so no
+    delete marker comes: the new start time says the halves it held are gone."""
+    side, worker = await decode_side(nc)
+    silent = PrefillWorker(nc, "p1", worker.engine, answers=[], report="never")  # takes the half, then "dies"
+    healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
+    await silent.start()
+    await healthy.start()
+    await asyncio.sleep(0.3)
+    task = asyncio.ensure_future(collect(side, request(prefill_worker="p1"), Entry()))
+    deadline = time.monotonic() + 5
+    while not worker.engine.requests:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    beat = m.Heartbeat(worker_id="p1", model=MODEL, engine_url="", started=time.time() + 1, ts=time.time(),
+                       role="prefill", max_running=8)
+    await (await bus.workers_bucket(nc.jetstream(), 30)).put(subjects.worker_key("p1"), m.encode(beat))
+    updates = await asyncio.wait_for(task, 10)
+    assert "".join(u.text for u in updates) == "hi!"
+    assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"] and len(healthy.asked) == 1
     await side.stop()

@@ -106,7 +106,13 @@ class PrefillPeers:
         except msgspec.DecodeError:
             return
         if beat.role == "prefill" and beat.model == self.worker.settings.model:
+            known = self.peers.get(beat.worker_id)
             self.peers[beat.worker_id] = PrefillPeer.of(beat)
+            if known is not None and known.started and beat.started and known.started != beat.started:
+                # It restarted before its heartbeat lapsed: the halves it held died with the old process.
+                log.warning("prefill_worker_restarted", prefill_worker=beat.worker_id)
+                for callback in self.on_dead:
+                    callback(beat.worker_id)
 
     def _on_delete(self, key: str) -> None:
         for worker_id in [w for w in self.peers if subjects.worker_key(w) == key]:

@@ -31,10 +31,11 @@ class PrefillPeer:
     zone: str = ""
     ready: bool = True
     release: str = ""
+    started: float = 0.0  # when its process started: another value is a restart, its halves lost
 
     @classmethod
     def of(cls, beat: m.Heartbeat) -> PrefillPeer:
-        return cls(beat.worker_id, beat.model, beat.zone, beat.state == "ready", beat.release)
+        return cls(beat.worker_id, beat.model, beat.zone, beat.state == "ready", beat.release, beat.started)
 
 
 def usable(peer: PrefillPeer | None, request: m.InferenceRequest, avoid: set[str]) -> bool:
