@@ -641,7 +641,23 @@ class PrefillAbort(_Message, tag="prefill_abort"):
     try_no: int = 0
 
 
-PrefillMessage = Union[PrefillRequest, PrefillAbort]
+class PrefillStatus(_Message, tag="prefill_status"):
+    """Decode worker → prefill worker on `prefill_subject` (request/reply, answered with
+    `PrefillHeld`): do you still hold this try? Asked of a try whose KV has not arrived for a while
+    without a report (a `PrefillDone` lost on the bus would otherwise leave the decode engine waiting
+    for SGLang's 300 s timeout)."""
+
+    request_id: str
+    attempt: int
+    try_no: int = 0
+
+
+class PrefillHeld(_Message):
+    held: bool  # the prefill worker still runs the try (false: it ended, and its report went out)
+    worker_id: str = ""
+
+
+PrefillMessage = Union[PrefillRequest, PrefillAbort, PrefillStatus]
 
 
 class PrefillAccepted(_Message):

@@ -253,3 +253,26 @@ def test_a_decode_worker_gives_a_prefill_half_up(pd_platform: Platform) -> None:
     accepted, done, load = asyncio.run(_ask_prefill(pd_platform, _half(request_id, 2_000), abort,
                                                     subjects.prefill_subject("worker-1", "test-decode")))
     assert accepted.accepted and done is not None and not done.ok and load == 0
+
+
+def test_a_prefill_worker_says_whether_it_still_holds_a_half(pd_platform: Platform) -> None:
+    async def run() -> tuple[bool, bool]:
+        request_id = "pd-status-" + secrets.token_hex(4)
+        half = _half(request_id, 2_000)
+        subject = subjects.prefill_subject("worker-1", "test-decode")
+        status = m.encode(m.PrefillStatus(request_id=request_id, attempt=0))
+        nc = await nats.connect(pd_platform.stack.nats_url)
+        try:
+            reports = await nc.subscribe(subjects.prefilled_subject("test-decode"))
+            accepted = msgspec.msgpack.decode((await nc.request(subject, m.encode(half), timeout=5)).data,
+                                              type=m.PrefillAccepted)
+            assert accepted.accepted
+            while_running = msgspec.msgpack.decode((await nc.request(subject, status, timeout=5)).data, type=m.PrefillHeld)
+            await nc.publish(subject, m.encode(m.PrefillAbort(request_id=request_id, attempt=0)))
+            await reports.next_msg(timeout=5)  # its report: the half has ended
+            after = msgspec.msgpack.decode((await nc.request(subject, status, timeout=5)).data, type=m.PrefillHeld)
+            return while_running.held, after.held
+        finally:
+            await nc.close()
+
+    assert asyncio.run(run()) == (True, False)

@@ -98,6 +98,9 @@ class PrefillWorker:
     async def _on(self, msg: Msg) -> None:
         ask = msgspec.msgpack.decode(msg.data, type=m.PrefillMessage)
         self.asked.append(ask)
+        if isinstance(ask, m.PrefillStatus) and self.report == "lost":  # it ended; its report never arrived
+            await msg.respond(m.encode(m.PrefillHeld(held=False, worker_id=self.worker_id)))
+            return
         if not isinstance(ask, m.PrefillRequest):
             return
         answer = self.answers.pop(0) if self.answers else "accept"
@@ -106,7 +109,7 @@ class PrefillWorker:
             return
         await msg.respond(m.encode(m.PrefillAccepted(accepted=True, worker_id=self.worker_id, bootstrap_host="h",
                                                      bootstrap_port=1)))
-        if self.report == "never":  # it dies holding the half: no report, no KV
+        if self.report in ("never", "lost"):  # it dies holding the half, or its report is lost: no KV
             return
         await asyncio.sleep(0.05)
         ok = self.report == "ok"
@@ -205,4 +208,24 @@ async def test_a_prefill_worker_that_restarted_before_its_heartbeat_lapsed_loses
     updates = await asyncio.wait_for(task, 10)
     assert "".join(u.text for u in updates) == "hi!"
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"] and len(healthy.asked) == 1
+    await side.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_lost_prefill_report_is_found_out_by_asking_and_the_half_tried_elsewhere(
+        nc: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.worker.decode_side as decode_side_module
+
+    monkeypatch.setattr(decode_side_module, "STATUS_EVERY_S", 0.2)
+    side, worker = await decode_side(nc)
+    lost = PrefillWorker(nc, "p1", worker.engine, answers=[], report="lost")
+    healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
+    await lost.start()
+    await healthy.start()
+    await asyncio.sleep(0.3)
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    assert "".join(u.text for u in updates) == "hi!"
+    assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]
+    asked = [type(a) for a in lost.asked]
+    assert asked[0] is m.PrefillRequest and asked.count(m.PrefillStatus) >= 2  # asked twice before giving up
     await side.stop()

@@ -56,8 +56,12 @@ _accepted_decoder = msgspec.msgpack.Decoder(m.PrefillAccepted)
 _done_decoder = msgspec.msgpack.Decoder(m.PrefillDone)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
 _liveness_decoder = msgspec.msgpack.Decoder(m.LivenessReply)
+_held_decoder = msgspec.msgpack.Decoder(m.PrefillHeld)
 
 ROUTER_TIMEOUT_S = 0.05  # a prefill placement asked of the router (the gateways' placement budget)
+# A try without its KV and without a report for this long is asked about (`PrefillStatus`); one its
+# prefill worker no longer holds twice in a row (its report was lost on the bus) is failed.
+STATUS_EVERY_S = 2.0
 
 
 @dataclass
@@ -72,6 +76,8 @@ class PrefillTry:
     result: m.PrefillDone | None = None
     failed: str = ""  # why the prefill failed (its report, or its worker's death), "" while it has not
     got_token: bool = False  # the decode engine produced a token: the KV arrived, the prefill side is done with
+    started: float = field(default_factory=time.monotonic)
+    not_held: int = 0  # status answers in a row saying its prefill worker no longer holds it
     room: int = field(default_factory=lambda: random.getrandbits(63))  # SGLang's router draws 63 bits likewise
 
 
@@ -157,9 +163,39 @@ class DecodeSide:
     async def start(self) -> None:
         await self.worker.nc.subscribe(subjects.prefilled_subject(self.worker.settings.worker_id), cb=self._on_done)
         await self.peers.start()
+        self._status_task = asyncio.create_task(self._status_loop(), name="prefill-status")
 
     async def stop(self) -> None:
+        self._status_task.cancel()
         await self.peers.stop()
+
+    async def _status_loop(self) -> None:
+        """Ask about tries whose KV and report are both overdue: a report lost on the bus."""
+        while True:
+            await asyncio.sleep(STATUS_EVERY_S)
+            now = time.monotonic()
+            for current in list(self.tries.values()):
+                if (not current.got_token and not current.done.is_set() and not current.failed
+                        and now - current.started >= STATUS_EVERY_S):
+                    self.worker.background.spawn(self._ask_status(current))
+
+    async def _ask_status(self, current: PrefillTry) -> None:
+        ask = m.PrefillStatus(request_id=current.request.request_id, attempt=current.request.attempt,
+                              try_no=current.try_no)
+        subject = subjects.prefill_subject(current.worker_id, self.worker.settings.worker_id)
+        try:
+            reply = await self.worker.replies.request(subject, m.encode(ask), self.worker.settings.liveness_timeout_s)
+            held = _held_decoder.decode(reply.data).held
+        except Exception:  # no answer: whether it is alive is its heartbeat's to say
+            return
+        if held or current.got_token or current.done.is_set():
+            current.not_held = 0
+            return
+        current.not_held += 1
+        if current.not_held >= 2:  # twice, seconds apart: not a report (or the KV) still on its way
+            log.warning("prefill_report_lost", prefill_worker=current.worker_id)
+            self._fail(current, "its prefill worker no longer holds it and its report was lost")
+            current.done.set()
 
     def in_flight(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -86,6 +86,12 @@ class PrefillSide:
             log.warning("bad_prefill_message", subject=msg.subject)
             return
         sender = subjects.prefill_sender(msg.subject)
+        if isinstance(message, m.PrefillStatus):
+            half = self.halves.get((message.request_id, message.attempt))
+            held = half is not None and half.ask.try_no == message.try_no and half.decode_token == sender
+            if msg.reply:
+                await msg.respond(m.encode(m.PrefillHeld(held=held, worker_id=self.worker.settings.worker_id)))
+            return
         if isinstance(message, m.PrefillAbort):
             half = self.halves.get((message.request_id, message.attempt))
             if half is not None and half.ask.try_no == message.try_no and half.decode_token == sender:
