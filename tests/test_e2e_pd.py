@@ -158,10 +158,14 @@ def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
 
 def test_a_lora_adapters_request_runs_with_the_adapter_on_both_engines(pd_platform: Platform) -> None:
     digest = "sha256:" + "cd" * 32
+    tenant = "t-" + secrets.token_hex(4)  # a private adapter of a tenant of its own: other tests never see it
     with pd_platform.admin() as admin:
-        created = admin.post("/adapters", json={"name": "pd-bot", "version": digest, "path": "s3://ok/pd-bot"})
+        assert admin.post("/tenants", json={"id": tenant}).status_code in (200, 201)
+        secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "test"}).json()["secret"]
+        created = admin.post("/adapters", json={"name": "pd-bot", "version": digest, "path": "s3://ok/pd-bot",
+                                                "owner": tenant})
         assert created.status_code == 201, created.text
-    client = pd_platform.client(timeout=60)
+    client = openai.OpenAI(base_url=pd_platform.base_url, api_key=secret, max_retries=0, timeout=60)
     deadline = time.monotonic() + 10
     while "pd-bot" not in {card.id for card in client.models.list().data}:
         assert time.monotonic() < deadline, "the adapter was never listed"
@@ -172,7 +176,7 @@ def test_a_lora_adapters_request_runs_with_the_adapter_on_both_engines(pd_platfo
     for engine in (PREFILL, DECODE):  # each half ran with it: each engine has it loaded
         listed = {entry["id"] for entry in httpx.get(pd_platform.engine_url(engine) + "/v1/models").json()["data"]}
         assert engine_name in listed, (engine, listed)
-    [event] = read_usage(pd_platform, "demo", {raw.headers["x-request-id"]})
+    [event] = read_usage(pd_platform, tenant, {raw.headers["x-request-id"]})
     assert event.adapter == engine_name and event.usage.completion_tokens == 4
 
 
