@@ -193,6 +193,8 @@ async def test_the_kv_transfer_takes_the_links_time():
         section = (await pd.loads(pd.prefill))["disaggregation"]
         assert section["kv_transfer_latency_ms"] == pytest.approx(link_s * 1000, rel=0.01)
         assert section["kv_transfer_speed_gb_s"] == pytest.approx(tokens * 163_840 / link_s / 1e9, rel=0.01)
+        metrics = (await pd.prefill.client.get("/metrics")).text
+        assert 'sglang:kv_transfer_latency_ms_count{model_name="meta-llama/Llama-3.3-70B-Instruct"} 1.0' in metrics
 
 
 SLOW_PREFILL = {"fixed_step_ms": 100.0, "time_scale": 1.0, "chunked_prefill_size": 2}  # ~4 s for an 81-token prompt
@@ -244,6 +246,8 @@ async def test_prefill_abort_while_waiting_for_its_decode_side():
         alone = asyncio.ensure_future(pd.prefill.client.post("/generate", json=body))
         await await_for(lambda: _section(pd, pd.prefill, "prefill_bootstrap_queue_reqs"), 10, what="bootstrapping")
         assert (await pd.loads(pd.prefill))["num_waiting_reqs"] == 1
+        metrics = (await pd.prefill.client.get("/metrics")).text
+        assert 'sglang:num_prefill_bootstrap_queue_reqs{model_name="meta-llama/Llama-3.3-70B-Instruct"} 1.0' in metrics
         await pd.prefill.client.post("/abort_request", json={"rid": "lonely"})
         response = await alone
         assert response.status_code == 500

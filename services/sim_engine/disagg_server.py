@@ -34,6 +34,7 @@ import httpx
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
@@ -195,6 +196,26 @@ class BootstrapServer:
                 connection.shutdown(socket.SHUT_RDWR)
 
 
+class _PdMetrics:
+    """SGLang's PD series (its metrics_collector's names and buckets), labelled `model_name` as the
+    simulated engine's others."""
+
+    def __init__(self, registry: Any, model_name: str) -> None:
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"sglang:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.prefill_bootstrap = gauge("num_prefill_bootstrap_queue_reqs", "Requests in the prefill bootstrap queue.")
+        self.prefill_inflight = gauge("num_prefill_inflight_queue_reqs", "Requests in the prefill inflight queue.")
+        self.decode_prealloc = gauge("num_decode_prealloc_queue_reqs", "Requests in the decode prealloc queue.")
+        self.decode_transfer = gauge("num_decode_transfer_queue_reqs", "Requests in the decode transfer queue.")
+        self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "KV cache transfer speed in GB/s.",
+                                        ["model_name"], registry=registry,
+                                        buckets=(0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)).labels(model_name)
+        self.transfer_latency = Histogram("sglang:kv_transfer_latency_ms", "KV cache transfer latency in ms.",
+                                          ["model_name"], registry=registry,
+                                          buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)).labels(model_name)
+
+
 class DisaggEngineServer(SimEngineServer):
     """The simulated engine as one role of a prefill/decode pair."""
 
@@ -222,6 +243,7 @@ class DisaggEngineServer(SimEngineServer):
         self._handshaking: dict[str, asyncio.Task[None]] = {}  # bootstrap addr → its handshake
         self._preallocating = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.pd_metrics = _PdMetrics(self.metrics.registry, config.model)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -419,6 +441,11 @@ class DisaggEngineServer(SimEngineServer):
         with SGLang's finish reason for a prefill (`length` 0)."""
         self._landing.pop(room, None)
         state = self.prefill_rooms.succeed(room)
+        if state is not None and self.prefill_rooms.last_transfer is not None:
+            seconds, num_bytes = self.prefill_rooms.last_transfer
+            self.pd_metrics.transfer_latency.observe(seconds * 1000)
+            if seconds > 0:
+                self.pd_metrics.transfer_speed.observe(num_bytes / seconds / 1e9)
         update = self._held_updates.pop(room, None)
         self._unhold(room)
         self._untrack(room)
@@ -708,6 +735,14 @@ class DisaggEngineServer(SimEngineServer):
             "kv_transfer_bandwidth_gb_s": self.prefill_rooms.link.link.bandwidth / 1e9,
         })
         return _json(payload)
+
+    async def prometheus_metrics(self, http_request: HttpRequest) -> Response:
+        prefill, decode, metrics = self.prefill_rooms, self.decode_rooms, self.pd_metrics
+        metrics.prefill_bootstrap.set(prefill.count(KVPoll.BOOTSTRAPPING))
+        metrics.prefill_inflight.set(prefill.count(KVPoll.TRANSFERRING))
+        metrics.decode_prealloc.set(decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT))
+        metrics.decode_transfer.set(decode.count(KVPoll.TRANSFERRING))
+        return await super().prometheus_metrics(http_request)
 
     async def model_info(self, http_request: HttpRequest) -> Response:
         response = await super().model_info(http_request)
