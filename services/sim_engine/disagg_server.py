@@ -761,7 +761,7 @@ class DisaggEngineServer(SimEngineServer):
             "prefill_inflight_queue_reqs": prefill.count(KVPoll.TRANSFERRING),
             "decode_prealloc_queue_reqs": decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT),
             "decode_transfer_queue_reqs": decode.count(KVPoll.TRANSFERRING),
-            "decode_retracted_queue_reqs": 0,
+            "decode_retracted_queue_reqs": sum(r.backed_up for r in self.engine.waiting),
             "kv_transfer_speed_gb_s": 0.0,
             "kv_transfer_latency_ms": 0.0,
         }
