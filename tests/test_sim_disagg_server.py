@@ -336,3 +336,17 @@ async def test_a_decode_engine_with_its_own_cache_is_sent_only_what_it_lacks():
         assert part[1] == (prompt - held) * 163_840
         assert second[1].json()["output_ids"] == first[1].json()["output_ids"]
         assert pd.decode.server.engine.cache.used_tokens == pd.decode.server.engine.cache.cached_tokens
+
+
+async def test_a_request_naming_sglangs_fake_bootstrap_host_runs_alone_on_either_role():
+    async with pair() as pd:
+        fake = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}  # what SGLang's warm-up sends
+        for role, tokens in ((pd.prefill, 1), (pd.decode, 6)):
+            answers = await asyncio.gather(*(role.client.post("/generate", json=pd.body(rid=f"{role.port}-{i}", **fake))
+                                             for i in range(2)))  # the same room twice at once
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+                meta = answer.json()["meta_info"]
+                assert meta["completion_tokens"] == tokens
+                assert meta["finish_reason"]["length"] == (0 if role is pd.prefill else 6)
+        assert (await pd.loads(pd.prefill))["disaggregation"]["kv_transfer_latency_ms"] == 0.0  # nothing moved

@@ -44,6 +44,8 @@ from inferbus.timing import LLAMA_70B, PRECISIONS, StepTimeModel, kv_link
 from .config import EngineConfig
 from .disagg import (
     ABORTED,
+    FAKE,
+    FAKE_BOOTSTRAP_HOST,
     HANDSHAKE_RETRY_S,
     Bootstrap,
     DecodeRoom,
@@ -308,9 +310,11 @@ class DisaggEngineServer(SimEngineServer):
                 bootstrap: Bootstrap | None = None) -> _Stream:
         if internal:  # health checks: SGLang sends them with its fake bootstrap host, no peer involved
             return super()._submit(request, stream_interval, internal)
-        if bootstrap is None and self.fake:  # SGLang numbers fake rooms itself
-            bootstrap = Bootstrap(None, None, self._fake_rooms)
+        if (bootstrap is None and self.fake) or (bootstrap is not None and bootstrap.host == FAKE_BOOTSTRAP_HOST):
+            # No peer: SGLang's fake sender or receiver. Its room numbers may repeat (SGLang's
+            # warm-up sends 0), so the simulator keys these by a number of its own.
             self._fake_rooms += 1
+            bootstrap = Bootstrap(FAKE_BOOTSTRAP_HOST, None, -self._fake_rooms)
         if bootstrap is None:
             return self._refused(request, stream_interval, missing_room(request.rid))
         if request.rid in self._streams:
@@ -366,6 +370,8 @@ class DisaggEngineServer(SimEngineServer):
 
     def _open_prefill(self, request: Request, room: int, now: float) -> None:
         state = self.prefill_rooms.open(room, request.rid, now)
+        if room < 0:  # SGLang's fake host: no decode side to wait for
+            self.prefill_rooms.destination(room, FAKE, 0, now, self.config.tp)
         if state.status == KVPoll.FAILED:
             self._fail_held(request.rid, prefill_failure("bootstrap", request.rid, room, state.failure))
             return
@@ -457,7 +463,8 @@ class DisaggEngineServer(SimEngineServer):
             "output_id": request.output_ids[0], "text": request.text, "cached_tokens": request.cached_tokens,
             "prompt_tokens": len(request.input_ids),
         }
-        self._send(state.destination.endpoint, [b"DONE", str(room).encode(), json.dumps(payload).encode()])
+        if state.destination.endpoint != FAKE:
+            self._send(state.destination.endpoint, [b"DONE", str(room).encode(), json.dumps(payload).encode()])
         finish = {"type": "length", "length": 0}
         request.finish_reason = finish
         self._deliver([RequestUpdate(request, update.text, update.num_output_tokens, finish)])
@@ -499,14 +506,14 @@ class DisaggEngineServer(SimEngineServer):
     # ------------------------------------------------------------------ decode role
 
     def _open_decode(self, request: Request, bootstrap: Bootstrap, now: float) -> None:
-        addr = "fake" if self.fake else bootstrap.addr
+        addr = FAKE if bootstrap.host == FAKE_BOOTSTRAP_HOST else bootstrap.addr
         state = self.decode_rooms.open(bootstrap.room, request.rid, addr, len(request.input_ids), now)
         if state.status == KVPoll.FAILED:
             self._fail_held(request.rid, decode_failure("handshake", request.rid, bootstrap.room, state.failure))
             return
         self._track(request.rid, bootstrap.room)
-        if self.fake:  # no prefill: the handshake is instant (SGLang's FakeKVReceiver)
-            self.decode_rooms.handshake(addr, "fake")
+        if addr == FAKE:  # no prefill: the handshake is instant (SGLang's FakeKVReceiver)
+            self.decode_rooms.handshake(addr, FAKE)
         elif state.status == KVPoll.BOOTSTRAPPING and addr not in self._handshaking:
             self._handshaking[addr] = asyncio.create_task(self._handshake(addr), name=f"pd-handshake-{addr}")
         self._preallocate()
@@ -581,7 +588,7 @@ class DisaggEngineServer(SimEngineServer):
                 cache.unlock(request.hashes[:matched])
                 return
             self.decode_rooms.sent(state.room, needed, matched, time.monotonic())
-            if self.fake:
+            if state.endpoint == FAKE:  # SGLang's FakeKVReceiver: "received" at once, from no one
                 self._on_landed(state.room, None)
             else:
                 assert state.endpoint is not None
@@ -614,7 +621,7 @@ class DisaggEngineServer(SimEngineServer):
         sends ABORT once the handshake gave it the rank's endpoint)."""
         stage = state.stage
         self._release_reservation(state)
-        if notify and state.endpoint is not None and not self.fake:
+        if notify and state.endpoint not in (None, FAKE):
             self._send(state.endpoint, [b"ABORT", str(state.room).encode(), self.endpoint.encode()])
         self._untrack(state.room)
         self.decode_rooms.close(state.room)
