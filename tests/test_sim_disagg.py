@@ -286,13 +286,14 @@ def test_a_decode_engine_restores_a_retracted_requests_kv_instead_of_recomputing
     for u in run(roomy, 200):
         if u.finish_reason:
             expected[u.request.rid] = u.request.output_ids
-    steps, prefilled, finished = [], 0, {}
+    steps, prefilled, finished, backed_up = [], 0, {}, 0
     while tight.has_work and len(steps) < 400:
+        backed_up = max(backed_up, sum(r.backed_up for r in tight.waiting))  # SGLang's retracted queue
         result = tight.step()
         steps.append(result.duration_s)
         prefilled += result.prefill_tokens
         finished.update({u.request.rid: u.request.output_ids for u in result.updates if u.finish_reason})
-    assert tight.preemptions_total >= 1  # 2 × (100 + 60) tokens do not fit in 300
+    assert tight.preemptions_total >= 1 and backed_up == 1  # 2 × (100 + 60) tokens do not fit in 300
     assert prefilled == 0  # a decode engine never prefills: the KV came back from host memory
     assert finished == expected
     # Each restore costs its copy: (100 + outputs so far) tokens × 163,840 B over 2 GPUs' PCIe at

@@ -193,6 +193,8 @@ async def test_the_kv_transfer_takes_the_links_time():
         section = (await pd.loads(pd.prefill))["disaggregation"]
         assert section["kv_transfer_latency_ms"] == pytest.approx(link_s * 1000, rel=0.01)
         assert section["kv_transfer_speed_gb_s"] == pytest.approx(tokens * 163_840 / link_s / 1e9, rel=0.01)
+        metrics = (await pd.prefill.client.get("/metrics")).text
+        assert 'sglang:kv_transfer_latency_ms_count{model_name="meta-llama/Llama-3.3-70B-Instruct"} 1.0' in metrics
 
 
 SLOW_PREFILL = {"fixed_step_ms": 100.0, "time_scale": 1.0, "chunked_prefill_size": 2}  # ~4 s for an 81-token prompt
@@ -244,6 +246,8 @@ async def test_prefill_abort_while_waiting_for_its_decode_side():
         alone = asyncio.ensure_future(pd.prefill.client.post("/generate", json=body))
         await await_for(lambda: _section(pd, pd.prefill, "prefill_bootstrap_queue_reqs"), 10, what="bootstrapping")
         assert (await pd.loads(pd.prefill))["num_waiting_reqs"] == 1
+        metrics = (await pd.prefill.client.get("/metrics")).text
+        assert 'sglang:num_prefill_bootstrap_queue_reqs{model_name="meta-llama/Llama-3.3-70B-Instruct"} 1.0' in metrics
         await pd.prefill.client.post("/abort_request", json={"rid": "lonely"})
         response = await alone
         assert response.status_code == 500
@@ -332,3 +336,17 @@ async def test_a_decode_engine_with_its_own_cache_is_sent_only_what_it_lacks():
         assert part[1] == (prompt - held) * 163_840
         assert second[1].json()["output_ids"] == first[1].json()["output_ids"]
         assert pd.decode.server.engine.cache.used_tokens == pd.decode.server.engine.cache.cached_tokens
+
+
+async def test_a_request_naming_sglangs_fake_bootstrap_host_runs_alone_on_either_role():
+    async with pair() as pd:
+        fake = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}  # what SGLang's warm-up sends
+        for role, tokens in ((pd.prefill, 1), (pd.decode, 6)):
+            answers = await asyncio.gather(*(role.client.post("/generate", json=pd.body(rid=f"{role.port}-{i}", **fake))
+                                             for i in range(2)))  # the same room twice at once
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+                meta = answer.json()["meta_info"]
+                assert meta["completion_tokens"] == tokens
+                assert meta["finish_reason"]["length"] == (0 if role is pd.prefill else 6)
+        assert (await pd.loads(pd.prefill))["disaggregation"]["kv_transfer_latency_ms"] == 0.0  # nothing moved

@@ -28,6 +28,11 @@ from inferbus.timing import KvLink, ModelSpec
 ABORTED = "Aborted by AbortReq."
 # What SGLang's receiver of an ABORT records: nothing, so the exception says this.
 FROM_ANOTHER_RANK = "Failed due to an unknown reason from another rank"
+# SGLang's fake bootstrap host (its disaggregation/utils.py): a request naming it has no peer and
+# its KV transfer is faked on either role (SGLang's warm-up and health checks send it). Its rooms
+# use this as their peer's endpoint and bootstrap address.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+FAKE = "fake"
 # Attempts and spacing of the decode side's fetch of the prefill's layout (SGLang's decode queue).
 HANDSHAKE_ATTEMPTS = 15
 HANDSHAKE_RETRY_S = 1.0
@@ -240,13 +245,16 @@ class PrefillRooms:
         if state.first_sent_at is None:  # nothing to send (the decode side had it all): a notice
             self._send(state, 0, now)
         state.status = KVPoll.TRANSFERRING
-        state.landed_at = self.link.free_at
+        assert state.destination is not None
+        state.landed_at = now if state.destination.endpoint == FAKE else self.link.free_at
         return state.landed_at
 
     def _send(self, state: PrefillRoom, tokens: int, now: float) -> None:
         if state.first_sent_at is None:
             state.first_sent_at = now
         assert state.destination is not None
+        if state.destination.endpoint == FAKE:
+            return  # SGLang's FakeKVSender: nothing moves, done at once
         self.link.send(tokens, now, state.destination.tp)
         state.sent_bytes += self.link.bytes_of(tokens)
 
@@ -255,7 +263,8 @@ class PrefillRooms:
         if state is None or state.status != KVPoll.TRANSFERRING:
             return None
         state.status = KVPoll.SUCCESS
-        if state.first_sent_at is not None and state.landed_at is not None:
+        fake = state.destination is not None and state.destination.endpoint == FAKE
+        if state.first_sent_at is not None and state.landed_at is not None and not fake:
             self.last_transfer = (state.landed_at - state.first_sent_at, state.sent_bytes)
         return state
 
@@ -390,7 +399,7 @@ class DecodeRooms:
 
     def watched(self) -> list[str]:
         """Prefill bootstrap servers to heartbeat: those this engine has handshaken with."""
-        return list(self.endpoints)
+        return [addr for addr in self.endpoints if addr != FAKE]
 
     def expired(self, now: float) -> list[DecodeRoom]:
         """Rooms whose KV has not landed `waiting_s` after the destination was sent."""

@@ -34,6 +34,7 @@ import httpx
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
@@ -43,6 +44,8 @@ from inferbus.timing import LLAMA_70B, PRECISIONS, StepTimeModel, kv_link
 from .config import EngineConfig
 from .disagg import (
     ABORTED,
+    FAKE,
+    FAKE_BOOTSTRAP_HOST,
     HANDSHAKE_RETRY_S,
     Bootstrap,
     DecodeRoom,
@@ -65,9 +68,6 @@ logger = logging.getLogger("inferbus.sim_engine.disagg")
 
 MAINTENANCE_INTERVAL_S = 0.25  # how often timeouts are checked
 HEARTBEAT_TIMEOUT_S = 3.0  # SGLang's heartbeat request timeout (connect 2 s, read 3 s)
-# SGLang's fake bootstrap host (disaggregation/utils.py): a request that names it has no peer, its KV
-# transfer is faked on either role (its warm-up and health checks; a client may send one too).
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -198,6 +198,26 @@ class BootstrapServer:
                 connection.shutdown(socket.SHUT_RDWR)
 
 
+class _PdMetrics:
+    """SGLang's PD series (its metrics_collector's names and buckets), labelled `model_name` as the
+    simulated engine's others."""
+
+    def __init__(self, registry: Any, model_name: str) -> None:
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"sglang:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.prefill_bootstrap = gauge("num_prefill_bootstrap_queue_reqs", "Requests in the prefill bootstrap queue.")
+        self.prefill_inflight = gauge("num_prefill_inflight_queue_reqs", "Requests in the prefill inflight queue.")
+        self.decode_prealloc = gauge("num_decode_prealloc_queue_reqs", "Requests in the decode prealloc queue.")
+        self.decode_transfer = gauge("num_decode_transfer_queue_reqs", "Requests in the decode transfer queue.")
+        self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "KV cache transfer speed in GB/s.",
+                                        ["model_name"], registry=registry,
+                                        buckets=(0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)).labels(model_name)
+        self.transfer_latency = Histogram("sglang:kv_transfer_latency_ms", "KV cache transfer latency in ms.",
+                                          ["model_name"], registry=registry,
+                                          buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)).labels(model_name)
+
+
 class DisaggEngineServer(SimEngineServer):
     """The simulated engine as one role of a prefill/decode pair."""
 
@@ -225,6 +245,7 @@ class DisaggEngineServer(SimEngineServer):
         self._handshaking: dict[str, asyncio.Task[None]] = {}  # bootstrap addr → its handshake
         self._preallocating = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.pd_metrics = _PdMetrics(self.metrics.registry, config.model)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -289,13 +310,11 @@ class DisaggEngineServer(SimEngineServer):
                 bootstrap: Bootstrap | None = None) -> _Stream:
         if internal:  # health checks: SGLang sends them with its fake bootstrap host, no peer involved
             return super()._submit(request, stream_interval, internal)
-        if bootstrap is not None and bootstrap.host == FAKE_BOOTSTRAP_HOST:  # computed alone, as SGLang's fake sender/receiver
-            if self.mode == "prefill":
-                request.sampling = msgspec.structs.replace(request.sampling, max_new_tokens=1, min_new_tokens=0)
-            return super()._submit(request, stream_interval, internal)
-        if bootstrap is None and self.fake:  # SGLang numbers fake rooms itself
-            bootstrap = Bootstrap(None, None, self._fake_rooms)
+        if (bootstrap is None and self.fake) or (bootstrap is not None and bootstrap.host == FAKE_BOOTSTRAP_HOST):
+            # No peer: SGLang's fake sender or receiver. Its room numbers may repeat (SGLang's
+            # warm-up sends 0), so the simulator keys these by a number of its own.
             self._fake_rooms += 1
+            bootstrap = Bootstrap(FAKE_BOOTSTRAP_HOST, None, -self._fake_rooms)
         if bootstrap is None:
             return self._refused(request, stream_interval, missing_room(request.rid))
         if request.rid in self._streams:
@@ -351,6 +370,8 @@ class DisaggEngineServer(SimEngineServer):
 
     def _open_prefill(self, request: Request, room: int, now: float) -> None:
         state = self.prefill_rooms.open(room, request.rid, now)
+        if room < 0:  # SGLang's fake host: no decode side to wait for
+            self.prefill_rooms.destination(room, FAKE, 0, now, self.config.tp)
         if state.status == KVPoll.FAILED:
             self._fail_held(request.rid, prefill_failure("bootstrap", request.rid, room, state.failure))
             return
@@ -426,6 +447,11 @@ class DisaggEngineServer(SimEngineServer):
         with SGLang's finish reason for a prefill (`length` 0)."""
         self._landing.pop(room, None)
         state = self.prefill_rooms.succeed(room)
+        if state is not None and self.prefill_rooms.last_transfer is not None:
+            seconds, num_bytes = self.prefill_rooms.last_transfer
+            self.pd_metrics.transfer_latency.observe(seconds * 1000)
+            if seconds > 0:
+                self.pd_metrics.transfer_speed.observe(num_bytes / seconds / 1e9)
         update = self._held_updates.pop(room, None)
         self._unhold(room)
         self._untrack(room)
@@ -437,7 +463,8 @@ class DisaggEngineServer(SimEngineServer):
             "output_id": request.output_ids[0], "text": request.text, "cached_tokens": request.cached_tokens,
             "prompt_tokens": len(request.input_ids),
         }
-        self._send(state.destination.endpoint, [b"DONE", str(room).encode(), json.dumps(payload).encode()])
+        if state.destination.endpoint != FAKE:
+            self._send(state.destination.endpoint, [b"DONE", str(room).encode(), json.dumps(payload).encode()])
         finish = {"type": "length", "length": 0}
         request.finish_reason = finish
         self._deliver([RequestUpdate(request, update.text, update.num_output_tokens, finish)])
@@ -479,14 +506,14 @@ class DisaggEngineServer(SimEngineServer):
     # ------------------------------------------------------------------ decode role
 
     def _open_decode(self, request: Request, bootstrap: Bootstrap, now: float) -> None:
-        addr = "fake" if self.fake else bootstrap.addr
+        addr = FAKE if bootstrap.host == FAKE_BOOTSTRAP_HOST else bootstrap.addr
         state = self.decode_rooms.open(bootstrap.room, request.rid, addr, len(request.input_ids), now)
         if state.status == KVPoll.FAILED:
             self._fail_held(request.rid, decode_failure("handshake", request.rid, bootstrap.room, state.failure))
             return
         self._track(request.rid, bootstrap.room)
-        if self.fake:  # no prefill: the handshake is instant (SGLang's FakeKVReceiver)
-            self.decode_rooms.handshake(addr, "fake")
+        if addr == FAKE:  # no prefill: the handshake is instant (SGLang's FakeKVReceiver)
+            self.decode_rooms.handshake(addr, FAKE)
         elif state.status == KVPoll.BOOTSTRAPPING and addr not in self._handshaking:
             self._handshaking[addr] = asyncio.create_task(self._handshake(addr), name=f"pd-handshake-{addr}")
         self._preallocate()
@@ -561,7 +588,7 @@ class DisaggEngineServer(SimEngineServer):
                 cache.unlock(request.hashes[:matched])
                 return
             self.decode_rooms.sent(state.room, needed, matched, time.monotonic())
-            if self.fake:
+            if state.endpoint == FAKE:  # SGLang's FakeKVReceiver: "received" at once, from no one
                 self._on_landed(state.room, None)
             else:
                 assert state.endpoint is not None
@@ -594,7 +621,7 @@ class DisaggEngineServer(SimEngineServer):
         sends ABORT once the handshake gave it the rank's endpoint)."""
         stage = state.stage
         self._release_reservation(state)
-        if notify and state.endpoint is not None and not self.fake:
+        if notify and state.endpoint not in (None, FAKE):
             self._send(state.endpoint, [b"ABORT", str(state.room).encode(), self.endpoint.encode()])
         self._untrack(state.room)
         self.decode_rooms.close(state.room)
@@ -716,6 +743,14 @@ class DisaggEngineServer(SimEngineServer):
         })
         return _json(payload)
 
+    async def prometheus_metrics(self, http_request: HttpRequest) -> Response:
+        prefill, decode, metrics = self.prefill_rooms, self.decode_rooms, self.pd_metrics
+        metrics.prefill_bootstrap.set(prefill.count(KVPoll.BOOTSTRAPPING))
+        metrics.prefill_inflight.set(prefill.count(KVPoll.TRANSFERRING))
+        metrics.decode_prealloc.set(decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT))
+        metrics.decode_transfer.set(decode.count(KVPoll.TRANSFERRING))
+        return await super().prometheus_metrics(http_request)
+
     async def model_info(self, http_request: HttpRequest) -> Response:
         response = await super().model_info(http_request)
         payload = msgspec.json.decode(response.body)
@@ -733,7 +768,7 @@ class DisaggEngineServer(SimEngineServer):
             "prefill_inflight_queue_reqs": prefill.count(KVPoll.TRANSFERRING),
             "decode_prealloc_queue_reqs": decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT),
             "decode_transfer_queue_reqs": decode.count(KVPoll.TRANSFERRING),
-            "decode_retracted_queue_reqs": 0,
+            "decode_retracted_queue_reqs": sum(r.backed_up for r in self.engine.waiting),
             "kv_transfer_speed_gb_s": 0.0,
             "kv_transfer_latency_ms": 0.0,
         }

@@ -266,6 +266,18 @@ async def test_an_adapter_loaded_on_both_engines_serves_through_the_pair(pair: P
     assert decode.json()["output_ids"] != base["output_ids"]  # the adapter's weights, on both engines
 
 
+async def test_a_request_naming_the_fake_bootstrap_host_runs_on_one_engine(pair: Pair, http: httpx.AsyncClient):
+    """SGLang's warm-up and health checks name its fake bootstrap host: no peer, no transfer."""
+    fake = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}
+    prefill = await http.post(pair.prefill.url + "/generate", json=pair.body(rid="pd-fake-p", **fake))
+    assert prefill.status_code == 200, prefill.text
+    assert prefill.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert prefill.json()["meta_info"]["completion_tokens"] == 1
+    decode = await http.post(pair.decode.url + "/generate", json=pair.body(rid="pd-fake-d", **fake))
+    assert decode.status_code == 200, decode.text
+    assert decode.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
 async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
     prefill, _ = await both(http, pair, pair.body(rid="pd-counted"))
     prompt_tokens = prefill.json()["meta_info"]["prompt_tokens"]
