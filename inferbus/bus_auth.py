@@ -14,6 +14,7 @@ the replies (JetStream deliveries, request/reply answers) meant for another.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -110,6 +111,24 @@ def _platform_streams() -> list[str]:
     return [*_stream_info(*_PLATFORM_STREAMS), *_stream_create(*_PLATFORM_STREAMS), "$JS.API.INFO"]
 
 
+# Prefill/decode disaggregation (services/worker/decode_side.py, prefill_side.py), what it adds to
+# a worker's rights: (subject scoped to the worker, role-wide subject) per rule.
+_WORKER_PD_PUBLISH: tuple[tuple[Callable[[str], str] | None, Callable[[], str]], ...] = (
+    (subjects.prefill_subjects_from, subjects.prefill_wildcard),  # its prefill halves, naming itself the decode side
+    (None, subjects.prefilled_wildcard),  # how a half ended, to the decode worker that sent it
+    (None, subjects.placement_wildcard),  # asks a router for a prefill worker
+    (None, subjects.liveness_wildcard),  # probes a prefill worker whose heartbeat lapsed
+)
+_WORKER_PD_SUBSCRIBE: tuple[tuple[Callable[[str], str] | None, Callable[[], str]], ...] = (
+    (subjects.prefill_subjects_to, subjects.prefill_wildcard),  # halves sent to it
+    (subjects.prefilled_subject, subjects.prefilled_wildcard),  # reports on the halves it sent
+)
+
+
+def _rules(table: tuple[tuple[Callable[[str], str] | None, Callable[[], str]], ...], scope: str | None) -> tuple[str, ...]:
+    return tuple(scoped(scope) if scoped is not None and scope is not None else wide() for scoped, wide in table)
+
+
 def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     """The subjects `user` (of `role`, limited to `scope` where the role has one) may use."""
     inbox = f"{inbox_prefix(user)}.>"
@@ -131,14 +150,16 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 f"$KV.{subjects.WORKERS_BUCKET}.{subjects.worker_key(scope) if scope is not None else '*'}",
                 *_kv_read(subjects.ADAPTERS_BUCKET),
                 *_kv_read(subjects.MODELS_BUCKET),  # the release it must verify it serves
+                *_rules(_WORKER_PD_PUBLISH, scope),
             ),
             subscribe=(subjects.cancel_wildcard(),
                        subjects.control_subject(scope) if scope is not None else subjects.control_wildcard(),
                        subjects.liveness_subject(scope) if scope is not None else subjects.liveness_wildcard(),
                        subjects.resend_worker_subjects(scope) if scope is not None else subjects.resend_wildcard(),
                        subjects.holder_wildcard(),
+                       *_rules(_WORKER_PD_SUBSCRIBE, scope),
                        inbox),
-            allow_responses=True,  # answers the gateways' liveness probes and requests to resend
+            allow_responses=True,  # answers the gateways' liveness probes and requests to resend, prefill halves
         )
     if role == "gateway":
         return Permissions(

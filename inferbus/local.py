@@ -253,11 +253,22 @@ class EngineSpec:
     engine_args: tuple[str, ...] = ()
 
 
+def role_engine_args(role: str) -> list[str]:
+    """A simulated engine's flags for a prefill/decode role (SGLang's `--disaggregation-mode`): a
+    prefill engine's bootstrap server on a free port."""
+    if role == "prefill":
+        return ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())]
+    if role == "decode":
+        return ["--disaggregation-mode", "decode"]
+    return []
+
+
 def replica_processes(
     index: int, spec: EngineSpec, env: dict[str, str], logs_dir: Path, worker_env: dict[str, str] | None = None,
-    kv_events: bool = True,
+    kv_events: bool = True, role: str = "aggregated",
 ) -> tuple[Process, Process]:
-    """engine-<index> (a simulated engine on free ports) and worker-<index> driving it."""
+    """engine-<index> (a simulated engine on free ports) and worker-<index> driving it; `role`:
+    a prefill or decode engine and worker of a disaggregated fleet, or an aggregated one."""
     engine_port, events_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     events = f"tcp://127.0.0.1:{events_port}"
@@ -265,18 +276,22 @@ def replica_processes(
             "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale", str(spec.time_scale),
             # The engine binds (SGLang's "bind": true) and the worker connects: a connecting publisher
             # loses its first batches while the subscription reaches it (libzmq).
-            "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events, "bind": True}), *spec.engine_args]
+            "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events, "bind": True}), *spec.engine_args,
+            *role_engine_args(role)]
     if spec.fixed_step_ms is not None:
         argv += ["--fixed-step-ms", str(spec.fixed_step_ms)]
     engine = Process(f"engine-{index}", argv, dict(env), logs_dir / f"engine-{index}.log",
                      lambda: http_ok(f"{engine_url}/ready"), engine_url)
-    extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0"}
+    extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0",
+             "INFERBUS_WORKER_ROLE": role}
+    if role == "prefill":  # every engine on this machine's loopback: the decode engines reach it there
+        extra["INFERBUS_ENGINE_BOOTSTRAP_HOST"] = "127.0.0.1"
     if kv_events:
         extra["INFERBUS_ENGINE_KV_EVENTS"] = events
         extra["INFERBUS_ENGINE_KV_EVENTS_BIND"] = "false"
     worker = Process(f"worker-{index}", [sys.executable, "-m", "inferbus.commands.main", "worker"],
                      {**env, **extra, **(worker_env or {})}, logs_dir / f"worker-{index}.log",
-                     lambda: True, f"drives engine-{index}")
+                     lambda: True, f"drives engine-{index}" + (f" ({role})" if role != "aggregated" else ""))
     return engine, worker
 
 
@@ -320,6 +335,24 @@ class StackConfig:
     # Zones (> 1: a NATS cluster with a node per zone and JetStream R3, Redis primary + replica
     # with a sentinel per zone, a router and a gateway per zone, workers spread over the zones).
     zones: int = 1
+    # Prefill/decode disaggregation: this many prefill and decode workers (worker-1.. are the
+    # prefill ones) instead of `workers` aggregated ones; both 0: aggregated.
+    prefill: int = 0
+    decode: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill or self.decode:
+            if self.prefill < 1 or self.decode < 1:
+                raise ValueError("a disaggregated fleet needs at least one prefill and one decode worker")
+            if self.autoscale:
+                raise ValueError("prefill/decode workers are started fixed, not by the autoscaler")
+            self.workers = self.prefill + self.decode
+
+    def role_of(self, index: int) -> str:
+        """The role of worker-<index> (1-based)."""
+        if not (self.prefill or self.decode):
+            return "aggregated"
+        return "prefill" if index <= self.prefill else "decode"
 
     def engine_spec(self) -> EngineSpec:
         return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
@@ -478,7 +511,8 @@ class Stack:
         for i in range(1, 0 if c.autoscale else c.workers + 1):
             self.processes += replica_processes(i, c.engine_spec(), self._env(), c.state_dir / "logs",
                                                 worker_env=self.credentials(f"worker-{i}"),
-                                                kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env)
+                                                kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env,
+                                                role=c.role_of(i))
         admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}
         ids = {"INFERBUS_GATEWAY_ID": GATEWAY_ID} if self.identities else {}
         self._add("gateway", self._inferbus("gateway"), self.gateway_serving, self.gateway_url,
@@ -578,7 +612,8 @@ class Stack:
             index = zones.index(lc.worker_zone(i, zones))
             engine, worker = replica_processes(i, c.engine_spec(), self._env(**zone_env(index)), logs,
                                                worker_env=self.credentials(f"worker-{i}"),
-                                               kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env)
+                                               kv_events="INFERBUS_ENGINE_KV_EVENTS" not in c.extra_env,
+                                               role=c.role_of(i))
             worker.detail += f", zone {zones[index]}"
             self.processes += [engine, worker]
         admin = {"INFERBUS_ADMIN_KEY": c.admin_key} if c.admin_key else {}

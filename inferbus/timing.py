@@ -139,6 +139,45 @@ def lora_load_s(rank: int) -> float:
     return LORA_LOAD_FIXED_S + lora_adapter_bytes(rank) / LORA_LOAD_BANDWIDTH
 
 
+@dataclass(frozen=True)
+class KvLink:
+    """The link a prefill replica sends a prompt's KV to its decode replica over (prefill/decode
+    disaggregation), per GPU and one way. Every GPU holds its share of the KV heads and sends or
+    receives it on its own link, so the side with fewer GPUs sets the pace (the planner's
+    arithmetic, docs/planning.md)."""
+
+    name: str
+    bandwidth: float  # bytes/s per GPU, one way
+
+    def transfer_s(self, tokens: float, tp_prefill: int, tp_decode: int, model: ModelSpec = LLAMA_70B) -> float:
+        """Seconds to move the KV of `tokens` tokens."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * model.kv_bytes_per_token / (min(tp_prefill, tp_decode) * self.bandwidth)
+
+
+# NVLink 4 inside an H100/H200 SXM node: 900 GB/s per GPU both ways, 450 GB/s one way (NVIDIA
+# datasheets). RDMA between nodes: one 400 Gb/s ConnectX-7 port per GPU, 50 GB/s one way (NVIDIA
+# DGX H100 datasheet). Line rates.
+KV_LINKS: dict[str, KvLink] = {
+    "nvlink": KvLink("nvlink", 450 * GB),
+    "rdma": KvLink("rdma", 50 * GB),
+}
+
+
+def kv_link(name: str, bandwidth_gb_s: float | None = None) -> KvLink:
+    """A named link, its bandwidth per GPU optionally replaced (GB/s)."""
+    try:
+        link = KV_LINKS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV link {name!r}; known: {sorted(KV_LINKS)}") from None
+    if bandwidth_gb_s is not None:
+        if bandwidth_gb_s <= 0:
+            raise ValueError("the KV link's bandwidth must be positive")
+        link = replace(link, bandwidth=bandwidth_gb_s * GB)
+    return link
+
+
 def expected_distinct_adapters(batch: float, adapters: int, slots: int) -> float:
     """Distinct adapters among `batch` sequences spread evenly over `adapters`, at most `slots`.
 

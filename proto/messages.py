@@ -175,6 +175,11 @@ class InferenceRequest(_Message, tag="request"):
     # Migration: the token ids already streamed to the client; the next attempt continues from
     # input_ids + resumed_ids (re-tokenizing the text could change token boundaries).
     resumed_ids: list[int] = []
+    # Prefill/decode disaggregation: the prefill worker the router paired with the decode worker
+    # this request is queued for, and the prompt tokens it expects that prefill worker to hold
+    # cached. None: the decode worker that takes the request finds a prefill worker itself.
+    prefill_worker: str | None = None
+    prefill_cached_tokens: int = 0
 
     def on_wire(self) -> "InferenceRequest":
         """The copy published on the bus. With `input_ids` set the engine computes on the ids, so the
@@ -558,6 +563,11 @@ class Heartbeat(_Message):
     zone: str = ""  # failure domain (availability zone) of the worker; "" = none given
     role: str = "aggregated"  # a `Role`: what this worker's engine does (prefill/decode disaggregation)
     bands: list[str] = []  # the priority bands it pulls, most important first ([] from older workers)
+    # A decode engine that can also compute a prompt itself (none of SGLang 0.5.23's can: its decode
+    # mode takes every prompt's KV from a prefill engine); the router may then let it prefill a short
+    # uncached remainder rather than send it to a prefill worker (conditional disaggregation).
+    local_prefill: bool = False
+    kv_capacity_tokens: int = 0  # the engine's KV cache in tokens (0: unknown): a decode worker's room
 
 
 class LivenessProbe(_Message):
@@ -590,6 +600,10 @@ class PlacementRequest(_Message):
     release: str | None = None  # place on a worker of this release only (InferenceRequest.release)
     pinned: bool = False  # the client asked for `release`: no other release may serve it
     zone: str = ""  # the asking gateway's zone: placement prefers workers there while they have room
+    # "prefill": a decode worker asks for a prefill worker for a request it holds (the reply's
+    # `worker_id`); "" (a gateway): where the request runs, a pair on a disaggregated fleet.
+    role: str = ""
+    avoid: list[str] = []  # workers not to choose (a prefill worker that refused or failed this request)
 
     def __post_init__(self) -> None:
         _band_from_tier(self)
@@ -600,6 +614,85 @@ class PlacementReply(_Message):
     worker_id: str | None = None
     reason: str = ""
     cached_blocks: int = 0  # leading blocks the router expects the chosen worker to hold
+    # Disaggregated: the prefill worker paired with decode worker `worker_id`, and the leading blocks
+    # it holds. None with a decode `worker_id`: that worker computes the prompt itself.
+    prefill_worker_id: str | None = None
+    prefill_cached_blocks: int = 0
+
+
+class PrefillRequest(_Message, tag="prefill"):
+    """Decode worker → prefill worker on `prefill_subject(prefill, decode)` (request/reply, answered
+    with `PrefillAccepted`): compute the prompt of `request` on your engine and send its KV to the
+    decode engine waiting in `bootstrap_room` (SGLang's PD protocol: the same request goes to both
+    engines with the bootstrap host, port and room). `try_no` > 0: an earlier prefill of this attempt
+    failed; its engine rid is `prefill_rid(request, try_no)`."""
+
+    request: InferenceRequest
+    bootstrap_room: int
+    try_no: int = 0
+    placed: bool = False  # a router placed it on this prefill worker (counted against its placements)
+
+
+class PrefillAbort(_Message, tag="prefill_abort"):
+    """Decode worker → prefill worker on `prefill_subject`: give up the prefill of this try (the
+    decode side failed, or moved on to another prefill worker)."""
+
+    request_id: str
+    attempt: int
+    try_no: int = 0
+
+
+class PrefillStatus(_Message, tag="prefill_status"):
+    """Decode worker → prefill worker on `prefill_subject` (request/reply, answered with
+    `PrefillHeld`): do you still hold this try? Asked of a try whose KV has not arrived for a while
+    without a report (a `PrefillDone` lost on the bus would otherwise leave the decode engine waiting
+    for SGLang's 300 s timeout)."""
+
+    request_id: str
+    attempt: int
+    try_no: int = 0
+
+
+class PrefillHeld(_Message):
+    held: bool  # the prefill worker still runs the try (false: it ended, and its report went out)
+    worker_id: str = ""
+
+
+PrefillMessage = Union[PrefillRequest, PrefillAbort, PrefillStatus]
+
+
+class PrefillAccepted(_Message):
+    """Prefill worker's answer to a `PrefillRequest`: where its engine's bootstrap server listens
+    (`accepted`), or why not (`full`: every prefill slot taken; `draining`; `cancelled`)."""
+
+    accepted: bool
+    worker_id: str
+    bootstrap_host: str = ""
+    bootstrap_port: int = 0
+    reason: str = ""
+
+
+class PrefillDone(_Message):
+    """Prefill worker → decode worker on `prefilled_subject(decode)`: the prefill of one try ended.
+    `ok`: computed and its KV sent (SGLang answers the prefill request once the transfer is done);
+    otherwise `code`/`message` say why, and the decode worker tries another prefill worker."""
+
+    request_id: str
+    attempt: int
+    try_no: int
+    worker_id: str
+    ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # the prompt tokens the prefill engine found in its prefix cache
+    code: str = ""
+    message: str = ""
+
+
+def prefill_rid(request: InferenceRequest, try_no: int) -> str:
+    """The engine rid of try `try_no` of `request`'s current attempt, on both engines: the attempt's
+    rid, so that aborting the attempt (a prefix match in SGLang) aborts every try of it."""
+    rid = request.engine_rid()
+    return rid if try_no == 0 else f"{rid}.{try_no}"
 
 
 class Placed(_Message):

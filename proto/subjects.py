@@ -14,6 +14,8 @@ Layout (see DESIGN.md):
     inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
     inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
     inferbus.release.<model or adapter>            core NATS: canary decisions (ReleaseDecision)
+    inferbus.prefill.<prefill worker>.<decode worker>   core NATS request/reply: a decode worker's prefill halves
+    inferbus.prefilled.<decode worker>             core NATS: a prefill half ended (PrefillDone)
 
 Token subjects name the gateway, not the request: each gateway holds one subscription instead of
 subscribing and unsubscribing per request, and a worker sends the events of many requests bound
@@ -249,6 +251,46 @@ def liveness_subject(worker_id: str) -> str:
 def liveness_wildcard() -> str:
     """Every worker's liveness probe subject (for permissions)."""
     return f"{PREFIX}.alive.*"
+
+
+def prefill_subject(prefill_worker: str, decode_worker: str) -> str:
+    """Where decode worker `decode_worker` sends prefill halves to `prefill_worker` (request/reply):
+    a worker's NATS permissions let it name itself as the decode side only, and the prefill worker
+    reports to the decode worker the subject names (`prefilled_subject`)."""
+    return f"{PREFIX}.prefill.{token(prefill_worker)}.{token(decode_worker)}"
+
+
+def prefill_subjects_to(prefill_worker: str) -> str:
+    """Every decode worker's prefill halves for one prefill worker (its subscription)."""
+    return f"{PREFIX}.prefill.{token(prefill_worker)}.*"
+
+
+def prefill_subjects_from(decode_worker: str) -> str:
+    """One decode worker's prefill halves to any prefill worker (its NATS permission)."""
+    return f"{PREFIX}.prefill.*.{token(decode_worker)}"
+
+
+def prefill_wildcard() -> str:
+    return f"{PREFIX}.prefill.*.*"
+
+
+def prefill_sender(subject: str) -> str:
+    """The decode worker token of a prefill subject (its last token)."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def prefilled_subject(decode_worker: str) -> str:
+    """Where prefill workers tell decode worker `decode_worker` how its prefill halves ended."""
+    return f"{PREFIX}.prefilled.{token(decode_worker)}"
+
+
+def prefilled_subject_of_token(decode_token: str) -> str:
+    """`prefilled_subject` of a worker named by its subject token (as `prefill_sender` gives it)."""
+    return f"{PREFIX}.prefilled.{decode_token}"
+
+
+def prefilled_wildcard() -> str:
+    return f"{PREFIX}.prefilled.*"
 
 
 def scale_subject(pool: str) -> str:

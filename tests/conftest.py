@@ -120,6 +120,22 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 
 
 @pytest.fixture(scope="session")
+def pd_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """As `platform`, disaggregated: one prefill and one decode worker (`inferbus up --prefill 1
+    --decode 1`); engine-1 is the prefill engine, engine-2 the decode engine."""
+    with running_platform(tmp_path_factory.mktemp("pd-platform"), prefill=1, decode=1, time_scale=0.1,
+                          engine_args=["--log-level", "debug"],
+                          extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1", "INFERBUS_RESPONSES_MAX_BYTES": "20000"}) as running:
+        yield running
+
+
+def on_both_topologies(request: pytest.FixtureRequest, platform: Platform) -> Platform:
+    """For a test module's own `platform` fixture, parametrized aggregated/disaggregated: the
+    session's aggregated platform, or `pd_platform`."""
+    return platform if request.param == "aggregated" else request.getfixturevalue("pd_platform")
+
+
+@pytest.fixture(scope="session")
 def llama3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small model directory with a Llama-3-style chat template (tokenizer trained on local text)."""
     from inferbus.modeldir import build_model_dir

@@ -207,6 +207,26 @@ def test_compose_services_are_wired():
     assert devices[0]["count"] == 2 and "gpu" in devices[0]["capabilities"]
 
 
+def test_compose_pd_profile_runs_a_prefill_and_a_decode_pair():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    pd = {n: s for n, s in services.items() if "pd" in s.get("profiles", [])}
+    assert set(pd) == {"sim-engine-prefill-1", "worker-prefill-1", "sim-engine-decode-1", "worker-decode-1"}
+    for role in ("prefill", "decode"):
+        engine, worker = pd[f"sim-engine-{role}-1"], pd[f"worker-{role}-1"]
+        command = engine["command"]
+        assert command[command.index("--disaggregation-mode") + 1] == role
+        env = worker["environment"]
+        assert env["INFERBUS_WORKER_ROLE"] == role
+        assert env["INFERBUS_ENGINE_URL"] == f"http://sim-engine-{role}-1:30000"
+        assert worker["depends_on"][f"sim-engine-{role}-1"]["condition"] == "service_healthy"
+        assert "healthcheck" in engine and "healthcheck" in worker
+    # Decode engines reach the prefill engine's bootstrap server by the name the prefill worker announces.
+    prefill = pd["sim-engine-prefill-1"]["command"]
+    assert prefill[prefill.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert pd["worker-prefill-1"]["environment"]["INFERBUS_ENGINE_BOOTSTRAP_HOST"] == "sim-engine-prefill-1"
+    assert "default" in pd["sim-engine-prefill-1"]["networks"] and "default" in pd["sim-engine-decode-1"]["networks"]
+
+
 # ---------------------------------------------------------------- kubernetes
 
 

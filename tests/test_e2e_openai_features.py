@@ -11,9 +11,15 @@ import openai
 import pydantic
 import pytest
 
-from .conftest import MODEL, Platform, read_usage
+from .conftest import MODEL, Platform, on_both_topologies, read_usage
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=["aggregated", "disaggregated"])
+def platform(request: pytest.FixtureRequest, platform: Platform) -> Platform:
+    """Every test here runs on aggregated workers and on a prefill/decode pair (`--prefill 1 --decode 1`)."""
+    return on_both_topologies(request, platform)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -37,6 +37,9 @@ def drill(kind: str, state_dir: str | None, duration_s: float, fault_at_s: float
     """Break one part of the running platform under a bounded load and report what it cost.
 
     KIND is what breaks: worker-kill (SIGKILL a worker), worker-hang (SIGSTOP it for --hang s),
+    prefill-kill and decode-kill on a disaggregated platform (`inferbus up --prefill 2 --decode 2`:
+    a prefill worker and its engine killed while it computes or sends a prompt's KV, a decode
+    worker and its engine while it streams),
     gpu-death (its engine's GPU hangs: the worker must give it up and be replaced), router-kill,
     billing-kill, and on a multi-zone platform (`inferbus up --zones 3`) nats-node-kill, zone-loss
     (every process of the first zone at once: NATS node, sentinel, Redis primary, router, gateway,

@@ -41,6 +41,13 @@ def main() -> None:
 @main.command()
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(0, 64),
               help="Simulated GPU workers to start (each is a simulated engine plus a worker).")
+@click.option("--prefill", default=0, show_default=True, type=click.IntRange(0, 64),
+              help="Prefill/decode disaggregation: simulated prefill workers (engines in SGLang's "
+                   "--disaggregation-mode prefill, computing prompts for decode workers). With --decode, instead of "
+                   "--workers; see docs/architecture.md.")
+@click.option("--decode", default=0, show_default=True, type=click.IntRange(0, 64),
+              help="Prefill/decode disaggregation: simulated decode workers (they take the requests, have their "
+                   "prompts computed by a prefill worker and stream the tokens).")
 @click.option("--gpu", default="H100", show_default=True, type=click.Choice(["H100", "H200"]),
               help="GPU the simulated engines model (HBM size and bandwidth, FLOP/s).")
 @click.option("--tp", default=2, show_default=True, type=click.Choice(["1", "2", "4", "8"]),
@@ -81,7 +88,7 @@ def main() -> None:
                    "3 copies of the request queue, the usage ledger and the buckets), Redis primary and replica with "
                    "a sentinel per zone (automatic failover), and a router and a gateway per zone; WORKERS are "
                    "spread over the zones. See docs/high-availability.md.")
-def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
+def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
        min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
        chat_format: str, tls: bool, callout: bool, zones: int) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
@@ -100,6 +107,9 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     With --autoscale there are no fixed workers: the autoscaler (local actuator) starts
     --min-workers, then scales between the bounds on queue wait, TTFT/TPOT and the forecast
     arrival rate; its decisions are printed here as they happen (see docs/autoscaling.md).
+
+    With --prefill N --decode M the fleet is disaggregated: N prefill and M decode workers instead
+    of --workers; the router pairs them per request (docs/routing.md).
     """
     from inferbus.local import Stack, StackConfig, redis_reachable
 
@@ -108,6 +118,11 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
     if callout and (autoscale or os.environ.get("NATS_URL")):
         raise click.BadParameter("--callout needs the NATS `inferbus up` starts and fixed workers (not --autoscale)",
                                  param_hint="--callout")
+    if (prefill or decode) and not (prefill and decode):
+        raise click.BadParameter("a disaggregated fleet needs both --prefill and --decode (at least 1 each)",
+                                 param_hint="--prefill/--decode")
+    if (prefill or decode) and autoscale:
+        raise click.BadParameter("--prefill/--decode start fixed workers: not with --autoscale", param_hint="--autoscale")
     if tls and os.environ.get("NATS_URL"):
         raise click.BadParameter("--tls applies to the NATS `inferbus up` starts; with NATS_URL set, configure TLS on "
                                  "that server and set NATS_TLS_CA (see docs/security.md)", param_hint="--tls")
@@ -122,7 +137,7 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
         admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
         autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
         warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
-        tls=tls, callout=callout, zones=zones,
+        tls=tls, callout=callout, zones=zones, prefill=prefill, decode=decode,
     )
     if zones > 1 and (autoscale or config.nats_url or config.redis_url):
         raise click.UsageError("--zones runs its own NATS cluster and Redis with sentinels: not with --autoscale, "
@@ -144,7 +159,8 @@ def up(workers: int, gpu: str, tp: str, model: str, port: int, time_scale: float
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    fleet = (f"{min_workers}-{max_workers} autoscaled" if autoscale else f"{workers}")
+    fleet = (f"{min_workers}-{max_workers} autoscaled" if autoscale
+             else f"{prefill} prefill + {decode} decode" if prefill else f"{workers}")
     click.echo(f"inferbus up: {fleet} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
     try:
         # Three zones start ~20 processes at once: on a small machine they take longer to be ready.

@@ -88,6 +88,10 @@ class Platform:
     def workers(self) -> list[str]:
         return sorted(name for name in self.pids() if name.startswith("worker-"))
 
+    def workers_of(self, role: str) -> list[str]:
+        """The workers of a prefill/decode role (`inferbus up --prefill N --decode M`), by their detail."""
+        return [name for name in self.workers() if f"({role})" in self.detail(name)]
+
     def zone_of(self, name: str) -> str:
         """The zone of a process of a multi-zone platform ("" for a platform-wide one)."""
         if name.startswith(("worker-", "engine-")):
@@ -138,7 +142,32 @@ def _redis_primary(platform: Platform) -> str:
     raise SystemExit(f"no redis process of this platform listens on the primary's port {port}")
 
 
+def _engine_busy(url: str) -> bool:
+    """Whether a simulated engine holds a request now (running, waiting, or in a PD queue)."""
+    loads = (_http_json(url + "/v1/loads?include=all") or {}).get("loads") or []
+    return any(entry.get("num_running_reqs", 0) + entry.get("num_waiting_reqs", 0) for entry in loads)
+
+
+def _kill_role(platform: Platform, kind: str, role: str, wait_busy_s: float = 10.0) -> Fault:
+    """Kill the first worker of `role` with its engine (a pod lost) while its engine holds work:
+    a prefill worker mid-prefill or mid-transfer, a decode worker mid-stream."""
+    workers = platform.workers_of(role)
+    if len(workers) < 2:
+        raise SystemExit(f"drill {kind} needs a disaggregated platform with at least 2 {role} workers: "
+                         "inferbus up --prefill 2 --decode 2")
+    victim = workers[0]
+    engine = "engine-" + victim.split("-", 1)[1]
+    url = platform.detail(engine)
+    deadline = time.monotonic() + wait_busy_s
+    while not _engine_busy(url) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    what = "mid-transfer" if role == "prefill" else "mid-stream"
+    return _kill(platform, [victim, engine], f"SIGKILL {victim} and {engine} ({role}, {what})")
+
+
 def make_fault(kind: str, platform: Platform, *, hang_s: float) -> Fault:
+    if kind in ("prefill-kill", "decode-kill"):
+        return _kill_role(platform, kind, kind.split("-", 1)[0])
     workers = platform.workers()
     first = workers[0]
     index = first.split("-", 1)[1]
@@ -175,16 +204,18 @@ def make_fault(kind: str, platform: Platform, *, hang_s: float) -> Fault:
 
 
 KINDS = ("worker-kill", "worker-hang", "gpu-death", "nats-node-kill", "zone-loss", "redis-failover", "router-kill",
-         "billing-kill")
+         "billing-kill", "prefill-kill", "decode-kill")
 
 
 # ---- load ----------------------------------------------------------------------------------------
 
 
-async def _attempt(client: openai.AsyncOpenAI, rng: random.Random, max_tokens: int) -> Attempt:
+async def _attempt(client: openai.AsyncOpenAI, rng: random.Random, max_tokens: int,
+                   prompt_words: tuple[int, int] = (8, 40)) -> Attempt:
     started = time.monotonic()
     attempt = Attempt("", 0, started, started)
-    words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "zone", "drill")) for _ in range(rng.randint(8, 40)))
+    words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "zone", "drill"))
+                     for _ in range(rng.randint(*prompt_words)))
     try:
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=max_tokens, stream=True,
@@ -222,7 +253,8 @@ def retry_wait(retry: int, retry_after: float) -> float:
 
 
 async def _client_loop(gateways: Callable[[], list[str]], key: str, until: float, calls: list[Call], seed: int,
-                       max_attempts: int, max_tokens: int, origin: float) -> None:
+                       max_attempts: int, max_tokens: int, origin: float,
+                       prompt_words: tuple[int, int] = (8, 40)) -> None:
     rng = random.Random(seed)
     clients: dict[str, openai.AsyncOpenAI] = {}
     while time.monotonic() < until:
@@ -235,7 +267,7 @@ async def _client_loop(gateways: Callable[[], list[str]], key: str, until: float
             client = clients.get(url)
             if client is None:
                 client = clients[url] = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
-            attempt = await _attempt(client, rng, max_tokens)
+            attempt = await _attempt(client, rng, max_tokens, prompt_words)
             attempt.started -= origin
             attempt.finished -= origin
             call.attempts.append(attempt)
@@ -343,8 +375,10 @@ async def run_drill(kind: str, state_dir: Path, *, api_key: str, duration_s: flo
     until = origin + duration_s
     calls: list[Call] = []
     say(f"drill {kind}: {clients} clients for {duration_s:g} s, fault at {fault_at_s:g} s")
+    # A prefill worker is killed mid-transfer: long prompts keep the prefill engines busy for longer.
+    prompt_words = (400, 1600) if kind == "prefill-kill" else (8, 40)
     loops = [asyncio.create_task(_client_loop(platform.gateways, api_key, until, calls, seed, max_attempts, max_tokens,
-                                              origin)) for seed in range(clients)]
+                                              origin, prompt_words)) for seed in range(clients)]
     await asyncio.sleep(fault_at_s)
     fault_time = time.monotonic() - origin
     fault = await asyncio.to_thread(make_fault, kind, platform, hang_s=hang_s)
@@ -369,9 +403,25 @@ async def run_drill(kind: str, state_dir: Path, *, api_key: str, duration_s: flo
     ids = {a.request_id for call in calls if call.ok for a in call.attempts[-1:] if a.request_id}
     every = {a.request_id for call in calls for a in call.attempts if a.request_id}
     ledger = await read_ledger(platform, every, ids, wall_start, settle_s=20.0)
+    notes = []
+    if kind == "prefill-kill":
+        retried = prefill_retries(state_dir, platform.workers_of("decode"))
+        notes.append(f"prefill halves retried on another prefill worker: {retried}")
     return summarize(kind, calls, ledger, fault_at=fault_time, ready_at=ready_at, migrated=migrated,
                      recovery="broken processes replaced, every gateway ready with every worker, "
-                              "and every request since succeeding on its first attempt")
+                              "and every request since succeeding on its first attempt", notes=notes)
+
+
+def prefill_retries(state_dir: Path, decode_workers: list[str]) -> int:
+    """Prefill halves the decode workers tried again elsewhere, from their logs (`prefill_retried`)."""
+    count = 0
+    for name in decode_workers:
+        try:
+            text = (state_dir / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        count += text.count('"prefill_retried"')
+    return count
 
 
 def run(kind: str, state_dir: Path, **options: object) -> DrillReport:

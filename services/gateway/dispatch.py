@@ -192,7 +192,9 @@ class Dispatcher:
         return subjects.token_subject(self.gateway_id)
 
     def has_workers(self, model: str) -> bool:
-        return any(beat.model == model and beat.state == "ready" for _, beat in self.live_workers.values())
+        # A prefill worker serves decode workers only: a fleet of them alone runs no request.
+        return any(beat.model == model and beat.state == "ready" and beat.role != "prefill"
+                   for _, beat in self.live_workers.values())
 
     # ---- placement and publishing -----------------------------------------------------------
 
@@ -205,7 +207,7 @@ class Dispatcher:
                 and lead.worker_id != flight.avoid_worker
                 and self.placement_fits(lead.worker_id, request.band, self._queued_on(lead.worker_id, request.band))):
             return m.PlacementReply(target=subjects.worker_target(lead.worker_id), worker_id=lead.worker_id,
-                                    reason="with choice 0")
+                                    reason="with choice 0", prefill_worker_id=lead.request.prefill_worker)
         if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter or request.release or self.zone):
             # Shorter than one prefix block, no adapter, no release and no zone to keep it in: no
             # cache to find, and balancing load is what the shared queue does anyway. Skipping the
@@ -266,6 +268,10 @@ class Dispatcher:
             request = flight.request = msgspec.structs.replace(
                 request, expected_cached_tokens=placement.cached_blocks * self.block_size
             )
+        if placement.prefill_worker_id or request.prefill_worker:  # a disaggregated pair (or not, this attempt)
+            request = flight.request = msgspec.structs.replace(
+                request, prefill_worker=placement.prefill_worker_id,
+                prefill_cached_tokens=placement.prefill_cached_blocks * self.block_size)
         PLACEMENTS.labels("worker" if placement.worker_id else "any").inc()
         subject = subjects.request_subject(request.band, request.model, placement.target,  # type: ignore[arg-type]
                                            request.reply_to)

@@ -47,7 +47,7 @@ class FleetMonitor:
             load = _load_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if load.model == self.model:
+        if load.model == self.model and load.role != "prefill":  # prefill workers take no queued requests
             self.policy.on_load(load)
 
     async def _poll_queues(self) -> None:

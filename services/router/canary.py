@@ -66,6 +66,8 @@ class CanaryService:
         await self.rollouts.stop()
 
     def on_load(self, load: m.WorkerLoad) -> None:
+        if load.role == "prefill":  # its latencies are the prefill pool's, not the client's
+            return
         if load.release:
             self.windows.setdefault(load.model, slo_gate.Windows()).on_load(load)
         self.adapter_windows.on_load(load)

@@ -39,6 +39,10 @@ class WorkerView:
     adapter_prefetches: int = 0  # adapter prefetches queued or loading there at the last report
     release: str = ""  # the release the worker verified it serves ("" unpinned)
     zone: str = ""
+    role: str = "aggregated"  # prefill/decode disaggregation (`m.Role`); pairs are chosen in `pairing.py`
+    local_prefill: bool = False  # a decode worker whose engine can also compute a prompt
+    kv_capacity_tokens: int = 0  # its engine's KV cache (0: unknown)
+    tp: int = 0  # its engine's tensor-parallel width (0: unknown)
     reported_load: int = 0  # running + waiting in the engine at the last report
     reported_prefill: int = 0  # prompt tokens taken by the worker, not yet prefilled, at the last report
     running: int = 0
@@ -125,6 +129,7 @@ class WorkerRegistry:
         # per placement.
         self._serving: dict[str, dict[str, WorkerView]] = {}
         self._eligible: dict[str, dict[str, WorkerView]] = {}
+        self._split: dict[str, set[str]] = {}  # model → its prefill and decode workers (`disaggregated`)
         self._aged_at = clock()
 
     def _refresh(self, view: WorkerView) -> None:
@@ -159,6 +164,15 @@ class WorkerRegistry:
         view.adapters = frozenset(beat.adapters)
         view.release = beat.release
         view.zone = beat.zone
+        view.role = beat.role
+        split = self._split.setdefault(view.model, set())
+        if beat.role != "aggregated":
+            split.add(view.worker_id)
+        else:
+            split.discard(view.worker_id)
+        view.local_prefill = beat.local_prefill
+        view.tp = beat.tp
+        view.kv_capacity_tokens = beat.kv_capacity_tokens or view.kv_capacity_tokens
         self._refresh(view)
 
     def touch(self, worker_id: str) -> bool:
@@ -174,6 +188,7 @@ class WorkerRegistry:
     def on_worker_gone(self, worker_id: str) -> None:
         view = self.workers.pop(worker_id, None)
         if view is not None:
+            self._split.get(view.model, set()).discard(worker_id)
             self._serving.get(view.model, {}).pop(worker_id, None)
             self._eligible.get(view.model, {}).pop(worker_id, None)
             for listener in self.listeners:
@@ -197,6 +212,7 @@ class WorkerRegistry:
         view.adapter_prefetches = load.adapter_prefetches
         view.kv_usage = load.kv_used_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
         view.kv_used_tokens = load.kv_used_tokens
+        view.kv_capacity_tokens = load.kv_capacity_tokens or view.kv_capacity_tokens
         self.adapter_slots.on_load(load.worker_id, load.adapter_requests, load.adapter_loads, load.adapter_load_s,
                                    view.adapters)
         self._refresh(view)
@@ -256,8 +272,10 @@ class WorkerRegistry:
         elapsed = now - self._aged_at
         self._aged_at = now
         factor = math.exp(-elapsed / config.share_window_s) if elapsed > 0 else 1.0
-        for pool in self._serving.values():
-            views = list(pool.values())
+        # Per model and role: a prefill pool's share is of the prefill traffic.
+        pools = [[v for v in pool.values() if v.role == role] for pool in self._serving.values()
+                 for role in {v.role for v in pool.values()}]
+        for views in pools:
             if not views:
                 continue
             for view in views:
@@ -291,6 +309,10 @@ class WorkerRegistry:
         if request.release:  # a canary's split or a client's pin (inferbus.releases)
             found = split.workers_of(found, request.release, pinned=request.pinned)
         return found
+
+    def disaggregated(self, model: str) -> bool:
+        """Whether `model` has prefill or decode workers (placements are pairs: `pairing.py`)."""
+        return bool(self._split.get(model))
 
     def eligible(self, model: str) -> dict[str, WorkerView]:
         """Workers of `model` not draining and below the KV ceiling (liveness not checked)."""

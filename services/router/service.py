@@ -28,6 +28,7 @@ from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
+from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects
 
@@ -35,6 +36,7 @@ from . import recovery
 from .adapter_prefetch import Prefetcher, PrefetchWorker
 from .canary import CanaryService
 from .config import RoutingConfig
+from .pairing import PairConfig
 from .placement import make_placer
 from .settings import RouterSettings
 
@@ -78,7 +80,11 @@ class Router:
             share_granularity=settings.share_granularity,
             index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
         )
-        self.placer = make_placer(settings.policy, time.monotonic, config)
+        try:
+            link = kv_link(settings.kv_link)
+        except ValueError as error:
+            raise SystemExit(f"INFERBUS_ROUTER_KV_LINK: {error}") from None
+        self.placer = make_placer(settings.policy, time.monotonic, config, pair_config=PairConfig(link=link))
         self.registry = self.placer.registry
         self._resync_asked: dict[str, float] = {}
         self._preloads: dict[tuple[str, str], float] = {}
@@ -153,6 +159,8 @@ class Router:
         CACHED_BLOCKS.inc(reply.cached_blocks)
         if request.adapter:
             self._spawn(self._preload(reply.worker_id, request.adapter))
+            if reply.prefill_worker_id:  # a pair: both engines run the adapter
+                self._spawn(self._preload(reply.prefill_worker_id, request.adapter))
             warm = self.placer.warm_target(request)
             if warm is not None:  # a hot adapter's next home: loaded before traffic moves there
                 slots = self.registry.adapter_slots
@@ -161,12 +169,12 @@ class Router:
                          homes=len(homes.workers) if homes else 0,
                          wanted=slots.wanted_homes(request.adapter, len(self.registry.workers)))
                 self._spawn(self._preload(warm, request.adapter))
-        placed = m.Placed(
-            router_id=self.router_id, worker_id=reply.worker_id, model=request.model, adapter=request.adapter,
-            prefill_tokens=max(0, request.prompt_tokens - reply.cached_blocks * self.settings.block_size),
-            block_hashes=request.block_hashes, prompt_tokens=request.prompt_tokens,
-        )
-        self._spawn(self.nc.publish(subjects.placed_subject(request.model), m.encode(placed)))
+        for worker_id, prefill_tokens, hashes, _ in self.placer.placements(request, reply):  # both halves of a pair
+            placed = m.Placed(
+                router_id=self.router_id, worker_id=worker_id, model=request.model, adapter=request.adapter,
+                prefill_tokens=prefill_tokens, block_hashes=hashes, prompt_tokens=request.prompt_tokens,
+            )
+            self._spawn(self.nc.publish(subjects.placed_subject(request.model), m.encode(placed)))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)

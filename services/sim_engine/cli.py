@@ -8,7 +8,16 @@ import click
 
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
-from .config import DEFAULT_MODEL, GPU_NAMES, KV_CACHE_DTYPES, PRESET_NAMES, QUANTIZATIONS, EngineConfig
+from .config import (
+    DEFAULT_MODEL,
+    DISAGGREGATION_MODES,
+    GPU_NAMES,
+    KV_CACHE_DTYPES,
+    PRESET_NAMES,
+    QUANTIZATIONS,
+    TRANSFER_BACKENDS,
+    EngineConfig,
+)
 from .profile_table import load_npz
 
 
@@ -105,6 +114,34 @@ from .profile_table import load_npz
               help="Simulated quality: the chance of answering an arithmetic question ('What is 17 + 25?') right "
                    "(default: eval_accuracy of the model directory's inferbus_sim.json, else 0.95). Eval suites "
                    "and the canary's eval gate measure it.")
+@click.option("--disaggregation-mode", type=click.Choice(DISAGGREGATION_MODES), default="null", show_default=True,
+              help="Prefill/decode disaggregation (SGLang's PD mode): 'prefill' computes prompts and sends their KV, "
+                   "'decode' receives it and generates; each request goes to both with bootstrap_host/port/room. "
+                   "See docs/sim-engine.md.")
+@click.option("--disaggregation-bootstrap-port", default=8998, show_default=True, type=click.IntRange(1, 65535),
+              help="Prefill role: the port of its bootstrap server, which decode engines ask where to send the KV "
+                   "(SGLang's flag; clients pass it as bootstrap_port).")
+@click.option("--disaggregation-transfer-backend", type=click.Choice(TRANSFER_BACKENDS), default="mooncake",
+              show_default=True,
+              help="SGLang's KV transfer backend name. Only 'fake' changes the simulation: a decode engine then "
+                   "needs no prefill (a prefill engine refuses it, as SGLang).")
+@click.option("--disaggregation-ib-device", default=None, help="Accepted for SGLang compatibility; nothing to select here.")
+@click.option("--disaggregation-decode-retraction-backup", type=click.Choice(["cpu_tensor", "host_pool", "none"]),
+              default=None,
+              help="Accepted and reported for SGLang compatibility (where SGLang keeps a retracted decode request's KV); "
+                   "a simulated decode engine always restores it from host memory.")
+@click.option("--disaggregation-decode-enable-radix-cache", is_flag=True,
+              help="Decode role: keep a prefix cache (off by default, as SGLang), publish its events, and have the "
+                   "prefill send only what it does not hold.")
+@click.option("--num-reserved-decode-tokens", default=512, show_default=True, type=click.IntRange(min=0),
+              help="Decode role: KV tokens held back per running or arriving request when reserving KV for a "
+                   "transfer (SGLang's flag).")
+@click.option("--kv-transfer-link", type=click.Choice(["rdma", "nvlink"]), default="rdma", show_default=True,
+              help="Simulated: the link the prefill sends KV over, per GPU and one way: RDMA between nodes "
+                   "(a 400 Gb/s port, 50 GB/s) or NVLink inside one (450 GB/s); the side with fewer GPUs sets the pace.")
+@click.option("--kv-transfer-bandwidth", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Simulated: the link's nominal GB/s per GPU, replacing the link's own.")
+@click.option("--disable-radix-cache", is_flag=True, help="No prefix cache: nothing is matched or published (SGLang's flag).")
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
@@ -150,6 +187,16 @@ def sim_engine_command(
     speculative_draft_cost: float,
     tool_call_parser: str,
     eval_accuracy: float | None,
+    disaggregation_mode: str,
+    disaggregation_bootstrap_port: int,
+    disaggregation_transfer_backend: str,
+    disaggregation_ib_device: str | None,
+    disaggregation_decode_retraction_backup: str | None,
+    disaggregation_decode_enable_radix_cache: bool,
+    num_reserved_decode_tokens: int,
+    kv_transfer_link: str,
+    kv_transfer_bandwidth: float | None,
+    disable_radix_cache: bool,
     log_level: str,
     fault_injection: bool,
     fault: str,
@@ -195,6 +242,16 @@ def sim_engine_command(
             speculative_draft_cost=speculative_draft_cost,
             mixed_chunk=mixed_chunk,
             tool_call_parser=tool_call_parser,
+            disaggregation_mode=disaggregation_mode,
+            disaggregation_bootstrap_port=disaggregation_bootstrap_port,
+            disaggregation_transfer_backend=disaggregation_transfer_backend,
+            disaggregation_ib_device=disaggregation_ib_device,
+            disaggregation_decode_retraction_backup=disaggregation_decode_retraction_backup,
+            disaggregation_decode_enable_radix_cache=disaggregation_decode_enable_radix_cache,
+            num_reserved_decode_tokens=num_reserved_decode_tokens,
+            kv_transfer_link=kv_transfer_link,
+            kv_transfer_bandwidth_gb_s=kv_transfer_bandwidth,
+            disable_radix_cache=disable_radix_cache,
             host=host,
             port=port,
         )

@@ -14,6 +14,9 @@ KV_CACHE_DTYPES = ("fp8_e4m3", "auto")  # SGLang --kv-cache-dtype; auto: BF16
 TP_SIZES = (1, 2, 4, 8)
 PRESET_NAMES = ("latency", "throughput")
 PRICED_LORA_RANK = 16  # the LoRA rank the timing model prices when no --max-lora-rank caps it
+# SGLang 0.5.23's --disaggregation-mode and --disaggregation-transfer-backend choices.
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")
 
 
 @dataclass
@@ -88,12 +91,35 @@ class EngineConfig:
     # Chance of answering an arithmetic question right (quality.py); None: the model directory's
     # inferbus_sim.json, else 0.95.
     eval_accuracy: float | None = None
+    # Prefill/decode disaggregation (SGLang's PD mode; docs/sim-engine.md): the role, the prefill's
+    # bootstrap server port, the transfer backend's name (only `fake` changes anything here), the
+    # decode role's prefix cache (off unless asked, as SGLang), the decode tokens reserved per
+    # running request when admitting a transfer, and the KV link the prefill sends over.
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_decode_enable_radix_cache: bool = False
+    disaggregation_ib_device: str | None = None
+    disaggregation_decode_retraction_backup: str | None = None  # reported; a decode engine always restores
+    num_reserved_decode_tokens: int = 512
+    kv_transfer_link: str = "rdma"
+    kv_transfer_bandwidth_gb_s: float | None = None
+    # SGLang's --disable-radix-cache: no prefix cache (nothing matched, nothing published).
+    disable_radix_cache: bool = False
     host: str = "127.0.0.1"
     port: int = 30000
 
     @property
     def priced_lora_rank(self) -> int:
         return self.max_lora_rank or PRICED_LORA_RANK
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether the radix cache runs: SGLang turns it off on a decode engine unless
+        --disaggregation-decode-enable-radix-cache."""
+        if self.disaggregation_mode == "decode" and not self.disaggregation_decode_enable_radix_cache:
+            return False
+        return not self.disable_radix_cache
 
     def __post_init__(self) -> None:
         if self.gpu not in GPU_NAMES:
@@ -141,6 +167,7 @@ class EngineConfig:
 
         if self.tool_call_parser not in FAMILIES:
             raise ValueError(f"tool_call_parser must be one of {FAMILIES}, got {self.tool_call_parser!r}")
+        self._check_disaggregation()
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
         if self.kv_capacity_tokens is None and self.fixed_step_ms is None:
@@ -150,3 +177,24 @@ class EngineConfig:
                 hint = "more GPUs (--tp)" + (" or --quantization fp8" if weights == "bf16" else "")
                 raise ValueError(f"{weights.upper()} weights of a 70B model leave no KV cache on {self.tp} × {self.gpu}: "
                                  f"use {hint}")
+
+    def _check_disaggregation(self) -> None:
+        from inferbus.timing import kv_link
+
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"disaggregation_transfer_backend must be one of {TRANSFER_BACKENDS}, "
+                             f"got {self.disaggregation_transfer_backend!r}")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError("disaggregation_bootstrap_port must be a TCP port")
+        if self.num_reserved_decode_tokens < 0:
+            raise ValueError("num_reserved_decode_tokens must not be negative")
+        # SGLang's own checks (its arg_groups/pd_disaggregation_hook.py), with its words.
+        if self.disaggregation_mode == "prefill" and self.disaggregation_transfer_backend == "fake":
+            raise ValueError("Prefill server does not support 'fake' as the transfer backend")
+        if (self.disaggregation_mode == "decode" and self.disaggregation_decode_enable_radix_cache
+                and self.disaggregation_transfer_backend == "fake"):
+            raise ValueError("--disaggregation-decode-enable-radix-cache is incompatible with "
+                             "--disaggregation-transfer-backend fake")
+        kv_link(self.kv_transfer_link, self.kv_transfer_bandwidth_gb_s)

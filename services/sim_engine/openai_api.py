@@ -143,6 +143,9 @@ class OpenAIRoutes:
             update = await self.server._final_update(stream)
         finally:
             self.server._abort_if_running(request.rid)
+        status = (update.finish_reason or {}).get("status_code")
+        if isinstance(status, int) and 400 <= status < 600:  # refused by the scheduler: an error, as SGLang
+            return _error(str((update.finish_reason or {}).get("message")), status)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(update.finish_reason), "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": update.text}

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from inferbus.timing import FixedStepModel, SpecDecoding, StepTimeModel, roofline
+from inferbus.timing import LORA_LOAD_BANDWIDTH, FixedStepModel, SpecDecoding, StepTimeModel, roofline
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import EngineConfig
@@ -38,6 +38,8 @@ MAX_STOP_SEQUENCES = 32
 # request), like SGLang's new_token_ratio estimate; an underestimate is fixed by retraction.
 NEW_TOKEN_RATIO = 0.3
 CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+# Host memory to GPU over PCIe Gen5 x16, achieved (the planner's adapter-load rate, inferbus/timing.py).
+HOST_TO_DEVICE_BANDWIDTH = LORA_LOAD_BANDWIDTH
 EOS_TOKEN_ID = 128009  # Llama-3's <|eot_id|>: the finish `matched` of an output that ended by itself
 
 
@@ -198,6 +200,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     preemptions: int = 0
+    # A decode engine of a prefill/decode pair backs a retracted request's KV up to host memory and
+    # restores it on readmission instead of recomputing it (SGLang's decode retraction backup).
+    backed_up: bool = field(default=False, init=False)
     # Scheduling state: `fill_ids` are the tokens whose KV must exist before decoding (the
     # prompt, plus the output so far after a retraction); `computed` of them have KV; the first
     # `locked` blocks of `hashes` are pinned in the cache, `private` tokens are held outside it.
@@ -305,6 +310,7 @@ class Engine:
         self.now = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.held: list[Request] = []  # accepted, not schedulable yet (`add(held=True)`)
         self.adapters = LoadedAdapters(config.max_loaded_loras)
         self.gpu_slots = GpuSlots(config.max_loras_per_batch, config.lora_eviction_policy)
         # --enable-lora-overlap-loading: adapters being copied into GPU slots beside the steps → when
@@ -324,13 +330,18 @@ class Engine:
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0
+        self._restore_s = 0.0  # KV restores from host memory the next step waits for
+        self._kv_bytes_per_token = roofline_model.model.kv_bytes_per_token
         self._requests: dict[str, Request] = {}
         self._next_order = 0
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, request: Request) -> None:
-        """Queue a request; raises RequestRejected with SGLang's message when it cannot run."""
+    def add(self, request: Request, *, held: bool = False) -> None:
+        """Queue a request; raises RequestRejected with SGLang's message when it cannot run.
+
+        `held`: accepted but kept out of scheduling until `release` or `start_transferred` (a
+        request of a prefill/decode pair waiting for the other engine)."""
         if request.rid in self._requests:
             raise RequestRejected("Duplicate request ID detected")
         if not self.config.priority_scheduling:
@@ -378,7 +389,32 @@ class Engine:
         self._set_fill(request, request.input_ids)
         self.prompt_tokens_total += prompt_len
         self._requests[request.rid] = request
+        (self.held if held else self.waiting).append(request)
+
+    def release(self, rid: str) -> None:
+        """A held request may be scheduled now (its decode engine has said where the KV goes)."""
+        request = self._requests[rid]
+        self.held.remove(request)
         self.waiting.append(request)
+
+    def start_transferred(self, rid: str, first_token: tuple[int, str] | None, cached_tokens: int,
+                          reserved_tokens: int, matched_blocks: int = 0) -> RequestUpdate:
+        """Start decoding a held request whose prompt KV another engine computed and sent (the
+        decode role of prefill/decode disaggregation): `reserved_tokens` of the pool hold that KV,
+        the first `matched_blocks` blocks of its hashes are this engine's cache (locked by the
+        caller), the prefill's sampled token is its first output (None: this engine samples it, as
+        after SGLang's fake transfer), `cached_tokens` the prefill's hits."""
+        request = self._requests[rid]
+        self.held.remove(request)
+        request.computed = len(request.fill_ids)
+        request.private = reserved_tokens
+        request.locked = matched_blocks
+        request.cached_tokens = cached_tokens
+        self.cached_tokens_total += cached_tokens
+        self.running.append(request)
+        if request.max_new_tokens == 0:
+            return self._retire(request, {"type": "length", "length": 0})
+        return self._emit_token(request, first_token)
 
     def abort(
         self, rid_prefix: str, message: str = "Abort by user request.", *, exact: bool = False
@@ -396,6 +432,8 @@ class Engine:
             if request in self.running:
                 self.running.remove(request)
                 self._free(request, cache_blocks=True)
+            elif request in self.held:
+                self.held.remove(request)
             else:
                 self.waiting.remove(request)
             updates.append(self._finish(request, {"type": "abort", "message": message}))
@@ -491,7 +529,11 @@ class Engine:
             self._admit(updates)
             chunks = self._plan_prefill()
             decoding = [] if chunks else self._reserve_decode_slots()
+        restore_s, self._restore_s = self._restore_s, 0.0
         if not decoding and not chunks:
+            if restore_s:
+                self.now += restore_s
+                return StepResult(restore_s, updates)
             return self._wait_for_adapters(updates)
 
         resident = sum(r.context_len for r in decoding)
@@ -502,7 +544,7 @@ class Engine:
         adapters = len(batch_adapters - {None})
         duration = self.step_model.step_time(
             len(decoding), resident, prefill_tokens, attended / prefill_tokens if prefill_tokens else 0.0, adapters
-        ) + self._copy_adapters_to_gpu(batch_adapters, [*decoding, *(r for r, _ in chunks)])
+        ) + self._copy_adapters_to_gpu(batch_adapters, [*decoding, *(r for r, _ in chunks)]) + restore_s
         self.now += duration
 
         for request in decoding:
@@ -579,13 +621,15 @@ class Engine:
             self.waiting.remove(request)
             self.running.append(request)
             adapters_in_batch.add(adapter_name)
+            if request.backed_up:
+                self._restore(request)
             budget -= len(request.fill_ids) - request.computed
 
     def _try_reserve_prompt(self, request: Request) -> bool:
         """Match the prefix cache and check the rest of the prompt fits; locks the matched blocks."""
         bs = self.config.block_size
         # At least one token is always computed: its logits give the first output token.
-        usable = min(len(request.hashes), (len(request.fill_ids) - 1) // bs)
+        usable = min(len(request.hashes), (len(request.fill_ids) - 1) // bs) if self.config.prefix_cache else 0
         matched = self.cache.match(request.hashes[:usable])
         self.cache.lock(request.hashes[:matched])
         if self.cache.available_tokens() < self._prompt_room(request, matched * bs):
@@ -715,16 +759,30 @@ class Engine:
         request.preemptions += 1
         self.preemptions_total += 1
         self._set_fill(request, request.input_ids + request.output_ids)
+        request.backed_up = self.config.disaggregation_mode == "decode"
         self.waiting.append(request)
+
+    def _restore(self, request: Request) -> None:
+        """Copy a backed-up request's KV back from host memory (every GPU its share, over PCIe):
+        it decodes again at once, the copy added to this step."""
+        tokens = len(request.fill_ids) - request.computed
+        if tokens > 0 and self.cache.allocate(tokens):
+            request.private += tokens
+            request.computed = len(request.fill_ids)
+            self._restore_s += tokens * self._kv_bytes_per_token / (self.config.tp * HOST_TO_DEVICE_BANDWIDTH)
+        request.backed_up = False
 
     # ------------------------------------------------------------------ tokens and finishing
 
-    def _emit_token(self, request: Request) -> RequestUpdate:
+    def _emit_token(self, request: Request, given: tuple[int, str] | None = None) -> RequestUpdate:
         # Each token is a function of the whole context, as with a real model: a prompt extended
         # by part of an output (a migrated request) continues with the rest of that output.
+        # `given`: a token another engine sampled (a prefill engine's first token).
         mixed = (request.context_hash * 2654435761) & 0xFFFFFFFF
         script = request.script
-        if script is not None:
+        if given is not None:
+            token_id, piece = given
+        elif script is not None:
             token_id, piece = script[len(request.output_ids)]
         else:
             token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
@@ -786,6 +844,8 @@ class Engine:
 
     def _cache_computed_blocks(self, request: Request) -> None:
         """Publish the prompt blocks prefilled so far (SGLang caches unfinished requests too)."""
+        if not self.config.prefix_cache:
+            return
         full = min(request.computed // self.config.block_size, len(request.hashes))
         if full <= request.locked:
             return
@@ -802,7 +862,7 @@ class Engine:
     def _free(self, request: Request, cache_blocks: bool) -> None:
         """Release a request's KV; its computed full blocks stay behind in the prefix cache."""
         bs = self.config.block_size
-        if cache_blocks:
+        if cache_blocks and self.config.prefix_cache:
             if request.prefilling:
                 kv_len = request.computed
                 sequence = request.fill_ids

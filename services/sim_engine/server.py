@@ -32,6 +32,7 @@ from inferbus.tokens import VOCAB_SIZE, encode
 from . import quality
 from .config import EngineConfig
 from .constrained import SchemaError, json_output, tool_call_output
+from .disagg import Bootstrap
 from .faults import Faults, Mode
 from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .lora_files import adapter_problem
@@ -70,6 +71,16 @@ class GenerateInput(msgspec.Struct):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: int = -1
+    # Prefill/decode disaggregation: where the prefill engine's bootstrap server is, and the room
+    # both engines know this request by (disagg_server.py).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    bootstrap_pair_key: str | None = None
+
+    def bootstrap(self) -> Bootstrap | None:
+        return None if self.bootstrap_room is None else Bootstrap(self.bootstrap_host, self.bootstrap_port,
+                                                                  self.bootstrap_room)
 
 
 class AbortInput(msgspec.Struct):
@@ -255,6 +266,7 @@ class SimEngineServer:
                 deadline = loop.time()
                 continue
             result = engine.step()
+            self._stepped()
             self.kv_events.publish(engine.cache)
             if result.idle:
                 await self._idle(scale)
@@ -268,6 +280,9 @@ class SimEngineServer:
             else:
                 await asyncio.sleep(0)
             self._deliver(result.updates)
+
+    def _stepped(self) -> None:
+        """After each step, before its duration has passed (the prefill/decode shell sends KV here)."""
 
     async def _idle(self, scale: float) -> None:
         self._wake.clear()
@@ -355,7 +370,7 @@ class SimEngineServer:
             script=script, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
         )
         try:
-            stream = self._submit(request, sampling.stream_interval or 1)
+            stream = self._submit(request, sampling.stream_interval or 1, bootstrap=body.bootstrap())
         except RequestRejected as exc:
             if body.stream:  # SGLang has started the stream by then: 200, the error in-band
                 return StreamingResponse(_rejected_stream(str(exc)), media_type="text/event-stream")
@@ -367,6 +382,13 @@ class SimEngineServer:
         except asyncio.CancelledError:
             self._abort_if_running(rid)
             raise
+        status = (update.finish_reason or {}).get("status_code")
+        if isinstance(status, int) and 400 <= status < 600:  # an abort with a status is an HTTP error, as SGLang
+            message = str((update.finish_reason or {}).get("message"))
+            if status == 400:
+                return _error(message)
+            return _json({"object": "error", "message": message, "type": str(status), "param": None, "code": status},
+                         status)
         return _json(self._payload(request, update, stream, final=True))
 
     def _accuracy(self, lora_name: str | None) -> float:
@@ -396,7 +418,8 @@ class SimEngineServer:
                 return self.engine.split_output(call)
         return None
 
-    def _submit(self, request: Request, stream_interval: int, internal: bool = False) -> _Stream:
+    def _submit(self, request: Request, stream_interval: int, internal: bool = False,
+                bootstrap: Bootstrap | None = None) -> _Stream:
         if request.rid in self._streams:
             raise RequestRejected("Duplicate request ID detected")
         self._catch_up()  # an implicit reload starts now
@@ -610,7 +633,12 @@ def create_app(config: EngineConfig, step_model: StepTimeModel | None = None, *,
     the fault-injection endpoint, starting in that mode; with `time_scale_control`, `/time_scale`."""
     from .openai_api import OpenAIRoutes
 
-    server = SimEngineServer(config, step_model)
+    if config.disaggregation_mode != "null":
+        from .disagg_server import DisaggEngineServer
+
+        server: SimEngineServer = DisaggEngineServer(config, step_model)
+    else:
+        server = SimEngineServer(config, step_model)
     OpenAIRoutes(server)
     if faults is not None:
         server.enable_faults(faults)

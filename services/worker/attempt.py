@@ -36,6 +36,7 @@ class Attempt:
     cancel_reason: str = ""
     superseded: bool = False  # the gateway gave this attempt up and continues elsewhere
     handed_off: bool = False
+    prefill_worker: str | None = None  # disaggregated: the prefill worker computing its prompt now
     prefilled: bool = False  # the engine has produced its first token
     first_token_at: float = 0.0
     # Batch lines only: progress of this attempt (totals include earlier attempts), and why the

@@ -5,6 +5,7 @@ The simulated engine serves the same API, so this client cannot tell them apart.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,33 @@ class EngineLoad:
     cache_hit_rate: float = 0.0
 
 
+@dataclass
+class PrefillResult:
+    """A prefill engine's answer for one prompt: its length and what its prefix cache held."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
 _json = msgspec.json.Decoder()
+
+
+def generate_body(request: InferenceRequest, rid: str | None = None) -> dict[str, Any]:
+    """SGLang's `/generate` body for `request` (without `stream` and the PD trio)."""
+    body: dict[str, Any] = {"sampling_params": sampling_params(request), "rid": rid or request.engine_rid()}
+    if request.input_ids:
+        # The gateway's tokenization: the engine computes exactly what was counted and hashed,
+        # and a migration continues from the ids already generated.
+        body["input_ids"] = request.input_ids + request.resumed_ids
+    else:
+        body["text"] = request.prompt + request.resumed_text
+    if request.priority:
+        body["priority"] = request.priority
+    if request.adapter:
+        body["lora_path"] = request.adapter
+    if request.sampling.logprobs:
+        body.update(return_logprob=True, top_logprobs_num=request.sampling.top_logprobs, return_text_in_logprobs=True)
+    return body
 
 
 def sampling_params(request: InferenceRequest) -> dict[str, Any]:
@@ -196,10 +223,18 @@ class StreamReader:
         return None
 
 
+# SGLang's fake bootstrap host: a prefill or decode engine computes a request naming it alone, its KV
+# transfer faked (what SGLang's own warm-up sends), so a probe needs no peer engine.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
 class EngineClient:
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
         self._pool: ConnectionPool | None = None
+        # A prefill or decode engine (SGLang's PD mode) refuses a request without a bootstrap room:
+        # its probes name the fake bootstrap host.
+        self.disaggregated = False
 
     async def start(self) -> None:
         self._pool = ConnectionPool(self.base_url)
@@ -218,26 +253,16 @@ class EngineClient:
         response = await self.pool.request(method, path, payload)
         return response.status, await response.read()
 
-    async def generate(self, request: InferenceRequest, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
-        """Stream `request` through the engine, yielding deltas until the finish update."""
-        body: dict[str, Any] = {
-            "sampling_params": sampling_params(request),
-            "stream": True,
-            "rid": request.engine_rid(),
-        }
-        if request.input_ids:
-            # The gateway's tokenization: the engine computes exactly what was counted and hashed,
-            # and a migration continues from the ids already generated.
-            body["input_ids"] = request.input_ids + request.resumed_ids
-        else:
-            body["text"] = request.prompt + request.resumed_text
-        if request.priority:
-            body["priority"] = request.priority
-        if request.adapter:
-            body["lora_path"] = request.adapter
-        if request.sampling.logprobs:
-            body.update(return_logprob=True, top_logprobs_num=request.sampling.top_logprobs,
-                        return_text_in_logprobs=True)
+    async def generate(self, request: InferenceRequest, headers: dict[str, str], *,
+                       bootstrap: dict[str, Any] | None = None, rid: str | None = None) -> AsyncIterator[EngineUpdate]:
+        """Stream `request` through the engine, yielding deltas until the finish update.
+        `bootstrap`: SGLang's PD trio (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`) for a
+        decode engine, whose KV comes from the prefill engine named there; `rid`: the engine rid
+        (default the attempt's)."""
+        body = generate_body(request, rid)
+        body["stream"] = True
+        if bootstrap:
+            body.update(bootstrap)
         try:
             response = await self.pool.request("POST", "/generate", msgspec.json.encode(body), headers)
             if response.status != 200:
@@ -252,6 +277,42 @@ class EngineClient:
         except HTTPError as error:
             raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True, status=503) from error
         raise EngineError("engine stream ended without a finish reason", code="engine_error", retryable=True, status=502)
+
+    async def prefill(self, request: InferenceRequest, headers: dict[str, str], *, bootstrap: dict[str, Any],
+                      rid: str) -> PrefillResult:
+        """The prefill half of `request` on a prefill engine (SGLang `--disaggregation-mode prefill`):
+        it computes the prompt and sends the KV to the decode engine waiting in the bootstrap room,
+        and answers once the transfer is done (or failed)."""
+        body = generate_body(request, rid)
+        body.update(bootstrap)
+        try:
+            status, raw = await self._call_with("POST", "/generate", body, headers)
+        except HTTPError as error:
+            raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True, status=503) from error
+        if status != 200:
+            raise _http_error(status, raw)
+        try:
+            answer = _json.decode(raw)
+        except msgspec.DecodeError as error:
+            raise EngineError(f"unreadable prefill answer: {error}", retryable=True, status=502) from error
+        if isinstance(answer, list):  # one answer per prompt; this is one prompt
+            answer = answer[0] if answer else {}
+        if not isinstance(answer, dict):
+            raise EngineError("unreadable prefill answer", retryable=True, status=502)
+        if "error" in answer:
+            raise _stream_error(answer["error"])
+        meta = answer.get("meta_info") or {}
+        finish = meta.get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            # SGLang ends a prefill whose transfer failed (or that was aborted) this way.
+            raise EngineError(str(finish.get("message") or "prefill aborted"), code="prefill_aborted", retryable=True,
+                              status=503)
+        return PrefillResult(prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                             cached_tokens=int(meta.get("cached_tokens") or 0))
+
+    async def _call_with(self, method: str, path: str, body: Any, headers: dict[str, str]) -> tuple[int, bytes]:
+        response = await self.pool.request(method, path, msgspec.json.encode(body), headers)
+        return response.status, await response.read()
 
     async def abort(self, engine_rid: str) -> None:
         try:
@@ -292,6 +353,9 @@ class EngineClient:
         body: dict[str, Any] = {"text": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if lora_name:
             body["lora_path"] = lora_name
+        if self.disaggregated:
+            body.update(bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_port=None,
+                        bootstrap_room=secrets.randbits(63))
         status, raw = await self._call("POST", "/generate", body)
         if status != 200:
             raise _http_error(status, raw)

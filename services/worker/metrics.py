@@ -29,3 +29,13 @@ RESENDS = Counter(
 STREAM_EVENTS = Counter(
     "inferbus_worker_stream_events_total", "Stream events sent to gateways, after merging a stream's waiting tokens"
 )
+PREFILL_TRIES = Counter(
+    "inferbus_worker_prefill_tries_total",
+    "Decode workers: prefill halves sent to prefill workers, by how each try ended (ok, prefill_failed, "
+    "refused_full, refused_draining, no_answer)", ["outcome"],
+)
+PREFILL_HALVES = Counter(
+    "inferbus_worker_prefill_halves_total",
+    "Prefill workers: prefill halves taken from decode workers, by how they ended (ok, failed, aborted, refused)",
+    ["outcome"],
+)

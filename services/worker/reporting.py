@@ -96,8 +96,8 @@ class LoadReporter:
             block_size=s.block_size if worker.cache_relay is not None else 0,
             max_adapters=engine_max_adapters(worker.engine_info), adapters=worker.adapters.names(),
             max_loaded_adapters=engine_max_loaded_adapters(worker.engine_info),
-            release=worker.release_counts.release_id, zone=s.zone,
-            bands=s.band_list(),
+            release=worker.release_counts.release_id, zone=s.zone, role=worker.role,
+            bands=s.band_list(), kv_capacity_tokens=worker.kv_capacity_tokens,
         )
 
     async def heartbeat(self) -> None:
@@ -158,9 +158,11 @@ class LoadReporter:
                 await worker.adapters.resync()
             self._seq += 1
             KV_USAGE.set(load.used_tokens / load.capacity_tokens if load.capacity_tokens else 0.0)
+            worker.kv_capacity_tokens = load.capacity_tokens
+            halves = len(worker.prefill.halves) if worker.prefill is not None else 0
             snapshot = m.WorkerLoad(
                 worker_id=worker.settings.worker_id, model=worker.settings.model, ts=time.time(), seq=self._seq,
-                running=load.running, waiting=load.waiting, in_flight=len(worker.running),
+                running=load.running, waiting=load.waiting, in_flight=len(worker.running) + halves,
                 max_running=serving.capacity, kv_used_tokens=load.used_tokens,
                 kv_capacity_tokens=load.capacity_tokens, cache_hit_rate=load.cache_hit_rate, draining=worker.draining,
                 completed=worker.stats.completed, queued_prefill_tokens=self._queued_prefill_tokens(),
@@ -168,7 +170,7 @@ class LoadReporter:
                 **self._autoscaling_fields(serving.batch.waiting()),
                 adapter_requests=adapter_requests(entry.request.adapter for entry in worker.running.values()),
                 adapter_loads=worker.adapters.pending_loads(), adapter_load_s=round(worker.adapters.one_load_s(), 4),
-                adapter_prefetches=worker.adapters.prefetches(),
+                adapter_prefetches=worker.adapters.prefetches(), role=worker.role,
             )
             await worker.nc.publish(subjects.metrics_subject(worker.settings.worker_id), m.encode(snapshot))
 
@@ -181,6 +183,7 @@ class LoadReporter:
             worker_id=worker.settings.worker_id, model=worker.settings.model, ts=time.time(), seq=self._seq,
             running=0, waiting=0, in_flight=0, max_running=0, kv_used_tokens=0, kv_capacity_tokens=0,
             draining=worker.leaving, completed=worker.stats.completed, pulled_own=worker.stats.pulled_own,
+            role=worker.role,
             **self._autoscaling_fields(worker.serving.batch.waiting() if worker.serving is not None else 0),
         )
         try:
@@ -189,9 +192,14 @@ class LoadReporter:
             log.warning("load_publish_failed", error=repr(error))
 
     def _queued_prefill_tokens(self) -> int:
+        worker = self.worker
+        if worker.prefill is not None:  # the prompts decode workers sent here
+            return worker.prefill.queued_prefill_tokens()
+        if worker.decode is not None:
+            return 0  # its requests' prompts are computed by prefill workers
         return sum(
             max(0, (entry.request.prompt_tokens or 0) + entry.request.resumed_tokens - entry.request.expected_cached_tokens)
-            for entry in self.worker.running.values() if not entry.prefilled
+            for entry in worker.running.values() if not entry.prefilled
         )
 
     def _autoscaling_fields(self, batch_waiting: int) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from .adapters import Adapters
 from .attempt import Attempt
 from .cache_events import CacheRelay
 from .cancels import CancelMemory
+from .decode_side import DecodeSide
 from .engine import EngineClient, EngineError
 from .engine_health import EngineHealth
 from .engine_watch import EngineWatch
@@ -51,7 +52,9 @@ from .gpu_death import GpuDeathDetector
 from .liveness import LivenessThread, PauseDetector
 from .metrics import FREE_SLOTS, RESENDS
 from .preemption import PreemptionPolicy
+from .prefill_side import PrefillSide
 from .reporting import LoadReporter, ServingStats, engine_gpu
+from .roles import bootstrap_address, resolve_role
 from .serving import Serving, consumer_specs
 from .settings import WorkerSettings
 from .tasks import Background
@@ -94,6 +97,13 @@ class Worker:
         self.serving: Serving | None = None  # once the engine is loaded and its capacity known
         self.cache_relay: CacheRelay | None = None  # with INFERBUS_ENGINE_KV_EVENTS
         self.engine_info: dict[str, Any] = {}
+        # Prefill/decode disaggregation (INFERBUS_WORKER_ROLE, the engine's --disaggregation-mode):
+        # a prefill worker computes decode workers' prompts (`prefill`); a decode worker has its
+        # requests' prompts computed by prefill workers (`decode`).
+        self.role = "aggregated"
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
+        self.kv_capacity_tokens = 0  # its engine's KV cache, from the last load poll
         self.release: m.Release | None = None  # verified at start (INFERBUS_WORKER_RELEASE); None: unpinned
         self.release_counts = release_check.ReleaseCounters(None)
         self.adapter_outcomes = release_check.AdapterOutcomes()  # adapters with a canary: per version
@@ -157,6 +167,11 @@ class Worker:
             await asyncio.sleep(s.sim_cold_start_s)
         await self._wait_for_engine()
         self.engine_info = await self.engine.server_info()
+        try:
+            self.role = resolve_role(s.role, self.engine_info)
+        except ValueError as error:
+            raise SystemExit(f"worker: {error}") from None
+        self.engine.disaggregated = self.role != "aggregated"
         if s.engine_image_check not in ("auto", "kubernetes", "off"):
             raise SystemExit(f"worker: INFERBUS_ENGINE_IMAGE_CHECK must be auto, kubernetes or off, not {s.engine_image_check!r}")
         access = engine_image.pod_access(s.k8s_api_url, s.pod_name, s.pod_namespace)
@@ -176,6 +191,13 @@ class Worker:
                                       engine_priority=s.engine_has_priority(self.engine_info))
         self.serving = Serving(self, capacity, preemption)
         FREE_SLOTS.set(capacity)
+        if self.role == "prefill":
+            self.prefill = PrefillSide(self, capacity, bootstrap_address(self.engine_info, s.engine_url,
+                                                                         s.engine_bootstrap_host))
+            await self.prefill.start()
+        elif self.role == "decode":
+            self.decode = DecodeSide(self)
+            await self.decode.start()
         if s.engine_kv_events:
             self.cache_relay = CacheRelay(self.nc, s.worker_id, s.engine_kv_events, block_size=s.block_size,
                                           bind=s.engine_kv_events_bind)
@@ -204,7 +226,7 @@ class Worker:
         ]
         self.load_changed.set()
         log.info("worker_ready", worker_id=s.worker_id, engine=s.engine_url, capacity=serving.capacity,
-                 bands=s.band_list(), engine_priority=serving.preemption.engine_priority, zone=s.zone)
+                 bands=self.bands(), engine_priority=serving.preemption.engine_priority, zone=s.zone, role=self.role)
 
     async def _wait_for_engine(self) -> None:
         deadline = time.monotonic() + ENGINE_LOAD_TIMEOUT_S
@@ -251,6 +273,10 @@ class Worker:
             for puller in self.serving.pullers:
                 await puller.stop()
 
+    def bands(self) -> list[str]:
+        """The bands this worker pulls: none for a prefill worker (decode workers send it work)."""
+        return [] if self.role == "prefill" else self.settings.band_list()
+
     async def _finish_in_flight(self) -> None:
         # Batch lines go back to the queue now, with their progress: they resume on another
         # worker instead of holding this one up to the drain timeout.
@@ -266,6 +292,8 @@ class Worker:
             await self.engine.abort(entry.request.engine_rid())
         while self.running:
             await asyncio.sleep(0.01)
+        if self.prefill is not None:
+            await self.prefill.finish(max(0.0, deadline - time.monotonic()))
 
     async def promote(self) -> None:
         """Warm → serving: the autoscaler's fast path (seconds, not a cold start)."""
@@ -309,6 +337,8 @@ class Worker:
         for task in [*self._tasks, *self._serving_tasks]:
             task.cancel()
         self.watch.stop()
+        if self.decode is not None:
+            await self.decode.stop()
         self.events.flush()  # stream events waiting for their frame window leave now
         await self.background.wait(timeout=10)  # usage events are the billing ledger: let them reach the outbox
         await self.usage.close()  # and JetStream, if it answers; what does not stays on disk
@@ -334,7 +364,7 @@ class Worker:
             return  # warm workers are in no registry and own no queue
         # Heartbeat before the consumers exist: a router never sees a queue without its worker.
         await self.reporter.heartbeat()
-        for band, owner in consumer_specs(self.settings.band_list(), self.settings.worker_id):
+        for band, owner in consumer_specs(self.bands(), self.settings.worker_id):
             await self._ensure_consumer(band, owner)
 
     async def _ensure_consumer(self, band: str, owner: str | None) -> None:
@@ -369,6 +399,8 @@ class Worker:
         except msgspec.DecodeError:
             return
         owner = subjects.cancel_owner(msg.subject)
+        if self.prefill is not None:
+            await self.prefill.on_cancel(cancel, owner)
         entry = self.running.get(cancel.request_id)
         if entry is not None and subjects.reply_owner(entry.request.reply_to) != owner:
             # Only the gateway holding the client may cancel its request (each gateway's NATS

@@ -57,8 +57,8 @@ class Serving:
         s = worker.settings
         self.worker = worker
         self.preemption = preemption
-        specs = consumer_specs(s.band_list(), s.worker_id)
-        self.budget = SlotBudget(capacity, pullers=len(specs))
+        specs = consumer_specs(worker.bands(), s.worker_id)
+        self.budget = SlotBudget(capacity, pullers=max(1, len(specs)))
         self.batch = BatchLines(worker, self)
         self.pullers: list[Puller] = []
         # Most important first: earlier pullers get slots first. Batch pullers take only what the
@@ -255,7 +255,10 @@ class Serving:
         update: EngineUpdate
         if request.adapter:
             await worker.adapters.ensure(request.adapter)
-        async for update in engine_stream(worker.engine, worker.adapters, request, trace_headers, worker.watch.down):
+        # A decode worker's engine gets the prompt's KV from a prefill worker's (decode_side.py).
+        stream = (worker.decode.stream(request, entry, trace_headers) if worker.decode is not None
+                  else engine_stream(worker.engine, worker.adapters, request, trace_headers, worker.watch.down))
+        async for update in stream:
             worker.gpu.progress()
             if not entry.prefilled:
                 entry.prefilled = True

@@ -89,6 +89,21 @@ class WorkerSettings:
     standby: bool = env("INFERBUS_WORKER_STANDBY", False, "Start warm: load the engine, then pull nothing until the autoscaler sends `promote` (the warm pool).")
     sim_cold_start_s: float = env("INFERBUS_WORKER_SIM_COLD_START_S", 0.0, "Extra seconds of start-up standing in for a model load the simulated engine does not do (0 with real engines).")
     sim_warm_start_s: float = env("INFERBUS_WORKER_SIM_WARM_START_S", 0.0, "Seconds a promoted warm worker waits before pulling, standing in for an engine's wake-up (0 with real engines).")
+    role: str = env(
+        "INFERBUS_WORKER_ROLE", "auto",
+        "Prefill/decode disaggregation: `aggregated` (the engine prefills and decodes its own requests), `prefill` "
+        "(it computes prompts for decode workers and pulls no requests), `decode` (it pulls requests and has their "
+        "prompts computed by prefill workers), or `auto`: the engine's --disaggregation-mode from its /server_info. "
+        "A role the engine does not run is refused at start.",
+    )
+    engine_bootstrap_host: str = env(
+        "INFERBUS_ENGINE_BOOTSTRAP_HOST", "",
+        "Prefill workers: the host decode engines reach this engine's bootstrap server at (SGLang's bootstrap_host; "
+        "its port is the engine's --disaggregation-bootstrap-port; the engine must listen there on an address "
+        "they reach, e.g. --host 0.0.0.0). Empty: the host of INFERBUS_ENGINE_URL, or, when that is a loopback "
+        "address (the engine in this worker's pod), this host's own address (its name resolved: the pod's IP).",
+    )
+    liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "Decode workers: how long a prefill worker whose heartbeat lapsed has to answer the liveness probe before its prefill halves are tried elsewhere; also how long a prefill worker has to answer a prefill half.")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9102, "Port of this worker's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
     otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
@@ -107,6 +122,8 @@ class WorkerSettings:
             raise SystemExit("INFERBUS_WORKER_FRAME_WINDOW_MS must be >= 0")
         if self.accepted_wait_ms < 0:
             raise SystemExit("INFERBUS_WORKER_ACCEPTED_WAIT_MS must be >= 0")
+        if self.role not in ("auto", "aggregated", "prefill", "decode"):
+            raise SystemExit(f"INFERBUS_WORKER_ROLE must be auto, aggregated, prefill or decode, not {self.role!r}")
         if self.engine_priority not in ("auto", "on", "off"):
             raise SystemExit(f"INFERBUS_WORKER_ENGINE_PRIORITY must be auto, on or off, not {self.engine_priority!r}")
 

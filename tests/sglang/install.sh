@@ -21,6 +21,23 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "$want" > "$stamp"
 fi
 
+# Mooncake's transfer engine, CPU build: SGLang's `mooncake_tcp` KV transfer backend for the
+# prefill/decode contract tests (test_pd_contract.py). A step of its own, so that adding it does not
+# reinstall SGLang. It links the RDMA verbs library even when it only speaks TCP.
+mooncake="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+if [[ ! -f "$root/.mooncake" || "$(cat "$root/.mooncake")" != "$mooncake" ]]; then
+  "$root/bin/python" -m pip install --quiet "$mooncake" >&2
+  echo "$mooncake" > "$root/.mooncake"
+fi
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+  if command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
+    apt-get update -qq >&2 && apt-get install -y -qq libibverbs1 >&2
+  else
+    echo "install.sh: Mooncake needs libibverbs.so.1 (Debian/Ubuntu: apt-get install libibverbs1)" >&2
+    exit 1
+  fi
+fi
+
 # The tiny model and its adapters, cached under the digest of the two files that build them.
 repo="$(cd "$here/../.." && pwd)"
 models="$root/models/$(cat "$here/modeldir.py" "$repo/inferbus/modeldir.py" | sha256sum | cut -c1-16)"

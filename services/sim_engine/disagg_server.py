@@ -1,0 +1,783 @@
+"""The simulated engine's prefill/decode shell: SGLang 0.5.23's PD mode over the pure rooms of
+`disagg.py` (docs/sim-engine.md, "Prefill/decode disaggregation").
+
+- A prefill engine serves SGLang's bootstrap server (its own thread, as SGLang's) and binds a ZMQ
+  PULL socket, its *rank endpoint*, which the bootstrap server hands to decode engines.
+- A decode engine fetches the prefill's layout and rank endpoint from the bootstrap server,
+  reserves KV, then sends `DEST` (where the KV goes) to the prefill rank; the prefill computes the
+  prompt, queues each chunk's KV on its link (virtual time, `disagg.LinkQueue`), and once the last
+  byte has landed answers its own client and sends `DONE` (the first token, the cached tokens) to
+  the decode rank, which starts decoding. `ABORT` goes from decode to prefill, as in SGLang.
+- The decode engine polls each prefill's `/health` (SGLang's heartbeat) and fails the rooms of one
+  that stopped answering; both sides expire rooms by SGLang's timeouts.
+
+Wire format between the two engines (multipart ZMQ frames, ASCII; the simulator's own, since no
+KV moves): `DEST room endpoint prefix_len tp`, `ABORT room endpoint`, `DONE room json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+from prometheus_client import Gauge, Histogram
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from inferbus.timing import LLAMA_70B, PRECISIONS, StepTimeModel, kv_link
+
+from .config import EngineConfig
+from .disagg import (
+    ABORTED,
+    FAKE,
+    FAKE_BOOTSTRAP_HOST,
+    HANDSHAKE_RETRY_S,
+    Bootstrap,
+    DecodeRoom,
+    DecodeRooms,
+    KVPoll,
+    LinkQueue,
+    PrefillRoom,
+    PrefillRooms,
+    Timeouts,
+    abort_reason,
+    decode_failure,
+    missing_room,
+    preallocation_fits,
+    prefill_failure,
+)
+from .scheduler import Request, RequestRejected, RequestUpdate
+from .server import SimEngineServer, _json, _Stream
+
+logger = logging.getLogger("inferbus.sim_engine.disagg")
+
+MAINTENANCE_INTERVAL_S = 0.25  # how often timeouts are checked
+HEARTBEAT_TIMEOUT_S = 3.0  # SGLang's heartbeat request timeout (connect 2 s, read 3 s)
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def _local_ip(host: str) -> str:
+    """The address peers reach this engine at (SGLang's rank_ip)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
+class BootstrapServer:
+    """SGLang's prefill bootstrap server (its CommonKVBootstrapServer's routes): `/health`, `/route`
+    (GET: the layout, or one rank's endpoint; PUT: a rank registers), `/register_dp_rank`,
+    `/query_dp_ranks`. Static data, served from a daemon thread like SGLang's."""
+
+    def __init__(self, host: str, port: int, layout: dict[str, Any]) -> None:
+        self.layout = layout
+        self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+        self.room_to_dp_rank: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # open keep-alive connections, cut on close
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with server._lock:
+                    server._connections.discard(self.connection)
+                super().finish()
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+                logger.debug("bootstrap %s", format % args)
+
+            def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _body(self) -> Any:
+                length = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(length) or b"{}")
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                url = urlparse(self.path)
+                if url.path == "/health":
+                    self._reply(200, b"OK", "text/plain")
+                elif url.path == "/route":
+                    status, body = server.route(parse_qs(url.query))
+                    self._reply(status, body)
+                else:
+                    self._reply(404, b"Not Found", "text/plain")
+
+            def do_PUT(self) -> None:  # noqa: N802
+                if urlparse(self.path).path != "/route":
+                    self._reply(405, b"Method not allowed")
+                    return
+                try:
+                    server.register(self._body())
+                except (KeyError, ValueError, TypeError) as exc:
+                    self._reply(400, str(exc).encode(), "text/plain")
+                    return
+                self._reply(200, b"OK", "text/plain")
+
+            def do_POST(self) -> None:  # noqa: N802
+                path = urlparse(self.path).path
+                try:
+                    data = self._body()
+                    if path == "/register_dp_rank":
+                        with server._lock:
+                            server.room_to_dp_rank[int(data["bootstrap_room"])] = int(data["dp_rank"])
+                        self._reply(200, b"OK", "text/plain")
+                    elif path == "/query_dp_ranks":
+                        with server._lock:
+                            found = {str(r): server.room_to_dp_rank[int(r)] for r in data["bootstrap_rooms"]
+                                     if int(r) in server.room_to_dp_rank}
+                        self._reply(200, json.dumps(found).encode())
+                    else:
+                        self._reply(404, b"Not Found", "text/plain")
+                except (KeyError, ValueError, TypeError) as exc:
+                    self._reply(400, str(exc).encode(), "text/plain")
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="bootstrap-server", daemon=True)
+        self._thread.start()
+
+    def register(self, data: dict[str, Any]) -> None:
+        key = (int(data["attn_dp_rank"]), int(data["attn_cp_rank"]), int(data["attn_tp_rank"]), int(data["pp_rank"]))
+        with self._lock:
+            self.ranks[key] = {"rank_ip": str(data["rank_ip"]), "rank_port": int(data["rank_port"])}
+
+    def route(self, query: dict[str, list[str]]) -> tuple[int, bytes]:
+        try:
+            key = tuple(int(query[name][0]) for name in
+                        ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
+        except (KeyError, ValueError):
+            return 400, b"Missing inputs for bootstrap server."
+        with self._lock:
+            registered = len(self.ranks)
+            rank = self.ranks.get(key)  # type: ignore[arg-type]
+        if registered == 0:
+            return 503, f"Prefill server not fully registered yet ({registered} workers registered).".encode()
+        if key == (-1, -1, -1, -1):
+            return 200, json.dumps(self.layout).encode()
+        if rank is None:
+            return 404, (f"Bootstrap info not found for dp_rank={key[0]} cp_rank={key[1]} tp_rank={key[2]} "
+                         f"pp_rank={key[3]}").encode()
+        return 200, json.dumps(rank).encode()
+
+    def close(self) -> None:
+        """Stop serving and cut open connections, so peers see it gone (not a keep-alive that still answers)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+
+class _PdMetrics:
+    """SGLang's PD series (its metrics_collector's names and buckets), labelled `model_name` as the
+    simulated engine's others."""
+
+    def __init__(self, registry: Any, model_name: str) -> None:
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"sglang:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.prefill_bootstrap = gauge("num_prefill_bootstrap_queue_reqs", "Requests in the prefill bootstrap queue.")
+        self.prefill_inflight = gauge("num_prefill_inflight_queue_reqs", "Requests in the prefill inflight queue.")
+        self.decode_prealloc = gauge("num_decode_prealloc_queue_reqs", "Requests in the decode prealloc queue.")
+        self.decode_transfer = gauge("num_decode_transfer_queue_reqs", "Requests in the decode transfer queue.")
+        self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "KV cache transfer speed in GB/s.",
+                                        ["model_name"], registry=registry,
+                                        buckets=(0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)).labels(model_name)
+        self.transfer_latency = Histogram("sglang:kv_transfer_latency_ms", "KV cache transfer latency in ms.",
+                                          ["model_name"], registry=registry,
+                                          buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)).labels(model_name)
+
+
+class DisaggEngineServer(SimEngineServer):
+    """The simulated engine as one role of a prefill/decode pair."""
+
+    def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None) -> None:
+        super().__init__(config, step_model)
+        self.mode = config.disaggregation_mode
+        self.fake = config.disaggregation_transfer_backend == "fake"
+        self.timeouts = Timeouts.from_env()
+        model = replace(LLAMA_70B, kv_bytes_per_element=PRECISIONS["fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16"])
+        link = kv_link(config.kv_transfer_link, config.kv_transfer_bandwidth_gb_s)
+        self.prefill_rooms = PrefillRooms(self.timeouts, LinkQueue(link, config.tp, model))
+        self.decode_rooms = DecodeRooms(self.timeouts)
+        self._rooms: dict[str, int] = {}  # rid → room, for requests of this role still in a room
+        self._rids: dict[int, str] = {}  # room → rid
+        self._held_updates: dict[int, RequestUpdate] = {}  # prefill: finished, waiting for the KV to land
+        self._held_blocks: dict[int, list[int]] = {}  # prefill: cache blocks locked during the transfer
+        self._landing: dict[int, asyncio.TimerHandle] = {}
+        self._fake_rooms = 0
+        self._zmq: zmq.asyncio.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._pushes: dict[str, zmq.asyncio.Socket] = {}
+        self.endpoint = ""  # this rank's ZMQ endpoint
+        self.bootstrap_server: BootstrapServer | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._handshaking: dict[str, asyncio.Task[None]] = {}  # bootstrap addr → its handshake
+        self._preallocating = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self.pd_metrics = _PdMetrics(self.metrics.registry, config.model)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        config = self.config
+        self._zmq = zmq.asyncio.Context()
+        self._pull = self._zmq.socket(zmq.PULL)
+        ip = _local_ip(config.host)
+        port = self._pull.bind_to_random_port(f"tcp://{ip}")
+        self.endpoint = f"tcp://{ip}:{port}"
+        if self.mode == "prefill":
+            self.bootstrap_server = BootstrapServer(config.host, config.disaggregation_bootstrap_port, self._layout())
+            self.bootstrap_server.register({"attn_dp_rank": 0, "attn_cp_rank": 0, "attn_tp_rank": 0, "pp_rank": 0,
+                                            "rank_ip": ip, "rank_port": port})
+        else:
+            self._http = httpx.AsyncClient(timeout=HANDSHAKE_TIMEOUT_S)
+        self._tasks = [asyncio.create_task(self._receive(), name="pd-receive"),
+                       asyncio.create_task(self._maintain(), name="pd-timeouts")]
+        if self.mode == "decode":
+            self._tasks.append(asyncio.create_task(self._heartbeats(), name="pd-heartbeats"))
+        try:
+            async with super()._lifespan(app):
+                yield
+        finally:
+            tasks = [*self._tasks, *self._handshaking.values()]
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for timer in self._landing.values():
+                timer.cancel()
+            if self._http is not None:
+                await self._http.aclose()
+            if self.bootstrap_server is not None:
+                self.bootstrap_server.close()
+            for sock in [self._pull, *self._pushes.values()]:
+                if sock is not None:
+                    sock.close(linger=0)
+            self._zmq.term()
+
+    def _layout(self) -> dict[str, Any]:
+        """What SGLang's bootstrap server answers for the prefill's layout (PrefillServerInfo)."""
+        return {
+            "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
+            "page_size": self.config.block_size, "kv_cache_dtype": self._kv_dtype(),
+            "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
+            "enable_kv_cache_sharding": False, "prefill_http_port": self.config.port,
+            "decode_allocation_policy": "early",
+            # Filled in by each decode engine for itself; SGLang's server sends them empty.
+            "target_tp_rank": None, "target_tp_ranks": None, "target_cp_ranks": None, "target_pp_ranks": None,
+            "required_dst_info_num": None, "required_prefill_response_num": None,
+        }
+
+    def _kv_dtype(self) -> str:
+        return self.config.kv_cache_dtype  # SGLang reports its --kv-cache-dtype as given
+
+    # ------------------------------------------------------------------ requests
+
+    def _submit(self, request: Request, stream_interval: int, internal: bool = False,
+                bootstrap: Bootstrap | None = None) -> _Stream:
+        if internal:  # health checks: SGLang sends them with its fake bootstrap host, no peer involved
+            return super()._submit(request, stream_interval, internal)
+        if (bootstrap is None and self.fake) or (bootstrap is not None and bootstrap.host == FAKE_BOOTSTRAP_HOST):
+            # No peer: SGLang's fake sender or receiver. Its room numbers may repeat (SGLang's
+            # warm-up sends 0), so the simulator keys these by a number of its own.
+            self._fake_rooms += 1
+            bootstrap = Bootstrap(FAKE_BOOTSTRAP_HOST, None, -self._fake_rooms)
+        if bootstrap is None:
+            return self._refused(request, stream_interval, missing_room(request.rid))
+        if request.rid in self._streams:
+            raise RequestRejected("Duplicate request ID detected")
+        if self.mode == "prefill":
+            # SGLang's prefill computes the prompt and samples one token.
+            request.sampling = msgspec.structs.replace(request.sampling, max_new_tokens=1, min_new_tokens=0)
+        self._catch_up()
+        self.engine.add(request, held=True)
+        stream = _Stream(time.monotonic(), stream_interval, False)
+        self._streams[request.rid] = stream
+        self.metrics.prompt_tokens.inc(len(request.input_ids))
+        now = time.monotonic()
+        if self.mode == "prefill":
+            self._open_prefill(request, bootstrap.room, now)
+        else:
+            self._open_decode(request, bootstrap, now)
+        return stream
+
+    def _refused(self, request: Request, stream_interval: int, message: str) -> _Stream:
+        """A request SGLang's scheduler refuses after accepting it: one abort with status 400."""
+        stream = _Stream(time.monotonic(), stream_interval, False)
+        request.finish_reason = abort_reason(message, 400)
+        stream.queue.put_nowait(RequestUpdate(request, "", 0, request.finish_reason))
+        return stream
+
+    def _track(self, rid: str, room: int) -> None:
+        self._rooms[rid] = room
+        self._rids[room] = rid
+
+    def _untrack(self, room: int) -> None:
+        rid = self._rids.pop(room, None)
+        if rid is not None:
+            self._rooms.pop(rid, None)
+
+    def _fail_held(self, rid: str, message: str) -> None:
+        """End a request this engine holds (not scheduled yet, or finished and waiting for its
+        transfer) with SGLang's 500 abort."""
+        reason = abort_reason(message, 500)
+        request = self.engine.get(rid)
+        if request is not None:
+            self.engine.abort(rid, message, exact=True)
+            request.finish_reason = reason
+            self._deliver([RequestUpdate(request, request.text, len(request.output_ids), reason)])
+            return
+        for room, update in list(self._held_updates.items()):
+            if update.request.rid == rid:
+                del self._held_updates[room]
+                update.request.finish_reason = reason
+                self._deliver([RequestUpdate(update.request, update.text, update.num_output_tokens, reason)])
+
+    # ------------------------------------------------------------------ prefill role
+
+    def _open_prefill(self, request: Request, room: int, now: float) -> None:
+        state = self.prefill_rooms.open(room, request.rid, now)
+        if room < 0:  # SGLang's fake host: no decode side to wait for
+            self.prefill_rooms.destination(room, FAKE, 0, now, self.config.tp)
+        if state.status == KVPoll.FAILED:
+            self._fail_held(request.rid, prefill_failure("bootstrap", request.rid, room, state.failure))
+            return
+        self._track(request.rid, room)
+        if state.status == KVPoll.WAITING_FOR_INPUT:
+            self._release(request.rid)
+
+    def _release(self, rid: str) -> None:
+        self._catch_up()
+        self.engine.release(rid)
+        self._wake.set()
+
+    def _stepped(self) -> None:
+        if self.mode != "prefill":
+            return
+        now = self.engine.now
+        for room, state in self.prefill_rooms.rooms.items():
+            if state.status != KVPoll.WAITING_FOR_INPUT:
+                continue
+            request = self.engine.get(state.rid)
+            if request is not None:
+                self.prefill_rooms.computed(room, min(request.computed, len(request.input_ids)), now)
+
+    def _deliver(self, updates: list[RequestUpdate]) -> None:
+        if self._rooms:
+            updates = [u for u in updates if not self._intercepted(u)]
+        super()._deliver(updates)
+        if self.mode == "decode" and any(u.finish_reason is not None for u in updates):
+            self._preallocate()  # KV was freed
+
+    def _intercepted(self, update: RequestUpdate) -> bool:
+        """A finishing update of a request in a room: the prefill holds its answer until the KV has
+        landed; either role forgets the room once the request ends otherwise."""
+        room = self._rooms.get(update.request.rid)
+        if room is None or update.finish_reason is None:
+            return False
+        if self.mode == "prefill" and update.finish_reason.get("type") != "abort":
+            return self._prefill_done(room, update)
+        if self.mode == "prefill":
+            self.prefill_rooms.fail(room, ABORTED)  # SGLang's sender.abort(): the decode side is not told
+            self.prefill_rooms.close(room)
+        else:
+            self.decode_rooms.close(room)
+        self._untrack(room)
+        return False
+
+    def _prefill_done(self, room: int, update: RequestUpdate) -> bool:
+        request = update.request
+        landed_at = self.prefill_rooms.finish(room, len(request.input_ids), self.engine.now)
+        if landed_at is None:
+            return False
+        # The prompt's KV stays locked until it has landed (SGLang's inflight queue).
+        cache, bs = self.engine.cache, self.config.block_size
+        full = min(len(request.input_ids) // bs, len(request.hashes))
+        held = request.hashes[: cache.match(request.hashes[:full])] if self.config.prefix_cache else []
+        cache.lock(held)
+        self._held_blocks[room] = held
+        self._held_updates[room] = update
+        delay = max(0.0, landed_at - self.engine.now) * self.time_scale
+        self._landing[room] = asyncio.get_running_loop().call_later(delay, self._landed, room)
+        return True
+
+    def _unhold(self, room: int) -> None:
+        timer = self._landing.pop(room, None)
+        if timer is not None:
+            timer.cancel()
+        blocks = self._held_blocks.pop(room, None)
+        if blocks:
+            self.engine.cache.unlock(blocks)
+
+    def _landed(self, room: int) -> None:
+        """The last byte of a room's KV has landed: tell the decode rank, then answer the client
+        with SGLang's finish reason for a prefill (`length` 0)."""
+        self._landing.pop(room, None)
+        state = self.prefill_rooms.succeed(room)
+        if state is not None and self.prefill_rooms.last_transfer is not None:
+            seconds, num_bytes = self.prefill_rooms.last_transfer
+            self.pd_metrics.transfer_latency.observe(seconds * 1000)
+            if seconds > 0:
+                self.pd_metrics.transfer_speed.observe(num_bytes / seconds / 1e9)
+        update = self._held_updates.pop(room, None)
+        self._unhold(room)
+        self._untrack(room)
+        if state is None or update is None:
+            return
+        request = update.request
+        assert state.destination is not None
+        payload = {
+            "output_id": request.output_ids[0], "text": request.text, "cached_tokens": request.cached_tokens,
+            "prompt_tokens": len(request.input_ids),
+        }
+        if state.destination.endpoint != FAKE:
+            self._send(state.destination.endpoint, [b"DONE", str(room).encode(), json.dumps(payload).encode()])
+        finish = {"type": "length", "length": 0}
+        request.finish_reason = finish
+        self._deliver([RequestUpdate(request, update.text, update.num_output_tokens, finish)])
+
+    def _fail_prefill(self, state: PrefillRoom, stage: str) -> None:
+        self._unhold(state.room)
+        self._untrack(state.room)
+        self.prefill_rooms.close(state.room)
+        self._fail_held(state.rid, prefill_failure(stage, state.rid, state.room, state.failure))
+
+    def _prefill_abort(self, rid: str) -> bool:
+        """Abort a prefill request still in a room; True if it was (else the engine aborts it)."""
+        room = self._rooms.get(rid)
+        if room is None:
+            return False
+        status = self.prefill_rooms.rooms[room].status if room in self.prefill_rooms.rooms else None
+        if status == KVPoll.WAITING_FOR_INPUT:
+            return False  # prefilling: an ordinary abort (the decode side is not told)
+        state = self.prefill_rooms.fail(room, ABORTED)
+        if state is None:
+            return False
+        self._fail_prefill(state, "bootstrap" if status == KVPoll.BOOTSTRAPPING else "transfer")
+        return True
+
+    def _on_destination(self, room: int, endpoint: str, prefix_len: int, tp: int) -> None:
+        state = self.prefill_rooms.destination(room, endpoint, prefix_len, time.monotonic(), tp)
+        if state is not None:
+            self._release(state.rid)
+
+    def _on_decode_abort(self, room: int) -> None:
+        """The decode side gave the room up: SGLang fails it with no reason of its own."""
+        before = self.prefill_rooms.rooms.get(room)
+        status = before.status if before is not None else None
+        state = self.prefill_rooms.fail(room, None)
+        if state is None:
+            return  # finished already, or never seen: SGLang ignores it
+        self._fail_prefill(state, "bootstrap" if status == KVPoll.BOOTSTRAPPING else "transfer")
+
+    # ------------------------------------------------------------------ decode role
+
+    def _open_decode(self, request: Request, bootstrap: Bootstrap, now: float) -> None:
+        addr = FAKE if bootstrap.host == FAKE_BOOTSTRAP_HOST else bootstrap.addr
+        state = self.decode_rooms.open(bootstrap.room, request.rid, addr, len(request.input_ids), now)
+        if state.status == KVPoll.FAILED:
+            self._fail_held(request.rid, decode_failure("handshake", request.rid, bootstrap.room, state.failure))
+            return
+        self._track(request.rid, bootstrap.room)
+        if addr == FAKE:  # no prefill: the handshake is instant (SGLang's FakeKVReceiver)
+            self.decode_rooms.handshake(addr, FAKE)
+        elif state.status == KVPoll.BOOTSTRAPPING and addr not in self._handshaking:
+            self._handshaking[addr] = asyncio.create_task(self._handshake(addr), name=f"pd-handshake-{addr}")
+        self._preallocate()
+
+    async def _handshake(self, addr: str) -> None:
+        """Learn the prefill rank's endpoint from its bootstrap server, retrying as SGLang does."""
+        assert self._http is not None
+        try:
+            while addr in self.decode_rooms.waiting_for_handshake():
+                endpoint = await self._fetch_endpoint(addr)
+                for state in self.decode_rooms.handshake(addr, endpoint):
+                    if state.status == KVPoll.FAILED:
+                        self._fail_decode(state)
+                if endpoint is not None:
+                    self._preallocate()
+                    return
+                await asyncio.sleep(HANDSHAKE_RETRY_S)
+        finally:
+            self._handshaking.pop(addr, None)
+
+    async def _fetch_endpoint(self, addr: str) -> str | None:
+        assert self._http is not None
+        try:
+            layout = await self._http.get(f"http://{addr}/route", params={
+                "prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1})
+            if layout.status_code != 200:
+                logger.error("Failed to get prefill server info: %s, %s", layout.status_code, layout.text)
+                return None
+            info = layout.json()
+            if info.get("page_size") not in (None, self.config.block_size):
+                logger.error("Page size mismatch: prefill server has page_size=%s, but decode server has page_size=%s",
+                             info.get("page_size"), self.config.block_size)
+                return None
+            rank = await self._http.get(f"http://{addr}/route", params={
+                "prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0})
+            if rank.status_code != 200:
+                return None
+            found = rank.json()
+            return f"tcp://{found['rank_ip']}:{found['rank_port']}"
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            logger.error("Error fetching prefill server info from bootstrap: %s", exc)
+            return None
+
+    def _preallocate(self) -> None:
+        """Reserve KV for handshaken rooms, oldest first, while it fits; tell each prefill where to
+        write (a fake transfer lands at once)."""
+        if self.mode != "decode" or self._preallocating:
+            return
+        self._preallocating = True  # a fake transfer lands inside the loop, and landing frees nothing
+        try:
+            self._preallocate_queue()
+        finally:
+            self._preallocating = False
+
+    def _preallocate_queue(self) -> None:
+        engine, cache, bs = self.engine, self.engine.cache, self.config.block_size
+        reserve = self.config.num_reserved_decode_tokens
+        for state in self.decode_rooms.preallocation_queue():
+            request = engine.get(state.rid)
+            if request is None or state.status != KVPoll.WAITING_FOR_INPUT:
+                continue
+            matched = 0
+            if self.config.prefix_cache:
+                usable = min(len(request.hashes), (len(request.input_ids) - 1) // bs)
+                matched = cache.match(request.hashes[:usable])
+            active = len(engine.running) + self.decode_rooms.count(KVPoll.TRANSFERRING)
+            if not preallocation_fits(cache.available_tokens(), state.prompt_tokens, matched * bs, active, reserve):
+                return  # the head of the line waits for KV room, as in SGLang
+            cache.lock(request.hashes[:matched])
+            needed = state.prompt_tokens - matched * bs
+            if not cache.allocate(needed):
+                cache.unlock(request.hashes[:matched])
+                return
+            self.decode_rooms.sent(state.room, needed, matched, time.monotonic())
+            if state.endpoint == FAKE:  # SGLang's FakeKVReceiver: "received" at once, from no one
+                self._on_landed(state.room, None)
+            else:
+                assert state.endpoint is not None
+                self._send(state.endpoint, [b"DEST", str(state.room).encode(), self.endpoint.encode(),
+                                            str(matched * bs).encode(), str(self.config.tp).encode()])
+
+    def _on_landed(self, room: int, payload: dict[str, Any] | None) -> None:
+        state = self.decode_rooms.landed(room)
+        if state is None:
+            return  # failed or aborted meanwhile
+        self._catch_up()
+        first = None if payload is None else (int(payload["output_id"]), str(payload["text"]))
+        cached = 0 if payload is None else int(payload["cached_tokens"])
+        update = self.engine.start_transferred(state.rid, first, cached, state.reserved_tokens, state.matched_blocks)
+        self._untrack(room)
+        self._deliver([update])
+        self._wake.set()
+
+    def _release_reservation(self, state: DecodeRoom) -> None:
+        if state.sent_at is None:
+            return
+        request = self.engine.get(state.rid)
+        self.engine.cache.release(state.reserved_tokens)
+        if request is not None and state.matched_blocks:
+            self.engine.cache.unlock(request.hashes[: state.matched_blocks])
+        state.reserved_tokens = state.matched_blocks = 0
+
+    def _fail_decode(self, state: DecodeRoom, notify: bool = False) -> None:
+        """A failed room's request ends with SGLang's 500; `notify`: tell the prefill rank (SGLang
+        sends ABORT once the handshake gave it the rank's endpoint)."""
+        stage = state.stage
+        self._release_reservation(state)
+        if notify and state.endpoint not in (None, FAKE):
+            self._send(state.endpoint, [b"ABORT", str(state.room).encode(), self.endpoint.encode()])
+        self._untrack(state.room)
+        self.decode_rooms.close(state.room)
+        self._fail_held(state.rid, decode_failure(stage, state.rid, state.room, state.failure))
+        self._preallocate()
+
+    def _decode_abort(self, rid: str) -> bool:
+        room = self._rooms.get(rid)
+        if room is None:
+            return False
+        state = self.decode_rooms.fail(room, ABORTED)
+        if state is None:
+            return False
+        self._fail_decode(state, notify=True)
+        return True
+
+    async def _heartbeats(self) -> None:
+        """SGLang's heartbeat checker: poll each prefill's /health; give up on one after the misses."""
+        assert self._http is not None
+        while True:
+            await asyncio.sleep(self.timeouts.heartbeat_interval_s)
+            for addr in self.decode_rooms.watched():
+                try:
+                    response = await self._http.get(f"http://{addr}/health", timeout=HEARTBEAT_TIMEOUT_S)
+                    ok = response.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if not ok:
+                    logger.info("Attempting to reconnect to %s...", addr)
+                failed = self.decode_rooms.heartbeat(addr, ok)
+                if failed:
+                    logger.error("Lost connection with prefill instance (bootstrap_addr: %s), %d requests affected",
+                                 addr, len(failed))
+                for state in failed:
+                    self._fail_decode(state)
+
+    # ------------------------------------------------------------------ both roles
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTENANCE_INTERVAL_S)
+            now = time.monotonic()
+            for prefill in self.prefill_rooms.expired(now):
+                self._fail_prefill(prefill, "bootstrap")
+            for decode in self.decode_rooms.expired(now):
+                self._fail_decode(decode, notify=True)
+
+    async def _receive(self) -> None:
+        assert self._pull is not None
+        while True:
+            frames = await self._pull.recv_multipart()
+            try:
+                kind, room = frames[0], int(frames[1])
+                if kind == b"DEST" and self.mode == "prefill":
+                    self._on_destination(room, frames[2].decode(), int(frames[3]), int(frames[4]))
+                elif kind == b"ABORT" and self.mode == "prefill":
+                    self._on_decode_abort(room)
+                elif kind == b"DONE" and self.mode == "decode":
+                    self._on_landed(room, json.loads(frames[2]))
+                else:
+                    logger.warning("unexpected PD message %r", frames[:1])
+            except (IndexError, ValueError, KeyError) as exc:
+                logger.warning("malformed PD message %r: %s", frames[:2], exc)
+
+    def _send(self, endpoint: str, frames: list[bytes]) -> None:
+        """Best effort, as SGLang's notifications: a peer that is gone loses the message."""
+        assert self._zmq is not None
+        sock = self._pushes.get(endpoint)
+        if sock is None:
+            sock = self._pushes[endpoint] = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("PD message to %s dropped: %s", endpoint, exc)
+
+    def _abort_if_running(self, rid: str) -> None:
+        if (self._prefill_abort(rid) if self.mode == "prefill" else self._decode_abort(rid)):
+            self._streams.pop(rid, None)
+            return
+        super()._abort_if_running(rid)
+
+    async def abort_request(self, http_request: HttpRequest) -> Response:
+        body = await http_request.body()
+        try:
+            data = msgspec.json.decode(body or b"{}")
+        except msgspec.DecodeError:
+            data = {}
+        if isinstance(data, dict) and (data.get("abort_all") or data.get("rid")):
+            prefix = "" if data.get("abort_all") else str(data["rid"])
+            for rid in [r for r in self._rooms if r.startswith(prefix)]:
+                if self.mode == "prefill":
+                    self._prefill_abort(rid)
+                else:
+                    self._decode_abort(rid)
+        return await super().abort_request(http_request)
+
+    # ------------------------------------------------------------------ reporting
+
+    async def server_info(self, http_request: HttpRequest) -> Response:
+        response = await super().server_info(http_request)
+        payload = msgspec.json.decode(response.body)
+        config = self.config
+        payload.update({
+            "disaggregation_mode": self.mode,
+            # SGLang resolves mooncake_tcp to mooncake with TCP forced, and reports the result.
+            "disaggregation_transfer_backend": ("mooncake" if config.disaggregation_transfer_backend == "mooncake_tcp"
+                                                else config.disaggregation_transfer_backend),
+            "disaggregation_bootstrap_port": config.disaggregation_bootstrap_port,
+            "disaggregation_ib_device": config.disaggregation_ib_device,
+            "disaggregation_decode_retraction_backup": config.disaggregation_decode_retraction_backup,
+            "disaggregation_decode_enable_radix_cache": config.disaggregation_decode_enable_radix_cache,
+            "disaggregation_decode_allocation_policy": "early",
+            "num_reserved_decode_tokens": config.num_reserved_decode_tokens,
+            "disable_radix_cache": not config.prefix_cache,
+            "kv_transfer_link": config.kv_transfer_link,
+            "kv_transfer_bandwidth_gb_s": self.prefill_rooms.link.link.bandwidth / 1e9,
+        })
+        return _json(payload)
+
+    async def prometheus_metrics(self, http_request: HttpRequest) -> Response:
+        prefill, decode, metrics = self.prefill_rooms, self.decode_rooms, self.pd_metrics
+        metrics.prefill_bootstrap.set(prefill.count(KVPoll.BOOTSTRAPPING))
+        metrics.prefill_inflight.set(prefill.count(KVPoll.TRANSFERRING))
+        metrics.decode_prealloc.set(decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT))
+        metrics.decode_transfer.set(decode.count(KVPoll.TRANSFERRING))
+        return await super().prometheus_metrics(http_request)
+
+    async def model_info(self, http_request: HttpRequest) -> Response:
+        response = await super().model_info(http_request)
+        payload = msgspec.json.decode(response.body)
+        payload["disaggregation_mode"] = self.mode
+        return _json(payload)
+
+    async def loads(self, http_request: HttpRequest) -> Response:
+        response = await super().loads(http_request)
+        payload = msgspec.json.decode(response.body)
+        load = payload["loads"][0]
+        prefill, decode = self.prefill_rooms, self.decode_rooms
+        section: dict[str, Any] = {
+            "mode": self.mode,
+            "prefill_bootstrap_queue_reqs": prefill.count(KVPoll.BOOTSTRAPPING),
+            "prefill_inflight_queue_reqs": prefill.count(KVPoll.TRANSFERRING),
+            "decode_prealloc_queue_reqs": decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT),
+            "decode_transfer_queue_reqs": decode.count(KVPoll.TRANSFERRING),
+            "decode_retracted_queue_reqs": sum(r.backed_up for r in self.engine.waiting),
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        }
+        if prefill.last_transfer is not None:
+            seconds, num_bytes = prefill.last_transfer
+            section["kv_transfer_latency_ms"] = seconds * 1000
+            section["kv_transfer_speed_gb_s"] = num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        # SGLang counts the bootstrap (prefill) or prealloc and transfer (decode) queues as waiting.
+        load["num_waiting_reqs"] += (section["prefill_bootstrap_queue_reqs"] + section["decode_prealloc_queue_reqs"]
+                                     + section["decode_transfer_queue_reqs"])
+        load["disaggregation"] = section
+        return _json(payload)
