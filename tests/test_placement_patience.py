@@ -12,10 +12,10 @@ import pytest
 from nats.aio.msg import Msg
 
 from inferbus import bus
+from inferbus.patience import PlacementPatience
 from proto import messages as m
 from proto import subjects
 from services.gateway.dispatch import Dispatcher, Flight
-from services.gateway.patience import PlacementPatience
 
 from .nats_server import NatsServer
 

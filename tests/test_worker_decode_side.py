@@ -34,6 +34,7 @@ class Settings:
     zone: str = ""
     block_size: int = 64
     liveness_timeout_s: float = 0.5
+    placement_patience_ms: float = 2000.0
 
 
 class Engine:
@@ -228,4 +229,33 @@ async def test_a_lost_prefill_report_is_found_out_by_asking_and_the_half_tried_e
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]
     asked = [type(a) for a in lost.asked]
     assert asked[0] is m.PrefillRequest and asked.count(m.PrefillStatus) >= 2  # asked twice before giving up
+    await side.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_slow_router_is_waited_for_once_it_is_known_to_answer(nc: Client) -> None:
+    """The router answers prefill placements, but 300 ms late: the first question (the router not
+    yet heard from) gives up after 50 ms and the worker chooses itself; its late answer shows the
+    router answers, and the next question waits for it and takes the router's choice."""
+    side, worker = await decode_side(nc)
+    prefill = PrefillWorker(nc, "p1", worker.engine, answers=[])
+    await prefill.start()
+
+    async def slow_router(msg: Msg) -> None:
+        await asyncio.sleep(0.3)
+        await msg.respond(m.encode(m.PlacementReply(target=subjects.worker_target("p1"), worker_id="p1")))
+
+    await nc.subscribe(subjects.placement_wildcard(), cb=slow_router)
+    deadline = time.monotonic() + 5
+    while "p1" not in side.peers.peers and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(collect(side, request(request_id="r1"), Entry()), 10)
+    first = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
+    assert not first.placed  # chosen by the worker: the router's answer came too late
+    deadline = time.monotonic() + 5
+    while not side.patience.answering() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(collect(side, request(request_id="r2"), Entry()), 10)
+    second = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
+    assert second.request.request_id == "r2" and second.placed  # the router's choice, waited for
     await side.stop()

@@ -22,7 +22,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, continuation, logs, tracing
+from inferbus import bus, continuation, logs, patience, tracing
 from inferbus.outbox import Outbox
 from inferbus.replies import PublishError, Replies
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
@@ -41,15 +41,12 @@ from .metrics import (
     RESENDS,
 )
 from .overload import bands_through
-from .patience import PlacementPatience
 from .queue_window import QueueWindow
 
 log = logs.get(__name__)
 
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
-# A placement answer this long after its question is no longer awaited: the router did not answer.
-LATE_ANSWER_S = 30.0
 _liveness_decoder = msgspec.msgpack.Decoder(m.LivenessReply)
 _resend_decoder = msgspec.msgpack.Decoder(m.ResendReply)
 
@@ -99,6 +96,10 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
                                      produced_tokens=flight.sent_tokens, prompt_tokens=flight.prompt_tokens)
 
 
+def _observe_placement(outcome: str, seconds: float) -> None:
+    PLACEMENT_SECONDS.labels(outcome).observe(seconds)
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -129,7 +130,7 @@ class Dispatcher:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.max_attempts = max_attempts
         self.placement_timeout_s = placement_timeout_s
-        self.patience = PlacementPatience(placement_timeout_s, placement_patience_s, time.monotonic)
+        self.patience = patience.PlacementPatience(placement_timeout_s, placement_patience_s, time.monotonic)
         self.window = QueueWindow(window_per_worker)
         self.free_slots = free_slots
         self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
@@ -219,20 +220,14 @@ class Dispatcher:
             block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
             release=request.release, pinned=request.release_pinned, zone=self.zone,
         )
-        asked = time.monotonic()
-        answer = asyncio.ensure_future(self.replies.request(
-            subjects.placement_subject(request.model), m.encode(ask), LATE_ANSWER_S))
-        done, _ = await asyncio.wait({answer}, timeout=self.patience.wait_s())
-        if not done:
-            answer.add_done_callback(lambda late: self._late_answer(late, asked))
+        reply = await patience.ask(self.replies, subjects.placement_subject(request.model), m.encode(ask),
+                                   self.patience, _observe_placement)
+        if reply is None:
             return shared
         try:
-            placement = _placement_decoder.decode(answer.result().data)
-        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
-            PLACEMENT_SECONDS.labels("unanswered").observe(time.monotonic() - asked)
+            placement = _placement_decoder.decode(reply.data)
+        except msgspec.DecodeError:
             return shared
-        self.patience.answered()
-        PLACEMENT_SECONDS.labels("answered").observe(time.monotonic() - asked)
         if placement.worker_id and (placement.worker_id not in self.live_workers or placement.worker_id == flight.avoid_worker):
             return shared
         if placement.worker_id and not self.placement_fits(placement.worker_id, request.band,
@@ -241,15 +236,6 @@ class Dispatcher:
             PLACEMENTS_OVER_BUDGET.inc()
             return shared
         return placement
-
-    def _late_answer(self, answer: asyncio.Future[Msg], asked: float) -> None:
-        """A placement answer that came after its request went to the shared queue: the router is
-        answering, only slowly, and the next questions wait for it (patience.py)."""
-        if answer.cancelled() or answer.exception() is not None:
-            PLACEMENT_SECONDS.labels("unanswered").observe(time.monotonic() - asked)
-            return
-        self.patience.answered()
-        PLACEMENT_SECONDS.labels("late").observe(time.monotonic() - asked)
 
     def _queued_on(self, worker_id: str, band: str) -> int:
         """This gateway's requests of `band` or a more important band queued on `worker_id`'s own

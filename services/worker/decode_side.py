@@ -36,7 +36,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs
+from inferbus import bus, logs, patience
 from inferbus.tokens import block_hashes
 from proto import messages as m
 from proto import subjects
@@ -159,6 +159,9 @@ class DecodeSide:
         self.peers.on_dead.append(self._peer_dead)
         self.tries: dict[tuple[str, int], PrefillTry] = {}  # (request id, attempt) → its current try
         self.rng = random.Random()
+        # A slow router is waited for, as gateways wait for it (inferbus/patience.py).
+        self.patience = patience.PlacementPatience(ROUTER_TIMEOUT_S, worker.settings.placement_patience_ms / 1000,
+                                                   time.monotonic)
 
     async def start(self) -> None:
         await self.worker.nc.subscribe(subjects.prefilled_subject(self.worker.settings.worker_id), cb=self._on_done)
@@ -332,10 +335,12 @@ class DecodeSide:
             zone=s.zone, role="prefill", avoid=sorted(avoid),
         )
         try:
-            reply = await self.worker.replies.request(subjects.placement_subject(request.model), m.encode(ask),
-                                                      ROUTER_TIMEOUT_S)
+            reply = await patience.ask(self.worker.replies, subjects.placement_subject(request.model), m.encode(ask),
+                                       self.patience)
+            if reply is None:
+                return None
             placement = _placement_decoder.decode(reply.data)
-        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
+        except msgspec.DecodeError:
             return None
         except Exception as error:
             log.warning("prefill_placement_failed", error=repr(error))

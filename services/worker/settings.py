@@ -103,6 +103,12 @@ class WorkerSettings:
         "they reach, e.g. --host 0.0.0.0). Empty: the host of INFERBUS_ENGINE_URL, or, when that is a loopback "
         "address (the engine in this worker's pod), this host's own address (its name resolved: the pod's IP).",
     )
+    placement_patience_ms: float = env(
+        "INFERBUS_PLACEMENT_PATIENCE_MS", 1000.0,
+        "Decode workers: how long asking the router for a prefill worker waits for a router that is answering "
+        "(one answered in the last 5 s), instead of 50 ms: a slow router still answers from its whole view, where "
+        "the worker's own choice knows no prefix cache (as the gateway's setting of the same name).",
+    )
     liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "Decode workers: how long a prefill worker whose heartbeat lapsed has to answer the liveness probe before its prefill halves are tried elsewhere; also how long a prefill worker has to answer a prefill half.")
     metrics_port: int = env("INFERBUS_METRICS_PORT", 9102, "Port of this worker's Prometheus /metrics (0 disables).")
     log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")

@@ -1,4 +1,6 @@
-"""How long the gateway waits for the router's answer to a placement question. Pure, injected clock.
+"""How long a placement question waits for the router's answer (gateways placing a request, decode
+workers asking for a prefill worker). `PlacementPatience` is pure, with an injected clock; `ask`
+puts the question with it.
 
 A request whose placement does not come back goes to the shared queue, where any worker with room
 takes it: no prefix cache, no adapter home, no view of the workers' own queues. When the router is
@@ -20,8 +22,19 @@ most `budget_s` once it is known to be hung.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from .replies import Replies
+
+# A placement answer this long after its question is no longer awaited: the router did not answer.
+LATE_ANSWER_S = 30.0
 
 
 @dataclass
@@ -44,3 +57,36 @@ class PlacementPatience:
     def answered(self) -> None:
         """An answer arrived (in time, or after its question stopped waiting)."""
         self._answered_at = self.clock()
+
+
+Observe = Callable[[str, float], None]
+
+
+async def ask(replies: Replies, subject: str, data: bytes, patience: PlacementPatience,
+              observe: Observe = lambda outcome, seconds: None) -> Msg | None:
+    """Ask the router `subject`, waiting `patience.wait_s()`: its answer, or None without one in
+    time (then the question's answer, should it come later, still tells `patience` the router
+    answers). `observe(outcome, seconds)`: `answered`, `late` or `unanswered` (no router, or
+    none within `LATE_ANSWER_S`)."""
+    asked = time.monotonic()
+    answer = asyncio.ensure_future(replies.request(subject, data, LATE_ANSWER_S))
+    done, _ = await asyncio.wait({answer}, timeout=patience.wait_s())
+    if not done:
+        answer.add_done_callback(lambda late: _late(late, asked, patience, observe))
+        return None
+    try:
+        reply = answer.result()
+    except (NoRespondersError, NatsTimeoutError):
+        observe("unanswered", time.monotonic() - asked)
+        return None
+    patience.answered()
+    observe("answered", time.monotonic() - asked)
+    return reply
+
+
+def _late(answer: asyncio.Future[Msg], asked: float, patience: PlacementPatience, observe: Observe) -> None:
+    if answer.cancelled() or answer.exception() is not None:
+        observe("unanswered", time.monotonic() - asked)
+        return
+    patience.answered()
+    observe("late", time.monotonic() - asked)
