@@ -9,6 +9,7 @@ from inferbus.timing import KV_LINKS, LLAMA_70B, kv_link
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.disagg import (
     ABORTED,
+    FAKE,
     HANDSHAKE_ATTEMPTS,
     DecodeRooms,
     KVPoll,
@@ -163,6 +164,14 @@ def test_lost_prefill_fails_its_rooms_that_have_not_landed():
     assert (waiting.stage, sent.stage) == ("handshake", "transfer")
     assert landed.status == KVPoll.SUCCESS and elsewhere.active
     assert "p:1" not in rooms.watched()  # a later request handshakes again
+
+
+def test_the_fake_peer_is_handshaken_at_once_and_never_heartbeaten():
+    rooms = DecodeRooms(Timeouts())
+    state = rooms.open(-1, "warm-up", FAKE, 10, 0.0)
+    assert rooms.handshake(FAKE, FAKE) == [state] and state.status == KVPoll.WAITING_FOR_INPUT
+    rooms.handshake("p:1", "tcp://p:9")
+    assert rooms.watched() == ["p:1"]  # no /health of a peer that does not exist
 
 
 def test_decode_waiting_timeout_counts_from_the_destination_sent():

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from inferbus.prompt import PromptError, render_prompt
 from inferbus.tokens import encode, standin_render_chat
 
+from .disagg import Bootstrap
 from .scheduler import Request, RequestRejected, SamplingParams
 
 if TYPE_CHECKING:
@@ -129,9 +130,15 @@ class OpenAIRoutes:
             sampling = _sampling(body)
         except ValueError as exc:
             return _error(str(exc))
+        room = body.get("bootstrap_room")  # prefill/decode disaggregation: SGLang's PD routing fields
+        if room is not None and (not isinstance(room, int) or isinstance(room, bool)):
+            return _error("bootstrap_room must be an integer (batches are not supported).")
+        host, port = body.get("bootstrap_host"), body.get("bootstrap_port")
+        bootstrap = None if room is None else Bootstrap(host if isinstance(host, str) else None,
+                                                        port if isinstance(port, int) else None, room)
         request = Request(rid=uuid.uuid4().hex, input_ids=input_ids, sampling=sampling)
         try:
-            stream = self.server._submit(request, 1)
+            stream = self.server._submit(request, 1, bootstrap=bootstrap)
         except RequestRejected as exc:
             return _error(str(exc))
         model = str(body.get("model") or self.model)

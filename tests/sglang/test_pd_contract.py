@@ -278,6 +278,19 @@ async def test_a_request_naming_the_fake_bootstrap_host_runs_on_one_engine(pair:
     assert decode.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
 
 
+async def test_a_chat_completion_through_the_pair(pair: Pair, http: httpx.AsyncClient):
+    """SGLang's OpenAI endpoints take the same PD routing fields (its router forwards them so)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": pair.bootstrap_port, "bootstrap_room": random.randrange(2**63)}
+    prefill, decode = await asyncio.gather(http.post(pair.prefill.url + "/v1/chat/completions", json=body),
+                                           http.post(pair.decode.url + "/v1/chat/completions", json=body))
+    assert prefill.status_code == decode.status_code == 200, (prefill.text, decode.text)
+    assert prefill.json()["usage"]["completion_tokens"] == 1
+    assert decode.json()["usage"]["completion_tokens"] == 5
+    assert decode.json()["usage"]["prompt_tokens"] == prefill.json()["usage"]["prompt_tokens"]
+
+
 async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.AsyncClient):
     prefill, _ = await both(http, pair, pair.body(rid="pd-counted"))
     prompt_tokens = prefill.json()["meta_info"]["prompt_tokens"]
