@@ -37,6 +37,10 @@ class Permissions:
     responses_expire: str | None = None
 
 
+# Answers given at once (a liveness probe's, a placement's, a resend's, a prefill half's): one per
+# request received, within a minute of it.
+PROMPT_REPLY_EXPIRE = "1m"
+
 # A streamed call's replies: a chunk per token at most (the context window) and the done marker,
 # within the longest request deadline a gateway is expected to run with (INFERBUS_REQUEST_TIMEOUT_S).
 STREAMED_REPLIES_MAX = 1_000_000
@@ -159,7 +163,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                        subjects.holder_wildcard(),
                        *_rules(_WORKER_PD_SUBSCRIBE, scope),
                        inbox),
-            allow_responses=True,  # answers the gateways' liveness probes and requests to resend, prefill halves
+            # answers the gateways' liveness probes and requests to resend, prefill halves
+            allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,
         )
     if role == "gateway":
         return Permissions(
@@ -204,7 +209,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             ),
             subscribe=(subjects.placement_wildcard(), subjects.placed_wildcard(), subjects.cache_wildcard(),
                        subjects.metrics_wildcard(), inbox),
-            allow_responses=True,
+            allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers placement questions
         )
     if role == "billing":
         return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))

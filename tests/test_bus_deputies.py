@@ -1,0 +1,256 @@
+"""Confused deputies on the bus, against a real nats-server with the shipped authorization
+(deploy/k8s/base/nats-auth.conf): a request names its own reply subject, and whoever answers
+publishes there with its own rights. A producer must not make the gateway answer into
+`$JS.API.STREAM.DELETE.USAGE` (deleting the ledger) or into a KV key (overwriting a record); each
+such forgery has a control that must succeed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig, StorageType
+from prometheus_client import REGISTRY
+
+from inferbus import bus
+from inferbus.bus_auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
+from inferbus.local import free_port, http_ok, nats_server_binary
+from proto import messages as m
+from proto import subjects
+from services.gateway.internal_api import API_CALLS, InternalApi
+from services.worker.liveness import LivenessThread
+
+from .waiting import await_for
+
+pytestmark = pytest.mark.e2e
+
+SHIPPED_AUTH = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "nats-auth.conf"
+RECORD = b'{"id": "batch_1", "tenant": "acme", "status": "in_progress"}'
+
+
+@dataclass
+class ShippedBus:
+    url: str
+    passwords: dict[str, str]  # user -> password
+
+
+@contextmanager
+def nats_server(tmp: Path, auth: str, env: dict[str, str]) -> Iterator[str]:
+    """A nats-server with JetStream and the `auth` config (its URL)."""
+    port, monitor = free_port(), free_port()
+    (tmp / "nats-auth.conf").write_text(auth)
+    (tmp / "nats.conf").write_text(
+        f'listen: "127.0.0.1:{port}"\nhttp: "127.0.0.1:{monitor}"\njetstream {{ store_dir: "{tmp / "js"}" }}\n'
+        'include "nats-auth.conf"\n')
+    server = subprocess.Popen([nats_server_binary(), "-c", str(tmp / "nats.conf")], env={**os.environ, **env},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not http_ok(f"http://127.0.0.1:{monitor}/healthz"):
+            assert time.monotonic() < deadline and server.poll() is None, "nats-server did not start"
+            time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait()
+
+
+@pytest.fixture(scope="module")
+def shipped_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShippedBus]:
+    """A nats-server with JetStream and the deployment's checked-in users and permissions."""
+    passwords = {user: new_password() for user, _, _ in DEPLOYMENT_ROLES}
+    with nats_server(tmp_path_factory.mktemp("shipped-bus"), SHIPPED_AUTH.read_text(),
+                     {password_env(user): pw for user, pw in passwords.items()}) as url:
+        yield ShippedBus(url, passwords)
+
+
+class As:
+    """A connection as one identity of the shipped config, recording the server's errors."""
+
+    def __init__(self, bus_: ShippedBus, user: str) -> None:
+        self.bus, self.user = bus_, user
+        self.errors: list[str] = []
+
+    async def __aenter__(self) -> Client:
+        async def on_error(error: Exception) -> None:
+            self.errors.append(str(error))
+
+        self.nc = await nats.connect(self.bus.url, user=self.user, password=self.bus.passwords[self.user],
+                                     inbox_prefix=inbox_prefix(self.user), error_cb=on_error, allow_reconnect=False)
+        return self.nc
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+
+@pytest.fixture
+async def ops(shipped_bus: ShippedBus) -> AsyncIterator[Client]:
+    """The operator's connection, with the platform's streams and a `batches` record in place."""
+    async with As(shipped_bus, "ops") as nc:
+        js = nc.jetstream()
+        await bus.ensure_streams(js)
+        batches = await js.create_key_value(KeyValueConfig(bucket=subjects.BATCHES_BUCKET, history=1,
+                                                           storage=StorageType.FILE))
+        await batches.put("acme.batch_1", RECORD)
+        await js.publish(subjects.usage_subject("acme"), b"{}")
+        yield nc
+
+
+async def streams_and_record(ops: Client) -> tuple[set[str], bytes | None, int]:
+    """The streams that exist, the `batches` record and USAGE's message count."""
+    js = ops.jetstream()
+    names = {info.config.name for info in await js.streams_info()}  # type: ignore[misc]
+    record = (await (await js.key_value(subjects.BATCHES_BUCKET)).get("acme.batch_1")).value
+    usage = (await js.stream_info(subjects.USAGE_STREAM)).state.messages if subjects.USAGE_STREAM in names else -1
+    return names, record, usage
+
+
+def counted(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def api_calls() -> float:
+    return sum(s.value for metric in API_CALLS.collect() for s in metric.samples if s.name.endswith("_total"))
+
+
+async def generation(scope: dict[str, Any], receive: Any, send: Any, endpoint: str) -> None:
+    """What the gateway's `Generation` answers, as ASGI: a streamed call a chunk then the end, any
+    other the OpenAI error for an unknown key. The replies' subjects are the point here."""
+    body = json.loads((await receive())["body"] or b"{}")
+    if body.get("stream"):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"x-request-id", b"chatcmpl-x")]})
+        await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\ndata: [DONE]\n\n'})
+        return
+    await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"error": {"message": "Incorrect API key"}}'})
+
+
+@pytest.fixture
+async def gateway_api(shipped_bus: ShippedBus) -> AsyncIterator[InternalApi]:
+    """The gateway's internal API (the OpenAI API over NATS), connected as the gateway."""
+    async with As(shipped_bus, "gateway") as nc:
+        api = InternalApi(nc, generation, "gateway")
+        await api.start()
+        await nc.flush()
+        yield api
+        await api.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_producer_cannot_make_the_gateway_answer_into_jetstream_or_a_bucket(
+        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, stream: bool) -> None:
+    """A streamed call ends with an empty reply, a valid `$JS.API.STREAM.DELETE.USAGE`; an error
+    reply is a valid record for a KV key or a usage subject. The gateway answers none of them, and
+    counts each as a security event; the control, a call with the producer's own inbox, is answered."""
+    before_streams, before_record, before_usage = await streams_and_record(ops)
+    refused_before = counted("inferbus_security_events_total", kind="untrusted_reply")
+    calls_before = api_calls()
+    body = json.dumps({"model": "m", "stream": stream, "messages": []}).encode()
+    forged = [f"$JS.API.STREAM.DELETE.{subjects.USAGE_STREAM}", f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1",
+              subjects.usage_subject("acme")]
+    async with As(shipped_bus, "producer") as producer:
+        for reply in forged:
+            await producer.publish(subjects.api_subject("chat"), body, reply=reply)
+        answer = await producer.request(subjects.api_subject("chat"), body, timeout=5)
+        assert answer.headers and answer.headers[m.API_HEADER_STATUS] == ("200" if stream else "401")
+    await await_for(lambda: api_calls() + counted("inferbus_security_events_total", kind="untrusted_reply")
+                    - calls_before - refused_before >= len(forged) + 1, what="every call handled")
+    await ops.flush()
+    assert await streams_and_record(ops) == (before_streams, before_record, before_usage)
+    assert counted("inferbus_security_events_total", kind="untrusted_reply") - refused_before == len(forged)
+
+
+@pytest.mark.xfail(strict=True, reason="JetStream's API answers on any reply subject within its account "
+                   "(docs/security.md, 'What remains'): closing it takes JetStream in an account of its own")
+async def test_jetstream_answers_no_api_call_into_a_bucket(ops: Client, shipped_bus: ShippedBus) -> None:
+    """Any identity with a `$JS.API` right (here the worker's `$JS.API.INFO`) names a KV key as its
+    reply subject: the server must not write its answer there. Control: the same call with the
+    worker's own inbox is answered."""
+    async with As(shipped_bus, "worker") as worker:
+        await worker.publish("$JS.API.INFO", b"", reply=f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
+        # Answered after the forged call (the server takes a client's API calls in order).
+        info = await worker.request("$JS.API.INFO", b"", timeout=5)
+        assert b"account_info_response" in info.data
+    await ops.flush()
+    _, record, _ = await streams_and_record(ops)
+    assert record == RECORD
+
+
+async def test_a_worker_answers_no_liveness_probe_into_the_ledger(
+        ops: Client, shipped_bus: ShippedBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's identity may publish usage; a gateway's probe naming a usage subject as its
+    reply would have the worker write its answer into the ledger. Control: a probe with the
+    gateway's own inbox is answered."""
+    monkeypatch.setenv("NATS_USER", "worker")
+    monkeypatch.setenv("NATS_PASSWORD", shipped_bus.passwords["worker"])
+    await bus.workers_bucket(ops.jetstream(), 5.0)
+    liveness = LivenessThread(shipped_bus.url, "w-1", interval_s=0.2, ttl_s=5.0, stall_after_s=30.0,
+                              loop_lag=lambda: 0.0)
+    liveness.start()
+    try:
+        liveness.set_beat(m.Heartbeat(worker_id="w-1", model="m", engine_url="http://127.0.0.1:1", started=time.time(),
+                                     ts=time.time()))
+        _, _, usage_before = await streams_and_record(ops)
+        refused_before = counted("inferbus_security_events_total", kind="untrusted_reply")
+        probe = m.encode(m.LivenessProbe(worker_id="w-1"))
+        async with As(shipped_bus, "gateway") as gateway:
+            await gateway.publish(subjects.liveness_subject("w-1"), probe, reply=subjects.usage_subject("acme"))
+            answer = await await_for(lambda: gateway.request(subjects.liveness_subject("w-1"), probe, timeout=1),
+                                     ignore=(nats.errors.TimeoutError, nats.errors.NoRespondersError))
+            assert m.decoder(m.LivenessReply).decode(answer.data).worker_id == "w-1"
+        await await_for(lambda: counted("inferbus_security_events_total", kind="untrusted_reply") > refused_before,
+                        what="the forged probe refused")
+        assert (await streams_and_record(ops))[2] == usage_before
+    finally:
+        liveness.stop()
+
+
+async def test_nats_deny_rules_do_not_restrict_responses(tmp_path: Path) -> None:
+    """What nats-server does (measured, docs/security.md): `allow_responses` lets a user answer on
+    any reply subject of a request it received, its publish deny list notwithstanding; the deny
+    list still refuses a direct publish. So the reply subject is checked by the responder."""
+    auth = """authorization { users = [
+      { user: asker, password: a, permissions: { publish: ["ask"], subscribe: ["_INBOX.asker.>"] } }
+      { user: watcher, password: w, permissions: { subscribe: ["$KV.>"] } }
+      { user: answerer, password: b, permissions: { publish: { deny: ["$KV.>"] }, subscribe: ["ask"],
+                                                    allow_responses: true } }
+    ] }"""
+    with nats_server(tmp_path, auth, {}) as url:
+        errors: list[str] = []
+
+        async def on_error(error: Exception) -> None:
+            errors.append(str(error))
+
+        answerer = await nats.connect(url, user="answerer", password="b", error_cb=on_error)
+        watcher = await nats.connect(url, user="watcher", password="w")
+        asker = await nats.connect(url, user="asker", password="a", inbox_prefix="_INBOX.asker")
+        seen: list[str] = []
+
+        async def answer(msg: Any) -> None:
+            await msg.respond(b"answer")
+
+        async def watch(msg: Any) -> None:
+            seen.append(msg.subject)
+
+        await answerer.subscribe("ask", cb=answer)
+        await watcher.subscribe("$KV.>", cb=watch)
+        await answerer.flush()
+        await watcher.flush()
+        await answerer.publish("$KV.direct", b"x")  # refused: the deny list
+        await asker.publish("ask", b"", reply="$KV.bucket.key")  # answered: the response permission
+        await await_for(lambda: seen, what="the answer on the KV subject")
+        assert seen == ["$KV.bucket.key"]
+        assert any("permissions violation" in e.lower() and "$kv.direct" in e.lower() for e in errors)
+        for nc in (answerer, watcher, asker):
+            await nc.close()
