@@ -6,6 +6,7 @@ such forgery has a control that must succeed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -171,49 +172,39 @@ async def test_a_producer_cannot_make_the_gateway_answer_into_jetstream_or_a_buc
     assert counted("inferbus_security_events_total", kind="untrusted_reply") - refused_before == len(forged)
 
 
-@pytest.mark.xfail(strict=True, reason="JetStream's API answers on any reply subject within its account "
-                   "(docs/security.md, 'What remains'): closing it takes JetStream in an account of its own")
-async def test_jetstream_answers_no_api_call_into_a_bucket(ops: Client, shipped_bus: ShippedBus) -> None:
-    """Any identity with a `$JS.API` right (here the worker's `$JS.API.INFO`) names a KV key as its
-    reply subject: the server must not write its answer there. Control: the same call with the
-    worker's own inbox is answered."""
-    async with As(shipped_bus, "worker") as worker:
-        await worker.publish("$JS.API.INFO", b"", reply=f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
-        # Answered after the forged call (the server takes a client's API calls in order).
-        info = await worker.request("$JS.API.INFO", b"", timeout=5)
-        assert b"account_info_response" in info.data
-    await ops.flush()
-    _, record, _ = await streams_and_record(ops)
-    assert record == RECORD
+@pytest.fixture(scope="module")
+def worker_liveness(shipped_bus: ShippedBus) -> Iterator[str]:
+    """A worker's liveness thread (its answers to probes), connected as the worker: its id."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NATS_USER", "worker")
+        env.setenv("NATS_PASSWORD", shipped_bus.passwords["worker"])
+        liveness = LivenessThread(shipped_bus.url, "w-1", interval_s=0.2, ttl_s=5.0, stall_after_s=30.0,
+                                  loop_lag=lambda: 0.0)
+        liveness.start()
+    try:
+        liveness.set_beat(m.Heartbeat(worker_id="w-1", model="m", engine_url="http://127.0.0.1:1", started=time.time(),
+                                      ts=time.time()))
+        yield "w-1"
+    finally:
+        liveness.stop()
 
 
 async def test_a_worker_answers_no_liveness_probe_into_the_ledger(
-        ops: Client, shipped_bus: ShippedBus, monkeypatch: pytest.MonkeyPatch) -> None:
+        ops: Client, shipped_bus: ShippedBus, worker_liveness: str) -> None:
     """The worker's identity may publish usage; a gateway's probe naming a usage subject as its
     reply would have the worker write its answer into the ledger. Control: a probe with the
     gateway's own inbox is answered."""
-    monkeypatch.setenv("NATS_USER", "worker")
-    monkeypatch.setenv("NATS_PASSWORD", shipped_bus.passwords["worker"])
-    await bus.workers_bucket(ops.jetstream(), 5.0)
-    liveness = LivenessThread(shipped_bus.url, "w-1", interval_s=0.2, ttl_s=5.0, stall_after_s=30.0,
-                              loop_lag=lambda: 0.0)
-    liveness.start()
-    try:
-        liveness.set_beat(m.Heartbeat(worker_id="w-1", model="m", engine_url="http://127.0.0.1:1", started=time.time(),
-                                     ts=time.time()))
-        _, _, usage_before = await streams_and_record(ops)
-        refused_before = counted("inferbus_security_events_total", kind="untrusted_reply")
-        probe = m.encode(m.LivenessProbe(worker_id="w-1"))
-        async with As(shipped_bus, "gateway") as gateway:
-            await gateway.publish(subjects.liveness_subject("w-1"), probe, reply=subjects.usage_subject("acme"))
-            answer = await await_for(lambda: gateway.request(subjects.liveness_subject("w-1"), probe, timeout=1),
-                                     ignore=(nats.errors.TimeoutError, nats.errors.NoRespondersError))
-            assert m.decoder(m.LivenessReply).decode(answer.data).worker_id == "w-1"
-        await await_for(lambda: counted("inferbus_security_events_total", kind="untrusted_reply") > refused_before,
-                        what="the forged probe refused")
-        assert (await streams_and_record(ops))[2] == usage_before
-    finally:
-        liveness.stop()
+    _, _, usage_before = await streams_and_record(ops)
+    refused_before = counted("inferbus_security_events_total", kind="untrusted_reply")
+    probe = m.encode(m.LivenessProbe(worker_id=worker_liveness))
+    async with As(shipped_bus, "gateway") as gateway:
+        await gateway.publish(subjects.liveness_subject(worker_liveness), probe, reply=subjects.usage_subject("acme"))
+        answer = await await_for(lambda: gateway.request(subjects.liveness_subject(worker_liveness), probe, timeout=1),
+                                 ignore=(nats.errors.TimeoutError, nats.errors.NoRespondersError))
+        assert m.decoder(m.LivenessReply).decode(answer.data).worker_id == worker_liveness
+    await await_for(lambda: counted("inferbus_security_events_total", kind="untrusted_reply") > refused_before,
+                    what="the forged probe refused")
+    assert (await streams_and_record(ops))[2] == usage_before
 
 
 async def test_nats_deny_rules_do_not_restrict_responses(tmp_path: Path) -> None:
@@ -254,3 +245,164 @@ async def test_nats_deny_rules_do_not_restrict_responses(tmp_path: Path) -> None
         assert any("permissions violation" in e.lower() and "$kv.direct" in e.lower() for e in errors)
         for nc in (answerer, watcher, asker):
             await nc.close()
+
+
+# ---- the adversarial suite: every identity, every forgery, each with a control ------------------
+
+SERVICE_IDENTITIES = [user for user, role, _ in DEPLOYMENT_ROLES if role != "ops"]
+# Identities with some `$JS.API` right (every service; a producer has none).
+WITH_JETSTREAM = [user for user in SERVICE_IDENTITIES if user != "producer"]
+FORGED_REPLIES = {
+    "jetstream-api": f"$JS.API.STREAM.DELETE.{subjects.USAGE_STREAM}",
+    "kv-key": f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1",
+    "data-subject": subjects.usage_subject("acme"),
+}
+
+
+async def refused(conn: As, verb: str, subject: str) -> bool:
+    """Whether the server reported a permissions violation for `verb` on `subject` to `conn`."""
+    def seen() -> bool:
+        return any("permissions violation" in e.lower() and verb in e.lower() and subject.lower() in e.lower()
+                   for e in conn.errors)
+
+    await await_for(seen, 5, what=f"the server refusing {verb} {subject}")
+    return True
+
+
+async def control(conn: As, nc: Client) -> None:
+    """What the identity may do, done: a JetStream call answered on its own inbox (a service), or
+    an internal API call answered by the gateway (a producer)."""
+    if conn.user == "producer":
+        answer = await nc.request(subjects.api_subject("chat"), b'{"messages": []}', timeout=5)
+        assert answer.headers and answer.headers[m.API_HEADER_STATUS] == "401"
+    else:
+        answer = await nc.request(f"$JS.API.STREAM.INFO.{subjects.REQUESTS_STREAM}", b"", timeout=5)
+        assert json.loads(answer.data)["config"]["name"] == subjects.REQUESTS_STREAM
+
+
+def test_every_identity_is_in_the_suite() -> None:
+    """A new identity in the shipped config must be added to the suite's forgeries."""
+    assert sorted(SERVICE_IDENTITIES) == ["autoscaler", "batch", "billing", "gateway", "producer", "router", "worker"]
+
+
+async def test_no_credentials_no_connection(shipped_bus: ShippedBus) -> None:
+    with pytest.raises(Exception) as refused_connect:  # noqa: B017 (nats-py raises several kinds)
+        await nats.connect(shipped_bus.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    assert "authorization" in repr(refused_connect.value).lower() or "no servers" in repr(refused_connect.value).lower()
+    async with As(shipped_bus, "ops"):  # control: the operator's credentials connect
+        pass
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+@pytest.mark.parametrize("action", ["UPDATE", "DELETE", "PURGE"])
+@pytest.mark.parametrize("stream", [subjects.USAGE_STREAM, subjects.REQUESTS_STREAM, f"KV_{subjects.BATCHES_BUCKET}",
+                                    f"KV_{subjects.RESPONSES_BUCKET}"])
+async def test_no_service_identity_reconfigures_purges_or_deletes_a_stream(
+        ops: Client, shipped_bus: ShippedBus, user: str, action: str, stream: str) -> None:
+    """With the config that truncated the ledger (`max_msgs: 5`) for an update."""
+    await ops.jetstream().create_key_value(KeyValueConfig(bucket=subjects.RESPONSES_BUCKET, history=1))
+    before = await streams_and_record(ops)
+    config = (await ops.jetstream().stream_info(stream)).config.as_dict()
+    body = json.dumps({**config, "max_msgs": 5}).encode() if action == "UPDATE" else b""
+    subject = f"$JS.API.STREAM.{action}.{stream}"
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        await nc.publish(subject, body, reply=nc.new_inbox())
+        assert await refused(conn, "publish", subject)
+        if user != "producer":
+            await control(conn, nc)
+    assert await streams_and_record(ops) == before
+    assert (await ops.jetstream().stream_info(stream)).config.max_msgs == -1
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+@pytest.mark.parametrize("target", sorted(FORGED_REPLIES))
+async def test_no_identity_makes_the_gateway_answer_outside_an_inbox(
+        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, user: str, target: str) -> None:
+    """A producer's forged call is refused by the gateway (a security event); any other identity
+    may not call the internal API at all (refused by the server)."""
+    before = await streams_and_record(ops)
+    events_before = counted("inferbus_security_events_total", kind="untrusted_reply")
+    body = json.dumps({"model": "m", "stream": True, "messages": []}).encode()
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        await nc.publish(subjects.api_subject("chat"), body, reply=FORGED_REPLIES[target])
+        if user == "producer":
+            await await_for(lambda: counted("inferbus_security_events_total", kind="untrusted_reply") > events_before,
+                            what="the gateway refusing the reply subject")
+        else:
+            assert await refused(conn, "publish", subjects.api_subject("chat"))
+        await control(conn, nc)
+    await ops.flush()
+    assert await streams_and_record(ops) == before
+
+
+@pytest.mark.parametrize("user", ["gateway", "worker"])  # the identities that may probe a worker
+@pytest.mark.parametrize("target", sorted(FORGED_REPLIES))
+async def test_no_identity_makes_a_worker_answer_outside_an_inbox(
+        ops: Client, shipped_bus: ShippedBus, worker_liveness: str, user: str, target: str) -> None:
+    before = await streams_and_record(ops)
+    events_before = counted("inferbus_security_events_total", kind="untrusted_reply")
+    probe = m.encode(m.LivenessProbe(worker_id=worker_liveness))
+    async with As(shipped_bus, user) as nc:
+        await nc.publish(subjects.liveness_subject(worker_liveness), probe, reply=FORGED_REPLIES[target])
+        answer = await nc.request(subjects.liveness_subject(worker_liveness), probe, timeout=5)  # control
+        assert m.decoder(m.LivenessReply).decode(answer.data).worker_id == worker_liveness
+    await await_for(lambda: counted("inferbus_security_events_total", kind="untrusted_reply") > events_before,
+                    what="the worker refusing the reply subject")
+    assert await streams_and_record(ops) == before
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+@pytest.mark.parametrize("target", sorted(FORGED_REPLIES))
+async def test_jetstream_answers_no_identitys_api_call_outside_an_inbox(
+        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, user: str, target: str,
+        request: pytest.FixtureRequest) -> None:
+    """`$JS.API.INFO` (or any API call the identity may make) with a forged reply subject. A
+    producer has no JetStream right: refused by the server. Every service identity has some, and
+    the server answers on the reply subject it is given: what remains open (docs/security.md)."""
+    if user in WITH_JETSTREAM and target != "jetstream-api":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="JetStream answers on any reply subject of its "
+                                              "account: what remains (docs/security.md)"))
+    before = await streams_and_record(ops)
+    subject = f"$JS.API.STREAM.INFO.{subjects.REQUESTS_STREAM}" if user in WITH_JETSTREAM else "$JS.API.INFO"
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        await nc.publish(subject, b"", reply=FORGED_REPLIES[target])
+        if user not in WITH_JETSTREAM:
+            assert await refused(conn, "publish", subject)
+        await control(conn, nc)  # answered after the forged call: the server takes a client's calls in order
+    await ops.flush()
+    assert await streams_and_record(ops) == before
+
+
+async def test_drift_is_reported_not_fatal_and_a_description_is_no_drift(
+        ops: Client, shipped_bus: ShippedBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ops changes a platform stream, a service's `ensure_streams` (which no longer tries an
+    update its identity may not make) reports what matters and carries on; ops restores it."""
+    js = ops.jetstream()
+    usage = (await js.stream_info(subjects.USAGE_STREAM)).config
+    try:
+        await js.update_stream(dataclasses.replace(usage, description="edited by ops"))
+        async with As(shipped_bus, "worker") as worker:
+            assert await bus.ensure_streams(worker.jetstream()) == []
+            await js.update_stream(dataclasses.replace(usage, max_msgs=5))
+            drift = await bus.ensure_streams(worker.jetstream())
+        assert drift == [f"{subjects.USAGE_STREAM}: max_msgs is 5, wanted -1"]
+        assert counted("inferbus_stream_config_drift", stream=subjects.USAGE_STREAM) == 1
+        assert (await js.stream_info(subjects.USAGE_STREAM)).config.max_msgs == 5  # the worker changed nothing
+    finally:
+        assert await bus.ensure_streams(js, update=True) == []  # ops's own identity restores it
+    assert (await js.stream_info(subjects.USAGE_STREAM)).config.max_msgs == -1
+    assert counted("inferbus_stream_config_drift", stream=subjects.USAGE_STREAM) == 0
+
+
+async def test_a_missing_ledger_is_reported(ops: Client, shipped_bus: ShippedBus) -> None:
+    """What a gateway's `/ready` checks with the gateway's identity: a deleted ledger is named
+    (and created again by the next `ensure_streams`)."""
+    async with As(shipped_bus, "gateway") as gateway:
+        assert await bus.check_streams(gateway.jetstream()) == []
+        await ops.jetstream().delete_stream(subjects.USAGE_STREAM)
+        assert await bus.check_streams(gateway.jetstream()) == [f"{subjects.USAGE_STREAM}: missing"]
+        assert await bus.ensure_streams(gateway.jetstream()) == []
+        assert await bus.check_streams(gateway.jetstream()) == []
