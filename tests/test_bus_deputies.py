@@ -406,3 +406,34 @@ async def test_a_missing_ledger_is_reported(ops: Client, shipped_bus: ShippedBus
         assert await bus.check_streams(gateway.jetstream()) == [f"{subjects.USAGE_STREAM}: missing"]
         assert await bus.ensure_streams(gateway.jetstream()) == []
         assert await bus.check_streams(gateway.jetstream()) == []
+
+
+async def test_jetstream_in_an_account_of_its_own_answers_into_no_bucket(tmp_path: Path) -> None:
+    """What would close JetStream's deputy (measured, docs/security.md): with JetStream in an
+    account of its own whose API and KV subjects the services' account imports, the server's
+    answer to a forged reply subject goes back through the import's private reply mapping and
+    reaches no bucket. Controls: API calls and KV puts through the imports work."""
+    auth = """accounts {
+      JS { jetstream: enabled, users: [ { user: js, password: j } ],
+           exports: [ { service: "$JS.API.>", response_type: stream }, { service: "$KV.>" } ] }
+      APP { users: [ { user: app, password: a } ],
+            imports: [ { service: { account: JS, subject: "$JS.API.>" } }, { service: { account: JS, subject: "$KV.>" } } ] }
+    }"""
+    with nats_server(tmp_path, auth, {}) as url:
+        owner = await nats.connect(url, user="js", password="j")
+        app = await nats.connect(url, user="app", password="a")
+        try:
+            kv = await owner.jetstream().create_key_value(KeyValueConfig(bucket=subjects.BATCHES_BUCKET, history=1))
+            await kv.put("acme.batch_1", RECORD)
+            put = await app.request(f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_2", b"v", timeout=5)
+            assert json.loads(put.data)["stream"] == f"KV_{subjects.BATCHES_BUCKET}"
+            # The answer does come back, to the services' account, on the subject the call named.
+            answers = await app.subscribe(f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
+            await app.publish("$JS.API.INFO", b"", reply=f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
+            assert b"account_info_response" in (await answers.next_msg(timeout=5)).data
+            await owner.flush()
+            assert (await kv.get("acme.batch_1")).value == RECORD
+            assert (await kv.get("acme.batch_2")).value == b"v"
+        finally:
+            await app.close()
+            await owner.close()
