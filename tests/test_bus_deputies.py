@@ -6,18 +6,21 @@ such forgery has a control that must succeed."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import nats
+import nkeys
 import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
@@ -25,9 +28,18 @@ from prometheus_client import REGISTRY
 
 from inferbus import bus
 from inferbus.bus_auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
+from inferbus.bus_callout import (
+    AUTH_PASSWORD_ENV,
+    CALLOUT_ACCOUNT,
+    ISSUER_ENV,
+    Authorizer,
+    PodIdentity,
+    new_account_seed,
+)
 from inferbus.local import free_port, http_ok, nats_server_binary
 from proto import messages as m
 from proto import subjects
+from services.auth_callout.service import answer_requests
 from services.gateway.internal_api import API_CALLS, InternalApi
 from services.worker.liveness import LivenessThread
 
@@ -36,13 +48,33 @@ from .waiting import await_for
 pytestmark = pytest.mark.e2e
 
 SHIPPED_AUTH = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "nats-auth.conf"
+CALLOUT_AUTH = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "per-pod-identities" / "nats-auth.conf"
 RECORD = b'{"id": "batch_1", "tenant": "acme", "status": "in_progress"}'
 
 
 @dataclass
 class ShippedBus:
+    """A nats-server with one of the shipped authorizations: `static` (one user per role, role-wide
+    permissions) or `callout` (per-pod identities: each role's pod gets permissions scoped to its
+    pod name from the auth callout)."""
+
     url: str
-    passwords: dict[str, str]  # user -> password
+    variant: str
+    users: dict[str, str]  # role -> NATS user (the pod's name under callout)
+    passwords: dict[str, str] = field(default_factory=dict)  # user -> password (static users)
+    tokens: dict[str, str] = field(default_factory=dict)  # user -> ServiceAccount token (callout)
+
+    def user(self, role: str) -> str:
+        return self.users.get(role, role)
+
+    def env(self, role: str, tmp: Path) -> dict[str, str]:
+        """A service's NATS_* environment for `role` (what `bus.connect` reads)."""
+        user = self.user(role)
+        if user in self.passwords:
+            return {"NATS_USER": user, "NATS_PASSWORD": self.passwords[user]}
+        token_file = tmp / f"token-{user}"
+        token_file.write_text(self.tokens[user])
+        return {"NATS_USER": user, "NATS_TOKEN_FILE": str(token_file)}
 
 
 @contextmanager
@@ -66,28 +98,60 @@ def nats_server(tmp: Path, auth: str, env: dict[str, str]) -> Iterator[str]:
         server.wait()
 
 
-@pytest.fixture(scope="module")
-def shipped_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShippedBus]:
-    """A nats-server with JetStream and the deployment's checked-in users and permissions."""
-    passwords = {user: new_password() for user, _, _ in DEPLOYMENT_ROLES}
-    with nats_server(tmp_path_factory.mktemp("shipped-bus"), SHIPPED_AUTH.read_text(),
-                     {password_env(user): pw for user, pw in passwords.items()}) as url:
-        yield ShippedBus(url, passwords)
+@pytest.fixture(scope="module", params=["static", "callout"])
+def shipped_bus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShippedBus]:
+    """A nats-server with JetStream and the deployment's checked-in authorization: the users and
+    permissions of deploy/k8s/base, or the per-pod identities of deploy/k8s/per-pod-identities
+    with the callout service answering (a table of tokens standing in for the TokenReview API)."""
+    tmp = tmp_path_factory.mktemp(f"shipped-bus-{request.param}")
+    if request.param == "static":
+        passwords = {user: new_password() for user, _, _ in DEPLOYMENT_ROLES}
+        with nats_server(tmp, SHIPPED_AUTH.read_text(), {password_env(u): pw for u, pw in passwords.items()}) as url:
+            yield ShippedBus(url, "static", {}, passwords=passwords)
+        return
+    issuer = nkeys.from_seed(new_account_seed())
+    auth_password, ops_password = new_password(), new_password()
+    roles = [role for _, role, _ in DEPLOYMENT_ROLES if role != "ops"]
+    users = {role: f"{role}-7d9f-x2" for role in roles}
+    tokens = {users[role]: new_password() for role in roles}
+    pods = {tokens[users[role]]: PodIdentity("inferbus", role, users[role]) for role in roles}
+    env = {ISSUER_ENV: issuer.public_key.decode(), AUTH_PASSWORD_ENV: auth_password, password_env("ops"): ops_password}
+    with nats_server(tmp, CALLOUT_AUTH.read_text(), env) as url:
+        authorizer = Authorizer(issuer=issuer, account=CALLOUT_ACCOUNT, namespace="inferbus", verify_token=pods.get,
+                                clock=time.time)
+        loop = asyncio.new_event_loop()
+
+        async def serve() -> Client:
+            nc = await nats.connect(url, user="auth", password=auth_password)
+            await answer_requests(nc, authorizer)  # the callout service's own handler
+            return nc
+
+        callout = loop.run_until_complete(serve())
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        try:
+            yield ShippedBus(url, "callout", users, passwords={"ops": ops_password}, tokens=tokens)
+        finally:
+            asyncio.run_coroutine_threadsafe(callout.close(), loop).result(5)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
 
 
 class As:
-    """A connection as one identity of the shipped config, recording the server's errors."""
+    """A connection as one role's identity of the shipped config, recording the server's errors."""
 
-    def __init__(self, bus_: ShippedBus, user: str) -> None:
-        self.bus, self.user = bus_, user
+    def __init__(self, bus_: ShippedBus, role: str) -> None:
+        self.bus, self.role, self.user = bus_, role, bus_.user(role)
         self.errors: list[str] = []
 
     async def __aenter__(self) -> Client:
         async def on_error(error: Exception) -> None:
             self.errors.append(str(error))
 
-        self.nc = await nats.connect(self.bus.url, user=self.user, password=self.bus.passwords[self.user],
-                                     inbox_prefix=inbox_prefix(self.user), error_cb=on_error, allow_reconnect=False)
+        credentials: dict[str, Any] = {"user": self.user, "password": self.bus.passwords[self.user]} \
+            if self.user in self.bus.passwords else {"token": self.bus.tokens[self.user]}
+        self.nc = await nats.connect(self.bus.url, inbox_prefix=inbox_prefix(self.user), error_cb=on_error,
+                                     allow_reconnect=False, max_reconnect_attempts=0, **credentials)
         return self.nc
 
     async def __aexit__(self, *exc: object) -> None:
@@ -141,7 +205,7 @@ async def generation(scope: dict[str, Any], receive: Any, send: Any, endpoint: s
 async def gateway_api(shipped_bus: ShippedBus) -> AsyncIterator[InternalApi]:
     """The gateway's internal API (the OpenAI API over NATS), connected as the gateway."""
     async with As(shipped_bus, "gateway") as nc:
-        api = InternalApi(nc, generation, "gateway")
+        api = InternalApi(nc, generation, shipped_bus.user("gateway"))
         await api.start()
         await nc.flush()
         yield api
@@ -173,18 +237,19 @@ async def test_a_producer_cannot_make_the_gateway_answer_into_jetstream_or_a_buc
 
 
 @pytest.fixture(scope="module")
-def worker_liveness(shipped_bus: ShippedBus) -> Iterator[str]:
+def worker_liveness(shipped_bus: ShippedBus, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A worker's liveness thread (its answers to probes), connected as the worker: its id."""
+    worker_id = shipped_bus.user("worker")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("NATS_USER", "worker")
-        env.setenv("NATS_PASSWORD", shipped_bus.passwords["worker"])
-        liveness = LivenessThread(shipped_bus.url, "w-1", interval_s=0.2, ttl_s=5.0, stall_after_s=30.0,
+        for name, value in shipped_bus.env("worker", tmp_path_factory.mktemp("worker")).items():
+            env.setenv(name, value)
+        liveness = LivenessThread(shipped_bus.url, worker_id, interval_s=0.2, ttl_s=5.0, stall_after_s=30.0,
                                   loop_lag=lambda: 0.0)
         liveness.start()
     try:
-        liveness.set_beat(m.Heartbeat(worker_id="w-1", model="m", engine_url="http://127.0.0.1:1", started=time.time(),
-                                      ts=time.time()))
-        yield "w-1"
+        liveness.set_beat(m.Heartbeat(worker_id=worker_id, model="m", engine_url="http://127.0.0.1:1",
+                                      started=time.time(), ts=time.time()))
+        yield worker_id
     finally:
         liveness.stop()
 
@@ -272,7 +337,7 @@ async def refused(conn: As, verb: str, subject: str) -> bool:
 async def control(conn: As, nc: Client) -> None:
     """What the identity may do, done: a JetStream call answered on its own inbox (a service), or
     an internal API call answered by the gateway (a producer)."""
-    if conn.user == "producer":
+    if conn.role == "producer":
         answer = await nc.request(subjects.api_subject("chat"), b'{"messages": []}', timeout=5)
         assert answer.headers and answer.headers[m.API_HEADER_STATUS] == "401"
     else:
