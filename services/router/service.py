@@ -28,6 +28,7 @@ from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
+from inferbus.security_events import answerable
 from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects
@@ -142,6 +143,8 @@ class Router:
             request = _placement_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        if not answerable(msg):
+            return  # a reply subject no caller owns: answering would publish there with our rights
         reply = self.placer.place(request, record=False)
         await msg.respond(m.encode(reply))
         PLACE_SECONDS.observe(time.perf_counter() - started)
