@@ -9,6 +9,7 @@ runs. Failing both, the documented defaults. Every choice comes with a line that
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,16 +32,14 @@ class Choice:
     note: str  # one line for the user: what is used, from where (no secrets)
 
 
+# `scheme://user:password@` wherever it appears: a NATS cluster is several URLs joined by commas,
+# a Sentinel or multi-host Redis address one URL with several hosts, neither parses as one URL.
+_CREDENTIALS = re.compile(r"(//[^:/@,]*):[^@/,]*@")
+
+
 def redact(url: str) -> str:
-    """`url` without its password."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" if parts.username else f":***@{host}"
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """`url` without its passwords (every URL of a comma-separated list, however many hosts)."""
+    return _CREDENTIALS.sub(r"\1:***@", url)
 
 
 def _from_platform(directory: Path, what: str, value: str) -> Choice:

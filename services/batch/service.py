@@ -43,6 +43,7 @@ from inferbus.replies import Replies
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
 from inferbus.stores.models import ModelCatalog
+from inferbus.stores.records import decode_or_none
 from inferbus.stores.tenants import TenantStore
 from proto import messages as m
 from proto import subjects
@@ -223,9 +224,8 @@ class BatchService:
                 self.tracker.on_accepted(event, now)
 
     def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         self.live_workers[entry.key] = beat.worker_id
         if self._gone.pop(beat.worker_id, None) is not None:

@@ -28,6 +28,7 @@ from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
+from inferbus.stores.records import decode_or_none
 from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects
@@ -264,9 +265,8 @@ class Router:
         await bus.follow(self.watcher, self._on_heartbeat, self._on_heartbeat_deleted, self._registry_loaded.set)
 
     async def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         known = beat.worker_id in self.registry.workers
         self.registry.on_heartbeat(beat)
