@@ -51,6 +51,48 @@ def test_usage_export_reads_the_running_local_platform_and_says_so(platform: Pla
     assert platform.stack.redis_url.split("@")[0].split(":")[-1] not in err, "the Redis password is never printed"
 
 
+def every_platform_command(platform: Platform, exports: Path) -> None:
+    """Every CLI command that talks to a running platform, against `platform` as `inferbus up`
+    left it: each finds the platform from the state dir and answers (exit code 0, no traceback).
+    Shared by the one-zone platform here and the three-zone one (tests/test_e2e_zones_secure.py)."""
+    start = int(time.time()) - 60
+    platform.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "cli"}], max_tokens=2)
+    deadline, rows = time.monotonic() + 30, []
+    while time.monotonic() < deadline and not rows:  # the billing service rolls the request up
+        out, err = run_cli(platform, "usage", "export", "--tenant", "demo", "--from", str(start), "--bucket", "1m")
+        rows = list(csv.DictReader(io.StringIO(out)))
+        time.sleep(0.2)
+    assert rows and {r["tenant"] for r in rows} == {"demo"}, (out, err)
+    assert "***@" in err and platform.stack.redis_url.split("@")[0].split(":")[-1] not in err
+
+    month = time.strftime("%Y-%m", time.gmtime())
+    out, err = run_cli(platform, "usage", "export-month", "--month", month, "--tenant", "demo", "--dir", str(exports))
+    assert any(exports.rglob("*.csv")), (out, err)
+    assert "demo" in {t["id"] for t in json.loads(run_cli(platform, "tenants", "list", "--json")[0])}
+    assert "demo" in run_cli(platform, "tenants", "show", "demo")[0]
+    assert run_cli(platform, "keys", "list", "--tenant", "demo")[0].strip()
+    assert isinstance(json.loads(run_cli(platform, "prices", "list", "--json")[0]), list)
+    assert isinstance(json.loads(run_cli(platform, "adapters", "list", "--json")[0]), list)
+    run_cli(platform, "release", "list")
+    run_cli(platform, "release", "status", "--json")
+    mix, err = run_cli(platform, "mix", "from-usage", "--since", str(start), "--tenant", "demo")
+    assert "classes:" in mix and "requests in" in err, (mix, err)
+
+
+def test_every_platform_command_works_against_one_zone(platform: Platform, tmp_path: Path) -> None:
+    every_platform_command(platform, tmp_path / "exports")
+
+
+def test_redact_hides_every_password_of_a_multi_host_address() -> None:
+    from inferbus.commands.local_platform import redact
+
+    sentinel = "redis+sentinel://:s3cret@127.0.0.1:21213,127.0.0.1:20191,127.0.0.1:29906/inferbus/0"
+    assert redact(sentinel) == "redis+sentinel://:***@127.0.0.1:21213,127.0.0.1:20191,127.0.0.1:29906/inferbus/0"
+    cluster = "nats://ops:pw1@127.0.0.1:1,nats://ops:pw1@127.0.0.1:2"
+    assert redact(cluster) == "nats://ops:***@127.0.0.1:1,nats://ops:***@127.0.0.1:2"
+    assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
 def test_an_export_that_finds_nothing_says_so(platform: Platform) -> None:
     out, err = run_cli(platform, "usage", "export", "--tenant", "no-such-tenant", "--from", str(int(time.time()) - 60))
     assert "No usage found for no-such-tenant" in err
