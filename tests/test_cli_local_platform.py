@@ -112,6 +112,50 @@ def test_the_launchers_state_is_private(platform: Platform) -> None:
         assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
     recorded = json.loads((state / PLATFORM_FILE).read_text())
     assert recorded["redis_url"] == platform.stack.redis_url and recorded["nats_user"] == "ops"
+    # NATS's monitoring port (no authentication) answers on loopback only.
+    monitoring = [line.strip() for line in (state / "nats.conf").read_text().splitlines() if line.strip().startswith("http")]
+    assert len(monitoring) == 1 and monitoring[0].startswith('http: "127.0.0.1:'), monitoring
+    # Everything the platform's processes wrote (Redis's append-only file, JetStream's store, the
+    # usage outboxes' SQLite files with their -wal and -shm, logs, the model) is theirs alone.
+    names = set()
+    for path in state.rglob("*"):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            continue
+        names.add(path.name)
+        expected = 0o700 if path.is_dir() else 0o600
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+        assert path.is_file() or stat.S_IMODE(path.stat().st_mode) == expected, path
+    assert any(name.endswith(".aof") for name in names) and any(name.endswith("-wal") for name in names), names
+    assert "gateway.log" in names
+
+
+def test_usage_export_month_writes_under_the_platforms_state_dir(platform: Platform) -> None:
+    month = time.strftime("%Y-%m", time.gmtime())
+    platform.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "bill"}], max_tokens=2)
+    exports = platform.stack.config.state_dir / "exports"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (exports / month / "demo.csv").exists():
+        run_cli(platform, "usage", "export-month", "--month", month, "--tenant", "demo")
+        time.sleep(0.2)
+    written = exports / month / "demo.csv"
+    assert written.exists(), sorted(platform.stack.config.state_dir.iterdir())
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+    assert json.loads((platform.stack.config.state_dir / PLATFORM_FILE).read_text())["export_dir"] == str(exports.absolute())
+
+
+def test_stopping_the_platform_removes_its_secrets(tmp_path: Path) -> None:
+    """nats.conf, redis.conf (passwords), tokens and the TLS private key go when `inferbus up` stops;
+    the data, the logs and the CA certificate stay."""
+    from inferbus.local import Stack, StackConfig, write_private
+
+    secrets = ["nats.conf", "nats-a.conf", "redis.conf", "redis-b.conf", "sentinel-c.conf", "callout-tokens.json",
+               "tokens/gateway", "tls/nats-server.key"]
+    kept = ["logs/gateway.log", "tls/ca.pem", "redis-a/appendonlydir/appendonly.aof.1.incr.aof", "state/outbox.sqlite3"]
+    for name in secrets + kept:
+        write_private(tmp_path / name, "x")
+    Stack(StackConfig(state_dir=tmp_path)).stop()
+    assert [name for name in secrets if (tmp_path / name).exists()] == []
+    assert [name for name in kept if not (tmp_path / name).exists()] == []
 
 
 def test_a_stale_platform_file_is_not_used(tmp_path: Path) -> None:

@@ -79,6 +79,24 @@ def nats_url(given: str | None, directory: Path | None = None) -> Choice:
                                                f"NATS_URL or running `inferbus up` in {directory})")
 
 
+@dataclass(frozen=True)
+class PathChoice:
+    value: Path
+    source: str  # "option", "platform" or "default"
+
+
+def export_dir(given: str | None, directory: Path | None = None) -> PathChoice:
+    """Where monthly usage exports go: the given directory, else the running platform's (under its
+    state dir), else `exports` in the state dir `inferbus up` uses by default."""
+    directory = state_dir() if directory is None else directory
+    if given:
+        return PathChoice(Path(given), "option")
+    found = read_platform_file(directory)
+    if found and found.get("export_dir"):
+        return PathChoice(Path(str(found["export_dir"])), "platform")
+    return PathChoice(directory / "exports", "default")
+
+
 def gateway(url: str | None, admin_key: str, directory: Path | None = None) -> tuple[str, str, str]:
     """(gateway URL, admin key, note): the local platform's when neither is given."""
     directory = state_dir() if directory is None else directory
