@@ -21,8 +21,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
+from inferbus.records import decode_or_none
 from inferbus.stores.files import paginate, sortable_hex
-from inferbus.stores.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 

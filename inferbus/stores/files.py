@@ -26,7 +26,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
-from inferbus.stores.records import decode_or_none
+from inferbus.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 

@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from msgspec import Meta
 from redis.exceptions import WatchError
 
+from inferbus.records import decode_or_none
 from inferbus.stores.keys import CachedLookup, revoke_all_keys, tenant_key
-from inferbus.stores.records import decode_or_none
 
 __all__ = [
     "InteractiveBand", "InvalidTenant", "Tenant", "TenantExists", "TenantLimits", "TenantNotFound", "TenantStore",

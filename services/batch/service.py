@@ -39,11 +39,11 @@ from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, redis_conn
 from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import ModelDirError, load_model
+from inferbus.records import decode_or_none
 from inferbus.replies import Replies
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
 from inferbus.stores.models import ModelCatalog
-from inferbus.stores.records import decode_or_none
 from inferbus.stores.tenants import TenantStore
 from proto import messages as m
 from proto import subjects

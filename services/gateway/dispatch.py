@@ -24,8 +24,8 @@ from nats.js.kv import KeyValue
 
 from inferbus import bus, continuation, logs, patience, tracing
 from inferbus.outbox import Outbox
+from inferbus.records import decode_or_none
 from inferbus.replies import PublishError, Replies
-from inferbus.stores.records import decode_or_none
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from proto import messages as m
 from proto import subjects

@@ -17,7 +17,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
-from inferbus.stores.records import decode_or_none
+from inferbus.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 

@@ -26,9 +26,9 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
+from inferbus.records import decode_or_none
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
-from inferbus.stores.records import decode_or_none
 from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects

@@ -37,7 +37,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs, patience
-from inferbus.stores.records import decode_or_none
+from inferbus.records import decode_or_none
 from inferbus.tokens import block_hashes
 from proto import messages as m
 from proto import subjects

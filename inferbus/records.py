@@ -17,7 +17,7 @@ from inferbus import logs
 
 log = logs.get(__name__)
 
-T = TypeVar("T", covariant=True)
+T = TypeVar("T", covariant=True)  # what a decoder yields
 
 BAD_RECORDS = Counter(
     "inferbus_bad_records_total",
