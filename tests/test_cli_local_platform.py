@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import stat
 import time
 from pathlib import Path
@@ -71,6 +72,16 @@ def every_platform_command(platform: Platform, exports: Path) -> None:
     assert "demo" in {t["id"] for t in json.loads(run_cli(platform, "tenants", "list", "--json")[0])}
     assert "demo" in run_cli(platform, "tenants", "show", "demo")[0]
     assert run_cli(platform, "keys", "list", "--tenant", "demo")[0].strip()
+    # The writes through the admin API: a tenant, a key that serves, its revocation, the tenant's end.
+    tenant = f"cli-{int(time.time() * 1000) % 10**8}"
+    run_cli(platform, "tenants", "create", tenant)
+    secret, err = run_cli(platform, "keys", "create", "--tenant", tenant)
+    assert platform.client().with_options(api_key=secret.strip()).models.list().data
+    key_id = re.search(r"\b(key_\w+)", err + run_cli(platform, "keys", "list", "--tenant", tenant)[0])
+    assert key_id, err
+    run_cli(platform, "keys", "revoke", "--tenant", tenant, key_id.group(1))
+    run_cli(platform, "tenants", "delete", tenant, "--yes")
+    assert tenant not in {t["id"] for t in json.loads(run_cli(platform, "tenants", "list", "--json")[0])}
     assert isinstance(json.loads(run_cli(platform, "prices", "list", "--json")[0]), list)
     assert isinstance(json.loads(run_cli(platform, "adapters", "list", "--json")[0]), list)
     run_cli(platform, "release", "list")
