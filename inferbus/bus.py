@@ -224,6 +224,35 @@ async def check_streams(js: JetStreamContext, *, request_max_age_s: float = 3600
 
 BATCH_RESULTS_MAX_AGE_S = 14 * 24 * 3600.0
 
+# What a gateway cannot serve correctly without: the request queue, the billing ledger, and the
+# buckets of the worker registry and the tenants' records.
+GATEWAY_STREAMS = (subjects.REQUESTS_STREAM, subjects.USAGE_STREAM)
+GATEWAY_BUCKETS = (subjects.WORKERS_BUCKET, subjects.BATCHES_BUCKET, subjects.FILES_BUCKET,
+                   subjects.RESPONSES_BUCKET)
+
+
+async def missing_stores(js: JetStreamContext, streams: tuple[str, ...] = GATEWAY_STREAMS,
+                         buckets: tuple[str, ...] = GATEWAY_BUCKETS, timeout_s: float = 2.0) -> list[str]:
+    """The streams and buckets (as `stream:<name>`, `bucket:<name>`) the server says do not exist.
+    A stream deleted under a running service is not recreated by it: this is how `/ready` says so.
+    A server that does not answer is not counted here (the connection check reports that)."""
+    wanted = [(f"stream:{name}", name) for name in streams] + [(f"bucket:{name}", f"KV_{name}") for name in buckets]
+
+    async def absent(stream: str) -> bool:
+        try:
+            await js.stream_info(stream)
+        except NotFoundError:
+            return True
+        except Exception:  # noqa: BLE001 - a timeout or a lost connection says nothing of the stream
+            return False
+        return False
+
+    try:
+        found = await asyncio.wait_for(asyncio.gather(*(absent(stream) for _, stream in wanted)), timeout_s)
+    except TimeoutError:
+        return []
+    return [label for (label, _), gone in zip(wanted, found) if gone]
+
 
 async def batch_buckets(js: JetStreamContext) -> tuple[KeyValue, KeyValue]:
     """The `batches` and `files` KV buckets (file storage, latest value only): the durable

@@ -293,6 +293,9 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
             await gateway.redis.ping()
         except Exception:
             problems.append("redis")
+        if gateway.js is not None and gateway.nc is not None and gateway.nc.is_connected:
+            # A deleted ledger stream or bucket is not recreated under a running gateway: say so.
+            problems += [f"missing_{store}" for store in await bus.missing_stores(gateway.js)]
         # Without a worker whose engine serves, every generation would be a 503: take this replica
         # out of the load balancer until one is back (a worker whose engine is down is not ready).
         workers = len(gateway.dispatcher.live_workers) if gateway.dispatcher else 0

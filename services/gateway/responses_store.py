@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import msgspec
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
@@ -18,6 +17,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
+from inferbus.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 
@@ -100,11 +100,8 @@ class ResponseStore:
             raise StoreUnavailable(repr(error)) from error
         if entry.value is None:
             return None
-        try:
-            return _decoder.decode(entry.value)
-        except msgspec.DecodeError:
-            log.error("stored_response_unreadable", response_id=response_id)
-            return None
+        record = decode_or_none(_decoder, entry.value, store="responses", key=entry.key)
+        return record if record is not None and record.tenant == tenant else None
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         if await self.get(tenant, response_id) is None:

@@ -26,6 +26,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
+from inferbus.records import decode_or_none
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
 from inferbus.security_events import answerable
@@ -267,9 +268,8 @@ class Router:
         await bus.follow(self.watcher, self._on_heartbeat, self._on_heartbeat_deleted, self._registry_loaded.set)
 
     async def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         known = beat.worker_id in self.registry.workers
         self.registry.on_heartbeat(beat)
