@@ -111,6 +111,11 @@ def test_the_fleet_arithmetic(worked: Plan) -> None:
     rate, headroom = worked.inputs.rate_rps, worked.inputs.headroom
     assert row.prefill_replicas == math.ceil(rate / row.prefill_rps * (1 + headroom))
     assert row.decode_replicas == math.ceil(rate / row.decode_rps * (1 + headroom))
+    # A small pool keeps a spare replica beyond its bare need (N+1), which 15% headroom would not give.
+    small = _plan(mix_mod.load(traces.find("mooncake_synthetic.jsonl")), rate=20.0)
+    pair = _pair(small, 8, 4)
+    assert pair.decode_replicas == math.ceil(20.0 / pair.decode_rps) + 1
+    assert pair.decode_replicas > math.ceil(20.0 / pair.decode_rps * 1.15)
     assert row.gpus == row.prefill_replicas * row.tp_prefill + row.decode_replicas * row.tp_decode
     assert row.usd_per_hour == row.gpus_total * 2.5
     assert all(row.usd_per_hour <= r.usd_per_hour for r in worked.disaggregated if r.feasible)

@@ -36,7 +36,9 @@ chunk, none of it overlapped: conservative, SGLang sends each chunk's KV as it i
 up to one decode step until the decode replica takes the landed request in and sends the first
 token, which the prefill sampled (`DECODE_FIRST_TOKEN_STEPS`).
 
-Fleet: N_p = ⌈peak ÷ λ_p × (1 + headroom) × zone factor⌉ and N_d likewise; the P:D ratio is
+Fleet: N_p = max(⌈peak ÷ λ_p × (1 + headroom) × zone factor⌉, ⌈peak ÷ λ_p⌉ + 1) and N_d likewise
+(each pool survives the loss of one replica: N+1, which the headroom covers in a large fleet but
+not in a pool of a few replicas); the P:D ratio is
 N_p · TP_p : N_d · TP_d GPUs; each pool has its own warm pool for the ramp; GPUs = (N_p + warm_p) ·
 TP_p + (N_d + warm_d) · TP_d. Every TP_p × TP_d pair of the plan's widths is priced per GPU type
 (both pools on one GPU type).
@@ -262,8 +264,11 @@ class FleetTerms:
     warm_start_s: float = 5.0
 
     def replicas(self, goodput_rps: float) -> tuple[int, float]:
+        """⌈peak ÷ λ × (1 + headroom) × zone factor⌉, and at least one replica beyond ⌈peak ÷ λ⌉: a pool
+        survives losing a replica (N+1), which in a pool of a few replicas is more than the headroom."""
         exact = self.rate_rps / goodput_rps * (1 + self.headroom) * self.zone_factor
-        return math.ceil(exact - 1e-9), exact
+        spare = math.ceil(self.rate_rps / goodput_rps - 1e-9) + 1
+        return max(math.ceil(exact - 1e-9), spare), exact
 
     def warm(self, goodput_rps: float, tp: int, replicas: int) -> WarmPool | None:
         if self.ramp is None:
