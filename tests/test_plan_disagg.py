@@ -159,7 +159,8 @@ def test_choose_topology_breaks_an_exact_tie_for_aggregated(worked: Plan) -> Non
     # Same $/hour and GPUs (516 = 68 × TP4 + 61 × TP4 against 129 × TP4): aggregated, one pool to run.
     twin = replace(dis, tp_prefill=4, tp_decode=4, prefill_replicas=68, decode_replicas=61)
     assert (twin.gpus_total, twin.usd_per_hour) == (agg.gpus_total, agg.cost.usd_per_hour)
-    assert choose_topology(agg, twin).topology == "aggregated"
+    tie = choose_topology(agg, twin)
+    assert tie.topology == "aggregated" and "disaggregated costs the same" in tie.reason
     cheaper_by_a_gpu = replace(dis, decode_replicas=dis.decode_replicas - 1)
     assert choose_topology(agg, cheaper_by_a_gpu).topology == "disaggregated"
 
@@ -179,6 +180,7 @@ def test_plan_command_reports_the_topology(tmp_path) -> None:  # type: ignore[no
     text = (tmp_path / "plan.md").read_text()
     assert "## Topology: aggregated or disaggregated" in text and "nvlink, 450 GB/s per GPU one way" in text
     assert "R = λ_d × n × h" in text
+    assert "decode replicas = max(⌈833.3 ÷ 15.82 × 1.15⌉, ⌈833.3 ÷ 15.82⌉ + 1) = 61 × TP4 = 244 GPUs" in text
 
 
 @pytest.mark.parametrize("value", ["ethernet", "rdma:fast", "rdma:0"])

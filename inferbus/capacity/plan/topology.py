@@ -98,8 +98,13 @@ def choose_topology(aggregated: Row | None, disaggregated: DisaggRow | None) -> 
                   f"{_aggregated_terms(agg)}; {_disaggregated_terms(dis)}")
         return TopologyChoice("disaggregated", reason, agg, dis)
     extra = dis.usd_per_hour / agg.cost.usd_per_hour - 1
-    reason = (f"aggregated ({agg_text}) is cheaper for this mix; disaggregated would cost {extra:.0%} more "
-              f"({dis_text}): {_aggregated_terms(agg)}; {_disaggregated_terms(dis)}")
+    if dis_key == agg_key:
+        verdict = (f"aggregated ({agg_text}): disaggregated costs the same ({dis_text}), and aggregated runs one pool "
+                   "and no KV link")
+    else:
+        verdict = (f"aggregated ({agg_text}) is cheaper for this mix; disaggregated would cost {extra:.0%} more "
+                   f"({dis_text})")
+    reason = f"{verdict}: {_aggregated_terms(agg)}; {_disaggregated_terms(dis)}"
     return TopologyChoice("aggregated", reason, agg, dis)
 
 
