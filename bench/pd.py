@@ -1,6 +1,6 @@
 """Aggregated against disaggregated in the fleet simulator: the plan's choice, checked at full scale.
 
-    python -m bench.pd [--peak-rps 20] [--duration 20m] [--cases long-prompt conversation]
+    python -m bench.pd [--peak-rps 20] [--duration 20m] [--goodput-duration 5m] [--cases long-prompt conversation]
 
 For each mix (the Mooncake synthetic trace, long prompts; the Mooncake conversation trace), with
 the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) and H100 at TP 2, 4 and 8:
@@ -166,6 +166,9 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
                 print(f"  split {describe(trial)}: goodput {trial_rate:.2f} req/s", flush=True)
                 if trial_rate > rate:
                     config, rate, at_goodput = trial, trial_rate, trial_at
+                rates = [x["goodput_rps"] for x in splits]
+                if len(rates) >= 3 and rates[-1] < rates[-2] < rates[-3] and rates[-1] < 0.9 * rate:
+                    break  # past the best split: fewer prefill replicas only lose more
         at_peak = run(config, constant(peak, goodput_s, mix, seed))
         compared[name] = {
             "gpus": config.gpus, "fleet": describe(config), "goodput_rps": rate,
@@ -245,7 +248,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--peak-rps", type=float, default=20.0)
     parser.add_argument("--duration", default="20m", help="virtual time of each tight-and-right run")
-    parser.add_argument("--goodput-duration", default="10m", help="virtual time of each goodput trial")
+    parser.add_argument("--goodput-duration", default="5m", help="virtual time of each goodput trial")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--name", default="pd")
