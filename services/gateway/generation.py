@@ -236,7 +236,8 @@ class Generation:
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
         ahead = bands_through(tenant.band)
         verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
-                                      sum(self.dispatcher.queued(b) for b in ahead))
+                                      sum(self.dispatcher.queued(b) for b in ahead),
+                                      self.dispatcher.unstarted_ages(ahead))
         if not verdict.admitted:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",

@@ -25,13 +25,22 @@ The wait compared with the budget is not the mean but its `quantile` (90%): with
 start before this one and slots freeing at random at the measured rate r, the wait is the time of
 the n-th event of a Poisson process, Gamma(n, 1/r). Admitting on the mean would let half of the
 requests near the limit wait longer than the budget.
+
+The model counts slots as the workers report them; a slot that is reported free but does not
+start work in time (a worker that does not pull, an engine too starved to run what it was given)
+fools it. So the gateway also measures how long starting actually takes (`start_lag_s`): the
+`quantile` of the times to first token of the requests of the band (and more important bands)
+that started in the last `start_window_s`, together with the ages of those still waiting for
+their first token (each a lower bound of its own). The wait a new request can expect is the larger
+of the two, so requests are shed while the ones admitted before them are not starting within the
+budget, whatever the reports say.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from proto import messages as m
@@ -146,6 +155,9 @@ class OverloadPolicy:
     min_busy_s: float = 2.0  # a worker's rate is known once its slots were occupied this many slot-seconds
     max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
     quantile: float = 0.9  # of the wait, compared with the budget
+    start_window_s: float = 10.0  # measured starts (times to first token) are kept this long; 0: not measured
+    min_starts: int = 5  # the measured start lag counts once this many samples are at hand
+    _starts: deque[tuple[float, str, float]] = field(default_factory=deque)  # (when, band, seconds to first token)
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
     # (worker token, band) → requests waiting in that worker's own queue in JetStream
@@ -265,13 +277,41 @@ class OverloadPolicy:
         wait = self.worker_wait_s(worker_id, band, queued_here)
         return wait is None or wait <= self._budget(band)
 
+    def on_started(self, band: str, seconds: float) -> None:
+        """A request of `band` this gateway admitted got its first token `seconds` after admission."""
+        if self.start_window_s <= 0:
+            return
+        now = self.clock()
+        self._starts.append((now, band, seconds))
+        while self._starts and self._starts[0][0] < now - self.start_window_s:
+            self._starts.popleft()
+
+    def start_lag_s(self, band: str, unstarted_ages: Sequence[float] = ()) -> float:
+        """Seconds to first token of the requests of `band` and more important bands, at `quantile`:
+        of those that started in the last `start_window_s`, and the ages of those still waiting for
+        their first token (`unstarted_ages`, lower bounds of theirs). 0 with fewer than
+        `min_starts` samples."""
+        if self.start_window_s <= 0:
+            return 0.0
+        cutoff = self.clock() - self.start_window_s
+        ahead = bands_through(band)
+        samples = [seconds for when, b, seconds in self._starts if when >= cutoff and b in ahead]
+        samples.extend(unstarted_ages)
+        if len(samples) < self.min_starts:
+            return 0.0
+        samples.sort()
+        return samples[min(len(samples) - 1, math.ceil(self.quantile * len(samples)) - 1)]
+
     def _budget(self, band: str) -> float:
         return self.budgets_s.get(band, min(self.budgets_s.values()))
 
-    def admit(self, band: str, held_here: int = 0, queued_here: int = 0) -> Verdict:
-        """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget."""
+    def admit(self, band: str, held_here: int = 0, queued_here: int = 0,
+              unstarted_ages: Sequence[float] = ()) -> Verdict:
+        """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget.
+        `unstarted_ages`: seconds since admission of this gateway's requests of `band` and more
+        important bands that have no first token yet."""
         budget = self._budget(band)
-        wait = self.expected_wait_s(band, held_here, queued_here)
+        wait = max(self.expected_wait_s(band, held_here, queued_here), self.start_lag_s(band, unstarted_ages))
         if wait <= budget:
             return Verdict(True, wait, 0.0)
         # Come back when the excess should have drained, but never later than the cap: the
