@@ -381,8 +381,10 @@ class Dispatcher:
         except Exception as error:
             log.warning("cancel_publish_failed", error=repr(error))
 
-    async def cancel(self, flight: Flight, reason: str) -> None:
-        cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
+    async def cancel(self, flight: Flight, reason: str, delivered_tokens: int = -1) -> None:
+        """Stop every attempt of `flight`; `delivered_tokens`: what its client received, when known."""
+        cancel = m.Cancel(request_id=flight.request.request_id, reason=reason,  # type: ignore[arg-type]
+                          delivered_tokens=delivered_tokens)
         try:
             await self.nc.publish(subjects.cancel_subject(self.gateway_id, flight.request.request_id), m.encode(cancel))
         except Exception as error:

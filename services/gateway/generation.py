@@ -95,6 +95,8 @@ class _Choice:
     final: m.Final | None = None
     parts: list[str] = field(default_factory=list)  # non-streaming: the text so far
     logprobs: list[m.TokenLogprob] = field(default_factory=list)  # non-streaming: the logprobs so far
+    written: int = 0  # completion tokens (client-visible total) in the chunks handed to the client's socket
+    framed: int = 0  # ... and in chunks framed for it, not handed over yet
 
 
 class ClientGone(Exception):
@@ -161,7 +163,8 @@ class Generation:
             metrics.ERRORS.labels("client_disconnect").inc()
             for choice in call.choices:
                 if choice.final is None:
-                    await self.dispatcher.cancel(choice.flight, "client_disconnect")
+                    # The bill follows what the client got: the tokens written to it before it left.
+                    await self.dispatcher.cancel(choice.flight, "client_disconnect", delivered_tokens=choice.written)
         finally:
             for pump in call.pumps:
                 pump.cancel()
@@ -461,11 +464,14 @@ class Generation:
                         if event.text or not choice.started:
                             self._first_token(call, not choice.started)
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs))
+                            choice.framed = event.completion_tokens
                         elif call.logprobs:  # tokens without text yet: their logprobs go with the next chunk
                             choice.pending_logprobs.extend(event.logprobs or ())
                         if self._quiet(call):  # write what has queued up in one go
                             await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
+                            for written in call.choices:
+                                written.written = written.framed
                         continue
                     if isinstance(event, m.Final):
                         if event.text or not choice.started or choice.tool_output is not None:

@@ -426,6 +426,7 @@ class Worker:
         elif not entry.cancelled:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
+            entry.delivered_tokens = cancel.delivered_tokens
             await self.engine.abort(entry.request.engine_rid())
 
     async def _on_resend(self, msg: Msg) -> None:

@@ -24,7 +24,7 @@ from proto import messages as m
 from proto import subjects
 
 from .adapters import Adapters
-from .attempt import Attempt
+from .attempt import Attempt, bill_delivered
 from .batch_lines import BatchLines
 from .engine import EngineClient, EngineError, EngineUpdate
 from .metrics import ABANDONED, DUPLICATES, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
@@ -292,6 +292,12 @@ class Serving:
                         worker.background.spawn(worker.usage.publish(request, status, entry.work(), finish,
                                                                      billed_to="platform"))
                 elif publish_usage:
+                    if status == "cancelled":
+                        usage, unseen = bill_delivered(usage, entry.delivered_tokens)
+                        if unseen:
+                            worker.background.spawn(worker.usage.publish(
+                                request, status, m.Usage(prompt_tokens=0, completion_tokens=unseen), finish,
+                                billed_to="platform"))
                     # Spawned, not awaited: this also runs after the early returns above.
                     worker.background.spawn(worker.usage.publish(request, status, usage, finish))
 
