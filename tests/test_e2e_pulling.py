@@ -68,7 +68,8 @@ def test_every_free_slot_takes_waiting_standard_work(sixteen_slots: Platform) ->
                     request = _request()
                     ids.append(request.request_id)
                     await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": request.request_id})
-                await await_for(lambda n=len(ids): len(accepted) >= n, 20, what=f"{len(ids)} requests started")
+                published = len(ids)
+                await await_for(lambda: len(accepted) >= published, 20, what=f"{published} requests started")
             return len(accepted), len(finished)
         finally:
             for request_id in ids:  # leave nothing running for the next test
