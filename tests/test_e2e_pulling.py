@@ -9,6 +9,7 @@ long-polls took a fair share each of the free slots, and standard requests waite
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -45,6 +46,10 @@ def _request() -> m.InferenceRequest:
     )
 
 
+def _at_least(found: set[str], count: int) -> bool:
+    return len(found) >= count
+
+
 def test_every_free_slot_takes_waiting_standard_work(sixteen_slots: Platform) -> None:
     async def scenario() -> tuple[int, int]:
         nc = await nats.connect(sixteen_slots.stack.nats_url)
@@ -68,8 +73,7 @@ def test_every_free_slot_takes_waiting_standard_work(sixteen_slots: Platform) ->
                     request = _request()
                     ids.append(request.request_id)
                     await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": request.request_id})
-                published = len(ids)
-                await await_for(lambda: len(accepted) >= published, 20, what=f"{published} requests started")
+                await await_for(functools.partial(_at_least, accepted, len(ids)), 20, what=f"{len(ids)} requests started")
             return len(accepted), len(finished)
         finally:
             for request_id in ids:  # leave nothing running for the next test
