@@ -131,3 +131,19 @@ def test_requests_without_a_first_token_are_the_unstarted_ones() -> None:
     assert len(dispatcher.unstarted_ages(("premium", "standard"))) == 2
     [age] = dispatcher.unstarted_ages(("premium",))
     assert age > 0
+
+
+def test_the_oldest_request_waiting_for_a_worker() -> None:
+    from services.gateway.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.flights = {}
+    for rid, state, since in (("a", "held", 0.0), ("b", "queued", 5.0), ("c", "accepted", -100.0)):
+        request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x",
+                                     sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+        dispatcher.flights[rid] = Flight(request=request, state=state, waiting_since=since)
+    import time
+
+    age = dispatcher.oldest_waiting_s(("standard",))
+    assert abs(age - time.monotonic()) < 1.0  # "a", waiting since 0.0; accepted "c" does not count
+    assert dispatcher.oldest_waiting_s(("premium",)) == 0.0

@@ -295,3 +295,16 @@ def test_the_start_lag_can_be_turned_off() -> None:
         policy.on_started("standard", 60.0)
     assert policy.start_lag_s("standard", unstarted_ages=[60.0] * 10) == 0.0
     assert policy.admit("standard", unstarted_ages=[60.0] * 10).admitted
+
+
+def test_a_request_that_waited_past_the_budget_for_a_worker_sheds_the_next() -> None:
+    # The head of the line has waited 4 s for a worker: a new request joins the same line.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    policy.on_load(load("a", in_flight=4, completed=0))  # reported free slots: the model sees no wait
+    assert policy.admit("standard", oldest_waiting_s=2.5).admitted
+    verdict = policy.admit("standard", oldest_waiting_s=4.0)
+    assert not verdict.admitted and verdict.expected_wait_s == 4.0 and verdict.retry_after_s == 1.0
+    assert policy.admit("premium", oldest_waiting_s=4.0).admitted  # within premium's 10 s
+    off = OverloadPolicy(clock=clock, start_window_s=0.0)
+    assert off.admit("standard", oldest_waiting_s=60.0).admitted

@@ -85,6 +85,7 @@ class Flight:
     follows: Flight | None = None
     opened_at: float = field(default_factory=time.monotonic)  # when the gateway admitted it
     started: bool = False  # its first token (or its Final) came, on any attempt
+    waiting_since: float = field(default_factory=time.monotonic)  # held or queued since (a migration queues anew)
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -285,6 +286,13 @@ class Dispatcher:
         now = time.monotonic()
         return [now - f.opened_at for f in self.flights.values() if not f.started and f.request.band in bands]
 
+    def oldest_waiting_s(self, bands: tuple[str, ...]) -> float:
+        """Seconds the longest-waiting of this gateway's requests of `bands` has waited for a worker
+        (held in the fair queue or queued in JetStream, not accepted yet); 0 when none waits."""
+        now = time.monotonic()
+        return max((now - f.waiting_since for f in self.flights.values()
+                    if f.state != "accepted" and f.request.band in bands), default=0.0)
+
     def queued(self, band: str) -> int:
         """Requests of `band` this gateway published that no worker has accepted yet (known at
         once, where the queue depth the overload policy polls lags)."""
@@ -407,6 +415,7 @@ class Dispatcher:
         flight.sent_ids = []
         flight.next_seq = 0
         if flight.state != "queued":
+            flight.waiting_since = time.monotonic()
             self._mark_queued(flight)  # waiting in a queue again, until a worker accepts it
         try:
             await self._publish(flight)

@@ -240,7 +240,7 @@ class Generation:
         ahead = bands_through(tenant.band)
         verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
                                       sum(self.dispatcher.queued(b) for b in ahead),
-                                      self.dispatcher.unstarted_ages(ahead))
+                                      self.dispatcher.unstarted_ages(ahead), self.dispatcher.oldest_waiting_s(ahead))
         if not verdict.admitted:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",

@@ -31,9 +31,11 @@ start work in time (a worker that does not pull, an engine too starved to run wh
 fools it. So the gateway also measures how long starting actually takes (`start_lag_s`): the
 `quantile` of the times to first token of the requests of the band (and more important bands)
 that started in the last `start_window_s`, together with the ages of those still waiting for
-their first token (each a lower bound of its own). The wait a new request can expect is the larger
-of the two, so requests are shed while the ones admitted before them are not starting within the
-budget, whatever the reports say.
+their first token (each a lower bound of its own); and how long the request at the head of the
+line has waited for a worker so far (`oldest_waiting_s`, the queue's sojourn time, as CoDel
+measures it: a new request joins the same line). The wait a new request can expect is the largest
+of the three, so requests are shed while the ones admitted before them are not starting within
+the budget, whatever the reports say.
 """
 
 from __future__ import annotations
@@ -306,12 +308,14 @@ class OverloadPolicy:
         return self.budgets_s.get(band, min(self.budgets_s.values()))
 
     def admit(self, band: str, held_here: int = 0, queued_here: int = 0,
-              unstarted_ages: Sequence[float] = ()) -> Verdict:
+              unstarted_ages: Sequence[float] = (), oldest_waiting_s: float = 0.0) -> Verdict:
         """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget.
         `unstarted_ages`: seconds since admission of this gateway's requests of `band` and more
-        important bands that have no first token yet."""
+        important bands that have no first token yet; `oldest_waiting_s`: how long the one of them
+        that has waited longest for a worker (not accepted yet) has waited so far."""
         budget = self._budget(band)
-        wait = max(self.expected_wait_s(band, held_here, queued_here), self.start_lag_s(band, unstarted_ages))
+        measured = oldest_waiting_s if self.start_window_s > 0 else 0.0
+        wait = max(self.expected_wait_s(band, held_here, queued_here), self.start_lag_s(band, unstarted_ages), measured)
         if wait <= budget:
             return Verdict(True, wait, 0.0)
         # Come back when the excess should have drained, but never later than the cap: the
