@@ -233,7 +233,7 @@ def test_exports_and_the_usage_api_equal_the_usage_clients_received(platform: Pl
     assert micro(costs) == expected_cost
 
 
-def test_a_cancelled_stream_bills_the_tokens_that_were_generated(platform: Platform) -> None:
+def test_a_cancelled_stream_bills_the_tokens_it_was_sent(platform: Platform) -> None:
     tenant, key, _ = new_tenant(platform)
     client = openai.OpenAI(base_url=platform.base_url, api_key=key, max_retries=0)
     start = time.time()
