@@ -516,6 +516,9 @@ class WorkerLoad(_Message):
     # (`InferenceRequest.adapter_canary`): cumulative histograms and outcomes, as above.
     adapter_outcomes: dict[str, AdapterOutcomes] = {}
     role: str = "aggregated"  # a `Role` (as in the worker's Heartbeat): which pool this load belongs to
+    # The bands this worker pulls (empty: not said, as older workers): its free slots take only
+    # requests of these.
+    bands: list[str] = []
 
 
 class AdapterOutcomes(msgspec.Struct, kw_only=True, omit_defaults=True):

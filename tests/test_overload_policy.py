@@ -308,3 +308,17 @@ def test_a_request_that_waited_past_the_budget_for_a_worker_sheds_the_next() -> 
     assert policy.admit("premium", oldest_waiting_s=4.0).admitted  # within premium's 10 s
     off = OverloadPolicy(clock=clock, start_window_s=0.0)
     assert off.admit("standard", oldest_waiting_s=60.0).admitted
+
+
+def test_only_slots_of_workers_that_pull_the_band_count() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    busy_fleet(clock, policy, rate_per_worker=2.0)
+    premium_only = msgspec.structs.replace(load("c", in_flight=0, completed=0), bands=["premium"])
+    policy.on_load(premium_only)  # ten idle slots, for premium requests only
+    policy.on_queue_depth("standard", 8)
+    assert policy.expected_wait_s("premium") == 0.0
+    assert policy.expected_wait_s("standard") > 0.0  # eight ahead, no slot of its own free
+    older = load("d", in_flight=0, completed=0)  # a worker that does not say pulls every band
+    policy.on_load(older)
+    assert policy.expected_wait_s("standard") == 0.0

@@ -94,6 +94,11 @@ def bands_through(band: str) -> tuple[str, ...]:
     return BANDS[: BANDS.index(band) + 1]
 
 
+def _serves(load: m.WorkerLoad, band: str) -> bool:
+    """Whether the worker pulls `band`'s queues (a worker that does not say pulls every band)."""
+    return not load.bands or band in load.bands
+
+
 def _free(load: m.WorkerLoad) -> int:
     """Free slots in a load report. Batch lines count as free: a worker preempts them as soon as
     interactive work waits."""
@@ -211,11 +216,14 @@ class OverloadPolicy:
             return None
         return _free(worker.load)
 
-    def completion_rate(self) -> float | None:
-        """Slots the live workers free per second when full (each: max_running / mean seconds a
-        request holds a slot, over the window); None while a worker's rate is not known yet."""
+    def completion_rate(self, band: str | None = None) -> float | None:
+        """Slots the live workers (those that pull `band`, if given) free per second when full
+        (each: max_running / mean seconds a request holds a slot, over the window); None while a
+        worker's rate is not known yet."""
         total = 0.0
         for worker in self._live():
+            if band is not None and not _serves(worker.load, band):
+                continue
             rate = worker.rate(self.min_busy_s)
             if rate is None:
                 return None
@@ -238,12 +246,13 @@ class OverloadPolicy:
         live = self._live()
         if not live:
             return 0.0  # no data is not overload; "no workers" is answered elsewhere
-        free = self.free_slots()
+        # Only the slots of workers that pull this band can take the request.
+        free = sum(_free(w.load) for w in live if _serves(w.load, band))
         ahead = max(queued_here, sum(self._queued.get(b, 0) for b in bands_through(band)))
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:
             return 0.0
-        rate = self.completion_rate()
+        rate = self.completion_rate(band)
         if rate is None or rate <= 0.0:
             # Unknown (or nothing finished): the wait is at least as long as the fleet has made
             # no progress, a lower bound, and never a guess beyond what was seen.

@@ -79,6 +79,8 @@ class Claims:
             await self._claims.update(key, self.me.encode(), last=entry.revision)
         except KeyWrongLastSequenceError:
             return False  # another worker took it over first
+        except Exception as error:  # its holder is gone: run it rather than lose it
+            log.warning("claim_failed", request_id=request.request_id, error=repr(error))
         log.warning("claim_taken_over", request_id=request.request_id, attempt=request.attempt, holder=holder)
         return True
 
