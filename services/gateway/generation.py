@@ -132,6 +132,7 @@ class Generation:
         self.prices = prices
         self.releases: ReleaseRouting | None = None  # set by the app: canary splits and release pins
         self.adapter_metrics = AdapterMetrics(TopLabels(time.monotonic, top=settings.adapter_metrics_top))
+        self._admitting: dict[str, int] = {}  # band → requests past the overload check, not yet dispatched
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         request_id = uuid.uuid4().hex
@@ -238,64 +239,69 @@ class Generation:
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
         ahead = bands_through(tenant.band)
-        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) + self._admitting.get(b, 0) for b in ahead),
                                       sum(self.dispatcher.queued(b) for b in ahead),
                                       self.dispatcher.unstarted_ages(ahead), self.dispatcher.oldest_waiting_s(ahead))
         if not verdict.admitted:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
                               code="overloaded", headers=verdict.headers())
-        release, pinned = (self.releases.assign(model, principal.tenant, hashes, pin, self.dispatcher)
-                           if self.releases is not None else (None, False))
-        n = params.n
-        decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
-        now = time.time()
-        inference = m.InferenceRequest(
-            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
-            api_key_id=principal.key_id, adapter=adapter,
-            band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-            sampling=sampling_params(params, max_new_tokens),
-            reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
-            adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
-            user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
-        )
+        # Admitted and not dispatched yet: the requests a burst admits together count for one another.
+        self._admitting[tenant.band] = self._admitting.get(tenant.band, 0) + 1
         try:
-            carry.check_sampling(inference.sampling)
-        except OpenAIError:
-            await self._release_reservation(tenant.id, request_id)
-            raise
-        call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
-                     include_usage=bool(params.stream_options and params.stream_options.include_usage),
-                     stream=params.stream,
-                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
-                     logprobs=inference.sampling.logprobs,
-                     latency_labels=metrics.latency_labels(model, adapter, tenant.band),
-                     adapter_label=self.adapter_metrics.request(params.model) if adapter else None)
-        # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
-        traceparent = _header(scope, b"traceparent")
-        with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
+            release, pinned = (self.releases.assign(model, principal.tenant, hashes, pin, self.dispatcher)
+                               if self.releases is not None else (None, False))
+            n = params.n
+            decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
+            now = time.time()
+            inference = m.InferenceRequest(
+                request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
+                api_key_id=principal.key_id, adapter=adapter,
+                band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
+                sampling=sampling_params(params, max_new_tokens),
+                reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
+                created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
+                adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
+                user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
+            )
             try:
-                for index in range(n):
-                    # n > 1: one engine request per choice, with equal prompts, placed beside the
-                    # first so that they meet the prompt in the same cache.
-                    flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
-                                                        block_hashes=hashes,
-                                                        follows=call.choices[0].flight if call.choices else None)
-                    call.choices.append(_Choice(index=index, flight=flight))
-            except DispatchError as error:
-                for choice in call.choices:
-                    await self.dispatcher.cancel(choice.flight, "client_disconnect")
-                    self.dispatcher.close(choice.flight)
+                carry.check_sampling(inference.sampling)
+            except OpenAIError:
                 await self._release_reservation(tenant.id, request_id)
-                raise OpenAIError(error.status, str(error), code=error.code,
-                                  headers={"retry-after": str(int(error.retry_after or 1))}) from None
-        call.flight = call.choices[0].flight
-        if isinstance(params, schemas.ChatCompletionRequest) and offered:
-            for choice in call.choices:
-                choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
-                                                parallel=params.parallel_tool_calls is not False)
-        return call
+                raise
+            call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
+                         include_usage=bool(params.stream_options and params.stream_options.include_usage),
+                         stream=params.stream,
+                         headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
+                         logprobs=inference.sampling.logprobs,
+                         latency_labels=metrics.latency_labels(model, adapter, tenant.band),
+                         adapter_label=self.adapter_metrics.request(params.model) if adapter else None)
+            # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
+            traceparent = _header(scope, b"traceparent")
+            with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
+                try:
+                    for index in range(n):
+                        # n > 1: one engine request per choice, with equal prompts, placed beside the
+                        # first so that they meet the prompt in the same cache.
+                        flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
+                                                            block_hashes=hashes,
+                                                            follows=call.choices[0].flight if call.choices else None)
+                        call.choices.append(_Choice(index=index, flight=flight))
+                except DispatchError as error:
+                    for choice in call.choices:
+                        await self.dispatcher.cancel(choice.flight, "client_disconnect")
+                        self.dispatcher.close(choice.flight)
+                    await self._release_reservation(tenant.id, request_id)
+                    raise OpenAIError(error.status, str(error), code=error.code,
+                                      headers={"retry-after": str(int(error.retry_after or 1))}) from None
+            call.flight = call.choices[0].flight
+            if isinstance(params, schemas.ChatCompletionRequest) and offered:
+                for choice in call.choices:
+                    choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
+                                                    parallel=params.parallel_tool_calls is not False)
+            return call
+        finally:
+            self._admitting[tenant.band] -= 1
 
     async def tenant(self, principal: Principal) -> Tenant:
         try:
