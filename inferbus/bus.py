@@ -325,6 +325,24 @@ async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyVal
         return await js.key_value(subjects.WORKERS_BUCKET)
 
 
+async def claims_bucket(js: JetStreamContext, ttl_s: float) -> KeyValue:
+    """The `claims` bucket: which worker runs each attempt of a request. A delivery's claim is
+    created atomically, so of two deliveries of one attempt (a redelivery after `ack_wait`, a
+    second copy in the stream) only one runs; claims age out after `ttl_s`."""
+    try:
+        return await js.key_value(subjects.CLAIMS_BUCKET)
+    except Exception:
+        pass
+    try:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=subjects.CLAIMS_BUCKET, history=1, ttl=ttl_s,
+                           # File, as the workers bucket: a memory stream would not survive a NATS restart.
+                           storage=StorageType.FILE, replicas=replicas())
+        )
+    except BadRequestError:
+        return await js.key_value(subjects.CLAIMS_BUCKET)
+
+
 async def retry_forever(
     what: str, attempt: Callable[[], Awaitable[object]], *, delay: float = 0.5, max_delay: float = 5.0
 ) -> None:

@@ -154,6 +154,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 # deleting another worker's consumer.
                 *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
                 f"$KV.{subjects.WORKERS_BUCKET}.{subjects.worker_key(scope) if scope is not None else '*'}",
+                *_kv_write(subjects.CLAIMS_BUCKET),  # claims the attempts it runs (any request's)
                 *_kv_read(subjects.ADAPTERS_BUCKET),
                 *_kv_read(subjects.MODELS_BUCKET),  # the release it must verify it serves
                 *_rules(_WORKER_PD_PUBLISH, scope),

@@ -298,6 +298,9 @@ class Cancel(_Message):
     # -1: every attempt of the request. Otherwise only that attempt: the gateway gave it up (its
     # worker was declared dead, never started it, or its stream broke) and continues elsewhere.
     attempt: int = -1
+    # A client gone: the completion tokens (client-visible total) the gateway had written to it
+    # when it left; the tenant is billed those, the rest the engine made is the platform's. -1: unknown.
+    delivered_tokens: int = -1
 
 
 class UsageEvent(_Message):
@@ -513,6 +516,9 @@ class WorkerLoad(_Message):
     # (`InferenceRequest.adapter_canary`): cumulative histograms and outcomes, as above.
     adapter_outcomes: dict[str, AdapterOutcomes] = {}
     role: str = "aggregated"  # a `Role` (as in the worker's Heartbeat): which pool this load belongs to
+    # The bands this worker pulls (empty: not said, as older workers): its free slots take only
+    # requests of these.
+    bands: list[str] = []
 
 
 class AdapterOutcomes(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -24,6 +24,7 @@ for one gateway (one engine step's tokens) as one message.
 
 from __future__ import annotations
 
+import base64
 from typing import Literal
 
 PREFIX = "inferbus"
@@ -42,6 +43,7 @@ BATCH_RESULTS_STREAM = "BATCH_RESULTS"
 BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant, batch_id)`
 FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
 RESPONSES_BUCKET = "responses"  # one StoredResponse per stored response, keyed `response_key(tenant, id)`
+CLAIMS_BUCKET = "claims"  # which worker runs each attempt of a request, keyed `claim_key(request_id, attempt)`
 
 ANY_TARGET = "any"
 
@@ -299,6 +301,12 @@ def scale_subject(pool: str) -> str:
 
 def scale_wildcard() -> str:
     return f"{PREFIX}.scale.*"
+
+
+def claim_key(request_id: str, attempt: int) -> str:
+    """Key of an attempt's claim in the `claims` bucket (base64url: any request id is one key)."""
+    encoded = base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
+    return f"{encoded}.{attempt}"
 
 
 def worker_key(worker_id: str) -> str:

@@ -233,7 +233,7 @@ def test_exports_and_the_usage_api_equal_the_usage_clients_received(platform: Pl
     assert micro(costs) == expected_cost
 
 
-def test_a_cancelled_stream_bills_the_tokens_that_were_generated(platform: Platform) -> None:
+def test_a_cancelled_stream_bills_the_tokens_it_was_sent(platform: Platform) -> None:
     tenant, key, _ = new_tenant(platform)
     client = openai.OpenAI(base_url=platform.base_url, api_key=key, max_retries=0)
     start = time.time()
@@ -246,9 +246,10 @@ def test_a_cancelled_stream_bills_the_tokens_that_were_generated(platform: Platf
         if received == 8:
             break
     stream.close()  # the client goes away mid-stream
-    [event] = read_usage(platform, tenant, {request_id}, timeout=10)
+    # The tenant's event (tokens the engine made after the client left are the platform's, if any).
+    [event] = [e for e in read_usage(platform, tenant, {request_id}, timeout=10) if e.billed_to == "tenant"]
     assert event.status == "cancelled"
-    assert received - 1 <= event.usage.completion_tokens < 3000  # what was made, not what was asked for
+    assert received - 1 <= event.usage.completion_tokens < 3000  # what was sent, not what was asked for
 
     page = wait_for("the cancelled request's rollup",
                     lambda: (p := usage_page(platform, key, start_time=int(start) - 60)) and totals(p)["requests"] == 1 and p)

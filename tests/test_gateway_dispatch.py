@@ -54,6 +54,8 @@ async def test_a_gap_asks_the_worker_to_resend_and_resent_duplicates_are_skipped
     request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
                                  sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
     dispatcher = Dispatcher.__new__(Dispatcher)  # the relay logic only, no connections
+    started: list[tuple[str, float]] = []
+    dispatcher.on_started = lambda band, seconds: started.append((band, seconds))
     asked: list[tuple[int, str]] = []
     dispatcher.recover = lambda flight, why: asked.append((flight.next_seq, why))  # type: ignore[method-assign]
     flight = Flight(request=request, events=asyncio.Queue())
@@ -67,6 +69,7 @@ async def test_a_gap_asks_the_worker_to_resend_and_resent_duplicates_are_skipped
     seen = [e async for e in dispatcher.events(flight)]
     assert [getattr(e, "text", None) for e in seen] == [" a", " b", " c", ""]
     assert asked == [(1, "stream gap: chunk 2, expected 1")]
+    assert [band for band, _ in started] == ["standard"]  # its first token, once: the overload policy's start lag
 
 
 async def test_a_stream_its_worker_cannot_resend_continues_elsewhere() -> None:
@@ -77,6 +80,7 @@ async def test_a_stream_its_worker_cannot_resend_continues_elsewhere() -> None:
     request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
                                  sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
     dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.on_started = lambda band, seconds: None
     migrations: list[str] = []
 
     async def migrate(flight: Flight, why: str) -> bool:
@@ -113,3 +117,33 @@ def test_the_shared_queue_window_is_free_slots_and_a_few_per_worker() -> None:
     assert window.room(live_workers=1, free_slots=0) == 0 and window.room(live_workers=3, free_slots=0) == 3
     window.left("standard")
     assert window.in_queue == 2 and window.queued("standard") == 1
+
+
+def test_requests_without_a_first_token_are_the_unstarted_ones() -> None:
+    from services.gateway.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.flights = {}
+    for rid, band, started in (("a", "standard", False), ("b", "premium", False), ("c", "standard", True)):
+        request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x", band=band,
+                                     sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+        dispatcher.flights[rid] = Flight(request=request, started=started, opened_at=0.0)
+    assert len(dispatcher.unstarted_ages(("premium", "standard"))) == 2
+    [age] = dispatcher.unstarted_ages(("premium",))
+    assert age > 0
+
+
+def test_the_oldest_request_waiting_for_a_worker() -> None:
+    from services.gateway.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.flights = {}
+    for rid, state, since in (("a", "held", 0.0), ("b", "queued", 5.0), ("c", "accepted", -100.0)):
+        request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x",
+                                     sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+        dispatcher.flights[rid] = Flight(request=request, state=state, waiting_since=since)
+    import time
+
+    age = dispatcher.oldest_waiting_s(("standard",))
+    assert abs(age - time.monotonic()) < 1.0  # "a", waiting since 0.0; accepted "c" does not count
+    assert dispatcher.oldest_waiting_s(("premium",)) == 0.0

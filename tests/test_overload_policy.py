@@ -255,3 +255,70 @@ def test_a_worker_without_reports_or_with_unknown_rate() -> None:
     assert not policy.placement_fits("a", "standard")  # no progress for 6 s > 3 s
     policy.on_load(msgspec.structs.replace(load("a", in_flight=10, completed=0), draining=True))
     assert policy.worker_wait_s("a", "standard") is None  # draining: not a placement target
+
+
+def test_free_slots_that_do_not_start_work_are_shed_on_the_measured_start_lag() -> None:
+    # The reported case: workers report idle slots (the model sees no wait), yet the requests
+    # admitted before took 40 s to their first token and others still wait for theirs.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    policy.on_load(load("a", in_flight=4, completed=0))  # six of ten slots reported free
+    assert policy.expected_wait_s("standard") == 0.0
+    for seconds in (30.0, 35.0, 40.0):
+        policy.on_started("standard", seconds)
+    verdict = policy.admit("standard", unstarted_ages=[12.0, 20.0, 25.0])
+    assert not verdict.admitted and verdict.expected_wait_s >= 25.0
+    assert verdict.retry_after_s == 30.0  # capped
+    # Premium waits behind premium work only, which starts in time.
+    for _ in range(5):
+        policy.on_started("premium", 0.2)
+    assert policy.admit("premium").admitted
+
+
+def test_the_start_lag_is_the_quantile_of_recent_starts_and_waiting_ages() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, quantile=0.9, start_window_s=10.0, min_starts=5)
+    for seconds in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
+        policy.on_started("standard", seconds)
+    assert policy.start_lag_s("standard") == 0.8  # the 90th of eight samples: the eighth
+    assert policy.start_lag_s("standard", unstarted_ages=[5.0, 6.0]) == 5.0  # ten samples: the ninth
+    assert policy.admit("standard", unstarted_ages=[1.0]).admitted
+    clock.now += 10.5  # the starts aged out of the window; a few waiting requests alone say nothing yet
+    assert policy.start_lag_s("standard", unstarted_ages=[9.0, 9.0]) == 0.0
+    assert policy.start_lag_s("standard", unstarted_ages=[9.0] * 5) == 9.0
+
+
+def test_the_start_lag_can_be_turned_off() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, start_window_s=0.0)
+    for _ in range(10):
+        policy.on_started("standard", 60.0)
+    assert policy.start_lag_s("standard", unstarted_ages=[60.0] * 10) == 0.0
+    assert policy.admit("standard", unstarted_ages=[60.0] * 10).admitted
+
+
+def test_a_request_that_waited_past_the_budget_for_a_worker_sheds_the_next() -> None:
+    # The head of the line has waited 4 s for a worker: a new request joins the same line.
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock, budgets_s={"premium": 10.0, "standard": 3.0})
+    policy.on_load(load("a", in_flight=4, completed=0))  # reported free slots: the model sees no wait
+    assert policy.admit("standard", oldest_waiting_s=2.5).admitted
+    verdict = policy.admit("standard", oldest_waiting_s=4.0)
+    assert not verdict.admitted and verdict.expected_wait_s == 4.0 and verdict.retry_after_s == 1.0
+    assert policy.admit("premium", oldest_waiting_s=4.0).admitted  # within premium's 10 s
+    off = OverloadPolicy(clock=clock, start_window_s=0.0)
+    assert off.admit("standard", oldest_waiting_s=60.0).admitted
+
+
+def test_only_slots_of_workers_that_pull_the_band_count() -> None:
+    clock = Clock()
+    policy = OverloadPolicy(clock=clock)
+    busy_fleet(clock, policy, rate_per_worker=2.0)
+    premium_only = msgspec.structs.replace(load("c", in_flight=0, completed=0), bands=["premium"])
+    policy.on_load(premium_only)  # ten idle slots, for premium requests only
+    policy.on_queue_depth("standard", 8)
+    assert policy.expected_wait_s("premium") == 0.0
+    assert policy.expected_wait_s("standard") > 0.0  # eight ahead, no slot of its own free
+    older = load("d", in_flight=0, completed=0)  # a worker that does not say pulls every band
+    policy.on_load(older)
+    assert policy.expected_wait_s("standard") == 0.0

@@ -117,13 +117,15 @@ class Gateway:
         self._drift_checked = time.monotonic()
         workers = await bus.workers_bucket(js, s.heartbeat_ttl_s)
         overload = OverloadPolicy(clock=time.monotonic, budgets_s={
-            "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s})
+            "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s},
+            start_window_s=s.start_lag_window_s)
         self.dispatcher = Dispatcher(
             self.nc, workers, gateway_id=self.gateway_id, heartbeat_ttl_s=s.heartbeat_ttl_s,
             max_attempts=s.max_attempts, placement_timeout_s=s.placement_timeout_ms / 1000,
             placement_patience_s=s.placement_patience_ms / 1000,
             window_per_worker=s.dispatch_window_per_worker, free_slots=overload.free_slots, block_size=s.block_size,
             worker_free_slots=overload.worker_free_slots, placement_fits=overload.placement_fits,
+            on_started=overload.on_started,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
             silence_s=s.stream_silence_s,
             outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=self.zone,

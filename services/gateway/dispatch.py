@@ -84,6 +84,9 @@ class Flight:
     # Choice k > 0 of an n-choice request: placed where choice 0 went, whose engine will hold their
     # common prompt (one prefill for all n).
     follows: Flight | None = None
+    opened_at: float = field(default_factory=time.monotonic)  # when the gateway admitted it
+    started: bool = False  # its first token (or its Final) came, on any attempt
+    waiting_since: float = field(default_factory=time.monotonic)  # held or queued since (a migration queues anew)
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -116,6 +119,7 @@ class Dispatcher:
         free_slots: Callable[[], int] = lambda: 0,
         worker_free_slots: Callable[[str], int | None] = lambda worker_id: None,
         placement_fits: Callable[[str, str, int], bool] = lambda worker_id, band, queued_here: True,
+        on_started: Callable[[str, float], None] = lambda band, seconds: None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         accept_timeout_s: float = 5.0,
         liveness_timeout_s: float = 1.0,
@@ -138,6 +142,7 @@ class Dispatcher:
         # Whether a request of a band may wait on a worker's own queue (its expected wait there fits
         # the band's budget), given how many of ours already wait there unstarted.
         self.placement_fits = placement_fits
+        self.on_started = on_started  # told each request's time from admission to its first token
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
@@ -277,6 +282,18 @@ class Dispatcher:
         """Requests of `band` waiting in this gateway's fair queue."""
         return self.fair.waiting(band)
 
+    def unstarted_ages(self, bands: tuple[str, ...]) -> list[float]:
+        """Seconds since admission of this gateway's requests of `bands` that have no first token yet."""
+        now = time.monotonic()
+        return [now - f.opened_at for f in self.flights.values() if not f.started and f.request.band in bands]
+
+    def oldest_waiting_s(self, bands: tuple[str, ...]) -> float:
+        """Seconds the longest-waiting of this gateway's requests of `bands` has waited for a worker
+        (held in the fair queue or queued in JetStream, not accepted yet); 0 when none waits."""
+        now = time.monotonic()
+        return max((now - f.waiting_since for f in self.flights.values()
+                    if f.state != "accepted" and f.request.band in bands), default=0.0)
+
     def queued(self, band: str) -> int:
         """Requests of `band` this gateway published that no worker has accepted yet (known at
         once, where the queue depth the overload policy polls lags)."""
@@ -373,8 +390,10 @@ class Dispatcher:
         except Exception as error:
             log.warning("cancel_publish_failed", error=repr(error))
 
-    async def cancel(self, flight: Flight, reason: str) -> None:
-        cancel = m.Cancel(request_id=flight.request.request_id, reason=reason)  # type: ignore[arg-type]
+    async def cancel(self, flight: Flight, reason: str, delivered_tokens: int = -1) -> None:
+        """Stop every attempt of `flight`; `delivered_tokens`: what its client received, when known."""
+        cancel = m.Cancel(request_id=flight.request.request_id, reason=reason,  # type: ignore[arg-type]
+                          delivered_tokens=delivered_tokens)
         try:
             await self.nc.publish(subjects.cancel_subject(self.gateway_id, flight.request.request_id), m.encode(cancel))
         except Exception as error:
@@ -397,6 +416,7 @@ class Dispatcher:
         flight.sent_ids = []
         flight.next_seq = 0
         if flight.state != "queued":
+            flight.waiting_since = time.monotonic()
             self._mark_queued(flight)  # waiting in a queue again, until a worker accepts it
         try:
             await self._publish(flight)
@@ -429,6 +449,9 @@ class Dispatcher:
                 if flight.state == "queued":  # its Accepted was lost: the output says it started
                     self._left_queue(flight)
                     flight.worker_id = event.worker_id or flight.worker_id
+            if isinstance(event, (m.TokenChunk, m.Final)) and not flight.started:
+                flight.started = True
+                self.on_started(flight.request.band, time.monotonic() - flight.opened_at)
             if isinstance(event, m.TokenChunk):
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
                     flight.prompt_tokens = event.prompt_tokens

@@ -97,6 +97,8 @@ class _Choice:
     final: m.Final | None = None
     parts: list[str] = field(default_factory=list)  # non-streaming: the text so far
     logprobs: list[m.TokenLogprob] = field(default_factory=list)  # non-streaming: the logprobs so far
+    written: int = 0  # completion tokens (client-visible total) in the chunks handed to the client's socket
+    framed: int = 0  # ... and in chunks framed for it, not handed over yet
 
 
 class ClientGone(Exception):
@@ -133,6 +135,7 @@ class Generation:
         self.releases: ReleaseRouting | None = None  # set by the app: canary splits and release pins
         self.adapter_metrics = AdapterMetrics(TopLabels(time.monotonic, top=settings.adapter_metrics_top))
         self._validating = asyncio.Semaphore(_VALIDATION_THREADS)
+        self._admitting: dict[str, int] = {}  # band → requests past the overload check, not yet dispatched
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         request_id = uuid.uuid4().hex
@@ -164,7 +167,8 @@ class Generation:
             metrics.ERRORS.labels("client_disconnect").inc()
             for choice in call.choices:
                 if choice.final is None:
-                    await self.dispatcher.cancel(choice.flight, "client_disconnect")
+                    # The bill follows what the client got: the tokens written to it before it left.
+                    await self.dispatcher.cancel(choice.flight, "client_disconnect", delivered_tokens=choice.written)
         finally:
             for pump in call.pumps:
                 pump.cancel()
@@ -242,63 +246,69 @@ class Generation:
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
         ahead = bands_through(tenant.band)
-        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) for b in ahead),
-                                      sum(self.dispatcher.queued(b) for b in ahead))
+        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) + self._admitting.get(b, 0) for b in ahead),
+                                      sum(self.dispatcher.queued(b) for b in ahead),
+                                      self.dispatcher.unstarted_ages(ahead), self.dispatcher.oldest_waiting_s(ahead))
         if not verdict.admitted:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
                               code="overloaded", headers=verdict.headers())
-        release, pinned = (self.releases.assign(model, principal.tenant, hashes, pin, self.dispatcher)
-                           if self.releases is not None else (None, False))
-        n = params.n
-        decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
-        now = time.time()
-        inference = m.InferenceRequest(
-            request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
-            api_key_id=principal.key_id, adapter=adapter,
-            band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-            sampling=sampling_params(params, max_new_tokens),
-            reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-            created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
-            adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
-            user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
-        )
+        # Admitted and not dispatched yet: the requests a burst admits together count for one another.
+        self._admitting[tenant.band] = self._admitting.get(tenant.band, 0) + 1
         try:
-            carry.check_sampling(inference.sampling)
-        except OpenAIError:
-            await self._release_reservation(tenant.id, request_id)
-            raise
-        call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
-                     include_usage=bool(params.stream_options and params.stream_options.include_usage),
-                     stream=params.stream,
-                     headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
-                     logprobs=inference.sampling.logprobs,
-                     latency_labels=metrics.latency_labels(model, adapter, tenant.band),
-                     adapter_label=self.adapter_metrics.request(params.model) if adapter else None)
-        # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
-        traceparent = _header(scope, b"traceparent")
-        with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
+            release, pinned = (self.releases.assign(model, principal.tenant, hashes, pin, self.dispatcher)
+                               if self.releases is not None else (None, False))
+            n = params.n
+            decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
+            now = time.time()
+            inference = m.InferenceRequest(
+                request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
+                api_key_id=principal.key_id, adapter=adapter,
+                band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
+                sampling=sampling_params(params, max_new_tokens),
+                reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
+                created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
+                adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
+                user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
+            )
             try:
-                for index in range(n):
-                    # n > 1: one engine request per choice, with equal prompts, placed beside the
-                    # first so that they meet the prompt in the same cache.
-                    flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
-                                                        block_hashes=hashes,
-                                                        follows=call.choices[0].flight if call.choices else None)
-                    call.choices.append(_Choice(index=index, flight=flight))
-            except DispatchError as error:
-                for choice in call.choices:
-                    await self.dispatcher.cancel(choice.flight, "client_disconnect")
-                    self.dispatcher.close(choice.flight)
+                carry.check_sampling(inference.sampling)
+            except OpenAIError:
                 await self._release_reservation(tenant.id, request_id)
-                raise OpenAIError(error.status, str(error), code=error.code,
-                                  headers={"retry-after": str(int(error.retry_after or 1))}) from None
-        call.flight = call.choices[0].flight
-        if isinstance(params, schemas.ChatCompletionRequest) and offered:
-            for choice in call.choices:
-                choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
-                                                parallel=params.parallel_tool_calls is not False)
-        return call
+                raise
+            call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
+                         include_usage=bool(params.stream_options and params.stream_options.include_usage),
+                         stream=params.stream,
+                         headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
+                         logprobs=inference.sampling.logprobs,
+                         latency_labels=metrics.latency_labels(model, adapter, tenant.band),
+                         adapter_label=self.adapter_metrics.request(params.model) if adapter else None)
+            # Continue the client's trace if it sent `traceparent`; the context rides on to the engine.
+            traceparent = _header(scope, b"traceparent")
+            with tracing.span(tracer, f"gateway.{endpoint}", {"traceparent": traceparent} if traceparent else None):
+                try:
+                    for index in range(n):
+                        # n > 1: one engine request per choice, with equal prompts, placed beside the
+                        # first so that they meet the prompt in the same cache.
+                        flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
+                                                            block_hashes=hashes,
+                                                            follows=call.choices[0].flight if call.choices else None)
+                        call.choices.append(_Choice(index=index, flight=flight))
+                except DispatchError as error:
+                    for choice in call.choices:
+                        await self.dispatcher.cancel(choice.flight, "client_disconnect")
+                        self.dispatcher.close(choice.flight)
+                    await self._release_reservation(tenant.id, request_id)
+                    raise OpenAIError(error.status, str(error), code=error.code,
+                                      headers={"retry-after": str(int(error.retry_after or 1))}) from None
+            call.flight = call.choices[0].flight
+            if isinstance(params, schemas.ChatCompletionRequest) and offered:
+                for choice in call.choices:
+                    choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
+                                                    parallel=params.parallel_tool_calls is not False)
+            return call
+        finally:
+            self._admitting[tenant.band] -= 1
 
     async def _off_loop(self, work: Callable[[], T]) -> T:
         """`work()` in a thread, at most `_VALIDATION_THREADS` at a time: validation holds the GIL,
@@ -474,11 +484,14 @@ class Generation:
                         if event.text or not choice.started:
                             self._first_token(call, not choice.started)
                             frames.extend(self._chunks(call, choice, event.text, event.logprobs))
+                            choice.framed = event.completion_tokens
                         elif call.logprobs:  # tokens without text yet: their logprobs go with the next chunk
                             choice.pending_logprobs.extend(event.logprobs or ())
                         if self._quiet(call):  # write what has queued up in one go
                             await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                             frames.clear()
+                            for written in call.choices:
+                                written.written = written.framed
                         continue
                     if isinstance(event, m.Final):
                         if event.text or not choice.started or choice.tool_output is not None:

@@ -25,13 +25,24 @@ The wait compared with the budget is not the mean but its `quantile` (90%): with
 start before this one and slots freeing at random at the measured rate r, the wait is the time of
 the n-th event of a Poisson process, Gamma(n, 1/r). Admitting on the mean would let half of the
 requests near the limit wait longer than the budget.
+
+The model counts slots as the workers report them; a slot that is reported free but does not
+start work in time (a worker that does not pull, an engine too starved to run what it was given)
+fools it. So the gateway also measures how long starting actually takes (`start_lag_s`): the
+`quantile` of the times to first token of the requests of the band (and more important bands)
+that started in the last `start_window_s`, together with the ages of those still waiting for
+their first token (each a lower bound of its own); and how long the request at the head of the
+line has waited for a worker so far (`oldest_waiting_s`, the queue's sojourn time, as CoDel
+measures it: a new request joins the same line). The wait a new request can expect is the largest
+of the three, so requests are shed while the ones admitted before them are not starting within
+the budget, whatever the reports say.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from proto import messages as m
@@ -81,6 +92,11 @@ def bands_through(band: str) -> tuple[str, ...]:
     if band not in BANDS:
         band = BANDS[-1]
     return BANDS[: BANDS.index(band) + 1]
+
+
+def _serves(load: m.WorkerLoad, band: str) -> bool:
+    """Whether the worker pulls `band`'s queues (a worker that does not say pulls every band)."""
+    return not load.bands or band in load.bands
 
 
 def _free(load: m.WorkerLoad) -> int:
@@ -146,6 +162,9 @@ class OverloadPolicy:
     min_busy_s: float = 2.0  # a worker's rate is known once its slots were occupied this many slot-seconds
     max_retry_after_s: float = 30.0  # a client is never told to wait longer than this
     quantile: float = 0.9  # of the wait, compared with the budget
+    start_window_s: float = 10.0  # measured starts (times to first token) are kept this long; 0: not measured
+    min_starts: int = 5  # the measured start lag counts once this many samples are at hand
+    _starts: deque[tuple[float, str, float]] = field(default_factory=deque)  # (when, band, seconds to first token)
     _workers: dict[str, _Worker] = field(default_factory=dict)
     _queued: dict[str, int] = field(default_factory=dict)  # band → requests waiting in JetStream
     # (worker token, band) → requests waiting in that worker's own queue in JetStream
@@ -197,11 +216,14 @@ class OverloadPolicy:
             return None
         return _free(worker.load)
 
-    def completion_rate(self) -> float | None:
-        """Slots the live workers free per second when full (each: max_running / mean seconds a
-        request holds a slot, over the window); None while a worker's rate is not known yet."""
+    def completion_rate(self, band: str | None = None) -> float | None:
+        """Slots the live workers (those that pull `band`, if given) free per second when full
+        (each: max_running / mean seconds a request holds a slot, over the window); None while a
+        worker's rate is not known yet."""
         total = 0.0
         for worker in self._live():
+            if band is not None and not _serves(worker.load, band):
+                continue
             rate = worker.rate(self.min_busy_s)
             if rate is None:
                 return None
@@ -224,12 +246,13 @@ class OverloadPolicy:
         live = self._live()
         if not live:
             return 0.0  # no data is not overload; "no workers" is answered elsewhere
-        free = self.free_slots()
+        # Only the slots of workers that pull this band can take the request.
+        free = sum(_free(w.load) for w in live if _serves(w.load, band))
         ahead = max(queued_here, sum(self._queued.get(b, 0) for b in bands_through(band)))
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:
             return 0.0
-        rate = self.completion_rate()
+        rate = self.completion_rate(band)
         if rate is None or rate <= 0.0:
             # Unknown (or nothing finished): the wait is at least as long as the fleet has made
             # no progress, a lower bound, and never a guess beyond what was seen.
@@ -265,13 +288,43 @@ class OverloadPolicy:
         wait = self.worker_wait_s(worker_id, band, queued_here)
         return wait is None or wait <= self._budget(band)
 
+    def on_started(self, band: str, seconds: float) -> None:
+        """A request of `band` this gateway admitted got its first token `seconds` after admission."""
+        if self.start_window_s <= 0:
+            return
+        now = self.clock()
+        self._starts.append((now, band, seconds))
+        while self._starts and self._starts[0][0] < now - self.start_window_s:
+            self._starts.popleft()
+
+    def start_lag_s(self, band: str, unstarted_ages: Sequence[float] = ()) -> float:
+        """Seconds to first token of the requests of `band` and more important bands, at `quantile`:
+        of those that started in the last `start_window_s`, and the ages of those still waiting for
+        their first token (`unstarted_ages`, lower bounds of theirs). 0 with fewer than
+        `min_starts` samples."""
+        if self.start_window_s <= 0:
+            return 0.0
+        cutoff = self.clock() - self.start_window_s
+        ahead = bands_through(band)
+        samples = [seconds for when, b, seconds in self._starts if when >= cutoff and b in ahead]
+        samples.extend(unstarted_ages)
+        if len(samples) < self.min_starts:
+            return 0.0
+        samples.sort()
+        return samples[min(len(samples) - 1, math.ceil(self.quantile * len(samples)) - 1)]
+
     def _budget(self, band: str) -> float:
         return self.budgets_s.get(band, min(self.budgets_s.values()))
 
-    def admit(self, band: str, held_here: int = 0, queued_here: int = 0) -> Verdict:
-        """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget."""
+    def admit(self, band: str, held_here: int = 0, queued_here: int = 0,
+              unstarted_ages: Sequence[float] = (), oldest_waiting_s: float = 0.0) -> Verdict:
+        """Whether a request of `band` may queue. Unknown bands are judged by the strictest budget.
+        `unstarted_ages`: seconds since admission of this gateway's requests of `band` and more
+        important bands that have no first token yet; `oldest_waiting_s`: how long the one of them
+        that has waited longest for a worker (not accepted yet) has waited so far."""
         budget = self._budget(band)
-        wait = self.expected_wait_s(band, held_here, queued_here)
+        measured = oldest_waiting_s if self.start_window_s > 0 else 0.0
+        wait = max(self.expected_wait_s(band, held_here, queued_here), self.start_lag_s(band, unstarted_ages), measured)
         if wait <= budget:
             return Verdict(True, wait, 0.0)
         # Come back when the excess should have drained, but never later than the cap: the

@@ -83,6 +83,7 @@ class GatewaySettings:
     lease_ttl_s: float = env("INFERBUS_LEASE_TTL_S", 900.0, "A concurrency lease whose request never reported back frees itself after this long.")
     queue_budget_premium_s: float = env("INFERBUS_QUEUE_BUDGET_PREMIUM_S", 10.0, "Expected queue wait above which premium requests get 503 (see docs/overload-policy.md).")
     queue_budget_standard_s: float = env("INFERBUS_QUEUE_BUDGET_STANDARD_S", 3.0, "Expected queue wait above which standard requests get 503.")
+    start_lag_window_s: float = env("INFERBUS_START_LAG_WINDOW_S", 10.0, "How far back the overload policy's measured start lag reaches (times to first token of the requests this gateway admitted, with the ages of those still waiting); 0 turns it and the head-of-line wait off and leaves the queue model alone (see docs/overload-policy.md).")
     dispatch_window_per_worker: int = env(
         "INFERBUS_DISPATCH_WINDOW_PER_WORKER", 2,
         "This gateway's requests allowed to wait in the shared queue per live worker; more wait in its fair queue.",

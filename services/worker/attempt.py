@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
+
 from inferbus import continuation
 from proto import messages as m
 
@@ -34,6 +36,7 @@ class Attempt:
     pause_epoch: int = 0  # the worker's pause count when it took the request
     cancelled: bool = False
     cancel_reason: str = ""
+    delivered_tokens: int = -1  # a client gone: what its gateway had written to it (-1: unknown)
     superseded: bool = False  # the gateway gave this attempt up and continues elsewhere
     handed_off: bool = False
     prefill_worker: str | None = None  # disaggregated: the prefill worker computing its prompt now
@@ -154,3 +157,13 @@ def line_outcome(
                          failure=verdict.failure)
     return verdict.status, result, None
 
+
+
+def bill_delivered(usage: m.Usage, delivered_tokens: int) -> tuple[m.Usage, int]:
+    """A cancelled request's usage as its tenant is billed, and the completion tokens that are the
+    platform's: a client that left is billed what its gateway had written to it (when the gateway
+    said, `delivered_tokens` >= 0), never more than the engine made; what the engine made after
+    that (before the abort reached it) no client received."""
+    if delivered_tokens < 0 or usage.completion_tokens <= delivered_tokens:
+        return usage, 0
+    return msgspec.structs.replace(usage, completion_tokens=delivered_tokens), usage.completion_tokens - delivered_tokens

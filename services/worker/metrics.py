@@ -39,3 +39,8 @@ PREFILL_HALVES = Counter(
     "Prefill workers: prefill halves taken from decode workers, by how they ended (ok, failed, aborted, refused)",
     ["outcome"],
 )
+DUPLICATES = Counter(
+    "inferbus_worker_duplicate_deliveries_total",
+    "Deliveries of an attempt already run by this or another worker (a redelivery, a second copy), acked and "
+    "absorbed: by where the first one runs (here, elsewhere)", ["holder"],
+)

@@ -5,6 +5,11 @@ would hold a request's first message back for the whole long-poll. This is the "
 pattern instead: pull requests (`$JS.API.CONSUMER.MSG.NEXT`) reply into one inbox; messages are
 dispatched on arrival; the server's 408/409 status replies say how many requested messages were
 never sent, and those slots go back to the budget.
+
+Each puller also knows how many requests wait on its consumer, as far as it can tell: every
+message carries the consumer's pending count (in its ack subject), an expired request says the
+queue ran dry, and the serving loop asks the server when it has no pull in flight
+(`pull_plan` decides what to pull with it).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Puller:
         # it): a router deletes the consumers of a worker it declared dead.
         self._on_consumer_gone = on_consumer_gone
         self.outstanding = 0  # slots reserved by pull requests not yet answered
+        self.waiting = 0  # requests known to wait on the consumer (the last message's pending count)
         self._last_activity = time.monotonic()
         self._inbox = ""
         self._sub: Subscription | None = None
@@ -71,8 +77,13 @@ class Puller:
             self._sub = None
         self._give_back(self.outstanding)
 
-    async def pull(self, expires_s: float | None = None) -> bool:
-        """Ask for as many messages as the budget grants this puller; False if it granted none.
+    def room(self) -> int:
+        """At most how many slots this consumer may take now."""
+        return self._budget.capacity if self._room is None else self._room()
+
+    async def pull(self, slots: int | None = None, expires_s: float | None = None) -> bool:
+        """Ask for `slots` messages (None: as many as the budget's fair share grants); False if
+        no slot was granted.
 
         `expires_s` bounds how long the request may hold its slots waiting for messages.
         """
@@ -81,8 +92,10 @@ class Puller:
         self._reclaim_if_stale()
         if self.outstanding:
             return False  # one pull request in flight per consumer keeps accounting exact
-        want = self._budget.capacity if self._room is None else self._room()
-        granted = self._budget.reserve(want) if want > 0 else 0
+        want = min(self.room(), slots) if slots is not None else self.room()
+        if want <= 0:
+            return False
+        granted = self._budget.take(want) if slots is not None else self._budget.reserve(want)
         if granted == 0:
             return False
         self.outstanding = granted
@@ -96,6 +109,7 @@ class Puller:
         headers = msg.headers or {}
         status = headers.get("Status")
         if status is None and msg.reply:
+            self.waiting = pending_after(msg.reply)
             if self.outstanding:
                 self.outstanding -= 1  # the slot moves from the pull to the running request
             else:
@@ -112,6 +126,8 @@ class Puller:
             self._on_consumer_gone(f"consumer {self.consumer}: {status} {headers.get('Description', '')}".strip())
         pending = headers.get(_PENDING)
         unsent = int(pending) if pending is not None else self.outstanding
+        if status in ("404", "408") and unsent > 0:
+            self.waiting = 0  # the request ran out of time with slots unfilled: nothing waits
         self._give_back(min(unsent, self.outstanding))
 
     def _give_back(self, n: int) -> None:
@@ -129,3 +145,18 @@ class Puller:
         if self.outstanding and time.monotonic() - self._last_activity > self._expires_s + 5.0:
             log.warning("pull_request_lost", consumer=self.consumer, slots=self.outstanding)
             self._give_back(self.outstanding)
+
+
+def pending_after(reply: str) -> int:
+    """The consumer's pending count in a JetStream message's ack subject: how many messages
+    wait behind this one (`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`,
+    or the longer form with a domain and account hash and a trailing token)."""
+    tokens = reply.split(".")
+    try:
+        if len(tokens) == 9:
+            return int(tokens[8])
+        if len(tokens) >= 11:
+            return int(tokens[10])
+    except ValueError:
+        pass
+    return 0

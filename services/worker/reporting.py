@@ -170,7 +170,7 @@ class LoadReporter:
                 **self._autoscaling_fields(serving.batch.waiting()),
                 adapter_requests=adapter_requests(entry.request.adapter for entry in worker.running.values()),
                 adapter_loads=worker.adapters.pending_loads(), adapter_load_s=round(worker.adapters.one_load_s(), 4),
-                adapter_prefetches=worker.adapters.prefetches(), role=worker.role,
+                adapter_prefetches=worker.adapters.prefetches(), role=worker.role, bands=worker.bands(),
             )
             await worker.nc.publish(subjects.metrics_subject(worker.settings.worker_id), m.encode(snapshot))
 

@@ -44,6 +44,7 @@ from .adapters import Adapters
 from .attempt import Attempt
 from .cache_events import CacheRelay
 from .cancels import CancelMemory
+from .claims import Claims
 from .decode_side import DecodeSide
 from .engine import EngineClient, EngineError
 from .engine_health import EngineHealth
@@ -71,7 +72,7 @@ _resend_decoder = msgspec.msgpack.Decoder(m.ResendRequest)
 class Worker:
     def __init__(self, settings: WorkerSettings, *, engine: EngineClient, nc: Client, js: JetStreamContext,
                  kv: KeyValue, replies: Replies, usage: UsageReporter, liveness: LivenessThread,
-                 pause: PauseDetector, adapter_kv: KeyValue) -> None:
+                 pause: PauseDetector, adapter_kv: KeyValue, claims_kv: KeyValue) -> None:
         """Use `Worker.connect`."""
         self.settings = settings
         self.engine = engine
@@ -114,6 +115,7 @@ class Worker:
         self.draining = False
         self.leaving = False  # drain (SIGTERM / control) in progress: the worker exits after it
         self.started = time.time()
+        self.claims = Claims(claims_kv, kv, settings.worker_id, self.started)  # one run per attempt delivered
         self.wake = asyncio.Event()  # slots or the engine came back: the pull loop looks again
         self.load_changed = asyncio.Event()  # report load soon, not at the next interval
         self._preloads: set[asyncio.Future[None]] = set()  # adapter loads the routers asked for
@@ -150,8 +152,9 @@ class Worker:
                                   stall_after_s=s.stall_after_s, loop_lag=pause.lag)
         await asyncio.to_thread(liveness.start)
         adapter_kv = await adapter_registry.bucket(js)
+        claims_kv = await bus.claims_bucket(js, s.claim_ttl_s)
         worker = cls(s, engine=engine, nc=nc, js=js, kv=kv, replies=replies, usage=usage, liveness=liveness,
-                     pause=pause, adapter_kv=adapter_kv)
+                     pause=pause, adapter_kv=adapter_kv, claims_kv=claims_kv)
         # Control first: the router asks a worker for its cache as soon as its heartbeat appears.
         await nc.subscribe(subjects.control_subject(s.worker_id), cb=worker._on_control)
         worker._tasks = [asyncio.create_task(worker.reporter.load_loop(), name="load"),
@@ -223,6 +226,7 @@ class Worker:
             await puller.start()
         self._serving_tasks = [
             asyncio.create_task(serving.pull_loop(), name="pull"),
+            asyncio.create_task(serving.look_loop(), name="look"),
             asyncio.create_task(self.reporter.heartbeat_loop(), name="heartbeat"),
         ]
         self.load_changed.set()
@@ -361,6 +365,7 @@ class Worker:
         run it again after a reconnect to a server that lost them."""
         await bus.ensure_streams(self.js)
         self.kv = await bus.workers_bucket(self.js, self.settings.heartbeat_ttl_s)
+        await bus.claims_bucket(self.js, self.settings.claim_ttl_s)  # a server that lost it gets it back
         if self.phase != "serving":
             return  # warm workers are in no registry and own no queue
         # Heartbeat before the consumers exist: a router never sees a queue without its worker.
@@ -422,6 +427,7 @@ class Worker:
         elif not entry.cancelled:
             entry.cancelled = True
             entry.cancel_reason = cancel.reason
+            entry.delivered_tokens = cancel.delivered_tokens
             await self.engine.abort(entry.request.engine_rid())
 
     async def _on_resend(self, msg: Msg) -> None:

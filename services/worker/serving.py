@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -24,11 +24,12 @@ from proto import messages as m
 from proto import subjects
 
 from .adapters import Adapters
-from .attempt import Attempt
+from .attempt import Attempt, bill_delivered
 from .batch_lines import BatchLines
 from .engine import EngineClient, EngineError, EngineUpdate
-from .metrics import ABANDONED, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
+from .metrics import ABANDONED, DUPLICATES, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
 from .preemption import PreemptionPolicy
+from .pull_plan import ConsumerState, plan_pulls
 from .puller import Puller
 from .reporting import tpot_of
 from .slots import SlotBudget
@@ -40,6 +41,7 @@ log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.worker")
 
 SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
+LOOK_INTERVAL_S = 0.2  # how often a consumer without a pull in flight asks the server what waits on it
 BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 
@@ -96,19 +98,40 @@ class Serving:
                 # workers. The engine watch wakes this loop when it is back.
                 await _wait(worker.wake, fetch_timeout_s)
                 continue
-            if budget.free >= len(pullers):
-                # Room for every consumer: all long-poll at once, most important first.
-                for puller in pullers:
-                    await puller.pull()
-            else:
-                # Fewer free slots than consumers: a long-poll on an empty queue would hold a slot
-                # that a busy queue needs, so consumers take short turns in rotation instead.
-                for i in range(len(pullers)):
-                    puller = pullers[(turn + i) % len(pullers)]
-                    if await puller.pull(SCARCE_POLL_S):
-                        turn = (turn + i + 1) % len(pullers)
+            # Known waiting work first, most important first; a long-poll of one slot per idle
+            # consumer only when slots remain for all of them; short turns otherwise (pull_plan.py).
+            plan = plan_pulls(budget.free, [ConsumerState(p.outstanding, p.waiting, p.room()) for p in pullers], turn)
+            turn = plan.turn
+            for order in plan.orders:
+                await pullers[order.consumer].pull(order.slots, None if order.long else SCARCE_POLL_S)
             FREE_SLOTS.set(budget.free)
             await _wait(worker.wake, fetch_timeout_s)
+
+    async def look_loop(self) -> None:
+        """Ask the server how many requests wait on each consumer that has no pull in flight: a
+        consumer without one learns of new work from nobody else while slots are scarce, and
+        the plan gives slots to the most important queue with work, not to whichever pulled last."""
+        worker = self.worker
+        while not worker.draining:
+            await asyncio.sleep(LOOK_INTERVAL_S)
+            if worker.watch.holding_pulls or not worker.health.up:
+                continue
+            woke = False
+            for puller in self.pullers:
+                if puller.outstanding:
+                    continue
+                try:
+                    info = await worker.js.consumer_info(subjects.REQUESTS_STREAM, puller.consumer, timeout=LOOK_INTERVAL_S)
+                except Exception:  # the next look asks again; pulls go on meanwhile
+                    continue
+                if puller.outstanding:
+                    continue  # a pull went out meanwhile: its messages say more than this count
+                pending = info.num_pending or 0
+                if pending and not puller.waiting:
+                    woke = True
+                puller.waiting = pending
+            if woke:
+                worker.wake.set()
 
     def on_request(self, msg: Msg) -> None:
         worker = self.worker
@@ -135,13 +158,44 @@ class Serving:
             worker.background.spawn(msg.ack())
             self.release_slot()
             return
+        if request.batch_id is not None:
+            self._start(msg, request, self.batch.serve)
+            return
+        held = worker.running.get(request.request_id)
+        if held is not None and held.request.attempt == request.attempt:
+            self._absorb(msg, request, "here")  # delivered again while it runs here
+            return
+        # Claimed first (claims.py): of two deliveries of one attempt, on any workers, one runs.
+        worker.background.spawn(self._claim_then_serve(msg, request))
+
+    async def _claim_then_serve(self, msg: Msg, request: m.InferenceRequest) -> None:
+        worker = self.worker
+        if not await worker.claims.claim(request):
+            self._absorb(msg, request, "here" if request.request_id in worker.running else "elsewhere")
+            return
+        held = worker.running.get(request.request_id)
+        if held is not None and held.request.attempt == request.attempt:
+            self._absorb(msg, request, "here")  # the other delivery started while this one claimed
+            return
+        self._start(msg, request, self.serve)
+
+    def _start(self, msg: Msg, request: m.InferenceRequest,
+               serve: Callable[[Msg, Attempt], Coroutine[Any, Any, None]]) -> None:
+        worker = self.worker
         entry = Attempt(request=request, pause_epoch=worker.pause.epoch)
         worker.running[request.request_id] = entry
         if request.band == "batch":
             worker.stats.batch_in_flight += 1
         RUNNING.set(len(worker.running))
-        serve = self.batch.serve if request.batch_id is not None else self.serve
         entry.task = asyncio.ensure_future(serve(msg, entry))
+
+    def _absorb(self, msg: Msg, request: m.InferenceRequest, holder: str) -> None:
+        """A delivery of an attempt that runs (or ran) already: ack it so it is not delivered
+        again, and send nothing: the client sees the one run, and is billed for it once."""
+        DUPLICATES.labels(holder).inc()
+        log.warning("duplicate_delivery_absorbed", request_id=request.request_id, attempt=request.attempt, holder=holder)
+        self.worker.background.spawn(msg.ack())
+        self.release_slot()
 
     def release_slot(self) -> None:
         self.budget.release(1)
@@ -238,6 +292,12 @@ class Serving:
                         worker.background.spawn(worker.usage.publish(request, status, entry.work(), finish,
                                                                      billed_to="platform"))
                 elif publish_usage:
+                    if status == "cancelled":
+                        usage, unseen = bill_delivered(usage, entry.delivered_tokens)
+                        if unseen:
+                            worker.background.spawn(worker.usage.publish(
+                                request, status, m.Usage(prompt_tokens=0, completion_tokens=unseen), finish,
+                                billed_to="platform"))
                     # Spawned, not awaited: this also runs after the early returns above.
                     worker.background.spawn(worker.usage.publish(request, status, usage, finish))
 

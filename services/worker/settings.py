@@ -67,6 +67,7 @@ class WorkerSettings:
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
     ack_wait_s: float = env("INFERBUS_ACK_WAIT_S", 15.0, "Redelivery delay for a request pulled by a worker that died before accepting it.")
+    claim_ttl_s: float = env("INFERBUS_WORKER_CLAIM_TTL_S", 900.0, "How long a worker's claim on a request attempt is kept (the `claims` bucket): a second delivery of the attempt within it runs nowhere. Keep it above the gateways' INFERBUS_REQUEST_TIMEOUT_S.")
     drain_timeout_s: float = env("INFERBUS_DRAIN_TIMEOUT_S", 30.0, "On SIGTERM, how long in-flight requests may run before they are handed back.")
     release: str = env(
         "INFERBUS_WORKER_RELEASE", "",

@@ -29,6 +29,12 @@ class SlotBudget:
         self.used += granted
         return granted
 
+    def take(self, want: int) -> int:
+        """Take up to `want` slots whatever the fair share (the pull plan shares them out)."""
+        granted = max(0, min(want, self.free))
+        self.used += granted
+        return granted
+
     def take_unreserved(self) -> None:
         """Count a message that arrived without a reservation (a pull request from before a
         reconnect): it runs anyway, so it holds a slot, even past capacity for a moment."""
