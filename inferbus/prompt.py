@@ -90,6 +90,9 @@ class ServedModel:
         self.eos_token_ids = eos_token_ids
         self.path = path
         self._template = _compile(chat_template) if chat_template else None
+        # A template that never names the `developer` role has no turn for it: OpenAI's developer
+        # message is what the system message was before its reasoning models, so it is sent as one.
+        self.has_developer_role = bool(chat_template) and "developer" in (chat_template or "")
 
     @classmethod
     def load(cls, path: str | Path) -> ServedModel:
@@ -123,14 +126,31 @@ class ServedModel:
         """The chat as the model's template writes it (transformers' `apply_chat_template(tokenize=False)`)."""
         if self._template is None:
             raise PromptError("This model has no chat template; use /v1/completions with a prompt.")
-        normalized = [_text_message(message) for message in messages]
-        try:
-            return self._template.render(
-                messages=normalized, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens, **template_kwargs,
+        template = self._template
+        normalized = [_text_message(message, self.has_developer_role) for message in messages]
+
+        # A token the model does not have is left undefined (renders empty), as transformers does.
+        tokens = {name: token for name, token in self.special_tokens.items() if token is not None}
+
+        def render(chat: list[dict[str, Any]]) -> str:
+            return template.render(
+                messages=chat, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
+                **tokens, **template_kwargs,
             )
+
+        try:
+            return render(normalized)
         except jinja2.TemplateError as error:
-            raise PromptError(f"The messages do not fit this model's chat template: {error}") from None
+            refusal = error
+        # OpenAI accepts any number of system messages anywhere; many templates take one, first
+        # (Mistral's, Gemma's). Those get all the system text in that one message.
+        folded = _one_system_message(normalized)
+        if folded is not None:
+            try:
+                return render(folded)
+            except jinja2.TemplateError:
+                pass
+        raise PromptError(f"The messages do not fit this model's chat template: {refusal}") from None
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) > LONG_TEXT_CHARS:
@@ -143,13 +163,26 @@ class ServedModel:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def _text_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def _text_message(message: Mapping[str, Any], has_developer_role: bool) -> dict[str, Any]:
     """A message with its content parts joined into one string (text-only models; as SGLang does
-    for templates that expect string content)."""
+    for templates that expect string content), and `developer` sent as `system` to a template
+    without that role."""
     normalized = dict(message)
     if "content" in normalized and not isinstance(normalized["content"], str | None):
         normalized["content"] = content_text(normalized["content"])
+    if normalized.get("role") == "developer" and not has_developer_role:
+        normalized["role"] = "system"
     return normalized
+
+
+def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The chat with all its system messages joined into one at the start (a blank line between
+    them); None when it already has at most one, first."""
+    system = [i for i, message in enumerate(messages) if message.get("role") == "system"]
+    if not system or system == [0]:
+        return None
+    text = "\n\n".join(messages[i].get("content") or "" for i in system)
+    return [{"role": "system", "content": text}, *(message for message in messages if message.get("role") != "system")]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

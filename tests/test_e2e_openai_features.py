@@ -203,9 +203,37 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_sampling_extensions_pass_through(client: openai.OpenAI) -> None:
-    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                              extra_body={"top_k": 20, "min_p": 0.05}, seed=7, max_completion_tokens=4)
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=7, max_completion_tokens=4,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05, "min_tokens": 2, "ignore_eos": True,
+                    "chat_template_kwargs": {"enable_thinking": False}, "prompt_cache_key": "k"})
     assert response.usage.completion_tokens == 4
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))  # type: ignore[typeddict-unknown-key]
+    assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens <= 4
+
+
+def test_roles_and_message_shapes_as_openai_accepts_them(client: openai.OpenAI) -> None:
+    """developer messages, several and later system messages, content parts and an earlier refusal."""
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "system", "content": [{"type": "text", "text": "Answer in English."}]},
+        {"role": "developer", "content": [{"type": "text", "text": "Never "}, {"type": "text", "text": "apologise."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Say something rude."}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I won't."}]},
+        {"role": "system", "content": "Be kind now."},
+        {"role": "user", "content": "Then say hi."},
+    ]
+    alone = client.chat.completions.create(model=MODEL, messages=messages[-1:], max_tokens=1)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert response.choices[0].message.content is not None
+    # Every message reached the prompt.
+    assert response.usage.prompt_tokens > alone.usage.prompt_tokens + 20
+    reply = client.responses.create(model=MODEL, instructions="You are terse.", max_output_tokens=16, input=[
+        {"role": "system", "content": "Answer in English."}, {"role": "developer", "content": "Never apologise."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}])
+    assert reply.status in ("completed", "incomplete") and reply.output_text
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
@@ -239,6 +267,9 @@ COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 4}
     ("completion", {"logprobs": 6}, "logprobs"),
     ("completion", {"logit_bias": {"1": 5}}, "logit_bias"),
     ("completion", {"seed": -(2**64)}, "seed"),
+    ("chat", {"response_fromat": {"type": "json_object"}}, "response_fromat"),
+    ("chat", {"repetition_penalty": 3}, "repetition_penalty"),
+    ("completion", {"max_token": 4}, "max_token"),
 ])
 def test_each_refused_field_is_a_400_naming_it(platform: Platform, endpoint: str, extra: dict, param: str) -> None:
     body = {**(CHAT if endpoint == "chat" else COMPLETION), **extra}

@@ -40,6 +40,9 @@ def sampling_params(params: schemas.ChatCompletionRequest | schemas.CompletionRe
         presence_penalty=params.presence_penalty or 0.0, frequency_penalty=params.frequency_penalty or 0.0,
         top_k=-1 if params.top_k is None else params.top_k or -1,
         min_p=params.min_p or 0.0,
+        repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
+        min_new_tokens=min(params.min_tokens or 0, max_new_tokens),
+        ignore_eos=bool(params.ignore_eos), stop_token_ids=list(params.stop_token_ids or ()),
         json_schema=json_constraint(params),
         logprobs=logprobs, top_logprobs=top_logprobs,
     )

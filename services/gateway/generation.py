@@ -198,7 +198,7 @@ class Generation:
             # tool_choice none: the model is not told about the tools (SGLang does the same).
             offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
             render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
-                                       tools=offered)
+                                       tools=offered, **(chat.chat_template_kwargs or {}))
             params: schemas.ChatCompletionRequest | schemas.CompletionRequest = chat
             object_id = f"chatcmpl-{request_id}"
         else:
