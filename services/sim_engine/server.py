@@ -407,7 +407,7 @@ class SimEngineServer:
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
         rng = random.Random(seed)
         if sampling.json_schema is not None:
-            return self.engine.split_output(json_output(sampling.json_schema, rng))
+            return self.engine.split_output(json_output(sampling.json_schema, rng, text))
         if sampling.regex is None and sampling.ebnf is None:
             solved = quality.answer(text, self._accuracy(lora_name),
                                     sampling.sampling_seed if sampling.sampling_seed is not None else rid)
