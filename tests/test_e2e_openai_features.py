@@ -153,6 +153,35 @@ def test_structured_output_parsed_by_the_sdk(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
 
 
+def test_tools_beside_a_response_format_are_called_when_needed(client: openai.OpenAI) -> None:
+    """The agent pattern (tools and an output type): under `auto` the model calls a tool the
+    conversation needs and otherwise answers with the schema's JSON, parsed by the SDK."""
+
+    class Forecast(pydantic.BaseModel):
+        city: str
+        summary: str
+
+    strict_tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]  # the SDK's parse needs them
+
+    needs_tool = client.chat.completions.parse(model=MODEL, messages=ASK_WEATHER, tools=strict_tools, response_format=Forecast,
+                                               max_tokens=300)
+    choice = needs_tool.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_calls(choice.message.tool_calls, ["get_weather"])
+    call = choice.message.tool_calls[0]
+    answered = client.chat.completions.parse(model=MODEL, tools=strict_tools, response_format=Forecast, max_tokens=300, messages=[
+        *ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and clear"}])
+    assert answered.choices[0].finish_reason == "stop" and isinstance(answered.choices[0].message.parsed, Forecast)
+    no_tool = client.chat.completions.parse(model=MODEL, tools=strict_tools, response_format=Forecast, max_tokens=300,
+                                            messages=[{"role": "user", "content": "Describe a sunny day."}])
+    assert isinstance(no_tool.choices[0].message.parsed, Forecast) and not no_tool.choices[0].message.tool_calls
+    streamed = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=300,
+                                                   stream=True, response_format={"type": "json_object"}))
+    deltas = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [d.function.name for d in deltas if d.function and d.function.name] == ["get_weather"]
+
+
 def test_bad_schemas_are_400s(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, response_format={

@@ -8,7 +8,7 @@ import random
 import jsonschema
 import pytest
 
-from inferbus.openai.tools import ToolOutput, constraint
+from inferbus.openai.tools import ToolOutput, constraint, either_constraint
 from inferbus.tokens import standin_render_chat as render_chat
 from services.sim_engine.constrained import SchemaError, json_output, tool_call_output, value_from_schema
 
@@ -172,3 +172,20 @@ def test_a_forced_call_calls_the_tools_the_conversation_asks_for() -> None:
     # Asked for none of them: still a valid call of some tool.
     idle = render_chat([{"role": "user", "content": "Hello"}], tools)
     jsonschema.validate(json.loads(json_output(schema, random.Random(0), idle)), json.loads(schema))
+
+
+def test_tools_or_the_answer_the_conversation_asks_for() -> None:
+    """Tools under `auto` with a JSON response format (the gateway's either-or schema): a call while
+    the conversation asks for a tool that has not run, then the answer's value."""
+    answer = {"type": "object", "properties": {"city": {"type": "string"}, "summary": {"type": "string"}},
+              "required": ["city", "summary"]}
+    schema = json.dumps(either_constraint([WEATHER], True, answer))
+    ask = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    calls = json.loads(json_output(schema, random.Random(0), render_chat(ask, [WEATHER])))
+    assert [c["name"] for c in calls] == ["get_weather"]
+    ran = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "-3 C"}]
+    jsonschema.validate(json.loads(json_output(schema, random.Random(0), render_chat(ran, [WEATHER]))), answer)
+    chat = render_chat([{"role": "user", "content": "Say hello as JSON."}], [WEATHER])
+    jsonschema.validate(json.loads(json_output(schema, random.Random(0), chat)), answer)

@@ -150,7 +150,38 @@ def test_engine_constraint_of_a_request() -> None:
                   response_format={"type": "json_object"})
     assert json.loads(forced.json_schema) == WEATHER["function"]["parameters"]
     assert chat(tools=[WEATHER], tool_choice="auto").json_schema is None
+    # With tools the model may call and a JSON response format: calls or the answer, its choice.
+    for choice in ({}, {"tool_choice": "auto"}):
+        either = json.loads(chat(tools=[WEATHER, TIME], response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": schema}}, **choice).json_schema)
+        assert either == {"anyOf": [tools.constraint([WEATHER, TIME], "required", True), schema]}
+        jsonschema.validate([{"name": "get_time", "parameters": {}}], either)
+        jsonschema.validate({"a": 1}, either)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "get_weather", "parameters": {}}], either)  # city is required
+    one = json.loads(chat(tools=[WEATHER], parallel_tool_calls=False, response_format={"type": "json_object"}).json_schema)
+    assert one["anyOf"][0]["maxItems"] == 1 and one["anyOf"][1] == {"type": "object"}
+    assert chat(tools=[WEATHER], tool_choice="none", response_format={"type": "json_object"}).json_schema == \
+        '{"type":"object"}'
     sampled = chat(seed=9, top_k=0, min_p=0.2, logprobs=True, top_logprobs=4)
     assert (sampled.seed, sampled.top_k, sampled.min_p, sampled.logprobs, sampled.top_logprobs) == (9, -1, 0.2, True, 4)
     completion = sampling_params(parse_completion(b'{"model": "m", "prompt": "x", "logprobs": 0}'), 8)
     assert completion.logprobs and completion.top_logprobs == 0
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_calls_or_the_answer_read_from_the_either_constraint(step: int) -> None:
+    def output() -> ToolOutput:
+        return ToolOutput("hermes", [WEATHER, TIME], "auto", json_answer=True)
+
+    calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    assert _shape(_streamed(output(), calls, step)) == ("", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    answer = '{"city": "Oslo", "summary": "cold"}'
+    assert _shape(_streamed(output(), answer, step)) == (answer, [])
+    # The answer streams as it is generated; an array is held until it is known not to be calls.
+    streaming = output()
+    assert streaming.feed('{"city"') == ['{"city"'] and streaming.feed(": 1}") == [": 1}"]
+    array = '[{"name": "someone else", "parameters": {}}]'
+    assert _shape(_streamed(output(), array, step)) == (array, [])
+    single = ToolOutput("llama3", [WEATHER, TIME], None, parallel=False, json_answer=True)
+    assert _shape(_streamed(single, calls, step))[1] == [("get_weather", {"city": "Oslo"})]

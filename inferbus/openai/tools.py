@@ -13,7 +13,8 @@ A call that does not parse, or names a tool that was not offered, comes back as 
 `tool_choice` forces a call (`required` or a named function) the engine is constrained by a JSON
 schema instead (SGLang's `json_schema` sampling parameter), so the output is always a valid call
 in a family-independent shape: the arguments object (named) or a list of `{"name", "parameters"}`
-(required).
+(required). With `auto` and a JSON `response_format` the model chooses between the two, as
+OpenAI lets it: the schema is either that list of calls or the answer's value (`either_constraint`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ def constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def either_constraint(tools: Sequence[dict[str, Any]], parallel: bool, answer: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of an output that is either calls of offered tools (as under `required`) or
+    the final answer's value (`answer`, the response format's schema): tools under `auto` with a
+    JSON `response_format`."""
+    calls = constraint(tools, "required", parallel)
+    assert calls is not None
+    return {"anyOf": [calls, answer]}
 
 
 # ---- the output side -------------------------------------------------------------------------
@@ -322,6 +332,45 @@ class ConstrainedStream:
         return [c for c in calls if c is not None]
 
 
+class EitherStream:
+    """The output under `either_constraint`: a JSON array of calls (held until complete), or the
+    answer's JSON, which is content and streams as it comes."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
+        self.names = frozenset(t["function"]["name"] for t in tools)
+        self.buffer = ""
+        self.held = False
+        self.streaming = False
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        if self.streaming:
+            return [delta]
+        self.buffer += delta
+        head = self.buffer.lstrip()
+        if self.held or not head:
+            return []
+        if head[0] == "[":  # calls, or an answer that is an array: decided when complete
+            self.held = True
+            return []
+        self.streaming = True
+        out, self.buffer = self.buffer, ""
+        return [out]
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self.buffer = self.buffer, ""
+        if not text:
+            return []
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return [text]
+        if isinstance(value, list) and value:
+            calls = [_object_call(item, self.names, "parameters") for item in value]
+            if all(call is not None for call in calls):
+                return [call for call in calls if call is not None]
+        return [text]
+
+
 class ToolOutput:
     """One choice's output when tools are in play: text deltas in, content and calls out.
 
@@ -329,9 +378,15 @@ class ToolOutput:
     """
 
     def __init__(self, family: str, tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any] | None,
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, json_answer: bool = False) -> None:
         forced = tool_choice == "required" or isinstance(tool_choice, dict)
-        self.stream: Stream = ConstrainedStream(tools, tool_choice) if forced else parser_for(family, tools).stream()  # type: ignore[arg-type]
+        self.stream: Stream
+        if forced:
+            self.stream = ConstrainedStream(tools, tool_choice)  # type: ignore[arg-type]
+        elif json_answer:  # a JSON response_format beside the tools: either_constraint
+            self.stream = EitherStream(tools)
+        else:
+            self.stream = parser_for(family, tools).stream()
         self.parallel = parallel
         self.calls: list[ToolCall] = []
 

@@ -22,7 +22,7 @@ import structlog
 from inferbus import logs, tracing
 from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
-from inferbus.openai.sampling import sampling_params
+from inferbus.openai.sampling import answer_schema, sampling_params
 from inferbus.openai.tools import ToolCall, ToolOutput
 from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
@@ -290,7 +290,8 @@ class Generation:
         if isinstance(params, schemas.ChatCompletionRequest) and offered:
             for choice in call.choices:
                 choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
-                                                parallel=params.parallel_tool_calls is not False)
+                                                parallel=params.parallel_tool_calls is not False,
+                                                json_answer=answer_schema(params) is not None)
         return call
 
     async def tenant(self, principal: Principal) -> Tenant:

@@ -261,18 +261,40 @@ def json_output(schema_text: str, rng: random.Random, prompt: str = "") -> str:
         schema = json.loads(schema_text)
     except ValueError as error:
         raise SchemaError(f"json_schema is not JSON: {error}") from None
+    either = _either(schema)
+    if either is not None:
+        # Calls or the final answer (tools under `auto` with a JSON response format): the tools the
+        # conversation asks for until they have run, then the answer.
+        calls_schema, answer = either
+        calls = _asked_calls(calls_schema, prompt, rng, skip_called=True)
+        if calls is not None:
+            return _dump(calls)
+        schema = answer
+    return _dump(_answer(schema, rng, prompt))
+
+
+def _either(schema: Any) -> tuple[dict[str, Any], Any] | None:
+    """(calls schema, answer schema) of the gateway's either-or constraint
+    (`{"anyOf": [<calls of the tools>, <answer>]}`), else None."""
+    branches = schema.get("anyOf") if isinstance(schema, dict) and set(schema) == {"anyOf"} else None
+    if not isinstance(branches, list) or len(branches) != 2 or _call_branches(branches[0]) is None:
+        return None
+    return branches[0], branches[1]
+
+
+def _answer(schema: Any, rng: random.Random, prompt: str) -> Any:
     if _open_object(schema):
         written = schema_in_prompt(prompt)
         if written is not None:
             try:
-                return _dump(value_from_schema(written, rng))
+                return value_from_schema(written, rng)
             except SchemaError:
                 pass  # not one the model can follow: answer as without it
-        return _dump({"answer": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 6)))})
+        return {"answer": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 6)))}
     calls = _asked_calls(schema, prompt, rng)
     if calls is not None:
-        return _dump(calls)
-    return _dump(value_from_schema(schema, rng))
+        return calls
+    return value_from_schema(schema, rng)
 
 
 def _dump(value: Any) -> str:
@@ -306,24 +328,37 @@ def schema_in_prompt(prompt: str) -> dict[str, Any] | None:
     return found
 
 
-def _asked_calls(schema: Any, prompt: str, rng: random.Random) -> list[dict[str, Any]] | None:
-    """Under a forced call of any of several tools (an array of `{"name": const, "parameters"}`
-    items, as the gateway sends for `tool_choice: required`), the calls of the tools the
-    conversation asks for; None when it asks for none of them (then any tool may be called)."""
+def _call_branches(schema: Any) -> dict[str, dict[str, Any]] | None:
+    """Tool name → its item schema, when `schema` is an array of `{"name": const, "parameters"}`
+    items of several tools (the gateway's schema of a call of any of them); else None."""
     if not isinstance(schema, dict) or schema.get("type") != "array":
         return None
-    items = schema.get("items")
-    branches = items.get("anyOf") if isinstance(items, dict) else None
+    items: Any = schema.get("items")
+    branches: Any = items.get("anyOf") if isinstance(items, dict) and "anyOf" in items else [items]
     if not isinstance(branches, list):
         return None
     by_name: dict[str, dict[str, Any]] = {}
     for branch in branches:
-        name = branch.get("properties", {}).get("name", {}).get("const") if isinstance(branch, dict) else None
+        properties = branch.get("properties") if isinstance(branch, dict) else None
+        if not isinstance(properties, dict) or "parameters" not in properties:
+            return None
+        name = properties.get("name", {}).get("const") if isinstance(properties.get("name"), dict) else None
         if not isinstance(name, str):
             return None
         by_name[name] = branch
+    return by_name
+
+
+def _asked_calls(schema: Any, prompt: str, rng: random.Random, skip_called: bool = False) -> list[dict[str, Any]] | None:
+    """Under a forced call of any of several tools (as the gateway sends for `tool_choice:
+    required`), the calls of the tools the conversation asks for (`skip_called`: and that have
+    not run yet); None when it asks for none of them."""
+    by_name = _call_branches(schema)
+    if by_name is None:
+        return None
     conversation = prompt_conversation(prompt)
-    asked = [name for name in by_name if _asks_for(conversation, name)]
+    asked = [name for name in by_name if _asks_for(conversation, name)
+             and not (skip_called and f'"{name}"' in conversation)]
     if not asked:
         return None
     asked = asked[:int(schema.get("maxItems", len(asked)))]
