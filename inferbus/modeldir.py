@@ -295,7 +295,7 @@ def build_model_dir(
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": model_max_length,  # the context length engines and the gateway read
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "hidden_act": "silu",

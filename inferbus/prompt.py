@@ -83,8 +83,9 @@ class ServedModel:
     """Tokenizer and chat template of one served model."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special_tokens: dict[str, str | None],
-                 eos_token_ids: list[int], path: str = "") -> None:
+                 eos_token_ids: list[int], path: str = "", context_length: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.context_length = context_length  # from config.json, as the engine derives it; None: not given
         self.chat_template = chat_template
         self.special_tokens = special_tokens
         self.eos_token_ids = eos_token_ids
@@ -110,12 +111,13 @@ class ServedModel:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         generation = _read_json(directory / "generation_config.json")
-        eos = generation.get("eos_token_id", _read_json(directory / "config.json").get("eos_token_id"))
+        model_config = _read_json(directory / "config.json")
+        eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if not eos_ids and special["eos_token"]:
             token_id = tokenizer.token_to_id(special["eos_token"])
             eos_ids = [token_id] if token_id is not None else []
-        return cls(tokenizer, template, special, eos_ids, str(directory))
+        return cls(tokenizer, template, special, eos_ids, str(directory), context_length(model_config))
 
     @property
     def vocab_size(self) -> int:
@@ -183,6 +185,38 @@ def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]] 
         return None
     text = "\n\n".join(messages[i].get("content") or "" for i in system)
     return [{"role": "system", "content": text}, *(message for message in messages if message.get("role") != "system")]
+
+
+# SGLang's context length for a config.json that gives none.
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def context_window(configured: int, model: ServedModel) -> int:
+    """The context window requests must fit: the configured one (INFERBUS_MAX_MODEL_LEN), else the
+    model's own, else SGLang's default."""
+    return configured or model.context_length or DEFAULT_CONTEXT_LENGTH
+
+
+# The keys of config.json that give the context length, in the order SGLang reads them.
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def context_length(config: Mapping[str, Any]) -> int | None:
+    """The model's context length from its config.json, as SGLang derives it (`--context-length`
+    unset): the first of CONTEXT_LENGTH_KEYS, times a RoPE scaling factor unless the scaling is
+    Llama-3's or keeps the original length; a multimodal model's `text_config`. None if absent."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    assert isinstance(text, Mapping)
+    scaling = text.get("rope_scaling")
+    factor = 1.0
+    if isinstance(scaling, Mapping) and "original_max_position_embeddings" not in scaling \
+            and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        factor = float(scaling.get("factor", 1.0))
+    for key in CONTEXT_LENGTH_KEYS:
+        value = text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return int(factor * value)
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -201,3 +201,21 @@ def test_rendering_equals_transformers(family: str, request: pytest.FixtureReque
     folded = [{"role": "system", "content": "Be brief.\n\nAnswer in JSON."}, {"role": "user", "content": "hi"}]
     assert one_system.render_chat(chats[0][0]) == reference_one_system.apply_chat_template(
         folded, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_context_length_is_read_from_config_json_as_sglang_reads_it(llama3_model_dir: Path) -> None:
+    from inferbus.prompt import context_length, context_window
+
+    assert load_model(str(llama3_model_dir)).context_length == 131_072  # what build_model_dir wrote
+    assert context_length({"max_position_embeddings": 32_768}) == 32_768
+    assert context_length({"seq_length": 8192, "max_position_embeddings": 4096}) == 8192  # SGLang's key order
+    assert context_length({"max_position_embeddings": 32_768, "rope_scaling": {"type": "yarn", "factor": 4.0}}) == 131_072
+    assert context_length({"max_position_embeddings": 131_072,
+                           "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 131_072
+    assert context_length({"max_position_embeddings": 131_072, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768}}) == 131_072
+    assert context_length({"text_config": {"max_position_embeddings": 8192}}) == 8192
+    assert context_length({}) is None
+    model = load_model(str(llama3_model_dir))
+    assert context_window(1024, model) == 1024 and context_window(0, model) == 131_072
+    assert context_window(0, ServedModel(model.tokenizer, None, {}, [])) == 2048  # SGLang's default

@@ -24,7 +24,7 @@ from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import answer_schema, sampling_params
 from inferbus.openai.tools import ToolCall, ToolOutput
-from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, load_model, render_prompt
+from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
 from inferbus.stores.keys import KeyStore, Principal
 from inferbus.stores.models import ModelCatalog
@@ -121,6 +121,7 @@ class Generation:
                  catalog: ModelCatalog | None = None, served: ServedModel | None = None) -> None:
         self.settings = settings
         self.served = served or load_model(settings.model_dir)
+        self.max_model_len = context_window(settings.max_model_len, self.served)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
         self.keys = keys
@@ -380,7 +381,7 @@ class Generation:
                 return body
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
-        return responses.max_new_tokens(requested, prompt_tokens, self.settings.max_model_len,
+        return responses.max_new_tokens(requested, prompt_tokens, self.max_model_len,
                                         self.settings.default_max_tokens)
 
     # ---- relaying ---------------------------------------------------------------------------

@@ -39,7 +39,11 @@ class GatewaySettings:
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
     max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest JSON request body (and batch input line) accepted (413 above).")
     max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
-    max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit.")
+    max_model_len: int = env(
+        "INFERBUS_MAX_MODEL_LEN", 0,
+        "Context window: prompt plus max_tokens must fit. 0: the served model's, read from its config.json as SGLang "
+        "reads it (max_position_embeddings and the like); set it when the engines run with --context-length.",
+    )
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")

@@ -176,6 +176,8 @@ class SimEngineServer:
         self.served = load_model(config.model_dir) if config.model_dir else None
         if self.served is not None:
             served = self.served
+            if served.context_length:
+                config.context_length = served.context_length  # the model's own, as SGLang derives it
             vocabulary = OutputVocabulary.from_tokenizer(
                 lambda text: served.encode(text, add_special_tokens=False),
                 lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False),
