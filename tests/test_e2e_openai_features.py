@@ -33,10 +33,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK_WEATHER = [{"role": "user", "content": "What's the weather in Paris right now?"}]
 
 
-def _check_calls(calls: list, names: list[str]) -> None:
+def _check_calls(calls: list, names: list[str], nine_character_ids: bool = False) -> None:
     assert [c.function.name for c in calls] == names
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function"
+        assert (len(call.id) == 9 and call.id.isalnum()) if nine_character_ids else call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
@@ -352,24 +353,27 @@ def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=4, seed=2**70)
 
 
-@pytest.fixture(scope="module")
-def hermes_platform(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A platform serving a model of the Hermes/Qwen family: the engine writes <tool_call> blocks
-    and the gateway is configured to read them."""
+@pytest.fixture(scope="module", params=["hermes", "mistral", "pythonic"])
+def family_platform(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A platform serving a model of another family: the engine writes that family's calls
+    (Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic lists) and the gateway
+    is configured to read them."""
     from .conftest import running_platform
 
-    with running_platform(tmp_path_factory.mktemp("hermes"), workers=1, time_scale=0.1,
-                          engine_args=["--tool-call-parser", "hermes"],
-                          extra_env={"INFERBUS_TOOL_CALL_PARSER": "hermes"}) as running:
+    family = request.param
+    with running_platform(tmp_path_factory.mktemp(family), workers=1, time_scale=0.1,
+                          engine_args=["--tool-call-parser", family],
+                          extra_env={"INFERBUS_TOOL_CALL_PARSER": family}) as running:
         yield running
 
 
-def test_hermes_family_tool_calls(hermes_platform: Platform) -> None:
-    client = hermes_platform.client()
+def test_other_families_tool_calls(family_platform: Platform, request: pytest.FixtureRequest) -> None:
+    client = family_platform.client()
     messages = [{"role": "user", "content": "What's the weather in Rome, and the time?"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2)
     assert whole.choices[0].finish_reason == "tool_calls"
-    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"])
+    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"],
+                 nine_character_ids=request.node.callspec.params["family_platform"] == "mistral")
     with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2) as stream:
         final = stream.get_final_completion()
     assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \

@@ -109,7 +109,9 @@ class GatewaySettings:
     tool_call_parser: str = env(
         "INFERBUS_TOOL_CALL_PARSER", "llama3",
         "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
-        "`{\"name\", \"parameters\"}`) or `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`); SGLang's "
+        "`{\"name\", \"parameters\"}`), `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`), `mistral` "
+        "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`) or `deepseekv3`/`deepseekv31` "
+        "(a `<｜tool▁calls▁begin｜>` block); SGLang's "
         "--tool-call-parser names.",
     )
     internal_api: bool = env(

@@ -18,7 +18,7 @@ import random
 import re
 from typing import Any
 
-FAMILIES = ("llama3", "hermes", "qwen25", "qwen")
+FAMILIES = ("llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31")
 _WORDS = ("alpha", "bravo", "delta", "echo", "harbor", "lima", "nova", "paris", "oslo", "tango")
 _decoder = json.JSONDecoder()
 
@@ -430,5 +430,17 @@ def tool_call_output(prompt: str, family: str, rng: random.Random) -> str | None
     if family == "llama3":
         return "; ".join(json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
                          for name, arguments in calls)
+    if family == "mistral":
+        return "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": arguments} for name, arguments in calls],
+                                           ensure_ascii=False)
+    if family in ("deepseekv3", "deepseekv31"):
+        def one(name: str, arguments: Any) -> str:
+            if family == "deepseekv3":
+                return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(arguments, ensure_ascii=False)}\n```<｜tool▁call▁end｜>"
+            return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{json.dumps(arguments, ensure_ascii=False)}<｜tool▁call▁end｜>"
+        return "<｜tool▁calls▁begin｜>" + "\n".join(one(name, arguments) for name, arguments in calls) + "<｜tool▁calls▁end｜>"
+    if family == "pythonic":
+        return "[" + ", ".join(f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
+                               for name, arguments in calls) + "]"
     return "\n".join(f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
                      for name, arguments in calls)
