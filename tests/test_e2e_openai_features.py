@@ -134,6 +134,20 @@ def test_a_call_cut_short_comes_back_as_content(client: openai.OpenAI) -> None:
         assert content.startswith('{"name": "get') and finish == ["length"]
 
 
+def test_parallel_required_calls_cut_short_keep_the_complete_ones(client: openai.OpenAI) -> None:
+    ask_both = [{"role": "user", "content": "What's the weather in Paris, and the time there?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask_both, tools=TOOLS, tool_choice="required",
+                                           max_tokens=300, seed=3)
+    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"])
+    assert whole.usage is not None
+    cut = client.chat.completions.create(model=MODEL, messages=ask_both, tools=TOOLS, tool_choice="required",
+                                         max_tokens=whole.usage.completion_tokens - 3, seed=3)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    _check_calls(choice.message.tool_calls, ["get_weather"])
+    assert choice.message.tool_calls[0].function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+
+
 class Trip(pydantic.BaseModel):
     city: str
     nights: int

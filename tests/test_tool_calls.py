@@ -265,3 +265,13 @@ def test_deepseek_calls_after_content(family: str, text: str, step: int) -> None
 def test_deepseek_anything_else_is_content(text: str) -> None:
     assert tools.DeepSeekParser(NAMES).parse(text) == (text, [])
     assert _shape(_streamed(ToolOutput("deepseekv31", [WEATHER, TIME], "auto"), text, 5)) == (text, [])
+
+
+def test_a_list_of_calls_cut_short_keeps_its_complete_calls() -> None:
+    cut = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "param'
+    for output in (ToolOutput("llama3", [WEATHER, TIME], "required"), ToolOutput("hermes", [WEATHER, TIME], None,
+                                                                                 json_answer=True)):
+        assert _shape(_streamed(output, cut, 7)) == ("", [("get_weather", {"city": "Oslo"})])
+    # Nothing complete, or a complete item that is not a call: what there is, as content.
+    for text in ('[{"name": "get_weather", "param', '[{"name": "nope", "parameters": {}}, {"na'):
+        assert _shape(_streamed(ToolOutput("llama3", [WEATHER, TIME], "required"), text, 7)) == (text, [])

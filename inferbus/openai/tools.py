@@ -504,6 +504,31 @@ def parser_for(family: str, tools: Sequence[dict[str, Any]]) -> Parser:
     return PARSERS[family](names)
 
 
+def _leading_items(text: str) -> list[Any]:
+    """The complete items at the start of a JSON array that was cut short (by max_tokens)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    items: list[Any] = []
+    position = 1
+    while True:
+        while position < len(body) and body[position] in " \t\r\n,":
+            position += 1
+        try:
+            item, position = _decoder.raw_decode(body, position)
+        except ValueError:
+            return items
+        items.append(item)
+
+
+def _calls_of_cut_array(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """The complete calls of a list of calls cut short; None if it holds none or anything else."""
+    calls = [_object_call(item, names, "parameters") for item in _leading_items(text)]
+    if not calls or any(call is None for call in calls):
+        return None
+    return [call for call in calls if call is not None]
+
+
 class ConstrainedStream:
     """The output of a forced call (`constraint`): JSON only, read when complete."""
 
@@ -521,7 +546,9 @@ class ConstrainedStream:
         try:
             value = json.loads(text)
         except ValueError:
-            return [text] if text else []  # cut short by max_tokens: what there is, as content
+            # Cut short by max_tokens: the calls completed before the cut, else what there is as content.
+            complete = _calls_of_cut_array(text, self.names) if self.name is None else None
+            return list(complete) if complete else ([text] if text else [])
         if self.name is not None:
             if isinstance(value, dict):
                 return [ToolCall(name=self.name, arguments=json.dumps(value, ensure_ascii=False))]
@@ -563,7 +590,8 @@ class EitherStream:
         try:
             value = json.loads(text)
         except ValueError:
-            return [text]
+            complete = _calls_of_cut_array(text, self.names) if self.held else None
+            return list(complete) if complete else [text]  # cut short: the complete calls, if any
         if isinstance(value, list) and value:
             calls = [_object_call(item, self.names, "parameters") for item in value]
             if all(call is not None for call in calls):
