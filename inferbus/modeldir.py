@@ -47,7 +47,8 @@ class ChatFormat:
 
 
 # Llama-3-style: the prompt starts with the BOS token, turns are headed by role tokens and end
-# with <|eot_id|>; tools go into the system turn, a tool call is a JSON object on its own.
+# with <|eot_id|>; tools go into the system turn, a tool call is a JSON object on its own. A later
+# system message is a system turn where it stands, as in Llama-3.3's own template.
 LLAMA3_TEMPLATE = r"""{{- bos_token }}
 {%- if messages and messages[0].role == 'system' %}
     {%- set ns = namespace(system=messages[0].content) %}
@@ -67,7 +68,7 @@ LLAMA3_TEMPLATE = r"""{{- bos_token }}
 {%- endif %}
 {%- for message in messages %}
     {%- if message.role == 'system' %}
-        {{- raise_exception('A system message must come first.') }}
+        {{- '<|start_header_id|>system<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' }}
     {%- elif message.role == 'tool' or message.role == 'ipython' %}
         {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
         {%- if message.content is string %}{{- message.content }}{%- else %}{{- message.content | tojson }}{%- endif %}
@@ -94,7 +95,8 @@ LLAMA3_TEMPLATE = r"""{{- bos_token }}
 
 # ChatML (Qwen-style): no BOS token, <|im_start|>role ... <|im_end|>; tools listed in the system
 # turn inside <tools>, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results
-# sent back in a user turn inside <tool_response>.
+# sent back in a user turn inside <tool_response>. A later system message is a system turn where it
+# stands, as in Qwen2.5's own template.
 CHATML_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
@@ -105,9 +107,8 @@ CHATML_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
-    {%- if message.role == 'system' %}
-        {%- if not loop.first %}{{- raise_exception('A system message must come first.') }}{%- endif %}
-    {%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'user' or message.role == 'system' or (message.role == 'assistant' and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}
     {%- elif message.role == 'assistant' %}
         {{- '<|im_start|>assistant' }}
@@ -294,7 +295,7 @@ def build_model_dir(
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": model_max_length,  # the context length engines and the gateway read
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "hidden_act": "silu",

@@ -83,13 +83,17 @@ class ServedModel:
     """Tokenizer and chat template of one served model."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special_tokens: dict[str, str | None],
-                 eos_token_ids: list[int], path: str = "") -> None:
+                 eos_token_ids: list[int], path: str = "", context_length: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.context_length = context_length  # from config.json, as the engine derives it; None: not given
         self.chat_template = chat_template
         self.special_tokens = special_tokens
         self.eos_token_ids = eos_token_ids
         self.path = path
         self._template = _compile(chat_template) if chat_template else None
+        # A template that never names the `developer` role has no turn for it: OpenAI's developer
+        # message is what the system message was before its reasoning models, so it is sent as one.
+        self.has_developer_role = bool(chat_template) and "developer" in (chat_template or "")
 
     @classmethod
     def load(cls, path: str | Path) -> ServedModel:
@@ -107,12 +111,13 @@ class ServedModel:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         generation = _read_json(directory / "generation_config.json")
-        eos = generation.get("eos_token_id", _read_json(directory / "config.json").get("eos_token_id"))
+        model_config = _read_json(directory / "config.json")
+        eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if not eos_ids and special["eos_token"]:
             token_id = tokenizer.token_to_id(special["eos_token"])
             eos_ids = [token_id] if token_id is not None else []
-        return cls(tokenizer, template, special, eos_ids, str(directory))
+        return cls(tokenizer, template, special, eos_ids, str(directory), context_length(model_config))
 
     @property
     def vocab_size(self) -> int:
@@ -123,14 +128,31 @@ class ServedModel:
         """The chat as the model's template writes it (transformers' `apply_chat_template(tokenize=False)`)."""
         if self._template is None:
             raise PromptError("This model has no chat template; use /v1/completions with a prompt.")
-        normalized = [_text_message(message) for message in messages]
-        try:
-            return self._template.render(
-                messages=normalized, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens, **template_kwargs,
+        template = self._template
+        normalized = [_text_message(message, self.has_developer_role) for message in messages]
+
+        # A token the model does not have is left undefined (renders empty), as transformers does.
+        tokens = {name: token for name, token in self.special_tokens.items() if token is not None}
+
+        def render(chat: list[dict[str, Any]]) -> str:
+            return template.render(
+                messages=chat, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
+                **tokens, **template_kwargs,
             )
+
+        try:
+            return render(normalized)
         except jinja2.TemplateError as error:
-            raise PromptError(f"The messages do not fit this model's chat template: {error}") from None
+            refusal = error
+        # OpenAI accepts any number of system messages anywhere; many templates take one, first
+        # (Mistral's, Gemma's). Those get all the system text in that one message.
+        folded = _one_system_message(normalized)
+        if folded is not None:
+            try:
+                return render(folded)
+            except jinja2.TemplateError:
+                pass
+        raise PromptError(f"The messages do not fit this model's chat template: {refusal}") from None
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) > LONG_TEXT_CHARS:
@@ -143,13 +165,58 @@ class ServedModel:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def _text_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def _text_message(message: Mapping[str, Any], has_developer_role: bool) -> dict[str, Any]:
     """A message with its content parts joined into one string (text-only models; as SGLang does
-    for templates that expect string content)."""
+    for templates that expect string content), and `developer` sent as `system` to a template
+    without that role."""
     normalized = dict(message)
     if "content" in normalized and not isinstance(normalized["content"], str | None):
         normalized["content"] = content_text(normalized["content"])
+    if normalized.get("role") == "developer" and not has_developer_role:
+        normalized["role"] = "system"
     return normalized
+
+
+def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The chat with all its system messages joined into one at the start (a blank line between
+    them); None when it already has at most one, first."""
+    system = [i for i, message in enumerate(messages) if message.get("role") == "system"]
+    if not system or system == [0]:
+        return None
+    text = "\n\n".join(messages[i].get("content") or "" for i in system)
+    return [{"role": "system", "content": text}, *(message for message in messages if message.get("role") != "system")]
+
+
+# SGLang's context length for a config.json that gives none.
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def context_window(configured: int, model: ServedModel) -> int:
+    """The context window requests must fit: the configured one (INFERBUS_MAX_MODEL_LEN), else the
+    model's own, else SGLang's default."""
+    return configured or model.context_length or DEFAULT_CONTEXT_LENGTH
+
+
+# The keys of config.json that give the context length, in the order SGLang reads them.
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def context_length(config: Mapping[str, Any]) -> int | None:
+    """The model's context length from its config.json, as SGLang derives it (`--context-length`
+    unset): the first of CONTEXT_LENGTH_KEYS, times a RoPE scaling factor unless the scaling is
+    Llama-3's or keeps the original length; a multimodal model's `text_config`. None if absent."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    assert isinstance(text, Mapping)
+    scaling = text.get("rope_scaling")
+    factor = 1.0
+    if isinstance(scaling, Mapping) and "original_max_position_embeddings" not in scaling \
+            and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        factor = float(scaling.get("factor", 1.0))
+    for key in CONTEXT_LENGTH_KEYS:
+        value = text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return int(factor * value)
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

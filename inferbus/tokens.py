@@ -97,12 +97,14 @@ def block_hashes(
 
 
 def content_text(content: Any) -> str:
-    """Text of a message's `content`: a string, or a list of `{"type": "text", "text": ...}` parts."""
+    """Text of a message's `content`: a string, or a list of `{"type": "text", "text": ...}` parts
+    (and an assistant's `{"type": "refusal", "refusal": ...}`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return "".join((part.get("text") or "") if part.get("type") == "text" else (part.get("refusal") or "")
+                   for part in content if part.get("type") in ("text", "refusal"))
 
 
 def standin_render_chat(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:

@@ -96,6 +96,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     top_k: int = -1  # -1: no limit (SGLang's convention)
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model would say (benchmarks)
+    stop_token_ids: list[int] = []
     # Constrained decoding, at most one set (SGLang's sampling parameters of the same names);
     # json_schema is the schema as JSON text.
     json_schema: str | None = None

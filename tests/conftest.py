@@ -22,6 +22,11 @@ from inferbus.local import Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 
+# The simulated engines these tests start answer until max_tokens (or a stop), as with ignore_eos:
+# most tests count the tokens they asked for. Tests of answers that end by themselves give the
+# engines `--answer-length-median` (tests/test_sim_answers.py).
+os.environ.setdefault("INFERBUS_SIM_ANSWER_LENGTH_MEDIAN", "0")
+
 
 @dataclass
 class Platform:

@@ -89,7 +89,7 @@ def test_a_batch_line_nested_too_deeply_or_too_large_is_refused_at_validation() 
     assert [(e.code, e.line) for e in verdict] == [("line_too_large", 2), ("line_too_large", 3)]
     verdict = validate([chat_line("a"), deep], CHAT, Limits(max_line_bytes=10**6, max_json_depth=128))
     assert isinstance(verdict, list) and [(e.code, e.line) for e in verdict] == [("json_too_deep", 2)]
-    assert isinstance(validate([chat_line("a", vendor_extension={"x": [[[[1]]]]})], CHAT), Validated)
+    assert isinstance(validate([chat_line("a", chat_template_kwargs={"x": [[[[1]]]]})], CHAT), Validated)
 
 
 def test_a_line_planned_with_a_seed_the_bus_cannot_carry_fails_as_a_line_error(llama3_model_dir: Path) -> None:

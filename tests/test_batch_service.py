@@ -106,7 +106,8 @@ def test_completions_lines_parse_as_completions() -> None:
                        "body": {"model": MODEL, "prompt": "Once upon", "max_tokens": 3}}).encode()
     assert isinstance(validate([line], "/v1/completions"), Validated)
     as_chat = validate([line.replace(b"/v1/completions", CHAT.encode())], CHAT)
-    assert isinstance(as_chat, list) and as_chat[0].code == "missing_required_parameter"
+    # A completion's body is not a chat's: its `prompt` is unknown there.
+    assert isinstance(as_chat, list) and (as_chat[0].code, as_chat[0].param) == ("unknown_parameter", "body.prompt")
 
 
 # ---- feed policy ---------------------------------------------------------------------------------
@@ -361,10 +362,11 @@ def test_max_tokens_rules_are_the_gateways(llama3_model_dir: Path) -> None:
         lines.plan_line("/v1/completions", body, model=model, max_model_len=plan.prompt_tokens + 5, default_max_tokens=64)
     assert error.value.code == "context_length_exceeded" and error.value.status == 400
     # A chat the model's template refuses is the line's own 400, not a failure of the batch.
-    bad = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]})
+    bad = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}, {"role": "function", "name": "f",
+                                                                                      "content": "b"}]})
     with pytest.raises(OpenAIError) as refused:
         lines.plan_line(CHAT, bad.encode(), model=model, max_model_len=1000, default_max_tokens=64)
-    assert refused.value.status == 400 and "system message" in refused.value.message
+    assert refused.value.status == 400 and "Unknown message role: function" in refused.value.message
 
 
 def result(ok: bool = True, **kw: object) -> m.BatchLineResult:

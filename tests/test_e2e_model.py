@@ -28,9 +28,16 @@ pytestmark = pytest.mark.e2e
 LONG = " ".join(f"Paragraph {i} of the reference manual explains one more setting in detail." for i in range(120))
 
 
+CONTEXT = 4096  # the served model's context length (its config.json), which gateway and engine read
+
+
 @pytest.fixture(scope="module")
-def chatml(tmp_path_factory: pytest.TempPathFactory, chatml_model_dir: Path) -> Iterator[Platform]:
-    with running_platform(tmp_path_factory.mktemp("chatml"), workers=1, time_scale=0.1, model_dir=chatml_model_dir,
+def chatml(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    from inferbus.modeldir import build_model_dir
+
+    # The tokenizer and template of `chatml_model_dir`, with a 4,096-token context.
+    model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "chatml-4k", "chatml", model_max_length=CONTEXT)
+    with running_platform(tmp_path_factory.mktemp("chatml"), workers=1, time_scale=0.1, model_dir=model_dir,
                           engine_args=["--block-size", "1"]) as running:
         yield running
 
@@ -72,8 +79,27 @@ def test_completions_use_the_tokenizers_special_tokens(chatml: Platform, chatml_
 def test_a_message_the_template_refuses_is_a_400_naming_it(chatml: Platform) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         chatml.client().chat.completions.create(model=MODEL, max_tokens=2, messages=[  # type: ignore[arg-type]
-            {"role": "user", "content": "hi"}, {"role": "system", "content": "late"}])
-    assert "system message must come first" in str(error.value)
+            {"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "late"}])
+    assert "Unknown message role: function" in str(error.value)
+
+
+def test_the_context_length_is_the_models(chatml: Platform, chatml_model_dir: Path) -> None:
+    info = json.load(urllib.request.urlopen(chatml.engine_url(1) + "/server_info", timeout=10))
+    assert info["context_length"] == CONTEXT  # the engine read the model's config.json too
+    client = chatml.client()
+    model = load_model(str(chatml_model_dir))
+    prompt_tokens = len(render_prompt(model, messages=[{"role": "user", "content": LONG}]).ids)
+    # Without max_tokens the answer may take the rest of the window (the default, 4,096, is capped).
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG}], temperature=0)
+    assert reply.usage is not None and reply.usage.completion_tokens == CONTEXT - prompt_tokens
+    too_long = [{"role": "user", "content": LONG + LONG + LONG}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=too_long, stream=stream)  # type: ignore[call-overload]
+        assert error.value.code == "context_length_exceeded" and f"maximum context length is {CONTEXT}" in str(error.value)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=CONTEXT)
+    assert error.value.param == "max_tokens"
 
 
 def test_a_repeated_long_prompt_reports_the_engines_cached_tokens(chatml: Platform) -> None:

@@ -33,10 +33,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK_WEATHER = [{"role": "user", "content": "What's the weather in Paris right now?"}]
 
 
-def _check_calls(calls: list, names: list[str]) -> None:
+def _check_calls(calls: list, names: list[str], nine_character_ids: bool = False) -> None:
     assert [c.function.name for c in calls] == names
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function"
+        assert (len(call.id) == 9 and call.id.isalnum()) if nine_character_ids else call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
@@ -133,6 +134,20 @@ def test_a_call_cut_short_comes_back_as_content(client: openai.OpenAI) -> None:
         assert content.startswith('{"name": "get') and finish == ["length"]
 
 
+def test_parallel_required_calls_cut_short_keep_the_complete_ones(client: openai.OpenAI) -> None:
+    ask_both = [{"role": "user", "content": "What's the weather in Paris, and the time there?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask_both, tools=TOOLS, tool_choice="required",
+                                           max_tokens=300, seed=3)
+    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"])
+    assert whole.usage is not None
+    cut = client.chat.completions.create(model=MODEL, messages=ask_both, tools=TOOLS, tool_choice="required",
+                                         max_tokens=whole.usage.completion_tokens - 3, seed=3)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    _check_calls(choice.message.tool_calls, ["get_weather"])
+    assert choice.message.tool_calls[0].function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+
+
 class Trip(pydantic.BaseModel):
     city: str
     nights: int
@@ -151,6 +166,35 @@ def test_structured_output_parsed_by_the_sdk(client: openai.OpenAI) -> None:
         model=MODEL, messages=[{"role": "user", "content": "Pick a digit"}], max_tokens=100, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "digit", "schema": schema, "strict": True}}))
     jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+
+
+def test_tools_beside_a_response_format_are_called_when_needed(client: openai.OpenAI) -> None:
+    """The agent pattern (tools and an output type): under `auto` the model calls a tool the
+    conversation needs and otherwise answers with the schema's JSON, parsed by the SDK."""
+
+    class Forecast(pydantic.BaseModel):
+        city: str
+        summary: str
+
+    strict_tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]  # the SDK's parse needs them
+
+    needs_tool = client.chat.completions.parse(model=MODEL, messages=ASK_WEATHER, tools=strict_tools, response_format=Forecast,
+                                               max_tokens=300)
+    choice = needs_tool.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_calls(choice.message.tool_calls, ["get_weather"])
+    call = choice.message.tool_calls[0]
+    answered = client.chat.completions.parse(model=MODEL, tools=strict_tools, response_format=Forecast, max_tokens=300, messages=[
+        *ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and clear"}])
+    assert answered.choices[0].finish_reason == "stop" and isinstance(answered.choices[0].message.parsed, Forecast)
+    no_tool = client.chat.completions.parse(model=MODEL, tools=strict_tools, response_format=Forecast, max_tokens=300,
+                                            messages=[{"role": "user", "content": "Describe a sunny day."}])
+    assert isinstance(no_tool.choices[0].message.parsed, Forecast) and not no_tool.choices[0].message.tool_calls
+    streamed = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=300,
+                                                   stream=True, response_format={"type": "json_object"}))
+    deltas = [d for c in streamed if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [d.function.name for d in deltas if d.function and d.function.name] == ["get_weather"]
 
 
 def test_bad_schemas_are_400s(client: openai.OpenAI) -> None:
@@ -203,9 +247,37 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_sampling_extensions_pass_through(client: openai.OpenAI) -> None:
-    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                              extra_body={"top_k": 20, "min_p": 0.05}, seed=7, max_completion_tokens=4)
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=7, max_completion_tokens=4,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05, "min_tokens": 2, "ignore_eos": True,
+                    "chat_template_kwargs": {"enable_thinking": False}, "prompt_cache_key": "k"})
     assert response.usage.completion_tokens == 4
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))  # type: ignore[typeddict-unknown-key]
+    assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens <= 4
+
+
+def test_roles_and_message_shapes_as_openai_accepts_them(client: openai.OpenAI) -> None:
+    """developer messages, several and later system messages, content parts and an earlier refusal."""
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "system", "content": [{"type": "text", "text": "Answer in English."}]},
+        {"role": "developer", "content": [{"type": "text", "text": "Never "}, {"type": "text", "text": "apologise."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Say something rude."}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I won't."}]},
+        {"role": "system", "content": "Be kind now."},
+        {"role": "user", "content": "Then say hi."},
+    ]
+    alone = client.chat.completions.create(model=MODEL, messages=messages[-1:], max_tokens=1)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert response.choices[0].message.content is not None
+    # Every message reached the prompt.
+    assert response.usage.prompt_tokens > alone.usage.prompt_tokens + 20
+    reply = client.responses.create(model=MODEL, instructions="You are terse.", max_output_tokens=16, input=[
+        {"role": "system", "content": "Answer in English."}, {"role": "developer", "content": "Never apologise."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}])
+    assert reply.status in ("completed", "incomplete") and reply.output_text
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
@@ -239,6 +311,9 @@ COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 4}
     ("completion", {"logprobs": 6}, "logprobs"),
     ("completion", {"logit_bias": {"1": 5}}, "logit_bias"),
     ("completion", {"seed": -(2**64)}, "seed"),
+    ("chat", {"response_fromat": {"type": "json_object"}}, "response_fromat"),
+    ("chat", {"repetition_penalty": 3}, "repetition_penalty"),
+    ("completion", {"max_token": 4}, "max_token"),
 ])
 def test_each_refused_field_is_a_400_naming_it(platform: Platform, endpoint: str, extra: dict, param: str) -> None:
     body = {**(CHAT if endpoint == "chat" else COMPLETION), **extra}
@@ -292,24 +367,27 @@ def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=4, seed=2**70)
 
 
-@pytest.fixture(scope="module")
-def hermes_platform(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A platform serving a model of the Hermes/Qwen family: the engine writes <tool_call> blocks
-    and the gateway is configured to read them."""
+@pytest.fixture(scope="module", params=["hermes", "mistral", "pythonic"])
+def family_platform(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A platform serving a model of another family: the engine writes that family's calls
+    (Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic lists) and the gateway
+    is configured to read them."""
     from .conftest import running_platform
 
-    with running_platform(tmp_path_factory.mktemp("hermes"), workers=1, time_scale=0.1,
-                          engine_args=["--tool-call-parser", "hermes"],
-                          extra_env={"INFERBUS_TOOL_CALL_PARSER": "hermes"}) as running:
+    family = request.param
+    with running_platform(tmp_path_factory.mktemp(family), workers=1, time_scale=0.1,
+                          engine_args=["--tool-call-parser", family],
+                          extra_env={"INFERBUS_TOOL_CALL_PARSER": family}) as running:
         yield running
 
 
-def test_hermes_family_tool_calls(hermes_platform: Platform) -> None:
-    client = hermes_platform.client()
+def test_other_families_tool_calls(family_platform: Platform, request: pytest.FixtureRequest) -> None:
+    client = family_platform.client()
     messages = [{"role": "user", "content": "What's the weather in Rome, and the time?"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2)
     assert whole.choices[0].finish_reason == "tool_calls"
-    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"])
+    _check_calls(whole.choices[0].message.tool_calls, ["get_weather", "get_time"],
+                 nine_character_ids=request.node.callspec.params["family_platform"] == "mistral")
     with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS, max_tokens=300, seed=2) as stream:
         final = stream.get_final_completion()
     assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \

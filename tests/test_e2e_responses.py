@@ -200,8 +200,9 @@ def test_conversation_survives_a_gateway_restart(platform: Platform, client: ope
 
 def test_an_agents_sdk_agent_with_a_function_tool(platform: Platform) -> None:
     """The agent asks the model, the model calls the tool, the SDK runs it; its result is the answer
-    (`stop_on_first_tool`: the simulated model's free text never ends before max_output_tokens, and
-    the Agents SDK takes an incomplete response for an error). Plain and streamed runs."""
+    (`stop_on_first_tool`: the suite's simulated engines answer until max_output_tokens, and the
+    Agents SDK takes an incomplete response for an error; test_sim_answers.py runs agents to the end
+    with answers that end). Plain and streamed runs."""
     from agents import (
         Agent,
         ModelSettings,

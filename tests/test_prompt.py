@@ -64,10 +64,86 @@ def test_completion_prompts_get_the_tokenizers_special_tokens(llama3_model_dir: 
 
 def test_what_the_template_refuses_is_a_prompt_error(llama3_model_dir: Path) -> None:
     model = load_model(str(llama3_model_dir))
-    with pytest.raises(PromptError, match="system message must come first"):
-        render_prompt(model, messages=[{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
     with pytest.raises(PromptError, match="Unknown message role: wizard"):
         render_prompt(model, messages=[{"role": "wizard", "content": "a"}])
+
+
+# Shaped like Mistral-7B-Instruct-v0.3's template: one optional leading system message (put before
+# the last user turn), then strictly alternating user/assistant turns; anything else is refused.
+ONE_SYSTEM_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.last and system_message is defined %}
+            {{- '[INST] ' + system_message + '\n\n' + message['content'] + '[/INST]' }}
+        {%- else %}
+            {{- '[INST] ' + message['content'] + '[/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+def _with_template(tmp_path: Path, source: Path, template: str) -> ServedModel:
+    directory = tmp_path / "model"
+    shutil.copytree(source, directory)
+    (directory / "chat_template.jinja").write_text(template)
+    return ServedModel.load(directory)
+
+
+def test_developer_messages_are_system_messages_to_templates_without_that_role(
+        tmp_path: Path, llama3_model_dir: Path, chatml_model_dir: Path) -> None:
+    for directory in (llama3_model_dir, chatml_model_dir):
+        model = load_model(str(directory))
+        as_developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        assert render_prompt(model, messages=as_developer) == render_prompt(model, messages=as_system)
+    # A template that has the role gets it as sent.
+    knows = _with_template(tmp_path, chatml_model_dir,
+                           "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                           "{# roles: system, developer, user, assistant #}")
+    assert knows.render_chat([{"role": "developer", "content": "x"}]) == "<|im_start|>developer\nx<|im_end|>\n"
+
+
+def test_several_and_later_system_messages_render_where_they_stand(llama3_model_dir: Path, chatml_model_dir: Path) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": [{"type": "text", "text": "Answer in JSON."}]},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "{}"},
+                {"role": "developer", "content": "Now in French."}, {"role": "user", "content": "again"}]
+    llama = render_prompt(load_model(str(llama3_model_dir)), messages=messages).text
+    assert llama == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>system<|end_header_id|>\n\nAnswer in JSON.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{}<|eot_id|>"
+        "<|start_header_id|>system<|end_header_id|>\n\nNow in French.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nagain<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    chatml = render_prompt(load_model(str(chatml_model_dir)), messages=messages, tools=TOOLS).text
+    assert chatml.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert chatml.endswith(
+        "<|im_start|>system\nAnswer in JSON.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>\n"
+        "<|im_start|>system\nNow in French.<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_that_takes_one_system_message_gets_them_all_in_it(tmp_path: Path, llama3_model_dir: Path) -> None:
+    model = _with_template(tmp_path, llama3_model_dir, ONE_SYSTEM_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in JSON."},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "{}"},
+                {"role": "system", "content": "Now in French."}, {"role": "user", "content": "again"}]
+    assert model.render_chat(messages) == (
+        "<|begin_of_text|>[INST] hi[/INST] {}<|eot_id|>[INST] Be brief.\n\nAnswer in JSON.\n\nNow in French.\n\nagain[/INST]")
+    # What the template refuses for another reason is still refused, with its own words.
+    with pytest.raises(PromptError, match="roles must alternate"):
+        model.render_chat([{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
+                           {"role": "assistant", "content": "c"}])
 
 
 def test_the_template_is_sandboxed(tmp_path: Path, llama3_model_dir: Path) -> None:
@@ -94,3 +170,52 @@ def test_model_directories_are_deterministic_and_cached(tmp_path: Path, llama3_m
     assert json.loads((again / "config.json").read_text())["vocab_size"] >= load_model(str(again)).vocab_size
     with pytest.raises(ValueError, match="chat_format"):
         build_model_dir(tmp_path / "x", "mistral")
+
+
+@pytest.mark.parametrize("family", ["llama3", "chatml"])
+def test_rendering_equals_transformers(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Text and ids as transformers' apply_chat_template gives them, for the shapes OpenAI clients send
+    (where a message needs mapping, transformers is given what the template receives)."""
+    transformers = pytest.importorskip("transformers")
+    directory: Path = request.getfixturevalue(f"{family}_model_dir")
+    model = load_model(str(directory))
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    one_system = _with_template(tmp_path, directory, ONE_SYSTEM_TEMPLATE)
+    reference_one_system = transformers.AutoTokenizer.from_pretrained(str(one_system.path))
+    chats = [
+        ([{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in JSON."},
+          {"role": "user", "content": "hi"}], None),
+        ([{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}, {"role": "system", "content": "Now in French."},
+          {"role": "user", "content": "Again"}], TOOLS),
+    ]
+    for messages, tools in chats:
+        ours = render_prompt(model, messages=messages, tools=tools)
+        theirs = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert ours.text == theirs
+        assert ours.ids == reference(theirs, add_special_tokens=False)["input_ids"]
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert render_prompt(model, messages=developer).text == reference.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tokenize=False,
+        add_generation_prompt=True)
+    folded = [{"role": "system", "content": "Be brief.\n\nAnswer in JSON."}, {"role": "user", "content": "hi"}]
+    assert one_system.render_chat(chats[0][0]) == reference_one_system.apply_chat_template(
+        folded, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_context_length_is_read_from_config_json_as_sglang_reads_it(llama3_model_dir: Path) -> None:
+    from inferbus.prompt import context_length, context_window
+
+    assert load_model(str(llama3_model_dir)).context_length == 131_072  # what build_model_dir wrote
+    assert context_length({"max_position_embeddings": 32_768}) == 32_768
+    assert context_length({"seq_length": 8192, "max_position_embeddings": 4096}) == 8192  # SGLang's key order
+    assert context_length({"max_position_embeddings": 32_768, "rope_scaling": {"type": "yarn", "factor": 4.0}}) == 131_072
+    assert context_length({"max_position_embeddings": 131_072,
+                           "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 131_072
+    assert context_length({"max_position_embeddings": 131_072, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768}}) == 131_072
+    assert context_length({"text_config": {"max_position_embeddings": 8192}}) == 8192
+    assert context_length({}) is None
+    model = load_model(str(llama3_model_dir))
+    assert context_window(1024, model) == 1024 and context_window(0, model) == 131_072
+    assert context_window(0, ServedModel(model.tokenizer, None, {}, [])) == 2048  # SGLang's default

@@ -110,9 +110,28 @@ def test_options_that_ask_for_nothing_are_accepted() -> None:
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "objekt"}}}},
+     "text.format.schema"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": 3}}]}, "tools[0].parameters"),
+    ({"input": "x", "response_fromat": {}}, "response_fromat"),
+    ({"input": "x", "stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
 ])
 def test_bad_input_is_a_400_naming_the_parameter(body: dict[str, Any], param: str) -> None:
-    assert refused(**body).param == param
+    error = refused(**body)
+    assert error.param == param
+    assert "response_format" not in error.message  # said in the Responses API's own terms
+    if error.code == "unknown_parameter":
+        assert error.message == f"Unknown parameter: '{param}'."
+    if param == "text.format.schema":
+        assert error.message.startswith("Invalid schema for text.format.schema")
+
+
+def test_instructions_and_system_items_are_all_system_messages() -> None:
+    request = parse(instructions="Be brief.", input=[{"role": "system", "content": "Answer in JSON."},
+                                                     {"role": "developer", "content": "No prose."},
+                                                     {"role": "user", "content": "hi"}])
+    messages = items.chat_messages(request.instructions, items.input_items(request, "i"))
+    assert [m["role"] for m in messages] == ["system", "system", "developer", "user"]
 
 
 def _shell(**body: Any) -> items.Shell:

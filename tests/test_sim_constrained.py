@@ -8,7 +8,7 @@ import random
 import jsonschema
 import pytest
 
-from inferbus.openai.tools import ToolOutput
+from inferbus.openai.tools import ToolOutput, constraint, either_constraint
 from inferbus.tokens import standin_render_chat as render_chat
 from services.sim_engine.constrained import SchemaError, json_output, tool_call_output, value_from_schema
 
@@ -24,6 +24,21 @@ SCHEMAS = [
     {"type": "object", "properties": {"when": {"type": "string", "format": "date"}, "ok": {"type": "boolean"},
                                       "nested": {"type": "object", "properties": {"c": {"const": 3}}, "required": ["c"]}},
      "required": ["when", "ok", "nested"]},
+    # What SGLang's grammar backend also compiles: patterns, recursive models (pydantic's shape for a
+    # tree and a linked list), tuples.
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2,4}$"},
+                                      "slug": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$", "maxLength": 40},
+                                      "hex": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"},
+                                      "word": {"type": "string", "pattern": "\\w+@(foo|bar)\\.(com|org)"}},
+     "required": ["code", "slug", "hex", "word"]},
+    {"$defs": {"Node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+        "required": ["name", "children"]}}, "$ref": "#/$defs/Node"},
+    {"$defs": {"Item": {"type": "object", "properties": {
+        "value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]}},
+        "required": ["value", "next"]}}, "$ref": "#/$defs/Item"},
+    {"type": "object", "properties": {"self": {"$ref": "#"}, "n": {"type": "integer"}}, "required": ["n"]},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
 ]
 
 
@@ -36,9 +51,11 @@ def test_values_are_valid_against_the_schema(schema: dict, seed: int) -> None:
 
 
 @pytest.mark.parametrize("schema", ["not json", '{"type": "strange"}', '{"$ref": "#/nowhere"}',
-                                    '{"type": "string", "pattern": "^a+$"}', '{"$ref": "#"}',
-                                    '{"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}',
-                                    '{"type": "array", "items": {"$ref": "#/$defs/a"}, "$defs": {"a": {"$ref": "#/$defs/a"}}}'])
+                                    '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}',
+                                    '{"type": "string", "pattern": "(a)\\\\1"}',
+                                    '{"type": "string", "pattern": "(?=a)b"}',
+                                    '{"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, '
+                                    '"required": ["next"]}}, "$ref": "#/$defs/n"}'])
 def test_schemas_it_cannot_compile_are_errors(schema: str) -> None:
     with pytest.raises(SchemaError):
         json_output(schema, random.Random(0))
@@ -89,7 +106,7 @@ async def test_generate_follows_the_schema_and_returns_logprobs_in_sglang_shapes
         whole = (await client.post("/generate", json=body)).json()
         stream = await client.post("/generate", json={**body, "rid": "json2", "stream": True})
         bad = await client.post("/generate", json={"text": "x", "sampling_params": {
-            "json_schema": '{"type": "string", "pattern": "a+"}'}})
+            "json_schema": '{"type": "string", "pattern": "(a)\\\\1"}'}})
         unknown = await client.post("/generate", json={"text": "x", "sampling_params": {"max_tokens": 3}})
     jsonschema.validate(json.loads(whole["text"]), schema)
     meta = whole["meta_info"]
@@ -104,3 +121,71 @@ async def test_generate_follows_the_schema_and_returns_logprobs_in_sglang_shapes
     assert all(len(c["meta_info"]["output_token_logprobs"]) == c["meta_info"]["completion_tokens"] for c in chunks)
     assert bad.status_code == 400 and "Invalid grammar request" in bad.json()["error"]["message"]
     assert unknown.status_code == 400
+
+
+def test_recursive_schemas_nest_and_end() -> None:
+    tree = SCHEMAS[5]
+    depths = set()
+    for seed in range(30):
+        value = json.loads(json_output(json.dumps(tree), random.Random(seed)))
+
+        def depth(node: dict) -> int:
+            return 1 + max((depth(child) for child in node["children"]), default=0)
+
+        depths.add(depth(value))
+    assert max(depths) > 2  # it does nest: not always the shortest value
+    assert max(depths) <= 8
+
+
+def test_json_object_follows_a_schema_written_in_the_prompt() -> None:
+    schema = {"title": "User", "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    prompt = ("<|start_header_id|>system<|end_header_id|>\n\nAs a genius expert, your task is to understand the content "
+              f"and provide the parsed objects in json that match the following json_schema:\n\n{json.dumps(schema, indent=2)}"
+              "\n\nMake sure to return an instance of the JSON, not the schema itself<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nJason is 25<|eot_id|>")
+    for seed in range(5):
+        value = json.loads(json_output('{"type":"object"}', random.Random(seed), prompt))
+        jsonschema.validate(value, schema)
+    plain = json.loads(json_output('{"type":"object"}', random.Random(0), "Tell me a joke as JSON."))
+    assert isinstance(plain, dict) and plain  # an object with something in it, never {}
+    # Tool definitions in the prompt are not the answer's schema.
+    with_tools = render_chat([{"role": "user", "content": "Reply in JSON."}], [WEATHER])
+    assert "city" not in json.loads(json_output('{"type":"object"}', random.Random(0), with_tools))
+
+
+def test_a_forced_call_calls_the_tools_the_conversation_asks_for() -> None:
+    time_tool = {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
+                                                  "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+    stock = {"type": "function", "function": {"name": "stock_price", "description": "A share's price",
+                                              "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}}}}}
+    tools = [WEATHER, time_tool, stock]
+    schema = json.dumps(constraint(tools, "required", True))
+    prompt = render_chat([{"role": "user", "content": "What's the weather in Oslo?"}], tools)
+    for seed in range(10):
+        calls = json.loads(json_output(schema, random.Random(seed), prompt))
+        assert [c["name"] for c in calls] == ["get_weather"]
+    both = render_chat([{"role": "user", "content": "The weather and the time in Oslo?"}], tools)
+    assert [c["name"] for c in json.loads(json_output(schema, random.Random(0), both))] == ["get_weather", "get_time"]
+    one = json.dumps(constraint(tools, "required", False))  # parallel_tool_calls false: at most one
+    assert len(json.loads(json_output(one, random.Random(0), both))) == 1
+    # Asked for none of them: still a valid call of some tool.
+    idle = render_chat([{"role": "user", "content": "Hello"}], tools)
+    jsonschema.validate(json.loads(json_output(schema, random.Random(0), idle)), json.loads(schema))
+
+
+def test_tools_or_the_answer_the_conversation_asks_for() -> None:
+    """Tools under `auto` with a JSON response format (the gateway's either-or schema): a call while
+    the conversation asks for a tool that has not run, then the answer's value."""
+    answer = {"type": "object", "properties": {"city": {"type": "string"}, "summary": {"type": "string"}},
+              "required": ["city", "summary"]}
+    schema = json.dumps(either_constraint([WEATHER], True, answer))
+    ask = [{"role": "user", "content": "What's the weather in Oslo?"}]
+    calls = json.loads(json_output(schema, random.Random(0), render_chat(ask, [WEATHER])))
+    assert [c["name"] for c in calls] == ["get_weather"]
+    ran = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "-3 C"}]
+    jsonschema.validate(json.loads(json_output(schema, random.Random(0), render_chat(ran, [WEATHER]))), answer)
+    chat = render_chat([{"role": "user", "content": "Say hello as JSON."}], [WEATHER])
+    jsonschema.validate(json.loads(json_output(schema, random.Random(0), chat)), answer)

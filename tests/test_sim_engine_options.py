@@ -18,7 +18,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def decode_steps(engine: Engine, max_new_tokens: int) -> tuple[int, list[int]]:
     """Steps after the prefill step, and the tokens each step added."""
-    engine.add(Request("r", prompt(1, 64), SamplingParams(max_new_tokens=max_new_tokens)))
+    engine.add(Request("r", prompt(1, 64), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)))
     engine.step()  # prefill + first token
     per_step = []
     while engine.has_work:

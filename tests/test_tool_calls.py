@@ -150,7 +150,128 @@ def test_engine_constraint_of_a_request() -> None:
                   response_format={"type": "json_object"})
     assert json.loads(forced.json_schema) == WEATHER["function"]["parameters"]
     assert chat(tools=[WEATHER], tool_choice="auto").json_schema is None
+    # With tools the model may call and a JSON response format: calls or the answer, its choice.
+    for choice in ({}, {"tool_choice": "auto"}):
+        either = json.loads(chat(tools=[WEATHER, TIME], response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": schema}}, **choice).json_schema)
+        assert either == {"anyOf": [tools.constraint([WEATHER, TIME], "required", True), schema]}
+        jsonschema.validate([{"name": "get_time", "parameters": {}}], either)
+        jsonschema.validate({"a": 1}, either)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "get_weather", "parameters": {}}], either)  # city is required
+    one = json.loads(chat(tools=[WEATHER], parallel_tool_calls=False, response_format={"type": "json_object"}).json_schema)
+    assert one["anyOf"][0]["maxItems"] == 1 and one["anyOf"][1] == {"type": "object"}
+    assert chat(tools=[WEATHER], tool_choice="none", response_format={"type": "json_object"}).json_schema == \
+        '{"type":"object"}'
     sampled = chat(seed=9, top_k=0, min_p=0.2, logprobs=True, top_logprobs=4)
     assert (sampled.seed, sampled.top_k, sampled.min_p, sampled.logprobs, sampled.top_logprobs) == (9, -1, 0.2, True, 4)
     completion = sampling_params(parse_completion(b'{"model": "m", "prompt": "x", "logprobs": 0}'), 8)
     assert completion.logprobs and completion.top_logprobs == 0
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_calls_or_the_answer_read_from_the_either_constraint(step: int) -> None:
+    def output() -> ToolOutput:
+        return ToolOutput("hermes", [WEATHER, TIME], "auto", json_answer=True)
+
+    calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    assert _shape(_streamed(output(), calls, step)) == ("", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    answer = '{"city": "Oslo", "summary": "cold"}'
+    assert _shape(_streamed(output(), answer, step)) == (answer, [])
+    # The answer streams as it is generated; an array is held until it is known not to be calls.
+    streaming = output()
+    assert streaming.feed('{"city"') == ['{"city"'] and streaming.feed(": 1}") == [": 1}"]
+    array = '[{"name": "someone else", "parameters": {}}]'
+    assert _shape(_streamed(output(), array, step)) == (array, [])
+    single = ToolOutput("llama3", [WEATHER, TIME], None, parallel=False, json_answer=True)
+    assert _shape(_streamed(single, calls, step))[1] == [("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]',
+    '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]',  # marker dropped
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}',  # Small 3.2 / Magistral
+])
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_mistral_calls_with_nine_character_ids(text: str, step: int) -> None:
+    output = ToolOutput("mistral", [WEATHER, TIME], "auto")
+    assert _shape(_streamed(output, text, step)) == ("", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    # Mistral's templates refuse any other id when the tool results come back.
+    assert all(len(call.id) == 9 and call.id.isalnum() for call in output.calls)
+    assert len({call.id for call in output.calls}) == 2
+
+
+@pytest.mark.parametrize("text", ["[TOOL_CALLS] [{\"name\": \"nope\", \"arguments\": {}}]", "[1, 2]", "Sure: [x]",
+                                  "[TOOL_CALLS]get_weather[ARGS]{broken"])
+def test_mistral_anything_else_is_content(text: str) -> None:
+    assert tools.MistralParser(NAMES).parse(text) == (text, [])
+
+
+@pytest.mark.parametrize("text", [
+    '[get_weather(city="Oslo"), get_time()]',
+    '<|python_start|>[get_weather(city="Oslo"), get_time()]<|python_end|>',
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_pythonic_calls(text: str, step: int) -> None:
+    output = ToolOutput("pythonic", [WEATHER, TIME], "auto")
+    assert _shape(_streamed(output, text, step)) == ("", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    assert all(call.id.startswith("call_") for call in output.calls)
+
+
+@pytest.mark.parametrize("text", ["[get_weather('Oslo')]", "[os.system(x='rm')]", "[nope(a=1)]",
+                                  "[get_weather(city=open('x'))]", "It is [sunny].", "[get_weather(city="])
+def test_pythonic_anything_else_is_content(text: str) -> None:
+    assert tools.PythonicParser(NAMES).parse(text) == (text, [])
+    output = ToolOutput("pythonic", [WEATHER, TIME], "auto")
+    assert _shape(_streamed(output, text, 2)) == (text, [])
+
+
+def test_every_family_reads_what_the_simulated_model_writes() -> None:
+    import random
+
+    from inferbus.tokens import standin_render_chat
+    from services.sim_engine.constrained import FAMILIES, tool_call_output
+
+    prompt = standin_render_chat([{"role": "user", "content": "The weather in Oslo, and the time?"}], [WEATHER, TIME])
+    assert set(FAMILIES) == set(tools.PARSERS)
+    for family in FAMILIES:
+        written = tool_call_output(prompt, family, random.Random(1))
+        assert written is not None
+        content, calls = ToolOutput(family, [WEATHER, TIME], "auto").whole(written)
+        assert [c.name for c in calls] == ["get_weather", "get_time"] and content is None, family
+
+
+V3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+      '{"city": "Oslo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```'
+      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+V31 = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+       "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
+@pytest.mark.parametrize(("family", "text"), [("deepseekv3", V3), ("deepseekv31", V31)])
+@pytest.mark.parametrize("step", [1, 6, 1000])
+def test_deepseek_calls_after_content(family: str, text: str, step: int) -> None:
+    output = ToolOutput(family, [WEATHER, TIME], "auto")
+    parts = _streamed(output, text, step)
+    assert _shape(parts) == ("Let me check.", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    # The content streams before the block; the block is held until it is complete.
+    early = ToolOutput(family, [WEATHER, TIME], "auto")
+    assert "".join(str(p) for p in early.feed(text[:text.index("<")])) == "Let me check."
+    assert early.feed(text[text.index("<"):-3]) == []
+
+
+@pytest.mark.parametrize("text", ["Just text, no tools.", V31.replace("get_weather", "nope"),
+                                  V31.replace('{"city": "Oslo"}', "{broken")])
+def test_deepseek_anything_else_is_content(text: str) -> None:
+    assert tools.DeepSeekParser(NAMES).parse(text) == (text, [])
+    assert _shape(_streamed(ToolOutput("deepseekv31", [WEATHER, TIME], "auto"), text, 5)) == (text, [])
+
+
+def test_a_list_of_calls_cut_short_keeps_its_complete_calls() -> None:
+    cut = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "param'
+    for output in (ToolOutput("llama3", [WEATHER, TIME], "required"), ToolOutput("hermes", [WEATHER, TIME], None,
+                                                                                 json_answer=True)):
+        assert _shape(_streamed(output, cut, 7)) == ("", [("get_weather", {"city": "Oslo"})])
+    # Nothing complete, or a complete item that is not a call: what there is, as content.
+    for text in ('[{"name": "get_weather", "param', '[{"name": "nope", "parameters": {}}, {"na'):
+        assert _shape(_streamed(ToolOutput("llama3", [WEATHER, TIME], "required"), text, 7)) == (text, [])

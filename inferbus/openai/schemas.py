@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI endpoints, validated by msgspec (fast, and errors we control).
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do, so SDK upgrades that add
-parameters keep working; known fields are checked strictly.
+An unknown top-level field is a 400 naming it, as OpenAI answers (`Unknown parameter`): a misspelt
+`response_fromat` must not quietly give free text. Every field OpenAI documents is known (the ones
+not built here are refused by name), and so are the sampling extensions of SGLang and vLLM that
+benchmark tools and agent frameworks send. Inside messages and tools unknown keys are ignored:
+clients send earlier answers back whole (`refusal`, `annotations`, `audio`).
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]
 TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]  # SGLang's range; 1 is none
+MinTokens = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=False):
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
@@ -43,8 +50,11 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     tool_call_id: str | None = None
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # OpenAI's padding of stream events against length side channels; never added here, so
+    # either value is accepted and the events are the same.
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=False):
@@ -76,9 +86,13 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     # Extensions of SGLang and vLLM: sampling knobs OpenAI does not have.
     top_k: TopK | None = None
     min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: MinTokens | None = None
+    ignore_eos: bool | None = None  # generate max_tokens whatever the model would say (benchmarks)
+    stop_token_ids: list[TokenId] | None = None
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_completion_tokens: MaxTokens | None = None
     tools: list[dict[str, Any]] | None = None
@@ -87,6 +101,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
+    # Extension of SGLang and vLLM: extra variables for the chat template (`enable_thinking`).
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields this platform does not implement: refused when set (see _REFUSED_CHAT).
     audio: Any = None
     modalities: list[str] | None = None
@@ -99,11 +115,12 @@ class ChatCompletionRequest(_Common, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # hints for OpenAI's prompt cache; the prefix cache needs none
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
 
 
-class CompletionRequest(_Common, kw_only=True):
+class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     prompt: str | list[str | int]
     echo: bool = False
     suffix: str | None = None
@@ -111,6 +128,9 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: N | None = None
 
 
+# The chat template's variables that come from the request and the model, not from chat_template_kwargs.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
+                                "unk_token", "raise_exception", "strftime_now"})
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
@@ -142,6 +162,11 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as error:
         text = str(error)
+        if text.startswith("Object contains unknown field"):
+            field = text.split("`")[1]
+            where = _param(text)
+            name = f"{where}.{field}" if where else field
+            raise OpenAIError(400, f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter") from None
         if text.startswith("Object missing required field"):
             field = text.split("`")[1] if "`" in text else None
             raise OpenAIError(400, f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter") from None
@@ -190,18 +215,27 @@ def parse_chat(body: bytes, *, max_tools: int = MAX_TOOLS, max_messages: int = M
         raise OpenAIError(400, "messages must contain at least one message.", param="messages", code="invalid_value")
     for i, message in enumerate(request.messages):
         if isinstance(message.content, list):
-            for part in message.content:
+            for j, part in enumerate(message.content):
+                if part.type == "refusal" and message.role == "assistant":
+                    continue  # an earlier answer's refusal: its text is part of the conversation
                 if part.type != "text":
                     raise OpenAIError(
                         400, f"Content part type '{part.type}' is not supported by this model; use text parts.",
-                        param=f"messages[{i}].content", code="unsupported_value",
+                        param=f"messages[{i}].content[{j}].type", code="unsupported_value",
                     )
+                if part.text is None:
+                    raise OpenAIError(400, f"messages[{i}].content[{j}].text is required for a text part.",
+                                      param=f"messages[{i}].content[{j}].text", code="missing_required_parameter")
         if message.role == "tool" and not message.tool_call_id:
             raise OpenAIError(400, f"messages[{i}].tool_call_id is required for role 'tool'.",
                               param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
         if message.content is None and not message.tool_calls and message.role != "assistant":
             raise OpenAIError(400, f"messages[{i}].content must not be null for role '{message.role}'.", param=f"messages[{i}].content", code="invalid_value")
     _refuse_unsupported_chat_fields(request)
+    for name in request.chat_template_kwargs or ():
+        if name in TEMPLATE_VARIABLES:
+            raise OpenAIError(400, f"chat_template_kwargs must not set `{name}`, which the server gives the template.",
+                              param=f"chat_template_kwargs.{name}", code="invalid_value")
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value")
     if request.response_format is not None:

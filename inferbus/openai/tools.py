@@ -8,21 +8,28 @@ by configuration (`INFERBUS_TOOL_CALL_PARSER`, named as SGLang's `--tool-call-pa
   several separated by `;`. Only an output that starts with a call is one.
 - `hermes` (also `qwen25`, `qwen`): Hermes/Qwen blocks, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   anywhere in the output; text outside the blocks is content.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or `[TOOL_CALLS]name[ARGS]{...}`;
+  call ids are 9 letters and digits, the only ids Mistral's templates take back.
+- `pythonic` (Llama-4): `[get_weather(city="Paris"), ...]`, optionally in `<|python_start|>...<|python_end|>`.
+- `deepseekv3`, `deepseekv31`: a `<｜tool▁calls▁begin｜>` block of calls after any content.
 
 A call that does not parse, or names a tool that was not offered, comes back as content. When
 `tool_choice` forces a call (`required` or a named function) the engine is constrained by a JSON
 schema instead (SGLang's `json_schema` sampling parameter), so the output is always a valid call
 in a family-independent shape: the arguments object (named) or a list of `{"name", "parameters"}`
-(required).
+(required). With `auto` and a JSON `response_format` the model chooses between the two, as
+OpenAI lets it: the schema is either that list of calls or the answer's value (`either_constraint`).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import secrets
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from inferbus.openai.errors import OpenAIError
@@ -36,7 +43,7 @@ _decoder = json.JSONDecoder()
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (OpenAI's shape)
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=lambda: call_id("openai"))
 
     def body(self, index: int | None = None) -> dict[str, Any]:
         call: dict[str, Any] = {"id": self.id, "type": "function",
@@ -112,6 +119,15 @@ def constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def either_constraint(tools: Sequence[dict[str, Any]], parallel: bool, answer: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of an output that is either calls of offered tools (as under `required`) or
+    the final answer's value (`answer`, the response format's schema): tools under `auto` with a
+    JSON `response_format`."""
+    calls = constraint(tools, "required", parallel)
+    assert calls is not None
+    return {"anyOf": [calls, answer]}
 
 
 # ---- the output side -------------------------------------------------------------------------
@@ -284,14 +300,233 @@ class _HermesStream:
         return [rest] if rest else []
 
 
-PARSERS: dict[str, type[Llama3Parser] | type[HermesParser]] = {
+class _WholeOutputStream:
+    """A family whose call is the whole output: decided from its first characters (one of
+    `starts` begins a call), then content passes through or everything is held until the end."""
+
+    def __init__(self, parser: Parser, starts: tuple[str, ...]) -> None:
+        self.parser = parser
+        self.starts = starts
+        self.buffer = ""
+        self.mode: str | None = None  # None: undecided, "content" or "call"
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        if self.mode == "content":
+            return [delta]
+        self.buffer += delta
+        head = self.buffer.lstrip()
+        if self.mode is None and head:
+            if any(head.startswith(start) for start in self.starts):
+                self.mode = "call"
+            elif not any(start.startswith(head) for start in self.starts):
+                self.mode = "content"
+                out, self.buffer = self.buffer, ""
+                return [out]
+        return []
+
+    def finish(self) -> list[str | ToolCall]:
+        if not self.buffer:
+            return []
+        content, calls = self.parser.parse(self.buffer)
+        self.buffer = ""
+        return [*([content] if content else []), *calls]
+
+
+class MistralParser:
+    """Mistral: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (v0.3 to Small 3.1), or
+    `[TOOL_CALLS]name[ARGS]{...}` per call (Small 3.2, Magistral, Devstral). SGLang drops the
+    `[TOOL_CALLS]` special token from the text by default, so an output that is such an array
+    without it is read the same way."""
+
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip()
+        if body.startswith(self.MARKER) and self.ARGS in body:
+            return self._compact(text, body)
+        body = body.removeprefix(self.MARKER).lstrip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            value, end = _decoder.raw_decode(body)
+        except ValueError:
+            return text, []
+        if body[end:].strip() or not isinstance(value, list) or not value:
+            return text, []
+        calls = [_object_call(item, self.names, "arguments") for item in value]
+        if any(call is None for call in calls):
+            return text, []
+        return "", [call for call in calls if call is not None]
+
+    def _compact(self, text: str, body: str) -> tuple[str, list[ToolCall]]:
+        calls = []
+        for part in body.split(self.MARKER)[1:]:
+            name, _, arguments = part.partition(self.ARGS)
+            call = _object_call({"name": name.strip(), "arguments": arguments.strip()}, self.names, "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return "", calls
+
+    def stream(self) -> _WholeOutputStream:
+        return _WholeOutputStream(self, (self.MARKER, "["))
+
+
+class PythonicParser:
+    """Llama-4 and other pythonic callers: a Python list of calls with keyword arguments,
+    `[get_weather(city="Paris"), get_time(zone="UTC")]`, optionally between `<|python_start|>` and
+    `<|python_end|>`. Only an output that is such a list is one."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError):
+            return text, []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                    or node.func.id not in self.names:
+                return text, []
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return text, []
+            calls.append(ToolCall(name=node.func.id, arguments=json.dumps(arguments, ensure_ascii=False)))
+        return "", calls
+
+    def stream(self) -> _WholeOutputStream:
+        return _WholeOutputStream(self, (self.START, "["))
+
+
+class DeepSeekParser:
+    """DeepSeek V3 and V3.1: content, then a block of calls that ends the output.
+    V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
+    V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` inside the same block."""
+
+    START, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<v3>[^\n<]+)\n```(?:json)?\n(?P<v3args>.*?)\n```"
+                       r"|(?P<v31>[^<]+?)<｜tool▁sep｜>(?P<v31args>.*?))<｜tool▁call▁end｜>", re.DOTALL)
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.START)
+        if at < 0:
+            return text, []
+        block = text[at + len(self.START):]
+        block = block[:block.find(self.END)] if self.END in block else block
+        calls = []
+        position = 0
+        for match in self._CALL.finditer(block):
+            if block[position:match.start()].strip():
+                return text, []
+            name = (match.group("v3") or match.group("v31") or "").strip()
+            arguments = match.group("v3args") if match.group("v3") else match.group("v31args")
+            call = _object_call({"name": name, "arguments": (arguments or "").strip()}, self.names, "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+            position = match.end()
+        if not calls or block[position:].strip():
+            return text, []
+        return text[:at].strip(), calls
+
+    def stream(self) -> "_TailBlockStream":
+        return _TailBlockStream(self, self.START)
+
+
+class _TailBlockStream:
+    """Content streams until the start of the calls block (a tail that may begin it is held back);
+    from there everything is held and read at the end."""
+
+    def __init__(self, parser: DeepSeekParser, start: str) -> None:
+        self.parser = parser
+        self.start = start
+        self.buffer = ""
+        self.inside = False
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        self.buffer += delta
+        if self.inside:
+            return []
+        at = self.buffer.find(self.start)
+        if at >= 0:
+            self.inside = True
+            out, self.buffer = self.buffer[:at], self.buffer[at:]
+            return [out] if out else []
+        keep = next((k for k in range(min(len(self.start) - 1, len(self.buffer)), 0, -1)
+                     if self.start.startswith(self.buffer[-k:])), 0)
+        out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return [out] if out else []
+
+    def finish(self) -> list[str | ToolCall]:
+        rest, self.buffer = self.buffer, ""
+        if not rest:
+            return []
+        if not self.inside:
+            return [rest]
+        content, calls = self.parser.parse(rest)
+        return [*([content] if content else []), *calls]
+
+
+PARSERS: dict[str, type[Llama3Parser] | type[HermesParser] | type[MistralParser] | type[PythonicParser]
+              | type[DeepSeekParser]] = {
     "llama3": Llama3Parser, "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser,
+    "mistral": MistralParser, "pythonic": PythonicParser, "deepseekv3": DeepSeekParser, "deepseekv31": DeepSeekParser,
 }
+# Families whose chat templates take only call ids of their own shape (Mistral's: 9 letters and digits).
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def call_id(family: str) -> str:
+    """A new call id in the shape the family's template accepts back: Mistral's 9 characters, else OpenAI's."""
+    if family == "mistral":
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def parser_for(family: str, tools: Sequence[dict[str, Any]]) -> Parser:
     names = frozenset(t["function"]["name"] for t in tools)
     return PARSERS[family](names)
+
+
+def _leading_items(text: str) -> list[Any]:
+    """The complete items at the start of a JSON array that was cut short (by max_tokens)."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    items: list[Any] = []
+    position = 1
+    while True:
+        while position < len(body) and body[position] in " \t\r\n,":
+            position += 1
+        try:
+            item, position = _decoder.raw_decode(body, position)
+        except ValueError:
+            return items
+        items.append(item)
+
+
+def _calls_of_cut_array(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """The complete calls of a list of calls cut short; None if it holds none or anything else."""
+    calls = [_object_call(item, names, "parameters") for item in _leading_items(text)]
+    if not calls or any(call is None for call in calls):
+        return None
+    return [call for call in calls if call is not None]
 
 
 class ConstrainedStream:
@@ -311,7 +546,9 @@ class ConstrainedStream:
         try:
             value = json.loads(text)
         except ValueError:
-            return [text] if text else []  # cut short by max_tokens: what there is, as content
+            # Cut short by max_tokens: the calls completed before the cut, else what there is as content.
+            complete = _calls_of_cut_array(text, self.names) if self.name is None else None
+            return list(complete) if complete else ([text] if text else [])
         if self.name is not None:
             if isinstance(value, dict):
                 return [ToolCall(name=self.name, arguments=json.dumps(value, ensure_ascii=False))]
@@ -322,6 +559,46 @@ class ConstrainedStream:
         return [c for c in calls if c is not None]
 
 
+class EitherStream:
+    """The output under `either_constraint`: a JSON array of calls (held until complete), or the
+    answer's JSON, which is content and streams as it comes."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
+        self.names = frozenset(t["function"]["name"] for t in tools)
+        self.buffer = ""
+        self.held = False
+        self.streaming = False
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        if self.streaming:
+            return [delta]
+        self.buffer += delta
+        head = self.buffer.lstrip()
+        if self.held or not head:
+            return []
+        if head[0] == "[":  # calls, or an answer that is an array: decided when complete
+            self.held = True
+            return []
+        self.streaming = True
+        out, self.buffer = self.buffer, ""
+        return [out]
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self.buffer = self.buffer, ""
+        if not text:
+            return []
+        try:
+            value = json.loads(text)
+        except ValueError:
+            complete = _calls_of_cut_array(text, self.names) if self.held else None
+            return list(complete) if complete else [text]  # cut short: the complete calls, if any
+        if isinstance(value, list) and value:
+            calls = [_object_call(item, self.names, "parameters") for item in value]
+            if all(call is not None for call in calls):
+                return [call for call in calls if call is not None]
+        return [text]
+
+
 class ToolOutput:
     """One choice's output when tools are in play: text deltas in, content and calls out.
 
@@ -329,9 +606,16 @@ class ToolOutput:
     """
 
     def __init__(self, family: str, tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any] | None,
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, json_answer: bool = False) -> None:
+        self.family = family
         forced = tool_choice == "required" or isinstance(tool_choice, dict)
-        self.stream: Stream = ConstrainedStream(tools, tool_choice) if forced else parser_for(family, tools).stream()  # type: ignore[arg-type]
+        self.stream: Stream
+        if forced:
+            self.stream = ConstrainedStream(tools, tool_choice)  # type: ignore[arg-type]
+        elif json_answer:  # a JSON response_format beside the tools: either_constraint
+            self.stream = EitherStream(tools)
+        else:
+            self.stream = parser_for(family, tools).stream()
         self.parallel = parallel
         self.calls: list[ToolCall] = []
 
@@ -341,6 +625,7 @@ class ToolOutput:
             if isinstance(part, ToolCall):
                 if self.calls and not self.parallel:
                     continue
+                part = replace(part, id=call_id(self.family))
                 self.calls.append(part)
             elif not part:
                 continue

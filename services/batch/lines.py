@@ -90,7 +90,8 @@ def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: 
     try:
         if isinstance(params, schemas.ChatCompletionRequest):
             # Tools are refused in a batch unless tool_choice is `none`, which renders none.
-            prompt = render_prompt(model, messages=msgspec.to_builtins(params.messages))
+            prompt = render_prompt(model, messages=msgspec.to_builtins(params.messages),
+                                   **(params.chat_template_kwargs or {}))
         else:
             assert isinstance(params.prompt, str)
             prompt = render_prompt(model, prompt=params.prompt)

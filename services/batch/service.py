@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, redis_conn
 from inferbus.openai.errors import OpenAIError
-from inferbus.prompt import ModelDirError, load_model
+from inferbus.prompt import ModelDirError, context_window, load_model
 from inferbus.records import decode_or_none
 from inferbus.replies import Replies
 from inferbus.stores.batches import BatchStore
@@ -582,7 +582,7 @@ class BatchService:
                 run.id, line, "input_unreadable", "The line could not be read from the input file.", 500, now))
             return
         try:
-            plan = line_format.plan_line(record.endpoint, body, model=self.served, max_model_len=self.settings.max_model_len,
+            plan = line_format.plan_line(record.endpoint, body, model=self.served, max_model_len=context_window(self.settings.max_model_len, self.served),
                                          default_max_tokens=self.settings.default_max_tokens)
         except OpenAIError as error:
             # The request itself is invalid (say, too long for the context): its line says so.

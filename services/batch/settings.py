@@ -25,7 +25,7 @@ class BatchSettings:
         "Id of this batch service; workers send a line's `Accepted` to `inferbus.tok.batch-<id>`. Keep it stable "
         "across restarts so lines published before a restart still report their worker. Run one batch service.",
     )
-    max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit (as the gateway's).")
+    max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 0, "Context window: prompt plus max_tokens must fit (as the gateway's; 0: the served model's).")
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens of a line that gives none (as the gateway's).")
     max_lines: int = env("INFERBUS_BATCH_MAX_LINES", 50_000, "Most requests in one input file.")
     max_bytes: int = env("INFERBUS_BATCH_MAX_BYTES", 200 * 1024 * 1024, "Largest input file in bytes.")

@@ -22,9 +22,9 @@ import structlog
 from inferbus import logs, tracing
 from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
-from inferbus.openai.sampling import sampling_params
+from inferbus.openai.sampling import answer_schema, sampling_params
 from inferbus.openai.tools import ToolCall, ToolOutput
-from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, load_model, render_prompt
+from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
 from inferbus.stores.keys import KeyStore, Principal
 from inferbus.stores.models import ModelCatalog
@@ -125,6 +125,7 @@ class Generation:
                  catalog: ModelCatalog | None = None, served: ServedModel | None = None) -> None:
         self.settings = settings
         self.served = served or load_model(settings.model_dir)
+        self.max_model_len = context_window(settings.max_model_len, self.served)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
         self.keys = keys
@@ -209,7 +210,7 @@ class Generation:
             # tool_choice none: the model is not told about the tools (SGLang does the same).
             offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
             render = functools.partial(render_prompt, self.served, messages=msgspec.to_builtins(chat.messages),
-                                       tools=offered)
+                                       tools=offered, **(chat.chat_template_kwargs or {}))
             params: schemas.ChatCompletionRequest | schemas.CompletionRequest = chat
             object_id = f"chatcmpl-{request_id}"
         else:
@@ -305,7 +306,8 @@ class Generation:
             if isinstance(params, schemas.ChatCompletionRequest) and offered:
                 for choice in call.choices:
                     choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
-                                                    parallel=params.parallel_tool_calls is not False)
+                                                    parallel=params.parallel_tool_calls is not False,
+                                                    json_answer=answer_schema(params) is not None)
             return call
         finally:
             self._admitting[tenant.band] -= 1
@@ -403,7 +405,7 @@ class Generation:
                 return body
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
-        return responses.max_new_tokens(requested, prompt_tokens, self.settings.max_model_len,
+        return responses.max_new_tokens(requested, prompt_tokens, self.max_model_len,
                                         self.settings.default_max_tokens)
 
     # ---- relaying ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from inferbus.openai.errors import OpenAIError
+from inferbus.openai.jsonschemas import check_json_schema
 from inferbus.openai.schemas import Temperature, TopP, _decode
 
 Item = dict[str, Any]
@@ -27,7 +28,13 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=False):
     verbosity: str | None = None
 
 
-class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_obfuscation: bool | None = None  # no padding is ever added; either value is accepted
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An unknown top-level field is a 400 naming it, as OpenAI answers (see inferbus.openai.schemas)."""
+
     model: str
     input: str | list[Item] | None = None
     instructions: str | None = None
@@ -46,6 +53,9 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True
     safety_identifier: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    prompt_cache_key: str | None = None  # hints for OpenAI's prompt cache; the prefix cache needs none
+    prompt_cache_retention: str | None = None
     # Parts of the API this platform does not build: refused with a 400 naming them when set.
     background: bool | None = None
     conversation: Any = None
@@ -122,8 +132,10 @@ def _check_tool(tool: Item, i: int) -> None:
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise OpenAIError(400, "Missing required parameter: 'tools[{i}].name'.".format(i=i), param=f"tools[{i}].name",
                           code="missing_required_parameter")
-    if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-        raise _invalid("A function's parameters must be a JSON Schema object.", f"tools[{i}].parameters")
+    if tool.get("parameters") is not None:
+        if not isinstance(tool["parameters"], dict):
+            raise _invalid("A function's parameters must be a JSON Schema object.", f"tools[{i}].parameters")
+        check_json_schema(tool["parameters"], f"tools[{i}].parameters")
 
 
 def _check_tool_choice(choice: str | Item | None) -> None:
@@ -155,6 +167,7 @@ def _check_format(fmt: dict[str, Any] | None) -> None:
     if not isinstance(fmt.get("schema"), dict):
         raise OpenAIError(400, "Missing required parameter: 'text.format.schema'.", param="text.format.schema",
                           code="missing_required_parameter")
+    check_json_schema(fmt["schema"], "text.format.schema")
 
 
 # ---- input items ------------------------------------------------------------------------------

@@ -42,7 +42,11 @@ class GatewaySettings:
     max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
     max_tools: int = env("INFERBUS_MAX_TOOLS", MAX_TOOLS, "Most `tools` in one chat request (400 above), checked before any tool's schema is.")
     max_messages: int = env("INFERBUS_MAX_MESSAGES", MAX_MESSAGES, "Most `messages` in one chat request (400 above), checked before any is read.")
-    max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit.")
+    max_model_len: int = env(
+        "INFERBUS_MAX_MODEL_LEN", 0,
+        "Context window: prompt plus max_tokens must fit. 0: the served model's, read from its config.json as SGLang "
+        "reads it (max_position_embeddings and the like); set it when the engines run with --context-length.",
+    )
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
@@ -109,7 +113,9 @@ class GatewaySettings:
     tool_call_parser: str = env(
         "INFERBUS_TOOL_CALL_PARSER", "llama3",
         "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
-        "`{\"name\", \"parameters\"}`) or `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`); SGLang's "
+        "`{\"name\", \"parameters\"}`), `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`), `mistral` "
+        "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`) or `deepseekv3`/`deepseekv31` "
+        "(a `<｜tool▁calls▁begin｜>` block); SGLang's "
         "--tool-call-parser names.",
     )
     internal_api: bool = env(

@@ -9,6 +9,7 @@ import click
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
 from .config import (
+    DEFAULT_ANSWER_LENGTH_MEDIAN,
     DEFAULT_MODEL,
     DISAGGREGATION_MODES,
     GPU_NAMES,
@@ -107,9 +108,16 @@ from .profile_table import load_npz
 @click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
               help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
 @click.option(
-    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen"]), default="llama3", show_default=True,
-    help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON or Hermes/Qwen <tool_call> blocks.",
+    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31"]), default="llama3",
+    show_default=True,
+    help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON, Hermes/Qwen "
+         "<tool_call> blocks, Mistral [TOOL_CALLS] arrays or pythonic (Llama-4) call lists.",
 )
+@click.option("--answer-length-median", default=DEFAULT_ANSWER_LENGTH_MEDIAN, show_default=True,
+              type=click.IntRange(min=0), envvar="INFERBUS_SIM_ANSWER_LENGTH_MEDIAN",
+              help="Simulated: free text ends with EOS after a length drawn per request from a log-normal "
+                   "distribution with this median (tokens), seeded by the prompt and sampling seed; 0: answers end "
+                   "only at max_tokens or a stop, as every request with ignore_eos does (benchmarks).")
 @click.option("--eval-accuracy", default=None, type=click.FloatRange(0, 1),
               help="Simulated quality: the chance of answering an arithmetic question ('What is 17 + 25?') right "
                    "(default: eval_accuracy of the model directory's inferbus_sim.json, else 0.95). Eval suites "
@@ -187,6 +195,7 @@ def sim_engine_command(
     speculative_draft_cost: float,
     tool_call_parser: str,
     eval_accuracy: float | None,
+    answer_length_median: int,
     disaggregation_mode: str,
     disaggregation_bootstrap_port: int,
     disaggregation_transfer_backend: str,
@@ -239,6 +248,7 @@ def sim_engine_command(
             speculative_num_steps=speculative_num_steps,
             speculative_acceptance=speculative_acceptance,
             eval_accuracy=eval_accuracy,
+            answer_length_median=answer_length_median,
             speculative_draft_cost=speculative_draft_cost,
             mixed_chunk=mixed_chunk,
             tool_call_parser=tool_call_parser,

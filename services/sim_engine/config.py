@@ -19,6 +19,13 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")
 
 
+# Free-text answers' lengths, log-normal: median 180 tokens and a spread (sigma 0.9 of the
+# logarithm) that puts one answer in ten under 57 tokens and one in ten over 570, a chat model's
+# mix of short replies and long explanations.
+DEFAULT_ANSWER_LENGTH_MEDIAN = 180
+ANSWER_LENGTH_SIGMA = 0.9
+
+
 @dataclass
 class EngineConfig:
     gpu: str = "H100"
@@ -88,6 +95,10 @@ class EngineConfig:
     # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
     # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
     tool_call_parser: str = "llama3"
+    # Free text ends with EOS after a length drawn per request from a log-normal distribution with
+    # this median (tokens), seeded by the context (and the sampling seed); 0: it ends only at
+    # max_new_tokens or a stop, as every request with ignore_eos does.
+    answer_length_median: int = DEFAULT_ANSWER_LENGTH_MEDIAN
     # Chance of answering an arithmetic question right (quality.py); None: the model directory's
     # inferbus_sim.json, else 0.95.
     eval_accuracy: float | None = None
@@ -157,6 +168,8 @@ class EngineConfig:
             raise ValueError("speculative_num_steps must not be negative")
         if not 0 <= self.speculative_acceptance < 1:
             raise ValueError("speculative_acceptance must be in [0, 1)")
+        if self.answer_length_median < 0:
+            raise ValueError("answer_length_median must be at least 0")
         if self.eval_accuracy is not None and not 0 <= self.eval_accuracy <= 1:
             raise ValueError("eval_accuracy must be in [0, 1]")
         if self.speculative_draft_cost < 0:

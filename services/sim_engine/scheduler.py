@@ -14,6 +14,7 @@ reasons and error messages.
 
 from __future__ import annotations
 
+import math
 import random
 import struct
 import uuid
@@ -28,7 +29,7 @@ import msgspec
 from inferbus.timing import LORA_LOAD_BANDWIDTH, FixedStepModel, SpecDecoding, StepTimeModel, roofline
 from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
 
-from .config import EngineConfig
+from .config import ANSWER_LENGTH_SIGMA, EngineConfig
 from .lora_pool import GpuSlots, LoadedAdapters, LoraAdapter, adapter_rank, disk_load_s, host_to_gpu_s
 from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
@@ -216,6 +217,8 @@ class Request:
     # Hash of the whole context so far (prompt + output ids), salted for sampled requests.
     context_hash: int = field(default=0, init=False)
     stops: tuple[str, ...] = field(default=(), init=False)
+    # Free text ends with EOS after this many output tokens (0: only at max_new_tokens or a stop).
+    answer_length: int = field(default=0, init=False)
     # An output decided up front (constrained decoding, a tool call): emitted a token at a time,
     # then EOS.
     script: list[tuple[int, str]] | None = None  # (token id, text) per step
@@ -383,6 +386,7 @@ class Engine:
         request.max_new_tokens = limit if sampling.max_new_tokens is None else min(sampling.max_new_tokens, limit)
         request.stops = sampling.stop_strings()
         request.context_hash = _context_hash(request)
+        request.answer_length = self._answer_length(request)
         request.arrival_time = self.now
         request.order = self._next_order
         self._next_order += 1
@@ -390,6 +394,16 @@ class Engine:
         self.prompt_tokens_total += prompt_len
         self._requests[request.rid] = request
         (self.held if held else self.waiting).append(request)
+
+    def _answer_length(self, request: Request) -> int:
+        """Where the model would end its free text by itself: drawn from the configured
+        distribution, seeded by the context (so a greedy request answers alike every time, a sampled
+        one by its seed); 0 with ignore_eos or without a distribution."""
+        median = self.config.answer_length_median
+        if median <= 0 or request.sampling.ignore_eos:
+            return 0
+        draw = random.Random(request.context_hash).gauss(0.0, 1.0)
+        return max(1, round(median * math.exp(ANSWER_LENGTH_SIGMA * draw)))
 
     def release(self, rid: str) -> None:
         """A held request may be scheduled now (its decode engine has said where the KV goes)."""
@@ -811,6 +825,8 @@ class Engine:
             return None
         if sampling.stop_token_ids and token_id in sampling.stop_token_ids:
             return {"type": "stop", "matched": token_id}
+        if request.script is None and request.answer_length and generated >= request.answer_length:
+            return {"type": "stop", "matched": self.eos_id}  # the model's EOS (not part of the text)
         if request.stops:
             text = request.text
             best: tuple[int, str] | None = None

@@ -176,6 +176,8 @@ class SimEngineServer:
         self.served = load_model(config.model_dir) if config.model_dir else None
         if self.served is not None:
             served = self.served
+            if served.context_length:
+                config.context_length = served.context_length  # the model's own, as SGLang derives it
             vocabulary = OutputVocabulary.from_tokenizer(
                 lambda text: served.encode(text, add_special_tokens=False),
                 lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False),
@@ -407,7 +409,7 @@ class SimEngineServer:
         seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
         rng = random.Random(seed)
         if sampling.json_schema is not None:
-            return self.engine.split_output(json_output(sampling.json_schema, rng))
+            return self.engine.split_output(json_output(sampling.json_schema, rng, text))
         if sampling.regex is None and sampling.ebnf is None:
             solved = quality.answer(text, self._accuracy(lora_name),
                                     sampling.sampling_seed if sampling.sampling_seed is not None else rid)

@@ -97,6 +97,15 @@ def sampling_params(request: InferenceRequest) -> dict[str, Any]:
         params["top_k"] = s.top_k
     if s.min_p:
         params["min_p"] = s.min_p
+    if s.repetition_penalty != 1.0:
+        params["repetition_penalty"] = s.repetition_penalty
+    if s.min_new_tokens:
+        # What was generated before a migration counts towards the minimum.
+        params["min_new_tokens"] = min(max(0, s.min_new_tokens - request.resumed_tokens), params["max_new_tokens"])
+    if s.ignore_eos:
+        params["ignore_eos"] = True
+    if s.stop_token_ids:
+        params["stop_token_ids"] = s.stop_token_ids
     for grammar in ("json_schema", "regex", "ebnf"):
         if getattr(s, grammar) is not None:
             params[grammar] = getattr(s, grammar)
