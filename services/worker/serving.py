@@ -310,11 +310,12 @@ class Serving:
             entry.matched = matched if isinstance(matched, str) else None
             status = "cancelled" if reason == "abort" else "completed"
             if not entry.handed_off and not batch:
-                if not entry.given_up:
+                if status == "completed" and not entry.given_up:
                     # The tenant's usage is on disk before the answer ends: a worker that dies
                     # after its Final left can no longer have served a request nobody is billed for
                     # (one that dies before has its request continued elsewhere, under the same
-                    # ledger id, so it is billed once either way).
+                    # ledger id, so it is billed once either way). A cancelled request's client is
+                    # gone: its usage is written as the attempt ends (`serve`).
                     await worker.usage.publish(request, status, usage, reason)
                     entry.usage_written = True
                     await worker.fault_hold.at("before_final", request.request_id)
