@@ -112,6 +112,7 @@ class Fault:
     undo: Callable[[], None] | None = None
     hold_s: float = 0.0
     in_flight: int | None = None  # requests the broken workers' engines held at the fault (None: not measured)
+    at: float = field(default_factory=time.monotonic)  # when it broke (after any wait for live work)
 
 
 def _kill(platform: Platform, names: list[str], description: str) -> Fault:
@@ -429,8 +430,8 @@ async def run_drill(kind: str, state_dir: Path, *, api_key: str, duration_s: flo
     loops = [asyncio.create_task(_client_loop(platform.gateways, api_key, until, calls, seed, max_attempts, max_tokens,
                                               origin, prompt_words)) for seed in range(clients)]
     await asyncio.sleep(fault_at_s)
-    fault_time = time.monotonic() - origin
     fault = await asyncio.to_thread(make_fault, kind, platform, hang_s=hang_s)
+    fault_time = fault.at - origin
     say(f"  {fault_time:5.1f} s  fault: {fault.description}")
     if fault.undo is not None:
         await asyncio.sleep(fault.hold_s)
