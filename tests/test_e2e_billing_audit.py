@@ -30,6 +30,7 @@ import httpx
 import openai
 import pytest
 
+from inferbus.local import Process
 from inferbus.prompt import load_model, render_prompt
 
 from .conftest import MODEL, Platform, running_platform
@@ -110,16 +111,20 @@ def completion_count(received: Received, encode: Any, index: int) -> int:
     return sum(len(encode(token)) for token in tokens)
 
 
-def busiest_worker(platform: Platform) -> int:
-    running = {}
+def frozen_busy_worker(platform: Platform) -> Process | None:
+    """A worker stopped (SIGSTOP) while its engine runs requests, so that killing it hits live
+    streams (a stopped worker finishes none); None when no engine runs any now."""
     with httpx.Client(timeout=5) as http:
         for i in range(1, 4):
-            if platform.stack.get(f"worker-{i}").alive():
-                loads = http.get(f"{platform.engine_url(i)}/v1/loads").json()["loads"]
-                running[i] = sum(entry["num_running_reqs"] for entry in loads)
-    busiest = max(running, key=lambda i: running[i])
-    assert running[busiest], f"no engine runs a request: {running}"
-    return busiest
+            worker = platform.stack.get(f"worker-{i}")
+            if not worker.alive():
+                continue
+            worker.signal(signal.SIGSTOP)
+            loads = http.get(f"{platform.engine_url(i)}/v1/loads").json()["loads"]
+            if sum(entry["num_running_reqs"] for entry in loads):
+                return worker
+            worker.signal(signal.SIGCONT)
+    return None
 
 
 def migrations(platform: Platform) -> float:
@@ -140,18 +145,25 @@ def test_billing_equals_what_clients_counted_through_migrations_cancels_and_n(pl
                                                     timeout=120), received, max_tokens, cancel))
                for (secret, _), received, (_, _, max_tokens, cancel) in zip(keys, requests, plan, strict=True)]
     before = migrations(platform)
-    for thread in threads:
+    cancels = [thread for thread, (_, _, _, cancel) in zip(threads, plan, strict=True) if cancel]
+    # First the cancels, on the ledger before the kill. Not yet proven here: a cancelled request
+    # whose worker dies before writing its usage event is billed by nobody (the gateway bills a
+    # client's disconnect only through that worker).
+    for thread in cancels:
         thread.start()
+    for thread in cancels:
+        thread.join(timeout=120)
+    cancelled_ids = {r.request_id for r in requests if r.cancelled}
+    assert len(cancelled_ids) == 2, [r.error for r in requests if r.error]
+    wait_for(lambda: cancelled_ids <= {e.request_id for e in ledger(platform, tenant)},
+             timeout=60, what="the cancelled requests' usage on the ledger")
+    for thread in threads:
+        if thread not in cancels:
+            thread.start()
     long_streams = requests[:4]
     wait_for(lambda: all(r.content_chunks >= 20 for r in long_streams), timeout=60,
              what="every long stream to be under way")
-    # Not yet proven here: a cancelled request whose worker dies before writing its usage event is
-    # billed by nobody (the gateway bills a client's disconnect only through that worker). So the
-    # kill waits until the cancelled requests are on the ledger.
-    cancelled_ids = {r.request_id for r in requests if r.cancelled}
-    wait_for(lambda: len(cancelled_ids) == 2 and cancelled_ids <= {e.request_id for e in ledger(platform, tenant)},
-             timeout=60, what="the cancelled requests' usage on the ledger")
-    victim = platform.stack.get(f"worker-{busiest_worker(platform)}")
+    victim = wait_for(lambda: frozen_busy_worker(platform), timeout=30, what="a worker stopped while its engine runs")
     victim.signal(signal.SIGKILL)
     assert victim.wait(10)
     for thread in threads:
