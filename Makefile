@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd install clean help
+.PHONY: up test lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
@@ -16,7 +16,8 @@ help:
 	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
 	@echo "make bench-autoscale  the autoscaler against a static fleet and a threshold policy in the simulator (~1 CPU-hour)"
 	@echo "make bench-lora  200 and 1,000 LoRA adapters (Zipf) against the base model on 4 simulated workers (~30 min); writes bench/results/lora.*"
-	@echo "make bench-pd  aggregated against disaggregated (prefill/decode) on the same simulated GPUs, live; writes bench/results/pd_live.*"
+	@echo "make bench-pd  aggregated against disaggregated (prefill/decode): the plan's choice in the fleet simulator (bench-pd-sim, a few CPU-min) and live on the same simulated GPUs; writes bench/results/pd.* and pd_live.*"
+	@echo "make bench-pd-sim  the fleet-simulator part of bench-pd alone (bench/pd.py)"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make console-assets  re-vendor the web console's Chart.js and Pico CSS from npm (package-lock.json; needs Node.js)"
 	@echo "make clean  remove the virtualenv and local state"
@@ -127,10 +128,15 @@ bench-batch: install
 bench-lora: install
 	$(PY) -m bench.lora $(ARGS)
 
+# The plan's topology choice against the fleet simulator (bench/pd.py): goodput per GPU of both
+# topologies on the same GPUs and tight-and-right for each planned fleet, long-prompt and conversation traces.
+bench-pd-sim: install
+	$(PY) -m bench.pd $(SIM_ARGS)
+
 # Aggregated against disaggregated on the same GPUs, live on simulated engines (bench/pd_live.py): the
 # Mooncake synthetic and conversation traces, 4 H100 TP2 engines against 3 prefill + 1 decode
 # (~15 min on 2 cores); LIVE_ARGS go to both runs.
-bench-pd: install
+bench-pd: bench-pd-sim
 	$(PY) -m bench.pd_live --prefill 3 --load 0.5 $(LIVE_ARGS)
 	$(PY) -m bench.pd_live --prefill 3 --load 0.5 --trace mooncake_conversation.jsonl --sample-families 1 --name pd_live_conversation $(LIVE_ARGS)
 

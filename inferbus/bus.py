@@ -25,8 +25,9 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, KeyNotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+from prometheus_client import Gauge
 
 from proto import subjects
 
@@ -34,6 +35,7 @@ from . import logs
 from . import settings as settings_mod
 from .bus_auth import inbox_prefix
 from .settings import env
+from .stream_drift import config_drift
 
 MIN_SERVER_VERSION = (2, 11, 0)
 
@@ -157,10 +159,9 @@ def replicas() -> int:
     return max(1, bus_settings().replicas)
 
 
-async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 3600.0) -> None:
-    """Create or update the streams every service expects. Idempotent; any service may call it."""
-    await _ensure_stream(
-        js,
+def platform_streams(request_max_age_s: float = 3600.0) -> list[StreamConfig]:
+    """The configuration of the streams every service relies on."""
+    return [
         StreamConfig(
             name=subjects.REQUESTS_STREAM,
             subjects=subjects.requests_stream_subjects(),
@@ -171,9 +172,6 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             duplicate_window=120.0,
             num_replicas=replicas(),
         ),
-    )
-    await _ensure_stream(
-        js,
         StreamConfig(
             name=subjects.USAGE_STREAM,
             subjects=subjects.usage_stream_subjects(),
@@ -183,9 +181,6 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             duplicate_window=600.0,
             num_replicas=replicas(),
         ),
-    )
-    await _ensure_stream(
-        js,
         StreamConfig(
             name=subjects.BATCH_RESULTS_STREAM,
             subjects=subjects.batch_results_stream_subjects(),
@@ -197,10 +192,66 @@ async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 360
             duplicate_window=600.0,
             num_replicas=replicas(),
         ),
-    )
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, *, request_max_age_s: float = 3600.0, update: bool = False) -> list[str]:
+    """Create the streams every service expects where they are missing, and return how the
+    existing ones differ from what the platform needs (`stream_drift.config_drift`; logged as
+    `stream_config_drift` and counted in `inferbus_stream_config_drift{stream}`). Only with
+    `update` (an operator's identity: no service may update a stream) are they brought back
+    to it. Idempotent; any service may call it, and drift never stops it."""
+    found: list[str] = []
+    for config in platform_streams(request_max_age_s):
+        found += await _ensure_stream(js, config, update)
+    return found
+
+
+async def check_streams(js: JetStreamContext, *, request_max_age_s: float = 3600.0) -> list[str]:
+    """How the platform's streams differ from what it needs, a missing stream included, without
+    creating or changing anything (a gateway's `/ready`); updates `inferbus_stream_config_drift`."""
+    found: list[str] = []
+    for config in platform_streams(request_max_age_s):
+        assert config.name is not None
+        try:
+            drift = config_drift(config, (await js.stream_info(config.name)).config)
+        except NotFoundError:
+            drift = [f"{config.name}: missing"]
+        STREAM_DRIFT.labels(config.name).set(1 if drift else 0)
+        found += drift
+    return found
 
 
 BATCH_RESULTS_MAX_AGE_S = 14 * 24 * 3600.0
+
+# What a gateway cannot serve correctly without: the request queue, the billing ledger, and the
+# buckets of the worker registry and the tenants' records.
+GATEWAY_STREAMS = (subjects.REQUESTS_STREAM, subjects.USAGE_STREAM)
+GATEWAY_BUCKETS = (subjects.WORKERS_BUCKET, subjects.BATCHES_BUCKET, subjects.FILES_BUCKET,
+                   subjects.RESPONSES_BUCKET)
+
+
+async def missing_stores(js: JetStreamContext, streams: tuple[str, ...] = GATEWAY_STREAMS,
+                         buckets: tuple[str, ...] = GATEWAY_BUCKETS, timeout_s: float = 2.0) -> list[str]:
+    """The streams and buckets (as `stream:<name>`, `bucket:<name>`) the server says do not exist.
+    A stream deleted under a running service is not recreated by it: this is how `/ready` says so.
+    A server that does not answer is not counted here (the connection check reports that)."""
+    wanted = [(f"stream:{name}", name) for name in streams] + [(f"bucket:{name}", f"KV_{name}") for name in buckets]
+
+    async def absent(stream: str) -> bool:
+        try:
+            await js.stream_info(stream)
+        except NotFoundError:
+            return True
+        except Exception:  # noqa: BLE001 - a timeout or a lost connection says nothing of the stream
+            return False
+        return False
+
+    try:
+        found = await asyncio.wait_for(asyncio.gather(*(absent(stream) for _, stream in wanted)), timeout_s)
+    except TimeoutError:
+        return []
+    return [label for (label, _), gone in zip(wanted, found) if gone]
 
 
 async def batch_buckets(js: JetStreamContext) -> tuple[KeyValue, KeyValue]:
@@ -221,14 +272,30 @@ async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
         return await js.key_value(name)
 
 
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+STREAM_DRIFT = Gauge("inferbus_stream_config_drift",
+                     "1 when a platform stream's configuration differs from what the platform needs (ops must fix it)",
+                     ["stream"])
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig, update: bool) -> list[str]:
     try:
         await js.add_stream(config)
+        STREAM_DRIFT.labels(config.name).set(0)
+        return []
     except BadRequestError as error:
-        # 10058: exists with a different config. Update what may be updated.
-        if error.err_code != 10058:
+        if error.err_code != 10058:  # 10058: it exists, with another config
             raise
+    assert config.name is not None
+    drift = config_drift(config, (await js.stream_info(config.name)).config)
+    if drift and update:
         await js.update_stream(config)
+        log.warning("stream_config_restored", stream=config.name, drift=drift)
+        drift = []
+    elif drift:
+        log.error("stream_config_drift", stream=config.name, drift=drift,
+                  hint="stream configuration belongs to ops: restore it (docs/security.md)")
+    STREAM_DRIFT.labels(config.name).set(1 if drift else 0)
+    return drift
 
 
 async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyValue:
@@ -259,7 +326,7 @@ async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyVal
 
 
 async def retry_forever(
-    what: str, attempt: Callable[[], Awaitable[None]], *, delay: float = 0.5, max_delay: float = 5.0
+    what: str, attempt: Callable[[], Awaitable[object]], *, delay: float = 0.5, max_delay: float = 5.0
 ) -> None:
     """Run `attempt` until it succeeds, logging failures; for start-up steps that race a restarting server."""
     while True:

@@ -5,7 +5,9 @@ Pure: the permissions of each role, and the nats-server `authorization` block th
 https://docs.nats.io/running-a-nats-service/configuration/securing_nats/authorization). `inferbus up`
 and the test fixtures write it into the server's config; `deploy/` renders the same block into a
 Secret. Everything not allowed here is denied, JetStream's API (`$JS.API.>`) and KV (`$KV.>`)
-included, so no identity but `ops` can purge or delete a stream or read one it has no use for.
+included, so no identity but `ops` can update, purge or delete a stream or bucket, or read one it
+has no use for (services create the platform's streams and buckets where they are missing, and
+report a configuration that drifted: `bus.ensure_streams`).
 
 Each identity subscribes to its own inbox prefix only (`_INBOX.<user>.>`), so no client can read
 the replies (JetStream deliveries, request/reply answers) meant for another.
@@ -36,6 +38,10 @@ class Permissions:
     responses_max: int = 1
     responses_expire: str | None = None
 
+
+# Answers given at once (a liveness probe's, a placement's, a resend's, a prefill half's): one per
+# request received, within a minute of it.
+PROMPT_REPLY_EXPIRE = "1m"
 
 # A streamed call's replies: a chunk per token at most (the context window) and the done marker,
 # within the longest request deadline a gateway is expected to run with (INFERBUS_REQUEST_TIMEOUT_S).
@@ -159,7 +165,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                        subjects.holder_wildcard(),
                        *_rules(_WORKER_PD_SUBSCRIBE, scope),
                        inbox),
-            allow_responses=True,  # answers the gateways' liveness probes and requests to resend, prefill halves
+            # answers the gateways' liveness probes and requests to resend, prefill halves
+            allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,
         )
     if role == "gateway":
         return Permissions(
@@ -169,13 +176,11 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *(subjects.owned_request_wildcards(scope) if scope is not None else subjects.requests_stream_subjects()),
                 subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
                 usage, subjects.placement_wildcard(),
-                *_platform_streams(), *[f"$JS.API.STREAM.UPDATE.{s}" for s in _PLATFORM_STREAMS],
+                *_platform_streams(),
                 *_consumer_state(_REQ),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
-                # The responses bucket takes a changed retention or size limit at gateway start.
-                f"$JS.API.STREAM.UPDATE.KV_{subjects.RESPONSES_BUCKET}",
                 subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
                 # asks a worker to send its own streams' events again (a gap, or silence)
                 subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
@@ -204,7 +209,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             ),
             subscribe=(subjects.placement_wildcard(), subjects.placed_wildcard(), subjects.cache_wildcard(),
                        subjects.metrics_wildcard(), inbox),
-            allow_responses=True,
+            allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers placement questions
         )
     if role == "billing":
         return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))

@@ -39,7 +39,7 @@ BATCH_SERVICE_ID = "main"
 def write_private(path: Path, text: str) -> None:
     """Write a file only its owner may read (0600), whatever the umask: it holds credentials.
     Replaced whole (a rename), so a reader never sees it half written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     partial = path.with_name(path.name + ".partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -52,6 +52,39 @@ def private_dir(path: Path) -> None:
     """Create `path` (and its parents) and make it 0700: the state dir holds data and credentials."""
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
+
+
+# What the platform's processes create (Redis's append-only file, JetStream's store, the usage
+# outboxes' SQLite files and their -wal/-shm, logs, files, exports) is theirs alone: they run
+# with this umask, so every file is 0600 and every directory 0700.
+CHILD_UMASK = 0o077
+
+
+def make_private_tree(path: Path) -> None:
+    """Make every directory under `path` (itself included) 0700 and every file 0600."""
+    for directory, _, files in os.walk(path):
+        os.chmod(directory, 0o700)
+        for name in files:
+            file = Path(directory) / name
+            if not file.is_symlink():
+                os.chmod(file, 0o600)
+
+
+# Files `inferbus up` writes that hold secrets (passwords, tokens, private keys): removed when
+# it stops. They are written again at every start.
+SECRET_FILES = ("nats.conf", "nats-*.conf", "redis.conf", "redis-*.conf", "sentinel-*.conf",
+                "callout-tokens.json", "tokens/*", "tls/*.key")
+
+
+def remove_secrets(state_dir: Path) -> list[Path]:
+    """Remove the files of SECRET_FILES under `state_dir`; returns those removed."""
+    removed = []
+    for pattern in SECRET_FILES:
+        for path in state_dir.glob(pattern):
+            if path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
 
 
 # Below Linux's ephemeral range (32768-60999): a port the kernel hands out for "any free port"
@@ -200,11 +233,14 @@ class Process:
     backoff: Backoff = field(default_factory=Backoff)
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        private_dir(self.log_path.parent)
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # logs hold tenants' ids and request details
+        log = os.fdopen(fd, "ab")
         # Own process group: Ctrl-C in the terminal reaches `up`, which then stops children in order.
         self.popen = subprocess.Popen(
-            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            umask=CHILD_UMASK,
         )
         log.close()
 
@@ -387,6 +423,7 @@ class Stack:
         # The gateway (uploads, downloads) and the batch service (inputs, outputs) share the files.
         env.setdefault("INFERBUS_FILES_DIR", str(self.config.state_dir / "files"))
         env.setdefault("INFERBUS_STATE_DIR", str(self.config.state_dir / "state"))  # usage outboxes
+        env.setdefault("INFERBUS_EXPORT_DIR", str(self.export_dir))  # billing's monthly exports
         if self.config.time_scale not in (0.0, 1.0):  # slowed engines: the router prices adapters in engine time
             env["INFERBUS_ROUTER_TIME_SCALE"] = str(self.config.time_scale)
         env.update(self.config.extra_env)
@@ -635,7 +672,9 @@ class Stack:
             return os.environ["INFERBUS_MODEL_DIR"]
         from inferbus.modeldir import build_model_dir
 
-        return str(build_model_dir(self.config.state_dir / "model", self.config.chat_format))
+        built = build_model_dir(self.config.state_dir / "model", self.config.chat_format)
+        make_private_tree(built)
+        return str(built)
 
     def autoscaler_env(self) -> dict[str, str]:
         """The local actuator's settings: where and how to start replicas, within which bounds."""
@@ -687,8 +726,13 @@ class Stack:
             "nats_password": ops.password if ops else "", "nats_tls_ca": self.nats_tls_ca, "redis_url": self.redis_url,
             "processes": {p.name: p.pid for p in self.processes},
             "zones": self.zones, "gateway_urls": self.gateway_urls,
-            "details": {p.name: p.detail for p in self.processes},
+            "details": {p.name: p.detail for p in self.processes}, "export_dir": str(self.export_dir),
         }
+
+    @property
+    def export_dir(self) -> Path:
+        """Where the billing service (and `inferbus usage export-month`) write monthly exports."""
+        return (self.config.state_dir / "exports").absolute()
 
     def write_platform_file(self) -> None:
         write_private(self.config.state_dir / PLATFORM_FILE, json.dumps(self.platform_file(), indent=2) + "\n")
@@ -769,6 +813,7 @@ class Stack:
             if not process.wait(max(timeout, 45) if process.name == "autoscaler" else timeout if process.name.startswith("worker") else 5):
                 process.signal(signal.SIGKILL)
                 process.wait(5)
+        remove_secrets(self.config.state_dir)  # no process is left to read them
 
     def rmtree(self) -> None:
         shutil.rmtree(self.config.state_dir, ignore_errors=True)

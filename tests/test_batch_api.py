@@ -155,6 +155,13 @@ def test_upload_errors_are_openai_errors(platform: Platform) -> None:
         assert (kept["filename"], kept["bytes"], kept["purpose"]) == ("late.jsonl", 18, "batch")
         assert client.files.content(kept["id"]).read() == b"line one\nline two\n"
         client.files.delete(kept["id"])
+        # A body cut before its closing boundary (with or without the last CRLF): refused, nothing kept.
+        head = (b'--b0undary\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="cut.jsonl"\r\n\r\n')
+        for cut in (head + b"abcdefgh", head + b'{"a": 1}\n\r\n', head + b'{"a": 1}\n\r\n--b0undary'):
+            truncated = http.post("/files", content=cut, headers={"content-type": "multipart/form-data; boundary=b0undary"})
+            assert truncated.status_code == 400, truncated.text
+            assert "closing boundary" in truncated.json()["error"]["message"]
     assert client.files.list().data == []  # nothing refused was kept
 
 

@@ -360,23 +360,71 @@ def test_usage_events_decode_as_the_ledger_expects() -> None:
     assert msgspec.msgpack.decode(m.encode(forged), type=m.InferenceRequest) == forged
 
 
-def test_a_gateway_can_give_the_stored_responses_a_new_retention(platform: Platform) -> None:
-    """The gateway identity may update the `responses` bucket it opens, as it does at start when
-    INFERBUS_RESPONSES_RETENTION_S or INFERBUS_RESPONSES_MAX_BYTES changed."""
+def test_a_gateway_reports_a_new_retention_and_leaves_the_bucket_to_ops(platform: Platform) -> None:
+    """Bucket configuration belongs to ops: when INFERBUS_RESPONSES_RETENTION_S changed, the
+    gateway's identity leaves the `responses` bucket as it is and reports the difference (a
+    `/ready` problem); the same reopen with the operator's identity applies it."""
     from services.gateway.responses_store import ResponseStore
     from services.gateway.settings import GatewaySettings
 
     max_bytes = GatewaySettings().responses_max_bytes
 
-    async def reopen() -> tuple[float, float]:
+    async def reopen() -> tuple[float, float, list[str], float]:
         gateway = Connection(platform, identity(platform, "gateway"))
         async with gateway as nc:
             js = nc.jetstream()
             before = (await js.stream_info(f"KV_{subjects.RESPONSES_BUCKET}")).config.max_age
-            await ResponseStore.open(js, retention_s=before + 60, max_bytes=max_bytes)
+            drift = (await ResponseStore.open(js, retention_s=before + 60, max_bytes=max_bytes)).drift
             after = (await js.stream_info(f"KV_{subjects.RESPONSES_BUCKET}")).config.max_age
-            await ResponseStore.open(js, retention_s=before, max_bytes=max_bytes)
-        return before, after
+        ops = await nats.connect(platform.stack.nats_url)
+        try:
+            js = ops.jetstream()
+            await ResponseStore.open(js, retention_s=before + 60, max_bytes=max_bytes, update=True)
+            by_ops = (await js.stream_info(f"KV_{subjects.RESPONSES_BUCKET}")).config.max_age
+            await ResponseStore.open(js, retention_s=before, max_bytes=max_bytes, update=True)
+        finally:
+            await ops.close()
+        return before, after, drift, by_ops
 
-    before, after = asyncio.run(reopen())
-    assert after == before + 60
+    before, after, drift, by_ops = asyncio.run(reopen())
+    assert after == before and by_ops == before + 60
+    assert len(drift) == 1 and f"wanted {before + 60}" in drift[0]
+
+def test_a_drifted_ledger_is_a_ready_problem_not_a_crash(platform: Platform) -> None:
+    """Ops truncating the ledger's limit (`max_msgs: 5`): the gateway keeps running and its
+    `/ready` names the drift until ops restores the stream."""
+    import dataclasses
+
+    import httpx
+
+    from inferbus import bus
+
+    from .waiting import wait_for
+
+    def ready() -> dict:  # type: ignore[type-arg]
+        return httpx.get(platform.stack.gateway_url + "/ready", timeout=5).json()  # type: ignore[no-any-return]
+
+    async def set_limit(max_msgs: int | None) -> None:
+        nc = await nats.connect(platform.stack.nats_url)
+        try:
+            js = nc.jetstream()
+            if max_msgs is None:
+                await bus.ensure_streams(js, update=True)
+            else:
+                usage = (await js.stream_info(subjects.USAGE_STREAM)).config
+                await js.update_stream(dataclasses.replace(usage, max_msgs=max_msgs))
+        finally:
+            await nc.close()
+
+    assert "stream_config_drift" not in ready()["problems"]
+    asyncio.run(set_limit(5))
+    try:
+        def drifted() -> dict | None:  # type: ignore[type-arg]
+            body = ready()
+            return body if "stream_config_drift" in body["problems"] else None
+
+        body = wait_for(drifted, 15, what="/ready naming the drift")
+        assert f"{subjects.USAGE_STREAM}: max_msgs is 5, wanted -1" in body["stream_drift"]
+    finally:
+        asyncio.run(set_limit(None))
+    wait_for(lambda: "stream_config_drift" not in ready()["problems"], 15, what="/ready after ops restored it")

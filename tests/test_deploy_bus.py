@@ -157,6 +157,9 @@ def test_network_policies_admit_only_the_services_that_use_nats_and_redis() -> N
 
     assert clients("nats-clients", 4222) == {"gateway", "router", "billing", "batch", "autoscaler", "worker", "worker-sim"}
     assert clients("redis-clients", 6379) == {"gateway", "billing", "batch"}
+    # NATS's monitoring port (users, subscriptions, consumers; no authentication) is open to no pod.
+    admitted_ports = {p["port"] for rule in policies["nats-clients"]["spec"]["ingress"] for p in rule["ports"]}
+    assert admitted_ports == {4222, 6222}
     kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     assert "networkpolicy.yaml" in kustomization["resources"]
 

@@ -146,3 +146,10 @@ async def _usage_workers(platform: Platform, request_ids: set[str]) -> dict[str,
     finally:
         await nc.close()
     return found
+
+
+def test_every_platform_command_works_against_three_zones(secure_zones: Platform, tmp_path: Path) -> None:
+    """The CLI against the HA shape: a NATS cluster URL, Redis under Sentinel, TLS and the callout."""
+    from .test_cli_local_platform import every_platform_command
+
+    every_platform_command(secure_zones, tmp_path / "exports")

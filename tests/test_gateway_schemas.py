@@ -35,3 +35,53 @@ def test_completion_prompt_forms() -> None:
         parse_completion(b'{"model": "m", "prompt": ["one", "two"]}')
     with pytest.raises(OpenAIError):
         parse_completion(b'{"model": "m", "prompt": "x", "echo": true}')
+
+
+def _tool(i: int, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": f"tool_{i}", "parameters": parameters or {"type": "object"}}}
+
+
+def test_tools_and_messages_over_their_limits_are_refused_before_each_is_checked() -> None:
+    user = [{"role": "user", "content": "x"}]
+    # Every tool's schema is invalid: a 400 naming `tools` (not `tools[0]...`) shows none was checked.
+    bad = {"type": "function", "function": {"name": "t", "parameters": {"type": 5}}}
+    with pytest.raises(OpenAIError) as raised:
+        parse_chat(msgspec.json.encode({"model": "m", "messages": user, "tools": [bad] * 129}))
+    assert (raised.value.status, raised.value.param) == (400, "tools") and "at most 128" in raised.value.message
+    with pytest.raises(OpenAIError) as raised:
+        parse_chat(msgspec.json.encode({"model": "m", "messages": [{"role": "tool", "content": "x"}] * 5}), max_messages=4)
+    assert (raised.value.status, raised.value.param) == (400, "messages") and "at most 4" in raised.value.message
+    accepted = parse_chat(msgspec.json.encode({"model": "m", "messages": user * 4, "tools": [_tool(i) for i in range(3)]}),
+                          max_tools=3, max_messages=4)
+    assert accepted.tools is not None and len(accepted.tools) == 3
+
+
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+         "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}
+RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+             "$ref": "#/$defs/node"}
+
+
+@pytest.mark.parametrize("schema, why", [
+    (CYCLE, "reference cycle"),
+    ({"$ref": "#"}, "reference cycle"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}, "does not name"),
+    ({"type": "object", "properties": {"x": {"$ref": "https://example.com/schema.json"}}}, "does not name"),
+])
+def test_a_schema_no_decoder_can_compile_is_a_400(schema: dict, why: str) -> None:
+    user = [{"role": "user", "content": "x"}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    with pytest.raises(OpenAIError) as raised:
+        parse_chat(msgspec.json.encode({"model": "m", "messages": user, "response_format": response_format}))
+    assert raised.value.param == "response_format.json_schema.schema" and why in raised.value.message
+    with pytest.raises(OpenAIError) as raised:
+        parse_chat(msgspec.json.encode({"model": "m", "messages": user, "tools": [_tool(0, schema)]}))
+    assert raised.value.param == "tools[0].function.parameters" and why in raised.value.message
+
+
+def test_recursion_through_a_property_and_data_that_looks_like_a_ref_are_accepted() -> None:
+    user = [{"role": "user", "content": "x"}]
+    for schema in (RECURSIVE, {"const": {"$ref": "#/nowhere"}}, {"$defs": {"s": {"type": "string"}},
+                                                                  "properties": {"a": {"$ref": "#/$defs/s"}}}):
+        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        parse_chat(msgspec.json.encode({"model": "m", "messages": user, "response_format": response_format}))

@@ -65,6 +65,30 @@ def test_records_are_immutable_and_rollouts_compare_and_set(server: NatsServer, 
     asyncio.run(scenario())
 
 
+def test_an_undecodable_release_or_rollout_is_skipped_and_a_write_replaces_it(server: NatsServer, tmp_path: Path) -> None:
+    from proto import subjects
+
+    good = release(tmp_path / "a", b"one")
+
+    async def scenario() -> None:
+        nc = await nats.connect(server.url)
+        kv = await store.bucket(nc.jetstream())
+        await store.put_release(kv, good)
+        await kv.put(subjects.release_key("f" * 64), b"junk")
+        await kv.put(subjects.rollout_key("llama"), b"junk")
+        assert [r.id for r in await store.releases(kv)] == [good.id]
+        assert await store.get_release(kv, "f" * 64) is None
+        current, revision = await store.get_rollout(kv, "llama")
+        assert current is None and revision > 0
+        assert await store.rollout_history(kv, "llama") == []
+        stable = m.Rollout(model="llama", stable=good.id, updated=1.0)
+        await store.put_rollout(kv, stable, revision)  # the junk's revision: replaced
+        assert (await store.get_rollout(kv, "llama"))[0] == stable
+        await nc.close()
+
+    asyncio.run(scenario())
+
+
 def test_release_commands(server: NatsServer, tmp_path: Path) -> None:
     runner = CliRunner()
     nats_url = ["--nats-url", server.url]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from inferbus import bus
 from inferbus.local import free_port, nats_server_binary
@@ -82,14 +83,22 @@ async def test_stored_per_tenant_and_durable_across_a_server_restart(nats_server
     await nc.close()
 
 
-async def test_retention_and_size_limit_are_the_buckets_and_follow_the_settings(nats_server: Nats) -> None:
+async def test_retention_and_size_limit_are_the_buckets_and_ops_makes_them_follow_the_settings(nats_server: Nats) -> None:
     nc = await bus.connect(nats_server.url, name="test")
     js = nc.jetstream()
     store = await ResponseStore.open(js, retention_s=3600, max_bytes=2000)
     config = (await js.stream_info("KV_responses")).config
     assert config.max_age == 3600 and config.max_msg_size is not None and config.max_msg_size >= 2000
     assert store.fits(b"x" * 1000, b"y" * 1000) and not store.fits(b"x" * 1000, b"y" * 1001)
-    await ResponseStore.open(js, retention_s=1, max_bytes=2000)  # a new retention setting, an existing bucket
+    # A new retention setting, an existing bucket: reported, and applied by an operator's reopen only.
+    assert (await ResponseStore.open(js, retention_s=1, max_bytes=2000)).drift
+    assert REGISTRY.get_sample_value("inferbus_stream_config_drift", {"stream": "KV_responses"}) == 1
+    assert (await js.stream_info("KV_responses")).config.max_age == 3600
+    # A larger size limit in the settings than the bucket's: stored records follow the bucket's.
+    assert (await ResponseStore.open(js, retention_s=3600, max_bytes=4000)).fits(b"x" * 1000, b"y" * 1000)
+    assert not (await ResponseStore.open(js, retention_s=3600, max_bytes=4000)).fits(b"x" * 1000, b"y" * 1001)
+    assert (await ResponseStore.open(js, retention_s=1, max_bytes=2000, update=True)).drift == []
+    assert REGISTRY.get_sample_value("inferbus_stream_config_drift", {"stream": "KV_responses"}) == 0
     assert (await js.stream_info("KV_responses")).config.max_age == 1
     await store.put(record("acme", "resp_old"))
     async def expired() -> bool:

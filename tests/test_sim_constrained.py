@@ -36,7 +36,9 @@ def test_values_are_valid_against_the_schema(schema: dict, seed: int) -> None:
 
 
 @pytest.mark.parametrize("schema", ["not json", '{"type": "strange"}', '{"$ref": "#/nowhere"}',
-                                    '{"type": "string", "pattern": "^a+$"}'])
+                                    '{"type": "string", "pattern": "^a+$"}', '{"$ref": "#"}',
+                                    '{"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}',
+                                    '{"type": "array", "items": {"$ref": "#/$defs/a"}, "$defs": {"a": {"$ref": "#/$defs/a"}}}'])
 def test_schemas_it_cannot_compile_are_errors(schema: str) -> None:
     with pytest.raises(SchemaError):
         json_output(schema, random.Random(0))

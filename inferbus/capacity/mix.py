@@ -227,17 +227,29 @@ class Mix:
         For the worked example 60% of requests prefill 240 tokens, 30% 1,500 and 10% 7,200, so
         the 90th-percentile request prefills 1,500 (the TTFT p90's prompt in the planner).
         """
+        return self._quantile(q, cached=False)
+
+    def input_quantile(self, q: float) -> float:
+        """The q-quantile of a request's whole prompt, cached tokens included (the KV a
+        disaggregated prefill sends its decode engine)."""
+        return self._quantile(q, cached=True)
+
+    def _quantile(self, q: float, *, cached: bool) -> float:
         if not 0 <= q <= 1:
             raise ValueError(f"q must be in [0, 1], got {q}")
         weighted: list[tuple[float, float]] = []
+
+        def tokens(request: MixRequest) -> float:
+            return float(request.input_tokens if cached else request.uncached_tokens)
+
         for share, cls in zip(self.shares, self.classes):
             if isinstance(cls, TraceClass):
-                weighted += [(n_in - cached, share / len(cls.rows)) for n_in, _, cached in cls.rows]
+                weighted += [(n_in if cached else n_in - hit, share / len(cls.rows)) for n_in, _, hit in cls.rows]
             elif cls.input_tokens.dist == "fixed":
-                weighted.append((cls.sample(random.Random(0)).uncached_tokens, share))
+                weighted.append((tokens(cls.sample(random.Random(0))), share))
             else:
                 rng = random.Random(0)
-                weighted += [(cls.sample(rng).uncached_tokens, share / _MOMENT_SAMPLES) for _ in range(_MOMENT_SAMPLES)]
+                weighted += [(tokens(cls.sample(rng)), share / _MOMENT_SAMPLES) for _ in range(_MOMENT_SAMPLES)]
         weighted.sort()
         cumulative = 0.0
         for value, weight in weighted:

@@ -13,6 +13,7 @@ import asyncio
 import datetime as dt
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -157,7 +158,8 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
     @usage.command("export-month")
     @click.option("--month", required=True, metavar="YYYY-MM", help="UTC calendar month to export.")
     @click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=None,
-                  help="Directory (default INFERBUS_EXPORT_DIR); files go to <dir>/<month>/<tenant>.<format>.")
+                  help="Directory (default INFERBUS_EXPORT_DIR, else the local platform's `exports` in its state "
+                       "dir); files go to <dir>/<month>/<tenant>.<format>.")
     @click.option("--format", "fmt", default=None, type=click.Choice(["csv", "jsonl", "parquet"]),
                   help="Default INFERBUS_EXPORT_FORMAT (csv).")
     @click.option("--bucket", default=None, type=click.Choice(["1h", "1d"]), help="Default INFERBUS_EXPORT_BUCKET (1h).")
@@ -173,6 +175,7 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         INFERBUS_EXPORT_DELAY_S), and marks it in Redis; this does the same by hand, and skips a
         month already marked unless --force.
         """
+        from inferbus.commands import local_platform
         from services.billing.export import export_month, month_range
 
         try:
@@ -180,7 +183,8 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="--month") from None
         settings = _billing_settings()
-        directory = directory or Path(settings.export_dir or ".inferbus/exports")
+        # The platform's own export directory (under its state dir) unless one is given.
+        directory = directory or local_platform.export_dir(os.environ.get("INFERBUS_EXPORT_DIR") or None).value
         redis_url = _redis(redis_url)
 
         async def run() -> list[Path]:

@@ -9,6 +9,7 @@ runs. Failing both, the documented defaults. Every choice comes with a line that
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,16 +32,14 @@ class Choice:
     note: str  # one line for the user: what is used, from where (no secrets)
 
 
+# `scheme://user:password@` wherever it appears: a NATS cluster is several URLs joined by commas,
+# a Sentinel or multi-host Redis address one URL with several hosts, neither parses as one URL.
+_CREDENTIALS = re.compile(r"(//[^:/@,]*):[^@/,]*@")
+
+
 def redact(url: str) -> str:
-    """`url` without its password."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" if parts.username else f":***@{host}"
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """`url` without its passwords (every URL of a comma-separated list, however many hosts)."""
+    return _CREDENTIALS.sub(r"\1:***@", url)
 
 
 def _from_platform(directory: Path, what: str, value: str) -> Choice:
@@ -78,6 +77,24 @@ def nats_url(given: str | None, directory: Path | None = None) -> Choice:
         return _from_platform(directory, "NATS", url)
     return Choice(DEFAULT_NATS_URL, "default", f"Using NATS at {DEFAULT_NATS_URL} (the default: no --nats-url, "
                                                f"NATS_URL or running `inferbus up` in {directory})")
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    value: Path
+    source: str  # "option", "platform" or "default"
+
+
+def export_dir(given: str | None, directory: Path | None = None) -> PathChoice:
+    """Where monthly usage exports go: the given directory, else the running platform's (under its
+    state dir), else `exports` in the state dir `inferbus up` uses by default."""
+    directory = state_dir() if directory is None else directory
+    if given:
+        return PathChoice(Path(given), "option")
+    found = read_platform_file(directory)
+    if found and found.get("export_dir"):
+        return PathChoice(Path(str(found["export_dir"])), "platform")
+    return PathChoice(directory / "exports", "default")
 
 
 def gateway(url: str | None, admin_key: str, directory: Path | None = None) -> tuple[str, str, str]:

@@ -43,7 +43,7 @@ async def read_ledger(nats_url: str, start: float, end: float) -> list[m.UsageEv
 
     # One read of a window: fail at once when the server is not there rather than reconnect.
     # Credentials and TLS as every inferbus client takes them (NATS_USER, NATS_PASSWORD, NATS_TLS_*).
-    nc = await nats.connect(nats_url, name="mix-from-usage", connect_timeout=5, allow_reconnect=False,
+    nc = await nats.connect(bus.server_list(nats_url), name="mix-from-usage", connect_timeout=5, allow_reconnect=False,
                              max_reconnect_attempts=1, **bus.bus_settings().options(nats_url))  # type: ignore[arg-type]
     events: list[m.UsageEvent] = []
     try:

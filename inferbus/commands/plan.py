@@ -14,7 +14,7 @@ from inferbus.capacity.plan import deploy, options, report, sweep_table
 from inferbus.capacity.plan.model import Assumptions, Slo, Workload
 from inferbus.capacity.plan.planner import PlanError, PlanInputs, make_plan
 from inferbus.capacity.plan.warm_pool import Ramp, ramp_from_arrivals
-from inferbus.timing import GPUS, PRECISIONS, PRESETS, SpecDecoding
+from inferbus.timing import GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, SpecDecoding, kv_link
 
 _SWEEP_SPEC = re.compile(r"^(?P<gpu>[A-Za-z0-9]+):(?P<tp>\d+)=(?P<path>.+)$")
 _SLO_KEYS = ("ttft_p90_ms", "tpot_p90_ms")
@@ -117,6 +117,16 @@ def _parse_spec(text: str | None) -> SpecDecoding | None:
         raise click.BadParameter(f"{detail}, e.g. 3:0.7 (got {text!r})", param_hint="--spec") from None
 
 
+def _parse_kv_link(text: str) -> KvLink:
+    """`rdma`, `nvlink`, or either with its bandwidth per GPU replaced: `rdma:25` (GB/s, one way)."""
+    name, sep, rate = text.partition(":")
+    try:
+        return kv_link(name.strip().lower(), float(rate) if sep else None)
+    except ValueError as error:
+        detail = str(error) if "link" in str(error) else f"bandwidth must be GB/s per GPU, got {rate!r}"
+        raise click.BadParameter(f"{detail}; e.g. rdma, nvlink or rdma:25", param_hint="--kv-link") from None
+
+
 def _command_line(ctx: click.Context) -> str:
     """The command as it would be typed, options at their defaults left out (for the overlay's header)."""
     words = ["inferbus", "plan"]
@@ -217,6 +227,13 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.option("--zones", type=click.IntRange(min=1), default=1, show_default=True,
               help="Zones the serving fleet spreads over; with more than one it is sized to hold the peak "
                    "with one zone lost (× Z ÷ (Z − 1)), e.g. 3.")
+@click.option("--disagg/--no-disagg", default=True, show_default=True,
+              help="Also price a disaggregated fleet (a prefill pool and a decode pool, every TP pair) and choose the "
+                   "cheaper topology that holds the SLO.")
+@click.option("--kv-link", "kv_link_text", default="rdma", show_default=True, metavar="LINK[:GBPS]",
+              help=f"Disaggregated: the link prefill sends KV to decode over, {' or '.join(sorted(KV_LINKS))} "
+                   "(RDMA between nodes: one 400 Gb/s NIC per GPU, 50 GB/s; NVLink inside a node: 450 GB/s per GPU "
+                   "one way), optionally with its GB/s per GPU replaced, e.g. rdma:25.")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="Also plan with each engine option flipped (BF16, speculative decoding, 1/8/32 adapters) and "
                    "show what each changes in GPUs and $ (about ten seconds more).")
@@ -242,7 +259,8 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
          preset: str, chunk: int, headroom: float, kv_limit: float, ttft_tokens: float | None,
          sweep_specs: tuple[str, ...], cold_start_s: float, warm_start_s: float, ramp: float | None,
          ramp_trace: Path | None, weights: str, kv_cache: str, spec_text: str | None, lora_adapters: int,
-         lora_rank: int, lora_slots: int, zones: int, compare: bool, emit_deploy: Path | None,
+         lora_rank: int, lora_slots: int, zones: int, disagg: bool, kv_link_text: str, compare: bool,
+         emit_deploy: Path | None,
          model_id: str, model_revision: str | None, spec_draft_model: str | None, out: Path | None,
          no_plots: bool, as_json: bool) -> None:
     """Plan replicas, GPUs and dollars for a peak rate of a workload mix under a latency SLO.
@@ -253,8 +271,9 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
     counting both, $ per 1M input and output tokens and KV use. Goodput comes from the timing
     model of the simulated engine's roofline (docs/sim-engine.md; with the engine options: precision, speculative decoding, LoRA)
     unless a measured sweep is given for that GPU × TP; the report says which, shows the
-    arithmetic line by line and what each engine option changes. --emit-deploy writes the
-    cheapest row as a kustomize overlay.
+    arithmetic line by line and what each engine option changes. Beside them it prices a
+    disaggregated fleet (prefill pool + decode pool, the KV over --kv-link) and says which topology
+    is cheaper and why. --emit-deploy writes the cheapest aggregated row as a kustomize overlay.
 
     \b
     Examples:
@@ -285,7 +304,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
             cold_start_s=cold_start_s, warm_start_s=warm_start_s,
             ramp=_load_ramp(ramp, ramp_trace, rate_rps, cold_start_s), weights=weights, kv_cache=kv_cache,
             spec=_parse_spec(spec_text), lora_adapters=lora_adapters, lora_rank=lora_rank, lora_slots=lora_slots,
-            zones=zones,
+            zones=zones, disaggregation=disagg, kv_link=_parse_kv_link(kv_link_text),
         )
         result = make_plan(inputs, sweeps)
         variants = options.compare(result) if compare else []

@@ -116,6 +116,20 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 
 
+MAX_TOOLS = 128  # tools per chat request (OpenAI's own limit); INFERBUS_MAX_TOOLS at the gateway
+MAX_MESSAGES = 2048  # messages per chat request; INFERBUS_MAX_MESSAGES at the gateway
+
+
+class _Counts(msgspec.Struct):
+    """How many messages and tools a chat request holds, each left undecoded."""
+
+    messages: list[msgspec.Raw] = []
+    tools: list[msgspec.Raw] | None = None
+
+
+_counts_decoder = msgspec.json.Decoder(_Counts)
+
+
 def _param(message: str) -> str | None:
     match = _PATH.search(message)
     return match.group(1).lstrip(".") or None if match else None
@@ -159,7 +173,17 @@ def _check_common(body: _Common) -> None:
         raise OpenAIError(400, "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value")
 
 
-def parse_chat(body: bytes) -> ChatCompletionRequest:
+def parse_chat(body: bytes, *, max_tools: int = MAX_TOOLS, max_messages: int = MAX_MESSAGES) -> ChatCompletionRequest:
+    # The counts first, from a decoding that builds nothing of the messages and tools (a tenth of
+    # the full decoding's time): decoding, checking each tool's schema and rendering each message
+    # cost time in proportion to them, so a request over a limit is refused before any of that.
+    counts: _Counts = _decode(_counts_decoder, body)
+    if len(counts.messages) > max_messages:
+        raise OpenAIError(400, f"messages holds {len(counts.messages)} messages; at most {max_messages} are allowed.",
+                          param="messages", code="invalid_value")
+    if counts.tools is not None and len(counts.tools) > max_tools:
+        raise OpenAIError(400, f"tools holds {len(counts.tools)} tools; at most {max_tools} are allowed.",
+                          param="tools", code="invalid_value")
     request: ChatCompletionRequest = _decode(_chat_decoder, body)
     _check_common(request)
     if not request.messages:

@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 
 from inferbus import adapters as registry
 from inferbus import bus
+from inferbus.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 
@@ -57,12 +58,13 @@ async def get_release(kv: KeyValue, release_id: str) -> m.Release | None:
         entry = await kv.get(subjects.release_key(release_id))
     except KeyNotFoundError:
         return None
-    return _release.decode(entry.value) if entry.value else None
+    return decode_or_none(_release, entry.value, store="releases", key=entry.key) if entry.value else None
 
 
 async def releases(kv: KeyValue) -> list[m.Release]:
-    found = [_release.decode(entry.value) for entry in await bus.kv_values(kv, "release.>")]
-    return sorted(found, key=lambda r: r.created)
+    decoded = [decode_or_none(_release, entry.value, store="releases", key=entry.key)
+               for entry in await bus.kv_values(kv, "release.>")]
+    return sorted((r for r in decoded if r is not None), key=lambda r: r.created)
 
 
 async def resolve(kv: KeyValue, reference: str) -> m.Release:
@@ -87,7 +89,8 @@ async def get_rollout(kv: KeyValue, model: str) -> tuple[m.Rollout | None, int]:
         return None, 0
     if not entry.value:
         return None, entry.revision or 0
-    return _rollout.decode(entry.value), entry.revision or 0
+    # An undecodable rollout reads as none; its revision stays, so a write replaces it.
+    return decode_or_none(_rollout, entry.value, store="releases", key=entry.key), entry.revision or 0
 
 
 def key_of(rollout: m.Rollout) -> str:
@@ -104,7 +107,8 @@ async def get_adapter_rollout(kv: KeyValue, model: str, adapter: str) -> tuple[m
         return None, 0
     if not entry.value:
         return None, entry.revision or 0
-    return _rollout.decode(entry.value), entry.revision or 0
+    # An undecodable rollout reads as none; its revision stays, so a write replaces it.
+    return decode_or_none(_rollout, entry.value, store="releases", key=entry.key), entry.revision or 0
 
 
 async def put_rollout(kv: KeyValue, rollout: m.Rollout, revision: int) -> int:
@@ -124,7 +128,8 @@ async def rollout_history(kv: KeyValue, model: str, adapter: str | None = None) 
         entries = await kv.history(key)
     except (KeyNotFoundError, NoKeysError):
         return []
-    return [_rollout.decode(e.value) for e in entries if e.value]
+    decoded = [decode_or_none(_rollout, e.value, store="releases", key=e.key) for e in entries if e.value]
+    return [rollout for rollout in decoded if rollout is not None]
 
 
 def decode_rollout(value: bytes | None) -> m.Rollout | None:

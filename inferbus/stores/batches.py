@@ -21,6 +21,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
+from inferbus.records import decode_or_none
 from inferbus.stores.files import paginate, sortable_hex
 from proto import messages as m
 from proto import subjects
@@ -46,10 +47,6 @@ def valid_batch_id(batch_id: str) -> bool:
     return BATCH_ID.match(batch_id) is not None
 
 
-def decode(value: bytes) -> m.BatchRecord:
-    return _decoder.decode(value)
-
-
 class BatchStore:
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
@@ -72,8 +69,8 @@ class BatchStore:
             return None
         if not entry.value:
             return None
-        record = decode(entry.value)
-        if record.tenant != tenant or record.id != batch_id:
+        record = decode_or_none(_decoder, entry.value, store="batches", key=entry.key)
+        if record is None or record.tenant != tenant or record.id != batch_id:
             return None
         return record, entry.revision  # type: ignore[return-value]
 
@@ -101,7 +98,9 @@ class BatchStore:
         """The current records whose keys match `pattern` (`bus.kv_values`: a KV watch ends its
         initial values early when a record is rewritten while it scans, and the batch service
         rewrites records all the time)."""
-        return [decode(entry.value) for entry in await bus.kv_values(self.kv, pattern)]
+        records = [decode_or_none(_decoder, entry.value, store="batches", key=entry.key)
+                   for entry in await bus.kv_values(self.kv, pattern)]
+        return [record for record in records if record is not None]  # an undecodable one is skipped
 
     async def list(self, tenant: str, after: str | None = None,
                    limit: int = 20) -> tuple[builtins.list[m.BatchRecord], bool]:
@@ -129,12 +128,9 @@ class BatchStore:
             async for entry in watcher:
                 if entry is None or not entry.value or entry.revision <= since:
                     continue  # None: the end of the records that existed when the watch began
-                try:
-                    record = decode(entry.value)
-                except msgspec.DecodeError as error:
-                    log.warning("batch_record_undecodable", key=entry.key, error=repr(error))
-                    continue
-                yield record
+                record = decode_or_none(_decoder, entry.value, store="batches", key=entry.key)
+                if record is not None:
+                    yield record
         finally:
             with contextlib.suppress(nats.errors.Error):  # the connection may be closed already
                 await watcher.stop()

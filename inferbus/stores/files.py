@@ -26,6 +26,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
+from inferbus.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 
@@ -214,14 +215,15 @@ class FileStore:
             return None
         if entry.value is None:
             return None
-        record = _decoder.decode(entry.value)
-        return record if record.tenant == tenant and record.id == file_id else None
+        record = decode_or_none(_decoder, entry.value, store="files", key=entry.key)
+        return record if record is not None and record.tenant == tenant and record.id == file_id else None
 
     async def all(self, tenant: str) -> builtins.list[m.FileRecord]:
         """Every file of `tenant`, in no particular order; one just uploaded included (`bus.kv_values`:
         a KV watch read to its first None can end before the values it should list)."""
-        records = [_decoder.decode(entry.value) for entry in await bus.kv_values(self.kv, f"{_tenant_token(tenant)}.>")]
-        return [record for record in records if record.tenant == tenant]
+        records = [decode_or_none(_decoder, entry.value, store="files", key=entry.key)
+                   for entry in await bus.kv_values(self.kv, f"{_tenant_token(tenant)}.>")]
+        return [record for record in records if record is not None and record.tenant == tenant]
 
     async def list(self, tenant: str, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
                    order: str = "desc") -> tuple[builtins.list[m.FileRecord], bool]:

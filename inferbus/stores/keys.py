@@ -28,6 +28,8 @@ from typing import Generic, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
+from inferbus.records import decode_or_none
+
 KEY_PREFIX = "inferbus:apikey:"
 SECRET_PREFIX = "ib-"
 LAST_USED_PRECISION_S = 60.0
@@ -71,6 +73,10 @@ class _KeyMeta(msgspec.Struct, kw_only=True):
     hash: str
 
 
+_record_decoder = msgspec.json.Decoder(_Record)
+_meta_decoder = msgspec.json.Decoder(_KeyMeta)
+
+
 class IssuedKey(msgspec.Struct, kw_only=True):
     """A key just created: the only time its secret exists outside the client."""
 
@@ -111,7 +117,9 @@ async def list_keys(redis: aioredis.Redis, tenant: str) -> list[KeyInfo]:
         pipe.hgetall(tenant_key(tenant, "keys:used"))
         raw, used_raw = await pipe.execute()
     used = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in used_raw.items()}
-    metas = [msgspec.json.decode(value, type=_KeyMeta) for value in raw.values()]
+    decoded = [decode_or_none(_meta_decoder, value, store="keys", key=tenant_key(tenant, "keys"))
+               for value in raw.values()]
+    metas = [meta for meta in decoded if meta is not None]  # an undecodable one is skipped
     return [KeyInfo(id=m.id, name=m.name, created=m.created, last4=m.last4, last_used=used.get(m.id))
             for m in sorted(metas, key=lambda m: (m.created, m.id))]
 
@@ -237,5 +245,7 @@ class KeyStore:
         raw = await self.redis.get(KEY_PREFIX + digest)
         if raw is None:
             return None
-        record = msgspec.json.decode(raw, type=_Record)
+        record = decode_or_none(_record_decoder, raw, store="keys", key=KEY_PREFIX + digest)
+        if record is None:
+            return None  # refused like an unknown key, never a 5xx
         return Principal(tenant=record.tenant, key_id=record.key_id)

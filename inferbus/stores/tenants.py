@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from msgspec import Meta
 from redis.exceptions import WatchError
 
+from inferbus.records import decode_or_none
 from inferbus.stores.keys import CachedLookup, revoke_all_keys, tenant_key
 
 __all__ = [
@@ -197,7 +198,10 @@ class TenantStore:
                     raw = await pipe.get(key)
                     if raw is None:
                         raise TenantNotFound(tenant_id)
-                    tenant = apply_changes(_decoder.decode(raw), changes)
+                    current = decode_or_none(_decoder, raw, store="tenants", key=key)
+                    if current is None:
+                        raise TenantNotFound(tenant_id)
+                    tenant = apply_changes(current, changes)
                     tenant = msgspec.structs.replace(tenant, updated=time.time())
                     pipe.multi()
                     pipe.set(key, _encoder.encode(tenant))
@@ -228,8 +232,13 @@ class TenantStore:
             for tenant_id in ids:
                 pipe.get(tenant_key(tenant_id, "tenant"))
             raws = await pipe.execute()
-        return [_decoder.decode(raw) for raw in raws if raw is not None]
+        tenants = [decode_or_none(_decoder, raw, store="tenants", key=tenant_key(tenant_id, "tenant"))
+                   for tenant_id, raw in zip(ids, raws) if raw is not None]
+        return [tenant for tenant in tenants if tenant is not None]  # an undecodable one is skipped
 
     async def _fetch(self, tenant_id: str) -> Tenant | None:
-        raw = await self.redis.get(tenant_key(tenant_id, "tenant"))
-        return _decoder.decode(raw) if raw is not None else None
+        """The tenant, None if absent or if its record does not decode (then its keys are refused
+        like an unknown tenant's, never a 5xx on every request)."""
+        key = tenant_key(tenant_id, "tenant")
+        raw = await self.redis.get(key)
+        return decode_or_none(_decoder, raw, store="tenants", key=key) if raw is not None else None

@@ -39,6 +39,7 @@ from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, redis_conn
 from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import ModelDirError, load_model
+from inferbus.records import decode_or_none
 from inferbus.replies import Replies
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
@@ -223,9 +224,8 @@ class BatchService:
                 self.tracker.on_accepted(event, now)
 
     def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         self.live_workers[entry.key] = beat.worker_id
         if self._gone.pop(beat.worker_id, None) is not None:

@@ -52,9 +52,12 @@ def previous_month(ts: float) -> str:
 
 
 def _atomic_write(path: Path, rows: Sequence[dict[str, Any]], fmt: str) -> None:
+    """Write the file whole or not at all; a tenant's bill is private: 0600 in a 0700 month directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     write_rows(rows, fmt, temporary)
+    os.chmod(temporary, 0o600)
     os.replace(temporary, path)
 
 

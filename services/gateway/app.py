@@ -72,6 +72,13 @@ class Gateway:
         self.admission: Admission | None = None
         self.generation: Generation | None = None
         self.responses: ResponsesAPI | None = None
+        # How the platform's streams differ from what it needs (a missing ledger included): a /ready
+        # problem for ops to fix (no service may reconfigure a stream), checked at start and again
+        # by /ready. The `responses` bucket's retention or size limit differing from the settings
+        # is reported too, and is no reason to stop serving.
+        self.stream_drift: list[str] = []
+        self.bucket_drift: list[str] = []
+        self._drift_checked = -1e9  # monotonic time of the last check
         self.tenants: TenantStore | None = None
         self.fleet: FleetMonitor | None = None
         self.catalog: ModelCatalog | None = None
@@ -81,6 +88,17 @@ class Gateway:
         self.js: JetStreamContext | None = None
         self.nc: Client | None = None
         self.console: Console | None = None  # the web console (/console), when INFERBUS_CONSOLE
+
+    async def current_stream_drift(self, max_age_s: float = 5.0) -> list[str]:
+        """The platform streams' drift, checked again when the last check is older than `max_age_s`."""
+        now = time.monotonic()
+        if self.js is not None and now - self._drift_checked >= max_age_s:
+            self._drift_checked = now
+            try:
+                self.stream_drift = await bus.check_streams(self.js)
+            except Exception as error:  # NATS away: its own /ready problem; keep the last answer
+                log.warning("stream_check_failed", error=repr(error))
+        return self.stream_drift
 
     async def _on_reconnect(self) -> None:
         if self.dispatcher is not None:
@@ -95,7 +113,8 @@ class Gateway:
         self.zone = s.resolved_zone()  # before the bus too: a zone file that cannot be read stops it at once
         self.nc = await bus.connect(s.nats_url, name=f"gateway-{self.gateway_id}", on_reconnect=self._on_reconnect)
         js = self.js = self.nc.jetstream()
-        await bus.ensure_streams(js)
+        self.stream_drift = await bus.ensure_streams(js)
+        self._drift_checked = time.monotonic()
         workers = await bus.workers_bucket(js, s.heartbeat_ttl_s)
         overload = OverloadPolicy(clock=time.monotonic, budgets_s={
             "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s})
@@ -135,6 +154,7 @@ class Gateway:
             await self.internal_api.start()
         # The Responses API: stored responses in KV, generation through the chat path above.
         store = await ResponseStore.open(js, s.responses_retention_s, s.responses_max_bytes)
+        self.bucket_drift = store.drift
         self.responses = ResponsesAPI(self.generation, store)
         if s.console:
             self.console = Console(self)
@@ -273,12 +293,19 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
             await gateway.redis.ping()
         except Exception:
             problems.append("redis")
+        if gateway.js is not None and gateway.nc is not None and gateway.nc.is_connected:
+            # A deleted ledger stream or bucket is not recreated under a running gateway: say so.
+            problems += [f"missing_{store}" for store in await bus.missing_stores(gateway.js)]
         # Without a worker whose engine serves, every generation would be a 503: take this replica
         # out of the load balancer until one is back (a worker whose engine is down is not ready).
         workers = len(gateway.dispatcher.live_workers) if gateway.dispatcher else 0
         if gateway.dispatcher is None or not gateway.dispatcher.has_workers(settings.model):
             problems.append("no_workers")
-        body = {"status": "ready" if not problems else "not_ready", "problems": problems, "workers": workers}
+        stream_drift = await gateway.current_stream_drift()
+        if stream_drift:
+            problems.append("stream_config_drift")
+        body = {"status": "ready" if not problems else "not_ready", "problems": problems, "workers": workers,
+                "stream_drift": stream_drift + gateway.bucket_drift}
         return Response(_json.encode(body), status_code=200 if not problems else 503, media_type="application/json")
 
     @api.get("/metrics")

@@ -24,6 +24,7 @@ from nats.js.kv import KeyValue
 
 from inferbus import bus, continuation, logs, patience, tracing
 from inferbus.outbox import Outbox
+from inferbus.records import decode_or_none
 from inferbus.replies import PublishError, Replies
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 from proto import messages as m
@@ -556,9 +557,8 @@ class Dispatcher:
         await bus.follow(self._watcher, self._on_heartbeat, self._worker_gone)
 
     def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         self.live_workers[beat.worker_id] = (time.monotonic(), beat)
 

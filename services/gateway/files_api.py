@@ -18,7 +18,7 @@ import nats.errors
 from fastapi import APIRouter, Request
 from prometheus_client import Counter
 from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
@@ -195,6 +195,10 @@ async def receive_upload(request: Request, staged: Staging) -> tuple[str, str]:
             await staged.write(piece)
     except FormParserError:
         raise OpenAIError(400, "The multipart body is malformed.", code="invalid_value") from None
+    if parser.state != MultipartState.END:
+        # The body ended before the closing boundary: the file may be cut anywhere, keep none of it.
+        raise OpenAIError(400, "The multipart body ends before its closing boundary (a truncated upload).",
+                          code="invalid_value")
     if form.filename is None:
         raise OpenAIError(400, "Missing the `file` part.", param="file", code="invalid_value")
     purpose = form.fields.get("purpose")

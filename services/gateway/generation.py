@@ -11,9 +11,9 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -50,6 +50,8 @@ ENGINE_PRIORITY = {"premium": 10, "standard": 0}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_VALIDATION_THREADS = 2  # large bodies validated at once, each in a thread (see `_off_loop`)
+T = TypeVar("T")
 
 Scope = dict[str, Any]
 
@@ -130,6 +132,7 @@ class Generation:
         self.prices = prices
         self.releases: ReleaseRouting | None = None  # set by the app: canary splits and release pins
         self.adapter_metrics = AdapterMetrics(TopLabels(time.monotonic, top=settings.adapter_metrics_top))
+        self._validating = asyncio.Semaphore(_VALIDATION_THREADS)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         request_id = uuid.uuid4().hex
@@ -193,7 +196,11 @@ class Generation:
         tenant = await self.tenant(principal)
         body = await self._read_body(receive, _header(scope, b"content-length"))
         if endpoint == "chat":
-            chat = schemas.parse_chat(body)
+            parse = functools.partial(schemas.parse_chat, body, max_tools=self.settings.max_tools,
+                                      max_messages=self.settings.max_messages)
+            # A large body's validation (each tool's JSON Schema, each message) runs in a thread,
+            # one at a time, so that it never holds the event loop that serves everyone else.
+            chat = await self._off_loop(parse) if len(body) > LONG_TEXT_CHARS else parse()
             model, adapter = await self.catalog.lookup(chat.model, tenant)
             # tool_choice none: the model is not told about the tools (SGLang does the same).
             offered = chat.tools if chat.tools and chat.tool_choice != "none" else None
@@ -216,6 +223,7 @@ class Generation:
             raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
                               code="invalid_prompt") from None
         prompt_tokens = len(prompt.ids)
+        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)  # before any work per token
         pin = _header(scope, PIN_HEADER)
         adapter_canary = adapter_pinned = False
         adapter_fallback = None
@@ -229,7 +237,6 @@ class Generation:
         if self.dispatcher.placement_timeout_s > 0:
             # The router places by prefix: the blocks of the ids the engine will cache.
             hashes = block_hashes(prompt.ids, self.settings.block_size, namespace=adapter or "")
-        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)
         if not self.dispatcher.has_workers(model):
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
@@ -292,6 +299,12 @@ class Generation:
                 choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
                                                 parallel=params.parallel_tool_calls is not False)
         return call
+
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        """`work()` in a thread, at most `_VALIDATION_THREADS` at a time: validation holds the GIL,
+        and more threads doing it would only take turns with the event loop more often."""
+        async with self._validating:
+            return await asyncio.to_thread(work)
 
     async def tenant(self, principal: Principal) -> Tenant:
         try:
@@ -375,7 +388,8 @@ class Generation:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 body = b"".join(chunks)
-                json_body.check_depth(body, self.settings.max_json_depth)
+                check = functools.partial(json_body.check_depth, body, self.settings.max_json_depth)
+                await self._off_loop(check) if len(body) > LONG_TEXT_CHARS else check()
                 return body
 
     def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:

@@ -7,6 +7,10 @@ by running the call through `Generation` exactly as an HTTP request: the same ke
 quotas, priority band, fair queue, dispatch and billing. The call is handed to `Generation` as an
 ASGI request whose response is published to the inbox instead of written to a socket:
 
+Replies go only to the caller's inbox (`_INBOX.<identity>.…`, `inferbus.reply_check`): a call
+naming any other reply subject (a JetStream API subject, a KV key, a data subject) is refused
+unanswered and counted as a security event.
+
 - not streamed: one reply, the response body (or the OpenAI error) as JSON;
 - streamed: one reply per server-sent event (each a chunk's JSON, the `data:` of the event), then
   an empty reply marked done. The first names a subject the producer may publish to to abandon
@@ -31,6 +35,7 @@ from prometheus_client import Counter
 
 from inferbus import logs
 from inferbus.openai.errors import OpenAIError
+from inferbus.security_events import answerable
 from proto import messages as m
 from proto import subjects
 
@@ -162,6 +167,8 @@ class InternalApi:
         if not msg.reply:
             log.warning("api_call_without_reply", subject=msg.subject)
             return
+        if not answerable(msg):
+            return  # a reply subject no producer owns: answering would publish there with our rights
         if endpoint is None:
             error = OpenAIError(404, f"Unknown subject: {msg.subject}", code="unknown_url")
             headers = {m.API_HEADER_VERSION: m.API_VERSION, m.API_HEADER_STATUS: "404"}

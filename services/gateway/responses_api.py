@@ -9,6 +9,7 @@ input items listing work across gateway replicas and restarts.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ from starlette.responses import Response
 
 from inferbus import logs
 from inferbus.openai.errors import OpenAIError
+from inferbus.prompt import LONG_TEXT_CHARS
 from inferbus.stores.keys import Principal
 from inferbus.stores.tenants import Tenant
 from proto import messages as m
@@ -82,7 +84,10 @@ class ResponsesAPI:
         headers = dict(scope["headers"])
         principal = await self.generation._authenticate(_latin(headers.get(b"authorization")))
         tenant = await self.generation.tenant(principal)
-        request = items.parse_request(await self.generation._read_body(receive, _latin(headers.get(b"content-length"))))
+        body = await self.generation._read_body(receive, _latin(headers.get(b"content-length")))
+        parse = functools.partial(items.parse_request, body)
+        # As the chat path does: a large body is decoded beside the event loop, not on it.
+        request = await self.generation._off_loop(parse) if len(body) > LONG_TEXT_CHARS else parse()
         context: list[items.Item] = []
         if request.previous_response_id is not None:
             previous = await self.store.get(tenant.id, request.previous_response_id)

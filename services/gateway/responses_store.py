@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import msgspec
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
@@ -18,6 +17,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs
+from inferbus.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 
@@ -38,10 +38,13 @@ class ResponseStore:
     def __init__(self, kv: KeyValue, max_bytes: int) -> None:
         self.kv = kv
         self.max_bytes = max_bytes
+        self.drift: list[str] = []  # how the bucket differs from the settings (see `open`)
 
     @classmethod
-    async def open(cls, js: JetStreamContext, retention_s: float, max_bytes: int) -> ResponseStore:
-        """The bucket, created on first use; an existing bucket takes the configured retention."""
+    async def open(cls, js: JetStreamContext, retention_s: float, max_bytes: int, *, update: bool = False) -> ResponseStore:
+        """The bucket, created on first use. An existing bucket with another retention or size
+        limit keeps it (only ops may reconfigure a bucket): the difference is logged and listed in
+        `drift`; with `update` (an operator's identity) the bucket takes the configured ones."""
         name = subjects.RESPONSES_BUCKET
         try:
             kv = await js.key_value(name)
@@ -55,6 +58,18 @@ class ResponseStore:
         else:
             info = await js.stream_info(f"KV_{name}")
             config = info.config
+            if (config.max_age != retention_s or config.max_msg_size != max_bytes + _ENVELOPE_BYTES) and not update:
+                drift = [f"KV_{name}: max_age is {config.max_age}, wanted {retention_s}; max_msg_size is "
+                         f"{config.max_msg_size}, wanted {max_bytes + _ENVELOPE_BYTES}"]
+                log.error("stream_config_drift", stream=f"KV_{name}", drift=drift,
+                          hint="INFERBUS_RESPONSES_RETENTION_S or INFERBUS_RESPONSES_MAX_BYTES changed: ops must "
+                               "update the bucket (docs/security.md)")
+                # What the bucket takes, not what the settings say: a larger record would be refused.
+                limit = config.max_msg_size or 0
+                store = cls(kv, min(max_bytes, limit - _ENVELOPE_BYTES) if limit > 0 else max_bytes)
+                store.drift = drift
+                bus.STREAM_DRIFT.labels(f"KV_{name}").set(1)
+                return store
             if config.max_age != retention_s or config.max_msg_size != max_bytes + _ENVELOPE_BYTES:
                 config.max_age = retention_s
                 # The server refuses a duplicates window longer than the max age.
@@ -62,6 +77,7 @@ class ResponseStore:
                 config.max_msg_size = max_bytes + _ENVELOPE_BYTES
                 await js.update_stream(config)
                 log.info("responses_bucket_updated", retention_s=retention_s, max_bytes=max_bytes)
+        bus.STREAM_DRIFT.labels(f"KV_{name}").set(0)
         return cls(kv, max_bytes)
 
     def fits(self, response: bytes, input_items: bytes) -> bool:
@@ -84,11 +100,8 @@ class ResponseStore:
             raise StoreUnavailable(repr(error)) from error
         if entry.value is None:
             return None
-        try:
-            return _decoder.decode(entry.value)
-        except msgspec.DecodeError:
-            log.error("stored_response_unreadable", response_id=response_id)
-            return None
+        record = decode_or_none(_decoder, entry.value, store="responses", key=entry.key)
+        return record if record is not None and record.tenant == tenant else None
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         if await self.get(tenant, response_id) is None:

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from inferbus.node_zone import read_zone
+from inferbus.openai.schemas import MAX_MESSAGES, MAX_TOOLS
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
@@ -39,6 +40,8 @@ class GatewaySettings:
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
     max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest JSON request body (and batch input line) accepted (413 above).")
     max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
+    max_tools: int = env("INFERBUS_MAX_TOOLS", MAX_TOOLS, "Most `tools` in one chat request (400 above), checked before any tool's schema is.")
+    max_messages: int = env("INFERBUS_MAX_MESSAGES", MAX_MESSAGES, "Most `messages` in one chat request (400 above), checked before any is read.")
     max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 131_072, "Context window: prompt plus max_tokens must fit.")
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")

@@ -26,8 +26,10 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
+from inferbus.records import decode_or_none
 from inferbus.releases.slo_gate import SloConfig
 from inferbus.replies import Replies
+from inferbus.security_events import answerable
 from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects
@@ -142,6 +144,8 @@ class Router:
             request = _placement_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        if not answerable(msg):
+            return  # a reply subject no caller owns: answering would publish there with our rights
         reply = self.placer.place(request, record=False)
         await msg.respond(m.encode(reply))
         PLACE_SECONDS.observe(time.perf_counter() - started)
@@ -264,9 +268,8 @@ class Router:
         await bus.follow(self.watcher, self._on_heartbeat, self._on_heartbeat_deleted, self._registry_loaded.set)
 
     async def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         known = beat.worker_id in self.registry.workers
         self.registry.on_heartbeat(beat)

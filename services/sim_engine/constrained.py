@@ -28,17 +28,24 @@ class SchemaError(ValueError):
 
 
 def _resolve(schema: Any, root: dict[str, Any]) -> Any:
-    ref = schema.get("$ref") if isinstance(schema, dict) else None
-    if ref is None:
-        return schema
-    if not ref.startswith("#/"):
-        raise SchemaError(f"unsupported $ref {ref!r}")
-    target: Any = root
-    for part in ref[2:].split("/"):
-        if not isinstance(target, dict) or part not in target:
-            raise SchemaError(f"unresolvable $ref {ref!r}")
-        target = target[part]
-    return _resolve(target, root)
+    """The schema a (chain of) local `$ref` names; SchemaError for a reference that names nothing
+    or a chain that comes back to itself (it would never name a schema)."""
+    seen: list[str] = []
+    while isinstance(schema, dict) and "$ref" in schema:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise SchemaError(f"unsupported $ref {ref!r}")
+        if ref in seen:
+            raise SchemaError(f"$ref cycle: {' -> '.join([*seen, ref])}")
+        seen.append(ref)
+        target: Any = root
+        for raw in ref[2:].split("/") if ref != "#" else ():
+            part = raw.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"unresolvable $ref {ref!r}")
+            target = target[part]
+        schema = target
+    return schema
 
 
 def _string(schema: dict[str, Any], rng: random.Random) -> str:
@@ -141,7 +148,11 @@ def json_output(schema_text: str, rng: random.Random) -> str:
         schema = json.loads(schema_text)
     except ValueError as error:
         raise SchemaError(f"json_schema is not JSON: {error}") from None
-    return json.dumps(value_from_schema(schema, rng), ensure_ascii=False, separators=(", ", ": "))
+    try:
+        value = value_from_schema(schema, rng)
+    except RecursionError:  # a schema this generator cannot bound: refused, as a grammar backend would
+        raise SchemaError("the schema nests too deeply to compile") from None
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
 
 
 # ---- tool use ----------------------------------------------------------------------------------

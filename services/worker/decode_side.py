@@ -37,6 +37,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from inferbus import bus, logs, patience
+from inferbus.records import decode_or_none
 from inferbus.tokens import block_hashes
 from proto import messages as m
 from proto import subjects
@@ -107,9 +108,8 @@ class PrefillPeers:
                 pass
 
     def _on_put(self, entry: KeyValue.Entry) -> None:
-        try:
-            beat = _heartbeat_decoder.decode(entry.value or b"")
-        except msgspec.DecodeError:
+        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
+        if beat is None:
             return
         if beat.role == "prefill" and beat.model == self.worker.settings.model:
             known = self.peers.get(beat.worker_id)

@@ -27,6 +27,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from inferbus import bus, logs
+from inferbus.security_events import answerable
 from proto import messages as m
 from proto import subjects
 
@@ -149,4 +150,6 @@ class LivenessThread:
             registered = self._beat is not None
         if not msg.reply or not registered or not loop_alive(lag, self.stall_after_s):
             return  # no answer is the answer: dead, or not serving
+        if not answerable(msg):
+            return
         await msg.respond(m.encode(m.LivenessReply(worker_id=self.worker_id, loop_lag_s=lag)))

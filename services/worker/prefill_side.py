@@ -27,6 +27,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from inferbus import logs, tracing
+from inferbus.security_events import answerable
 from proto import messages as m
 from proto import subjects
 
@@ -89,7 +90,7 @@ class PrefillSide:
         if isinstance(message, m.PrefillStatus):
             half = self.halves.get((message.request_id, message.attempt))
             held = half is not None and half.ask.try_no == message.try_no and half.decode_token == sender
-            if msg.reply:
+            if answerable(msg):
                 await msg.respond(m.encode(m.PrefillHeld(held=held, worker_id=self.worker.settings.worker_id)))
             return
         if isinstance(message, m.PrefillAbort):
@@ -97,6 +98,8 @@ class PrefillSide:
             if half is not None and half.ask.try_no == message.try_no and half.decode_token == sender:
                 await self._abort(half, "decode worker gave it up")
             return
+        if msg.reply and not answerable(msg):
+            return  # a reply subject no decode worker owns: neither take the half nor answer
         answer = self._admit(message, sender, msg.headers)
         if msg.reply:
             await msg.respond(m.encode(answer))

@@ -35,6 +35,7 @@ from prometheus_client import start_http_server
 from inferbus import adapters as adapter_registry
 from inferbus import bus, logs, tracing
 from inferbus.replies import Replies
+from inferbus.security_events import answerable
 from proto import messages as m
 from proto import subjects
 
@@ -454,7 +455,7 @@ class Worker:
         if events or state == "unknown":
             log.warning("stream_resent", request_id=ask.request_id, attempt=ask.attempt, from_seq=ask.from_seq,
                         state=state, resent=len(events))
-        if msg.reply:
+        if answerable(msg):
             resent = len(events) if state != "unknown" else 0
             await msg.respond(m.encode(m.ResendReply(state=state, resent=resent, worker_id=self.settings.worker_id)))
 

@@ -49,7 +49,10 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             "worker", [sys.executable, "-m", "inferbus.commands.main", "worker"],
             stack._env(**stack.credentials(WORKER_ID), INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
                        INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
-                       INFERBUS_METRICS_PORT="0"),  # the engine binds its KV-event endpoint ("bind": true)
+                       INFERBUS_METRICS_PORT="0",  # the engine binds its KV-event endpoint ("bind": true)
+                       # Nothing here replaces a worker that gives its engine up, and real SGLang's
+                       # restart in the last test takes minutes on a loaded machine: wait for it.
+                       INFERBUS_WORKER_ENGINE_DEAD_AFTER_S="0"),
             log, lambda: _logged(log, b'"worker_ready"'), engine.url,
         )
         stack.processes.append(worker)  # stopped first, with the rest

@@ -104,10 +104,17 @@ class Workload:
     prefill_ctx_tokens: float  # E[u · (cached + in)/2] / E[u]: context a prefill token attends to
     ttft_tokens: float  # uncached prompt the TTFT p90 is quoted for (default: the mix's p90)
     ttft_tokens_derived: bool = True
+    # The 90th-percentile whole prompt (the KV a disaggregated prefill sends); None: the mean prompt.
+    input_p90_tokens: float | None = None
 
     @property
     def uncached_tokens(self) -> float:
         return self.input_tokens - self.cached_tokens
+
+    @property
+    def transfer_tokens(self) -> float:
+        """Prompt tokens whose KV the TTFT p90's request sends from prefill to decode."""
+        return self.input_tokens if self.input_p90_tokens is None else self.input_p90_tokens
 
     @classmethod
     def from_mix(cls, mix: Mix, ttft_tokens: float | None = None) -> Workload:
@@ -124,6 +131,7 @@ class Workload:
             prefill_ctx_tokens=stats.prefill_ctx_tokens,
             ttft_tokens=mix.uncached_quantile(0.9) if ttft_tokens is None else float(ttft_tokens),
             ttft_tokens_derived=derived,
+            input_p90_tokens=mix.input_quantile(0.9),
         )
 
 

@@ -64,7 +64,8 @@ def compare(plan: Plan) -> list[Variant]:
     chosen = plan.cheapest
     variants = []
     for label, inputs in variant_inputs(plan.inputs):
-        result = plan if inputs is plan.inputs else make_plan(inputs)
+        # Variants price the aggregated rows only: the topology is chosen for the plan itself.
+        result = plan if inputs is plan.inputs else make_plan(replace(inputs, disaggregation=False))
         same = None
         if chosen is not None:
             same = next((r for r in result.rows if (r.gpu, r.tp) == (chosen.gpu, chosen.tp)), None)

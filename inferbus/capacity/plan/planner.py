@@ -20,10 +20,11 @@ from functools import partial
 from typing import Any
 
 from inferbus.capacity.plan.costs import Cost, fleet_cost
+from inferbus.capacity.plan.disagg import DisaggRow, FleetTerms, price_pair
 from inferbus.capacity.plan.model import Assumptions, Goodput, OperatingPoint, ReplicaModel, Slo, Workload
 from inferbus.capacity.plan.sweep_table import SweepGoodput
 from inferbus.capacity.plan.warm_pool import Ramp, WarmPool, warm_pool
-from inferbus.timing import GB, GPUS, PRECISIONS, PRESETS, RooflineModel, SpecDecoding, roofline
+from inferbus.timing import GB, GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, RooflineModel, SpecDecoding, roofline
 
 
 class PlanError(ValueError):
@@ -52,6 +53,8 @@ class PlanInputs:
     lora_rank: int = 16
     lora_slots: int = 8  # SGLang --max-loras-per-batch
     zones: int = 1  # >1: the serving fleet survives the loss of one zone
+    disaggregation: bool = True  # also price prefill/decode pools (disagg.py)
+    kv_link: KvLink = KV_LINKS["rdma"]  # the link prefill sends KV to decode over (an assumption)
 
     def __post_init__(self) -> None:
         if not self.rate_rps > 0:
@@ -125,6 +128,7 @@ class Row:
 class Plan:
     inputs: PlanInputs
     rows: tuple[Row, ...]
+    disaggregated: tuple[DisaggRow, ...] = ()  # every prefill TP × decode TP pair per GPU type
 
     @property
     def cheapest(self) -> Row | None:
@@ -225,5 +229,24 @@ def make_plan(inputs: PlanInputs, sweeps: Sequence[SweepGoodput] = ()) -> Plan:
         by_config[key] = sweep
     configs = [(gpu, tp) for gpu in inputs.gpu_prices for tp in inputs.tps]
     configs += [key for key in by_config if key not in configs]
-    return Plan(inputs, tuple(plan_row(inputs, gpu, tp, by_config.get((gpu, tp))) for gpu, tp in configs))
+    rows = tuple(plan_row(inputs, gpu, tp, by_config.get((gpu, tp))) for gpu, tp in configs)
+    return Plan(inputs, rows, disaggregated_rows(inputs) if inputs.disaggregation else ())
+
+
+def disaggregated_rows(inputs: PlanInputs) -> tuple[DisaggRow, ...]:
+    """Every prefill TP × decode TP pair of the plan's widths, per GPU type (the timing model only: no
+    speculative decoding or LoRA in either pool)."""
+    terms = FleetTerms(rate_rps=inputs.rate_rps, headroom=inputs.headroom, zone_factor=zone_factor(inputs.zones),
+                       ramp=inputs.ramp, cold_start_s=inputs.cold_start_s, warm_start_s=inputs.warm_start_s)
+    out = []
+    for gpu, price in inputs.gpu_prices.items():
+        models = {tp: roofline(gpu, tp, inputs.preset, weights=inputs.weights, kv_cache=inputs.kv_cache)
+                  for tp in inputs.tps}
+        for tp_p in inputs.tps:
+            for tp_d in inputs.tps:
+                out.append(price_pair(gpu=gpu, usd_per_gpu_hour=price, prefill_model=models[tp_p],
+                                      decode_model=models[tp_d], workload=inputs.workload,
+                                      assumptions=inputs.assumptions, slo=inputs.slo, link=inputs.kv_link,
+                                      terms=terms))
+    return tuple(out)
 

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from inferbus.capacity.plan import report_topology
 from inferbus.capacity.plan.model import OperatingPoint
 from inferbus.capacity.plan.options import Variant
 from inferbus.capacity.plan.planner import Plan, PlanInputs, Row, zone_factor
@@ -115,6 +116,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "workload": {**asdict(inputs.workload), "uncached_tokens": inputs.workload.uncached_tokens},
         "rows": rows,
         "cheapest": cheapest.name if cheapest else None,
+        "topology": report_topology.topology_json(plan) if plan.disaggregated else None,
     })
 
 
@@ -218,7 +220,8 @@ def summary(plan: Plan) -> str:
         needed = inputs.rate_rps / cheapest.goodput_rps * (1 + inputs.headroom)
         tail += "\n" + " ".join(_zone_lines(cheapest.replicas, inputs.zones, needed)).strip().replace("**", "")
     warnings = [f"warning ({row.name}): {w}" for row in plan.rows for w in row.warnings]
-    return "\n".join([head, "", comparison_table(plan), "", tail, *warnings]) + "\n"
+    topology = report_topology.summary_line(plan)
+    return "\n".join([head, "", comparison_table(plan), "", tail, *([topology] if topology else []), *warnings]) + "\n"
 
 
 # ---- markdown -------------------------------------------------------------------------------
@@ -456,6 +459,7 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
         "cache held at the goodput (and left free); *warm pool* is the replicas kept loaded to cover one cold start of "
         "load growth; *GPUs* and *$/hour* count the serving replicas (headroom included) and the warm pool.", "",
     ]
+    lines += report_topology.markdown(plan)
     if variants:
         lines += ["## What the engine options change", "",
                   "The plan again with one engine option changed (timing model only): in the plan's own configuration "

@@ -1,0 +1,265 @@
+"""Aggregated against disaggregated in the fleet simulator: the plan's choice, checked at full scale.
+
+    python -m bench.pd [--peak-rps 20] [--duration 20m] [--goodput-duration 5m] [--cases long-prompt conversation]
+
+For each mix (the Mooncake synthetic trace, long prompts; the Mooncake conversation trace), with
+the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) and H100 at TP 2, 4 and 8:
+
+1. **The plan** (`inferbus plan`'s arithmetic) for `--peak-rps`: its cheapest aggregated row, its
+   cheapest disaggregated pair, the topology it chooses and why, and the GPUs of each.
+2. **The same GPUs** (the aggregated plan's serving GPUs): the aggregated fleet and the
+   disaggregated one (the cheapest pair's TP widths, at the plan's P:D ratio and at every other
+   split of those GPUs, the best kept) in the fleet
+   simulator (`inferbus.capacity.fleetsim.pd`, both topologies on the same machinery):
+   **goodput per GPU**, the highest Poisson rate of the mix at which ≥ 90% of requests meet both
+   SLOs (DistServe's definition; bisection, `--goodput-duration` of virtual time per trial) over
+   the GPUs; and TTFT/TPOT p90 at the planned peak.
+3. **Tight and right** for each topology's planned fleet, under the stresses of
+   `bench.tight_and_right`: the trace's own arrival shape for `--duration`, its busiest minute 10%
+   above the planned peak and one replica down (in each pool); right = ≥ 99% of minutes within the
+   SLO; tight = a fleet 10% smaller (each pool) holds fewer.
+
+Writes bench/results/pd.{json,md}. A few CPU-minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_results
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity import traces
+from inferbus.capacity.fleetsim.day import DayWorkload, constant, parse_duration, rate_shape
+from inferbus.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
+from inferbus.capacity.plan.disagg import DisaggRow, cheapest
+from inferbus.capacity.plan.model import Slo, Workload
+from inferbus.capacity.plan.planner import PlanInputs, Row, make_plan
+from inferbus.capacity.plan.topology import plan_topology
+from services.sim_engine.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {"long-prompt": "mooncake_synthetic.jsonl", "conversation": "mooncake_conversation.jsonl"}
+TPS = (2, 4, 8)
+ATTAINMENT = 0.90  # goodput: the highest rate at which this share of requests meets both SLOs
+TARGET = 0.99  # tight and right: share of minutes within the SLO
+SMALLER = 0.9
+FORECAST_ERROR = 0.10
+LOST = 1
+
+
+def engine(tp: int, chunk: int) -> EngineConfig:
+    return EngineConfig(gpu="H100", tp=tp, chunked_prefill_size=chunk)
+
+
+def aggregated_config(row: Row, replicas: int, chunk: int) -> PdConfig:
+    return PdConfig(decode=Pool(replicas, engine(row.tp, chunk)))
+
+
+def disaggregated_config(pair: DisaggRow, prefill: int, decode: int, chunk: int) -> PdConfig:
+    return PdConfig(decode=Pool(decode, engine(pair.tp_decode, chunk)), prefill=Pool(prefill, engine(pair.tp_prefill, chunk)),
+                    link=pair.link)
+
+
+def split(pair: DisaggRow, gpus: int) -> tuple[int, int]:
+    """Prefill and decode replicas of `pair` on `gpus` GPUs at the plan's P:D ratio (at least one each)."""
+    share = pair.prefill_gpus / pair.gpus
+    prefill = max(1, round(gpus * share / pair.tp_prefill))
+    decode = max(1, (gpus - prefill * pair.tp_prefill) // pair.tp_decode)
+    while prefill * pair.tp_prefill + decode * pair.tp_decode > gpus and prefill > 1:
+        prefill -= 1
+    return prefill, decode
+
+
+def decode_counts(gpus: int, pair: DisaggRow) -> list[int]:
+    """Decode replicas to try on `gpus` GPUs: 1, 2, 3, 4, 6, 8, 12, … while a prefill replica fits."""
+    out, d = [], 1
+    while gpus - d * pair.tp_decode >= pair.tp_prefill:
+        out.append(d)
+        d = d + 1 if d < 4 else int(d * 1.5)
+    return out
+
+
+def run(config: PdConfig, arrivals: Any) -> PdSummary:
+    return PdFleet(config, arrivals).run()
+
+
+def goodput(config: PdConfig, mix: mix_mod.Mix, seconds: float, seed: int, guess: float) -> tuple[float, PdSummary]:
+    """The highest Poisson rate with ≥ 90% of requests within both SLOs (bisection to 2%)."""
+    def holds(rate: float) -> tuple[bool, PdSummary]:
+        summary = run(config, constant(rate, seconds, mix, seed))
+        return summary.request_attainment >= ATTAINMENT, summary
+
+    low, high = 0.0, max(guess, 0.1)
+    best: PdSummary | None = None
+    ok, summary = holds(high)
+    while ok:
+        low, best = high, summary
+        high *= 1.5
+        ok, summary = holds(high)
+    while high - low > 0.02 * high:
+        mid = (low + high) / 2
+        ok, summary = holds(mid)
+        if ok:
+            low, best = mid, summary
+        else:
+            high = mid
+    assert best is not None or low == 0.0
+    return low, best if best is not None else summary
+
+
+def stressed(config: PdConfig, fraction: float, lost: int) -> PdConfig:
+    """`config` with each pool scaled by `fraction` (rounded down, at least one) and `lost` down in each."""
+    def pool(p: Pool) -> Pool:
+        return replace(p, replicas=max(1, math.floor(p.replicas * fraction) - lost))
+    return replace(config, decode=pool(config.decode), prefill=pool(config.prefill) if config.prefill else None)
+
+
+def tight_and_right(config: PdConfig, mix: mix_mod.Mix, shape: list[float], peak: float, seconds: float,
+                    seed: int) -> dict[str, Any]:
+    out = {}
+    for name, fraction in (("planned", 1.0), ("10% smaller", SMALLER)):
+        fleet = stressed(config, fraction, LOST)
+        workload = DayWorkload(shape, 60.0, seconds, peak * (1 + FORECAST_ERROR), mix, mode="tile", seed=seed)
+        summary = run(fleet, workload.arrivals())
+        out[name] = {"gpus_provisioned": stressed(config, fraction, 0).gpus, "gpus_up": fleet.gpus,
+                     **{k: getattr(summary, k) for k in ("minutes", "minute_attainment", "request_attainment",
+                                                          "ttft_p90_s", "tpot_p90_s", "requests")}}
+        print(f"  tight and right, {summary.topology} {name}: {fleet.gpus} GPUs up → "
+              f"{summary.minute_attainment:.1%} of {summary.minutes} minutes", flush=True)
+    out["right"] = out["planned"]["minute_attainment"] >= TARGET
+    out["tight"] = out["10% smaller"]["minute_attainment"] < TARGET
+    return out
+
+
+def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: float, seed: int) -> dict[str, Any]:
+    mix = mix_mod.load(traces.find(trace))
+    inputs = PlanInputs(rate_rps=peak, rate_text=f"{peak:g} requests/s", workload=Workload.from_mix(mix),
+                        mix=mix.describe(), slo=Slo(), gpu_prices={"H100": 2.5}, tps=list(TPS))
+    plan = make_plan(inputs)
+    choice = plan_topology(plan)
+    agg, pair = plan.cheapest, cheapest(plan.disaggregated)
+    if agg is None or pair is None:
+        raise SystemExit(f"{label}: the plan has no feasible {'aggregated row' if agg is None else 'disaggregated pair'}")
+    chunk = inputs.assumptions.chunk_tokens
+    print(f"{label}: plan chooses {choice.topology} — {choice.reason}", flush=True)
+    gpus = agg.gpus
+    p, d = split(pair, gpus)
+    same = {"aggregated": aggregated_config(agg, gpus // agg.tp, chunk),
+            "disaggregated": disaggregated_config(pair, p, d, chunk)}
+    compared: dict[str, Any] = {}
+    splits: list[dict[str, Any]] = []
+    for name, config in same.items():
+        t0 = time.process_time()
+        rate, at_goodput = goodput(config, mix, goodput_s, seed, guess=peak * config.gpus / gpus)
+        if name == "disaggregated":
+            # The plan's P:D ratio is for its own peak; at the goodput the load is higher, so every
+            # split of the same GPUs is tried and the best kept (DistServe searches placements too).
+            for decode in decode_counts(gpus, pair):
+                trial = disaggregated_config(pair, (gpus - decode * pair.tp_decode) // pair.tp_prefill, decode, chunk)
+                trial_rate, trial_at = goodput(trial, mix, goodput_s, seed, guess=rate)
+                splits.append({"fleet": describe(trial), "gpus": trial.gpus, "goodput_rps": trial_rate})
+                print(f"  split {describe(trial)}: goodput {trial_rate:.2f} req/s", flush=True)
+                if trial_rate > rate:
+                    config, rate, at_goodput = trial, trial_rate, trial_at
+                rates = [x["goodput_rps"] for x in splits]
+                if len(rates) >= 3 and rates[-1] < rates[-2] < rates[-3] and rates[-1] < 0.9 * rate:
+                    break  # past the best split: fewer prefill replicas only lose more
+        at_peak = run(config, constant(peak, goodput_s, mix, seed))
+        compared[name] = {
+            "gpus": config.gpus, "fleet": describe(config), "goodput_rps": rate,
+            "goodput_rps_per_gpu": rate / config.gpus, "at_goodput": at_goodput.as_dict(),
+            "at_peak": at_peak.as_dict(), "cpu_s": time.process_time() - t0,
+            "plan_split": describe(same[name]),
+        }
+        print(f"  same GPUs, {name} ({describe(config)}): goodput {rate:.2f} req/s = "
+              f"{rate / config.gpus:.4f} per GPU; at {peak:g} req/s TTFT p90 {at_peak.ttft_p90_s * 1e3:.0f} ms, "
+              f"TPOT p90 {at_peak.tpot_p90_s * 1e3:.1f} ms", flush=True)
+    shape = rate_shape(traces.load(traces.find(trace)), 60.0)
+    planned = {"aggregated": aggregated_config(agg, agg.replicas, chunk),
+               "disaggregated": disaggregated_config(pair, pair.prefill_replicas, pair.decode_replicas, chunk)}
+    checks = {name: tight_and_right(config, mix, shape, peak, seconds, seed) for name, config in planned.items()}
+    ratio = compared["disaggregated"]["goodput_rps_per_gpu"] / compared["aggregated"]["goodput_rps_per_gpu"]
+    chosen = choice.topology
+    return {
+        "case": label, "trace": trace, "peak_rps": peak, "chosen": chosen, "reason": choice.reason,
+        "plan": {"aggregated": {"config": agg.name, "gpus": agg.gpus, "goodput_rps_per_replica": agg.goodput_rps,
+                                "binding": agg.binding, "usd_per_hour": agg.cost.usd_per_hour if agg.cost else None},
+                 "disaggregated": {"config": pair.name, "gpus": pair.gpus, "prefill_replicas": pair.prefill_replicas,
+                                   "decode_replicas": pair.decode_replicas, "ratio": pair.ratio,
+                                   "usd_per_hour": pair.usd_per_hour}},
+        "same_gpus": compared, "disaggregated_splits": splits, "disaggregated_over_aggregated_goodput_per_gpu": ratio,
+        "chosen_over_aggregated_goodput_per_gpu": ratio if chosen == "disaggregated" else 1.0,
+        "tight_and_right": checks,
+    }
+
+
+def describe(config: PdConfig) -> str:
+    d = config.decode
+    if config.prefill is None:
+        return f"{d.replicas} × TP{d.engine.tp}"
+    p = config.prefill
+    return f"{p.replicas} prefill × TP{p.engine.tp} + {d.replicas} decode × TP{d.engine.tp}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["# Aggregated against disaggregated in the fleet simulator (`python -m bench.pd`)", "",
+             f"{results['command']}; SLO TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms; H100, TP 2/4/8, chunked prefill 2,048, "
+             f"KV over RDMA (50 GB/s per GPU). Goodput = the highest Poisson rate at which ≥ {ATTAINMENT:.0%} of requests "
+             f"meet both SLOs ({results['goodput_duration_s']:.0f} s of virtual time per trial), over the GPUs. Tight and "
+             f"right: the trace's arrival shape for {results['duration_s'] / 60:.0f} min, busiest minute "
+             f"{FORECAST_ERROR:.0%} above the peak, {LOST} replica down in each pool.", ""]
+    for case in results["cases"]:
+        plan = case["plan"]
+        lines += [f"## {case['case']} (`{case['trace']}`, {case['peak_rps']:g} req/s peak)", "",
+                  f"The plan chooses **{case['chosen']}**: {case['reason']}.", "",
+                  f"Plan: aggregated {plan['aggregated']['config']} — {plan['aggregated']['gpus']} GPUs; "
+                  f"disaggregated {plan['disaggregated']['config']} — {plan['disaggregated']['prefill_replicas']} + "
+                  f"{plan['disaggregated']['decode_replicas']} replicas, {plan['disaggregated']['gpus']} GPUs "
+                  f"(P:D {plan['disaggregated']['ratio']}).", "",
+                  "| same GPUs | fleet | goodput req/s | goodput req/s per GPU | at the peak: TTFT p90 | TPOT p90 | "
+                  "requests within SLO |", "|---|---|---|---|---|---|---|"]
+        for name, r in case["same_gpus"].items():
+            peak = r["at_peak"]
+            lines.append(f"| {name} | {r['fleet']} ({r['gpus']} GPUs) | {r['goodput_rps']:.2f} | "
+                         f"{r['goodput_rps_per_gpu']:.4f} | {peak['ttft_p90_s'] * 1e3:,.0f} ms | "
+                         f"{peak['tpot_p90_s'] * 1e3:.1f} ms | {peak['request_attainment']:.1%} |")
+        lines += ["", f"Goodput per GPU, disaggregated ÷ aggregated: "
+                      f"**{case['disaggregated_over_aggregated_goodput_per_gpu']:.2f}×**; the chosen topology "
+                      f"({case['chosen']}) ÷ aggregated: {case['chosen_over_aggregated_goodput_per_gpu']:.2f}×.", "",
+                  "| tight and right | planned GPUs (up) | minutes within SLO | 10% smaller (up) | minutes within SLO | "
+                  "verdict |", "|---|---|---|---|---|---|"]
+        for name, check in case["tight_and_right"].items():
+            a, b = check["planned"], check["10% smaller"]
+            verdict = f"{'right' if check['right'] else 'not right'}, {'tight' if check['tight'] else 'not tight'}"
+            lines.append(f"| {name} | {a['gpus_provisioned']} ({a['gpus_up']}) | {a['minute_attainment']:.1%} of "
+                         f"{a['minutes']} | {b['gpus_provisioned']} ({b['gpus_up']}) | {b['minute_attainment']:.1%} | "
+                         f"{verdict} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--peak-rps", type=float, default=20.0)
+    parser.add_argument("--duration", default="20m", help="virtual time of each tight-and-right run")
+    parser.add_argument("--goodput-duration", default="5m", help="virtual time of each goodput trial")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--name", default="pd")
+    args = parser.parse_args()
+    seconds, goodput_s = parse_duration(args.duration), parse_duration(args.goodput_duration)
+    cases = [run_case(label, CASES[label], args.peak_rps, seconds, goodput_s, args.seed) for label in args.cases]
+    command = (f"`python -m bench.pd --peak-rps {args.peak_rps:g} --duration {args.duration} "
+               f"--goodput-duration {args.goodput_duration} --cases {' '.join(args.cases)}`")
+    results = {"command": command, "duration_s": seconds, "goodput_duration_s": goodput_s, "cases": cases}
+    write_results(args.out, args.name, results, markdown)
+
+
+if __name__ == "__main__":
+    main()

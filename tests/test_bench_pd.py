@@ -1,0 +1,41 @@
+"""bench/pd.py's fleet arithmetic: splitting the same GPUs between the pools, the stressed fleets."""
+
+from __future__ import annotations
+
+from bench.pd import decode_counts, describe, split, stressed
+from inferbus.capacity import mix as mix_mod
+from inferbus.capacity.fleetsim.pd import PdConfig, Pool
+from inferbus.capacity.plan.model import Slo, Workload
+from inferbus.capacity.plan.planner import PlanInputs, make_plan
+from services.sim_engine.config import EngineConfig
+
+
+def _pair():  # type: ignore[no-untyped-def]
+    mix = mix_mod.worked_example()
+    plan = make_plan(PlanInputs(rate_rps=833.3, rate_text="", workload=Workload.from_mix(mix), mix=mix.describe(),
+                                slo=Slo(), gpu_prices={"H100": 2.5}, tps=[4, 8]))
+    return next(r for r in plan.disaggregated if (r.tp_prefill, r.tp_decode) == (8, 4))
+
+
+def test_split_keeps_the_plans_ratio_on_the_same_gpus() -> None:
+    pair = _pair()  # 33 prefill TP8 + 61 decode TP4: 264 : 244 GPUs
+    prefill, decode = split(pair, 120)
+    assert prefill * 8 + decode * 4 <= 120
+    assert (prefill, decode) == (8, 14)  # 64 : 56 GPUs, as 264 : 244
+    assert split(pair, 12) == (1, 1)  # at least one of each
+
+
+def test_decode_counts_leave_room_for_a_prefill_replica() -> None:
+    pair = _pair()
+    counts = decode_counts(40, pair)
+    assert counts[:4] == [1, 2, 3, 4] and counts == sorted(counts)
+    assert all(40 - d * 4 >= 8 for d in counts) and counts[-1] == 6  # 1, 2, 3, 4, 6; 9 leaves no prefill
+
+
+def test_stressed_scales_each_pool_and_takes_replicas_down() -> None:
+    engine = EngineConfig(gpu="H100", tp=4)
+    config = PdConfig(decode=Pool(10, engine), prefill=Pool(21, EngineConfig(gpu="H100", tp=8)))
+    smaller = stressed(config, 0.9, 1)
+    assert (smaller.prefill.replicas, smaller.decode.replicas) == (17, 8)  # type: ignore[union-attr]
+    assert describe(smaller) == "17 prefill × TP8 + 8 decode × TP4"
+    assert stressed(PdConfig(decode=Pool(1, engine)), 1.0, 1).decode.replicas == 1  # never below one
