@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint browser console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim install clean help
+.PHONY: up test lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
@@ -36,7 +36,23 @@ $(STAMP): pyproject.toml | $(PY)
 accel: $(STAMP)
 	@$(PY) -m inferbus.capacity.accel build --if-stale --warn-only
 
-install: $(STAMP) accel
+install: $(STAMP) accel promtool
+
+# promtool (Prometheus's rule checker) for the PromQL checks of tests/test_deploy.py, into the
+# virtualenv: the system's if installed, else the binary out of Debian's `prometheus` package
+# (`apt-get download`: no server installed or started). Without apt-get the checks are skipped.
+promtool: $(VENV)/bin/promtool
+$(VENV)/bin/promtool: | $(PY)
+	@if command -v promtool >/dev/null 2>&1; then ln -sf "$$(command -v promtool)" $@; \
+	elif command -v apt-get >/dev/null 2>&1 && command -v dpkg-deb >/dev/null 2>&1; then \
+	  echo "fetching promtool (Debian package prometheus) for the PromQL checks"; \
+	  tmp=$$(mktemp -d) && chmod 755 $$tmp && \
+	  { (cd $$tmp && apt-get download -qq prometheus >/dev/null 2>&1) || \
+	    { $(SUDO) apt-get update -qq && (cd $$tmp && apt-get download -qq prometheus >/dev/null 2>&1); }; } && \
+	  dpkg-deb --fsys-tarfile $$tmp/prometheus_*.deb | tar -x -C $$tmp ./usr/bin/promtool && \
+	  mv $$tmp/usr/bin/promtool $@ || echo "could not fetch promtool: the PromQL checks will be skipped"; \
+	  rm -rf $$tmp; \
+	else echo "no promtool and no apt-get: the PromQL checks will be skipped"; fi
 
 up: install
 	$(VENV)/bin/inferbus up $(ARGS)

@@ -13,7 +13,9 @@ no retries. What a platform that sheds early must show:
 - a large share shed at once with 503 `overloaded` and a small, bounded `retry-after`;
 - admitted requests start within their band's queue budget (TTFT p99);
 - no false death verdicts (no worker dies here, so every `dead` verdict would be false);
-- zero dropped usage events (every admitted request has its tenant event on the USAGE stream);
+- zero dropped usage events (every admitted request has its tenant event on the USAGE stream)
+  and zero duplicates (no request id billed to its tenant twice; every event counted as it is on
+  the stream, never folded by request id);
 - the ledger's output tokens equal the tokens delivered to the clients.
 
 The scenario's functions are shared with the end-to-end test (tests/test_e2e_overload.py), which
@@ -27,6 +29,7 @@ import asyncio
 import random
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,6 +58,7 @@ class Outcome:
     ttft: float | None = None
     duration: float = 0.0
     delivered: int = 0  # completion tokens the client was told it received (its usage chunk)
+    usage_chunks: int = 0  # usage chunks received: one per stream, a second would be a duplicate
     finished: bool = False  # the stream ended with a finish reason and usage
     error: str = ""
 
@@ -86,7 +90,8 @@ async def one(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: floa
             if chunk.choices and chunk.choices[0].delta.content and outcome.ttft is None:
                 outcome.ttft = time.monotonic() - started
             if chunk.usage is not None:
-                outcome.delivered = chunk.usage.completion_tokens
+                outcome.delivered += chunk.usage.completion_tokens  # a duplicate chunk counts twice
+                outcome.usage_chunks += 1
                 outcome.finished = True
     except openai.APIStatusError as error:
         outcome.status = error.status_code
@@ -180,7 +185,9 @@ def summarize(outcomes: list[Outcome], events: list[m.UsageEvent], metrics: dict
     measured_from = min((o.started + o.duration for o in admitted if o.finished), default=None)
     steady = sorted(o.ttft for o in admitted if o.ttft is not None and measured_from is not None
                     and o.started >= measured_from)
-    tenant_events = {e.request_id: e for e in events if e.billed_to == "tenant"}
+    # Every event as it is on the ledger: a request billed twice shows as two events, not one.
+    tenant_events = [e for e in events if e.billed_to == "tenant"]
+    billed = Counter(e.request_id for e in tenant_events)
     platform = [e for e in events if e.billed_to == "platform"]
     admitted_ids = {o.request_id for o in admitted if o.request_id}
     at_gateway = sorted((gateway_ttft or {})[i] for i in admitted_ids if i in (gateway_ttft or {}))
@@ -217,9 +224,11 @@ def summarize(outcomes: list[Outcome], events: list[m.UsageEvent], metrics: dict
         "placements": {"worker": metrics.get('inferbus_placements_total{target="worker"}', 0.0),
                        "shared": metrics.get('inferbus_placements_total{target="any"}', 0.0),
                        "over_budget": metrics.get("inferbus_placements_over_budget_total", 0.0)},
-        "dropped_usage_events": len(admitted_ids - set(tenant_events)),
+        "dropped_usage_events": sum(1 for i in admitted_ids if not billed[i]),
+        "duplicate_usage_events": sum(count - 1 for count in billed.values() if count > 1),
+        "duplicate_usage_chunks": sum(o.usage_chunks - 1 for o in admitted if o.usage_chunks > 1),
         "delivered_tokens": sum(o.delivered for o in admitted),
-        "ledger_tokens": sum(tenant_events[i].usage.completion_tokens for i in admitted_ids if i in tenant_events),
+        "ledger_tokens": sum(e.usage.completion_tokens for e in tenant_events if e.request_id in admitted_ids),
         "platform_events": len(platform),
         "platform_tokens": sum(e.usage.completion_tokens for e in platform),
     }
@@ -308,6 +317,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['placements']['worker']:.0f} / {r['placements']['shared']:.0f} (placements moved to the shared queue "
         f"because that worker's wait exceeded the budget: {r['placements']['over_budget']:.0f}) |",
         f"| dropped usage events | {r['dropped_usage_events']} |",
+        f"| duplicate usage events (a request billed twice) / duplicate usage chunks to clients | "
+        f"{r.get('duplicate_usage_events', '–')} / {r.get('duplicate_usage_chunks', '–')} |",
         f"| ledger output tokens / delivered | {r['ledger_tokens']} / {r['delivered_tokens']} |",
         f"| platform-cost events (abandoned attempts) | {r['platform_events']} ({r['platform_tokens']} tokens) |",
         "",

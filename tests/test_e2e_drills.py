@@ -60,6 +60,14 @@ def zones(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             up.kill()
 
 
+# Drills whose fault must hit requests in flight on the broken workers (`inferbus drill` breaks them
+# at a moment their engines hold requests), and show it: streams continued on other workers, or,
+# when a zone's gateway goes down with its workers (the router keeps a gateway's requests in its
+# zone), requests its clients sent again.
+HITS_LIVE_WORK = {"worker-kill": "migrated", "worker-hang": "migrated", "gpu-death": "migrated",
+                  "zone-loss": "migrated or retried"}
+
+
 @pytest.mark.parametrize("kind", list(RECOVER_WITHIN_S))
 def test_drill(zones: Path, kind: str) -> None:
     result = subprocess.run(
@@ -75,3 +83,7 @@ def test_drill(zones: Path, kind: str) -> None:
     assert report["within_budget"], report
     assert report["recovered_after_s"] is not None and report["recovered_after_s"] <= RECOVER_WITHIN_S[kind], report
     assert result.returncode == 0, result.stderr
+    if kind in HITS_LIVE_WORK:
+        assert report["in_flight_at_fault"], report
+        mattered = report["migrated"] + (report["retried"] if HITS_LIVE_WORK[kind] == "migrated or retried" else 0)
+        assert mattered > 0, report

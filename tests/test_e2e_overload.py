@@ -58,4 +58,5 @@ def test_three_times_capacity_is_shed_early_and_billed_exactly(fleet: Platform) 
     assert r["death_verdicts"]["dead"] == 0 and r["migrations"] == 0, r
     # Every usage event kept; the ledger bills what the clients received.
     assert r["dropped_usage_events"] == 0, r
+    assert r["duplicate_usage_events"] == 0 and r["duplicate_usage_chunks"] == 0, r
     assert r["ledger_tokens"] == r["delivered_tokens"], r

@@ -60,6 +60,7 @@ class DrillReport:
     retried: int  # requests that needed more than one attempt
     error_ratio: float  # 5xx (and broken connections) after retries, over requests not cancelled by the client
     migrated: int  # streams continued on another worker (the gateways' inferbus_migrations_total)
+    in_flight_at_fault: int | None  # requests the broken workers' engines held when it broke (None: not measured)
     usage_lost: int  # answered requests without their tenant usage event
     usage_duplicated: int  # request ids with more than one tenant usage event
     usage_mismatched: int  # answered requests whose event's tokens differ from what the client was told
@@ -88,6 +89,8 @@ class DrillReport:
             (f"  5xx ratio          {self.error_ratio:.3%} (budget {ERROR_BUDGET:.1%}: "
              f"{'within' if self.within_budget else 'OVER'})"),
             f"  streams migrated   {self.migrated}",
+            *([f"  live work hit      {self.in_flight_at_fault} requests on the broken workers' engines"]
+              if self.in_flight_at_fault is not None else []),
             (f"  usage events       lost {self.usage_lost}, duplicated {self.usage_duplicated}, "
              f"tokens differ {self.usage_mismatched}"),
             f"  time to recover    {recovered}" + (f" ({self.recovery})" if self.recovery else ""),
@@ -132,7 +135,8 @@ def recovered_after(calls: list[Call], fault_at: float, ready_at: float | None) 
 
 
 def summarize(kind: str, calls: list[Call], ledger: list[LedgerEvent], *, fault_at: float, ready_at: float | None,
-              migrated: int, recovery: str = "", notes: list[str] | None = None) -> DrillReport:
+              migrated: int, in_flight_at_fault: int | None = None, recovery: str = "",
+              notes: list[str] | None = None) -> DrillReport:
     counted = [call for call in calls if not call.cancelled]
     failed = Counter(str(call.final.status or "connection") for call in counted if not call.ok)
     errors = sum(1 for call in counted if not call.ok and is_server_error(call.final.status))
@@ -140,7 +144,7 @@ def summarize(kind: str, calls: list[Call], ledger: list[LedgerEvent], *, fault_
     return DrillReport(
         kind=kind, sent=len(calls), completed=sum(1 for call in calls if call.ok), failed_by_status=dict(failed),
         retried=sum(1 for call in calls if len(call.attempts) > 1),
-        error_ratio=errors / len(counted) if counted else 0.0, migrated=migrated,
+        error_ratio=errors / len(counted) if counted else 0.0, migrated=migrated, in_flight_at_fault=in_flight_at_fault,
         usage_lost=lost, usage_duplicated=duplicated, usage_mismatched=mismatched, fault_at=fault_at,
         recovered_after_s=recovered_after(calls, fault_at, ready_at), recovery=recovery, notes=list(notes or []),
     )

@@ -111,6 +111,8 @@ class Fault:
     old_pids: dict[str, int] = field(default_factory=dict)
     undo: Callable[[], None] | None = None
     hold_s: float = 0.0
+    in_flight: int | None = None  # requests the broken workers' engines held at the fault (None: not measured)
+    at: float = field(default_factory=time.monotonic)  # when it broke (after any wait for live work)
 
 
 def _kill(platform: Platform, names: list[str], description: str) -> Fault:
@@ -144,8 +146,47 @@ def _redis_primary(platform: Platform) -> str:
 
 def _engine_busy(url: str) -> bool:
     """Whether a simulated engine holds a request now (running, waiting, or in a PD queue)."""
+    return _engine_requests(url) > 0
+
+
+def _engine_requests(url: str) -> int:
+    """The requests a simulated engine holds now (running, waiting, or in a PD queue); 0 when it
+    does not answer."""
     loads = (_http_json(url + "/v1/loads?include=all") or {}).get("loads") or []
-    return any(entry.get("num_running_reqs", 0) + entry.get("num_waiting_reqs", 0) for entry in loads)
+    return sum(entry.get("num_running_reqs", 0) + entry.get("num_waiting_reqs", 0) for entry in loads)
+
+
+def _engine_of(platform: Platform, worker: str) -> str:
+    return platform.detail("engine-" + worker.split("-", 1)[1])
+
+
+def freeze_while_busy(platform: Platform, workers: list[str], timeout_s: float = 15.0) -> int:
+    """SIGSTOP `workers` at a moment their engines hold requests, so the fault that follows hits
+    live streams (a stopped worker finishes none; its engine's requests wait for it). Returns the
+    requests held then; 0 (workers running again) when their engines stayed idle for `timeout_s`."""
+    pids = platform.pids()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for name in workers:
+            os.kill(pids[name], signal.SIGSTOP)
+        held = sum(_engine_requests(_engine_of(platform, name)) for name in workers)
+        if held or time.monotonic() > deadline:
+            break
+        for name in workers:
+            os.kill(pids[name], signal.SIGCONT)
+        time.sleep(0.02)
+    if not held:
+        for name in workers:
+            os.kill(pids[name], signal.SIGCONT)
+    return held
+
+
+def wait_busy(url: str, timeout_s: float = 15.0) -> int:
+    """The requests a simulated engine holds, once it holds any (0 after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not (held := _engine_requests(url)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return held
 
 
 def _kill_role(platform: Platform, kind: str, role: str, wait_busy_s: float = 10.0) -> Fault:
@@ -172,19 +213,25 @@ def make_fault(kind: str, platform: Platform, *, hang_s: float) -> Fault:
     first = workers[0]
     index = first.split("-", 1)[1]
     if kind == "worker-kill":
-        return _kill(platform, [first], f"SIGKILL {first}")
+        held = freeze_while_busy(platform, [first])
+        fault = _kill(platform, [first], f"SIGKILL {first}")
+        fault.in_flight = held
+        return fault
     if kind == "worker-hang":
         pid = platform.pids()[first]
-        os.kill(pid, signal.SIGSTOP)
-        return Fault(f"SIGSTOP {first} for {hang_s:g} s", undo=lambda: os.kill(pid, signal.SIGCONT), hold_s=hang_s)
+        held = freeze_while_busy(platform, [first])
+        os.kill(pid, signal.SIGSTOP)  # (again, when its engine stayed idle)
+        return Fault(f"SIGSTOP {first} for {hang_s:g} s", undo=lambda: os.kill(pid, signal.SIGCONT), hold_s=hang_s,
+                     in_flight=held)
     if kind == "gpu-death":
         engine = f"engine-{index}"
+        held = wait_busy(platform.detail(engine))
         pids = platform.pids()
         request = urllib.request.Request(platform.detail(engine) + "/fault", data=b'{"mode": "hang"}', method="POST",
                                          headers={"content-type": "application/json"})
         urllib.request.urlopen(request, timeout=5).close()
         return Fault(f"{engine}'s GPU hangs (POST /fault)", replaced=[first, engine],
-                     old_pids={first: pids[first], engine: pids[engine]})
+                     old_pids={first: pids[first], engine: pids[engine]}, in_flight=held)
     if kind == "router-kill":
         routers = sorted(n for n in platform.pids() if n == "router" or n.startswith("router-"))
         return _kill(platform, routers[:1], f"SIGKILL {routers[0]}")
@@ -199,7 +246,10 @@ def make_fault(kind: str, platform: Platform, *, hang_s: float) -> Fault:
         return _kill(platform, [primary], f"SIGKILL {primary} (the Redis primary)")
     if kind == "zone-loss":
         names = [n for n in platform.pids() if platform.zone_of(n) == zone]
-        return _kill(platform, names, f"zone {zone} lost: SIGKILL " + ", ".join(sorted(names)))
+        held = freeze_while_busy(platform, [n for n in names if n.startswith("worker-")])
+        fault = _kill(platform, names, f"zone {zone} lost: SIGKILL " + ", ".join(sorted(names)))
+        fault.in_flight = held
+        return fault
     raise SystemExit(f"unknown drill kind {kind!r}")
 
 
@@ -380,8 +430,8 @@ async def run_drill(kind: str, state_dir: Path, *, api_key: str, duration_s: flo
     loops = [asyncio.create_task(_client_loop(platform.gateways, api_key, until, calls, seed, max_attempts, max_tokens,
                                               origin, prompt_words)) for seed in range(clients)]
     await asyncio.sleep(fault_at_s)
-    fault_time = time.monotonic() - origin
     fault = await asyncio.to_thread(make_fault, kind, platform, hang_s=hang_s)
+    fault_time = fault.at - origin
     say(f"  {fault_time:5.1f} s  fault: {fault.description}")
     if fault.undo is not None:
         await asyncio.sleep(fault.hold_s)
@@ -408,6 +458,7 @@ async def run_drill(kind: str, state_dir: Path, *, api_key: str, duration_s: flo
         retried = prefill_retries(state_dir, platform.workers_of("decode"))
         notes.append(f"prefill halves retried on another prefill worker: {retried}")
     return summarize(kind, calls, ledger, fault_at=fault_time, ready_at=ready_at, migrated=migrated,
+                     in_flight_at_fault=fault.in_flight,
                      recovery="broken processes replaced, every gateway ready with every worker, "
                               "and every request since succeeding on its first attempt", notes=notes)
 

@@ -52,6 +52,13 @@ class Attempt:
     prompt_tokens: int | None = None
     cached: int = 0
     matched: str | None = None
+    usage_written: bool = False  # the tenant's usage event is in the outbox (before the Final was sent)
+
+    @property
+    def given_up(self) -> bool:
+        """The gateway gave this attempt up (superseded it, or its deadline passed): it bills the
+        tenant what the client received, and this attempt's work is the platform's."""
+        return self.superseded or (self.cancelled and self.cancel_reason == "deadline")
 
     @property
     def preemptible(self) -> bool:

@@ -50,6 +50,7 @@ from .engine import EngineClient, EngineError
 from .engine_health import EngineHealth
 from .engine_watch import EngineWatch
 from .events_out import EventSender
+from .fault_hold import FaultHold
 from .gpu_death import GpuDeathDetector
 from .liveness import LivenessThread, PauseDetector
 from .metrics import FREE_SLOTS, RESENDS
@@ -79,6 +80,7 @@ class Worker:
         self.nc, self.js, self.kv = nc, js, kv
         self.replies = replies
         self.usage = usage
+        self.fault_hold = FaultHold(settings.fault_hold, settings.state_dir, settings.worker_id)
         self.liveness = liveness
         self.pause = pause
         self._adapter_kv = adapter_kv

@@ -283,11 +283,14 @@ class Serving:
                                                          tpot_of(entry, generated, finished_at))
                 REQUESTS.labels(status).inc()
                 structlog.contextvars.unbind_contextvars("request_id", "tenant")
-                if entry.superseded or (entry.cancelled and entry.cancel_reason == "deadline"):
+                if entry.given_up:
                     # The gateway gave this attempt up (and bills the tenant what the client got).
                     abandoned = abandoned or ("deadline" if entry.cancel_reason == "deadline" else "superseded")
                 if abandoned is not None:
                     ABANDONED.labels(abandoned).inc()
+                if entry.usage_written:
+                    pass  # before its Final left (`generate`); a give-up since then bills nothing more
+                elif abandoned is not None:
                     if entry.prefilled or entry.completion > request.resumed_tokens:
                         worker.background.spawn(worker.usage.publish(request, status, entry.work(), finish,
                                                                      billed_to="platform"))
@@ -365,13 +368,22 @@ class Serving:
             matched = update.finish.get("matched")
             usage = m.Usage(prompt_tokens=prompt_tokens or 0, completion_tokens=completion, cached_tokens=cached)
             entry.matched = matched if isinstance(matched, str) else None
+            status = "cancelled" if reason == "abort" else "completed"
             if not entry.handed_off and not batch:
+                if status == "completed" and not entry.given_up:
+                    # The tenant's usage is on disk before the answer ends: a worker that dies
+                    # after its Final left can no longer have served a request nobody is billed for
+                    # (one that dies before has its request continued elsewhere, under the same
+                    # ledger id, so it is billed once either way). A cancelled request's client is
+                    # gone: its usage is written as the attempt ends (`serve`).
+                    await worker.usage.publish(request, status, usage, reason)
+                    entry.usage_written = True
+                    await worker.fault_hold.at("before_final", request.request_id)
                 worker.events.send(request, m.Final(
                     request_id=request.request_id, attempt=request.attempt, seq=seq, text=update.text,
                     finish_reason=reason, usage=usage, matched_stop=matched if isinstance(matched, str) else None,
                     worker_id=worker.settings.worker_id, token_ids=update.token_ids, logprobs=update.logprobs,
                 ))
-            status = "cancelled" if reason == "abort" else "completed"
             return status, usage, reason
         raise EngineError("engine stream ended early", retryable=True, status=502)
 

@@ -8,6 +8,7 @@ from inferbus.node_zone import read_zone
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
+from .fault_hold import POINTS as FAULT_POINTS
 from .preemption import PreemptionConfig
 
 
@@ -63,6 +64,12 @@ class WorkerSettings:
         "How long a finished stream's last events are kept to be sent again to a gateway that missed them (core NATS "
         "drops messages in flight when a node dies); longer than the gateways' INFERBUS_STREAM_SILENCE_S plus a "
         "reconnect. A stream's last 256 events are kept while it runs.",
+    )
+    fault_hold: str = env(
+        "INFERBUS_FAULT_HOLD", "",
+        "Testing only: a point where the first worker sharing INFERBUS_STATE_DIR to get there stops for good, after "
+        "writing the file `fault-hold-<point>` there, so that a test can kill it at that point. `before_final`: a "
+        "request's usage event is on disk, its last chunk not yet sent. Empty: none.",
     )
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env("INFERBUS_FETCH_TIMEOUT_S", 1.0, "Long-poll time of one pull request when the queue is empty.")
@@ -131,6 +138,8 @@ class WorkerSettings:
             raise SystemExit("INFERBUS_WORKER_ACCEPTED_WAIT_MS must be >= 0")
         if self.role not in ("auto", "aggregated", "prefill", "decode"):
             raise SystemExit(f"INFERBUS_WORKER_ROLE must be auto, aggregated, prefill or decode, not {self.role!r}")
+        if self.fault_hold and self.fault_hold not in FAULT_POINTS:
+            raise SystemExit(f"INFERBUS_FAULT_HOLD must be one of {', '.join(FAULT_POINTS)} or empty, not {self.fault_hold!r}")
         if self.engine_priority not in ("auto", "on", "off"):
             raise SystemExit(f"INFERBUS_WORKER_ENGINE_PRIORITY must be auto, on or off, not {self.engine_priority!r}")
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req
-from inferbus.capacity.fleetsim.timeseries import INF, Bucket, Minute, Summary, close, quantiles
+from inferbus.capacity.fleetsim.timeseries import INF, Bucket, Minute, Summary, close, minute_attainment, quantiles
 from inferbus.capacity.fleetsim.wiring import (
     Admission,
     Controller,
@@ -683,16 +683,14 @@ class FastFleet:
     def _summary(self, cpu: float, wall: float) -> Summary:
         config = self.config
         duration = max(self.now, 1e-9)
-        minutes = [mn for mn in self.series if mn.arrivals or mn.completed]
-        within = sum(mn.within_slo for mn in minutes)
+        minutes, attainment = minute_attainment(self.series)
         gpu_hours = self._gpu_s / 3600
         ttft = quantiles(self._all_ttft, 0.5, 0.9, 0.99)
         tpot = quantiles(self._all_tpot, 0.5, 0.9)
         return Summary(
             policy=self.placer.name, gpu=config.engine.gpu, tp=config.engine.tp, duration_s=duration,
             requests=self.requests, completed=self.completed, rejected=self.rejected,
-            unfinished=self._outstanding(), minutes=len(minutes),
-            minute_attainment=within / len(minutes) if minutes else math.nan,
+            unfinished=self._outstanding(), minutes=minutes, minute_attainment=attainment,
             request_attainment=self.good / self.requests if self.requests else math.nan,
             goodput_rps=self.good / duration, goodput_tok_s=self.good_tokens / duration,
             output_tok_s=self.output_tokens / duration,

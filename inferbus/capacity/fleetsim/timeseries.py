@@ -91,6 +91,14 @@ def close(bucket: Bucket, width_s: float, slo_ttft_s: float, slo_tpot_s: float, 
     )
 
 
+def minute_attainment(minutes: list[Minute]) -> tuple[int, float]:
+    """(minutes with a request, share of them within the SLO): a minute in which nothing arrived
+    or finished says nothing about the SLO and does not count (NaN when none does)."""
+    counted = [mn for mn in minutes if mn.arrivals or mn.completed]
+    within = sum(mn.within_slo for mn in counted)
+    return len(counted), within / len(counted) if counted else math.nan
+
+
 @dataclass
 class Summary:
     """One fast-fleet run; `as_dict()` is what the JSON report holds."""

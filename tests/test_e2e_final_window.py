@@ -1,0 +1,84 @@
+"""A worker killed in its request's last moment: after the answer's usage is written, before its
+last chunk (the `Final`) leaves. The request is billed exactly once, with what the client received.
+
+The worker's fault point (`INFERBUS_FAULT_HOLD=before_final`) stops the first worker to get there
+and writes a file naming it; the test waits for that file, SIGKILLs that worker, lets the client's
+stream finish (migrated to the other worker), restarts the killed worker (its outbox republishes
+what it had not delivered) and reads the billing service's rollups and the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from services.worker.fault_hold import marker_path
+
+from .conftest import MODEL, Platform, running_platform
+from .ledger import ledger, new_tenant, outbox_pending, rollup_drained, rollups_by_key
+from .waiting import wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    with running_platform(tmp_path_factory.mktemp("final-window"), workers=2, time_scale=0.1,
+                          extra_env={"INFERBUS_FAULT_HOLD": "before_final", "INFERBUS_HEARTBEAT_INTERVAL_S": "0.3",
+                                     "INFERBUS_HEARTBEAT_TTL_S": "1.5"}) as running:
+        yield running
+
+
+def test_a_worker_killed_between_its_usage_and_its_final_chunk_bills_the_request_once(platform: Platform) -> None:
+    tenant, [(secret, key_id)] = new_tenant(platform)
+    client = openai.OpenAI(base_url=platform.base_url, api_key=secret, max_retries=0, timeout=60)
+    started = time.time()
+    got: dict[str, Any] = {}
+
+    def stream() -> None:
+        try:
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "the last moment"}], max_tokens=40,
+                temperature=0, stream=True, stream_options={"include_usage": True}))
+            got["chunks"] = chunks
+        except Exception as error:
+            got["error"] = error
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    marker = marker_path(platform.stack.config.state_dir / "state", "before_final")
+    wait_for(marker.exists, timeout=30, what="a worker to stop before its Final")
+    held = wait_for(lambda: json.loads(marker.read_text() or "null"), timeout=5, ignore=(ValueError,))
+    victim = platform.stack.get(held["worker_id"])
+    assert victim.pid == held["pid"]
+    victim.signal(signal.SIGKILL)
+    assert victim.wait(10)
+
+    reader.join(timeout=60)
+    assert "error" not in got, got.get("error")
+    chunks = got["chunks"]
+    assert chunks[0].id == f"chatcmpl-{held['request_id']}"
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+    # The killed worker comes back (as `inferbus up` would restart it) and delivers what its outbox
+    # still holds; then nothing more can arrive for this request.
+    victim.start()
+    outbox = platform.stack.config.state_dir / "state" / f"usage-outbox-{held['worker_id']}.sqlite3"
+    wait_for(lambda: outbox_pending(outbox) == 0, timeout=30, what="the killed worker's outbox to be delivered")
+    wait_for(lambda: rollup_drained(platform), timeout=30, what="billing to roll the ledger up")
+
+    billed = [e for e in ledger(platform, tenant) if e.billed_to == "tenant"]
+    assert [e.request_id for e in billed] == [held["request_id"]], billed
+    assert (billed[0].usage.prompt_tokens, billed[0].usage.completion_tokens) == (usage.prompt_tokens, 40)
+    rollups = rollups_by_key(platform, tenant, started, time.time())
+    assert rollups == {key_id: {"requests": 1, "input": usage.prompt_tokens, "output": 40,
+                                "cached": billed[0].usage.cached_tokens}}
