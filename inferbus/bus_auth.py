@@ -200,7 +200,10 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
         return Permissions(
             publish=(
                 subjects.placed_wildcard(), subjects.control_wildcard(),
-                subjects.shared_request_wildcard(),  # a dead worker's queue, moved to the shared one
+                # A dead worker's queue, moved to the shared one. Interactive bands only: workers have
+                # no queue of their own for batch lines, so the router has none to move, and only the
+                # batch service creates them.
+                *(subjects.shared_request_wildcard(band) for band in subjects.INTERACTIVE_BANDS),
                 *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
                 *_kv_read(subjects.ADAPTERS_BUCKET),  # registered adapters, to prefetch them
                 # The canary controller: rollouts (compare-and-set) and its decisions; an adapter

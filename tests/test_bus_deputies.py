@@ -502,3 +502,51 @@ async def test_jetstream_in_an_account_of_its_own_answers_into_no_bucket(tmp_pat
         finally:
             await app.close()
             await owner.close()
+
+
+# ---- work creation: only the batch service creates batch lines; the router creates no batch work ----
+
+BATCH_OWNER = subjects.token_subject("batch-main")  # the shipped batch service's reply subject (its scope)
+# Identities that must not queue a batch-band line (the gateway queues requests of its own clients).
+NO_BATCH_LINES = ["router", "billing", "autoscaler", "producer", "worker"]
+
+
+async def queued(ops: Client) -> int:
+    return (await ops.jetstream().stream_info(subjects.REQUESTS_STREAM)).state.messages
+
+
+@pytest.mark.parametrize("user", NO_BATCH_LINES)
+async def test_only_the_batch_service_creates_batch_lines(
+        ops: Client, shipped_bus: ShippedBus, user: str, request: pytest.FixtureRequest) -> None:
+    """A batch-band line for any owner, billed to another tenant: refused by the server. Control:
+    the batch service's own line is stored."""
+    if user == "worker":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="a worker queues a preempted batch line's next "
+                                              "attempt itself: what remains (docs/security.md)"))
+    forged = m.encode(m.InferenceRequest(request_id="forged", tenant="acme", model="m", prompt="x",
+                                         sampling=m.SamplingParams(max_new_tokens=8),
+                                         reply_to=BATCH_OWNER, deadline=time.time() + 60, created=time.time()))
+    before = await queued(ops)
+    for owner in (BATCH_OWNER, subjects.token_subject(shipped_bus.user("gateway"))):
+        subject = subjects.request_subject("batch", "m", subjects.ANY_TARGET, owner)
+        conn = As(shipped_bus, user)
+        async with conn as nc:
+            await nc.publish(subject, forged)
+            assert await refused(conn, "publish", subject)
+    await ops.flush()
+    assert await queued(ops) == before
+    async with As(shipped_bus, "batch") as batch:  # control: the batch service's line
+        subject = subjects.request_subject("batch", "m", subjects.ANY_TARGET, BATCH_OWNER)
+        await batch.jetstream().publish(subject, forged)
+    assert await queued(ops) == before + 1
+
+
+async def test_the_router_moves_interactive_work_only(ops: Client, shipped_bus: ShippedBus) -> None:
+    """The router's one publishing right on the queue is moving a dead worker's queued requests
+    (interactive bands: workers have no queue of their own for batch lines) to the shared queue."""
+    before = await queued(ops)
+    owner = subjects.token_subject(shipped_bus.user("gateway"))
+    async with As(shipped_bus, "router") as router:  # control: recovery's publish is stored
+        for band in subjects.INTERACTIVE_BANDS:
+            await router.jetstream().publish(subjects.request_subject(band, "m", subjects.ANY_TARGET, owner), b"{}")
+    assert await queued(ops) == before + len(subjects.INTERACTIVE_BANDS)

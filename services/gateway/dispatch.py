@@ -22,7 +22,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, continuation, logs, patience, tracing
+from inferbus import bus, continuation, logs, patience, security_events, tracing
 from inferbus.outbox import Outbox
 from inferbus.records import decode_or_none
 from inferbus.replies import PublishError, Replies
@@ -98,6 +98,17 @@ def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRe
         return None  # the client has part of the output: the grammar would start over in its middle
     return continuation.next_attempt(request, text="".join(flight.sent_text), token_ids=flight.sent_ids,
                                      produced_tokens=flight.sent_tokens, prompt_tokens=flight.prompt_tokens)
+
+
+def foreign_sender(flight: Flight, event: m.StreamEvent) -> str | None:
+    """The worker an event of the flight's current attempt names when another worker holds that
+    attempt (it reported starting it), else None. Only events that name their sender can be
+    checked (`Accepted`, `Handoff`, a `Final`, a stream's first chunk); with role-wide credentials
+    the name is the sender's own claim (docs/security.md)."""
+    named = getattr(event, "worker_id", "")
+    if not named or flight.state != "accepted" or not flight.worker_id:
+        return None
+    return named if named != flight.worker_id else None
 
 
 def _observe_placement(outcome: str, seconds: float) -> None:
@@ -431,6 +442,11 @@ class Dispatcher:
             event = await flight.events.get()
             if event.attempt != flight.request.attempt:
                 continue  # a late event from an attempt already given up
+            foreign = foreign_sender(flight, event)
+            if foreign is not None:
+                security_events.record("foreign_token_event", request_id=event.request_id, attempt=event.attempt,
+                                       holder=flight.worker_id, sender=foreign, forged=type(event).__name__)
+                continue
             if isinstance(event, m.Accepted):
                 self._left_queue(flight)
                 flight.worker_id = event.worker_id
