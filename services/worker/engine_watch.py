@@ -8,7 +8,9 @@
   went missing (a router deletes those of a worker it thought dead): before it pulls again, it
   verifies that the engine answers and its consumers exist.
 - The engine is hung, keeps failing or stays down too long (`gpu_death.GpuDeathDetector`, asked on
-  every tick): the worker hands its streams off and exits so that its replica is replaced.
+  every tick): the worker hands its streams off and exits so that its replica is replaced. A pause
+  of the worker itself restarts the hang clock: its streams made no progress because it was
+  stopped, not its engine.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class EngineWatch:
         if not worker.pause.tick():
             return
         PAUSES.inc()
+        worker.gpu.worker_paused()  # (before this tick's verdict: the pause is not the engine's hang)
         log.warning("worker_resumed_after_pause", pauses=worker.pause.epoch, in_flight=len(worker.running))
         self.verify_soon("paused")
 
