@@ -1,6 +1,11 @@
-"""GPU death verdicts: hung (running, no progress), failing (errors in a row), down (too long)."""
+"""GPU death verdicts: hung (running, no progress), failing (errors in a row), down (too long); a
+pause of the worker itself is not a hung engine."""
 
+from types import SimpleNamespace
+
+from services.worker.engine_watch import EngineWatch
 from services.worker.gpu_death import GpuDeathDetector
+from services.worker.liveness import PauseDetector
 
 
 class Clock:
@@ -55,3 +60,20 @@ def test_an_engine_down_too_long_is_given_up_and_zero_disables_each_rule() -> No
         never.engine_error()
     clock.now += 1000
     assert never.verdict(running=5, engine_down_since=0.0) is None
+
+
+def test_a_pause_of_the_worker_itself_restarts_the_hang_clock_and_a_hang_after_it_still_counts() -> None:
+    clock = Clock()
+    gpu = detector(clock)
+    worker = SimpleNamespace(pause=PauseDetector(clock, pause_after_s=3.0), gpu=gpu, phase="starting", leaving=False,
+                             running={"r1": object(), "r2": object()})
+    watch = EngineWatch(worker)  # type: ignore[arg-type]
+    clock.now += 0.25
+    watch.tick()
+    clock.now += 12  # SIGSTOP: no tick, no token, for longer than the hang limit
+    watch.tick()  # the tick loop notes the pause before it asks for a verdict
+    assert gpu.verdict(running=2, engine_down_since=None) is None
+    for _ in range(11):  # running again (ticking), and still no token: now it is the engine
+        clock.now += 1
+        watch.tick()
+    assert gpu.verdict(running=2, engine_down_since=None) == "engine_hung"

@@ -6,9 +6,12 @@
   prefix cache, its limits) is learned again.
 - The worker's own process was paused (SIGSTOP, a frozen host; `PauseDetector`) or a consumer
   went missing (a router deletes those of a worker it thought dead): before it pulls again, it
-  verifies that the engine answers and its consumers exist.
+  verifies that the engine answers and its consumers exist, and its heartbeat says "draining"
+  from the moment it notices until then (nothing is placed on it).
 - The engine is hung, keeps failing or stays down too long (`gpu_death.GpuDeathDetector`, asked on
-  every tick): the worker hands its streams off and exits so that its replica is replaced.
+  every tick): the worker hands its streams off and exits so that its replica is replaced. A pause
+  of the worker itself restarts the hang clock: its streams made no progress because it was
+  stopped, not its engine.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class EngineWatch:
         if not worker.pause.tick():
             return
         PAUSES.inc()
+        worker.gpu.worker_paused()  # (before this tick's verdict: the pause is not the engine's hang)
         log.warning("worker_resumed_after_pause", pauses=worker.pause.epoch, in_flight=len(worker.running))
         self.verify_soon("paused")
 
@@ -107,6 +111,11 @@ class EngineWatch:
         worker = self.worker
         if worker.phase != "serving" or worker.leaving or (self._verifying is not None and not self._verifying.done()):
             return
+        self.holding_pulls = True
+        # Now, not at the next heartbeat: the liveness thread would keep saying "ready" from before
+        # the pause, and gateways and routers would place requests this worker does not pull yet.
+        worker.liveness.set_beat(worker.reporter.beat())
+        worker.background.spawn(worker.reporter.publish_heartbeat())
         self._verifying = asyncio.ensure_future(self._verify(why))
 
     async def _verify(self, why: str) -> None:
@@ -130,3 +139,4 @@ class EngineWatch:
         worker.wake.set()
         worker.load_changed.set()
         log.info("worker_verified", why=why)
+        await worker.reporter.publish_heartbeat()  # ready again: placements may come here

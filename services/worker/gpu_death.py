@@ -57,6 +57,11 @@ class GpuDeathDetector:
     def engine_error(self) -> None:
         self.errors_in_row += 1
 
+    def worker_paused(self) -> None:
+        """This worker's own process was stopped (SIGSTOP, a frozen host): the time it could not
+        read tokens says nothing about the engine, so the hang clock starts again now."""
+        self.last_progress = self.clock()
+
     def verdict(self, running: int, engine_down_since: float | None) -> str | None:
         """None while the engine may still be fine; else why it is given up: `engine_hung`,
         `engine_failing` or `engine_down`. Call it periodically with the requests the engine holds
