@@ -25,8 +25,9 @@ pytestmark = pytest.mark.e2e
 def run_cli(platform: Platform, *args: str) -> tuple[str, str]:
     """Run a CLI command as a user in the directory of `inferbus up` would: no REDIS_URL, NATS_URL
     or gateway settings, only the state dir. Returns (stdout, stderr)."""
+    # NATS_TLS_CA too: the CLI sets it for a --tls platform, and the runner restores only what it was given.
     env = {"INFERBUS_PLATFORM_DIR": str(platform.stack.config.state_dir), "REDIS_URL": None, "NATS_URL": None,
-           "INFERBUS_URL": None, "INFERBUS_ADMIN_KEY": None}
+           "INFERBUS_URL": None, "INFERBUS_ADMIN_KEY": None, "NATS_TLS_CA": None}
     result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)  # type: ignore[arg-type]
     assert result.exit_code == 0, result.output
     return result.stdout, result.stderr

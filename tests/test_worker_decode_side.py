@@ -116,7 +116,9 @@ class PrefillWorker:
         ok = self.report == "ok"
         done = m.PrefillDone(request_id=ask.request.request_id, attempt=ask.request.attempt, try_no=ask.try_no,
                              worker_id=self.worker_id, ok=ok, prompt_tokens=len(ask.request.input_ids),
-                             cached_tokens=128 if ok else 0, code="" if ok else "prefill_aborted")
+                             cached_tokens=128 if ok else 0,
+                             code="" if ok else "invalid_request" if self.report == "refused" else "prefill_aborted",
+                             message="Invalid grammar request: backreference" if self.report == "refused" else "")
         await self.nc.publish(subjects.prefilled_subject(subjects.prefill_sender(msg.subject)), m.encode(done))
         await self.nc.flush()
         await asyncio.sleep(0.05)  # the report first: this stand-in's decode engine reports no cached tokens
@@ -174,6 +176,26 @@ async def test_a_prefill_that_fails_before_the_first_token_is_tried_on_another_w
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]  # a new rid and room for the retry
     assert "r1-00" in worker.engine.aborted  # the decode engine's wait for the lost KV was aborted
     assert [type(a) for a in healthy.asked] == [m.PrefillRequest] and healthy.asked[0].try_no == 1  # type: ignore[union-attr]
+    await side.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_engine_refusing_the_request_is_the_clients_400_and_not_tried_again(nc: Client) -> None:
+    """A refusal of the request itself (a schema no grammar compiles) would be refused everywhere:
+    no second prefill worker is asked and the client gets the engine's 400, never a 5xx."""
+    from services.worker.engine import EngineError
+
+    side, worker = await decode_side(nc)
+    refusing = PrefillWorker(nc, "p1", worker.engine, answers=[], report="refused")
+    healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
+    await refusing.start()
+    await healthy.start()
+    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
+    with pytest.raises(EngineError) as raised:
+        await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    assert (raised.value.status, raised.value.code, raised.value.retryable) == (400, "invalid_request", False)
+    assert "grammar" in str(raised.value)
+    assert healthy.asked == []
     await side.stop()
 
 

@@ -307,6 +307,9 @@ class DecodeSide:
                 if entry.cancelled:
                     yield cancelled_update()
                     return
+                if code == "invalid_request":  # the request itself was refused: the client's 400, as one engine says it
+                    raise EngineError(current.result.message if current.result is not None else why,
+                                      code="invalid_request", retryable=False, status=400)
                 raise EngineError(f"prefill failed on {worker_id}: {why}", code="prefill_failed", retryable=True,
                                   status=503)
             log.warning("prefill_retried", prefill_worker=worker_id, why=why, try_no=try_no)
