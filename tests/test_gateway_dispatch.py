@@ -147,3 +147,18 @@ def test_the_oldest_request_waiting_for_a_worker() -> None:
     age = dispatcher.oldest_waiting_s(("standard",))
     assert abs(age - time.monotonic()) < 1.0  # "a", waiting since 0.0; accepted "c" does not count
     assert dispatcher.oldest_waiting_s(("premium",)) == 0.0
+
+
+def test_a_request_retried_after_a_worker_failed_is_no_sign_of_overload() -> None:
+    """Its wait is the failure's: counted, a dead worker's streams would shed the next requests."""
+    from services.gateway.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.flights = {}
+    for rid, attempt in (("first", 0), ("retried", 1)):
+        request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x", attempt=attempt,
+                                     sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+        dispatcher.flights[rid] = Flight(request=request, state="queued", opened_at=0.0, waiting_since=0.0)
+    assert len(dispatcher.unstarted_ages(("standard",))) == 1
+    del dispatcher.flights["first"]
+    assert dispatcher.unstarted_ages(("standard",)) == [] and dispatcher.oldest_waiting_s(("standard",)) == 0.0

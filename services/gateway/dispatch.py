@@ -294,16 +294,18 @@ class Dispatcher:
         return self.fair.waiting(band)
 
     def unstarted_ages(self, bands: tuple[str, ...]) -> list[float]:
-        """Seconds since admission of this gateway's requests of `bands` that have no first token yet."""
+        """Seconds since admission of this gateway's requests of `bands` that have no first token yet.
+        Not those on a later attempt: a worker's failure delayed them, which says nothing of load."""
         now = time.monotonic()
-        return [now - f.opened_at for f in self.flights.values() if not f.started and f.request.band in bands]
+        return [now - f.opened_at for f in self.flights.values()
+                if not f.started and f.request.band in bands and f.request.attempt == 0]
 
     def oldest_waiting_s(self, bands: tuple[str, ...]) -> float:
         """Seconds the longest-waiting of this gateway's requests of `bands` has waited for a worker
         (held in the fair queue or queued in JetStream, not accepted yet); 0 when none waits."""
         now = time.monotonic()
         return max((now - f.waiting_since for f in self.flights.values()
-                    if f.state != "accepted" and f.request.band in bands), default=0.0)
+                    if f.state != "accepted" and f.request.band in bands and f.request.attempt == 0), default=0.0)
 
     def queued(self, band: str) -> int:
         """Requests of `band` this gateway published that no worker has accepted yet (known at
@@ -467,7 +469,8 @@ class Dispatcher:
                     flight.worker_id = event.worker_id or flight.worker_id
             if isinstance(event, (m.TokenChunk, m.Final)) and not flight.started:
                 flight.started = True
-                self.on_started(flight.request.band, time.monotonic() - flight.opened_at)
+                if flight.request.attempt == 0:  # a retried request's wait is the failure's, not the load's
+                    self.on_started(flight.request.band, time.monotonic() - flight.opened_at)
             if isinstance(event, m.TokenChunk):
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
                     flight.prompt_tokens = event.prompt_tokens

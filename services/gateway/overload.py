@@ -33,7 +33,8 @@ fools it. So the gateway also measures how long starting actually takes (`start_
 that started in the last `start_window_s`, together with the ages of those still waiting for
 their first token (each a lower bound of its own); and how long the request at the head of the
 line has waited for a worker so far (`oldest_waiting_s`, the queue's sojourn time, as CoDel
-measures it: a new request joins the same line). The wait a new request can expect is the largest
+measures it: a new request joins the same line); both only of requests on their first attempt,
+since a retried one waited for a worker's failure, not for capacity. The wait a new request can expect is the largest
 of the three, so requests are shed while the ones admitted before them are not starting within
 the budget, whatever the reports say.
 """
