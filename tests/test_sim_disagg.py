@@ -203,7 +203,7 @@ def test_timeouts_come_from_sglangs_environment_with_its_floors():
 
 
 def engine(**overrides) -> Engine:
-    settings = {"fixed_step_ms": 10.0, "kv_capacity_tokens": 4096, "block_size": 4}
+    settings = {"fixed_step_ms": 10.0, "kv_capacity_tokens": 4096, "block_size": 4, "answer_length_median": 0}
     settings.update(overrides)
     return Engine(EngineConfig(**settings))
 

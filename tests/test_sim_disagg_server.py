@@ -25,7 +25,7 @@ from .test_sim_server import parse_events
 from .waiting import await_for
 
 FAST = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0, "kv_capacity_tokens": 8192,
-        "block_size": 16}
+        "block_size": 16, "answer_length_median": 0}
 
 
 class served:

@@ -18,7 +18,7 @@ async def engine_url():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    app = create_app(EngineConfig(time_scale=0.0, fixed_step_ms=5.0, model="sim-model"))
+    app = create_app(EngineConfig(time_scale=0.0, fixed_step_ms=5.0, model="sim-model", answer_length_median=0))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:

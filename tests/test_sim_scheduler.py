@@ -12,7 +12,7 @@ from services.sim_engine.scheduler import (
 
 
 def make_engine(**overrides) -> Engine:
-    settings = {"fixed_step_ms": 10.0, "block_size": 4, "chunked_prefill_size": 64}
+    settings = {"fixed_step_ms": 10.0, "block_size": 4, "chunked_prefill_size": 64, "answer_length_median": 0}
     settings.update(overrides)
     return Engine(EngineConfig(**settings))
 

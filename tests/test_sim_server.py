@@ -13,7 +13,9 @@ from .waiting import await_for
 
 
 def make_client(**overrides) -> tuple[SimEngineServer, httpx.AsyncClient]:
-    settings = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0}
+    # Answers end only at max_new_tokens or a stop: these tests count tokens, and a sampled
+    # request's answer length is drawn from its random rid.
+    settings = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0, "answer_length_median": 0}
     settings.update(overrides)
     server = SimEngineServer(EngineConfig(**settings))
     return server, httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://sim")
@@ -23,7 +25,7 @@ class running:
     """A real uvicorn server on a free port (httpx's ASGI transport buffers streamed bodies)."""
 
     def __init__(self, **overrides):
-        settings = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0}
+        settings = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0, "answer_length_median": 0}
         settings.update(overrides)
         self.server = SimEngineServer(EngineConfig(**settings))
 
