@@ -58,7 +58,7 @@ up: install
 	$(VENV)/bin/inferbus up $(ARGS)
 
 test: install browser
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rx -p no:cacheprovider $(PYTEST_ARGS)
 
 # The web console's browser tests (tests/test_e2e_console.py) drive Debian's Chromium through
 # Playwright (never `playwright install`, which downloads a browser of its own): installed here

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from .conftest import MODEL, Platform, read_usage, running_platform
@@ -77,8 +78,6 @@ def running_on(platform: Platform, i: int) -> int:
     return sum(entry["num_running_reqs"] for entry in loads)
 
 
-@pytest.mark.xfail(reason="known regression: in a full `make test` run a request placed while the worker is paused "
-                          "can wait over 90 s (it passes alone); under investigation", strict=False)
 def test_a_paused_worker_resumes_without_leaving_any_request_hanging(fleet: Platform) -> None:
     streams = [Stream(fleet, 3000) for _ in range(6)]
     for stream in streams:
@@ -106,9 +105,22 @@ def test_a_paused_worker_resumes_without_leaving_any_request_hanging(fleet: Plat
             results.append(pool.submit(ask, fleet, i))
             i += 1
             time.sleep(0.25)
-        answers = [future.result(timeout=90) for future in results]
+        answers, hung = [], []
+        for n, future in enumerate(results):
+            try:
+                answers.append(future.result(timeout=90))
+            except openai.APITimeoutError:
+                hung.append(n)
     for stream in streams:
         stream.join(90)
+    if hung:
+        # Seen only in full-suite runs, never alone or under competing CPU load: say what the
+        # platform logged so the run that meets it shows where the request waited (`-rx`).
+        warnings = [line for name in ("gateway", "router", worker.name) for line in
+                    fleet.stack.get(name).log_path.read_text(errors="replace").splitlines()
+                    if '"warning"' in line or '"error"' in line]
+        pytest.xfail(f"known: requests {hung} (0.5 s apart from the pause) hung 80 s; "
+                     f"platform warnings: {warnings[-20:]}")
 
     # None hung: every request finished within seconds of when it could have, none near a timeout.
     assert all(seconds < PAUSE_S + 10 for _, seconds, _ in answers), sorted(s for _, s, _ in answers)[-5:]
