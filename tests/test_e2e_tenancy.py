@@ -150,14 +150,17 @@ def second_gateway(platform: Platform) -> Iterator[str]:
         assert process.poll() is None, "the second gateway exited"
         return http_ok(url + "/ready")
 
-    wait_for(started, 30, interval=0.1, what="the second gateway ready")
-    # It learns the workers from their heartbeats: wait until it knows as many as the first.
-    workers = httpx.get(platform.stack.gateway_url + "/ready").json()["workers"]
-    wait_for(lambda: httpx.get(url + "/ready").json()["workers"] >= workers, 10,
-             what=f"the second gateway knows all {workers} workers")
-    yield url
-    process.terminate()
-    process.wait(10)
+    try:
+        # A gateway's start (imports, tokenizer, model directory) takes tens of seconds on a busy machine.
+        wait_for(started, 60, interval=0.1, what="the second gateway ready")
+        # It learns the workers from their heartbeats: wait until it knows as many as the first.
+        workers = httpx.get(platform.stack.gateway_url + "/ready").json()["workers"]
+        wait_for(lambda: httpx.get(url + "/ready").json()["workers"] >= workers, 10,
+                 what=f"the second gateway knows all {workers} workers")
+        yield url
+    finally:  # a gateway that never became ready is stopped too
+        process.terminate()
+        process.wait(10)
 
 
 def test_two_gateways_do_not_give_a_tenant_twice_its_limit(platform: Platform, second_gateway: str) -> None:
