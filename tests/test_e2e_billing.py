@@ -31,6 +31,7 @@ from proto import messages as m
 from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage, running_platform
+from .ledger import rollup_drained
 
 pytestmark = pytest.mark.e2e
 DEFAULT = Prices(0.60, 0.90, 0.15, 0.5)  # the billing service's default price book
@@ -148,20 +149,6 @@ async def _publish(url: str, events: list[m.UsageEvent], msg_id: Callable[[m.Usa
 def publish(platform: Platform, events: list[m.UsageEvent], msg_id: Callable[[m.UsageEvent], str] = lambda e: e.request_id,
             **pacing: Any) -> None:
     asyncio.run(_publish(platform.stack.nats_url, events, msg_id, **pacing))
-
-
-def rollup_drained(platform: Platform) -> bool:
-    async def check() -> bool:
-        import nats
-
-        nc = await nats.connect(platform.stack.nats_url)
-        try:
-            info = await nc.jetstream().consumer_info(subjects.USAGE_STREAM, "usage-rollup")
-            return info.num_pending == 0 and info.num_ack_pending == 0
-        finally:
-            await nc.close()
-
-    return asyncio.run(check())
 
 
 def cli(platform: Platform, *args: str) -> str:

@@ -14,14 +14,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from inferbus.local import free_port
+
+from .local_up import inferbus_up
 
 pytestmark = [
     pytest.mark.e2e, pytest.mark.drill,
@@ -36,27 +36,10 @@ RECOVER_WITHIN_S = {"prefill-kill": 20, "decode-kill": 20}
 @pytest.fixture(scope="module")
 def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     state = tmp_path_factory.mktemp("pd") / "state"
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     # Real GPU speed: a long prompt's prefill and KV transfer take long enough to be caught mid-way.
-    up = subprocess.Popen(
-        [sys.executable, "-m", "inferbus.commands.main", "up", "--prefill", "2", "--decode", "2",
-         "--port", str(free_port()), "--time-scale", "1", "--state-dir", str(state)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
-    try:
-        deadline = time.monotonic() + 180
-        while not any("Press Ctrl-C" in line for line in lines):
-            assert up.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
-        yield state
-    finally:
-        up.send_signal(2)
-        try:
-            up.wait(90)
-        except subprocess.TimeoutExpired:
-            up.kill()
+    with inferbus_up(state, "--prefill", "2", "--decode", "2", "--port", str(free_port()),
+                     "--time-scale", "1", ready_within_s=180) as running:
+        yield running
 
 
 @pytest.mark.parametrize("kind", list(RECOVER_WITHIN_S))
