@@ -105,6 +105,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # False: the engine's text keeps special tokens (a tool-call parser reads markers that are special
+    # tokens, gpt-oss's harmony ones).
+    skip_special_tokens: bool = True
     logprobs: bool = False  # return each generated token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives per position
 

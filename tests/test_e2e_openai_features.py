@@ -367,10 +367,11 @@ def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=4, seed=2**70)
 
 
-@pytest.fixture(scope="module", params=["hermes", "mistral", "pythonic"])
+@pytest.fixture(scope="module", params=["hermes", "mistral", "pythonic", "gpt-oss"])
 def family_platform(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A platform serving a model of another family: the engine writes that family's calls
-    (Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic lists) and the gateway
+    (Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic lists, gpt-oss harmony
+    messages) and the gateway
     is configured to read them."""
     from .conftest import running_platform
 

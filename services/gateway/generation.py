@@ -266,7 +266,7 @@ class Generation:
                 request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
                 api_key_id=principal.key_id, adapter=adapter,
                 band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-                sampling=sampling_params(params, max_new_tokens),
+                sampling=sampling_params(params, max_new_tokens, self.settings.tool_call_parser),
                 reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
                 created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
                 adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,

@@ -114,9 +114,9 @@ class GatewaySettings:
         "INFERBUS_TOOL_CALL_PARSER", "llama3",
         "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
         "`{\"name\", \"parameters\"}`), `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`), `mistral` "
-        "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`) or `deepseekv3`/`deepseekv31` "
-        "(a `<｜tool▁calls▁begin｜>` block); SGLang's "
-        "--tool-call-parser names.",
+        "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`), `deepseekv3`/`deepseekv31` "
+        "(a `<｜tool▁calls▁begin｜>` block) or `gpt-oss` (harmony messages to `functions.NAME`; the engine is asked "
+        "to keep special tokens in its text when the model may call); SGLang's --tool-call-parser names.",
     )
     internal_api: bool = env(
         "INFERBUS_INTERNAL_API", True,

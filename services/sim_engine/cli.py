@@ -108,10 +108,12 @@ from .profile_table import load_npz
 @click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
               help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
 @click.option(
-    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31"]), default="llama3",
+    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31",
+                                            "gpt-oss"]), default="llama3",
     show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON, Hermes/Qwen "
-         "<tool_call> blocks, Mistral [TOOL_CALLS] arrays or pythonic (Llama-4) call lists.",
+         "<tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic (Llama-4) call lists, DeepSeek call blocks "
+         "or gpt-oss harmony messages to functions.",
 )
 @click.option("--answer-length-median", default=DEFAULT_ANSWER_LENGTH_MEDIAN, show_default=True,
               type=click.IntRange(min=0), envvar="INFERBUS_SIM_ANSWER_LENGTH_MEDIAN",

@@ -93,7 +93,8 @@ class EngineConfig:
     speculative_acceptance: float = 0.7
     speculative_draft_cost: float = 0.1
     # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
-    # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
+    # (JSON `{"name", "parameters"}`), `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`), `mistral`,
+    # `pythonic`, `deepseekv3`/`deepseekv31` or `gpt-oss` (constrained.FAMILIES).
     tool_call_parser: str = "llama3"
     # Free text ends with EOS after a length drawn per request from a log-normal distribution with
     # this median (tokens), seeded by the context (and the sampling seed); 0: it ends only at

@@ -106,6 +106,8 @@ def sampling_params(request: InferenceRequest) -> dict[str, Any]:
         params["ignore_eos"] = True
     if s.stop_token_ids:
         params["stop_token_ids"] = s.stop_token_ids
+    if not s.skip_special_tokens:
+        params["skip_special_tokens"] = False
     for grammar in ("json_schema", "regex", "ebnf"):
         if getattr(s, grammar) is not None:
             params[grammar] = getattr(s, grammar)
