@@ -124,6 +124,10 @@ class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=
     token: str
     logprob: float
     top: list[tuple[str, float]] = []
+    # The token ids of `token` and of `top` (-1 / []: not known), for the gateway to decode the text
+    # in context (inferbus.openai.token_text).
+    token_id: int = -1
+    top_ids: list[int] = []
 
 
 class InferenceRequest(_Message, tag="request"):

@@ -23,6 +23,7 @@ from inferbus import logs, tracing
 from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import answer_schema, sampling_params
+from inferbus.openai.token_text import TokenTexts
 from inferbus.openai.tools import ToolCall, ToolOutput
 from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
@@ -91,6 +92,7 @@ class _Choice:
     flight: Flight
     tool_output: ToolOutput | None = None  # reads tool calls out of the output when tools are offered
     pending_logprobs: list[m.TokenLogprob] = field(default_factory=list)  # not yet sent with a chunk
+    token_texts: TokenTexts | None = None  # decodes its logprob tokens in context (logprobs asked for)
     text_offset: int = 0  # characters of completion text sent (legacy completions' text_offset)
     tool_calls_sent: int = 0
     started: bool = False  # its first chunk (with the role) was sent
@@ -440,7 +442,7 @@ class Generation:
         if len(call.choices) == 1:
             choice = call.choices[0]
             async for event in self.dispatcher.events(choice.flight):
-                yield choice, event
+                yield choice, self._decoded(call, choice, event)
             return
         merged: asyncio.Queue[tuple[_Choice, m.StreamEvent | None]] = asyncio.Queue()
 
@@ -457,7 +459,16 @@ class Generation:
             if item is None:
                 running -= 1
                 continue
-            yield choice, item
+            yield choice, self._decoded(call, choice, item)
+
+    def _decoded(self, call: _Call, choice: _Choice, event: m.StreamEvent) -> m.StreamEvent:
+        """The event with its logprob tokens' text decoded in context, so that they join up to the
+        content whatever the tokenizer (the engine decodes each token alone)."""
+        if not call.logprobs or not isinstance(event, (m.TokenChunk, m.Final)) or not event.logprobs:
+            return event
+        if choice.token_texts is None:
+            choice.token_texts = TokenTexts(self.served.decode, choice.flight.request.input_ids)
+        return msgspec.structs.replace(event, logprobs=choice.token_texts.rewrite(event.logprobs))
 
     def _quiet(self, call: _Call) -> bool:
         """Nothing more is queued for this response right now."""
