@@ -585,6 +585,7 @@ class Heartbeat(_Message):
     # uncached remainder rather than send it to a prefill worker (conditional disaggregation).
     local_prefill: bool = False
     kv_capacity_tokens: int = 0  # the engine's KV cache in tokens (0: unknown): a decode worker's room
+    context_length: int = 0  # the context window its engine enforces (0: unknown)
 
 
 class LivenessProbe(_Message):

@@ -127,7 +127,6 @@ class Generation:
                  catalog: ModelCatalog | None = None, served: ServedModel | None = None) -> None:
         self.settings = settings
         self.served = served or load_model(settings.model_dir)
-        self.max_model_len = context_window(settings.max_model_len, self.served)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
         self.keys = keys
@@ -230,7 +229,7 @@ class Generation:
             raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
                               code="invalid_prompt") from None
         prompt_tokens = len(prompt.ids)
-        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)  # before any work per token
+        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens, model)  # before any work per token
         pin = _header(scope, PIN_HEADER)
         adapter_canary = adapter_pinned = False
         adapter_fallback = None
@@ -406,9 +405,9 @@ class Generation:
                 await self._off_loop(check) if len(body) > LONG_TEXT_CHARS else check()
                 return body
 
-    def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
-        return responses.max_new_tokens(requested, prompt_tokens, self.max_model_len,
-                                        self.settings.default_max_tokens)
+    def _max_tokens(self, requested: int | None, prompt_tokens: int, model: str) -> int:
+        window = context_window(self.settings.max_model_len, self.served, self.dispatcher.engine_context_length(model))
+        return responses.max_new_tokens(requested, prompt_tokens, window, self.settings.default_max_tokens)
 
     # ---- relaying ---------------------------------------------------------------------------
 

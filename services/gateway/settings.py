@@ -44,8 +44,9 @@ class GatewaySettings:
     max_messages: int = env("INFERBUS_MAX_MESSAGES", MAX_MESSAGES, "Most `messages` in one chat request (400 above), checked before any is read.")
     max_model_len: int = env(
         "INFERBUS_MAX_MODEL_LEN", 0,
-        "Context window: prompt plus max_tokens must fit. 0: the served model's, read from its config.json as SGLang "
-        "reads it (max_position_embeddings and the like); set it when the engines run with --context-length.",
+        "Context window: prompt plus max_tokens must fit. 0: the smallest window the model's ready engines report in "
+        "their /server_info (an engine started with --context-length), else the served model's, read from its "
+        "config.json as SGLang reads it (max_position_embeddings and the like).",
     )
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")

@@ -81,6 +81,9 @@ class EngineConfig:
     priority_scheduling: bool = True
     priority_preemption_threshold: int = 10
     context_length: int = 131_072
+    # Whether --context-length was given: SGLang reports the flag in /server_info (null when unset)
+    # and the window it enforces through max_req_input_len.
+    context_length_set: bool = False
     # SGLang's --kv-events-config JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557"}.
     kv_events_config: str | None = None
     # Engine options the timing model prices (docs/sim-engine.md): weight and KV precision,

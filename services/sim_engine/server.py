@@ -186,7 +186,7 @@ class SimEngineServer:
         self.served = load_model(config.model_dir) if config.model_dir else None
         if self.served is not None:
             served = self.served
-            if served.context_length:
+            if served.context_length and not config.context_length_set:
                 config.context_length = served.context_length  # the model's own, as SGLang derives it
             vocabulary = OutputVocabulary.from_tokenizer(
                 lambda text: served.encode(text, add_special_tokens=False), functools.partial(_in_context, served),
@@ -607,7 +607,10 @@ class SimEngineServer:
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
                 "enable_mixed_chunk": config.mixed_chunk,
-                "context_length": config.context_length,
+                # As SGLang: the flag (null unless given), and the longest prompt the scheduler takes,
+                # min(context length, KV pool) - 6, which is how a client learns the window.
+                "context_length": config.context_length if config.context_length_set else None,
+                "max_req_input_len": min(config.context_length, self.engine.cache.capacity_tokens) - 6,
                 "version": SGLANG_VERSION,
                 "inferbus_simulated": True,
                 "gpu": config.gpu,
