@@ -170,8 +170,10 @@ def narrow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     from inferbus.modeldir import build_model_dir
 
     model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "chatml-4k", "chatml", model_max_length=CONTEXT)
+    # Its engine writes Hermes/Qwen calls, as a ChatML model does; the gateway is left to find that out.
     with running_platform(tmp_path_factory.mktemp("narrow"), workers=1, time_scale=0.1, model_dir=model_dir,
-                          engine_args=["--context-length", str(NARROW)]) as running:
+                          engine_args=["--context-length", str(NARROW), "--tool-call-parser", "hermes"],
+                          extra_env={"INFERBUS_TOOL_CALL_PARSER": "auto"}) as running:
         yield running
 
 
@@ -192,3 +194,15 @@ def test_the_context_length_is_the_engines_when_it_is_started_with_one(narrow: P
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HALF + HALF}],  # type: ignore[call-overload]
                                            stream=stream)
         assert error.value.code == "context_length_exceeded" and f"maximum context length is {NARROW}" in str(error.value)
+
+
+def test_the_tool_call_parser_is_the_one_the_models_template_writes(narrow: Platform) -> None:
+    """INFERBUS_TOOL_CALL_PARSER=auto: a ChatML template writes `<tool_call>` blocks, so the
+    gateway reads the model's calls as Hermes/Qwen ones."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    reply = narrow.client().chat.completions.create(model=MODEL, tools=tools, max_tokens=100,  # type: ignore[arg-type]
+                                                    messages=[{"role": "user", "content": "The weather in Oslo?"}])
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+    [call] = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)

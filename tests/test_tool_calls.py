@@ -340,3 +340,20 @@ def test_gpt_oss_keeps_the_engines_special_tokens_only_when_it_reads_calls() -> 
     plain = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", deadline=0.0, created=0.0,
                                sampling=m.SamplingParams(max_new_tokens=4))
     assert "skip_special_tokens" not in generate_body(plain)["sampling_params"]
+
+
+def test_the_family_of_a_chat_template() -> None:
+    """INFERBUS_TOOL_CALL_PARSER=auto: the family whose call markers the template writes past calls in
+    (fragments shaped like each family's template)."""
+    from inferbus.modeldir import FORMATS
+
+    assert tools.family_of_template(FORMATS["llama3"].template) == "llama3"
+    assert tools.family_of_template(FORMATS["chatml"].template) == "hermes"
+    assert tools.family_of_template('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == "mistral"
+    assert tools.family_of_template("{{- '<|python_start|>' }}{%- for tc in message.tool_calls %}") == "pythonic"
+    v3 = "{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'}}"
+    v31 = "{{'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments']}}"
+    assert tools.family_of_template(v3) == "deepseekv3" and tools.family_of_template(v31) == "deepseekv31"
+    harmony = '{{- "<|start|>assistant to=functions." + tool_call.name + "<|channel|>commentary json<|message|>" }}'
+    assert tools.family_of_template(harmony) == "gpt-oss"
+    assert tools.family_of_template("{{ messages }}") is None and tools.family_of_template(None) is None

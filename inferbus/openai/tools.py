@@ -621,6 +621,26 @@ KEEPS_SPECIAL_TOKENS = frozenset({"gpt-oss"})
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
+def family_of_template(template: str | None) -> str | None:
+    """The tool-call family a chat template writes past calls in (the model writes its calls the
+    same way), from the family's markers; None when it shows none (`INFERBUS_TOOL_CALL_PARSER=auto`)."""
+    if not template:
+        return None
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "gpt-oss"
+    if "<｜tool▁sep｜>" in template:
+        return "deepseekv3" if "```json" in template else "deepseekv31"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_start|>" in template:
+        return "pythonic"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
+        return "llama3"
+    return None
+
+
 def call_id(family: str) -> str:
     """A new call id in the shape the family's template accepts back: Mistral's 9 characters, else OpenAI's."""
     if family == "mistral":

@@ -24,7 +24,7 @@ from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import answer_schema, sampling_params
 from inferbus.openai.token_text import TokenTexts
-from inferbus.openai.tools import ToolCall, ToolOutput
+from inferbus.openai.tools import ToolCall, ToolOutput, family_of_template
 from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
 from inferbus.stores.keys import KeyStore, Principal
@@ -129,6 +129,9 @@ class Generation:
         self.served = served or load_model(settings.model_dir)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
+        # The tool-call family: configured, or (`auto`) the one the model's chat template writes.
+        self.tool_call_parser = (settings.tool_call_parser if settings.tool_call_parser != "auto"
+                                 else family_of_template(self.served.chat_template) or "llama3")
         self.keys = keys
         self.tenants = tenants
         self.admission = admission
@@ -267,7 +270,7 @@ class Generation:
                 request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
                 api_key_id=principal.key_id, adapter=adapter,
                 band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-                sampling=sampling_params(params, max_new_tokens, self.settings.tool_call_parser),
+                sampling=sampling_params(params, max_new_tokens, self.tool_call_parser),
                 reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
                 created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
                 adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
@@ -306,7 +309,7 @@ class Generation:
             call.flight = call.choices[0].flight
             if isinstance(params, schemas.ChatCompletionRequest) and offered:
                 for choice in call.choices:
-                    choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
+                    choice.tool_output = ToolOutput(self.tool_call_parser, offered, params.tool_choice,
                                                     parallel=params.parallel_tool_calls is not False,
                                                     json_answer=answer_schema(params) is not None)
             return call

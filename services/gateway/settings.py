@@ -117,7 +117,8 @@ class GatewaySettings:
         "`{\"name\", \"parameters\"}`), `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`), `mistral` "
         "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`), `deepseekv3`/`deepseekv31` "
         "(a `<｜tool▁calls▁begin｜>` block) or `gpt-oss` (harmony messages to `functions.NAME`; the engine is asked "
-        "to keep special tokens in its text when the model may call); SGLang's --tool-call-parser names.",
+        "to keep special tokens in its text when the model may call); SGLang's --tool-call-parser names. `auto`: "
+        "the family whose call markers the model's chat template writes (llama3 when it shows none).",
     )
     internal_api: bool = env(
         "INFERBUS_INTERNAL_API", True,
@@ -148,9 +149,9 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         from inferbus.openai.tools import PARSERS
 
-        if self.tool_call_parser not in PARSERS:
+        if self.tool_call_parser not in PARSERS and self.tool_call_parser != "auto":
             raise SystemExit(f"invalid value for INFERBUS_TOOL_CALL_PARSER: {self.tool_call_parser!r} "
-                             f"(one of {', '.join(sorted(PARSERS))})")
+                             f"(auto or one of {', '.join(sorted(PARSERS))})")
 
     def resolved_gateway_id(self) -> str:
         return self.gateway_id or _default_gateway_id()
