@@ -35,6 +35,9 @@ COMMON_ENGINE_ARGS = (
     "--port", "30000",
     "--enable-metrics",
     "--enable-priority-scheduling",
+    # Forced JSON (response_format, forced tool calls) without the whitespace SGLang's default
+    # grammar allows between tokens, which a model can fill max_tokens with.
+    "--constrained-json-disable-any-whitespace",
     "--page-size", "64",
     "--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}',
 )
