@@ -67,8 +67,8 @@ def test_the_overlay_lists_both_pools(planned: tuple[Plan, DisaggRow]) -> None:
     kustomization = yaml.safe_load(files["kustomization.yaml"])
     assert kustomization["kind"] == "Component"
     assert kustomization["resources"] == ["worker-prefill.yaml"]
-    assert [p["path"] for p in kustomization["patches"]] == ["worker-patch.yaml", "autoscaler-patch.yaml",
-                                                            "autoscaler-role-patch.yaml"]
+    assert [p["path"] for p in kustomization["patches"]] == ["worker-patch.yaml", "worker-pdb-patch.yaml",
+                                                            "autoscaler-patch.yaml", "autoscaler-role-patch.yaml"]
     assert set(files) == {"kustomization.yaml", *kustomization["resources"], *(p["path"] for p in kustomization["patches"])}
     _, row = planned
     assert f"# cost = {row.gpus_total} x $2.50" in files["kustomization.yaml"]
@@ -89,6 +89,19 @@ def test_the_decode_pool_is_the_worker_deployment_with_the_plans_decode_engine(p
     assert "--disaggregation-bootstrap-port" not in flags
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == row.tp_decode
     assert _env(pod["containers"][0]) == {"INFERBUS_WORKER_STANDBY": "true", "INFERBUS_WORKER_ROLE": "decode"}
+
+
+def test_each_pool_has_its_own_disruption_budget(planned: tuple[Plan, DisaggRow]) -> None:
+    """Two budgets selecting one pod make it unevictable: the base budget, patched, takes the decode
+    pool, the prefill pool's its own pods."""
+    files = _files(planned)
+    base = next(d for d in yaml.safe_load_all(BASE_WORKER) if d and d["kind"] == "PodDisruptionBudget")
+    patch = yaml.safe_load(files["worker-pdb-patch.yaml"])
+    assert patch["metadata"]["name"] == base["metadata"]["name"] == "worker"
+    decode = base["spec"]["selector"]["matchLabels"] | patch["spec"]["selector"]["matchLabels"]
+    prefill = next(d for d in yaml.safe_load_all(files["worker-prefill.yaml"]) if d["kind"] == "PodDisruptionBudget")
+    selected = prefill["spec"]["selector"]["matchLabels"]
+    assert decode[deploy.ROLE_LABEL] == "decode" and selected[deploy.ROLE_LABEL] == "prefill"
 
 
 def test_the_prefill_pool_is_the_base_worker_with_the_plans_prefill_engine(planned: tuple[Plan, DisaggRow]) -> None:
@@ -178,8 +191,8 @@ def test_plan_emit_deploy_writes_both_pools_of_a_disaggregated_plan(tmp_path: Pa
     assert code == 0, output
     assert "Topology: disaggregated" in output and "Wrote the H100 prefill TP8 + decode TP4 overlay" in output
     written = {p.name for p in (k8s / "plan").iterdir()}
-    assert written == {"kustomization.yaml", "worker-patch.yaml", "worker-prefill.yaml", "autoscaler-patch.yaml",
-                       "autoscaler-role-patch.yaml"}
+    assert written == {"kustomization.yaml", "worker-patch.yaml", "worker-pdb-patch.yaml", "worker-prefill.yaml",
+                       "autoscaler-patch.yaml", "autoscaler-role-patch.yaml"}
     header = (k8s / "plan" / "kustomization.yaml").read_text()
     assert "--emit-deploy" in header and "--worker-manifest" not in header
     prefill = next(d for d in yaml.safe_load_all((k8s / "plan" / "worker-prefill.yaml").read_text())

@@ -374,6 +374,7 @@ def disaggregated_overlay(plan: Plan, row: DisaggRow, target: DeployTarget, work
         "  - worker-prefill.yaml",
         "patches:",
         "  - path: worker-patch.yaml",
+        "  - path: worker-pdb-patch.yaml",
         "  - path: autoscaler-patch.yaml",
         "  - path: autoscaler-role-patch.yaml",
         "",
@@ -476,6 +477,19 @@ def disaggregated_overlay(plan: Plan, row: DisaggRow, target: DeployTarget, work
         f'    resourceNames: ["worker", "{PREFILL_DEPLOYMENT}"]\n'
         '    verbs: ["get", "patch"]\n'
     )
+    pdb_patch = (
+        "# The base disruption budget covers the decode pool alone: a pod that two budgets select cannot be\n"
+        f"# evicted at all, and {PREFILL_DEPLOYMENT} has its own.\n"
+        "apiVersion: policy/v1\n"
+        "kind: PodDisruptionBudget\n"
+        "metadata:\n"
+        "  name: worker\n"
+        "  namespace: inferbus\n"
+        "spec:\n"
+        "  selector:\n"
+        "    matchLabels:\n"
+        f"      {ROLE_LABEL}: decode\n"
+    )
     return {"kustomization.yaml": "\n".join(kustomization), "worker-patch.yaml": decode,
-            "worker-prefill.yaml": prefill_text, "autoscaler-patch.yaml": autoscaler,
+            "worker-pdb-patch.yaml": pdb_patch, "worker-prefill.yaml": prefill_text, "autoscaler-patch.yaml": autoscaler,
             "autoscaler-role-patch.yaml": role}
