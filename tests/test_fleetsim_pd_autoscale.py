@@ -70,3 +70,15 @@ def test_gpu_hours_count_every_replica_up() -> None:
     assert static.gpu_hours == static.gpus * static.duration_s / 3600
     # At least the two replicas it started with, for the whole run; more once the prefill pool grew.
     assert summary.gpu_hours > 2 * 2 * summary.duration_s / 3600
+
+
+def test_the_bench_follows_the_day_within_the_plans_bounds() -> None:
+    from bench import pd_autoscale
+
+    r = pd_autoscale.run(20.0, 1200.0, 60.0, seed=0)
+    a, s = r["autoscaled"], r["static"]
+    assert a["requests"] == s["requests"] and a["completed"] == a["requests"]
+    # Both pools grew from the trough's replicas with the day, and never past the plan's.
+    assert a["prefill_serving_max"] > a["start_prefill_replicas"] or a["decode_serving_max"] > a["start_decode_replicas"]
+    assert a["prefill_serving_max"] <= r["plan_prefill_replicas"] and a["decode_serving_max"] <= r["plan_decode_replicas"]
+    assert a["minute_attainment"] >= 0.95
