@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,34 @@ def test_an_aggregated_choice_emits_one_pool(tmp_path: Path) -> None:
     assert "--disaggregation-mode" not in worker["spec"]["template"]["spec"]["initContainers"][1]["args"]
     assert math.isfinite(float(yaml.safe_load((tmp_path / "plan" / "autoscaler-patch.yaml").read_text())
                                ["spec"]["template"]["spec"]["containers"][0]["env"][0]["value"]))
+
+
+def test_the_production_kustomization_renders_both_pools(tmp_path: Path) -> None:
+    """kustomize (kubectl's) renders the production kustomization with the disaggregated overlay in
+    place of the shipped one: two worker Deployments with disjoint selectors, one budget each."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl not installed: kustomize rendering not checked")
+    k8s = tmp_path / "k8s"
+    shutil.copytree(REPO / "deploy" / "k8s", k8s)
+    shutil.rmtree(k8s / "plan")
+    code, output = _emit(tmp_path, "--emit-deploy", str(k8s / "plan"))
+    assert code == 0, output
+    out = subprocess.run([kubectl, "kustomize", str(k8s)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    workers = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("worker")}
+    assert set(workers) == {"worker", deploy.PREFILL_DEPLOYMENT}
+    roles = {}
+    for name, d in workers.items():
+        selector = d["spec"]["selector"]["matchLabels"]
+        assert all(d["spec"]["template"]["metadata"]["labels"][k] == v for k, v in selector.items())
+        engine = next(c for c in d["spec"]["template"]["spec"]["initContainers"] if c["name"] == "sglang")
+        worker = next(c for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
+        roles[name] = (selector[deploy.ROLE_LABEL], _flags(engine["args"])["--disaggregation-mode"],
+                       _env(worker)["INFERBUS_WORKER_ROLE"], _flags(engine["args"])["--tp"])
+    assert roles == {"worker": ("decode", "decode", "decode", "4"),
+                     deploy.PREFILL_DEPLOYMENT: ("prefill", "prefill", "prefill", "8")}
+    budgets = [d["spec"]["selector"]["matchLabels"][deploy.ROLE_LABEL] for d in docs if d["kind"] == "PodDisruptionBudget"
+               and d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/name") == "worker"]
+    assert sorted(budgets) == ["decode", "prefill"]
