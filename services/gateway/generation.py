@@ -67,7 +67,8 @@ class _Call:
     created: int
     include_usage: bool
     stream: bool
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # admitted: authenticated, parsed, rendered, in quota
+    arrived: float = 0.0  # the request reached this gateway's handler
     first_token_at: float | None = None
     flight: Flight | None = None
     usage: m.Usage | None = None
@@ -143,11 +144,13 @@ class Generation:
         self._admitting: dict[str, int] = {}  # band → requests past the overload check, not yet dispatched
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
+        arrived = time.monotonic()
         request_id = uuid.uuid4().hex
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             call = await self._admit(scope, receive, request_id, endpoint)
+            call.arrived = arrived
         except OpenAIError as error:
             metrics.REQUESTS.labels(endpoint, str(error.status)).inc()
             if error.status >= 500:  # the platform's refusal (no workers, overload, a store down): leave a trace
@@ -194,6 +197,7 @@ class Generation:
             completion_tokens=usage.completion_tokens if usage else flight.sent_tokens,
             cached_tokens=usage.cached_tokens if usage else None,
             ttft_ms=round((call.first_token_at - call.started) * 1000, 2) if call.first_token_at else None,
+            admit_ms=round((call.started - call.arrived) * 1000, 2),
             duration_ms=round((time.monotonic() - call.started) * 1000, 2),
             attempts=flight.request.attempt + 1, worker=flight.worker_id, release=flight.request.release,
         )
