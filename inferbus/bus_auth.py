@@ -138,14 +138,14 @@ def _rules(table: tuple[tuple[Callable[[str], str] | None, Callable[[], str]], .
 def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     """The subjects `user` (of `role`, limited to `scope` where the role has one) may use."""
     inbox = f"{inbox_prefix(user)}.>"
-    usage = subjects.usage_stream_subjects()[0]
     if role == "ops":
         return Permissions(publish=(">",), subscribe=(">",))
     if role == "worker":
         return Permissions(
             publish=(
                 subjects.token_wildcard(),  # stream events to the gateway named in each request's reply_to
-                usage,
+                # Usage of the attempts it ran, reported as itself (billing checks it holds them).
+                subjects.usage_publish_wildcard(subjects.USAGE_FROM_WORKER, scope),
                 subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
                 subjects.cache_subject(scope) if scope is not None else subjects.cache_wildcard(),
                 subjects.batch_results_stream_subjects()[0],  # a batch line's result
@@ -176,7 +176,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 # the owner of reply_to; workers refuse any other reply_to).
                 *(subjects.owned_request_wildcards(scope) if scope is not None else subjects.requests_stream_subjects()),
                 subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
-                usage, subjects.placement_wildcard(),
+                # Usage of its own requests that no worker finished, reported as itself.
+                subjects.usage_publish_wildcard(subjects.USAGE_FROM_OWNER, scope), subjects.placement_wildcard(),
                 *_platform_streams(),
                 *_consumer_state(_REQ),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
@@ -216,7 +217,11 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers placement questions
         )
     if role == "billing":
-        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))
+        # Reads `claims` (which worker holds each attempt) to refuse usage reported by another.
+        claims = f"KV_{subjects.CLAIMS_BUCKET}"
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE), *_stream_info(claims),
+                                    f"$JS.API.DIRECT.GET.{claims}.>", f"$JS.API.STREAM.MSG.GET.{claims}"),
+                           subscribe=(inbox,))
     if role == "autoscaler":
         return Permissions(
             publish=(subjects.control_wildcard(), subjects.scale_wildcard(), *_platform_streams(),
@@ -230,7 +235,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             publish=(
                 subjects.shared_request_wildcard("batch", me),
                 subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
-                usage, subjects.batch_results_stream_subjects()[0],
+                subjects.batch_results_stream_subjects()[0],
                 *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),

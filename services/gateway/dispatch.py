@@ -177,6 +177,7 @@ class Dispatcher:
         self.outbox = Outbox(outbox_path, self._publish_durable) if outbox_path is not None else None
 
     async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
+        subject = subjects.attributed_usage_subject(subject, subjects.USAGE_FROM_OWNER, self.gateway_id)
         await self.replies.publish_durable(subject, data, msg_id)
 
     async def start(self) -> None:
@@ -513,7 +514,8 @@ class Dispatcher:
             worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
             api_key_id=request.api_key_id, batch_id=request.batch_id, attempt=request.attempt,
         )
-        subject, data = subjects.usage_subject(request.tenant), m.encode(event)
+        subject = subjects.usage_subject(request.tenant, subjects.USAGE_FROM_OWNER, self.gateway_id)
+        data = m.encode(event)
         try:
             if self.outbox is not None:
                 await self.outbox.add(subject, data, m.usage_msg_id(event))
