@@ -149,7 +149,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
                 subjects.cache_subject(scope) if scope is not None else subjects.cache_wildcard(),
                 subjects.batch_results_stream_subjects()[0],  # a batch line's result
-                subjects.shared_request_wildcard("batch"),  # a batch line's next attempt, back on the shared queue
+                # A batch line handed back (preempted, draining): its batch service queues the next
+                # attempt; a worker creates no work of its own.
+                subjects.requeue_wildcard(),
                 # Its consumers on REQUESTS, but no reading queued requests by sequence, nor
                 # deleting another worker's consumer.
                 *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
@@ -241,7 +243,9 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
             subscribe=(subjects.token_wildcard() if me is None else subjects.token_subject(me),
+                       subjects.requeue_wildcard() if me is None else subjects.requeue_subject(me),
                        subjects.metrics_wildcard(), inbox),
+            allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers lines handed back
         )
     if role == "producer":
         # An internal producer: the OpenAI API over NATS, authenticated by a tenant API key and

@@ -5,6 +5,7 @@ Layout (see DESIGN.md):
                                                    last token names the gateway its replies go to
     inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
     inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
+    inferbus.requeue.batch-<id>                    core NATS request/reply: a worker hands a batch line back
     inferbus.usage.<tenant>.<w|o>.<sender>         JetStream USAGE (the billing ledger)
     inferbus.metrics.<worker> / inferbus.cache.<worker>
     inferbus.place.<model>                         router request/reply
@@ -187,6 +188,16 @@ def resend_owner(subject: str) -> str:
 
 def cancel_wildcard() -> str:
     return f"{PREFIX}.cancel.*.*"
+
+
+def requeue_subject(owner: str) -> str:
+    """Where a worker hands a batch line back to the batch service that owns it (`owner`, the last
+    token of the line's reply_to): the service queues the line's next attempt itself."""
+    return f"{PREFIX}.requeue.{token(owner)}"
+
+
+def requeue_wildcard() -> str:
+    return f"{PREFIX}.requeue.*"
 
 
 def cancel_owner(subject: str) -> str:

@@ -517,13 +517,10 @@ async def queued(ops: Client) -> int:
 
 
 @pytest.mark.parametrize("user", NO_BATCH_LINES)
-async def test_only_the_batch_service_creates_batch_lines(
-        ops: Client, shipped_bus: ShippedBus, user: str, request: pytest.FixtureRequest) -> None:
-    """A batch-band line for any owner, billed to another tenant: refused by the server. Control:
+async def test_only_the_batch_service_creates_batch_lines(ops: Client, shipped_bus: ShippedBus, user: str) -> None:
+    """A batch-band line for any owner, billed to another tenant: refused by the server (a worker
+    hands a preempted line back to its batch service, which queues the next attempt). Control:
     the batch service's own line is stored."""
-    if user == "worker":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a worker queues a preempted batch line's next "
-                                              "attempt itself: what remains (docs/security.md)"))
     forged = m.encode(m.InferenceRequest(request_id="forged", tenant="acme", model="m", prompt="x",
                                          sampling=m.SamplingParams(max_new_tokens=8),
                                          reply_to=BATCH_OWNER, deadline=time.time() + 60, created=time.time()))
