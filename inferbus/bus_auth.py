@@ -143,7 +143,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "worker":
         return Permissions(
             publish=(
-                subjects.token_wildcard(),  # stream events to the gateway named in each request's reply_to
+                # Stream events to the gateway named in each request's reply_to, as itself (the last token).
+                subjects.event_publish_wildcard(scope),
                 # Usage of the attempts it ran, reported as itself (billing checks it holds them).
                 subjects.usage_publish_wildcard(subjects.USAGE_FROM_WORKER, scope),
                 subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
@@ -190,7 +191,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
                 subjects.holder_subject(scope) if scope is not None else subjects.holder_wildcard(),
             ),
-            subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
+            subscribe=(subjects.event_filter(scope) if scope is not None else subjects.event_publish_wildcard(),
                        subjects.metrics_wildcard(), inbox,
                        # Internal producers' calls (answered as replies) and their cancels.
                        subjects.api_wildcard(),
@@ -242,7 +243,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
-            subscribe=(subjects.token_wildcard() if me is None else subjects.token_subject(me),
+            subscribe=(subjects.event_publish_wildcard() if me is None else subjects.event_filter(me),
                        subjects.requeue_wildcard() if me is None else subjects.requeue_subject(me),
                        subjects.metrics_wildcard(), inbox),
             allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers lines handed back

@@ -3,7 +3,7 @@
 Layout (see DESIGN.md):
     inferbus.req.<band>.<model>.any | .w.<worker> .<gateway>   JetStream REQUESTS (work queue); the
                                                    last token names the gateway its replies go to
-    inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
+    inferbus.tok.<gateway>.<worker>                core NATS: stream events for that gateway's requests, by worker
     inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
     inferbus.requeue.batch-<id>                    core NATS request/reply: a worker hands a batch line back
     inferbus.usage.<tenant>.<w|o>.<sender>         JetStream USAGE (the billing ledger)
@@ -135,8 +135,26 @@ def token_subject(gateway_id: str) -> str:
     return f"{PREFIX}.tok.{token(gateway_id)}"
 
 
-def token_wildcard() -> str:
-    return f"{PREFIX}.tok.*"
+def event_subject(reply_to: str, worker_id: str) -> str:
+    """Where `worker_id` publishes the stream events of a request whose reply_to is `reply_to`
+    (`inferbus.tok.<gateway>.<worker>`): NATS permissions bind the last token to the publisher."""
+    return f"{reply_to}.{token(worker_id)}"
+
+
+def event_filter(owner: str) -> str:
+    """Every stream event for `owner`'s requests, whichever worker publishes it."""
+    return f"{token_subject(owner)}.*"
+
+
+def event_publish_wildcard(worker_id: str | None = None) -> str:
+    """Stream events for any gateway, published as `worker_id` (as any worker with None)."""
+    return f"{PREFIX}.tok.*.{'*' if worker_id is None else token(worker_id)}"
+
+
+def event_sender(subject: str) -> str:
+    """The worker token that published on an event subject ("" for a subject that names none)."""
+    parts = subject.split(".")
+    return parts[3] if len(parts) == 4 else ""
 
 
 def cancel_subject(gateway_id: str, request_id: str) -> str:

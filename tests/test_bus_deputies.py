@@ -582,3 +582,38 @@ async def test_usage_is_reported_only_as_oneself(ops: Client, shipped_bus: Shipp
             await nc.jetstream().publish(own, b"{}")
     names, record, usage = before
     assert await streams_and_record(ops) == (names, record, usage + (own is not None))
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+async def test_stream_events_are_published_only_as_oneself(ops: Client, shipped_bus: ShippedBus,
+                                                           gateway_api: InternalApi, user: str) -> None:
+    """A stream event's subject ends with its publisher (`inferbus.tok.<gateway>.<worker>`): only
+    workers publish events; with per-pod identities each only under its own pod name (role-wide,
+    any worker's). Refused by the server, nothing delivered; control: a worker's own event is."""
+    gateway, worker = shipped_bus.user("gateway"), shipped_bus.user("worker")
+    reply_to = subjects.token_subject(gateway)
+    own = subjects.event_subject(reply_to, worker) if user == "worker" else None
+    forged = [subjects.event_subject(reply_to, "worker-other-pod")]
+    if user == "worker" and shipped_bus.variant == "static":
+        forged = []  # role-wide: every worker replica is the same user
+    if user != "worker":
+        forged.append(subjects.event_subject(reply_to, worker))
+    seen: list[str] = []
+
+    async def record(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    await ops.subscribe(subjects.event_filter(gateway), cb=record)
+    await ops.flush()
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        for subject in forged:
+            await nc.publish(subject, b"x")
+            assert await refused(conn, "publish", subject)
+        if own is None:
+            await control(conn, nc)
+        else:
+            await nc.publish(own, b"x")
+            await nc.flush()
+    await ops.flush()
+    await await_for(lambda: seen == ([own] if own else []), 5, what="only the identity's own event delivered")

@@ -76,7 +76,7 @@ class BatchFeed:
     async def __aenter__(self) -> BatchFeed:
         self.nc = await nats.connect(self.platform.stack.nats_url)
         self.js = self.nc.jetstream()
-        await self.nc.subscribe(self.reply_to, cb=self._on_events)
+        await self.nc.subscribe(subjects.event_filter(self.owner), cb=self._on_events)
         await self.nc.subscribe(subjects.requeue_subject(self.owner), cb=self._on_handed_back)
         return self
 

@@ -124,7 +124,8 @@ class BatchService:
         self.replies = Replies(self.nc)
         await self.replies.start()
         await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
-        await self.nc.subscribe(self.reply_subject, cb=self._on_events, pending_msgs_limit=1_000_000)
+        await self.nc.subscribe(subjects.event_filter(f"batch-{self.id}"), cb=self._on_events,
+                                pending_msgs_limit=1_000_000)
         await self.nc.subscribe(subjects.requeue_subject(f"batch-{self.id}"), cb=self._on_requeue)
         await self._watch()
         self._tasks = [
