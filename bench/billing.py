@@ -78,7 +78,7 @@ async def publish(nats_url: str, events: list[m.UsageEvent]) -> None:
     await bus.ensure_streams(js)
     for i, event in enumerate(events):
         # Core publishes into the stream (no ack round trip each): only the setup, not measured.
-        await nc.publish(subjects.usage_subject(event.tenant), m.encode(event), headers={"Nats-Msg-Id": event.request_id})
+        await nc.publish(subjects.usage_subject(event.tenant, subjects.USAGE_FROM_OWNER, "gw"), m.encode(event), headers={"Nats-Msg-Id": event.request_id})
         if i % 5000 == 4999:
             await nc.flush()
     await nc.flush()

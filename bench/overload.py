@@ -145,7 +145,7 @@ async def ledger(nats_url: str, tenant: str, request_ids: set[str], timeout: flo
         deadline = time.monotonic() + timeout
         while True:
             found: list[m.UsageEvent] = []
-            sub = await nc.jetstream().subscribe(subjects.usage_subject(tenant), ordered_consumer=True)
+            sub = await nc.jetstream().subscribe(subjects.usage_filter(tenant), ordered_consumer=True)
             try:
                 while True:
                     msg = await sub.next_msg(timeout=1.0)

@@ -138,18 +138,21 @@ def _rules(table: tuple[tuple[Callable[[str], str] | None, Callable[[], str]], .
 def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     """The subjects `user` (of `role`, limited to `scope` where the role has one) may use."""
     inbox = f"{inbox_prefix(user)}.>"
-    usage = subjects.usage_stream_subjects()[0]
     if role == "ops":
         return Permissions(publish=(">",), subscribe=(">",))
     if role == "worker":
         return Permissions(
             publish=(
-                subjects.token_wildcard(),  # stream events to the gateway named in each request's reply_to
-                usage,
+                # Stream events to the gateway named in each request's reply_to, as itself (the last token).
+                subjects.event_publish_wildcard(scope),
+                # Usage of the attempts it ran, reported as itself (billing checks it holds them).
+                subjects.usage_publish_wildcard(subjects.USAGE_FROM_WORKER, scope),
                 subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
                 subjects.cache_subject(scope) if scope is not None else subjects.cache_wildcard(),
                 subjects.batch_results_stream_subjects()[0],  # a batch line's result
-                subjects.shared_request_wildcard("batch"),  # a batch line's next attempt, back on the shared queue
+                # A batch line handed back (preempted, draining): its batch service queues the next
+                # attempt; a worker creates no work of its own.
+                subjects.requeue_wildcard(),
                 # Its consumers on REQUESTS, but no reading queued requests by sequence, nor
                 # deleting another worker's consumer.
                 *_platform_streams(), *_consume(_REQ, manage=False), *_kv_read(subjects.WORKERS_BUCKET),
@@ -176,7 +179,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 # the owner of reply_to; workers refuse any other reply_to).
                 *(subjects.owned_request_wildcards(scope) if scope is not None else subjects.requests_stream_subjects()),
                 subjects.cancel_subjects_of(scope) if scope is not None else subjects.cancel_wildcard(),
-                usage, subjects.placement_wildcard(),
+                # Usage of its own requests that no worker finished, reported as itself.
+                subjects.usage_publish_wildcard(subjects.USAGE_FROM_OWNER, scope), subjects.placement_wildcard(),
                 *_platform_streams(),
                 *_consumer_state(_REQ),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
@@ -187,7 +191,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
                 subjects.holder_subject(scope) if scope is not None else subjects.holder_wildcard(),
             ),
-            subscribe=(subjects.token_subject(scope) if scope is not None else subjects.token_wildcard(),
+            subscribe=(subjects.event_filter(scope) if scope is not None else subjects.event_publish_wildcard(),
                        subjects.metrics_wildcard(), inbox,
                        # Internal producers' calls (answered as replies) and their cancels.
                        subjects.api_wildcard(),
@@ -216,7 +220,11 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers placement questions
         )
     if role == "billing":
-        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE)), subscribe=(inbox,))
+        # Reads `claims` (which worker holds each attempt) to refuse usage reported by another.
+        claims = f"KV_{subjects.CLAIMS_BUCKET}"
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE), *_stream_info(claims),
+                                    f"$JS.API.DIRECT.GET.{claims}.>", f"$JS.API.STREAM.MSG.GET.{claims}"),
+                           subscribe=(inbox,))
     if role == "autoscaler":
         return Permissions(
             publish=(subjects.control_wildcard(), subjects.scale_wildcard(), *_platform_streams(),
@@ -230,13 +238,15 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             publish=(
                 subjects.shared_request_wildcard("batch", me),
                 subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
-                usage, subjects.batch_results_stream_subjects()[0],
+                subjects.batch_results_stream_subjects()[0],
                 *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
             ),
-            subscribe=(subjects.token_wildcard() if me is None else subjects.token_subject(me),
+            subscribe=(subjects.event_publish_wildcard() if me is None else subjects.event_filter(me),
+                       subjects.requeue_wildcard() if me is None else subjects.requeue_subject(me),
                        subjects.metrics_wildcard(), inbox),
+            allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers lines handed back
         )
     if role == "producer":
         # An internal producer: the OpenAI API over NATS, authenticated by a tenant API key and

@@ -370,6 +370,15 @@ BatchStatus = Literal[
 BATCH_TERMINAL: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
 
 
+class RequeueReply(_Message):
+    """Batch service → worker, the answer to a line handed back on `requeue_subject(owner)` (the
+    request is the line's next attempt, an `InferenceRequest`): whether its next attempt is
+    queued, else why not."""
+
+    queued: bool
+    why: str = ""
+
+
 class BatchLineResult(_Message):
     """Worker → batch service on `batch_result_subject(batch_id)` (JetStream `BATCH_RESULTS`,
     `Nats-Msg-Id = request_id`): how one line of a batch ended. Published before the line's usage

@@ -3,9 +3,10 @@
 Layout (see DESIGN.md):
     inferbus.req.<band>.<model>.any | .w.<worker> .<gateway>   JetStream REQUESTS (work queue); the
                                                    last token names the gateway its replies go to
-    inferbus.tok.<gateway>                         core NATS: stream events for that gateway's requests
+    inferbus.tok.<gateway>.<worker>                core NATS: stream events for that gateway's requests, by worker
     inferbus.cancel.<gateway>.<request_id>         core NATS: only that gateway may cancel (its NATS permissions)
-    inferbus.usage.<tenant>                        JetStream USAGE (the billing ledger)
+    inferbus.requeue.batch-<id>                    core NATS request/reply: a worker hands a batch line back
+    inferbus.usage.<tenant>.<w|o>.<sender>         JetStream USAGE (the billing ledger)
     inferbus.metrics.<worker> / inferbus.cache.<worker>
     inferbus.place.<model>                         router request/reply
     inferbus.placed.<model>                        core NATS: placements, shared by router replicas
@@ -134,8 +135,26 @@ def token_subject(gateway_id: str) -> str:
     return f"{PREFIX}.tok.{token(gateway_id)}"
 
 
-def token_wildcard() -> str:
-    return f"{PREFIX}.tok.*"
+def event_subject(reply_to: str, worker_id: str) -> str:
+    """Where `worker_id` publishes the stream events of a request whose reply_to is `reply_to`
+    (`inferbus.tok.<gateway>.<worker>`): NATS permissions bind the last token to the publisher."""
+    return f"{reply_to}.{token(worker_id)}"
+
+
+def event_filter(owner: str) -> str:
+    """Every stream event for `owner`'s requests, whichever worker publishes it."""
+    return f"{token_subject(owner)}.*"
+
+
+def event_publish_wildcard(worker_id: str | None = None) -> str:
+    """Stream events for any gateway, published as `worker_id` (as any worker with None)."""
+    return f"{PREFIX}.tok.*.{'*' if worker_id is None else token(worker_id)}"
+
+
+def event_sender(subject: str) -> str:
+    """The worker token that published on an event subject ("" for a subject that names none)."""
+    parts = subject.split(".")
+    return parts[3] if len(parts) == 4 else ""
 
 
 def cancel_subject(gateway_id: str, request_id: str) -> str:
@@ -189,6 +208,16 @@ def cancel_wildcard() -> str:
     return f"{PREFIX}.cancel.*.*"
 
 
+def requeue_subject(owner: str) -> str:
+    """Where a worker hands a batch line back to the batch service that owns it (`owner`, the last
+    token of the line's reply_to): the service queues the line's next attempt itself."""
+    return f"{PREFIX}.requeue.{token(owner)}"
+
+
+def requeue_wildcard() -> str:
+    return f"{PREFIX}.requeue.*"
+
+
 def cancel_owner(subject: str) -> str:
     """The gateway token of a cancel subject, to compare with `reply_owner` of the request."""
     return subject.split(".")[2] if subject.count(".") >= 3 else ""
@@ -199,8 +228,41 @@ def reply_owner(reply_to: str) -> str:
     return reply_to.rsplit(".", 1)[-1]
 
 
-def usage_subject(tenant: str) -> str:
-    return f"{PREFIX}.usage.{token(tenant)}"
+# Who reports a usage event, the subject's fourth token: a worker, of the attempts it ran, or the
+# request's owner (a gateway), of requests no worker finished. With the sender's id after it, NATS
+# permissions bind the subject to the identity that publishes it (docs/security.md).
+USAGE_FROM_WORKER = "w"
+USAGE_FROM_OWNER = "o"
+
+
+def usage_subject(tenant: str, kind: str, sender: str) -> str:
+    """`inferbus.usage.<tenant>.<w | o>.<sender>`: a usage event of `tenant`, reported by `sender`."""
+    return f"{PREFIX}.usage.{token(tenant)}.{kind}.{token(sender)}"
+
+
+def usage_filter(tenant: str) -> str:
+    """Every usage event of `tenant`, whoever reported it (a consumer's filter)."""
+    return f"{PREFIX}.usage.{token(tenant)}.>"
+
+
+def usage_publish_wildcard(kind: str, sender: str | None = None) -> str:
+    """Usage of any tenant, reported as `sender` (any sender of that kind with None)."""
+    return f"{PREFIX}.usage.*.{kind}.{'*' if sender is None else token(sender)}"
+
+
+def usage_sender(subject: str) -> tuple[str, str] | None:
+    """(kind, sender token) of a usage subject; None for one that names no sender (written before
+    senders were named)."""
+    parts = subject.split(".")
+    if len(parts) != 5:
+        return None
+    return parts[3], parts[4]
+
+
+def attributed_usage_subject(subject: str, kind: str, sender: str) -> str:
+    """`subject` naming `sender`: an outbox may still hold events stored under the older layout."""
+    parts = subject.split(".")
+    return subject if len(parts) != 3 else f"{subject}.{kind}.{token(sender)}"
 
 
 def usage_stream_subjects() -> list[str]:
@@ -307,6 +369,11 @@ def claim_key(request_id: str, attempt: int) -> str:
     """Key of an attempt's claim in the `claims` bucket (base64url: any request id is one key)."""
     encoded = base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
     return f"{encoded}.{attempt}"
+
+
+def claim_holder_worker(holder: str) -> str:
+    """The worker id of a claim's holder (`<worker_id>@<started>`, services/worker/claims.py)."""
+    return holder.rpartition("@")[0] or holder
 
 
 def worker_key(worker_id: str) -> str:

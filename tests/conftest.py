@@ -69,7 +69,7 @@ def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and {e.request_id for e in found} != request_ids:
             found.clear()
-            sub = await nc.jetstream().subscribe(subjects.usage_subject(tenant), ordered_consumer=True)
+            sub = await nc.jetstream().subscribe(subjects.usage_filter(tenant), ordered_consumer=True)
             try:
                 while True:
                     msg = await sub.next_msg(timeout=0.3)

@@ -56,7 +56,7 @@ def ledger(platform: Platform, tenant: str) -> list[m.UsageEvent]:
         nc = await nats.connect(platform.stack.nats_url)
         try:
             events: list[m.UsageEvent] = []
-            sub = await nc.jetstream().subscribe(subjects.usage_subject(tenant), ordered_consumer=True)
+            sub = await nc.jetstream().subscribe(subjects.usage_filter(tenant), ordered_consumer=True)
             try:
                 while True:  # until the consumer has nothing left (none at all: a quiet second)
                     try:

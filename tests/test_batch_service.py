@@ -559,3 +559,51 @@ def test_reopen_rebuilds_counts_from_durable_results_and_runs_the_rest_again() -
     assert not run.finished() and (run.completed, run.failed) == (1, 1)
     assert run.usage == m.BatchUsage(input_tokens=20, output_tokens=10) and run.dirty
     assert [(line, attempt, doubt) for _, line, attempt, doubt in tracker.take(5, now=1.0)] == [(1, 0, True), (3, 0, True)]
+
+
+# ---- lines handed back: the batch service queues its own lines' next attempts only ---------------
+
+BATCH_REPLY = "inferbus.tok.batch-main"
+
+
+def handed_back(batch_id: str = "batch_x", line: int = 1, **fields: object) -> m.InferenceRequest:
+    base: dict[str, object] = dict(
+        request_id=m.batch_request_id(batch_id, line), tenant="acme", model=MODEL, prompt="p",
+        sampling=m.SamplingParams(max_new_tokens=8), reply_to=BATCH_REPLY, deadline=100.0, created=0.0,
+        band="batch", attempt=1, batch_id=batch_id, batch_line=line, api_key_id="")
+    return m.InferenceRequest(**{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("fields", "why"), [
+    ({}, None),  # the control: its own line, its tenant, key and model
+    ({"tenant": "other"}, "another_tenant"),
+    ({"api_key_id": "k-other"}, "another_tenant"),
+    ({"reply_to": "inferbus.tok.gateway"}, "another_owner"),
+    ({"model": "other-model"}, "another_model"),
+    ({"adapter": "a1"}, "another_model"),
+    ({"band": "premium"}, "not_a_batch_line"),
+    ({"request_id": "chat-1"}, "not_a_batch_line"),
+    ({"batch_line": 2}, "not_a_batch_line"),
+    ({"request_id": m.batch_request_id("batch_x", 7), "batch_line": 7}, "not_a_batch_line"),  # past its last line
+    ({"request_id": m.batch_request_id("batch_y", 1), "batch_id": "batch_y"}, "batch_not_running"),
+])
+def test_a_line_handed_back_is_queued_only_as_its_batch_runs_it(fields: dict[str, object], why: str | None) -> None:
+    from services.batch import requeue
+
+    run = make_run("batch_x", "acme", 4)
+    request = handed_back(**fields)
+    parsed = parse_request_id(request.request_id)
+    assert requeue.refusal(request, run if parsed and parsed[0] == "batch_x" else None, BATCH_REPLY) == why
+    assert (why in requeue.FORGED) == (why not in (None, "batch_not_running"))
+
+
+def test_a_line_of_a_stopped_batch_or_with_a_result_is_not_queued_again() -> None:
+    from services.batch import requeue
+
+    run = make_run("batch_x", "acme", 4)
+    run.done[1] = True
+    assert requeue.refusal(handed_back(), run, BATCH_REPLY) == "line_over"
+    run.done.clear()
+    run.feeding = False
+    assert requeue.refusal(handed_back(), run, BATCH_REPLY) == "line_over"
+    assert "line_over" not in requeue.FORGED

@@ -106,6 +106,7 @@ def _denied(errors: list[str], verb: str, subject: str) -> bool:
 def test_a_gateway_pod_gets_its_own_subjects_only(callout_nats: tuple[str, str]) -> None:
     url, ops_password = callout_nats
     own, other = subjects.token_subject("gateway-a"), subjects.token_subject("gateway-b")
+    own_events, other_events = subjects.event_filter("gateway-a"), subjects.event_filter("gateway-b")
 
     async def run() -> tuple[list[str], list[str]]:
         seen: list[str] = []
@@ -118,8 +119,8 @@ def test_a_gateway_pod_gets_its_own_subjects_only(callout_nats: tuple[str, str])
         await ops.flush()
         errors: list[str] = []
         gateway = await _connect(url, "token-gw-a", "gateway-a", errors)
-        await gateway.subscribe(own)  # allowed
-        await gateway.subscribe(other)  # denied: gateway-b's stream
+        await gateway.subscribe(own_events)  # allowed
+        await gateway.subscribe(other_events)  # denied: gateway-b's stream
         await gateway.publish(subjects.request_subject("standard", "m", subjects.ANY_TARGET, own), b"x")  # allowed
         await gateway.publish(subjects.request_subject("standard", "m", subjects.ANY_TARGET, other), b"x")  # denied
         await gateway.flush()
@@ -130,7 +131,7 @@ def test_a_gateway_pod_gets_its_own_subjects_only(callout_nats: tuple[str, str])
 
     seen, errors = asyncio.run(run())
     assert seen == [subjects.request_subject("standard", "m", subjects.ANY_TARGET, own)], seen
-    assert _denied(errors, "subscription", other), errors
+    assert _denied(errors, "subscription", other_events), errors
     assert _denied(errors, "publish", subjects.request_subject("standard", "m", subjects.ANY_TARGET, other)), errors
     assert not any(own in e for e in errors), errors  # its own subjects were allowed
 
@@ -184,9 +185,9 @@ def test_the_batch_service_keeps_its_stable_id_as_its_scope() -> None:
                             verify_token=TOKENS.get, clock=time.time)
     user, granted = authorizer.decide({"auth_token": "token-batch"})
     assert user == "batch-7d9f-x2"
-    assert subjects.token_subject("batch-main") in granted.subscribe
+    assert subjects.event_filter("batch-main") in granted.subscribe
     assert f"{inbox_prefix('batch-7d9f-x2')}.>" in granted.subscribe
     gateway_user, gateway = authorizer.decide({"auth_token": "token-gw-a"})
-    assert gateway_user == "gateway-a" and subjects.token_subject("gateway-a") in gateway.subscribe
+    assert gateway_user == "gateway-a" and subjects.event_filter("gateway-a") in gateway.subscribe
     with pytest.raises(CalloutError):
         authorizer.decide({"auth_token": "token-gw-a", "user": "gateway-b"})  # a name that is not its own

@@ -50,6 +50,7 @@ pytestmark = pytest.mark.e2e
 SHIPPED_AUTH = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "nats-auth.conf"
 CALLOUT_AUTH = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "per-pod-identities" / "nats-auth.conf"
 RECORD = b'{"id": "batch_1", "tenant": "acme", "status": "in_progress"}'
+USAGE_ACME = subjects.usage_subject("acme", subjects.USAGE_FROM_WORKER, "worker-1")
 
 
 @dataclass
@@ -167,7 +168,7 @@ async def ops(shipped_bus: ShippedBus) -> AsyncIterator[Client]:
         batches = await js.create_key_value(KeyValueConfig(bucket=subjects.BATCHES_BUCKET, history=1,
                                                            storage=StorageType.FILE))
         await batches.put("acme.batch_1", RECORD)
-        await js.publish(subjects.usage_subject("acme"), b"{}")
+        await js.publish(USAGE_ACME, b"{}")
         yield nc
 
 
@@ -223,7 +224,7 @@ async def test_a_producer_cannot_make_the_gateway_answer_into_jetstream_or_a_buc
     calls_before = api_calls()
     body = json.dumps({"model": "m", "stream": stream, "messages": []}).encode()
     forged = [f"$JS.API.STREAM.DELETE.{subjects.USAGE_STREAM}", f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1",
-              subjects.usage_subject("acme")]
+              USAGE_ACME]
     async with As(shipped_bus, "producer") as producer:
         for reply in forged:
             await producer.publish(subjects.api_subject("chat"), body, reply=reply)
@@ -263,7 +264,7 @@ async def test_a_worker_answers_no_liveness_probe_into_the_ledger(
     refused_before = counted("inferbus_security_events_total", kind="untrusted_reply")
     probe = m.encode(m.LivenessProbe(worker_id=worker_liveness))
     async with As(shipped_bus, "gateway") as gateway:
-        await gateway.publish(subjects.liveness_subject(worker_liveness), probe, reply=subjects.usage_subject("acme"))
+        await gateway.publish(subjects.liveness_subject(worker_liveness), probe, reply=USAGE_ACME)
         answer = await await_for(lambda: gateway.request(subjects.liveness_subject(worker_liveness), probe, timeout=1),
                                  ignore=(nats.errors.TimeoutError, nats.errors.NoRespondersError))
         assert m.decoder(m.LivenessReply).decode(answer.data).worker_id == worker_liveness
@@ -320,7 +321,7 @@ WITH_JETSTREAM = [user for user in SERVICE_IDENTITIES if user != "producer"]
 FORGED_REPLIES = {
     "jetstream-api": f"$JS.API.STREAM.DELETE.{subjects.USAGE_STREAM}",
     "kv-key": f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1",
-    "data-subject": subjects.usage_subject("acme"),
+    "data-subject": USAGE_ACME,
 }
 
 
@@ -516,13 +517,10 @@ async def queued(ops: Client) -> int:
 
 
 @pytest.mark.parametrize("user", NO_BATCH_LINES)
-async def test_only_the_batch_service_creates_batch_lines(
-        ops: Client, shipped_bus: ShippedBus, user: str, request: pytest.FixtureRequest) -> None:
-    """A batch-band line for any owner, billed to another tenant: refused by the server. Control:
+async def test_only_the_batch_service_creates_batch_lines(ops: Client, shipped_bus: ShippedBus, user: str) -> None:
+    """A batch-band line for any owner, billed to another tenant: refused by the server (a worker
+    hands a preempted line back to its batch service, which queues the next attempt). Control:
     the batch service's own line is stored."""
-    if user == "worker":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a worker queues a preempted batch line's next "
-                                              "attempt itself: what remains (docs/security.md)"))
     forged = m.encode(m.InferenceRequest(request_id="forged", tenant="acme", model="m", prompt="x",
                                          sampling=m.SamplingParams(max_new_tokens=8),
                                          reply_to=BATCH_OWNER, deadline=time.time() + 60, created=time.time()))
@@ -550,3 +548,72 @@ async def test_the_router_moves_interactive_work_only(ops: Client, shipped_bus: 
         for band in subjects.INTERACTIVE_BANDS:
             await router.jetstream().publish(subjects.request_subject(band, "m", subjects.ANY_TARGET, owner), b"{}")
     assert await queued(ops) == before + len(subjects.INTERACTIVE_BANDS)
+
+
+# ---- usage: each identity reports usage only as itself ----------------------------------------
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+async def test_usage_is_reported_only_as_oneself(ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi,
+                                                 user: str) -> None:
+    """A usage subject names its reporter (`inferbus.usage.<tenant>.<w | o>.<sender>`): a worker
+    reports as a worker, a gateway as a request's owner, nobody else at all; with per-pod
+    identities each only under its own pod name (role-wide, any replica's name: billing then
+    judges the event by its names and the attempt's claim). Refused by the server, the ledger
+    unchanged; control: the identity's own report is stored."""
+    worker, gateway = shipped_bus.user("worker"), shipped_bus.user("gateway")
+    w, o = subjects.USAGE_FROM_WORKER, subjects.USAGE_FROM_OWNER
+    own = {"worker": subjects.usage_subject("acme", w, worker),
+           "gateway": subjects.usage_subject("acme", o, gateway)}.get(user)
+    forged = [s for s in (subjects.usage_subject("acme", w, worker), subjects.usage_subject("acme", o, gateway))
+              if s != own]
+    if shipped_bus.variant == "callout" and user in ("worker", "gateway"):
+        forged.append(subjects.usage_subject("acme", w if user == "worker" else o, f"{user}-other-pod"))
+    before = await streams_and_record(ops)
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        for subject in forged:
+            await nc.publish(subject, b"{}")
+            assert await refused(conn, "publish", subject)
+        await ops.flush()
+        assert await streams_and_record(ops) == before
+        if own is None:
+            await control(conn, nc)
+        else:
+            await nc.jetstream().publish(own, b"{}")
+    names, record, usage = before
+    assert await streams_and_record(ops) == (names, record, usage + (own is not None))
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+async def test_stream_events_are_published_only_as_oneself(ops: Client, shipped_bus: ShippedBus,
+                                                           gateway_api: InternalApi, user: str) -> None:
+    """A stream event's subject ends with its publisher (`inferbus.tok.<gateway>.<worker>`): only
+    workers publish events; with per-pod identities each only under its own pod name (role-wide,
+    any worker's). Refused by the server, nothing delivered; control: a worker's own event is."""
+    gateway, worker = shipped_bus.user("gateway"), shipped_bus.user("worker")
+    reply_to = subjects.token_subject(gateway)
+    own = subjects.event_subject(reply_to, worker) if user == "worker" else None
+    forged = [subjects.event_subject(reply_to, "worker-other-pod")]
+    if user == "worker" and shipped_bus.variant == "static":
+        forged = []  # role-wide: every worker replica is the same user
+    if user != "worker":
+        forged.append(subjects.event_subject(reply_to, worker))
+    seen: list[str] = []
+
+    async def record(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    await ops.subscribe(subjects.event_filter(gateway), cb=record)
+    await ops.flush()
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        for subject in forged:
+            await nc.publish(subject, b"x")
+            assert await refused(conn, "publish", subject)
+        if own is None:
+            await control(conn, nc)
+        else:
+            await nc.publish(own, b"x")
+            await nc.flush()
+    await ops.flush()
+    await await_for(lambda: seen == ([own] if own else []), 5, what="only the identity's own event delivered")

@@ -191,8 +191,8 @@ def test_a_gateway_cannot_make_a_worker_stream_another_gateways_tokens(platform:
         own_events: list[str] = []
         other_events: list[str] = []
         ops = await nats.connect(platform.stack.nats_url)
-        await ops.subscribe(own_subject, cb=collect(own_events))
-        await ops.subscribe(other_subject, cb=collect(other_events))
+        await ops.subscribe(f"{own_subject}.*", cb=collect(own_events))
+        await ops.subscribe(f"{other_subject}.*", cb=collect(other_events))
         await ops.flush()
         gateway = Connection(platform, identity(platform, "gateway"))
         async with gateway as nc:

@@ -3,12 +3,15 @@ failures, cancel, expiry, and a batch that survives the batch service and a work
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
+import nats
 import openai
 import pytest
 from openai.types import Batch, Completion
@@ -16,6 +19,7 @@ from openai.types.chat import ChatCompletion
 
 from inferbus.local import Process
 from proto import messages as m
+from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import wait_for as wait_until
@@ -320,3 +324,47 @@ def test_batch_survives_killing_the_batch_service_and_a_worker(platform: Platfor
 def test_logs_name_the_batch(platform: Platform) -> None:
     log = Path(platform.stack.get("batch").log_path).read_text()
     assert '"batch_in_progress"' in log and '"batch_finished"' in log and '"batch_id"' in log
+
+
+def test_a_line_is_handed_back_to_its_batch_service_which_queues_only_its_own(platform: Platform,
+                                                                              client: openai.OpenAI) -> None:
+    """A worker may not queue batch work; it hands a line back (preempted, draining) to the batch
+    service, which queues the next attempt. Handing back a running batch's line billed to another
+    tenant, or streaming to another owner, is refused (a `foreign_requeue` security event, nothing
+    queued); control: the line's own next attempt is queued and the batch ends with each line once."""
+    items = chat_lines(3, max_tokens=3000, prefix="handback")
+    batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+    wait_for(client, batch.id, {"in_progress"})
+    batch_log = Path(platform.stack.get("batch").log_path)
+    ready = next(json.loads(line) for line in batch_log.read_text().splitlines() if '"batch_ready"' in line)
+    owner = subjects.reply_owner(ready["reply_subject"])
+
+    async def hand_back() -> list[m.RequeueReply]:
+        nc = await nats.connect(platform.stack.nats_url)
+        try:
+            kv = await nc.jetstream().key_value(subjects.BATCHES_BUCKET)
+            record = m.decoder(m.BatchRecord).decode((await kv.get(subjects.batch_key("demo", batch.id))).value)
+            now = time.time()
+            line = m.InferenceRequest(
+                request_id=m.batch_request_id(batch.id, 0), tenant=record.tenant, api_key_id=record.api_key_id,
+                model=MODEL, prompt="Question number 0?", sampling=m.SamplingParams(max_new_tokens=3000),
+                reply_to=ready["reply_subject"], deadline=now + 600, created=now, band="batch", attempt=7,
+                batch_id=batch.id, batch_line=0, priority=m.BATCH_ENGINE_PRIORITY)
+            answers = []
+            for forged in (msgspec.structs.replace(line, tenant="another-tenant"),
+                           msgspec.structs.replace(line, reply_to=subjects.token_subject("gateway")), line):
+                reply = await nc.request(subjects.requeue_subject(owner), m.encode(forged), timeout=10)
+                answers.append(m.decoder(m.RequeueReply).decode(reply.data))
+            return answers
+        finally:
+            await nc.close()
+
+    answers = asyncio.run(hand_back())
+    assert [(a.queued, a.why) for a in answers] == [(False, "another_tenant"), (False, "another_owner"), (True, "")]
+    refused = [json.loads(line) for line in batch_log.read_text().splitlines() if '"foreign_requeue"' in line]
+    assert sorted(e["why"] for e in refused if batch.id in e["request_id"]) == ["another_owner", "another_tenant"]
+    done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=120)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+    assert sorted(line["custom_id"] for line in file_lines(client, done.output_file_id)) == [
+        f"handback-{i}" for i in range(3)]

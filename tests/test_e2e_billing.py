@@ -139,7 +139,7 @@ async def _publish(url: str, events: list[m.UsageEvent], msg_id: Callable[[m.Usa
     nc = await nats.connect(url)
     js = nc.jetstream()
     for i, event in enumerate(events):
-        ack = await js.publish(subjects.usage_subject(event.tenant), m.encode(event), headers={"Nats-Msg-Id": msg_id(event)})
+        ack = await js.publish(subjects.usage_subject(event.tenant, subjects.USAGE_FROM_OWNER, "gw"), m.encode(event), headers={"Nats-Msg-Id": msg_id(event)})
         assert not ack.duplicate
         if pause_every and i % pause_every == pause_every - 1:
             await asyncio.sleep(pause_s)

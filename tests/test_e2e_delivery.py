@@ -66,7 +66,7 @@ async def _deliver(platform: Platform, request: m.InferenceRequest, copies: int,
         frame = msgspec.msgpack.decode(msg.data, type=m.StreamFrame)
         events.extend(e for e in frame.events if e.request_id == request.request_id)
 
-    sub = await nc.subscribe(subjects.token_subject(OWNER), cb=on_frame)
+    sub = await nc.subscribe(subjects.event_filter(OWNER), cb=on_frame)
     try:
         if before is not None:  # the attempt is claimed already, by this holder
             claims = await js.key_value(subjects.CLAIMS_BUCKET)

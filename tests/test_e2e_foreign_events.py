@@ -1,8 +1,9 @@
 """A worker speaking for a stream another worker runs: two workers on a real bus, a request in
 flight on one, and the other's events for that request (a `Handoff`, an `Accepted`, a `Final`
-with `stop` and one token of usage, each naming the sender) published on the gateway's token
-subject. The gateway refuses them (a `foreign_token_event` security event) and the client's
-stream is the one it would have got."""
+with `stop` and one token of usage, each naming the sender; a chunk and a `content_filter` error
+that name nobody; a `Final` naming the holder) published on the gateway's token subject under
+the other worker's own name (`inferbus.tok.<gateway>.<worker>`). The gateway refuses them all (a
+`foreign_token_event` security event each) and the client's stream is the one it would have got."""
 
 from __future__ import annotations
 
@@ -67,8 +68,17 @@ async def relay(platform: Platform, request_id: str, inject: bool) -> tuple[str,
                     m.Accepted(request_id=request_id, attempt=0, worker_id=other, queue_wait=0.0),
                     m.Final(request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", finish_reason="stop",
                             usage=m.Usage(prompt_tokens=1, completion_tokens=1), worker_id=other),
+                    # Events that name no worker, or the holder: caught by who published them.
+                    m.TokenChunk(request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", completion_tokens=1),
+                    m.StreamError(request_id=request_id, attempt=0, code="content_filter", message="forged",
+                                  retryable=False, status=400),
+                    m.Final(request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", finish_reason="stop",
+                            usage=m.Usage(prompt_tokens=1, completion_tokens=1), worker_id=flight.worker_id),
                 ]
-                await nc.publish(subjects.token_subject(GATEWAY), m.encode(m.StreamFrame(events=forged)))
+                # Published as the other worker: the last token of the subject is the publisher's
+                # (NATS permissions bind it to the worker's identity).
+                await nc.publish(subjects.event_subject(subjects.token_subject(GATEWAY), other),
+                                 m.encode(m.StreamFrame(events=forged)))
             assert isinstance(event, (m.TokenChunk, m.Final)), event
             text.append(event.text)
             if isinstance(event, m.Final):
@@ -88,4 +98,4 @@ def test_a_worker_cannot_speak_for_a_stream_another_worker_runs(two_workers: Pla
     # injected text (the forged Final): the text a clean run gives.
     assert (text, finish, attempt) == (expected, "length", 0)
     assert holder is not None
-    assert foreign_events() == before + 3
+    assert foreign_events() == before + 6

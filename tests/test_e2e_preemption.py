@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -70,12 +71,23 @@ class BatchFeed:
         self.reply_to = subjects.token_subject(self.owner)
         self.accepted: list[m.Accepted] = []
         self.other_events: list[object] = []
+        self.handed_back: list[m.InferenceRequest] = []
 
     async def __aenter__(self) -> BatchFeed:
         self.nc = await nats.connect(self.platform.stack.nats_url)
         self.js = self.nc.jetstream()
-        await self.nc.subscribe(self.reply_to, cb=self._on_events)
+        await self.nc.subscribe(subjects.event_filter(self.owner), cb=self._on_events)
+        await self.nc.subscribe(subjects.requeue_subject(self.owner), cb=self._on_handed_back)
         return self
+
+    async def _on_handed_back(self, msg: Any) -> None:
+        """A line a worker hands back (preempted, draining): its next attempt queued, as the batch
+        service queues it (services/batch/service.py, `_on_requeue`)."""
+        request = msgspec.msgpack.decode(msg.data, type=m.InferenceRequest)
+        await self.js.publish(subjects.request_subject("batch", MODEL, subjects.ANY_TARGET, request.reply_to), msg.data,
+                              headers={"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
+        self.handed_back.append(request)
+        await msg.respond(m.encode(m.RequeueReply(queued=True)))
 
     async def __aexit__(self, *_: object) -> None:
         await self.nc.close()
@@ -271,7 +283,9 @@ def test_drain_puts_running_lines_back_on_the_queue_with_their_progress(worker4:
             await asyncio.sleep(1.0)
             worker = worker4.stack.get("worker-1")
             worker.signal(signal.SIGTERM)
-            assert worker.wait(15), "a draining worker with batch lines must exit at once, not at the drain timeout"
+            # Waited for off the loop: the stand-in batch service answers the lines handed back meanwhile.
+            assert await asyncio.to_thread(worker.wait, 15), \
+                "a draining worker with batch lines must exit at once, not at the drain timeout"
             assert not await feed.read_results(batch_id)
             # The next attempts wait on the shared batch queue for another worker.
             sub = await feed.js.pull_subscribe_bind(subjects.request_consumer("batch", MODEL), subjects.REQUESTS_STREAM)

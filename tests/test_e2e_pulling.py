@@ -64,7 +64,7 @@ def test_every_free_slot_takes_waiting_standard_work(sixteen_slots: Platform) ->
                 elif isinstance(event, (m.Final, m.StreamError)):
                     finished.add(event.request_id)
 
-        sub = await nc.subscribe(subjects.token_subject(OWNER), cb=on_frame)
+        sub = await nc.subscribe(subjects.event_filter(OWNER), cb=on_frame)
         subject = subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, subjects.token_subject(OWNER))
         ids: list[str] = []
         try:

@@ -132,7 +132,7 @@ async def _usage_workers(platform: Platform, request_ids: set[str]) -> dict[str,
     found: dict[str, str] = {}
     try:
         for _ in range(20):
-            sub = await nc.jetstream().subscribe(subjects.usage_subject("demo"), ordered_consumer=True)
+            sub = await nc.jetstream().subscribe(subjects.usage_filter("demo"), ordered_consumer=True)
             try:
                 while True:
                     event = msgspec.msgpack.decode((await sub.next_msg(timeout=0.5)).data, type=m.UsageEvent)

@@ -1,9 +1,10 @@
-"""Which stream events the gateway refuses as spoken for another worker's attempt (`foreign_sender`)."""
+"""Which stream events the gateway refuses as spoken for another worker's attempt (`foreign_sender`,
+by the worker an event names; `foreign_publisher`, by the worker whose subject it came on)."""
 
 from __future__ import annotations
 
 from proto import messages as m
-from services.gateway.dispatch import Flight, foreign_sender
+from services.gateway.dispatch import Flight, foreign_publisher, foreign_sender
 
 
 def a_flight(state: str, holder: str | None) -> Flight:
@@ -31,3 +32,33 @@ def test_before_a_worker_holds_the_attempt_any_worker_may_report_starting_it() -
     accepted = m.Accepted(request_id="r", attempt=0, worker_id="w2", queue_wait=0.0)
     assert foreign_sender(a_flight("queued", "w1"), accepted) is None
     assert foreign_sender(a_flight("queued", None), accepted) is None
+
+
+CHUNK = m.TokenChunk(request_id="r", attempt=0, seq=1, text="x", completion_tokens=2)
+ERROR = m.StreamError(request_id="r", attempt=0, code="content_filter", message="m")
+
+
+def test_an_event_published_by_another_worker_than_the_holder_is_refused() -> None:
+    """Events that name no worker (a later chunk, an error) are caught by their subject's publisher."""
+    flight = a_flight("accepted", "w1")
+    for event in (CHUNK, ERROR):
+        assert foreign_publisher(flight, event, "w2") == "not_the_holder"
+        assert foreign_publisher(flight, event, "w1") is None  # the control: the holder's own
+    # An event naming the holder, published by another worker; naming itself, by another.
+    named_holder = m.Final(request_id="r", attempt=0, seq=1, text="", finish_reason="stop",
+                           usage=m.Usage(prompt_tokens=1, completion_tokens=1), worker_id="w1")
+    assert foreign_publisher(flight, named_holder, "w2") == "names_another_worker"
+    assert foreign_publisher(flight, named_holder, "w1") is None
+    # A late event of an attempt given up may come from its old worker.
+    assert foreign_publisher(flight, m.TokenChunk(request_id="r", attempt=1, seq=1, text="x", completion_tokens=1),
+                             "w2") is None
+
+
+def test_before_a_worker_holds_the_attempt_its_first_publisher_does() -> None:
+    flight = a_flight("queued", None)
+    assert foreign_publisher(flight, CHUNK, "w2") is None
+    flight.publisher = (0, "w2")
+    assert foreign_publisher(flight, ERROR, "w3") == "not_the_first_publisher"
+    assert foreign_publisher(flight, ERROR, "w2") is None
+    flight.publisher = (1, "w2")  # another attempt's first publisher: no bearing on this one
+    assert foreign_publisher(flight, ERROR, "w3") is None

@@ -87,7 +87,7 @@ def test_from_usage_reads_the_ledger_window(platform: Platform, tmp_path) -> Non
         nc = await nats.connect(platform.stack.nats_url)
         js = nc.jetstream()
         for e in events:
-            await js.publish(subjects.usage_subject(tenant), m.encode(e), headers={"Nats-Msg-Id": e.request_id})
+            await js.publish(subjects.usage_subject(tenant, subjects.USAGE_FROM_OWNER, "gw"), m.encode(e), headers={"Nats-Msg-Id": e.request_id})
         await nc.close()
 
     asyncio.run(publish())

@@ -29,6 +29,9 @@ def server(tmp_path: Path) -> Iterator[NatsServer]:
     running.stop()
 
 
+ACME = subjects.usage_subject("acme", subjects.USAGE_FROM_WORKER, "w1")
+
+
 def usage(request_id: str, tokens: int, **fields: object) -> m.UsageEvent:
     return m.UsageEvent(request_id=request_id, tenant="acme", model="m", status="completed",
                         usage=m.Usage(prompt_tokens=10, completion_tokens=tokens), started=time.time(),
@@ -39,7 +42,7 @@ async def ledger(url: str) -> list[m.UsageEvent]:
     nc = await nats.connect(url)
     try:
         found = []
-        sub = await nc.jetstream().subscribe(subjects.usage_subject("acme"), ordered_consumer=True)
+        sub = await nc.jetstream().subscribe(subjects.usage_filter("acme"), ordered_consumer=True)
         try:
             while True:
                 msg = await sub.next_msg(timeout=0.5)
@@ -62,13 +65,13 @@ async def test_usage_written_while_nats_is_down_is_published_once_it_is_back(ser
 
     outbox = Outbox(tmp_path / "state" / "outbox.sqlite3", publish, retry_min_s=0.05, retry_max_s=0.5)
     await outbox.start()
-    await outbox.add(subjects.usage_subject("acme"), m.encode(usage("r0", 5)), "r0")
+    await outbox.add(ACME, m.encode(usage("r0", 5)), "r0")
     assert await outbox.drained(5)
 
     server.stop()
     events = [usage(f"r{i}", i) for i in range(1, 21)]
     events.append(usage("r3", 99, billed_to="platform", attempt=0))  # another attempt's work: its own id
-    await asyncio.gather(*(outbox.add(subjects.usage_subject("acme"), m.encode(e), m.usage_msg_id(e)) for e in events))
+    await asyncio.gather(*(outbox.add(ACME, m.encode(e), m.usage_msg_id(e)) for e in events))
     # On disk, fsynced, while JetStream is away: nothing acknowledged, nothing dropped.
     assert outbox.pending() == 21
     await asyncio.sleep(1.0)
@@ -94,7 +97,7 @@ async def test_a_restart_republishes_what_was_pending_and_duplicates_are_dropped
     crashed = Outbox(path, refuse, retry_min_s=0.05)
     await crashed.start()
     for i in range(5):
-        await crashed.add(subjects.usage_subject("acme"), m.encode(usage(f"q{i}", i)), f"q{i}")
+        await crashed.add(ACME, m.encode(usage(f"q{i}", i)), f"q{i}")
     await crashed.stop()  # the process ends with five events unpublished
 
     nc = await bus.connect(server.url, name="test-outbox")
@@ -102,7 +105,7 @@ async def test_a_restart_republishes_what_was_pending_and_duplicates_are_dropped
     replies = Replies(nc)
     await replies.start()
     # One of them had reached JetStream before the crash (published, not yet deleted locally).
-    await replies.publish_durable(subjects.usage_subject("acme"), m.encode(usage("q2", 2)), "q2")
+    await replies.publish_durable(ACME, m.encode(usage("q2", 2)), "q2")
 
     async def publish(subject: str, data: bytes, msg_id: str) -> None:
         await replies.publish_durable(subject, data, msg_id)
@@ -130,11 +133,11 @@ async def test_an_acknowledged_message_is_deleted_in_the_next_writes_commit(serv
     # No delete commits on their own during the test: only a write takes deletes along.
     outbox = Outbox(path, publish, delete_delay_s=60)
     await outbox.start()
-    await outbox.add(subjects.usage_subject("acme"), m.encode(usage("a0", 1)), "a0")
+    await outbox.add(ACME, m.encode(usage("a0", 1)), "a0")
     await await_for(lambda: "a0" in acknowledged, 5, interval=0.01, what="a0 acknowledged")
     await asyncio.sleep(0.05)  # its delete is queued behind the acknowledgement
     assert outbox.pending() == 1  # acknowledged, its delete not committed yet
-    await outbox.add(subjects.usage_subject("acme"), m.encode(usage("a1", 2)), "a1")
+    await outbox.add(ACME, m.encode(usage("a1", 2)), "a1")
     assert await asyncio.to_thread(outbox.pending) == 1  # a1 written, a0 deleted in the same commit
     await await_for(lambda: "a1" in acknowledged, 5, interval=0.01, what="a1 acknowledged")
     await asyncio.sleep(0.05)

@@ -186,9 +186,9 @@ async def test_a_window_of_events_leaves_as_one_frame_and_a_first_token_without_
     async def on_frame(msg: Msg) -> None:
         frames.put_nowait((time.monotonic(), m.decode_stream_frame(msg.data)))
 
-    await nc.subscribe(GATEWAY_A, cb=on_frame)
+    await nc.subscribe(f"{GATEWAY_A}.w1", cb=on_frame)
     await nc.flush()
-    sender = EventSender(nc, Background(), window_s=0.2)
+    sender = EventSender(nc, Background(), window_s=0.2, worker_id="w1")
     r1, r2 = request_for(GATEWAY_A), request_for(GATEWAY_A, "r2")
     try:
         # A first token leaves at the end of the loop pass, with what else was queued.
@@ -214,7 +214,7 @@ async def test_a_window_of_events_leaves_as_one_frame_and_a_first_token_without_
 
         # An Accepted alone waits for its first token (here past the 200 ms window, within its own
         # wait); a later token of another stream brings the flush forward to its window.
-        sender_wait = EventSender(nc, Background(), window_s=0.05, accepted_wait_s=5.0)
+        sender_wait = EventSender(nc, Background(), window_s=0.05, accepted_wait_s=5.0, worker_id="w1")
         sent_at = time.monotonic()
         sender_wait.send(r2, m.Accepted(request_id="r2", attempt=0, worker_id="w1", queue_wait=0.0))
         await asyncio.sleep(0.1)

@@ -389,7 +389,7 @@ async def read_ledger(platform: Platform, request_ids: set[str], wanted: set[str
         while True:
             events: list[LedgerEvent] = []
             start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since - 5))
-            sub = await js.subscribe(subjects.usage_subject(TENANT), ordered_consumer=True,
+            sub = await js.subscribe(subjects.usage_filter(TENANT), ordered_consumer=True,
                                      config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
             try:
                 while True:

@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus import adapters as adapter_registry
-from inferbus import bus, logs, redis_conn
+from inferbus import bus, logs, redis_conn, security_events
 from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import ModelDirError, context_window, load_model
 from inferbus.records import decode_or_none
@@ -48,11 +48,11 @@ from inferbus.stores.tenants import TenantStore
 from proto import messages as m
 from proto import subjects
 
-from . import lifecycle
+from . import lifecycle, requeue
 from . import lines as line_format
 from .feed import FeedPolicy
 from .settings import BatchSettings
-from .tracker import ActiveBatch, Tracker
+from .tracker import ActiveBatch, Tracker, parse_request_id
 from .validate import Limits, Validated, validate
 
 log = logs.get(__name__)
@@ -67,6 +67,8 @@ FEED = Gauge("inferbus_batch_feed", "Feed policy state (lines, or 1/0 for pressu
 
 MAX_DOUBT_ATTEMPTS = 5  # a line in doubt after a restart: attempt ids tried before giving up on dedup
 _result_decoder = msgspec.msgpack.Decoder(m.BatchLineResult)
+_request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
+FOREIGN_REQUEUE = "foreign_requeue"  # a handed-back line that is not this service's to queue
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _load_decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
 
@@ -122,7 +124,9 @@ class BatchService:
         self.replies = Replies(self.nc)
         await self.replies.start()
         await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
-        await self.nc.subscribe(self.reply_subject, cb=self._on_events, pending_msgs_limit=1_000_000)
+        await self.nc.subscribe(subjects.event_filter(f"batch-{self.id}"), cb=self._on_events,
+                                pending_msgs_limit=1_000_000)
+        await self.nc.subscribe(subjects.requeue_subject(f"batch-{self.id}"), cb=self._on_requeue)
         await self._watch()
         self._tasks = [
             asyncio.create_task(self._feed_loop(), name="feed"),
@@ -211,6 +215,37 @@ class BatchService:
             self.feed.observe(_load_decoder.decode(msg.data))
         except msgspec.DecodeError as error:
             log.warning("bad_load_message", error=str(error))
+
+    async def _on_requeue(self, msg: Msg) -> None:
+        """A worker hands a line back (preempted, draining, a retryable failure) with its next
+        attempt: queued here, under this service's identity, when it is one of this service's
+        running lines with its own tenant, key and model (`requeue.refusal`)."""
+        assert self.replies is not None
+        try:
+            request = _request_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            security_events.record(FOREIGN_REQUEUE, why="undecodable", subject=msg.subject)
+            return
+        parsed = parse_request_id(request.request_id)
+        run = self.tracker.runs.get(parsed[0]) if parsed is not None else None
+        why = requeue.refusal(request, run, self.reply_subject)
+        if why is None:
+            subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET, self.reply_subject)
+            request = msgspec.structs.replace(request, priority=m.BATCH_ENGINE_PRIORITY)
+            trace = {k: v for k, v in (msg.headers or {}).items() if not k.lower().startswith("nats-")}
+            try:
+                await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
+                                                   headers=trace)
+            except Exception as error:  # the worker tries again; else the line's lease sends it out
+                log.warning("batch_requeue_failed", request_id=request.request_id, error=repr(error))
+                return
+        elif why in requeue.FORGED:
+            security_events.record(FOREIGN_REQUEUE, why=why, request_id=request.request_id, tenant=request.tenant,
+                                   reply_to=request.reply_to)
+        else:
+            log.info("batch_requeue_dropped", request_id=request.request_id, why=why)
+        if security_events.answerable(msg):
+            await msg.respond(m.encode(m.RequeueReply(queued=why is None, why=why or "")))
 
     async def _on_events(self, msg: Msg) -> None:
         try:

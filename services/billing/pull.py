@@ -34,6 +34,7 @@ _CRLF = b"\r\n"
 class Delivery(NamedTuple):
     reply: bytes  # the JetStream ack subject ($JS.ACK....)
     data: bytes
+    subject: bytes = b""  # the subject it was published on (names who reported a usage event)
 
 
 _delivery = tuple.__new__
@@ -211,7 +212,7 @@ class PullConnection:
                 if header_len and buf[start + 8] == 32:  # "NATS/1.0 408 Request Timeout\r\n...": a status
                     self._status(buf[start:start + header_len])
                 elif reply:
-                    append(_delivery(Delivery, (reply, buf[start + header_len:start + total])))
+                    append(_delivery(Delivery, (reply, buf[start + header_len:start + total], parts[1])))
                     delivered += 1
                 else:  # a JetStream API error instead of a message: the consumer is not there
                     self.consumer_missing = True

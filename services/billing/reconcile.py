@@ -29,6 +29,9 @@ from inferbus.stores.usage import contribution
 from proto import messages as m
 from proto import subjects
 
+from . import attribution
+from .attribution import Holders
+
 log = logs.get(__name__)
 RECONCILER = "admission-reconciler"
 # Leases are freed by the gateway at once; refunds and spend may lag this long. (nats-py's fetch
@@ -39,8 +42,9 @@ _usage_decoder = msgspec.msgpack.Decoder(m.UsageEvent)
 
 class UsageReconciler:
     def __init__(self, js: JetStreamContext, admission: Admission, prices: PriceStore, batch: int = 512,
-                 linger_s: float = 0.0) -> None:
+                 linger_s: float = 0.0, holders: Holders | None = None) -> None:
         self.js = js
+        self.holders = holders
         self.linger_s = linger_s  # after a batch smaller than `batch`, let events gather this long
         self.admission = admission
         self.prices = prices
@@ -99,12 +103,16 @@ class UsageReconciler:
                 await asyncio.sleep(self.linger_s)
 
     async def _reconcile(self, messages: list[Msg]) -> None:
-        events = []
+        events: list[m.UsageEvent] = []
+        senders: list[tuple[str, str] | None] = []
         for msg in messages:
             try:
                 events.append(_usage_decoder.decode(msg.data))
+                senders.append(subjects.usage_sender(msg.subject))
             except msgspec.DecodeError:
                 log.error("bad_usage_event", subject=msg.subject)
+        # Another worker's report touches no tenant's quota either (the rollup records it).
+        events = await attribution.attributed(events, senders, self.holders, record=False)
         while True:
             try:
                 # The cost the rollups bill (price book at the request's accept time, batch discount,

@@ -41,7 +41,8 @@ from inferbus.stores.billing import PriceStore, UsageStore
 from proto import messages as m
 from proto import subjects
 
-from . import metrics
+from . import attribution, metrics
+from .attribution import Holders
 from .pull import Delivery, PullConnection, num_pending
 
 log = logs.get(__name__)
@@ -71,7 +72,7 @@ class RollupConsumer:
 
     def __init__(self, nc: Client, nats_url: str, store: UsageStore, prices: PriceStore, *, batch: int = 2000,
                  expires_s: float = 1.0, count_metrics: bool = True, concurrency: int = 2,
-                 ack_wait_s: float = 30.0, linger_s: float = 0.005) -> None:
+                 ack_wait_s: float = 30.0, linger_s: float = 0.005, holders: Holders | None = None) -> None:
         self.nc = nc
         self.linger_s = linger_s  # how long a batch gathers after its first event (see `next_batch`)
         self.store = store
@@ -84,6 +85,8 @@ class RollupConsumer:
         self.counted = 0
         self.duplicates = 0
         self.invalid = 0
+        self.refused = 0  # usage events refused as another worker's (`attribution.refusal`)
+        self.holders = holders  # who holds each attempt (None: events are judged by their names alone)
         self.on_batch: Callable[[int], None] | None = None  # called with each batch's size once written
         self.connection = PullConnection(nats_url, subjects.USAGE_STREAM, ROLLUP_CONSUMER, name="billing-rollup")
         self._task: asyncio.Task[None] | None = None
@@ -197,14 +200,20 @@ class RollupConsumer:
     async def process(self, deliveries: list[Delivery]) -> None:
         started = time.perf_counter()
         events: list[m.UsageEvent] = []
+        senders: list[tuple[str, str] | None] = []
         for delivery in deliveries:
             try:
                 events.append(_usage_decoder.decode(delivery.data))
+                senders.append(subjects.usage_sender(delivery.subject.decode(errors="replace")))
             except msgspec.DecodeError:
                 log.error("bad_usage_event", reply=delivery.reply.decode(errors="replace"))
                 self.invalid += 1
                 if self.count_metrics:
                     metrics.EVENTS.labels("invalid").inc()
+        # Usage a worker reported for another's work is refused (a security event), never counted.
+        kept = await attribution.attributed(events, senders, self.holders, record=True)
+        self.refused += len(events) - len(kept)
+        events = kept
         counted: list[bool] = []
         contributions: list[u.Contribution] = []
         delay = 0.5
@@ -312,6 +321,8 @@ async def _rebuild(nc: Client, js: Any, nats_url: str, store: UsageStore, prices
     except NotFoundError:
         pass
     total = (await js.stream_info(subjects.USAGE_STREAM)).state.messages
+    # Events judged by their names alone: the claims of most replayed attempts aged out long ago,
+    # and a lookup per event would make a replay of the whole ledger several times slower.
     consumer = RollupConsumer(nc, nats_url, store, prices, batch=batch, count_metrics=False, ack_wait_s=ack_wait_s)
     if on_progress is not None:
         seen = 0

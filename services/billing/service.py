@@ -24,6 +24,7 @@ from inferbus.stores.admission import Admission
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices
 
+from .attribution import Holders
 from .export import MonthlyExporter
 from .reconcile import UsageReconciler
 from .rollup import RollupConsumer
@@ -67,10 +68,10 @@ async def serve(settings: BillingSettings) -> None:
 
     await bus.retry_forever("billing_redis_setup", prepare)
     rollup = RollupConsumer(nc, settings.nats_url, store, prices, batch=settings.rollup_batch,
-                            ack_wait_s=settings.ack_wait_s, linger_s=settings.linger_s)
+                            ack_wait_s=settings.ack_wait_s, linger_s=settings.linger_s, holders=Holders(js))
     await rollup.start()
     admission = Admission(redis)
-    reconciler = UsageReconciler(js, admission, prices, linger_s=settings.linger_s)
+    reconciler = UsageReconciler(js, admission, prices, linger_s=settings.linger_s, holders=Holders(js))
     await reconciler.start()
     exporter = None
     if settings.export_dir:

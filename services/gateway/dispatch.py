@@ -74,6 +74,7 @@ class Flight:
     queue_wait: float | None = None
     next_seq: int = 0  # of the current attempt's chunks: a gap means events were lost
     heard_at: float = 0.0  # monotonic time an event of this request last arrived
+    publisher: tuple[int, str] | None = None  # (attempt, worker token) that first published for the attempt
     resending: bool = False  # its worker was asked to send missed events again, no answer yet
     weight: float = 1.0  # the tenant's fair-share weight
     estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
@@ -109,6 +110,23 @@ def foreign_sender(flight: Flight, event: m.StreamEvent) -> str | None:
     if not named or flight.state != "accepted" or not flight.worker_id:
         return None
     return named if named != flight.worker_id else None
+
+
+def foreign_publisher(flight: Flight, event: m.StreamEvent, publisher: str) -> str | None:
+    """Why an event published by `publisher` (the worker token its subject ends with, which NATS
+    binds to the publishing identity) is not taken, else None. An event naming a worker must be
+    its publisher's; an event of the current attempt must come from the worker that holds it
+    (reported starting it) or, before one has, from the first worker that published for it."""
+    named = getattr(event, "worker_id", "")
+    if named and subjects.token(named) != publisher:
+        return "names_another_worker"
+    if event.attempt != flight.request.attempt:
+        return None  # a late event of an attempt given up: dropped by the stream anyway
+    if flight.state == "accepted" and flight.worker_id:
+        return None if subjects.token(flight.worker_id) == publisher else "not_the_holder"
+    if flight.publisher is not None and flight.publisher[0] == event.attempt and flight.publisher[1] != publisher:
+        return "not_the_first_publisher"
+    return None
 
 
 def _observe_placement(outcome: str, seconds: float) -> None:
@@ -177,6 +195,7 @@ class Dispatcher:
         self.outbox = Outbox(outbox_path, self._publish_durable) if outbox_path is not None else None
 
     async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
+        subject = subjects.attributed_usage_subject(subject, subjects.USAGE_FROM_OWNER, self.gateway_id)
         await self.replies.publish_durable(subject, data, msg_id)
 
     async def start(self) -> None:
@@ -184,7 +203,7 @@ class Dispatcher:
         if self.outbox is not None:
             await self.outbox.start()
         self._sub = await self.nc.subscribe(
-            subjects.token_subject(self.gateway_id), cb=bus.taking_turns(self._on_events), pending_msgs_limit=1_000_000,
+            subjects.event_filter(self.gateway_id), cb=bus.taking_turns(self._on_events), pending_msgs_limit=1_000_000,
             pending_bytes_limit=256 * 1024 * 1024,
         )
         self._watcher = await self.kv.watchall()
@@ -519,7 +538,8 @@ class Dispatcher:
             worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
             api_key_id=request.api_key_id, batch_id=request.batch_id, attempt=request.attempt,
         )
-        subject, data = subjects.usage_subject(request.tenant), m.encode(event)
+        subject = subjects.usage_subject(request.tenant, subjects.USAGE_FROM_OWNER, self.gateway_id)
+        data = m.encode(event)
         try:
             if self.outbox is not None:
                 await self.outbox.add(subject, data, m.usage_msg_id(event))
@@ -537,11 +557,21 @@ class Dispatcher:
             log.warning("bad_stream_batch", subject=msg.subject)
             return
         flights, now = self.flights, time.monotonic()
+        publisher = subjects.event_sender(msg.subject)
         for event in batch.events:
             flight = flights.get(event.request_id)
-            if flight is not None:
-                flight.heard_at = now
-                flight.events.put_nowait(event)
+            if flight is None:
+                continue
+            why = foreign_publisher(flight, event, publisher)
+            if why is not None:
+                security_events.record("foreign_token_event", request_id=event.request_id, attempt=event.attempt,
+                                       holder=flight.worker_id, publisher=publisher, why=why,
+                                       forged=type(event).__name__)
+                continue
+            if event.attempt == flight.request.attempt and flight.publisher != (event.attempt, publisher):
+                flight.publisher = (event.attempt, publisher)
+            flight.heard_at = now
+            flight.events.put_nowait(event)
 
     # ---- events lost on the bus -------------------------------------------------------------
 

@@ -33,6 +33,7 @@ log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.worker")
 
 PUBLISH_TRIES = 5  # publish attempts for a line's result or next attempt (then the batch service's lease re-feeds it)
+_requeue_reply = m.decoder(m.RequeueReply)
 
 
 class BatchLines:
@@ -191,12 +192,21 @@ class BatchLines:
             log.error("batch_result_lost", request_id=request.request_id)
 
     async def _requeue(self, request: m.InferenceRequest, reason: str) -> None:
-        """Queue the next attempt of a batch line on the shared batch subject, with its progress."""
-        subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET,
-                                           request.reply_to)
-        if not await self._publish(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
-                                   "batch_requeue_failed", request_id=request.request_id, headers=tracing.inject()):
-            log.error("batch_line_not_requeued", request_id=request.request_id, attempt=request.attempt)
+        """Hand a batch line back to its batch service with its progress: the service queues the next
+        attempt (a worker may not create work). Without an answer the line's lease sends it out again."""
+        subject = subjects.requeue_subject(subjects.reply_owner(request.reply_to))
+        answer: m.RequeueReply | None = None
+        for attempt in range(PUBLISH_TRIES):
+            try:
+                reply = await self.worker.replies.request(subject, m.encode(request), 5.0, headers=tracing.inject())
+                answer = _requeue_reply.decode(reply.data)
+                break
+            except Exception as error:
+                log.warning("batch_requeue_failed", request_id=request.request_id, error=repr(error), try_=attempt + 1)
+                await asyncio.sleep(0.2 * 2**attempt)
+        if answer is None or not answer.queued:
+            log.error("batch_line_not_requeued", request_id=request.request_id, attempt=request.attempt,
+                      why=answer.why if answer is not None else "no answer")
             return
         BATCH_REQUEUED.labels(reason).inc()
         log.info("batch_requeued", request_id=request.request_id, attempt=request.attempt, reason=reason,

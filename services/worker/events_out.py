@@ -11,6 +11,7 @@ from nats.aio.client import Client
 
 from inferbus import logs
 from proto import messages as m
+from proto import subjects
 
 from .frames import PendingFrames
 from .metrics import STREAM_EVENTS, STREAM_FRAMES
@@ -22,8 +23,9 @@ log = logs.get(__name__)
 
 class EventSender:
     def __init__(self, nc: Client, background: Background, window_s: float = 0.001,
-                 accepted_wait_s: float | None = None, replay_keep_s: float = 10.0) -> None:
+                 accepted_wait_s: float | None = None, replay_keep_s: float = 10.0, *, worker_id: str) -> None:
         self.nc = nc
+        self.worker_id = worker_id  # the last token of every subject it publishes on (its permissions')
         self.background = background
         self.pending = PendingFrames(window_s, time.monotonic, accepted_wait_s)
         self.replay = ReplayLog(time.monotonic, keep_s=replay_keep_s)  # what left, for gateways that missed some
@@ -75,6 +77,7 @@ class EventSender:
             STREAM_FRAMES.inc()
             STREAM_EVENTS.inc(len(events))
             try:
-                await self.nc.publish(subject, m.encode(m.StreamFrame(events=events)))
+                await self.nc.publish(subjects.event_subject(subject, self.worker_id),
+                                      m.encode(m.StreamFrame(events=events)))
             except Exception as error:  # a gateway's events must not be lost to another's failure
                 log.error("stream_publish_failed", subject=subject, error=repr(error))

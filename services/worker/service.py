@@ -86,7 +86,7 @@ class Worker:
         self._adapter_kv = adapter_kv
         self.background = Background()  # usage and stream publishes in flight
         self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000, settings.accepted_wait_ms / 1000,
-                                  replay_keep_s=settings.replay_keep_s)
+                                  replay_keep_s=settings.replay_keep_s, worker_id=settings.worker_id)
         self.cancels = CancelMemory(time.monotonic)
         self.adapters = Adapters(engine, self._lookup_adapter, on_change=lambda: self.load_changed.set(),
                                  on_progress=lambda: self.gpu.progress())

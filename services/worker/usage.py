@@ -27,6 +27,7 @@ class UsageReporter:
     @classmethod
     async def open(cls, state_dir: str, worker_id: str, replies: Replies) -> UsageReporter:
         async def publish(subject: str, data: bytes, msg_id: str) -> None:
+            subject = subjects.attributed_usage_subject(subject, subjects.USAGE_FROM_WORKER, worker_id)
             await replies.publish_durable(subject, data, msg_id)
 
         outbox = Outbox(Path(state_dir) / f"usage-outbox-{worker_id}.sqlite3", publish)
@@ -45,7 +46,8 @@ class UsageReporter:
             attempt=request.attempt, release=self.release,
         )
         try:
-            await self.outbox.add(subjects.usage_subject(request.tenant), m.encode(event), m.usage_msg_id(event))
+            await self.outbox.add(subjects.usage_subject(request.tenant, subjects.USAGE_FROM_WORKER, self.worker_id),
+                                  m.encode(event), m.usage_msg_id(event))
         except Exception as error:
             # The disk refused it: the ledger will miss this event, so say so loudly.
             log.error("usage_outbox_write_failed", request_id=request.request_id, error=repr(error),

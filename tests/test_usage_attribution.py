@@ -1,0 +1,105 @@
+"""A worker speaks only for its own work in the ledger: billing refuses a usage event a worker
+reports for an attempt another worker holds, or that names another worker than the one the
+subject names (`services/billing/attribution.py`). On a real nats-server and Redis: forgeries
+refused and counted as security events, controls counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from nats.aio.client import Client
+from prometheus_client import REGISTRY
+
+from inferbus import bus
+from inferbus.stores.billing import PriceStore, UsageStore
+from inferbus.stores.pricing import Prices
+from proto import messages as m
+from proto import subjects
+from services.billing.attribution import Holders, refusal
+from services.billing.rollup import RollupConsumer
+
+from .test_billing_store import totals
+
+W, O = subjects.USAGE_FROM_WORKER, subjects.USAGE_FROM_OWNER
+PRICES = Prices(1.0, 2.0, 0.5, 0.5)
+
+
+def event(request_id: str, worker_id: str, tokens: int = 10, attempt: int = 0) -> m.UsageEvent:
+    now = time.time()
+    return m.UsageEvent(request_id=request_id, tenant="acme", model="m", status="completed",
+                        usage=m.Usage(prompt_tokens=5, completion_tokens=tokens), started=now, finished=now,
+                        worker_id=worker_id, attempt=attempt)
+
+
+@pytest.mark.parametrize(("sender", "named", "holder", "why"), [
+    ((W, "worker-1"), "worker-1", "worker-1@17.0", None),  # its own attempt
+    ((W, "worker-1"), "worker-1", None, None),  # no claim known: judged by its names
+    ((W, "worker-2"), "worker-2", "worker-1@17.0", "attempt_held_by_another"),
+    ((W, "worker-2"), "worker-1", "worker-1@17.0", "names_another_worker"),
+    ((W, "worker-2"), "worker-1", None, "names_another_worker"),
+    ((W, "worker-2"), "", None, "names_another_worker"),
+    ((O, "gateway-a"), "worker-1", "worker-1@17.0", None),  # the owner reports what no worker finished
+    ((O, "gateway-a"), "", None, None),
+    (None, "worker-9", "worker-1@17.0", None),  # written before senders were named
+])
+def test_refusal(sender: tuple[str, str] | None, named: str, holder: str | None, why: str | None) -> None:
+    assert refusal(sender, event("r", named), holder) == why
+
+
+def test_usage_subjects_name_their_sender() -> None:
+    subject = subjects.usage_subject("acme.corp", W, "worker-1")
+    assert subjects.usage_sender(subject) == (W, "worker-1")
+    assert subjects.usage_sender("inferbus.usage.acme") is None
+    assert subjects.attributed_usage_subject("inferbus.usage.acme", W, "worker-1") == "inferbus.usage.acme.w.worker-1"
+    assert subjects.attributed_usage_subject(subject, O, "gw") == subject
+
+
+def foreign_usage() -> float:
+    return REGISTRY.get_sample_value("inferbus_security_events_total", {"kind": "foreign_usage"}) or 0.0
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_url)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+async def test_billing_counts_only_the_holders_usage(nc: Client, redis: aioredis.Redis) -> None:
+    """worker-1 holds attempt 0 of `held`; worker-2 reports usage for it under its own name, and
+    again naming worker-1. Both refused (a `foreign_usage` security event each), worker-1's own
+    report and a gateway's report of a request no worker finished are counted."""
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    claims = await bus.claims_bucket(js, 60)
+    await claims.create(subjects.claim_key("held", 0), b"worker-1@17.0")
+    published = [
+        (subjects.usage_subject("acme", W, "worker-2"), event("held", "worker-2", tokens=1000)),  # forged
+        (subjects.usage_subject("acme", W, "worker-2"), event("held", "worker-1", tokens=1000)),  # forged
+        (subjects.usage_subject("acme", W, "worker-1"), event("held", "worker-1", tokens=10)),  # control
+        (subjects.usage_subject("acme", O, "gateway-a"), event("failed", "worker-1", tokens=3)),  # control
+    ]
+    for i, (subject, e) in enumerate(published):
+        await js.publish(subject, m.encode(e), headers={"Nats-Msg-Id": f"m{i}"})
+    store = UsageStore(redis)
+    server = nc.connected_url
+    assert server is not None
+    consumer = RollupConsumer(nc, f"nats://{server.hostname}:{server.port}", store, PriceStore(redis, default=PRICES),
+                              batch=10, count_metrics=False, holders=Holders(js))
+    before = foreign_usage()
+    await consumer.open()
+    try:
+        await asyncio.wait_for(consumer.run(done=lambda: asyncio.sleep(0, consumer.counted + consumer.refused >= 4)), 20)
+    finally:
+        await consumer.stop()
+    assert (consumer.counted, consumer.refused) == (2, 2)
+    assert foreign_usage() == before + 2
+    # The ledger's dedup did not take the forged events either: the holder's own report counted.
+    now = time.time()
+    counted = await totals(store, ["acme"], now - 3600, now + 60)
+    assert (counted.requests, counted.output_tokens) == (2, 13)
