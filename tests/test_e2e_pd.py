@@ -133,8 +133,22 @@ def test_n_choices_share_the_prefill_worker(pd_platform: Platform) -> None:
     assert counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"] - before == 3 * response.usage.prompt_tokens
 
 
+async def _loads_of(platform: Platform, worker_id: str, reports: list[m.WorkerLoad], stop: asyncio.Event) -> None:
+    nc = await nats.connect(platform.stack.nats_url)
+    decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
+
+    async def on_load(msg) -> None:  # type: ignore[no-untyped-def]
+        reports.append(decoder.decode(msg.data))
+
+    await nc.subscribe(subjects.metrics_subject(worker_id), cb=on_load)
+    await stop.wait()
+    await nc.close()
+
+
 def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
-    """Batch lines are pulled by the decode worker like any request; their prompts run on the prefill worker."""
+    """Batch lines are pulled by the decode worker like any request; their prompts run on the prefill
+    worker, which reports them as batch (the autoscaler sizes the prefill pool on interactive
+    demand only: batch lines are filler, in both pools)."""
     client = pd_platform.client(timeout=30)
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Batch question {i}?"}], "max_tokens": 5}}
@@ -142,11 +156,33 @@ def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     file_id = client.files.create(file=("input.jsonl", data), purpose="batch").id
     before = counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"]
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 90
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
-        time.sleep(0.2)
+    reports: list[m.WorkerLoad] = []
+
+    async def run():  # type: ignore[no-untyped-def]
+        stop = asyncio.Event()
+        listening = asyncio.ensure_future(_loads_of(pd_platform, f"worker-{PREFILL}", reports, stop))
+        while not reports:  # a report from before the batch: the baseline
+            await asyncio.sleep(0.05)
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 90
+        while (batch := await asyncio.to_thread(client.batches.retrieve, batch.id)).status not in (
+                "completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
+            await asyncio.sleep(0.2)
+        count = len(reports)
+        while len(reports) <= count + 1:  # a report after the last half ended
+            await asyncio.sleep(0.05)
+        stop.set()
+        await listening
+        return batch
+
+    batch = asyncio.run(run())
+    first, last = reports[0], reports[-1]
+    assert last.role == "prefill" and last.completed - first.completed == 6
+    assert last.completed_batch - first.completed_batch == 6, "the prefill worker counted batch halves as interactive"
+    assert last.batch_in_flight == 0
+    # Nothing interactive ran meanwhile: every half in flight in a report was a batch line's.
+    assert all(r.in_flight == r.batch_in_flight for r in reports), [(r.in_flight, r.batch_in_flight) for r in reports]
     assert batch.status == "completed" and batch.request_counts is not None and batch.request_counts.completed == 6
     assert batch.output_file_id is not None
     output = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines() if line.strip()]

@@ -73,6 +73,10 @@ class PrefillSide:
     async def start(self) -> None:
         await self.worker.nc.subscribe(subjects.prefill_subjects_to(self.worker.settings.worker_id), cb=self._on_message)
 
+    def batch_halves(self) -> int:
+        """Halves of batch lines running here: filler, reported as batch (never demand to scale on)."""
+        return sum(1 for h in self.halves.values() if h.request.band == "batch")
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens taken and not computed yet, less those the router expected cached here."""
         return sum(max(0, len(h.request.input_ids) + len(h.request.resumed_ids) - h.request.prefill_cached_tokens)
@@ -164,6 +168,8 @@ class PrefillSide:
                 del self.halves[(request.request_id, request.attempt)]
             self.finished += 1
             worker.stats.completed += 1
+            if request.band == "batch":  # as a decode or aggregated worker counts its batch lines
+                worker.stats.completed_batch += 1
             worker.load_changed.set()
             structlog.contextvars.unbind_contextvars("request_id", "tenant")
         PREFILL_HALVES.labels("ok" if done.ok else "aborted" if half.aborted else "failed").inc()
