@@ -1,0 +1,58 @@
+"""The local actuator runs a disaggregated fleet's two pools apart: each pool's replicas are its
+role's engine+worker pairs, counted, scaled and retired within that pool only. The pairs here are
+real processes (`sleep`), started and stopped as the actuator does its simulated engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferbus.local import EngineSpec, Process
+from services.autoscaler.actuators import local as local_actuator
+from services.autoscaler.actuators.local import LocalActuator
+
+PREFILL, DECODE = "m:prefill", "m:decode"
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """worker id → the role its pair was started with."""
+    roles: dict[str, str] = {}
+
+    def pair(index: int, spec: EngineSpec, env: dict[str, str], logs_dir: Path,
+             worker_env: dict[str, str] | None = None, kv_events: bool = True,
+             role: str = "aggregated") -> tuple[Process, Process]:
+        roles[f"worker-{index}"] = role
+        return (Process(f"engine-{index}", ["sleep", "60"], {}, tmp_path / f"engine-{index}.log", lambda: True),
+                Process(f"worker-{index}", ["sleep", "60"], {"INFERBUS_WORKER_ID": f"worker-{index}"},
+                        tmp_path / f"worker-{index}.log", lambda: True))
+
+    monkeypatch.setattr(local_actuator, "replica_processes", pair)
+    return roles
+
+
+async def test_each_pool_is_scaled_with_its_roles_replicas_only(started: dict[str, str], tmp_path: Path) -> None:
+    local = LocalActuator({PREFILL: "prefill", DECODE: "decode"}, EngineSpec(), tmp_path, cold_start_s=0,
+                          warm_start_s=0, drain_timeout_s=0, env={})
+    try:
+        await local.scale(DECODE, 3)
+        await local.scale(PREFILL, 1)
+        fleet = (await local.current()).pools
+        assert (fleet[PREFILL].replicas, fleet[DECODE].replicas) == (1, 3)
+        assert fleet[PREFILL].ids == ("worker-4",) and fleet[DECODE].ids == ("worker-1", "worker-2", "worker-3")
+        assert started == {"worker-1": "decode", "worker-2": "decode", "worker-3": "decode", "worker-4": "prefill"}
+
+        # A scale-down of one pool retires that pool's replicas, whatever else is offered.
+        await local.scale(DECODE, 1, retire=["worker-4", "worker-3", "worker-2"])
+        fleet = (await local.current()).pools
+        assert fleet[PREFILL].ids == ("worker-4",) and fleet[DECODE].ids == ("worker-1",)
+        await local.scale(PREFILL, 2)
+        assert (await local.current()).pools[PREFILL].ids == ("worker-4", "worker-5")
+        assert started["worker-5"] == "prefill"
+
+        with pytest.raises(ValueError, match="not 'm'"):
+            await local.scale("m", 1)
+    finally:
+        await local.close()
+    assert not local.replicas
