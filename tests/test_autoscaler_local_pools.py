@@ -4,8 +4,10 @@ real processes (`sleep`), started and stopped as the actuator does its simulated
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import click
 import pytest
 
 from inferbus.local import EngineSpec, Process
@@ -56,3 +58,24 @@ async def test_each_pool_is_scaled_with_its_roles_replicas_only(started: dict[st
     finally:
         await local.close()
     assert not local.replicas
+
+
+def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
+    from inferbus.commands.main import _DecisionTail
+
+    def decision(pool: str, direction: str, warm: int, reason: str) -> str:
+        return json.dumps({"event": "scale_decision", "pool": pool, "direction": direction, "desired_warm": warm,
+                           "reason": reason, "timestamp": "2026-01-01T10:00:00Z"})
+
+    log = tmp_path / "autoscaler.log"
+    log.write_text("\n".join([
+        decision(DECODE, "up", 1, "scale up 1→2"),
+        decision(PREFILL, "hold", 0, "hold 1"),  # its own warm target has not changed: no line
+        decision(DECODE, "hold", 1, "hold 2"),
+        json.dumps({"event": "replica_started", "pool": PREFILL, "worker_id": "worker-3", "worker_pid": 7,
+                    "timestamp": "2026-01-01T10:00:01Z"}),
+        decision("llama3:8b", "up", 0, "scale up 1→2"),
+    ]) + "\n")
+    lines = [click.unstyle(line) for line in _DecisionTail(log).lines()]
+    assert lines == [" 10:00:00 autoscaler (decode): scale up 1→2", " 10:00:01 autoscaler (prefill): worker-3 started (pid 7)",
+                     " 10:00:00 autoscaler: scale up 1→2"]

@@ -218,12 +218,13 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
 
 
 class _DecisionTail:
-    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come."""
+    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come;
+    a disaggregated fleet's lines name their pool's role."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.warm = 0  # the warm-pool target last shown: a change is worth a line too
+        self.warm: dict[str, int] = {}  # per pool, the warm-pool target last shown: a change is worth a line too
 
     def lines(self) -> list[str]:
         try:
@@ -241,13 +242,16 @@ class _DecisionTail:
             except ValueError:
                 continue
             stamp = str(event.get("timestamp", ""))[11:19]
+            pool = str(event.get("pool") or "")
+            role = pool.rpartition(":")[2]
+            who = "autoscaler" + (f" ({role})" if role in ("prefill", "decode") else "")
             if event.get("event") == "scale_decision":
-                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm:
-                    out.append(click.style(f" {stamp} autoscaler: {event.get('reason')}", fg="cyan"))
-                self.warm = event.get("desired_warm", 0)
+                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm.get(pool, 0):
+                    out.append(click.style(f" {stamp} {who}: {event.get('reason')}", fg="cyan"))
+                self.warm[pool] = event.get("desired_warm", 0)
             elif event.get("event") in ("replica_started", "replica_stopping", "replica_exited"):
                 what = event["event"].removeprefix("replica_")
-                out.append(f" {stamp} autoscaler: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
+                out.append(f" {stamp} {who}: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
         return out
 
 
