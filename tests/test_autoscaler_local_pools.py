@@ -79,3 +79,26 @@ def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
     lines = [click.unstyle(line) for line in _DecisionTail(log).lines()]
     assert lines == [" 10:00:00 autoscaler (decode): scale up 1→2", " 10:00:01 autoscaler (prefill): worker-3 started (pid 7)",
                      " 10:00:00 autoscaler: scale up 1→2"]
+
+
+def test_up_gives_the_autoscaler_both_pools_and_their_bounds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from inferbus.local import Stack, StackConfig
+    from inferbus.settings import load
+    from services.autoscaler.service import make_actuator
+    from services.autoscaler.settings import AutoscalerSettings
+
+    env = Stack(StackConfig(state_dir=tmp_path, autoscale=True, prefill=1, decode=2, max_workers=3,
+                            model="m")).autoscaler_env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("INFERBUS_MODEL", "m")
+    settings = load(AutoscalerSettings)
+    assert [(pool, role) for pool, role, _ in settings.scaled_pools()] == [("m", "prefill"), ("m", "decode")]
+    configs = settings.role_configs()
+    assert (configs["prefill"].min_serving, configs["prefill"].max_serving, configs["prefill"].max_replicas) == (1, 3, 3)
+    assert (configs["decode"].min_serving, configs["decode"].max_serving, configs["decode"].max_replicas) == (2, 3, 3)
+    actuator = make_actuator(settings)
+    assert isinstance(actuator, LocalActuator) and actuator.pools == {PREFILL: "prefill", DECODE: "decode"}
+
+    with pytest.raises(ValueError, match="at most max_workers"):
+        StackConfig(state_dir=tmp_path, autoscale=True, prefill=4, decode=1, max_workers=3)
