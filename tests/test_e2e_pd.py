@@ -295,6 +295,51 @@ def test_a_decode_worker_gives_a_prefill_half_up(pd_platform: Platform) -> None:
     assert accepted.accepted and done is not None and not done.ok and load == 0
 
 
+def test_a_prefill_worker_takes_one_batch_prompt_at_a_time_and_interactive_ones_beside_it(pd_platform: Platform) -> None:
+    """Batch lines' prompts use the prefill side's spare capacity: beyond
+    INFERBUS_WORKER_BATCH_MAX_PREFILLING (1) at once a batch half is refused `full`, an interactive
+    one is still taken. No decode engine joins the rooms here, so a taken half stays held."""
+    def half(kind: str, band: str) -> m.PrefillRequest:
+        ask = _half(f"pd-{kind}-" + secrets.token_hex(4), 2_000)
+        return msgspec.structs.replace(ask, request=msgspec.structs.replace(ask.request, band=band))
+
+    async def run() -> list[tuple[bool, str]]:
+        subject = subjects.prefill_subject("worker-1", "test-decode")
+        nc = await nats.connect(pd_platform.stack.nats_url)
+        taken: list[m.PrefillRequest] = []
+        answers = []
+        try:
+            for ask in (half("batch", "batch"), half("batch", "batch"), half("chat", "standard"), None,
+                        half("batch", "batch")):
+                if ask is None:  # the first batch half ends: another one may start
+                    first = taken.pop(0)
+                    await nc.publish(subject, m.encode(m.PrefillAbort(request_id=first.request.request_id, attempt=0)))
+                    deadline = time.monotonic() + 5
+                    status = m.encode(m.PrefillStatus(request_id=first.request.request_id, attempt=0))
+                    while msgspec.msgpack.decode((await nc.request(subject, status, timeout=5)).data,
+                                                 type=m.PrefillHeld).held:
+                        assert time.monotonic() < deadline, "the aborted batch half stayed"
+                        await asyncio.sleep(0.05)
+                    continue
+                answer = msgspec.msgpack.decode((await nc.request(subject, m.encode(ask), timeout=5)).data,
+                                                type=m.PrefillAccepted)
+                answers.append((answer.accepted, answer.reason))
+                if answer.accepted:
+                    taken.append(ask)
+        finally:
+            for ask in taken:
+                await nc.publish(subject, m.encode(m.PrefillAbort(request_id=ask.request.request_id, attempt=0)))
+            await nc.flush()
+            await nc.close()
+        return answers
+
+    assert asyncio.run(run()) == [(True, ""), (False, "full"), (True, ""), (True, "")]
+    deadline = time.monotonic() + 10
+    while busy(pd_platform, PREFILL):  # what it took is aborted: later tests find the engine idle
+        assert time.monotonic() < deadline, "aborted halves stayed in the prefill engine"
+        time.sleep(0.05)
+
+
 def test_a_prefill_worker_says_whether_it_still_holds_a_half(pd_platform: Platform) -> None:
     async def run() -> tuple[bool, bool]:
         request_id = "pd-status-" + secrets.token_hex(4)
