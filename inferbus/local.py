@@ -372,7 +372,8 @@ class StackConfig:
     # with a sentinel per zone, a router and a gateway per zone, workers spread over the zones).
     zones: int = 1
     # Prefill/decode disaggregation: this many prefill and decode workers (worker-1.. are the
-    # prefill ones) instead of `workers` aggregated ones; both 0: aggregated.
+    # prefill ones) instead of `workers` aggregated ones; both 0: aggregated. With `autoscale`, each
+    # pool's fewest serving workers (instead of min_workers), up to max_workers each, scaled apart.
     prefill: int = 0
     decode: int = 0
 
@@ -380,8 +381,9 @@ class StackConfig:
         if self.prefill or self.decode:
             if self.prefill < 1 or self.decode < 1:
                 raise ValueError("a disaggregated fleet needs at least one prefill and one decode worker")
-            if self.autoscale:
-                raise ValueError("prefill/decode workers are started fixed, not by the autoscaler")
+            if self.autoscale and max(self.prefill, self.decode) > self.max_workers:
+                raise ValueError(f"autoscaled prefill ({self.prefill}) and decode ({self.decode}) pools start at "
+                                 f"most max_workers ({self.max_workers}) each")
             self.workers = self.prefill + self.decode
 
     def role_of(self, index: int) -> str:
@@ -557,9 +559,11 @@ class Stack:
         if c.autoscale:
             # Last, so that it stops first: it drains and stops the workers it started.
             autoscaler_log = c.state_dir / "logs" / "autoscaler.log"
+            bounds = (f"{c.prefill}-{c.max_workers} prefill + {c.decode}-{c.max_workers} decode" if c.prefill
+                      else f"{c.min_workers}-{c.max_workers}")
             self._add("autoscaler", self._inferbus("autoscaler"),
                       lambda: _logged(autoscaler_log, b'"autoscaler_ready"'),
-                      f"{c.min_workers}-{c.max_workers} workers, cold start {c.cold_start_s:g} s",
+                      f"{bounds} workers, cold start {c.cold_start_s:g} s",
                       **self.autoscaler_env())
 
     def _plan_zones(self) -> None:
@@ -687,6 +691,10 @@ class Stack:
             "INFERBUS_AUTOSCALER_COLD_START_S": str(c.cold_start_s),
             "INFERBUS_AUTOSCALER_WARM_START_S": str(c.warm_start_s),
             "INFERBUS_AUTOSCALER_LOCAL_LOG_DIR": str(c.state_dir / "logs"),
+            **({"INFERBUS_AUTOSCALER_DISAGGREGATED": "true", "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.decode),
+                "INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING": str(c.prefill),
+                "INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING": str(c.max_workers),
+                "INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS": str(c.max_workers)} if c.prefill else {}),
             **({"INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER": self.identities["worker"].user,
                 "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD": self.identities["worker"].password}
                if self.identities else {}),
@@ -788,7 +796,8 @@ class Stack:
         """The gateway (at `url`, default the platform's) is up, connected, and sees every worker's heartbeat."""
         import json
 
-        needed = self.config.min_workers if self.config.autoscale else self.config.workers
+        c = self.config
+        needed = c.workers if not c.autoscale else c.prefill + c.decode if c.prefill else c.min_workers
         try:
             with urllib.request.urlopen(f"{url or self.gateway_url}/ready", timeout=2) as response:
                 return json.load(response).get("workers", 0) >= needed

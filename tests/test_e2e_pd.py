@@ -133,8 +133,22 @@ def test_n_choices_share_the_prefill_worker(pd_platform: Platform) -> None:
     assert counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"] - before == 3 * response.usage.prompt_tokens
 
 
+async def _loads_of(platform: Platform, worker_id: str, reports: list[m.WorkerLoad], stop: asyncio.Event) -> None:
+    nc = await nats.connect(platform.stack.nats_url)
+    decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
+
+    async def on_load(msg) -> None:  # type: ignore[no-untyped-def]
+        reports.append(decoder.decode(msg.data))
+
+    await nc.subscribe(subjects.metrics_subject(worker_id), cb=on_load)
+    await stop.wait()
+    await nc.close()
+
+
 def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
-    """Batch lines are pulled by the decode worker like any request; their prompts run on the prefill worker."""
+    """Batch lines are pulled by the decode worker like any request; their prompts run on the prefill
+    worker, which reports them as batch (the autoscaler sizes the prefill pool on interactive
+    demand only: batch lines are filler, in both pools)."""
     client = pd_platform.client(timeout=30)
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Batch question {i}?"}], "max_tokens": 5}}
@@ -142,11 +156,33 @@ def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     file_id = client.files.create(file=("input.jsonl", data), purpose="batch").id
     before = counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"]
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 90
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
-        time.sleep(0.2)
+    reports: list[m.WorkerLoad] = []
+
+    async def run():  # type: ignore[no-untyped-def]
+        stop = asyncio.Event()
+        listening = asyncio.ensure_future(_loads_of(pd_platform, f"worker-{PREFILL}", reports, stop))
+        while not reports:  # a report from before the batch: the baseline
+            await asyncio.sleep(0.05)
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 90
+        while (batch := await asyncio.to_thread(client.batches.retrieve, batch.id)).status not in (
+                "completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch.request_counts}"
+            await asyncio.sleep(0.2)
+        count = len(reports)
+        while len(reports) <= count + 1:  # a report after the last half ended
+            await asyncio.sleep(0.05)
+        stop.set()
+        await listening
+        return batch
+
+    batch = asyncio.run(run())
+    first, last = reports[0], reports[-1]
+    assert last.role == "prefill" and last.completed - first.completed == 6
+    assert last.completed_batch - first.completed_batch == 6, "the prefill worker counted batch halves as interactive"
+    assert last.batch_in_flight == 0
+    # Nothing interactive ran meanwhile: every half in flight in a report was a batch line's.
+    assert all(r.in_flight == r.batch_in_flight for r in reports), [(r.in_flight, r.batch_in_flight) for r in reports]
     assert batch.status == "completed" and batch.request_counts is not None and batch.request_counts.completed == 6
     assert batch.output_file_id is not None
     output = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines() if line.strip()]
@@ -257,6 +293,51 @@ def test_a_decode_worker_gives_a_prefill_half_up(pd_platform: Platform) -> None:
     accepted, done, load = asyncio.run(_ask_prefill(pd_platform, _half(request_id, 2_000), abort,
                                                     subjects.prefill_subject("worker-1", "test-decode")))
     assert accepted.accepted and done is not None and not done.ok and load == 0
+
+
+def test_a_prefill_worker_takes_one_batch_prompt_at_a_time_and_interactive_ones_beside_it(pd_platform: Platform) -> None:
+    """Batch lines' prompts use the prefill side's spare capacity: beyond
+    INFERBUS_WORKER_BATCH_MAX_PREFILLING (1) at once a batch half is refused `full`, an interactive
+    one is still taken. No decode engine joins the rooms here, so a taken half stays held."""
+    def half(kind: str, band: str) -> m.PrefillRequest:
+        ask = _half(f"pd-{kind}-" + secrets.token_hex(4), 2_000)
+        return msgspec.structs.replace(ask, request=msgspec.structs.replace(ask.request, band=band))
+
+    async def run() -> list[tuple[bool, str]]:
+        subject = subjects.prefill_subject("worker-1", "test-decode")
+        nc = await nats.connect(pd_platform.stack.nats_url)
+        taken: list[m.PrefillRequest] = []
+        answers = []
+        try:
+            for ask in (half("batch", "batch"), half("batch", "batch"), half("chat", "standard"), None,
+                        half("batch", "batch")):
+                if ask is None:  # the first batch half ends: another one may start
+                    first = taken.pop(0)
+                    await nc.publish(subject, m.encode(m.PrefillAbort(request_id=first.request.request_id, attempt=0)))
+                    deadline = time.monotonic() + 5
+                    status = m.encode(m.PrefillStatus(request_id=first.request.request_id, attempt=0))
+                    while msgspec.msgpack.decode((await nc.request(subject, status, timeout=5)).data,
+                                                 type=m.PrefillHeld).held:
+                        assert time.monotonic() < deadline, "the aborted batch half stayed"
+                        await asyncio.sleep(0.05)
+                    continue
+                answer = msgspec.msgpack.decode((await nc.request(subject, m.encode(ask), timeout=5)).data,
+                                                type=m.PrefillAccepted)
+                answers.append((answer.accepted, answer.reason))
+                if answer.accepted:
+                    taken.append(ask)
+        finally:
+            for ask in taken:
+                await nc.publish(subject, m.encode(m.PrefillAbort(request_id=ask.request.request_id, attempt=0)))
+            await nc.flush()
+            await nc.close()
+        return answers
+
+    assert asyncio.run(run()) == [(True, ""), (False, "full"), (True, ""), (True, "")]
+    deadline = time.monotonic() + 10
+    while busy(pd_platform, PREFILL):  # what it took is aborted: later tests find the engine idle
+        assert time.monotonic() < deadline, "aborted halves stayed in the prefill engine"
+        time.sleep(0.05)
 
 
 def test_a_prefill_worker_says_whether_it_still_holds_a_half(pd_platform: Platform) -> None:

@@ -44,10 +44,11 @@ def main() -> None:
 @click.option("--prefill", default=0, show_default=True, type=click.IntRange(0, 64),
               help="Prefill/decode disaggregation: simulated prefill workers (engines in SGLang's "
                    "--disaggregation-mode prefill, computing prompts for decode workers). With --decode, instead of "
-                   "--workers; see docs/architecture.md.")
+                   "--workers; see docs/architecture.md. With --autoscale: the prefill pool's fewest serving workers.")
 @click.option("--decode", default=0, show_default=True, type=click.IntRange(0, 64),
               help="Prefill/decode disaggregation: simulated decode workers (they take the requests, have their "
-                   "prompts computed by a prefill worker and stream the tokens).")
+                   "prompts computed by a prefill worker and stream the tokens). With --autoscale: the decode pool's "
+                   "fewest serving workers.")
 @click.option("--gpu", default="H100", show_default=True, type=click.Choice(["H100", "H200"]),
               help="GPU the simulated engines model (HBM size and bandwidth, FLOP/s).")
 @click.option("--tp", default=2, show_default=True, type=click.Choice(["1", "2", "4", "8"]),
@@ -61,10 +62,11 @@ def main() -> None:
               help="Where NATS keeps JetStream data, every service writes its log and the launcher keeps the "
                    "platform's credentials (a 0700 directory).")
 @click.option("--autoscale", is_flag=True,
-              help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers.")
+              help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers; "
+                   "with --prefill/--decode, each pool's workers apart.")
 @click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64), help="With --autoscale: fewest serving workers.")
 @click.option("--max-workers", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="With --autoscale: most workers (serving, warm and starting).")
+              help="With --autoscale: most workers (serving, warm and starting); with --prefill/--decode, of each pool.")
 @click.option("--cold-start", "cold_start_s", default=20.0, show_default=True, type=click.FloatRange(min=0),
               help="With --autoscale: simulated seconds from launch to a loaded (warm) worker; real 70B replicas take minutes.")
 @click.option("--warm-start", "warm_start_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
@@ -109,7 +111,10 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
     arrival rate; its decisions are printed here as they happen (see docs/autoscaling.md).
 
     With --prefill N --decode M the fleet is disaggregated: N prefill and M decode workers instead
-    of --workers; the router pairs them per request (docs/routing.md).
+    of --workers; the router pairs them per request (docs/routing.md). With --autoscale too, the
+    autoscaler scales the two pools apart (prefill on its TTFT share and queue, decode on TPOT and
+    KV use), each from its N or M (its fewest serving workers, instead of --min-workers) up to
+    --max-workers.
     """
     from inferbus.local import Stack, StackConfig, redis_reachable
 
@@ -121,8 +126,10 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
     if (prefill or decode) and not (prefill and decode):
         raise click.BadParameter("a disaggregated fleet needs both --prefill and --decode (at least 1 each)",
                                  param_hint="--prefill/--decode")
-    if (prefill or decode) and autoscale:
-        raise click.BadParameter("--prefill/--decode start fixed workers: not with --autoscale", param_hint="--autoscale")
+    if prefill and autoscale and max(prefill, decode) > max_workers:
+        raise click.BadParameter(f"with --autoscale, --prefill ({prefill}) and --decode ({decode}) are each pool's "
+                                 f"fewest serving workers: at most --max-workers ({max_workers})",
+                                 param_hint="--prefill/--decode")
     if tls and os.environ.get("NATS_URL"):
         raise click.BadParameter("--tls applies to the NATS `inferbus up` starts; with NATS_URL set, configure TLS on "
                                  "that server and set NATS_TLS_CA (see docs/security.md)", param_hint="--tls")
@@ -159,7 +166,8 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    fleet = (f"{min_workers}-{max_workers} autoscaled" if autoscale
+    fleet = (f"{prefill}-{max_workers} prefill + {decode}-{max_workers} decode autoscaled" if autoscale and prefill
+             else f"{min_workers}-{max_workers} autoscaled" if autoscale
              else f"{prefill} prefill + {decode} decode" if prefill else f"{workers}")
     click.echo(f"inferbus up: {fleet} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
     try:
@@ -210,12 +218,13 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
 
 
 class _DecisionTail:
-    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come."""
+    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come;
+    a disaggregated fleet's lines name their pool's role."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.warm = 0  # the warm-pool target last shown: a change is worth a line too
+        self.warm: dict[str, int] = {}  # per pool, the warm-pool target last shown: a change is worth a line too
 
     def lines(self) -> list[str]:
         try:
@@ -233,13 +242,16 @@ class _DecisionTail:
             except ValueError:
                 continue
             stamp = str(event.get("timestamp", ""))[11:19]
+            pool = str(event.get("pool") or "")
+            role = pool.rpartition(":")[2]
+            who = "autoscaler" + (f" ({role})" if role in ("prefill", "decode") else "")
             if event.get("event") == "scale_decision":
-                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm:
-                    out.append(click.style(f" {stamp} autoscaler: {event.get('reason')}", fg="cyan"))
-                self.warm = event.get("desired_warm", 0)
+                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm.get(pool, 0):
+                    out.append(click.style(f" {stamp} {who}: {event.get('reason')}", fg="cyan"))
+                self.warm[pool] = event.get("desired_warm", 0)
             elif event.get("event") in ("replica_started", "replica_stopping", "replica_exited"):
                 what = event["event"].removeprefix("replica_")
-                out.append(f" {stamp} autoscaler: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
+                out.append(f" {stamp} {who}: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
         return out
 
 

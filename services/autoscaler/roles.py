@@ -42,6 +42,7 @@ class RoleBounds:
     max_serving: int
     max_warm: int
     max_replicas: int
+    min_serving: int | None = None  # None: the shared config's
 
 
 def role_configs(base: PolicyConfig, *, prefill: RoleBounds, decode: RoleBounds, prefill_ttft_budget_s: float,
@@ -53,6 +54,7 @@ def role_configs(base: PolicyConfig, *, prefill: RoleBounds, decode: RoleBounds,
 
     def bounded(b: RoleBounds, **kwargs: object) -> PolicyConfig:
         return dataclasses.replace(base, goodput_rps=b.goodput_rps, max_serving=b.max_serving,
+                                   min_serving=base.min_serving if b.min_serving is None else b.min_serving,
                                    min_warm=min(base.min_warm, b.max_warm), max_warm=b.max_warm,
                                    max_replicas=b.max_replicas, **kwargs)  # type: ignore[arg-type]
 

@@ -53,6 +53,8 @@ def make_actuator(settings: AutoscalerSettings) -> Actuator:
         pools = settings.pool_list()
         if len(pools) != 1:
             raise SystemExit("the local actuator runs one pool: set a single INFERBUS_AUTOSCALER_POOLS")
+        # Disaggregated: the model's prefill pool and decode pool, each of its role's replicas.
+        roles = {name: role or "aggregated" for _, role, name in settings.scaled_pools()}
         raw = settings.engine_spec()
         spec = EngineSpec(gpu=raw.get("gpu", "H100"), tp=int(raw.get("tp", 2)), model=raw.get("model", pools[0]),
                           time_scale=float(raw.get("time_scale", 1.0)), fixed_step_ms=raw.get("fixed_step_ms"),
@@ -60,7 +62,7 @@ def make_actuator(settings: AutoscalerSettings) -> Actuator:
         replica_env = dict(os.environ)
         if settings.local_worker_nats_user:  # the workers' own identity, never the autoscaler's
             replica_env.update(NATS_USER=settings.local_worker_nats_user, NATS_PASSWORD=settings.local_worker_nats_password)
-        return LocalActuator(pools[0], spec, Path(settings.local_log_dir), cold_start_s=settings.cold_start_s,
+        return LocalActuator(roles, spec, Path(settings.local_log_dir), cold_start_s=settings.cold_start_s,
                              warm_start_s=settings.warm_start_s, env=replica_env,
                              zones=[z.strip() for z in settings.local_zones.split(",") if z.strip()])
     if settings.actuator == "kubernetes":

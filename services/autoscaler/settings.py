@@ -20,7 +20,7 @@ class AutoscalerSettings:
     autoscaler_id: str = env("INFERBUS_AUTOSCALER_ID", "", "This autoscaler's id in its decisions (default: autoscaler-<host name>).")
     pools: str = env("INFERBUS_AUTOSCALER_POOLS", "", "Model pools to scale, comma-separated (default: INFERBUS_MODEL). Every pool gets the same bounds; run one autoscaler per pool for different ones.")
     model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id of the pool when INFERBUS_AUTOSCALER_POOLS is empty.")
-    actuator: str = env("INFERBUS_AUTOSCALER_ACTUATOR", "dryrun", "How decisions are carried out: dryrun (publish and log only), local (start/stop simulated workers on this machine) or kubernetes (the Deployment's scale subresource).")
+    actuator: str = env("INFERBUS_AUTOSCALER_ACTUATOR", "dryrun", "How decisions are carried out: dryrun (publish and log only), local (start/stop simulated workers on this machine; with INFERBUS_AUTOSCALER_DISAGGREGATED, prefill and decode workers) or kubernetes (the Deployment's scale subresource).")
     tick_s: float = env("INFERBUS_AUTOSCALER_TICK_S", 5.0, "Seconds between two decisions.")
     rate_window_s: float = env("INFERBUS_AUTOSCALER_RATE_WINDOW_S", 10.0, "Window over which arrival and completion rates are measured.")
     latency_window_s: float = env("INFERBUS_AUTOSCALER_LATENCY_WINDOW_S", 30.0, "Window of the p90 TTFT, TPOT and queue-wait signals.")
@@ -46,6 +46,7 @@ class AutoscalerSettings:
     disaggregated: bool = env("INFERBUS_AUTOSCALER_DISAGGREGATED", False, "Prefill/decode disaggregation: scale each pool's prefill workers and decode workers apart, each on its own signal (prefill: its TTFT budget and queue; decode: TPOT and KV use). The decode pool takes the bounds and goodput above (and INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS), the prefill pool the PREFILL_ ones. `inferbus plan --emit-deploy` sets them from a disaggregated plan.")
     prefill_goodput_rps: float = env("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", 4.1, "Disaggregated: requests per second one prefill replica serves within its TTFT budget (from `inferbus plan`).")
     prefill_ttft_budget_s: float = env("INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S", 0.6, "Disaggregated: p90 the prefill pool's own TTFT (gateway accept to the prompt's KV sent) must hold: the TTFT SLO less the decode side's first steps (from `inferbus plan`).")
+    prefill_min_serving: int = env("INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING", 0, "Disaggregated: fewest serving prefill replicas per pool; 0: INFERBUS_AUTOSCALER_MIN_SERVING.")
     prefill_max_serving: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING", 64, "Disaggregated: most serving prefill replicas per pool.")
     prefill_max_warm: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_WARM", 8, "Disaggregated: most warm prefill replicas per pool.")
     prefill_max_replicas: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS", 72, "Disaggregated: most prefill replicas per pool counting serving, warm and starting ones (their GPU budget).")
@@ -80,9 +81,8 @@ class AutoscalerSettings:
             named = [f.metadata["env"] for f in dataclasses.fields(self) if re.search(rf"\b{f.name}\b", str(error))]
             raise SystemExit(f"invalid autoscaler settings: {error} (from {', '.join(named)})") from None
         if self.disaggregated:
-            if self.actuator == "local":
-                raise SystemExit("INFERBUS_AUTOSCALER_DISAGGREGATED runs with the kubernetes or dryrun actuator: the "
-                                 "local actuator starts aggregated replicas")
+            if self.prefill_min_serving < 0:
+                raise SystemExit("INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING must be >= 0")
             try:
                 self.role_configs()
             except ValueError as error:
@@ -113,7 +113,7 @@ class AutoscalerSettings:
         return role_configs(
             self.policy_config(),
             prefill=RoleBounds(self.prefill_goodput_rps, self.prefill_max_serving, self.prefill_max_warm,
-                               self.prefill_max_replicas),
+                               self.prefill_max_replicas, self.prefill_min_serving or None),
             decode=RoleBounds(self.goodput_rps, self.max_serving, self.max_warm, self.max_replicas),
             prefill_ttft_budget_s=self.prefill_ttft_budget_s, decode_kv_budget=self.decode_kv_budget)
 

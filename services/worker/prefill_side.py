@@ -3,7 +3,8 @@ send it the prefill halves of theirs (`PrefillRequest` on `prefill_subject(self,
 
 It takes a half while it has a slot (its engine's max_running_requests: beyond that a prefill
 waits in the engine's queue while another prefill worker may be free, so it refuses, `full`, and
-the decode worker asks the next one), answers with its engine's bootstrap address, and sends the
+the decode worker asks the next one), and a batch line's half only while it computes fewer batch
+prompts than INFERBUS_WORKER_BATCH_MAX_PREFILLING (batch runs on spare capacity on this side too), answers with its engine's bootstrap address, and sends the
 request with the bootstrap trio to its engine, which computes the prompt, sends the KV to the
 decode engine waiting in the room, and answers once the transfer is done. It then tells the decode
 worker how the half ended (`PrefillDone`), with the cached tokens its engine reported: those are
@@ -73,6 +74,10 @@ class PrefillSide:
     async def start(self) -> None:
         await self.worker.nc.subscribe(subjects.prefill_subjects_to(self.worker.settings.worker_id), cb=self._on_message)
 
+    def batch_halves(self) -> int:
+        """Halves of batch lines running here: filler, reported as batch (never demand to scale on)."""
+        return sum(1 for h in self.halves.values() if h.request.band == "batch")
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens taken and not computed yet, less those the router expected cached here."""
         return sum(max(0, len(h.request.input_ids) + len(h.request.resumed_ids) - h.request.prefill_cached_tokens)
@@ -117,6 +122,10 @@ class PrefillSide:
                 request.request_id, request.attempt):
             refusal = "cancelled"
         elif len(self.halves) >= self.capacity:
+            refusal = "full"
+        elif request.band == "batch" and self.batch_halves() >= worker.settings.batch_max_prefilling:
+            # Batch prompts take chunked-prefill budget from interactive ones, here as on a decode
+            # worker's engine: as many at once as a worker lets batch lines prefill.
             refusal = "full"
         if refusal:
             PREFILL_HALVES.labels("refused").inc()
@@ -164,6 +173,8 @@ class PrefillSide:
                 del self.halves[(request.request_id, request.attempt)]
             self.finished += 1
             worker.stats.completed += 1
+            if request.band == "batch":  # as a decode or aggregated worker counts its batch lines
+                worker.stats.completed_batch += 1
             worker.load_changed.set()
             structlog.contextvars.unbind_contextvars("request_id", "tenant")
         PREFILL_HALVES.labels("ok" if done.ok else "aborted" if half.aborted else "failed").inc()

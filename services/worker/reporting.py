@@ -219,8 +219,11 @@ class LoadReporter:
     def _autoscaling_fields(self, batch_waiting: int) -> dict[str, Any]:
         worker, stats = self.worker, self.worker.stats
         gpu, tp = engine_gpu(worker.engine_info)
+        # A prefill worker's batch lines are the halves of them decode workers sent it.
+        batch_halves = worker.prefill.batch_halves() if worker.prefill is not None else 0
         return dict(
-            phase=worker.phase, batch_in_flight=stats.batch_in_flight, completed_batch=stats.completed_batch,
+            phase=worker.phase, batch_in_flight=stats.batch_in_flight + batch_halves,
+            completed_batch=stats.completed_batch,
             batch_waiting=batch_waiting, ttft_hist=list(stats.ttft_hist), queue_wait_hist=list(stats.queue_wait_hist),
             tpot_fine_hist=list(stats.tpot_hist), gpu=gpu, tp=tp, **worker.release_counts.load_fields(),
             adapter_outcomes=worker.adapter_outcomes.load_field(),
