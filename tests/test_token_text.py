@@ -69,3 +69,18 @@ def test_entries_without_ids_keep_the_engines_text(spm: Tokenizer) -> None:
     texts = TokenTexts(lambda token_ids: spm.decode(list(token_ids)))
     entries = [m.TokenLogprob(token="x", logprob=-1.0), m.TokenLogprob(token="y", logprob=-2.0, top=[("z", -3.0)])]
     assert texts.rewrite(entries) == entries
+
+
+def test_an_output_cut_inside_a_character_ends_as_the_engines_text(spm: Tokenizer) -> None:
+    """Cut at max_tokens between the bytes of one character, SGLang's final text ends with what those
+    bytes decode to (the replacement character): the last token gives it, so the tokens still join up."""
+    ids = spm.encode("fine 😀").ids
+    cut = ids[:-1]  # the emoji's last byte never comes
+    content = spm.decode(cut)
+    assert content.endswith("\ufffd")
+    entries = _engine_entries(spm, cut)
+    streamed = TokenTexts(lambda token_ids: spm.decode(list(token_ids)))
+    tokens = [e.token for e in streamed.rewrite(entries[:-2])] + [e.token for e in streamed.rewrite(entries[-2:], final=True)]
+    assert "".join(tokens) == content
+    # Not final: the bytes wait for the token that would complete the character.
+    assert "".join(e.token for e in TokenTexts(lambda token_ids: spm.decode(list(token_ids))).rewrite(entries)) == "fine "

@@ -7,7 +7,9 @@ space (`▁the` alone decodes to `the`), so the tokens no longer join up to the 
 engine decodes as a whole. Decoded in context instead, a token's text is what it adds to the
 decoding of the tokens before it: the decoding of (previous tokens + it) minus that of the previous
 tokens, over a short window. A token that ends inside a character (byte-fallback pieces of one
-UTF-8 character) adds nothing until the token that completes it, which carries the whole character.
+UTF-8 character) adds nothing until the token that completes it, which carries the whole character;
+an output that ends inside a character (cut at max_tokens) ends, as the engine's text does, with
+the replacement character its last tokens decode to.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ class TokenTexts:
             return None
         return text[len(context_text):]
 
-    def rewrite(self, entries: Sequence[m.TokenLogprob]) -> list[m.TokenLogprob]:
+    def rewrite(self, entries: Sequence[m.TokenLogprob], final: bool = False) -> list[m.TokenLogprob]:
         """`entries` (the next generated tokens) with their text and their alternatives' decoded in
-        context; an entry without a token id keeps the engine's text."""
+        context; an entry without a token id keeps the engine's text. `final`: they end the output."""
         out = []
-        for entry in entries:
+        for index, entry in enumerate(entries):
             if entry.token_id < 0:
                 out.append(entry)
                 continue
@@ -58,6 +60,11 @@ class TokenTexts:
             top += entry.top[len(top):]
             self.ids.append(entry.token_id)
             added = self._added(self.ids[self.prefix:], context_text)
+            if added is None and final and index == len(entries) - 1:
+                # The output ends inside a character: SGLang's final text gives its bytes as they
+                # decode (the replacement character), and so does the last token.
+                text = self.decode(self.ids[self.prefix:])
+                added = text[len(context_text):] if text.startswith(context_text) else None
             if added is None:
                 token = ""  # all of the character comes with the token that completes it
             else:

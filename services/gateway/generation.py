@@ -474,7 +474,8 @@ class Generation:
             return event
         if choice.token_texts is None:
             choice.token_texts = TokenTexts(self.served.decode, choice.flight.request.input_ids)
-        return msgspec.structs.replace(event, logprobs=choice.token_texts.rewrite(event.logprobs))
+        return msgspec.structs.replace(event, logprobs=choice.token_texts.rewrite(event.logprobs,
+                                                                          final=isinstance(event, m.Final)))
 
     def _quiet(self, call: _Call) -> bool:
         """Nothing more is queued for this response right now."""

@@ -2,8 +2,9 @@
 under a seed.
 
 - Constrained decoding (SGLang's `json_schema` sampling parameter): a value generated from the
-  schema, valid against it, written as compact JSON: no whitespace between tokens, as SGLang
-  writes it with `--constrained-json-disable-any-whitespace`, which every platform engine runs with.
+  schema, valid against it, on one line with `, ` and `: ` between tokens and no other whitespace,
+  as SGLang (XGrammar) writes it with `--constrained-json-disable-any-whitespace`, which every
+  platform engine runs with.
 - Tool use: a prompt that offers tools (their JSON definitions, as chat templates render them)
   and whose conversation after them mentions tools' names (their words, e.g. "weather" for
   `get_weather`) gets a call of each such tool in the model family's format
@@ -299,7 +300,7 @@ def _answer(schema: Any, rng: random.Random, prompt: str) -> Any:
 
 
 def _dump(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))  # XGrammar's without any_whitespace
 
 
 def _open_object(schema: Any) -> bool:

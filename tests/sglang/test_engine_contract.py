@@ -4,6 +4,7 @@ real SGLang 0.5.23 or the simulated engine (see conftest.py): whatever holds her
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,8 +15,9 @@ import pytest
 from inferbus.prompt import load_model
 from proto import messages as m
 from services.worker.engine import EngineClient, EngineError, EngineUpdate
+from services.worker.reporting import engine_context_length
 
-from .conftest import SGLANG_VERSION, Engine
+from .conftest import MAX_TOTAL_TOKENS, SGLANG_VERSION, Engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # the first engine start may take minutes
 
@@ -142,6 +144,37 @@ async def test_server_info_and_loads_give_the_effective_running_limit(engine: En
     load = await client.loads()
     assert load.capacity_tokens == info["max_total_num_tokens"]
     assert httpx.get(engine.url + "/get_load", timeout=10).status_code == 404
+
+
+async def test_server_info_gives_the_context_window_the_engine_enforces(engine: Engine, client: EngineClient) -> None:
+    """The worker's heartbeat carries the window read here: started without --context-length,
+    `context_length` is null at the top and `max_req_input_len` is min(model's window, KV pool) - 6;
+    a prompt as long as that window is refused, one token less is not."""
+    info = await client.server_info()
+    assert info["context_length"] is None
+    window = engine_context_length(info)
+    assert window == load_model(str(engine.model_dir)).context_length == MAX_TOTAL_TOKENS
+    with pytest.raises(EngineError) as refused:
+        await collect(client, request(max_new_tokens=1, input_ids=[7] * window))
+    assert refused.value.status == 400 and not refused.value.retryable
+    plain = httpx.post(engine.url + "/generate", timeout=60, json={
+        "input_ids": [7] * (info["max_req_input_len"] - 1), "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert plain.status_code == 200 and plain.json()["meta_info"]["finish_reason"]["type"] == "length", plain.text
+
+
+async def test_forced_json_has_no_free_whitespace_between_tokens(client: EngineClient) -> None:
+    """Launched with --constrained-json-disable-any-whitespace, even a random-weight model writes
+    the schema's JSON on one line with ", " and ": " between tokens (XGrammar's separators, not
+    compact): the grammar leaves it no room for other spaces or newlines."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "enum": ["alpha", "beta"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 2, "maxItems": 3},
+        "ok": {"type": "boolean"}}, "required": ["name", "count", "tags", "ok"], "additionalProperties": False}
+    for temperature in (0.0, 1.0):
+        req = request(max_new_tokens=120, temperature=temperature)
+        req.sampling.json_schema = json.dumps(schema)
+        text = "".join(update.text for update in await collect(client, req))
+        assert text == json.dumps(json.loads(text), ensure_ascii=False, separators=(", ", ": ")), text
 
 
 async def test_an_adapter_loads_verifies_serves_and_unloads(engine: Engine, client: EngineClient) -> None:

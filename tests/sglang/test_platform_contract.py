@@ -118,6 +118,25 @@ def test_the_worker_offers_the_engines_effective_running_limit(served: Platform,
     assert f'"capacity": {effective}' in ready or f'"capacity":{effective}' in ready, ready
 
 
+def test_the_worker_offers_the_engines_context_window(served: Platform, engine: Engine) -> None:
+    """The heartbeat carries the window the engine enforces, read from its /server_info (no
+    --context-length here: max_req_input_len + 6), so the gateway sizes max_tokens by it."""
+    info = httpx.get(engine.url + "/server_info", timeout=30).json()
+
+    async def heartbeat() -> m.Heartbeat:
+        nc = await nats.connect(served.stack.nats_url)
+        try:
+            kv = await nc.jetstream().key_value(subjects.WORKERS_BUCKET)
+            entry = await kv.get(subjects.worker_key(WORKER_ID))
+            assert entry.value
+            return msgspec.msgpack.decode(entry.value, type=m.Heartbeat)
+        finally:
+            await nc.close()
+
+    beat = asyncio.run(heartbeat())
+    assert beat.context_length == info["max_req_input_len"] + 6 == load_model(str(engine.model_dir)).context_length
+
+
 def test_an_adapter_is_served_again_after_the_engine_forgot_it(served: Platform, engine: Engine,
                                                                 client: openai.OpenAI) -> None:
     with served.admin() as admin:
@@ -206,6 +225,8 @@ def test_logprobs_and_n_choices_through_the_platform(client: openai.OpenAI) -> N
         assert choice.logprobs is not None and choice.logprobs.content
         for token in choice.logprobs.content:
             assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        # The engine decodes each logprob token alone; the gateway decodes them in context.
+        assert "".join(token.token for token in choice.logprobs.content) == choice.message.content
     assert reply.usage is not None and reply.usage.completion_tokens == 8
 
 
@@ -216,7 +237,9 @@ def test_a_json_schema_response_through_the_platform(client: openai.OpenAI) -> N
     reply = client.chat.completions.create(
         model=MODEL, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "Pick a colour."}],
         response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
-    assert json.loads(reply.choices[0].message.content or "")["colour"] in ("red", "blue")
+    content = reply.choices[0].message.content or ""
+    assert json.loads(content)["colour"] in ("red", "blue")
+    assert content == json.dumps(json.loads(content), separators=(", ", ": "))  # no free whitespace
 
 
 def _gateway_ready(served: Platform) -> int:
