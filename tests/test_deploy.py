@@ -270,6 +270,7 @@ def _render(kdir: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kdir", [K8S, K8S / "staging"], ids=["production", "staging"])
 def test_kustomize_renders_valid_objects(kdir: Path):
     docs = _render(kdir)
@@ -397,11 +398,13 @@ def _promtool() -> str:
     return promtool
 
 
+@pytest.mark.slow
 def test_rules_pass_promtool():
     out = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_dashboard_queries_pass_promtool(any_dashboard: dict, tmp_path: Path):
     dashboard = any_dashboard
     promtool = _promtool()
@@ -500,6 +503,7 @@ def test_billing_metrics_in_the_contract_are_the_ones_billing_exports():
     assert not missing, f"in the contract but not exported by services/billing/metrics.py: {sorted(missing)}"
 
 
+@pytest.mark.slow
 def test_slo_alerts_fire_on_synthetic_series(rules: dict, tmp_path: Path):
     """promtool unit test: the SLO alerts fire when the SLO is broken and stay quiet when it is not."""
     promtool = _promtool()

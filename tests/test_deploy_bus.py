@@ -42,6 +42,7 @@ def test_the_checked_in_permissions_are_the_codes() -> None:
     assert AUTH.read_text() == deployment_auth_config(), "regenerate: inferbus bus-config > deploy/k8s/base/nats-auth.conf"
 
 
+@pytest.mark.slow
 def test_the_deployment_config_is_valid_only_with_every_password() -> None:
     secrets = new_secrets()
     env = {**os.environ, **secrets, "POD_NAME": "nats-0"}
@@ -52,6 +53,7 @@ def test_the_deployment_config_is_valid_only_with_every_password() -> None:
     assert refused.returncode != 0 and password_env("worker") in refused.stdout + refused.stderr
 
 
+@pytest.mark.slow
 def test_a_nats_server_with_the_deployments_users_closes_the_bus(tmp_path: Path) -> None:
     secrets = new_secrets()
     port, monitor = free_port(), free_port()
@@ -251,6 +253,7 @@ def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
     assert {n for pair in referenced for n in pair if n} <= nats_env | {"NATS_PASSWORD_OPS"}, referenced
 
 
+@pytest.mark.slow
 def test_the_per_pod_nats_config_is_valid_with_its_secrets(tmp_path: Path) -> None:
     import nkeys
 

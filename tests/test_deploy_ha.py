@@ -90,6 +90,7 @@ OVERLAYS = {
 KUSTOMIZATION = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_gateways_and_workers_learn_their_nodes_zone(overlay: str) -> None:
     """The Downward API cannot read node labels: a `zone` init container reads the node's zone from
@@ -129,6 +130,7 @@ def test_gateways_and_workers_learn_their_nodes_zone(overlay: str) -> None:
         assert holders == ["zone"], name
 
 
+@pytest.mark.slow
 def test_staging_binds_its_own_accounts_under_its_own_name() -> None:
     """The binding is cluster-scoped: staging applied to the same cluster must not take production's."""
     names = {overlay: [d["metadata"]["name"] for d in _render(KUSTOMIZATION + OVERLAYS[overlay][1])
