@@ -103,6 +103,7 @@ def api() -> Iterator[FakeApiServer]:
     server.server_close()
 
 
+@pytest.mark.slow
 def test_reads_and_patches_the_scale_subresource(api: FakeApiServer) -> None:
     async def run() -> None:
         actuator = KubernetesActuator("inferbus", {POOL: "worker"}, client=api_client(api.url))

@@ -231,6 +231,7 @@ def test_compose_pd_profile_runs_a_prefill_and_a_decode_pair():
 # ---------------------------------------------------------------- kubernetes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", _k8s_manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
 def test_k8s_manifest_is_valid(path: Path):
     docs = _load_yaml_docs(path)
@@ -297,6 +298,7 @@ def _deployments() -> dict[str, dict]:
     return out
 
 
+@pytest.mark.slow
 def test_workers_pair_with_an_engine_sidecar_and_drain():
     deps = _deployments()
     for name, engine_port in [("worker", 30000), ("worker-sim", 30000)]:
@@ -312,12 +314,14 @@ def test_workers_pair_with_an_engine_sidecar_and_drain():
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
+@pytest.mark.slow
 def test_gateway_probes():
     c = _deployments()["gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
+@pytest.mark.slow
 def test_nats_has_jetstream_and_a_volume():
     nats = _deployments()["nats"]
     c = nats["spec"]["template"]["spec"]["containers"][0]

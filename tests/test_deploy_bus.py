@@ -113,6 +113,7 @@ def _secret_key(entry: dict) -> str | None:
     return ref.get("key") if ref.get("name") == SECRET else None
 
 
+@pytest.mark.slow
 def test_every_k8s_service_connects_as_its_own_identity() -> None:
     seen = set()
     for path, container in _containers():
@@ -133,6 +134,7 @@ def test_every_k8s_service_connects_as_its_own_identity() -> None:
     assert "REDIS_URL" not in config, "a Redis URL without its password would be used by any service that has none"
 
 
+@pytest.mark.slow
 def test_nats_and_redis_take_their_passwords_from_the_secret() -> None:
     by_name = {c["name"]: c for _, c in _containers()}
     nats_env = {_secret_key(e) for e in by_name["nats"]["env"]}
@@ -182,6 +184,7 @@ def test_compose_services_connect_with_their_own_identity() -> None:
     assert "--requirepass" in compose["redis"]["command"]
 
 
+@pytest.mark.slow
 def test_no_pod_can_read_another_identitys_password() -> None:
     """What the role-wide identities rest on (docs/security.md): a pod gets its own role's password
     as one Secret key, never the whole Secret (a volume, envFrom or a projected volume would give

@@ -91,6 +91,7 @@ def test_the_simulated_fleet_agrees_with_the_planner_with_engine_options(engine,
     assert summary.tpot_p90_s <= 0.040
 
 
+@pytest.mark.slow
 def test_simulate_cli_takes_the_engine_options(tmp_path):
     out = tmp_path / "sim"
     args = ["--trace", "azure_2023_conv.csv", "--duration", "30s", "--peak-rps", "20", "--chunk", "2048",

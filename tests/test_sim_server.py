@@ -223,6 +223,7 @@ async def test_many_concurrent_streams_at_zero_step_time():
         assert not server.engine.has_work
 
 
+@pytest.mark.slow
 async def test_the_time_scale_changes_while_running_only_with_its_control_on() -> None:
     """A benchmark runs an idle phase (adapter prefetching) faster in wall time: an adapter load of
     0.5 simulated seconds takes the wall time of the scale set."""

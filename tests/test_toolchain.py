@@ -102,6 +102,7 @@ def _third_party_imports() -> dict[str, tuple[set[str], set[tuple[str, bool]]]]:
     return out
 
 
+@pytest.mark.slow
 def test_declared_dependencies_are_the_imported_ones():
     base, extras = _declared()
     declared = base.union(*extras.values())  # [dev] too: the mypyc build of the simulator needs mypy
@@ -113,6 +114,7 @@ def test_declared_dependencies_are_the_imported_ones():
     assert not unused, f"declared in [project] dependencies but never imported: {sorted(unused)}"
 
 
+@pytest.mark.slow  # parses every module of the code, as the test above
 def test_optional_dependencies_are_imported_where_they_are_used():
     """An extra's package is imported inside the function that needs it, so a service without
     the extra starts; `inferbus.extras.require` says which extra to install."""
@@ -140,24 +142,28 @@ class _Scope:
     imported: dict[str, tuple[str, str]]  # local name -> (helper module of tests/, name there or "")
 
 
-def _scope(source: str) -> _Scope:
-    tree = ast.parse(source)
+def _import(node: ast.Import | ast.ImportFrom, imported: dict[str, tuple[str, str]]) -> None:
+    """Record the names `node` imports from a module of tests/."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name.startswith("tests."):
+                imported[alias.asname or alias.name] = (alias.name.removeprefix("tests."), "")
+        return
+    module = node.module or ""
+    if node.level == 0 and not module.startswith("tests"):
+        return
+    helper = module.removeprefix("tests").lstrip(".")
+    for alias in node.names:
+        imported[alias.asname or alias.name] = (helper, alias.name) if helper else (alias.name, "")
+
+
+def _scope(tree: ast.Module) -> _Scope:
     loads: dict[str, set[str]] = {}
     params: dict[str, set[str]] = {}
     imported: dict[str, tuple[str, str]] = {}
-    for node in ast.walk(tree):  # imports anywhere: tests import helpers inside functions too
-        if isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level == 0 and not module.startswith("tests"):
-                continue
-            helper = module.removeprefix("tests").lstrip(".")
-            for alias in node.names:
-                imported[alias.asname or alias.name] = (helper, alias.name) if helper else (alias.name, "")
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("tests."):
-                    imported[alias.asname or alias.name] = (alias.name.removeprefix("tests."), "")
     for top in tree.body:
+        if isinstance(top, ast.Import | ast.ImportFrom):
+            _import(top, imported)
         if not isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             continue
         read: set[str] = set()
@@ -172,6 +178,8 @@ def _scope(source: str) -> _Scope:
                     read.add(f"{node.value.id}.{node.attr}")
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 requested |= {a.arg for a in node.args.args + node.args.kwonlyargs}
+            elif isinstance(node, ast.Import | ast.ImportFrom):  # tests import helpers inside functions too
+                _import(node, imported)
         loads[top.name], params[top.name] = read, requested
     return _Scope(loads, params, imported)
 
@@ -206,8 +214,8 @@ def _marks(decorators: list[ast.expr]) -> set[str]:
     return {m for d in decorators for m in TIER_MARKS if re.search(rf"\bmark\.{m}\b", ast.unparse(d))}
 
 
-def _module_marks(source: str) -> set[str]:
-    return {m for node in ast.parse(source).body if isinstance(node, ast.Assign)
+def _module_marks(tree: ast.Module) -> set[str]:
+    return {m for node in tree.body if isinstance(node, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
             for m in _marks([node.value])}
 
@@ -215,20 +223,22 @@ def _module_marks(source: str) -> set[str]:
 def unmarked_process_tests(sources: dict[str, str]) -> list[str]:
     """`module::test` for every test of tests/ (module name -> source) that starts a process
     without the e2e or slow mark on itself, its class or its module (`pytestmark`)."""
-    scopes = {name: _scope(source) for name, source in sources.items()}
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    # a module marked as a whole needs no look inside
+    scopes = {name: _scope(tree) for name, tree in trees.items() if not (name.startswith("test_") and _module_marks(tree))}
     helpers: dict[str, set[str]] = {}
-    for _ in range(len(scopes)):  # helpers import helpers: to a fixed point
-        helpers = {name: _tainted(scope, helpers, set()) for name, scope in scopes.items()
-                   if not name.startswith("test_")}
+    while True:  # helpers import helpers: to a fixed point
+        grown = {name: _tainted(scope, helpers, set()) for name, scope in scopes.items() if not name.startswith("test_")}
+        if grown == helpers:
+            break
+        helpers = grown
     fixtures = helpers.get("conftest", set())
     found = []
-    for name, source in sorted(sources.items()):
+    for name in sorted(scopes):
         if not name.startswith("test_"):
             continue
         tainted = _tainted(scopes[name], helpers, fixtures)
-        if _module_marks(source):
-            continue
-        for top in ast.parse(source).body:
+        for top in trees[name].body:
             if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef):
                 tests = [top]
             elif isinstance(top, ast.ClassDef):
@@ -294,5 +304,5 @@ def test_end_to_end_modules_are_wholly_e2e():
     """`make test-quick` does not even collect tests/test_e2e_*.py and tests/sglang/ (their imports
     cost seconds): each of them is e2e as a whole."""
     modules = sorted((ROOT / "tests").glob("test_e2e_*.py")) + sorted((ROOT / "tests" / "sglang").glob("test_*.py"))
-    unmarked = [str(path.relative_to(ROOT)) for path in modules if "e2e" not in _module_marks(path.read_text())]
+    unmarked = [str(path.relative_to(ROOT)) for path in modules if "e2e" not in _module_marks(ast.parse(path.read_text()))]
     assert len(modules) > 40 and not unmarked, f"not marked e2e as a whole (pytestmark): {unmarked}"
