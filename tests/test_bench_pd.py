@@ -28,6 +28,7 @@ def test_split_keeps_the_plans_ratio_on_the_same_gpus() -> None:
     assert split(pair, 12) == (1, 1)  # at least one of each
 
 
+@pytest.mark.slow
 def test_decode_counts_leave_room_for_a_prefill_replica() -> None:
     pair = _pair()
     counts = decode_counts(40, pair)

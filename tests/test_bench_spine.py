@@ -212,6 +212,7 @@ async def sse_server(tokens: int, pause: float = 0.0) -> tuple[asyncio.Server, i
     return server, server.sockets[0].getsockname()[1]
 
 
+@pytest.mark.slow
 async def test_closed_loop_reads_streams_and_counts_cpu_of_the_named_trees() -> None:
     server, port = await sse_server(16)
     async with server:

@@ -398,6 +398,7 @@ def test_csv_and_jsonl_exports(tmp_path: Path) -> None:
     assert lines == rows()
 
 
+@pytest.mark.slow
 def test_parquet_exports_keep_integers_and_exact_dollars(tmp_path: Path) -> None:
     from decimal import Decimal
 

@@ -210,6 +210,7 @@ def test_no_pod_can_read_another_identitys_password() -> None:
 PER_POD = K8S / "per-pod-identities"
 
 
+@pytest.mark.slow
 def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
     """The per-pod-identities component: every Deployment of a service on the bus is patched to run
     as the ServiceAccount of its role (as `inferbus auth-callout` maps them), with a projected

@@ -29,6 +29,7 @@ def objects() -> dict[tuple[str, str], dict]:
     return found
 
 
+@pytest.mark.slow
 def test_nats_is_a_three_node_cluster_with_authenticated_routes_and_r3() -> None:
     nats = objects()[("StatefulSet", "nats")]
     assert nats["spec"]["replicas"] == 3 and nats["spec"]["podManagementPolicy"] == "Parallel"
@@ -43,6 +44,7 @@ def test_nats_is_a_three_node_cluster_with_authenticated_routes_and_r3() -> None
     assert config["NATS_URL"].split(",") == [f"nats://nats-{i}.nats-headless:4222" for i in range(3)]
 
 
+@pytest.mark.slow
 def test_redis_fails_over_under_three_sentinels() -> None:
     found = objects()
     redis = found[("StatefulSet", "redis")]

@@ -69,6 +69,7 @@ def test_lora_steps_pay_for_the_distinct_adapters_in_the_batch():
         step_model_for(EngineConfig(), lora_adapters=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, adapters, tolerance", [
     (EngineConfig(chunked_prefill_size=2048), 0, 0.08),
     (EngineConfig(chunked_prefill_size=2048, speculative_num_steps=3), 0, 0.15),

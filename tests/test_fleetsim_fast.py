@@ -460,6 +460,7 @@ class Busy:
             fleet.drain(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,max_virtual_s", [("least_loaded", None), ("affinity", None), ("least_loaded", 200.0)])
 def test_lazy_replicas_give_the_same_run_as_eager_ones(policy, max_virtual_s):
     """Applying segment ends on demand (the default) changes no result: every number, every

@@ -37,6 +37,7 @@ def test_one_run_autoscales_a_fleet_that_also_serves_a_batch_band():
     assert fleet_states(sim.nodes.values())["serving"] == len(sim.replicas)
 
 
+@pytest.mark.slow
 def test_a_drained_replica_finishes_its_work_and_stops():
     engine = EngineConfig()
     trace = workload.at_rate(workload.azure_like(200), 8.0)
@@ -150,6 +151,7 @@ def run(trace: list, policy: str, admission: bool):
     return FleetSim(config, trace).run()
 
 
+@pytest.mark.slow
 def test_one_run_sheds_overload_while_placing_by_prefix_affinity():
     trace = families(200.0)  # several times what two replicas serve
     flooded = run(trace, "affinity", admission=False)

@@ -36,6 +36,7 @@ def _replica(gpu: str = "H100", tp: int = 2, **assumptions) -> ReplicaModel:  # 
 
 # ---- the worked example -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_worked_example_prices_prefill_in_whole_chunks() -> None:
     rows = {row.name: row for row in make_plan(_inputs()).rows}
     h100, h200 = rows["H100 TP2"], rows["H200 TP2"]
@@ -131,6 +132,7 @@ def test_a_config_that_cannot_hold_the_model_is_infeasible_not_a_crash() -> None
     assert plan.cheapest is rows["H100 TP2"]
 
 
+@pytest.mark.slow
 def test_an_slo_no_replica_can_meet_is_reported_per_row() -> None:
     plan = make_plan(_inputs(slo=Slo(ttft_p90_s=0.8, tpot_p90_s=0.010)))
     assert plan.cheapest is None

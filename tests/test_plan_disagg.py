@@ -44,6 +44,7 @@ def test_the_transfer_time_is_the_p90_prompt_over_the_link(worked: Plan) -> None
     assert row.link is KV_LINKS["rdma"]
 
 
+@pytest.mark.slow
 def test_the_prefill_gets_the_ttft_budget_less_the_transfer_and_a_decode_step(worked: Plan) -> None:
     slo = worked.inputs.slo
     for row in worked.disaggregated:

@@ -208,6 +208,7 @@ async def test_adapter_loads_run_one_at_a_time_as_in_sglang():
         assert abs(ready["b"] - ready["a"]) >= 1.0
 
 
+@pytest.mark.slow
 async def test_many_concurrent_streams_at_zero_step_time():
     async with running(fixed_step_ms=0.0) as (server, client):
 
