@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite (lint, types and package layers included)"
-	@echo "make test-quick  the development loop (~30 s): make lint, then the tests marked neither e2e nor slow (no process started)"
+	@echo "make test-quick  the development loop (30-80 s): make lint, then the tests marked neither e2e nor slow (no process started)"
 	@echo "make lint   only ruff, mypy (services, proto) and the package layers (lint-imports)"
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  the serving spine side by side with sglang-router (~4 min, ARGS=--quick ~1.5 min), then admission, fairness, billing, placement, overload (~7 min); writes bench/results/"
@@ -61,7 +61,7 @@ up: install
 test: install browser
 	$(PY) -m pytest -q -rx -p no:cacheprovider $(PYTEST_ARGS)
 
-# The development loop (about 30 s on 2 cores): `make lint` (mypy's cache makes it a few seconds
+# The development loop (22 s of CPU: 30 s on 2 cores at load 3, 80 s at load 9): `make lint` (mypy's cache makes it a few seconds
 # after the first run's ~25 s), then the tests that start no process and take well under a second
 # each: not marked e2e or slow (tests/test_toolchain.py fails when a test that starts a process is
 # not marked). The e2e modules are not even collected: their imports alone cost seconds.
