@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-quick lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim install clean help
+.PHONY: up test test-quick lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim bench-pd-autoscale install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench-lora  200 and 1,000 LoRA adapters (Zipf) against the base model on 4 simulated workers (~30 min); writes bench/results/lora.*"
 	@echo "make bench-pd  aggregated against disaggregated (prefill/decode): the plan's choice in the fleet simulator (bench-pd-sim, a few CPU-min) and live on the same simulated GPUs; writes bench/results/pd.* and pd_live.*"
 	@echo "make bench-pd-sim  the fleet-simulator part of bench-pd alone (bench/pd.py)"
+	@echo "make bench-pd-autoscale  a disaggregated fleet, static against each pool autoscaled on its own signal, over a diurnal ramp in the fleet simulator (~3 CPU-min); writes bench/results/pd_autoscale.*"
 	@echo "make bench-batch  interactive latency with and without a large batch: simulator at fleet scale (~15 CPU-min) and live; writes bench/results/batch.*"
 	@echo "make console-assets  re-vendor the web console's Chart.js and Pico CSS from npm (package-lock.json; needs Node.js)"
 	@echo "make clean  remove the virtualenv and local state"
@@ -141,6 +142,9 @@ bench-lora: install
 # topologies on the same GPUs and tight-and-right for each planned fleet, long-prompt and conversation traces.
 bench-pd-sim: install
 	$(PY) -m bench.pd $(SIM_ARGS)
+
+bench-pd-autoscale: install
+	$(PY) -m bench.pd_autoscale $(SIM_ARGS)
 
 # Aggregated against disaggregated on the same GPUs, live on simulated engines (bench/pd_live.py): the
 # Mooncake synthetic and conversation traces, 4 H100 TP2 engines against 3 prefill + 1 decode

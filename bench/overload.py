@@ -1,6 +1,6 @@
 """Overload: a platform offered about three times what it can finish, as a production day might.
 
-    python -m bench.overload [--seconds S] [--factor F] [--slots N] [--time-scale X] [--out bench/results]
+    python -m bench.overload [--seconds S] [--factor F | --rate R] [--slots N] [--time-scale X] [--out bench/results]
     python -m bench.overload --quick   # 16 slots, 3x, 45 s of arrivals, engines at 1/3 speed: a few minutes
 
 Two workers (simulated H100 TP2 at real speed, a few slots each) and an open-loop arrival stream
@@ -106,10 +106,22 @@ async def one(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: floa
     return outcome
 
 
+async def meter_lag(samples: list[float], period_s: float = 0.1) -> None:
+    """How late this process's event loop wakes from a sleep: the delay every send and every
+    received chunk of the clients also suffers (cancel the task to stop)."""
+    while True:
+        asked = time.monotonic()
+        await asyncio.sleep(period_s)
+        samples.append(time.monotonic() - asked - period_s)
+
+
 async def offer(base_url: str, api_key: str, rate: float, seconds: float, max_tokens: tuple[int, int],
-                seed: int = 1) -> list[Outcome]:
-    """Open loop: request i is sent at i / rate whatever happened to the others."""
+                seed: int = 1, loop_lag: list[float] | None = None) -> list[Outcome]:
+    """Open loop: request i is sent at i / rate whatever happened to the others. `loop_lag`, when
+    given, collects the clients' own event-loop lag: where it is large, the clients, not the
+    platform, are what is slow, and their TTFT measures them."""
     rng = random.Random(seed)
+    meter = asyncio.ensure_future(meter_lag(loop_lag)) if loop_lag is not None else None
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300,
                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=2000), timeout=300))
     begin = time.monotonic()
@@ -120,6 +132,8 @@ async def offer(base_url: str, api_key: str, rate: float, seconds: float, max_to
             await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(one(client, i, rng.randint(*max_tokens), time.monotonic())))
     outcomes = list(await asyncio.gather(*tasks))
+    if meter is not None:
+        meter.cancel()
     await client.close()
     return outcomes
 
@@ -159,18 +173,19 @@ def gateway_metrics(gateway_url: str) -> dict[str, float]:
     return values
 
 
-def gateway_ttfts(log_path: Path) -> dict[str, float]:
+def gateway_ttfts(log_path: Path, field: str = "ttft_ms") -> dict[str, float]:
     """The TTFT the gateway measured for each request (its `request` log lines, at info level):
     from the gateway taking the request to its first token, without the client's and the HTTP
-    stack's own delays, which on a loaded machine can be seconds."""
+    stack's own delays, which on a loaded machine can be seconds. `admit_ms`: from the request
+    reaching the gateway's handler to its admission (authenticated, parsed, rendered, in quota)."""
     found: dict[str, float] = {}
     for line in log_path.read_text(errors="replace").splitlines():
         try:
             entry = msgspec.json.decode(line)
         except msgspec.DecodeError:
             continue
-        if isinstance(entry, dict) and entry.get("event") == "request" and entry.get("ttft_ms") is not None:
-            found[str(entry.get("request_id"))] = float(entry["ttft_ms"]) / 1000
+        if isinstance(entry, dict) and entry.get("event") == "request" and entry.get(field) is not None:
+            found[str(entry.get("request_id"))] = float(entry[field]) / 1000
     return found
 
 
@@ -247,7 +262,7 @@ PROBE_TOKENS = 200
 
 
 def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tuple[int, int],
-        budget_s: float, time_scale: float = 1.0) -> dict[str, Any]:
+        budget_s: float, time_scale: float = 1.0, rate: float | None = None) -> dict[str, Any]:
     from inferbus.commands.main import _demo_key, new_admin_key
     from inferbus.local import Stack, StackConfig, free_port
 
@@ -264,16 +279,25 @@ def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tup
         base_url = stack.gateway_url + "/v1"
         per_request = service_time(base_url, key, PROBE_TOKENS) * (sum(max_tokens) / 2) / PROBE_TOKENS
         capacity = workers * slots / per_request
-        rate = factor * capacity
-        outcomes = asyncio.run(offer(base_url, key, rate, seconds, max_tokens))
+        # With many slots the machine's CPU, not the slot count, is what limits: offer a given rate.
+        rate = factor * capacity if rate is None else rate
+        lag: list[float] = []
+        outcomes = asyncio.run(offer(base_url, key, rate, seconds, max_tokens, loop_lag=lag))
         ids = {o.request_id for o in outcomes if o.status == 200 and o.request_id}
         events = asyncio.run(ledger(stack.nats_url, "demo", ids))
         results = summarize(outcomes, events, gateway_metrics(stack.gateway_url), budget_s,
                             gateway_ttfts(stack.get("gateway").log_path))
+        lag.sort()
+        admits = sorted(gateway_ttfts(stack.get("gateway").log_path, "admit_ms").values())
+        results["gateway_admit_s"] = {"p50": percentile(admits, 50), "p90": percentile(admits, 90),
+                                      "max": admits[-1] if admits else None}
+        results["client_loop_lag_s"] = {"p50": percentile(lag, 50), "p90": percentile(lag, 90),
+                                        "max": lag[-1] if lag else None}
     finally:
         stack.stop()
         stack.rmtree()
-    results.update(when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), seconds=seconds, factor=factor,
+    results.update(when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), seconds=seconds,
+                   factor=rate / capacity,
                    workers=workers, slots=slots, max_tokens=list(max_tokens), service_time_s=per_request,
                    capacity_rps=capacity, offered_rps=rate, time_scale=time_scale)
     return results
@@ -285,7 +309,7 @@ def markdown(r: dict[str, Any]) -> str:
     scale = r.get("time_scale", 1.0)
     speed = "real speed" if scale == 1.0 else f"1/{scale:g} of real speed"
     return "\n".join([
-        f"# Overload: {r['factor']}× what the fleet finishes ({r['when']})", "",
+        f"# Overload: {r['factor']:.1f}× what the fleet's slots finish ({r['when']})", "",
         f"Command: `python -m bench.overload` (part of `make bench`). {r['workers']} simulated H100 TP2 workers at "
         f"{speed}, {r['slots']} slots each; streamed chat completions of {r['max_tokens'][0]}–{r['max_tokens'][1]} "
         f"tokens through the OpenAI SDK without retries. One request takes ~{r['service_time_s']:.1f} s on an idle "
@@ -310,6 +334,12 @@ def markdown(r: dict[str, Any]) -> str:
         f"| the same after the first completion, measured by the gateway: p50 / p90 | "
         f"{fmt(r['steady_gateway_ttft_s']['p50'])} / {fmt(r['steady_gateway_ttft_s']['p90'])} s "
         f"({r['steady_gateway_ttft_s']['over_budget']} over the budget, of {r['steady_gateway_ttft_s']['requests']}) |",
+        *([f"| admission in the gateway (its handler reached to admitted) p50 / p90 / max | "
+           f"{fmt(r['gateway_admit_s']['p50'])} / {fmt(r['gateway_admit_s']['p90'])} / "
+           f"{fmt(r['gateway_admit_s']['max'])} s |"] if "gateway_admit_s" in r else []),
+        *([f"| the clients' own event-loop lag p50 / p90 / max (their TTFT includes it) | "
+           f"{fmt(r['client_loop_lag_s']['p50'])} / {fmt(r['client_loop_lag_s']['p90'])} / "
+           f"{fmt(r['client_loop_lag_s']['max'])} s |"] if "client_loop_lag_s" in r else []),
         f"| false death verdicts (`dead`; no worker died) | {r['death_verdicts']['dead']:.0f} "
         f"(late heartbeats answered the probe: {r['death_verdicts']['alive']:.0f}) |",
         f"| migrations | {r['migrations']:.0f} |",
@@ -331,6 +361,9 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=3.0, help="offered rate / the rate the fleet finishes")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8, help="INFERBUS_WORKER_MAX_RUNNING of each worker")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="offered req/s instead of --factor × the slots' capacity (with many slots, such as "
+                             "the default 256, the machine's CPU limits first: offer what overloads it)")
     parser.add_argument("--min-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=2000)
     parser.add_argument("--budget", type=float, default=3.0, help="standard band queue budget (s)")
@@ -345,7 +378,7 @@ def main() -> None:
     if args.quick:
         args.seconds, args.slots, args.min_tokens, args.max_tokens, args.time_scale = 45.0, 16, 200, 300, 3.0
     results = run(args.seconds, args.factor, args.workers, args.slots, (args.min_tokens, args.max_tokens), args.budget,
-                  args.time_scale)
+                  args.time_scale, args.rate)
     write_results(args.out, args.name, results, markdown)
 
 

@@ -191,10 +191,11 @@ def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]] 
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
-def context_window(configured: int, model: ServedModel) -> int:
+def context_window(configured: int, model: ServedModel, engines: int = 0) -> int:
     """The context window requests must fit: the configured one (INFERBUS_MAX_MODEL_LEN), else the
-    model's own, else SGLang's default."""
-    return configured or model.context_length or DEFAULT_CONTEXT_LENGTH
+    smallest the engines report (`engines`, 0: none known; an engine started with --context-length),
+    else the model's own, else SGLang's default."""
+    return configured or engines or model.context_length or DEFAULT_CONTEXT_LENGTH
 
 
 # The keys of config.json that give the context length, in the order SGLang reads them.

@@ -105,6 +105,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # False: the engine's text keeps special tokens (a tool-call parser reads markers that are special
+    # tokens, gpt-oss's harmony ones).
+    skip_special_tokens: bool = True
     logprobs: bool = False  # return each generated token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives per position
 
@@ -121,6 +124,10 @@ class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=
     token: str
     logprob: float
     top: list[tuple[str, float]] = []
+    # The token ids of `token` and of `top` (-1 / []: not known), for the gateway to decode the text
+    # in context (inferbus.openai.token_text).
+    token_id: int = -1
+    top_ids: list[int] = []
 
 
 class InferenceRequest(_Message, tag="request"):
@@ -578,6 +585,7 @@ class Heartbeat(_Message):
     # uncached remainder rather than send it to a prefill worker (conditional disaggregation).
     local_prefill: bool = False
     kv_capacity_tokens: int = 0  # the engine's KV cache in tokens (0: unknown): a decode worker's room
+    context_length: int = 0  # the context window its engine enforces (0: unknown)
 
 
 class LivenessProbe(_Message):

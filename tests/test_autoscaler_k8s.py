@@ -195,3 +195,58 @@ def test_the_service_tick_publishes_the_decision_and_scales_the_deployment(
         await actuator.close()
 
     asyncio.run(run())
+
+
+def test_a_disaggregated_tick_scales_each_pools_deployment_on_its_own_signal(
+        api: FakeApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill workers over their TTFT budget, decode workers within TPOT and KV: the prefill
+    Deployment grows, the decode one (worker) is left as it is."""
+    api.replicas[("inferbus", "worker-prefill")] = 2
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_ACTUATOR", "kubernetes")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_K8S_API_URL", api.url)
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_DISAGGREGATED", "true")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_GOODPUT_RPS", "8")  # decode
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", "8")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S", "0.5")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_HEADROOM", "0")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_MAX_WARM", "0")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_PREFILL_MAX_WARM", "0")
+    monkeypatch.setenv("INFERBUS_MODEL", POOL)
+    settings = settings_mod.load(AutoscalerSettings)
+    assert [(role, name) for _, role, name in settings.scaled_pools()] == [
+        ("prefill", f"{POOL}:prefill"), ("decode", f"{POOL}:decode")]
+    now = [100.0]
+
+    def hist(seconds: float, count: int, bounds: tuple[float, ...]) -> list[int]:
+        counts = [0] * (len(bounds) + 1)
+        index = next(i for i, bound in enumerate(bounds) if seconds <= bound)
+        counts[index] = count
+        return counts
+
+    async def run() -> None:
+        actuator = KubernetesActuator("inferbus", settings.deployments(), client=api_client(api.url))
+        autoscaler = Autoscaler(settings, actuator, clock=lambda: now[0])
+        autoscaler.nc = _Bus()  # type: ignore[assignment]
+        actuator.bind(lambda worker_id, command: asyncio.sleep(0))  # type: ignore[arg-type,return-value]
+        await actuator.start()
+        # 16 req/s through both pools, two replicas each (8 req/s each: at their goodput).
+        for t in range(0, 11):
+            now[0] = 100.0 + t
+            for worker, role in (("p-a", "prefill"), ("p-b", "prefill"), ("d-a", "decode"), ("d-b", "decode")):
+                # Prefill: 900 ms from accept to KV sent (over its 500 ms share); decode: within
+                # TPOT and KV, though its TTFT (the client's) is long too.
+                ttft = hist(0.9, 8 * t, m.LATENCY_BUCKETS_S)
+                tpot = hist(0.02, 8 * t, m.TPOT_BUCKETS_S) if role == "decode" else []
+                autoscaler.aggregator.on_load(m.WorkerLoad(
+                    worker_id=worker, model=POOL, ts=now[0], seq=t, running=8, waiting=0, in_flight=8,
+                    max_running=256, kv_used_tokens=300, kv_capacity_tokens=1000, completed=8 * t, role=role,
+                    ttft_hist=ttft, tpot_fine_hist=tpot))
+        prefill = await autoscaler.tick(POOL, "prefill")
+        decode = await autoscaler.tick(POOL, "decode")
+        assert prefill.pool == f"{POOL}:prefill" and prefill.direction == "up" and prefill.desired_serving == 4
+        assert decode.pool == f"{POOL}:decode" and decode.direction == "hold" and decode.desired_serving == 2
+        assert api.replicas[("inferbus", "worker-prefill")] == 4
+        assert api.replicas[("inferbus", "worker")] == 2
+        await actuator.close()
+
+    asyncio.run(run())

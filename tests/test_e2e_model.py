@@ -85,7 +85,9 @@ def test_a_message_the_template_refuses_is_a_400_naming_it(chatml: Platform) -> 
 
 def test_the_context_length_is_the_models(chatml: Platform, chatml_model_dir: Path) -> None:
     info = json.load(urllib.request.urlopen(chatml.engine_url(1) + "/server_info", timeout=10))
-    assert info["context_length"] == CONTEXT  # the engine read the model's config.json too
+    # The engine read the model's config.json too; as SGLang, it reports the window through its
+    # scheduler's longest prompt (the --context-length flag, not given, is null).
+    assert info["context_length"] is None and info["max_req_input_len"] + 6 == CONTEXT
     client = chatml.client()
     model = load_model(str(chatml_model_dir))
     prompt_tokens = len(render_prompt(model, messages=[{"role": "user", "content": LONG}]).ids)
@@ -157,3 +159,50 @@ def test_tools_and_tool_results_are_rendered_by_the_template(chatml: Platform, c
     assert "<tools>\n" in prompt.text and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt.text
     assert "<tool_response>\n12 C and dry\n</tool_response>" in prompt.text
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids)
+
+
+NARROW = 1536  # the engine's --context-length, under the model's 4,096
+HALF = " ".join(f"Paragraph {i} of the reference manual explains one more setting in detail." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    from inferbus.modeldir import build_model_dir
+
+    model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "chatml-4k", "chatml", model_max_length=CONTEXT)
+    # Its engine writes Hermes/Qwen calls, as a ChatML model does; the gateway is left to find that out.
+    with running_platform(tmp_path_factory.mktemp("narrow"), workers=1, time_scale=0.1, model_dir=model_dir,
+                          engine_args=["--context-length", str(NARROW), "--tool-call-parser", "hermes"],
+                          extra_env={"INFERBUS_TOOL_CALL_PARSER": "auto"}) as running:
+        yield running
+
+
+def test_the_context_length_is_the_engines_when_it_is_started_with_one(narrow: Platform, tmp_path: Path) -> None:
+    """INFERBUS_MAX_MODEL_LEN unset: an engine started with --context-length narrower than the
+    model's config.json sets the window, learnt from its /server_info through its worker."""
+    info = json.load(urllib.request.urlopen(narrow.engine_url(1) + "/server_info", timeout=10))
+    assert info["context_length"] == NARROW and info["max_req_input_len"] + 6 == NARROW
+    client = narrow.client()
+    model = load_model(str(narrow.stack.model_dir))
+    prompt_tokens = len(render_prompt(model, messages=[{"role": "user", "content": HALF}]).ids)
+    assert prompt_tokens < NARROW < 2 * prompt_tokens < CONTEXT
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HALF}], temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.usage is not None and reply.usage.completion_tokens == NARROW - prompt_tokens
+    for stream in (False, True):  # refused up front, never inside a 200 stream
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HALF + HALF}],  # type: ignore[call-overload]
+                                           stream=stream)
+        assert error.value.code == "context_length_exceeded" and f"maximum context length is {NARROW}" in str(error.value)
+
+
+def test_the_tool_call_parser_is_the_one_the_models_template_writes(narrow: Platform) -> None:
+    """INFERBUS_TOOL_CALL_PARSER=auto: a ChatML template writes `<tool_call>` blocks, so the
+    gateway reads the model's calls as Hermes/Qwen ones."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    reply = narrow.client().chat.completions.create(model=MODEL, tools=tools, max_tokens=100,  # type: ignore[arg-type]
+                                                    messages=[{"role": "user", "content": "The weather in Oslo?"}])
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+    [call] = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)

@@ -4,6 +4,7 @@ a running platform (simulated engines writing Llama-3 JSON tool calls)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -160,6 +161,9 @@ def test_structured_output_parsed_by_the_sdk(client: openai.OpenAI) -> None:
                                                response_format=Trip, max_tokens=300)
     trip = completion.choices[0].message.parsed
     assert isinstance(trip, Trip) and completion.choices[0].finish_reason == "stop"
+    # No whitespace between JSON tokens (--constrained-json-disable-any-whitespace on the platform's engines).
+    content = completion.choices[0].message.content or ""
+    assert content == json.dumps(json.loads(content), ensure_ascii=False, separators=(",", ":"))
     schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 1, "maximum": 9}},
               "required": ["answer"]}
     chunks = list(client.chat.completions.create(
@@ -367,10 +371,11 @@ def test_sdk_seed_out_of_range(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=4, seed=2**70)
 
 
-@pytest.fixture(scope="module", params=["hermes", "mistral", "pythonic"])
+@pytest.fixture(scope="module", params=["hermes", "mistral", "pythonic", "gpt-oss"])
 def family_platform(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A platform serving a model of another family: the engine writes that family's calls
-    (Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic lists) and the gateway
+    (Hermes/Qwen <tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic lists, gpt-oss harmony
+    messages) and the gateway
     is configured to read them."""
     from .conftest import running_platform
 
@@ -392,3 +397,66 @@ def test_other_families_tool_calls(family_platform: Platform, request: pytest.Fi
         final = stream.get_final_completion()
     assert [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
+
+
+def _sentencepiece_model_dir(path: Path) -> Path:
+    """A Llama-3-shaped model directory whose tokenizer is SentencePiece-style (Llama-2's and
+    Mistral's shape: `▁` marks a word's leading space, which decoding a token alone drops), with
+    the chat format's special tokens at the ids the directory's configuration names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from inferbus.modeldir import FORMATS, build_model_dir
+    from services.sim_engine.scheduler import OUTPUT_PIECES
+
+    directory = build_model_dir(path, "llama3")
+    special = list(FORMATS["llama3"].special_tokens)
+    corpus = ["".join(OUTPUT_PIECES)] * 4 + ["Describe the sea, the weather and the sky."] * 4
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=2000, special_tokens=[*special, "<unk>"]))
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens(special)
+    original = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
+    assert {t["content"]: t["id"] for t in original if t["content"] in special} == \
+        {token: tokenizer.token_to_id(token) for token in special}
+    (directory / "tokenizer.json").write_text(tokenizer.to_str())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_platform(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A platform serving a model with a SentencePiece-style tokenizer; its engine reports each
+    logprob token decoded alone, as SGLang does."""
+    from .conftest import running_platform
+
+    directory = _sentencepiece_model_dir(tmp_path_factory.mktemp("spm-model") / "model")
+    with running_platform(tmp_path_factory.mktemp("spm"), workers=1, time_scale=0.1, model_dir=directory) as running:
+        yield running
+
+
+def test_logprob_tokens_join_up_to_the_content_with_a_sentencepiece_tokenizer(sentencepiece_platform: Platform) -> None:
+    client = sentencepiece_platform.client()
+    messages = [{"role": "user", "content": "Describe the sea"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = whole.choices[0].message.content
+    entries = whole.choices[0].logprobs.content
+    assert content.count(" ") >= 8  # words with their spaces, which the engine's token texts lack
+    assert "".join(e.token for e in entries) == content
+    assert all(bytes(e.bytes) == e.token.encode() for e in entries)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(streamed) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    completion = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=8, temperature=0, logprobs=1,
+                                           extra_body={"ignore_eos": True})
+    assert "".join(completion.choices[0].logprobs.tokens) == completion.choices[0].text
+    assert completion.choices[0].text.count(" ") >= 4

@@ -87,3 +87,25 @@ def test_an_in_band_error_is_the_engines_refusal_and_done_without_finish_ends_th
     assert refused.value.status == 400 and refused.value.code == "invalid_request"
     reader = StreamReader()
     assert reader.feed(b": keep-alive\n\ndata: [DONE]\n\n") is None and reader.done
+
+
+def test_the_engines_context_window_from_its_server_info() -> None:
+    from services.worker.reporting import engine_context_length
+
+    # SGLang: --context-length echoed when given, else null; the scheduler's longest prompt is
+    # min(context length, KV pool) - 6 either way.
+    assert engine_context_length({"context_length": None, "max_req_input_len": 4090}) == 4096
+    assert engine_context_length({"context_length": 2048, "max_req_input_len": 2042}) == 2048
+    assert engine_context_length({"context_length": None}) == 0 == engine_context_length({})
+
+
+def test_the_context_window_precedence(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from inferbus.modeldir import build_model_dir
+    from inferbus.prompt import DEFAULT_CONTEXT_LENGTH, ServedModel, context_window
+
+    model = ServedModel.load(build_model_dir(tmp_path / "m", "chatml", model_max_length=4096))
+    assert context_window(0, model) == 4096  # the model's config.json
+    assert context_window(0, model, engines=2048) == 2048  # an engine started with --context-length
+    assert context_window(1000, model, engines=2048) == 1000  # INFERBUS_MAX_MODEL_LEN wins
+    bare = ServedModel(model.tokenizer, None, {}, [], context_length=None)
+    assert context_window(0, bare) == DEFAULT_CONTEXT_LENGTH

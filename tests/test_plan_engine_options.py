@@ -269,8 +269,19 @@ def test_base_worker_runs_the_arguments_every_engine_needs() -> None:
     common = list(deploy.COMMON_ENGINE_ARGS)
     for flag in ("--host", "--port", "--page-size", "--kv-events-config"):
         assert base_args[base_args.index(flag) + 1] == common[common.index(flag) + 1], flag
-    for flag in ("--enable-metrics", "--enable-priority-scheduling"):
+    for flag in ("--enable-metrics", "--enable-priority-scheduling", "--constrained-json-disable-any-whitespace"):
         assert flag in base_args and flag in common
+
+
+def test_every_shipped_sglang_launch_forbids_free_whitespace_in_forced_json() -> None:
+    """SGLang's default JSON grammar allows any whitespace between tokens, which a model can fill
+    max_tokens with under response_format or a forced call: every engine the project starts says no."""
+    flag = "--constrained-json-disable-any-whitespace"
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["sglang"]["command"]
+    assert flag in compose
+    for path in (REPO / "tests" / "sglang" / "conftest.py", REPO / "tests" / "sglang" / "test_pd_contract.py"):
+        assert f'"{flag}"' in path.read_text(), path
+    assert flag in deploy.COMMON_ENGINE_ARGS
 
 
 @pytest.mark.slow

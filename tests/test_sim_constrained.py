@@ -48,6 +48,8 @@ def test_values_are_valid_against_the_schema(schema: dict, seed: int) -> None:
     text = json_output(json.dumps(schema), random.Random(seed))
     jsonschema.validate(json.loads(text), schema)
     assert text == json_output(json.dumps(schema), random.Random(seed))
+    # No whitespace between tokens, as SGLang with --constrained-json-disable-any-whitespace.
+    assert text == json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
 
 
 @pytest.mark.parametrize("schema", ["not json", '{"type": "strange"}', '{"$ref": "#/nowhere"}',

@@ -275,3 +275,85 @@ def test_a_list_of_calls_cut_short_keeps_its_complete_calls() -> None:
     # Nothing complete, or a complete item that is not a call: what there is, as content.
     for text in ('[{"name": "get_weather", "param', '[{"name": "nope", "parameters": {}}, {"na'):
         assert _shape(_streamed(ToolOutput("llama3", [WEATHER, TIME], "required"), text, 7)) == (text, [])
+
+
+# gpt-oss writes OpenAI's harmony format: after the generation prompt `<|start|>assistant`, messages
+# of a channel, a call being a message to `functions.NAME` (recipient in the channel header or the
+# role part), its end-of-sequence token `<|call|>` trimmed by the engine or not.
+HARMONY_CALLS = [
+    "<|channel|>analysis<|message|>The user wants weather and time.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>'
+    "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
+    "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}",
+]
+
+
+@pytest.mark.parametrize("text", HARMONY_CALLS)
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_gpt_oss_calls_in_harmony_messages(text: str, step: int) -> None:
+    output = ToolOutput("gpt-oss", [WEATHER, TIME], "auto")
+    assert _shape(_streamed(output, text, step)) == ("", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    assert all(call.id.startswith("call_") for call in output.calls)
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_gpt_oss_final_channel_is_content_and_streams(step: int) -> None:
+    text = ("<|channel|>analysis<|message|>Think first.<|end|><|start|>assistant<|channel|>final<|message|>"
+            "It is sunny in Oslo.<|return|>")
+    assert _shape(_streamed(ToolOutput("gpt-oss", [WEATHER], "auto"), text, step)) == ("It is sunny in Oslo.", [])
+    # The answer streams as it comes; the reasoning never shows.
+    early = ToolOutput("gpt-oss", [WEATHER], "auto")
+    assert "".join(str(p) for p in early.feed(text[:-len("Oslo.<|return|>")])) == "It is sunny in "
+    assert tools.GptOssParser(NAMES).parse("Plain text, no harmony.") == ("Plain text, no harmony.", [])
+
+
+@pytest.mark.parametrize("text", [
+    '<|channel|>commentary to=functions.nope <|constrain|>json<|message|>{"a":1}<|call|>',
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{broken<|call|>',
+    '<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary to=browser.search json<|message|>{}',
+])
+def test_gpt_oss_anything_else_is_content(text: str) -> None:
+    content, calls = tools.GptOssParser(NAMES).parse(text)
+    assert calls == [] and "to=" in content and "analysis" not in content
+
+
+def test_gpt_oss_keeps_the_engines_special_tokens_only_when_it_reads_calls() -> None:
+    from inferbus.openai.sampling import sampling_params
+    from inferbus.openai.schemas import parse_chat
+    from services.worker.engine import generate_body
+
+    def keeps(body: dict, family: str) -> bool:
+        sampling = sampling_params(parse_chat(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                          **body}).encode()), 16, family)
+        return not sampling.skip_special_tokens
+
+    assert keeps({"tools": [WEATHER]}, "gpt-oss")
+    assert not keeps({"tools": [WEATHER]}, "llama3")
+    assert not keeps({}, "gpt-oss")
+    assert not keeps({"tools": [WEATHER], "tool_choice": "required"}, "gpt-oss")  # constrained JSON, no markers
+
+    from proto import messages as m
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", deadline=0.0, created=0.0,
+                                 sampling=m.SamplingParams(max_new_tokens=4, skip_special_tokens=False))
+    assert generate_body(request)["sampling_params"]["skip_special_tokens"] is False
+    plain = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", deadline=0.0, created=0.0,
+                               sampling=m.SamplingParams(max_new_tokens=4))
+    assert "skip_special_tokens" not in generate_body(plain)["sampling_params"]
+
+
+def test_the_family_of_a_chat_template() -> None:
+    """INFERBUS_TOOL_CALL_PARSER=auto: the family whose call markers the template writes past calls in
+    (fragments shaped like each family's template)."""
+    from inferbus.modeldir import FORMATS
+
+    assert tools.family_of_template(FORMATS["llama3"].template) == "llama3"
+    assert tools.family_of_template(FORMATS["chatml"].template) == "hermes"
+    assert tools.family_of_template('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == "mistral"
+    assert tools.family_of_template("{{- '<|python_start|>' }}{%- for tc in message.tool_calls %}") == "pythonic"
+    v3 = "{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json'}}"
+    v31 = "{{'<｜tool▁call▁begin｜>' + tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments']}}"
+    assert tools.family_of_template(v3) == "deepseekv3" and tools.family_of_template(v31) == "deepseekv31"
+    harmony = '{{- "<|start|>assistant to=functions." + tool_call.name + "<|channel|>commentary json<|message|>" }}'
+    assert tools.family_of_template(harmony) == "gpt-oss"
+    assert tools.family_of_template("{{ messages }}") is None and tools.family_of_template(None) is None

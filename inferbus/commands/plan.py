@@ -13,6 +13,7 @@ from inferbus.capacity import mix as mix_mod
 from inferbus.capacity.plan import deploy, options, report, sweep_table
 from inferbus.capacity.plan.model import Assumptions, Slo, Workload
 from inferbus.capacity.plan.planner import PlanError, PlanInputs, make_plan
+from inferbus.capacity.plan.topology import plan_topology
 from inferbus.capacity.plan.warm_pool import Ramp, ramp_from_arrivals
 from inferbus.timing import GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, SpecDecoding, kv_link
 
@@ -131,7 +132,7 @@ def _command_line(ctx: click.Context) -> str:
     """The command as it would be typed, options at their defaults left out (for the overlay's header)."""
     words = ["inferbus", "plan"]
     for param in ctx.command.params:
-        if not isinstance(param, click.Option) or param.name in ("emit_deploy", "out", "as_json", "no_plots", "compare"):
+        if not isinstance(param, click.Option) or param.name in ("emit_deploy", "worker_manifest", "out", "as_json", "no_plots", "compare"):
             continue
         value = ctx.params.get(param.name)
         if value is None or value == param.default or value == ():
@@ -239,9 +240,15 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
                    "show what each changes in GPUs and $ (about ten seconds more).")
 @click.option("--emit-deploy", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write a kustomize overlay (a Component: list the directory under `components:` of the "
-                   "kustomization holding the worker and autoscaler) for the cheapest row into this directory: "
+                   "kustomization holding the worker and autoscaler) for the chosen topology into this directory: "
                    "engine arguments, standby workers (warm pool), autoscaler bounds, with the arithmetic in a "
-                   "comment, e.g. deploy/k8s/plan.")
+                   "comment, e.g. deploy/k8s/plan. A disaggregated choice deploys both pools: the worker "
+                   "Deployment as the decode pool and worker-prefill as the prefill pool, each with its TP, "
+                   "role and autoscaler bounds.")
+@click.option("--worker-manifest", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --emit-deploy and a disaggregated choice: the base worker manifest the prefill pool's "
+                   "Deployment is copied from (default: worker.yaml beside the --emit-deploy directory, as "
+                   "deploy/k8s/worker.yaml is beside deploy/k8s/plan).")
 @click.option("--model", "model_id", default="meta-llama/Llama-3.3-70B-Instruct", show_default=True,
               help="With --emit-deploy: the model the engine loads (keep equal to INFERBUS_MODEL).")
 @click.option("--model-revision", default=None,
@@ -260,7 +267,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
          sweep_specs: tuple[str, ...], cold_start_s: float, warm_start_s: float, ramp: float | None,
          ramp_trace: Path | None, weights: str, kv_cache: str, spec_text: str | None, lora_adapters: int,
          lora_rank: int, lora_slots: int, zones: int, disagg: bool, kv_link_text: str, compare: bool,
-         emit_deploy: Path | None,
+         emit_deploy: Path | None, worker_manifest: Path | None,
          model_id: str, model_revision: str | None, spec_draft_model: str | None, out: Path | None,
          no_plots: bool, as_json: bool) -> None:
     """Plan replicas, GPUs and dollars for a peak rate of a workload mix under a latency SLO.
@@ -273,7 +280,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
     unless a measured sweep is given for that GPU × TP; the report says which, shows the
     arithmetic line by line and what each engine option changes. Beside them it prices a
     disaggregated fleet (prefill pool + decode pool, the KV over --kv-link) and says which topology
-    is cheaper and why. --emit-deploy writes the cheapest aggregated row as a kustomize overlay.
+    is cheaper and why. --emit-deploy writes the chosen topology as a kustomize overlay (a disaggregated one: both pools).
 
     \b
     Examples:
@@ -316,7 +323,20 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
         try:
             target = deploy.DeployTarget(model=model_id, command=_command_line(ctx),
                                          revision=model_revision, draft_model=spec_draft_model)
-            files = deploy.overlay(result, result.cheapest, target)
+            choice = plan_topology(result)
+            if choice.topology == "disaggregated":
+                assert choice.disaggregated is not None
+                manifest = worker_manifest or emit_deploy.parent / "worker.yaml"
+                try:
+                    base = manifest.read_text()
+                except OSError as error:
+                    raise ValueError(f"the prefill pool copies the base worker Deployment: cannot read {manifest} "
+                                     f"({error.strerror}); give it with --worker-manifest") from None
+                files = deploy.disaggregated_overlay(result, choice.disaggregated, target, base)
+                deployed = choice.disaggregated.name
+            else:
+                files = deploy.overlay(result, result.cheapest, target)
+                deployed = result.cheapest.name
         except ValueError as error:
             raise click.UsageError(f"--emit-deploy: {error}") from None
     data = report.to_json(result)
@@ -337,7 +357,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
         if variants:
             click.echo("\nWhat the engine options change (timing model):\n" + report.variants_table(variants) + "\n")
         if emit_deploy is not None:
-            click.echo(f"Wrote the {result.cheapest.name} overlay to {emit_deploy}/ "  # type: ignore[union-attr]
+            click.echo(f"Wrote the {deployed} overlay to {emit_deploy}/ "
                        f"({', '.join(files)}).")
         if out is not None:
             click.echo(f"Wrote {out / 'plan.md'} and {out / 'plan.json'}" + ("" if no_plots else " with fleet.png and latency.png") + ".")

@@ -44,8 +44,17 @@ def _compact(schema: dict[str, Any]) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
+def keeps_special_tokens(params: schemas.ChatCompletionRequest | schemas.CompletionRequest, tool_call_parser: str) -> bool:
+    """Whether the engine must keep special tokens in its text: the family's parser reads the
+    model's calls (tools the model may call, no JSON constraint) and its markers are special tokens."""
+    return (isinstance(params, schemas.ChatCompletionRequest) and bool(params.tools)
+            and params.tool_choice in (None, "auto") and answer_schema(params) is None
+            and tool_call_parser in tools.KEEPS_SPECIAL_TOKENS)
+
+
 def sampling_params(params: schemas.ChatCompletionRequest | schemas.CompletionRequest,
-                    max_new_tokens: int) -> m.SamplingParams:
+                    max_new_tokens: int, tool_call_parser: str = "") -> m.SamplingParams:
+    """`tool_call_parser`: the family the gateway reads tool calls with (the batch service reads none)."""
     if isinstance(params, schemas.ChatCompletionRequest):
         logprobs, top_logprobs = bool(params.logprobs), params.top_logprobs or 0
     else:
@@ -62,5 +71,6 @@ def sampling_params(params: schemas.ChatCompletionRequest | schemas.CompletionRe
         min_new_tokens=min(params.min_tokens or 0, max_new_tokens),
         ignore_eos=bool(params.ignore_eos), stop_token_ids=list(params.stop_token_ids or ()),
         json_schema=json_constraint(params),
+        skip_special_tokens=not keeps_special_tokens(params, tool_call_parser),
         logprobs=logprobs, top_logprobs=top_logprobs,
     )

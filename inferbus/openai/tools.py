@@ -12,6 +12,11 @@ by configuration (`INFERBUS_TOOL_CALL_PARSER`, named as SGLang's `--tool-call-pa
   call ids are 9 letters and digits, the only ids Mistral's templates take back.
 - `pythonic` (Llama-4): `[get_weather(city="Paris"), ...]`, optionally in `<|python_start|>...<|python_end|>`.
 - `deepseekv3`, `deepseekv31`: a `<｜tool▁calls▁begin｜>` block of calls after any content.
+- `gpt-oss`: OpenAI's harmony messages; a call is a message to `functions.NAME` with JSON arguments,
+  `<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{...}<|call|>`.
+  The `final` channel (and commentary to no one) is content; the `analysis` channel is reasoning
+  and left out. Its markers are special tokens, so the engine is asked to keep them in its text
+  (`KEEPS_SPECIAL_TOKENS`).
 
 A call that does not parse, or names a tool that was not offered, comes back as content. When
 `tool_choice` forces a call (`required` or a named function) the engine is constrained by a JSON
@@ -483,13 +488,157 @@ class _TailBlockStream:
         return [*([content] if content else []), *calls]
 
 
+class GptOssParser:
+    """gpt-oss (OpenAI's harmony format): the output is messages, each a header, `<|message|>` and a
+    body ended by `<|end|>`, `<|call|>` or `<|return|>` (the last two are end-of-sequence tokens,
+    which the engine trims: the output's end ends a body too). The header names the channel
+    (`<|channel|>analysis`, `commentary` or `final`) and, for a call, its recipient (`to=functions.NAME`,
+    in the role part or after the channel), then `<|constrain|>json` or `json` before the arguments.
+    An output without harmony markers is all content."""
+
+    MESSAGE = "<|message|>"
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    START = "<|start|>"
+    _RECIPIENT = re.compile(r"\bto=([A-Za-z_][\w.\-]*)")
+    _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        stream = self.stream()
+        parts = [*stream.feed(text), *stream.finish()]
+        calls = [p for p in parts if isinstance(p, ToolCall)]
+        content = "".join(p for p in parts if isinstance(p, str))
+        return (content.strip() if calls else content), calls
+
+    def stream(self) -> "_HarmonyStream":
+        return _HarmonyStream(self)
+
+    def kind(self, header: str) -> tuple[str, str]:
+        """("call", tool name), ("content", ""), ("reasoning", "") or ("unknown", "") for a message's header."""
+        recipient = self._RECIPIENT.search(header)
+        if recipient is not None:
+            name = recipient.group(1).removeprefix("functions.")
+            return ("call", name) if name in self.names else ("unknown", "")
+        channel = self._CHANNEL.search(header)
+        if channel is None or channel.group(1) in ("final", "commentary"):
+            return "content", ""
+        return ("reasoning", "") if channel.group(1) == "analysis" else ("unknown", "")
+
+    def call(self, name: str, body: str) -> ToolCall | None:
+        return _object_call({"name": name, "arguments": body.strip() or "{}"}, self.names, "arguments")
+
+
+def _held_tail(text: str, markers: Sequence[str]) -> int:
+    """How many characters at the end of `text` may be the beginning of one of `markers`."""
+    return max((k for marker in markers for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                if marker.startswith(text[-k:])), default=0)
+
+
+class _HarmonyStream:
+    """Reads harmony messages as they come: content bodies stream (a tail that may begin a marker
+    held back), a call's body is held until it ends, reasoning is dropped."""
+
+    def __init__(self, parser: GptOssParser) -> None:
+        self.parser = parser
+        self.buffer = ""
+        self.mode = "start"  # start (undecided), plain, header, body
+        self.header = ""
+        self.kind, self.name = "content", ""
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        self.buffer += delta
+        out: list[str | ToolCall] = []
+        while True:
+            if self.mode == "plain":
+                out.append(self.buffer)
+                self.buffer = ""
+                return out
+            if self.mode == "start":
+                head = self.buffer.lstrip()
+                if not head:
+                    return out
+                if head.startswith("<|"):
+                    self.mode = "header"
+                elif not "<|".startswith(head):
+                    self.mode = "plain"
+                else:
+                    return out
+            if self.mode == "header":
+                at = self.buffer.find(GptOssParser.MESSAGE)
+                if at < 0:
+                    return out
+                self.header = self.buffer[:at + len(GptOssParser.MESSAGE)]
+                self.buffer = self.buffer[at + len(GptOssParser.MESSAGE):]
+                self.kind, self.name = self.parser.kind(self.header)
+                self.mode = "body"
+            ends = [(at, marker) for marker in (*GptOssParser.ENDS, GptOssParser.START)
+                    if (at := self.buffer.find(marker)) >= 0]
+            if not ends:
+                if self.kind == "content":
+                    keep = _held_tail(self.buffer, (*GptOssParser.ENDS, GptOssParser.START))
+                    text, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                    if text:
+                        out.append(text)
+                return out
+            at, marker = min(ends)
+            body = self.buffer[:at]
+            # `<|start|>` begins the next message's header; an end marker is consumed.
+            self.buffer = self.buffer[at:] if marker == GptOssParser.START else self.buffer[at + len(marker):]
+            out.extend(self._close(body, marker if marker != GptOssParser.START else ""))
+            self.mode = "header"
+
+    def _close(self, body: str, end: str) -> list[str | ToolCall]:
+        if self.kind == "content":
+            return [body] if body else []
+        if self.kind == "reasoning":
+            return []
+        if self.kind == "call":
+            call = self.parser.call(self.name, body)
+            if call is not None:
+                return [call]
+        return [self.header + body + end]  # not a call of an offered tool: as the model wrote it
+
+    def finish(self) -> list[str | ToolCall]:
+        rest, self.buffer = self.buffer, ""
+        if self.mode == "body":
+            self.mode = "header"
+            return self._close(rest, "")
+        return [rest] if rest.strip() else []
+
+
 PARSERS: dict[str, type[Llama3Parser] | type[HermesParser] | type[MistralParser] | type[PythonicParser]
-              | type[DeepSeekParser]] = {
+              | type[DeepSeekParser] | type[GptOssParser]] = {
     "llama3": Llama3Parser, "hermes": HermesParser, "qwen25": HermesParser, "qwen": HermesParser,
     "mistral": MistralParser, "pythonic": PythonicParser, "deepseekv3": DeepSeekParser, "deepseekv31": DeepSeekParser,
+    "gpt-oss": GptOssParser,
 }
+# Families whose call markers are special tokens the engine leaves out of its text by default
+# (SGLang's `skip_special_tokens`): their parser needs them kept.
+KEEPS_SPECIAL_TOKENS = frozenset({"gpt-oss"})
 # Families whose chat templates take only call ids of their own shape (Mistral's: 9 letters and digits).
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def family_of_template(template: str | None) -> str | None:
+    """The tool-call family a chat template writes past calls in (the model writes its calls the
+    same way), from the family's markers; None when it shows none (`INFERBUS_TOOL_CALL_PARSER=auto`)."""
+    if not template:
+        return None
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "gpt-oss"
+    if "<｜tool▁sep｜>" in template:
+        return "deepseekv3" if "```json" in template else "deepseekv31"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_start|>" in template:
+        return "pythonic"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
+        return "llama3"
+    return None
 
 
 def call_id(family: str) -> str:

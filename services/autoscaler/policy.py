@@ -3,7 +3,10 @@ a `PoolSignals` snapshot in, a `Decision` out; state is only what stabilisation 
 must remember between ticks. The fleet simulator drives this same object.
 
 Rules, in the order they can raise the serving target:
-  1. SLO pressure. pressure = max(p90 TTFT / SLO, p90 TPOT / SLO, queue wait / budget). Above 1,
+  1. SLO pressure. pressure = max(p90 TTFT / SLO, p90 TPOT / SLO, queue wait / budget) over the
+     signals the pool is sized on (`PolicyConfig.signals`: all three for an aggregated pool; a
+     disaggregated fleet's prefill pool reads TTFT and queue, its decode pool TPOT and KV use ÷ its
+     budget, roles.py). Above 1,
      the serving target grows in proportion (×pressure, at least +1, at most ×max_step_up),
      then holds for `slo_cooldown_s`: windowed percentiles still show the breach for a while
      after the fix, and must not be counted twice. Not GPU utilisation: a full GPU is the goal;
@@ -32,6 +35,7 @@ from .forecast import HoltForecaster
 from .signals import PoolSignals
 
 Direction = Literal["up", "down", "hold"]
+SIGNALS = ("ttft", "tpot", "queue", "kv")
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,16 @@ class PolicyConfig:
     # later seen this long back: bursts recur, and a cold start is too slow for them. 0: off (the
     # default until the service has a setting for it; bench/autoscale.py runs with 3600 s).
     burst_memory_s: float = 0.0
+    # The signals SLO pressure reads (SIGNALS): an aggregated pool all of its latencies; the pools
+    # of a disaggregated fleet each their own (roles.py).
+    signals: tuple[str, ...] = ("ttft", "tpot", "queue")
+    kv_budget: float = 0.9  # with "kv" in signals: KV use above this share of the cache is pressure
 
     def __post_init__(self) -> None:
+        if not self.signals or set(self.signals) - set(SIGNALS):
+            raise ValueError(f"signals must be some of {', '.join(SIGNALS)}, got {self.signals}")
+        if not 0 < self.kv_budget <= 1:
+            raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
         positive = ("ttft_slo_s", "tpot_slo_s", "queue_wait_budget_s", "goodput_rps", "cold_start_s",
                     "scale_down_window_s", "down_step_s")
         for name in positive:
@@ -168,18 +180,21 @@ class AutoscalePolicy:
     def pressure(self, s: PoolSignals) -> tuple[float, list[str]]:
         """The worst SLO ratio, and the breaches in words."""
         c = self.config
-        ratios = [s.queue_wait_s / c.queue_wait_budget_s]
+        ratios = [0.0]
         breaches = []
-        if s.ttft_p90_s is not None:
-            ratios.append(s.ttft_p90_s / c.ttft_slo_s)
-            if s.ttft_p90_s > c.ttft_slo_s:
-                breaches.append(f"p90 TTFT {_ms(s.ttft_p90_s)} > {_ms(c.ttft_slo_s)}")
-        if s.tpot_p90_s is not None:
-            ratios.append(s.tpot_p90_s / c.tpot_slo_s)
-            if s.tpot_p90_s > c.tpot_slo_s:
-                breaches.append(f"p90 TPOT {_ms(s.tpot_p90_s)} > {_ms(c.tpot_slo_s)}")
-        if s.queue_wait_s > c.queue_wait_budget_s:
-            breaches.append(f"queue wait {s.queue_wait_s:.2f} s > {c.queue_wait_budget_s:.2f} s")
+        # (signal, value, budget, breach text): in the order the reason names them.
+        checks = (
+            ("ttft", s.ttft_p90_s, c.ttft_slo_s, lambda v, b: f"p90 TTFT {_ms(v)} > {_ms(b)}"),
+            ("tpot", s.tpot_p90_s, c.tpot_slo_s, lambda v, b: f"p90 TPOT {_ms(v)} > {_ms(b)}"),
+            ("queue", s.queue_wait_s, c.queue_wait_budget_s, lambda v, b: f"queue wait {v:.2f} s > {b:.2f} s"),
+            ("kv", s.kv_usage, c.kv_budget, lambda v, b: f"KV {v:.0%} > {b:.0%}"),
+        )
+        for name, value, budget, text in checks:
+            if name not in c.signals or value is None:
+                continue
+            ratios.append(value / budget)
+            if value > budget:
+                breaches.append(text(value, budget))
         return max(ratios), breaches
 
     def decide(self, s: PoolSignals) -> Decision:

@@ -1,6 +1,8 @@
 """The autoscaler's shell: worker load reports in, a decision per pool per tick out.
 
-Each tick, per pool: snapshot the signals (pure), ask the policy (pure), plan promotions,
+Each tick, per pool (with INFERBUS_AUTOSCALER_DISAGGREGATED, per pool and role: its prefill workers
+and its decode workers are two pools, each decided on its own signal by `roles.DisaggregatedPolicy`):
+snapshot the signals (pure), ask the policy (pure), plan promotions,
 demotions and the replica count (pure), publish the decision on `inferbus.scale.<pool>`, log it,
 export it, then let the actuator act. A failing actuator is logged and retried next tick; the
 decision is out on the bus either way.
@@ -27,6 +29,7 @@ from proto import subjects
 
 from .actuators.base import Actuator
 from .policy import AutoscalePolicy, Decision, Plan, Reconciler
+from .roles import DisaggregatedPolicy, role_pool
 from .settings import AutoscalerSettings
 from .signals import PoolSignals, SignalAggregator
 
@@ -99,6 +102,7 @@ class Autoscaler:
                                            latency_window_s=settings.latency_window_s,
                                            stale_after_s=settings.stale_after_s)
         self.policy = AutoscalePolicy(clock, settings.policy_config())
+        self.roles = DisaggregatedPolicy(clock, settings.role_configs()) if settings.disaggregated else None
         self.reconciler = Reconciler(clock, pending_s=settings.pending_s)
         self.nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
@@ -109,7 +113,7 @@ class Autoscaler:
         await self.actuator.start()
         await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load)
         self._task = asyncio.create_task(self._loop(), name="ticks")
-        log.info("autoscaler_ready", autoscaler_id=self.id, pools=self.settings.pool_list(),
+        log.info("autoscaler_ready", autoscaler_id=self.id, pools=[name for _, _, name in self.settings.scaled_pools()],
                  actuator=self.actuator.name, tick_s=self.settings.tick_s)
 
     async def stop(self) -> None:
@@ -134,15 +138,17 @@ class Autoscaler:
         await asyncio.sleep(self.settings.tick_s)
         while True:
             started = time.monotonic()
-            for pool in self.settings.pool_list():
+            for pool, role, _ in self.settings.scaled_pools():
                 try:
-                    await self.tick(pool)
+                    await self.tick(pool, role)
                 except Exception:
-                    log.exception("tick_failed", pool=pool)
+                    log.exception("tick_failed", pool=pool, role=role)
             await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))
 
-    async def tick(self, pool: str) -> Decision:
+    async def tick(self, model: str, role: str | None = None) -> Decision:
+        """One decision for `model`'s pool, or with `role` for its pool of that role's workers."""
         assert self.nc is not None
+        pool = model if role is None else role_pool(model, role)
         launched: int | None = None
         try:
             fleet = (await self.actuator.current()).pools.get(pool)
@@ -150,8 +156,13 @@ class Autoscaler:
         except Exception as error:
             ACTUATOR_ERRORS.labels(pool).inc()
             log.warning("actuator_read_failed", pool=pool, actuator=self.actuator.name, error=repr(error))
-        signals = with_unseen_replicas(self.aggregator.snapshot(pool), launched)
-        decision = self.policy.decide(signals)
+        signals = with_unseen_replicas(self.aggregator.snapshot(model, role, pool), launched)
+        if role is None:
+            decision = self.policy.decide(signals)
+        else:
+            if self.roles is None:
+                raise ValueError(f"a {role} pool is scaled only with INFERBUS_AUTOSCALER_DISAGGREGATED")
+            decision = self.roles.decide(role, signals)
         running = launched if launched is not None else signals.serving + signals.warm + signals.starting + signals.draining
         plan = self.reconciler.plan(decision, signals, running)
         message = decision_message(decision, signals, plan, self.id, self.actuator.name)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from inferbus.settings import env
 
 from .policy import PolicyConfig
+from .roles import ROLES, RoleBounds, role_configs, role_pool
 
 ACTUATORS = ("dryrun", "local", "kubernetes")
 
@@ -42,6 +43,14 @@ class AutoscalerSettings:
     max_step_down: float = env("INFERBUS_AUTOSCALER_MAX_STEP_DOWN", 0.1, "Share of the serving replicas one scale-down step may remove (at least one).")
     burst_memory_s: float = env("INFERBUS_AUTOSCALER_BURST_MEMORY_S", 0.0, "How long the warm pool remembers the largest burst (demand over the serving target of one cold start earlier) and stays sized for it; 0 sizes it from the current ramp only. The simulator proof uses 3600.")
     pending_s: float = env("INFERBUS_AUTOSCALER_PENDING_S", 30.0, "How long a promotion or demotion counts as done before the worker's reports show it.")
+    disaggregated: bool = env("INFERBUS_AUTOSCALER_DISAGGREGATED", False, "Prefill/decode disaggregation: scale each pool's prefill workers and decode workers apart, each on its own signal (prefill: its TTFT budget and queue; decode: TPOT and KV use). The decode pool takes the bounds and goodput above (and INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS), the prefill pool the PREFILL_ ones. `inferbus plan --emit-deploy` sets them from a disaggregated plan.")
+    prefill_goodput_rps: float = env("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", 4.1, "Disaggregated: requests per second one prefill replica serves within its TTFT budget (from `inferbus plan`).")
+    prefill_ttft_budget_s: float = env("INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S", 0.6, "Disaggregated: p90 the prefill pool's own TTFT (gateway accept to the prompt's KV sent) must hold: the TTFT SLO less the decode side's first steps (from `inferbus plan`).")
+    prefill_max_serving: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING", 64, "Disaggregated: most serving prefill replicas per pool.")
+    prefill_max_warm: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_WARM", 8, "Disaggregated: most warm prefill replicas per pool.")
+    prefill_max_replicas: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS", 72, "Disaggregated: most prefill replicas per pool counting serving, warm and starting ones (their GPU budget).")
+    decode_kv_budget: float = env("INFERBUS_AUTOSCALER_DECODE_KV_BUDGET", 0.9, "Disaggregated: KV cache use of the fullest decode replica above which the decode pool is short (the plan's KV limit).")
+    k8s_prefill_deployments: str = env("INFERBUS_AUTOSCALER_K8S_PREFILL_DEPLOYMENTS", "worker-prefill", "Disaggregated: the prefill worker Deployment per pool, as INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS names the decode one.")
     local_engine: str = env("INFERBUS_AUTOSCALER_LOCAL_ENGINE", "{}", "Local actuator: the simulated engine of new replicas, as JSON (gpu, tp, model, time_scale, fixed_step_ms, engine_args); `inferbus up --autoscale` sets it.")
     local_zones: str = env("INFERBUS_AUTOSCALER_LOCAL_ZONES", "", "Local actuator: zones to spread replicas over, comma-separated (N+1 per zone: a new replica goes to the zone with the fewest, a scale-down takes from the one with the most); each replica gets its INFERBUS_ZONE. Empty: no zones.")
     local_log_dir: str = env("INFERBUS_AUTOSCALER_LOCAL_LOG_DIR", ".inferbus/logs", "Local actuator: where engine-<n>.log and worker-<n>.log of started replicas go.")
@@ -70,6 +79,14 @@ class AutoscalerSettings:
         except ValueError as error:
             named = [f.metadata["env"] for f in dataclasses.fields(self) if re.search(rf"\b{f.name}\b", str(error))]
             raise SystemExit(f"invalid autoscaler settings: {error} (from {', '.join(named)})") from None
+        if self.disaggregated:
+            if self.actuator == "local":
+                raise SystemExit("INFERBUS_AUTOSCALER_DISAGGREGATED runs with the kubernetes or dryrun actuator: the "
+                                 "local actuator starts aggregated replicas")
+            try:
+                self.role_configs()
+            except ValueError as error:
+                raise SystemExit(f"invalid autoscaler settings: {error}") from None
         if self.actuator == "kubernetes":
             self.deployments()
         if self.actuator == "local":
@@ -91,23 +108,47 @@ class AutoscalerSettings:
             down_step_s=self.down_step_s, max_step_down=self.max_step_down, burst_memory_s=self.burst_memory_s,
         )
 
+    def role_configs(self) -> dict[str, PolicyConfig]:
+        """Disaggregated: the prefill and decode pools' policy configs."""
+        return role_configs(
+            self.policy_config(),
+            prefill=RoleBounds(self.prefill_goodput_rps, self.prefill_max_serving, self.prefill_max_warm,
+                               self.prefill_max_replicas),
+            decode=RoleBounds(self.goodput_rps, self.max_serving, self.max_warm, self.max_replicas),
+            prefill_ttft_budget_s=self.prefill_ttft_budget_s, decode_kv_budget=self.decode_kv_budget)
+
+    def scaled_pools(self) -> list[tuple[str, str | None, str]]:
+        """What is scaled apart: (model pool, role or None, name in decisions and the actuator)."""
+        if not self.disaggregated:
+            return [(pool, None, pool) for pool in self.pool_list()]
+        return [(pool, role, role_pool(pool, role)) for pool in self.pool_list() for role in ROLES]
+
     def deployments(self) -> dict[str, str]:
+        """Scaled pool (`scaled_pools`' name) → worker Deployment name."""
+        decode = self._deployments(self.k8s_deployments, "INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS")
+        if not self.disaggregated:
+            return decode
+        prefill = self._deployments(self.k8s_prefill_deployments, "INFERBUS_AUTOSCALER_K8S_PREFILL_DEPLOYMENTS")
+        return ({role_pool(pool, "decode"): name for pool, name in decode.items()}
+                | {role_pool(pool, "prefill"): name for pool, name in prefill.items()})
+
+    def _deployments(self, text: str, setting: str) -> dict[str, str]:
         """pool → worker Deployment name."""
-        raw = self.k8s_deployments.strip()
+        raw = text.strip()
         pools = self.pool_list()
         if "=" not in raw:
             if len(pools) != 1 or not raw:
-                raise SystemExit("INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS must be `pool=name,...` when scaling several pools")
+                raise SystemExit(f"{setting} must be `pool=name,...` when scaling several pools")
             return {pools[0]: raw}
         mapping: dict[str, str] = {}
         for item in raw.split(","):
             pool, sep, name = item.partition("=")
             if not sep or not pool.strip() or not name.strip():
-                raise SystemExit(f"INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS: expected pool=name, got {item!r}")
+                raise SystemExit(f"{setting}: expected pool=name, got {item!r}")
             mapping[pool.strip()] = name.strip()
         missing = [p for p in pools if p not in mapping]
         if missing:
-            raise SystemExit(f"INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS names no Deployment for {', '.join(missing)}")
+            raise SystemExit(f"{setting} names no Deployment for {', '.join(missing)}")
         return mapping
 
     def engine_spec(self) -> dict:

@@ -110,9 +110,12 @@ class SignalAggregator:
             del self._workers[worker_id]
         return self._workers
 
-    def snapshot(self, pool: str) -> PoolSignals:
+    def snapshot(self, pool: str, role: str | None = None, name: str | None = None) -> PoolSignals:
+        """The pool's signals; with `role`, of its workers of that role only (a disaggregated fleet's
+        prefill or decode pool, sized apart), named `name` in the snapshot."""
         now = self.clock()
-        workers = [(wid, w) for wid, w in self._live().items() if w.model == pool]
+        workers = [(wid, w) for wid, w in self._live().items()
+                   if w.model == pool and (role is None or w.last.role == role)]
         serving = [(wid, w) for wid, w in workers if w.last.phase == "serving" and not w.last.draining]
         warm = sorted(wid for wid, w in workers if w.last.phase == "warm" and not w.last.draining)
         starting = sum(1 for _, w in workers if w.last.phase == "starting")
@@ -148,7 +151,7 @@ class SignalAggregator:
         measured = self._p90(queue, m.LATENCY_BUCKETS_S) or 0.0
         serving_loads = [w.last for _, w in serving]
         return PoolSignals(
-            pool=pool, serving=len(serving), warm=len(warm), starting=starting, draining=draining,
+            pool=name or pool, serving=len(serving), warm=len(warm), starting=starting, draining=draining,
             slots=sum(x.max_running for x in serving_loads),
             arrival_rate=arrival, batch_rate=batch_rate, waiting=waiting,
             running=sum(x.running for x in loads), in_flight=in_flight, batch_in_flight=batch_in_flight,

@@ -209,6 +209,12 @@ class Dispatcher:
     def reply_subject(self) -> str:
         return subjects.token_subject(self.gateway_id)
 
+    def engine_context_length(self, model: str) -> int:
+        """The smallest context window the ready engines of `model` report (0: none reports one)."""
+        windows = [beat.context_length for _, beat in self.live_workers.values()
+                   if beat.model == model and beat.state == "ready" and beat.context_length > 0]
+        return min(windows, default=0)
+
     def has_workers(self, model: str) -> bool:
         # A prefill worker serves decode workers only: a fleet of them alone runs no request.
         return any(beat.model == model and beat.state == "ready" and beat.role != "prefill"

@@ -23,7 +23,8 @@ from inferbus import logs, tracing
 from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import answer_schema, sampling_params
-from inferbus.openai.tools import ToolCall, ToolOutput
+from inferbus.openai.token_text import TokenTexts
+from inferbus.openai.tools import ToolCall, ToolOutput, family_of_template
 from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
 from inferbus.stores.keys import KeyStore, Principal
@@ -66,7 +67,8 @@ class _Call:
     created: int
     include_usage: bool
     stream: bool
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # admitted: authenticated, parsed, rendered, in quota
+    arrived: float = 0.0  # the request reached this gateway's handler
     first_token_at: float | None = None
     flight: Flight | None = None
     usage: m.Usage | None = None
@@ -91,6 +93,7 @@ class _Choice:
     flight: Flight
     tool_output: ToolOutput | None = None  # reads tool calls out of the output when tools are offered
     pending_logprobs: list[m.TokenLogprob] = field(default_factory=list)  # not yet sent with a chunk
+    token_texts: TokenTexts | None = None  # decodes its logprob tokens in context (logprobs asked for)
     text_offset: int = 0  # characters of completion text sent (legacy completions' text_offset)
     tool_calls_sent: int = 0
     started: bool = False  # its first chunk (with the role) was sent
@@ -125,9 +128,11 @@ class Generation:
                  catalog: ModelCatalog | None = None, served: ServedModel | None = None) -> None:
         self.settings = settings
         self.served = served or load_model(settings.model_dir)
-        self.max_model_len = context_window(settings.max_model_len, self.served)
         self.catalog = catalog or ModelCatalog(settings.model, int(time.time()))
         self.dispatcher = dispatcher
+        # The tool-call family: configured, or (`auto`) the one the model's chat template writes.
+        self.tool_call_parser = (settings.tool_call_parser if settings.tool_call_parser != "auto"
+                                 else family_of_template(self.served.chat_template) or "llama3")
         self.keys = keys
         self.tenants = tenants
         self.admission = admission
@@ -139,11 +144,13 @@ class Generation:
         self._admitting: dict[str, int] = {}  # band → requests past the overload check, not yet dispatched
 
     async def __call__(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
+        arrived = time.monotonic()
         request_id = uuid.uuid4().hex
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             call = await self._admit(scope, receive, request_id, endpoint)
+            call.arrived = arrived
         except OpenAIError as error:
             metrics.REQUESTS.labels(endpoint, str(error.status)).inc()
             if error.status >= 500:  # the platform's refusal (no workers, overload, a store down): leave a trace
@@ -190,6 +197,7 @@ class Generation:
             completion_tokens=usage.completion_tokens if usage else flight.sent_tokens,
             cached_tokens=usage.cached_tokens if usage else None,
             ttft_ms=round((call.first_token_at - call.started) * 1000, 2) if call.first_token_at else None,
+            admit_ms=round((call.started - call.arrived) * 1000, 2),
             duration_ms=round((time.monotonic() - call.started) * 1000, 2),
             attempts=flight.request.attempt + 1, worker=flight.worker_id, release=flight.request.release,
         )
@@ -228,7 +236,7 @@ class Generation:
             raise OpenAIError(400, str(error), param="messages" if endpoint == "chat" else "prompt",
                               code="invalid_prompt") from None
         prompt_tokens = len(prompt.ids)
-        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens)  # before any work per token
+        max_new_tokens = self._max_tokens(params.max_tokens, prompt_tokens, model)  # before any work per token
         pin = _header(scope, PIN_HEADER)
         adapter_canary = adapter_pinned = False
         adapter_fallback = None
@@ -266,7 +274,7 @@ class Generation:
                 request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
                 api_key_id=principal.key_id, adapter=adapter,
                 band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
-                sampling=sampling_params(params, max_new_tokens),
+                sampling=sampling_params(params, max_new_tokens, self.tool_call_parser),
                 reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
                 created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
                 adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
@@ -305,7 +313,7 @@ class Generation:
             call.flight = call.choices[0].flight
             if isinstance(params, schemas.ChatCompletionRequest) and offered:
                 for choice in call.choices:
-                    choice.tool_output = ToolOutput(self.settings.tool_call_parser, offered, params.tool_choice,
+                    choice.tool_output = ToolOutput(self.tool_call_parser, offered, params.tool_choice,
                                                     parallel=params.parallel_tool_calls is not False,
                                                     json_answer=answer_schema(params) is not None)
             return call
@@ -404,9 +412,9 @@ class Generation:
                 await self._off_loop(check) if len(body) > LONG_TEXT_CHARS else check()
                 return body
 
-    def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
-        return responses.max_new_tokens(requested, prompt_tokens, self.max_model_len,
-                                        self.settings.default_max_tokens)
+    def _max_tokens(self, requested: int | None, prompt_tokens: int, model: str) -> int:
+        window = context_window(self.settings.max_model_len, self.served, self.dispatcher.engine_context_length(model))
+        return responses.max_new_tokens(requested, prompt_tokens, window, self.settings.default_max_tokens)
 
     # ---- relaying ---------------------------------------------------------------------------
 
@@ -440,7 +448,7 @@ class Generation:
         if len(call.choices) == 1:
             choice = call.choices[0]
             async for event in self.dispatcher.events(choice.flight):
-                yield choice, event
+                yield choice, self._decoded(call, choice, event)
             return
         merged: asyncio.Queue[tuple[_Choice, m.StreamEvent | None]] = asyncio.Queue()
 
@@ -457,7 +465,16 @@ class Generation:
             if item is None:
                 running -= 1
                 continue
-            yield choice, item
+            yield choice, self._decoded(call, choice, item)
+
+    def _decoded(self, call: _Call, choice: _Choice, event: m.StreamEvent) -> m.StreamEvent:
+        """The event with its logprob tokens' text decoded in context, so that they join up to the
+        content whatever the tokenizer (the engine decodes each token alone)."""
+        if not call.logprobs or not isinstance(event, (m.TokenChunk, m.Final)) or not event.logprobs:
+            return event
+        if choice.token_texts is None:
+            choice.token_texts = TokenTexts(self.served.decode, choice.flight.request.input_ids)
+        return msgspec.structs.replace(event, logprobs=choice.token_texts.rewrite(event.logprobs))
 
     def _quiet(self, call: _Call) -> bool:
         """Nothing more is queued for this response right now."""

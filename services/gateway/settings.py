@@ -44,8 +44,9 @@ class GatewaySettings:
     max_messages: int = env("INFERBUS_MAX_MESSAGES", MAX_MESSAGES, "Most `messages` in one chat request (400 above), checked before any is read.")
     max_model_len: int = env(
         "INFERBUS_MAX_MODEL_LEN", 0,
-        "Context window: prompt plus max_tokens must fit. 0: the served model's, read from its config.json as SGLang "
-        "reads it (max_position_embeddings and the like); set it when the engines run with --context-length.",
+        "Context window: prompt plus max_tokens must fit. 0: the smallest window the model's ready engines report in "
+        "their /server_info (an engine started with --context-length), else the served model's, read from its "
+        "config.json as SGLang reads it (max_position_embeddings and the like).",
     )
     default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
@@ -114,9 +115,10 @@ class GatewaySettings:
         "INFERBUS_TOOL_CALL_PARSER", "llama3",
         "How the served model writes tool calls, to read them into `tool_calls`: `llama3` (JSON "
         "`{\"name\", \"parameters\"}`), `hermes` (also `qwen25`: `<tool_call>{...}</tool_call>`), `mistral` "
-        "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`) or `deepseekv3`/`deepseekv31` "
-        "(a `<｜tool▁calls▁begin｜>` block); SGLang's "
-        "--tool-call-parser names.",
+        "(`[TOOL_CALLS][...]`, 9-character call ids), `pythonic` (Llama-4: `[f(x=1)]`), `deepseekv3`/`deepseekv31` "
+        "(a `<｜tool▁calls▁begin｜>` block) or `gpt-oss` (harmony messages to `functions.NAME`; the engine is asked "
+        "to keep special tokens in its text when the model may call); SGLang's --tool-call-parser names. `auto`: "
+        "the family whose call markers the model's chat template writes (llama3 when it shows none).",
     )
     internal_api: bool = env(
         "INFERBUS_INTERNAL_API", True,
@@ -147,9 +149,9 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         from inferbus.openai.tools import PARSERS
 
-        if self.tool_call_parser not in PARSERS:
+        if self.tool_call_parser not in PARSERS and self.tool_call_parser != "auto":
             raise SystemExit(f"invalid value for INFERBUS_TOOL_CALL_PARSER: {self.tool_call_parser!r} "
-                             f"(one of {', '.join(sorted(PARSERS))})")
+                             f"(auto or one of {', '.join(sorted(PARSERS))})")
 
     def resolved_gateway_id(self) -> str:
         return self.gateway_id or _default_gateway_id()

@@ -55,6 +55,9 @@ from .profile_table import load_npz
               help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.")
 @click.option("--max-running-requests", default=None, type=int,
               help="Most requests in the running batch (default 256; /server_info reports it at the top only when given, as SGLang does).")
+@click.option("--context-length", default=None, type=click.IntRange(min=16),
+              help="The context window (SGLang's flag): prompt plus output tokens. Default: the model directory's "
+                   "config.json, as SGLang derives it, else 131072.")
 @click.option("--model-dir", default=None, envvar="INFERBUS_MODEL_DIR", show_envvar=True,
               type=click.Path(exists=True, file_okay=False),
               help="The served model's directory (tokenizer.json, tokenizer_config.json with the chat template): text is "
@@ -108,10 +111,12 @@ from .profile_table import load_npz
 @click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
               help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
 @click.option(
-    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31"]), default="llama3",
+    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31",
+                                            "gpt-oss"]), default="llama3",
     show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON, Hermes/Qwen "
-         "<tool_call> blocks, Mistral [TOOL_CALLS] arrays or pythonic (Llama-4) call lists.",
+         "<tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic (Llama-4) call lists, DeepSeek call blocks "
+         "or gpt-oss harmony messages to functions.",
 )
 @click.option("--answer-length-median", default=DEFAULT_ANSWER_LENGTH_MEDIAN, show_default=True,
               type=click.IntRange(min=0), envvar="INFERBUS_SIM_ANSWER_LENGTH_MEDIAN",
@@ -175,6 +180,7 @@ def sim_engine_command(
     profile_table: str | None,
     chunked_prefill_size: int,
     max_running_requests: int | None,
+    context_length: int | None,
     model_dir: str | None,
     block_size: int,
     max_loras_per_batch: int,
@@ -228,6 +234,8 @@ def sim_engine_command(
             chunked_prefill_size=chunked_prefill_size,
             max_running_requests=256 if max_running_requests is None else max_running_requests,
             max_running_requests_set=max_running_requests is not None,
+            context_length=EngineConfig.context_length if context_length is None else context_length,
+            context_length_set=context_length is not None,
             model_dir=model_dir,
             block_size=block_size,
             max_loras_per_batch=max_loras_per_batch,

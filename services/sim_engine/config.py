@@ -81,6 +81,9 @@ class EngineConfig:
     priority_scheduling: bool = True
     priority_preemption_threshold: int = 10
     context_length: int = 131_072
+    # Whether --context-length was given: SGLang reports the flag in /server_info (null when unset)
+    # and the window it enforces through max_req_input_len.
+    context_length_set: bool = False
     # SGLang's --kv-events-config JSON, e.g. {"publisher": "zmq", "endpoint": "tcp://*:5557"}.
     kv_events_config: str | None = None
     # Engine options the timing model prices (docs/sim-engine.md): weight and KV precision,
@@ -93,7 +96,8 @@ class EngineConfig:
     speculative_acceptance: float = 0.7
     speculative_draft_cost: float = 0.1
     # The model family's tool-call format, as SGLang's --tool-call-parser names it: `llama3`
-    # (JSON `{"name", "parameters"}`) or `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`).
+    # (JSON `{"name", "parameters"}`), `hermes`/`qwen25`/`qwen` (`<tool_call>...</tool_call>`), `mistral`,
+    # `pythonic`, `deepseekv3`/`deepseekv31` or `gpt-oss` (constrained.FAMILIES).
     tool_call_parser: str = "llama3"
     # Free text ends with EOS after a length drawn per request from a log-normal distribution with
     # this median (tokens), seeded by the context (and the sampling seed); 0: it ends only at

@@ -2,7 +2,8 @@
 under a seed.
 
 - Constrained decoding (SGLang's `json_schema` sampling parameter): a value generated from the
-  schema, valid against it, written as compact JSON.
+  schema, valid against it, written as compact JSON: no whitespace between tokens, as SGLang
+  writes it with `--constrained-json-disable-any-whitespace`, which every platform engine runs with.
 - Tool use: a prompt that offers tools (their JSON definitions, as chat templates render them)
   and whose conversation after them mentions tools' names (their words, e.g. "weather" for
   `get_weather`) gets a call of each such tool in the model family's format
@@ -18,7 +19,7 @@ import random
 import re
 from typing import Any
 
-FAMILIES = ("llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31")
+FAMILIES = ("llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31", "gpt-oss")
 _WORDS = ("alpha", "bravo", "delta", "echo", "harbor", "lima", "nova", "paris", "oslo", "tango")
 _decoder = json.JSONDecoder()
 
@@ -298,7 +299,7 @@ def _answer(schema: Any, rng: random.Random, prompt: str) -> Any:
 
 
 def _dump(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _open_object(schema: Any) -> bool:
@@ -439,6 +440,11 @@ def tool_call_output(prompt: str, family: str, rng: random.Random) -> str | None
                 return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(arguments, ensure_ascii=False)}\n```<｜tool▁call▁end｜>"
             return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{json.dumps(arguments, ensure_ascii=False)}<｜tool▁call▁end｜>"
         return "<｜tool▁calls▁begin｜>" + "\n".join(one(name, arguments) for name, arguments in calls) + "<｜tool▁calls▁end｜>"
+    if family == "gpt-oss":
+        # Harmony: a thought in the analysis channel, then one commentary message to each function.
+        return f"<|channel|>analysis<|message|>I should call {', '.join(name for name, _ in calls)}.<|end|>" + "".join(
+            f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+            f"{json.dumps(arguments, ensure_ascii=False)}<|call|>" for name, arguments in calls)
     if family == "pythonic":
         return "[" + ", ".join(f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
                                for name, arguments in calls) + "]"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -25,7 +26,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from inferbus.prompt import load_model
+from inferbus.prompt import ServedModel, load_model
 from inferbus.timing import StepTimeModel
 from inferbus.tokens import VOCAB_SIZE, encode
 
@@ -167,6 +168,15 @@ class _Metrics:
         ).labels(model_name)
 
 
+def _in_context(served: ServedModel, token_id: int) -> str:
+    """A token's text as it reads after a word, the way the engine's detokenizer writes the output
+    (a SentencePiece-style token keeps its leading space, which decoding it alone drops)."""
+    anchor = served.encode("The", add_special_tokens=False)
+    before = served.tokenizer.decode(anchor, skip_special_tokens=False)
+    text = served.tokenizer.decode([*anchor, token_id], skip_special_tokens=False)
+    return text[len(before):] if text.startswith(before) else served.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 class SimEngineServer:
     """Owns the engine, the step loop and the Starlette app (`.app`)."""
 
@@ -176,11 +186,10 @@ class SimEngineServer:
         self.served = load_model(config.model_dir) if config.model_dir else None
         if self.served is not None:
             served = self.served
-            if served.context_length:
+            if served.context_length and not config.context_length_set:
                 config.context_length = served.context_length  # the model's own, as SGLang derives it
             vocabulary = OutputVocabulary.from_tokenizer(
-                lambda text: served.encode(text, add_special_tokens=False),
-                lambda token_id: served.tokenizer.decode([token_id], skip_special_tokens=False),
+                lambda text: served.encode(text, add_special_tokens=False), functools.partial(_in_context, served),
                 served.eos_token_ids[0] if served.eos_token_ids else 0)
             self.engine = Engine(config, step_model, vocabulary)
         else:
@@ -471,9 +480,17 @@ class SimEngineServer:
         if request.return_logprob:
             # Cumulative like the text, [logprob, token id, text] (text only with return_text_in_logprobs).
             n = update.num_output_tokens
-            meta["output_token_logprobs"] = [list(e) for e in request.token_logprobs[:n]]
-            meta["output_top_logprobs"] = [[list(t) for t in top] for top in request.top_logprobs[:n]]
+            meta["output_token_logprobs"] = [self._alone(e) for e in request.token_logprobs[:n]]
+            meta["output_top_logprobs"] = [[self._alone(t) for t in top] for top in request.top_logprobs[:n]]
         return {"text": update.text, "output_ids": request.output_ids[: update.num_output_tokens], "meta_info": meta}
+
+    def _alone(self, entry: tuple[float, int, str]) -> list[Any]:
+        """A logprob entry as SGLang's return_text_in_logprobs writes it: the token decoded alone
+        (with a SentencePiece-style tokenizer, without the leading space it has in the text)."""
+        logprob, token_id, text = entry
+        if self.served is not None:
+            text = self.served.tokenizer.decode([token_id], skip_special_tokens=False)
+        return [logprob, token_id, text]
 
     def _abort_if_running(self, rid: str) -> None:
         if self.engine.get(rid) is not None:
@@ -590,7 +607,10 @@ class SimEngineServer:
                 "enable_lora": True,
                 "enable_priority_scheduling": config.priority_scheduling,
                 "enable_mixed_chunk": config.mixed_chunk,
-                "context_length": config.context_length,
+                # As SGLang: the flag (null unless given), and the longest prompt the scheduler takes,
+                # min(context length, KV pool) - 6, which is how a client learns the window.
+                "context_length": config.context_length if config.context_length_set else None,
+                "max_req_input_len": min(config.context_length, self.engine.cache.capacity_tokens) - 6,
                 "version": SGLANG_VERSION,
                 "inferbus_simulated": True,
                 "gpu": config.gpu,

@@ -106,16 +106,18 @@ def sampling_params(request: InferenceRequest) -> dict[str, Any]:
         params["ignore_eos"] = True
     if s.stop_token_ids:
         params["stop_token_ids"] = s.stop_token_ids
+    if not s.skip_special_tokens:
+        params["skip_special_tokens"] = False
     for grammar in ("json_schema", "regex", "ebnf"):
         if getattr(s, grammar) is not None:
             params[grammar] = getattr(s, grammar)
     return params
 
 
-def _logprob_entry(entry: Any) -> tuple[str, float]:
+def _logprob_entry(entry: Any) -> tuple[str, float, int]:
     # SGLang's shape with return_text_in_logprobs: [logprob, token_id, token_text].
     logprob, token_id, text = entry
-    return (text if text is not None else f"<{token_id}>"), float(logprob)
+    return (text if text is not None else f"<{token_id}>"), float(logprob), int(token_id)
 
 
 def new_logprobs(meta: dict[str, Any], sent: int) -> list[TokenLogprob]:
@@ -129,9 +131,10 @@ def new_logprobs(meta: dict[str, Any], sent: int) -> list[TokenLogprob]:
     first = max(0, int(meta.get("completion_tokens", len(tokens))) - len(tokens))  # output index of tokens[0]
     out = []
     for i in range(max(0, sent - first), len(tokens)):
-        token, logprob = _logprob_entry(tokens[i])
+        token, logprob, token_id = _logprob_entry(tokens[i])
         top = [_logprob_entry(t) for t in (tops[i] if i < len(tops) and tops[i] else ())]
-        out.append(TokenLogprob(token=token, logprob=logprob, top=top))
+        out.append(TokenLogprob(token=token, logprob=logprob, top=[(text, lp) for text, lp, _ in top],
+                                token_id=token_id, top_ids=[alternative for _, _, alternative in top]))
     return out
 
 

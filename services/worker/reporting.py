@@ -62,6 +62,19 @@ def engine_gpu(info: dict[str, Any]) -> tuple[str, int]:
     return str(info.get("gpu", "")), int(info.get("tp_size", 0) or 0)
 
 
+def engine_context_length(info: dict[str, Any]) -> int:
+    """The context window the engine enforces, from its /server_info (0: unknown). SGLang reports
+    `context_length` only when --context-length was given; its scheduler's `max_req_input_len` is
+    min(context length, KV pool) - 6 either way."""
+    flag = info.get("context_length")
+    if isinstance(flag, int) and not isinstance(flag, bool) and flag > 0:
+        return flag
+    longest = info.get("max_req_input_len")
+    if isinstance(longest, int) and not isinstance(longest, bool) and longest > 0:
+        return longest + 6
+    return 0
+
+
 def engine_max_adapters(info: dict[str, Any]) -> int:
     """Distinct adapters per batch, the base model counting as one (SGLang --max-loras-per-batch)."""
     if not info.get("enable_lora"):
@@ -98,6 +111,7 @@ class LoadReporter:
             max_loaded_adapters=engine_max_loaded_adapters(worker.engine_info),
             release=worker.release_counts.release_id, zone=s.zone, role=worker.role,
             bands=s.band_list(), kv_capacity_tokens=worker.kv_capacity_tokens,
+            context_length=engine_context_length(worker.engine_info),
         )
 
     async def heartbeat(self) -> None:

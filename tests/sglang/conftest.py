@@ -92,7 +92,7 @@ def sglang_command(home: Path, models: Path, port: int, kv_events: str) -> tuple
         "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--skip-server-warmup",
         "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
         "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "--max-loaded-loras", str(MAX_LOADED_LORAS),
-        "--enable-metrics", "--kv-events-config", events,
+        "--enable-metrics", "--constrained-json-disable-any-whitespace", "--kv-events-config", events,
     ]
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it --device cpu still takes GPU code paths

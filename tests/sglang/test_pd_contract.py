@@ -97,6 +97,7 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
             "--model-path", str(models / "model"), "--host", "127.0.0.1", "--port", str(port),
             "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--skip-server-warmup", "--kv-events-config", events,
+            "--constrained-json-disable-any-whitespace",
             "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
             "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
             *pd, "--disaggregation-transfer-backend", "mooncake_tcp",

@@ -26,14 +26,24 @@ mixed into decode steps, placed by the least unfinished work) so that both topol
 measured by the same machinery. Minutes are judged as `inferbus simulate` judges them: within the
 SLO when that minute's finished requests have TTFT p90 and TPOT p90 within it.
 
+With a `controller` (duck-typed: `decide(now, signals, fleet)`, e.g.
+`services.autoscaler.simulated_pd.PdPolicyController`, which runs the autoscaler's own
+`DisaggregatedPolicy`) the pools are sized as the fleet runs: every `interval_s` the fleet measures
+each pool as its workers would report it (`RoleSignals`) and the controller starts replicas (ready
+warm after `cold_start_s`), promotes warm ones (serving after `warm_start_s`), drains serving ones
+(no new requests; warm once empty) and stops warm ones. GPU-hours count every replica from its
+start to its stop.
+
 Pure: no wall clock; runs on `events.EventLoop`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req
 from inferbus.capacity.fleetsim.events import EventLoop
@@ -91,15 +101,44 @@ class PdSummary:
     transfer_mean_s: float
     decode_kv_peak: float  # highest share of a decode replica's KV in use (reservations included)
     series: list[dict[str, float]] = field(default_factory=list)
+    gpu_hours: float = math.nan  # every replica from its start to its stop (static: GPUs × duration)
 
     @property
     def goodput_per_gpu(self) -> float:
         return self.goodput_rps / self.gpus if self.gpus else math.nan
 
     def as_dict(self) -> dict[str, object]:
-        out = {k: v for k, v in self.__dict__.items() if k != "series"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("series", "pools")}
         out["goodput_rps_per_gpu"] = self.goodput_per_gpu
         return out
+
+
+@dataclass(frozen=True)
+class RoleSignals:
+    """One pool as its workers' load reports would show it to the autoscaler (the fields of
+    `services.autoscaler.signals.PoolSignals` the simulator can measure)."""
+
+    serving: int
+    warm: int
+    starting: int
+    draining: int
+    slots: int
+    arrival_rate: float  # requests per second over the last rate window (every request passes both pools)
+    in_flight: int
+    waiting: int
+    queue_wait_s: float  # p90, arrival → its prefill starting (prefill pool)
+    kv_usage: float  # fullest serving replica, reservations included
+    ttft_p90_s: float | None  # prefill: arrival → KV landed (its workers' accept → KV sent)
+    tpot_p90_s: float | None  # decode
+
+
+RATE_WINDOW_S = 10.0
+LATENCY_WINDOW_S = 30.0
+MIN_SAMPLES = 5
+
+
+def _p90(values: list[float]) -> float | None:
+    return quantiles(values, 0.9)[0] if len(values) >= MIN_SAMPLES else None
 
 
 def _replica(name: str, engine: EngineConfig, model: StepTimeModel, on_finish) -> AnalyticReplica:  # type: ignore[no-untyped-def]
@@ -112,8 +151,11 @@ def _replica(name: str, engine: EngineConfig, model: StepTimeModel, on_finish) -
 class PdFleet:
     """Replays `arrivals` (time-sorted) on the fleet; `run()` returns a `PdSummary`."""
 
-    def __init__(self, config: PdConfig, arrivals: Iterable[Arrival]) -> None:
+    def __init__(self, config: PdConfig, arrivals: Iterable[Arrival], controller: Any = None, interval_s: float = 5.0,
+                 cold_start_s: float = 120.0, warm_start_s: float = 5.0) -> None:
         self.config = config
+        self.controller = controller
+        self.interval_s, self.cold_start_s, self.warm_start_s = interval_s, cold_start_s, warm_start_s
         self.loop = EventLoop()
         self.arrivals = iter(arrivals)
         d = config.decode.engine
@@ -136,6 +178,18 @@ class PdFleet:
         self.transfer_s = 0.0
         self.kv_peak = 0.0
         self.last_arrival = 0.0
+        # Autoscaling: each replica's phase (serving, waking: promoted, serving after the warm start;
+        # starting, warm, draining, off) and when it was last started, for GPU-hours.
+        self.phase: dict[str, list[str]] = {"decode": ["serving"] * len(self.decoders),
+                                            "prefill": ["serving"] * len(self.prefillers)}
+        self.up_since: dict[str, list[float]] = {"decode": [0.0] * len(self.decoders),
+                                                 "prefill": [0.0] * len(self.prefillers)}
+        self.gpu_seconds = 0.0
+        self.arrived: deque[float] = deque()
+        self.landed: deque[tuple[float, float, float]] = deque()  # (t, arrival → landed, arrival → prefill start)
+        self.decoded: deque[tuple[float, float]] = deque()  # (t, TPOT)
+        self.pool_series: list[dict[str, float]] = []
+        self._arrivals_done = False
 
     # ---- replicas as events ------------------------------------------------------------------
 
@@ -157,12 +211,17 @@ class PdFleet:
         return replica.Q + sum(r.remaining for r in replica.waiting)
 
     def _place_prefill(self) -> int:
-        loads = [self._unfinished_prefill(r) for r in self.prefillers]
-        return loads.index(min(loads))
+        phase = self.phase["prefill"]
+        loads = [(self._unfinished_prefill(r) if phase[i] == "serving" else math.inf, i)
+                 for i, r in enumerate(self.prefillers)]
+        return min(loads)[1]
 
     def _place_decode(self, tokens: int) -> int:
         best, best_key = 0, (math.inf, math.inf)
+        phase = self.phase["decode"]
         for i, replica in enumerate(self.decoders):
+            if phase[i] != "serving":
+                continue
             free = self.capacity[i] - self.reserved[i] - replica.kv_used()
             key = (0 if free >= tokens else 1, replica.in_flight + self.incoming[i] if free >= tokens else -free)
             if key < best_key:
@@ -178,6 +237,8 @@ class PdFleet:
     def _arrive(self, t: float, n_in: int, n_out: int, cached: int) -> None:
         self.requests += 1
         self.last_arrival = t
+        if self.controller is not None:
+            self.arrived.append(t)
         if self.config.aggregated:
             self._add(self.decoders[self._place_aggregated()], Req(t, n_in, n_out, cached))
             return
@@ -205,9 +266,11 @@ class PdFleet:
         took = self.config.link.transfer_s(request.input, p.engine.tp, d.engine.tp, self.decode_model.model)
         self.link_free[prefill] = start + took
         self.transfer_s += self.link_free[prefill] - t
-        self.loop.at(start + took, self._landed, decoder, request)
+        self.loop.at(start + took, self._landed, decoder, request, job.start)
 
-    def _landed(self, decoder: int, request: Req) -> None:
+    def _landed(self, decoder: int, request: Req, start: float = -1.0) -> None:
+        if self.controller is not None:
+            self.landed.append((self.loop.now, self.loop.now - request.arrival, max(0.0, start - request.arrival)))
         self.incoming[decoder] -= 1
         self.reserved[decoder] -= request.input + 1
         self._set_capacity(decoder)
@@ -218,12 +281,129 @@ class PdFleet:
     def _decode_finished(self, request: Req, t: float) -> None:
         request.finish = t
         self.finished.append(request)
+        if self.controller is not None and request.output > 1:
+            self.decoded.append((t, (t - request.first) / (request.output - 1)))
+
+    # ---- autoscaling: what the controller sees and does ----------------------------------------
+
+    def _replicas(self, role: str) -> list[AnalyticReplica]:
+        return self.prefillers if role == "prefill" else self.decoders
+
+    def _tp(self, role: str) -> int:
+        pool = self.config.prefill if role == "prefill" else self.config.decode
+        assert pool is not None
+        return pool.engine.tp
+
+    def _busy(self, role: str, i: int) -> bool:
+        replica = self._replicas(role)[i]
+        return replica.in_flight > 0 or (role == "decode" and self.incoming[i] > 0)
+
+    def signals(self) -> dict[str, RoleSignals]:
+        now = self.loop.now
+        for window, keep in ((self.arrived, RATE_WINDOW_S), (self.landed, LATENCY_WINDOW_S),
+                             (self.decoded, LATENCY_WINDOW_S)):
+            while window and now - (window[0] if isinstance(window[0], float) else window[0][0]) > keep:
+                window.popleft()
+        rate = len(self.arrived) / RATE_WINDOW_S
+        out = {}
+        for role in ("prefill", "decode"):
+            phase, replicas = self.phase[role], self._replicas(role)
+            serving = [i for i, p in enumerate(phase) if p == "serving"]
+            kv = 0.0
+            if role == "decode":
+                kv = max(((replicas[i].kv_used() + self.reserved[i]) / self.capacity[i] for i in serving), default=0.0)
+            out[role] = RoleSignals(
+                serving=sum(1 for p in phase if p in ("serving", "waking")), warm=phase.count("warm"),
+                starting=phase.count("starting"), draining=phase.count("draining"),
+                slots=sum(replicas[i].max_running for i in serving), arrival_rate=rate,
+                in_flight=sum(replicas[i].in_flight for i in serving) + (
+                    sum(self.incoming[i] for i in serving) if role == "decode" else 0),
+                waiting=sum(len(replicas[i].waiting) for i in serving),
+                queue_wait_s=(_p90([w for _, _, w in self.landed]) or 0.0) if role == "prefill" else 0.0,
+                kv_usage=kv,
+                ttft_p90_s=_p90([x for _, x, _ in self.landed]) if role == "prefill" else None,
+                tpot_p90_s=_p90([x for _, x in self.decoded]) if role == "decode" else None)
+        return out
+
+    def start(self, role: str, count: int) -> None:
+        """Launch `count` replicas: warm after the cold start (an off replica is reused first)."""
+        for _ in range(count):
+            phase = self.phase[role]
+            if "off" in phase:
+                i = phase.index("off")
+            else:
+                i = len(phase)
+                pool = self.config.prefill if role == "prefill" else self.config.decode
+                assert pool is not None
+                if role == "prefill":
+                    model = roofline(pool.engine.gpu, pool.engine.tp, pool.engine.preset)
+                    self.prefillers.append(_replica(f"prefill-{i}", pool.engine, model, self._prefill_finished))
+                    self.link_free.append(0.0)
+                else:
+                    replica = _replica(f"decode-{i}", pool.engine, self.decode_model, self._decode_finished)
+                    self.decoders.append(replica)
+                    self.incoming.append(0)
+                    self.reserved.append(0)
+                    self.capacity.append(replica.kv_capacity)
+                phase.append("off")
+                self.up_since[role].append(0.0)
+            phase[i] = "starting"
+            self.up_since[role][i] = self.loop.now
+            self.loop.at(self.loop.now + self.cold_start_s, self._ready, role, i)
+
+    def _ready(self, role: str, i: int) -> None:
+        if self.phase[role][i] == "starting":
+            self.phase[role][i] = "warm"
+
+    def promote(self, role: str, count: int) -> None:
+        warm = [i for i, p in enumerate(self.phase[role]) if p == "warm"][:count]
+        for i in warm:
+            self.phase[role][i] = "waking"
+            self.loop.at(self.loop.now + self.warm_start_s, self._woken, role, i)
+
+    def _woken(self, role: str, i: int) -> None:
+        if self.phase[role][i] == "waking":
+            self.phase[role][i] = "serving"
+
+    def drain(self, role: str, count: int) -> None:
+        """Take `count` serving replicas (least loaded first) out of placement; warm once empty."""
+        replicas = self._replicas(role)
+        serving = sorted((replicas[i].in_flight, i) for i, p in enumerate(self.phase[role]) if p == "serving")
+        for _, i in serving[:count]:
+            self.phase[role][i] = "draining"
+
+    def stop_warm(self, role: str, count: int) -> None:
+        for i in [i for i, p in enumerate(self.phase[role]) if p == "warm"][:count]:
+            self.phase[role][i] = "off"
+            self.gpu_seconds += (self.loop.now - self.up_since[role][i]) * self._tp(role)
+
+    def _tick(self) -> None:
+        now = self.loop.now
+        for role in ("prefill", "decode"):
+            for i, p in enumerate(self.phase[role]):
+                if p == "draining" and not self._busy(role, i):
+                    self.phase[role][i] = "warm"
+        signals = self.signals()
+        self.controller.decide(now, signals, self)
+        row: dict[str, float] = {"t_s": now, "arrival_rps": signals["decode"].arrival_rate}
+        for role in ("prefill", "decode"):
+            phase = self.phase[role]
+            row[f"{role}_serving"] = sum(1 for p in phase if p in ("serving", "waking"))
+            row[f"{role}_up"] = sum(1 for p in phase if p != "off")
+        self.pool_series.append(row)
+        if not self._done():
+            self.loop.at(now + self.interval_s, self._tick)
+
+    def _done(self) -> bool:
+        return self._arrivals_done and all(not self._busy(role, i) for role in ("prefill", "decode")
+                                           for i in range(len(self._replicas(role))))
 
     # ---- running -----------------------------------------------------------------------------
 
     def _next_arrival(self) -> None:
         arrival = next(self.arrivals, None)
         if arrival is None:
+            self._arrivals_done = True
             return
         t, n_in, n_out, cached = arrival
         self.loop.at(t, self._arrival_then_next, t, n_in, n_out, cached)
@@ -236,6 +416,8 @@ class PdFleet:
         if not self.decoders or (not self.config.aggregated and not self.prefillers):
             raise ValueError("every pool needs at least one replica")
         self._next_arrival()
+        if self.controller is not None:
+            self.loop.at(self.interval_s, self._tick)
         while len(self.loop):
             self.loop.run(until=self.loop.now + 600.0)
             if self.loop.now > self.last_arrival + self.config.drain_timeout_s:
@@ -271,5 +453,14 @@ class PdFleet:
             minutes=len(series),
             minute_attainment=sum(s["within_slo"] for s in series) / len(series) if series else math.nan,
             goodput_rps=good / duration, transfer_mean_s=self.transfer_s / len(done) if done and not c.aggregated else 0.0,
-            decode_kv_peak=self.kv_peak, series=series,
+            decode_kv_peak=self.kv_peak, series=series, gpu_hours=self._gpu_hours(duration),
         )
+
+    def _gpu_hours(self, duration: float) -> float:
+        if self.controller is None:
+            return self.config.gpus * duration / 3600.0
+        end = self.loop.now
+        seconds = self.gpu_seconds + sum((end - self.up_since[role][i]) * self._tp(role)
+                                         for role in ("prefill", "decode")
+                                         for i, p in enumerate(self.phase[role]) if p != "off")
+        return seconds / 3600.0
