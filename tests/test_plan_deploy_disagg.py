@@ -26,6 +26,8 @@ from inferbus.settings import load
 from services.autoscaler.roles import role_pool
 from services.autoscaler.settings import AutoscalerSettings
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 BASE_WORKER = (REPO / "deploy" / "k8s" / "worker.yaml").read_text()
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -225,7 +227,6 @@ def test_an_aggregated_choice_emits_one_pool(tmp_path: Path) -> None:
                                ["spec"]["template"]["spec"]["containers"][0]["env"][0]["value"]))
 
 
-@pytest.mark.slow
 def test_the_production_kustomization_renders_both_pools(tmp_path: Path) -> None:
     """kustomize (kubectl's) renders the production kustomization with the disaggregated overlay in
     place of the shipped one: two worker Deployments with disjoint selectors, one budget each."""
