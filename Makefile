@@ -62,11 +62,11 @@ up: install
 test: install browser
 	$(PY) -m pytest -q -rx -p no:cacheprovider $(PYTEST_ARGS)
 
-# The development loop (25 s of CPU: 31 s on 2 cores at load 3, 80 s at load 9): `make lint` (mypy's cache makes it a few seconds
-# after the first run's ~25 s), then the tests that start no process and take well under a second
-# each: not marked e2e or slow (tests/test_toolchain.py fails when a test that starts a process is
-# not marked). The e2e modules are not even collected: their imports alone cost seconds.
-# `make test` still runs everything, CI too.
+# The development loop (25 s of CPU: 31 s on 2 cores at load 3, 80 s at load 9): `make lint`
+# (mypy's cache makes it a few seconds after the first run's ~25 s), then the tests that start no
+# process and take well under a second each: not marked e2e or slow (tests/test_toolchain.py fails
+# when a test that starts a process is not marked). The e2e modules are not even collected: their
+# imports alone cost seconds. `make test` still runs everything, CI too.
 test-quick: lint
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow" --ignore=tests/sglang --ignore-glob='tests/test_e2e_*' $(PYTEST_ARGS)
 
