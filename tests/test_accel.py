@@ -12,6 +12,8 @@ import pytest
 
 from inferbus.capacity import accel
 
+pytestmark = pytest.mark.slow
+
 SCENARIO = """
 import json, sys
 from inferbus.capacity import accel, mix

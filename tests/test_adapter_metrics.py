@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.gateway.adapter_metrics import OTHER, TopLabels
 
 
@@ -37,6 +39,7 @@ def test_a_rising_adapter_takes_the_place_of_a_fading_one_at_the_next_rerank() -
     assert len(labels.named) <= 2
 
 
+@pytest.mark.slow
 def test_series_stay_bounded_over_a_thousand_adapters() -> None:
     clock = Clock()
     labels = TopLabels(clock, top=20, refresh_s=1.0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from services.router.adapter_prefetch import Prefetcher, PrefetchWorker
 
 
@@ -21,6 +23,7 @@ def test_nothing_is_prefetched_to_an_engine_without_a_cap() -> None:
     assert prefetcher.plan(["a", "b"], [PrefetchWorker("w1", cap=0, loaded=frozenset())]) == []
 
 
+@pytest.mark.slow
 def test_prefetches_fill_each_worker_up_to_its_cap_one_at_a_time_and_spread_evenly() -> None:
     clock = Clock()
     prefetcher = Prefetcher(clock)

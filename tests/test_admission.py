@@ -24,6 +24,8 @@ from inferbus.stores.admission import (
     tenant_prefix,
 )
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:

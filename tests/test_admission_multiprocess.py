@@ -10,9 +10,12 @@ import uuid
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from inferbus.stores.admission import Admission, TenantLimits
+
+pytestmark = pytest.mark.slow
 
 PROCESSES = 4
 IN_FLIGHT = 4  # concurrent admits per process, like a gateway serving several requests at once

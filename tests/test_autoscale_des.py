@@ -44,6 +44,7 @@ def run(controller: object) -> tuple[object, Recorder]:
     return fleet.run(), recorder
 
 
+@pytest.mark.slow
 def test_autoscaler_scales_ahead_of_a_ramp_and_beats_the_threshold_policy() -> None:
     policy = PolicyController(PolicyConfig(cold_start_s=COLD_S, warm_start_s=WARM_S, max_serving=16, max_replicas=24,
                                            burst_memory_s=3600.0), interval_s=5.0)

@@ -103,6 +103,7 @@ def api() -> Iterator[FakeApiServer]:
     server.server_close()
 
 
+@pytest.mark.slow
 def test_reads_and_patches_the_scale_subresource(api: FakeApiServer) -> None:
     async def run() -> None:
         actuator = KubernetesActuator("inferbus", {POOL: "worker"}, client=api_client(api.url))
@@ -126,6 +127,7 @@ def test_reads_and_patches_the_scale_subresource(api: FakeApiServer) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_api_errors_surface_as_the_clients_exceptions(api: FakeApiServer) -> None:
     async def run() -> None:
         actuator = KubernetesActuator("inferbus", {POOL: "missing"}, client=api_client(api.url))
@@ -146,6 +148,7 @@ class _Bus:
         self.published.append((subject, data))
 
 
+@pytest.mark.slow
 def test_the_service_tick_publishes_the_decision_and_scales_the_deployment(
         api: FakeApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFERBUS_AUTOSCALER_ACTUATOR", "kubernetes")

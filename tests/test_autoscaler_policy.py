@@ -456,6 +456,7 @@ def test_a_worker_restart_does_not_make_negative_rates() -> None:
 # ---- the same policy as a fleet-simulator controller -------------------------------------------
 
 
+@pytest.mark.slow
 def test_policy_drives_the_fleet_simulator() -> None:
     import random
 

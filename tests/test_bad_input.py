@@ -92,6 +92,7 @@ def test_a_batch_line_nested_too_deeply_or_too_large_is_refused_at_validation() 
     assert isinstance(validate([chat_line("a", chat_template_kwargs={"x": [[[[1]]]]})], CHAT), Validated)
 
 
+@pytest.mark.slow
 def test_a_line_planned_with_a_seed_the_bus_cannot_carry_fails_as_a_line_error(llama3_model_dir: Path) -> None:
     # The runner's path for a line validated before this check existed: planning refuses it (a
     # per-line result), and a request that still cannot be encoded is a 400, not a retry.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.pd import decode_counts, describe, split, stressed
 from inferbus.capacity import mix as mix_mod
 from inferbus.capacity.fleetsim.pd import PdConfig, Pool
@@ -17,6 +19,7 @@ def _pair():  # type: ignore[no-untyped-def]
     return next(r for r in plan.disaggregated if (r.tp_prefill, r.tp_decode) == (8, 4))
 
 
+@pytest.mark.slow
 def test_split_keeps_the_plans_ratio_on_the_same_gpus() -> None:
     pair = _pair()  # 33 prefill TP8 + 61 decode TP4: 264 : 244 GPUs
     prefill, decode = split(pair, 120)
@@ -25,6 +28,7 @@ def test_split_keeps_the_plans_ratio_on_the_same_gpus() -> None:
     assert split(pair, 12) == (1, 1)  # at least one of each
 
 
+@pytest.mark.slow
 def test_decode_counts_leave_room_for_a_prefill_replica() -> None:
     pair = _pair()
     counts = decode_counts(40, pair)

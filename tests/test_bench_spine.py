@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.spine import (
     Endpoint,
     ProcStat,
@@ -210,6 +212,7 @@ async def sse_server(tokens: int, pause: float = 0.0) -> tuple[asyncio.Server, i
     return server, server.sockets[0].getsockname()[1]
 
 
+@pytest.mark.slow
 async def test_closed_loop_reads_streams_and_counts_cpu_of_the_named_trees() -> None:
     server, port = await sse_server(16)
     async with server:
@@ -316,6 +319,7 @@ def test_markdown_puts_the_floors_beside_the_targets() -> None:
     assert "| C=64 | python-relay |" in text  # in the per-process table too
 
 
+@pytest.mark.slow
 async def test_the_floors_pass_the_engines_stream_through_whole(tmp_path: Path) -> None:
     # Real nats-server (with JetStream) and the three relays in their own processes, in front of a
     # stand-in engine; the client counts a stream only if it ends with its 16 tokens and [DONE].

@@ -14,6 +14,8 @@ from inferbus.stores.billing import MAX_EVENTS_PER_CALL, MAX_EVENTS_PER_ROUND_TR
 from inferbus.stores.pricing import PriceBook, Prices, PriceVersion
 from proto import messages as m
 
+pytestmark = pytest.mark.slow
+
 DEFAULT = Prices(0.60, 0.90, 0.15, 0.5)
 BOOK = PriceBook([], DEFAULT)
 

@@ -58,6 +58,7 @@ def test_batch_requests_get_the_discount_and_cached_tokens_never_exceed_the_prom
     assert DEFAULT.line_costs(-5, -5, -5) == LineCosts(0, 0, 0)
 
 
+@pytest.mark.slow
 def test_line_costs_match_exact_rational_arithmetic() -> None:
     import random
     from fractions import Fraction
@@ -397,6 +398,7 @@ def test_csv_and_jsonl_exports(tmp_path: Path) -> None:
     assert lines == rows()
 
 
+@pytest.mark.slow
 def test_parquet_exports_keep_integers_and_exact_dollars(tmp_path: Path) -> None:
     from decimal import Decimal
 

@@ -7,6 +7,8 @@ import pytest
 from inferbus import bus
 from inferbus.local import free_port
 
+pytestmark = pytest.mark.slow
+
 
 def test_old_servers_are_refused_with_a_clear_message() -> None:
     with pytest.raises(bus.ServerTooOld, match="2.9.10 is too old"):

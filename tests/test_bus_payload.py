@@ -19,6 +19,8 @@ from proto import messages as m
 
 from .waiting import wait_for
 
+pytestmark = pytest.mark.slow
+
 MIB = 1024 * 1024
 
 

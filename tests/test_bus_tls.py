@@ -25,6 +25,8 @@ from inferbus.bus_auth import Identity, authorization_block, new_password
 from inferbus.local import free_port, http_ok, nats_server_binary
 from services.billing.pull import PullConnection
 
+pytestmark = pytest.mark.slow
+
 
 def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
                  *, ca: bool) -> x509.Certificate:

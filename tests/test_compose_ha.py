@@ -25,6 +25,8 @@ from inferbus.local import nats_server_binary  # the platform's (2.11 or later, 
 
 from .podnet import PodNetwork
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 NODES = ("nats", "nats-b", "nats-c")
 SERVER_NAMES = {"nats": "nats-a", "nats-b": "nats-b", "nats-c": "nats-c"}  # their --name: zone a's is the base's service

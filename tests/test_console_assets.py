@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 CONSOLE = Path(__file__).resolve().parents[1] / "services" / "gateway" / "console"
 VENDOR = CONSOLE / "static" / "vendor"
 

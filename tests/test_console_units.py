@@ -106,6 +106,7 @@ def test_the_day_counts_quarter_hours_with_traffic_that_met_every_slo() -> None:
     assert slo.point(slow, 0, 60, slo.Budgets()).met(slo.Budgets()) is False
 
 
+@pytest.mark.slow
 async def test_the_recorder_adds_what_the_counters_gained_and_keeps_what_redis_refused(redis: aioredis.Redis) -> None:
     current = [slo.Counts(requests=3, errors=1)]
     clock = [1_800_000_000.0]
@@ -169,6 +170,7 @@ def test_the_page_is_the_sum_of_the_export_rows() -> None:
 
 # ---- stores the console reads ---------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_a_keys_last_use_is_recorded_once_a_minute_and_forgotten_with_the_key(redis: aioredis.Redis) -> None:
     issued = await issue_key(redis, "acme", "ci")
     clock = [1_800_000_000.0]
@@ -204,6 +206,7 @@ async def _settle() -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.slow
 async def test_the_quota_read_shows_what_admission_took(redis: aioredis.Redis) -> None:
     limits = TenantLimits(requests_per_minute=60, input_tokens_per_minute=6000, max_concurrent=4, monthly_budget_usd=2.0)
     admission = Admission(redis)
@@ -247,6 +250,7 @@ def test_csrf_needs_the_sessions_token_from_this_site() -> None:
     assert same_origin(request({"origin": "http://console.test"}))
 
 
+@pytest.mark.slow
 async def test_a_session_lasts_while_its_key_does(redis: aioredis.Redis) -> None:
     issued = await issue_key(redis, "acme", "ci")
     sessions = Sessions(redis, KeyStore(redis, cache_ttl_s=0.0), "ib-admin-secret", idle_s=60, max_age_s=3600)

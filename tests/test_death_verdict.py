@@ -16,6 +16,8 @@ from services.worker.liveness import LivenessThread
 
 from .nats_server import NatsServer
 
+pytestmark = pytest.mark.slow
+
 TTL_S = 1.0
 
 

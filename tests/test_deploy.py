@@ -231,6 +231,7 @@ def test_compose_pd_profile_runs_a_prefill_and_a_decode_pair():
 # ---------------------------------------------------------------- kubernetes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", _k8s_manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
 def test_k8s_manifest_is_valid(path: Path):
     docs = _load_yaml_docs(path)
@@ -270,6 +271,7 @@ def _render(kdir: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kdir", [K8S, K8S / "staging"], ids=["production", "staging"])
 def test_kustomize_renders_valid_objects(kdir: Path):
     docs = _render(kdir)
@@ -296,6 +298,7 @@ def _deployments() -> dict[str, dict]:
     return out
 
 
+@pytest.mark.slow
 def test_workers_pair_with_an_engine_sidecar_and_drain():
     deps = _deployments()
     for name, engine_port in [("worker", 30000), ("worker-sim", 30000)]:
@@ -311,12 +314,14 @@ def test_workers_pair_with_an_engine_sidecar_and_drain():
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
+@pytest.mark.slow
 def test_gateway_probes():
     c = _deployments()["gateway"]["spec"]["template"]["spec"]["containers"][0]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
+@pytest.mark.slow
 def test_nats_has_jetstream_and_a_volume():
     nats = _deployments()["nats"]
     c = nats["spec"]["template"]["spec"]["containers"][0]
@@ -397,11 +402,13 @@ def _promtool() -> str:
     return promtool
 
 
+@pytest.mark.slow
 def test_rules_pass_promtool():
     out = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_dashboard_queries_pass_promtool(any_dashboard: dict, tmp_path: Path):
     dashboard = any_dashboard
     promtool = _promtool()
@@ -500,6 +507,7 @@ def test_billing_metrics_in_the_contract_are_the_ones_billing_exports():
     assert not missing, f"in the contract but not exported by services/billing/metrics.py: {sorted(missing)}"
 
 
+@pytest.mark.slow
 def test_slo_alerts_fire_on_synthetic_series(rules: dict, tmp_path: Path):
     """promtool unit test: the SLO alerts fire when the SLO is broken and stay quiet when it is not."""
     promtool = _promtool()

@@ -42,6 +42,7 @@ def test_the_checked_in_permissions_are_the_codes() -> None:
     assert AUTH.read_text() == deployment_auth_config(), "regenerate: inferbus bus-config > deploy/k8s/base/nats-auth.conf"
 
 
+@pytest.mark.slow
 def test_the_deployment_config_is_valid_only_with_every_password() -> None:
     secrets = new_secrets()
     env = {**os.environ, **secrets, "POD_NAME": "nats-0"}
@@ -52,6 +53,7 @@ def test_the_deployment_config_is_valid_only_with_every_password() -> None:
     assert refused.returncode != 0 and password_env("worker") in refused.stdout + refused.stderr
 
 
+@pytest.mark.slow
 def test_a_nats_server_with_the_deployments_users_closes_the_bus(tmp_path: Path) -> None:
     secrets = new_secrets()
     port, monitor = free_port(), free_port()
@@ -111,6 +113,7 @@ def _secret_key(entry: dict) -> str | None:
     return ref.get("key") if ref.get("name") == SECRET else None
 
 
+@pytest.mark.slow
 def test_every_k8s_service_connects_as_its_own_identity() -> None:
     seen = set()
     for path, container in _containers():
@@ -131,6 +134,7 @@ def test_every_k8s_service_connects_as_its_own_identity() -> None:
     assert "REDIS_URL" not in config, "a Redis URL without its password would be used by any service that has none"
 
 
+@pytest.mark.slow
 def test_nats_and_redis_take_their_passwords_from_the_secret() -> None:
     by_name = {c["name"]: c for _, c in _containers()}
     nats_env = {_secret_key(e) for e in by_name["nats"]["env"]}
@@ -180,6 +184,7 @@ def test_compose_services_connect_with_their_own_identity() -> None:
     assert "--requirepass" in compose["redis"]["command"]
 
 
+@pytest.mark.slow
 def test_no_pod_can_read_another_identitys_password() -> None:
     """What the role-wide identities rest on (docs/security.md): a pod gets its own role's password
     as one Secret key, never the whole Secret (a volume, envFrom or a projected volume would give
@@ -205,6 +210,7 @@ def test_no_pod_can_read_another_identitys_password() -> None:
 PER_POD = K8S / "per-pod-identities"
 
 
+@pytest.mark.slow
 def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
     """The per-pod-identities component: every Deployment of a service on the bus is patched to run
     as the ServiceAccount of its role (as `inferbus auth-callout` maps them), with a projected
@@ -251,6 +257,7 @@ def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
     assert {n for pair in referenced for n in pair if n} <= nats_env | {"NATS_PASSWORD_OPS"}, referenced
 
 
+@pytest.mark.slow
 def test_the_per_pod_nats_config_is_valid_with_its_secrets(tmp_path: Path) -> None:
     import nkeys
 

@@ -29,6 +29,7 @@ def objects() -> dict[tuple[str, str], dict]:
     return found
 
 
+@pytest.mark.slow
 def test_nats_is_a_three_node_cluster_with_authenticated_routes_and_r3() -> None:
     nats = objects()[("StatefulSet", "nats")]
     assert nats["spec"]["replicas"] == 3 and nats["spec"]["podManagementPolicy"] == "Parallel"
@@ -43,6 +44,7 @@ def test_nats_is_a_three_node_cluster_with_authenticated_routes_and_r3() -> None
     assert config["NATS_URL"].split(",") == [f"nats://nats-{i}.nats-headless:4222" for i in range(3)]
 
 
+@pytest.mark.slow
 def test_redis_fails_over_under_three_sentinels() -> None:
     found = objects()
     redis = found[("StatefulSet", "redis")]
@@ -90,6 +92,7 @@ OVERLAYS = {
 KUSTOMIZATION = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_gateways_and_workers_learn_their_nodes_zone(overlay: str) -> None:
     """The Downward API cannot read node labels: a `zone` init container reads the node's zone from
@@ -129,6 +132,7 @@ def test_gateways_and_workers_learn_their_nodes_zone(overlay: str) -> None:
         assert holders == ["zone"], name
 
 
+@pytest.mark.slow
 def test_staging_binds_its_own_accounts_under_its_own_name() -> None:
     """The binding is cluster-scoped: staging applied to the same cluster must not take production's."""
     names = {overlay: [d["metadata"]["name"] for d in _render(KUSTOMIZATION + OVERLAYS[overlay][1])

@@ -16,6 +16,8 @@ from inferbus.drill.run import Platform, freeze_while_busy
 
 from .waiting import wait_for
 
+pytestmark = pytest.mark.slow
+
 
 class Engine:
     """A stand-in engine's `/v1/loads`: how many requests it holds, and how often it was asked."""

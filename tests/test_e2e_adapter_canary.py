@@ -23,6 +23,8 @@ from services.sim_engine import quality
 from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:

@@ -31,6 +31,8 @@ from services.sim_engine import quality
 from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform
 
+pytestmark = pytest.mark.e2e
+
 COMMIT = "7d3c7a1f0e5b4d2c9a8b6e4f2d1c0b9a8e7f6d5c"
 IMAGE = "inferbus/sim-engine@sha256:" + "5e" * 32
 STEP_MS = 8.0

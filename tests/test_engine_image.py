@@ -71,6 +71,7 @@ def api() -> Iterator[str]:
     server.shutdown()
 
 
+@pytest.mark.slow
 def test_the_worker_reads_its_own_pod_and_checks_the_engine_image(api: str) -> None:
     access = engine_image.PodAccess(api, "inferbus", "worker-7c9f-abcde", token="sa-token", ca_file=None)
     _Api.status, _Api.served = 200, pod("docker.io/lmsysorg/sglang@sha256:" + "ab" * 32)

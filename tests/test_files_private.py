@@ -18,6 +18,8 @@ from inferbus.stores.files import FileStore
 
 from .conftest import Platform
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def open_umask() -> Iterator[None]:

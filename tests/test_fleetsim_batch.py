@@ -3,6 +3,8 @@ PreemptionPolicy: interactive latency kept, every line done exactly once, resume
 
 from __future__ import annotations
 
+import pytest
+
 from inferbus.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
 from inferbus.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
 from inferbus.capacity.traces import TraceRequest
@@ -10,6 +12,8 @@ from proto import messages as m
 from services.batch.feed import FeedConfig
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 ENGINE = EngineConfig()  # H100 TP2, the roofline step time
 

@@ -69,6 +69,7 @@ def test_lora_steps_pay_for_the_distinct_adapters_in_the_batch():
         step_model_for(EngineConfig(), lora_adapters=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, adapters, tolerance", [
     (EngineConfig(chunked_prefill_size=2048), 0, 0.08),
     (EngineConfig(chunked_prefill_size=2048, speculative_num_steps=3), 0, 0.15),
@@ -91,6 +92,7 @@ def test_the_simulated_fleet_agrees_with_the_planner_with_engine_options(engine,
     assert summary.tpot_p90_s <= 0.040
 
 
+@pytest.mark.slow
 def test_simulate_cli_takes_the_engine_options(tmp_path):
     out = tmp_path / "sim"
     args = ["--trace", "azure_2023_conv.csv", "--duration", "30s", "--peak-rps", "20", "--chunk", "2048",

@@ -235,6 +235,7 @@ def test_affinity_places_by_the_replicas_prefix_caches_which_the_router_mirrors(
 # ---- the load sampler ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["least_loaded", "affinity"])
 def test_load_sampler_draws_the_same_distribution_as_the_placer(name):
     now = [100.0]
@@ -276,6 +277,7 @@ def test_load_sampler_falls_back_when_nothing_is_eligible():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,load", [("round_robin", 0.75), ("least_loaded", 0.75)])
 def test_analytic_fleet_agrees_with_the_per_step_simulator(policy, load):
     engine = EngineConfig()
@@ -352,6 +354,7 @@ def test_controller_hooks_change_the_fleet_and_billing_counts_every_started_repl
     assert summary.gpu_hours * 3600 / 2 <= 3 * summary.duration_s + (summary.duration_s - 30)
 
 
+@pytest.mark.slow
 def test_overload_sheds_with_the_gateway_policy():
     mix = mix_mod.load("worked-example")
     config = FastConfig(replicas=1, admission=True, admission_budget_s=1.0)
@@ -360,6 +363,7 @@ def test_overload_sheds_with_the_gateway_policy():
     assert summary.completed + summary.rejected == summary.requests
 
 
+@pytest.mark.slow
 def test_same_seed_same_run():
     mix = mix_mod.load("worked-example")
     runs = [FastFleet(FastConfig(replicas=6, seed=4), constant(20.0, 120.0, mix, seed=4)).run().as_dict(series=False)
@@ -370,6 +374,7 @@ def test_same_seed_same_run():
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_simulate_cli_writes_its_report(tmp_path):
     from inferbus.commands.main import main
 
@@ -388,6 +393,7 @@ def test_simulate_cli_writes_its_report(tmp_path):
     assert bad.exit_code != 0 and "H100:2x234" in bad.output
 
 
+@pytest.mark.slow
 def test_simulate_cli_autoscales_with_the_autoscalers_policy(tmp_path):
     from inferbus.commands.main import main
 
@@ -454,6 +460,7 @@ class Busy:
             fleet.drain(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,max_virtual_s", [("least_loaded", None), ("affinity", None), ("least_loaded", 200.0)])
 def test_lazy_replicas_give_the_same_run_as_eager_ones(policy, max_virtual_s):
     """Applying segment ends on demand (the default) changes no result: every number, every

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from inferbus.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.roles import RoleBounds, role_configs
@@ -72,6 +74,7 @@ def test_gpu_hours_count_every_replica_up() -> None:
     assert summary.gpu_hours > 2 * 2 * summary.duration_s / 3600
 
 
+@pytest.mark.slow
 def test_the_bench_follows_the_day_within_the_plans_bounds() -> None:
     from bench import pd_autoscale
 

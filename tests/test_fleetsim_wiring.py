@@ -3,6 +3,8 @@ simulator combines autoscaling with a batch band, or admission with prefix affin
 
 from __future__ import annotations
 
+import pytest
+
 from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
 from inferbus.capacity.fleetsim.batch import BatchSpec
 from inferbus.capacity.fleetsim.wiring import Lifecycle, fleet_states
@@ -13,6 +15,7 @@ from services.sim_engine.config import EngineConfig
 BLOCK = 64
 
 
+@pytest.mark.slow
 def test_one_run_autoscales_a_fleet_that_also_serves_a_batch_band():
     engine = EngineConfig()
     trace = workload.azure_like(600)
@@ -34,6 +37,7 @@ def test_one_run_autoscales_a_fleet_that_also_serves_a_batch_band():
     assert fleet_states(sim.nodes.values())["serving"] == len(sim.replicas)
 
 
+@pytest.mark.slow
 def test_a_drained_replica_finishes_its_work_and_stops():
     engine = EngineConfig()
     trace = workload.at_rate(workload.azure_like(200), 8.0)
@@ -117,6 +121,7 @@ def test_lifecycle_moves_replicas_between_states_the_same_way_for_both_loops():
     assert fleet_states(loop.nodes.values()) == {"starting": 0, "warm": 1, "serving": 0, "draining": 0}
 
 
+@pytest.mark.slow
 def test_the_per_step_fleet_parks_a_drained_replica_warm_and_promotes_it_again():
     engine = EngineConfig()
     trace = workload.at_rate(workload.azure_like(400), 8.0)  # arrivals for ~50 s
@@ -146,6 +151,7 @@ def run(trace: list, policy: str, admission: bool):
     return FleetSim(config, trace).run()
 
 
+@pytest.mark.slow
 def test_one_run_sheds_overload_while_placing_by_prefix_affinity():
     trace = families(200.0)  # several times what two replicas serve
     flooded = run(trace, "affinity", admission=False)
@@ -156,6 +162,7 @@ def test_one_run_sheds_overload_while_placing_by_prefix_affinity():
     assert shed.hit_rate > run(trace, "round_robin", admission=True).hit_rate + 0.1
 
 
+@pytest.mark.slow
 def test_admission_sheds_nothing_below_capacity():
     trace = families(30.0)
     on, off = run(trace, "affinity", admission=True), run(trace, "affinity", admission=False)

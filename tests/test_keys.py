@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from inferbus.local import free_port
 from inferbus.stores.keys import KEY_PREFIX, KeyStore, create_key, hash_secret
+
+pytestmark = pytest.mark.slow
 
 
 class CountingRedis(aioredis.Redis):

@@ -7,12 +7,15 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
 from inferbus import adapters as registry
 from inferbus import bus
 from inferbus.stores.files import FileStore
+
+pytestmark = pytest.mark.slow
 
 DIGEST = "sha256:" + "cd" * 32
 

@@ -19,6 +19,8 @@ from services.worker.liveness import LivenessThread, PauseDetector, loop_alive
 from .nats_server import NatsServer
 from .waiting import wait_for
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:

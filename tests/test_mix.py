@@ -33,6 +33,7 @@ def test_worked_example_has_perf_models_means() -> None:
     assert stats.decode_ctx_tokens == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_weights_and_keeps_one_token_uncached() -> None:
     worked = mix.load("worked-example")
     draws = worked.sample_many(20_000, seed=1)
@@ -42,6 +43,7 @@ def test_sampling_follows_the_weights_and_keeps_one_token_uncached() -> None:
     assert worked.sample_many(5, seed=3) == worked.sample_many(5, seed=3)
 
 
+@pytest.mark.slow
 def test_yaml_spec_distributions(tmp_path: Path) -> None:
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump({"name": "chat", "classes": [
@@ -95,6 +97,7 @@ def test_mooncake_trace_cached_tokens_are_the_infinite_cache_hits() -> None:
     assert stats.input_tokens == pytest.approx(15_326, rel=0.01)
 
 
+@pytest.mark.slow
 def test_azure_trace_takes_a_cached_fraction() -> None:
     plain = mix.load(shared_trace("azure_2023_conv.csv"))
     assert plain.mean_cached_tokens == 0

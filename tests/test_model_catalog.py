@@ -10,6 +10,8 @@ from inferbus import adapters as registry
 from inferbus.openai.errors import OpenAIError
 from inferbus.stores.models import ModelCatalog
 
+pytestmark = pytest.mark.slow
+
 BASE = "base-model"
 DIGEST = "sha256:" + "ab" * 32
 

@@ -28,6 +28,8 @@ from inferbus.settings import load
 from services.gateway.settings import GatewaySettings
 from services.worker.settings import WorkerSettings
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "pod-token"  # noqa: S105 (a test's)
 NODES = {

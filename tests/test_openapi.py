@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.gateway import batches_api, openapi
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
@@ -43,6 +45,7 @@ def test_the_admin_document_has_the_admin_routes_only_when_they_are_mounted() ->
     assert openapi.admin_document(create_app(GatewaySettings()).api)["paths"] == {}
 
 
+@pytest.mark.slow
 def test_the_bulk_adapter_body_in_the_document_matches_the_endpoints_limit() -> None:
     from services.gateway import admin_adapters
 

@@ -19,6 +19,8 @@ from services.gateway.dispatch import Dispatcher, Flight
 
 from .nats_server import NatsServer
 
+pytestmark = pytest.mark.slow
+
 
 class Clock:
     def __init__(self) -> None:

@@ -36,6 +36,7 @@ def _replica(gpu: str = "H100", tp: int = 2, **assumptions) -> ReplicaModel:  # 
 
 # ---- the worked example -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_worked_example_prices_prefill_in_whole_chunks() -> None:
     rows = {row.name: row for row in make_plan(_inputs()).rows}
     h100, h200 = rows["H100 TP2"], rows["H200 TP2"]
@@ -120,6 +121,7 @@ def test_tight_ttft_binds_ttft_and_small_kv_limit_binds_kv() -> None:
 
 # ---- infeasible configurations ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_config_that_cannot_hold_the_model_is_infeasible_not_a_crash() -> None:
     plan = make_plan(_inputs(tps=[1, 2]))
     rows = {row.name: row for row in plan.rows}
@@ -130,6 +132,7 @@ def test_a_config_that_cannot_hold_the_model_is_infeasible_not_a_crash() -> None
     assert plan.cheapest is rows["H100 TP2"]
 
 
+@pytest.mark.slow
 def test_an_slo_no_replica_can_meet_is_reported_per_row() -> None:
     plan = make_plan(_inputs(slo=Slo(ttft_p90_s=0.8, tpot_p90_s=0.010)))
     assert plan.cheapest is None
@@ -179,6 +182,7 @@ def test_ramp_from_a_trace_scales_to_the_planned_peak() -> None:
     assert ramp_from_arrivals(arrivals, 400.0, 60).rise_rps == pytest.approx(200.0)
 
 
+@pytest.mark.slow
 def test_plan_rows_carry_the_warm_pool() -> None:
     row = make_plan(_inputs(ramp=Ramp(2.0, "given"))).rows[0]
     assert row.warm is not None
@@ -220,6 +224,7 @@ def test_sweep_goodput_rejudges_interpolates_and_divides_by_replicas() -> None:
     assert result.warnings == ()
 
 
+@pytest.mark.slow
 def test_sweep_replaces_the_model_row_and_warns() -> None:
     other_mix = {**WORKED.describe(), "mean_input_tokens": 1000.0}
     data = _sweep(mix_desc=other_mix, steps=[_step(8, 2.0, 0.2, 0.02, limited=True), _step(16, 4.0, 0.4, 0.03)])
@@ -253,6 +258,7 @@ def test_sweep_edge_cases() -> None:
 
 # ---- the command line --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     sweep_path = tmp_path / "sweep.json"
     sweep_path.write_text(json.dumps(_sweep(hardware={"replicas": 2})))
@@ -279,6 +285,7 @@ def test_cli_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     assert rows["H100 TP1"]["feasible"] is False
 
 
+@pytest.mark.slow
 def test_cli_json_output_and_ramp_trace(tmp_path: Path) -> None:
     # Five minutes at 0.5 req/s, then five at 1 req/s: scaled so 1 req/s is the planned 100 req/s,
     # the load rises 50 req/s within one 120 s cold start.

@@ -26,6 +26,8 @@ from inferbus.settings import load
 from services.autoscaler.roles import role_pool
 from services.autoscaler.settings import AutoscalerSettings
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 BASE_WORKER = (REPO / "deploy" / "k8s" / "worker.yaml").read_text()
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

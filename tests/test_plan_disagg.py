@@ -34,6 +34,7 @@ def _pair(plan: Plan, tp_p: int, tp_d: int):  # type: ignore[no-untyped-def]
     return next(r for r in plan.disaggregated if (r.tp_prefill, r.tp_decode) == (tp_p, tp_d))
 
 
+@pytest.mark.slow
 def test_the_transfer_time_is_the_p90_prompt_over_the_link(worked: Plan) -> None:
     row = _pair(worked, 4, 2)
     # The worked example's p90 prompt is 3,000 tokens (its 30% class), all of whose KV moves; the
@@ -43,6 +44,7 @@ def test_the_transfer_time_is_the_p90_prompt_over_the_link(worked: Plan) -> None
     assert row.link is KV_LINKS["rdma"]
 
 
+@pytest.mark.slow
 def test_the_prefill_gets_the_ttft_budget_less_the_transfer_and_a_decode_step(worked: Plan) -> None:
     slo = worked.inputs.slo
     for row in worked.disaggregated:
@@ -58,6 +60,7 @@ def test_the_prefill_gets_the_ttft_budget_less_the_transfer_and_a_decode_step(wo
         assert row.ttft_p90_s > 0.99 * slo.ttft_p90_s
 
 
+@pytest.mark.slow
 def test_a_slow_link_costs_prefill_goodput(worked: Plan) -> None:
     slow = _plan(mix_mod.worked_example(), kv_link=kv_link("rdma", 0.5))  # 0.5 GB/s per GPU
     fast, crawl = _pair(worked, 4, 4), _pair(slow, 4, 4)
@@ -72,6 +75,7 @@ def test_a_slow_link_costs_prefill_goodput(worked: Plan) -> None:
     assert not row.feasible and "KV transfer" in (row.infeasible or "")
 
 
+@pytest.mark.slow
 def test_the_decode_side_reserves_kv_for_prompts_in_flight() -> None:
     # The Mooncake conversation trace's long prompts on a decode TP2 replica: KV binds, and the
     # reservation (rate × mean prompt × the TTFT it is held for) is part of what binds.
@@ -105,6 +109,7 @@ def test_decode_replicas_run_decode_only_steps(worked: Plan) -> None:
     assert agg.point is not None and agg.point.decode_batch < 0.6 * point.batch
 
 
+@pytest.mark.slow
 def test_the_fleet_arithmetic(worked: Plan) -> None:
     row = cheapest(worked.disaggregated)
     assert row is not None
@@ -129,6 +134,7 @@ def test_the_worked_example_disaggregates_by_a_little(worked: Plan) -> None:
     assert "costs 2% less" in choice.reason and "binds on TPOT" in choice.reason
 
 
+@pytest.mark.slow
 def test_a_long_prompt_mix_stays_aggregated_and_says_so() -> None:
     # Mooncake synthetic: 15k-token prompts, 149-token answers. Decode is nearly free beside prefill,
     # so splitting it off only takes a decode step and the transfer out of the TTFT budget.
@@ -165,6 +171,7 @@ def test_choose_topology_breaks_an_exact_tie_for_aggregated(worked: Plan) -> Non
     assert choose_topology(agg, cheaper_by_a_gpu).topology == "disaggregated"
 
 
+@pytest.mark.slow
 def test_plan_command_reports_the_topology(tmp_path) -> None:  # type: ignore[no-untyped-def]
     runner = CliRunner()
     result = runner.invoke(plan_command, ["--rpm", "50000", "--tp", "4,8", "--gpu", "H100:2.5", "--no-compare",
@@ -190,6 +197,7 @@ def test_plan_command_refuses_a_bad_link(value: str) -> None:
     assert "--kv-link" in result.output
 
 
+@pytest.mark.slow
 def test_no_disagg_prices_aggregated_only() -> None:
     result = CliRunner().invoke(plan_command, ["--rpm", "50000", "--tp", "4", "--gpu", "H100:2.5", "--no-compare",
                                                "--no-disagg", "--json"])

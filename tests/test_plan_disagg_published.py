@@ -16,6 +16,8 @@ from inferbus.capacity.plan.model import Slo, Workload
 from inferbus.capacity.plan.planner import Plan, PlanInputs, make_plan
 from inferbus.capacity.plan.topology import plan_topology
 
+pytestmark = pytest.mark.slow
+
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
 
 # Splitwise (Patel et al., ISCA 2024), abstract: up to 1.4× the throughput at 20% lower cost, or

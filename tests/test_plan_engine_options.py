@@ -87,6 +87,7 @@ def test_speculative_step_is_draft_plus_a_wider_verify() -> None:
     assert spec.step_time(32, 65_536) / spec.tokens_per_step == pytest.approx(12.894e-3, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_planner_turns_speculative_decoding_on_only_where_it_raises_goodput() -> None:
     def row(spec: SpecDecoding):  # type: ignore[no-untyped-def]
         inputs = PlanInputs(rate_rps=100.0, rate_text="100 requests/s", workload=WORKLOAD, mix={}, slo=Slo(),
@@ -136,6 +137,7 @@ def test_expected_distinct_adapters() -> None:
     assert expected_distinct_adapters(10, 0, 8) == 0.0
 
 
+@pytest.mark.slow
 def test_more_adapters_cost_goodput() -> None:
     def goodput(adapters: int) -> float:
         inputs = PlanInputs(rate_rps=100.0, rate_text="100 requests/s", workload=WORKLOAD, mix={}, slo=Slo(),
@@ -154,6 +156,7 @@ def _plan(**kwargs):  # type: ignore[no-untyped-def]
     return make_plan(inputs)
 
 
+@pytest.mark.slow
 def test_warm_pool_and_headroom_are_priced() -> None:
     # Warm pool: ⌈1.9 req/s per s × 600 s cold start ÷ 3.0709 req/s⌉ = ⌈371.23⌉ = 372 replicas.
     row = _plan(ramp=Ramp(1.9, "given"), cold_start_s=600.0).rows[0]
@@ -168,6 +171,7 @@ def test_warm_pool_and_headroom_are_priced() -> None:
     assert cost.usd_per_1m_output_serving == pytest.approx(624 * 2.5 / out_mtok_h)
 
 
+@pytest.mark.slow
 def test_zone_headroom_sizes_for_a_lost_zone() -> None:
     one, three = _plan().rows[0], _plan(zones=3).rows[0]
     # ⌈833 ÷ 3.0709 × 1.15 × 3 ÷ 2⌉ = ⌈467.92⌉ = 468.
@@ -177,6 +181,7 @@ def test_zone_headroom_sizes_for_a_lost_zone() -> None:
 
 # ---- side by side ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_options_compare_flips_one_option_at_a_time() -> None:
     base = _plan()
     variants = options.compare(base)
@@ -198,6 +203,7 @@ def _target(**kwargs) -> deploy.DeployTarget:  # type: ignore[no-untyped-def]
     return deploy.DeployTarget(model="meta-llama/Llama-3.3-70B-Instruct", command="inferbus plan …", **kwargs)
 
 
+@pytest.mark.slow
 def test_engine_args_follow_the_plan() -> None:
     plan = _plan(ramp=Ramp(1.9, "given"))
     args = deploy.engine_args(plan, plan.rows[0], _target())
@@ -210,6 +216,7 @@ def test_engine_args_follow_the_plan() -> None:
     assert dict(zip(args, args[1:]))["--kv-cache-dtype"] == "auto" and "a" * 40 in args
 
 
+@pytest.mark.slow
 def test_speculative_rows_need_a_draft_model() -> None:
     plan = _plan(spec=SpecDecoding(3, 0.7))
     row = plan.rows[0]
@@ -277,6 +284,7 @@ def test_every_shipped_sglang_launch_forbids_free_whitespace_in_forced_json() ->
     assert flag in deploy.COMMON_ENGINE_ARGS
 
 
+@pytest.mark.slow
 def test_shipped_production_plan_is_what_the_worked_example_emits(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Drift: the command in the shipped overlay's header regenerates it byte for byte."""
     shipped = {p.name: p.read_text() for p in PLAN_DIR.iterdir()}
@@ -289,6 +297,7 @@ def test_shipped_production_plan_is_what_the_worked_example_emits(tmp_path: Path
     assert emitted == shipped, "deploy/k8s/plan differs from what its command emits: rerun the command in its header"
 
 
+@pytest.mark.slow
 def test_report_states_adapter_size_load_time_and_slot_pressure() -> None:
     from inferbus.capacity.plan import report
 

@@ -47,6 +47,7 @@ def test_the_plan_states_the_rule_and_says_when_rounding_falls_short() -> None:
     assert "fewer than the 2.10" in short and "needs **5** serving (2 + 2 + 1)" in short
 
 
+@pytest.mark.slow
 def test_inferbus_plan_prints_the_rule_for_the_cheapest_row() -> None:
     from click.testing import CliRunner
 

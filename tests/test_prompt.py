@@ -161,6 +161,7 @@ def test_a_directory_without_a_tokenizer_or_setting_is_refused_clearly(tmp_path:
         load_model(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_model_directories_are_deterministic_and_cached(tmp_path: Path, llama3_model_dir: Path) -> None:
     again = build_model_dir(tmp_path / "again", "llama3")
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):

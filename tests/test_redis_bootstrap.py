@@ -23,6 +23,8 @@ import yaml
 
 from .podnet import PodNetwork
 
+pytestmark = pytest.mark.slow
+
 REDIS_YAML = Path(__file__).resolve().parents[1] / "deploy" / "k8s" / "base" / "redis.yaml"
 NAMESPACE = "inferbus"
 PASSWORD = "test-redis-password"  # noqa: S105 (a test's)

@@ -19,6 +19,7 @@ def rollout(share: float = 0.05, **fields: object) -> m.Rollout:
     return m.Rollout(**{**{f: getattr(started, f) for f in started.__struct_fields__}, **fields})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_split_share_is_met_and_sticky() -> None:
     small, large = rollout(0.05), rollout(0.25)
     tenants = [f"tenant-{i}" for i in range(20_000)]
@@ -71,6 +72,7 @@ def test_slo_gate_waits_for_samples() -> None:
     assert slo_gate.verdict(window(0.3, 0.02, 5000, rng), slow, config).outcome == "wait"
 
 
+@pytest.mark.slow
 def test_slo_gate_passes_equal_and_fails_slower() -> None:
     config = slo_gate.SloConfig()
     outcomes = {"same": [], "slower": [], "errors": []}
@@ -85,6 +87,7 @@ def test_slo_gate_passes_equal_and_fails_slower() -> None:
     assert outcomes["errors"] == ["fail"] * 20
 
 
+@pytest.mark.slow
 def test_the_mixture_test_keeps_its_level_however_often_it_is_read() -> None:
     # Outcomes at the reference rate itself (the hardest "no worse" case), read after every 10th of
     # 2,000 requests: the mixture test reaches 1/α in at most α of the runs, where a one-look z-test
@@ -122,6 +125,7 @@ def add_requests(window: slo_gate.Window, n: int, ttft: list[float], tpot: list[
     window.ok += int(ok)
 
 
+@pytest.mark.slow
 def test_a_good_candidate_read_every_few_seconds_is_rarely_rolled_back() -> None:
     # The whole gate with no tolerances at all (a good candidate is then exactly at the edge of
     # "no worse" on all four comparisons), both releases failing 1% and cancelling 5% of requests,
@@ -177,6 +181,7 @@ def test_a_bad_candidate_is_rolled_back_quickly() -> None:
     assert slo_gate.verdict(window(0.3, 0.02, 40, random.Random(2)), broken, few, steps).outcome == "fail"
 
 
+@pytest.mark.slow
 def test_an_erroring_candidate_does_not_pass_on_a_small_sample() -> None:
     # 5% of requests failing against a baseline's 0.2%: at 200 requests a sample may hold too few
     # failures to fail it yet, and then it must wait for more, not pass the step. A good version
@@ -319,6 +324,7 @@ def test_an_adapters_versions_are_named_and_found_by_engine_name() -> None:
     assert adapter_spec(None).version_of("acme-bot@" + "2" * 12) is None  # no candidate: only the registered one
 
 
+@pytest.mark.slow
 def test_an_adapters_split_is_per_conversation_sticky_and_meets_its_share() -> None:
     spec, rollout = adapter_spec(), adapter_rollout(0.3)
     prompts = [[i, i + 1, i + 2] * 8 for i in range(5_000)]

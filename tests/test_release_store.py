@@ -17,6 +17,8 @@ from proto import messages as m
 
 from .nats_server import NatsServer
 
+pytestmark = pytest.mark.slow
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 IMAGE = "lmsysorg/sglang@sha256:" + "ab" * 32
 

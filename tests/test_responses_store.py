@@ -19,6 +19,8 @@ from services.gateway.responses_store import ResponseStore
 
 from .waiting import await_for
 
+pytestmark = pytest.mark.slow
+
 
 class Nats:
     def __init__(self, data: Path) -> None:

@@ -14,6 +14,8 @@ from inferbus.replies import Replies
 from proto import subjects
 from services.router import recovery
 
+pytestmark = pytest.mark.slow
+
 MODEL = "m"
 WORKER = "w1"
 

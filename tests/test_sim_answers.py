@@ -36,6 +36,7 @@ def run(engine: Engine, requests: list[Request]) -> dict[str, tuple[int, dict]]:
     return done
 
 
+@pytest.mark.slow
 def test_free_text_ends_with_eos_at_lengths_of_the_configured_distribution() -> None:
     engine = Engine(EngineConfig(fixed_step_ms=1.0, max_running_requests=400))
     greedy = [Request(f"r{i}", prompt(i), SamplingParams(max_new_tokens=8192, temperature=0.0)) for i in range(400)]

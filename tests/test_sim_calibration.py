@@ -11,6 +11,7 @@ NIM_H100_TP2 = {1: (18.6, 52), 5: (21.8, 218), 25: (38.8, 623), 50: (59.7, 814)}
 MEASURED_REQUESTS = {1: 2, 5: 10, 25: 40, 50: 80}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("concurrency", sorted(NIM_H100_TP2))
 def test_default_config_reproduces_nim_closed_loop_points(concurrency):
     # The default 512-token per-step prefill budget spreads each prompt over the decode steps
@@ -24,6 +25,7 @@ def test_default_config_reproduces_nim_closed_loop_points(concurrency):
     assert stats.preemptions == 0
 
 
+@pytest.mark.slow
 def test_a_2048_token_budget_stays_close_to_published_points():
     # A 2048-token budget (what the capacity planner's worked example assumes) bunches prefill
     # into fewer, longer steps: still within 20%.
@@ -42,6 +44,7 @@ def test_single_stream_ttft_matches_published_prefill_time():
     assert short_prompt.mean_ttft_s * 1e3 == pytest.approx(48, rel=0.15)
 
 
+@pytest.mark.slow
 def test_saturation_queues_instead_of_speeding_up():
     # Concurrency 100 overflows the 419k-token KV cache: throughput flattens, TTFT explodes.
     config = EngineConfig()

@@ -98,6 +98,7 @@ def test_value_from_schema_respects_numeric_bounds() -> None:
         assert 5 < value <= 7
 
 
+@pytest.mark.slow
 async def test_generate_follows_the_schema_and_returns_logprobs_in_sglang_shapes() -> None:
     from .test_sim_server import parse_events, running
 

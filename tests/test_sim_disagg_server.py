@@ -24,6 +24,8 @@ from services.sim_engine.server import SimEngineServer
 from .test_sim_server import parse_events
 from .waiting import await_for
 
+pytestmark = pytest.mark.slow
+
 FAST = {"time_scale": 0.0, "fixed_step_ms": 10.0, "lora_load_time_s": 0.0, "kv_capacity_tokens": 8192,
         "block_size": 16, "answer_length_median": 0}
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from .test_sim_server import running
 
 GENERATE = {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
@@ -16,6 +18,7 @@ async def test_without_fault_injection_there_is_no_fault_endpoint() -> None:
         assert (await client.post("/fault", json={"mode": "hang"})).status_code in (404, 405)
 
 
+@pytest.mark.slow
 async def test_a_hung_engine_answers_ready_but_makes_no_progress_until_it_is_unhung() -> None:
     async with running() as (server, client):
         server.enable_faults()

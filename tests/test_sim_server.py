@@ -208,6 +208,7 @@ async def test_adapter_loads_run_one_at_a_time_as_in_sglang():
         assert abs(ready["b"] - ready["a"]) >= 1.0
 
 
+@pytest.mark.slow
 async def test_many_concurrent_streams_at_zero_step_time():
     async with running(fixed_step_ms=0.0) as (server, client):
 
@@ -223,6 +224,7 @@ async def test_many_concurrent_streams_at_zero_step_time():
         assert not server.engine.has_work
 
 
+@pytest.mark.slow
 async def test_the_time_scale_changes_while_running_only_with_its_control_on() -> None:
     """A benchmark runs an idle phase (adapter prefetching) faster in wall time: an adapter load of
     0.5 simulated seconds takes the wall time of the scale set."""

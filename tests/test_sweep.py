@@ -200,6 +200,7 @@ def engine() -> Iterator[str]:
     process.wait(10)
 
 
+@pytest.mark.slow
 def test_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
     mix = tmp_path / "mix.yaml"
     mix.write_text("name: small\nclasses:\n  - name: only\n    input_tokens: 300\n    output_tokens: 20\n")
@@ -237,6 +238,7 @@ def test_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_rate_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = CliRunner().invoke(main, [
@@ -253,6 +255,7 @@ def test_rate_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
     assert not (out / "sweep_latency.png").exists()
 
 
+@pytest.mark.slow
 def test_unknown_model_is_a_one_line_error(engine: str, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["sweep", "--url", engine, "--model", "no-such-model", "--concurrency", "1",
                                        "--out", str(tmp_path), "--no-progress"])
@@ -260,6 +263,7 @@ def test_unknown_model_is_a_one_line_error(engine: str, tmp_path: Path) -> None:
     assert "meta-llama/Llama-3.3-70B-Instruct" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_simulated_engine_openai_endpoints(engine: str) -> None:
     models = httpx.get(engine + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
@@ -272,6 +276,7 @@ def test_simulated_engine_openai_endpoints(engine: str) -> None:
     assert bad.status_code == 400 and "max_new_tokens" in bad.json()["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_think_time_delays_each_users_next_request_and_is_not_a_client_shortfall(engine: str) -> None:
     from inferbus.capacity.sweep.loadgen import run_concurrency
 
@@ -286,6 +291,7 @@ async def test_think_time_delays_each_users_next_request_and_is_not_a_client_sho
     assert run.client.achieved_vs_target > 0.9
 
 
+@pytest.mark.slow
 async def test_connections_are_reused_between_requests(engine: str) -> None:
     """Leaving a stream at [DONE] without reading the body's end closes the connection: every
     request would then pay a new TCP connect inside its TTFT."""

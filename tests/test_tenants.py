@@ -22,6 +22,8 @@ from inferbus.stores.tenants import (
     tenant_key,
 )
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:

@@ -20,6 +20,8 @@ from proto import subjects
 from .nats_server import NatsServer
 from .waiting import await_for
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[NatsServer]:

@@ -24,6 +24,8 @@ from services.worker.decode_side import DecodeSide
 from services.worker.engine import EngineUpdate
 from services.worker.tasks import Background
 
+pytestmark = pytest.mark.slow
+
 MODEL = "m"
 
 

@@ -179,6 +179,7 @@ def request_for(reply_to: str, rid: str = "r1") -> m.InferenceRequest:
                               sampling=m.SamplingParams(max_new_tokens=8), reply_to=reply_to, deadline=0, created=0)
 
 
+@pytest.mark.slow
 async def test_a_window_of_events_leaves_as_one_frame_and_a_first_token_without_waiting(server: NatsServer) -> None:
     nc = await nats.connect(server.url)
     frames: asyncio.Queue[tuple[float, m.StreamFrame]] = asyncio.Queue()
