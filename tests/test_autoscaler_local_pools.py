@@ -14,6 +14,8 @@ from inferbus.local import EngineSpec, Process
 from services.autoscaler.actuators import local as local_actuator
 from services.autoscaler.actuators.local import LocalActuator
 
+pytestmark = pytest.mark.slow  # the replicas are real processes
+
 PREFILL, DECODE = "m:prefill", "m:decode"
 
 

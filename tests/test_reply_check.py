@@ -39,15 +39,16 @@ def test_anything_else_is_refused(reply: str, why: str) -> None:
 
 
 def test_response_permissions_are_as_narrow_as_the_answers() -> None:
-    """Workers and the router answer once per request, within a minute; the gateway once per
-    streamed chunk; no other identity answers at all (docs/security.md)."""
+    """Workers and the router answer once per request, the batch service once per line handed
+    back to it, within a minute; the gateway once per streamed chunk; no other identity answers
+    at all (docs/security.md)."""
     from inferbus.bus_auth import PROMPT_REPLY_EXPIRE, STREAMED_REPLIES_MAX, permissions
 
-    for role in ("worker", "router"):
-        p = permissions(role, role)
+    for role, owner in (("worker", None), ("router", None), ("batch", "main")):
+        p = permissions(role, role, owner)  # type: ignore[arg-type]
         assert (p.allow_responses, p.responses_max, p.responses_expire) == (True, 1, PROMPT_REPLY_EXPIRE) == (
             True, 1, "1m")
     gateway = permissions("gateway", "gateway")
     assert (gateway.allow_responses, gateway.responses_max) == (True, STREAMED_REPLIES_MAX)
-    for role in ("billing", "batch", "autoscaler", "producer"):
-        assert not permissions(role, role, "main" if role == "batch" else None).allow_responses  # type: ignore[arg-type]
+    for role in ("billing", "autoscaler", "producer"):
+        assert not permissions(role, role).allow_responses  # type: ignore[arg-type]

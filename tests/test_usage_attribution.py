@@ -70,6 +70,7 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+@pytest.mark.slow  # a nats-server and Redis of its own
 async def test_billing_counts_only_the_holders_usage(nc: Client, redis: aioredis.Redis) -> None:
     """worker-1 holds attempt 0 of `held`; worker-2 reports usage for it under its own name, and
     again naming worker-1. Both refused (a `foreign_usage` security event each), worker-1's own
