@@ -158,6 +158,14 @@ class Stream(Protocol):
         ...
 
 
+def _parsed_by_stream(stream: "Stream", text: str) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished output, read as a stream reads it (one path for both)."""
+    parts = [*stream.feed(text), *stream.finish()]
+    calls = [p for p in parts if isinstance(p, ToolCall)]
+    content = "".join(p for p in parts if isinstance(p, str))
+    return (content.strip() if calls else content), calls
+
+
 def _object_call(obj: Any, names: frozenset[str], arguments_key: str) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -251,11 +259,7 @@ class HermesParser:
         return _object_call(obj, self.names, "arguments")
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        stream = self.stream()
-        parts = [*stream.feed(text), *stream.finish()]
-        calls = [p for p in parts if isinstance(p, ToolCall)]
-        content = "".join(p for p in parts if isinstance(p, str))
-        return (content.strip() if calls else content), calls
+        return _parsed_by_stream(self.stream(), text)
 
     def stream(self) -> "_HermesStream":
         return _HermesStream(self)
@@ -506,11 +510,7 @@ class GptOssParser:
         self.names = names
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        stream = self.stream()
-        parts = [*stream.feed(text), *stream.finish()]
-        calls = [p for p in parts if isinstance(p, ToolCall)]
-        content = "".join(p for p in parts if isinstance(p, str))
-        return (content.strip() if calls else content), calls
+        return _parsed_by_stream(self.stream(), text)
 
     def stream(self) -> "_HarmonyStream":
         return _HarmonyStream(self)
