@@ -108,3 +108,17 @@ def test_heap_stays_bounded_under_repeated_matches():
         cache.match(hashes)
     assert len(cache._evictable) <= 2 * len(cache) + 1024
     assert cache.evict(16) == 16
+
+
+def test_a_chain_cached_again_stays_evictable():
+    """The same output cached twice (greedy answers repeat) refreshes the leaf's recency; it must
+    still be found by eviction, or the chain holds the pool for ever and a long prompt never fits."""
+    cache = RadixCache(capacity_tokens=40, block_size=4)
+    hashes = chain(1, 5)
+    cache.insert(hashes)
+    cache.lock(hashes[:3])
+    cache.unlock(hashes[:3])
+    assert cache.insert(hashes) == 0  # nothing new: only recency changed
+    assert cache.available_tokens() == 40
+    assert cache.allocate(40)  # possible only by evicting every block of the chain
+    assert len(cache) == 0

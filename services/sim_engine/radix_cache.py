@@ -120,10 +120,12 @@ class RadixCache:
             self._unreferenced += 1
             if new_start is None:
                 new_start = index
+        if hashes:
+            # The leaf's recency changed even when nothing was new (the same output cached again):
+            # re-queue it, or its heap entry goes stale and the whole chain can never be evicted.
+            self._push_if_evictable(hashes[-1])
         if new_start is None:
             return 0
-        if hashes:
-            self._push_if_evictable(hashes[-1])
         new = list(hashes[new_start:])
         size = self.block_size
         self.events.append(
