@@ -13,6 +13,7 @@ import pydantic
 import pytest
 
 from .conftest import MODEL, Platform, on_both_topologies, read_usage
+from .spm import sentencepiece_style
 
 pytestmark = pytest.mark.e2e
 
@@ -404,25 +405,13 @@ def _sentencepiece_model_dir(path: Path) -> Path:
     """A Llama-3-shaped model directory whose tokenizer is SentencePiece-style (Llama-2's and
     Mistral's shape: `▁` marks a word's leading space, which decoding a token alone drops), with
     the chat format's special tokens at the ids the directory's configuration names."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from inferbus.modeldir import FORMATS, build_model_dir
     from services.sim_engine.scheduler import OUTPUT_PIECES
 
     directory = build_model_dir(path, "llama3")
     special = list(FORMATS["llama3"].special_tokens)
     corpus = ["".join(OUTPUT_PIECES)] * 4 + ["Describe the sea, the weather and the sky."] * 4
-    trained = Tokenizer(models.BPE(unk_token="<unk>"))
-    trained.pre_tokenizer = pre_tokenizers.Metaspace()
-    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=2000, special_tokens=[*special, "<unk>"]))
-    model = json.loads(trained.to_str())["model"]
-    vocab = dict(model["vocab"])
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = sentencepiece_style(corpus, 2000, [*special, "<unk>"])
     tokenizer.add_special_tokens(special)
     original = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
     assert {t["content"]: t["id"] for t in original if t["content"] in special} == \

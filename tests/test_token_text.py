@@ -3,13 +3,13 @@ content with a SentencePiece-style tokenizer, whose tokens decoded alone lose th
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from inferbus.openai.token_text import TokenTexts
 from proto import messages as m
+
+from .spm import sentencepiece_style
 
 TEXT = "the weather in Zürich is fine 😀 today, the fox said"
 
@@ -19,17 +19,7 @@ def spm() -> Tokenizer:
     """A SentencePiece-style BPE, shaped like Llama-2's and Mistral's tokenizer.json: `▁` marks a
     word's leading space, bytes of characters outside the vocabulary fall back to `<0xNN>` tokens."""
     corpus = ["the quick brown fox jumps over the lazy dog", "hello world, the weather is fine today"] * 20
-    trained = Tokenizer(models.BPE(unk_token="<unk>"))
-    trained.pre_tokenizer = pre_tokenizers.Metaspace()
-    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
-    model = json.loads(trained.to_str())["model"]
-    vocab = dict(model["vocab"])
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = sentencepiece_style(corpus, 120, ["<unk>", "<s>", "</s>"])
     return tokenizer
 
 
