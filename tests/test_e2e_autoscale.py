@@ -23,6 +23,7 @@ from proto import messages as m
 from proto import subjects
 
 from .conftest import MODEL, running_platform
+from .ramp import ramp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -60,41 +61,6 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-async def _drive(platform, decisions: list[m.ScaleDecision]) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    """Ramp 1 → 6 req/s over 10 s, hold until three workers serve (or 30 s), then stop.
-    Returns (when the load stopped, how many requests succeeded)."""
-    client = platform.async_client(timeout=60)
-    ok = 0
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def one() -> None:
-        nonlocal ok
-        reply = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=64)
-        if reply.usage and reply.usage.completion_tokens:
-            ok += 1
-
-    start = time.monotonic()
-    sent = 0.0
-    while True:
-        elapsed = time.monotonic() - start
-        rate = 1.0 + 5.0 * min(1.0, elapsed / 10.0)
-        sent_target = elapsed * rate if elapsed < 10 else 35.0 + (elapsed - 10) * 6.0
-        while sent < sent_target:
-            sent += 1
-            task = asyncio.create_task(one())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        serving = max((d.serving for d in decisions[-4:]), default=0)
-        if (elapsed > 15 and serving >= 3) or elapsed > 30:
-            break
-        await asyncio.sleep(0.05)
-    stopped = time.monotonic()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await client.close()
-    return stopped, ok
-
-
 def test_a_load_ramp_scales_workers_up_and_back_down(tmp_path: Path) -> None:
     with running_platform(tmp_path, workers=1, time_scale=0.1, autoscale=True, min_workers=1, max_workers=3,
                           cold_start_s=1.0, warm_start_s=0.3, autoscaler_env=AUTOSCALER_ENV) as platform:
@@ -109,7 +75,7 @@ def test_a_load_ramp_scales_workers_up_and_back_down(tmp_path: Path) -> None:
                 decisions.append(decoder.decode(msg.data))
 
             await nc.subscribe(subjects.scale_wildcard(), cb=on_decision)
-            stopped, ok = await _drive(platform, decisions)
+            stopped, ok = await ramp(platform, decisions)
             during = list(decisions)
             deadline = time.monotonic() + 45
             while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ from proto import messages as m
 from proto import subjects
 
 from .conftest import MODEL, running_platform
+from .ramp import ramp
 from .test_e2e_autoscale import AUTOSCALER_ENV, _alive, _log_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -38,40 +39,6 @@ SCENARIOS = {
     "prefill": {"INFERBUS_AUTOSCALER_GOODPUT_RPS": "50", "INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS": "2",
                 "INFERBUS_AUTOSCALER_TPOT_SLO_S": "5", "INFERBUS_AUTOSCALER_DECODE_KV_BUDGET": "1"},
 }
-
-
-async def _drive(platform, decisions: list[m.ScaleDecision], pool: str) -> int:  # type: ignore[no-untyped-def]
-    """Ramp 1 → 6 req/s over 10 s, hold until `pool` has three serving (or 35 s), then stop.
-    Returns how many requests succeeded."""
-    client = platform.async_client(timeout=60)
-    ok = 0
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def one() -> None:
-        nonlocal ok
-        reply = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=64)
-        if reply.usage and reply.usage.completion_tokens:
-            ok += 1
-
-    start = time.monotonic()
-    sent = 0.0
-    while True:
-        elapsed = time.monotonic() - start
-        rate = 1.0 + 5.0 * min(1.0, elapsed / 10.0)
-        sent_target = elapsed * rate if elapsed < 10 else 35.0 + (elapsed - 10) * 6.0
-        while sent < sent_target:
-            sent += 1
-            task = asyncio.create_task(one())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        serving = max((d.serving for d in decisions[-8:] if d.pool == pool), default=0)
-        if (elapsed > 15 and serving >= 3) or elapsed > 35:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await client.close()
-    return ok
 
 
 @pytest.mark.parametrize("grows", ["decode", "prefill"])
@@ -92,7 +59,7 @@ def test_the_pool_the_load_is_too_much_for_grows_and_the_other_does_not(tmp_path
                 decisions.append(decoder.decode(msg.data))
 
             await nc.subscribe(subjects.scale_wildcard(), cb=on_decision)
-            ok = await _drive(platform, decisions, grown_pool)
+            _, ok = await ramp(platform, decisions, grown_pool, recent=8, give_up_s=35.0)
             during = list(decisions)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
