@@ -166,15 +166,17 @@ class CachedLookup(Generic[K, V]):
     waiter gets its exception.
     """
 
-    def __init__(self, ttl_s: float, max_entries: int = 100_000) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.clock = clock
         self._entries: dict[K, tuple[float, V]] = {}
         self._inflight: dict[K, asyncio.Future[V]] = {}
 
     async def get(self, key: K, fetch: Callable[[K], Awaitable[V]]) -> V:
         cached = self._entries.get(key)
-        if cached is not None and time.monotonic() - cached[0] < self.ttl_s:
+        if cached is not None and self.clock() - cached[0] < self.ttl_s:
             return cached[1]
         pending = self._inflight.get(key)
         if pending is not None:
@@ -196,7 +198,7 @@ class CachedLookup(Generic[K, V]):
     def put(self, key: K, value: V) -> None:
         if len(self._entries) >= self.max_entries:  # bounded: unknown keys must not grow memory forever
             self._entries.clear()
-        self._entries[key] = (time.monotonic(), value)
+        self._entries[key] = (self.clock(), value)
 
     def forget(self, key: K) -> None:
         self._entries.pop(key, None)
@@ -204,11 +206,11 @@ class CachedLookup(Generic[K, V]):
 
 class KeyStore:
     def __init__(self, redis: aioredis.Redis, cache_ttl_s: float = 10.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, cache_clock: Callable[[], float] = time.monotonic) -> None:
         self.redis = redis
         self.cache_ttl_s = cache_ttl_s
-        self.clock = clock
-        self._cache: CachedLookup[str, Principal | None] = CachedLookup(cache_ttl_s)
+        self.clock = clock  # wall time: when a key was last used
+        self._cache: CachedLookup[str, Principal | None] = CachedLookup(cache_ttl_s, clock=cache_clock)
         self._used: dict[str, float] = {}  # key id → when this process last recorded its use
         self._recording: set[asyncio.Task[None]] = set()
 
