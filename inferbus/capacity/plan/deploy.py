@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +181,26 @@ def _revision_env(target: DeployTarget) -> str:
         "                  key: revision\n")
 
 
+def _autoscaler_patch(comment: str, env: Iterable[tuple[str, str]]) -> str:
+    """The autoscaler Deployment patch that sets `env` (the plan's bounds), under `comment`."""
+    lines = "\n".join(f"            - name: {name}\n              value: {_quote(value)}" for name, value in env)
+    return (
+        comment
+        + "apiVersion: apps/v1\n"
+        "kind: Deployment\n"
+        "metadata:\n"
+        "  name: autoscaler\n"
+        "  namespace: inferbus\n"
+        "spec:\n"
+        "  template:\n"
+        "    spec:\n"
+        "      containers:\n"
+        "        - name: autoscaler\n"
+        "          env:\n"
+        f"{lines}\n"
+    )
+
+
 def overlay(plan: Plan, row: Row, target: DeployTarget) -> dict[str, str]:
     """File name → text of the overlay for `row` of `plan`."""
     if not row.feasible or row.cost is None:
@@ -222,24 +243,10 @@ def overlay(plan: Plan, row: Row, target: DeployTarget) -> dict[str, str]:
         "            - name: INFERBUS_WORKER_STANDBY\n"
         '              value: "true"\n'
     )
-    env = "\n".join(f"            - name: {name}\n              value: {_quote(value)}"
-                    for name, value in autoscaler_env(plan, row))
-    autoscaler = (
+    autoscaler = _autoscaler_patch(
         "# Autoscaler bounds from the plan: serving replicas up to the planned peak (headroom included),\n"
-        "# a warm pool up to the plan's, and no more replicas than the plan priced.\n"
-        "apiVersion: apps/v1\n"
-        "kind: Deployment\n"
-        "metadata:\n"
-        "  name: autoscaler\n"
-        "  namespace: inferbus\n"
-        "spec:\n"
-        "  template:\n"
-        "    spec:\n"
-        "      containers:\n"
-        "        - name: autoscaler\n"
-        "          env:\n"
-        f"{env}\n"
-    )
+        "# a warm pool up to the plan's, and no more replicas than the plan priced.\n",
+        autoscaler_env(plan, row))
     return {"kustomization.yaml": "\n".join(kustomization), "worker-patch.yaml": worker,
             "autoscaler-patch.yaml": autoscaler}
 
@@ -445,25 +452,11 @@ def disaggregated_overlay(plan: Plan, row: DisaggRow, target: DeployTarget, work
         "# role prefill. The autoscaler owns its replicas.\n"
         + yaml.safe_dump(prefill, sort_keys=False, width=1000) + "---\n"
         + yaml.safe_dump(pdb, sort_keys=False, width=1000))
-    env = "\n".join(f"            - name: {name}\n              value: {_quote(value)}"
-                    for name, value in disaggregated_autoscaler_env(plan, row))
-    autoscaler = (
+    autoscaler = _autoscaler_patch(
         "# Autoscaler bounds from the plan, one set per pool: the decode pool (worker) sized on TPOT and KV\n"
         f"# use, the prefill pool ({PREFILL_DEPLOYMENT}) on its share of the TTFT budget and its queue, and\n"
-        "# no more replicas in either than the plan priced.\n"
-        "apiVersion: apps/v1\n"
-        "kind: Deployment\n"
-        "metadata:\n"
-        "  name: autoscaler\n"
-        "  namespace: inferbus\n"
-        "spec:\n"
-        "  template:\n"
-        "    spec:\n"
-        "      containers:\n"
-        "        - name: autoscaler\n"
-        "          env:\n"
-        f"{env}\n"
-    )
+        "# no more replicas in either than the plan priced.\n",
+        disaggregated_autoscaler_env(plan, row))
     role = (
         "# The autoscaler may scale both pools' Deployments (and nothing else).\n"
         "apiVersion: rbac.authorization.k8s.io/v1\n"
