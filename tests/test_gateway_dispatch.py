@@ -3,6 +3,7 @@
 import msgspec
 
 from proto import messages as m
+from proto import subjects
 from services.gateway.dispatch import Flight, next_attempt
 
 
@@ -162,3 +163,56 @@ def test_a_request_retried_after_a_worker_failed_is_no_sign_of_overload() -> Non
     assert len(dispatcher.unstarted_ages(("standard",))) == 1
     del dispatcher.flights["first"]
     assert dispatcher.unstarted_ages(("standard",)) == [] and dispatcher.oldest_waiting_s(("standard",)) == 0.0
+
+
+async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of_overload() -> None:
+    """It waits for its worker to be found dead, not for capacity: counted, one stopped worker would
+    shed new requests the others could take. Once found dead (or moved for not being started) it
+    stays out, even queued anew; a later first token is no start-lag sample either."""
+    import time
+
+    from services.gateway.dispatch import Dispatcher
+    from services.gateway.queue_window import QueueWindow
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.flights, dispatcher.heartbeat_ttl_s, dispatcher.accept_timeout_s = {}, 2.0, 3.0
+    dispatcher.window = QueueWindow(per_worker=2)
+    dispatcher.worker_free_slots = lambda worker_id: None
+    now = time.monotonic()
+
+    def beat(worker_id: str, state: str = "ready") -> m.Heartbeat:
+        return m.Heartbeat(worker_id=worker_id, model="m", engine_url="", started=0, ts=0,
+                           state=state)  # type: ignore[arg-type]
+
+    dispatcher.live_workers = {"fresh": (now, beat("fresh")), "silent": (now - 1.5, beat("silent")),
+                               "draining": (now, beat("draining", "draining"))}
+    for worker_id in ("fresh", "silent", "draining", "gone"):
+        request = m.InferenceRequest(request_id=worker_id, tenant="t", model="m", prompt="P", reply_to="x",
+                                     sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+        dispatcher.flights[worker_id] = Flight(request=request, state="queued", worker_id=worker_id,
+                                               opened_at=now - 5, waiting_since=now - 5, placed_at=now - 5)
+    assert len(dispatcher.unstarted_ages(("standard",))) == 1  # only the one on a ready worker heard from
+    assert dispatcher.oldest_waiting_s(("standard",)) >= 5
+
+    dispatcher._declare_dead(subjects.worker_key("fresh"))  # its requests go to the shared queue
+    fresh = dispatcher.flights["fresh"]
+    assert fresh.worker_id is None and fresh.state == "queued"
+    assert dispatcher.unstarted_ages(("standard",)) == [] and dispatcher.oldest_waiting_s(("standard",)) == 0.0
+
+    started: list[tuple[str, float]] = []
+    dispatcher.on_started = lambda band, seconds: started.append((band, seconds))
+    fresh.events.put_nowait(m.TokenChunk(request_id="fresh", attempt=0, seq=0, text=" a", completion_tokens=1))
+    fresh.state, fresh.worker_id = "accepted", "other"
+    async for _ in dispatcher.events(fresh):
+        break
+    assert fresh.started and started == []
+
+    # Moved for not being started by a worker with room: out of the signals as well.
+    dispatcher.live_workers["idle"] = (now, beat("idle"))
+    request = m.InferenceRequest(request_id="late", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    late = dispatcher.flights["late"] = Flight(request=request, state="queued", worker_id="idle",
+                                               opened_at=now - 4, waiting_since=now - 4, placed_at=now - 4)
+    assert dispatcher.measures_load(late, now)
+    dispatcher._move_unstarted(now)
+    assert late.disrupted and not dispatcher.measures_load(late, now)

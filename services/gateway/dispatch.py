@@ -88,6 +88,9 @@ class Flight:
     opened_at: float = field(default_factory=time.monotonic)  # when the gateway admitted it
     started: bool = False  # its first token (or its Final) came, on any attempt
     waiting_since: float = field(default_factory=time.monotonic)  # held or queued since (a migration queues anew)
+    # A worker's failure delayed it (it was queued on a worker found dead, or moved for not being
+    # started): its wait is the failure's, not the load's, as for a later attempt.
+    disrupted: bool = False
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -320,17 +323,30 @@ class Dispatcher:
 
     def unstarted_ages(self, bands: tuple[str, ...]) -> list[float]:
         """Seconds since admission of this gateway's requests of `bands` that have no first token yet.
-        Not those on a later attempt: a worker's failure delayed them, which says nothing of load."""
+        Only those whose wait measures load (`measures_load`)."""
         now = time.monotonic()
         return [now - f.opened_at for f in self.flights.values()
-                if not f.started and f.request.band in bands and f.request.attempt == 0]
+                if not f.started and f.request.band in bands and self.measures_load(f, now)]
 
     def oldest_waiting_s(self, bands: tuple[str, ...]) -> float:
         """Seconds the longest-waiting of this gateway's requests of `bands` has waited for a worker
-        (held in the fair queue or queued in JetStream, not accepted yet); 0 when none waits."""
+        (held in the fair queue or queued in JetStream, not accepted yet); 0 when none waits.
+        Only those whose wait measures load (`measures_load`)."""
         now = time.monotonic()
         return max((now - f.waiting_since for f in self.flights.values()
-                    if f.state != "accepted" and f.request.band in bands and f.request.attempt == 0), default=0.0)
+                    if f.state != "accepted" and f.request.band in bands and self.measures_load(f, now)), default=0.0)
+
+    def measures_load(self, flight: Flight, now: float) -> bool:
+        """Whether `flight`'s wait says how loaded the fleet is. Not a later attempt's or a disrupted
+        one's (a failure delayed them), nor one queued on a worker that is gone, not ready or silent
+        for half the heartbeat TTL: it waits for that worker to be found dead, and shedding new
+        requests for it would turn one stopped worker into refusals of work the others can take."""
+        if flight.request.attempt > 0 or flight.disrupted:
+            return False
+        if flight.state != "queued" or flight.worker_id is None:
+            return True
+        seen = self.live_workers.get(flight.worker_id)
+        return seen is not None and seen[1].state == "ready" and now - seen[0] <= self.heartbeat_ttl_s / 2
 
     def queued(self, band: str) -> int:
         """Requests of `band` this gateway published that no worker has accepted yet (known at
@@ -494,7 +510,7 @@ class Dispatcher:
                     flight.worker_id = event.worker_id or flight.worker_id
             if isinstance(event, (m.TokenChunk, m.Final)) and not flight.started:
                 flight.started = True
-                if flight.request.attempt == 0:  # a retried request's wait is the failure's, not the load's
+                if flight.request.attempt == 0 and not flight.disrupted:  # else the wait is a failure's
                     self.on_started(flight.request.band, time.monotonic() - flight.opened_at)
             if isinstance(event, m.TokenChunk):
                 if event.prompt_tokens is not None and flight.prompt_tokens is None:
@@ -689,6 +705,7 @@ class Dispatcher:
                 # Still in the dead worker's queue: the router moves it to the shared queue, where
                 # another worker takes it. Publishing a second attempt here would run it twice.
                 flight.worker_id = None
+                flight.disrupted = True
             else:
                 self._fail_attempt(flight, "worker heartbeat ended")
 
@@ -737,6 +754,7 @@ class Dispatcher:
             log.warning("request_not_started", request_id=flight.request.request_id, worker_id=flight.worker_id,
                         waited_s=round(now - flight.placed_at, 2))
             flight.avoid_worker = flight.worker_id
+            flight.disrupted = True
             flight.placed_at = now  # one move per timeout, whatever the reader is doing
             flight.events.put_nowait(m.StreamError(
                 request_id=flight.request.request_id, attempt=flight.request.attempt, code="not_started",
