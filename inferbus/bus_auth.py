@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proto import subjects
+from proto import bands, subjects
 
 Role = Literal["ops", "gateway", "router", "billing", "autoscaler", "batch", "worker", "producer"]
 
@@ -207,7 +207,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 # A dead worker's queue, moved to the shared one. Interactive bands only: workers have
                 # no queue of their own for batch lines, so the router has none to move, and only the
                 # batch service creates them.
-                *(subjects.shared_request_wildcard(band) for band in subjects.INTERACTIVE_BANDS),
+                *(subjects.shared_request_wildcard(band) for band in bands.INTERACTIVE),
                 *_platform_streams(), *_consume(_REQ), *_kv_read(subjects.WORKERS_BUCKET),
                 *_kv_read(subjects.ADAPTERS_BUCKET),  # registered adapters, to prefetch them
                 # The canary controller: rollouts (compare-and-set) and its decisions; an adapter

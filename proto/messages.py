@@ -16,6 +16,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from proto.bands import Band
+
 SCHEMA_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -143,8 +145,8 @@ class InferenceRequest(_Message, tag="request"):
     created: float  # unix seconds when the gateway accepted the request
     kind: Literal["chat", "completion"] = "chat"
     adapter: str | None = None
-    band: str = "standard"
-    tier: str | None = None  # `band` as older writers named it: read, never written
+    band: Band = "standard"
+    tier: Band | None = None  # `band` as older writers named it: read, never written
     priority: int = 0  # engine priority, larger is more important (SGLang's convention)
     attempt: int = 0
     # Migration: the text and token count already streamed to the client by earlier attempts.
@@ -328,8 +330,8 @@ class UsageEvent(_Message):
     started: float
     finished: float
     adapter: str | None = None
-    band: str = "standard"
-    tier: str | None = None  # `band` as older writers named it: read, never written
+    band: Band = "standard"
+    tier: Band | None = None  # `band` as older writers named it: read, never written
     worker_id: str = ""
     attempts: int = 1
     finish_reason: str | None = None
@@ -359,10 +361,6 @@ def batch_request_id(batch_id: str, line: int) -> str:
     idempotent everywhere a request id is (usage dedup, results, cancels)."""
     return f"{batch_id}-{line}"
 
-
-# Batch priority inside an engine (SGLang: larger runs first): below every interactive band, by
-# more than the engine's preemption threshold, so a waiting interactive request may evict it.
-BATCH_ENGINE_PRIORITY = -100
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -538,7 +536,7 @@ class WorkerLoad(_Message):
     role: str = "aggregated"  # a `Role` (as in the worker's Heartbeat): which pool this load belongs to
     # The bands this worker pulls (empty: not said, as older workers): its free slots take only
     # requests of these.
-    bands: list[str] = []
+    bands: list[Band] = []
 
 
 class AdapterOutcomes(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -588,7 +586,7 @@ class Heartbeat(_Message):
     release: str = ""  # the release (`Release.id`) this worker verified it serves; "" unpinned
     zone: str = ""  # failure domain (availability zone) of the worker; "" = none given
     role: str = "aggregated"  # a `Role`: what this worker's engine does (prefill/decode disaggregation)
-    bands: list[str] = []  # the priority bands it pulls, most important first ([] from older workers)
+    bands: list[Band] = []  # the priority bands it pulls, most important first ([] from older workers)
     # A decode engine that can also compute a prompt itself (none of SGLang 0.5.23's can: its decode
     # mode takes every prompt's KV from a prefill engine); the router may then let it prefill a short
     # uncached remainder rather than send it to a prefill worker (conditional disaggregation).
@@ -617,8 +615,8 @@ class PlacementRequest(_Message):
     model: str
     prompt_tokens: int
     adapter: str | None = None
-    band: str = "standard"
-    tier: str | None = None  # `band` as older writers named it: read, never written
+    band: Band = "standard"
+    tier: Band | None = None  # `band` as older writers named it: read, never written
     # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
     # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
     # the router can count blocks a worker already holds.

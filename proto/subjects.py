@@ -28,12 +28,9 @@ from __future__ import annotations
 import base64
 from typing import Literal
 
-PREFIX = "inferbus"
+from proto.bands import Band
 
-# Priority bands, most important first. Workers pull in this order.
-Band = Literal["premium", "standard", "batch"]
-BANDS: tuple[Band, ...] = ("premium", "standard", "batch")
-INTERACTIVE_BANDS: tuple[Band, ...] = ("premium", "standard")
+PREFIX = "inferbus"
 
 REQUESTS_STREAM = "REQUESTS"
 USAGE_STREAM = "USAGE"

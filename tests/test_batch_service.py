@@ -12,6 +12,7 @@ from openai.types.chat import ChatCompletion
 
 from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import load_model, render_prompt
+from proto import bands
 from proto import messages as m
 from services.batch import lines
 from services.batch.feed import FeedConfig, FeedPolicy
@@ -344,7 +345,7 @@ def test_chat_line_renders_like_the_gateway(llama3_model_dir: Path) -> None:
     request = lines.line_request(plan, batch_id="batch_abc", line=7, tenant="t1", api_key_id="k1", base_model=MODEL,
                                  adapter=None, deadline=99.0, now=10.0, reply_to="inferbus.tok.batch-main", attempt=2)
     assert request.request_id == m.batch_request_id("batch_abc", 7) == "batch_abc-7"
-    assert (request.band, request.priority, request.batch_id, request.batch_line) == ("batch", m.BATCH_ENGINE_PRIORITY, "batch_abc", 7)
+    assert (request.band, request.priority, request.batch_id, request.batch_line) == ("batch", bands.ENGINE_PRIORITY["batch"], "batch_abc", 7)
     assert (request.attempt, request.deadline, request.created, request.prompt_tokens) == (2, 99.0, 10.0, plan.prompt_tokens)
     assert request.input_ids == plan.input_ids
 

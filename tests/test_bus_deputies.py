@@ -37,8 +37,8 @@ from inferbus.bus_callout import (
     new_account_seed,
 )
 from inferbus.local import free_port, http_ok, nats_server_binary
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
 from services.auth_callout.service import answer_requests
 from services.gateway.internal_api import API_CALLS, InternalApi
 from services.worker.liveness import LivenessThread
@@ -545,9 +545,9 @@ async def test_the_router_moves_interactive_work_only(ops: Client, shipped_bus: 
     before = await queued(ops)
     owner = subjects.token_subject(shipped_bus.user("gateway"))
     async with As(shipped_bus, "router") as router:  # control: recovery's publish is stored
-        for band in subjects.INTERACTIVE_BANDS:
+        for band in bands.INTERACTIVE:
             await router.jetstream().publish(subjects.request_subject(band, "m", subjects.ANY_TARGET, owner), b"{}")
-    assert await queued(ops) == before + len(subjects.INTERACTIVE_BANDS)
+    assert await queued(ops) == before + len(bands.INTERACTIVE)
 
 
 # ---- usage: each identity reports usage only as itself ----------------------------------------

@@ -18,8 +18,8 @@ from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
 from inferbus.local import Process
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import wait_for as wait_until
@@ -349,7 +349,7 @@ def test_a_line_is_handed_back_to_its_batch_service_which_queues_only_its_own(pl
                 request_id=m.batch_request_id(batch.id, 0), tenant=record.tenant, api_key_id=record.api_key_id,
                 model=MODEL, prompt="Question number 0?", sampling=m.SamplingParams(max_new_tokens=3000),
                 reply_to=ready["reply_subject"], deadline=now + 600, created=now, band="batch", attempt=7,
-                batch_id=batch.id, batch_line=0, priority=m.BATCH_ENGINE_PRIORITY)
+                batch_id=batch.id, batch_line=0, priority=bands.ENGINE_PRIORITY["batch"])
             answers = []
             for forged in (msgspec.structs.replace(line, tenant="another-tenant"),
                            msgspec.structs.replace(line, reply_to=subjects.token_subject("gateway")), line):

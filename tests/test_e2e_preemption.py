@@ -23,8 +23,8 @@ import nats
 import pytest
 
 from inferbus.prompt import load_model, render_prompt
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import await_for
@@ -57,7 +57,7 @@ def line_request(batch_id: str, line: int, prompt: str, max_new_tokens: int, rep
         request_id=m.batch_request_id(batch_id, line), tenant=TENANT, model=MODEL, prompt=prompt,
         sampling=m.SamplingParams(max_new_tokens=max_new_tokens, temperature=0), reply_to=reply_to,
         deadline=time.time() + 600 if deadline is None else deadline, created=time.time(), kind="completion",
-        band="batch", priority=m.BATCH_ENGINE_PRIORITY, api_key_id="test",
+        band="batch", priority=bands.ENGINE_PRIORITY["batch"], api_key_id="test",
         batch_id=batch_id, batch_line=line,
     )
 
@@ -297,7 +297,7 @@ def test_drain_puts_running_lines_back_on_the_queue_with_their_progress(worker4:
     assert sorted((r.batch_line, r.attempt) for r in queued) == [(0, 1), (1, 1)]
     for request in queued:
         assert 0 < request.resumed_tokens < LINE_TOKENS and request.resumed_text
-        assert request.priority == m.BATCH_ENGINE_PRIORITY and request.prompt_tokens
+        assert request.priority == bands.ENGINE_PRIORITY["batch"] and request.prompt_tokens
     drained = [e for e in worker_events(worker4, "batch_requeued") if e["request_id"].startswith(batch_id)]
     assert sorted(e["reason"] for e in drained) == ["drain", "drain"]
 

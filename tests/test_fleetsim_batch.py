@@ -8,6 +8,7 @@ import pytest
 from inferbus.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
 from inferbus.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
 from inferbus.capacity.traces import TraceRequest
+from proto import bands
 from proto import messages as m
 from services.batch.feed import FeedConfig
 from services.sim_engine.config import EngineConfig
@@ -89,7 +90,7 @@ def uninterrupted(spec: BatchSpec, sim: FleetSim) -> list[list[int]]:
     for line in sim.band.lines:
         trace = TraceRequest(0.0, line.input_tokens, line.output_tokens)
         prompt = sim.prompts.ids(trace, PROMPT_INDEX_BASE + line.line)
-        request = Request(rid=f"alone-{line.line}", input_ids=prompt, priority=m.BATCH_ENGINE_PRIORITY,
+        request = Request(rid=f"alone-{line.line}", input_ids=prompt, priority=bands.ENGINE_PRIORITY["batch"],
                           sampling=SamplingParams(max_new_tokens=line.output_tokens, temperature=0.0, ignore_eos=True))
         engine.add(request)
         requests.append(request)

@@ -93,10 +93,10 @@ def test_deployments_point_otlp_at_the_http_port() -> None:
 
 
 def test_latency_labels_are_bounded() -> None:
+    from proto.bands import INTERACTIVE
     from services.gateway import metrics
-    from services.gateway.overload import BANDS
 
-    assert metrics.latency_labels("llama", None, BANDS[0]) == ("llama", "base", BANDS[0])
+    assert metrics.latency_labels("llama", None, INTERACTIVE[0]) == ("llama", "base", INTERACTIVE[0])
     # Adapter names are per tenant (unbounded): only whether one served the request is a label.
     assert metrics.latency_labels("llama", "tenant-a/my-adapter", "premium")[1] == "lora"
     assert metrics.latency_labels("llama", None, "made-up-band")[2] == "other"

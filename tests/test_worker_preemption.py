@@ -7,6 +7,7 @@ import time
 import pytest
 
 from inferbus.settings import load
+from proto import bands
 from proto import messages as m
 from services.worker.attempt import Attempt, line_outcome
 from services.worker.preemption import PreemptionConfig, PreemptionPolicy, RunningLine
@@ -172,7 +173,7 @@ def _line(attempt: int = 0, resumed_text: str = "", resumed_tokens: int = 0, dea
     return m.InferenceRequest(
         request_id=m.batch_request_id("batch_x", 7), tenant="t", model="m", prompt="P",
         sampling=m.SamplingParams(max_new_tokens=100), reply_to="r", deadline=deadline, created=0.0,
-        band="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, resumed_text=resumed_text,
+        band="batch", priority=bands.ENGINE_PRIORITY["batch"], attempt=attempt, resumed_text=resumed_text,
         resumed_tokens=resumed_tokens, prompt_tokens=12, batch_id="batch_x", batch_line=7,
     )
 
@@ -187,7 +188,7 @@ def test_a_preempted_line_is_requeued_with_its_progress_and_reports_nothing() ->
     status, result, follow_up = _worker()._batch_outcome(entry, "abort", None)
     assert status == "requeued" and result is None and follow_up is not None
     assert (follow_up.attempt, follow_up.resumed_text, follow_up.resumed_tokens) == (2, "abcdef", 6)
-    assert follow_up.prompt_tokens == 12 and follow_up.priority == m.BATCH_ENGINE_PRIORITY
+    assert follow_up.prompt_tokens == 12 and follow_up.priority == bands.ENGINE_PRIORITY["batch"]
     assert follow_up.request_id == entry.request.request_id and follow_up.batch_line == 7
 
 

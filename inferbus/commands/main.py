@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from inferbus import settings as settings_mod
+from proto import bands
 
 
 def _env_help(cls: type) -> str:
@@ -580,7 +581,7 @@ def _split(value: str | None) -> list[str] | None:
 def _tenant_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--name", default=None, help="Display name."),
-        click.option("--band", default=None, type=click.Choice(["premium", "standard"]),
+        click.option("--band", default=None, type=click.Choice(bands.INTERACTIVE),
                      help="Priority band: premium is served first and shed last under overload (default standard)."),
         click.option("--weight", default=None, type=click.FloatRange(min=0, min_open=True),
                      help="Fair-share weight within its band: under contention a tenant gets capacity in "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -21,6 +21,7 @@ from redis.exceptions import WatchError
 
 from inferbus.records import decode_or_none
 from inferbus.stores.keys import CachedLookup, revoke_all_keys, tenant_key
+from proto.bands import InteractiveBand
 
 __all__ = [
     "InteractiveBand", "InvalidTenant", "Tenant", "TenantExists", "TenantLimits", "TenantNotFound", "TenantStore",
@@ -31,7 +32,6 @@ TENANTS_SET = "inferbus:tenants"
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 _TENANT_ID = re.compile(TENANT_ID_PATTERN)
 
-InteractiveBand = Literal["premium", "standard"]
 _Rate = Annotated[int, Meta(ge=1)]
 _Name = Annotated[str, Meta(max_length=200)]
 

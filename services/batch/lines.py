@@ -18,6 +18,7 @@ from inferbus.openai import carry, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import sampling_params
 from inferbus.prompt import PromptError, ServedModel, render_prompt
+from proto import bands
 from proto import messages as m
 
 ENDPOINT_KINDS: dict[str, Literal["chat", "completion"]] = {
@@ -128,7 +129,7 @@ def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_k
     return m.InferenceRequest(
         request_id=m.batch_request_id(batch_id, line), tenant=tenant, model=base_model, prompt=plan.prompt,
         sampling=plan.sampling, reply_to=reply_to, deadline=deadline, created=now, kind=plan.kind, adapter=adapter,
-        band="batch", priority=m.BATCH_ENGINE_PRIORITY, attempt=attempt, prompt_tokens=plan.prompt_tokens,
+        band="batch", priority=bands.ENGINE_PRIORITY["batch"], attempt=attempt, prompt_tokens=plan.prompt_tokens,
         user=plan.user, api_key_id=api_key_id, batch_id=batch_id, batch_line=line, input_ids=plan.input_ids,
     )
 

@@ -45,8 +45,8 @@ from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
 from inferbus.stores.models import ModelCatalog
 from inferbus.stores.tenants import TenantStore
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
 
 from . import lifecycle, requeue
 from . import lines as line_format
@@ -231,7 +231,7 @@ class BatchService:
         why = requeue.refusal(request, run, self.reply_subject)
         if why is None:
             subject = subjects.request_subject("batch", request.model, subjects.ANY_TARGET, self.reply_subject)
-            request = msgspec.structs.replace(request, priority=m.BATCH_ENGINE_PRIORITY)
+            request = msgspec.structs.replace(request, priority=bands.ENGINE_PRIORITY["batch"])
             trace = {k: v for k, v in (msg.headers or {}).items() if not k.lower().startswith("nats-")}
             try:
                 await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",

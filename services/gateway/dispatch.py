@@ -27,8 +27,8 @@ from inferbus.outbox import Outbox
 from inferbus.records import decode_or_none
 from inferbus.replies import PublishError, Replies
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
 
 from .fairness import FairQueue
 from .metrics import (
@@ -41,7 +41,6 @@ from .metrics import (
     PLACEMENTS_OVER_BUDGET,
     RESENDS,
 )
-from .overload import bands_through
 from .queue_window import QueueWindow
 
 log = logs.get(__name__)
@@ -285,7 +284,7 @@ class Dispatcher:
     def _queued_on(self, worker_id: str, band: str) -> int:
         """This gateway's requests of `band` or a more important band queued on `worker_id`'s own
         queue and not started yet."""
-        ahead = bands_through(band)
+        ahead = bands.through(band)
         return sum(1 for f in self._queued_flights.values() if f.worker_id == worker_id and f.request.band in ahead)
 
     async def _publish(self, flight: Flight) -> None:
@@ -321,20 +320,20 @@ class Dispatcher:
         """Requests of `band` waiting in this gateway's fair queue."""
         return self.fair.waiting(band)
 
-    def unstarted_ages(self, bands: tuple[str, ...]) -> list[float]:
-        """Seconds since admission of this gateway's requests of `bands` that have no first token yet.
+    def unstarted_ages(self, ahead: tuple[str, ...]) -> list[float]:
+        """Seconds since admission of this gateway's requests of the bands `ahead` that have no first token yet.
         Only those whose wait measures load (`measures_load`)."""
         now = time.monotonic()
         return [now - f.opened_at for f in self.flights.values()
-                if not f.started and f.request.band in bands and self.measures_load(f, now)]
+                if not f.started and f.request.band in ahead and self.measures_load(f, now)]
 
-    def oldest_waiting_s(self, bands: tuple[str, ...]) -> float:
-        """Seconds the longest-waiting of this gateway's requests of `bands` has waited for a worker
+    def oldest_waiting_s(self, ahead: tuple[str, ...]) -> float:
+        """Seconds the longest-waiting of this gateway's requests of the bands `ahead` has waited for a worker
         (held in the fair queue or queued in JetStream, not accepted yet); 0 when none waits.
         Only those whose wait measures load (`measures_load`)."""
         now = time.monotonic()
         return max((now - f.waiting_since for f in self.flights.values()
-                    if f.state != "accepted" and f.request.band in bands and self.measures_load(f, now)), default=0.0)
+                    if f.state != "accepted" and f.request.band in ahead and self.measures_load(f, now)), default=0.0)
 
     def measures_load(self, flight: Flight, now: float) -> bool:
         """Whether `flight`'s wait says how loaded the fleet is. Not a later attempt's or a disrupted

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from proto import bands
+
 T = TypeVar("T")
-BAND_ORDER = ("premium", "standard", "batch")
 
 
 @dataclass
@@ -32,7 +33,7 @@ class _Tenant(Generic[T]):
 
 class FairQueue(Generic[T]):
     def __init__(self) -> None:
-        self._bands: dict[str, dict[str, _Tenant[T]]] = {band: {} for band in BAND_ORDER}
+        self._bands: dict[str, dict[str, _Tenant[T]]] = {band: {} for band in bands.BANDS}
         self._weights: dict[str, float] = {}
         self._size = 0
         self._waiting_by_band: dict[str, int] = {}
@@ -80,7 +81,7 @@ class FairQueue(Generic[T]):
 
     def pop(self, cost: Callable[[T], float] = lambda item: 0.0) -> tuple[T, str, str] | None:
         """The next (item, tenant, band) to dispatch, charging its tenant `cost(item)` tokens."""
-        for band in BAND_ORDER:
+        for band in bands.BANDS:
             candidates = [(state.counter, tenant) for tenant, state in self._bands.get(band, {}).items() if state.waiting]
             if not candidates:
                 continue

@@ -12,10 +12,10 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from inferbus import bus, logs
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
 
-from .overload import BANDS, OverloadPolicy
+from .overload import OverloadPolicy
 
 log = logs.get(__name__)
 _load_decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
@@ -54,10 +54,10 @@ class FleetMonitor:
         # Every consumer of the model's band subjects counts: the shared queue and each worker's
         # own (placed requests wait there, and are as far from a slot as the shared ones); each
         # worker's own also on its own, for placements (a placed request waits for that worker).
-        prefixes = {band: subjects.request_filter(band, self.model, "").removesuffix(".*") for band in BANDS}  # type: ignore[arg-type]
+        prefixes = {band: subjects.request_filter(band, self.model, "").removesuffix(".*") for band in bands.INTERACTIVE}
         while True:
-            depth = dict.fromkeys(BANDS, 0)
-            by_worker: dict[str, dict[str, int]] = {band: {} for band in BANDS}
+            depth = dict.fromkeys(bands.INTERACTIVE, 0)
+            by_worker: dict[str, dict[str, int]] = {band: {} for band in bands.INTERACTIVE}
             try:
                 for info in await self.js.consumers_info(subjects.REQUESTS_STREAM):
                     subject = info.config.filter_subject or ""

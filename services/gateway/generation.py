@@ -32,12 +32,13 @@ from inferbus.stores.models import ModelCatalog
 from inferbus.stores.pricing import Prices
 from inferbus.stores.tenants import Tenant, TenantStore
 from inferbus.tokens import block_hashes
+from proto import bands
 from proto import messages as m
 from services.gateway import metrics
 
 from .adapter_metrics import AdapterMetrics, TopLabels
 from .dispatch import Dispatcher, DispatchError, Flight
-from .overload import OverloadPolicy, bands_through
+from .overload import OverloadPolicy
 from .releases import PIN_HEADER, ReleaseRouting
 from .settings import GatewaySettings
 
@@ -46,8 +47,6 @@ tracer = tracing.tracer("inferbus.gateway")
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-# Engine priority per band (SGLang: larger runs first) so premium also wins inside an engine.
-ENGINE_PRIORITY = {"premium": 10, "standard": 0}
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -254,7 +253,7 @@ class Generation:
             raise OpenAIError(503, f"No workers are serving `{params.model}` right now; retry shortly.",
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
-        ahead = bands_through(tenant.band)
+        ahead = bands.through(tenant.band)
         verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) + self._admitting.get(b, 0) for b in ahead),
                                       sum(self.dispatcher.queued(b) for b in ahead),
                                       self.dispatcher.unstarted_ages(ahead), self.dispatcher.oldest_waiting_s(ahead))
@@ -273,7 +272,7 @@ class Generation:
             inference = m.InferenceRequest(
                 request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
                 api_key_id=principal.key_id, adapter=adapter,
-                band=tenant.band, priority=ENGINE_PRIORITY.get(tenant.band, 0),
+                band=tenant.band, priority=bands.ENGINE_PRIORITY[tenant.band],
                 sampling=sampling_params(params, max_new_tokens, self.tool_call_parser),
                 reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
                 created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,

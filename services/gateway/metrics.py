@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .overload import BANDS
+from proto import bands
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 30.0)
 _TPOT = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.12, 0.25, 0.5)
@@ -10,13 +10,13 @@ _TPOT = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.12, 0.25, 0.5)
 # Latency histograms are labelled so each model's (and band's) SLO can be read on its own. Every
 # label is bounded: `model` is the catalog's resolved model, and only models with workers get this
 # far; `adapter` is whether a LoRA adapter served the request ("lora") or not ("base"), never its
-# name (adapters are per tenant, unbounded); `band` is one of the overload policy's BANDS, or
+# name (adapters are per tenant, unbounded); `band` is one of the interactive bands, or
 # "other". Series per histogram ≤ served models × 2 × (bands + 1).
 LATENCY_LABELS = ["model", "adapter", "band"]
 
 
 def latency_labels(model: str, adapter: str | None, band: str) -> tuple[str, str, str]:
-    return model, "base" if adapter is None else "lora", band if band in BANDS else "other"
+    return model, "base" if adapter is None else "lora", band if band in bands.INTERACTIVE else "other"
 
 
 REQUESTS = Counter("inferbus_requests_total", "Finished HTTP requests", ["endpoint", "status"])

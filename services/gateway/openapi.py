@@ -21,6 +21,7 @@ from msgspec import Meta
 
 from inferbus.openai.schemas import ChatCompletionRequest, CompletionRequest
 from inferbus.stores.tenants import Tenant, TenantLimits
+from proto.bands import InteractiveBand
 
 from .admin_adapters import BULK_LIMIT
 from .responses_items import ResponsesRequest
@@ -211,7 +212,7 @@ class TenantPatch(msgspec.Struct, omit_defaults=True):
     """`PATCH /admin/v1/tenants/{id}`: the fields to change."""
 
     name: str | None = None
-    band: Literal["premium", "standard"] | None = None
+    band: InteractiveBand | None = None
     weight: float | None = None
     limits: TenantLimits | None = None
     models: list[str] | None = None

@@ -46,10 +46,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from proto import bands, subjects
 from proto import messages as m
-from proto import subjects
-
-BANDS = ("premium", "standard")  # most important first
 
 
 def poisson_wait_quantile(n: int, rate: float, quantile: float) -> float:
@@ -85,14 +83,6 @@ def _normal_quantile(p: float) -> float:
         else:
             high = mid
     return high
-
-
-def bands_through(band: str) -> tuple[str, ...]:
-    """`band` and every band more important than it: the work a new request of `band` waits behind.
-    An unknown band is judged as the least important one."""
-    if band not in BANDS:
-        band = BANDS[-1]
-    return BANDS[: BANDS.index(band) + 1]
 
 
 def _serves(load: m.WorkerLoad, band: str) -> bool:
@@ -249,7 +239,7 @@ class OverloadPolicy:
             return 0.0  # no data is not overload; "no workers" is answered elsewhere
         # Only the slots of workers that pull this band can take the request.
         free = sum(_free(w.load) for w in live if _serves(w.load, band))
-        ahead = max(queued_here, sum(self._queued.get(b, 0) for b in bands_through(band)))
+        ahead = max(queued_here, sum(self._queued.get(b, 0) for b in bands.through(band)))
         ahead += sum(w.load.waiting for w in live) + held_here  # inside the engines and the gateway
         if ahead < free:
             return 0.0
@@ -271,7 +261,7 @@ class OverloadPolicy:
         if worker is None or self.clock() - worker.seen > self.stale_after_s or worker.load.draining:
             return None
         key = subjects.token(worker_id)
-        ahead = max(queued_here, sum(self._queued_on.get((key, b), 0) for b in bands_through(band)))
+        ahead = max(queued_here, sum(self._queued_on.get((key, b), 0) for b in bands.through(band)))
         ahead += worker.load.waiting
         free = _free(worker.load)
         if ahead < free:
@@ -306,7 +296,7 @@ class OverloadPolicy:
         if self.start_window_s <= 0:
             return 0.0
         cutoff = self.clock() - self.start_window_s
-        ahead = bands_through(band)
+        ahead = bands.through(band)
         samples = [seconds for when, b, seconds in self._starts if when >= cutoff and b in ahead]
         samples.extend(unstarted_ages)
         if len(samples) < self.min_starts:

@@ -38,6 +38,7 @@ from inferbus.replies import Replies
 from inferbus.security_events import answerable
 from proto import messages as m
 from proto import subjects
+from proto.bands import Band
 
 from . import engine_image, release_check
 from .adapters import Adapters
@@ -280,7 +281,7 @@ class Worker:
             for puller in self.serving.pullers:
                 await puller.stop()
 
-    def bands(self) -> list[str]:
+    def bands(self) -> list[Band]:
         """The bands this worker pulls: none for a prefill worker (decode workers send it work)."""
         return [] if self.role == "prefill" else self.settings.band_list()
 

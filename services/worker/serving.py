@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from inferbus import logs, tracing
 from proto import messages as m
 from proto import subjects
+from proto.bands import Band
 
 from .adapters import Adapters
 from .attempt import Attempt, bill_delivered
@@ -46,7 +47,7 @@ BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so intera
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 
 
-def consumer_specs(bands: list[str], worker_id: str) -> list[tuple[str, str | None]]:
+def consumer_specs(bands: Sequence[Band], worker_id: str) -> list[tuple[Band, str | None]]:
     """(band, owner) of each consumer a worker pulls, most important first. Batch lines are only
     ever queued on the shared subject, so the batch band has no per-worker consumer."""
     return [(band, owner) for band in bands for owner in ((None,) if band == "batch" else (worker_id, None))]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from inferbus.node_zone import read_zone
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from proto.bands import Band
+from proto.bands import parse as parse_bands
 
 from .fault_hold import POINTS as FAULT_POINTS
 from .preemption import PreemptionConfig
@@ -29,7 +31,7 @@ class WorkerSettings:
         "Prefix block size in tokens: the engine's cache events are rebuilt into blocks of this size from their token "
         "ids, whatever the engine's page size; must match the gateway's and the router's.",
     )
-    bands: str = env("INFERBUS_WORKER_BANDS", "premium,standard,batch", "Priority bands to pull, most important first (`batch`: lines of the Batch API, only into slots the preemption policy grants). Formerly INFERBUS_WORKER_TIERS, still read when this is not set.", formerly="INFERBUS_WORKER_TIERS")
+    bands: str = env("INFERBUS_WORKER_BANDS", "premium,standard,batch", "Priority bands to pull, most important first, of `premium`, `standard` and `batch` (a name that is no band stops the worker at start; `batch`: lines of the Batch API, only into slots the preemption policy grants). Formerly INFERBUS_WORKER_TIERS, still read when this is not set.", formerly="INFERBUS_WORKER_TIERS")
     max_running: int = env("INFERBUS_WORKER_MAX_RUNNING", 0, "Requests to hold at once; 0 = the engine's max_running_requests from /server_info.")
     batch_share: float = env("INFERBUS_WORKER_BATCH_SHARE", 0.75, "Largest share of this worker's slots that batch lines may hold (0-1, rounded down).")
     batch_headroom: int = env("INFERBUS_WORKER_BATCH_HEADROOM", 1, "Slots kept free for interactive arrivals while batch lines run; with fewer free, the worker checks for waiting interactive work and preempts batch lines for it.")
@@ -140,6 +142,10 @@ class WorkerSettings:
             raise SystemExit(f"INFERBUS_WORKER_ROLE must be auto, aggregated, prefill or decode, not {self.role!r}")
         if self.fault_hold and self.fault_hold not in FAULT_POINTS:
             raise SystemExit(f"INFERBUS_FAULT_HOLD must be one of {', '.join(FAULT_POINTS)} or empty, not {self.fault_hold!r}")
+        try:
+            parse_bands(self.bands, "INFERBUS_WORKER_BANDS")
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
         if self.engine_priority not in ("auto", "on", "off"):
             raise SystemExit(f"INFERBUS_WORKER_ENGINE_PRIORITY must be auto, on or off, not {self.engine_priority!r}")
 
@@ -157,5 +163,5 @@ class WorkerSettings:
             return self.engine_priority == "on"
         return bool(server_info.get("enable_priority_scheduling"))
 
-    def band_list(self) -> list[str]:
-        return [t.strip() for t in self.bands.split(",") if t.strip()]
+    def band_list(self) -> list[Band]:
+        return list(parse_bands(self.bands, "INFERBUS_WORKER_BANDS"))

@@ -17,7 +17,7 @@ work (`victims`). Modelled simply, as the rest of `fleet`:
   check saw interactive work waiting on the bus (or, with engines without priority scheduling,
   stalled in its engine): `pull_room`, as the worker asks it; an idle replica pulls when lines
   are published. Batch lines enter the engine at
-  `BATCH_ENGINE_PRIORITY`, so an engine with priority scheduling (`EngineConfig.priority_scheduling`,
+  `proto.bands.ENGINE_PRIORITY["batch"]`, so an engine with priority scheduling (`EngineConfig.priority_scheduling`,
   on by default, as SGLang's --enable-priority-scheduling) admits waiting interactive requests
   first and retracts batch first when slots or KV run out.
 - On each load report (the worker's load tick) a replica runs the worker's preemption check,
@@ -54,6 +54,7 @@ from inferbus.capacity import mix as mix_mod
 from inferbus.capacity.mix import Mix
 from inferbus.capacity.stats import percentile
 from inferbus.capacity.traces import TraceRequest
+from proto import bands
 from proto import messages as m
 from services.sim_engine.scheduler import Request, RequestRejected, RequestUpdate, SamplingParams
 from services.worker.attempt import attempt_verdict
@@ -384,7 +385,7 @@ class BatchBand:
                                           PROMPT_INDEX_BASE + line.line)
         prompt, budget = continuation.engine_input(line.prompt, line.generated, line.output_tokens)
         request = Request(
-            rid=f"{line.request_id}-{line.attempt:02d}", input_ids=prompt, priority=m.BATCH_ENGINE_PRIORITY,
+            rid=f"{line.request_id}-{line.attempt:02d}", input_ids=prompt, priority=bands.ENGINE_PRIORITY["batch"],
             sampling=SamplingParams(max_new_tokens=budget, temperature=0.0, ignore_eos=True),
         )
         engine = replica.engine

@@ -71,6 +71,7 @@ from inferbus.capacity.fleetsim.workload import PromptTokens
 from inferbus.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from inferbus.timing import StepTimeModel
 from inferbus.tokens import block_hashes
+from proto import bands
 from proto import messages as m
 from services.router.placement import Placer
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
@@ -512,7 +513,7 @@ class FleetSim:
         engine = replica.engine
         if len(replica.jobs) + len(replica.batch_jobs) >= engine.config.max_running_requests:
             return False
-        return not any(request.priority > m.BATCH_ENGINE_PRIORITY for request in engine.waiting)
+        return not any(request.priority > bands.ENGINE_PRIORITY["batch"] for request in engine.waiting)
 
     def _interactive_load(self, replica: Replica, engine_wait_s: float) -> tuple[int, int, int]:
         """(held, queued, stalled) interactive requests as the worker sees them.
