@@ -2,12 +2,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.settings import env
 
 
 @dataclass(frozen=True)
 class AuthCalloutSettings:
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.10+) whose auth_callout names this service's user "
+    nats_url: str = shared.nats_url("NATS server (2.10+) whose auth_callout names this service's user "
                         "(NATS_USER/NATS_PASSWORD, one of its auth_users).")
     issuer_seed: str = env("INFERBUS_CALLOUT_ISSUER_SEED", "", "Account nkey seed (SA…) signing the answers and user JWTs; "
                            "the server's auth_callout.issuer is its public key (`inferbus callout-keys`). Required.")
@@ -21,4 +22,4 @@ class AuthCalloutSettings:
                            "--callout`). Empty: TokenReview, from inside the cluster.")
     user_ttl_s: float = env("INFERBUS_CALLOUT_USER_TTL_S", 3600.0, "Lifetime of an issued user JWT: the server closes the "
                             "connection then and the client reconnects with its current token.")
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
+    log_level: str = shared.log_level()

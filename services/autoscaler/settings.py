@@ -6,6 +6,7 @@ import re
 import socket
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.settings import env
 
 from .policy import PolicyConfig
@@ -16,15 +17,15 @@ ACTUATORS = ("dryrun", "local", "kubernetes")
 
 @dataclass(frozen=True)
 class AutoscalerSettings:
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
+    nats_url: str = shared.nats_url()
     autoscaler_id: str = env("INFERBUS_AUTOSCALER_ID", "", "This autoscaler's id in its decisions (default: autoscaler-<host name>).")
     pools: str = env("INFERBUS_AUTOSCALER_POOLS", "", "Model pools to scale, comma-separated (default: INFERBUS_MODEL). Every pool gets the same bounds; run one autoscaler per pool for different ones.")
-    model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id of the pool when INFERBUS_AUTOSCALER_POOLS is empty.")
+    model: str = shared.model("Model id of the pool when INFERBUS_AUTOSCALER_POOLS is empty.")
     actuator: str = env("INFERBUS_AUTOSCALER_ACTUATOR", "dryrun", "How decisions are carried out: dryrun (publish and log only), local (start/stop simulated workers on this machine; with INFERBUS_AUTOSCALER_DISAGGREGATED, prefill and decode workers) or kubernetes (the Deployment's scale subresource).")
     tick_s: float = env("INFERBUS_AUTOSCALER_TICK_S", 5.0, "Seconds between two decisions.")
     rate_window_s: float = env("INFERBUS_AUTOSCALER_RATE_WINDOW_S", 10.0, "Window over which arrival and completion rates are measured.")
     latency_window_s: float = env("INFERBUS_AUTOSCALER_LATENCY_WINDOW_S", 30.0, "Window of the p90 TTFT, TPOT and queue-wait signals.")
-    stale_after_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose load reports stop for this long is gone (match the workers' heartbeat TTL).")
+    stale_after_s: float = shared.heartbeat_ttl_s("A worker whose load reports stop for this long is gone (match the workers' heartbeat TTL).")
     ttft_slo_s: float = env("INFERBUS_AUTOSCALER_TTFT_SLO_S", 0.8, "p90 time to first token the pool must hold (seconds).")
     tpot_slo_s: float = env("INFERBUS_AUTOSCALER_TPOT_SLO_S", 0.04, "p90 time per output token the pool must hold (seconds).")
     queue_wait_budget_s: float = env("INFERBUS_AUTOSCALER_QUEUE_WAIT_BUDGET_S", 0.5, "p90 wait from gateway accept to engine start before the pool counts as short of replicas.")
@@ -60,8 +61,8 @@ class AutoscalerSettings:
     k8s_api_url: str = env("INFERBUS_AUTOSCALER_K8S_API_URL", "", "Kubernetes API server; empty: in-cluster service account, else the local kubeconfig.")
     k8s_namespace: str = env("INFERBUS_AUTOSCALER_K8S_NAMESPACE", "inferbus", "Namespace of the worker Deployments.")
     k8s_deployments: str = env("INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS", "worker", "Worker Deployment per pool: `name` for a single pool, or `pool=name,pool=name`.")
-    metrics_port: int = env("INFERBUS_METRICS_PORT", 9103, "Port of the autoscaler's Prometheus /metrics (0 disables).")
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
+    metrics_port: int = shared.metrics_port(9103, "the autoscaler's")
+    log_level: str = shared.log_level()
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.settings import env
 
 from .feed import FeedConfig
@@ -10,28 +11,27 @@ from .feed import FeedConfig
 
 @dataclass(frozen=True)
 class BatchSettings:
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding the tenants (who may use which model); with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
-    model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Base model served (must match the gateway's).")
-    model_dir: str = env(
-        "INFERBUS_MODEL_DIR", "",
+    nats_url: str = shared.nats_url()
+    redis_url: str = shared.redis_url("the tenants (who may use which model)")
+    model: str = shared.model("Base model served (must match the gateway's).")
+    model_dir: str = shared.model_dir(
         "Directory of the served model as its engines load it (tokenizer.json, tokenizer_config.json with the chat "
         "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
         "a small one (python -m inferbus.modeldir DIR).",
     )
-    files_dir: str = env("INFERBUS_FILES_DIR", ".inferbus/files", "Where the file store keeps uploaded and generated files (shared with the gateway).")
+    files_dir: str = shared.files_dir("Where the file store keeps uploaded and generated files (shared with the gateway).")
     service_id: str = env(
         "INFERBUS_BATCH_SERVICE_ID", "main",
         "Id of this batch service; workers send a line's `Accepted` to `inferbus.tok.batch-<id>`. Keep it stable "
         "across restarts so lines published before a restart still report their worker. Run one batch service.",
     )
-    max_model_len: int = env("INFERBUS_MAX_MODEL_LEN", 0, "Context window: prompt plus max_tokens must fit (as the gateway's; 0: the served model's).")
-    default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens of a line that gives none (as the gateway's).")
+    max_model_len: int = shared.max_model_len("Context window: prompt plus max_tokens must fit (as the gateway's; 0: the served model's).")
+    default_max_tokens: int = shared.default_max_tokens("max_tokens of a line that gives none (as the gateway's).")
     max_lines: int = env("INFERBUS_BATCH_MAX_LINES", 50_000, "Most requests in one input file.")
     max_bytes: int = env("INFERBUS_BATCH_MAX_BYTES", 200 * 1024 * 1024, "Largest input file in bytes.")
     max_errors: int = env("INFERBUS_BATCH_MAX_ERRORS", 100, "Validation stops after this many errors.")
-    max_line_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest input line in bytes (as the gateway's largest request body).")
-    max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in an input line's body (as the gateway's).")
+    max_line_bytes: int = shared.max_body_bytes("Largest input line in bytes (as the gateway's largest request body).")
+    max_json_depth: int = shared.max_json_depth("Deepest nesting of arrays and objects in an input line's body (as the gateway's).")
     max_in_flight: int = env("INFERBUS_BATCH_MAX_IN_FLIGHT", 4096, "Most lines published and unfinished at once, whatever the feed policy allows.")
     line_lease_s: float = env("INFERBUS_BATCH_LINE_LEASE_S", 900.0, "A line with no result this long after it was published or last accepted is published again.")
     cancel_grace_s: float = env("INFERBUS_BATCH_CANCEL_GRACE_S", 5.0, "After cancelling a batch's in-flight lines (cancel or expiry), how long to wait for their results before finalizing.")
@@ -43,7 +43,7 @@ class BatchSettings:
         "0.0001 makes it about 9 s.",
     )
     worker_gone_grace_s: float = env("INFERBUS_BATCH_WORKER_GONE_GRACE_S", 5.0, "A worker whose heartbeat ended and did not come back within this long has its lines published again.")
-    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
+    heartbeat_ttl_s: float = shared.heartbeat_ttl_s("Workers silent this long are dead (match the workers').")
     ttft_slo_s: float = env("INFERBUS_BATCH_TTFT_SLO_S", 0.8, "Interactive p90 TTFT the feed protects (seconds).")
     tpot_slo_s: float = env("INFERBUS_BATCH_TPOT_SLO_S", 0.04, "Interactive p90 TPOT the feed protects (seconds).")
     queue_wait_budget_s: float = env("INFERBUS_BATCH_QUEUE_WAIT_BUDGET_S", 0.5, "Interactive p90 queue wait the feed protects (seconds).")
@@ -54,8 +54,8 @@ class BatchSettings:
     reserve_slots: int = env("INFERBUS_BATCH_RESERVE_SLOTS", 4, "Slots per worker batch never takes (room for interactive arrivals).")
     step_base_s: float = env("INFERBUS_BATCH_STEP_BASE_S", 0.0186, "Engine step time with one sequence, for workers whose engine's GPU and TP the timing model does not know (others are capped by theirs); default H100 TP2.")
     step_per_seq_s: float = env("INFERBUS_BATCH_STEP_PER_SEQ_S", 0.000165, "Engine step time added per running sequence, for the same workers.")
-    metrics_port: int = env("INFERBUS_METRICS_PORT", 9105, "Port of the batch service's Prometheus /metrics (0 disables).")
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
+    metrics_port: int = shared.metrics_port(9105, "the batch service's")
+    log_level: str = shared.log_level()
 
     def __post_init__(self) -> None:
         if self.window_scale <= 0:

@@ -2,18 +2,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.settings import env
 
 
 @dataclass(frozen=True)
 class BillingSettings:
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding quota state, rollups and the price book; with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
-    price_input_per_mtok: float = env(
-        "INFERBUS_PRICE_INPUT_PER_MTOK", 0.60,
+    nats_url: str = shared.nats_url()
+    redis_url: str = shared.redis_url("quota state, rollups and the price book")
+    price_input_per_mtok: float = shared.price_input_per_mtok(
         "Dollars per 1M uncached prompt tokens: seeds the price book's `*`/`*` entry once (then `inferbus prices set`).")
-    price_cached_input_per_mtok: float = env("INFERBUS_PRICE_CACHED_INPUT_PER_MTOK", 0.15, "Dollars per 1M cached prompt tokens (seeds the price book).")
-    price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens (seeds the price book).")
+    price_cached_input_per_mtok: float = shared.price_cached_input_per_mtok("Dollars per 1M cached prompt tokens (seeds the price book).")
+    price_output_per_mtok: float = shared.price_output_per_mtok("Dollars per 1M completion tokens (seeds the price book).")
     batch_discount: float = env("INFERBUS_BATCH_DISCOUNT", 0.5, "Fraction off for requests of a batch, 0..1 (seeds the price book).")
     rollup_batch: int = env("INFERBUS_BILLING_BATCH", 2000, "Usage events pulled per request by the rollup consumer (two requests in flight).")
     linger_s: float = env(
@@ -35,5 +35,5 @@ class BillingSettings:
     export_delay_s: int = env(
         "INFERBUS_EXPORT_DELAY_S", 1800,
         "Last month is exported this long after the month ends (requests still running at midnight finish first).")
-    metrics_port: int = env("INFERBUS_METRICS_PORT", 9103, "Port of the billing service's Prometheus /metrics (0 disables).")
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
+    metrics_port: int = shared.metrics_port(9103, "the billing service's")
+    log_level: str = shared.log_level()

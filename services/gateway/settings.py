@@ -5,6 +5,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.node_zone import read_zone
 from inferbus.openai.schemas import MAX_MESSAGES, MAX_TOOLS
 from inferbus.settings import env
@@ -25,34 +26,32 @@ class GatewaySettings:
         "(httpx, and so the openai SDK, 5 s; AWS ALB 60 s), so the client, not the gateway, closes an idle "
         "connection: when the gateway closes it first, a request sent on it at that moment fails with a connection error.",
     )
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
-    redis_url: str = env("REDIS_URL", "redis://127.0.0.1:6379/0", "Redis holding API keys (and quotas); with its password `redis://:PASSWORD@HOST:6379/0`, TLS `rediss://`.")
+    nats_url: str = shared.nats_url()
+    redis_url: str = shared.redis_url("API keys (and quotas)")
     redis_max_connections: int = env("INFERBUS_REDIS_MAX_CONNECTIONS", 64, "Redis connections per gateway; more requests wait for one.")
-    model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id served and listed by /v1/models.")
-    model_dir: str = env(
-        "INFERBUS_MODEL_DIR", "",
+    model: str = shared.model("Model id served and listed by /v1/models.")
+    model_dir: str = shared.model_dir(
         "Directory of the served model as its engines load it (tokenizer.json, tokenizer_config.json with the chat "
         "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
         "a small one (python -m inferbus.modeldir DIR).",
     )
-    zone: str = env("INFERBUS_ZONE", "", "Failure domain (availability zone) this gateway runs in; the router prefers workers of the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
-    zone_file: str = env("INFERBUS_ZONE_FILE", "", "File holding this gateway's zone, used when INFERBUS_ZONE is empty: in Kubernetes the `zone` init container writes the node's topology.kubernetes.io/zone label there (inferbus node-zone). Empty: none.")
+    zone: str = shared.zone("this gateway")
+    zone_file: str = shared.zone_file("this gateway's")
     gateway_id: str = env("INFERBUS_GATEWAY_ID", "", "Unique id of this replica (default: host-pid-random).")
-    max_body_bytes: int = env("INFERBUS_MAX_BODY_BYTES", 4 * 1024 * 1024, "Largest JSON request body (and batch input line) accepted (413 above).")
-    max_json_depth: int = env("INFERBUS_MAX_JSON_DEPTH", 128, "Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
+    max_body_bytes: int = shared.max_body_bytes("Largest JSON request body (and batch input line) accepted (413 above).")
+    max_json_depth: int = shared.max_json_depth("Deepest nesting of arrays and objects in a JSON request body or batch input line (400 above).")
     max_tools: int = env("INFERBUS_MAX_TOOLS", MAX_TOOLS, "Most `tools` in one chat request (400 above), checked before any tool's schema is.")
     max_messages: int = env("INFERBUS_MAX_MESSAGES", MAX_MESSAGES, "Most `messages` in one chat request (400 above), checked before any is read.")
-    max_model_len: int = env(
-        "INFERBUS_MAX_MODEL_LEN", 0,
+    max_model_len: int = shared.max_model_len(
         "Context window: prompt plus max_tokens must fit. 0: the smallest window the model's ready engines report in "
         "their /server_info (an engine started with --context-length), else the served model's, read from its "
         "config.json as SGLang reads it (max_position_embeddings and the like).",
     )
-    default_max_tokens: int = env("INFERBUS_DEFAULT_MAX_TOKENS", 4096, "max_tokens when the request gives none.")
+    default_max_tokens: int = shared.default_max_tokens("max_tokens when the request gives none.")
     request_timeout_s: float = env("INFERBUS_REQUEST_TIMEOUT_S", 600.0, "Deadline of one request, queue wait included.")
     max_attempts: int = env("INFERBUS_MAX_ATTEMPTS", 3, "Attempts per request across worker failures (1 = no migration).")
-    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are asked whether they live (match the workers').")
-    liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "How long a worker whose heartbeat lapsed has to answer the liveness probe before it is declared dead and its streams migrate.")
+    heartbeat_ttl_s: float = shared.heartbeat_ttl_s("Workers silent this long are asked whether they live (match the workers').")
+    liveness_timeout_s: float = shared.liveness_timeout_s("How long a worker whose heartbeat lapsed has to answer the liveness probe before it is declared dead and its streams migrate.")
     stream_silence_s: float = env(
         "INFERBUS_STREAM_SILENCE_S", 2.0,
         "A started stream that receives nothing from its worker for this long asks the worker to send again any events "
@@ -61,20 +60,19 @@ class GatewaySettings:
         "elsewhere. Keep it below the workers' INFERBUS_WORKER_REPLAY_KEEP_S. 0: never ask.",
     )
     accept_timeout_s: float = env("INFERBUS_ACCEPT_TIMEOUT_S", 5.0, "A request queued on one worker that has not started it within this long moves to the shared queue.")
-    state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
+    state_dir: str = shared.state_dir("the usage outbox: usage events waiting for JetStream's acknowledgement")
     placement_timeout_ms: float = env(
         "INFERBUS_PLACEMENT_TIMEOUT_MS", 50.0,
         "Ask the router where to place each request (prefix, adapter and load affinity), waiting this long; "
         "without an answer the request goes to the shared queue, which any worker serves. 0 = never ask.",
     )
-    placement_patience_ms: float = env(
-        "INFERBUS_PLACEMENT_PATIENCE_MS", 1000.0,
+    placement_patience_ms: float = shared.placement_patience_ms(
         "How long a placement waits for a router that is answering (one answered, in time or late, in the last 5 s), "
         "instead of INFERBUS_PLACEMENT_TIMEOUT_MS: a slow router (its CPU limited, its host busy) still answers from "
         "its whole view, where the shared queue would place by chance. A router that stops answering is waited for "
         "INFERBUS_PLACEMENT_TIMEOUT_MS again.",
     )
-    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens for placement hashes; must match the router's and the workers' (engines may use any page size).")
+    block_size: int = shared.block_size(DEFAULT_BLOCK_SIZE, "placement hashes are cut into blocks of this size; must match the router's and the workers' (engines may use any page size).")
     key_cache_ttl_s: float = env("INFERBUS_KEY_CACHE_TTL_S", 10.0, "How long an API key lookup is cached in-process.")
     admin_key: str = env(
         "INFERBUS_ADMIN_KEY", "",
@@ -93,11 +91,10 @@ class GatewaySettings:
         "INFERBUS_DISPATCH_WINDOW_PER_WORKER", 2,
         "This gateway's requests allowed to wait in the shared queue per live worker; more wait in its fair queue.",
     )
-    price_input_per_mtok: float = env("INFERBUS_PRICE_INPUT_PER_MTOK", 0.60, "Dollars per 1M uncached prompt tokens (budgets).")
-    price_cached_input_per_mtok: float = env("INFERBUS_PRICE_CACHED_INPUT_PER_MTOK", 0.15, "Dollars per 1M cached prompt tokens.")
-    price_output_per_mtok: float = env("INFERBUS_PRICE_OUTPUT_PER_MTOK", 0.90, "Dollars per 1M completion tokens.")
-    files_dir: str = env(
-        "INFERBUS_FILES_DIR", ".inferbus/files",
+    price_input_per_mtok: float = shared.price_input_per_mtok("Dollars per 1M uncached prompt tokens (budgets).")
+    price_cached_input_per_mtok: float = shared.price_cached_input_per_mtok("Dollars per 1M cached prompt tokens.")
+    price_output_per_mtok: float = shared.price_output_per_mtok("Dollars per 1M completion tokens.")
+    files_dir: str = shared.files_dir(
         "Directory of /v1/files uploads and batch output files (`<dir>/<tenant>/<file id>`); the batch service "
         "must see the same directory (a shared volume when they run on different hosts).",
     )
@@ -143,8 +140,8 @@ class GatewaySettings:
         "How often this gateway adds what its SLO metrics gained (TTFT, TPOT, requests by status, shed) to the "
         "per-minute totals in Redis that the console's SLO page reads.",
     )
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
-    otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
+    log_level: str = shared.log_level()
+    otel_exporter: str = shared.otel_exporter()
 
     def __post_init__(self) -> None:
         from inferbus.openai.tools import PARSERS

@@ -2,19 +2,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
 class RouterSettings:
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
+    nats_url: str = shared.nats_url()
     router_id: str = env("INFERBUS_ROUTER_ID", "", "This replica's id (default: router-<random>); names its placements on the bus.")
     policy: str = env("INFERBUS_ROUTER_POLICY", "affinity", "Placement policy: affinity (prefix, adapter and load aware), least_loaded or round_robin.")
-    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "Workers silent this long are dead (match the workers').")
+    heartbeat_ttl_s: float = shared.heartbeat_ttl_s("Workers silent this long are dead (match the workers').")
     kv_ceiling: float = env("INFERBUS_ROUTER_KV_CEILING", 0.95, "Workers whose KV cache is fuller than this get no new work.")
     temperature: float = env("INFERBUS_ROUTER_TEMPERATURE", 0.02, "Softmax temperature over the placement cost (seconds for affinity): spreads near-ties across workers and replicas.")
-    block_size: int = env("INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE, "Prefix block size in tokens; must match the gateways' and the workers' (workers rebuild engine cache events into these blocks).")
+    block_size: int = shared.block_size(DEFAULT_BLOCK_SIZE, "must match the gateways' and the workers' (workers rebuild engine cache events into these blocks).")
     prefill_tokens_per_s: float = env("INFERBUS_ROUTER_PREFILL_TOKENS_PER_S", 10_000.0, "A worker's prefill rate, turning queued prompt tokens into seconds of wait in the cost.")
     miss_weight: float = env("INFERBUS_ROUTER_MISS_WEIGHT", 5.0, "Weight of a request's uncached prompt tokens against queued ones: recomputing a prefix delays everything queued behind it too (about 1/(1-load)).")
     decode_weight_s: float = env("INFERBUS_ROUTER_DECODE_WEIGHT_S", 0.25, "Cost (seconds) of a worker whose every slot is busy decoding.")
@@ -37,6 +38,6 @@ class RouterSettings:
     canary_cancel_tolerance: float = env("INFERBUS_CANARY_CANCEL_TOLERANCE", 0.02, "Canary SLO gate: allowed absolute increase of the cancel rate.")
     canary_false_rollback: float = env("INFERBUS_CANARY_FALSE_ROLLBACK", 0.01, "Canary SLO gate: the probability, over a whole canary however often the gate is read, of rolling back a candidate no worse than the stable release (its sequential tests' level).")
     canary_tick_s: float = env("INFERBUS_CANARY_TICK_S", 1.0, "How often the canary controller reads its gates.")
-    metrics_port: int = env("INFERBUS_METRICS_PORT", 9101, "Port of the router's Prometheus /metrics (0 disables).")
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
-    otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
+    metrics_port: int = shared.metrics_port(9101, "the router's")
+    log_level: str = shared.log_level()
+    otel_exporter: str = shared.otel_exporter()

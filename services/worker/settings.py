@@ -4,6 +4,7 @@ import dataclasses
 import socket
 from dataclasses import dataclass
 
+from inferbus import settings as shared
 from inferbus.node_zone import read_zone
 from inferbus.settings import env
 from inferbus.tokens import DEFAULT_BLOCK_SIZE
@@ -16,19 +17,19 @@ from .preemption import PreemptionConfig
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    nats_url: str = env("NATS_URL", "nats://127.0.0.1:4222", "NATS server (2.11+ with JetStream).")
+    nats_url: str = shared.nats_url()
     worker_id: str = env("INFERBUS_WORKER_ID", "", "Unique id of this worker, one per engine replica (default: the host name).")
     engine_url: str = env("INFERBUS_ENGINE_URL", "http://127.0.0.1:30000", "Base URL of the SGLang server (or simulated engine) this worker drives.")
-    model: str = env("INFERBUS_MODEL", "meta-llama/Llama-3.3-70B-Instruct", "Model id this worker serves (must match the gateway's).")
+    model: str = shared.model("Model id this worker serves (must match the gateway's).")
     engine_kv_events: str = env("INFERBUS_ENGINE_KV_EVENTS", "", "ZMQ endpoint where the engine publishes KV-cache events (SGLang --kv-events-config), e.g. tcp://127.0.0.1:5557; empty: no prefix-cache reporting.")
     engine_kv_events_bind: bool = env(
         "INFERBUS_ENGINE_KV_EVENTS_BIND", True,
         "Bind INFERBUS_ENGINE_KV_EVENTS and let the engine's publisher connect (SGLang's publisher connects to a "
         "concrete address); false: connect to it, for an engine that binds (`\"bind\": true` or a wildcard address).",
     )
-    block_size: int = env(
-        "INFERBUS_BLOCK_SIZE", DEFAULT_BLOCK_SIZE,
-        "Prefix block size in tokens: the engine's cache events are rebuilt into blocks of this size from their token "
+    block_size: int = shared.block_size(
+        DEFAULT_BLOCK_SIZE,
+        "the engine's cache events are rebuilt into blocks of this size from their token "
         "ids, whatever the engine's page size; must match the gateway's and the router's.",
     )
     bands: str = env("INFERBUS_WORKER_BANDS", "premium,standard,batch", "Priority bands to pull, most important first, of `premium`, `standard` and `batch` (a name that is no band stops the worker at start; `batch`: lines of the Batch API, only into slots the preemption policy grants). Formerly INFERBUS_WORKER_TIERS, still read when this is not set.", formerly="INFERBUS_WORKER_TIERS")
@@ -40,15 +41,15 @@ class WorkerSettings:
     batch_max_prefilling: int = env("INFERBUS_WORKER_BATCH_MAX_PREFILLING", 1, "Batch lines without a first token yet (in the engine's queue or prefill, or being pulled) before the worker pulls no more. A prefill worker (disaggregated) takes this many batch lines' prompts at once and refuses more (`full`: their decode workers ask again).")
     batch_max_slowdown: float = env("INFERBUS_WORKER_BATCH_MAX_SLOWDOWN", 0.06, "Step-time increase batch lines may cause on this worker (caps its batch lines at this share of its engine's base step in sequences, about 113 on H100 TP2, plus interactive running; match INFERBUS_BATCH_MAX_SLOWDOWN).")
     batch_max_attempts: int = env("INFERBUS_WORKER_BATCH_MAX_ATTEMPTS", 5, "Attempts of a batch line across retryable engine failures before it ends with an error result.")
-    zone: str = env("INFERBUS_ZONE", "", "Failure domain (availability zone) this worker runs in; the router prefers workers of the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
-    zone_file: str = env("INFERBUS_ZONE_FILE", "", "File holding this worker's zone, used when INFERBUS_ZONE is empty: in Kubernetes the `zone` init container writes the node's topology.kubernetes.io/zone label there (inferbus node-zone). Empty: none.")
+    zone: str = shared.zone("this worker")
+    zone_file: str = shared.zone_file("this worker's")
     engine_hang_after_s: float = env("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", 30.0, "GPU death: with requests running and none producing a token for this long, the engine is hung; the worker hands its streams off and exits so its replica is replaced (0: never).")
     engine_dead_after_s: float = env("INFERBUS_WORKER_ENGINE_DEAD_AFTER_S", 120.0, "GPU death: an engine that has not answered its readiness probe for this long is given up, as a hung one is (0: wait forever).")
     engine_max_errors: int = env("INFERBUS_WORKER_ENGINE_MAX_ERRORS", 5, "GPU death: this many requests in a row ending in an engine error (5xx), none succeeding in between, and the engine is given up (0: never).")
     heartbeat_interval_s: float = env("INFERBUS_HEARTBEAT_INTERVAL_S", 1.0, "How often the heartbeat is refreshed in the `workers` KV bucket.")
-    heartbeat_ttl_s: float = env("INFERBUS_HEARTBEAT_TTL_S", 3.0, "A worker whose heartbeat is older than this is dead.")
+    heartbeat_ttl_s: float = shared.heartbeat_ttl_s("A worker whose heartbeat is older than this is dead.")
     stall_after_s: float = env("INFERBUS_WORKER_STALL_AFTER_S", 30.0, "The heartbeat thread stops heartbeating (and the worker is declared dead) when the worker's event loop has not run for this long.")
-    state_dir: str = env("INFERBUS_STATE_DIR", ".inferbus/state", "Directory of this service's durable local state (the usage outbox: usage events waiting for JetStream's acknowledgement).")
+    state_dir: str = shared.state_dir("the usage outbox: usage events waiting for JetStream's acknowledgement")
     frame_window_ms: float = env(
         "INFERBUS_WORKER_FRAME_WINDOW_MS", 1.0,
         "Stream events for one gateway wait at most this long to leave together as one bus message (an engine step's "
@@ -84,7 +85,7 @@ class WorkerSettings:
         "worker checks that the files of INFERBUS_MODEL_DIR, its chat template and the engine's flags are the release's, and "
         "refuses to start otherwise; empty: unpinned, left out of canaries and pinned traffic.",
     )
-    model_dir: str = env("INFERBUS_MODEL_DIR", "", "The model directory the engine loads (the release's files are checked against it).")
+    model_dir: str = shared.model_dir("The model directory the engine loads (the release's files are checked against it).")
     engine_image_check: str = env(
         "INFERBUS_ENGINE_IMAGE_CHECK", "auto",
         "With a release: compare the digest of the image the engine container runs, as the kubelet reports it in the "
@@ -113,16 +114,15 @@ class WorkerSettings:
         "they reach, e.g. --host 0.0.0.0). Empty: the host of INFERBUS_ENGINE_URL, or, when that is a loopback "
         "address (the engine in this worker's pod), this host's own address (its name resolved: the pod's IP).",
     )
-    placement_patience_ms: float = env(
-        "INFERBUS_PLACEMENT_PATIENCE_MS", 1000.0,
+    placement_patience_ms: float = shared.placement_patience_ms(
         "Decode workers: how long asking the router for a prefill worker waits for a router that is answering "
         "(one answered in the last 5 s), instead of 50 ms: a slow router still answers from its whole view, where "
         "the worker's own choice knows no prefix cache (as the gateway's setting of the same name).",
     )
-    liveness_timeout_s: float = env("INFERBUS_LIVENESS_TIMEOUT_S", 1.0, "Decode workers: how long a prefill worker whose heartbeat lapsed has to answer the liveness probe before its prefill halves are tried elsewhere; also how long a prefill worker has to answer a prefill half.")
-    metrics_port: int = env("INFERBUS_METRICS_PORT", 9102, "Port of this worker's Prometheus /metrics (0 disables).")
-    log_level: str = env("INFERBUS_LOG_LEVEL", "info", "Log level.")
-    otel_exporter: str = env("INFERBUS_OTEL_EXPORTER", "none", "Span exporter: none, console or otlp.")
+    liveness_timeout_s: float = shared.liveness_timeout_s("Decode workers: how long a prefill worker whose heartbeat lapsed has to answer the liveness probe before its prefill halves are tried elsewhere; also how long a prefill worker has to answer a prefill half.")
+    metrics_port: int = shared.metrics_port(9102, "this worker's")
+    log_level: str = shared.log_level()
+    otel_exporter: str = shared.otel_exporter()
 
     def resolved(self) -> WorkerSettings:
         """With its id (the host name when none is given) and its zone (INFERBUS_ZONE_FILE when
