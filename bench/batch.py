@@ -570,7 +570,8 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import openai
 
-    from inferbus.commands.main import _demo_key, new_admin_key
+    from inferbus.commands.local_platform import demo_key
+    from inferbus.commands.main import new_admin_key
     from inferbus.local import Stack, StackConfig, free_port
 
     scale = args.time_scale
@@ -591,7 +592,7 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
     print(f"live: {args.live_workers} workers at time scale {scale}, interactive {rate:.1f} req/s wall", flush=True)
     stack.start(timeout=120)
     try:
-        key = asyncio.run(_demo_key(stack.redis_url))
+        key = asyncio.run(demo_key(stack.redis_url))
         base_url = stack.gateway_url + "/v1"
 
         async def load(seed: int, text_seed: int) -> list[dict[str, float]]:

@@ -263,7 +263,8 @@ PROBE_TOKENS = 200
 
 def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tuple[int, int],
         budget_s: float, time_scale: float = 1.0, rate: float | None = None) -> dict[str, Any]:
-    from inferbus.commands.main import _demo_key, new_admin_key
+    from inferbus.commands.local_platform import demo_key
+    from inferbus.commands.main import new_admin_key
     from inferbus.local import Stack, StackConfig, free_port
 
     stack = Stack(StackConfig(
@@ -275,7 +276,7 @@ def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tup
     ))
     stack.start(timeout=120)
     try:
-        key = asyncio.run(_demo_key(stack.redis_url))
+        key = asyncio.run(demo_key(stack.redis_url))
         base_url = stack.gateway_url + "/v1"
         per_request = service_time(base_url, key, PROBE_TOKENS) * (sum(max_tokens) / 2) / PROBE_TOKENS
         capacity = workers * slots / per_request

@@ -105,7 +105,7 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, gpus: int
 
 def run_topology(topology: Topology, workload: Workload, prompts: list[str], args: argparse.Namespace,
                  model_dir: Path, state: Path) -> dict[str, Any]:
-    from inferbus.commands.main import _demo_key
+    from inferbus.commands.local_platform import demo_key
 
     env = {
         # Compare topologies, not admission: nothing is refused for queueing.
@@ -121,7 +121,7 @@ def run_topology(topology: Topology, workload: Workload, prompts: list[str], arg
     print(f"\n{topology.label()}: starting…", flush=True)
     try:
         stack.start(timeout=180)
-        key = asyncio.run(_demo_key(stack.redis_url))
+        key = asyncio.run(demo_key(stack.redis_url))
         frontend = Frontend(stack.gateway_url + "/v1/completions",
                             {"content-type": "application/json", "authorization": f"Bearer {key}"})
         time.sleep(2)  # first load reports reach the router

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.spine import CLK_TCK, Endpoint, closed_loop, phase_metrics
-from inferbus.commands.main import _demo_key
+from inferbus.commands.local_platform import demo_key
 from inferbus.local import Stack, StackConfig, free_port
 
 GROUPS = ("nats", "gateway", "router", "worker", "billing", "redis", "sentinel")
@@ -34,7 +34,7 @@ def measure(zones: int, single_seconds: float, concurrency: int, seconds: float)
                               workers=1, log_level="warning", time_scale=0.0, batch=False, zones=zones))
     stack.start(timeout=120)
     try:
-        key = asyncio.run(_demo_key(stack.redis_url))
+        key = asyncio.run(demo_key(stack.redis_url))
         gateway = Endpoint("inferbus", stack.gateway_url + "/v1/chat/completions", {"Authorization": f"Bearer {key}"})
         # The spine benchmark's client (quick ACK, one keep-alive connection per stream), 1 s warm-up each.
         single = phase_metrics("inferbus", [asyncio.run(closed_loop(gateway, 1, single_seconds, 1.0, {}))])

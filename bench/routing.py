@@ -337,14 +337,14 @@ class InferbusFrontend(Frontend):
         self.headers = {"content-type": "application/json"}
 
     def start(self) -> None:
-        from inferbus.commands.main import _demo_key
+        from inferbus.commands.local_platform import demo_key
 
         try:
             self.stack.start(timeout=120)
         except Exception:
             self.stack.stop()
             raise
-        self.headers["authorization"] = "Bearer " + asyncio.run(_demo_key(self.stack.redis_url))
+        self.headers["authorization"] = "Bearer " + asyncio.run(demo_key(self.stack.redis_url))
 
     def stop(self) -> None:
         self.stack.stop()

@@ -60,7 +60,7 @@ import httptools
 
 from bench.common import percentile, write_results
 from bench.routing import ensure_packages
-from inferbus.commands.main import _demo_key
+from inferbus.commands.local_platform import demo_key
 from inferbus.local import Process, Stack, StackConfig, free_port, nats_server_binary, tcp_open
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -565,7 +565,7 @@ def start_stack(paced: bool, quiet_logs: bool = False) -> tuple[Stack, str]:
     stack = Stack(config)
     try:
         stack.start(timeout=90)
-        return stack, asyncio.run(_demo_key(stack.redis_url))
+        return stack, asyncio.run(demo_key(stack.redis_url))
     except BaseException:
         stack.stop()
         stack.rmtree()

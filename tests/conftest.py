@@ -87,7 +87,8 @@ def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: 
 
 def start_platform(tmp: Path, **config: object) -> Platform:
     """Start a platform; its gateway has an admin key and Redis the `demo` tenant with one key."""
-    from inferbus.commands.main import _demo_key, new_admin_key
+    from inferbus.commands.local_platform import demo_key
+    from inferbus.commands.main import new_admin_key
 
     config.setdefault("admin_key", new_admin_key())
     stack = Stack(StackConfig(state_dir=tmp, gateway_port=free_port(), **config))  # type: ignore[arg-type]
@@ -96,7 +97,7 @@ def start_platform(tmp: Path, **config: object) -> Platform:
     except Exception:
         stack.stop()
         raise
-    key = asyncio.run(_demo_key(stack.redis_url))
+    key = asyncio.run(demo_key(stack.redis_url))
     return Platform(stack, key, stack.config.admin_key)
 
 

@@ -51,8 +51,8 @@ def drill(kind: str, state_dir: str | None, duration_s: float, fault_at_s: float
     and the time to recover. Exit status 1 when the drill fails one of them. Runbooks:
     docs/runbooks/.
     """
+    from inferbus.commands.local_platform import demo_key
     from inferbus.commands.local_platform import state_dir as default_state_dir
-    from inferbus.commands.main import _demo_key
     from inferbus.drill import run as runner
     from inferbus.local import read_platform_file
 
@@ -61,7 +61,7 @@ def drill(kind: str, state_dir: str | None, duration_s: float, fault_at_s: float
     if found is None:
         raise click.UsageError(f"no platform runs from {directory}: start one with `inferbus up --zones 3`, "
                                "or give its --state-dir")
-    key = asyncio.run(_demo_key(str(found["redis_url"])))
+    key = asyncio.run(demo_key(str(found["redis_url"])))
     report = runner.run(kind, directory, api_key=key, duration_s=duration_s, fault_at_s=fault_at_s, clients=clients,
                         max_tokens=max_tokens, max_attempts=max_attempts, hang_s=hang_s,
                         say=lambda line: click.echo(line, err=as_json))

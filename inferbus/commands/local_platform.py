@@ -107,3 +107,20 @@ def gateway(url: str | None, admin_key: str, directory: Path | None = None) -> t
         chosen = str(found["gateway_url"])
         return chosen, admin_key or str(found.get("admin_key") or ""), _from_platform(directory, "gateway", chosen).note
     return DEFAULT_GATEWAY_URL, admin_key, ""
+
+
+async def demo_key(redis_url: str) -> str:
+    """Make sure the `demo` tenant exists (no limits) and return a new API key for it."""
+    from inferbus import redis_conn
+    from inferbus.stores.keys import create_key
+    from inferbus.stores.tenants import Tenant, TenantExists, TenantStore
+
+    client = redis_conn.async_client(redis_url)
+    try:
+        try:
+            await TenantStore(client).create(Tenant(id="demo", name="Demo"))
+        except TenantExists:
+            pass
+        return await create_key(client, "demo", name="demo")
+    finally:
+        await client.aclose()

@@ -174,7 +174,7 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
     try:
         # Three zones start ~20 processes at once: on a small machine they take longer to be ready.
         stack.start(on_status=status, timeout=120 if zones == 1 else 300)
-        key = asyncio.run(_demo_key(stack.redis_url))
+        key = asyncio.run(demo_key(stack.redis_url))
         click.echo("")
         click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")
         for zone, url in stack.gateway_urls.items():
@@ -258,23 +258,6 @@ class _DecisionTail:
 
 def new_admin_key() -> str:
     return "ib-admin-" + secrets.token_urlsafe(32)
-
-
-async def _demo_key(redis_url: str) -> str:
-    """Make sure the `demo` tenant exists (no limits) and return a new API key for it."""
-    from inferbus import redis_conn
-    from inferbus.stores.keys import create_key
-    from inferbus.stores.tenants import Tenant, TenantExists, TenantStore
-
-    client = redis_conn.async_client(redis_url)
-    try:
-        try:
-            await TenantStore(client).create(Tenant(id="demo", name="Demo"))
-        except TenantExists:
-            pass
-        return await create_key(client, "demo", name="demo")
-    finally:
-        await client.aclose()
 
 
 def _service_command(name: str, settings_cls: type, run: str, summary: str = "") -> None:
@@ -481,6 +464,7 @@ def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> No
 # ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
 
 from inferbus.commands.local_platform import DEFAULT_GATEWAY_URL as DEFAULT_URL  # noqa: E402
+from inferbus.commands.local_platform import demo_key  # noqa: E402
 
 
 class AdminAPI:

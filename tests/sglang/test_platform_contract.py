@@ -37,7 +37,8 @@ WORKER_ID = "worker-contract"
 @pytest.fixture(scope="module")
 def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """The platform with one worker, ours, on the contract engine."""
-    from inferbus.commands.main import _demo_key, new_admin_key
+    from inferbus.commands.local_platform import demo_key
+    from inferbus.commands.main import new_admin_key
 
     state = tmp_path_factory.mktemp("platform")
     stack = Stack(StackConfig(state_dir=state, workers=0, batch=False, model=MODEL, model_dir=engine.model_dir,
@@ -62,7 +63,7 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             assert worker.alive(), log.read_text()[-3000:]
             assert time.monotonic() < deadline, "worker not ready:\n" + log.read_text()[-3000:]
             time.sleep(0.2)
-        key = asyncio.run(_demo_key(stack.redis_url))
+        key = asyncio.run(demo_key(stack.redis_url))
         yield Platform(stack, key, stack.config.admin_key)
     finally:
         stack.stop()
