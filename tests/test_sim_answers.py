@@ -77,10 +77,10 @@ def test_ignore_eos_min_tokens_and_a_zero_median_keep_answers_running() -> None:
 def test_the_option_and_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     import uvicorn
 
-    import services.sim_engine.server as server
+    import services.sim_engine.app as app
 
     seen: list[EngineConfig] = []
-    monkeypatch.setattr(server, "create_app", lambda config, **_: seen.append(config))
+    monkeypatch.setattr(app, "create_app", lambda config, **_: seen.append(config))
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
     variable = "INFERBUS_SIM_ANSWER_LENGTH_MEDIAN"
     for args, env in (([], {variable: None}), ([], {variable: "0"}), (["--answer-length-median", "40"], {variable: "0"})):

@@ -16,10 +16,8 @@ import pytest
 import uvicorn
 
 from inferbus.local import free_port
+from services.sim_engine.app import build_server
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.disagg_server import DisaggEngineServer
-from services.sim_engine.openai_api import OpenAIRoutes
-from services.sim_engine.server import SimEngineServer
 
 from .test_sim_server import parse_events
 from .waiting import await_for
@@ -35,8 +33,7 @@ class served:
 
     def __init__(self, **settings: Any) -> None:
         config = EngineConfig(**{**FAST, "port": free_port(), **settings})
-        self.server = (DisaggEngineServer(config) if config.disaggregation_mode != "null" else SimEngineServer(config))
-        OpenAIRoutes(self.server)  # as create_app does
+        self.server = build_server(config)
         self.port = config.port
 
     async def start(self) -> served:

@@ -9,8 +9,8 @@ import openai
 import pytest
 import uvicorn
 
+from services.sim_engine.app import create_app
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.server import create_app
 
 
 @pytest.fixture

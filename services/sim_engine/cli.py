@@ -223,7 +223,7 @@ def sim_engine_command(
     For development, CI, load tests and capacity planning; see docs/sim-engine.md."""
     import uvicorn
 
-    from .server import create_app
+    from .app import create_app
 
     try:
         config = EngineConfig(

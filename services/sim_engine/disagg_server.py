@@ -62,7 +62,8 @@ from .disagg import (
     prefill_failure,
 )
 from .scheduler import Request, RequestRejected, RequestUpdate
-from .server import SimEngineServer, _json, _Stream
+from .server import SimEngineServer, json_response
+from .streams import Stream
 
 logger = logging.getLogger("inferbus.sim_engine.disagg")
 
@@ -306,10 +307,10 @@ class DisaggEngineServer(SimEngineServer):
 
     # ------------------------------------------------------------------ requests
 
-    def _submit(self, request: Request, stream_interval: int, internal: bool = False,
-                bootstrap: Bootstrap | None = None) -> _Stream:
+    def submit(self, request: Request, stream_interval: int, internal: bool = False,
+                bootstrap: Bootstrap | None = None) -> Stream:
         if internal:  # health checks: SGLang sends them with its fake bootstrap host, no peer involved
-            return super()._submit(request, stream_interval, internal)
+            return super().submit(request, stream_interval, internal)
         if (bootstrap is None and self.fake) or (bootstrap is not None and bootstrap.host == FAKE_BOOTSTRAP_HOST):
             # No peer: SGLang's fake sender or receiver. Its room numbers may repeat (SGLang's
             # warm-up sends 0), so the simulator keys these by a number of its own.
@@ -324,7 +325,7 @@ class DisaggEngineServer(SimEngineServer):
             request.sampling = msgspec.structs.replace(request.sampling, max_new_tokens=1, min_new_tokens=0)
         self._catch_up()
         self.engine.add(request, held=True)
-        stream = _Stream(time.monotonic(), stream_interval, False)
+        stream = Stream(time.monotonic(), stream_interval, False)
         self._streams[request.rid] = stream
         self.metrics.prompt_tokens.inc(len(request.input_ids))
         now = time.monotonic()
@@ -334,9 +335,9 @@ class DisaggEngineServer(SimEngineServer):
             self._open_decode(request, bootstrap, now)
         return stream
 
-    def _refused(self, request: Request, stream_interval: int, message: str) -> _Stream:
+    def _refused(self, request: Request, stream_interval: int, message: str) -> Stream:
         """A request SGLang's scheduler refuses after accepting it: one abort with status 400."""
-        stream = _Stream(time.monotonic(), stream_interval, False)
+        stream = Stream(time.monotonic(), stream_interval, False)
         request.finish_reason = abort_reason(message, 400)
         stream.queue.put_nowait(RequestUpdate(request, "", 0, request.finish_reason))
         return stream
@@ -699,11 +700,11 @@ class DisaggEngineServer(SimEngineServer):
         except zmq.ZMQError as exc:
             logger.debug("PD message to %s dropped: %s", endpoint, exc)
 
-    def _abort_if_running(self, rid: str) -> None:
+    def abort_if_running(self, rid: str) -> None:
         if (self._prefill_abort(rid) if self.mode == "prefill" else self._decode_abort(rid)):
             self._streams.pop(rid, None)
             return
-        super()._abort_if_running(rid)
+        super().abort_if_running(rid)
 
     async def abort_request(self, http_request: HttpRequest) -> Response:
         body = await http_request.body()
@@ -741,7 +742,7 @@ class DisaggEngineServer(SimEngineServer):
             "kv_transfer_link": config.kv_transfer_link,
             "kv_transfer_bandwidth_gb_s": self.prefill_rooms.link.link.bandwidth / 1e9,
         })
-        return _json(payload)
+        return json_response(payload)
 
     async def prometheus_metrics(self, http_request: HttpRequest) -> Response:
         prefill, decode, metrics = self.prefill_rooms, self.decode_rooms, self.pd_metrics
@@ -755,7 +756,7 @@ class DisaggEngineServer(SimEngineServer):
         response = await super().model_info(http_request)
         payload = msgspec.json.decode(response.body)
         payload["disaggregation_mode"] = self.mode
-        return _json(payload)
+        return json_response(payload)
 
     async def loads(self, http_request: HttpRequest) -> Response:
         response = await super().loads(http_request)
@@ -780,4 +781,4 @@ class DisaggEngineServer(SimEngineServer):
         load["num_waiting_reqs"] += (section["prefill_bootstrap_queue_reqs"] + section["decode_prealloc_queue_reqs"]
                                      + section["decode_transfer_queue_reqs"])
         load["disaggregation"] = section
-        return _json(payload)
+        return json_response(payload)

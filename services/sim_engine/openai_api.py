@@ -16,20 +16,38 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inferbus.prompt import PromptError, render_prompt
+from inferbus.prompt import PromptError, ServedModel, render_prompt
 from inferbus.tokens import encode, standin_render_chat
 
+from .config import EngineConfig
 from .disagg import Bootstrap
-from .scheduler import Request, RequestRejected, SamplingParams
+from .scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
+from .streams import Stream
 
-if TYPE_CHECKING:
-    from .server import SimEngineServer
+
+class Serving(Protocol):
+    """What the OpenAI routes use of the engine's HTTP server (`server.SimEngineServer`): what it
+    serves and how it tokenizes, and its requests' start, end and abort."""
+
+    config: EngineConfig
+    engine: Engine
+    served: ServedModel | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def submit(self, request: Request, stream_interval: int, internal: bool = False,
+               bootstrap: Bootstrap | None = None) -> Stream: ...
+
+    async def final_update(self, stream: Stream) -> RequestUpdate: ...
+
+    def abort_if_running(self, rid: str) -> None: ...
 
 
 def _error(message: str, status: int = 400) -> Response:
@@ -63,16 +81,16 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
 
 
 class OpenAIRoutes:
-    """The OpenAI endpoints of one `SimEngineServer` (added to its Starlette app)."""
+    """The OpenAI endpoints of one engine server (`routes`, added to its Starlette app)."""
 
-    def __init__(self, server: SimEngineServer) -> None:
+    def __init__(self, server: Serving) -> None:
         self.server = server
         self.model = server.config.model
-        server.app.router.routes.extend([
+        self.routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
-        ])
+        ]
 
     async def models(self, http_request: HttpRequest) -> Response:
         """The base model, then each loaded adapter with the base as its `parent` (as SGLang lists them)."""
@@ -138,7 +156,7 @@ class OpenAIRoutes:
                                                         port if isinstance(port, int) else None, room)
         request = Request(rid=uuid.uuid4().hex, input_ids=input_ids, sampling=sampling)
         try:
-            stream = self.server._submit(request, 1, bootstrap=bootstrap)
+            stream = self.server.submit(request, 1, bootstrap=bootstrap)
         except RequestRejected as exc:
             return _error(str(exc))
         model = str(body.get("model") or self.model)
@@ -147,9 +165,9 @@ class OpenAIRoutes:
             events = self._events(request, stream, model, chat, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            update = await self.server._final_update(stream)
+            update = await self.server.final_update(stream)
         finally:
-            self.server._abort_if_running(request.rid)
+            self.server.abort_if_running(request.rid)
         status = (update.finish_reason or {}).get("status_code")
         if isinstance(status, int) and 400 <= status < 600:  # refused by the scheduler: an error, as SGLang
             return _error(str((update.finish_reason or {}).get("message")), status)
@@ -195,7 +213,7 @@ class OpenAIRoutes:
         finally:
             if not finished:
                 # The client went away: stop generating for it, as SGLang does.
-                self.server._abort_if_running(request.rid)
+                self.server.abort_if_running(request.rid)
 
 
 def _finish(reason: dict[str, Any] | None) -> str | None:

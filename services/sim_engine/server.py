@@ -46,6 +46,7 @@ from .scheduler import (
     RequestUpdate,
     SamplingParams,
 )
+from .streams import Stream
 
 logger = logging.getLogger("inferbus.sim_engine")
 
@@ -103,18 +104,6 @@ class UnloadLoraInput(msgspec.Struct):
     lora_name: str
 
 
-class _Stream:
-    __slots__ = ("queue", "arrival", "last_token_at", "tokens_seen", "interval", "internal")
-
-    def __init__(self, arrival: float, interval: int, internal: bool) -> None:
-        self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
-        self.arrival = arrival
-        self.last_token_at = arrival
-        self.tokens_seen = 0
-        self.interval = interval
-        self.internal = internal
-
-
 def _error(message: str, status: int = 400) -> Response:
     # SGLang's create_error_response shape.
     return Response(_encode_json({"error": {"message": message}}), status, media_type="application/json")
@@ -126,7 +115,7 @@ async def _rejected_stream(message: str) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def _json(payload: Any, status: int = 200) -> Response:
+def json_response(payload: Any, status: int = 200) -> Response:
     return Response(_encode_json(payload), status, media_type="application/json")
 
 
@@ -198,7 +187,7 @@ class SimEngineServer:
         self._adapter_accuracy: dict[str, float] = {}  # adapter path → its accuracy (quality.adapter_accuracy)
         self.vocab_size = self.served.vocab_size if self.served is not None else VOCAB_SIZE
         self.metrics = _Metrics(config.model)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._wake = asyncio.Event()
         self._idle_since: float | None = None  # when the step loop went idle, if it is
         # Wall seconds per simulated second; `/time_scale` (--time-scale-control) changes it.
@@ -242,7 +231,7 @@ class SimEngineServer:
                 return _error("time_scale must be positive")
             self.time_scale = body.time_scale
             self._wake.set()  # an idle wait so far is accounted at the old scale
-        return _json({"time_scale": self.time_scale})
+        return json_response({"time_scale": self.time_scale})
 
     def enable_faults(self, mode: Mode = "none") -> None:
         """Serve `/fault` and obey it (see services/sim_engine/faults.py)."""
@@ -381,7 +370,7 @@ class SimEngineServer:
             script=script, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
         )
         try:
-            stream = self._submit(request, sampling.stream_interval or 1, bootstrap=body.bootstrap())
+            stream = self.submit(request, sampling.stream_interval or 1, bootstrap=body.bootstrap())
         except RequestRejected as exc:
             if body.stream:  # SGLang has started the stream by then: 200, the error in-band
                 return StreamingResponse(_rejected_stream(str(exc)), media_type="text/event-stream")
@@ -389,18 +378,18 @@ class SimEngineServer:
         if body.stream:
             return StreamingResponse(self._stream_events(request, stream), media_type="text/event-stream")
         try:
-            update = await self._final_update(stream)
+            update = await self.final_update(stream)
         except asyncio.CancelledError:
-            self._abort_if_running(rid)
+            self.abort_if_running(rid)
             raise
         status = (update.finish_reason or {}).get("status_code")
         if isinstance(status, int) and 400 <= status < 600:  # an abort with a status is an HTTP error, as SGLang
             message = str((update.finish_reason or {}).get("message"))
             if status == 400:
                 return _error(message)
-            return _json({"object": "error", "message": message, "type": str(status), "param": None, "code": status},
+            return json_response({"object": "error", "message": message, "type": str(status), "param": None, "code": status},
                          status)
-        return _json(self._payload(request, update, stream, final=True))
+        return json_response(self._payload(request, update, stream, final=True))
 
     def _accuracy(self, lora_name: str | None) -> float:
         adapter = self.engine.adapters.get(lora_name) if lora_name else None
@@ -429,20 +418,20 @@ class SimEngineServer:
                 return self.engine.split_output(call)
         return None
 
-    def _submit(self, request: Request, stream_interval: int, internal: bool = False,
-                bootstrap: Bootstrap | None = None) -> _Stream:
+    def submit(self, request: Request, stream_interval: int, internal: bool = False,
+                bootstrap: Bootstrap | None = None) -> Stream:
         if request.rid in self._streams:
             raise RequestRejected("Duplicate request ID detected")
         self._catch_up()  # an implicit reload starts now
         self.engine.add(request)
-        stream = _Stream(time.monotonic(), stream_interval, internal)
+        stream = Stream(time.monotonic(), stream_interval, internal)
         self._streams[request.rid] = stream
         if not internal:
             self.metrics.prompt_tokens.inc(len(request.input_ids))
         self._wake.set()
         return stream
 
-    async def _stream_events(self, request: Request, stream: _Stream) -> AsyncIterator[bytes]:
+    async def _stream_events(self, request: Request, stream: Stream) -> AsyncIterator[bytes]:
         finished = False
         try:
             while not finished:
@@ -458,16 +447,16 @@ class SimEngineServer:
         finally:
             # Client went away (or the stream failed): stop generating for it.
             if not finished:
-                self._abort_if_running(request.rid)
+                self.abort_if_running(request.rid)
 
     @staticmethod
-    async def _final_update(stream: _Stream) -> RequestUpdate:
+    async def final_update(stream: Stream) -> RequestUpdate:
         while True:
             update = await stream.queue.get()
             if update.finish_reason is not None:
                 return update
 
-    def _payload(self, request: Request, update: RequestUpdate, stream: _Stream, final: bool) -> dict[str, Any]:
+    def _payload(self, request: Request, update: RequestUpdate, stream: Stream, final: bool) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": request.rid,
             "finish_reason": update.finish_reason,
@@ -492,7 +481,7 @@ class SimEngineServer:
             text = self.served.tokenizer.decode([token_id], skip_special_tokens=False)
         return [logprob, token_id, text]
 
-    def _abort_if_running(self, rid: str) -> None:
+    def abort_if_running(self, rid: str) -> None:
         if self.engine.get(rid) is not None:
             self._deliver(self.engine.abort(rid, "Client disconnected.", exact=True))
         self._streams.pop(rid, None)
@@ -551,11 +540,11 @@ class SimEngineServer:
             "error_message": result.error_message,
             "loaded_adapters": result.loaded_adapters,
         }
-        return _json(payload, 200 if result.success else 400)
+        return json_response(payload, 200 if result.success else 400)
 
     async def loads(self, http_request: HttpRequest) -> Response:
         snapshot = self.engine.load()
-        return _json(
+        return json_response(
             {
                 "timestamp": time.time(),
                 "version": SGLANG_VERSION,
@@ -576,17 +565,17 @@ class SimEngineServer:
             input_ids=self.encode("health"),
             sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
-        stream = self._submit(request, 1, internal=True)
+        stream = self.submit(request, 1, internal=True)
         try:
-            update = await asyncio.wait_for(self._final_update(stream), HEALTH_CHECK_TIMEOUT_S)
+            update = await asyncio.wait_for(self.final_update(stream), HEALTH_CHECK_TIMEOUT_S)
         except asyncio.TimeoutError:
-            self._abort_if_running(request.rid)
+            self.abort_if_running(request.rid)
             return Response(status_code=503)
         return Response(status_code=200 if (update.finish_reason or {}).get("type") == "length" else 503)
 
     async def server_info(self, http_request: HttpRequest) -> Response:
         config = self.config
-        return _json(
+        return json_response(
             {
                 "model_path": config.model,
                 "served_model_name": config.model,
@@ -628,7 +617,7 @@ class SimEngineServer:
         )
 
     async def model_info(self, http_request: HttpRequest) -> Response:
-        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model_dir or self.config.model,
+        return json_response({"model_path": self.config.model, "tokenizer_path": self.config.model_dir or self.config.model,
                       "is_generation": True})
 
     async def flush_cache(self, http_request: HttpRequest) -> Response:
@@ -647,23 +636,3 @@ class SimEngineServer:
         metrics.token_usage.set(snapshot.token_usage)
         metrics.cache_hit_rate.set(snapshot.cache_hit_rate)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def create_app(config: EngineConfig, step_model: StepTimeModel | None = None, *,
-               faults: Mode | None = None, time_scale_control: bool = False) -> Starlette:
-    """The native SGLang API and, beside it, SGLang's OpenAI-compatible endpoints; with `faults`,
-    the fault-injection endpoint, starting in that mode; with `time_scale_control`, `/time_scale`."""
-    from .openai_api import OpenAIRoutes
-
-    if config.disaggregation_mode != "null":
-        from .disagg_server import DisaggEngineServer
-
-        server: SimEngineServer = DisaggEngineServer(config, step_model)
-    else:
-        server = SimEngineServer(config, step_model)
-    OpenAIRoutes(server)
-    if faults is not None:
-        server.enable_faults(faults)
-    if time_scale_control:
-        server.enable_time_scale_control()
-    return server.app
