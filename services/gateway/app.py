@@ -159,7 +159,7 @@ class Gateway:
         self.bucket_drift = store.drift
         self.responses = ResponsesAPI(self.generation, store)
         if s.console:
-            self.console = Console(self)
+            self.console = Console(s, self.redis, self.generation.keys, self.nc, js)
             await self.console.start()
         log.info("gateway_ready", gateway_id=self.gateway_id, host=s.host, port=s.port, model=s.model, zone=self.zone)
 

@@ -51,7 +51,7 @@ from .live import WorkerSeen
 from .recorder import read_minutes
 
 if TYPE_CHECKING:
-    from ..app import Gateway
+    from .parts import GatewayParts
     from .service import Console
 
 log = logs.get(__name__)
@@ -120,7 +120,7 @@ def environment() -> jinja2.Environment:
 
 # ---- the router ------------------------------------------------------------------------------------
 
-def install(api: FastAPI, gateway: Gateway) -> None:
+def install(api: FastAPI, gateway: GatewayParts) -> None:
     """Mount the console at /console on the gateway's app (its pages answer 503 until it started)."""
     env = environment()
     api.mount("/console/static", StaticFiles(directory=HERE / "static"), name="console-static")
@@ -162,7 +162,7 @@ def _render(env: jinja2.Environment, request: Request, template: str, context: d
     return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
 
 
-def console_router(gateway: Gateway, env: jinja2.Environment) -> APIRouter:
+def console_router(gateway: GatewayParts, env: jinja2.Environment) -> APIRouter:
     router = APIRouter(prefix="/console", include_in_schema=False)
 
     def console() -> Console:

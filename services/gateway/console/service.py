@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import redis.asyncio as aioredis
+from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from inferbus import logs
+from inferbus.stores.keys import KeyStore
 
+from ..settings import GatewaySettings
 from . import slo
 from .auth import Sessions
 from .live import Live
 from .recorder import SloRecorder
 
-if TYPE_CHECKING:
-    from ..app import Gateway
-
 log = logs.get(__name__)
 
 
 class Console:
-    def __init__(self, gateway: Gateway) -> None:
-        s = gateway.settings
-        assert gateway.redis is not None and gateway.generation is not None and gateway.nc is not None
-        assert gateway.js is not None
-        self.gateway = gateway
+    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, keys: KeyStore, nc: Client,
+                 js: JetStreamContext) -> None:
+        s = settings
         self.budgets = slo.Budgets(ttft_p90_s=s.slo_ttft_p90_s, tpot_p90_s=s.slo_tpot_p90_s,
                                    error_share=s.slo_error_share)
-        self.sessions = Sessions(gateway.redis, gateway.generation.keys, s.admin_key, idle_s=s.console_idle_s,
-                                 max_age_s=s.console_max_age_s)
-        self.live = Live(gateway.nc, gateway.js, s.heartbeat_ttl_s)
-        self.recorder = SloRecorder(gateway.redis, interval_s=s.slo_record_interval_s)
+        self.sessions = Sessions(redis, keys, s.admin_key, idle_s=s.console_idle_s, max_age_s=s.console_max_age_s)
+        self.live = Live(nc, js, s.heartbeat_ttl_s)
+        self.recorder = SloRecorder(redis, interval_s=s.slo_record_interval_s)
 
     async def start(self) -> None:
         await self.live.start()
