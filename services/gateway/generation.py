@@ -12,7 +12,6 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,7 +23,7 @@ from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import answer_schema, sampling_params
 from inferbus.openai.token_text import TokenTexts
-from inferbus.openai.tools import ToolCall, ToolOutput, family_of_template
+from inferbus.openai.tools import ToolOutput, family_of_template
 from inferbus.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
 from inferbus.stores.keys import KeyStore, Principal
@@ -36,8 +35,10 @@ from proto import bands
 from proto import messages as m
 from services.gateway import metrics
 
+from . import frames
 from .adapter_metrics import AdapterMetrics, TopLabels
-from .dispatch import Dispatcher, DispatchError, Flight
+from .dispatch import Dispatcher, DispatchError
+from .frames import Call, Choice
 from .overload import OverloadPolicy
 from .releases import PIN_HEADER, ReleaseRouting
 from .settings import GatewaySettings
@@ -54,53 +55,6 @@ _VALIDATION_THREADS = 2  # large bodies validated at once, each in a thread (see
 T = TypeVar("T")
 
 Scope = dict[str, Any]
-
-
-@dataclass
-class _Call:
-    """What a chat or completion call needs after parsing, whatever the endpoint."""
-
-    endpoint: str
-    object_id: str
-    model: str
-    created: int
-    include_usage: bool
-    stream: bool
-    started: float = field(default_factory=time.monotonic)  # admitted: authenticated, parsed, rendered, in quota
-    arrived: float = 0.0  # the request reached this gateway's handler
-    first_token_at: float | None = None
-    flight: Flight | None = None
-    usage: m.Usage | None = None
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
-    lease_held: bool = True  # the tenant's concurrency lease for this request
-    logprobs: bool = False
-    choices: list[_Choice] = field(default_factory=list)  # one per `n`, each its own flight
-    pumps: list[asyncio.Future[None]] = field(default_factory=list)  # n > 1: relays of the choices' events
-    latency_labels: tuple[str, str, str] = ("", "base", "other")  # metrics.latency_labels: model, adapter, band
-    adapter_label: str | None = None  # its adapter in the per-adapter metrics (adapter_metrics.py)
-
-    @property
-    def chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-
-
-@dataclass
-class _Choice:
-    """One of the request's `n` outputs: its flight and what its stream has said so far."""
-
-    index: int
-    flight: Flight
-    tool_output: ToolOutput | None = None  # reads tool calls out of the output when tools are offered
-    pending_logprobs: list[m.TokenLogprob] = field(default_factory=list)  # not yet sent with a chunk
-    token_texts: TokenTexts | None = None  # decodes its logprob tokens in context (logprobs asked for)
-    text_offset: int = 0  # characters of completion text sent (legacy completions' text_offset)
-    tool_calls_sent: int = 0
-    started: bool = False  # its first chunk (with the role) was sent
-    final: m.Final | None = None
-    parts: list[str] = field(default_factory=list)  # non-streaming: the text so far
-    logprobs: list[m.TokenLogprob] = field(default_factory=list)  # non-streaming: the logprobs so far
-    written: int = 0  # completion tokens (client-visible total) in the chunks handed to the client's socket
-    framed: int = 0  # ... and in chunks framed for it, not handed over yet
 
 
 class ClientGone(Exception):
@@ -187,7 +141,7 @@ class Generation:
             if self.settings.access_log:
                 self._access_log(call, status)
 
-    def _access_log(self, call: _Call, status: str) -> None:
+    def _access_log(self, call: Call, status: str) -> None:
         flight = call.choices[0].flight  # an admitted call has its first choice's flight (`call.flight`)
         usage = call.usage
         log.info(
@@ -203,7 +157,7 @@ class Generation:
 
     # ---- admission: auth, parsing, publishing -----------------------------------------------
 
-    async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> _Call:
+    async def _admit(self, scope: Scope, receive: Any, request_id: str, endpoint: str) -> Call:
         principal = await self._authenticate(_header(scope, b"authorization"))
         tenant = await self.tenant(principal)
         body = await self._read_body(receive, _header(scope, b"content-length"))
@@ -284,7 +238,7 @@ class Generation:
             except OpenAIError:
                 await self._release_reservation(tenant.id, request_id)
                 raise
-            call = _Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
+            call = Call(endpoint=endpoint, object_id=object_id, model=params.model, created=int(now),
                          include_usage=bool(params.stream_options and params.stream_options.include_usage),
                          stream=params.stream,
                          headers=[(k.encode(), v.encode()) for k, v in decision.headers().items()],
@@ -301,7 +255,7 @@ class Generation:
                         flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
                                                             block_hashes=hashes,
                                                             follows=call.choices[0].flight if call.choices else None)
-                        call.choices.append(_Choice(index=index, flight=flight))
+                        call.choices.append(Choice(index=index, flight=flight))
                 except DispatchError as error:
                     for choice in call.choices:
                         await self.dispatcher.cancel(choice.flight, "client_disconnect")
@@ -356,7 +310,7 @@ class Generation:
         raise OpenAIError(429, f"Rate limit reached for {what}; retry after the delay in `retry-after`.",
                           code="rate_limit_exceeded", type="rate_limit_error", headers=decision.headers())
 
-    async def _release_lease(self, call: _Call) -> None:
+    async def _release_lease(self, call: Call) -> None:
         """Free the concurrency slot as the request ends; before its last bytes where possible, so
         a client that sends its next request at once is not refused."""
         if not call.lease_held or call.flight is None:
@@ -442,16 +396,16 @@ class Generation:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
 
-    async def _events(self, call: _Call) -> AsyncIterator[tuple[_Choice, m.StreamEvent]]:
+    async def _events(self, call: Call) -> AsyncIterator[tuple[Choice, m.StreamEvent]]:
         """The events of every choice, as they come, until each has its Final or one fails."""
         if len(call.choices) == 1:
             choice = call.choices[0]
             async for event in self.dispatcher.events(choice.flight):
                 yield choice, self._decoded(call, choice, event)
             return
-        merged: asyncio.Queue[tuple[_Choice, m.StreamEvent | None]] = asyncio.Queue()
+        merged: asyncio.Queue[tuple[Choice, m.StreamEvent | None]] = asyncio.Queue()
 
-        async def pump(choice: _Choice) -> None:
+        async def pump(choice: Choice) -> None:
             async for event in self.dispatcher.events(choice.flight):
                 merged.put_nowait((choice, event))
             merged.put_nowait((choice, None))
@@ -466,7 +420,7 @@ class Generation:
                 continue
             yield choice, self._decoded(call, choice, item)
 
-    def _decoded(self, call: _Call, choice: _Choice, event: m.StreamEvent) -> m.StreamEvent:
+    def _decoded(self, call: Call, choice: Choice, event: m.StreamEvent) -> m.StreamEvent:
         """The event with its logprob tokens' text decoded in context, so that they join up to the
         content whatever the tokenizer (the engine decodes each token alone)."""
         if not call.logprobs or not isinstance(event, (m.TokenChunk, m.Final)) or not event.logprobs:
@@ -476,11 +430,11 @@ class Generation:
         return msgspec.structs.replace(event, logprobs=choice.token_texts.rewrite(event.logprobs,
                                                                           final=isinstance(event, m.Final)))
 
-    def _quiet(self, call: _Call) -> bool:
+    def _quiet(self, call: Call) -> bool:
         """Nothing more is queued for this response right now."""
         return all(choice.flight.events.empty() for choice in call.choices)
 
-    def _usage_of(self, call: _Call) -> m.Usage:
+    def _usage_of(self, call: Call) -> m.Usage:
         """OpenAI's usage of n choices: the prompt once, the completions summed."""
         finals = [choice.final for choice in call.choices if choice.final is not None]
         first = finals[0].usage
@@ -489,12 +443,12 @@ class Generation:
         return m.Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
                        completion_tokens=sum(f.usage.completion_tokens for f in finals))
 
-    async def _stream(self, call: _Call, send: Any, request_id: str) -> str:
+    async def _stream(self, call: Call, send: Any, request_id: str) -> str:
         deadline = call.choices[0].flight.request.deadline
         # Headers at once: a streaming client learns its request id while the request waits.
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE_HEADERS, (b"x-request-id", request_id.encode()), *call.headers]})
-        frames: list[bytes] = []
+        out: list[bytes] = []
         status = "200"
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
@@ -502,24 +456,24 @@ class Generation:
                     if isinstance(event, m.TokenChunk):
                         if event.text or not choice.started:
                             self._first_token(call, not choice.started)
-                            frames.extend(self._chunks(call, choice, event.text, event.logprobs))
+                            out.extend(frames.chunks(call, choice, event.text, event.logprobs))
                             choice.framed = event.completion_tokens
                         elif call.logprobs:  # tokens without text yet: their logprobs go with the next chunk
                             choice.pending_logprobs.extend(event.logprobs or ())
                         if self._quiet(call):  # write what has queued up in one go
-                            await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
-                            frames.clear()
+                            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                            out.clear()
                             for written in call.choices:
                                 written.written = written.framed
                         continue
                     if isinstance(event, m.Final):
                         if event.text or not choice.started or choice.tool_output is not None:
                             self._first_token(call, not choice.started)
-                            frames.extend(self._chunks(call, choice, event.text, event.logprobs, final=True))
+                            out.extend(frames.chunks(call, choice, event.text, event.logprobs, final=True))
                         elif call.logprobs:
                             choice.pending_logprobs.extend(event.logprobs or ())
                         finish = responses.finish_reason(event.finish_reason, choice.tool_calls_sent > 0)
-                        frames.append(self._chunk(call, None if call.endpoint == "chat" else "", finish, False,
+                        out.append(frames.chunk(call, None if call.endpoint == "chat" else "", finish, False,
                                                   index=choice.index, choice=choice,
                                                   logprobs=choice.pending_logprobs if call.logprobs else None))
                         choice.final = event
@@ -527,27 +481,27 @@ class Generation:
                             continue
                         usage = self._usage_of(call)
                         if call.include_usage:
-                            frames.append(self._usage_chunk(call, usage))
+                            out.append(frames.usage_chunk(call, usage))
                         self._record(call, usage)
                     else:
                         error = _event_error(event)
                         status = str(error.status)
-                        frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
+                        out.append(b"data: " + _json.encode(error.body()) + b"\n\n")
                         await self._give_up(call, choice, error)
                     break
         except TimeoutError:
             error = OpenAIError(504, "The request did not finish before its deadline.", code="timeout")
             status = "504"
-            frames.append(b"data: " + _json.encode(error.body()) + b"\n\n")
+            out.append(b"data: " + _json.encode(error.body()) + b"\n\n")
             await self._give_up(call, None, error, cancel_reason="deadline")
         await self._release_lease(call)
-        frames.append(DONE)
-        await send({"type": "http.response.body", "body": b"".join(frames), "more_body": False})
+        out.append(DONE)
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
         return status
 
-    async def _respond(self, call: _Call, send: Any, request_id: str) -> str:
+    async def _respond(self, call: Call, send: Any, request_id: str) -> str:
         deadline = call.choices[0].flight.request.deadline
-        failed: tuple[_Choice, m.StreamEvent] | None = None
+        failed: tuple[Choice, m.StreamEvent] | None = None
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
                 async for choice, event in self._events(call):
@@ -576,108 +530,20 @@ class Generation:
         usage = self._usage_of(call)
         self._record(call, usage)
         await self._release_lease(call)
-        await send_json(send, 200, self._completion_body(call, usage), request_id,
+        await send_json(send, 200, frames.completion_body(call, usage), request_id,
                         {k.decode(): v.decode() for k, v in call.headers})
         return "200"
 
-    # ---- rendering --------------------------------------------------------------------------
-
-    def _chunks(self, call: _Call, choice: _Choice, text: str, logprobs: list[m.TokenLogprob] | None,
-                final: bool = False) -> list[bytes]:
-        """The chunks of some generated text of one choice: content as it comes, or, when tools
-        are offered, content and tool calls as the parser finds them."""
-        first = not choice.started
-        choice.started = True
-        if call.logprobs:
-            choice.pending_logprobs.extend(logprobs or ())
-        if choice.tool_output is None:
-            return [self._chunk(call, text, None, first, index=choice.index, logprobs=self._take_logprobs(call, choice),
-                                choice=choice)]
-        parts = choice.tool_output.feed(text)
-        if final:
-            parts += choice.tool_output.finish()
-        frames: list[bytes] = []
-        if first:  # the role comes first, whatever follows
-            frames.append(self._chunk(call, "", None, True, index=choice.index))
-        for part in parts:
-            if isinstance(part, ToolCall):
-                frames.extend(self._tool_call_chunks(call, choice, part))
-            else:
-                frames.append(self._chunk(call, part, None, False, index=choice.index,
-                                          logprobs=self._take_logprobs(call, choice)))
-        return frames
-
-    @staticmethod
-    def _take_logprobs(call: _Call, choice: _Choice) -> list[m.TokenLogprob] | None:
-        if not call.logprobs:
-            return None
-        taken, choice.pending_logprobs = choice.pending_logprobs, []
-        return taken
-
-    def _tool_call_chunks(self, call: _Call, choice: _Choice, tool_call: ToolCall) -> list[bytes]:
-        """OpenAI's streamed shape: a delta with the call's id, type and name, then its arguments."""
-        index = choice.tool_calls_sent
-        choice.tool_calls_sent += 1
-        head = {"index": index, "id": tool_call.id, "type": "function", "function": {"name": tool_call.name, "arguments": ""}}
-        return [self._chunk(call, None, None, False, index=choice.index, tool_calls=[head]),
-                self._chunk(call, None, None, False, index=choice.index,
-                            tool_calls=[{"index": index, "function": {"arguments": tool_call.arguments}}])]
-
-    def _chunk(self, call: _Call, text: str | None, finish: str | None, first: bool, *, index: int = 0,
-               logprobs: list[m.TokenLogprob] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-               choice: _Choice | None = None) -> bytes:
-        if call.endpoint == "chat":
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            if tool_calls is not None:
-                delta["tool_calls"] = tool_calls
-            body: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish,
-                                    "logprobs": responses.chat_logprobs(logprobs) if logprobs else None}
-        else:
-            offset = choice.text_offset if choice is not None else 0
-            body = {"index": index, "text": text or "", "finish_reason": finish,
-                    "logprobs": responses.completion_logprobs(logprobs, offset) if logprobs else None}
-            if choice is not None:
-                choice.text_offset += len(text or "")
-        chunk: dict[str, Any] = {"id": call.object_id, "object": call.chunk_object, "created": call.created,
-                                 "model": call.model, "choices": [body]}
-        if call.include_usage:
-            chunk["usage"] = None
-        return b"data: " + _json.encode(chunk) + b"\n\n"
-
-    def _usage_chunk(self, call: _Call, usage: m.Usage) -> bytes:
-        chunk = {"id": call.object_id, "object": call.chunk_object, "created": call.created, "model": call.model,
-                 "choices": [], "usage": _usage(usage)}
-        return b"data: " + _json.encode(chunk) + b"\n\n"
-
-    def _completion_body(self, call: _Call, usage: m.Usage) -> dict[str, Any]:
-        bodies = []
-        for choice in call.choices:
-            assert choice.final is not None
-            content: str | None = "".join(choice.parts)
-            tool_calls = None
-            if choice.tool_output is not None:
-                content, calls = choice.tool_output.whole(content or "")
-                tool_calls = [c.body() for c in calls] or None
-            body = responses.completion_body(call.endpoint, call.object_id, call.created, call.model, content,
-                                             choice.final.finish_reason, usage, tool_calls=tool_calls,
-                                             logprobs=choice.logprobs if call.logprobs else None)
-            body["choices"][0]["index"] = choice.index
-            bodies.append(body)
-        bodies[0]["choices"] = [b["choices"][0] for b in bodies]
-        return bodies[0]
-
     # ---- bookkeeping ------------------------------------------------------------------------
 
-    def _first_token(self, call: _Call, first: bool) -> None:
+    def _first_token(self, call: Call, first: bool) -> None:
         if first and call.first_token_at is None:
             call.first_token_at = time.monotonic()
             metrics.TTFT.labels(*call.latency_labels).observe(call.first_token_at - call.started)
             if call.adapter_label is not None:
                 self.adapter_metrics.first_token(call.adapter_label, call.first_token_at - call.started)
 
-    def _record(self, call: _Call, usage: m.Usage) -> None:
+    def _record(self, call: Call, usage: m.Usage) -> None:
         first = call.choices[0]
         call.usage = usage
         end = time.monotonic()
@@ -691,7 +557,7 @@ class Generation:
         metrics.TOKENS.labels("completion").inc(usage.completion_tokens)
         metrics.TOKENS.labels("cached").inc(usage.cached_tokens)
 
-    async def _give_up(self, call: _Call, failed: _Choice | None, error: OpenAIError,
+    async def _give_up(self, call: Call, failed: Choice | None, error: OpenAIError,
                        cancel_reason: str | None = None, delivered: bool = True) -> None:
         """End a response that failed: `failed` is the choice that did (None: all of them, e.g.
         the deadline); the other unfinished choices are given up too, the client gets none of them.
@@ -712,7 +578,6 @@ class Generation:
                                                 delivered_tokens=choice.flight.sent_tokens if delivered else 0)
 
 
-_usage = responses.usage_body
 
 
 def _event_error(event: m.StreamEvent) -> OpenAIError:
