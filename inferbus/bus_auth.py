@@ -194,6 +194,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
+                # Who dispatched each of its requests, for which tenant (billing checks a worker's usage).
+                *_kv_write(subjects.DISPATCHES_BUCKET),
                 subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
                 # asks a worker to send its own streams' events again (a gap, or silence)
                 subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
@@ -228,10 +230,13 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers placement questions
         )
     if role == "billing":
-        # Reads `claims` (which worker holds each attempt) to refuse usage reported by another.
-        claims = f"KV_{subjects.CLAIMS_BUCKET}"
-        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE), *_stream_info(claims),
-                                    f"$JS.API.DIRECT.GET.{claims}.>", f"$JS.API.STREAM.MSG.GET.{claims}"),
+        # Reads `claims` (which worker holds each attempt) and `dispatches` (for which tenant each
+        # request was dispatched) to refuse usage a worker may not report.
+        records = [f"KV_{subjects.CLAIMS_BUCKET}", f"KV_{subjects.DISPATCHES_BUCKET}"]
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE),
+                                    *(right for bucket in records for right in (
+                                        *_stream_info(bucket), f"$JS.API.DIRECT.GET.{bucket}.>",
+                                        f"$JS.API.STREAM.MSG.GET.{bucket}"))),
                            subscribe=(inbox,))
     if role == "autoscaler":
         return Permissions(
@@ -250,6 +255,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
+                *_kv_write(subjects.DISPATCHES_BUCKET),  # its lines' dispatch records
             ),
             subscribe=(subjects.event_publish_wildcard() if me is None else subjects.event_filter(me),
                        subjects.requeue_wildcard() if me is None else subjects.requeue_subject(me),

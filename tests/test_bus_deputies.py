@@ -660,3 +660,39 @@ async def test_stream_events_are_published_only_as_oneself(ops: Client, shipped_
             await nc.flush()
     await ops.flush()
     await await_for(lambda: seen == ([own] if own else []), 5, what="only the identity's own event delivered")
+
+
+# ---- dispatch records: only who queues a request says for whom -----------------------------------
+
+DISPATCH_WRITERS = ["gateway", "batch"]
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+async def test_only_gateways_and_the_batch_service_write_dispatch_records(
+        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, user: str) -> None:
+    """Billing takes a worker's usage only for a request whose dispatch record names its tenant
+    (services/billing/attribution.py): a worker (or anyone but who queues requests) writing one
+    would bill any request id it likes. Refused by the server, the bucket unchanged; controls: a
+    gateway's and the batch service's records are stored, and billing reads them."""
+    dispatches = await bus.dispatches_bucket(ops.jetstream())
+    request_id = f"chatcmpl-{user}-{shipped_bus.variant}"
+    record = m.encode(m.Dispatch(request_id=request_id, tenant="acme", reply_to="inferbus.tok.x", created=0.0))
+    subject = subjects.dispatch_put_subject(request_id)
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        if user in DISPATCH_WRITERS:
+            answer = await nc.request(subject, record, timeout=5)
+            assert json.loads(answer.data)["stream"] == f"KV_{subjects.DISPATCHES_BUCKET}"
+            assert (await dispatches.get(subjects.dispatch_key(request_id))).value == record
+        else:
+            await nc.publish(subject, record)
+            assert await refused(conn, "publish", subject)
+            await ops.flush()
+            with pytest.raises(nats.js.errors.KeyNotFoundError):
+                await dispatches.get(subjects.dispatch_key(request_id))
+            await control(conn, nc)
+    if user == "billing":  # what billing does with them: read one
+        await dispatches.put(subjects.dispatch_key(request_id), record)
+        async with As(shipped_bus, "billing") as billing:
+            kv = await billing.jetstream().key_value(subjects.DISPATCHES_BUCKET)
+            assert (await kv.get(subjects.dispatch_key(request_id))).value == record
