@@ -116,6 +116,12 @@ def _kv_read(bucket: str) -> list[str]:
     return [*_stream_info(f"KV_{bucket}"), *_stream_create(f"KV_{bucket}"), *_consume(f"KV_{bucket}")]
 
 
+def _kv_get(bucket: str) -> list[str]:
+    """Read single keys of a bucket (direct and leader gets), nothing more."""
+    stream = f"KV_{bucket}"
+    return [*_stream_info(stream), f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.MSG.GET.{stream}"]
+
+
 def _kv_write(bucket: str, key: str = ">") -> list[str]:
     return [*_kv_read(bucket), f"$KV.{bucket}.{key}"]
 
@@ -168,6 +174,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_write(subjects.CLAIMS_BUCKET),  # claims the attempts it runs (any request's)
                 *_kv_read(subjects.ADAPTERS_BUCKET),
                 *_kv_read(subjects.MODELS_BUCKET),  # the release it must verify it serves
+                # For whom each interactive request was dispatched: it runs no other.
+                *_kv_get(subjects.DISPATCHES_BUCKET),
                 *_rules(_WORKER_PD_PUBLISH, scope),
             ),
             subscribe=(subjects.cancel_wildcard(),
@@ -232,11 +240,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
     if role == "billing":
         # Reads `claims` (which worker holds each attempt) and `dispatches` (for which tenant each
         # request was dispatched) to refuse usage a worker may not report.
-        records = [f"KV_{subjects.CLAIMS_BUCKET}", f"KV_{subjects.DISPATCHES_BUCKET}"]
-        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE),
-                                    *(right for bucket in records for right in (
-                                        *_stream_info(bucket), f"$JS.API.DIRECT.GET.{bucket}.>",
-                                        f"$JS.API.STREAM.MSG.GET.{bucket}"))),
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE), *_kv_get(subjects.CLAIMS_BUCKET),
+                                    *_kv_get(subjects.DISPATCHES_BUCKET)),
                            subscribe=(inbox,))
     if role == "autoscaler":
         return Permissions(

@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from prometheus_client import REGISTRY
 
-from inferbus import bus
+from inferbus import bus, dispatch_records
 from inferbus.bus_auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
 from inferbus.bus_callout import (
     AUTH_PASSWORD_ENV,
@@ -673,7 +673,7 @@ async def test_only_gateways_and_the_batch_service_write_dispatch_records(
     """Billing takes a worker's usage only for a request whose dispatch record names its tenant
     (services/billing/attribution.py): a worker (or anyone but who queues requests) writing one
     would bill any request id it likes. Refused by the server, the bucket unchanged; controls: a
-    gateway's and the batch service's records are stored, and billing reads them."""
+    gateway's and the batch service's records are stored, and billing and workers read them."""
     dispatches = await bus.dispatches_bucket(ops.jetstream())
     request_id = f"chatcmpl-{user}-{shipped_bus.variant}"
     record = m.encode(m.Dispatch(request_id=request_id, tenant="acme", reply_to="inferbus.tok.x", created=0.0))
@@ -691,8 +691,11 @@ async def test_only_gateways_and_the_batch_service_write_dispatch_records(
             with pytest.raises(nats.js.errors.KeyNotFoundError):
                 await dispatches.get(subjects.dispatch_key(request_id))
             await control(conn, nc)
-    if user == "billing":  # what billing does with them: read one
+    if user in ("billing", "worker"):  # what billing and workers do with them: read one
         await dispatches.put(subjects.dispatch_key(request_id), record)
-        async with As(shipped_bus, "billing") as billing:
-            kv = await billing.jetstream().key_value(subjects.DISPATCHES_BUCKET)
+        async with As(shipped_bus, user) as reader:
+            assert await dispatch_records.lookup(reader.jetstream(), request_id) == m.Dispatch(
+                request_id=request_id, tenant="acme", reply_to="inferbus.tok.x", created=0.0)
+            kv = await reader.jetstream().key_value(subjects.DISPATCHES_BUCKET)
             assert (await kv.get(subjects.dispatch_key(request_id))).value == record
+            assert await dispatch_records.lookup(reader.jetstream(), "never-dispatched") is None

@@ -116,7 +116,6 @@ class Gateway:
         self.stream_drift = await bus.ensure_streams(js)
         self._drift_checked = time.monotonic()
         workers = await bus.workers_bucket(js, s.heartbeat_ttl_s)
-        await bus.dispatches_bucket(js)
         overload = OverloadPolicy(clock=time.monotonic, budgets_s={
             "premium": s.queue_budget_premium_s, "standard": s.queue_budget_standard_s},
             start_window_s=s.start_lag_window_s)
@@ -129,7 +128,7 @@ class Gateway:
             on_started=overload.on_started,
             accept_timeout_s=s.accept_timeout_s, liveness_timeout_s=s.liveness_timeout_s,
             silence_s=s.stream_silence_s,
-            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=self.zone, dispatch_records=True,
+            outbox_path=Path(s.state_dir) / "usage-outbox-gateway.sqlite3", zone=self.zone,
         )
         await self.dispatcher.start()
         # Blocking pool: a burst waits up to 2 s for a connection instead of failing at the cap.

@@ -155,10 +155,10 @@ class Dispatcher:
         silence_s: float = 2.0,
         outbox_path: Path | None = None,
         zone: str = "",
-        dispatch_records: bool = False,
+        dispatch_records: bool = True,
     ) -> None:
-        # Write each request's dispatch record (the `dispatches` bucket, which must exist) before
-        # queueing it: billing takes a worker's usage only for requests dispatched for its tenant.
+        # Write each request's dispatch record (the `dispatches` bucket, made at start) before
+        # queueing it: workers run, and billing takes a worker's usage for, dispatched requests only.
         self.dispatch_records = dispatch_records
         self.block_size = block_size
         self.zone = zone
@@ -203,6 +203,8 @@ class Dispatcher:
         await self.replies.publish_durable(subject, data, msg_id)
 
     async def start(self) -> None:
+        if self.dispatch_records:
+            await bus.dispatches_bucket(self.nc.jetstream())
         await self.replies.start()
         if self.outbox is not None:
             await self.outbox.start()
