@@ -325,6 +325,30 @@ async def workers_bucket(js: JetStreamContext, heartbeat_ttl_s: float) -> KeyVal
         return await js.key_value(subjects.WORKERS_BUCKET)
 
 
+# How long a dispatch record is kept: a request's usage is stored at most REQUEST_LIFE_S after its
+# record was written (queued for up to the REQUESTS stream's age, then run; a requeued or migrated
+# attempt writes it again), so billing finds the record of any usage stored DISPATCH_JUDGED_S ago
+# or less (`services/billing/attribution.py`).
+DISPATCH_TTL_S = 6 * 3600.0
+REQUEST_LIFE_S = 2 * 3600.0
+DISPATCH_JUDGED_S = DISPATCH_TTL_S - REQUEST_LIFE_S
+
+
+async def dispatches_bucket(js: JetStreamContext) -> KeyValue:
+    """The `dispatches` bucket: who dispatched each request (gateways and the batch service write
+    it before they queue a request; billing reads it). Records age out after DISPATCH_TTL_S."""
+    try:
+        return await js.key_value(subjects.DISPATCHES_BUCKET)
+    except Exception:
+        pass
+    try:
+        return await js.create_key_value(KeyValueConfig(bucket=subjects.DISPATCHES_BUCKET, history=1,
+                                                        ttl=DISPATCH_TTL_S, storage=StorageType.FILE,
+                                                        replicas=replicas()))
+    except BadRequestError:
+        return await js.key_value(subjects.DISPATCHES_BUCKET)
+
+
 async def claims_bucket(js: JetStreamContext, ttl_s: float) -> KeyValue:
     """The `claims` bucket: which worker runs each attempt of a request. A delivery's claim is
     created atomically, so of two deliveries of one attempt (a redelivery after `ack_wait`, a

@@ -11,6 +11,14 @@ report a configuration that drifted: `bus.ensure_streams`).
 
 Each identity subscribes to its own inbox prefix only (`_INBOX.<user>.>`), so no client can read
 the replies (JetStream deliveries, request/reply answers) meant for another.
+
+JetStream lives in an account of its own (`JETSTREAM`, no users), and the services' users in
+another (`INFERBUS`) that imports what they use of it: its API, KV puts, acks and flow control,
+and the subjects the platform's streams store (service imports), and push consumers' deliveries
+to inboxes (a stream import). JetStream answers every call on the reply subject the call names;
+through an import that reply goes back to the services' account, where no stream or bucket
+stores anything: an answer whose forged reply subject is a KV key, a stream's subject or an API
+call is delivered to whoever subscribes to it there and written nowhere (`accounts_block`).
 """
 
 from __future__ import annotations
@@ -108,6 +116,12 @@ def _kv_read(bucket: str) -> list[str]:
     return [*_stream_info(f"KV_{bucket}"), *_stream_create(f"KV_{bucket}"), *_consume(f"KV_{bucket}")]
 
 
+def _kv_get(bucket: str) -> list[str]:
+    """Read single keys of a bucket (direct and leader gets), nothing more."""
+    stream = f"KV_{bucket}"
+    return [*_stream_info(stream), f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.MSG.GET.{stream}"]
+
+
 def _kv_write(bucket: str, key: str = ">") -> list[str]:
     return [*_kv_read(bucket), f"$KV.{bucket}.{key}"]
 
@@ -160,6 +174,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_write(subjects.CLAIMS_BUCKET),  # claims the attempts it runs (any request's)
                 *_kv_read(subjects.ADAPTERS_BUCKET),
                 *_kv_read(subjects.MODELS_BUCKET),  # the release it must verify it serves
+                # For whom each interactive request was dispatched: it runs no other.
+                *_kv_get(subjects.DISPATCHES_BUCKET),
                 *_rules(_WORKER_PD_PUBLISH, scope),
             ),
             subscribe=(subjects.cancel_wildcard(),
@@ -186,6 +202,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_write(subjects.ADAPTERS_BUCKET),
                 *_kv_write(subjects.MODELS_BUCKET), *_kv_write(subjects.RESPONSES_BUCKET),
+                # Who dispatched each of its requests, for which tenant (billing checks a worker's usage).
+                *_kv_write(subjects.DISPATCHES_BUCKET),
                 subjects.liveness_wildcard(),  # probes a worker whose heartbeat lapsed
                 # asks a worker to send its own streams' events again (a gap, or silence)
                 subjects.resend_subjects_of(scope) if scope is not None else subjects.resend_wildcard(),
@@ -220,10 +238,10 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             allow_responses=True, responses_expire=PROMPT_REPLY_EXPIRE,  # answers placement questions
         )
     if role == "billing":
-        # Reads `claims` (which worker holds each attempt) to refuse usage reported by another.
-        claims = f"KV_{subjects.CLAIMS_BUCKET}"
-        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE), *_stream_info(claims),
-                                    f"$JS.API.DIRECT.GET.{claims}.>", f"$JS.API.STREAM.MSG.GET.{claims}"),
+        # Reads `claims` (which worker holds each attempt) and `dispatches` (for which tenant each
+        # request was dispatched) to refuse usage a worker may not report.
+        return Permissions(publish=(*_platform_streams(), *_consume(_USAGE), *_kv_get(subjects.CLAIMS_BUCKET),
+                                    *_kv_get(subjects.DISPATCHES_BUCKET)),
                            subscribe=(inbox,))
     if role == "autoscaler":
         return Permissions(
@@ -242,6 +260,7 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),
+                *_kv_write(subjects.DISPATCHES_BUCKET),  # its lines' dispatch records
             ),
             subscribe=(subjects.event_publish_wildcard() if me is None else subjects.event_filter(me),
                        subjects.requeue_wildcard() if me is None else subjects.requeue_subject(me),
@@ -263,10 +282,48 @@ def _subjects(items: tuple[str, ...], indent: str) -> str:
     return "[\n" + "".join(f"{indent}  {_quote(s)}\n" for s in items) + f"{indent}]"
 
 
-def authorization_block(identities: list[Identity]) -> str:
-    """nats-server's `authorization { users = [...] }`: only these users may connect, each with
-    its role's permissions; a client without credentials is refused."""
-    lines = ["authorization {", "  users = ["]
+SERVICES_ACCOUNT = "INFERBUS"  # the services' users (and, with auth callout, every pod's)
+JETSTREAM_ACCOUNT = "JETSTREAM"  # JetStream's streams and buckets; no user connects to it
+
+
+def jetstream_services() -> tuple[tuple[str, bool], ...]:
+    """What the services' account calls in JetStream's, as (subject, answered with several
+    replies): the API (a pull request is answered with a message per reply), KV puts, acks, flow
+    control, and the subjects the platform's streams store."""
+    stored = (*subjects.requests_stream_subjects(), *subjects.usage_stream_subjects(),
+              *subjects.batch_results_stream_subjects())
+    return (("$JS.API.>", True), ("$KV.>", False), ("$JS.ACK.>", False), ("$JS.FC.>", False),
+            *((subject, False) for subject in stored))
+
+
+# What JetStream's account sends the services' (a stream export): push consumers' deliveries
+# (KV watches, ordered consumers) to the inbox they were created with.
+JETSTREAM_DELIVERIES = "_INBOX.>"
+
+
+def jetstream_account() -> str:
+    """The JETSTREAM account of nats-server's `accounts` block: JetStream enabled, no users, its
+    API, KV and stream subjects exported as services, push deliveries as a stream."""
+    exports = [f"{{ service: {_quote(subject)}{', response_type: stream' if several else ''} }}"
+               for subject, several in jetstream_services()]
+    exports.append(f"{{ stream: {_quote(JETSTREAM_DELIVERIES)} }}")
+    return "\n".join([f"  {JETSTREAM_ACCOUNT} {{", "    jetstream: enabled", "    exports: [",
+                      *(f"      {export}" for export in exports), "    ]", "  }"])
+
+
+def services_imports() -> list[str]:
+    """The services' account's imports of JETSTREAM's exports (each under its own name)."""
+    imports = [f"{{ service: {{ account: {JETSTREAM_ACCOUNT}, subject: {_quote(subject)} }} }}"
+               for subject, _ in jetstream_services()]
+    imports.append(f"{{ stream: {{ account: {JETSTREAM_ACCOUNT}, subject: {_quote(JETSTREAM_DELIVERIES)} }} }}")
+    return imports
+
+
+def accounts_block(identities: list[Identity]) -> str:
+    """nats-server's `accounts { JETSTREAM {...} INFERBUS { users = [...] } }`: only these users
+    may connect, each with its role's permissions, all in the services' account, which reaches
+    JetStream through imports only; a client without credentials is refused."""
+    lines = ["accounts {", jetstream_account(), f"  {SERVICES_ACCOUNT} {{", "  users = ["]
     for identity in identities:
         p = permissions(identity.role, identity.user, identity.scope)
         lines += [
@@ -284,7 +341,7 @@ def authorization_block(identities: list[Identity]) -> str:
             expires = f", expires: \"{p.responses_expire}\"" if p.responses_expire else ""
             lines.append(f"        allow_responses: {{ max: {p.responses_max}{expires} }}")
         lines += ["      }", "    }"]
-    lines += ["  ]", "}"]
+    lines += ["  ]", "  imports: [", *(f"    {i}" for i in services_imports()), "  ]", "  }", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -343,7 +400,7 @@ def deployment_auth_config() -> str:
     `inferbus bus-config`, kept in sync by a test."""
     header = ("# Generated by `inferbus bus-config > deploy/k8s/base/nats-auth.conf` from inferbus/bus_auth.py; a test\n"
               "# keeps it in sync. Passwords come from nats-server's environment (the inferbus-bus Secret).\n")
-    return header + authorization_block(deployment_identities())
+    return header + accounts_block(deployment_identities())
 
 
 def new_secrets() -> dict[str, str]:

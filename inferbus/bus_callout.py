@@ -31,7 +31,7 @@ from typing import Any
 import nkeys
 from nacl.signing import VerifyKey
 
-from .bus_auth import Permissions, Role, permissions
+from .bus_auth import SERVICES_ACCOUNT, Permissions, Role, jetstream_account, permissions, services_imports
 
 AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"  # where nats-server sends authorization requests
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
@@ -192,7 +192,8 @@ def server_config(issuer_public_key: str, account: str, auth_user: str, auth_pas
     """nats-server's accounts and `auth_callout` block: `auth_user` (the callout service) and
     `static_users` (user, password: e.g. the operator's `ops`, with every right) connect with
     passwords and skip the callout; every other client is authorized by the callout. Values
-    starting with `$` are environment references (a deployment's Secret)."""
+    starting with `$` are environment references (a deployment's Secret). JetStream is in an
+    account of its own that `account` imports (`bus_auth.accounts_block`)."""
     users = [(auth_user, auth_password), *static_users]
     # The callout service may answer authorization requests and do nothing else.
     callout_rights = ('permissions: { subscribe: { allow: ["$SYS.REQ.USER.AUTH"] }, publish: { deny: [">"] }, '
@@ -201,7 +202,9 @@ def server_config(issuer_public_key: str, account: str, auth_user: str, auth_pas
                         f"{', ' + callout_rights if u == auth_user else ''} }}" for u, pw in users)
     return "\n".join([
         "accounts {",
-        f"  {account} {{ jetstream: enabled, users: [ {entries} ] }}",
+        jetstream_account(),
+        f"  {account} {{ users: [ {entries} ],",
+        f"    imports: [ {', '.join(services_imports())} ] }}",
         "  SYS {}",
         "}",
         "system_account: SYS",
@@ -216,7 +219,7 @@ def server_config(issuer_public_key: str, account: str, auth_user: str, auth_pas
     ])
 
 
-CALLOUT_ACCOUNT = "INFERBUS"
+CALLOUT_ACCOUNT = SERVICES_ACCOUNT
 ISSUER_ENV = "INFERBUS_CALLOUT_ISSUER"  # the issuer's public key, in nats-server's environment
 AUTH_PASSWORD_ENV = "NATS_PASSWORD_AUTH"
 

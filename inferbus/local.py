@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bus_auth import LocalIdentities, authorization_block, new_password
+from .bus_auth import LocalIdentities, accounts_block, new_password
 from .supervise import EXIT_GPU_DEATH, Backoff
 
 BIN_DIR = Path(sys.executable).parent
@@ -154,7 +154,7 @@ def nats_config(port: int, monitor_port: int, store_dir: Path, identities: Local
     if tls is not None:
         lines.append(f"tls {{ cert_file: {json.dumps(str(tls[0]))}, key_file: {json.dumps(str(tls[1]))}, "
                      "timeout: 5 }")
-    return "\n".join([*lines, authorization_block(identities.all())])
+    return "\n".join([*lines, accounts_block(identities.all())])
 
 
 def redis_config(port: int, password: str, data_dir: Path) -> str:
@@ -483,7 +483,7 @@ class Stack:
                       **{k: v for k, v in env.items() if k in ("NATS_URL", "INFERBUS_ZONE_FILE")})
         accounts = server_config(nkeys.from_seed(seed).public_key.decode(), CALLOUT_ACCOUNT, "auth", auth_password,
                                  (("ops", ops.password),))
-        return lambda node_config: node_config.split("authorization {")[0] + accounts
+        return lambda node_config: node_config.split("accounts {")[0] + accounts
 
     def _add(self, name: str, argv: list[str], ready: Callable[[], bool], detail: str = "", **env: str) -> Process:
         env = {**self.credentials(name), **env}

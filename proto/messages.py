@@ -305,6 +305,16 @@ class ResendReply(_Message):
     worker_id: str = ""
 
 
+class Dispatch(_Message):
+    """A gateway (or the batch service) → billing, in the `dispatches` bucket: this request was
+    queued for `tenant`, its events to `reply_to`. Only those identities may write it."""
+
+    request_id: str
+    tenant: str
+    reply_to: str
+    created: float
+
+
 class Cancel(_Message):
     request_id: str
     reason: Literal["client_disconnect", "deadline", "admin", "superseded"] = "client_disconnect"

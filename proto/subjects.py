@@ -42,6 +42,9 @@ BATCHES_BUCKET = "batches"  # one BatchRecord per batch, keyed `batch_key(tenant
 FILES_BUCKET = "files"  # one FileRecord per file, keyed `file_key(tenant, file_id)`
 RESPONSES_BUCKET = "responses"  # one StoredResponse per stored response, keyed `response_key(tenant, id)`
 CLAIMS_BUCKET = "claims"  # which worker runs each attempt of a request, keyed `claim_key(request_id, attempt)`
+# Who dispatched each request: written by the gateway (or batch service) that queues it, keyed
+# `dispatch_key(request_id)`; billing takes a worker's usage only for a request dispatched for its tenant.
+DISPATCHES_BUCKET = "dispatches"
 
 ANY_TARGET = "any"
 
@@ -366,6 +369,16 @@ def claim_key(request_id: str, attempt: int) -> str:
     """Key of an attempt's claim in the `claims` bucket (base64url: any request id is one key)."""
     encoded = base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
     return f"{encoded}.{attempt}"
+
+
+def dispatch_key(request_id: str) -> str:
+    """Key of a request's dispatch record in the `dispatches` bucket (base64url, as `claim_key`)."""
+    return base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
+
+
+def dispatch_put_subject(request_id: str) -> str:
+    """Where a dispatch record is put (the bucket's KV subject for the request's key)."""
+    return f"$KV.{DISPATCHES_BUCKET}.{dispatch_key(request_id)}"
 
 
 def claim_holder_worker(holder: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,9 +17,12 @@ import httpx
 import openai
 import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
-from inferbus import bus
+from inferbus import bus, dispatch_records
 from inferbus.local import Stack, StackConfig, free_port
+from proto import messages as m
+from proto import subjects
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 
@@ -199,3 +203,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield url
     server.terminate()
     server.wait()
+
+
+async def dispatch(js: JetStreamContext, request: m.InferenceRequest) -> None:
+    """What a gateway does before it queues `request`: its dispatch record, without which no
+    worker runs it (inferbus/dispatch_records.py)."""
+    bucket = await bus.dispatches_bucket(js)
+    await bucket.put(subjects.dispatch_key(request.request_id), m.encode(dispatch_records.record(request, time.time())))

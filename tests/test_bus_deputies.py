@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from prometheus_client import REGISTRY
 
-from inferbus import bus
+from inferbus import bus, dispatch_records
 from inferbus.bus_auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
 from inferbus.bus_callout import (
     AUTH_PASSWORD_ENV,
@@ -419,27 +419,101 @@ async def test_no_identity_makes_a_worker_answer_outside_an_inbox(
     assert await streams_and_record(ops) == before
 
 
+# Where a JetStream answer would do harm: FORGED_REPLIES, and a queued request and a batch result
+# (the other subjects the platform's streams store).
+JETSTREAM_FORGED_REPLIES = {
+    **FORGED_REPLIES,
+    "queued-request": subjects.request_subject("interactive", "m", subjects.ANY_TARGET,
+                                               subjects.token_subject("batch-main")),
+    "batch-result": subjects.batch_result_subject("batch_1"),
+}
+
+
+async def stored(ops: Client) -> tuple[tuple[set[str], bytes | None, int], int, int]:
+    """`streams_and_record`, with the messages in REQUESTS and BATCH_RESULTS."""
+    js = ops.jetstream()
+    return (await streams_and_record(ops), (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages,
+            (await js.stream_info(subjects.BATCH_RESULTS_STREAM)).state.messages)
+
+
 @pytest.mark.parametrize("user", SERVICE_IDENTITIES)
-@pytest.mark.parametrize("target", sorted(FORGED_REPLIES))
+@pytest.mark.parametrize("target", sorted(JETSTREAM_FORGED_REPLIES))
 async def test_jetstream_answers_no_identitys_api_call_outside_an_inbox(
-        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, user: str, target: str,
-        request: pytest.FixtureRequest) -> None:
-    """`$JS.API.INFO` (or any API call the identity may make) with a forged reply subject. A
-    producer has no JetStream right: refused by the server. Every service identity has some, and
-    the server answers on the reply subject it is given: what remains open (docs/security.md)."""
-    if user in WITH_JETSTREAM and target != "jetstream-api":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="JetStream answers on any reply subject of its "
-                                              "account: what remains (docs/security.md)"))
-    before = await streams_and_record(ops)
+        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, user: str, target: str) -> None:
+    """`$JS.API.STREAM.INFO` (an API call every service identity may make; `$JS.API.INFO` for a
+    producer, which has none: refused by the server) with a forged reply subject. JetStream is in
+    an account of its own: its answer goes back through the services' account's import, is
+    delivered there on the subject named (seen by the operator), and is stored by no stream or
+    bucket. Control: the same call on the identity's own inbox is answered."""
+    forged = JETSTREAM_FORGED_REPLIES[target]
+    before = await stored(ops)
+    delivered = await ops.subscribe(forged)
+    await ops.flush()
     subject = f"$JS.API.STREAM.INFO.{subjects.REQUESTS_STREAM}" if user in WITH_JETSTREAM else "$JS.API.INFO"
     conn = As(shipped_bus, user)
     async with conn as nc:
-        await nc.publish(subject, b"", reply=FORGED_REPLIES[target])
-        if user not in WITH_JETSTREAM:
+        await nc.publish(subject, b"", reply=forged)
+        if user in WITH_JETSTREAM:  # the forged call was answered: where to is the point
+            assert b"stream_info_response" in (await delivered.next_msg(timeout=5)).data
+        else:
             assert await refused(conn, "publish", subject)
-        await control(conn, nc)  # answered after the forged call: the server takes a client's calls in order
+        await control(conn, nc)
+    await delivered.unsubscribe()
     await ops.flush()
-    assert await streams_and_record(ops) == before
+    assert await stored(ops) == before
+
+
+async def test_no_jetstream_acknowledgement_or_delivery_lands_in_a_bucket(ops: Client, shipped_bus: ShippedBus) -> None:
+    """JetStream's other answers: a publish's acknowledgement goes to the publish's reply subject,
+    a push consumer's messages to its deliver subject. A worker publishes its own usage with a KV
+    key as the reply, and creates a push consumer on `workers` (which it may read) delivering into
+    a KV key and into the ledger: nothing is stored there. Controls: the usage is stored, and the
+    same consumer delivering to the worker's own inbox delivers."""
+    async with As(shipped_bus, "worker") as worker:
+        worker_id = shipped_bus.user("worker")
+        workers = await bus.workers_bucket(ops.jetstream(), heartbeat_ttl_s=60.0)
+        await workers.put(subjects.worker_key(worker_id), b"{}")
+        before = await stored(ops)
+        usage = subjects.usage_subject("acme", subjects.USAGE_FROM_WORKER, worker_id)
+        await worker.publish(usage, b"{}", reply=f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
+        stream = f"KV_{subjects.WORKERS_BUCKET}"
+        for deliver in (f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1", USAGE_ACME, worker.new_inbox()):
+            control = await worker.subscribe(deliver) if deliver.startswith("_INBOX.") else None
+            config = {"deliver_subject": deliver, "ack_policy": "none", "deliver_policy": "all"}
+            answer = await worker.request(f"$JS.API.CONSUMER.CREATE.{stream}",
+                                          json.dumps({"stream_name": stream, "config": config}).encode(), timeout=5)
+            assert "error" not in json.loads(answer.data), answer.data
+            if control is not None:  # the deliveries do reach an inbox
+                assert (await control.next_msg(timeout=5)).subject.startswith(f"$KV.{subjects.WORKERS_BUCKET}.")
+        await worker.flush()
+        await ops.flush()
+        (names, record, usage_count), queued_, results = before
+        await await_for(lambda: _usage_count(ops, usage_count + 1), what="the worker's own usage stored")
+        assert await stored(ops) == ((names, record, usage_count + 1), queued_, results)
+
+
+async def _usage_count(ops: Client, wanted: int) -> bool:
+    return (await ops.jetstream().stream_info(subjects.USAGE_STREAM)).state.messages == wanted
+
+
+async def test_jetstream_answers_the_services_account_not_its_own(ops: Client, shipped_bus: ShippedBus) -> None:
+    """The model (docs/security.md): JetStream's answer to a forged reply subject is delivered in
+    the services' account on that subject, to whoever subscribes to it there (here the operator,
+    on the KV key), and written nowhere; the same key put through the import is stored."""
+    key = f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1"
+    answers = await ops.subscribe(key)
+    await ops.flush()
+    async with As(shipped_bus, "gateway") as gateway:
+        await gateway.publish("$JS.API.INFO", b"", reply=key)
+        assert b"account_info_response" in (await answers.next_msg(timeout=5)).data
+        await ops.flush()
+        assert (await streams_and_record(ops))[1] == RECORD
+        put = await gateway.request(key, b"put", timeout=5)  # control: a KV put through the import
+        assert json.loads(put.data)["stream"] == f"KV_{subjects.BATCHES_BUCKET}"
+    kv = await ops.jetstream().key_value(subjects.BATCHES_BUCKET)
+    assert (await kv.get("acme.batch_1")).value == b"put"
+    await kv.put("acme.batch_1", RECORD)
+    await answers.unsubscribe()
 
 
 async def test_drift_is_reported_not_fatal_and_a_description_is_no_drift(
@@ -472,37 +546,6 @@ async def test_a_missing_ledger_is_reported(ops: Client, shipped_bus: ShippedBus
         assert await bus.check_streams(gateway.jetstream()) == [f"{subjects.USAGE_STREAM}: missing"]
         assert await bus.ensure_streams(gateway.jetstream()) == []
         assert await bus.check_streams(gateway.jetstream()) == []
-
-
-async def test_jetstream_in_an_account_of_its_own_answers_into_no_bucket(tmp_path: Path) -> None:
-    """What would close JetStream's deputy (measured, docs/security.md): with JetStream in an
-    account of its own whose API and KV subjects the services' account imports, the server's
-    answer to a forged reply subject goes back through the import's private reply mapping and
-    reaches no bucket. Controls: API calls and KV puts through the imports work."""
-    auth = """accounts {
-      JS { jetstream: enabled, users: [ { user: js, password: j } ],
-           exports: [ { service: "$JS.API.>", response_type: stream }, { service: "$KV.>" } ] }
-      APP { users: [ { user: app, password: a } ],
-            imports: [ { service: { account: JS, subject: "$JS.API.>" } }, { service: { account: JS, subject: "$KV.>" } } ] }
-    }"""
-    with nats_server(tmp_path, auth, {}) as url:
-        owner = await nats.connect(url, user="js", password="j")
-        app = await nats.connect(url, user="app", password="a")
-        try:
-            kv = await owner.jetstream().create_key_value(KeyValueConfig(bucket=subjects.BATCHES_BUCKET, history=1))
-            await kv.put("acme.batch_1", RECORD)
-            put = await app.request(f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_2", b"v", timeout=5)
-            assert json.loads(put.data)["stream"] == f"KV_{subjects.BATCHES_BUCKET}"
-            # The answer does come back, to the services' account, on the subject the call named.
-            answers = await app.subscribe(f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
-            await app.publish("$JS.API.INFO", b"", reply=f"$KV.{subjects.BATCHES_BUCKET}.acme.batch_1")
-            assert b"account_info_response" in (await answers.next_msg(timeout=5)).data
-            await owner.flush()
-            assert (await kv.get("acme.batch_1")).value == RECORD
-            assert (await kv.get("acme.batch_2")).value == b"v"
-        finally:
-            await app.close()
-            await owner.close()
 
 
 # ---- work creation: only the batch service creates batch lines; the router creates no batch work ----
@@ -617,3 +660,42 @@ async def test_stream_events_are_published_only_as_oneself(ops: Client, shipped_
             await nc.flush()
     await ops.flush()
     await await_for(lambda: seen == ([own] if own else []), 5, what="only the identity's own event delivered")
+
+
+# ---- dispatch records: only who queues a request says for whom -----------------------------------
+
+DISPATCH_WRITERS = ["gateway", "batch"]
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+async def test_only_gateways_and_the_batch_service_write_dispatch_records(
+        ops: Client, shipped_bus: ShippedBus, gateway_api: InternalApi, user: str) -> None:
+    """Billing takes a worker's usage only for a request whose dispatch record names its tenant
+    (services/billing/attribution.py): a worker (or anyone but who queues requests) writing one
+    would bill any request id it likes. Refused by the server, the bucket unchanged; controls: a
+    gateway's and the batch service's records are stored, and billing and workers read them."""
+    dispatches = await bus.dispatches_bucket(ops.jetstream())
+    request_id = f"chatcmpl-{user}-{shipped_bus.variant}"
+    record = m.encode(m.Dispatch(request_id=request_id, tenant="acme", reply_to="inferbus.tok.x", created=0.0))
+    subject = subjects.dispatch_put_subject(request_id)
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        if user in DISPATCH_WRITERS:
+            answer = await nc.request(subject, record, timeout=5)
+            assert json.loads(answer.data)["stream"] == f"KV_{subjects.DISPATCHES_BUCKET}"
+            assert (await dispatches.get(subjects.dispatch_key(request_id))).value == record
+        else:
+            await nc.publish(subject, record)
+            assert await refused(conn, "publish", subject)
+            await ops.flush()
+            with pytest.raises(nats.js.errors.KeyNotFoundError):
+                await dispatches.get(subjects.dispatch_key(request_id))
+            await control(conn, nc)
+    if user in ("billing", "worker"):  # what billing and workers do with them: read one
+        await dispatches.put(subjects.dispatch_key(request_id), record)
+        async with As(shipped_bus, user) as reader:
+            assert await dispatch_records.lookup(reader.jetstream(), request_id) == m.Dispatch(
+                request_id=request_id, tenant="acme", reply_to="inferbus.tok.x", created=0.0)
+            kv = await reader.jetstream().key_value(subjects.DISPATCHES_BUCKET)
+            assert (await kv.get(subjects.dispatch_key(request_id))).value == record
+            assert await dispatch_records.lookup(reader.jetstream(), "never-dispatched") is None

@@ -21,7 +21,7 @@ from cryptography.x509.oid import NameOID
 
 from inferbus import bus
 from inferbus.bus import BusSettings
-from inferbus.bus_auth import Identity, authorization_block, new_password
+from inferbus.bus_auth import Identity, accounts_block, new_password
 from inferbus.local import free_port, http_ok, nats_server_binary
 from services.billing.pull import PullConnection
 
@@ -63,7 +63,7 @@ def tls_nats(tmp_path: Path) -> Iterator[tuple[str, str, Identity]]:
     port, monitor = free_port(), free_port()
     (tmp_path / "nats.conf").write_text(
         f'listen: "127.0.0.1:{port}"\nhttp: "127.0.0.1:{monitor}"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
-        f'tls {{ cert_file: "{cert_file}"\n key_file: "{key_file}" }}\n' + authorization_block([ops, worker]))
+        f'tls {{ cert_file: "{cert_file}"\n key_file: "{key_file}" }}\n' + accounts_block([ops, worker]))
     process = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "nats.conf")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -20,7 +20,7 @@ from inferbus.bus_auth import Identity, inbox_prefix, permissions
 from proto import messages as m
 from proto import subjects
 
-from .conftest import MODEL, Platform
+from .conftest import MODEL, Platform, dispatch
 
 pytestmark = pytest.mark.e2e
 
@@ -198,6 +198,7 @@ def test_a_gateway_cannot_make_a_worker_stream_another_gateways_tokens(platform:
         async with gateway as nc:
             js = nc.jetstream()
             honest, forged = a_request(own_subject), a_request(other_subject)
+            await dispatch(js, honest)  # what the gateway does before it queues a request
             # On its own subject, with another gateway's reply_to: JetStream takes it, the worker refuses it.
             await js.publish(subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, own_subject),
                              m.encode(forged))

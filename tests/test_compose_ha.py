@@ -100,12 +100,15 @@ CLIENT = textwrap.dedent('''
     async def main(servers, user, password, stream, count):
         nc = await nats.connect(servers.split(","), user=user, password=password, connect_timeout=5)
         js = nc.jetstream()
+        # JetStream is an account of its own: the clients' account reaches a stream on the subjects it
+        # imports only, those of the platform's streams (a usage subject here).
+        subject = "inferbus.usage." + stream
         if count == 0:
             # Just after the meta leader's election its answer can be lost while routes settle
             # (duplicate routes closing): asked again, the same config is answered with the stream.
             for attempt in range(10):
                 try:
-                    await js.add_stream(name=stream, subjects=[stream + ".>"], num_replicas=3)
+                    await js.add_stream(name=stream, subjects=[subject + ".>"], num_replicas=3)
                     break
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                     await asyncio.sleep(0.5)
@@ -116,7 +119,7 @@ CLIENT = textwrap.dedent('''
             # answers: retried with the same message id, as the services do.
             for attempt in range(60):
                 try:
-                    await js.publish(stream + ".x", b"event", timeout=2, headers={"Nats-Msg-Id": f"{count}-{i}"})
+                    await js.publish(subject + ".x", b"event", timeout=2, headers={"Nats-Msg-Id": f"{count}-{i}"})
                     break
                 except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError):
                     await asyncio.sleep(0.25)

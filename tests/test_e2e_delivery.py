@@ -21,7 +21,7 @@ from proto import messages as m
 from proto import subjects
 from services.worker.claims import holder_name
 
-from .conftest import MODEL, Platform, read_usage, running_platform
+from .conftest import MODEL, Platform, dispatch, read_usage, running_platform
 from .waiting import await_for
 
 pytestmark = pytest.mark.e2e
@@ -71,6 +71,7 @@ async def _deliver(platform: Platform, request: m.InferenceRequest, copies: int,
         if before is not None:  # the attempt is claimed already, by this holder
             claims = await js.key_value(subjects.CLAIMS_BUCKET)
             await claims.put(subjects.claim_key(request.request_id, request.attempt), before.encode())
+        await dispatch(js, request)
         subject = subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, request.reply_to)
         for copy in range(copies):
             await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": f"{request.request_id}.{copy}"})
@@ -137,3 +138,49 @@ async def _heartbeat(platform: Platform, worker_id: str) -> m.Heartbeat:
         return msgspec.msgpack.decode(entry.value, type=m.Heartbeat)
     finally:
         await nc.close()
+
+
+def _refused_in_logs(platform: Platform, request_id: str) -> list[str]:
+    return [line for name in ("worker-1", "worker-2")
+            for line in Path(platform.stack.get(name).log_path).read_text(errors="replace").splitlines()
+            if "undispatched_request" in line and request_id in line]
+
+
+def test_a_worker_runs_only_what_a_gateway_dispatched(two_workers: Platform) -> None:
+    """What the router's recovery right allows, a request on the shared queue for any owner and
+    tenant, runs nowhere unless a gateway dispatched it so: no record, or a record for another
+    tenant or owner, is refused (a security event in the worker's log, the message terminated,
+    nothing streamed). Control: with the gateway's record it runs."""
+    async def scenario() -> tuple[list[str], list[m.StreamEvent]]:
+        nc = await nats.connect(two_workers.stack.nats_url)
+        js = nc.jetstream()
+        events: list[m.StreamEvent] = []
+
+        async def on_frame(msg: nats.aio.msg.Msg) -> None:
+            events.extend(msgspec.msgpack.decode(msg.data, type=m.StreamFrame).events)
+
+        sub = await nc.subscribe(subjects.event_filter(OWNER), cb=on_frame)
+        forged = [_request(), _request(), _request()]
+        await dispatch(js, msgspec.structs.replace(forged[1], tenant="globex"))  # dispatched for another tenant
+        await dispatch(js, msgspec.structs.replace(forged[2], reply_to=subjects.token_subject("other-gateway")))
+        try:
+            for request in forged:  # forged[0]: dispatched by nobody
+                subject = subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, request.reply_to)
+                await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": request.request_id})
+            refused = await await_for(lambda: [r.request_id for r in forged if _refused_in_logs(two_workers, r.request_id)]
+                                      if all(_refused_in_logs(two_workers, r.request_id) for r in forged) else None,
+                                      30, what="every forged request refused")
+            assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # terminated, not redelivered
+        finally:
+            await sub.unsubscribe()
+            await nc.close()
+        return refused, [e for e in events if e.request_id in {r.request_id for r in forged}]
+
+    refused, streamed = asyncio.run(scenario())
+    assert len(refused) == 3 and streamed == []
+    reasons = [_refused_in_logs(two_workers, request_id)[0] for request_id in refused]
+    assert ["not_dispatched" in reasons[0], "dispatched_for_another_tenant" in reasons[1],
+            "dispatched_to_another_owner" in reasons[2]] == [True, True, True]
+    control = _request()  # the same kind of request, dispatched by its gateway: it runs
+    events = asyncio.run(_deliver(two_workers, control, copies=1))
+    assert _runs(events) == 1 and not _refused_in_logs(two_workers, control.request_id)

@@ -21,7 +21,7 @@ import pytest
 from proto import messages as m
 from proto import subjects
 
-from .conftest import MODEL, Platform, running_platform
+from .conftest import MODEL, Platform, dispatch, running_platform
 from .waiting import await_for
 
 pytestmark = pytest.mark.e2e
@@ -72,6 +72,7 @@ def test_every_free_slot_takes_waiting_standard_work(sixteen_slots: Platform) ->
                 for _ in range(wave):
                     request = _request()
                     ids.append(request.request_id)
+                    await dispatch(js, request)
                     await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": request.request_id})
                 await await_for(functools.partial(_at_least, accepted, len(ids)), 20, what=f"{len(ids)} requests started")
             return len(accepted), len(finished)

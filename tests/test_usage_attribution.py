@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client
@@ -19,7 +20,8 @@ from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices
 from proto import messages as m
 from proto import subjects
-from services.billing.attribution import Holders, refusal
+from services.billing.attribution import NOT_JUDGED, Dispatched, Holders, judged, refusal
+from services.billing.pull import stored_at
 from services.billing.rollup import RollupConsumer
 
 from .test_billing_store import totals
@@ -50,6 +52,38 @@ def test_refusal(sender: tuple[str, str] | None, named: str, holder: str | None,
     assert refusal(sender, event("r", named), holder) == why
 
 
+def dispatch(request_id: str, tenant: str = "acme") -> m.Dispatch:
+    return m.Dispatch(request_id=request_id, tenant=tenant, reply_to="inferbus.tok.gateway-a", created=0.0)
+
+
+@pytest.mark.parametrize(("sender", "billed_to", "dispatched", "why"), [
+    ((W, "worker-1"), "tenant", dispatch("r"), None),  # dispatched for the tenant it bills
+    ((W, "worker-1"), "tenant", None, "not_dispatched"),  # a request id nobody dispatched
+    ((W, "worker-1"), "tenant", dispatch("r", tenant="globex"), "dispatched_for_another_tenant"),
+    ((W, "worker-1"), "tenant", dispatch("other-request"), "dispatched_for_another_tenant"),
+    ((W, "worker-1"), "tenant", NOT_JUDGED, None),  # no record to judge by (old report, unreadable)
+    ((W, "worker-1"), "platform", None, None),  # an abandoned attempt: nobody's bill
+    ((O, "gateway-a"), "tenant", None, None),  # the owner's own report
+])
+def test_refusal_by_dispatch_record(sender: tuple[str, str], billed_to: str, dispatched: Dispatched,
+                                    why: str | None) -> None:
+    e = msgspec.structs.replace(event("r", "worker-1"), billed_to=billed_to)
+    assert refusal(sender, e, "worker-1@17.0", dispatched) == why
+
+
+def test_reports_are_judged_by_their_record_while_it_is_kept() -> None:
+    now = 1_000_000.0
+    assert judged(None, now) and judged(now - 60, now) and judged(now - bus.DISPATCH_JUDGED_S, now)
+    assert not judged(now - bus.DISPATCH_JUDGED_S - 1, now)
+    assert bus.DISPATCH_JUDGED_S + bus.REQUEST_LIFE_S == bus.DISPATCH_TTL_S
+
+
+def test_stored_at_is_read_from_the_ack_subject() -> None:
+    assert stored_at(b"$JS.ACK.USAGE.rollup.1.42.40.1765000000123456789.7") == pytest.approx(1765000000.123456789)
+    assert stored_at(b"$JS.ACK.dom.hash.USAGE.rollup.1.42.40.1765000000000000000.7.rnd") == 1765000000.0
+    assert stored_at(b"_INBOX.x.y") is None
+
+
 def test_usage_subjects_name_their_sender() -> None:
     subject = subjects.usage_subject("acme.corp", W, "worker-1")
     assert subjects.usage_sender(subject) == (W, "worker-1")
@@ -73,15 +107,25 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 @pytest.mark.slow  # a nats-server and Redis of its own
 async def test_billing_counts_only_the_holders_usage(nc: Client, redis: aioredis.Redis) -> None:
     """worker-1 holds attempt 0 of `held`; worker-2 reports usage for it under its own name, and
-    again naming worker-1. Both refused (a `foreign_usage` security event each), worker-1's own
-    report and a gateway's report of a request no worker finished are counted."""
+    again naming worker-1; worker-1 reports a request id it made up (and claimed) and a request
+    dispatched for globex, billed to acme. All refused (a `foreign_usage` security event each);
+    worker-1's own report of `held` (dispatched for acme) and a gateway's report of a request no
+    worker finished are counted."""
     js = nc.jetstream()
     await bus.ensure_streams(js)
     claims = await bus.claims_bucket(js, 60)
     await claims.create(subjects.claim_key("held", 0), b"worker-1@17.0")
+    # What the gateway put when it queued `held` (for acme) and `globex-request` (for globex).
+    dispatches = await bus.dispatches_bucket(js)
+    await dispatches.put(subjects.dispatch_key("held"), m.encode(dispatch("held")))
+    await dispatches.put(subjects.dispatch_key("globex-request"), m.encode(dispatch("globex-request", "globex")))
+    # worker-1 claims a request id nobody dispatched, as it may (claims are the workers' own).
+    await claims.create(subjects.claim_key("invented", 0), b"worker-1@17.0")
     published = [
         (subjects.usage_subject("acme", W, "worker-2"), event("held", "worker-2", tokens=1000)),  # forged
         (subjects.usage_subject("acme", W, "worker-2"), event("held", "worker-1", tokens=1000)),  # forged
+        (subjects.usage_subject("acme", W, "worker-1"), event("invented", "worker-1", tokens=1000)),  # forged
+        (subjects.usage_subject("acme", W, "worker-1"), event("globex-request", "worker-1", tokens=1000)),  # forged
         (subjects.usage_subject("acme", W, "worker-1"), event("held", "worker-1", tokens=10)),  # control
         (subjects.usage_subject("acme", O, "gateway-a"), event("failed", "worker-1", tokens=3)),  # control
     ]
@@ -95,11 +139,11 @@ async def test_billing_counts_only_the_holders_usage(nc: Client, redis: aioredis
     before = foreign_usage()
     await consumer.open()
     try:
-        await asyncio.wait_for(consumer.run(done=lambda: asyncio.sleep(0, consumer.counted + consumer.refused >= 4)), 20)
+        await asyncio.wait_for(consumer.run(done=lambda: asyncio.sleep(0, consumer.counted + consumer.refused >= 6)), 20)
     finally:
         await consumer.stop()
-    assert (consumer.counted, consumer.refused) == (2, 2)
-    assert foreign_usage() == before + 2
+    assert (consumer.counted, consumer.refused) == (2, 4)
+    assert foreign_usage() == before + 4
     # The ledger's dedup did not take the forged events either: the holder's own report counted.
     now = time.time()
     counted = await totals(store, ["acme"], now - 3600, now + 60)

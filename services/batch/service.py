@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus import adapters as adapter_registry
-from inferbus import bus, logs, redis_conn, security_events
+from inferbus import bus, dispatch_records, logs, redis_conn, security_events
 from inferbus.openai.errors import OpenAIError
 from inferbus.prompt import ModelDirError, context_window, load_model
 from inferbus.records import decode_or_none
@@ -115,6 +115,7 @@ class BatchService:
         js = self.js
         await bus.retry_forever("ensure_streams", lambda: bus.ensure_streams(js))
         batches_kv, files_kv = await bus.batch_buckets(js)
+        await bus.dispatches_bucket(js)  # its lines' dispatch records (billing checks workers' usage)
         self.batches = BatchStore(batches_kv)
         self.files = FileStore(s.files_dir, files_kv, max_bytes=s.max_bytes)
         self.redis = redis_conn.async_client(s.redis_url)
@@ -234,6 +235,7 @@ class BatchService:
             request = msgspec.structs.replace(request, priority=bands.ENGINE_PRIORITY["batch"])
             trace = {k: v for k, v in (msg.headers or {}).items() if not k.lower().startswith("nats-")}
             try:
+                await dispatch_records.publish(self.replies, request)
                 await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
                                                    headers=trace)
             except Exception as error:  # the worker tries again; else the line's lease sends it out
@@ -638,6 +640,7 @@ class BatchService:
                 await self._publish_result(line_format.error_result(
                     run.id, line, error.code or "invalid_request", error.message, error.status, now))
                 return
+            await dispatch_records.publish(self.replies, request)
             stored = await self.replies.publish_durable(subject, payload, f"{request.request_id}.{attempt}")
             if stored or not doubt or attempt + 1 >= MAX_DOUBT_ATTEMPTS:
                 break

@@ -51,6 +51,16 @@ def num_pending(reply: bytes) -> int:
         return -1
 
 
+def stored_at(reply: bytes) -> float | None:
+    """When the stream stored the message (seconds since the epoch), from its ack subject: the
+    `<ts>` token (nanoseconds) before `<pending>`; None when the subject is not an ack subject."""
+    tokens = reply.split(b".")
+    try:
+        return int(tokens[7] if len(tokens) == 9 else tokens[9]) / 1e9
+    except (IndexError, ValueError):
+        return None
+
+
 def _servers(url: str) -> list[urllib.parse.SplitResult]:
     return [urllib.parse.urlsplit(part.strip() if "://" in part else "nats://" + part.strip())
             for part in url.split(",") if part.strip()]

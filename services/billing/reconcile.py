@@ -31,6 +31,7 @@ from proto import subjects
 
 from . import attribution
 from .attribution import Holders
+from .pull import stored_at
 
 log = logs.get(__name__)
 RECONCILER = "admission-reconciler"
@@ -105,14 +106,16 @@ class UsageReconciler:
     async def _reconcile(self, messages: list[Msg]) -> None:
         events: list[m.UsageEvent] = []
         senders: list[tuple[str, str] | None] = []
+        stored: list[float | None] = []
         for msg in messages:
             try:
                 events.append(_usage_decoder.decode(msg.data))
                 senders.append(subjects.usage_sender(msg.subject))
+                stored.append(stored_at(msg.reply.encode()))
             except msgspec.DecodeError:
                 log.error("bad_usage_event", subject=msg.subject)
         # Another worker's report touches no tenant's quota either (the rollup records it).
-        events = await attribution.attributed(events, senders, self.holders, record=False)
+        events = await attribution.attributed(events, senders, self.holders, record=False, stored_at=stored)
         while True:
             try:
                 # The cost the rollups bill (price book at the request's accept time, batch discount,

@@ -43,7 +43,7 @@ from proto import subjects
 
 from . import attribution, metrics
 from .attribution import Holders
-from .pull import Delivery, PullConnection, num_pending
+from .pull import Delivery, PullConnection, num_pending, stored_at
 
 log = logs.get(__name__)
 ROLLUP_CONSUMER = "usage-rollup"
@@ -201,17 +201,19 @@ class RollupConsumer:
         started = time.perf_counter()
         events: list[m.UsageEvent] = []
         senders: list[tuple[str, str] | None] = []
+        stored: list[float | None] = []
         for delivery in deliveries:
             try:
                 events.append(_usage_decoder.decode(delivery.data))
                 senders.append(subjects.usage_sender(delivery.subject.decode(errors="replace")))
+                stored.append(stored_at(delivery.reply))
             except msgspec.DecodeError:
                 log.error("bad_usage_event", reply=delivery.reply.decode(errors="replace"))
                 self.invalid += 1
                 if self.count_metrics:
                     metrics.EVENTS.labels("invalid").inc()
         # Usage a worker reported for another's work is refused (a security event), never counted.
-        kept = await attribution.attributed(events, senders, self.holders, record=True)
+        kept = await attribution.attributed(events, senders, self.holders, record=True, stored_at=stored)
         self.refused += len(events) - len(kept)
         events = kept
         counted: list[bool] = []

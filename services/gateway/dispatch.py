@@ -22,7 +22,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, continuation, logs, patience, security_events, tracing
+from inferbus import bus, continuation, dispatch_records, logs, patience, security_events, tracing
 from inferbus.outbox import Outbox
 from inferbus.records import decode_or_none
 from inferbus.replies import PublishError, Replies
@@ -157,7 +157,11 @@ class Dispatcher:
         silence_s: float = 2.0,
         outbox_path: Path | None = None,
         zone: str = "",
+        dispatch_records: bool = True,
     ) -> None:
+        # Write each request's dispatch record (the `dispatches` bucket, made at start) before
+        # queueing it: workers run, and billing takes a worker's usage for, dispatched requests only.
+        self.dispatch_records = dispatch_records
         self.block_size = block_size
         self.zone = zone
         self.nc = nc
@@ -201,6 +205,8 @@ class Dispatcher:
         await self.replies.publish_durable(subject, data, msg_id)
 
     async def start(self) -> None:
+        if self.dispatch_records:
+            await bus.dispatches_bucket(self.nc.jetstream())
         await self.replies.start()
         if self.outbox is not None:
             await self.outbox.start()
@@ -310,6 +316,8 @@ class Dispatcher:
             raise DispatchError(413, "request_too_large",
                                 f"The request is {len(payload):,} bytes on the bus, over the platform's limit of "
                                 f"{self.replies.max_payload:,}; shorten the prompt.")
+        if self.dispatch_records:
+            await dispatch_records.publish(self.replies, request)
         await self.replies.publish_durable(subject, payload, f"{request.request_id}.{request.attempt}",
                                            headers=tracing.inject())
 
@@ -759,3 +767,4 @@ class Dispatcher:
                 request_id=flight.request.request_id, attempt=flight.request.attempt, code="not_started",
                 message=f"worker {flight.worker_id} did not start the request", retryable=True, status=503,
             ))
+

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from inferbus import logs, tracing
+from inferbus import dispatch_records, logs, security_events, tracing
 from proto import messages as m
 from proto import subjects
 from proto.bands import Band
@@ -171,6 +171,23 @@ class Serving:
 
     async def _claim_then_serve(self, msg: Msg, request: m.InferenceRequest) -> None:
         worker = self.worker
+        # Run only what a gateway dispatched, for the tenant and owner it dispatched it for: an
+        # identity that may move requests on the queue (the router) creates no work of its own.
+        try:
+            dispatched = await dispatch_records.lookup(worker.js, request.request_id)
+        except Exception as error:  # NATS away: not taken now, delivered again after the ack wait
+            log.warning("dispatch_lookup_failed", request_id=request.request_id, error=repr(error))
+            worker.background.spawn(msg.nak(delay=1.0))
+            self.release_slot()
+            return
+        why = dispatch_records.request_refusal(request, dispatched)
+        if why is not None:
+            security_events.record(dispatch_records.UNDISPATCHED_REQUEST, why=why, request_id=request.request_id,
+                                   tenant=request.tenant, reply_to=request.reply_to, subject=msg.subject,
+                                   dispatched_tenant=dispatched.tenant if dispatched else None)
+            worker.background.spawn(msg.term())
+            self.release_slot()
+            return
         if not await worker.claims.claim(request):
             self._absorb(msg, request, "here" if request.request_id in worker.running else "elsewhere")
             return
