@@ -155,9 +155,14 @@ async def test_a_full_prefill_pool_is_waited_out_and_the_prefill_workers_cached_
     prefill = PrefillWorker(nc, "p1", worker.engine, answers=["full", "full"])
     await prefill.start()
     started = time.monotonic()
-    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    accepted_at = time.time() - 5  # the gateway took it 5 s before this decode worker did
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1", created=accepted_at), Entry()), 10)
     assert "".join(u.text for u in updates) == "hi!" and updates[-1].finish == {"type": "length"}
     assert len(prefill.asked) == 3 and time.monotonic() - started >= 0.2  # two 100 ms waits
+    # Every ask of the attempt says when the first was made: the prefill pool's TTFT starts there,
+    # refusals included (a full prefill pool's wait is its own), not at the gateway's accept.
+    asked_at = {a.asked_at for a in prefill.asked}  # type: ignore[union-attr]
+    assert len(asked_at) == 1 and accepted_at + 4 < asked_at.pop() <= time.time() - 0.2
     [(rid, bootstrap)] = worker.engine.requests  # the decode engine got the request once, with the room
     assert rid == "r1-00" and bootstrap["bootstrap_room"] == prefill.asked[-1].bootstrap_room  # type: ignore[union-attr]
     assert (bootstrap["bootstrap_host"], bootstrap["bootstrap_port"]) == ("h", 1)

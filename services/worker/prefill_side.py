@@ -34,6 +34,7 @@ from proto import subjects
 
 from .engine import EngineError
 from .metrics import PREFILL_HALVES
+from .prefill_timing import prefill_ttft
 
 if TYPE_CHECKING:
     from .service import Worker
@@ -158,9 +159,10 @@ class PrefillSide:
             worker.gpu.progress()
             if request.band != "batch" and request.attempt == 0 and not request.pinned:
                 # The prefill pool's own TTFT (its load report's ttft_hist, role "prefill"): the
-                # gateway's accept to the prompt's KV sent. The autoscaler sizes the prefill pool on
-                # it; the client's TTFT is the decode worker's (the canaries' gates read only that).
-                worker.stats.observe_ttft(time.time() - request.created)
+                # decode worker's first ask to the prompt's KV sent (prefill_timing). The autoscaler
+                # sizes the prefill pool on it; the client's TTFT is the decode worker's (the
+                # canaries' gates read only that).
+                worker.stats.observe_ttft(prefill_ttft(half.ask, time.time()))
         except EngineError as error:
             if error.code == "engine_unavailable":
                 worker.watch.down(str(error))
