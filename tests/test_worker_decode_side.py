@@ -81,6 +81,7 @@ class Worker:
 class Entry:
     cancelled: bool = False
     prefill_worker: str | None = None
+    requeue: str | None = None
 
 
 class PrefillWorker:
@@ -119,7 +120,8 @@ class PrefillWorker:
         done = m.PrefillDone(request_id=ask.request.request_id, attempt=ask.request.attempt, try_no=ask.try_no,
                              worker_id=self.worker_id, ok=ok, prompt_tokens=len(ask.request.input_ids),
                              cached_tokens=128 if ok else 0,
-                             code="" if ok else "invalid_request" if self.report == "refused" else "prefill_aborted",
+                             code="" if ok else "invalid_request" if self.report == "refused"
+                             else "preempted" if self.report == "preempted" else "prefill_aborted",
                              message="Invalid grammar request: backreference" if self.report == "refused" else "")
         await self.nc.publish(subjects.prefilled_subject(subjects.prefill_sender(msg.subject)), m.encode(done))
         await self.nc.flush()
@@ -287,4 +289,28 @@ async def test_a_slow_router_is_waited_for_once_it_is_known_to_answer(nc: Client
     await asyncio.wait_for(collect(side, request(request_id="r2"), Entry()), 10)
     second = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
     assert second.request.request_id == "r2" and second.placed  # the router's choice, waited for
+    await side.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_batch_line_whose_prefill_gave_way_goes_back_to_the_batch_queue(nc: Client) -> None:
+    # Its prefill worker preempted the half for an interactive prompt: the line is handed back as a
+    # preempted line (its attempt ends with an abort, `requeue` "preempted": batch_lines requeues
+    # it), not tried at once on another prefill worker.
+    side, worker = await decode_side(nc)
+    busy = PrefillWorker(nc, "p1", worker.engine, answers=[], report="preempted")
+    spare = PrefillWorker(nc, "p2", worker.engine, answers=[])
+    await busy.start()
+    await spare.start()
+    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
+    entry = Entry()
+    line = request(prefill_worker="p1", batch_id="b1", band="batch")
+    updates = await asyncio.wait_for(collect(side, line, entry), 10)
+    assert updates[-1].finish is not None and updates[-1].finish["type"] == "abort" and not updates[-1].text
+    assert entry.requeue == "preempted"
+    assert "r1-00" in worker.engine.aborted  # the decode engine's wait for the KV was aborted
+    assert spare.asked == []
+    # An interactive request whose half failed the same way is tried elsewhere.
+    interactive = await asyncio.wait_for(collect(side, request(request_id="r2", prefill_worker="p1"), Entry()), 10)
+    assert "".join(u.text for u in interactive) == "hi!" and [type(a) for a in spare.asked] == [m.PrefillRequest]
     await side.stop()

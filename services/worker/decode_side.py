@@ -304,8 +304,16 @@ class DecodeSide:
             PREFILL_TRIES.labels("prefill_failed").inc()
             try_no += 1
             code = current.result.code if current.result is not None else "prefill_lost"
+            batch = request.batch_id is not None
             if not prefill_choice.retry(code=code, got_first_token=got_token, cancelled=entry.cancelled, tries=try_no,
-                                        now=time.time(), deadline=request.deadline):
+                                        now=time.time(), deadline=request.deadline, batch=batch):
+                if prefill_choice.handed_back(code=code, batch=batch) and not entry.cancelled:
+                    # Its prefill gave way to interactive work: the line goes back to the batch
+                    # queue, as a batch line preempted on this worker does (batch_lines).
+                    entry.requeue = "preempted"
+                    log.info("batch_prefill_preempted", request_id=request.request_id, prefill_worker=worker_id)
+                    yield EngineUpdate(finish={"type": "abort", "message": "preempted"})
+                    return
                 if entry.cancelled:
                     yield cancelled_update()
                     return

@@ -4,7 +4,10 @@ send it the prefill halves of theirs (`PrefillRequest` on `prefill_subject(self,
 It takes a half while it has a slot (its engine's max_running_requests: beyond that a prefill
 waits in the engine's queue while another prefill worker may be free, so it refuses, `full`, and
 the decode worker asks the next one), and a batch line's half only while it computes fewer batch
-prompts than INFERBUS_WORKER_BATCH_MAX_PREFILLING (batch runs on spare capacity on this side too), answers with its engine's bootstrap address, and sends the
+prompts than INFERBUS_WORKER_BATCH_MAX_PREFILLING (batch runs on spare capacity on this side too);
+an interactive half that finds every slot taken preempts the batch half taken last
+(`prefill_admission`: it is aborted and reported `preempted`, and its decode worker hands the line
+back to the batch queue). It answers with its engine's bootstrap address, and sends the
 request with the bootstrap trio to its engine, which computes the prompt, sends the KV to the
 decode engine waiting in the room, and answers once the transfer is done. It then tells the decode
 worker how the half ended (`PrefillDone`), with the cached tokens its engine reported: those are
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -33,7 +36,8 @@ from proto import messages as m
 from proto import subjects
 
 from .engine import EngineError
-from .metrics import PREFILL_HALVES
+from .metrics import PREEMPTIONS, PREFILL_HALVES
+from .prefill_admission import HeldHalf, admit
 from .prefill_timing import prefill_ttft
 
 if TYPE_CHECKING:
@@ -54,6 +58,8 @@ class Half:
     headers: dict[str, str] | None = None  # the request's trace context, from the decode worker
     task: asyncio.Task[None] | None = None
     aborted: bool = False
+    preempted: bool = False  # a batch half aborted for an interactive one: its line goes back to the batch queue
+    taken_at: float = field(default_factory=time.monotonic)
 
     @property
     def request(self) -> m.InferenceRequest:
@@ -122,12 +128,20 @@ class PrefillSide:
         elif worker.cancels.reason(owner, request.request_id) is not None or worker.cancels.superseded(
                 request.request_id, request.attempt):
             refusal = "cancelled"
-        elif len(self.halves) >= self.capacity:
-            refusal = "full"
-        elif request.band == "batch" and self.batch_halves() >= worker.settings.batch_max_prefilling:
+        else:
+            # Every slot taken: refused, unless it is interactive and a batch half gives way for it.
             # Batch prompts take chunked-prefill budget from interactive ones, here as on a decode
             # worker's engine: as many at once as a worker lets batch lines prefill.
-            refusal = "full"
+            admission = admit(batch=request.band == "batch", capacity=self.capacity,
+                              batch_max_prefilling=worker.settings.batch_max_prefilling,
+                              held=[HeldHalf(key, h.request.band == "batch", h.taken_at, h.aborted or h.preempted)
+                                    for key, h in self.halves.items()])
+            refusal = admission.reason
+            victim = next((h for key, h in self.halves.items() if key == admission.victim), None)
+            if victim is not None:
+                victim.preempted = True
+                PREEMPTIONS.inc()
+                self.worker.background.spawn(self._abort(victim, f"preempted for interactive {request.request_id}"))
         if refusal:
             PREFILL_HALVES.labels("refused").inc()
             return m.PrefillAccepted(accepted=False, worker_id=me, reason=refusal)
@@ -155,7 +169,8 @@ class PrefillSide:
                 result = await worker.engine.prefill(request, headers, bootstrap=bootstrap, rid=half.rid)
             done = msgspec.structs.replace(done, ok=not half.aborted, prompt_tokens=result.prompt_tokens,
                                            cached_tokens=result.cached_tokens,
-                                           code="" if not half.aborted else "prefill_aborted")
+                                           code="" if not half.aborted else "preempted" if half.preempted
+                                           else "prefill_aborted")
             worker.gpu.progress()
             if request.band != "batch" and request.attempt == 0 and not request.pinned:
                 # The prefill pool's own TTFT (its load report's ttft_hist, role "prefill"): the
@@ -179,7 +194,8 @@ class PrefillSide:
                 worker.stats.completed_batch += 1
             worker.load_changed.set()
             structlog.contextvars.unbind_contextvars("request_id", "tenant")
-        PREFILL_HALVES.labels("ok" if done.ok else "aborted" if half.aborted else "failed").inc()
+        PREFILL_HALVES.labels("ok" if done.ok else "preempted" if half.preempted else "aborted" if half.aborted
+                              else "failed").inc()
         if not done.ok and not half.aborted:
             log.warning("prefill_half_failed", code=done.code, error=done.message)
         try:
