@@ -1,7 +1,7 @@
 """A prefill worker's side of a disaggregated request (services/worker/prefill_side.py) on a real
 nats-server: a stand-in decode worker sends it prefill halves over the bus, a stand-in prefill
 engine holds each prompt until released or aborted. An interactive half on a full worker takes
-the slot of the batch half taken last, whose decode worker hears `preempted` (and hands the line
+the slot of the batch half sent to its engine first, whose decode worker hears `preempted` (and hands the line
 back to the batch queue, test_worker_decode_side.py); batch halves never preempt."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from inferbus.replies import Replies
 from proto import messages as m
 from proto import subjects
-from services.worker.engine import PrefillResult
+from services.worker.engine import EngineError, PrefillResult
 from services.worker.prefill_side import PrefillSide
 from services.worker.reporting import ServingStats
 from services.worker.tasks import Background
@@ -33,7 +33,8 @@ class Settings:
 
 
 class Engine:
-    """A prefill engine: a prompt ends when the test releases it, or as aborted."""
+    """A prefill engine: a prompt ends when the test releases it, or aborted, with the error the
+    simulated engine (as SGLang) ends an aborted prompt with."""
 
     def __init__(self) -> None:
         self.held: dict[str, asyncio.Event] = {}
@@ -42,6 +43,8 @@ class Engine:
     async def prefill(self, request: m.InferenceRequest, headers: dict[str, str], *, bootstrap: dict[str, Any],
                       rid: str) -> PrefillResult:
         await self.held.setdefault(rid, asyncio.Event()).wait()
+        if rid in self.aborted:
+            raise EngineError("Abort by abort_request.", code="prefill_aborted", status=500)
         return PrefillResult(prompt_tokens=10, cached_tokens=0)
 
     async def abort(self, rid: str) -> None:
@@ -88,7 +91,7 @@ def half(request_id: str, band: str) -> m.PrefillRequest:
 
 
 @pytest.mark.asyncio
-async def test_an_interactive_half_on_a_full_prefill_worker_preempts_the_batch_half_taken_last(nc: Client) -> None:
+async def test_an_interactive_half_on_a_full_prefill_worker_preempts_the_batch_half_taken_first(nc: Client) -> None:
     worker = Worker(nc)
     side = PrefillSide(worker, capacity=3, bootstrap=("h", 1))  # type: ignore[arg-type]
     await side.start()
@@ -107,22 +110,22 @@ async def test_an_interactive_half_on_a_full_prefill_worker_preempts_the_batch_h
 
     for request_id, band in (("b1", "batch"), ("i1", "standard"), ("b2", "batch")):
         assert (await send(half(request_id, band))).accepted
-        await asyncio.sleep(0.01)  # taken one after another: b2 last
+        await asyncio.sleep(0.01)  # taken one after another: b1 first (the one its engine computes)
     assert not (await send(half("b3", "batch"))).accepted  # full: a batch half preempts nothing
     taken = await send(half("i2", "standard"))
     assert taken.accepted and taken.bootstrap_host == "h"
     deadline = time.monotonic() + 5
     while not reports and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert worker.engine.aborted == [m.prefill_rid(half("b2", "batch").request, 0)]
+    assert worker.engine.aborted == [m.prefill_rid(half("b1", "batch").request, 0)]
     [report] = reports
-    assert (report.request_id, report.ok, report.code) == ("b2", False, "preempted")
-    # b2's slot went to i2: a third interactive half now preempts b1, the last batch half here.
+    assert (report.request_id, report.ok, report.code) == ("b1", False, "preempted")
+    # b1's slot went to i2: a third interactive half now preempts b2, the last batch half here.
     assert (await send(half("i3", "standard"))).accepted
     deadline = time.monotonic() + 5
     while len(reports) < 2 and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert [(r.request_id, r.code) for r in reports] == [("b2", "preempted"), ("b1", "preempted")]
+    assert [(r.request_id, r.code) for r in reports] == [("b1", "preempted"), ("b2", "preempted")]
     # Only interactive halves left, every slot taken: the next interactive half is refused.
     refused = await send(half("i4", "standard"))
     assert not refused.accepted and refused.reason == "full"

@@ -10,9 +10,15 @@ half gives way, as a decode or aggregated worker preempts a batch line for inter
 batch half's engine request is aborted, and its decode worker hands the line back to the batch
 queue (`prefill_choice.retry`: a preempted batch prefill is not retried at once elsewhere).
 
-The half that gives way is the batch half this worker took last: its prompt has had the least
-time on the engine, so the least prefill work is thrown away (the engine does not say how far a
-prompt got). Halves already giving way (aborted, their engine request still ending) count neither
+The half that gives way is the batch half this worker sent its engine first: the one the engine
+is computing (it takes prompts in the order they reach it).
+An engine continues a chunked prefill in progress before it admits any waiting prompt (SGLang's
+chunked request takes the step's chunk budget first; priority only orders the waiting queue), so
+aborting a batch half still waiting in the engine would free a slot and nothing else: the
+interactive prompt would wait for the whole batch prompt ahead of it (live, with the half taken
+last preempted instead: 10.7 s for a 16-token prompt behind a 24k-token one, against 0.3 s;
+tests/test_e2e_pd_preemption.py). The batch halves still
+waiting yield to it by engine priority. The work lost is the chunks computed so far. Halves already giving way (aborted, their engine request still ending) count neither
 as taken slots nor as victims: a slot freed for one interactive half is not freed twice.
 """
 
@@ -28,7 +34,7 @@ class HeldHalf:
 
     key: Hashable
     batch: bool
-    taken_at: float  # when this worker took it
+    sent_at: float  # when this worker sent it to its engine (inf: not yet)
     giving_way: bool = False  # aborted (preempted, cancelled, given up): its slot is being freed
 
 
@@ -46,7 +52,7 @@ def admit(*, batch: bool, capacity: int, batch_max_prefilling: int, held: Sequen
     if len(live) >= capacity:
         if batch or not live_batch:
             return Admission(False, "full")
-        victim = max(live_batch, key=lambda h: (h.taken_at, str(h.key)))
+        victim = min(live_batch, key=lambda h: (h.sent_at, str(h.key)))
         return Admission(True, victim=victim.key)
     if batch and len(live_batch) >= batch_max_prefilling:
         return Admission(False, "full")

@@ -5,7 +5,7 @@ It takes a half while it has a slot (its engine's max_running_requests: beyond t
 waits in the engine's queue while another prefill worker may be free, so it refuses, `full`, and
 the decode worker asks the next one), and a batch line's half only while it computes fewer batch
 prompts than INFERBUS_WORKER_BATCH_MAX_PREFILLING (batch runs on spare capacity on this side too);
-an interactive half that finds every slot taken preempts the batch half taken last
+an interactive half that finds every slot taken preempts the batch half sent to its engine first
 (`prefill_admission`: it is aborted and reported `preempted`, and its decode worker hands the line
 back to the batch queue). It answers with its engine's bootstrap address, and sends the
 request with the bootstrap trio to its engine, which computes the prompt, sends the KV to the
@@ -22,8 +22,9 @@ cancel is refused. A decode worker that gives a half up says so (`PrefillAbort`)
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -59,7 +60,9 @@ class Half:
     task: asyncio.Task[None] | None = None
     aborted: bool = False
     preempted: bool = False  # a batch half aborted for an interactive one: its line goes back to the batch queue
-    taken_at: float = field(default_factory=time.monotonic)
+    # When it was sent to the engine (monotonic; inf until then): the engine computes prompts in the
+    # order they reach it, so the batch half sent first is the one it is computing.
+    sent_at: float = math.inf
 
     @property
     def request(self) -> m.InferenceRequest:
@@ -134,7 +137,7 @@ class PrefillSide:
             # worker's engine: as many at once as a worker lets batch lines prefill.
             admission = admit(batch=request.band == "batch", capacity=self.capacity,
                               batch_max_prefilling=worker.settings.batch_max_prefilling,
-                              held=[HeldHalf(key, h.request.band == "batch", h.taken_at, h.aborted or h.preempted)
+                              held=[HeldHalf(key, h.request.band == "batch", h.sent_at, h.aborted or h.preempted)
                                     for key, h in self.halves.items()])
             refusal = admission.reason
             victim = next((h for key, h in self.halves.items() if key == admission.victim), None)
@@ -166,6 +169,7 @@ class PrefillSide:
             with tracing.span(tracer, "worker.prefill", half.headers) as headers:
                 if request.adapter:
                     await worker.adapters.ensure(request.adapter)
+                half.sent_at = time.monotonic()
                 result = await worker.engine.prefill(request, headers, bootstrap=bootstrap, rid=half.rid)
             done = msgspec.structs.replace(done, ok=not half.aborted, prompt_tokens=result.prompt_tokens,
                                            cached_tokens=result.cached_tokens,
@@ -181,7 +185,9 @@ class PrefillSide:
         except EngineError as error:
             if error.code == "engine_unavailable":
                 worker.watch.down(str(error))
-            done = msgspec.structs.replace(done, code=error.code, message=str(error))
+            # An engine ends an aborted prompt with an error: one preempted here is reported as such,
+            # so that its decode worker hands the batch line back rather than retrying it.
+            done = msgspec.structs.replace(done, code="preempted" if half.preempted else error.code, message=str(error))
         except Exception as error:  # never leave a decode worker waiting on a bug
             log.exception("prefill_half_failed")
             done = msgspec.structs.replace(done, code="internal_error", message=type(error).__name__)
