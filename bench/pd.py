@@ -60,9 +60,13 @@ def aggregated_config(row: Row, replicas: int, chunk: int) -> PdConfig:
     return PdConfig(decode=Pool(replicas, engine(row.tp, chunk)))
 
 
-def disaggregated_config(pair: DisaggRow, prefill: int, decode: int, chunk: int) -> PdConfig:
-    return PdConfig(decode=Pool(decode, engine(pair.tp_decode, chunk)), prefill=Pool(prefill, engine(pair.tp_prefill, chunk)),
-                    link=pair.link)
+def disaggregated_config(pair: DisaggRow, prefill: int, decode: int, chunk: int,
+                          prefill_chunk: int | None = None) -> PdConfig:
+    """`prefill_chunk`: the prefill pool's chunked-prefill size (default `chunk`). A prefill-only
+    engine stalls no decode stream with a long chunk, so its chunk is its own setting; the decode
+    pool's (`chunk`) only sizes the one-token prefill that emits a request's first token."""
+    return PdConfig(decode=Pool(decode, engine(pair.tp_decode, chunk)),
+                    prefill=Pool(prefill, engine(pair.tp_prefill, prefill_chunk or chunk)), link=pair.link)
 
 
 def split(pair: DisaggRow, gpus: int) -> tuple[int, int]:
@@ -82,6 +86,17 @@ def decode_counts(gpus: int, pair: DisaggRow) -> list[int]:
         out.append(d)
         d = d + 1 if d < 4 else int(d * 1.5)
     return out
+
+
+def chunk_of(config: PdConfig) -> int:
+    """The chunked-prefill size of the pool that computes prompts (aggregated: the one pool)."""
+    return (config.prefill or config.decode).engine.chunked_prefill_size
+
+
+def unbound_decode(config: PdConfig) -> PdConfig:
+    """`config` with a decode pool ten times larger: its prefill pool's own goodput, the ceiling a
+    disaggregated fleet of these prefill replicas reaches if its decode pool cost nothing."""
+    return replace(config, decode=replace(config.decode, replicas=config.decode.replicas * 10))
 
 
 def run(config: PdConfig, arrivals: Any) -> PdSummary:
@@ -112,6 +127,31 @@ def goodput(config: PdConfig, mix: mix_mod.Mix, seconds: float, seed: int, guess
     return low, best if best is not None else summary
 
 
+def best_split(pair: DisaggRow, gpus: int, chunk: int, prefill_chunk: int, mix: mix_mod.Mix, seconds: float,
+               seed: int, peak: float, splits: list[dict[str, Any]]) -> tuple[PdConfig, float, PdSummary]:
+    """The best split of `gpus` between the pools with the prefill pool at `prefill_chunk`: the
+    plan's P:D ratio first, then every decode count. The plan's ratio is for its own peak; at the
+    goodput the load is higher, so every split of the same GPUs is tried and the best kept
+    (DistServe searches placements too). Each trial is appended to `splits`."""
+    p, d = split(pair, gpus)
+    config = disaggregated_config(pair, p, d, chunk, prefill_chunk)
+    rate, at_goodput = goodput(config, mix, seconds, seed, guess=peak)
+    tried: list[float] = []
+    for decode in decode_counts(gpus, pair):
+        trial = disaggregated_config(pair, (gpus - decode * pair.tp_decode) // pair.tp_prefill, decode, chunk,
+                                     prefill_chunk)
+        trial_rate, trial_at = goodput(trial, mix, seconds, seed, guess=rate)
+        splits.append({"fleet": describe(trial), "prefill_chunk": prefill_chunk, "gpus": trial.gpus,
+                       "goodput_rps": trial_rate})
+        tried.append(trial_rate)
+        print(f"  split {describe(trial)}, prefill chunk {prefill_chunk}: goodput {trial_rate:.2f} req/s", flush=True)
+        if trial_rate > rate:
+            config, rate, at_goodput = trial, trial_rate, trial_at
+        if len(tried) >= 3 and tried[-1] < tried[-2] < tried[-3] and tried[-1] < 0.9 * rate:
+            break  # past the best split: fewer prefill replicas only lose more
+    return config, rate, at_goodput
+
+
 def stressed(config: PdConfig, fraction: float, lost: int) -> PdConfig:
     """`config` with each pool scaled by `fraction` (rounded down, at least one) and `lost` down in each."""
     def pool(p: Pool) -> Pool:
@@ -136,7 +176,8 @@ def tight_and_right(config: PdConfig, mix: mix_mod.Mix, shape: list[float], peak
     return out
 
 
-def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: float, seed: int) -> dict[str, Any]:
+def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: float, seed: int,
+             agg_chunks: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     mix = mix_mod.load(traces.find(trace))
     inputs = PlanInputs(rate_rps=peak, rate_text=f"{peak:g} requests/s", workload=Workload.from_mix(mix),
                         mix=mix.describe(), slo=Slo(), gpu_prices={"H100": 2.5}, tps=list(TPS))
@@ -151,39 +192,58 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
     p, d = split(pair, gpus)
     same = {"aggregated": aggregated_config(agg, gpus // agg.tp, chunk),
             "disaggregated": disaggregated_config(pair, p, d, chunk)}
-    compared: dict[str, Any] = {}
+    compared: dict[str, dict[str, Any]] = {}
     splits: list[dict[str, Any]] = []
+    # Each topology at the plan's chunk (the fleet the plan prices), then at each chunk of its own
+    # list (the same search for both: an aggregated replica trades TTFT against TPOT with its
+    # chunk, a prefill-only replica has no TPOT to protect), the best kept.
+    by_chunk: dict[str, dict[int, dict[str, Any]]] = {"aggregated": {}, "disaggregated": {}}
     for name, config in same.items():
         t0 = time.process_time()
-        rate, at_goodput = goodput(config, mix, goodput_s, seed, guess=peak * config.gpus / gpus)
-        if name == "disaggregated":
-            # The plan's P:D ratio is for its own peak; at the goodput the load is higher, so every
-            # split of the same GPUs is tried and the best kept (DistServe searches placements too).
-            for decode in decode_counts(gpus, pair):
-                trial = disaggregated_config(pair, (gpus - decode * pair.tp_decode) // pair.tp_prefill, decode, chunk)
-                trial_rate, trial_at = goodput(trial, mix, goodput_s, seed, guess=rate)
-                splits.append({"fleet": describe(trial), "gpus": trial.gpus, "goodput_rps": trial_rate})
-                print(f"  split {describe(trial)}: goodput {trial_rate:.2f} req/s", flush=True)
-                if trial_rate > rate:
-                    config, rate, at_goodput = trial, trial_rate, trial_at
-                rates = [x["goodput_rps"] for x in splits]
-                if len(rates) >= 3 and rates[-1] < rates[-2] < rates[-3] and rates[-1] < 0.9 * rate:
-                    break  # past the best split: fewer prefill replicas only lose more
-        at_peak = run(config, constant(peak, goodput_s, mix, seed))
-        compared[name] = {
-            "gpus": config.gpus, "fleet": describe(config), "goodput_rps": rate,
-            "goodput_rps_per_gpu": rate / config.gpus, "at_goodput": at_goodput.as_dict(),
-            "at_peak": at_peak.as_dict(), "cpu_s": time.process_time() - t0,
-            "plan_split": describe(same[name]),
-        }
-        print(f"  same GPUs, {name} ({describe(config)}): goodput {rate:.2f} req/s = "
-              f"{rate / config.gpus:.4f} per GPU; at {peak:g} req/s TTFT p90 {at_peak.ttft_p90_s * 1e3:.0f} ms, "
-              f"TPOT p90 {at_peak.tpot_p90_s * 1e3:.1f} ms", flush=True)
+        own = agg_chunks if name == "aggregated" else prefill_chunks
+        for size in dict.fromkeys((chunk, *own)):
+            if name == "aggregated":
+                trial_config = aggregated_config(agg, gpus // agg.tp, size)
+                rate, at_goodput = goodput(trial_config, mix, goodput_s, seed, guess=peak * trial_config.gpus / gpus)
+            else:
+                trial_config, rate, at_goodput = best_split(pair, gpus, chunk, size, mix, goodput_s, seed, peak, splits)
+            by_chunk[name][size] = {"config": trial_config, "rate": rate, "at_goodput": at_goodput}
+            print(f"  same GPUs, {name} ({describe(trial_config)}, chunk {size}): goodput {rate:.2f} req/s = "
+                  f"{rate / trial_config.gpus:.4f} per GPU", flush=True)
+        cpu = time.process_time() - t0
+        for which, size in (("plan_chunk", chunk), ("best_chunk", max(by_chunk[name], key=lambda c: by_chunk[name][c]["rate"]))):
+            found = by_chunk[name][size]
+            config, rate = found["config"], found["rate"]
+            at_peak = run(config, constant(peak, goodput_s, mix, seed))
+            compared.setdefault(which, {})[name] = {
+                "gpus": config.gpus, "fleet": describe(config), "chunk": size, "goodput_rps": rate,
+                "goodput_rps_per_gpu": rate / config.gpus, "at_goodput": found["at_goodput"].as_dict(),
+                "at_peak": at_peak.as_dict(), "cpu_s": cpu, "plan_split": describe(same[name]),
+            }
+            print(f"  {which}, {name} ({describe(config)}, chunk {size}): goodput {rate:.2f} req/s = "
+                  f"{rate / config.gpus:.4f} per GPU; at {peak:g} req/s TTFT p90 {at_peak.ttft_p90_s * 1e3:.0f} ms, "
+                  f"TPOT p90 {at_peak.tpot_p90_s * 1e3:.1f} ms", flush=True)
+    best_disagg = by_chunk["disaggregated"][compared["best_chunk"]["disaggregated"]["chunk"]]["config"]
+    alone, _ = goodput(unbound_decode(best_disagg), mix, goodput_s, seed,
+                       guess=compared["best_chunk"]["disaggregated"]["goodput_rps"])
+    assert best_disagg.prefill is not None
+    ceiling = {"prefill_pool": f"{best_disagg.prefill.replicas} prefill × TP{best_disagg.prefill.engine.tp}",
+               "prefill_gpus": best_disagg.prefill.gpus, "goodput_rps": alone,
+               "goodput_rps_per_prefill_gpu": alone / best_disagg.prefill.gpus,
+               # The most the same GPUs could give if the decode pool cost no GPU at all.
+               "bound_over_aggregated_best": alone / best_disagg.prefill.gpus
+               / compared["best_chunk"]["aggregated"]["goodput_rps_per_gpu"],
+               "bound_over_aggregated_plan_chunk": alone / best_disagg.prefill.gpus
+               / compared["plan_chunk"]["aggregated"]["goodput_rps_per_gpu"]}
+    print(f"  prefill pool alone ({ceiling['prefill_pool']}, decode unbounded): {alone:.2f} req/s = "
+          f"{ceiling['goodput_rps_per_prefill_gpu']:.4f} per prefill GPU", flush=True)
     shape = rate_shape(traces.load(traces.find(trace)), 60.0)
     planned = {"aggregated": aggregated_config(agg, agg.replicas, chunk),
                "disaggregated": disaggregated_config(pair, pair.prefill_replicas, pair.decode_replicas, chunk)}
     checks = {name: tight_and_right(config, mix, shape, peak, seconds, seed) for name, config in planned.items()}
-    ratio = compared["disaggregated"]["goodput_rps_per_gpu"] / compared["aggregated"]["goodput_rps_per_gpu"]
+    ratios = {which: c["disaggregated"]["goodput_rps_per_gpu"] / c["aggregated"]["goodput_rps_per_gpu"]
+              for which, c in compared.items()}
+    ratio = ratios["best_chunk"]
     chosen = choice.topology
     return {
         "case": label, "trace": trace, "peak_rps": peak, "chosen": chosen, "reason": choice.reason,
@@ -193,6 +253,10 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
                                    "decode_replicas": pair.decode_replicas, "ratio": pair.ratio,
                                    "usd_per_hour": pair.usd_per_hour}},
         "same_gpus": compared, "disaggregated_splits": splits, "disaggregated_over_aggregated_goodput_per_gpu": ratio,
+        "ratio_at_plan_chunk": ratios["plan_chunk"], "prefill_pool_alone": ceiling,
+        "chunks": {name: {str(size): {"fleet": describe(found["config"]), "goodput_rps": found["rate"],
+                                      "goodput_rps_per_gpu": found["rate"] / found["config"].gpus}
+                          for size, found in sizes.items()} for name, sizes in by_chunk.items()},
         "chosen_over_aggregated_goodput_per_gpu": ratio if chosen == "disaggregated" else 1.0,
         "tight_and_right": checks,
     }
@@ -208,7 +272,8 @@ def describe(config: PdConfig) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# Aggregated against disaggregated in the fleet simulator (`python -m bench.pd`)", "",
-             f"{results['command']}; SLO TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms; H100, TP 2/4/8, chunked prefill 2,048, "
+             f"{results['command']}; SLO TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms; H100, TP 2/4/8, the plan's chunked prefill 2,048 "
+             f"(and each topology's own chunks, below), "
              f"KV over RDMA (50 GB/s per GPU). Goodput = the highest Poisson rate at which ≥ {ATTAINMENT:.0%} of requests "
              f"meet both SLOs ({results['goodput_duration_s']:.0f} s of virtual time per trial), over the GPUs. Tight and "
              f"right: the trace's arrival shape for {results['duration_s'] / 60:.0f} min, busiest minute "
@@ -221,16 +286,32 @@ def markdown(results: dict[str, Any]) -> str:
                   f"disaggregated {plan['disaggregated']['config']} — {plan['disaggregated']['prefill_replicas']} + "
                   f"{plan['disaggregated']['decode_replicas']} replicas, {plan['disaggregated']['gpus']} GPUs "
                   f"(P:D {plan['disaggregated']['ratio']}).", "",
-                  "| same GPUs | fleet | goodput req/s | goodput req/s per GPU | at the peak: TTFT p90 | TPOT p90 | "
-                  "requests within SLO |", "|---|---|---|---|---|---|---|"]
-        for name, r in case["same_gpus"].items():
-            peak = r["at_peak"]
-            lines.append(f"| {name} | {r['fleet']} ({r['gpus']} GPUs) | {r['goodput_rps']:.2f} | "
-                         f"{r['goodput_rps_per_gpu']:.4f} | {peak['ttft_p90_s'] * 1e3:,.0f} ms | "
-                         f"{peak['tpot_p90_s'] * 1e3:.1f} ms | {peak['request_attainment']:.1%} |")
-        lines += ["", f"Goodput per GPU, disaggregated ÷ aggregated: "
-                      f"**{case['disaggregated_over_aggregated_goodput_per_gpu']:.2f}×**; the chosen topology "
-                      f"({case['chosen']}) ÷ aggregated: {case['chosen_over_aggregated_goodput_per_gpu']:.2f}×.", "",
+                  "| same GPUs | chunk | fleet | goodput req/s | goodput req/s per GPU | at the peak: TTFT p90 | "
+                  "TPOT p90 | requests within SLO |", "|---|---|---|---|---|---|---|---|"]
+        for which, label in (("plan_chunk", "the plan's chunk"), ("best_chunk", "each its best chunk")):
+            for name, r in case["same_gpus"][which].items():
+                peak = r["at_peak"]
+                lines.append(f"| {name}, {label} | {r['chunk']:,} | {r['fleet']} ({r['gpus']} GPUs) | "
+                             f"{r['goodput_rps']:.2f} | {r['goodput_rps_per_gpu']:.4f} | "
+                             f"{peak['ttft_p90_s'] * 1e3:,.0f} ms | {peak['tpot_p90_s'] * 1e3:.1f} ms | "
+                             f"{peak['request_attainment']:.1%} |")
+        ceiling = case["prefill_pool_alone"]
+        lines += ["", "Goodput per GPU by chunk (the chunked-prefill size of the pool that computes prompts; "
+                      "disaggregated: the best split of the GPUs at that prefill chunk):", "",
+                  "| topology | chunk | fleet | goodput req/s | per GPU |", "|---|---|---|---|---|"]
+        for name, sizes in case["chunks"].items():
+            for size, found in sizes.items():
+                lines.append(f"| {name} | {int(size):,} | {found['fleet']} | {found['goodput_rps']:.2f} | "
+                             f"{found['goodput_rps_per_gpu']:.4f} |")
+        lines += ["", f"Goodput per GPU, disaggregated ÷ aggregated: **{case['disaggregated_over_aggregated_goodput_per_gpu']:.2f}×** "
+                      f"with each topology at its best chunk; {case['ratio_at_plan_chunk']:.2f}× with both at the plan's "
+                      f"chunk. The chosen topology ({case['chosen']}) ÷ aggregated: "
+                      f"{case['chosen_over_aggregated_goodput_per_gpu']:.2f}×.", "",
+                  f"The prefill pool alone ({ceiling['prefill_pool']}, its decode pool ten times larger so that it "
+                  f"never binds): {ceiling['goodput_rps']:.2f} req/s = {ceiling['goodput_rps_per_prefill_gpu']:.4f} per "
+                  f"prefill GPU: even with a decode pool that cost no GPU, disaggregation could reach at most "
+                  f"{ceiling['bound_over_aggregated_best']:.2f}× the aggregated goodput per GPU at its best chunk "
+                  f"({ceiling['bound_over_aggregated_plan_chunk']:.2f}× at the plan's chunk).", "",
                   "| tight and right | planned GPUs (up) | minutes within SLO | 10% smaller (up) | minutes within SLO | "
                   "verdict |", "|---|---|---|---|---|---|"]
         for name, check in case["tight_and_right"].items():
@@ -250,13 +331,20 @@ def main() -> None:
     parser.add_argument("--duration", default="20m", help="virtual time of each tight-and-right run")
     parser.add_argument("--goodput-duration", default="5m", help="virtual time of each goodput trial")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--agg-chunks", type=int, nargs="*", default=[1024, 4096],
+                        help="aggregated chunked-prefill sizes tried beside the plan's")
+    parser.add_argument("--prefill-chunks", type=int, nargs="*", default=[4096, 8192, 16384],
+                        help="the disaggregated prefill pool's chunked-prefill sizes tried beside the plan's")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--name", default="pd")
     args = parser.parse_args()
     seconds, goodput_s = parse_duration(args.duration), parse_duration(args.goodput_duration)
-    cases = [run_case(label, CASES[label], args.peak_rps, seconds, goodput_s, args.seed) for label in args.cases]
+    cases = [run_case(label, CASES[label], args.peak_rps, seconds, goodput_s, args.seed, tuple(args.agg_chunks),
+                      tuple(args.prefill_chunks)) for label in args.cases]
     command = (f"`python -m bench.pd --peak-rps {args.peak_rps:g} --duration {args.duration} "
-               f"--goodput-duration {args.goodput_duration} --cases {' '.join(args.cases)}`")
+               f"--goodput-duration {args.goodput_duration} --cases {' '.join(args.cases)} "
+               f"--agg-chunks {' '.join(map(str, args.agg_chunks))} "
+               f"--prefill-chunks {' '.join(map(str, args.prefill_chunks))}`")
     results = {"command": command, "duration_s": seconds, "goodput_duration_s": goodput_s, "cases": cases}
     write_results(args.out, args.name, results, markdown)
 

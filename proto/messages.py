@@ -666,6 +666,10 @@ class PrefillRequest(_Message, tag="prefill"):
     bootstrap_room: int
     try_no: int = 0
     placed: bool = False  # a router placed it on this prefill worker (counted against its placements)
+    # When the decode worker first asked a prefill worker for this attempt's prompt (wall seconds,
+    # kept across refusals and tries; 0: not said). The prefill pool's own TTFT starts here: the
+    # time before it (the request waiting for a decode worker to take it) is the decode pool's.
+    asked_at: float = 0.0
 
 
 class PrefillAbort(_Message, tag="prefill_abort"):

@@ -8,7 +8,9 @@ import pytest
 from proto import messages as m
 from services.autoscaler.policy import AutoscalePolicy, PolicyConfig
 from services.autoscaler.roles import ROLE_SIGNALS, DisaggregatedPolicy, RoleBounds, role_configs, role_pool
+from services.autoscaler.settings import AutoscalerSettings
 from services.autoscaler.signals import PoolSignals, SignalAggregator
+from services.worker.prefill_timing import prefill_ttft
 
 POOL = "llama"
 BASE = PolicyConfig(ttft_slo_s=0.8, tpot_slo_s=0.04, headroom=0.15, scale_down_window_s=300.0)
@@ -148,3 +150,63 @@ def test_the_aggregator_keeps_each_roles_workers_apart() -> None:
     assert (prefill.pool, prefill.serving, prefill.in_flight, prefill.kv_usage) == ("llama:prefill", 1, 3, 0.1)
     assert (decode.pool, decode.serving, decode.in_flight, decode.kv_usage) == ("llama:decode", 2, 70, 0.95)
     assert aggregator.snapshot(POOL).serving == 3  # an aggregated pool: every worker of the model
+
+
+def _decode_bound_reports(clock: Clock, aggregator: SignalAggregator) -> None:
+    """Ten seconds of a decode-bound fleet as its workers report it: two decode workers with their
+    KV 97% used and p90 TPOT 60 ms (over the 40 ms SLO), so requests wait 2.5 s for a decode slot
+    before a decode worker takes them; two prefill workers, each prompt 0.3 s from the decode
+    worker's ask to its KV sent. The prefill workers' TTFT is what they observe (prefill_timing)."""
+    rate = 1.5  # req/s through each worker: within one replica of either pool by capacity
+    ttft = {w: [] for w in ("p-1", "p-2")}  # type: dict[str, list[int]]
+    tpot = {w: [] for w in ("d-1", "d-2")}  # type: dict[str, list[int]]
+    queue = {w: [] for w in ("d-1", "d-2")}  # type: dict[str, list[int]]
+    done = 0
+    for seq in range(21):
+        clock.t = 1000.0 + seq * 0.5
+        now = clock.t
+        for prefill, decode in (("p-1", "d-1"), ("p-2", "d-2")):
+            for _ in range(int(rate * 0.5 * 2) if seq else 0):
+                created = now - 2.8
+                request = m.InferenceRequest(request_id=f"r{done}", tenant="t", model=POOL, prompt="x",
+                                             sampling=m.SamplingParams(max_new_tokens=8), reply_to="g", deadline=now + 60,
+                                             created=created)
+                ask = m.PrefillRequest(request=request, bootstrap_room=done, asked_at=created + 2.5)
+                m.observe(ttft[prefill], m.LATENCY_BUCKETS_S, prefill_ttft(ask, now))
+                m.observe(queue[decode], m.LATENCY_BUCKETS_S, 2.5)
+                m.observe(tpot[decode], m.TPOT_BUCKETS_S, 0.06)
+                done += 1
+            aggregator.on_load(m.WorkerLoad(
+                worker_id=prefill, model=POOL, ts=now, seq=seq, running=1, waiting=0, in_flight=1, max_running=256,
+                kv_used_tokens=10, kv_capacity_tokens=1000, completed=done // 2, role="prefill",
+                ttft_hist=list(ttft[prefill])))
+            aggregator.on_load(m.WorkerLoad(
+                worker_id=decode, model=POOL, ts=now, seq=seq, running=40, waiting=0, in_flight=40, max_running=40,
+                kv_used_tokens=970, kv_capacity_tokens=1000, completed=done // 2, role="decode",
+                queue_wait_hist=list(queue[decode]), tpot_fine_hist=list(tpot[decode])))
+
+
+def test_a_decode_shortage_grows_decode_and_not_prefill_under_the_default_budgets() -> None:
+    # The shipped defaults (600 ms prefill TTFT budget, 500 ms queue budget): requests that wait
+    # 2.5 s for a decode worker must not read as the prefill pool's TTFT.
+    settings = AutoscalerSettings(disaggregated=True)
+    clock = Clock()
+    aggregator = SignalAggregator(clock)
+    _decode_bound_reports(clock, aggregator)
+    prefill = aggregator.snapshot(POOL, "prefill", role_pool(POOL, "prefill"))
+    decode = aggregator.snapshot(POOL, "decode", role_pool(POOL, "decode"))
+    assert prefill.ttft_p90_s is not None and prefill.ttft_p90_s < settings.prefill_ttft_budget_s
+    assert decode.tpot_p90_s is not None and decode.tpot_p90_s > settings.tpot_slo_s and decode.kv_usage > 0.9
+    both = DisaggregatedPolicy(clock, settings.role_configs()).decide_both(prefill, decode)
+    assert both["decode"].direction == "up" and both["decode"].desired_serving > 2, both["decode"].reason
+    assert "p90 TPOT" in both["decode"].reason and "KV 97%" in both["decode"].reason
+    assert both["prefill"].direction == "hold" and both["prefill"].desired_serving == 2, both["prefill"].reason
+
+
+def test_the_prefill_pools_ttft_starts_at_the_decode_workers_ask() -> None:
+    request = m.InferenceRequest(request_id="r", tenant="t", model=POOL, prompt="x", sampling=m.SamplingParams(max_new_tokens=8),
+                                 reply_to="g", deadline=2000.0, created=1000.0)
+    # Asked 2.5 s after the gateway's accept (the wait for a decode slot), KV sent 0.3 s later.
+    assert prefill_ttft(m.PrefillRequest(request=request, bootstrap_room=1, asked_at=1002.5), 1002.8) == pytest.approx(0.3)
+    # A decode worker that does not say: from the gateway's accept.
+    assert prefill_ttft(m.PrefillRequest(request=request, bootstrap_room=1), 1002.8) == pytest.approx(2.8)

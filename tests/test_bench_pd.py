@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pd import decode_counts, describe, split, stressed
+from bench.pd import chunk_of, decode_counts, describe, disaggregated_config, split, stressed, unbound_decode
 from inferbus.capacity import mix as mix_mod
 from inferbus.capacity.fleetsim.pd import PdConfig, Pool
 from inferbus.capacity.plan.model import Slo, Workload
@@ -43,3 +43,15 @@ def test_stressed_scales_each_pool_and_takes_replicas_down() -> None:
     assert (smaller.prefill.replicas, smaller.decode.replicas) == (17, 8)  # type: ignore[union-attr]
     assert describe(smaller) == "17 prefill × TP8 + 8 decode × TP4"
     assert stressed(PdConfig(decode=Pool(1, engine)), 1.0, 1).decode.replicas == 1  # never below one
+
+
+@pytest.mark.slow
+def test_the_prefill_pools_chunk_is_its_own_and_the_ceiling_frees_only_the_decode_pool() -> None:
+    pair = _pair()
+    config = disaggregated_config(pair, 13, 4, 2048, 8192)
+    assert config.prefill is not None
+    assert (config.prefill.engine.chunked_prefill_size, config.decode.engine.chunked_prefill_size) == (8192, 2048)
+    assert chunk_of(config) == 8192 and chunk_of(disaggregated_config(pair, 13, 4, 2048)) == 2048
+    assert chunk_of(PdConfig(decode=Pool(15, EngineConfig(gpu="H100", tp=8, chunked_prefill_size=1024)))) == 1024
+    free = unbound_decode(config)
+    assert free.prefill == config.prefill and free.decode.replicas == 40 and free.decode.engine == config.decode.engine

@@ -33,8 +33,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 # The pool that must grow → the settings that make the load too much for it and not for the other.
 SCENARIOS = {
     "decode": {"INFERBUS_AUTOSCALER_GOODPUT_RPS": "2", "INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS": "50",
-               # Decode workers hold requests while their prompts wait: the prefill pool's TTFT and
-               # queue see that wait, and must not read it as their own shortage.
+               # Generous prefill budgets: this test is about capacity and the actuator. A decode
+               # shortage under the default budgets is test_autoscaler_roles.py's (the prefill
+               # pool's TTFT starts at the decode worker's ask, after the wait for a decode slot).
                "INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S": "30", "INFERBUS_AUTOSCALER_QUEUE_WAIT_BUDGET_S": "30"},
     "prefill": {"INFERBUS_AUTOSCALER_GOODPUT_RPS": "50", "INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS": "2",
                 "INFERBUS_AUTOSCALER_TPOT_SLO_S": "5", "INFERBUS_AUTOSCALER_DECODE_KV_BUDGET": "1"},

@@ -81,6 +81,7 @@ class Worker:
 class Entry:
     cancelled: bool = False
     prefill_worker: str | None = None
+    requeue: str | None = None
 
 
 class PrefillWorker:
@@ -119,7 +120,8 @@ class PrefillWorker:
         done = m.PrefillDone(request_id=ask.request.request_id, attempt=ask.request.attempt, try_no=ask.try_no,
                              worker_id=self.worker_id, ok=ok, prompt_tokens=len(ask.request.input_ids),
                              cached_tokens=128 if ok else 0,
-                             code="" if ok else "invalid_request" if self.report == "refused" else "prefill_aborted",
+                             code="" if ok else "invalid_request" if self.report == "refused"
+                             else "preempted" if self.report == "preempted" else "prefill_aborted",
                              message="Invalid grammar request: backreference" if self.report == "refused" else "")
         await self.nc.publish(subjects.prefilled_subject(subjects.prefill_sender(msg.subject)), m.encode(done))
         await self.nc.flush()
@@ -155,9 +157,14 @@ async def test_a_full_prefill_pool_is_waited_out_and_the_prefill_workers_cached_
     prefill = PrefillWorker(nc, "p1", worker.engine, answers=["full", "full"])
     await prefill.start()
     started = time.monotonic()
-    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    accepted_at = time.time() - 5  # the gateway took it 5 s before this decode worker did
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1", created=accepted_at), Entry()), 10)
     assert "".join(u.text for u in updates) == "hi!" and updates[-1].finish == {"type": "length"}
     assert len(prefill.asked) == 3 and time.monotonic() - started >= 0.2  # two 100 ms waits
+    # Every ask of the attempt says when the first was made: the prefill pool's TTFT starts there,
+    # refusals included (a full prefill pool's wait is its own), not at the gateway's accept.
+    asked_at = {a.asked_at for a in prefill.asked}  # type: ignore[union-attr]
+    assert len(asked_at) == 1 and accepted_at + 4 < asked_at.pop() <= time.time() - 0.2
     [(rid, bootstrap)] = worker.engine.requests  # the decode engine got the request once, with the room
     assert rid == "r1-00" and bootstrap["bootstrap_room"] == prefill.asked[-1].bootstrap_room  # type: ignore[union-attr]
     assert (bootstrap["bootstrap_host"], bootstrap["bootstrap_port"]) == ("h", 1)
@@ -282,4 +289,28 @@ async def test_a_slow_router_is_waited_for_once_it_is_known_to_answer(nc: Client
     await asyncio.wait_for(collect(side, request(request_id="r2"), Entry()), 10)
     second = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
     assert second.request.request_id == "r2" and second.placed  # the router's choice, waited for
+    await side.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_batch_line_whose_prefill_gave_way_goes_back_to_the_batch_queue(nc: Client) -> None:
+    # Its prefill worker preempted the half for an interactive prompt: the line is handed back as a
+    # preempted line (its attempt ends with an abort, `requeue` "preempted": batch_lines requeues
+    # it), not tried at once on another prefill worker.
+    side, worker = await decode_side(nc)
+    busy = PrefillWorker(nc, "p1", worker.engine, answers=[], report="preempted")
+    spare = PrefillWorker(nc, "p2", worker.engine, answers=[])
+    await busy.start()
+    await spare.start()
+    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
+    entry = Entry()
+    line = request(prefill_worker="p1", batch_id="b1", band="batch")
+    updates = await asyncio.wait_for(collect(side, line, entry), 10)
+    assert updates[-1].finish is not None and updates[-1].finish["type"] == "abort" and not updates[-1].text
+    assert entry.requeue == "preempted"
+    assert "r1-00" in worker.engine.aborted  # the decode engine's wait for the KV was aborted
+    assert spare.asked == []
+    # An interactive request whose half failed the same way is tried elsewhere.
+    interactive = await asyncio.wait_for(collect(side, request(request_id="r2", prefill_worker="p1"), Entry()), 10)
+    assert "".join(u.text for u in interactive) == "hi!" and [type(a) for a in spare.asked] == [m.PrefillRequest]
     await side.stop()

@@ -68,3 +68,15 @@ def test_retry_only_before_the_first_token_and_within_tries_and_deadline() -> No
     assert not retry(**{**ok, "tries": prefill_choice.MAX_TRIES})  # type: ignore[arg-type]
     assert not retry(**{**ok, "now": 10.0})  # type: ignore[arg-type]
     assert not retry(**{**ok, "code": "invalid_request"})  # type: ignore[arg-type]
+
+
+def test_a_preempted_batch_prefill_is_handed_back_not_retried() -> None:
+    args = dict(got_first_token=False, cancelled=False, tries=1, now=0.0, deadline=10.0)
+    assert not prefill_choice.retry(code="preempted", batch=True, **args)  # type: ignore[arg-type]
+    assert prefill_choice.handed_back(code="preempted", batch=True)
+    # An interactive half is never preempted; were one reported so, it is tried again elsewhere.
+    assert prefill_choice.retry(code="preempted", batch=False, **args)  # type: ignore[arg-type]
+    assert not prefill_choice.handed_back(code="preempted", batch=False)
+    # A batch half that failed otherwise is tried again as any half.
+    assert prefill_choice.retry(code="prefill_aborted", batch=True, **args)  # type: ignore[arg-type]
+    assert not prefill_choice.handed_back(code="prefill_aborted", batch=True)

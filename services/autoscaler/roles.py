@@ -3,8 +3,9 @@ role's `PoolSignals` in, one `Decision` per role out.
 
 A prefill pool and a decode pool serve the same requests but run out of different things, so one
 number cannot size both:
-  - prefill: its queue and its share of the TTFT budget. Its workers report the gateway's accept to
-    the prompt's KV sent as their TTFT, so the budget is the TTFT SLO less what the decode side
+  - prefill: its queue and its share of the TTFT budget. Its workers report a decode worker's first
+    ask for the prompt to its KV sent as their TTFT (the wait for a decode worker before the ask is
+    the decode pool's shortage: services/worker/prefill_timing.py), so the budget is the TTFT SLO less what the decode side
     adds (the plan's prefill budget plus the transfer); a prefill pool's TPOT and KV mean nothing
     for its size (it decodes nothing, and its cache is freed as soon as the KV is sent);
   - decode: TPOT and KV use. A decode pool's queue wait includes waiting for its prefill (the

@@ -80,6 +80,7 @@ class PrefillTry:
     started: float = field(default_factory=time.monotonic)
     not_held: int = 0  # status answers in a row saying its prefill worker no longer holds it
     room: int = field(default_factory=lambda: random.getrandbits(63))  # SGLang's router draws 63 bits likewise
+    asked_at: float = 0.0  # wall time of the attempt's first ask for a prefill (any try)
 
 
 class PrefillPeers:
@@ -245,6 +246,7 @@ class DecodeSide:
         refused_full = 0
         hint = request.prefill_worker
         try_no = 0
+        asked_at = time.time()  # the prefill pool's TTFT starts here (prefill_timing), whatever try takes it
         while True:
             if entry.cancelled:  # the client left while its prefill was being arranged: billed as cancelled
                 yield cancelled_update()
@@ -261,7 +263,7 @@ class DecodeSide:
                 raise EngineError("no prefill worker could take the request", code="no_prefill_worker",
                                   retryable=True, status=503)
             worker_id, placed = chosen
-            current = PrefillTry(request, try_no, worker_id, m.prefill_rid(request, try_no))
+            current = PrefillTry(request, try_no, worker_id, m.prefill_rid(request, try_no), asked_at=asked_at)
             accepted = await self._send(current, placed, headers)
             if accepted is None or not accepted.accepted:
                 reason = accepted.reason if accepted is not None else "no answer"
@@ -302,8 +304,16 @@ class DecodeSide:
             PREFILL_TRIES.labels("prefill_failed").inc()
             try_no += 1
             code = current.result.code if current.result is not None else "prefill_lost"
+            batch = request.batch_id is not None
             if not prefill_choice.retry(code=code, got_first_token=got_token, cancelled=entry.cancelled, tries=try_no,
-                                        now=time.time(), deadline=request.deadline):
+                                        now=time.time(), deadline=request.deadline, batch=batch):
+                if prefill_choice.handed_back(code=code, batch=batch) and not entry.cancelled:
+                    # Its prefill gave way to interactive work: the line goes back to the batch
+                    # queue, as a batch line preempted on this worker does (batch_lines).
+                    entry.requeue = "preempted"
+                    log.info("batch_prefill_preempted", request_id=request.request_id, prefill_worker=worker_id)
+                    yield EngineUpdate(finish={"type": "abort", "message": "preempted"})
+                    return
                 if entry.cancelled:
                     yield cancelled_update()
                     return
@@ -357,7 +367,7 @@ class DecodeSide:
         """The half to its prefill worker, with the request's trace context in the NATS headers."""
         s = self.worker.settings
         ask = m.PrefillRequest(request=current.request.on_wire(), bootstrap_room=current.room,
-                               try_no=current.try_no, placed=placed)
+                               try_no=current.try_no, placed=placed, asked_at=current.asked_at)
         try:
             reply = await self.worker.replies.request(subjects.prefill_subject(current.worker_id, s.worker_id),
                                                       m.encode(ask), s.liveness_timeout_s, headers=headers or None)

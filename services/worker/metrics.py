@@ -36,7 +36,7 @@ PREFILL_TRIES = Counter(
 )
 PREFILL_HALVES = Counter(
     "inferbus_worker_prefill_halves_total",
-    "Prefill workers: prefill halves taken from decode workers, by how they ended (ok, failed, aborted, refused)",
+    "Prefill workers: prefill halves taken from decode workers, by how they ended (ok, failed, aborted, preempted: a batch half that gave way to an interactive one, refused)",
     ["outcome"],
 )
 DUPLICATES = Counter(

@@ -59,11 +59,22 @@ def fallback(peers: list[PrefillPeer], request: m.InferenceRequest, zone: str, a
     return rng.choice(sorted(peer.worker_id for peer in found if in_flight.get(peer.worker_id, 0) == fewest))
 
 
-def retry(*, code: str, got_first_token: bool, cancelled: bool, tries: int, now: float, deadline: float) -> bool:
+def retry(*, code: str, got_first_token: bool, cancelled: bool, tries: int, now: float, deadline: float,
+          batch: bool = False) -> bool:
     """Whether a failed prefill try is tried again on another worker. Only before the decode engine
     produced its first token: after it, the KV has arrived and the prefill side no longer matters.
     Not for a request the client cancelled, nor past its tries or deadline, nor for a refusal of
-    the request itself (a 4xx: every engine would refuse it)."""
+    the request itself (a 4xx: every engine would refuse it), nor for a batch line (`batch`) whose
+    prefill gave way to interactive work (`preempted`): the line goes back to the batch queue as a
+    preempted line does on any worker (`handed_back`), to run where there is spare capacity."""
     if got_first_token or cancelled or tries >= MAX_TRIES or now >= deadline:
         return False
+    if handed_back(code=code, batch=batch):
+        return False
     return code not in ("invalid_request",)
+
+
+def handed_back(*, code: str, batch: bool) -> bool:
+    """Whether a failed prefill try ends the attempt of a batch line, its line back on the batch
+    queue: its prefill worker preempted the half for an interactive one."""
+    return batch and code == "preempted"

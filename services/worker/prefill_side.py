@@ -4,7 +4,10 @@ send it the prefill halves of theirs (`PrefillRequest` on `prefill_subject(self,
 It takes a half while it has a slot (its engine's max_running_requests: beyond that a prefill
 waits in the engine's queue while another prefill worker may be free, so it refuses, `full`, and
 the decode worker asks the next one), and a batch line's half only while it computes fewer batch
-prompts than INFERBUS_WORKER_BATCH_MAX_PREFILLING (batch runs on spare capacity on this side too), answers with its engine's bootstrap address, and sends the
+prompts than INFERBUS_WORKER_BATCH_MAX_PREFILLING (batch runs on spare capacity on this side too);
+an interactive half that finds every slot taken preempts the batch half sent to its engine first
+(`prefill_admission`: it is aborted and reported `preempted`, and its decode worker hands the line
+back to the batch queue). It answers with its engine's bootstrap address, and sends the
 request with the bootstrap trio to its engine, which computes the prompt, sends the KV to the
 decode engine waiting in the room, and answers once the transfer is done. It then tells the decode
 worker how the half ended (`PrefillDone`), with the cached tokens its engine reported: those are
@@ -19,6 +22,7 @@ cancel is refused. A decode worker that gives a half up says so (`PrefillAbort`)
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,7 +37,9 @@ from proto import messages as m
 from proto import subjects
 
 from .engine import EngineError
-from .metrics import PREFILL_HALVES
+from .metrics import PREEMPTIONS, PREFILL_HALVES
+from .prefill_admission import HeldHalf, admit
+from .prefill_timing import prefill_ttft
 
 if TYPE_CHECKING:
     from .service import Worker
@@ -53,6 +59,10 @@ class Half:
     headers: dict[str, str] | None = None  # the request's trace context, from the decode worker
     task: asyncio.Task[None] | None = None
     aborted: bool = False
+    preempted: bool = False  # a batch half aborted for an interactive one: its line goes back to the batch queue
+    # When it was sent to the engine (monotonic; inf until then): the engine computes prompts in the
+    # order they reach it, so the batch half sent first is the one it is computing.
+    sent_at: float = math.inf
 
     @property
     def request(self) -> m.InferenceRequest:
@@ -121,12 +131,20 @@ class PrefillSide:
         elif worker.cancels.reason(owner, request.request_id) is not None or worker.cancels.superseded(
                 request.request_id, request.attempt):
             refusal = "cancelled"
-        elif len(self.halves) >= self.capacity:
-            refusal = "full"
-        elif request.band == "batch" and self.batch_halves() >= worker.settings.batch_max_prefilling:
+        else:
+            # Every slot taken: refused, unless it is interactive and a batch half gives way for it.
             # Batch prompts take chunked-prefill budget from interactive ones, here as on a decode
             # worker's engine: as many at once as a worker lets batch lines prefill.
-            refusal = "full"
+            admission = admit(batch=request.band == "batch", capacity=self.capacity,
+                              batch_max_prefilling=worker.settings.batch_max_prefilling,
+                              held=[HeldHalf(key, h.request.band == "batch", h.sent_at, h.aborted or h.preempted)
+                                    for key, h in self.halves.items()])
+            refusal = admission.reason
+            victim = next((h for key, h in self.halves.items() if key == admission.victim), None)
+            if victim is not None:
+                victim.preempted = True
+                PREEMPTIONS.inc()
+                self.worker.background.spawn(self._abort(victim, f"preempted for interactive {request.request_id}"))
         if refusal:
             PREFILL_HALVES.labels("refused").inc()
             return m.PrefillAccepted(accepted=False, worker_id=me, reason=refusal)
@@ -151,20 +169,25 @@ class PrefillSide:
             with tracing.span(tracer, "worker.prefill", half.headers) as headers:
                 if request.adapter:
                     await worker.adapters.ensure(request.adapter)
+                half.sent_at = time.monotonic()
                 result = await worker.engine.prefill(request, headers, bootstrap=bootstrap, rid=half.rid)
             done = msgspec.structs.replace(done, ok=not half.aborted, prompt_tokens=result.prompt_tokens,
                                            cached_tokens=result.cached_tokens,
-                                           code="" if not half.aborted else "prefill_aborted")
+                                           code="" if not half.aborted else "preempted" if half.preempted
+                                           else "prefill_aborted")
             worker.gpu.progress()
             if request.band != "batch" and request.attempt == 0 and not request.pinned:
                 # The prefill pool's own TTFT (its load report's ttft_hist, role "prefill"): the
-                # gateway's accept to the prompt's KV sent. The autoscaler sizes the prefill pool on
-                # it; the client's TTFT is the decode worker's (the canaries' gates read only that).
-                worker.stats.observe_ttft(time.time() - request.created)
+                # decode worker's first ask to the prompt's KV sent (prefill_timing). The autoscaler
+                # sizes the prefill pool on it; the client's TTFT is the decode worker's (the
+                # canaries' gates read only that).
+                worker.stats.observe_ttft(prefill_ttft(half.ask, time.time()))
         except EngineError as error:
             if error.code == "engine_unavailable":
                 worker.watch.down(str(error))
-            done = msgspec.structs.replace(done, code=error.code, message=str(error))
+            # An engine ends an aborted prompt with an error: one preempted here is reported as such,
+            # so that its decode worker hands the batch line back rather than retrying it.
+            done = msgspec.structs.replace(done, code="preempted" if half.preempted else error.code, message=str(error))
         except Exception as error:  # never leave a decode worker waiting on a bug
             log.exception("prefill_half_failed")
             done = msgspec.structs.replace(done, code="internal_error", message=type(error).__name__)
@@ -177,7 +200,8 @@ class PrefillSide:
                 worker.stats.completed_batch += 1
             worker.load_changed.set()
             structlog.contextvars.unbind_contextvars("request_id", "tenant")
-        PREFILL_HALVES.labels("ok" if done.ok else "aborted" if half.aborted else "failed").inc()
+        PREFILL_HALVES.labels("ok" if done.ok else "preempted" if half.preempted else "aborted" if half.aborted
+                              else "failed").inc()
         if not done.ok and not half.aborted:
             log.warning("prefill_half_failed", code=done.code, error=done.message)
         try:

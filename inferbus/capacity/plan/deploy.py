@@ -295,7 +295,7 @@ def disaggregated_autoscaler_env(plan: Plan, row: DisaggRow) -> list[tuple[str, 
         ("INFERBUS_AUTOSCALER_MIN_WARM", "0"),
         ("INFERBUS_AUTOSCALER_MAX_WARM", str(warm_d)),
         ("INFERBUS_AUTOSCALER_MAX_REPLICAS", str(row.decode_replicas + warm_d)),
-        # prefill: its share of the TTFT budget and its queue. Its workers measure accept → KV sent,
+        # prefill: its share of the TTFT budget and its queue. Its workers measure a decode worker's ask → KV sent,
         # so the budget is the prefill's share plus the transfer (the SLO less the decode steps).
         ("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", rps(row.prefill_rps)),
         ("INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S", f"{row.prefill_budget_s + row.transfer_p90_s:.4g}"),
