@@ -10,7 +10,7 @@ help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite (lint, types and package layers included)"
 	@echo "make test-quick  the development loop (30-80 s): make lint, then the tests marked neither e2e nor slow (no process started)"
-	@echo "make lint   only ruff, mypy (services, proto) and the package layers (lint-imports)"
+	@echo "make lint   only ruff, mypy (every package) and the package layers (lint-imports)"
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  the serving spine side by side with sglang-router (~4 min, ARGS=--quick ~1.5 min), then admission, fairness, billing, placement, overload (~7 min); writes bench/results/"
 	@echo "make bench-routing  replay two Mooncake traces through sglang-router, Dynamo (KV, round-robin) and inferbus affinity (~15 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing*.* and simulate_vs_dynamo.*"

@@ -399,7 +399,15 @@ async def kv_keys(kv: KeyValue, within: str = ">") -> list[str]:
 KV_READS_IN_FLIGHT = 64
 
 
-async def kv_values(kv: KeyValue, within: str = ">") -> list[KeyValue.Entry]:
+@dataclass(frozen=True, slots=True)
+class KvValue:
+    """A key of a KV bucket and the value it holds (what `kv_values` lists: never a delete marker)."""
+
+    key: str
+    value: bytes
+
+
+async def kv_values(kv: KeyValue, within: str = ">") -> list[KvValue]:
     """The current entries of `kv` whose keys match `within`, by key: the keys from the stream's
     subject index (`kv_keys`), then their values read concurrently. Keys deleted meanwhile, or
     holding a delete marker, are left out."""
@@ -414,7 +422,7 @@ async def kv_values(kv: KeyValue, within: str = ">") -> list[KeyValue.Entry]:
                 return None
 
     entries = await asyncio.gather(*(read(key) for key in keys))
-    return [entry for entry in entries if entry is not None and entry.value]
+    return [KvValue(entry.key, entry.value) for entry in entries if entry is not None and entry.value]
 
 
 async def follow(

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from .bus_auth import LocalIdentities, accounts_block, new_password
@@ -475,7 +476,7 @@ class Stack:
         for zone, env in zip(self.zones or [""], zone_env or [{}], strict=True):
             name = f"auth-callout-{zone}" if zone else "auth-callout"
             callout_log = c.state_dir / "logs" / f"{name}.log"
-            self._add(name, self._inferbus("auth-callout"), lambda p=callout_log: _logged(p, b'"auth_callout_ready"'),
+            self._add(name, self._inferbus("auth-callout"), partial(_logged, callout_log, b'"auth_callout_ready"'),
                       "per-service tokens" + (f", zone {zone}" if zone else ""), NATS_USER="auth",
                       NATS_PASSWORD=auth_password, INFERBUS_CALLOUT_ISSUER_SEED=seed.decode(),
                       INFERBUS_CALLOUT_ACCOUNT=CALLOUT_ACCOUNT, INFERBUS_CALLOUT_NAMESPACE="local",
@@ -615,7 +616,7 @@ class Stack:
                 node_config = with_callout(node_config)
             write_private(config, node_config + "\n" + lc.nats_cluster_block(layout, node, route_tls) + "\n")
             self._add(f"nats-{node.zone}", [nats_server_binary(), "-c", str(config)],
-                      lambda m=node.monitor_port: http_ok(f"http://127.0.0.1:{m}/healthz"), url)
+                      partial(http_ok, f"http://127.0.0.1:{node.monitor_port}/healthz"), url)
         # Redis: the primary in the first zone, a replica in the second, a sentinel in each.
         password = new_password()
         primary_port, replica_port = free_port(), free_port()
@@ -625,7 +626,7 @@ class Stack:
             config = c.state_dir / f"redis-{zone}.conf"
             write_private(config, redis_config(port, password, data_dir) + lc.redis_replication_lines(password, primary))
             url = f"redis://:{password}@127.0.0.1:{port}/0"
-            self._add(f"redis-{zone}", [redis_server_binary(), str(config)], lambda u=url: redis_reachable(u),
+            self._add(f"redis-{zone}", [redis_server_binary(), str(config)], partial(redis_reachable, url),
                       f"redis://127.0.0.1:{port}/0 ({'replica' if primary else 'primary'})")
         sentinels = []
         for zone in zones:
@@ -635,12 +636,12 @@ class Stack:
             write_private(config, lc.sentinel_config(port, primary_port, password, c.state_dir))
             url = f"redis://:{password}@127.0.0.1:{port}/0"
             self._add(f"sentinel-{zone}", [redis_server_binary(), str(config), "--sentinel"],
-                      lambda u=url: redis_reachable(u), f"127.0.0.1:{port}")
+                      partial(redis_reachable, url), f"127.0.0.1:{port}")
         self.redis_url = sentinel_url(sentinels, lc.SENTINEL_SERVICE, password)
         level = c.log_level if c.log_level == "debug" else "info"
         for index, zone in enumerate(zones):
             router_log = logs / f"router-{zone}.log"
-            self._add(f"router-{zone}", self._inferbus("router"), lambda p=router_log: _logged(p, b'"router_ready"'),
+            self._add(f"router-{zone}", self._inferbus("router"), partial(_logged, router_log, b'"router_ready"'),
                       f"zone {zone}", INFERBUS_METRICS_PORT="0", INFERBUS_LOG_LEVEL=level, **zone_env(index))
         self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0",
                   **zone_env(0))
@@ -662,7 +663,7 @@ class Stack:
             port = c.gateway_port if index == 0 else free_port()
             url = f"http://{c.gateway_host}:{port}"
             self.gateway_urls[zone] = url
-            self._add(f"gateway-{zone}", self._inferbus("gateway"), lambda u=url: self.gateway_serving(u), url,
+            self._add(f"gateway-{zone}", self._inferbus("gateway"), partial(self.gateway_serving, url), url,
                       INFERBUS_GATEWAY_HOST=c.gateway_host, INFERBUS_GATEWAY_PORT=str(port),
                       INFERBUS_GATEWAY_ID=f"gateway-{zone}", **admin, **zone_env(index))
         self.gateway_url = self.gateway_urls[zones[0]]

@@ -14,6 +14,7 @@ import itertools
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -53,7 +54,7 @@ class Replies:
         self._prefix = nc.new_inbox() + "."
         self._pending: dict[str, asyncio.Future[Msg]] = {}
         self._counter = itertools.count()
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_reply, pending_msgs_limit=1_000_000)

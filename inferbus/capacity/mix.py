@@ -154,16 +154,17 @@ class Length:
         return sum(draws) / len(draws), sum(d * d for d in draws) / len(draws)
 
     def describe(self) -> Any:
-        p = dict(self.params)
+        params = dict(self.params)
         if self.dist == "fixed":
-            return int(p["value"])
+            return int(params["value"])
+        shown: dict[str, Any] = params
         if self.dist == "choice":
             count = len(self.params) // 2
-            p = {"values": [int(p[f"v{i}"]) for i in range(count)], "weights": [p[f"w{i}"] for i in range(count)]}
+            shown = {"values": [int(params[f"v{i}"]) for i in range(count)],
+                     "weights": [params[f"w{i}"] for i in range(count)]}
         elif self.dist == "uniform":
-            p = {"min": int(p["low"]), "max": int(p["high"])}
-            return {"dist": self.dist, **p}
-        return {"dist": self.dist, **p, "min": self.low, "max": self.high}
+            return {"dist": self.dist, "min": int(params["low"]), "max": int(params["high"])}
+        return {"dist": self.dist, **shown, "min": self.low, "max": self.high}
 
 
 @dataclass(frozen=True)

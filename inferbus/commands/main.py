@@ -260,7 +260,7 @@ def new_admin_key() -> str:
     return "ib-admin-" + secrets.token_urlsafe(32)
 
 
-def _service_command(name: str, settings_cls: type, run: str, summary: str = "") -> None:
+def _service_command(name: str, settings_cls: type[Any], run: str, summary: str = "") -> None:
     @main.command(name, help=(summary or f"Run the {name} service.") + "\n\n" + _env_help(settings_cls))
     def command() -> None:
         from inferbus.bus import ServerTooOld
@@ -494,8 +494,8 @@ class AdminAPI:
         if response.is_success:
             return response.json()
         try:
-            error = response.json()["error"]
-            message, code, param = error["message"], error.get("code"), error.get("param")
+            detail = response.json()["error"]
+            message, code, param = detail["message"], detail.get("code"), detail.get("param")
         except Exception:
             message, code, param = response.text[:200] or response.reason_phrase, None, None
         if response.status_code == 401:

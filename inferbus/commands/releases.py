@@ -382,7 +382,7 @@ def release_status(model: str | None, history: bool, as_json: bool, nats_url: st
 
 
 def _eval(suite: str, release_ref: str, baseline: str | None, model: str | None, repeats: int | None,
-          concurrency: int, url: str | None, api_key: str, record: bool, nats_url: str | None) -> None:
+          concurrency: int, url: str | None, api_key: str, record_verdict: bool, nats_url: str | None) -> None:
     from inferbus.commands import local_platform
 
     try:
@@ -422,7 +422,7 @@ def _eval(suite: str, release_ref: str, baseline: str | None, model: str | None,
     click.echo(f"{verdict.outcome.upper()}: {verdict.reason}")
     for item_id, answer in cand_score.failures:
         click.echo(f"  candidate wrong on {item_id}: {answer[:80]!r}", err=True)
-    if record:
+    if record_verdict:
         async def write(nc: Any, kv: Any) -> str:
             for _ in range(5):
                 rollout, revision = (await store.get_adapter_rollout(kv, adapter.base_model, adapter.name) if adapter

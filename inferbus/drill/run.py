@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -388,7 +389,7 @@ async def read_ledger(platform: Platform, request_ids: set[str], wanted: set[str
         deadline = time.monotonic() + settle_s
         while True:
             events: list[LedgerEvent] = []
-            start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since - 5))
+            start = datetime.fromtimestamp(since - 5, tz=UTC)
             sub = await js.subscribe(subjects.usage_filter(TENANT), ordered_consumer=True,
                                      config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
             try:

@@ -77,7 +77,7 @@ async def http_exception_handler(request: Request, error: Exception) -> Response
 
 async def validation_exception_handler(request: Request, error: Exception) -> Response:
     # FastAPI's own 422s (query parameters); bodies are validated by msgspec in schemas.py.
-    errors = getattr(error, "errors", lambda: [])()
+    errors: list[dict[str, Any]] = getattr(error, "errors", lambda: [])()
     first = errors[0] if errors else {}
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     return OpenAIError(400, first.get("msg", "Invalid request"), param=param, code="invalid_value").response(

@@ -168,8 +168,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
             name = f"{where}.{field}" if where else field
             raise OpenAIError(400, f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter") from None
         if text.startswith("Object missing required field"):
-            field = text.split("`")[1] if "`" in text else None
-            raise OpenAIError(400, f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter") from None
+            missing = text.split("`")[1] if "`" in text else None
+            raise OpenAIError(400, f"Missing required parameter: '{missing}'.", param=missing, code="missing_required_parameter") from None
         raise OpenAIError(400, f"Invalid request: {text}", param=_param(text), code="invalid_value") from None
     except RecursionError:  # callers check the depth first (json_body); this is the backstop
         raise OpenAIError(400, "The request body is nested too deeply.", code="json_too_deep") from None

@@ -292,9 +292,9 @@ class UsageStore:
         results: list[Any] = []
         start = 0
         while start < len(calls):
-            end, events = start, 0
-            while end < len(calls) and (end == start or events + len(calls[end][1]) <= MAX_EVENTS_PER_ROUND_TRIP):
-                events += len(calls[end][1])
+            end, in_trip = start, 0
+            while end < len(calls) and (end == start or in_trip + len(calls[end][1]) <= MAX_EVENTS_PER_ROUND_TRIP):
+                in_trip += len(calls[end][1])
                 end += 1
             results += await self._run(calls[start:end], list(by_tenant) if start == 0 else [])
             start = end

@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -246,7 +246,7 @@ class FileStore:
         """The bytes of `record` for reading (FileNotFoundError if they are gone)."""
         return open(self.path(record), "rb")
 
-    def iter_lines(self, record: m.FileRecord) -> Iterator[tuple[int, bytes]]:
+    def iter_lines(self, record: m.FileRecord) -> Generator[tuple[int, bytes], None, None]:
         """(0-based line index, line without its line ending) for every line of the file, read
         as it goes (blocking: call from a thread, or use `aiter_lines`). A final newline does not
         make an extra empty line; empty lines elsewhere are yielded (the validator decides about them)."""

@@ -27,7 +27,7 @@ class ModelCatalog:
         self.created = created
         self.adapters: dict[str, m.AdapterSpec] = {}
         self._task: asyncio.Task[None] | None = None
-        self._watcher = None
+        self._watcher: KeyValue.KeyWatcher | None = None
         self._kv: KeyValue | None = None
 
     async def start(self, js: JetStreamContext) -> None:

@@ -296,7 +296,11 @@ class ReplicaModel:
         if self.kv_capacity_tokens <= 0:
             return Goodput(0.0, None, infeasible="no KV cache space left next to the weights")
         kv_limit = self.assumptions.kv_limit
-        limits = {c: self.limit(lambda p, c=c: p.meets(c, slo, kv_limit)) for c in CONSTRAINTS}
+
+        def meeting(constraint: str) -> Callable[[OperatingPoint], bool]:
+            return lambda point: point.meets(constraint, slo, kv_limit)
+
+        limits = {c: self.limit(meeting(c)) for c in CONSTRAINTS}
         binding = min(CONSTRAINTS, key=lambda c: limits[c])
         rps = limits[binding]
         limits["saturation"] = self.limit(lambda p: p.stable)

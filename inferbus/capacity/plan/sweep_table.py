@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from inferbus.capacity.plan.model import Slo
@@ -140,7 +141,8 @@ def parse(data: Any, source: str, gpu: str | None = None, tp: int | None = None)
             errors=int(raw.get("errors") or 0),
             client_limited=bool(raw.get("client_limited", False)),
         ))
-    mix = data.get("mix") if isinstance(data.get("mix"), Mapping) else {}
+    raw_mix = data.get("mix")
+    mix: Mapping[str, Any] = raw_mix if isinstance(raw_mix, Mapping) else {}
     return Sweep(source, str(gpu) if gpu else None, int(tp) if tp else None, replicas, mode, mix, tuple(steps))
 
 
@@ -173,17 +175,18 @@ def goodput(sweep: Sweep, slo: Slo, plan_mix: Mapping[str, Any]) -> SweepGoodput
     ordered = sorted(sweep.steps, key=lambda s: s.request_rps)
     points = tuple((s.request_rps / n, s.ttft_p90_s, s.tpot_p90_s) for s in ordered)
     passing = [s for s in ordered if not s.failures(slo)]
-    common = dict(source=sweep.source, gpu=sweep.gpu, tp=sweep.tp, points=points, replicas=n)
+    # The fields every answer below shares.
+    result = partial(SweepGoodput, source=sweep.source, gpu=sweep.gpu, tp=sweep.tp, points=points, replicas=n)
     if not passing:
-        return SweepGoodput(rps=0.0, binding=None, passing_rps=None, failing_rps=None, warnings=tuple(warnings),
-                            infeasible="no sweep step met the SLO", **common)
+        return result(rps=0.0, binding=None, passing_rps=None, failing_rps=None, warnings=tuple(warnings),
+                            infeasible="no sweep step met the SLO")
     best = passing[-1]
     above = [s for s in ordered if s.request_rps > best.request_rps and s.failures(slo)]
     if not above:
         warnings.append("no step above the best passing one failed the SLO: the goodput is a lower bound "
                         "(sweep to higher load)")
-        return SweepGoodput(rps=best.request_rps / n, binding=None, passing_rps=best.request_rps / n,
-                            failing_rps=None, warnings=tuple(warnings), **common)
+        return result(rps=best.request_rps / n, binding=None, passing_rps=best.request_rps / n,
+                            failing_rps=None, warnings=tuple(warnings))
     fail = above[0]
     # Where along best → fail each missed metric crosses its target; the first crossing binds.
     values = {
@@ -197,8 +200,8 @@ def goodput(sweep: Sweep, slo: Slo, plan_mix: Mapping[str, Any]) -> SweepGoodput
     binding = min(crossings, key=lambda m: crossings[m])
     rps = best.request_rps + crossings[binding] * (fail.request_rps - best.request_rps)
     crossing = (*values[binding], crossings[binding]) if binding in values else None
-    return SweepGoodput(rps=rps / n, binding=binding, passing_rps=best.request_rps / n,
-                        failing_rps=fail.request_rps / n, crossing=crossing, warnings=tuple(warnings), **common)
+    return result(rps=rps / n, binding=binding, passing_rps=best.request_rps / n,
+                        failing_rps=fail.request_rps / n, crossing=crossing, warnings=tuple(warnings))
 
 
 def _fraction(passing: float, failing: float, target: float) -> float:
