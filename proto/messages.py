@@ -11,6 +11,7 @@ be in a stream at an upgrade: `tier`, the name of `band` until the vocabulary wa
 from __future__ import annotations
 
 import bisect
+import secrets
 from collections.abc import Sequence
 from typing import Literal, Union
 
@@ -329,7 +330,8 @@ class Cancel(_Message):
 class UsageEvent(_Message):
     """Worker (or gateway, when no worker finished it) → billing, on the USAGE stream.
 
-    Exactly one per client request: published with `Nats-Msg-Id = request_id`.
+    Exactly one per client request (ledger key `request_id`, see `usage_msg_id`), published with
+    the `Nats-Msg-Id` of `usage_publish_id`.
     """
 
     request_id: str
@@ -360,10 +362,29 @@ class UsageEvent(_Message):
 
 
 def usage_msg_id(event: UsageEvent) -> str:
-    """The JetStream message id (and ledger dedup key) of a usage event."""
+    """The ledger key of a usage event: the rollups count each key once, whoever reported it."""
     if event.billed_to == "platform":
         return f"{event.request_id}.{event.attempt}.abandoned"
     return event.request_id
+
+
+def usage_publish_id(event: UsageEvent, reporter: str, nonce: str) -> str:
+    """The JetStream message id (`Nats-Msg-Id`) a usage event is published with: its ledger key,
+    the reporter (`w.<worker>` or `o.<gateway>`, as in its subject) and `nonce`, a secret the
+    reporter draws once per event (`new_usage_nonce`) and keeps for its retries.
+
+    JetStream drops a message whose id it stored within the duplicate window, whoever published
+    it, and no permission binds an id to a subject. An id anyone could compute (the request id, or
+    the id with the reporter's name) lets an identity that knows a request id publish first and
+    have the holder's genuine report dropped as a duplicate. With the nonce only the reporter's own
+    retries of the same event are dropped; reports of one key by anyone else are all stored, and
+    the rollups, which count a key once and never count a refused report, decide."""
+    return f"{usage_msg_id(event)}.{reporter}.{nonce}"
+
+
+def new_usage_nonce() -> str:
+    """A fresh `usage_publish_id` nonce: 96 random bits."""
+    return secrets.token_hex(12)
 
 
 def batch_request_id(batch_id: str, line: int) -> str:

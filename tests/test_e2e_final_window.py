@@ -76,9 +76,11 @@ def test_a_worker_killed_between_its_usage_and_its_final_chunk_bills_the_request
     wait_for(lambda: outbox_pending(outbox) == 0, timeout=30, what="the killed worker's outbox to be delivered")
     wait_for(lambda: rollup_drained(platform), timeout=30, what="billing to roll the ledger up")
 
+    # The ledger keeps each reporter's report (the killed worker's, republished, and the next
+    # attempt's: their message ids differ), each with what the client received; the rollups count one.
     billed = [e for e in ledger(platform, tenant) if e.billed_to == "tenant"]
-    assert [e.request_id for e in billed] == [held["request_id"]], billed
-    assert (billed[0].usage.prompt_tokens, billed[0].usage.completion_tokens) == (usage.prompt_tokens, 40)
+    assert {e.request_id for e in billed} == {held["request_id"]} and 1 <= len(billed) <= 2, billed
+    assert {(e.usage.prompt_tokens, e.usage.completion_tokens) for e in billed} == {(usage.prompt_tokens, 40)}
     rollups = rollups_by_key(platform, tenant, started, time.time())
     assert rollups == {key_id: {"requests": 1, "input": usage.prompt_tokens, "output": 40,
                                 "cached": billed[0].usage.cached_tokens}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -16,6 +17,8 @@ from nats.aio.client import Client
 from prometheus_client import REGISTRY
 
 from inferbus import bus
+from inferbus.outbox import Outbox
+from inferbus.replies import Replies
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices
 from proto import messages as m
@@ -23,6 +26,7 @@ from proto import subjects
 from services.billing.attribution import NOT_JUDGED, Dispatched, Holders, judged, refusal
 from services.billing.pull import stored_at
 from services.billing.rollup import RollupConsumer
+from services.worker.usage import UsageReporter
 
 from .test_billing_store import totals
 
@@ -92,6 +96,17 @@ def test_usage_subjects_name_their_sender() -> None:
     assert subjects.attributed_usage_subject(subject, O, "gw") == subject
 
 
+def test_usage_message_ids_name_the_reporter_and_cannot_be_guessed() -> None:
+    """Only the reporter's retries (which reuse its id) share a message id: another reporter, or
+    another report of the same event, gets one nobody could compute in advance."""
+    e = event("r", "worker-1")
+    one = m.usage_publish_id(e, f"{W}.worker-1", m.new_usage_nonce())
+    assert one.startswith(f"r.{W}.worker-1.") and len(one) == len(f"r.{W}.worker-1.") + 24
+    assert one != m.usage_publish_id(e, f"{W}.worker-1", m.new_usage_nonce())
+    abandoned = msgspec.structs.replace(e, billed_to="platform", attempt=2)
+    assert m.usage_publish_id(abandoned, f"{W}.worker-1", "n") == f"r.2.abandoned.{W}.worker-1.n"
+
+
 def foreign_usage() -> float:
     return REGISTRY.get_sample_value("inferbus_security_events_total", {"kind": "foreign_usage"}) or 0.0
 
@@ -148,3 +163,58 @@ async def test_billing_counts_only_the_holders_usage(nc: Client, redis: aioredis
     now = time.time()
     counted = await totals(store, ["acme"], now - 3600, now + 60)
     assert (counted.requests, counted.output_tokens) == (2, 13)
+
+
+@pytest.mark.slow  # a nats-server and Redis of its own
+async def test_a_forged_early_report_cannot_suppress_the_holders(nc: Client, redis: aioredis.Redis,
+                                                                   tmp_path: Path) -> None:
+    """worker-2 knows the id of a request worker-1 holds and reports usage for it first, under
+    every message id it can compute (the request id, and the id naming worker-1 as reporter).
+    JetStream still stores worker-1's report, published the way a worker publishes it (its
+    outbox, `UsageReporter`), and billing counts it once; the forgeries are refused. Control:
+    worker-1's retry of its own report (its acknowledgement lost) is dropped by JetStream and
+    counted once."""
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    claims = await bus.claims_bucket(js, 60)
+    await claims.create(subjects.claim_key("held", 0), b"worker-1@17.0")
+    dispatches = await bus.dispatches_bucket(js)
+    await dispatches.put(subjects.dispatch_key("held"), m.encode(dispatch("held")))
+    forged_on = subjects.usage_subject("acme", W, "worker-2")
+    for forged, msg_id in ((event("held", "worker-2", tokens=1000), "held"),
+                           (event("held", "worker-1", tokens=1000), f"held.{W}.worker-1")):
+        await js.publish(forged_on, m.encode(forged), headers={"Nats-Msg-Id": msg_id})
+    replies = Replies(nc)
+    await replies.start()
+    stored: list[bool] = []  # per publish of worker-1's report: stored (True) or dropped as a duplicate
+
+    async def publish_twice(subject: str, data: bytes, msg_id: str) -> None:
+        stored.append(await replies.publish_durable(subject, data, msg_id))
+        stored.append(await replies.publish_durable(subject, data, msg_id))  # the retry of a lost ack
+
+    outbox = Outbox(tmp_path / "usage-outbox.sqlite3", publish_twice)
+    await outbox.start()
+    reporter = UsageReporter(outbox, "worker-1")
+    now = time.time()
+    request = m.InferenceRequest(request_id="held", tenant="acme", model="m", prompt="hi", sampling=m.SamplingParams(max_new_tokens=16),
+                                 reply_to="inferbus.tok.gateway-a", deadline=now + 60, created=now)
+    try:
+        await reporter.publish(request, "completed", m.Usage(prompt_tokens=5, completion_tokens=10), "stop")
+        assert await outbox.drained(timeout=10)
+    finally:
+        await outbox.stop()
+        await replies.stop()
+    assert stored == [True, False]
+    store = UsageStore(redis)
+    server = nc.connected_url
+    assert server is not None
+    consumer = RollupConsumer(nc, f"nats://{server.hostname}:{server.port}", store, PriceStore(redis, default=PRICES),
+                              batch=10, count_metrics=False, holders=Holders(js))
+    await consumer.open()
+    try:
+        await asyncio.wait_for(consumer.run(done=consumer.caught_up), 20)
+    finally:
+        await consumer.stop()
+    assert (consumer.counted, consumer.refused) == (1, 2)
+    counted = await totals(store, ["acme"], now - 3600, now + 60)
+    assert (counted.requests, counted.input_tokens, counted.output_tokens) == (1, 5, 10)

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 
+import msgspec
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -57,6 +58,15 @@ def test_batch_lines_count_when_asked_and_an_empty_window_is_an_error() -> None:
     assert usage_mix.collect(events, usage_mix.UsageFilter(0.0, 2000.0, include_batch=True)).counted == 1
     with pytest.raises(ValueError, match="no completed requests"):
         usage_mix.to_spec(usage_mix.collect(events, WINDOW), "empty")
+
+
+def test_a_request_reported_twice_is_one_request_of_the_mix() -> None:
+    """The ledger keeps each reporter's report of a request (a worker killed after writing its
+    report and the attempt that finished the request both report it): the mix counts it once."""
+    once = event(600, 250)
+    again = msgspec.structs.replace(once, worker_id="worker-2", finished=once.finished + 1)
+    collected = usage_mix.collect([once, again, event(600, 250)], WINDOW)
+    assert collected.counted == 2 and collected.skipped == {"duplicate": 1}
 
 
 def test_a_fully_cached_prompt_still_prefills_one_token() -> None:

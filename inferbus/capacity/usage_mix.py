@@ -59,9 +59,15 @@ def _bin(tokens: int) -> int:
 
 def collect(events: Iterable[m.UsageEvent], window: UsageFilter) -> UsageMix:
     result = UsageMix()
+    seen: set[str] = set()
     for event in events:
         if not window.start <= event.finished < window.end:
             continue
+        key = m.usage_msg_id(event)
+        if key in seen:  # another report of the same request (the ledger keeps each reporter's)
+            result.skip("duplicate")
+            continue
+        seen.add(key)
         if window.model is not None and event.model != window.model:
             continue
         if window.tenant is not None and event.tenant != window.tenant:

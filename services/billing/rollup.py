@@ -11,8 +11,11 @@ Why that is exactly once:
 - a crash after the Redis call and before the ack redelivers the batch: the dedup sets say every
   event was counted, nothing is added twice;
 - a crash before the Redis call redelivers it too, and nothing had been added;
-- a request id published twice (outside JetStream's duplicate window: two stream sequences) is
-  counted the first time only, whoever publishes it, since the dedup set is keyed by request id;
+- a request id published twice (two stream sequences: a retry after JetStream's duplicate window,
+  a gateway and a worker both reporting, or reports by several workers, since each report's
+  message id carries a nonce of its reporter: `m.usage_publish_id`) is counted the first time it
+  is taken only, since the dedup set is keyed by request id (`m.usage_msg_id`); a refused report
+  never reaches it, so it cannot take the key from the holder's report;
 - replicas pulling from one consumer see different messages; if they ever race on one (a
   redelivery after `ack_wait`), the script runs one at a time in Redis and only the first counts.
 Acks are explicit, not `AckPolicy.ALL`: with several replicas, an "ack all" by one replica

@@ -563,11 +563,14 @@ class Dispatcher:
         )
         subject = subjects.usage_subject(request.tenant, subjects.USAGE_FROM_OWNER, self.gateway_id)
         data = m.encode(event)
+        # Drawn once for this event: the outbox keeps it for its retries (see `m.usage_publish_id`).
+        msg_id = m.usage_publish_id(event, f"{subjects.USAGE_FROM_OWNER}.{subjects.token(self.gateway_id)}",
+                                    m.new_usage_nonce())
         try:
             if self.outbox is not None:
-                await self.outbox.add(subject, data, m.usage_msg_id(event))
+                await self.outbox.add(subject, data, msg_id)
             else:
-                await self.replies.publish_durable(subject, data, m.usage_msg_id(event))
+                await self.replies.publish_durable(subject, data, msg_id)
         except (PublishError, NatsTimeoutError, OSError) as error:
             log.error("usage_publish_failed", request_id=request.request_id, error=repr(error))
 

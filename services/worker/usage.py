@@ -1,5 +1,7 @@
 """Usage events, the billing ledger's input: written to a local outbox on disk first, then
 published to JetStream until it acknowledges them (what a previous run left is published at start).
+Each event's message id is drawn when it enters the outbox (`m.usage_publish_id`) and kept for its
+retries: JetStream drops those, and no other identity can have the event dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class UsageReporter:
         self.outbox = outbox
         self.worker_id = worker_id
         self.release = ""  # the release this worker verified it serves (set at start)
+        self.reporter = f"{subjects.USAGE_FROM_WORKER}.{subjects.token(worker_id)}"  # as in its usage subject
 
     @classmethod
     async def open(cls, state_dir: str, worker_id: str, replies: Replies) -> UsageReporter:
@@ -47,7 +50,7 @@ class UsageReporter:
         )
         try:
             await self.outbox.add(subjects.usage_subject(request.tenant, subjects.USAGE_FROM_WORKER, self.worker_id),
-                                  m.encode(event), m.usage_msg_id(event))
+                                  m.encode(event), m.usage_publish_id(event, self.reporter, m.new_usage_nonce()))
         except Exception as error:
             # The disk refused it: the ledger will miss this event, so say so loudly.
             log.error("usage_outbox_write_failed", request_id=request.request_id, error=repr(error),
