@@ -24,6 +24,8 @@ from services.worker.decode_side import DecodeSide
 from services.worker.engine import EngineUpdate
 from services.worker.tasks import Background
 
+from .waiting import await_for
+
 pytestmark = pytest.mark.slow
 
 MODEL = "m"
@@ -128,6 +130,12 @@ class PrefillWorker:
             self.engine.landed.setdefault(m.prefill_rid(ask.request, ask.try_no), asyncio.Event()).set()
 
 
+async def knows(side: DecodeSide, *workers: str) -> None:
+    """Wait until the prefill workers' heartbeats have reached the decode side's view."""
+    await await_for(lambda: set(workers) <= set(side.peers.peers), 30, interval=0.01,
+                    what=f"the decode side knows {workers}")
+
+
 def request(**fields: Any) -> m.InferenceRequest:
     base: dict[str, Any] = dict(request_id="r1", tenant="t", model=MODEL, prompt="", reply_to="inferbus.tok.g",
                                 deadline=time.time() + 30, created=time.time(), input_ids=list(range(300)),
@@ -172,7 +180,7 @@ async def test_a_prefill_that_fails_before_the_first_token_is_tried_on_another_w
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await failing.start()
     await healthy.start()
-    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
+    await knows(side, "p1", "p2")
     updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
     assert "".join(u.text for u in updates) == "hi!"  # nothing of the failed try reached the client
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]  # a new rid and room for the retry
@@ -192,7 +200,7 @@ async def test_a_prefill_engine_refusing_the_request_is_the_clients_400_and_not_
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await refusing.start()
     await healthy.start()
-    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
+    await knows(side, "p1", "p2")
     with pytest.raises(EngineError) as raised:
         await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
     assert (raised.value.status, raised.value.code, raised.value.retryable) == (400, "invalid_request", False)
@@ -221,7 +229,7 @@ async def test_a_prefill_worker_that_restarted_before_its_heartbeat_lapsed_loses
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await silent.start()
     await healthy.start()
-    await asyncio.sleep(0.3)
+    await knows(side, "p1", "p2")
     task = asyncio.ensure_future(collect(side, request(prefill_worker="p1"), Entry()))
     deadline = time.monotonic() + 5
     while not worker.engine.requests:
@@ -247,7 +255,7 @@ async def test_a_lost_prefill_report_is_found_out_by_asking_and_the_half_tried_e
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await lost.start()
     await healthy.start()
-    await asyncio.sleep(0.3)
+    await knows(side, "p1", "p2")
     updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
     assert "".join(u.text for u in updates) == "hi!"
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]
@@ -270,9 +278,7 @@ async def test_a_slow_router_is_waited_for_once_it_is_known_to_answer(nc: Client
         await msg.respond(m.encode(m.PlacementReply(target=subjects.worker_target("p1"), worker_id="p1")))
 
     await nc.subscribe(subjects.placement_wildcard(), cb=slow_router)
-    deadline = time.monotonic() + 5
-    while "p1" not in side.peers.peers and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await knows(side, "p1")
     await asyncio.wait_for(collect(side, request(request_id="r1"), Entry()), 10)
     first = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
     assert not first.placed  # chosen by the worker: the router's answer came too late
