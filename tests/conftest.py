@@ -57,8 +57,9 @@ class Platform:
         return self.stack.get(f"engine-{i}").detail
 
 
-def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: float = 5.0) -> list:
-    """Usage events for `request_ids` on the USAGE stream (the billing ledger), waiting for them."""
+def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: float = 30.0) -> list:
+    """Usage events for `request_ids` on the USAGE stream (the billing ledger), waiting up to
+    `timeout` until each id has one (returned as soon as it does: generous for a busy machine)."""
     import time
 
     import msgspec

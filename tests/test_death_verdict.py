@@ -3,18 +3,20 @@ migrates its streams only when nothing answers. Against a real nats-server."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 
 import pytest
+from nats.aio.msg import Msg
 
 from inferbus import bus
 from proto import messages as m
+from proto import subjects
 from services.gateway.dispatch import Dispatcher, Flight
 from services.worker.liveness import LivenessThread
 
 from .nats_server import NatsServer
+from .waiting import await_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,17 +51,21 @@ async def test_a_worker_that_answers_keeps_its_streams_and_one_that_does_not_los
                                  sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
     flight = Flight(request=request, worker_id="busy", state="accepted")
     dispatcher.flights["r"] = flight
+    probes: list[Msg] = []
+
+    async def seen(msg: Msg) -> None:
+        probes.append(msg)
+
+    await nc.subscribe(subjects.liveness_subject("busy"), cb=seen)  # beside the worker's own answerer
     try:
-        await asyncio.sleep(0.3)
-        assert "busy" in dispatcher.live_workers
-        await asyncio.sleep(4 * TTL_S)  # expired, probed (more than once), answered every time
+        await await_for(lambda: "busy" in dispatcher.live_workers, 30, what="the busy worker seen")
+        # Expired and probed three times: the verdicts on the first two (answered) are in.
+        await await_for(lambda: len(probes) >= 3, 60, what="three liveness probes of the busy worker")
         assert flight.events.empty() and flight.worker_id == "busy"
         assert "busy" in dispatcher.live_workers
 
         busy.stop()  # now it is gone: the next probe goes unanswered
-        deadline = time.monotonic() + 5
-        while flight.events.empty() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await await_for(lambda: not flight.events.empty(), 30, what="the lost worker's stream given up")
         event = flight.events.get_nowait()
         assert isinstance(event, m.StreamError) and event.code == "worker_lost" and event.retryable
         assert "busy" not in dispatcher.live_workers

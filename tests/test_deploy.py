@@ -2,12 +2,14 @@
 
 Nothing here needs Docker, a cluster or network. Tools that are optional on a developer
 machine (kubectl for kustomize rendering, promtool for PromQL parsing) are used when
-present and the corresponding test is skipped with a reason otherwise.
+present and the corresponding test is skipped with a reason otherwise; with
+INFERBUS_REQUIRE_PROMTOOL set (as `.ci/run` does), a missing promtool fails the PromQL checks.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -396,6 +398,8 @@ def _promtool() -> str:
     """promtool on the PATH, or the one `make install` put in the virtualenv."""
     beside = Path(sys.executable).parent / "promtool"
     promtool = shutil.which("promtool") or (str(beside) if beside.exists() else None)
+    if not promtool and os.environ.get("INFERBUS_REQUIRE_PROMTOOL"):  # CI: a check that skips proves nothing
+        pytest.fail("INFERBUS_REQUIRE_PROMTOOL is set and promtool is not installed (`make install` fetches it)")
     if not promtool:
         pytest.skip("promtool not installed (`make install` fetches it; Debian package `prometheus`): "
                     "PromQL syntax not checked")

@@ -277,10 +277,15 @@ def test_drain_puts_running_lines_back_on_the_queue_with_their_progress(worker4:
 
     async def scenario() -> list[m.InferenceRequest]:
         async with BatchFeed(worker4) as feed:
+            before = await asyncio.to_thread(generated_tokens, worker4)
             for i in range(2):
                 await feed.publish(line_request(batch_id, i, f"Drained line {i}.", LINE_TOKENS, feed.reply_to))
             await feed.wait_accepted(2)
-            await asyncio.sleep(1.0)
+
+            async def progressed() -> bool:  # both lines have tokens to resume from
+                return await asyncio.to_thread(generated_tokens, worker4) >= before + 200
+
+            await await_for(progressed, 60, interval=0.1, what="200 tokens of the two lines generated")
             worker = worker4.stack.get("worker-1")
             worker.signal(signal.SIGTERM)
             # Waited for off the loop: the stand-in batch service answers the lines handed back meanwhile.
@@ -328,7 +333,12 @@ def test_work_waiting_inside_the_engine_gets_room_from_engine_priority_or_from_a
             for i, prompt in enumerate(prompts):
                 await feed.publish(line_request(batch_id, i, prompt, LINE_TOKENS, feed.reply_to))
             await feed.wait_accepted(3)
-            await asyncio.sleep(0.5)
+
+            async def engine_full() -> bool:  # the three lines are inside the engine, not on their way
+                loads = (await asyncio.to_thread(httpx.get, full_engine.engine_url(1) + "/v1/loads", timeout=10)).json()
+                return sum(entry["num_running_reqs"] for entry in loads["loads"]) >= 3
+
+            await await_for(engine_full, 60, interval=0.05, what="the engine running the three lines")
             thread = threading.Thread(target=interactive, args=(full_engine, 0, ttfts, errors))
             thread.start()
             while thread.is_alive():

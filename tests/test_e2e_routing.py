@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -146,19 +147,18 @@ def test_a_router_restart_rebuilds_its_view_from_the_workers(fleet: Platform) ->
 
 
 def _restart_router(platform: Platform) -> None:
-    """Start the router again and wait until it is ready and every worker has sent it a snapshot."""
+    """Start the router again and wait until it is ready and has applied a cache snapshot of every worker."""
     router = platform.stack.get("router")
-    workers = [process.log_path for process in platform.stack.processes if process.name.startswith("worker-")]
+    workers = [process.name for process in platform.stack.processes if process.name.startswith("worker-")]
 
-    def logged(path: Path, event: bytes) -> int:
-        return path.read_bytes().count(b'"%s"' % event)
+    def applied() -> list[str]:
+        return [json.loads(line)["worker_id"] for line in router.log_path.read_bytes().splitlines()
+                if b'"cache_snapshot_applied"' in line]
 
-    ready, snapshots = logged(router.log_path, b"router_ready"), [logged(path, b"cache_snapshot_sent") for path in workers]
+    before = applied()
     router.start()
-    wait_for(lambda: logged(router.log_path, b"router_ready") > ready and all(
-        logged(path, b"cache_snapshot_sent") > before for path, before in zip(workers, snapshots)
-    ), 30, what="the restarted router ready with every worker's snapshot")
-    time.sleep(0.2)  # the last snapshot's way from the worker to the router
+    wait_for(lambda: all(applied().count(worker) > before.count(worker) for worker in workers), 30,
+             what="the restarted router with every worker's cache snapshot applied")
 
 
 def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: Platform) -> None:
@@ -176,11 +176,12 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         streams = [pool.submit(run, prefix(300 + i, 512)) for i in range(9)]
-        time.sleep(0.5)
+        wait_for(lambda: _engine_running(fleet, owner.worker_id), 60, interval=0.02,
+                 what=f"streams running on {owner.worker_id}")
         victim.signal(signal.SIGSTOP)
         # Watched only once the worker is stopped: before, a request it has pulled but not yet
         # acknowledged counts as waiting and then runs there, and the router has nothing to move.
-        time.sleep(0.1)
+        wait_for(lambda: _stopped(victim.pid), 10, interval=0.01, what=f"{owner.worker_id} stopped")
         watch = _QueueWatch(fleet, owner.worker_id)
         # A burst, not a trickle: on a busy machine the heartbeat (3 s) can expire before a
         # trickle reaches the router, and then nothing is placed on the hung worker at all.
@@ -203,6 +204,18 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
     # The router forgot it within the heartbeat TTL: new work goes to the two others only.
     later = {complete(fleet, prefix(200 + i, 256)).id.removeprefix("cmpl-") for i in range(6)}
     assert all(e.worker_id != owner.worker_id for e in read_usage(fleet, "demo", later))
+
+
+def _engine_running(platform: Platform, worker_id: str) -> int:
+    """Requests running in `worker_id`'s engine."""
+    loads = httpx.get(f"{platform.engine_url(int(worker_id.rpartition('-')[2]))}/v1/loads", timeout=10).json()["loads"]
+    return sum(entry["num_running_reqs"] for entry in loads)
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] in "Tt"
 
 
 class _QueueWatch:

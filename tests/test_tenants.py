@@ -115,7 +115,8 @@ async def test_store_validates_what_it_writes(redis: aioredis.Redis) -> None:
 async def test_get_is_cached_and_single_flight(redis_url: str, redis: aioredis.Redis) -> None:
     await TenantStore(redis).create(Tenant(id="acme"))
     counting = CountingRedis.from_url(redis_url)
-    store = TenantStore(counting, cache_ttl_s=0.3)
+    now = [1000.0]  # the cache's clock, moved by hand: a busy machine cannot stretch the window
+    store = TenantStore(counting, cache_ttl_s=0.3, cache_clock=lambda: now[0])
     CountingRedis.gets = 0
     results = await asyncio.gather(*(store.get("acme") for _ in range(200)))
     assert all(r is not None and r.id == "acme" for r in results)
@@ -130,7 +131,9 @@ async def test_get_is_cached_and_single_flight(redis_url: str, redis: aioredis.R
     await store.update("acme", {"disabled": False})  # this process's own writes are visible at once
     assert (await store.get("acme")).disabled is False  # type: ignore[union-attr]
     await TenantStore(redis).update("acme", {"band": "premium"})
-    await asyncio.sleep(0.35)
+    now[0] += 0.29
+    assert (await store.get("acme")).band == "standard"  # type: ignore[union-attr]
+    now[0] += 0.02
     assert (await store.get("acme")).band == "premium"  # type: ignore[union-attr]
     assert await store.get("../etc") is None  # never a Redis key built from a malformed id
     await counting.aclose()

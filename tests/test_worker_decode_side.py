@@ -24,7 +24,11 @@ from services.worker.decode_side import DecodeSide
 from services.worker.engine import EngineUpdate
 from services.worker.tasks import Background
 
+from .waiting import await_for
+
 pytestmark = pytest.mark.slow
+
+COLLECT_S = 60  # a bound on a stream that ends in well under a second when the machine is not busy
 
 MODEL = "m"
 
@@ -130,6 +134,12 @@ class PrefillWorker:
             self.engine.landed.setdefault(m.prefill_rid(ask.request, ask.try_no), asyncio.Event()).set()
 
 
+async def knows(side: DecodeSide, *workers: str) -> None:
+    """Wait until the prefill workers' heartbeats have reached the decode side's view."""
+    await await_for(lambda: set(workers) <= set(side.peers.peers), 30, interval=0.01,
+                    what=f"the decode side knows {workers}")
+
+
 def request(**fields: Any) -> m.InferenceRequest:
     base: dict[str, Any] = dict(request_id="r1", tenant="t", model=MODEL, prompt="", reply_to="inferbus.tok.g",
                                 deadline=time.time() + 30, created=time.time(), input_ids=list(range(300)),
@@ -158,7 +168,8 @@ async def test_a_full_prefill_pool_is_waited_out_and_the_prefill_workers_cached_
     await prefill.start()
     started = time.monotonic()
     accepted_at = time.time() - 5  # the gateway took it 5 s before this decode worker did
-    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1", created=accepted_at), Entry()), 10)
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1", created=accepted_at), Entry()),
+                                     COLLECT_S)
     assert "".join(u.text for u in updates) == "hi!" and updates[-1].finish == {"type": "length"}
     assert len(prefill.asked) == 3 and time.monotonic() - started >= 0.2  # two 100 ms waits
     # Every ask of the attempt says when the first was made: the prefill pool's TTFT starts there,
@@ -179,8 +190,8 @@ async def test_a_prefill_that_fails_before_the_first_token_is_tried_on_another_w
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await failing.start()
     await healthy.start()
-    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
-    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    await knows(side, "p1", "p2")
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), COLLECT_S)
     assert "".join(u.text for u in updates) == "hi!"  # nothing of the failed try reached the client
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]  # a new rid and room for the retry
     assert "r1-00" in worker.engine.aborted  # the decode engine's wait for the lost KV was aborted
@@ -199,9 +210,9 @@ async def test_a_prefill_engine_refusing_the_request_is_the_clients_400_and_not_
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await refusing.start()
     await healthy.start()
-    await asyncio.sleep(0.3)  # the heartbeats reach the decode side's view
+    await knows(side, "p1", "p2")
     with pytest.raises(EngineError) as raised:
-        await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+        await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), COLLECT_S)
     assert (raised.value.status, raised.value.code, raised.value.retryable) == (400, "invalid_request", False)
     assert "grammar" in str(raised.value)
     assert healthy.asked == []
@@ -213,7 +224,7 @@ async def test_a_request_cancelled_while_its_prefill_is_arranged_ends_as_an_abor
     side, worker = await decode_side(nc)
     prefill = PrefillWorker(nc, "p1", worker.engine, answers=["cancelled"])
     await prefill.start()
-    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), COLLECT_S)
     assert [u.finish for u in updates] == [{"type": "abort", "message": "cancelled"}]  # billed as cancelled, once
     assert worker.engine.requests == []
     await side.stop()
@@ -228,7 +239,7 @@ async def test_a_prefill_worker_that_restarted_before_its_heartbeat_lapsed_loses
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await silent.start()
     await healthy.start()
-    await asyncio.sleep(0.3)
+    await knows(side, "p1", "p2")
     task = asyncio.ensure_future(collect(side, request(prefill_worker="p1"), Entry()))
     deadline = time.monotonic() + 5
     while not worker.engine.requests:
@@ -237,7 +248,7 @@ async def test_a_prefill_worker_that_restarted_before_its_heartbeat_lapsed_loses
     beat = m.Heartbeat(worker_id="p1", model=MODEL, engine_url="", started=time.time() + 1, ts=time.time(),
                        role="prefill", max_running=8)
     await (await bus.workers_bucket(nc.jetstream(), 30)).put(subjects.worker_key("p1"), m.encode(beat))
-    updates = await asyncio.wait_for(task, 10)
+    updates = await asyncio.wait_for(task, COLLECT_S)
     assert "".join(u.text for u in updates) == "hi!"
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"] and len(healthy.asked) == 1
     await side.stop()
@@ -254,8 +265,8 @@ async def test_a_lost_prefill_report_is_found_out_by_asking_and_the_half_tried_e
     healthy = PrefillWorker(nc, "p2", worker.engine, answers=[])
     await lost.start()
     await healthy.start()
-    await asyncio.sleep(0.3)
-    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), 10)
+    await knows(side, "p1", "p2")
+    updates = await asyncio.wait_for(collect(side, request(prefill_worker="p1"), Entry()), COLLECT_S)
     assert "".join(u.text for u in updates) == "hi!"
     assert [rid for rid, _ in worker.engine.requests] == ["r1-00", "r1-00.1"]
     asked = [type(a) for a in lost.asked]
@@ -277,16 +288,14 @@ async def test_a_slow_router_is_waited_for_once_it_is_known_to_answer(nc: Client
         await msg.respond(m.encode(m.PlacementReply(target=subjects.worker_target("p1"), worker_id="p1")))
 
     await nc.subscribe(subjects.placement_wildcard(), cb=slow_router)
-    deadline = time.monotonic() + 5
-    while "p1" not in side.peers.peers and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    await asyncio.wait_for(collect(side, request(request_id="r1"), Entry()), 10)
+    await knows(side, "p1")
+    await asyncio.wait_for(collect(side, request(request_id="r1"), Entry()), COLLECT_S)
     first = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
     assert not first.placed  # chosen by the worker: the router's answer came too late
     deadline = time.monotonic() + 5
     while not side.patience.answering() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    await asyncio.wait_for(collect(side, request(request_id="r2"), Entry()), 10)
+    await asyncio.wait_for(collect(side, request(request_id="r2"), Entry()), COLLECT_S)
     second = [a for a in prefill.asked if isinstance(a, m.PrefillRequest)][-1]
     assert second.request.request_id == "r2" and second.placed  # the router's choice, waited for
     await side.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -154,10 +155,11 @@ def apply_changes(tenant: Tenant, changes: Any) -> Tenant:
 
 
 class TenantStore:
-    def __init__(self, redis: aioredis.Redis, cache_ttl_s: float = 5.0) -> None:
+    def __init__(self, redis: aioredis.Redis, cache_ttl_s: float = 5.0,
+                 cache_clock: Callable[[], float] = time.monotonic) -> None:
         self.redis = redis
         self.cache_ttl_s = cache_ttl_s
-        self._cache: CachedLookup[str, Tenant | None] = CachedLookup(cache_ttl_s)
+        self._cache: CachedLookup[str, Tenant | None] = CachedLookup(cache_ttl_s, clock=cache_clock)
 
     may_use_model = staticmethod(may_use_model)
 

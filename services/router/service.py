@@ -254,6 +254,8 @@ class Router:
             return
         if not self.registry.on_cache(event):
             await self._ask_resync(event.worker_id)
+        elif event.cleared and event.worker_id in self.registry.workers:
+            log.info("cache_snapshot_applied", worker_id=event.worker_id, stored=len(event.stored))
 
     async def _ask_resync(self, worker_id: str) -> None:
         now = time.monotonic()
