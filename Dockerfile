@@ -38,7 +38,7 @@ RUN pip install --no-index --find-links /wheels /wheels/*.whl && rm -rf /wheels
 # chat template) for the simulated engines and the services that render prompts. With a real
 # engine, mount the directory it serves (at least tokenizer.json and tokenizer_config.json) and
 # point INFERBUS_MODEL_DIR at it.
-RUN INFERBUS_CACHE_DIR=/tmp/inferbus-build python -m inferbus.modeldir /opt/inferbus/model --format llama3 \
+RUN INFERBUS_CACHE_DIR=/tmp/inferbus-build python -m inferbus.tokens.modeldir /opt/inferbus/model --format llama3 \
  && rm -rf /tmp/inferbus-build
 ENV INFERBUS_MODEL_DIR=/opt/inferbus/model
 

@@ -33,10 +33,10 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-# The fleet simulator's hot modules compiled with mypyc (inferbus/capacity/accel.py), rebuilt when their
+# The fleet simulator's hot modules compiled with mypyc (tools/capacity/accel.py), rebuilt when their
 # source changed; without a current build they run as Python, two to three times slower.
 accel: $(STAMP)
-	@$(PY) -m inferbus.capacity.accel build --if-stale --warn-only
+	@$(PY) -m tools.capacity.accel build --if-stale --warn-only
 
 install: $(STAMP) accel promtool
 

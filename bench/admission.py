@@ -30,7 +30,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from bench.common import percentile, write_results
-from inferbus.local import free_port, redis_reachable, redis_server_binary
+from inferbus.local.stack import free_port, redis_reachable, redis_server_binary
 from inferbus.stores.admission import Admission, TenantLimits
 
 LIMITS = TenantLimits(requests_per_minute=10**9, input_tokens_per_minute=10**12, output_tokens_per_minute=10**12,

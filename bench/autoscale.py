@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet, StaticController
-from inferbus.commands.simulate import size_fleet
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet, StaticController
+from tools.commands.simulate import size_fleet
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.autoscaler.threshold import ThresholdConfig, ThresholdController

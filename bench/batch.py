@@ -4,7 +4,7 @@ Interactive load alone, then the same interactive load with a large batch beside
 p90 TTFT and TPOT must stay within 10 % of the interactive-only run while batch consumes ≥ 80 %
 of the spare token capacity. Two parts (`--part sim|live|all`):
 
-sim: the per-step fleet simulator (`inferbus.capacity.fleetsim.FleetSim`: the router's placement policy,
+sim: the per-step fleet simulator (`tools.capacity.fleetsim.FleetSim`: the router's placement policy,
   the sim engine's real scheduler with priority scheduling, and with a batch band the batch
   service's `FeedPolicy` and the workers' `PreemptionPolicy`, unchanged). A fleet of H100 TP2
   replicas (`--replicas`, default 40) sized by the planner: the interactive peak is the rate the
@@ -31,7 +31,7 @@ sim: the per-step fleet simulator (`inferbus.capacity.fleetsim.FleetSim`: the ro
       SLO (the sweep's best feasible level, and a linear interpolation to the level where the first
       limit is reached exactly, which is the reference the share is computed against).
 
-live: the platform (`inferbus.local.Stack`, as tests/conftest.py starts it) with simulated
+live: the platform (`inferbus.local.stack.Stack`, as tests/conftest.py starts it) with simulated
   workers at `--time-scale`; an interactive Poisson load through the official `openai` SDK, alone
   and then with a batch submitted through the SDK's files/batches API, alternated `--live-rounds`
   times (the machine is shared: its load drifts); interactive p90 TTFT/TPOT measured client-side,
@@ -56,13 +56,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim
-from inferbus.capacity.fleetsim.batch import BatchSpec, LineLengths
-from inferbus.capacity.stats import percentile
-from inferbus.capacity.traces import TraceRequest
-from inferbus.commands.simulate import HEADROOM, size_fleet
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim
+from tools.capacity.fleetsim.batch import BatchSpec, LineLengths
+from tools.capacity.stats import percentile
+from tools.capacity.traces import TraceRequest
+from tools.commands.simulate import HEADROOM, size_fleet
 from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -475,7 +475,7 @@ LIVE_MAX_IN, LIVE_MAX_OUT = 4_096, 1_024  # interactive lengths clipped to keep 
 
 def _content(rng: random.Random, tokens: int) -> str:
     """About `tokens` prompt tokens of chat content (one token per word; the template adds ~30)."""
-    from inferbus.capacity.sweep.prompts import words
+    from tools.capacity.sweep.prompts import words
 
     return words(rng, max(1, tokens - 30))
 
@@ -570,9 +570,9 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import openai
 
-    from inferbus.commands.local_platform import demo_key
-    from inferbus.commands.main import new_admin_key
-    from inferbus.local import Stack, StackConfig, free_port
+    from tools.commands.local_platform import demo_key
+    from tools.commands.main import new_admin_key
+    from inferbus.local.stack import Stack, StackConfig, free_port
 
     scale = args.time_scale
     engine = EngineConfig()
@@ -737,7 +737,7 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
         return ["## Live, with the platform", "", f"Not measured: {live.get('error')}", ""]
     a, b = live.get("interactive_only"), live.get("with_batch")
     out = ["## Live, with the platform", "", f"`{live.get('command')}` ({live.get('date')}).", "",
-           f"`inferbus.local.Stack` (NATS, Redis, gateway, router, billing, batch service, {i['workers']} workers with "
+           f"`inferbus.local.stack.Stack` (NATS, Redis, gateway, router, billing, batch service, {i['workers']} workers with "
            f"simulated H100 TP2 engines at time scale {i['time_scale']}: an engine second takes {i['time_scale']} s). "
            f"Interactive: Azure conversation lengths (clipped to {i['interactive_clip'][0]} / {i['interactive_clip'][1]} "
            f"tokens), Poisson at {i['rate_wall_rps']:.1f} req/s wall ({i['rate_engine_rps']:.2f} req/s of engine time, "

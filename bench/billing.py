@@ -33,8 +33,8 @@ import nats
 import redis.asyncio as aioredis
 
 from bench.common import percentile, write_results
-from inferbus import bus
-from inferbus.local import free_port, http_ok, nats_server_binary, redis_reachable, redis_server_binary
+from inferbus.bus import connection as bus
+from inferbus.local.stack import free_port, http_ok, nats_server_binary, redis_reachable, redis_server_binary
 from inferbus.stores import usage as u
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices

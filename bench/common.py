@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from inferbus.capacity.stats import percentile  # noqa: F401  (re-exported)
+from tools.capacity.stats import percentile  # noqa: F401  (re-exported)
 
 
 def write_results(out: Path, name: str, results: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:

@@ -10,7 +10,7 @@ block size, SGLang scheduling with the same chunked-prefill budget and batch lim
 scale of the benchmark as `--speedup-ratio`.
 
 The frontend tokenizes prompts with a model directory written here: a word-level tokenizer whose
-vocabulary is the trace's prompt words (`inferbus.capacity.traces`: one word per token), so a prompt is
+vocabulary is the trace's prompt words (`tools.capacity.traces`: one word per token), so a prompt is
 exactly the trace's `input_length` tokens, as it is for our engines. The mocker's output ids are
 drawn from the same vocabulary.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import dynamo_env
-from inferbus.capacity import traces
-from inferbus.local import Process, free_port
+from tools.capacity import traces
+from inferbus.local.stack import Process, free_port
 
 ROUTER_MODES = {"dynamo_kv": "kv", "dynamo_round_robin": "round-robin"}
 SPECIAL = ["<unk>", "<s>", "</s>"]

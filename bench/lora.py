@@ -2,7 +2,7 @@
 
 The scenario: 200 adapters over 20 tenants (10 each, private to their tenant), streaming chat
 whose adapter popularity is Zipf (exponent 1: the top 10 adapters get ≈ 50% of the traffic, the
-hottest ≈ 17%), on a local platform of 4 simulated H100 TP2 workers (`inferbus.local.Stack`, as the
+hottest ≈ 17%), on a local platform of 4 simulated H100 TP2 workers (`inferbus.local.stack.Stack`, as the
 tests start it) at a rate of 80% of what they hold on the base model at the SLO (p90 TTFT 0.8 s)
 for this workload (400 ± 200 prompt tokens, 64 output tokens): 58.5 req/s, measured (see
 MEASURED_CAPACITY_PER_WORKER), so 46.8 req/s. Then the same arrivals on the base model only, and
@@ -72,9 +72,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import percentile, write_results
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.sweep.prompts import words
-from inferbus.commands.simulate import size_fleet
+from tools.capacity import mix as mix_mod
+from tools.capacity.sweep.prompts import words
+from tools.commands.simulate import size_fleet
 from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -132,8 +132,8 @@ class Platform:
     """A local platform with tenants, keys and registered adapters."""
 
     def __init__(self, workers: int, time_scale: float, engine_args: list[str]) -> None:
-        from inferbus.commands.main import new_admin_key
-        from inferbus.local import Stack, StackConfig, free_port
+        from tools.commands.main import new_admin_key
+        from inferbus.local.stack import Stack, StackConfig, free_port
 
         self.state = Path(tempfile.mkdtemp(prefix="inferbus-bench-lora-"))
         self.stack = Stack(StackConfig(
@@ -199,7 +199,7 @@ def _ts(record: dict[str, Any]) -> float:
 def tokens_per_word(platform: Platform) -> float:
     """Tokens per generated word under the served model's tokenizer, so prompts have the lengths the
     capacity was computed for."""
-    from inferbus.prompt import load_model
+    from inferbus.tokens.prompt import load_model
 
     sample = words(random.Random(0), 4000)
     return len(load_model(platform.stack.model_dir).encode(sample, add_special_tokens=False)) / 4000

@@ -10,7 +10,7 @@ the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) and H100 at TP 2, 4 and
 2. **The same GPUs** (the aggregated plan's serving GPUs): the aggregated fleet and the
    disaggregated one (the cheapest pair's TP widths, at the plan's P:D ratio and at every other
    split of those GPUs, the best kept) in the fleet
-   simulator (`inferbus.capacity.fleetsim.pd`, both topologies on the same machinery):
+   simulator (`tools.capacity.fleetsim.pd`, both topologies on the same machinery):
    **goodput per GPU**, the highest Poisson rate of the mix at which ≥ 90% of requests meet both
    SLOs (DistServe's definition; bisection, `--goodput-duration` of virtual time per trial) over
    the GPUs; and TTFT/TPOT p90 at the planned peak.
@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim.day import DayWorkload, constant, parse_duration, rate_shape
-from inferbus.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
-from inferbus.capacity.plan.disagg import DisaggRow, cheapest
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import PlanInputs, Row, make_plan
-from inferbus.capacity.plan.topology import plan_topology
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.fleetsim.day import DayWorkload, constant, parse_duration, rate_shape
+from tools.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
+from tools.capacity.plan.disagg import DisaggRow, cheapest
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, Row, make_plan
+from tools.capacity.plan.topology import plan_topology
 from services.sim_engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@
 
 The worked-example mix at the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) on H100 at TP 2, 4
 and 8: `inferbus plan`'s cheapest disaggregated pair for `--peak-rps`, then in the fleet simulator
-(`inferbus.capacity.fleetsim.pd`) on the same arrivals (a day compressed into `--duration`: the
+(`tools.capacity.fleetsim.pd`) on the same arrivals (a day compressed into `--duration`: the
 rate from 30% of the peak up to the peak and back in 24 steps, Poisson within each):
 
 - **static**: both pools at the plan's serving replicas all the time;
@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.fleetsim.day import DayWorkload, parse_duration
-from inferbus.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
-from inferbus.capacity.plan.disagg import DisaggRow
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import PlanInputs, make_plan
-from inferbus.capacity.plan.topology import plan_topology
-from inferbus.capacity.plan.warm_pool import Ramp
+from tools.capacity import mix as mix_mod
+from tools.capacity.fleetsim.day import DayWorkload, parse_duration
+from tools.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
+from tools.capacity.plan.disagg import DisaggRow
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, make_plan
+from tools.capacity.plan.topology import plan_topology
+from tools.capacity.plan.warm_pool import Ramp
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.roles import RoleBounds, role_configs
 from services.autoscaler.simulated_pd import PdPolicyController

@@ -3,14 +3,14 @@
     python -m bench.pd_live [--trace mooncake_synthetic.jsonl] [--engines 4] [--prefill 1] [--decode 3]
                             [--time-scale 0.5] [--load 0.8] [--sample-families 0.15] [--requests 240]
 
-What runs, once per topology, on the whole platform (`inferbus.local.Stack`, as `inferbus up`):
+What runs, once per topology, on the whole platform (`inferbus.local.stack.Stack`, as `inferbus up`):
 - **aggregated**: `--engines` simulated engines (H100 TP2 by default), one worker each;
 - **disaggregated**: `--prefill` prefill and `--decode` decode engines and workers
   (`inferbus up --prefill P --decode D`), P + D = `--engines`: the same GPUs.
 
 The workload is the routing benchmark's (`bench/routing_workload.py`): a sample of the trace's
 prefix families (whole families), arrivals scaled so that the aggregated fleet is `--load` busy at
-the perfect-affinity hit rate, prompt text from `inferbus.capacity.traces.mooncake_prompt` and a
+the perfect-affinity hit rate, prompt text from `tools.capacity.traces.mooncake_prompt` and a
 word-level tokenizer (one token per word of the trace, so a prompt is the trace's token count).
 The same requests at the same times go to both topologies: an open-loop client
 (`bench.routing.replay`) streams `POST /v1/completions`.
@@ -45,8 +45,8 @@ from bench import dynamo_live
 from bench.common import percentile, write_results
 from bench.routing import Outcome, replay
 from bench.routing_workload import Workload, build
-from inferbus.capacity import traces
-from inferbus.local import Stack, StackConfig, free_port
+from tools.capacity import traces
+from inferbus.local.stack import Stack, StackConfig, free_port
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 
@@ -105,7 +105,7 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, gpus: int
 
 def run_topology(topology: Topology, workload: Workload, prompts: list[str], args: argparse.Namespace,
                  model_dir: Path, state: Path) -> dict[str, Any]:
-    from inferbus.commands.local_platform import demo_key
+    from tools.commands.local_platform import demo_key
 
     env = {
         # Compare topologies, not admission: nothing is refused for queueing.

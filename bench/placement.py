@@ -33,8 +33,8 @@ import msgspec
 import nats
 
 from bench.common import percentile, write_results
-from inferbus import bus
-from inferbus.local import free_port, http_ok, nats_server_binary
+from inferbus.bus import connection as bus
+from inferbus.local.stack import free_port, http_ok, nats_server_binary
 from proto import messages as m
 from proto import subjects
 from services.router.config import RoutingConfig
@@ -115,7 +115,7 @@ async def measure_round_trip(workers: int, requests: int, blocks: int) -> dict[s
         url = f"nats://127.0.0.1:{port}"
         env = dict(os.environ, NATS_URL=url, INFERBUS_METRICS_PORT="0", INFERBUS_HEARTBEAT_TTL_S="600",
                    INFERBUS_LOG_LEVEL="warning")
-        router = subprocess.Popen([sys.executable, "-m", "inferbus.commands.main", "router"], env=env,
+        router = subprocess.Popen([sys.executable, "-m", "tools.commands.main", "router"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         nc = await nats.connect(url)
         js = nc.jetstream()

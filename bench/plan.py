@@ -16,8 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from inferbus.capacity import traces
-from inferbus.commands.plan import plan
+from tools.capacity import traces
+from tools.commands.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = "azure_2023_conv.csv"  # looked up on the traces path (INFERBUS_TRACES_DIR)

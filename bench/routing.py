@@ -18,7 +18,7 @@ What runs:
 2. The workload (`bench/routing_workload.py`): `traces/mooncake_synthetic.jsonl`, a
    random quarter of its prefix families by default (whole families, so their reuse is intact; a
    prefix of the trace would not do: its first 1,000 requests have a 17% ceiling, not 65%), prompt
-   text from `inferbus.capacity.traces.mooncake_prompt` (512-token blocks named by `hash_ids`), arrival
+   text from `tools.capacity.traces.mooncake_prompt` (512-token blocks named by `hash_ids`), arrival
    times scaled so that the fleet is `--load` busy at the hit rate a perfect-affinity router could
    get from these engines' KV (the engines' own step-time model prices the work).
 3. Per policy, in sequence:
@@ -70,8 +70,8 @@ from typing import Any
 from bench import dynamo_env, dynamo_live
 from bench.common import percentile, write_results
 from bench.routing_workload import Workload, build, request_gpu_seconds
-from inferbus.capacity import traces
-from inferbus.local import Process, Stack, StackConfig, free_port, http_ok
+from tools.capacity import traces
+from inferbus.local.stack import Process, Stack, StackConfig, free_port, http_ok
 from inferbus.timing import roofline
 from services.sim_engine.profile_table import build_table, save_npz
 
@@ -178,11 +178,11 @@ class Fleet:
         self.model_dir = dynamo_live.write_model_dir(state / "model", 131_072)
         self.kv_events: list[str] = []  # ZMQ endpoints of the engines' KV-cache events ("" = not supported)
         events = "--kv-events-config" in subprocess.run(
-            [sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--help"], capture_output=True, text=True).stdout
+            [sys.executable, "-m", "tools.commands.main", "sim-engine", "--help"], capture_output=True, text=True).stdout
         for i in range(1, args.engines + 1):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            argv = [sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
+            argv = [sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
                     "--gpu", args.gpu, "--tp", str(args.tp), "--model", MODEL, "--time-scale", str(args.time_scale),
                     "--log-level", "warning", "--profile-table", str(self.table_path), "--no-mixed-chunk",
                     "--model-dir", str(self.model_dir)]
@@ -292,7 +292,7 @@ class PlatformStack(Stack):
 
 def router_policies() -> str:
     """`inferbus router --help` (its environment variables), to see whether INFERBUS_ROUTER_POLICY exists."""
-    result = subprocess.run([sys.executable, "-m", "inferbus.commands.main", "router", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tools.commands.main", "router", "--help"], capture_output=True, text=True)
     return result.stdout
 
 
@@ -337,7 +337,7 @@ class InferbusFrontend(Frontend):
         self.headers = {"content-type": "application/json"}
 
     def start(self) -> None:
-        from inferbus.commands.local_platform import demo_key
+        from tools.commands.local_platform import demo_key
 
         try:
             self.stack.start(timeout=120)
@@ -950,7 +950,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=None,
-                        help="Mooncake JSONL trace (default: mooncake_synthetic.jsonl, found as inferbus.capacity.traces.find "
+                        help="Mooncake JSONL trace (default: mooncake_synthetic.jsonl, found as tools.capacity.traces.find "
                              "does, e.g. in INFERBUS_TRACES_DIR)")
     parser.add_argument("--engines", type=int, default=4, help="simulated engines (one worker each)")
     parser.add_argument("--gpu", default="H100", choices=["H100", "H200"], help="simulated GPU")

@@ -5,7 +5,7 @@
 
 The same workload as `bench.routing` (`bench/routing_workload.py`: Mooncake requests, arrivals
 scaled so the fleet is `--load` busy at perfect-affinity hits) replayed through
-`inferbus.capacity.fleetsim.FleetSim` (the simulated engine per replica, SGLang's default
+`tools.capacity.fleetsim.FleetSim` (the simulated engine per replica, SGLang's default
 unmixed steps, the profile table of the GPU's roofline, as in `bench.simulate_vs_dynamo`) with:
 
 - the router's own policies (`round_robin`, `least_loaded`, `affinity`), placing from heartbeats,
@@ -38,9 +38,9 @@ from typing import Any
 
 from bench.common import write_results
 from bench.routing_workload import build
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim
-from inferbus.capacity.traces import TraceRequest
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim
+from tools.capacity.traces import TraceRequest
 from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz

@@ -4,12 +4,12 @@
                                 [--policies affinity,least_loaded,round_robin]
                                 [--large-replicas 200] [--large-rate 833] [--limit N] [--out bench/results]
 
-Every policy replays the same trace onto the same simulated engines (`inferbus.capacity.fleetsim`: the
+Every policy replays the same trace onto the same simulated engines (`tools.capacity.fleetsim`: the
 router's own policy code, `services.sim_engine` engines with the roofline step time and KV
 capacity of the chosen GPU). Two parts:
 
 1. The comparison: `--replicas` (a comma list, e.g. `4,8`) at the rate that loads the fleet to
-   `--load` of its perf-model capacity (`inferbus.capacity.fleetsim.capacity.rate_for_load`, basis
+   `--load` of its perf-model capacity (`tools.capacity.fleetsim.capacity.rate_for_load`, basis
    `--basis`: "none" counts every prompt token as work, so every policy is at or below the load;
    "ideal" assumes the trace's infinite-cache hit rate), unless `--rate` is given.
 2. Scale: `--large-replicas` at `--large-rate` req/s (the design's 833 req/s across 200
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, markdown_table, workload
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, markdown_table, workload
 from services.router.policies import POLICY_NAMES
 from services.sim_engine.config import EngineConfig
 
@@ -52,16 +52,16 @@ def _names(text: str) -> list[str]:
 AREAS = (  # where CPU goes, by source path (first match wins)
     ("services/sim_engine/", "engine"),
     ("services/router/", "placement policy"),
-    ("inferbus/capacity/fleetsim/", "simulator"),
+    ("tools/capacity/fleetsim/", "simulator"),
     ("msgspec", "messages"),
     ("proto/", "messages"),
 )
-HASHING = "inferbus/tokens.py"
+HASHING = "inferbus/tokens/blocks.py"
 
 
 def profile_breakdown(profile: Any) -> dict[str, float]:
     """Own CPU time (cProfile tottime) per area. Built-ins are charged to whoever called them, and
-    prefix hashing (`inferbus/tokens.py`) is shown apart, split by who asked for it."""
+    prefix hashing (`inferbus/tokens/blocks.py`) is shown apart, split by who asked for it."""
     import pstats
 
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
@@ -197,7 +197,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['machine']['python']}. Virtual time only: the router's policy code "
         "(`services/router/placement.py`) places every request from heartbeats, 250 ms load reports and "
         "per-step cache events (1 ms bus delay); each replica is the simulated engine "
-        "(`services/sim_engine`). See `inferbus/capacity/fleetsim/`.",
+        "(`services/sim_engine`). See `tools/capacity/fleetsim/`.",
         "",
         f"Trace: `{Path(t['path']).name}`, {t['requests']:,} requests, mean input {t['mean_input_tokens']:,.0f} / "
         f"output {t['mean_output_tokens']:,.0f} tokens, {t['rate_rps']:.2f} req/s as recorded; infinite-cache hit "
@@ -206,7 +206,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Sizing: how the replay rate is chosen",
         "",
-        "Perf-model capacity of one replica (`inferbus/capacity/fleetsim/capacity.py`, the roofline's fixed point): "
+        "Perf-model capacity of one replica (`tools/capacity/fleetsim/capacity.py`, the roofline's fixed point): "
         "saturated when every step carries a full prefill chunk, λ_max = chunk / (mean uncached prompt "
         "tokens × t_step), with t_step the roofline step time for that chunk plus the decode batch "
         "B = chunk × mean output / mean uncached input riding along.",

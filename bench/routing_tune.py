@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import routing_workload
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim
 from inferbus.timing import roofline
 from services.router.config import RoutingConfig
 from services.sim_engine.config import EngineConfig

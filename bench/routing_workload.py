@@ -4,7 +4,7 @@ the fleet. Pure computation (no I/O besides reading the trace), so it can be che
 - Selection: requests that fit the context window, optionally a random share of the trace's prefix
   families (all requests whose first block id was drawn: a family's reuse pattern stays whole,
   so the infinite-cache ceiling stays near the full trace's), then the first `--requests`.
-- Two hit-rate references: the **ceiling** (infinite cache, `inferbus.capacity.traces.ideal_hit_rate`) and
+- Two hit-rate references: the **ceiling** (infinite cache, `tools.capacity.traces.ideal_hit_rate`) and
   the **finite-cache bound**: every family pinned to one engine (perfect affinity), each engine an
   LRU cache of its KV capacity in 512-token blocks. No router can be expected to beat the bound by
   much on these engines (only a cache bigger than the KV pool could), and it ignores the KV that
@@ -21,8 +21,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inferbus.capacity import traces
-from inferbus.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from tools.capacity import traces
+from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from inferbus.timing import RooflineModel, roofline
 
 CONTEXT_LENGTH = 131_072  # the sim engine's and the gateway's context window

@@ -7,12 +7,12 @@ Parts (`--part`, default all; each writes its JSON under bench/results/, and the
 - speed: 200 serving replicas (H100 TP2), Poisson arrivals at 833 req/s for 120 virtual seconds,
   lengths from the Azure conversation trace (30 % of each prompt cached); simulated requests per
   CPU-second (`time.process_time`), for least-loaded and affinity placement and load reports every
-  0.25 / 0.5 / 1 s, with the compiled build (`inferbus.capacity.accel`) and as pure Python.
+  0.25 / 0.5 / 1 s, with the compiled build (`tools.capacity.accel`) and as pure Python.
 - validate: the same workloads through the per-step `FleetSim` (the engine's real scheduler) and
   the fast fleet; TTFT and TPOT p50/p90 side by side.
 - day: 24 h, the Azure conversation trace's per-minute rate shape tiled under a diurnal envelope,
   peak minute 833 req/s, on a static fleet sized by the planner's arithmetic
-  (`inferbus.commands.simulate.size_fleet`: the planner's replica model at the engine's chunk
+  (`tools.commands.simulate.size_fleet`: the planner's replica model at the engine's chunk
   size, × 1.15 headroom); time series plotted.
 """
 
@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-from inferbus.capacity import accel, traces
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
-from inferbus.capacity.fleetsim.day import DayWorkload, constant, rate_shape
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
-from inferbus.commands.simulate import size_fleet, write_report
+from tools.capacity import accel, traces
+from tools.capacity import mix as mix_mod
+from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
+from tools.capacity.fleetsim.day import DayWorkload, constant, rate_shape
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
+from tools.commands.simulate import size_fleet, write_report
 from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -142,7 +142,7 @@ def report() -> str:
         lines += ["## Speed (200 replicas, H100 TP2, 833 req/s Poisson for 120 virtual s)", "",
                   f"Machine: {s.get('machine_before', s['machine'])} before, {s['machine']} after "
                   "(2 cores shared with other jobs; CPU time by `time.process_time`, "
-                  "best of three runs). Build: `compiled` is `inferbus.capacity.accel`'s mypyc build of "
+                  "best of three runs). Build: `compiled` is `tools.capacity.accel`'s mypyc build of "
                   "`fleetsim.analytic` and `fleetsim.fast` (what `make install` sets up), `pure Python` the same "
                   "source run by the interpreter (`INFERBUS_PURE_PYTHON=1`); both give the same results to the "
                   "last digit (tests/test_accel.py).", "",

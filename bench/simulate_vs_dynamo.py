@@ -7,11 +7,11 @@ Both sides replay the same Mooncake requests (`bench/routing_workload.py`: a ran
 prefix families by default, arrivals scaled so the fleet is `--load` busy at perfect-affinity hits)
 on virtual clocks:
 
-- **inferbus**: `inferbus.capacity.fleetsim.FleetSim`, the simulated engine (`services/sim_engine`) per
+- **inferbus**: `tools.capacity.fleetsim.FleetSim`, the simulated engine (`services/sim_engine`) per
   replica behind the router's own placement code (`round_robin`, and `affinity` as our prefix
   router), timed by the profile table below (`TableStepModel`).
-- **inferbus, fast**: `inferbus.capacity.fleetsim.fast.FastFleet` (analytic replicas, a few events per
-  request, compiled by `inferbus.capacity.accel` when built) with SGLang's unmixed steps and a prefix
+- **inferbus, fast**: `tools.capacity.fleetsim.fast.FastFleet` (analytic replicas, a few events per
+  request, compiled by `tools.capacity.accel` when built) with SGLang's unmixed steps and a prefix
   cache per replica fed the trace's block ids, behind `round_robin` and behind `affinity`, whose
   router sees those caches (the trace's blocks as prefix hashes, the caches' changes as KV events).
 - **inferbus + the mocker's quirks** (round-robin, small fleets): `FleetSim` whose engines add the two
@@ -52,9 +52,9 @@ from typing import Any
 from bench import dynamo_env
 from bench.common import percentile, write_results
 from bench.routing_workload import build
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim, workload
-from inferbus.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim, workload
+from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
@@ -186,7 +186,7 @@ def run_fast(requests: list[TraceRequest], engine: EngineConfig, step: TableStep
              policy: str = "round_robin") -> dict[str, Any]:
     """The fast simulator (`FastFleet`: analytic replicas, compiled when built) with a prefix cache
     per replica fed the trace's block ids, no admission control; `affinity` places by those caches."""
-    from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
+    from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 
     arrivals = [(r.arrival_s, r.input_tokens, r.output_tokens, 0) for r in requests]
     fleet = FastFleet(FastConfig(replicas=replicas, policy=policy, engine=engine, admission=False), arrivals,
@@ -316,9 +316,9 @@ def speed(args: argparse.Namespace, engine: EngineConfig, step: TableStepModel, 
     """Simulator speed on the fast simulator's own benchmark: 200 replicas, Poisson arrivals at
     833 req/s with Azure-conversation lengths (`bench/simulate.py`), no prefix reuse on either side
     (the fast simulator's replicas take cache hits as a statistic, not from prefixes)."""
-    from inferbus.capacity import mix as mix_mod
-    from inferbus.capacity.fleetsim.day import constant
-    from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
+    from tools.capacity import mix as mix_mod
+    from tools.capacity.fleetsim.day import constant
+    from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 
     mix = mix_mod.load(traces.find("azure_2023_conv.csv"), 0.0)
     arrivals = [(t, i, o, 0) for t, i, o, _ in constant(args.large_rate, args.speed_seconds, mix, seed=1)]
@@ -439,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", type=Path, default=None,
-                   help="Mooncake JSONL (default: mooncake_synthetic.jsonl, found as inferbus.capacity.traces.find does)")
+                   help="Mooncake JSONL (default: mooncake_synthetic.jsonl, found as tools.capacity.traces.find does)")
     p.add_argument("--gpu", default="H100", choices=["H100", "H200"])
     p.add_argument("--tp", type=int, default=2, choices=[1, 2, 4, 8])
     p.add_argument("--replicas", type=ints, default=[1, 4], help="comma list of fleet sizes (default 1,4)")

@@ -10,7 +10,7 @@ tokens, `stream_options.include_usage`) from one closed-loop client on this mach
 - **engine**: the simulated SGLang engine alone, the floor;
 - **sglang-router**: `sglang-router` from PyPI (installed on first use, as `make bench-routing`
   does) with its defaults, in front of that engine;
-- **inferbus**: the whole platform (`inferbus.local.Stack`: NATS, Redis, router, billing, batch,
+- **inferbus**: the whole platform (`inferbus.local.stack.Stack`: NATS, Redis, router, billing, batch,
   gateway, one worker) in front of that same engine process;
 - **the floors** (`bench/floor.py`, skipped with `--no-floors`): *python-over-nats*, two bare
   Python relays with core NATS between them, the platform's shape with nothing else;
@@ -60,8 +60,8 @@ import httptools
 
 from bench.common import percentile, write_results
 from bench.routing import ensure_packages
-from inferbus.commands.local_platform import demo_key
-from inferbus.local import Process, Stack, StackConfig, free_port, nats_server_binary, tcp_open
+from tools.commands.local_platform import demo_key
+from inferbus.local.stack import Process, Stack, StackConfig, free_port, nats_server_binary, tcp_open
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 OUTPUT_TOKENS = 16

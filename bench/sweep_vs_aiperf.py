@@ -9,7 +9,7 @@ What runs:
    dependencies of its own (transformers, pydantic, ...) that must not leak into the project venv.
 2. A tokenizer for aiperf: aiperf needs a Hugging Face tokenizer to synthesise prompts of N
    tokens, and there is no hub here. We build one (`tokenizers` WordLevel model) whose
-   pre-tokenizer is `inferbus.tokens`' regex, with a vocabulary covering aiperf's prompt corpus,
+   pre-tokenizer is `inferbus.tokens.blocks`' regex, with a vocabulary covering aiperf's prompt corpus,
    the simulated engine's output words and the chat template, a concatenating decoder and the
    gateway's Llama-3 chat template. aiperf's 1,000-token prompt is then 1,000 tokens to the
    simulated engine (checked in the results: the server-reported ISL).
@@ -106,7 +106,7 @@ json.dump(config, open(sys.argv[2] + "/tokenizer_config.json", "w"))
 json.dump({}, open(sys.argv[2] + "/special_tokens_map.json", "w"))
 """
 
-# The stand-in rendering (inferbus.tokens.standin_render_chat) as a Jinja chat template.
+# The stand-in rendering (inferbus.tokens.blocks.standin_render_chat) as a Jinja chat template.
 CHAT_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
@@ -118,10 +118,10 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(directory: Path) -> Path:
-    """A Hugging Face tokenizer that splits text exactly as `inferbus.tokens` does."""
-    from inferbus import tokens
-    from inferbus.capacity.sweep.prompts import WORDS
-    from inferbus.tokens import standin_render_chat as render_chat
+    """A Hugging Face tokenizer that splits text exactly as `inferbus.tokens.blocks` does."""
+    from inferbus.tokens import blocks as tokens
+    from tools.capacity.sweep.prompts import WORDS
+    from inferbus.tokens.blocks import standin_render_chat as render_chat
     from services.sim_engine.scheduler import OUTPUT_PIECES
 
     corpus = next((AIPERF_VENV / "lib").glob("python*/site-packages/aiperf/dataset/generator/assets/shakespeare.txt"))
@@ -252,7 +252,7 @@ def run_sweep(url: str, load: tuple[str, float], requests: int, args: argparse.N
                "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
                "--out", str(out), "--no-plots", "--no-progress"]
     # The `inferbus` console script, run by this interpreter (the venv's, whatever PATH says).
-    code = "import sys; from inferbus.commands.main import main; sys.argv[0] = 'inferbus'; main()"
+    code = "import sys; from tools.commands.main import main; sys.argv[0] = 'inferbus'; main()"
     started = time.perf_counter()
     completed = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -390,7 +390,7 @@ def main() -> None:
     load_counts = counts + rate_counts[: len(rates)]
 
     binary = ensure_aiperf()
-    from inferbus.local import free_port
+    from inferbus.local.stack import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -25,12 +25,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.fleetsim.day import DayWorkload, parse_duration, rate_shape
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import PlanInputs, make_plan
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.fleetsim.day import DayWorkload, parse_duration, rate_shape
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, make_plan
 from services.sim_engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]

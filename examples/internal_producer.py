@@ -14,7 +14,7 @@ import os
 
 import nats
 
-from inferbus.client import BusAPIError, BusClient
+from inferbus.bus.client import BusAPIError, BusClient
 
 
 async def main(args: argparse.Namespace) -> int:

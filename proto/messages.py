@@ -139,7 +139,7 @@ class InferenceRequest(_Message, tag="request"):
     request_id: str
     tenant: str
     model: str
-    prompt: str  # rendered the way the engine sees it (see inferbus.prompt)
+    prompt: str  # rendered the way the engine sees it (see inferbus.tokens.prompt)
     sampling: SamplingParams
     reply_to: str  # token subject of the gateway holding the client (events are batched per gateway)
     deadline: float  # unix seconds; past it the worker aborts
@@ -165,7 +165,7 @@ class InferenceRequest(_Message, tag="request"):
     # n > 1: which choice this engine request is (each its own request id); choices after the
     # first report no prompt tokens in their usage, since OpenAI bills the prompt once.
     choice: int = 0
-    # The prompt as the served model's tokenizer encoded it (inferbus.prompt): the engine computes
+    # The prompt as the served model's tokenizer encoded it (inferbus.tokens.prompt): the engine computes
     # on these ids, so what it caches is what was counted and hashed. Empty: the engine gets `prompt`.
     input_ids: list[int] = []
     # The release this request was assigned to (a canary's split, or a client's pin): the router
@@ -648,7 +648,7 @@ class PlacementRequest(_Message):
     adapter: str | None = None
     band: Band = "standard"
     tier: Band | None = None  # `band` as older writers named it: read, never written
-    # `inferbus.tokens.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
+    # `inferbus.tokens.blocks.block_hashes(input_ids, block_size, namespace=adapter)`: the chained prefix
     # blocks of the prompt's token ids, which workers rebuild their engines' cache events into, so
     # the router can count blocks a worker already holds.
     block_hashes: list[int] = []

@@ -11,7 +11,7 @@ import nats
 import openai
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
+from tools.commands.main import main
 from proto import messages as m
 from proto import subjects
 

@@ -1,5 +1,5 @@
 """Fixtures that run the real platform: nats-server (from the wheel), Redis and every service as
-processes, started through the same `inferbus.local.Stack` as `inferbus up`: a closed bus (one NATS
+processes, started through the same `inferbus.local.stack.Stack` as `inferbus up`: a closed bus (one NATS
 identity per service, Redis with a password). `stack.nats_url` carries the operator's (`ops`)
 credentials, which tests use to look at the bus."""
 
@@ -19,8 +19,9 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from inferbus import bus, dispatch_records
-from inferbus.local import Stack, StackConfig, free_port
+from inferbus.bus import connection as bus
+from inferbus.stores import dispatch_records
+from inferbus.local.stack import Stack, StackConfig, free_port
 from proto import messages as m
 from proto import subjects
 
@@ -92,8 +93,8 @@ def read_usage(platform: Platform, tenant: str, request_ids: set[str], timeout: 
 
 def start_platform(tmp: Path, **config: object) -> Platform:
     """Start a platform; its gateway has an admin key and Redis the `demo` tenant with one key."""
-    from inferbus.commands.local_platform import demo_key
-    from inferbus.commands.main import new_admin_key
+    from tools.commands.local_platform import demo_key
+    from tools.commands.main import new_admin_key
 
     config.setdefault("admin_key", new_admin_key())
     stack = Stack(StackConfig(state_dir=tmp, gateway_port=free_port(), **config))  # type: ignore[arg-type]
@@ -149,7 +150,7 @@ def on_both_topologies(request: pytest.FixtureRequest, platform: Platform) -> Pl
 @pytest.fixture(scope="session")
 def llama3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small model directory with a Llama-3-style chat template (tokenizer trained on local text)."""
-    from inferbus.modeldir import build_model_dir
+    from inferbus.tokens.modeldir import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("model") / "llama3", "llama3")
 
@@ -157,7 +158,7 @@ def llama3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def chatml_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small model directory with a ChatML (Qwen-style) chat template and no BOS token."""
-    from inferbus.modeldir import build_model_dir
+    from inferbus.tokens.modeldir import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("model") / "chatml", "chatml")
 
@@ -188,8 +189,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import subprocess
     import time
 
-    from inferbus.bus_auth import new_password
-    from inferbus.local import redis_reachable, redis_server_binary
+    from inferbus.bus.auth import new_password
+    from inferbus.local.stack import redis_reachable, redis_server_binary
 
     port = free_port()
     password = new_password()  # as every Redis of the platform: no anonymous clients
@@ -208,6 +209,6 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 async def dispatch(js: JetStreamContext, request: m.InferenceRequest) -> None:
     """What a gateway does before it queues `request`: its dispatch record, without which no
-    worker runs it (inferbus/dispatch_records.py)."""
+    worker runs it (inferbus/stores/dispatch_records.py)."""
     bucket = await bus.dispatches_bucket(js)
     await bucket.put(subjects.dispatch_key(request.request_id), m.encode(dispatch_records.record(request, time.time())))

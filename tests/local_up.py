@@ -19,7 +19,7 @@ def inferbus_up(state: Path, *args: str, ready_within_s: float) -> Iterator[Path
     as Ctrl-C does. The platform is the child's own: the test's NATS_URL and REDIS_URL are not passed."""
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "inferbus.commands.main", "up", *args, "--state-dir", str(state)],
+        [sys.executable, "-m", "tools.commands.main", "up", *args, "--state-dir", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines: list[str] = []

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from inferbus.local import free_port, nats_server_binary
+from inferbus.local.stack import free_port, nats_server_binary
 
 
 class NatsServer:

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.capacity import accel
+from tools.capacity import accel
 
 pytestmark = pytest.mark.slow
 
 SCENARIO = """
 import json, sys
-from inferbus.capacity import accel, mix
-from inferbus.capacity.fleetsim.day import constant
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
+from tools.capacity import accel, mix
+from tools.capacity.fleetsim.day import constant
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 out = {"compiled": accel.active()}
 for policy in ("least_loaded", "affinity"):
     summary = FastFleet(FastConfig(replicas=12, policy=policy), list(constant(50.0, 40.0, mix.load("worked-example"), seed=5))).run()
@@ -65,9 +65,9 @@ def test_a_build_is_used_only_when_every_source_and_the_interpreter_match(tmp_pa
     monkeypatch.delenv("INFERBUS_PURE_PYTHON")
 
     manifest = json.loads((tmp_path / accel.MANIFEST).read_text())
-    manifest["sources"]["inferbus.capacity.fleetsim.fast"] = "0" * 64  # fast.py edited since the build
+    manifest["sources"]["tools.capacity.fleetsim.fast"] = "0" * 64  # fast.py edited since the build
     (tmp_path / accel.MANIFEST).write_text(json.dumps(manifest))
-    assert accel.check(tmp_path) == "stale: inferbus.capacity.fleetsim.fast changed since the build"
+    assert accel.check(tmp_path) == "stale: tools.capacity.fleetsim.fast changed since the build"
 
     fake_build(tmp_path)
     manifest = json.loads((tmp_path / accel.MANIFEST).read_text())
@@ -83,11 +83,11 @@ def test_activate_puts_only_a_current_build_ahead_of_the_source(tmp_path: Path, 
     monkeypatch.delenv("INFERBUS_PURE_PYTHON", raising=False)
     monkeypatch.setenv("INFERBUS_ACCEL_DIR", str(tmp_path))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    package_path = ["/src/inferbus/capacity/fleetsim"]
-    assert not accel.activate(package_path) and package_path == ["/src/inferbus/capacity/fleetsim"]
+    package_path = ["/src/tools/capacity/fleetsim"]
+    assert not accel.activate(package_path) and package_path == ["/src/tools/capacity/fleetsim"]
     fake_build(tmp_path)
     assert accel.activate(package_path)
-    assert package_path == [str(tmp_path / "inferbus" / "capacity" / "fleetsim"), "/src/inferbus/capacity/fleetsim"]
+    assert package_path == [str(tmp_path / "tools" / "capacity" / "fleetsim"), "/src/tools/capacity/fleetsim"]
     assert sys.path[-1] == str(tmp_path)  # the group's shared library, behind everything else
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from inferbus import adapters
+from inferbus.stores import adapters
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 

@@ -10,8 +10,8 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
-from inferbus.local import free_port
+from tools.commands.main import main
+from inferbus.local.stack import free_port
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 

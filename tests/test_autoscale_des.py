@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.autoscaler.threshold import ThresholdConfig, ThresholdController, ThresholdPolicy

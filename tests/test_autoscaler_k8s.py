@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("kubernetes")
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
-from inferbus import settings as settings_mod  # noqa: E402
+from inferbus.runtime import settings as settings_mod  # noqa: E402
 from proto import messages as m  # noqa: E402
 from proto import subjects  # noqa: E402
 from services.autoscaler.actuators.kubernetes import KubernetesActuator, api_client  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import pytest
 
-from inferbus.local import EngineSpec, Process
+from inferbus.local.stack import EngineSpec, Process
 from services.autoscaler.actuators import local as local_actuator
 from services.autoscaler.actuators.local import LocalActuator
 
@@ -63,7 +63,7 @@ async def test_each_pool_is_scaled_with_its_roles_replicas_only(started: dict[st
 
 
 def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
-    from inferbus.commands.main import _DecisionTail
+    from tools.commands.main import _DecisionTail
 
     def decision(pool: str, direction: str, warm: int, reason: str) -> str:
         return json.dumps({"event": "scale_decision", "pool": pool, "direction": direction, "desired_warm": warm,
@@ -84,8 +84,8 @@ def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
 
 
 def test_up_gives_the_autoscaler_both_pools_and_their_bounds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from inferbus.local import Stack, StackConfig
-    from inferbus.settings import load
+    from inferbus.local.stack import Stack, StackConfig
+    from inferbus.runtime.settings import load
     from services.autoscaler.service import make_actuator
     from services.autoscaler.settings import AutoscalerSettings
 

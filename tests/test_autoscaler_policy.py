@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from inferbus import settings as settings_mod
+from inferbus.runtime import settings as settings_mod
 from proto import messages as m
 from services.autoscaler.forecast import HoltForecaster
 from services.autoscaler.policy import AutoscalePolicy, PolicyConfig, Reconciler
@@ -460,7 +460,7 @@ def test_a_worker_restart_does_not_make_negative_rates() -> None:
 def test_policy_drives_the_fleet_simulator() -> None:
     import random
 
-    from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
+    from tools.capacity.fleetsim.fast import FastConfig, FastFleet
     from services.autoscaler.simulated import PolicyController
 
     rng = random.Random(3)

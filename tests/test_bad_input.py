@@ -11,7 +11,7 @@ import pytest
 from inferbus.openai import carry
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.json_body import JsonLimits, check_depth, decode, json_depth
-from inferbus.prompt import load_model
+from inferbus.tokens.prompt import load_model
 from proto import messages as m
 from services.batch import lines
 from services.batch.validate import Limits, Validated, validate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from inferbus.settings import load
+from inferbus.runtime.settings import load
 from proto import bands
 from proto import messages as m
 from services.worker.settings import WorkerSettings

@@ -25,7 +25,7 @@ import openai
 import pytest
 from nats.js.api import KeyValueConfig
 
-from inferbus import bus
+from inferbus.bus import connection as bus
 from inferbus.openai.objects import batch_object, file_object
 from inferbus.stores.batches import BatchStore, new_batch_id
 from inferbus.stores.files import FileStore, FileTooLarge, new_file_id

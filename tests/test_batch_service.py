@@ -11,7 +11,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from inferbus.openai.errors import OpenAIError
-from inferbus.prompt import load_model, render_prompt
+from inferbus.tokens.prompt import load_model, render_prompt
 from proto import bands
 from proto import messages as m
 from services.batch import lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.dynamo_live import request_records, write_model_dir
-from inferbus.capacity import traces
+from tools.capacity import traces
 
 # Two requests as Dynamo 1.6.1's frontend logs them (ANSI colours included), in KV mode.
 LOG = (

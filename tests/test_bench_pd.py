@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bench.pd import chunk_of, decode_counts, describe, disaggregated_config, split, stressed, unbound_decode
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.fleetsim.pd import PdConfig, Pool
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import PlanInputs, make_plan
+from tools.capacity import mix as mix_mod
+from tools.capacity.fleetsim.pd import PdConfig, Pool
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, make_plan
 from services.sim_engine.config import EngineConfig
 
 

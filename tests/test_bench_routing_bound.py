@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bench.routing_bound import ClairvoyantFleet, alone, first_token_at
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim
-from inferbus.capacity.traces import TraceRequest
+from tools.capacity.fleetsim import FleetConfig, FleetSim
+from tools.capacity.traces import TraceRequest
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
 

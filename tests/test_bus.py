@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from inferbus import bus
-from inferbus.local import free_port
+from inferbus.bus import connection as bus
+from inferbus.local.stack import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ import nats
 import nkeys
 import pytest
 
-from inferbus.bus import BusSettings
-from inferbus.bus_auth import inbox_prefix, new_password, password_env
-from inferbus.bus_callout import (
+from inferbus.bus.connection import BusSettings
+from inferbus.bus.auth import inbox_prefix, new_password, password_env
+from inferbus.bus.callout import (
     AUTH_PASSWORD_ENV,
     CALLOUT_ACCOUNT,
     ISSUER_ENV,
@@ -33,7 +33,7 @@ from inferbus.bus_callout import (
     encode_jwt,
     new_account_seed,
 )
-from inferbus.local import free_port, http_ok, nats_server_binary
+from inferbus.local.stack import free_port, http_ok, nats_server_binary
 from proto import subjects
 from services.auth_callout.service import answer_requests
 

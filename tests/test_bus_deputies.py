@@ -26,9 +26,10 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from prometheus_client import REGISTRY
 
-from inferbus import bus, dispatch_records
-from inferbus.bus_auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
-from inferbus.bus_callout import (
+from inferbus.bus import connection as bus
+from inferbus.stores import dispatch_records
+from inferbus.bus.auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
+from inferbus.bus.callout import (
     AUTH_PASSWORD_ENV,
     CALLOUT_ACCOUNT,
     ISSUER_ENV,
@@ -36,7 +37,7 @@ from inferbus.bus_callout import (
     PodIdentity,
     new_account_seed,
 )
-from inferbus.local import free_port, http_ok, nats_server_binary
+from inferbus.local.stack import free_port, http_ok, nats_server_binary
 from proto import bands, subjects
 from proto import messages as m
 from services.auth_callout.service import answer_requests

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from inferbus.commands.main import configuration_markdown, main
+from tools.commands.main import configuration_markdown, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_help_explains_every_command_and_option() -> None:
 
 
 def test_bad_setting_values_are_refused_by_name(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from inferbus.settings import load
+    from inferbus.runtime.settings import load
     from services.worker.settings import WorkerSettings
 
     monkeypatch.setenv("INFERBUS_METRICS_PORT", "not-a-number")

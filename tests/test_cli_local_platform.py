@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
-from inferbus.local import PLATFORM_FILE
+from tools.commands.main import main
+from inferbus.local.stack import PLATFORM_FILE
 
 from .conftest import MODEL, Platform
 
@@ -96,7 +96,7 @@ def test_every_platform_command_works_against_one_zone(platform: Platform, tmp_p
 
 
 def test_redact_hides_every_password_of_a_multi_host_address() -> None:
-    from inferbus.commands.local_platform import redact
+    from tools.commands.local_platform import redact
 
     sentinel = "redis+sentinel://:s3cret@127.0.0.1:21213,127.0.0.1:20191,127.0.0.1:29906/inferbus/0"
     assert redact(sentinel) == "redis+sentinel://:***@127.0.0.1:21213,127.0.0.1:20191,127.0.0.1:29906/inferbus/0"
@@ -158,7 +158,7 @@ def test_usage_export_month_writes_under_the_platforms_state_dir(platform: Platf
 def test_stopping_the_platform_removes_its_secrets(tmp_path: Path) -> None:
     """nats.conf, redis.conf (passwords), tokens and the TLS private key go when `inferbus up` stops;
     the data, the logs and the CA certificate stay."""
-    from inferbus.local import Stack, StackConfig, write_private
+    from inferbus.local.stack import Stack, StackConfig, write_private
 
     secrets = ["nats.conf", "nats-a.conf", "redis.conf", "redis-b.conf", "sentinel-c.conf", "callout-tokens.json",
                "tokens/gateway", "tls/nats-server.key"]
@@ -172,7 +172,7 @@ def test_stopping_the_platform_removes_its_secrets(tmp_path: Path) -> None:
 
 def test_a_stale_platform_file_is_not_used(tmp_path: Path) -> None:
     """A platform file whose launcher is gone (killed without cleaning up) is ignored."""
-    from inferbus.commands import local_platform
+    from tools.commands import local_platform
 
     (tmp_path / PLATFORM_FILE).write_text(json.dumps({"launcher_pid": 2**22 + 7, "redis_url": "redis://gone:1/0"}))
     choice = local_platform.redis_url(None, tmp_path)

@@ -15,8 +15,8 @@ import redis
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
-from inferbus.bus import BusSettings
-from inferbus.bus_auth import Identity, inbox_prefix, permissions
+from inferbus.bus.connection import BusSettings
+from inferbus.bus.auth import Identity, inbox_prefix, permissions
 from proto import messages as m
 from proto import subjects
 
@@ -292,7 +292,7 @@ def test_a_gateway_asks_workers_to_resend_its_own_streams_only(platform: Platfor
     holding the stream answers `running`, another `unknown`), but may not ask for another
     gateway's; and a worker asked for another gateway's stream (as a shared identity could) says
     `unknown` and resends nothing."""
-    from inferbus.local import GATEWAY_ID
+    from inferbus.local.stack import GATEWAY_ID
 
     async def ask() -> tuple[dict[str, str], dict[str, str], m.ResendReply, Connection]:
         gateway = Connection(platform, identity(platform, "gateway"))
@@ -398,7 +398,7 @@ def test_a_drifted_ledger_is_a_ready_problem_not_a_crash(platform: Platform) -> 
 
     import httpx
 
-    from inferbus import bus
+    from inferbus.bus import connection as bus
 
     from .waiting import wait_for
 

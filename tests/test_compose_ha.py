@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferbus.bus_auth import new_secrets
-from inferbus.local import nats_server_binary  # the platform's (2.11 or later, as the image's)
+from inferbus.bus.auth import new_secrets
+from inferbus.local.stack import nats_server_binary  # the platform's (2.11 or later, as the image's)
 
 from .podnet import PodNetwork
 

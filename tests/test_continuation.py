@@ -3,7 +3,7 @@ worker's requeue of a batch line and the fleet simulator."""
 
 from __future__ import annotations
 
-from inferbus import continuation
+from inferbus.tokens import continuation
 from proto import messages as m
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from nats.aio.msg import Msg
 
-from inferbus import bus
+from inferbus.bus import connection as bus
 from proto import messages as m
 from proto import subjects
 from services.gateway.dispatch import Dispatcher, Flight

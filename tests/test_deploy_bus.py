@@ -15,8 +15,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from inferbus.bus import BusSettings
-from inferbus.bus_auth import (
+from inferbus.bus.connection import BusSettings
+from inferbus.bus.auth import (
     DEPLOYMENT_ROLES,
     REDIS_PASSWORD_ENV,
     ROUTE_PASSWORD_ENV,
@@ -25,7 +25,7 @@ from inferbus.bus_auth import (
     new_secrets,
     password_env,
 )
-from inferbus.local import free_port, http_ok, nats_server_binary
+from inferbus.local.stack import free_port, http_ok, nats_server_binary
 
 yaml = pytest.importorskip("yaml")
 
@@ -216,7 +216,7 @@ def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
     as the ServiceAccount of its role (as `inferbus auth-callout` maps them), with a projected
     token for the callout's audience instead of a password, its pod name as its NATS user, and as
     its gateway or batch service id (the scope of its permissions)."""
-    from inferbus.bus_callout import ROLE_BY_SERVICE_ACCOUNT
+    from inferbus.bus.callout import ROLE_BY_SERVICE_ACCOUNT
     from services.auth_callout.settings import AuthCalloutSettings
 
     component = yaml.safe_load((PER_POD / "kustomization.yaml").read_text())
@@ -261,7 +261,7 @@ def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
 def test_the_per_pod_nats_config_is_valid_with_its_secrets(tmp_path: Path) -> None:
     import nkeys
 
-    from inferbus.bus_callout import new_account_seed
+    from inferbus.bus.callout import new_account_seed
 
     shutil.copy(PER_POD / "nats-auth.conf", tmp_path / "nats-auth.conf")
     shutil.copy(K8S / "base" / "nats.conf", tmp_path / "nats.conf")

@@ -159,7 +159,7 @@ def test_the_compose_ha_override_clusters_nats_fails_redis_over_and_zones_the_se
     """docker-compose.ha.yml over docker-compose.yml: three NATS nodes routed to each other with the
     route user, every service of the base on all three with R3, Redis through three sentinels, and
     a gateway and a worker pair in each of two zones."""
-    from inferbus.bus_auth import ROUTE_PASSWORD_ENV, new_secrets
+    from inferbus.bus.auth import ROUTE_PASSWORD_ENV, new_secrets
 
     base = yaml.safe_load(COMPOSE.read_text())["services"]
     ha = yaml.safe_load(COMPOSE_HA.read_text())["services"]

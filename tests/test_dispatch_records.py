@@ -1,11 +1,11 @@
-"""A worker runs an interactive request only as its gateway dispatched it (`inferbus/dispatch_records.py`)."""
+"""A worker runs an interactive request only as its gateway dispatched it (`inferbus/stores/dispatch_records.py`)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from inferbus.dispatch_records import record, request_refusal
+from inferbus.stores.dispatch_records import record, request_refusal
 from proto import messages as m
 
 REQUEST = m.InferenceRequest(request_id="chatcmpl-1", tenant="acme", model="m", prompt="p",

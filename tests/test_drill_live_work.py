@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.drill.run import Platform, freeze_while_busy
+from tools.drill.run import Platform, freeze_while_busy
 
 from .waiting import wait_for
 

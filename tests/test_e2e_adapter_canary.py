@@ -15,7 +15,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
+from tools.commands.main import main
 from inferbus.releases import record
 from proto import messages as m
 from services.sim_engine import quality

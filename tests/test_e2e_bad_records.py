@@ -15,7 +15,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from inferbus import bus
+from inferbus.bus import connection as bus
 from inferbus.stores.batches import new_batch_id
 from inferbus.stores.files import new_file_id
 from inferbus.stores.keys import KEY_PREFIX, hash_secret, tenant_key

@@ -17,7 +17,7 @@ import pytest
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
-from inferbus.local import Process
+from inferbus.local.stack import Process
 from proto import bands, subjects
 from proto import messages as m
 

@@ -152,7 +152,7 @@ def publish(platform: Platform, events: list[m.UsageEvent], msg_id: Callable[[m.
 
 
 def cli(platform: Platform, *args: str) -> str:
-    from inferbus.commands.main import main
+    from tools.commands.main import main
 
     result = CliRunner().invoke(main, list(args), env={"REDIS_URL": platform.stack.redis_url,
                                                        "NATS_URL": platform.stack.nats_url},
@@ -391,7 +391,7 @@ def test_prices_cli_sets_and_lists_versions(platform: Platform) -> None:
     assert model in output and "50% off batches" in output
     listed = cli(platform, "prices", "list", *admin)
     assert model in listed and "(base)" in listed
-    too_soon = CliRunner().invoke(__import__("inferbus.commands.main", fromlist=["main"]).main,
+    too_soon = CliRunner().invoke(__import__("tools.commands.main", fromlist=["main"]).main,
                                   ["prices", "set", "--model", model, "--input", "1", "--cached-input", "1", "--output",
                                    "1", "--effective", "2020-01-01", *admin])
     assert too_soon.exit_code != 0 and "effective" in too_soon.output

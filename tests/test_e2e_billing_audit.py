@@ -30,8 +30,8 @@ import httpx
 import openai
 import pytest
 
-from inferbus.local import Process
-from inferbus.prompt import load_model, render_prompt
+from inferbus.local.stack import Process
+from inferbus.tokens.prompt import load_model, render_prompt
 
 from .conftest import MODEL, Platform, running_platform
 from .ledger import ledger, new_tenant, outbox_pending, rollup_drained, rollups_by_key

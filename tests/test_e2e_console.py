@@ -27,8 +27,8 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
-from inferbus.local import Process
+from tools.commands.main import main
+from inferbus.local.stack import Process
 from inferbus.releases import record
 from services.sim_engine import quality
 
@@ -68,7 +68,7 @@ def autoscaler(platform: Platform, tmp_path_factory: pytest.TempPathFactory) -> 
     env = {**os.environ, "NATS_URL": stack.nats_server_url, "INFERBUS_MODEL": MODEL, "INFERBUS_LOG_LEVEL": "info",
            "INFERBUS_AUTOSCALER_ACTUATOR": "dryrun", "INFERBUS_AUTOSCALER_TICK_S": "1", "INFERBUS_METRICS_PORT": "0",
            **stack.credentials("autoscaler")}
-    process = Process("autoscaler", [sys.executable, "-m", "inferbus.commands.main", "autoscaler"], env, log,
+    process = Process("autoscaler", [sys.executable, "-m", "tools.commands.main", "autoscaler"], env, log,
                       lambda: b'"autoscaler_ready"' in log.read_bytes())
     process.start()
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.local import free_port
+from inferbus.local.stack import free_port
 
 from .local_up import inferbus_up
 
@@ -54,7 +54,7 @@ HITS_LIVE_WORK = {"worker-kill": "migrated", "worker-hang": "migrated", "gpu-dea
 @pytest.mark.parametrize("kind", list(RECOVER_WITHIN_S))
 def test_drill(zones: Path, kind: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "inferbus.commands.main", "drill", kind, "--state-dir", str(zones), "--duration", "20",
+        [sys.executable, "-m", "tools.commands.main", "drill", kind, "--state-dir", str(zones), "--duration", "20",
          "--fault-at", "4", "--clients", "4", "--recover-within", str(RECOVER_WITHIN_S[kind]), "--json"],
         capture_output=True, text=True, timeout=180,
     )

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import REGISTRY
 
-from inferbus import bus
+from inferbus.bus import connection as bus
 from proto import messages as m
 from proto import subjects
 from services.gateway.dispatch import Dispatcher

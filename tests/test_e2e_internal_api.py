@@ -1,4 +1,4 @@
-"""Internal producers call the OpenAI API over NATS (`inferbus.client.BusClient`) and go through
+"""Internal producers call the OpenAI API over NATS (`inferbus.bus.client.BusClient`) and go through
 the same admission as HTTP: the tenant's key (401), its quotas (429), streamed replies, and usage
 billed to the tenant on the ledger."""
 
@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import nats
 import pytest
 
-from inferbus.client import BusAPIError, BusClient, read_answer
+from inferbus.bus.client import BusAPIError, BusClient, read_answer
 from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage

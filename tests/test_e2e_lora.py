@@ -70,7 +70,7 @@ def test_the_cli_imports_a_file_of_adapters_with_a_progress_bar(lora: Platform, 
     source = tmp_path / "adapters.jsonl"
     source.write_text("\n".join(lines) + "\n")
     result = subprocess.run(
-        [sys.executable, "-m", "inferbus.commands.main", "adapters", "import", str(source), "--chunk", "10",
+        [sys.executable, "-m", "tools.commands.main", "adapters", "import", str(source), "--chunk", "10",
          "--url", lora.stack.gateway_url, "--admin-key", lora.admin_key],
         check=False, capture_output=True, text=True, timeout=60, env=dict(os.environ, INFERBUS_PLATFORM_DIR=""),
     )

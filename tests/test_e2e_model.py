@@ -16,8 +16,8 @@ import nats
 import openai
 import pytest
 
-from inferbus.prompt import load_model, render_prompt
-from inferbus.tokens import block_hashes
+from inferbus.tokens.prompt import load_model, render_prompt
+from inferbus.tokens.blocks import block_hashes
 from proto import messages as m
 from proto import subjects
 
@@ -33,7 +33,7 @@ CONTEXT = 4096  # the served model's context length (its config.json), which gat
 
 @pytest.fixture(scope="module")
 def chatml(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    from inferbus.modeldir import build_model_dir
+    from inferbus.tokens.modeldir import build_model_dir
 
     # The tokenizer and template of `chatml_model_dir`, with a 4,096-token context.
     model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "chatml-4k", "chatml", model_max_length=CONTEXT)
@@ -167,7 +167,7 @@ HALF = " ".join(f"Paragraph {i} of the reference manual explains one more settin
 
 @pytest.fixture(scope="module")
 def narrow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    from inferbus.modeldir import build_model_dir
+    from inferbus.tokens.modeldir import build_model_dir
 
     model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "chatml-4k", "chatml", model_max_length=CONTEXT)
     # Its engine writes Hermes/Qwen calls, as a ChatML model does; the gateway is left to find that out.

@@ -405,7 +405,7 @@ def _sentencepiece_model_dir(path: Path) -> Path:
     """A Llama-3-shaped model directory whose tokenizer is SentencePiece-style (Llama-2's and
     Mistral's shape: `▁` marks a word's leading space, which decoding a token alone drops), with
     the chat format's special tokens at the ids the directory's configuration names."""
-    from inferbus.modeldir import FORMATS, build_model_dir
+    from inferbus.tokens.modeldir import FORMATS, build_model_dir
     from services.sim_engine.scheduler import OUTPUT_PIECES
 
     directory = build_model_dir(path, "llama3")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.local import free_port
+from inferbus.local.stack import free_port
 
 from .local_up import inferbus_up
 
@@ -45,7 +45,7 @@ def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.parametrize("kind", list(RECOVER_WITHIN_S))
 def test_pd_drill(disaggregated: Path, kind: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "inferbus.commands.main", "drill", kind, "--state-dir", str(disaggregated),
+        [sys.executable, "-m", "tools.commands.main", "drill", kind, "--state-dir", str(disaggregated),
          "--duration", "20", "--fault-at", "4", "--clients", "4", "--recover-within", str(RECOVER_WITHIN_S[kind]),
          "--json"],
         capture_output=True, text=True, timeout=180,

@@ -22,7 +22,7 @@ import msgspec
 import nats
 import pytest
 
-from inferbus.prompt import load_model, render_prompt
+from inferbus.tokens.prompt import load_model, render_prompt
 from proto import bands, subjects
 from proto import messages as m
 

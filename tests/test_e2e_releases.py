@@ -21,8 +21,8 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
-from inferbus.local import EngineSpec, Process, replica_processes
+from tools.commands.main import main
+from inferbus.local.stack import EngineSpec, Process, replica_processes
 from inferbus.releases import record
 from proto import messages as m
 from proto import subjects

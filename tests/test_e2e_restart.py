@@ -71,7 +71,7 @@ def test_platform_serves_again_after_redis_restarts(small: Platform) -> None:
     # lost key would fail authentication cleanly): make one as an operator would.
     import asyncio
 
-    from inferbus.commands.local_platform import demo_key
+    from tools.commands.local_platform import demo_key
 
     small.api_key = asyncio.run(demo_key(small.stack.redis_url))
     serves_within(small, 10)

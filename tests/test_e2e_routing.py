@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from inferbus.capacity.traces import _WORDS
+from tools.capacity.traces import _WORDS
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import wait_for

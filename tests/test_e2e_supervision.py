@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from inferbus.local import PLATFORM_FILE, free_port
+from inferbus.local.stack import PLATFORM_FILE, free_port
 
 from .conftest import MODEL
 from .waiting import wait_for
@@ -28,7 +28,7 @@ def test_nats_and_a_worker_that_die_are_restarted_and_requests_succeed_again(tmp
     port, state = free_port(), tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "inferbus.commands.main", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
+        [sys.executable, "-m", "tools.commands.main", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
          "--state-dir", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from inferbus.local import free_port, http_ok
+from inferbus.local.stack import free_port, http_ok
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import await_for, wait_for
@@ -142,7 +142,7 @@ def second_gateway(platform: Platform) -> Iterator[str]:
     env = {**os.environ, "NATS_URL": platform.stack.nats_url, "REDIS_URL": platform.stack.redis_url,
            "INFERBUS_GATEWAY_PORT": str(port), "INFERBUS_MODEL": MODEL, "INFERBUS_LOG_LEVEL": "warning",
            "INFERBUS_MODEL_DIR": platform.stack.model_dir}
-    process = subprocess.Popen([sys.executable, "-m", "inferbus.commands.main", "gateway"], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "tools.commands.main", "gateway"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 

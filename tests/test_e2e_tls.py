@@ -22,8 +22,8 @@ import nats
 import openai
 import pytest
 
-from inferbus.bus import BusSettings
-from inferbus.local import PLATFORM_FILE, free_port
+from inferbus.bus.connection import BusSettings
+from inferbus.local.stack import PLATFORM_FILE, free_port
 
 from .conftest import MODEL
 from .waiting import read_until_api_key
@@ -59,7 +59,7 @@ def test_up_with_tls_serves_and_refuses_plaintext(tmp_path: Path) -> None:
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "NATS_TLS_CA")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "inferbus.commands.main", "up", "--tls", "--workers", "1", "--port", str(port),
+        [sys.executable, "-m", "tools.commands.main", "up", "--tls", "--workers", "1", "--port", str(port),
          "--time-scale", "0.1", "--state-dir", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -109,7 +109,7 @@ def test_up_with_tls_serves_and_refuses_plaintext(tmp_path: Path) -> None:
         assert not asyncio.run(connect(None))
         # The CLI run against this platform finds its CA in platform.json (an operator command
         # that reads the ledger over NATS).
-        cli = subprocess.run([sys.executable, "-m", "inferbus.commands.main", "usage", "rebuild", "--yes"],
+        cli = subprocess.run([sys.executable, "-m", "tools.commands.main", "usage", "rebuild", "--yes"],
                              env={**env, "INFERBUS_PLATFORM_DIR": str(state)}, capture_output=True, text=True,
                              timeout=120)
         assert cli.returncode == 0 and "Rebuilt usage rollups" in cli.stdout, cli.stdout + cli.stderr

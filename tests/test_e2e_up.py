@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from inferbus.local import free_port
+from inferbus.local.stack import free_port
 
 from .conftest import MODEL
 from .waiting import read_until_api_key
@@ -36,7 +36,7 @@ def test_up_serves_the_demo_key_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> N
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "inferbus.commands.main", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
+        [sys.executable, "-m", "tools.commands.main", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
          "--state-dir", str(tmp_path / "state")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )

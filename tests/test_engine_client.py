@@ -100,8 +100,8 @@ def test_the_engines_context_window_from_its_server_info() -> None:
 
 
 def test_the_context_window_precedence(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from inferbus.modeldir import build_model_dir
-    from inferbus.prompt import DEFAULT_CONTEXT_LENGTH, ServedModel, context_window
+    from inferbus.tokens.modeldir import build_model_dir
+    from inferbus.tokens.prompt import DEFAULT_CONTEXT_LENGTH, ServedModel, context_window
 
     model = ServedModel.load(build_model_dir(tmp_path / "m", "chatml", model_max_length=4096))
     assert context_window(0, model) == 4096  # the model's config.json

@@ -13,7 +13,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from inferbus import bus
+from inferbus.bus import connection as bus
 from inferbus.stores.files import FileStore
 
 from .conftest import Platform

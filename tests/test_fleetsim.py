@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inferbus.capacity.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
-from inferbus.capacity.traces import TraceRequest
-from inferbus.tokens import block_hashes
+from tools.capacity.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
+from tools.capacity.traces import TraceRequest
+from inferbus.tokens.blocks import block_hashes
 from services.router.placement import Placer
 from services.router.policies import LeastLoadedPolicy
 from services.router.registry import WorkerRegistry

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
-from inferbus.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
-from inferbus.capacity.traces import TraceRequest
+from tools.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
+from tools.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
+from tools.capacity.traces import TraceRequest
 from proto import bands
 from proto import messages as m
 from services.batch.feed import FeedConfig

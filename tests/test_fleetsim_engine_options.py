@@ -8,12 +8,12 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req
-from inferbus.capacity.fleetsim.day import constant
-from inferbus.capacity.fleetsim.engine_model import AdapterTraffic, step_model_for
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet
-from inferbus.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
+from tools.capacity import mix as mix_mod
+from tools.capacity.fleetsim.analytic import AnalyticReplica, Req
+from tools.capacity.fleetsim.day import constant
+from tools.capacity.fleetsim.engine_model import AdapterTraffic, step_model_for
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
+from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
 from inferbus.timing import RooflineModel, expected_distinct_adapters
 from services.sim_engine.config import EngineConfig
 
@@ -98,11 +98,11 @@ def test_simulate_cli_takes_the_engine_options(tmp_path):
     args = ["--trace", "azure_2023_conv.csv", "--duration", "30s", "--peak-rps", "20", "--chunk", "2048",
             "--no-progress", "--out", str(out)]
     try:
-        from inferbus.capacity import traces
+        from tools.capacity import traces
         traces.find("azure_2023_conv.csv")
     except FileNotFoundError:
         pytest.skip("the Azure conversation trace is not on INFERBUS_TRACES_DIR")
-    from inferbus.commands.simulate import simulate
+    from tools.commands.simulate import simulate
 
     plain = CliRunner().invoke(simulate, args)
     spec = CliRunner().invoke(simulate, [*args, "--spec", "3:0.7", "--out", str(out) + "-spec"])

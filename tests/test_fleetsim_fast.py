@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 from click.testing import CliRunner
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
-from inferbus.capacity.fleetsim.analytic import AnalyticReplica, Req, step_function
-from inferbus.capacity.fleetsim.day import DayWorkload, constant, diurnal, parse_duration, rate_shape
-from inferbus.capacity.fleetsim.fast import FastConfig, FastFleet, FleetSignals
-from inferbus.capacity.fleetsim.sampler import LoadSampler
+from tools.capacity import mix as mix_mod
+from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
+from tools.capacity.fleetsim.analytic import AnalyticReplica, Req, step_function
+from tools.capacity.fleetsim.day import DayWorkload, constant, diurnal, parse_duration, rate_shape
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet, FleetSignals
+from tools.capacity.fleetsim.sampler import LoadSampler
 from inferbus.timing import roofline
 from proto import messages as m
 from services.router.placement import make_placer
@@ -376,7 +376,7 @@ def test_same_seed_same_run():
 
 @pytest.mark.slow
 def test_simulate_cli_writes_its_report(tmp_path):
-    from inferbus.commands.main import main
+    from tools.commands.main import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(
@@ -395,7 +395,7 @@ def test_simulate_cli_writes_its_report(tmp_path):
 
 @pytest.mark.slow
 def test_simulate_cli_autoscales_with_the_autoscalers_policy(tmp_path):
-    from inferbus.commands.main import main
+    from tools.commands.main import main
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(

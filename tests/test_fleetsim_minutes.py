@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from inferbus.capacity.fleetsim.timeseries import INF, Bucket, Minute, close, minute_attainment
+from tools.capacity.fleetsim.timeseries import INF, Bucket, Minute, close, minute_attainment
 
 SLO_TTFT, SLO_TPOT = 0.8, 0.04
 

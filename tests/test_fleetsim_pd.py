@@ -1,10 +1,10 @@
-"""The fleet simulator's disaggregated fleet (inferbus/capacity/fleetsim/pd.py)."""
+"""The fleet simulator's disaggregated fleet (tools/capacity/fleetsim/pd.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from inferbus.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
+from tools.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 from inferbus.timing import KV_LINKS, kv_link, roofline
 from services.sim_engine.config import EngineConfig
 

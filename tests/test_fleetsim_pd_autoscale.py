@@ -1,5 +1,5 @@
 """The disaggregated fleet simulator with each pool autoscaled by the autoscaler's own
-`DisaggregatedPolicy` (inferbus/capacity/fleetsim/pd.py, services/autoscaler/simulated_pd.py)."""
+`DisaggregatedPolicy` (tools/capacity/fleetsim/pd.py, services/autoscaler/simulated_pd.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from inferbus.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
+from tools.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.roles import RoleBounds, role_configs
 from services.autoscaler.simulated_pd import PdPolicyController

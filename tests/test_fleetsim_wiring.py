@@ -1,13 +1,13 @@
-"""The production hooks wired once (`inferbus.capacity.fleetsim.wiring`): one run of the per-step
+"""The production hooks wired once (`tools.capacity.fleetsim.wiring`): one run of the per-step
 simulator combines autoscaling with a batch band, or admission with prefix affinity."""
 
 from __future__ import annotations
 
 import pytest
 
-from inferbus.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
-from inferbus.capacity.fleetsim.batch import BatchSpec
-from inferbus.capacity.fleetsim.wiring import Lifecycle, fleet_states
+from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
+from tools.capacity.fleetsim.batch import BatchSpec
+from tools.capacity.fleetsim.wiring import Lifecycle, fleet_states
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.sim_engine.config import EngineConfig

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from inferbus import local_cluster as lc
-from inferbus.bus import server_list
-from inferbus.drill.report import Attempt, Call, LedgerEvent, summarize
-from inferbus.redis_conn import parse_sentinel_url, redact, sentinel_url
+from inferbus.local import cluster as lc
+from inferbus.bus.connection import server_list
+from tools.drill.report import Attempt, Call, LedgerEvent, summarize
+from inferbus.runtime.redis_conn import parse_sentinel_url, redact, sentinel_url
 
 
 def test_sentinel_urls_round_trip_and_plain_urls_are_not_sentinel() -> None:
@@ -80,7 +80,7 @@ def test_recovery_waits_for_the_last_request_that_needed_a_retry() -> None:
 
 
 def test_drill_clients_wait_as_long_as_the_server_asks_like_the_openai_sdk() -> None:
-    from inferbus.drill.run import retry_wait
+    from tools.drill.run import retry_wait
 
     assert retry_wait(0, 5.0) == 5.0  # a 503 "no capacity" says retry-after 5: the SDK waits 5 s
     assert retry_wait(3, 1.0) == 1.0

@@ -1,4 +1,4 @@
-"""Listing a KV bucket's keys and values (inferbus.bus.kv_keys, kv_values) against a real
+"""Listing a KV bucket's keys and values (inferbus.bus.connection.kv_keys, kv_values) against a real
 nats-server: complete right after a write, deleted keys left to the caller (keys) or left out
 (values), an empty bucket an empty list; and the listings built on them."""
 
@@ -11,8 +11,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
-from inferbus import adapters as registry
-from inferbus import bus
+from inferbus.stores import adapters as registry
+from inferbus.bus import connection as bus
 from inferbus.stores.files import FileStore
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferbus.capacity import mix, traces
+from tools.capacity import mix, traces
 
 
 def shared_trace(name: str) -> Path:

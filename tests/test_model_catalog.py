@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from inferbus import adapters as registry
+from inferbus.stores import adapters as registry
 from inferbus.openai.errors import OpenAIError
 from inferbus.stores.models import ModelCatalog
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.local_tls import make_local_tls
-from inferbus.node_zone import ZONE_LABEL, read_zone, zone_of_node
-from inferbus.settings import load
+from inferbus.local.tls import make_local_tls
+from inferbus.runtime.node_zone import ZONE_LABEL, read_zone, zone_of_node
+from inferbus.runtime.settings import load
 from services.gateway.settings import GatewaySettings
 from services.worker.settings import WorkerSettings
 
@@ -91,7 +91,7 @@ def api(tmp_path: Path) -> Iterator[tuple[FakeApiServer, Path]]:
 def node_zone(server: FakeApiServer, account: Path, out: Path, node: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(server.server_address[1]),
            "NODE_NAME": node, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "inferbus.commands.main", "node-zone", "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "tools.commands.main", "node-zone", "--out", str(out),
                            "--service-account-dir", str(account), "--tries", "1"],
                           capture_output=True, text=True, env=env, timeout=60)
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from nats.aio.msg import Msg
 
-from inferbus import bus
-from inferbus.patience import PlacementPatience
+from inferbus.bus import connection as bus
+from inferbus.bus.patience import PlacementPatience
 from proto import messages as m
 from proto import subjects
 from services.gateway.dispatch import Dispatcher, Flight

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from inferbus.capacity import mix
-from inferbus.capacity.plan import sweep_table
-from inferbus.capacity.plan.costs import fleet_cost
-from inferbus.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
-from inferbus.capacity.plan.planner import PlanInputs, make_plan
-from inferbus.capacity.plan.warm_pool import Ramp, ramp_from_arrivals, warm_pool
-from inferbus.commands.main import main
+from tools.capacity import mix
+from tools.capacity.plan import sweep_table
+from tools.capacity.plan.costs import fleet_cost
+from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, make_plan
+from tools.capacity.plan.warm_pool import Ramp, ramp_from_arrivals, warm_pool
+from tools.commands.main import main
 from inferbus.timing import roofline
 
 WORKED = mix.load("worked-example")

@@ -1,6 +1,6 @@
 """A disaggregated plan deploys both pools: `inferbus plan --emit-deploy` writes the prefill pool
 and the decode pool (TP, counts, roles) and the autoscaler's per-pool bounds, all from the plan
-(inferbus/capacity/plan/deploy.py)."""
+(tools/capacity/plan/deploy.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.plan import deploy
-from inferbus.capacity.plan.disagg import DisaggRow
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import Plan, PlanInputs, make_plan
-from inferbus.capacity.plan.topology import plan_topology
-from inferbus.capacity.plan.warm_pool import Ramp
-from inferbus.commands.plan import plan as plan_command
-from inferbus.settings import load
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.plan import deploy
+from tools.capacity.plan.disagg import DisaggRow
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import Plan, PlanInputs, make_plan
+from tools.capacity.plan.topology import plan_topology
+from tools.capacity.plan.warm_pool import Ramp
+from tools.commands.plan import plan as plan_command
+from inferbus.runtime.settings import load
 from services.autoscaler.roles import role_pool
 from services.autoscaler.settings import AutoscalerSettings
 

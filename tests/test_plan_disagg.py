@@ -1,4 +1,4 @@
-"""The plan prices a disaggregated fleet and chooses the topology (inferbus/capacity/plan/disagg.py, topology.py)."""
+"""The plan prices a disaggregated fleet and chooses the topology (tools/capacity/plan/disagg.py, topology.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.plan.disagg import DECODE_FIRST_TOKEN_STEPS, DecodeReplica, cheapest
-from inferbus.capacity.plan.model import Assumptions, Slo, Workload
-from inferbus.capacity.plan.planner import Plan, PlanInputs, make_plan
-from inferbus.capacity.plan.topology import choose_topology, plan_topology
-from inferbus.commands.plan import plan as plan_command
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.plan.disagg import DECODE_FIRST_TOKEN_STEPS, DecodeReplica, cheapest
+from tools.capacity.plan.model import Assumptions, Slo, Workload
+from tools.capacity.plan.planner import Plan, PlanInputs, make_plan
+from tools.capacity.plan.topology import choose_topology, plan_topology
+from tools.commands.plan import plan as plan_command
 from inferbus.timing import GB, KV_LINKS, kv_link, roofline
 
 

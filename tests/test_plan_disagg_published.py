@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import traces
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import Plan, PlanInputs, make_plan
-from inferbus.capacity.plan.topology import plan_topology
+from tools.capacity import mix as mix_mod
+from tools.capacity import traces
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import Plan, PlanInputs, make_plan
+from tools.capacity.plan.topology import plan_topology
 
 pytestmark = pytest.mark.slow
 

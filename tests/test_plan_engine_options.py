@@ -10,12 +10,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity.plan import deploy, options
-from inferbus.capacity.plan.model import Slo, Workload
-from inferbus.capacity.plan.planner import PlanInputs, make_plan
-from inferbus.capacity.plan.warm_pool import Ramp
-from inferbus.commands.plan import plan as plan_command
+from tools.capacity import mix as mix_mod
+from tools.capacity.plan import deploy, options
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, make_plan
+from tools.capacity.plan.warm_pool import Ramp
+from tools.commands.plan import plan as plan_command
 from inferbus.timing import (
     SpecDecoding,
     expected_distinct_adapters,
@@ -299,7 +299,7 @@ def test_shipped_production_plan_is_what_the_worked_example_emits(tmp_path: Path
 
 @pytest.mark.slow
 def test_report_states_adapter_size_load_time_and_slot_pressure() -> None:
-    from inferbus.capacity.plan import report
+    from tools.capacity.plan import report
 
     text = report.markdown(_plan(lora_adapters=16))
     assert "16 LoRA adapters of rank 16" in text and "holds 414 MB and loads in 67 ms" in text

@@ -38,7 +38,7 @@ def test_replicas_go_to_the_emptiest_zone_and_leave_the_fullest() -> None:
 
 
 def test_the_plan_states_the_rule_and_says_when_rounding_falls_short() -> None:
-    from inferbus.capacity.plan.report import _zone_lines
+    from tools.capacity.plan.report import _zone_lines
 
     assert _zone_lines(6, 1, 5.0) == []
     (holds,) = _zone_lines(24, 3, 15.43)
@@ -51,7 +51,7 @@ def test_the_plan_states_the_rule_and_says_when_rounding_falls_short() -> None:
 def test_inferbus_plan_prints_the_rule_for_the_cheapest_row() -> None:
     from click.testing import CliRunner
 
-    from inferbus.commands.main import main
+    from tools.commands.main import main
 
     result = CliRunner().invoke(main, ["plan", "--rpm", "6000", "--zones", "3"])
     assert result.exit_code == 0, result.output

@@ -1,5 +1,5 @@
-"""The served model's own tokenizer and chat template (inferbus.prompt), on model directories built
-by inferbus.modeldir: a Llama-3-style model and a ChatML one, rendered as apply_chat_template does."""
+"""The served model's own tokenizer and chat template (inferbus.tokens.prompt), on model directories built
+by inferbus.tokens.modeldir: a Llama-3-style model and a ChatML one, rendered as apply_chat_template does."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.modeldir import build_model_dir
-from inferbus.prompt import ModelDirError, PromptError, ServedModel, load_model, render_prompt
+from inferbus.tokens.modeldir import build_model_dir
+from inferbus.tokens.prompt import ModelDirError, PromptError, ServedModel, load_model, render_prompt
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -205,7 +205,7 @@ def test_rendering_equals_transformers(family: str, request: pytest.FixtureReque
 
 
 def test_the_context_length_is_read_from_config_json_as_sglang_reads_it(llama3_model_dir: Path) -> None:
-    from inferbus.prompt import context_length, context_window
+    from inferbus.tokens.prompt import context_length, context_window
 
     assert load_model(str(llama3_model_dir)).context_length == 131_072  # what build_model_dir wrote
     assert context_length({"max_position_embeddings": 32_768}) == 32_768

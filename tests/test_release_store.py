@@ -11,7 +11,7 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from inferbus.commands.main import main
+from tools.commands.main import main
 from inferbus.releases import canary, record, store
 from proto import messages as m
 

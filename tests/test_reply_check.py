@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferbus.bus_auth import inbox_prefix
-from inferbus.reply_check import MAX_REPLY_LENGTH, reply_refusal
+from inferbus.bus.auth import inbox_prefix
+from inferbus.bus.reply_check import MAX_REPLY_LENGTH, reply_refusal
 
 
 @pytest.mark.parametrize("reply", [
@@ -42,7 +42,7 @@ def test_response_permissions_are_as_narrow_as_the_answers() -> None:
     """Workers and the router answer once per request, the batch service once per line handed
     back to it, within a minute; the gateway once per streamed chunk; no other identity answers
     at all (docs/security.md)."""
-    from inferbus.bus_auth import PROMPT_REPLY_EXPIRE, STREAMED_REPLIES_MAX, permissions
+    from inferbus.bus.auth import PROMPT_REPLY_EXPIRE, STREAMED_REPLIES_MAX, permissions
 
     for role, owner in (("worker", None), ("router", None), ("batch", "main")):
         p = permissions(role, role, owner)  # type: ignore[arg-type]

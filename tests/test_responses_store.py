@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from inferbus import bus
-from inferbus.local import free_port, nats_server_binary
+from inferbus.bus import connection as bus
+from inferbus.local.stack import free_port, nats_server_binary
 from proto import messages as m
 from services.gateway.responses_store import ResponseStore
 

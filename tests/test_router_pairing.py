@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from inferbus.tokens import block_hashes
+from inferbus.tokens.blocks import block_hashes
 from proto import messages as m
 from services.router.config import RoutingConfig
 from services.router.pairing import PairConfig, PairPolicy

@@ -9,8 +9,8 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
-from inferbus import bus
-from inferbus.replies import Replies
+from inferbus.bus import connection as bus
+from inferbus.bus.replies import Replies
 from proto import subjects
 from services.router import recovery
 

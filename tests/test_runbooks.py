@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from inferbus.drill.run import KINDS
+from tools.drill.run import KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOKS = ROOT / "docs" / "runbooks"

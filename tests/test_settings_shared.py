@@ -1,4 +1,4 @@
-"""A variable several services read is declared once (inferbus/settings.py) and means the same
+"""A variable several services read is declared once (inferbus/runtime/settings.py) and means the same
 default everywhere: a default that differed would split the platform the day one is changed (a
 worker judged dead by the router and alive by the gateway)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from inferbus.bus import BusSettings
+from inferbus.bus.connection import BusSettings
 from services.auth_callout.settings import AuthCalloutSettings
 from services.autoscaler.settings import AutoscalerSettings
 from services.batch.settings import BatchSettings
@@ -35,7 +35,7 @@ def test_a_variable_several_services_read_comes_from_one_declaration() -> None:
     assert {"NATS_URL", "INFERBUS_HEARTBEAT_TTL_S", "INFERBUS_MODEL", "INFERBUS_LOG_LEVEL"} <= set(several)
     for name, fields in several.items():
         written_out = [owner for owner, field in fields if not field.metadata.get("shared")]
-        assert not written_out, f"{name} is declared by hand in {written_out}: use inferbus.settings' declaration"
+        assert not written_out, f"{name} is declared by hand in {written_out}: use inferbus.runtime.settings' declaration"
 
 
 def test_a_shared_variable_has_one_default() -> None:

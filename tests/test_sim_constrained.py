@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from inferbus.openai.tools import ToolOutput, constraint, either_constraint
-from inferbus.tokens import standin_render_chat as render_chat
+from inferbus.tokens.blocks import standin_render_chat as render_chat
 from services.sim_engine.constrained import SchemaError, json_output, tool_call_output, value_from_schema
 
 SCHEMAS = [

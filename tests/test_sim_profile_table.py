@@ -119,7 +119,7 @@ def test_config_refuses_two_timing_sources():
 
 
 def test_cli_writes_a_table_the_engine_accepts(tmp_path):
-    from inferbus.commands.main import main
+    from tools.commands.main import main
 
     out = tmp_path / "h200.npz"
     result = CliRunner().invoke(main, ["profile-table", "--gpu", "H200", "--tp", "2", "--out", str(out)])

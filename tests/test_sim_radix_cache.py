@@ -1,6 +1,6 @@
 import pytest
 
-from inferbus.tokens import block_hashes
+from inferbus.tokens.blocks import block_hashes
 from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from inferbus.tokens import encode
+from inferbus.tokens.blocks import encode
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.scheduler import (
     OUTPUT_PIECES,

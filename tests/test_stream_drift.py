@@ -6,7 +6,7 @@ import dataclasses
 
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from inferbus.stream_drift import config_drift
+from inferbus.bus.stream_drift import config_drift
 
 WANTED = StreamConfig(name="USAGE", subjects=["inferbus.usage.>"], retention=RetentionPolicy.LIMITS,
                       storage=StorageType.FILE, max_age=400 * 24 * 3600.0, duplicate_window=600.0, num_replicas=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inferbus.supervise import Backoff
+from inferbus.runtime.supervise import Backoff
 
 
 def test_restarts_back_off_exponentially_up_to_the_cap() -> None:

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from inferbus.capacity.mix import MixRequest
-from inferbus.capacity.sweep.metrics import SLO, client_verdict, knee, meets_slo, percentile, step_stats
-from inferbus.capacity.sweep.prompts import PromptBuilder
-from inferbus.capacity.sweep.records import ClientSample, RequestRecord
-from inferbus.commands.main import main
-from inferbus.tokens import count_tokens
-from inferbus.tokens import standin_render_chat as render_chat
+from tools.capacity.mix import MixRequest
+from tools.capacity.sweep.metrics import SLO, client_verdict, knee, meets_slo, percentile, step_stats
+from tools.capacity.sweep.prompts import PromptBuilder
+from tools.capacity.sweep.records import ClientSample, RequestRecord
+from tools.commands.main import main
+from inferbus.tokens.blocks import count_tokens
+from inferbus.tokens.blocks import standin_render_chat as render_chat
 
 IDLE_CLIENT = ClientSample(wall_s=10.0, cpu_s=1.0, loop_lags_s=[0.001] * 100, achieved_vs_target=1.0)
 
@@ -130,7 +130,7 @@ def test_prompts_have_the_mix_token_counts_and_share_the_cached_prefix(endpoint:
         text = render_chat(body["messages"]) if endpoint == "chat" else body["prompt"]
         assert count_tokens(text) == request.input_tokens
         texts.append(text)
-    from inferbus.tokens import encode
+    from inferbus.tokens.blocks import encode
 
     ids_a, ids_b = encode(texts[0]), encode(texts[1])
     shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
@@ -163,7 +163,7 @@ def test_bad_input_is_a_one_line_error(args: list[str], message: str) -> None:
 
 
 def test_unreachable_url_is_a_one_line_error(tmp_path: Path) -> None:
-    from inferbus.local import free_port
+    from inferbus.local.stack import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     result = CliRunner().invoke(main, ["sweep", "--url", url, "--model", "m", "--concurrency", "1",
@@ -181,7 +181,7 @@ MODEL = "meta-llama/Llama-3.3-70B-Instruct"  # the simulated engine's default na
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     """The simulated engine with OpenAI endpoints, fixed 20 ms steps in real time."""
-    from inferbus.local import free_port
+    from inferbus.local.stack import free_port
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "services.sim_engine", "--log-level", "warning", "--port", str(port),
@@ -278,7 +278,7 @@ def test_simulated_engine_openai_endpoints(engine: str) -> None:
 
 @pytest.mark.slow
 async def test_think_time_delays_each_users_next_request_and_is_not_a_client_shortfall(engine: str) -> None:
-    from inferbus.capacity.sweep.loadgen import run_concurrency
+    from tools.capacity.sweep.loadgen import run_concurrency
 
     builder = PromptBuilder("completions", MODEL)
     requests = [builder.prepare(MixRequest("c", 20, 3, 0), f"think-{i}") for i in range(8)]
@@ -295,7 +295,7 @@ async def test_think_time_delays_each_users_next_request_and_is_not_a_client_sho
 async def test_connections_are_reused_between_requests(engine: str) -> None:
     """Leaving a stream at [DONE] without reading the body's end closes the connection: every
     request would then pay a new TCP connect inside its TTFT."""
-    from inferbus.capacity.sweep.loadgen import send
+    from tools.capacity.sweep.loadgen import send
 
     builder = PromptBuilder("completions", "sim")
     async with httpx.AsyncClient(base_url=engine + "/v1") as client:

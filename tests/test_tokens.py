@@ -1,5 +1,5 @@
-from inferbus import tokens
-from inferbus.tokens import standin_render_chat as render_chat
+from inferbus.tokens import blocks as tokens
+from inferbus.tokens.blocks import standin_render_chat as render_chat
 
 
 def test_encoding_is_stable_and_bpe_sized() -> None:

@@ -229,7 +229,7 @@ def test_pythonic_anything_else_is_content(text: str) -> None:
 def test_every_family_reads_what_the_simulated_model_writes() -> None:
     import random
 
-    from inferbus.tokens import standin_render_chat
+    from inferbus.tokens.blocks import standin_render_chat
     from services.sim_engine.constrained import FAMILIES, tool_call_output
 
     prompt = standin_render_chat([{"role": "user", "content": "The weather in Oslo, and the time?"}], [WEATHER, TIME])
@@ -345,7 +345,7 @@ def test_gpt_oss_keeps_the_engines_special_tokens_only_when_it_reads_calls() -> 
 def test_the_family_of_a_chat_template() -> None:
     """INFERBUS_TOOL_CALL_PARSER=auto: the family whose call markers the template writes past calls in
     (fragments shaped like each family's template)."""
-    from inferbus.modeldir import FORMATS
+    from inferbus.tokens.modeldir import FORMATS
 
     assert tools.family_of_template(FORMATS["llama3"].template) == "llama3"
     assert tools.family_of_template(FORMATS["chatml"].template) == "hermes"

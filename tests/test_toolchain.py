@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("inferbus", "services", "proto")
-FIRST_PARTY = {"inferbus", "services", "proto", "tests", "bench"}
+CODE = ("tools", "inferbus", "services", "proto")
+FIRST_PARTY = {"tools", "inferbus", "services", "proto", "tests", "bench"}
 BIN = Path(sys.executable).parent
 # Declared for what they ship, not for an import: the nats-server binary, uvicorn's extras.
 # Declared for what they do when installed, never imported: the nats-server binary the tests and
@@ -31,8 +31,8 @@ def _run(*command: str | Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow  # a child process
 def test_the_package_layers_hold():
-    """pyproject's [tool.importlinter] contracts: CLI > capacity tools > services > library >
-    plumbing > proto, every inferbus module in a layer, services independent of each other."""
+    """pyproject's [tool.importlinter] contracts: tools > services > library > proto, the
+    library's floors and its plumbing's, every module in a floor, services independent."""
     result = _run(BIN / "lint-imports", "--no-cache")
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -124,7 +124,7 @@ def test_declared_dependencies_are_the_imported_ones():
 @pytest.mark.slow  # parses every module of the code, as the test above
 def test_optional_dependencies_are_imported_where_they_are_used():
     """An extra's package is imported inside the function that needs it, so a service without
-    the extra starts; `inferbus.extras.require` says which extra to install."""
+    the extra starts; `inferbus.runtime.extras.require` says which extra to install."""
     _, extras = _declared()
     optional = set().union(*(names for extra, names in extras.items() if extra not in ("dev", "redis-local")))
     eager = {package: sorted(f for f, at_load in files if at_load)

@@ -19,7 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from inferbus import tracing
+from inferbus.runtime import tracing
 
 REPO = Path(__file__).resolve().parents[1]
 

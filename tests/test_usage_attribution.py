@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client
 from prometheus_client import REGISTRY
 
-from inferbus import bus
-from inferbus.outbox import Outbox
-from inferbus.replies import Replies
+from inferbus.bus import connection as bus
+from inferbus.bus.outbox import Outbox
+from inferbus.bus.replies import Replies
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices
 from proto import messages as m

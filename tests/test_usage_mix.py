@@ -11,9 +11,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from inferbus.capacity import mix as mix_mod
-from inferbus.capacity import usage_mix
-from inferbus.commands.mix import from_usage, parse_when
+from tools.capacity import mix as mix_mod
+from tools.capacity import usage_mix
+from tools.commands.mix import from_usage, parse_when
 from proto import messages as m
 from proto import subjects
 
@@ -109,7 +109,7 @@ def test_from_usage_reads_the_ledger_window(platform: Platform, tmp_path) -> Non
     spec = yaml.safe_load(out.read_text())
     assert spec["classes"] == [{"name": "in 1024-2047 / out 256-511", "weight": 3, "input_tokens": 2000,
                                 "output_tokens": 300, "cached_fraction": 0.5}]
-    from inferbus.commands.plan import plan
+    from tools.commands.plan import plan
 
     planned = CliRunner().invoke(plan, ["--rps", "10", "--mix", str(out), "--tp", "2", "--gpu", "H100:2.5",
                                         "--no-compare"])

@@ -11,9 +11,9 @@ import msgspec
 import nats
 import pytest
 
-from inferbus import bus
-from inferbus.outbox import Outbox
-from inferbus.replies import Replies
+from inferbus.bus import connection as bus
+from inferbus.bus.outbox import Outbox
+from inferbus.bus.replies import Replies
 from proto import messages as m
 from proto import subjects
 

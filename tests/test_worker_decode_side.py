@@ -16,8 +16,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from inferbus import bus
-from inferbus.replies import Replies
+from inferbus.bus import connection as bus
+from inferbus.bus.replies import Replies
 from proto import messages as m
 from proto import subjects
 from services.worker.decode_side import DecodeSide

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from inferbus.settings import load
+from inferbus.runtime.settings import load
 from proto import bands
 from proto import messages as m
 from services.worker.attempt import Attempt, line_outcome

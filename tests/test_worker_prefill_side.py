@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from inferbus.replies import Replies
+from inferbus.bus.replies import Replies
 from proto import messages as m
 from proto import subjects
 from services.worker.engine import EngineError, PrefillResult

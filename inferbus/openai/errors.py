@@ -58,7 +58,7 @@ class OpenAIError(Exception):
 async def openai_error_handler(request: Request, error: Exception) -> Response:
     assert isinstance(error, OpenAIError)
     if error.status >= 500:  # the platform's refusals (no workers, overload, a store down) leave a trace
-        from inferbus import logs
+        from inferbus.runtime import logs
 
         logs.get(__name__).warning("request_refused", path=request.url.path, status=error.status, code=error.code)
     return error.response(getattr(request.state, "request_id", None))
@@ -86,7 +86,7 @@ async def validation_exception_handler(request: Request, error: Exception) -> Re
 
 
 async def unhandled_exception_handler(request: Request, error: Exception) -> Response:
-    from inferbus import logs
+    from inferbus.runtime import logs
 
     if isinstance(error, RecursionError):  # a hostile body that got past the depth checks: still the client's
         logs.get(__name__).warning("request_too_deep", path=request.url.path)

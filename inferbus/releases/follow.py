@@ -8,7 +8,7 @@ import asyncio
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from inferbus import bus
+from inferbus.bus import connection as bus
 from proto import messages as m
 
 from . import store

@@ -67,7 +67,7 @@ def directory_digest(directory: str | Path) -> str:
 
 def chat_template_sha256(directory: str | Path) -> str:
     """Digest of the chat template the gateway renders with: `chat_template.jinja` if present,
-    else the `chat_template` of `tokenizer_config.json` (as `inferbus.prompt` loads it)."""
+    else the `chat_template` of `tokenizer_config.json` (as `inferbus.tokens.prompt` loads it)."""
     root = Path(directory)
     jinja = root / "chat_template.jinja"
     if jinja.is_file():

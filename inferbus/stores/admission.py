@@ -32,8 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from inferbus import logs
-from inferbus.redis_conn import rerun_unloaded
+from inferbus.runtime import logs
+from inferbus.runtime.redis_conn import rerun_unloaded
 from inferbus.stores.tenants import TenantLimits  # noqa: F401  (re-exported: callers pass a tenant's limits)
 
 log = logs.get(__name__)

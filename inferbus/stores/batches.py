@@ -20,8 +20,9 @@ import nats.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs
-from inferbus.records import decode_or_none
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.runtime.records import decode_or_none
 from inferbus.stores.files import paginate, sortable_hex
 from proto import messages as m
 from proto import subjects

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from inferbus.redis_conn import rerun_unloaded
+from inferbus.runtime.redis_conn import rerun_unloaded
 from inferbus.stores import usage as u
 from inferbus.stores.pricing import PriceBook, Prices, PriceVersion
 

@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
-from inferbus.records import decode_or_none
+from inferbus.runtime.records import decode_or_none
 
 KEY_PREFIX = "inferbus:apikey:"
 SECRET_PREFIX = "ib-"

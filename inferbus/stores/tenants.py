@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from msgspec import Meta
 from redis.exceptions import WatchError
 
-from inferbus.records import decode_or_none
+from inferbus.runtime.records import decode_or_none
 from inferbus.stores.keys import CachedLookup, revoke_all_keys, tenant_key
 from proto.bands import InteractiveBand
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from inferbus.extras import require
+from inferbus.runtime.extras import require
 from inferbus.stores import usage as u
 from inferbus.stores.billing import UsageStore
 

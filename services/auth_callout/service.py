@@ -1,6 +1,6 @@
 """The auth callout service: answers nats-server's authorization requests (`$SYS.REQ.USER.AUTH`)
-with `inferbus.bus_callout.Authorizer`, verifying pods' ServiceAccount tokens with the
-Kubernetes TokenReview API. A thin shell: the decision and the JWTs are in inferbus/bus_callout.py."""
+with `inferbus.bus.callout.Authorizer`, verifying pods' ServiceAccount tokens with the
+Kubernetes TokenReview API. A thin shell: the decision and the JWTs are in inferbus/bus/callout.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from inferbus import bus, logs
-from inferbus.bus_callout import AUTH_SUBJECT, Authorizer, CalloutError, PodIdentity
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.bus.callout import AUTH_SUBJECT, Authorizer, CalloutError, PodIdentity
 
 from .settings import AuthCalloutSettings
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inferbus import settings as shared
-from inferbus.settings import env
+from inferbus.runtime import settings as shared
+from inferbus.runtime.settings import env
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvloop
 
-from inferbus import settings as settings_mod
+from inferbus.runtime import settings as settings_mod
 
 from .service import serve
 from .settings import AutoscalerSettings

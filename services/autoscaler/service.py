@@ -22,8 +22,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, start_http_server
 
-from inferbus import bus, logs
-from inferbus.local import EngineSpec
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.local.stack import EngineSpec
 from proto import messages as m
 from proto import subjects
 

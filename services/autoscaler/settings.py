@@ -6,8 +6,8 @@ import re
 import socket
 from dataclasses import dataclass
 
-from inferbus import settings as shared
-from inferbus.settings import env
+from inferbus.runtime import settings as shared
+from inferbus.runtime.settings import env
 
 from .policy import PolicyConfig
 from .roles import ROLES, RoleBounds, role_configs, role_pool

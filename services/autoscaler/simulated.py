@@ -1,4 +1,4 @@
-"""The autoscaler's policy as a fleet-simulator controller (`inferbus.capacity.fleetsim.fast.Controller`).
+"""The autoscaler's policy as a fleet-simulator controller (`tools.capacity.fleetsim.fast.Controller`).
 
 The simulator calls `decide(signals, fleet)` every `interval_s` of virtual time with its
 `FleetSignals`; this turns them into `PoolSignals`, asks the same `AutoscalePolicy` the service

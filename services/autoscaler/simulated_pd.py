@@ -1,5 +1,5 @@
 """The autoscaler's `DisaggregatedPolicy` as the disaggregated fleet simulator's controller
-(`inferbus.capacity.fleetsim.pd.PdFleet`).
+(`tools.capacity.fleetsim.pd.PdFleet`).
 
 Every `interval_s` of virtual time the fleet hands over each pool's `RoleSignals` (what its
 workers' load reports would show); this turns them into `PoolSignals`, asks the same

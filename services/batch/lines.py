@@ -17,7 +17,7 @@ import msgspec
 from inferbus.openai import carry, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import sampling_params
-from inferbus.prompt import PromptError, ServedModel, render_prompt
+from inferbus.tokens.prompt import PromptError, ServedModel, render_prompt
 from proto import bands
 from proto import messages as m
 

@@ -35,12 +35,15 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, start_http_server
 
-from inferbus import adapters as adapter_registry
-from inferbus import bus, dispatch_records, logs, redis_conn, security_events
+from inferbus.stores import adapters as adapter_registry
+from inferbus.bus import connection as bus
+from inferbus.stores import dispatch_records
+from inferbus.runtime import logs, redis_conn
+from inferbus.bus import security_events
 from inferbus.openai.errors import OpenAIError
-from inferbus.prompt import ModelDirError, context_window, load_model
-from inferbus.records import decode_or_none
-from inferbus.replies import Replies
+from inferbus.tokens.prompt import ModelDirError, context_window, load_model
+from inferbus.runtime.records import decode_or_none
+from inferbus.bus.replies import Replies
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
 from inferbus.stores.models import ModelCatalog

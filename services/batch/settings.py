@@ -3,8 +3,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from inferbus import settings as shared
-from inferbus.settings import env
+from inferbus.runtime import settings as shared
+from inferbus.runtime.settings import env
 
 from .feed import FeedConfig
 
@@ -17,7 +17,7 @@ class BatchSettings:
     model_dir: str = shared.model_dir(
         "Directory of the served model as its engines load it (tokenizer.json, tokenizer_config.json with the chat "
         "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
-        "a small one (python -m inferbus.modeldir DIR).",
+        "a small one (python -m inferbus.tokens.modeldir DIR).",
     )
     files_dir: str = shared.files_dir("Where the file store keeps uploaded and generated files (shared with the gateway).")
     service_id: str = env(

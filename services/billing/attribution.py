@@ -7,7 +7,7 @@ that worker too and, where the `claims` bucket says which worker holds the attem
 worker-2 cannot bill a request worker-1 runs, under its own name or under worker-1's.
 
 Claims are the workers' own records; what a worker cannot write is the `dispatches` bucket, where
-the gateway (or batch service) that queued a request put for which tenant (`inferbus.dispatch_records`).
+the gateway (or batch service) that queued a request put for which tenant (`inferbus.stores.dispatch_records`).
 A worker's report billed to a tenant is taken only when the request's dispatch record names that
 tenant: a request id the worker made up (no record), or a real request billed to another tenant,
 is refused. Records age out (`bus.DISPATCH_TTL_S`): a report stored longer ago than
@@ -27,8 +27,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs, security_events
-from inferbus.records import decode_or_none
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.bus import security_events
+from inferbus.runtime.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.stores.billing import UsageStore, export_lock_key, exported_key
 from inferbus.stores.usage_export import FORMATS, collect_rows, write_rows
 

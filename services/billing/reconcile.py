@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.stores.admission import Admission
 from inferbus.stores.billing import PriceStore
 from inferbus.stores.usage import contribution

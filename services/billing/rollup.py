@@ -38,7 +38,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import BadRequestError, NotFoundError
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.stores import usage as u
 from inferbus.stores.billing import PriceStore, UsageStore
 from proto import messages as m

@@ -18,8 +18,9 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
-from inferbus import bus, logs, redis_conn
-from inferbus.extras import MissingExtra, require
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs, redis_conn
+from inferbus.runtime.extras import MissingExtra, require
 from inferbus.stores.admission import Admission
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices

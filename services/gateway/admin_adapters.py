@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from nats.js import JetStreamContext
 from starlette.responses import Response
 
-from inferbus import adapters as registry
+from inferbus.stores import adapters as registry
 from inferbus.openai.errors import OpenAIError
 from proto import messages as m
 

@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from inferbus import bus, logs, redis_conn, tracing
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs, redis_conn, tracing
 from inferbus.openai.errors import (
     OpenAIError,
     http_exception_handler,
@@ -30,7 +31,7 @@ from inferbus.openai.errors import (
     validation_exception_handler,
 )
 from inferbus.openai.json_body import JsonLimits
-from inferbus.prompt import ModelDirError, load_model
+from inferbus.tokens.prompt import ModelDirError, load_model
 from inferbus.stores.admission import Admission
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore

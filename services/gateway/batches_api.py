@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import Counter
 from starlette.responses import Response
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.openai import json_body
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.objects import batch_object, list_page

@@ -11,7 +11,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from inferbus import bus, logs
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
 from proto import bands, subjects
 from proto import messages as m
 

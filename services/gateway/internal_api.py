@@ -7,7 +7,7 @@ by running the call through `Generation` exactly as an HTTP request: the same ke
 quotas, priority band, fair queue, dispatch and billing. The call is handed to `Generation` as an
 ASGI request whose response is published to the inbox instead of written to a socket:
 
-Replies go only to the caller's inbox (`_INBOX.<identity>.…`, `inferbus.reply_check`): a call
+Replies go only to the caller's inbox (`_INBOX.<identity>.…`, `inferbus.bus.reply_check`): a call
 naming any other reply subject (a JetStream API subject, a KV key, a data subject) is refused
 unanswered and counted as a security event.
 
@@ -33,9 +33,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.openai.errors import OpenAIError
-from inferbus.security_events import answerable
+from inferbus.bus.security_events import answerable
 from proto import messages as m
 from proto import subjects
 

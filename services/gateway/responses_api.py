@@ -21,9 +21,9 @@ import structlog
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.openai.errors import OpenAIError
-from inferbus.prompt import LONG_TEXT_CHARS
+from inferbus.tokens.prompt import LONG_TEXT_CHARS
 from inferbus.stores.keys import Principal
 from inferbus.stores.tenants import Tenant
 from proto import messages as m

@@ -16,8 +16,9 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs
-from inferbus.records import decode_or_none
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.runtime.records import decode_or_none
 from proto import messages as m
 from proto import subjects
 

@@ -5,11 +5,11 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from inferbus import settings as shared
-from inferbus.node_zone import read_zone
+from inferbus.runtime import settings as shared
+from inferbus.runtime.node_zone import read_zone
 from inferbus.openai.schemas import MAX_MESSAGES, MAX_TOOLS
-from inferbus.settings import env
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.runtime.settings import env
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 
 
 def _default_gateway_id() -> str:
@@ -33,7 +33,7 @@ class GatewaySettings:
     model_dir: str = shared.model_dir(
         "Directory of the served model as its engines load it (tokenizer.json, tokenizer_config.json with the chat "
         "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
-        "a small one (python -m inferbus.modeldir DIR).",
+        "a small one (python -m inferbus.tokens.modeldir DIR).",
     )
     zone: str = shared.zone("this gateway")
     zone_file: str = shared.zone_file("this gateway's")

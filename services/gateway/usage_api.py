@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.openai import json_body
 from inferbus.openai.errors import OpenAIError
 from inferbus.stores import usage as u

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inferbus import settings as shared
-from inferbus.settings import env
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.runtime import settings as shared
+from inferbus.runtime.settings import env
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 
 from .config import (
     DEFAULT_ANSWER_LENGTH_MEDIAN,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inferbus.timing import roofline
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 
 DEFAULT_MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 GPU_NAMES = ("H100", "H200")

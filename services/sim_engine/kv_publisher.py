@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from inferbus import kv_events
+from inferbus.tokens import kv_events
 
 from . import radix_cache
 from .radix_cache import RadixCache

@@ -3,9 +3,9 @@
 
 Clients that speak only the OpenAI API (`inferbus sweep`, NVIDIA's aiperf, the openai SDK) can
 load the engine directly, without the platform in between. Chat messages are rendered with the
-served model's own chat template and tokenizer (`inferbus.prompt.render_prompt`, as the gateway
+served model's own chat template and tokenizer (`inferbus.tokens.prompt.render_prompt`, as the gateway
 does), so prompt token counts agree with the platform's; without a model directory, with the
-stand-in rendering and tokenizer of the capacity tools (`inferbus.tokens`). Supported: `max_tokens`/`max_completion_tokens`, the sampling fields
+stand-in rendering and tokenizer of the capacity tools (`inferbus.tokens.blocks`). Supported: `max_tokens`/`max_completion_tokens`, the sampling fields
 SGLang maps (`ignore_eos`, `min_tokens`, ...), streaming with `stream_options.include_usage`, and
 `prompt_tokens_details.cached_tokens`.
 """
@@ -22,8 +22,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inferbus.prompt import PromptError, ServedModel, render_prompt
-from inferbus.tokens import encode, standin_render_chat
+from inferbus.tokens.prompt import PromptError, ServedModel, render_prompt
+from inferbus.tokens.blocks import encode, standin_render_chat
 
 from .config import EngineConfig
 from .disagg import Bootstrap

@@ -1,6 +1,6 @@
 """Block-level prefix cache with ref counts and LRU eviction, sharing one KV pool with running requests.
 
-Blocks are identified by the chained hashes of `inferbus.tokens.block_hashes`, so a block's hash
+Blocks are identified by the chained hashes of `inferbus.tokens.blocks.block_hashes`, so a block's hash
 names its whole prefix and the router (which hashes prompts the same way) can mirror this cache
 from the events it emits. Pure: no I/O, no clock (recency is a logical counter).
 """

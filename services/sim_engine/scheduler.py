@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from inferbus.timing import LORA_LOAD_BANDWIDTH, FixedStepModel, SpecDecoding, StepTimeModel, roofline
-from inferbus.tokens import VOCAB_SIZE, block_hashes, encode, pieces
+from inferbus.tokens.blocks import VOCAB_SIZE, block_hashes, encode, pieces
 
 from .config import ANSWER_LENGTH_SIGMA, EngineConfig
 from .lora_pool import GpuSlots, LoadedAdapters, LoraAdapter, adapter_rank, disk_load_s, host_to_gpu_s

@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
-from inferbus import logs
+from inferbus.runtime import logs
 from proto import messages as m
 
 from . import release_check

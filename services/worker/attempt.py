@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from inferbus import continuation
+from inferbus.tokens import continuation
 from proto import messages as m
 
 # (error code, message, HTTP status) of a line that ends without output.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import structlog
 from nats.aio.msg import Msg
 
-from inferbus import logs, tracing
+from inferbus.runtime import logs, tracing
 from proto import messages as m
 from proto import subjects
 

@@ -1,7 +1,7 @@
 """Relays the engine's KV-cache events (ZMQ) to the router (NATS), and answers resync requests.
 
 The engine's events name its pages with its own hash at its own page size; the relay rebuilds
-them from their token ids into the platform's prefix blocks (`inferbus.kv_blocks`), the blocks
+them from their token ids into the platform's prefix blocks (`inferbus.tokens.kv_blocks`), the blocks
 the gateway hashes prompts into, and relays those. SGLang's publisher connects to a concrete
 endpoint, so by default the relay binds it; with `"bind": true` in the engine's config (or a
 wildcard endpoint) the engine binds and the relay connects (`INFERBUS_ENGINE_KV_EVENTS_BIND`).
@@ -24,8 +24,9 @@ import zmq.asyncio
 from nats.aio.client import Client
 from prometheus_client import Counter
 
-from inferbus import kv_events, logs
-from inferbus.kv_blocks import BlockChains, Changes
+from inferbus.tokens import kv_events
+from inferbus.runtime import logs
+from inferbus.tokens.kv_blocks import BlockChains, Changes
 from proto import messages as m
 from proto import subjects
 

@@ -21,7 +21,7 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from inferbus import logs
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

@@ -36,9 +36,11 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs, patience
-from inferbus.records import decode_or_none
-from inferbus.tokens import block_hashes
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.bus import patience
+from inferbus.runtime.records import decode_or_none
+from inferbus.tokens.blocks import block_hashes
 from proto import messages as m
 from proto import subjects
 
@@ -160,7 +162,7 @@ class DecodeSide:
         self.peers.on_dead.append(self._peer_dead)
         self.tries: dict[tuple[str, int], PrefillTry] = {}  # (request id, attempt) → its current try
         self.rng = random.Random()
-        # A slow router is waited for, as gateways wait for it (inferbus/patience.py).
+        # A slow router is waited for, as gateways wait for it (inferbus/bus/patience.py).
         self.patience = patience.PlacementPatience(ROUTER_TIMEOUT_S, worker.settings.placement_patience_ms / 1000,
                                                    time.monotonic)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferbus import logs
+from inferbus.runtime import logs
 
 log = logs.get(__name__)
 

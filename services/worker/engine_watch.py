@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from inferbus import bus, logs
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
 
 from .gpu_death import give_up
 from .metrics import PAUSES

@@ -9,7 +9,7 @@ import time
 
 from nats.aio.client import Client
 
-from inferbus import logs
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from inferbus import logs
+from inferbus.runtime import logs
 
 log = logs.get(__name__)
 POINTS = ("before_final",)

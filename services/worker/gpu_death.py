@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
-from inferbus import logs
-from inferbus.supervise import EXIT_GPU_DEATH
+from inferbus.runtime import logs
+from inferbus.runtime.supervise import EXIT_GPU_DEATH
 
 if TYPE_CHECKING:
     from .service import Worker

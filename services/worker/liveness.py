@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.msg import Msg
 
-from inferbus import bus, logs
-from inferbus.security_events import answerable
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
+from inferbus.bus.security_events import answerable
 from proto import messages as m
 from proto import subjects
 

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from inferbus import logs
+from inferbus.runtime import logs
 
 from .slots import SlotBudget
 

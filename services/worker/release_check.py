@@ -18,7 +18,7 @@ import msgspec
 from nats.js import JetStreamContext
 from prometheus_client import Gauge
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.releases import record, store
 from proto import messages as m
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from inferbus import logs
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

@@ -4,10 +4,10 @@ import dataclasses
 import socket
 from dataclasses import dataclass
 
-from inferbus import settings as shared
-from inferbus.node_zone import read_zone
-from inferbus.settings import env
-from inferbus.tokens import DEFAULT_BLOCK_SIZE
+from inferbus.runtime import settings as shared
+from inferbus.runtime.node_zone import read_zone
+from inferbus.runtime.settings import env
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 from proto.bands import Band
 from proto.bands import parse as parse_bands
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferbus.local import free_port
+from inferbus.local.stack import free_port
 
 HERE = Path(__file__).parent
 SGLANG_VERSION = "0.5.23"
@@ -78,7 +78,7 @@ def sglang_paths() -> tuple[Path, Path]:
     home = os.environ.get("INFERBUS_SGLANG_HOME")
     if not home:
         raise pytest.UsageError("INFERBUS_SGLANG_HOME is not set: run the suite with `make test-sglang`")
-    sources = (HERE / "modeldir.py").read_bytes() + (HERE.parent.parent / "inferbus" / "modeldir.py").read_bytes()
+    sources = (HERE / "modeldir.py").read_bytes() + (HERE.parent.parent / "inferbus" / "tokens" / "modeldir.py").read_bytes()
     digest = hashlib.sha256(sources).hexdigest()[:16]
     return Path(home), Path(home) / "models" / digest
 
@@ -105,7 +105,7 @@ def sglang_command(home: Path, models: Path, port: int, kv_events: str) -> tuple
 def sim_command(port: int, kv_events: str, model_dir: Path) -> tuple[list[str], dict[str, str]]:
     events = json.dumps({"publisher": "zmq", "endpoint": kv_events, "bind": True})
     argv = [
-        sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
         "--model-dir", str(model_dir), "--block-size", "1",  # SGLang's page size on CPU
         "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS), "--max-lora-rank", str(MAX_LORA_RANK),
         "--max-loaded-loras", str(MAX_LOADED_LORAS),
@@ -166,7 +166,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         slow_lora_path = str(models / "slow-lora")
         model_dir = models / "model"
     else:
-        from inferbus.modeldir import build_model_dir
+        from inferbus.tokens.modeldir import build_model_dir
 
         model_dir = build_model_dir(workdir / "model", "chatml", model_max_length=4096)
         argv, env = sim_command(port, kv_events, model_dir)

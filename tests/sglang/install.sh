@@ -40,7 +40,7 @@ fi
 
 # The tiny model and its adapters, cached under the digest of the two files that build them.
 repo="$(cd "$here/../.." && pwd)"
-models="$root/models/$(cat "$here/modeldir.py" "$repo/inferbus/modeldir.py" | sha256sum | cut -c1-16)"
+models="$root/models/$(cat "$here/modeldir.py" "$repo/inferbus/tokens/modeldir.py" | sha256sum | cut -c1-16)"
 if [[ ! -f "$models/.built" ]]; then
   rm -rf "$models.tmp"
   PYTHONPATH="$repo" INFERBUS_CACHE_DIR="$root/tokenizers" "$root/bin/python" "$here/modeldir.py" "$models.tmp" >&2

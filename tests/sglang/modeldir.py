@@ -1,7 +1,7 @@
 """Builds the model real SGLang serves in the contract suite, and LoRA adapters for it.
 
 No model hub is reachable, so everything is made here. The tokenizer, chat template (ChatML, so
-nothing can assume Llama-3's) and configuration come from `inferbus.modeldir`, exactly as the
+nothing can assume Llama-3's) and configuration come from `inferbus.tokens.modeldir`, exactly as the
 simulated engine and the gateway get them; this adds what only a real engine needs: a 2-layer
 Llama with seeded random weights saved by `transformers`, a LoRA adapter made with `peft`
 (non-zero B, so its output differs from the base model's), the same adapter padded to take a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from inferbus.modeldir import build_model_dir
+from inferbus.tokens.modeldir import build_model_dir
 
 CHAT_FORMAT = "chatml"
 LORA_RANK = 4
@@ -28,7 +28,7 @@ TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def build_weights(model_dir: Path) -> None:
-    """Random weights (seeded) for the configuration `inferbus.modeldir` wrote."""
+    """Random weights (seeded) for the configuration `inferbus.tokens.modeldir` wrote."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

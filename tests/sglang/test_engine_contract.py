@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from inferbus.prompt import load_model
+from inferbus.tokens.prompt import load_model
 from proto import messages as m
 from services.worker.engine import EngineClient, EngineError, EngineUpdate
 from services.worker.reporting import engine_context_length

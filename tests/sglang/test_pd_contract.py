@@ -30,7 +30,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from inferbus.local import free_port
+from inferbus.local.stack import free_port
 
 from .conftest import HERE, MAX_LORA_RANK, MAX_TOTAL_TOKENS, engine_kind, sglang_paths, sim_adapter, stop
 
@@ -108,13 +108,13 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
         env["PYTHONPATH"] = str(HERE / "site")
         env.pop("VIRTUAL_ENV", None)
     else:
-        from inferbus.modeldir import build_model_dir
+        from inferbus.tokens.modeldir import build_model_dir
 
         model_dir = tmp / "model"
         if not model_dir.exists():
             build_model_dir(model_dir, "chatml", model_max_length=4096)
         argv = [
-            sys.executable, "-m", "inferbus.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
+            sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
             "--model-dir", str(model_dir), "--block-size", "1", "--kv-capacity-tokens", str(MAX_TOTAL_TOKENS),
             "--max-lora-rank", str(MAX_LORA_RANK), "--kv-events-config", events, *pd,
         ]

@@ -1,5 +1,5 @@
 """The platform in front of the contract engine: a real nats-server and Redis, gateway and router
-from `inferbus.local.Stack`, and our worker process driving the engine (real SGLang under
+from `inferbus.local.stack.Stack`, and our worker process driving the engine (real SGLang under
 `make test-sglang`, the simulated engine otherwise), exercised with the official `openai` SDK."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import openai
 import pytest
 from nats.aio.msg import Msg
 
-from inferbus.local import Process, Stack, StackConfig, _logged, free_port
-from inferbus.prompt import load_model, render_prompt
+from inferbus.local.stack import Process, Stack, StackConfig, _logged, free_port
+from inferbus.tokens.prompt import load_model, render_prompt
 from inferbus.releases.record import directory_digest
-from inferbus.tokens import DEFAULT_BLOCK_SIZE, block_hashes
+from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE, block_hashes
 from proto import messages as m
 from proto import subjects
 from services.router.index import PrefixIndex
@@ -37,8 +37,8 @@ WORKER_ID = "worker-contract"
 @pytest.fixture(scope="module")
 def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """The platform with one worker, ours, on the contract engine."""
-    from inferbus.commands.local_platform import demo_key
-    from inferbus.commands.main import new_admin_key
+    from tools.commands.local_platform import demo_key
+    from tools.commands.main import new_admin_key
 
     state = tmp_path_factory.mktemp("platform")
     stack = Stack(StackConfig(state_dir=state, workers=0, batch=False, model=MODEL, model_dir=engine.model_dir,
@@ -47,7 +47,7 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stack.start(timeout=90)
         log = state / "logs" / "worker.log"
         worker = Process(
-            "worker", [sys.executable, "-m", "inferbus.commands.main", "worker"],
+            "worker", [sys.executable, "-m", "tools.commands.main", "worker"],
             stack._env(**stack.credentials(WORKER_ID), INFERBUS_WORKER_ID=WORKER_ID, INFERBUS_ENGINE_URL=engine.url,
                        INFERBUS_ENGINE_KV_EVENTS=engine.kv_events, INFERBUS_ENGINE_KV_EVENTS_BIND="false",
                        INFERBUS_METRICS_PORT="0",  # the engine binds its KV-event endpoint ("bind": true)

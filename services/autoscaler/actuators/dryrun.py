@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from inferbus import logs
+from inferbus.runtime import logs
 
 from .base import Actuator, FleetState
 

@@ -17,8 +17,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from inferbus import logs
-from inferbus.extras import require
+from inferbus.runtime import logs
+from inferbus.runtime.extras import require
 
 from .base import Actuator, FleetState, PoolFleet
 

@@ -26,7 +26,8 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from inferbus import bus, logs
+from inferbus.bus import connection as bus
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

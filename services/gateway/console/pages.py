@@ -23,7 +23,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.openai.errors import unhandled_exception_handler
 from inferbus.releases import record
 from inferbus.releases import store as release_store

@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client.metrics import MetricWrapperBase
 
-from inferbus import logs
+from inferbus.runtime import logs
 
 from .. import metrics
 from . import slo

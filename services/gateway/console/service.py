@@ -6,7 +6,7 @@ import redis.asyncio as aioredis
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from inferbus import logs
+from inferbus.runtime import logs
 from inferbus.stores.keys import KeyStore
 
 from ..settings import GatewaySettings

