@@ -11,9 +11,9 @@ import nats
 import openai
 from click.testing import CliRunner
 
-from tools.commands.main import main
 from proto import messages as m
 from proto import subjects
+from tools.commands.main import main
 
 from .conftest import MODEL, Platform
 

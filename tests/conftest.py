@@ -20,8 +20,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from inferbus.bus import connection as bus
-from inferbus.stores import dispatch_records
 from inferbus.local.stack import Stack, StackConfig, free_port
+from inferbus.stores import dispatch_records
 from proto import messages as m
 from proto import subjects
 

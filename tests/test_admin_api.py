@@ -10,10 +10,10 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from tools.commands.main import main
 from inferbus.local.stack import free_port
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
+from tools.commands.main import main
 
 from .conftest import Platform
 

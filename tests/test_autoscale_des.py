@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.autoscaler.threshold import ThresholdConfig, ThresholdController, ThresholdPolicy
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 
 COLD_S, WARM_S = 60.0, 5.0
 

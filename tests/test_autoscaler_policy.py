@@ -460,8 +460,8 @@ def test_a_worker_restart_does_not_make_negative_rates() -> None:
 def test_policy_drives_the_fleet_simulator() -> None:
     import random
 
-    from tools.capacity.fleetsim.fast import FastConfig, FastFleet
     from services.autoscaler.simulated import PolicyController
+    from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 
     rng = random.Random(3)
     arrivals, t = [], 0.0

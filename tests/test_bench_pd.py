@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from bench.pd import chunk_of, decode_counts, describe, disaggregated_config, split, stressed, unbound_decode
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity.fleetsim.pd import PdConfig, Pool
 from tools.capacity.plan.model import Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, make_plan
-from services.sim_engine.config import EngineConfig
 
 
 def _pair():  # type: ignore[no-untyped-def]

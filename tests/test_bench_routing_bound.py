@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from bench.routing_bound import ClairvoyantFleet, alone, first_token_at
-from tools.capacity.fleetsim import FleetConfig, FleetSim
-from tools.capacity.traces import TraceRequest
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from tools.capacity.fleetsim import FleetConfig, FleetSim
+from tools.capacity.traces import TraceRequest
 
 
 def engine_config() -> EngineConfig:

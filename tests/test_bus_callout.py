@@ -19,7 +19,6 @@ import nats
 import nkeys
 import pytest
 
-from inferbus.bus.connection import BusSettings
 from inferbus.bus.auth import inbox_prefix, new_password, password_env
 from inferbus.bus.callout import (
     AUTH_PASSWORD_ENV,
@@ -33,6 +32,7 @@ from inferbus.bus.callout import (
     encode_jwt,
     new_account_seed,
 )
+from inferbus.bus.connection import BusSettings
 from inferbus.local.stack import free_port, http_ok, nats_server_binary
 from proto import subjects
 from services.auth_callout.service import answer_requests

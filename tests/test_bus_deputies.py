@@ -27,7 +27,6 @@ from nats.js.api import KeyValueConfig, StorageType
 from prometheus_client import REGISTRY
 
 from inferbus.bus import connection as bus
-from inferbus.stores import dispatch_records
 from inferbus.bus.auth import DEPLOYMENT_ROLES, inbox_prefix, new_password, password_env
 from inferbus.bus.callout import (
     AUTH_PASSWORD_ENV,
@@ -38,6 +37,7 @@ from inferbus.bus.callout import (
     new_account_seed,
 )
 from inferbus.local.stack import free_port, http_ok, nats_server_binary
+from inferbus.stores import dispatch_records
 from proto import bands, subjects
 from proto import messages as m
 from services.auth_callout.service import answer_requests

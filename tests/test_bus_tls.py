@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from inferbus.bus import connection as bus
-from inferbus.bus.connection import BusSettings
 from inferbus.bus.auth import Identity, accounts_block, new_password
+from inferbus.bus.connection import BusSettings
 from inferbus.local.stack import free_port, http_ok, nats_server_binary
 from services.billing.pull import PullConnection
 

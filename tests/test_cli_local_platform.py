@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tools.commands.main import main
 from inferbus.local.stack import PLATFORM_FILE
+from tools.commands.main import main
 
 from .conftest import MODEL, Platform
 

@@ -15,8 +15,8 @@ import redis
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
-from inferbus.bus.connection import BusSettings
 from inferbus.bus.auth import Identity, inbox_prefix, permissions
+from inferbus.bus.connection import BusSettings
 from proto import messages as m
 from proto import subjects
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import nats
 import pytest
 
-from inferbus.bus.connection import BusSettings
 from inferbus.bus.auth import (
     DEPLOYMENT_ROLES,
     REDIS_PASSWORD_ENV,
@@ -25,6 +24,7 @@ from inferbus.bus.auth import (
     new_secrets,
     password_env,
 )
+from inferbus.bus.connection import BusSettings
 from inferbus.local.stack import free_port, http_ok, nats_server_binary
 
 yaml = pytest.importorskip("yaml")

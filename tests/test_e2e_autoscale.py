@@ -10,7 +10,6 @@ low (2 req/s), so that a ramp a test machine can drive is worth three replicas.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from proto import subjects
 
 from .conftest import MODEL, running_platform
 from .ramp import ramp
+from .service_logs import log_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -38,18 +38,6 @@ AUTOSCALER_ENV = {
     "INFERBUS_AUTOSCALER_SLO_COOLDOWN_S": "3",
     "INFERBUS_AUTOSCALER_PENDING_S": "10",
 }
-
-
-def _log_events(path: Path, event: str) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            out.append(record)
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -97,7 +85,7 @@ def test_a_load_ramp_scales_workers_up_and_back_down(tmp_path: Path) -> None:
         assert ups[0].reason.startswith("scale up "), ups[0].reason
         assert "req/s" in ups[0].reason and ups[0].arrival_rate > 0
         assert max(d.serving for d in during) == 3, [(d.serving, d.warm, d.starting) for d in during[-10:]]
-        started = _log_events(log, "replica_started")
+        started = log_events(log, "replica_started")
         assert {e["worker_id"] for e in started} >= {"worker-1", "worker-2", "worker-3"}
 
         # Down: a slow scale-down (after the window) back to the minimum; idle replicas stopped.
@@ -109,9 +97,9 @@ def test_a_load_ramp_scales_workers_up_and_back_down(tmp_path: Path) -> None:
         assert any(d.demote for d in decisions)
         # Stopping is a drain then SIGTERM to worker and engine: quick, except on a loaded machine.
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(_log_events(log, "replica_stopped")) < 2:
+        while time.monotonic() < deadline and len(log_events(log, "replica_stopped")) < 2:
             time.sleep(0.2)
-        stopped = {e["worker_id"] for e in _log_events(log, "replica_stopped")}
+        stopped = {e["worker_id"] for e in log_events(log, "replica_stopped")}
         assert len(stopped) >= 2, stopped
         for event in started:
             if event["worker_id"] in stopped:

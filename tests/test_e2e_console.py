@@ -27,10 +27,10 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from tools.commands.main import main
 from inferbus.local.stack import Process
 from inferbus.releases import record
 from services.sim_engine import quality
+from tools.commands.main import main
 
 from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform

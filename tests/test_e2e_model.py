@@ -16,8 +16,8 @@ import nats
 import openai
 import pytest
 
-from inferbus.tokens.prompt import load_model, render_prompt
 from inferbus.tokens.blocks import block_hashes
+from inferbus.tokens.prompt import load_model, render_prompt
 from proto import messages as m
 from proto import subjects
 

@@ -16,22 +16,11 @@ import httpx
 import pytest
 
 from .conftest import MODEL, running_platform
+from .service_logs import log_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 PREFILL = 1  # engine-1 / worker-1 is the prefill one
-
-
-def _events(path: Path, event: str) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            out.append(record)
-    return out
 
 
 def test_an_interactive_prompt_preempts_a_batch_prompt_on_a_full_prefill_worker(tmp_path: Path) -> None:
@@ -76,10 +65,10 @@ def test_an_interactive_prompt_preempts_a_batch_prompt_on_a_full_prefill_worker(
                 time.sleep(0.2)
             batches[i] = batch
         logs = tmp_path / "logs"
-        preempted = [e for e in _events(logs / f"worker-{PREFILL}.log", "prefill_half_aborted")
+        preempted = [e for e in log_events(logs / f"worker-{PREFILL}.log", "prefill_half_aborted")
                      if str(e.get("why", "")).startswith("preempted for interactive")]
-        handed_back = [e for n in (2, 3) for e in _events(logs / f"worker-{n}.log", "batch_prefill_preempted")]
-        requeued = [e for n in (2, 3) for e in _events(logs / f"worker-{n}.log", "batch_requeued")
+        handed_back = [e for n in (2, 3) for e in log_events(logs / f"worker-{n}.log", "batch_prefill_preempted")]
+        requeued = [e for n in (2, 3) for e in log_events(logs / f"worker-{n}.log", "batch_requeued")
                     if e.get("reason") == "preempted"]
         assert len(preempted) == 1, preempted
         assert [e["request_id"] for e in handed_back] == [preempted[0]["request_id"]]

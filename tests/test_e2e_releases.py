@@ -21,12 +21,12 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from tools.commands.main import main
 from inferbus.local.stack import EngineSpec, Process, replica_processes
 from inferbus.releases import record
 from proto import messages as m
 from proto import subjects
 from services.sim_engine import quality
+from tools.commands.main import main
 
 from .canary_helpers import Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform

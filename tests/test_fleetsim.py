@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tools.capacity.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
-from tools.capacity.traces import TraceRequest
 from inferbus.tokens.blocks import block_hashes
 from services.router.placement import Placer
 from services.router.policies import LeastLoadedPolicy
 from services.router.registry import WorkerRegistry
 from services.sim_engine.config import EngineConfig
+from tools.capacity.fleetsim import EventLoop, FleetConfig, FleetSim, capacity, workload
+from tools.capacity.traces import TraceRequest
 
 BLOCK = 64  # one trace block = one engine block in these tests
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tools.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
-from tools.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
-from tools.capacity.traces import TraceRequest
 from proto import bands
 from proto import messages as m
 from services.batch.feed import FeedConfig
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from tools.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
+from tools.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
+from tools.capacity.traces import TraceRequest
 
 pytestmark = pytest.mark.slow
 

@@ -8,14 +8,14 @@ import math
 import pytest
 from click.testing import CliRunner
 
+from inferbus.timing import RooflineModel, expected_distinct_adapters
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity.fleetsim.analytic import AnalyticReplica, Req
 from tools.capacity.fleetsim.day import constant
 from tools.capacity.fleetsim.engine_model import AdapterTraffic, step_model_for
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
-from inferbus.timing import RooflineModel, expected_distinct_adapters
-from services.sim_engine.config import EngineConfig
 
 SPEC = EngineConfig(speculative_num_steps=3, speculative_acceptance=0.7)
 

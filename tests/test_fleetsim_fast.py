@@ -11,16 +11,16 @@ from collections import Counter
 import pytest
 from click.testing import CliRunner
 
+from inferbus.timing import roofline
+from proto import messages as m
+from services.router.placement import make_placer
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
 from tools.capacity.fleetsim.analytic import AnalyticReplica, Req, step_function
 from tools.capacity.fleetsim.day import DayWorkload, constant, diurnal, parse_duration, rate_shape
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet, FleetSignals
 from tools.capacity.fleetsim.sampler import LoadSampler
-from inferbus.timing import roofline
-from proto import messages as m
-from services.router.placement import make_placer
-from services.sim_engine.config import EngineConfig
 
 MODEL = roofline("H100", 2, "latency")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tools.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 from inferbus.timing import KV_LINKS, kv_link, roofline
 from services.sim_engine.config import EngineConfig
+from tools.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 
 
 def _engine(tp: int) -> EngineConfig:

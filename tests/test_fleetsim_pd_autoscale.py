@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from tools.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.roles import RoleBounds, role_configs
 from services.autoscaler.simulated_pd import PdPolicyController
 from services.sim_engine.config import EngineConfig
+from tools.capacity.fleetsim.pd import PdConfig, PdFleet, Pool
 
 ENGINE = EngineConfig(gpu="H100", tp=2, chunked_prefill_size=2048)
 # Goodputs so high that the capacity rule asks for the minimum: only each pool's own SLO signal

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
-from tools.capacity.fleetsim.batch import BatchSpec
-from tools.capacity.fleetsim.wiring import Lifecycle, fleet_states
 from services.autoscaler.policy import PolicyConfig
 from services.autoscaler.simulated import PolicyController
 from services.sim_engine.config import EngineConfig
+from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
+from tools.capacity.fleetsim.batch import BatchSpec
+from tools.capacity.fleetsim.wiring import Lifecycle, fleet_states
 
 BLOCK = 64
 

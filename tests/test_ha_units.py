@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from inferbus.local import cluster as lc
 from inferbus.bus.connection import server_list
-from tools.drill.report import Attempt, Call, LedgerEvent, summarize
+from inferbus.local import cluster as lc
 from inferbus.runtime.redis_conn import parse_sentinel_url, redact, sentinel_url
+from tools.drill.report import Attempt, Call, LedgerEvent, summarize
 
 
 def test_sentinel_urls_round_trip_and_plain_urls_are_not_sentinel() -> None:

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from inferbus.tokens.kv_blocks import BlockChains, Changes
 from inferbus.tokens.blocks import block_hashes
+from inferbus.tokens.kv_blocks import BlockChains, Changes
 from proto import messages as m
 from services.router.config import RoutingConfig
 from services.router.placement import make_placer

@@ -8,10 +8,10 @@ import msgspec
 import pytest
 import zmq
 
-from inferbus.tokens import kv_events
-from inferbus.tokens.kv_blocks import BlockChains, Changes
 from inferbus.local.stack import free_port
+from inferbus.tokens import kv_events
 from inferbus.tokens.blocks import block_hashes
+from inferbus.tokens.kv_blocks import BlockChains, Changes
 from services.sim_engine.kv_publisher import KvEventPublisher, KvEventsConfig
 from services.sim_engine.radix_cache import RadixCache
 

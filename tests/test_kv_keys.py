@@ -11,8 +11,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 
-from inferbus.stores import adapters as registry
 from inferbus.bus import connection as bus
+from inferbus.stores import adapters as registry
 from inferbus.stores.files import FileStore
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from inferbus.stores import adapters as registry
 from inferbus.openai.errors import OpenAIError
+from inferbus.stores import adapters as registry
 from inferbus.stores.models import ModelCatalog
 
 pytestmark = pytest.mark.slow

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from inferbus.timing import roofline
 from tools.capacity import mix
 from tools.capacity.plan import sweep_table
 from tools.capacity.plan.costs import fleet_cost
@@ -16,7 +17,6 @@ from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, make_plan
 from tools.capacity.plan.warm_pool import Ramp, ramp_from_arrivals, warm_pool
 from tools.commands.main import main
-from inferbus.timing import roofline
 
 WORKED = mix.load("worked-example")
 WORKLOAD = Workload.from_mix(WORKED)

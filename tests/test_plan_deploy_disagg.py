@@ -13,6 +13,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from inferbus.runtime.settings import load
+from services.autoscaler.roles import role_pool
+from services.autoscaler.settings import AutoscalerSettings
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.plan import deploy
@@ -22,9 +25,6 @@ from tools.capacity.plan.planner import Plan, PlanInputs, make_plan
 from tools.capacity.plan.topology import plan_topology
 from tools.capacity.plan.warm_pool import Ramp
 from tools.commands.plan import plan as plan_command
-from inferbus.runtime.settings import load
-from services.autoscaler.roles import role_pool
-from services.autoscaler.settings import AutoscalerSettings
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
+from inferbus.timing import GB, KV_LINKS, kv_link, roofline
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.plan.disagg import DECODE_FIRST_TOKEN_STEPS, DecodeReplica, cheapest
@@ -16,7 +17,6 @@ from tools.capacity.plan.model import Assumptions, Slo, Workload
 from tools.capacity.plan.planner import Plan, PlanInputs, make_plan
 from tools.capacity.plan.topology import choose_topology, plan_topology
 from tools.commands.plan import plan as plan_command
-from inferbus.timing import GB, KV_LINKS, kv_link, roofline
 
 
 def _plan(mix: mix_mod.Mix, rate: float = 833.3, tps: tuple[int, ...] = (2, 4, 8), **kw: object) -> Plan:

@@ -10,12 +10,6 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tools.capacity import mix as mix_mod
-from tools.capacity.plan import deploy, options
-from tools.capacity.plan.model import Slo, Workload
-from tools.capacity.plan.planner import PlanInputs, make_plan
-from tools.capacity.plan.warm_pool import Ramp
-from tools.commands.plan import plan as plan_command
 from inferbus.timing import (
     SpecDecoding,
     expected_distinct_adapters,
@@ -23,6 +17,12 @@ from inferbus.timing import (
     lora_load_s,
     roofline,
 )
+from tools.capacity import mix as mix_mod
+from tools.capacity.plan import deploy, options
+from tools.capacity.plan.model import Slo, Workload
+from tools.capacity.plan.planner import PlanInputs, make_plan
+from tools.capacity.plan.warm_pool import Ramp
+from tools.commands.plan import plan as plan_command
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN_DIR = REPO / "deploy" / "k8s" / "plan"

@@ -11,9 +11,9 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from tools.commands.main import main
 from inferbus.releases import canary, record, store
 from proto import messages as m
+from tools.commands.main import main
 
 from .nats_server import NatsServer
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from inferbus.openai.errors import OpenAIError
-from inferbus.tokens.prompt import load_model, render_prompt
 from inferbus.tokens.blocks import block_hashes
+from inferbus.tokens.prompt import load_model, render_prompt
 from services.gateway import responses_items as items
 
 

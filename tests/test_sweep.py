@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from inferbus.tokens.blocks import count_tokens
+from inferbus.tokens.blocks import standin_render_chat as render_chat
 from tools.capacity.mix import MixRequest
 from tools.capacity.sweep.metrics import SLO, client_verdict, knee, meets_slo, percentile, step_stats
 from tools.capacity.sweep.prompts import PromptBuilder
 from tools.capacity.sweep.records import ClientSample, RequestRecord
 from tools.commands.main import main
-from inferbus.tokens.blocks import count_tokens
-from inferbus.tokens.blocks import standin_render_chat as render_chat
 
 IDLE_CLIENT = ClientSample(wall_s=10.0, cpu_s=1.0, loop_lags_s=[0.001] * 100, achieved_vs_target=1.0)
 

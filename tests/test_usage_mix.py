@@ -11,11 +11,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from proto import messages as m
+from proto import subjects
 from tools.capacity import mix as mix_mod
 from tools.capacity import usage_mix
 from tools.commands.mix import from_usage, parse_when
-from proto import messages as m
-from proto import subjects
 
 from .conftest import Platform
 

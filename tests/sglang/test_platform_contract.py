@@ -18,9 +18,9 @@ import pytest
 from nats.aio.msg import Msg
 
 from inferbus.local.stack import Process, Stack, StackConfig, _logged, free_port
-from inferbus.tokens.prompt import load_model, render_prompt
 from inferbus.releases.record import directory_digest
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE, block_hashes
+from inferbus.tokens.prompt import load_model, render_prompt
 from proto import messages as m
 from proto import subjects
 from services.router.index import PrefixIndex
