@@ -216,3 +216,31 @@ async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of
     assert dispatcher.measures_load(late, now)
     dispatcher._move_unstarted(now)
     assert late.disrupted and not dispatcher.measures_load(late, now)
+
+
+async def test_the_gateways_usage_reports_carry_its_name_and_a_fresh_nonce() -> None:
+    """A gateway's report of what a failed request's client received is published under an id
+    that names the gateway and carries a nonce: another identity that knows the request id cannot
+    publish first under it and have this report dropped as a JetStream duplicate."""
+    from services.gateway.dispatch import Dispatcher
+
+    class Outbox:  # the gateway's durable outbox, as far as publish_usage uses it
+        def __init__(self) -> None:
+            self.added: list[tuple[str, bytes, str]] = []
+
+        async def add(self, subject: str, data: bytes, msg_id: str) -> None:
+            self.added.append((subject, data, msg_id))
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.gateway_id, dispatcher.outbox = "gw-1", Outbox()
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    flight = Flight(request=request, prompt_tokens=4, worker_id="w-1")
+    await dispatcher.publish_usage(flight, "failed", "error", delivered_tokens=3)
+    await dispatcher.publish_usage(flight, "failed", "error", delivered_tokens=3)
+    [(subject, data, first), (_, _, second)] = dispatcher.outbox.added
+    assert subject == subjects.usage_subject("t", subjects.USAGE_FROM_OWNER, "gw-1")
+    assert m.decoder(m.UsageEvent).decode(data).usage.completion_tokens == 3
+    key, reporter, nonce = "r", f"{subjects.USAGE_FROM_OWNER}.gw-1", first.rsplit(".", 1)[1]
+    assert first == f"{key}.{reporter}.{nonce}" and len(nonce) == 24
+    assert second != first and second.startswith(f"{key}.{reporter}.")  # a new event, a new nonce
