@@ -45,15 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.autoscaler.policy import PolicyConfig
+from services.autoscaler.simulated import PolicyController
+from services.autoscaler.threshold import ThresholdConfig, ThresholdController
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.fleetsim.day import Arrival, DayWorkload, diurnal, rate_shape
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet, StaticController
 from tools.commands.simulate import size_fleet
-from services.autoscaler.policy import PolicyConfig
-from services.autoscaler.simulated import PolicyController
-from services.autoscaler.threshold import ThresholdConfig, ThresholdController
-from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
 TRACE = "azure_2023_conv.csv"

@@ -56,6 +56,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.fleetsim import FleetConfig, FleetSim
@@ -63,7 +64,6 @@ from tools.capacity.fleetsim.batch import BatchSpec, LineLengths
 from tools.capacity.stats import percentile
 from tools.capacity.traces import TraceRequest
 from tools.commands.simulate import HEADROOM, size_fleet
-from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
 TRACE = "azure_2023_conv.csv"
@@ -570,9 +570,9 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import openai
 
+    from inferbus.local.stack import Stack, StackConfig, free_port
     from tools.commands.local_platform import demo_key
     from tools.commands.main import new_admin_key
-    from inferbus.local.stack import Stack, StackConfig, free_port
 
     scale = args.time_scale
     engine = EngineConfig()

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import dynamo_env
-from tools.capacity import traces
 from inferbus.local.stack import Process, free_port
+from tools.capacity import traces
 
 ROUTER_MODES = {"dynamo_kv": "kv", "dynamo_round_robin": "round-robin"}
 SPECIAL = ["<unk>", "<s>", "</s>"]

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import write_results
-from tools.commands.main import new_admin_key
 from inferbus.local.stack import Stack, StackConfig, free_port
+from tools.commands.main import new_admin_key
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 TENANTS = {"big": (3.0, 4), "small": (1.0, 4), "noisy": (1.0, 40)}  # weight, concurrent streams

@@ -72,10 +72,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import percentile, write_results
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity.sweep.prompts import words
 from tools.commands.simulate import size_fleet
-from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -132,8 +132,8 @@ class Platform:
     """A local platform with tenants, keys and registered adapters."""
 
     def __init__(self, workers: int, time_scale: float, engine_args: list[str]) -> None:
-        from tools.commands.main import new_admin_key
         from inferbus.local.stack import Stack, StackConfig, free_port
+        from tools.commands.main import new_admin_key
 
         self.state = Path(tempfile.mkdtemp(prefix="inferbus-bench-lora-"))
         self.stack = Stack(StackConfig(

@@ -263,9 +263,9 @@ PROBE_TOKENS = 200
 
 def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tuple[int, int],
         budget_s: float, time_scale: float = 1.0, rate: float | None = None) -> dict[str, Any]:
+    from inferbus.local.stack import Stack, StackConfig, free_port
     from tools.commands.local_platform import demo_key
     from tools.commands.main import new_admin_key
-    from inferbus.local.stack import Stack, StackConfig, free_port
 
     stack = Stack(StackConfig(
         state_dir=Path(tempfile.mkdtemp(prefix="inferbus-overload-")), gateway_port=free_port(), workers=workers,

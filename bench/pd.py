@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.fleetsim.day import DayWorkload, constant, parse_duration, rate_shape
@@ -40,7 +41,6 @@ from tools.capacity.plan.disagg import DisaggRow, cheapest
 from tools.capacity.plan.model import Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, Row, make_plan
 from tools.capacity.plan.topology import plan_topology
-from services.sim_engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {"long-prompt": "mooncake_synthetic.jsonl", "conversation": "mooncake_conversation.jsonl"}

@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
+from services.autoscaler.policy import PolicyConfig
+from services.autoscaler.roles import RoleBounds, role_configs
+from services.autoscaler.simulated_pd import PdPolicyController
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity.fleetsim.day import DayWorkload, parse_duration
 from tools.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
@@ -35,10 +39,6 @@ from tools.capacity.plan.model import Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, make_plan
 from tools.capacity.plan.topology import plan_topology
 from tools.capacity.plan.warm_pool import Ramp
-from services.autoscaler.policy import PolicyConfig
-from services.autoscaler.roles import RoleBounds, role_configs
-from services.autoscaler.simulated_pd import PdPolicyController
-from services.sim_engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BINS = 24

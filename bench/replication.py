@@ -23,8 +23,8 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.spine import CLK_TCK, Endpoint, closed_loop, phase_metrics
-from tools.commands.local_platform import demo_key
 from inferbus.local.stack import Stack, StackConfig, free_port
+from tools.commands.local_platform import demo_key
 
 GROUPS = ("nats", "gateway", "router", "worker", "billing", "redis", "sentinel")
 

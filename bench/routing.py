@@ -70,10 +70,10 @@ from typing import Any
 from bench import dynamo_env, dynamo_live
 from bench.common import percentile, write_results
 from bench.routing_workload import Workload, build, request_gpu_seconds
-from tools.capacity import traces
 from inferbus.local.stack import Process, Stack, StackConfig, free_port, http_ok
 from inferbus.timing import roofline
 from services.sim_engine.profile_table import build_table, save_npz
+from tools.capacity import traces
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -38,13 +38,13 @@ from typing import Any
 
 from bench.common import write_results
 from bench.routing_workload import build
-from tools.capacity import traces
-from tools.capacity.fleetsim import FleetConfig, FleetSim
-from tools.capacity.traces import TraceRequest
 from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
 from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim
+from tools.capacity.traces import TraceRequest
 
 POLICIES = ("round_robin", "least_loaded", "affinity")
 

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from tools.capacity import traces
-from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, markdown_table, workload
 from services.router.policies import POLICY_NAMES
 from services.sim_engine.config import EngineConfig
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, markdown_table, workload
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import routing_workload
-from tools.capacity import traces
-from tools.capacity.fleetsim import FleetConfig, FleetSim
 from inferbus.timing import roofline
 from services.router.config import RoutingConfig
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim
 
 
 def parse(spec: str) -> tuple[str, RoutingConfig]:

@@ -21,9 +21,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from inferbus.timing import RooflineModel, roofline
 from tools.capacity import traces
 from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
-from inferbus.timing import RooflineModel, roofline
 
 CONTEXT_LENGTH = 131_072  # the sim engine's and the gateway's context window
 

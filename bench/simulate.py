@@ -27,13 +27,13 @@ import sys
 import time
 from pathlib import Path
 
+from services.sim_engine.config import EngineConfig
 from tools.capacity import accel, traces
 from tools.capacity import mix as mix_mod
 from tools.capacity.fleetsim import FleetConfig, FleetSim, capacity, workload
 from tools.capacity.fleetsim.day import DayWorkload, constant, rate_shape
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from tools.commands.simulate import size_fleet, write_report
-from services.sim_engine.config import EngineConfig
 
 RESULTS = Path(__file__).parent / "results"
 TRACE = "azure_2023_conv.csv"

@@ -52,13 +52,13 @@ from typing import Any
 from bench import dynamo_env
 from bench.common import percentile, write_results
 from bench.routing_workload import build
-from tools.capacity import traces
-from tools.capacity.fleetsim import FleetConfig, FleetSim, workload
-from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
 from services.sim_engine.scheduler import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKEN_RATIO, Engine, Request, StepResult
+from tools.capacity import traces
+from tools.capacity.fleetsim import FleetConfig, FleetSim, workload
+from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 RUNNER = Path(__file__).resolve().parent / "dynamo_replay.py"
 # Dynamo's kv_router away from its defaults (KvRouterConfig keywords): a miss priced like ours

@@ -60,8 +60,8 @@ import httptools
 
 from bench.common import percentile, write_results
 from bench.routing import ensure_packages
-from tools.commands.local_platform import demo_key
 from inferbus.local.stack import Process, Stack, StackConfig, free_port, nats_server_binary, tcp_open
+from tools.commands.local_platform import demo_key
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 OUTPUT_TOKENS = 16

@@ -120,9 +120,9 @@ CHAT_TEMPLATE = (
 def build_tokenizer(directory: Path) -> Path:
     """A Hugging Face tokenizer that splits text exactly as `inferbus.tokens.blocks` does."""
     from inferbus.tokens import blocks as tokens
-    from tools.capacity.sweep.prompts import WORDS
     from inferbus.tokens.blocks import standin_render_chat as render_chat
     from services.sim_engine.scheduler import OUTPUT_PIECES
+    from tools.capacity.sweep.prompts import WORDS
 
     corpus = next((AIPERF_VENV / "lib").glob("python*/site-packages/aiperf/dataset/generator/assets/shakespeare.txt"))
     pattern = tokens._PIECE.pattern

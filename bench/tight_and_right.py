@@ -25,13 +25,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.fleetsim.day import DayWorkload, parse_duration, rate_shape
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from tools.capacity.plan.model import Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, make_plan
-from services.sim_engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = "azure_2023_conv.csv"

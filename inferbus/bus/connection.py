@@ -29,12 +29,12 @@ from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Gauge
 
-from proto import subjects
-
+from inferbus.bus.auth import inbox_prefix
 from inferbus.runtime import logs
 from inferbus.runtime import settings as settings_mod
-from inferbus.bus.auth import inbox_prefix
 from inferbus.runtime.settings import env
+from proto import subjects
+
 from .stream_drift import config_drift
 
 MIN_SERVER_VERSION = (2, 11, 0)

@@ -8,6 +8,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from inferbus.runtime import logs
+
 from .reply_check import reply_refusal
 
 log = logs.get(__name__)

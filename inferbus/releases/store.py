@@ -19,9 +19,9 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from inferbus.stores import adapters as registry
 from inferbus.bus import connection as bus
 from inferbus.runtime.records import decode_or_none
+from inferbus.stores import adapters as registry
 from proto import messages as m
 from proto import subjects
 

@@ -17,10 +17,9 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from inferbus.bus import connection as bus
 from proto import messages as m
 from proto import subjects
-
-from inferbus.bus import connection as bus
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")

@@ -16,11 +16,10 @@ import time
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
+from inferbus.bus.replies import Replies
+from inferbus.runtime.records import decode_or_none
 from proto import messages as m
 from proto import subjects
-
-from inferbus.runtime.records import decode_or_none
-from inferbus.bus.replies import Replies
 
 _decoder = m.decoder(m.Dispatch)
 

@@ -14,9 +14,9 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from inferbus.stores import adapters as registry
 from inferbus.bus import connection as bus
 from inferbus.openai.errors import OpenAIError
+from inferbus.stores import adapters as registry
 from inferbus.stores.tenants import Tenant, may_use_adapter, may_use_model
 from proto import messages as m
 

@@ -16,8 +16,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs
 from inferbus.bus.callout import AUTH_SUBJECT, Authorizer, CalloutError, PodIdentity
+from inferbus.runtime import logs
 
 from .settings import AuthCalloutSettings
 

@@ -23,8 +23,8 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs
 from inferbus.local.stack import EngineSpec
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

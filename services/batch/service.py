@@ -35,19 +35,19 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, start_http_server
 
-from inferbus.stores import adapters as adapter_registry
 from inferbus.bus import connection as bus
-from inferbus.stores import dispatch_records
-from inferbus.runtime import logs, redis_conn
 from inferbus.bus import security_events
-from inferbus.openai.errors import OpenAIError
-from inferbus.tokens.prompt import ModelDirError, context_window, load_model
-from inferbus.runtime.records import decode_or_none
 from inferbus.bus.replies import Replies
+from inferbus.openai.errors import OpenAIError
+from inferbus.runtime import logs, redis_conn
+from inferbus.runtime.records import decode_or_none
+from inferbus.stores import adapters as adapter_registry
+from inferbus.stores import dispatch_records
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
 from inferbus.stores.models import ModelCatalog
 from inferbus.stores.tenants import TenantStore
+from inferbus.tokens.prompt import ModelDirError, context_window, load_model
 from proto import bands, subjects
 from proto import messages as m
 

@@ -28,8 +28,8 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs
 from inferbus.bus import security_events
+from inferbus.runtime import logs
 from inferbus.runtime.records import decode_or_none
 from proto import messages as m
 from proto import subjects

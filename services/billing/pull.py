@@ -23,9 +23,9 @@ import uuid
 from pathlib import Path
 from typing import NamedTuple
 
-from inferbus.runtime import logs
-from inferbus.bus.connection import BusSettings, bus_settings
 from inferbus.bus.auth import inbox_prefix
+from inferbus.bus.connection import BusSettings, bus_settings
+from inferbus.runtime import logs
 
 log = logs.get(__name__)
 _CRLF = b"\r\n"

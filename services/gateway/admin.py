@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from inferbus.runtime import logs
 from inferbus.openai import json_body
 from inferbus.openai.errors import OpenAIError
+from inferbus.runtime import logs
 from inferbus.stores.keys import issue_key, list_keys, revoke_key
 from inferbus.stores.tenants import (
     InvalidTenant,

@@ -22,8 +22,8 @@ from fastapi import APIRouter, Depends, Request
 from nats.js import JetStreamContext
 from starlette.responses import Response
 
-from inferbus.stores import adapters as registry
 from inferbus.openai.errors import OpenAIError
+from inferbus.stores import adapters as registry
 from proto import messages as m
 
 from .admin import _body, _respond, require_admin

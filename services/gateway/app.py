@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs, redis_conn, tracing
 from inferbus.openai.errors import (
     OpenAIError,
     http_exception_handler,
@@ -31,7 +30,7 @@ from inferbus.openai.errors import (
     validation_exception_handler,
 )
 from inferbus.openai.json_body import JsonLimits
-from inferbus.tokens.prompt import ModelDirError, load_model
+from inferbus.runtime import logs, redis_conn, tracing
 from inferbus.stores.admission import Admission
 from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
@@ -39,6 +38,7 @@ from inferbus.stores.keys import KeyStore, Principal
 from inferbus.stores.models import ModelCatalog
 from inferbus.stores.pricing import Prices
 from inferbus.stores.tenants import Tenant, TenantStore
+from inferbus.tokens.prompt import ModelDirError, load_model
 
 from . import openapi
 from .admin import admin_router, require_admin

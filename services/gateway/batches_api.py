@@ -20,10 +20,10 @@ from fastapi import APIRouter, Request
 from prometheus_client import Counter
 from starlette.responses import Response
 
-from inferbus.runtime import logs
 from inferbus.openai import json_body
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.objects import batch_object, list_page
+from inferbus.runtime import logs
 from inferbus.stores.batches import BatchStore, new_batch_id
 from inferbus.stores.files import FileStore
 from proto import messages as m

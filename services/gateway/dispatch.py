@@ -23,14 +23,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from inferbus.bus import connection as bus
-from inferbus.tokens import continuation
-from inferbus.stores import dispatch_records
-from inferbus.runtime import logs
 from inferbus.bus import patience, security_events
-from inferbus.runtime import tracing
 from inferbus.bus.outbox import Outbox
-from inferbus.runtime.records import decode_or_none
 from inferbus.bus.replies import PublishError, Replies
+from inferbus.runtime import logs, tracing
+from inferbus.runtime.records import decode_or_none
+from inferbus.stores import dispatch_records
+from inferbus.tokens import continuation
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 from proto import bands, subjects
 from proto import messages as m

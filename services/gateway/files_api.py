@@ -22,9 +22,9 @@ from python_multipart.multipart import MultipartParser, MultipartState, parse_op
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
-from inferbus.runtime import logs
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.objects import file_object, list_page
+from inferbus.runtime import logs
 from inferbus.stores.files import FileStore, FileTooLarge, Staging
 from inferbus.stores.keys import Principal
 from inferbus.stores.tenants import Tenant

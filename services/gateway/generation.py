@@ -18,19 +18,19 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 
-from inferbus.runtime import logs, tracing
 from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
 from inferbus.openai.sampling import answer_schema, sampling_params
 from inferbus.openai.token_text import TokenTexts
 from inferbus.openai.tools import ToolOutput, family_of_template
-from inferbus.tokens.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
+from inferbus.runtime import logs, tracing
 from inferbus.stores.admission import Admission, AdmissionUnavailable, Decision
 from inferbus.stores.keys import KeyStore, Principal
 from inferbus.stores.models import ModelCatalog
 from inferbus.stores.pricing import Prices
 from inferbus.stores.tenants import Tenant, TenantStore
 from inferbus.tokens.blocks import block_hashes
+from inferbus.tokens.prompt import LONG_TEXT_CHARS, PromptError, ServedModel, context_window, load_model, render_prompt
 from proto import bands
 from proto import messages as m
 from services.gateway import metrics

@@ -33,9 +33,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter
 
-from inferbus.runtime import logs
-from inferbus.openai.errors import OpenAIError
 from inferbus.bus.security_events import answerable
+from inferbus.openai.errors import OpenAIError
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

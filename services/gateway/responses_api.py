@@ -21,11 +21,11 @@ import structlog
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from inferbus.runtime import logs
 from inferbus.openai.errors import OpenAIError
-from inferbus.tokens.prompt import LONG_TEXT_CHARS
+from inferbus.runtime import logs
 from inferbus.stores.keys import Principal
 from inferbus.stores.tenants import Tenant
+from inferbus.tokens.prompt import LONG_TEXT_CHARS
 from proto import messages as m
 
 from . import metrics

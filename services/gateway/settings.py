@@ -5,9 +5,9 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from inferbus.openai.schemas import MAX_MESSAGES, MAX_TOOLS
 from inferbus.runtime import settings as shared
 from inferbus.runtime.node_zone import read_zone
-from inferbus.openai.schemas import MAX_MESSAGES, MAX_TOOLS
 from inferbus.runtime.settings import env
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 

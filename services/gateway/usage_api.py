@@ -21,9 +21,9 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from inferbus.runtime import logs
 from inferbus.openai import json_body
 from inferbus.openai.errors import OpenAIError
+from inferbus.runtime import logs
 from inferbus.stores import usage as u
 from inferbus.stores.billing import BillingState, PriceStore, UsageStore
 from inferbus.stores.pricing import InvalidPrice, PriceVersion, effective_versions

@@ -25,10 +25,10 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge
 
-from inferbus.stores import adapters as registry
-from inferbus.runtime import logs
 from inferbus.releases import canary, slo_gate, store
 from inferbus.releases.follow import Rollouts
+from inferbus.runtime import logs
+from inferbus.stores import adapters as registry
 from proto import messages as m
 from proto import subjects
 

@@ -24,8 +24,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 from nats.js.errors import NotFoundError
 
-from inferbus.runtime import logs
 from inferbus.bus.replies import Replies
+from inferbus.runtime import logs
 from proto import subjects
 
 log = logs.get(__name__)

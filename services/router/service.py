@@ -24,13 +24,13 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from inferbus.stores import adapters as adapter_registry
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs, tracing
-from inferbus.runtime.records import decode_or_none
-from inferbus.releases.slo_gate import SloConfig
 from inferbus.bus.replies import Replies
 from inferbus.bus.security_events import answerable
+from inferbus.releases.slo_gate import SloConfig
+from inferbus.runtime import logs, tracing
+from inferbus.runtime.records import decode_or_none
+from inferbus.stores import adapters as adapter_registry
 from inferbus.timing import kv_link
 from proto import messages as m
 from proto import subjects

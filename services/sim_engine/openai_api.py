@@ -22,8 +22,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from inferbus.tokens.prompt import PromptError, ServedModel, render_prompt
 from inferbus.tokens.blocks import encode, standin_render_chat
+from inferbus.tokens.prompt import PromptError, ServedModel, render_prompt
 
 from .config import EngineConfig
 from .disagg import Bootstrap

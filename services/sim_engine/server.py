@@ -26,9 +26,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from inferbus.tokens.prompt import ServedModel, load_model
 from inferbus.timing import StepTimeModel
 from inferbus.tokens.blocks import VOCAB_SIZE, encode
+from inferbus.tokens.prompt import ServedModel, load_model
 
 from . import quality
 from .config import EngineConfig

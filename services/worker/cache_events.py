@@ -24,8 +24,8 @@ import zmq.asyncio
 from nats.aio.client import Client
 from prometheus_client import Counter
 
-from inferbus.tokens import kv_events
 from inferbus.runtime import logs
+from inferbus.tokens import kv_events
 from inferbus.tokens.kv_blocks import BlockChains, Changes
 from proto import messages as m
 from proto import subjects

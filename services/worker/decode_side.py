@@ -37,8 +37,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs
 from inferbus.bus import patience
+from inferbus.runtime import logs
 from inferbus.runtime.records import decode_or_none
 from inferbus.tokens.blocks import block_hashes
 from proto import messages as m

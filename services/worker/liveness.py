@@ -27,8 +27,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs
 from inferbus.bus.security_events import answerable
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

@@ -31,8 +31,8 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from inferbus.runtime import logs, tracing
 from inferbus.bus.security_events import answerable
+from inferbus.runtime import logs, tracing
 from proto import messages as m
 from proto import subjects
 

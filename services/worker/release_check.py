@@ -18,8 +18,8 @@ import msgspec
 from nats.js import JetStreamContext
 from prometheus_client import Gauge
 
-from inferbus.runtime import logs
 from inferbus.releases import record, store
+from inferbus.runtime import logs
 from proto import messages as m
 
 from . import engine_image

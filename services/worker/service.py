@@ -32,11 +32,11 @@ from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 from prometheus_client import start_http_server
 
-from inferbus.stores import adapters as adapter_registry
 from inferbus.bus import connection as bus
-from inferbus.runtime import logs, tracing
 from inferbus.bus.replies import Replies
 from inferbus.bus.security_events import answerable
+from inferbus.runtime import logs, tracing
+from inferbus.stores import adapters as adapter_registry
 from proto import messages as m
 from proto import subjects
 from proto.bands import Band

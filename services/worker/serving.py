@@ -19,10 +19,9 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from inferbus.stores import dispatch_records
-from inferbus.runtime import logs
 from inferbus.bus import security_events
-from inferbus.runtime import tracing
+from inferbus.runtime import logs, tracing
+from inferbus.stores import dispatch_records
 from proto import messages as m
 from proto import subjects
 from proto.bands import Band

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import msgspec
 
-from inferbus.runtime import logs
 from inferbus.bus.outbox import Outbox
 from inferbus.bus.replies import Replies
+from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects
 

@@ -175,8 +175,8 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
         INFERBUS_EXPORT_DELAY_S), and marks it in Redis; this does the same by hand, and skips a
         month already marked unless --force.
         """
-        from tools.commands import local_platform
         from services.billing.export import export_month, month_range
+        from tools.commands import local_platform
 
         try:
             month_range(month)

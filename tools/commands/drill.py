@@ -51,10 +51,10 @@ def drill(kind: str, state_dir: str | None, duration_s: float, fault_at_s: float
     and the time to recover. Exit status 1 when the drill fails one of them. Runbooks:
     docs/runbooks/.
     """
+    from inferbus.local.stack import read_platform_file
     from tools.commands.local_platform import demo_key
     from tools.commands.local_platform import state_dir as default_state_dir
     from tools.drill import run as runner
-    from inferbus.local.stack import read_platform_file
 
     directory = Path(state_dir) if state_dir else default_state_dir()
     found = read_platform_file(directory)

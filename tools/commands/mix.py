@@ -12,10 +12,10 @@ import click
 import msgspec
 import yaml
 
-from tools.capacity import mix as mix_mod
-from tools.capacity import usage_mix
 from proto import messages as m
 from proto import subjects
+from tools.capacity import mix as mix_mod
+from tools.capacity import usage_mix
 
 _AGO = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>[smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import click
 
+from inferbus.timing import GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, SpecDecoding, kv_link
 from tools.capacity import mix as mix_mod
 from tools.capacity.plan import deploy, options, report, sweep_table
 from tools.capacity.plan.model import Assumptions, Slo, Workload
 from tools.capacity.plan.planner import PlanError, PlanInputs, make_plan
 from tools.capacity.plan.topology import plan_topology
 from tools.capacity.plan.warm_pool import Ramp, ramp_from_arrivals
-from inferbus.timing import GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, SpecDecoding, kv_link
 
 _SWEEP_SPEC = re.compile(r"^(?P<gpu>[A-Za-z0-9]+):(?P<tp>\d+)=(?P<path>.+)$")
 _SLO_KEYS = ("ttft_p90_ms", "tpot_p90_ms")

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
-from inferbus.stores import adapters as registry
 from inferbus.releases import canary, eval_gate, record, split, store
+from inferbus.stores import adapters as registry
 from proto import messages as m
 from proto import subjects
 

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import click
 
+from inferbus.timing import SpecDecoding
+from services.autoscaler.policy import PolicyConfig
+from services.autoscaler.simulated import PolicyController
+from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.fleetsim.day import DayWorkload, parse_duration, rate_shape
 from tools.capacity.fleetsim.engine_model import roofline_for, step_model_for
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from tools.capacity.fleetsim.timeseries import Summary, plot
-from inferbus.timing import SpecDecoding
-from services.autoscaler.policy import PolicyConfig
-from services.autoscaler.simulated import PolicyController
-from services.sim_engine.config import EngineConfig
 
 HEADROOM = 1.15  # the planner's default: forecast error, N+1 and the model's error (docs/planning.md)
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferbus.runtime import logs
 from inferbus.local.stack import EngineSpec, Process, replica_processes
+from inferbus.runtime import logs
 from inferbus.zones import zone_to_add, zone_to_remove
 
 from .base import Actuator, FleetState, PoolFleet

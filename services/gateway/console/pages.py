@@ -23,10 +23,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from inferbus.runtime import logs
 from inferbus.openai.errors import unhandled_exception_handler
 from inferbus.releases import record
 from inferbus.releases import store as release_store
+from inferbus.runtime import logs
 from inferbus.stores import usage as u
 from inferbus.stores.admission import read_quota
 from inferbus.stores.billing import PriceStore, UsageStore

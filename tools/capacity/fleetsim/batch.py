@@ -50,15 +50,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from inferbus.tokens import continuation
-from tools.capacity import mix as mix_mod
-from tools.capacity.mix import Mix
-from tools.capacity.stats import percentile
-from tools.capacity.traces import TraceRequest
 from proto import bands
 from proto import messages as m
 from services.sim_engine.scheduler import Request, RequestRejected, RequestUpdate, SamplingParams
 from services.worker.attempt import attempt_verdict
 from services.worker.preemption import Check, WorkerState
+from tools.capacity import mix as mix_mod
+from tools.capacity.mix import Mix
+from tools.capacity.stats import percentile
+from tools.capacity.traces import TraceRequest
 
 if TYPE_CHECKING:
     from tools.capacity.fleetsim.fleet import FleetSim, Replica

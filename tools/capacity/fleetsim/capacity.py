@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, replay_blocks
 from inferbus.timing import FixedStepModel, StepTimeModel, roofline
 from services.sim_engine.config import EngineConfig
+from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, replay_blocks
 
 Basis = Literal["none", "ideal"]
 

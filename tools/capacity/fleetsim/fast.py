@@ -50,6 +50,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from inferbus.timing import FixedStepModel, StepTimeModel, roofline
+from proto import messages as m
+from services.router.config import RoutingConfig
+from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from tools.capacity.fleetsim.analytic import AnalyticReplica, Req
 from tools.capacity.fleetsim.timeseries import INF, Bucket, Minute, Summary, close, minute_attainment, quantiles
 from tools.capacity.fleetsim.wiring import (
@@ -62,10 +66,6 @@ from tools.capacity.fleetsim.wiring import (
     fleet_states,
     make_placement,
 )
-from inferbus.timing import FixedStepModel, StepTimeModel, roofline
-from proto import messages as m
-from services.router.config import RoutingConfig
-from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 
 __all__ = ["Arrival", "Controller", "FastConfig", "FastFleet", "FleetSignals", "StaticController"]
 

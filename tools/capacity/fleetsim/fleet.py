@@ -53,7 +53,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from inferbus.timing import StepTimeModel
 from inferbus.tokens import continuation
+from inferbus.tokens.blocks import block_hashes
+from proto import bands
+from proto import messages as m
+from services.router.placement import Placer
+from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
+from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
+from services.sim_engine.scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
+from services.worker.preemption import Check
 from tools.capacity.fleetsim.batch import BatchBand, BatchSpec
 from tools.capacity.fleetsim.events import EventLoop
 from tools.capacity.fleetsim.report import RunReport, build_report
@@ -69,15 +78,6 @@ from tools.capacity.fleetsim.wiring import (
 )
 from tools.capacity.fleetsim.workload import PromptTokens
 from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
-from inferbus.timing import StepTimeModel
-from inferbus.tokens.blocks import block_hashes
-from proto import bands
-from proto import messages as m
-from services.router.placement import Placer
-from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
-from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
-from services.sim_engine.scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
-from services.worker.preemption import Check
 
 # (clock, rng) -> the router's placement (`services.router.placement.Placer`)
 PlacerFactory = Callable[[Callable[[], float], random.Random], Placer]

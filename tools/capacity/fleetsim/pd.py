@@ -45,11 +45,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferbus.timing import KV_LINKS, KvLink, StepTimeModel, roofline
+from services.sim_engine.config import EngineConfig
 from tools.capacity.fleetsim.analytic import AnalyticReplica, Req
 from tools.capacity.fleetsim.events import EventLoop
 from tools.capacity.fleetsim.timeseries import quantiles
-from inferbus.timing import KV_LINKS, KvLink, StepTimeModel, roofline
-from services.sim_engine.config import EngineConfig
 
 Arrival = tuple[float, int, int, int]  # (time s, input tokens, output tokens, cached prompt tokens)
 

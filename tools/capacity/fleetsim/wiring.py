@@ -26,12 +26,12 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tools.capacity.fleetsim.sampler import LoadSampler
-from tools.capacity.fleetsim.timeseries import Bucket, quantile
 from proto import messages as m
 from services.gateway.overload import OverloadPolicy
 from services.router.config import RoutingConfig
 from services.router.placement import Placer, make_placer
+from tools.capacity.fleetsim.sampler import LoadSampler
+from tools.capacity.fleetsim.timeseries import Bucket, quantile
 
 
 class ReplicaModel(Protocol):

@@ -52,9 +52,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from inferbus.timing import KvLink, RooflineModel
 from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
 from tools.capacity.plan.warm_pool import Ramp, WarmPool, warm_pool
-from inferbus.timing import KvLink, RooflineModel
 
 # Decode steps between a prompt's KV landing and its first token leaving: the decode engine takes the
 # request in at its next step boundary and sends the token the prefill sampled (SGLang's decode side

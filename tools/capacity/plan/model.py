@@ -48,8 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
-from tools.capacity.mix import Mix
 from inferbus.timing import StepTimeModel, expected_distinct_adapters
+from tools.capacity.mix import Mix
 
 CONSTRAINTS = ("TTFT", "TPOT", "KV")
 

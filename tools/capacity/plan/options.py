@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tools.capacity.plan.planner import Plan, PlanInputs, Row, make_plan
 from inferbus.timing import SpecDecoding
+from tools.capacity.plan.planner import Plan, PlanInputs, Row, make_plan
 
 # EAGLE-style draft head with 3 draft tokens at a per-token acceptance of 0.7 (≈ 2.5 tokens per
 # verify step, inside the 2–4 accepted tokens per step EAGLE reports for chat on Llama-class

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from inferbus.timing import GB, GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, RooflineModel, SpecDecoding, roofline
 from tools.capacity.plan.costs import Cost, fleet_cost
 from tools.capacity.plan.disagg import DisaggRow, FleetTerms, price_pair
 from tools.capacity.plan.model import Assumptions, Goodput, OperatingPoint, ReplicaModel, Slo, Workload
 from tools.capacity.plan.sweep_table import SweepGoodput
 from tools.capacity.plan.warm_pool import Ramp, WarmPool, warm_pool
-from inferbus.timing import GB, GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, RooflineModel, SpecDecoding, roofline
 
 
 class PlanError(ValueError):

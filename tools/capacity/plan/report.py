@@ -11,13 +11,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from inferbus.runtime.extras import require
+from inferbus.timing import lora_adapter_bytes, lora_load_s
+from inferbus.zones import left_after_zone_loss, replicas_for_zone_loss, spread
 from tools.capacity.plan import report_topology
 from tools.capacity.plan.model import OperatingPoint
 from tools.capacity.plan.options import Variant
 from tools.capacity.plan.planner import Plan, PlanInputs, Row, zone_factor
-from inferbus.runtime.extras import require
-from inferbus.timing import lora_adapter_bytes, lora_load_s
-from inferbus.zones import left_after_zone_loss, replicas_for_zone_loss, spread
 
 SCHEMA = "inferbus.plan/v1"
 

@@ -9,10 +9,10 @@ import math
 from dataclasses import asdict
 from typing import Any
 
+from inferbus.timing import GB
 from tools.capacity.plan.disagg import DECODE_FIRST_TOKEN_STEPS, DisaggRow, cheapest
 from tools.capacity.plan.planner import Plan
 from tools.capacity.plan.topology import TopologyChoice, plan_topology
-from inferbus.timing import GB
 
 
 def _ms(seconds: float) -> str:

@@ -17,10 +17,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from tools.capacity.mix import MixRequest
-from tools.capacity.traces import word
 from inferbus.tokens.blocks import count_tokens
 from inferbus.tokens.blocks import standin_render_chat as render_chat
+from tools.capacity.mix import MixRequest
+from tools.capacity.traces import word
 
 ENDPOINTS = ("chat", "completions")
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tools.capacity.sweep.metrics import knee
 from inferbus.runtime.extras import require
+from tools.capacity.sweep.metrics import knee
 
 SCHEMA = "inferbus.capacity.sweep/v1"
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
