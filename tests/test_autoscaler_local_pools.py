@@ -63,7 +63,7 @@ async def test_each_pool_is_scaled_with_its_roles_replicas_only(started: dict[st
 
 
 def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
-    from tools.commands.main import _DecisionTail
+    from tools.commands.autoscaler_log import DecisionTail
 
     def decision(pool: str, direction: str, warm: int, reason: str) -> str:
         return json.dumps({"event": "scale_decision", "pool": pool, "direction": direction, "desired_warm": warm,
@@ -78,7 +78,7 @@ def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
                     "timestamp": "2026-01-01T10:00:01Z"}),
         decision("llama3:8b", "up", 0, "scale up 1→2"),
     ]) + "\n")
-    lines = [click.unstyle(line) for line in _DecisionTail(log).lines()]
+    lines = [click.unstyle(line) for line in DecisionTail(log).lines()]
     assert lines == [" 10:00:00 autoscaler (decode): scale up 1→2", " 10:00:01 autoscaler (prefill): worker-3 started (pid 7)",
                      " 10:00:00 autoscaler: scale up 1→2"]
 

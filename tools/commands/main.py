@@ -196,7 +196,7 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
         click.echo("  inferbus tenants list")
         click.echo("")
         click.echo("Press Ctrl-C to stop.")
-        decisions = _DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
+        decisions = DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
 
         def supervised(process, state: str) -> None:  # type: ignore[no-untyped-def]
             status(process, state)
@@ -216,44 +216,6 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
     stack.stop()
     for process in reversed(stack.processes):
         status(process, "stopped")
-
-
-class _DecisionTail:
-    """The autoscaler's scale-ups, scale-downs and replica starts/stops, from its log, as they come;
-    a disaggregated fleet's lines name their pool's role."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.warm: dict[str, int] = {}  # per pool, the warm-pool target last shown: a change is worth a line too
-
-    def lines(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as log:
-                log.seek(self.offset)
-                data = log.read()
-        except OSError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for raw in data[:end].splitlines():
-            try:
-                event = json.loads(raw)
-            except ValueError:
-                continue
-            stamp = str(event.get("timestamp", ""))[11:19]
-            pool = str(event.get("pool") or "")
-            role = pool.rpartition(":")[2]
-            who = "autoscaler" + (f" ({role})" if role in ("prefill", "decode") else "")
-            if event.get("event") == "scale_decision":
-                if event.get("direction") != "hold" or event.get("desired_warm", 0) != self.warm.get(pool, 0):
-                    out.append(click.style(f" {stamp} {who}: {event.get('reason')}", fg="cyan"))
-                self.warm[pool] = event.get("desired_warm", 0)
-            elif event.get("event") in ("replica_started", "replica_stopping", "replica_exited"):
-                what = event["event"].removeprefix("replica_")
-                out.append(f" {stamp} {who}: {event.get('worker_id')} {what} (pid {event.get('worker_pid', '?')})")
-        return out
 
 
 def new_admin_key() -> str:
@@ -463,6 +425,7 @@ def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> No
 
 # ---- operator commands: tenants and API keys, through the gateway's admin API ------------------
 
+from tools.commands.autoscaler_log import DecisionTail  # noqa: E402
 from tools.commands.local_platform import DEFAULT_GATEWAY_URL as DEFAULT_URL  # noqa: E402
 from tools.commands.local_platform import demo_key  # noqa: E402
 
