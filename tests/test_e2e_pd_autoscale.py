@@ -26,7 +26,8 @@ from proto import subjects
 
 from .conftest import MODEL, running_platform
 from .ramp import ramp
-from .test_e2e_autoscale import AUTOSCALER_ENV, _alive, _log_events
+from .service_logs import log_events
+from .test_e2e_autoscale import AUTOSCALER_ENV, _alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -83,7 +84,7 @@ def test_the_pool_the_load_is_too_much_for_grows_and_the_other_does_not(tmp_path
         # Sized with its own goodput (its queue may have asked first: that is its signal too).
         assert any("at 2 req/s each" in d.reason for d in ups), [d.reason for d in ups]
         assert max(d.serving for d in grown) == 3, [(d.serving, d.warm, d.starting) for d in grown[-10:]]
-        started = _log_events(log, "replica_started")
+        started = log_events(log, "replica_started")
         assert {e["role"] for e in started if e["pool"] == grown_pool} == {grows}
         assert len([e for e in started if e["pool"] == grown_pool]) >= 3
 
@@ -100,10 +101,10 @@ def test_the_pool_the_load_is_too_much_for_grows_and_the_other_does_not(tmp_path
         assert downs and downs[-1].desired_serving == 1, [d.reason for d in grown_after[-5:]]
         assert (grown_after[-1].serving, grown_after[-1].desired_serving) == (1, 1), grown_after[-1].reason
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len([e for e in _log_events(log, "replica_stopped")
+        while time.monotonic() < deadline and len([e for e in log_events(log, "replica_stopped")
                                                     if e["pool"] == grown_pool]) < 2:
             time.sleep(0.2)
-        stopped = _log_events(log, "replica_stopped")
+        stopped = log_events(log, "replica_stopped")
         assert len([e for e in stopped if e["pool"] == grown_pool]) >= 2, stopped
         for event in started:
             if event["worker_id"] in {e["worker_id"] for e in stopped}:
