@@ -15,7 +15,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -40,9 +39,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         extra_env={
             "INFERBUS_HEARTBEAT_INTERVAL_S": "0.3",
             "INFERBUS_HEARTBEAT_TTL_S": str(HEARTBEAT_TTL_S),
-            # Room for the hung-worker test: its streams run, hang until the worker is found dead,
-            # then continue elsewhere; 20 s was passed once in a full CI run (a 504, not a hang).
-            "INFERBUS_REQUEST_TIMEOUT_S": "45",
+            "INFERBUS_REQUEST_TIMEOUT_S": "20",
             "INFERBUS_ROUTER_RECOVERY_SCAN_S": "1",
             "INFERBUS_WORKER_MAX_RUNNING": "6",
             "INFERBUS_ACK_WAIT_S": "2",
@@ -149,18 +146,19 @@ def test_a_router_restart_rebuilds_its_view_from_the_workers(fleet: Platform) ->
 
 
 def _restart_router(platform: Platform) -> None:
-    """Start the router again and wait until it is ready and has applied a cache snapshot of every worker."""
+    """Start the router again and wait until it is ready and every worker has sent it a snapshot."""
     router = platform.stack.get("router")
-    workers = [process.name for process in platform.stack.processes if process.name.startswith("worker-")]
+    workers = [process.log_path for process in platform.stack.processes if process.name.startswith("worker-")]
 
-    def applied() -> list[str]:
-        return [json.loads(line)["worker_id"] for line in router.log_path.read_bytes().splitlines()
-                if b'"cache_snapshot_applied"' in line]
+    def logged(path: Path, event: bytes) -> int:
+        return path.read_bytes().count(b'"%s"' % event)
 
-    before = applied()
+    ready, snapshots = logged(router.log_path, b"router_ready"), [logged(path, b"cache_snapshot_sent") for path in workers]
     router.start()
-    wait_for(lambda: all(applied().count(worker) > before.count(worker) for worker in workers), 30,
-             what="the restarted router with every worker's cache snapshot applied")
+    wait_for(lambda: logged(router.log_path, b"router_ready") > ready and all(
+        logged(path, b"cache_snapshot_sent") > before for path, before in zip(workers, snapshots)
+    ), 30, what="the restarted router ready with every worker's snapshot")
+    time.sleep(0.2)  # the last snapshot's way from the worker to the router
 
 
 def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: Platform) -> None:
@@ -178,12 +176,11 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         streams = [pool.submit(run, prefix(300 + i, 512)) for i in range(9)]
-        wait_for(lambda: _engine_running(fleet, owner.worker_id), 60, interval=0.02,
-                 what=f"streams running on {owner.worker_id}")
+        time.sleep(0.5)
         victim.signal(signal.SIGSTOP)
         # Watched only once the worker is stopped: before, a request it has pulled but not yet
         # acknowledged counts as waiting and then runs there, and the router has nothing to move.
-        wait_for(lambda: _stopped(victim.pid), 10, interval=0.01, what=f"{owner.worker_id} stopped")
+        time.sleep(0.1)
         watch = _QueueWatch(fleet, owner.worker_id)
         # A burst, not a trickle: on a busy machine the heartbeat (3 s) can expire before a
         # trickle reaches the router, and then nothing is placed on the hung worker at all.
@@ -206,18 +203,6 @@ def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: 
     # The router forgot it within the heartbeat TTL: new work goes to the two others only.
     later = {complete(fleet, prefix(200 + i, 256)).id.removeprefix("cmpl-") for i in range(6)}
     assert all(e.worker_id != owner.worker_id for e in read_usage(fleet, "demo", later))
-
-
-def _engine_running(platform: Platform, worker_id: str) -> int:
-    """Requests running in `worker_id`'s engine."""
-    loads = httpx.get(f"{platform.engine_url(int(worker_id.rpartition('-')[2]))}/v1/loads", timeout=10).json()["loads"]
-    return sum(entry["num_running_reqs"] for entry in loads)
-
-
-def _stopped(pid: int) -> bool:
-    """The process is stopped by a signal (state T in /proc)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2] in "Tt"
 
 
 class _QueueWatch:
