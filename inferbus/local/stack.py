@@ -232,8 +232,12 @@ class Process:
     detail: str = ""
     popen: subprocess.Popen[bytes] | None = None
     backoff: Backoff = field(default_factory=Backoff)
+    # The command of each start, when it is not the same every time (a prefill engine's bootstrap port).
+    command: Callable[[], list[str]] | None = None
 
     def start(self) -> None:
+        if self.command is not None:
+            self.argv = self.command()
         private_dir(self.log_path.parent)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)  # logs hold tenants' ids and request details
@@ -292,7 +296,14 @@ class EngineSpec:
 
 def role_engine_args(role: str) -> list[str]:
     """A simulated engine's flags for a prefill/decode role (SGLang's `--disaggregation-mode`): a
-    prefill engine's bootstrap server on a free port."""
+    prefill engine's bootstrap server on a free port, a new one on every start.
+
+    A new port, because a decode engine keeps a prefill's rank endpoint per bootstrap address (SGLang's
+    connection pool) and forgets it only after two missed `/health` polls, 5 s apart. A simulated
+    prefill engine restarts well inside that, on a new endpoint: at the old address the decode
+    engines would keep sending their KV destinations to the dead process, and every prompt sent to
+    the new one would wait for a destination that never comes. A new pod has a new address; a real
+    engine takes minutes to come back, far past the two polls."""
     if role == "prefill":
         return ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())]
     if role == "decode":
@@ -309,16 +320,21 @@ def replica_processes(
     engine_port, events_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     events = f"tcp://127.0.0.1:{events_port}"
-    argv = [sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(engine_port),
-            "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale", str(spec.time_scale),
-            # The engine binds (SGLang's "bind": true) and the worker connects: a connecting publisher
-            # loses its first batches while the subscription reaches it (libzmq).
-            "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events, "bind": True}), *spec.engine_args,
-            *role_engine_args(role)]
-    if spec.fixed_step_ms is not None:
-        argv += ["--fixed-step-ms", str(spec.fixed_step_ms)]
-    engine = Process(f"engine-{index}", argv, dict(env), logs_dir / f"engine-{index}.log",
-                     lambda: http_ok(f"{engine_url}/ready"), engine_url)
+
+    def command() -> list[str]:
+        argv = [sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port",
+                str(engine_port), "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale",
+                str(spec.time_scale),
+                # The engine binds (SGLang's "bind": true) and the worker connects: a connecting publisher
+                # loses its first batches while the subscription reaches it (libzmq).
+                "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events, "bind": True}),
+                *spec.engine_args, *role_engine_args(role)]
+        if spec.fixed_step_ms is not None:
+            argv += ["--fixed-step-ms", str(spec.fixed_step_ms)]
+        return argv
+
+    engine = Process(f"engine-{index}", command(), dict(env), logs_dir / f"engine-{index}.log",
+                     lambda: http_ok(f"{engine_url}/ready"), engine_url, command=command)
     extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0",
              "INFERBUS_WORKER_ROLE": role}
     if role == "prefill":  # every engine on this machine's loopback: the decode engines reach it there

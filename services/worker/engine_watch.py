@@ -24,6 +24,7 @@ from inferbus.runtime import logs
 
 from .gpu_death import give_up
 from .metrics import PAUSES
+from .roles import bootstrap_address
 
 if TYPE_CHECKING:
     from .service import Worker
@@ -74,6 +75,10 @@ class EngineWatch:
             worker.engine_info = await worker.engine.server_info()
         except Exception as error:
             log.warning("engine_info_failed", error=repr(error))
+        if worker.prefill is not None:  # a new prefill engine may serve its bootstrap server on another port
+            s = worker.settings
+            worker.prefill.bootstrap_host, worker.prefill.bootstrap_port = bootstrap_address(
+                worker.engine_info, s.engine_url, s.engine_bootstrap_host)
         forgotten = len(worker.adapters.loaded)
         await worker.adapters.resync(restarted=True)
         if worker.cache_relay is not None:

@@ -46,6 +46,12 @@ tracer = tracing.tracer("inferbus.worker")
 SCARCE_POLL_S = 0.05  # a consumer's turn when slots are scarce: a waiting request waits ≲ 4 turns
 LOOK_INTERVAL_S = 0.2  # how often a consumer without a pull in flight asks the server what waits on it
 BATCH_POLL_S = 0.25  # a batch pull holds its slots at most this long, so interactive gets them back soon
+# Failures that say nothing of this worker's GPU, so never count toward giving it up (gpu_death): a
+# pause of the worker itself, an engine known down (its own verdict), an adapter the engine cannot
+# load or that fails its check, and a decode worker's prefill half that no prefill worker could take
+# or that failed on one (the prefill pool's trouble: the decode engine only waited).
+NOT_THE_GPU = frozenset({"worker_paused", "engine_unavailable", "adapter_unavailable", "no_prefill_worker",
+                         "prefill_failed"})
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 
 
@@ -266,8 +272,7 @@ class Serving:
                     ))
             except EngineError as error:
                 ENGINE_ERRORS.inc()
-                # An adapter the engine cannot load or that fails its check says nothing of the GPU.
-                if error.status >= 500 and error.code not in ("worker_paused", "engine_unavailable", "adapter_unavailable"):
+                if error.status >= 500 and error.code not in NOT_THE_GPU:
                     worker.gpu.engine_error()
                 log.warning("engine_error", code=error.code, error=str(error), retryable=error.retryable)
                 # The gateway bills what the client received when a request ends in an error, and a
