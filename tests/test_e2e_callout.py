@@ -74,3 +74,9 @@ def test_passwords_and_tokens_of_others_are_refused(callout_platform: Platform) 
     assert asyncio.run(refused(user=gateway.user, password=gateway.password))  # static users are gone
     assert asyncio.run(refused(token="not-a-token"))
     assert not asyncio.run(refused(token=token, inbox_prefix="_INBOX.gateway"))  # the control: its own token works
+
+
+def test_every_platform_command_works_with_callout_identities(callout_platform: Platform, tmp_path: Path) -> None:
+    from .test_cli_local_platform import every_platform_command
+
+    every_platform_command(callout_platform, tmp_path / "exports")

@@ -126,3 +126,29 @@ def test_up_with_tls_serves_and_refuses_plaintext(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
+
+
+def test_every_platform_command_works_against_a_tls_platform(tmp_path: Path) -> None:
+    """The CLI finds a --tls platform's CA in its state dir and every command answers over TLS."""
+    from .conftest import running_platform
+    from .test_cli_local_platform import every_platform_command
+
+    with running_platform(tmp_path / "state", workers=1, time_scale=0.1, tls=True) as platform:
+        assert platform.stack.nats_url.startswith("tls://")
+        every_platform_command(platform, tmp_path / "exports")
+        # A CA that did not sign the server's certificate: the command fails at once and says why.
+        env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+        env.update(INFERBUS_PLATFORM_DIR=str(platform.stack.config.state_dir), NATS_TLS_CA=str(wrong_ca(tmp_path)))
+        for args in (["release", "list"], ["mix", "from-usage", "--since", "1h"]):
+            done = subprocess.run([sys.executable, "-m", "tools.commands.main", *args], env=env, capture_output=True,
+                                  text=True, timeout=60)
+            assert done.returncode == 1, done
+            assert "cannot reach NATS at tls://" in done.stderr and "NATS_TLS_CA" in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr, done.stderr
+
+
+def wrong_ca(directory: Path) -> Path:
+    """The CA certificate of another platform's TLS, made as the launcher makes its own."""
+    from inferbus.local.tls import make_local_tls
+
+    return make_local_tls(directory / "other-tls").ca_file

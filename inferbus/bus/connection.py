@@ -106,7 +106,8 @@ async def connect(
     url: str, name: str, *, on_reconnect: Callable[[], Awaitable[None]] | None = None,
     auth: BusSettings | None = None, **options: object
 ) -> Client:
-    """Connect, reconnecting forever after the first success; fail fast if the first try fails.
+    """Connect, reconnecting forever: the first connection too (a service started before its NATS
+    waits for it), and after every loss. `options` override nats.py's (see `connect_once`).
 
     Credentials and TLS come from `auth` (default: the NATS_* environment, `BusSettings`)."""
     auth = bus_settings() if auth is None else auth
@@ -126,18 +127,11 @@ async def connect(
     if len(servers) > 1:
         # The caller lists its own zone's node first: keep that order instead of nats-py's shuffle.
         options.setdefault("dont_randomize", True)
-    nc = await nats.connect(
-        servers,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=reconnected,
-        pending_size=64 * 1024 * 1024,
-        **{**auth.options(url), **options},  # type: ignore[arg-type]
-    )
+    nc = await nats.connect(servers, **{  # type: ignore[arg-type]
+        "name": name, "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, "connect_timeout": 5,
+        "error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": reconnected,
+        "pending_size": 64 * 1024 * 1024, **auth.options(url), **options,
+    })
     try:
         check_server_version(str(nc._server_info.get("version", "0.0.0")))
         if not nc._server_info.get("jetstream"):
@@ -146,6 +140,13 @@ async def connect(
         await nc.close()
         raise
     return nc
+
+
+async def connect_once(url: str, name: str) -> Client:
+    """`connect` for a command that runs once (the CLI): each server tried once and never again, so
+    that one it cannot reach or verify (a TLS server without its CA) fails the command at once with
+    the error, where `connect` would try again forever."""
+    return await connect(url, name, allow_reconnect=False, max_reconnect_attempts=1)
 
 
 def server_list(url: str) -> list[str]:

@@ -308,9 +308,10 @@ async def _rebuild(nats_url: str, redis_url: str, batch: int) -> tuple[int, int]
     from inferbus.stores.billing import PriceStore
     from services.billing.rollup import rebuild
     from services.billing.service import default_prices
+    from tools.commands import local_platform
 
     settings = _billing_settings()
-    nc = await bus.connect(nats_url, name="usage-rebuild")
+    nc = await local_platform.connect_bus(nats_url, "usage-rebuild")
     store = await _store(redis_url)
     try:
         await bus.ensure_streams(nc.jetstream())

@@ -8,13 +8,21 @@ runs. Failing both, the documented defaults. Every choice comes with a line that
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import ssl
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
 
 from inferbus.local.stack import PLATFORM_FILE, read_platform_file
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -77,6 +85,21 @@ def nats_url(given: str | None, directory: Path | None = None) -> Choice:
         return _from_platform(directory, "NATS", url)
     return Choice(DEFAULT_NATS_URL, "default", f"Using NATS at {DEFAULT_NATS_URL} (the default: no --nats-url, "
                                                f"NATS_URL or running `inferbus up` in {directory})")
+
+
+async def connect_bus(url: str, name: str) -> Client:
+    """The CLI's NATS connection (`connect_once`): a server it cannot reach or verify is a one-line
+    error naming it, never a wait."""
+    import nats.errors
+
+    from inferbus.bus import connection as bus
+
+    try:
+        return await bus.connect_once(url, name)
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as error:
+        hint = " (a TLS server: set NATS_TLS_CA to the CA that signed its certificate)" \
+            if isinstance(error, ssl.SSLError) else ""
+        raise click.ClickException(f"cannot reach NATS at {redact(url)}: {error}{hint}") from None
 
 
 @dataclass(frozen=True)

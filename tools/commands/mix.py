@@ -39,12 +39,10 @@ async def read_ledger(nats_url: str, start: float, end: float) -> list[m.UsageEv
     import nats
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
-    from inferbus.bus import connection as bus
+    from tools.commands import local_platform
 
     # One read of a window: fail at once when the server is not there rather than reconnect.
-    # Credentials and TLS as every inferbus client takes them (NATS_USER, NATS_PASSWORD, NATS_TLS_*).
-    nc = await nats.connect(bus.server_list(nats_url), name="mix-from-usage", connect_timeout=5, allow_reconnect=False,
-                             max_reconnect_attempts=1, **bus.bus_settings().options(nats_url))  # type: ignore[arg-type]
+    nc = await local_platform.connect_bus(nats_url, "mix-from-usage")
     events: list[m.UsageEvent] = []
     try:
         js = nc.jetstream()
@@ -122,6 +120,8 @@ def from_usage(since: str, until: str | None, model: str | None, tenant: str | N
     click.echo(ledger.note, err=True)
     try:
         events = asyncio.run(read_ledger(ledger.value, start, end))
+    except click.ClickException:
+        raise  # the server could not be reached: said already
     except Exception as error:  # the connection or the stream lookup: report, don't trace back
         raise click.ClickException(f"cannot read the usage ledger at {local_platform.redact(ledger.value)}: "
                                    f"{error or type(error).__name__}") from None

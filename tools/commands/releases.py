@@ -25,7 +25,6 @@ T = TypeVar("T")
 
 
 def _run(nats_url: str | None, work: Callable[[Any, Any], Awaitable[T]]) -> T:
-    from inferbus.bus import connection as bus
     from inferbus.runtime import logs
     from tools.commands import local_platform
 
@@ -34,7 +33,7 @@ def _run(nats_url: str | None, work: Callable[[Any, Any], Awaitable[T]]) -> T:
     click.echo(chosen.note, err=True)
 
     async def main() -> T:
-        nc = await bus.connect(chosen.value, name="inferbus-release")
+        nc = await local_platform.connect_bus(chosen.value, "inferbus-release")
         try:
             kv = await store.bucket(nc.jetstream())
             return await work(nc, kv)
