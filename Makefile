@@ -4,12 +4,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-quick lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim bench-pd-autoscale install clean help
+.PHONY: up test test-quick check lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim bench-pd-autoscale install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite (lint, types and package layers included)"
-	@echo "make test-quick  the development loop (30-80 s): make lint, then the tests marked neither e2e nor slow (no process started)"
+	@echo "make test-quick  the development loop (30-80 s): make lint, then the tests marked neither e2e nor slow (no process started); make check is the same"
 	@echo "make lint   only ruff, mypy (every package) and the package layers (lint-imports)"
 	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
 	@echo "make bench  the serving spine side by side with sglang-router (~4 min, ARGS=--quick ~1.5 min), then admission, fairness, billing, placement, overload (~7 min); writes bench/results/"
@@ -69,6 +69,8 @@ test: install browser
 # imports alone cost seconds. `make test` still runs everything, CI too.
 test-quick: lint
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow" --ignore=tests/sglang --ignore-glob='tests/test_e2e_*' $(PYTEST_ARGS)
+
+check: test-quick
 
 # The web console's browser tests (tests/test_e2e_console.py) drive Debian's Chromium through
 # Playwright (never `playwright install`, which downloads a browser of its own): installed here
