@@ -234,7 +234,7 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(tight: Plat
 
     async def both() -> _Tally:
         tally = _Tally()
-        clients = asyncio.gather(_closed_loop(contended, heavy, 20, tally), _closed_loop(contended, light, 2, tally))
+        clients = asyncio.gather(_closed_loop(contended, heavy, 20, tally), _closed_loop(contended, light, 4, tally))
         try:
             await await_for(lambda: tally.total() >= 40, 240, what="40 requests completed between the two tenants")
         finally:
@@ -245,7 +245,9 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(tight: Plat
     tally = asyncio.run(both())
     heavy_done, light_done = tally.done[heavy], tally.done[light]
     share = light_done / (heavy_done + light_done)
-    # First come, first served would give the light tenant about 2/22 ≈ 9%; equal weights: 50%.
+    # First come, first served would give the light tenant about 4/24 ≈ 17%; equal weights: 50%. Its
+    # four clients keep a request of its own waiting whenever a slot frees, however slowly a busy
+    # machine turns each answer into the next request (with two, under load 15 it often had none).
     assert 0.35 <= share <= 0.65, (heavy_done, light_done)
 
     # Idle capacity is not withheld: alone, the heavy tenant gets all of it, both slots at once,
