@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from .conftest import MODEL, Platform, running_platform
+from .service_logs import log_events
 
 pytestmark = pytest.mark.e2e
 
@@ -62,6 +63,7 @@ class StreamReader(threading.Thread):
         self.usage = None
         self.finish: str | None = None
         self.error: Exception | None = None
+        self.request_id = ""  # the gateway's, from the completion id (chatcmpl-<request id>)
 
     def run(self) -> None:
         try:
@@ -71,6 +73,7 @@ class StreamReader(threading.Thread):
             )
             for chunk in stream:
                 self.times.append(time.monotonic())
+                self.request_id = chunk.id.removeprefix("chatcmpl-")
                 if chunk.usage is not None:
                     self.usage = chunk.usage
                 if chunk.choices:
@@ -149,7 +152,12 @@ def test_drain_hands_in_flight_work_to_another_worker(fleet: Platform) -> None:
     assert reader.error is None, reader.error
     assert reader.usage is not None and reader.usage.completion_tokens == 600
     assert worker.wait(10), "a draining worker must exit by itself"
-    assert reader.longest_gap() < 1.0  # a handoff does not wait for a heartbeat to expire
+    # A handoff does not wait for a heartbeat to expire: the gateway moved the stream on the
+    # worker's word (why "handoff"), not on its absence ("worker_gone"), and sooner than the TTL.
+    moves = [e for e in log_events(fleet.stack.get("gateway").log_path, "migrating")
+             if e.get("request_id") == reader.request_id]
+    assert [e["why"] for e in moves] == ["handoff"], moves
+    assert reader.longest_gap() < HEARTBEAT_TTL_S
 
 
 def test_deadline_ends_the_stream_and_aborts_the_engine(fleet: Platform) -> None:
