@@ -186,14 +186,15 @@ def markdown(report: dict) -> str:
         f"**False rollbacks of a good version: {false_rollbacks} of {canaries} canaries "
         f"({false_rollbacks / canaries:.2%}).**",
         "",
-        "| adapter req/s | candidate | canaries | promoted / rolled back / undecided (6 h) | median time to the right verdict | p90 | 200 requests on the candidate at 5% |",
+        "| adapter req/s | candidate | canaries | promoted / rolled back / undecided (6 h) | median time to the right "
+        "verdict | p90 | 200 requests on the candidate at 5% |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
         o = row["outcomes"]
         lines.append(f"| {row['rate']:g} | {row['candidate']} | {row['trials']} | {o['promote']} / {o['rollback']} / "
-                     f"{o['undecided']} | {_duration(row['median_s'])} ({row['expected']}) | {_duration(row['p90_s'])} | "
-                     f"{_duration(row['first_verdict_possible_s'])} |")
+                     f"{o['undecided']} | {_duration(row['median_s'])} ({row['expected']}) | {_duration(row['p90_s'])} "
+                     f"| {_duration(row['first_verdict_possible_s'])} |")
     lines += [
         "",
         "The clock is the adapter's traffic: at 5% the candidate needs 200 / (0.05 × rate) seconds before the "

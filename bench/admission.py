@@ -155,7 +155,9 @@ def main() -> None:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise SystemExit("redis-server did not start")
                 time.sleep(0.05)
-            version = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True).stdout.split()
+            version = subprocess.run(
+                [redis_server_binary(), "--version"], capture_output=True, text=True
+            ).stdout.split()
             results = asyncio.run(measure(url, args.requests, args.concurrency, args.tenants))
         finally:
             server.terminate()

@@ -116,9 +116,15 @@ def scenario_inputs(name: str, quick: bool, hours: float) -> dict[str, Any]:
         envelope = ("the 24 h diurnal envelope (night at 35 % of the peak at 04:00, peak at 16:00)" if hours == 24 else
                     f"the 24 h diurnal envelope (night at 35 % of the peak at 04:00, peak at 16:00) compressed into "
                     f"{hours:g} h; the request rate is not compressed")
-        return {"scenario": "day", "duration_s": hours * 3600, "peak_rps": PEAK_RPS, "trough": 0.35, "hours": hours,
-                "envelope": f"The Azure conversation trace's per-minute rate shape tiled hour after hour under {envelope}, "
-                            "the busiest minute at 833 req/s; seed 0 (as bench/simulate.py's day)"}
+        return {
+            "scenario": "day",
+            "duration_s": hours * 3600,
+            "peak_rps": PEAK_RPS,
+            "trough": 0.35,
+            "hours": hours,
+            "envelope": f"The Azure conversation trace's per-minute rate shape tiled hour after hour under {envelope}, "
+            "the busiest minute at 833 req/s; seed 0 (as bench/simulate.py's day)",
+        }
     spike_at = 300.0 if quick else 600.0
     duration = 660.0 if quick else 1200.0
     return {"scenario": "spike", "duration_s": duration, "base_rps": round(PEAK_RPS / 3, 2), "factor": 3.0,
@@ -170,7 +176,9 @@ def run_one(args: tuple[str, dict[str, Any]]) -> dict[str, Any]:
         controller = ThresholdController(ThresholdConfig(min_replicas=start, max_replicas=240))
         replicas = start
     else:
-        controller = PolicyController(policy_config(sizing.replica_goodput_rps, inputs.get("overrides")), interval_s=5.0)
+        controller = PolicyController(
+            policy_config(sizing.replica_goodput_rps, inputs.get("overrides")), interval_s=5.0
+        )
         replicas = start
     recorder = Recorder(controller)
     config = FastConfig(replicas=replicas, engine=engine, price_per_gpu_hour=PRICE, cold_start_s=COLD_START_S,
@@ -230,16 +238,18 @@ def _ms(value: float) -> float | None:
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
     static = next((r for r in runs if r["fleet"] == "static"), None)
-    lines = ["| fleet | minutes within SLO | requests within SLO | shed | TTFT p90 / p99 ms | GPU-hours | vs static | cost "
-             "| peak serving | peak billed |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| fleet | minutes within SLO | requests within SLO | shed | TTFT p90 / p99 ms | GPU-hours | vs static | cost "
+        "| peak serving | peak billed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in runs:
         s = r["summary"]
         share = f"{s['gpu_hours'] / static['summary']['gpu_hours']:.1%}" if static else "–"
         lines.append(
             f"| {r['fleet']} | {s['minute_attainment']:.2%} of {s['minutes']} | {s['request_attainment']:.2%} "
-            f"| {s['rejected']:,} | {_fmt(s['ttft_p90_s'])} / {_fmt(s['ttft_p99_s'])} | {s['gpu_hours']:,.1f} | {share} "
-            f"| ${s['cost_usd']:,.0f} | {s['peak_serving']} | {r['peak_billed']} |")
+            f"| {s['rejected']:,} | {_fmt(s['ttft_p90_s'])} / {_fmt(s['ttft_p99_s'])} | {s['gpu_hours']:,.1f} | "
+            f"{share} | ${s['cost_usd']:,.0f} | {s['peak_serving']} | {r['peak_billed']} |")
     return lines
 
 
@@ -282,10 +292,17 @@ def plot(scenario: str, runs: list[dict[str, Any]], path: Path) -> None:
     top = 60_000.0  # minutes whose p90 is a shed request (infinite) or beyond a minute, drawn here
     for r in runs:
         minutes = r["series"]
-        ax.plot([mn["t"] / div for mn in minutes],
-                [min(top, mn["ttft_p90_ms"]) if mn["ttft_p90_ms"] is not None else (top if mn["arrivals"] or mn["completed"]
-                                                                                     else math.nan) for mn in minutes],
-                lw=0.9, label=f"{r['fleet']} p90 TTFT")
+        ax.plot(
+            [mn["t"] / div for mn in minutes],
+            [
+                min(top, mn["ttft_p90_ms"])
+                if mn["ttft_p90_ms"] is not None
+                else (top if mn["arrivals"] or mn["completed"] else math.nan)
+                for mn in minutes
+            ],
+            lw=0.9,
+            label=f"{r['fleet']} p90 TTFT",
+        )
     ax.axhline(800, color="red", ls=":", lw=0.8, label="SLO 800 ms")
     ax.axhline(top, color="grey", ls=":", lw=0.6, label="≥ 60 s or > 10 % shed")
     ax.set_yscale("log")
@@ -306,7 +323,9 @@ def report(data: dict[str, Any]) -> str:
              "a request is within SLO if its TTFT and TPOT are (a shed request is not).", "",
              f"Machine: {data['machine']}. Bench CPU: {data['bench_cpu_s']} s.", ""]
     if data.get("commands"):
-        lines += ["Run in pieces (two cores shared with other work) and merged:", "", "```"] + data["commands"] + ["```", ""]
+        lines += (
+            ["Run in pieces (two cores shared with other work) and merged:", "", "```"] + data["commands"] + ["```", ""]
+        )
     for scenario in data["scenarios"]:
         runs = [r for r in data["runs"] if r["scenario"] == scenario["scenario"]]
         if not runs:
@@ -333,8 +352,11 @@ def report(data: dict[str, Any]) -> str:
         config = next((r["config"] for r in data["runs"] if r["fleet"] == fleet), None)
         if config is not None:
             lines.append(f"- {fleet}: `{json.dumps(config)}`")
-    lines += ["- both autoscaled fleets start with ⌈rate(0) × 1.15 ÷ goodput⌉ replicas; the autoscaler's warm pool starts empty.",
-              ""]
+    lines += [
+        "- both autoscaled fleets start with ⌈rate(0) × 1.15 ÷ goodput⌉ replicas; the autoscaler's warm pool starts "
+        "empty.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -437,7 +459,9 @@ def merge(args: argparse.Namespace, out: Path) -> None:
             static = static_day_from_simulate(scenario)
             if static is not None:
                 runs.append(static)
-    order = {f: i for i, f in enumerate(("static", "threshold", "threshold-floor", "autoscaler", "autoscaler, min_warm 78"))}
+    order = {
+        f: i for i, f in enumerate(("static", "threshold", "threshold-floor", "autoscaler", "autoscaler, min_warm 78"))
+    }
     runs.sort(key=lambda r: (r["scenario"] != "day", order.get(r["fleet"], 9)))
     data = {"quick": False, "machine": machine_info, "bench_cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
             "scenarios": [scenarios[k] for k in ("day", "spike") if k in scenarios], "runs": runs,

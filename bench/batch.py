@@ -270,11 +270,21 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
     else:
         runs = [run_sim(job) for job in jobs]
     result: dict[str, Any] = {
-        "inputs": {**common, "gpu": engine.gpu, "tp": engine.tp, "variants": variants,
-                   "oracle_levels": args.oracle_levels, "experiments": args.experiments, "batch_lengths": LineLengths().__dict__,
-                   "trace": TRACE, "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S}},
-        "planner": plan, "machine": {"before": before, "after": machine()},
-        "wall_s": round(time.perf_counter() - started, 1), "cpu_s": round(sum(r["cpu_s"] for r in runs), 1),
+        "inputs": {
+            **common,
+            "gpu": engine.gpu,
+            "tp": engine.tp,
+            "variants": variants,
+            "oracle_levels": args.oracle_levels,
+            "experiments": args.experiments,
+            "batch_lengths": LineLengths().__dict__,
+            "trace": TRACE,
+            "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
+        },
+        "planner": plan,
+        "machine": {"before": before, "after": machine()},
+        "wall_s": round(time.perf_counter() - started, 1),
+        "cpu_s": round(sum(r["cpu_s"] for r in runs), 1),
         "variants": {},
     }
     for name, rate in variants.items():
@@ -387,7 +397,9 @@ def sim_markdown(sim: dict[str, Any]) -> list[str]:
                      "fixed": f"+ batch, fixed {run['level']} per replica (oracle sweep)"}.get(
                 run["mode"], "+ batch, " + run["mode"])
             ratio = run.get("ratio")
-            ttft = f"{_f(run['ttft_p50_s'])} / {_f(run['ttft_p90_s'])}" + (f" ({ratio['ttft'] - 1:+.1%})" if ratio else "")
+            ttft = f"{_f(run['ttft_p50_s'])} / {_f(run['ttft_p90_s'])}" + (
+                f" ({ratio['ttft'] - 1:+.1%})" if ratio else ""
+            )
             tpot = f"{_f(run['tpot_p50_s'], digits=2)} / {_f(run['tpot_p90_s'], digits=2)}" + (
                 f" ({ratio['tpot'] - 1:+.1%})" if ratio else "")
             out.append(f"| {name} {v['rate_rps']:.0f} req/s | {label} | {ttft} | {tpot} "
@@ -406,12 +418,16 @@ def sim_markdown(sim: dict[str, Any]) -> list[str]:
                    f"(TTFT {a['ratio']['ttft'] - 1:+.1%}, TPOT {a['ratio']['tpot'] - 1:+.1%}) |")
     if i.get("experiments"):
         out += ["", "Experiments (not what ships: the same policy code with other settings, and `max_prefilling`, a "
-                "worker change modelled in the simulator: a worker pulls a batch line only while fewer than that many of "
-                "its batch lines are still being prefilled; `engine_priority: false`, engines without priority "
+                "worker change modelled in the simulator: a worker pulls a batch line only while fewer than that many "
+                "of its batch lines are still being prefilled; `engine_priority: false`, engines without priority "
                 "scheduling, whose workers abort batch lines for interactive work stalled in the engine):", ""]
         out += [f"- {label}: `{json.dumps(e)}`" for label, e in i["experiments"].items()]
-        out += ["", "| load | experiment | batch out tok/s | share of (i) | share of (ii) | interactive p90 TTFT / TPOT vs alone |",
-                "| --- | --- | ---: | ---: | ---: | --- |"]
+        out += [
+            "",
+            "| load | experiment | batch out tok/s | share of (i) | share of (ii) | interactive p90 TTFT / TPOT vs "
+            "alone |",
+            "| --- | --- | ---: | ---: | ---: | --- |",
+        ]
         for name, v in sim["variants"].items():
             for e in v.get("experiments", []):
                 out.append(f"| {name} | {e['mode'].removeprefix('experiment: ')} | {e['batch_out_tok_s']:,.0f} "
@@ -480,7 +496,9 @@ def _content(rng: random.Random, tokens: int) -> str:
     return words(rng, max(1, tokens - 30))
 
 
-async def interactive_load(client: Any, rate: float, seconds: float, seed: int, text_seed: int) -> list[dict[str, float]]:
+async def interactive_load(
+    client: Any, rate: float, seconds: float, seed: int, text_seed: int
+) -> list[dict[str, float]]:
     """Poisson chat requests at `rate` for `seconds`, streamed; per request: start, TTFT, TPOT.
 
     `seed` draws arrivals and lengths, `text_seed` the prompts' words: two runs with one seed
@@ -674,7 +692,9 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
                 span += d_span
                 row["batch_out_tok_s_wall"] = (window[-1][1] - window[0][1]) / d_span
                 row["batch_lines_done_in_window"] = window[-1][3] - window[0][3]
-            row["ratio"] = {key: row["with_batch"][f"{key}_p90_s"] / row["alone"][f"{key}_p90_s"] for key in ("ttft", "tpot")}
+            row["ratio"] = {
+                key: row["with_batch"][f"{key}_p90_s"] / row["alone"][f"{key}_p90_s"] for key in ("ttft", "tpot")
+            }
             result["rounds"].append(row)
             print(f"  round {round_no}: alone {row['alone']['ttft_p90_s']:.3f} / {row['alone']['tpot_p90_s']:.4f} s, "
                   f"with batch {row['with_batch']['ttft_p90_s']:.3f} / {row['with_batch']['tpot_p90_s']:.4f} s, "
@@ -737,14 +757,15 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
         return ["## Live, with the platform", "", f"Not measured: {live.get('error')}", ""]
     a, b = live.get("interactive_only"), live.get("with_batch")
     out = ["## Live, with the platform", "", f"`{live.get('command')}` ({live.get('date')}).", "",
-           f"`inferbus.local.stack.Stack` (NATS, Redis, gateway, router, billing, batch service, {i['workers']} workers with "
-           f"simulated H100 TP2 engines at time scale {i['time_scale']}: an engine second takes {i['time_scale']} s). "
-           f"Interactive: Azure conversation lengths (clipped to {i['interactive_clip'][0]} / {i['interactive_clip'][1]} "
-           f"tokens), Poisson at {i['rate_wall_rps']:.1f} req/s wall ({i['rate_engine_rps']:.2f} req/s of engine time, "
-           f"{i['share_of_peak']:.0%} of the planner's peak for {i['workers']} replicas), streamed with the openai SDK, "
-           f"{i['seconds']:g} s per run, the first {i['warmup_s']:g} s left out; latencies client-side in wall time. "
-           f"Batch: {i['batch_lines']:,} chat lines through `files.create` + `batches.create`, tokens/s from the batch's "
-           f"`usage` over the measured window.", ""]
+           f"`inferbus.local.stack.Stack` (NATS, Redis, gateway, router, billing, batch service, {i['workers']} "
+           f"workers with simulated H100 TP2 engines at time scale {i['time_scale']}: an engine second takes "
+           f"{i['time_scale']} s). Interactive: Azure conversation lengths (clipped to {i['interactive_clip'][0]} / "
+           f"{i['interactive_clip'][1]} tokens), Poisson at {i['rate_wall_rps']:.1f} req/s wall "
+           f"({i['rate_engine_rps']:.2f} req/s of engine time, "
+           f"{i['share_of_peak']:.0%} of the planner's peak for {i['workers']} replicas), streamed with the openai "
+           f"SDK, {i['seconds']:g} s per run, the first {i['warmup_s']:g} s left out; latencies client-side in wall "
+           f"time. Batch: {i['batch_lines']:,} chat lines through `files.create` + `batches.create`, tokens/s from the "
+           f"batch's `usage` over the measured window.", ""]
     if not (a and b):
         return out + [f"Not measured: {live.get('error', 'no result')}", ""]
     out += ["| run | requests | TTFT p50 / p90 ms (p90 vs alone) | TPOT p50 / p90 ms (p90 vs alone) | errors "
@@ -752,7 +773,8 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
             "| --- | ---: | ---: | ---: | ---: | ---: |",
             f"| interactive only | {a['requests']} | {_f(a['ttft_p50_s'])} / {_f(a['ttft_p90_s'])} "
             f"| {_f(a['tpot_p50_s'], digits=2)} / {_f(a['tpot_p90_s'], digits=2)} | {a['errors']} | – |",
-            f"| + batch | {b['requests']} | {_f(b['ttft_p50_s'])} / {_f(b['ttft_p90_s'])} ({live['ratio']['ttft'] - 1:+.1%}) "
+            f"| + batch | {b['requests']} | {_f(b['ttft_p50_s'])} / {_f(b['ttft_p90_s'])} "
+            f"({live['ratio']['ttft'] - 1:+.1%}) "
             f"| {_f(b['tpot_p50_s'], digits=2)} / {_f(b['tpot_p90_s'], digits=2)} ({live['ratio']['tpot'] - 1:+.1%}) "
             f"| {b['errors']} "
             f"| {live.get('batch_out_tok_s_wall', 0):,.0f} / {live.get('batch_in_tok_s_wall', 0):,.0f} |", ""]
@@ -763,7 +785,8 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
                 f"{paired['tpot'] - 1:+.1%}. The pooled row above mixes rounds whose alone baselines differ "
                 "(the machine's load drifts), so it is shown but not the verdict.", ""]
     out += ["Per round (p90 TTFT / TPOT ms; the machine's 1-minute load average before and after the round):", "",
-            "| round | order | alone | with batch | TTFT / TPOT vs alone | batch out tok/s | load avg | batch after cancel |",
+            "| round | order | alone | with batch | TTFT / TPOT vs alone | batch out tok/s | load avg | batch after "
+            "cancel |",
             "| ---: | --- | --- | --- | --- | ---: | --- | --- |"]
     for row in live.get("rounds", []):
         ra, rb = row["alone"], row["with_batch"]
@@ -775,12 +798,18 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
                    f"| {row['loadavg_1m'][0]:.1f} / {row['loadavg_1m'][1]:.1f} | {row.get('status_after_cancel')} "
                    f"{row.get('counts_after_cancel')} |")
     oracle = live.get("sim_oracle") or {}
-    out += ["", f"Spare (i), SLO-bound, for this load: {live['spare_i_out_tok_s_wall']:,.0f} output tok/s wall; the batch "
-            f"used {_pct(live['share_i'])} of it. Spare (ii), the oracle, from the simulator for the same {i['workers']} "
-            f"replicas and rate (a live sweep would take hours): {live.get('spare_ii_out_tok_s_wall', 0):,.0f} output "
-            f"tok/s wall ({oracle.get('spare_ii_method', '')}); the batch used {_pct(live.get('share_ii'))} of it. "
-            f"(The simulator's own adaptive run on that fleet: {oracle.get('sim_adaptive_batch_out_tok_s', 0) / i['time_scale']:,.0f} "
-            "tok/s wall.)", ""]
+    out += [
+        "",
+        f"Spare (i), SLO-bound, for this load: {live['spare_i_out_tok_s_wall']:,.0f} output tok/s wall; the batch "
+        f"used {_pct(live['share_i'])} of it. Spare (ii), the oracle, from the simulator for the same "
+        f"{i['workers']} replicas and rate (a live sweep would take hours): "
+        f"{live.get('spare_ii_out_tok_s_wall', 0):,.0f} output "
+        f"tok/s wall ({oracle.get('spare_ii_method', '')}); the batch used {_pct(live.get('share_ii'))} of it. "
+        "(The simulator's own adaptive run on that fleet: "
+        f"{oracle.get('sim_adaptive_batch_out_tok_s', 0) / i['time_scale']:,.0f} "
+        "tok/s wall.)",
+        "",
+    ]
     return out
 
 

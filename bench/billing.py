@@ -78,7 +78,11 @@ async def publish(nats_url: str, events: list[m.UsageEvent]) -> None:
     await bus.ensure_streams(js)
     for i, event in enumerate(events):
         # Core publishes into the stream (no ack round trip each): only the setup, not measured.
-        await nc.publish(subjects.usage_subject(event.tenant, subjects.USAGE_FROM_OWNER, "gw"), m.encode(event), headers={"Nats-Msg-Id": event.request_id})
+        await nc.publish(
+            subjects.usage_subject(event.tenant, subjects.USAGE_FROM_OWNER, "gw"),
+            m.encode(event),
+            headers={"Nats-Msg-Id": event.request_id},
+        )
         if i % 5000 == 4999:
             await nc.flush()
     await nc.flush()
@@ -232,7 +236,8 @@ def markdown(r: dict[str, Any]) -> str:
         "workload; the rollup consumer runs in the benchmark's process). 1-minute load average "
         f"{r['load_average_1m']['before']:.1f} before the run, {r['load_average_1m']['after']:.1f} after.",
         "",
-        "| workload | phase | seconds | events/s | consumer CPU-µs/event | nats-server CPU-µs/event | redis CPU-µs/event |",
+        "| workload | phase | seconds | events/s | consumer CPU-µs/event | nats-server CPU-µs/event | redis "
+        "CPU-µs/event |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, w in r["workloads"].items():
@@ -247,8 +252,9 @@ def markdown(r: dict[str, Any]) -> str:
             f"output, {u.usd_text(t['cost_micro'])} USD); Redis spent {w['redis_usec_per_evalsha']:.0f} µs per "
             f"ingest call (one per tenant and up to 256 events) and held {w['redis_used_memory_mb']:.0f} MB after "
             f"both phases. A PING from another process took {w['redis_ping_during_ingest']['p50_ms']:.2f} ms p50, "
-            f"{w['redis_ping_during_ingest']['p99_ms']:.2f} ms p99, {w['redis_ping_during_ingest']['max_ms']:.1f} ms max "
-            f"during the drain (idle: {w['redis_ping_idle']['p50_ms']:.2f} / {w['redis_ping_idle']['p99_ms']:.2f} ms).")
+            f"{w['redis_ping_during_ingest']['p99_ms']:.2f} ms p99, {w['redis_ping_during_ingest']['max_ms']:.1f} ms "
+            f"max during the drain (idle: {w['redis_ping_idle']['p50_ms']:.2f} / {w['redis_ping_idle']['p99_ms']:.2f} "
+            "ms).")
     lines += ["", "Target: ≥ 20,000 events/s.", ""]
     return "\n".join(lines)
 
@@ -284,14 +290,19 @@ def main() -> None:
 def run_workload(args: argparse.Namespace, rate: float | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as state:
         nats_port, monitor, redis_port = free_port(), free_port(), free_port()
-        nats_server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(monitor),
-                                        "-js", "-sd", state], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        nats_server = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(monitor), "-js", "-sd", state],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         redis_server = subprocess.Popen([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1",
                                          "--save", "", "--appendonly", "no", "--dir", state], stdout=subprocess.DEVNULL)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         try:
             deadline = time.monotonic() + 20
-            while not (http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true") and redis_reachable(redis_url)):
+            while not (
+                http_ok(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true") and redis_reachable(redis_url)
+            ):
                 if time.monotonic() > deadline:
                     raise SystemExit("nats-server or redis-server did not start")
                 time.sleep(0.05)

@@ -166,13 +166,26 @@ def main() -> None:
     for base_score in (0.95, 0.80):
         caught = None
         for drop in [i / 200 for i in range(1, 60)]:
-            fails = sum(eval_gate.compare(int(draw.binomial(n, base_score - drop)), n, int(draw.binomial(n, base_score)), n,
-                                          suite.threshold).outcome == "fail" for _ in range(TRIALS))
+            fails = sum(
+                eval_gate.compare(
+                    int(draw.binomial(n, base_score - drop)), n, int(draw.binomial(n, base_score)), n, suite.threshold
+                ).outcome
+                == "fail"
+                for _ in range(TRIALS)
+            )
             if fails / TRIALS >= 0.8:
                 caught = drop
                 break
-        passes_1pt = sum(eval_gate.compare(int(draw.binomial(n, base_score - 0.01)), n, int(draw.binomial(n, base_score)), n,
-                                           suite.threshold).outcome == "pass" for _ in range(TRIALS)) / TRIALS
+        passes_1pt = (
+            sum(
+                eval_gate.compare(
+                    int(draw.binomial(n, base_score - 0.01)), n, int(draw.binomial(n, base_score)), n, suite.threshold
+                ).outcome
+                == "pass"
+                for _ in range(TRIALS)
+            )
+            / TRIALS
+        )
         report["eval"][str(base_score)] = {"answers_per_release": n, "threshold": suite.threshold,
                                            "smallest_drop_failed_80pct": caught, "one_point_drop_pass_rate": passes_1pt}
     report["time_to_min_samples_s"] = {f"{share:.0%}": slo_gate.SloConfig().min_samples / (FLEET_RATE * share)
@@ -199,19 +212,32 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {row['candidate_requests']} / {row['baseline_requests']} | "
                      + " | ".join(f"{v:.0%}" for v in row["fail_rate_by_step_factor"].values()) + " |")
     base = report["baseline_pool"]
-    lines += ["", f"Baseline pool: {base['requests']} requests, TTFT / TPOT p90 {base['ttft_p90_s'] * 1000:.0f} / "
-                  f"{base['tpot_p90_s'] * 1000:.1f} ms. "
-              "Candidate pools (TTFT / TPOT p90 by step factor): " + "; ".join(
-            f"×{f}: {p['ttft_p90_s'] * 1000:.0f} / {p['tpot_p90_s'] * 1000:.1f} ms" for f, p in report["pools"].items()), ""]
+    lines += [
+        "",
+        f"Baseline pool: {base['requests']} requests, TTFT / TPOT p90 {base['ttft_p90_s'] * 1000:.0f} / "
+        f"{base['tpot_p90_s'] * 1000:.1f} ms. "
+        "Candidate pools (TTFT / TPOT p90 by step factor): "
+        + "; ".join(
+            f"×{f}: {p['ttft_p90_s'] * 1000:.0f} / {p['tpot_p90_s'] * 1000:.1f} ms" for f, p in report["pools"].items()
+        ),
+        "",
+    ]
     lines += ["## Error rate (baseline 0.1%, allowed +0.2 points)", ""]
     for window, row in report["errors"].items():
-        lines.append(f"- {window} window: failed in ≥ 80% of windows from a candidate error rate of "
-                     f"{row['smallest_detected_rate']:.2%}" if row["smallest_detected_rate"] else f"- {window}: none found")
+        lines.append(
+            f"- {window} window: failed in ≥ 80% of windows from a candidate error rate of "
+            f"{row['smallest_detected_rate']:.2%}"
+            if row["smallest_detected_rate"]
+            else f"- {window}: none found"
+        )
     lines += ["", "## Eval gate (shipped suite `arithmetic`)", ""]
     for base, row in report["eval"].items():
-        lines.append(f"- baseline score {float(base):.0%}, {row['answers_per_release']} answers per release, allowed drop "
-                     f"{row['threshold']:.0%}: a drop of {row['smallest_drop_failed_80pct']:.1%} fails in ≥ 80% of runs; "
-                     f"a 1-point drop passes in {row['one_point_drop_pass_rate']:.0%} (else inconclusive: the canary holds)")
+        lines.append(
+            f"- baseline score {float(base):.0%}, {row['answers_per_release']} answers per release, allowed drop "
+            f"{row['threshold']:.0%}: a drop of {row['smallest_drop_failed_80pct']:.1%} fails in ≥ 80% of "
+            f"runs; a 1-point drop passes in {row['one_point_drop_pass_rate']:.0%} (else inconclusive: the canary "
+            "holds)"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -247,7 +247,10 @@ def client_check(requests: int = 30) -> dict[str, dict[str, float]]:
             for n, (name, force_close) in enumerate((("keep-alive", False), ("new connection", True))):
                 client = asyncio.run(ttfts(frontend, force_close, 1_000 * (n + 1)))
                 own = [r["ttft_ms"] for r in list(frontend.records().values())[-requests:]]
-                results[name] = {"client_ttft_ms": statistics.median(client), "frontend_ttft_ms": statistics.median(own)}
+                results[name] = {
+                    "client_ttft_ms": statistics.median(client),
+                    "frontend_ttft_ms": statistics.median(own),
+                }
         finally:
             frontend.stop()
     return results

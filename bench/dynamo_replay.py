@@ -1,8 +1,8 @@
 """Runs one `dynamo.replay` offline replay; executed by `.venv-dynamo/bin/python`, not by inferbus.
 
 Reads a JSON job on stdin ({"trace", "engine", "num_workers", "router_mode", "trace_block_size",
-"router_config": KvRouterConfig's keyword arguments or null}), writes one JSON line on stdout: Dynamo's summary, every request's TTFT, TPOT
-and cached tokens as Dynamo reports them, and the CPU and wall seconds of the replay call alone.
+"router_config": KvRouterConfig's keyword arguments or null}), writes one JSON line on stdout: Dynamo's summary, every
+request's TTFT, TPOT and cached tokens as Dynamo reports them, and the CPU and wall seconds of the replay call alone.
 Standard library and Dynamo only: this environment has no inferbus.
 """
 

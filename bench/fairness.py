@@ -56,7 +56,9 @@ def run(window_per_worker: int, seconds: float) -> dict[str, dict[str, float]]:
     stack.start(timeout=90)
     try:
         keys = {}
-        with httpx.Client(base_url=stack.gateway_url + "/admin/v1", headers={"authorization": f"Bearer {admin_key}"}) as admin:
+        with httpx.Client(
+            base_url=stack.gateway_url + "/admin/v1", headers={"authorization": f"Bearer {admin_key}"}
+        ) as admin:
             for tenant, (weight, _) in TENANTS.items():
                 admin.post("/tenants", json={"id": tenant, "weight": weight}).raise_for_status()
                 keys[tenant] = admin.post(f"/tenants/{tenant}/keys", json={"name": "bench"}).json()["secret"]
@@ -79,7 +81,8 @@ def markdown(results: dict) -> str:
     lines = [f"# Fair share under contention ({results['when']})", "",
              "Command: `python -m bench.fairness` (part of `make bench`). One worker, 4 slots, simulated H100 TP2 "
              f"at 10x speed, {results['seconds']:.0f} s closed loops of {MAX_TOKENS}-token requests.", "",
-             "| tenant | weight share | share of traffic sent | tokens served, fair queue | share | tokens, first come first served | share |",
+             "| tenant | weight share | share of traffic sent | tokens served, fair queue | share | tokens, first come "
+             "first served | share |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for tenant in TENANTS:
         fair, fifo = results["fair"][tenant], results["fifo"][tenant]

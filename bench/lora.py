@@ -37,8 +37,8 @@ Before the 200-adapter run every adapter gets one request (the engines load them
 engine-seconds of the same traffic with other arrivals, not measured: the routers' homes follow the
 adapters' shares, and the loads that opening them takes (each stops its engine's batches for its
 read, as SGLang reads adapters inside its scheduler's loop) are over before the measured run; the
-run measures serving, not the platform converging after a start. The 1,000-adapter run first (`--settle`, the default) waits while the routers
-prefetch registered adapters into the engines' host memory up to their cap
+run measures serving, not the platform converging after a start. The 1,000-adapter run first (`--settle`, the default)
+waits while the routers prefetch registered adapters into the engines' host memory up to their cap
 (`INFERBUS_ROUTER_ADAPTER_PREFETCH`: at the default cap of 300 all 1,000 fit in the 4 engines' host
 memory; at `--cap 200`, 800 do), as a platform whose adapters were registered before their traffic
 would, then warms its 100 most popular (their recent traffic: in the engines' least-recently-used
@@ -48,14 +48,15 @@ that holds them all, the rest of the tail loads from disk and evicts while measu
 while it settles, so the engines then run at `--settle-time-scale` (1: ten times faster in wall
 time than the measured runs; sim-engine `--time-scale-control`): every simulated load takes what it
 takes; its last 10 prefetches per worker run at the measured time scale, which the workers'
-load-time estimates (wall seconds, priced by the routers) are learned at again before the warm-up. `--scenarios 1000` runs the capped scenario alone and takes the 200-adapter
-rows (the base model's p99 for its verdict) from the lora.json already in `--out`. Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot:
-top 10, middle: 11-50, tail: the rest), requests, errors, requests and adapter loads/evictions
+load-time estimates (wall seconds, priced by the routers) are learned at again before the warm-up. `--scenarios 1000`
+runs the capped scenario alone and takes the 200-adapter rows (the base model's p99 for its verdict) from the
+lora.json already in `--out`. Reported per run: TTFT p50/p90/p99 overall and per popularity class (hot: top 10,
+middle: 11-50, tail: the rest), requests, errors, requests and adapter loads/evictions
 per worker (the gateway's access log and the workers' `adapter_loaded`/`adapter_evicted` lines),
 why adapters were loaded and evicted by popularity class (loads requests waited for against
 prefetches, evictions and evicted adapters requested again, homes the routers opened: their
-`adapter_home_warmed` and `adapter_prefetch_asked` lines), and per-worker imbalance (the busiest worker's requests ÷ the mean). Targets: adapter p99 TTFT ≤
-2× the base model's, imbalance ≤ 1.2, no errors, at 200 and at 1,000 adapters.
+`adapter_home_warmed` and `adapter_prefetch_asked` lines), and per-worker imbalance (the busiest worker's requests ÷ the
+mean). Targets: adapter p99 TTFT ≤ 2× the base model's, imbalance ≤ 1.2, no errors, at 200 and at 1,000 adapters.
 Writes bench/results/lora.json and lora.md.
 """
 
@@ -314,9 +315,14 @@ def adapter_activity(records: list[dict[str, Any]], platform: Platform, workers:
     def by_class() -> dict[str, int]:
         return dict.fromkeys(classes, 0)
 
-    out: dict[str, Any] = {"loads": {"request": by_class(), "prefetch": by_class()}, "evictions": by_class(),
-                           "evicted_then_requested": by_class(), "homes_opened": {"share": by_class(), "crowded": by_class()},
-                           "prefetches_asked": 0, "per_worker": {}}
+    out: dict[str, Any] = {
+        "loads": {"request": by_class(), "prefetch": by_class()},
+        "evictions": by_class(),
+        "evicted_then_requested": by_class(),
+        "homes_opened": {"share": by_class(), "crowded": by_class()},
+        "prefetches_asked": 0,
+        "per_worker": {},
+    }
     requested_at: dict[int, list[float]] = {}
     for record in records:
         requested_at.setdefault(record["rank"], []).append(record["at"])
@@ -359,7 +365,9 @@ def waits_of_the_slowest(records: list[dict[str, Any]], platform: Platform, work
     copies into GPU slots, queueing). A load is an interval of a worker's `adapter_loaded` log line
     (its `load_s`, the wait for its turn included); a request is the time from its arrival to its
     first token, on the worker the gateway's access log names for it."""
-    worker_of = {line.get("request_id"): line.get("worker") for line in platform.log_events("gateway", "request", since)}
+    worker_of = {
+        line.get("request_id"): line.get("worker") for line in platform.log_events("gateway", "request", since)
+    }
     loads: dict[str, list[tuple[float, float, int | None]]] = {}
     for i in range(1, workers + 1):
         worker = f"worker-{i}"
@@ -502,13 +510,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"{inputs['workers']} simulated H100 TP2 workers, {inputs['tenants']} tenants, Zipf(1) adapter popularity, "
         f"prompts {PROMPT_LOW}-{PROMPT_HIGH} tokens, {OUTPUT_TOKENS} output tokens, streamed, engines with "
         f"--max-loras-per-batch {inputs['slots']}"
-        f"{' --enable-lora-overlap-loading' if inputs.get('overlap_loading') else ''}. Rate {inputs['rate_rps']:.1f} req/s (engine time) = "
-        f"{inputs['share']:.0%} of {inputs['capacity_rps']:.1f} req/s, what the workers hold on the base model at "
-        f"the SLO (the planner's goodput is {inputs['goodput_rps']:.2f} req/s per worker); "
+        f"{' --enable-lora-overlap-loading' if inputs.get('overlap_loading') else ''}. Rate {inputs['rate_rps']:.1f} "
+        f"req/s (engine time) = {inputs['share']:.0%} of {inputs['capacity_rps']:.1f} req/s, what the workers hold on "
+        f"the base model at the SLO (the planner's goodput is {inputs['goodput_rps']:.2f} req/s per worker); "
         f"{inputs['seconds']:.0f} engine-seconds per run at time scale {inputs['time_scale']:g} "
         f"(latencies in engine milliseconds). Machine: {inputs['machine']}.", "",
         *(f"{note}\n" for note in results.get("notes", [])),
-        "| run | requests | errors | TTFT p50 / p90 / p99 ms | p90 hot / middle / tail ms | p99 hot / middle / tail ms | imbalance |",
+        "| run | requests | errors | TTFT p50 / p90 / p99 ms | p90 hot / middle / tail ms | p99 hot / middle / tail ms "
+        "| imbalance |",
         "| --- | ---: | ---: | --- | --- | --- | ---: |",
     ]
     for key, title in (("at_200", "200"), ("at_1000", "1,000")):
@@ -522,7 +531,8 @@ def markdown(results: dict[str, Any]) -> str:
             t, by = run["ttft"], run["ttft_by_class"]
             label = f"{title} adapters" if name == "lora" else "base model only (same arrivals)"
             lines.append(
-                f"| {label} | {run['requests']} | {run['errors']} | {t['p50_ms']:.0f} / {t['p90_ms']:.0f} / {t['p99_ms']:.0f} | "
+                f"| {label} | {run['requests']} | {run['errors']} | {t['p50_ms']:.0f} / {t['p90_ms']:.0f} / "
+                f"{t['p99_ms']:.0f} | "
                 + (" / ".join(f"{by[c]['p90_ms']:.0f}" for c in ("hot", "middle", "tail")) if name == "lora" else "")
                 + " | "
                 + (" / ".join(f"{by[c]['p99_ms']:.0f}" for c in ("hot", "middle", "tail")) if name == "lora" else "")
@@ -546,14 +556,15 @@ def markdown(results: dict[str, Any]) -> str:
                 return " / ".join(str(counts[c]) for c in ("hot", "middle", "tail"))
 
             activity_rows.append(
-                f"| {title} | {triple(a['loads']['request'])} | {triple(a['loads']['prefetch'])} | {triple(a['evictions'])} | "
-                f"{triple(a['evicted_then_requested'])} | {triple(a['homes_opened']['share'])} | "
+                f"| {title} | {triple(a['loads']['request'])} | {triple(a['loads']['prefetch'])} | "
+                f"{triple(a['evictions'])} | {triple(a['evicted_then_requested'])} | "
+                f"{triple(a['homes_opened']['share'])} | "
                 f"{triple(a['homes_opened']['crowded'])} | {a['prefetches_asked']} |")
     if activity_rows:
         lines += ["", "Adapter loads and evictions during the measured run by popularity class, hot / middle / tail "
-                  "(loads a request waited for or the router asked for; prefetches into host memory; evictions; evicted "
-                  "adapters requested again later in the run; homes opened for an adapter loaded elsewhere because its "
-                  "share asked for more, or because every home had more than its share of placements):", "",
+                  "(loads a request waited for or the router asked for; prefetches into host memory; evictions; "
+                  "evicted adapters requested again later in the run; homes opened for an adapter loaded elsewhere "
+                  "because its share asked for more, or because every home had more than its share of placements):", "",
                   "| run | loads | prefetch loads | evictions | evicted, requested again | homes opened: share | "
                   "homes opened: crowded | prefetches asked |",
                   "| --- | --- | --- | --- | --- | --- | --- | ---: |", *activity_rows]
@@ -562,13 +573,15 @@ def markdown(results: dict[str, Any]) -> str:
         for name in ("lora", "base"):
             run = results.get(key, {}).get(name)
             for pct, slow in (run or {}).get("slowest", {}).items():
-                cells = [" / ".join(str(slow["by_class"][c][wait]) for c in ("hot", "middle", "tail")) for wait in WAITS]
+                cells = [
+                    " / ".join(str(slow["by_class"][c][wait]) for c in ("hot", "middle", "tail")) for wait in WAITS
+                ]
                 slow_rows.append(f"| {title}, {'adapters' if name == 'lora' else 'base model only'} | over {pct} "
                                  f"({slow['threshold_ms']:.0f} ms) | " + " | ".join(cells) + " |")
     if slow_rows:
         lines += ["", "What the slowest requests waited for, hot / middle / tail (for the base model, the classes of "
-                  "the adapters the same arrivals name): a load of their own adapter on their worker; a load of another "
-                  "adapter there (no batch runs while the engine reads one); neither:", "",
+                  "the adapters the same arrivals name): a load of their own adapter on their worker; a load of "
+                  "another adapter there (no batch runs while the engine reads one); neither:", "",
                   "| run | requests over the run's | own load | other load | no load |",
                   "| --- | --- | --- | --- | --- |", *slow_rows]
     lines += ["", "Warm-up and registration: " + "; ".join(
@@ -591,18 +604,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4, help="simulated H100 TP2 workers (`inferbus up --workers`)")
     parser.add_argument("--tenants", type=int, default=20, help="tenants the adapters are spread over, evenly")
-    parser.add_argument("--adapters", type=int, default=200, help="the first scenario's adapters (engines without a cap)")
+    parser.add_argument(
+        "--adapters", type=int, default=200, help="the first scenario's adapters (engines without a cap)"
+    )
     parser.add_argument("--many-adapters", type=int, default=1000, help="the second scenario's adapters (0: skip it)")
-    parser.add_argument("--cap", type=int, default=300,
-                        help="--max-loaded-loras of the engines in the second scenario (300: the 4 engines' host memory "
-                             "holds all 1,000 adapters; below that the tail is read from disk while serving)")
+    parser.add_argument(
+        "--cap",
+        type=int,
+        default=300,
+        help="--max-loaded-loras of the engines in the second scenario (300: the 4 engines' host memory "
+        "holds all 1,000 adapters; below that the tail is read from disk while serving)",
+    )
     parser.add_argument("--capacity", type=float, default=None,
                         help="req/s the workers hold on the base model (default: measured, see the module docstring)")
     parser.add_argument("--share", type=float, default=0.8, help="the rate as a share of that capacity")
     parser.add_argument("--slots", type=int, default=64,
                         help="the engines' --max-loras-per-batch (distinct adapters per batch, base model included)")
-    parser.add_argument("--overlap-loading", action=argparse.BooleanOptionalAction, default=True,
-                        help="engines copy adapters into GPU slots beside the steps (SGLang's --enable-lora-overlap-loading)")
+    parser.add_argument(
+        "--overlap-loading",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engines copy adapters into GPU slots beside the steps (SGLang's --enable-lora-overlap-loading)",
+    )
     parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=True,
                         help="before measuring the capped scenario, wait while the routers prefetch adapters into "
                              "the engines' host memory (up to the cap)")
@@ -625,16 +648,33 @@ def main() -> None:
     goodput = size_fleet(workload(), EngineConfig(), 1.0).replica_goodput_rps
     capacity = args.capacity if args.capacity is not None else MEASURED_CAPACITY_PER_WORKER * args.workers
     rate = args.share * capacity
-    results: dict[str, Any] = {"inputs": {
-        "workers": args.workers, "tenants": args.tenants, "adapters": args.adapters,
-        "many_adapters": args.many_adapters, "cap": args.cap, "share": args.share, "goodput_rps": goodput,
-        "capacity_rps": capacity, "slots": args.slots, "overlap_loading": args.overlap_loading,
-        "rate_rps": rate, "seconds": args.seconds, "steady_s": args.steady, "settle": args.settle, "time_scale": args.time_scale, "seed": args.seed,
-        "settle_time_scale": args.settle_time_scale, "scenarios": args.scenarios,
-        "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
-    }}
+    results: dict[str, Any] = {
+        "inputs": {
+            "workers": args.workers,
+            "tenants": args.tenants,
+            "adapters": args.adapters,
+            "many_adapters": args.many_adapters,
+            "cap": args.cap,
+            "share": args.share,
+            "goodput_rps": goodput,
+            "capacity_rps": capacity,
+            "slots": args.slots,
+            "overlap_loading": args.overlap_loading,
+            "rate_rps": rate,
+            "seconds": args.seconds,
+            "steady_s": args.steady,
+            "settle": args.settle,
+            "time_scale": args.time_scale,
+            "seed": args.seed,
+            "settle_time_scale": args.settle_time_scale,
+            "scenarios": args.scenarios,
+            "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
+        }
+    }
     print(f"rate {rate:.1f} req/s engine time ({rate / args.time_scale:.2f} wall)", flush=True)
-    slots = ["--max-loras-per-batch", str(args.slots)] + (["--enable-lora-overlap-loading"] if args.overlap_loading else [])
+    slots = ["--max-loras-per-batch", str(args.slots)] + (
+        ["--enable-lora-overlap-loading"] if args.overlap_loading else []
+    )
     scenarios = {part.strip() for part in args.scenarios.split(",") if part.strip()}
     if "200" in scenarios:
         results["at_200"] = run_stack(args, args.adapters, slots, [("lora", False), ("base", True)],
@@ -645,9 +685,15 @@ def main() -> None:
         results["at_200"] = json.loads((args.out / "lora.json").read_text())["at_200"]
     if args.many_adapters and "1000" in scenarios:
         control = ["--time-scale-control"] if args.settle and args.settle_time_scale else []
-        results["at_1000"] = run_stack(args, args.many_adapters, [*slots, "--max-loaded-loras", str(args.cap), *control],
-                                       [("lora", False)], warm_ranks=min(100, args.many_adapters), rate=rate,
-                                       cap=args.cap)
+        results["at_1000"] = run_stack(
+            args,
+            args.many_adapters,
+            [*slots, "--max-loaded-loras", str(args.cap), *control],
+            [("lora", False)],
+            warm_ranks=min(100, args.many_adapters),
+            rate=rate,
+            cap=args.cap,
+        )
         results["verdicts"] = verdicts(results)
         write_results(args.out, "lora", results, markdown)
 

@@ -319,7 +319,8 @@ def markdown(r: dict[str, Any]) -> str:
         "| measure | value |", "| --- | --- |",
         f"| offered | {r['offered']} |",
         f"| admitted | {r['admitted']} ({r['admitted_finished']} finished, {r['admitted_errors']} ended in an error) |",
-        f"| shed with 503 `overloaded` | {r['shed']} ({r['shed_share']:.0%}); first after {fmt(r['first_shed_after_s'])} s |",
+        f"| shed with 503 `overloaded` | {r['shed']} ({r['shed_share']:.0%}); first after "
+        f"{fmt(r['first_shed_after_s'])} s |",
         f"| `retry-after` on the 503s | {r['retry_after_s']['min']}–{r['retry_after_s']['max']} s "
         f"(`retry-after-ms` on all: {r['retry_after_ms_present']}) |",
         f"| admitted TTFT p50 / p90 / p99 / max | {fmt(ttft['p50'])} / {fmt(ttft['p90'])} / {fmt(ttft['p99'])} / "

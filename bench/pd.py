@@ -185,7 +185,9 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
     choice = plan_topology(plan)
     agg, pair = plan.cheapest, cheapest(plan.disaggregated)
     if agg is None or pair is None:
-        raise SystemExit(f"{label}: the plan has no feasible {'aggregated row' if agg is None else 'disaggregated pair'}")
+        raise SystemExit(
+            f"{label}: the plan has no feasible {'aggregated row' if agg is None else 'disaggregated pair'}"
+        )
     chunk = inputs.assumptions.chunk_tokens
     print(f"{label}: plan chooses {choice.topology} — {choice.reason}", flush=True)
     gpus = agg.gpus
@@ -211,7 +213,10 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
             print(f"  same GPUs, {name} ({describe(trial_config)}, chunk {size}): goodput {rate:.2f} req/s = "
                   f"{rate / trial_config.gpus:.4f} per GPU", flush=True)
         cpu = time.process_time() - t0
-        for which, size in (("plan_chunk", chunk), ("best_chunk", max(by_chunk[name], key=lambda c: by_chunk[name][c]["rate"]))):
+        for which, size in (
+            ("plan_chunk", chunk),
+            ("best_chunk", max(by_chunk[name], key=lambda c: by_chunk[name][c]["rate"])),
+        ):
             found = by_chunk[name][size]
             config, rate = found["config"], found["rate"]
             at_peak = run(config, constant(peak, goodput_s, mix, seed))
@@ -272,12 +277,12 @@ def describe(config: PdConfig) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# Aggregated against disaggregated in the fleet simulator (`python -m bench.pd`)", "",
-             f"{results['command']}; SLO TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms; H100, TP 2/4/8, the plan's chunked prefill 2,048 "
-             f"(and each topology's own chunks, below), "
-             f"KV over RDMA (50 GB/s per GPU). Goodput = the highest Poisson rate at which ≥ {ATTAINMENT:.0%} of requests "
-             f"meet both SLOs ({results['goodput_duration_s']:.0f} s of virtual time per trial), over the GPUs. Tight and "
-             f"right: the trace's arrival shape for {results['duration_s'] / 60:.0f} min, busiest minute "
-             f"{FORECAST_ERROR:.0%} above the peak, {LOST} replica down in each pool.", ""]
+             f"{results['command']}; SLO TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms; H100, TP 2/4/8, the plan's chunked "
+             f"prefill 2,048 (and each topology's own chunks, below), "
+             f"KV over RDMA (50 GB/s per GPU). Goodput = the highest Poisson rate at which ≥ {ATTAINMENT:.0%} of "
+             f"requests meet both SLOs ({results['goodput_duration_s']:.0f} s of virtual time per trial), over the "
+             f"GPUs. Tight and right: the trace's arrival shape for {results['duration_s'] / 60:.0f} min, busiest "
+             f"minute {FORECAST_ERROR:.0%} above the peak, {LOST} replica down in each pool.", ""]
     for case in results["cases"]:
         plan = case["plan"]
         lines += [f"## {case['case']} (`{case['trace']}`, {case['peak_rps']:g} req/s peak)", "",
@@ -303,17 +308,24 @@ def markdown(results: dict[str, Any]) -> str:
             for size, found in sizes.items():
                 lines.append(f"| {name} | {int(size):,} | {found['fleet']} | {found['goodput_rps']:.2f} | "
                              f"{found['goodput_rps_per_gpu']:.4f} |")
-        lines += ["", f"Goodput per GPU, disaggregated ÷ aggregated: **{case['disaggregated_over_aggregated_goodput_per_gpu']:.2f}×** "
-                      f"with each topology at its best chunk; {case['ratio_at_plan_chunk']:.2f}× with both at the plan's "
-                      f"chunk. The chosen topology ({case['chosen']}) ÷ aggregated: "
-                      f"{case['chosen_over_aggregated_goodput_per_gpu']:.2f}×.", "",
-                  f"The prefill pool alone ({ceiling['prefill_pool']}, its decode pool ten times larger so that it "
-                  f"never binds): {ceiling['goodput_rps']:.2f} req/s = {ceiling['goodput_rps_per_prefill_gpu']:.4f} per "
-                  f"prefill GPU: even with a decode pool that cost no GPU, disaggregation could reach at most "
-                  f"{ceiling['bound_over_aggregated_best']:.2f}× the aggregated goodput per GPU at its best chunk "
-                  f"({ceiling['bound_over_aggregated_plan_chunk']:.2f}× at the plan's chunk).", "",
-                  "| tight and right | planned GPUs (up) | minutes within SLO | 10% smaller (up) | minutes within SLO | "
-                  "verdict |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Goodput per GPU, disaggregated ÷ aggregated: "
+            f"**{case['disaggregated_over_aggregated_goodput_per_gpu']:.2f}×** "
+            f"with each topology at its best chunk; {case['ratio_at_plan_chunk']:.2f}× with both at the "
+            f"plan's chunk. The chosen topology ({case['chosen']}) ÷ aggregated: "
+            f"{case['chosen_over_aggregated_goodput_per_gpu']:.2f}×.",
+            "",
+            f"The prefill pool alone ({ceiling['prefill_pool']}, its decode pool ten times larger so that it "
+            f"never binds): {ceiling['goodput_rps']:.2f} req/s = {ceiling['goodput_rps_per_prefill_gpu']:.4f} "
+            f"per prefill GPU: even with a decode pool that cost no GPU, disaggregation could reach at most "
+            f"{ceiling['bound_over_aggregated_best']:.2f}× the aggregated goodput per GPU at its best chunk "
+            f"({ceiling['bound_over_aggregated_plan_chunk']:.2f}× at the plan's chunk).",
+            "",
+            "| tight and right | planned GPUs (up) | minutes within SLO | 10% smaller (up) | minutes within SLO "
+            "| verdict |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, check in case["tight_and_right"].items():
             a, b = check["planned"], check["10% smaller"]
             verdict = f"{'right' if check['right'] else 'not right'}, {'tight' if check['tight'] else 'not tight'}"

@@ -147,15 +147,17 @@ def markdown(r: dict[str, Any], command: str) -> str:
                            ("autoscaled", a, f"prefill {a['prefill_serving_min']}–{a['prefill_serving_max']}, "
                                              f"decode {a['decode_serving_min']}–{a['decode_serving_max']} serving")):
         rows.append(f"| {name} | {fleet} | {x['minute_attainment']:.1%} of {x['minutes']} | "
-                    f"{x['request_attainment']:.1%} | {x['ttft_p90_s'] * 1e3:,.0f} ms | {x['tpot_p90_s'] * 1e3:.1f} ms | "
-                    f"{x['gpu_hours']:,.1f} |")
+                    f"{x['request_attainment']:.1%} | {x['ttft_p90_s'] * 1e3:,.0f} ms | {x['tpot_p90_s'] * 1e3:.1f} ms "
+                    f"| {x['gpu_hours']:,.1f} |")
     saving = 1 - a["gpu_hours"] / s["gpu_hours"]
     return "\n".join([
-        "# A disaggregated fleet, static against each pool autoscaled on its own signal (`python -m bench.pd_autoscale`)",
+        "# A disaggregated fleet, static against each pool autoscaled on its own signal (`python -m "
+        "bench.pd_autoscale`)",
         "",
         f"`{command}`; worked-example mix, SLO TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms; the plan's pair for "
         f"{r['peak_rps']:g} req/s: **{r['pair']}** ({r['plan_prefill_replicas']} prefill + {r['plan_decode_replicas']} "
-        f"decode serving replicas, warm pools of {r['plan_prefill_warm']} + {r['plan_decode_warm']}; goodput per replica {r['plan_prefill_rps']:.2f} / {r['plan_decode_rps']:.2f} req/s). "
+        f"decode serving replicas, warm pools of {r['plan_prefill_warm']} + {r['plan_decode_warm']}; goodput per "
+        f"replica {r['plan_prefill_rps']:.2f} / {r['plan_decode_rps']:.2f} req/s). "
         f"A day compressed into {r['duration_s'] / 3600:g} h: {TROUGH:.0%} of the peak → the peak → back, "
         f"{r['expected_requests']:,.0f} requests; replicas warm {r['cold_start_s']:g} s after launch.",
         "",

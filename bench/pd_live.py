@@ -87,19 +87,28 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, gpus: int
     span = wall / time_scale
     prompt = sum(o.prompt_tokens for o in ok)
     return {
-        "requests": len(outcomes), "ok": len(ok), "errors": len(outcomes) - len(ok),
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "errors": len(outcomes) - len(ok),
         "error_samples": sorted({(o.error or "no first token")[:160] for o in outcomes if o not in ok})[:5],
-        "ttft_p50_s": percentile(list(ttft.values()), 50), "ttft_p90_s": percentile(list(ttft.values()), 90),
-        "tpot_p50_ms": percentile(list(tpot.values()), 50) * 1000, "tpot_p90_ms": percentile(list(tpot.values()), 90) * 1000,
+        "ttft_p50_s": percentile(list(ttft.values()), 50),
+        "ttft_p90_s": percentile(list(ttft.values()), 90),
+        "tpot_p50_ms": percentile(list(tpot.values()), 50) * 1000,
+        "tpot_p90_ms": percentile(list(tpot.values()), 90) * 1000,
         "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-        "within_slo": len(good), "within_slo_share": len(good) / len(outcomes) if outcomes else 0.0,
+        "within_slo": len(good),
+        "within_slo_share": len(good) / len(outcomes) if outcomes else 0.0,
         # Each SLO alone: a long prompt's own prefill may take longer than the TTFT SLO on any fleet.
         "within_ttft_share": sum(1 for o in ok if ttft[o.index] <= ttft_slo) / len(outcomes) if outcomes else 0.0,
-        "within_tpot_share": sum(1 for o in ok if tpot.get(o.index, 0.0) <= tpot_slo) / len(outcomes) if outcomes else 0.0,
+        "within_tpot_share": sum(1 for o in ok if tpot.get(o.index, 0.0) <= tpot_slo) / len(outcomes)
+        if outcomes
+        else 0.0,
         "goodput_req_s": len(good) / span if span else 0.0,
         "goodput_req_s_per_gpu": len(good) / span / gpus if span and gpus else 0.0,
         "output_tok_s_per_gpu": sum(o.completion_tokens for o in ok) / span / gpus if span and gpus else 0.0,
-        "sim_seconds": span, "wall_seconds": wall, "gpus": gpus,
+        "sim_seconds": span,
+        "wall_seconds": wall,
+        "gpus": gpus,
     }
 
 
@@ -144,11 +153,13 @@ def markdown(results: dict[str, Any]) -> str:
         "# Aggregated against disaggregated, live (`python -m bench.pd_live`)", "",
         f"{results['when']}, `{results['command']}`; {results['machine']['cpus']} cores (shared with other work).",
         f"Trace {Path(config['trace']).name}: {results['workload']['requests']} requests, mean prompt "
-        f"{results['workload']['mean_input_tokens']:.0f} tokens, mean output {results['workload']['mean_output_tokens']:.0f}; "
-        f"{config['engines']} simulated {config['gpu']} TP{config['tp']} engines ({config['engines'] * config['tp']} GPUs) "
-        f"either way, time scale {config['time_scale']}, load {config['load']} for the aggregated fleet. "
+        f"{results['workload']['mean_input_tokens']:.0f} tokens, mean output "
+        f"{results['workload']['mean_output_tokens']:.0f}; "
+        f"{config['engines']} simulated {config['gpu']} TP{config['tp']} engines ({config['engines'] * config['tp']} "
+        f"GPUs) either way, time scale {config['time_scale']}, load {config['load']} for the aggregated fleet. "
         f"SLO: TTFT {config['ttft_slo_s'] * 1000:.0f} ms, TPOT {config['tpot_slo_s'] * 1000:.0f} ms.", "",
-        "| topology | TTFT p50 / p90 s | TPOT p50 / p90 ms | hit rate | within TTFT / TPOT / both SLOs | goodput req/s/GPU | errors |",
+        "| topology | TTFT p50 / p90 s | TPOT p50 / p90 ms | hit rate | within TTFT / TPOT / both SLOs | goodput "
+        "req/s/GPU | errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["topologies"]:
@@ -166,14 +177,18 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL trace (default mooncake_synthetic.jsonl)")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="Mooncake JSONL trace (default mooncake_synthetic.jsonl)"
+    )
     parser.add_argument("--engines", type=int, default=4, help="simulated engines of the aggregated fleet")
     parser.add_argument("--prefill", type=int, default=1, help="prefill engines of the disaggregated fleet")
     parser.add_argument("--decode", type=int, default=None, help="decode engines (default: --engines less --prefill)")
     parser.add_argument("--gpu", default="H100", choices=["H100", "H200"])
     parser.add_argument("--tp", type=int, default=2, choices=[1, 2, 4, 8])
     parser.add_argument("--time-scale", type=float, default=0.5, help="engine wall seconds per simulated second")
-    parser.add_argument("--load", type=float, default=0.8, help="the aggregated fleet's utilisation at the bound's hits")
+    parser.add_argument(
+        "--load", type=float, default=0.8, help="the aggregated fleet's utilisation at the bound's hits"
+    )
     parser.add_argument("--sample-families", type=float, default=0.15, help="share of the trace's prefix families")
     parser.add_argument("--requests", type=int, default=240, help="replay the first N selected requests")
     parser.add_argument("--seed", type=int, default=0)
@@ -190,7 +205,9 @@ def main() -> None:
     if args.prefill < 1 or decode < 1:
         raise SystemExit("the disaggregated fleet needs at least one prefill and one decode engine")
     if args.prefill + decode != args.engines:
-        print(f"note: {args.prefill} + {decode} engines disaggregated against {args.engines} aggregated", file=sys.stderr)
+        print(
+            f"note: {args.prefill} + {decode} engines disaggregated against {args.engines} aggregated", file=sys.stderr
+        )
     args.trace = traces.find(args.trace or "mooncake_synthetic.jsonl")
     workload = build(str(args.trace), engines=args.engines, gpu=args.gpu, tp=args.tp, load=args.load,
                      sample_families=args.sample_families, limit=args.requests, seed=args.seed)

@@ -89,7 +89,9 @@ def measure_decisions(workers: int, blocks_per_worker: int, requests: int, block
     for n, ask in enumerate(asks):
         if n % 200 == 0:  # workers report every 250 ms: pulled what was placed on them
             for view in placer.registry.workers.values():
-                placer.registry.on_load(msgspec.structs.replace(load(view.worker_id, rng), pulled_own=view.placed_total))
+                placer.registry.on_load(
+                    msgspec.structs.replace(load(view.worker_id, rng), pulled_own=view.placed_total)
+                )
         started = time.perf_counter()
         reply = placer.place(ask)
         timings.append(time.perf_counter() - started)

@@ -6,7 +6,8 @@ Runs `inferbus plan --rpm 50000 --mix worked-example --gpu H100:2.50,H200:3.50 -
 the warm pool sized from the Azure conversation trace's steepest ramp (if the trace is on the
 traces path), writes plan.md, plan.json, fleet.png and latency.png, then comparison.md: planner vs
 the hand estimate on the same roofline, which prices one step carrying the mean prefill (λ·u·t
-tokens) with TPOT p90 = 1.15 × that step; the planner prices prefill in whole chunks (docs/planning.md), so its goodput is lower. A few seconds; no network.
+tokens) with TPOT p90 = 1.15 × that step; the planner prices prefill in whole chunks (docs/planning.md), so its
+goodput is lower. A few seconds; no network.
 """
 
 from __future__ import annotations
@@ -51,14 +52,19 @@ def comparison(data: dict) -> str:  # type: ignore[type-arg]
                  f"{off(h100['usd_per_1m_output_serving'], low)} |")
     lines.append(f"| $ per 1M output tokens, H200 TP2 at $3.50 | ≈ {high} | {h200['usd_per_1m_output_serving']:.2f} | "
                  f"{off(h200['usd_per_1m_output_serving'], high)} |")
-    lines += ["", "The hand estimate prices a step with the mean prefill per step (λ × u × t tokens) and takes TPOT p90 as "
-              "1.15 × that step. The engine prefills in whole chunks: a step with a 2,048-token chunk is "
-              "compute-bound, a decode step memory-bound, so the mean step is longer than the step with the mean "
-              "prefill, and the planner's goodput is lower (its TPOT p90 is derived from the spread of chunk "
-              "steps, not a constant; docs/planning.md). The fleet simulator agrees with the planner: "
-              "bench/results/tight_and_right.md.",
-              "", "The $ per 1M output tokens here is the estimate's form: the serving fleet's whole bill on output "
-              "tokens. The plan's own price also counts the warm pool it keeps loaded:", ""]
+    lines += [
+        "",
+        "The hand estimate prices a step with the mean prefill per step (λ × u × t tokens) and takes TPOT p90 as "
+        "1.15 × that step. The engine prefills in whole chunks: a step with a 2,048-token chunk is "
+        "compute-bound, a decode step memory-bound, so the mean step is longer than the step with the mean "
+        "prefill, and the planner's goodput is lower (its TPOT p90 is derived from the spread of chunk "
+        "steps, not a constant; docs/planning.md). The fleet simulator agrees with the planner: "
+        "bench/results/tight_and_right.md.",
+        "",
+        "The $ per 1M output tokens here is the estimate's form: the serving fleet's whole bill on output "
+        "tokens. The plan's own price also counts the warm pool it keeps loaded:",
+        "",
+    ]
     for config in ("H100 TP2", "H200 TP2"):
         row = rows[config]
         lines.append(f"- {config}: {row['replicas']} serving + {row['warm_replicas']} warm replicas = "

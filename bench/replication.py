@@ -71,7 +71,9 @@ def markdown(results: dict) -> str:
         if a or b:
             lines.append(f"| {group} CPU-ms per request (all its processes) | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
     total_a, total_b = (sum(r["cpu_ms_per_request"].values()) for r in (one, three))
-    lines.append(f"| **all measured CPU-ms per request** | {total_a:.2f} | {total_b:.2f} | **{total_b - total_a:+.2f}** |")
+    lines.append(
+        f"| **all measured CPU-ms per request** | {total_a:.2f} | {total_b:.2f} | **{total_b - total_a:+.2f}** |"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -82,8 +84,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="closed-loop duration")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    results = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-               "args": f"--single-seconds {args.single_seconds:g} --concurrency {args.concurrency} --seconds {args.seconds:g}"}
+    results = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "args": f"--single-seconds {args.single_seconds:g} --concurrency {args.concurrency} --seconds {args.seconds:g}",
+    }
     results["single"] = measure(1, args.single_seconds, args.concurrency, args.seconds)
     results["cluster"] = measure(3, args.single_seconds, args.concurrency, args.seconds)
     write_results(args.out, "replication", results, markdown)

@@ -177,15 +177,40 @@ class Fleet:
         # token per word of the trace's prompt text, so a prompt is the trace's token count everywhere.
         self.model_dir = dynamo_live.write_model_dir(state / "model", 131_072)
         self.kv_events: list[str] = []  # ZMQ endpoints of the engines' KV-cache events ("" = not supported)
-        events = "--kv-events-config" in subprocess.run(
-            [sys.executable, "-m", "tools.commands.main", "sim-engine", "--help"], capture_output=True, text=True).stdout
+        events = (
+            "--kv-events-config"
+            in subprocess.run(
+                [sys.executable, "-m", "tools.commands.main", "sim-engine", "--help"], capture_output=True, text=True
+            ).stdout
+        )
         for i in range(1, args.engines + 1):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            argv = [sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
-                    "--gpu", args.gpu, "--tp", str(args.tp), "--model", MODEL, "--time-scale", str(args.time_scale),
-                    "--log-level", "warning", "--profile-table", str(self.table_path), "--no-mixed-chunk",
-                    "--model-dir", str(self.model_dir)]
+            argv = [
+                sys.executable,
+                "-m",
+                "tools.commands.main",
+                "sim-engine",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--gpu",
+                args.gpu,
+                "--tp",
+                str(args.tp),
+                "--model",
+                MODEL,
+                "--time-scale",
+                str(args.time_scale),
+                "--log-level",
+                "warning",
+                "--profile-table",
+                str(self.table_path),
+                "--no-mixed-chunk",
+                "--model-dir",
+                str(self.model_dir),
+            ]
             endpoint = f"tcp://127.0.0.1:{free_port()}" if events else ""
             if endpoint:  # as `inferbus up` runs them: the engine binds, its worker connects and relays
                 argv += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint, "bind": True})]
@@ -277,9 +302,16 @@ class PlatformStack(Stack):
                 process.env["INFERBUS_METRICS_PORT"] = str(self.router_metrics_port)
                 process.env["INFERBUS_LOG_LEVEL"] = "info"  # the launcher waits for its `router_ready` line
         for i, (url, events) in enumerate(zip(self.engine_urls, self.kv_events), 1):
-            self._add(f"worker-{i}", self._inferbus("worker"), lambda: True, f"drives {url}",
-                      INFERBUS_WORKER_ID=f"worker-{i}", INFERBUS_ENGINE_URL=url, INFERBUS_METRICS_PORT="0",
-                      **({"INFERBUS_ENGINE_KV_EVENTS": events, "INFERBUS_ENGINE_KV_EVENTS_BIND": "false"} if events else {}))
+            self._add(
+                f"worker-{i}",
+                self._inferbus("worker"),
+                lambda: True,
+                f"drives {url}",
+                INFERBUS_WORKER_ID=f"worker-{i}",
+                INFERBUS_ENGINE_URL=url,
+                INFERBUS_METRICS_PORT="0",
+                **({"INFERBUS_ENGINE_KV_EVENTS": events, "INFERBUS_ENGINE_KV_EVENTS_BIND": "false"} if events else {}),
+            )
         self.processes.append(gateway)
 
     def gateway_serving(self) -> bool:
@@ -292,7 +324,9 @@ class PlatformStack(Stack):
 
 def router_policies() -> str:
     """`inferbus router --help` (its environment variables), to see whether INFERBUS_ROUTER_POLICY exists."""
-    result = subprocess.run([sys.executable, "-m", "tools.commands.main", "router", "--help"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.commands.main", "router", "--help"], capture_output=True, text=True
+    )
     return result.stdout
 
 
@@ -681,8 +715,8 @@ def run_policy(policy: str, fleet: Fleet, workload: Workload, prompts: list[str]
     if policy in DYNAMO_POLICIES:
         result.update(getattr(frontend, "summary", {}))
     print(f"{LABELS[policy]}: hit {result['hit_rate']:.1%} (engines {result['hit_rate_engines']:.1%}), "
-          f"TTFT p50/p90 {result['ttft_p50_s']:.2f}/{result['ttft_p90_s']:.2f} s, TPOT p90 {result['tpot_p90_ms']:.0f} ms, "
-          f"imbalance {result['imbalance']:.2f}, errors {result['errors']}, CPU {cpu_total:.2f} cores "
+          f"TTFT p50/p90 {result['ttft_p50_s']:.2f}/{result['ttft_p90_s']:.2f} s, TPOT p90 {result['tpot_p90_ms']:.0f} "
+          f"ms, imbalance {result['imbalance']:.2f}, errors {result['errors']}, CPU {cpu_total:.2f} cores "
           f"(machine {machine:.2f} of {os.cpu_count()}, others {others:.2f})"
           + (f", placements {placements}" if placements else ""), flush=True)
     return result
@@ -737,11 +771,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command']}`",
         "",
-        f"Trace `{Path(cfg.get('trace', 'mooncake_synthetic.jsonl')).name}`: {w['requests']} requests ({w['families_kept']} prefix families"
+        f"Trace `{Path(cfg.get('trace', 'mooncake_synthetic.jsonl')).name}`: {w['requests']} requests "
+        f"({w['families_kept']} prefix families"
         f"{'' if w['families_kept'] == w['families_total'] else ' of ' + str(w['families_total'])}, "
         f"{w['dropped_too_long']} longer than the context window left out), mean input {w['mean_input_tokens']:.0f} / "
-        f"output {w['mean_output_tokens']:.0f} tokens, arrivals ×{w['arrival_factor']:.3f} → {w['rate_req_s']:.2f} req/s "
-        f"over {w['span_s']:.0f} simulated s.",
+        f"output {w['mean_output_tokens']:.0f} tokens, arrivals ×{w['arrival_factor']:.3f} → {w['rate_req_s']:.2f} "
+        f"req/s over {w['span_s']:.0f} simulated s.",
         f"Fleet: {cfg['engines']} × simulated {cfg['gpu']} TP{cfg['tp']}, {w['kv_capacity_tokens']:,} KV tokens each, "
         f"time scale {cfg['time_scale']} (all latencies in simulated seconds = client wall time / time scale).",
         "",
@@ -829,11 +864,24 @@ def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
     if ours is None:
         return []
     out = [
-        {"what": "hit rate / ceiling", "value": f"{ours['hit_rate_vs_ceiling']:.0%}", "target": "≥ 90%",
-         "met": ours["hit_rate_vs_ceiling"] >= 0.9},
-        {"what": "hit rate / finite-cache bound", "value": f"{ours['hit_rate_vs_bound']:.0%}", "target": "(reference)",
-         "met": ours["hit_rate_vs_bound"] >= 0.9},
-        {"what": "load imbalance", "value": f"{ours['imbalance']:.2f}", "target": "≤ 1.15", "met": ours["imbalance"] <= 1.15},
+        {
+            "what": "hit rate / ceiling",
+            "value": f"{ours['hit_rate_vs_ceiling']:.0%}",
+            "target": "≥ 90%",
+            "met": ours["hit_rate_vs_ceiling"] >= 0.9,
+        },
+        {
+            "what": "hit rate / finite-cache bound",
+            "value": f"{ours['hit_rate_vs_bound']:.0%}",
+            "target": "(reference)",
+            "met": ours["hit_rate_vs_bound"] >= 0.9,
+        },
+        {
+            "what": "load imbalance",
+            "value": f"{ours['imbalance']:.2f}",
+            "target": "≤ 1.15",
+            "met": ours["imbalance"] <= 1.15,
+        },
     ]
     if "dynamo_kv" in by:
         theirs = by["dynamo_kv"]
@@ -843,8 +891,14 @@ def verdict(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "target": f"≤ {0.8 * theirs['ttft_p90_s']:.2f} s (0.8×)",
                     "met": ours["ttft_p90_s"] <= 0.8 * theirs["ttft_p90_s"]})
     if "sglang" in by:
-        out.append({"what": "TTFT p90 vs sglang-router", "value": f"{ours['ttft_p90_s']:.2f} s",
-                    "target": f"< {by['sglang']['ttft_p90_s']:.2f} s", "met": ours["ttft_p90_s"] < by["sglang"]["ttft_p90_s"]})
+        out.append(
+            {
+                "what": "TTFT p90 vs sglang-router",
+                "value": f"{ours['ttft_p90_s']:.2f} s",
+                "target": f"< {by['sglang']['ttft_p90_s']:.2f} s",
+                "met": ours["ttft_p90_s"] < by["sglang"]["ttft_p90_s"],
+            }
+        )
     return out
 
 
@@ -860,8 +914,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     w = results["workload"]
     panels = [
-        (axes[0][0], [r["hit_rate"] * 100 for r in rows], "prefix-cache hit rate (%)",
-         [(w["ceiling_hit_rate"] * 100, "ceiling (infinite cache)"), (w["bound_hit_rate"] * 100, "perfect affinity, this KV")]),
+        (
+            axes[0][0],
+            [r["hit_rate"] * 100 for r in rows],
+            "prefix-cache hit rate (%)",
+            [
+                (w["ceiling_hit_rate"] * 100, "ceiling (infinite cache)"),
+                (w["bound_hit_rate"] * 100, "perfect affinity, this KV"),
+            ],
+        ),
         (axes[0][1], [r["ttft_p90_s"] for r in rows], "TTFT p90 (s, p50 hatched)", []),
         (axes[1][0], [r["tpot_p90_ms"] for r in rows], "TPOT p90 (ms)", []),
         (axes[1][1], [r["imbalance"] for r in rows], "load imbalance (max/mean tokens)", [(1.15, "target 1.15")]),
@@ -902,7 +963,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      sample_families=args.sample_families, limit=args.requests, seed=args.seed)
     summary = workload.summary()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)
-    print(f"each policy replays {workload.span_s:.0f} simulated s = {workload.span_s * args.time_scale:.0f} wall s", flush=True)
+    print(
+        f"each policy replays {workload.span_s:.0f} simulated s = {workload.span_s * args.time_scale:.0f} wall s",
+        flush=True,
+    )
     print("building prompts…", flush=True)
     prompts = [traces.mooncake_prompt(r) for r in workload.requests]
     state = Path(tempfile.mkdtemp(prefix="inferbus-bench-routing-"))
@@ -949,9 +1013,13 @@ def _terminate(signum: int, frame: Any) -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=None,
-                        help="Mooncake JSONL trace (default: mooncake_synthetic.jsonl, found as tools.capacity.traces.find "
-                             "does, e.g. in INFERBUS_TRACES_DIR)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Mooncake JSONL trace (default: mooncake_synthetic.jsonl, found as tools.capacity.traces.find "
+        "does, e.g. in INFERBUS_TRACES_DIR)",
+    )
     parser.add_argument("--engines", type=int, default=4, help="simulated engines (one worker each)")
     parser.add_argument("--gpu", default="H100", choices=["H100", "H200"], help="simulated GPU")
     parser.add_argument("--tp", type=int, default=2, choices=[1, 2, 4, 8], help="GPUs per engine")
@@ -975,8 +1043,8 @@ def main() -> None:
                              "timeout, as gateways did before they waited for a slow router)")
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="run this many processes that only spin, for the whole run: the platforms compete with "
-                             "them for the CPU, as with a host's other work or a pod's CPU limit (1 on a 2-core machine "
-                             "takes about one core)")
+                             "them for the CPU, as with a host's other work or a pod's CPU limit (1 on a 2-core "
+                             "machine takes about one core)")
     parser.add_argument("--force", action="store_true",
                         help="run inferbus policies even if the router does not list INFERBUS_ROUTER_POLICY")
     parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (path printed at the end)")

@@ -147,7 +147,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"# How much better could any router do? ({results['date']})", "",
         f"Command: `{results['command']}`. Fleet simulator (`FleetSim`), {results['replicas']} × simulated "
         f"{results['gpu']} TP{results['tp']} engines from the roofline's profile table, SGLang's default unmixed "
-        f"steps. Trace `{results['trace']}`: {w.get('requests', '?')} requests, load {w.get('target_load', float('nan')):.0%} "
+        f"steps. Trace `{results['trace']}`: {w.get('requests', '?')} requests, load "
+        f"{w.get('target_load', float('nan')):.0%} "
         f"at perfect-affinity hits; infinite-cache ceiling {w.get('ceiling_hit_rate', float('nan')):.1%}. Times in "
         "simulated seconds. See bench/routing_bound.py.", "",
         "| placement | hit rate | TTFT p50 / p90 / p99 s | TTFT p90 / affinity's | TPOT p90 ms | CPU s |",

@@ -123,7 +123,8 @@ def one_run(
     report = sim.run()
     row = report.as_dict()
     print(f"  {policy:>12} × {replicas:<4} hit {report.hit_rate:6.1%}  TTFT p90 {report.ttft_p90_s * 1000:8,.0f} ms  "
-          f"done {report.completed}/{report.requests}  CPU {report.cpu_s:6.1f} s  ({report.req_per_cpu_s:,.0f} req/CPU-s)",
+          f"done {report.completed}/{report.requests}  CPU {report.cpu_s:6.1f} s  ({report.req_per_cpu_s:,.0f} "
+          "req/CPU-s)",
           flush=True)
     return row
 
@@ -247,7 +248,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"Hit-rate ceiling of this fleet's KV: {large['lru_hit_ceiling']:.1%}.",
             "",
             markdown_table(large["runs"]),
-            "| policy | CPU s | wall s | engine steps | events | events per CPU-s | requests per CPU-s | policy.place CPU s |",
+            "| policy | CPU s | wall s | engine steps | events | events per CPU-s | requests per CPU-s | policy.place "
+            "CPU s |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in large["runs"]:

@@ -1,6 +1,7 @@
 """Tune the affinity router's weights in the fleet simulator, on the live benchmark's workload.
 
-    python -m bench.routing_tune [--load 0.8] [--seeds 0,1,2] [--sim-seeds 0] [--engines 4] [--table-engine] SPEC [SPEC ...]
+    python -m bench.routing_tune [--load 0.8] [--seeds 0,1,2] [--sim-seeds 0] [--engines 4] [--table-engine]
+        SPEC [SPEC ...]
 
 Each SPEC is `-` (the defaults) or comma-separated `field=value` pairs of `RoutingConfig` (and
 `policy=least_loaded|round_robin|affinity`), e.g. `miss_weight=3 miss_weight=5,decode_weight_s=1`.

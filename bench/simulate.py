@@ -55,10 +55,19 @@ def speed() -> dict[str, object]:
                                    env=dict(os.environ, **env), capture_output=True, text=True, check=True)
         builds[build] = json.loads(completed.stdout.splitlines()[-1])
         print(build, builds[build], flush=True)
-    return {"machine": machine(), "machine_before": before, "rate_rps": PEAK_RPS, "virtual_s": 120.0,
-            "rows": [dict(row, build=build) for build, found in builds.items() if found["active"] == (build == "compiled")
-                     for row in found["rows"]],
-            "compiled_unavailable": accel.check()}
+    return {
+        "machine": machine(),
+        "machine_before": before,
+        "rate_rps": PEAK_RPS,
+        "virtual_s": 120.0,
+        "rows": [
+            dict(row, build=build)
+            for build, found in builds.items()
+            if found["active"] == (build == "compiled")
+            for row in found["rows"]
+        ],
+        "compiled_unavailable": accel.check(),
+    }
 
 
 def speed_rows() -> dict[str, object]:
@@ -92,8 +101,10 @@ def validate() -> dict[str, object]:
         rate = capacity.rate_for_load(source, engine, replicas=replicas, load=load)
         trace = workload.at_rate(source, rate)
         slow = FleetSim(FleetConfig(replicas=replicas, policy=policy, engine=engine), trace).run()
-        fast = FastFleet(FastConfig(replicas=replicas, policy=policy, engine=engine, admission=False, load_interval_s=0.25),
-                         [(r.arrival_s, r.input_tokens, r.output_tokens, 0) for r in trace]).run()
+        fast = FastFleet(
+            FastConfig(replicas=replicas, policy=policy, engine=engine, admission=False, load_interval_s=0.25),
+            [(r.arrival_s, r.input_tokens, r.output_tokens, 0) for r in trace],
+        ).run()
         row: dict[str, object] = {
             "workload": "azure_like" if (policy, load, replicas, n) in cases else "azure_conv (real order)",
             "policy": policy, "replicas": replicas, "load": load, "requests": n, "rate_rps": round(rate, 2),
@@ -124,9 +135,18 @@ def day(hours: float = 24.0, policy: str = "least_loaded") -> dict[str, object]:
 
     summary = FastFleet(config, work.arrivals(), progress=progress).run()
     # The trace by name (found on INFERBUS_TRACES_DIR), so the report names no machine's folders.
-    inputs = {"trace": path.name, "mix": {**mix.describe(), "source": path.name}, "peak_rps": PEAK_RPS, "duration_h": hours, "shape": "tile",
-              "trough": 0.35, "replicas": sizing.replicas, "sizing": sizing.method, "policy": policy,
-              "expected_requests": round(work.expected_requests())}
+    inputs = {
+        "trace": path.name,
+        "mix": {**mix.describe(), "source": path.name},
+        "peak_rps": PEAK_RPS,
+        "duration_h": hours,
+        "shape": "tile",
+        "trough": 0.35,
+        "replicas": sizing.replicas,
+        "sizing": sizing.method,
+        "policy": policy,
+        "expected_requests": round(work.expected_requests()),
+    }
     write_report(summary, RESULTS, inputs, stem="simulate_day")
     print(summary.markdown(), flush=True)
     return {"machine": machine(), "inputs": inputs, "summary": summary.as_dict(series=False)}
@@ -146,33 +166,45 @@ def report() -> str:
                   "`fleetsim.analytic` and `fleetsim.fast` (what `make install` sets up), `pure Python` the same "
                   "source run by the interpreter (`INFERBUS_PURE_PYTHON=1`); both give the same results to the "
                   "last digit (tests/test_accel.py).", "",
-                  "| build | policy | load reports every | requests | CPU s | simulated req / CPU-s | events | TTFT p90 ms | TPOT p90 ms |",
+                  "| build | policy | load reports every | requests | CPU s | simulated req / CPU-s | events | TTFT "
+                  "p90 ms | TPOT p90 ms |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in s["rows"]:
-            lines.append(f"| {r.get('build', 'pure Python')} | {r['policy']} | {r['load_interval_s']} s | {r['requests']:,} "
-                         f"| {r['cpu_s']:.2f} | {r['req_per_cpu_s']:,} | {r['events']:,} | {r['ttft_p90_ms']} "
-                         f"| {r['tpot_p90_ms']} |")
+            lines.append(
+                f"| {r.get('build', 'pure Python')} | {r['policy']} | {r['load_interval_s']} s | {r['requests']:,} "
+                f"| {r['cpu_s']:.2f} | {r['req_per_cpu_s']:,} | {r['events']:,} | {r['ttft_p90_ms']} "
+                f"| {r['tpot_p90_ms']} |"
+            )
         if s.get("compiled_unavailable"):
             lines.append(f"\nNo compiled build was measured: {s['compiled_unavailable']}.")
         lines.append("")
     if "validate" in data:
         lines += ["## Agreement with the per-step simulator (`FleetSim`: the engine's real scheduler)", "",
                   "Each cell: per-step / fast / relative difference. Same arrivals, same lengths, no cache hits.", "",
-                  "| workload | policy | replicas | load | requests | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | req/CPU-s (per-step / fast) |",
+                  "| workload | policy | replicas | load | requests | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT "
+                  "p90 ms | req/CPU-s (per-step / fast) |",
                   "| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
         for r in data["validate"]["rows"]:
             cells = " | ".join(f"{v[0]} / {v[1]} / {v[2]:+.1%}" for v in
                                (r["ttft_p50_ms"], r["ttft_p90_ms"], r["tpot_p50_ms"], r["tpot_p90_ms"]))
-            lines.append(f"| {r['workload']} | {r['policy']} | {r['replicas']} | {r['load']} | {r['requests']:,} | {cells} "
-                         f"| {r['req_per_cpu_s'][0]:,} / {r['req_per_cpu_s'][1]:,} |")
+            lines.append(
+                f"| {r['workload']} | {r['policy']} | {r['replicas']} | {r['load']} | {r['requests']:,} | {cells} "
+                f"| {r['req_per_cpu_s'][0]:,} / {r['req_per_cpu_s'][1]:,} |"
+            )
         lines.append("")
     if "day" in data:
         d = data["day"]
-        lines += ["## A day of Azure conversation traffic, 833 req/s peak, static fleet", "",
-                  f"Inputs: {d['inputs']['duration_h']} h, the trace's per-minute shape tiled under a diurnal envelope "
-                  f"(night at {d['inputs']['trough']:.0%} of the peak), {d['inputs']['replicas']} replicas "
-                  f"({d['inputs']['sizing']}), {d['inputs']['policy']}. Machine: {d['machine']}.", "",
-                  (RESULTS / "simulate_day.md").read_text().split("\n", 3)[3] if (RESULTS / "simulate_day.md").exists() else ""]
+        lines += [
+            "## A day of Azure conversation traffic, 833 req/s peak, static fleet",
+            "",
+            f"Inputs: {d['inputs']['duration_h']} h, the trace's per-minute shape tiled under a diurnal envelope "
+            f"(night at {d['inputs']['trough']:.0%} of the peak), {d['inputs']['replicas']} replicas "
+            f"({d['inputs']['sizing']}), {d['inputs']['policy']}. Machine: {d['machine']}.",
+            "",
+            (RESULTS / "simulate_day.md").read_text().split("\n", 3)[3]
+            if (RESULTS / "simulate_day.md").exists()
+            else "",
+        ]
     return "\n".join(lines) + "\n"
 
 

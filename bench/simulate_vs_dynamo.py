@@ -173,11 +173,20 @@ def run_ours(requests: list[TraceRequest], engine: EngineConfig, step: TableStep
     by_worker: dict[Any, int] = {r.worker_id: r.engine.prompt_tokens_total + r.engine.generation_tokens_total
                                  for r in sim.replicas}
     return {
-        "simulator": "inferbus FleetSim + mocker quirks" if quirks else "inferbus FleetSim", "policy": policy, "replicas": replicas, "requests": report.requests,
-        "completed": report.completed, "hit_rate": report.hit_rate,
-        "ttft_p50_s": report.ttft_p50_s, "ttft_p90_s": report.ttft_p90_s, "ttft_p99_s": report.ttft_p99_s,
-        "tpot_p50_s": report.tpot_p50_s, "tpot_p90_s": report.tpot_p90_s,
-        "cpu_s": report.cpu_s, "wall_s": report.wall_s, "req_per_cpu_s": report.req_per_cpu_s,
+        "simulator": "inferbus FleetSim + mocker quirks" if quirks else "inferbus FleetSim",
+        "policy": policy,
+        "replicas": replicas,
+        "requests": report.requests,
+        "completed": report.completed,
+        "hit_rate": report.hit_rate,
+        "ttft_p50_s": report.ttft_p50_s,
+        "ttft_p90_s": report.ttft_p90_s,
+        "ttft_p99_s": report.ttft_p99_s,
+        "tpot_p50_s": report.tpot_p50_s,
+        "tpot_p90_s": report.tpot_p90_s,
+        "cpu_s": report.cpu_s,
+        "wall_s": report.wall_s,
+        "req_per_cpu_s": report.req_per_cpu_s,
         "imbalance": imbalance(by_worker, replicas),
     }
 
@@ -238,10 +247,13 @@ def compare(requests: list[TraceRequest], engine: EngineConfig, kv_tokens: int, 
             if side not in pair:
                 continue
             r = pair[side]
-            print(f"  {replicas:>4} × {r['policy']:<12} {r['simulator']:<18} hit {r['hit_rate']:6.1%}  TTFT p50/p90/p99 "
-                  f"{r['ttft_p50_s'] * 1e3:7,.0f} / {r['ttft_p90_s'] * 1e3:7,.0f} / {r['ttft_p99_s'] * 1e3:7,.0f} ms  "
-                  f"TPOT p90 {r['tpot_p90_s'] * 1e3:5.1f} ms  CPU {r['cpu_s']:6.2f} s ({r['req_per_cpu_s']:,.0f} req/CPU-s)",
-                  flush=True)
+            print(
+                f"  {replicas:>4} × {r['policy']:<12} {r['simulator']:<18} hit {r['hit_rate']:6.1%}  TTFT p50/p90/p99 "
+                f"{r['ttft_p50_s'] * 1e3:7,.0f} / {r['ttft_p90_s'] * 1e3:7,.0f} / {r['ttft_p99_s'] * 1e3:7,.0f} ms  "
+                f"TPOT p90 {r['tpot_p90_s'] * 1e3:5.1f} ms  CPU {r['cpu_s']:6.2f} s ({r['req_per_cpu_s']:,.0f} "
+                "req/CPU-s)",
+                flush=True,
+            )
         out.append(pair)
     return out
 
@@ -254,8 +266,11 @@ def router_variants(requests: list[TraceRequest], engine: EngineConfig, kv_token
     for config in ROUTER_VARIANTS:
         r = run_dynamo(trace_path, dynamo_engine(engine, kv_tokens, table_path), replicas, "kv_router", config)
         r["router_config"] = config
-        print(f"  {replicas:>4} × kv_router {config}: hit {r['hit_rate']:6.1%}  TTFT p90 {r['ttft_p90_s'] * 1e3:7,.0f} ms  "
-              f"imbalance {r['imbalance']:.2f}", flush=True)
+        print(
+            f"  {replicas:>4} × kv_router {config}: hit {r['hit_rate']:6.1%}  TTFT p90 {r['ttft_p90_s'] * 1e3:7,.0f} "
+            f"ms  imbalance {r['imbalance']:.2f}",
+            flush=True,
+        )
         out.append(r)
     return out
 
@@ -289,16 +304,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             load = build(str(args.trace), engines=replicas, gpu=args.gpu, tp=args.tp, kv_capacity_tokens=kv_tokens,
                          load=args.load, sample_families=args.sample_families, limit=args.requests, seed=args.seed)
             print(f"{replicas} replicas: {len(load.requests)} requests at {load.rate:.2f} req/s", flush=True)
-            comparison = {"replicas": replicas, "workload": load.summary(),
-                          "pairs": compare(load.requests, engine, kv_tokens, step, table_path, replicas, workdir, first)}
+            comparison = {
+                "replicas": replicas,
+                "workload": load.summary(),
+                "pairs": compare(load.requests, engine, kv_tokens, step, table_path, replicas, workdir, first),
+            }
             if replicas > 1:
                 comparison["kv_router_variants"] = router_variants(load.requests, engine, kv_tokens, table_path,
                                                                    replicas, workdir)
             results["comparisons"].append(comparison)
             first = "ours" if first == "dynamo" else "dynamo"
         if args.speed_seconds > 0:
-            print(f"speed: {args.speed_replicas} replicas at {args.large_rate:.0f} req/s for {args.speed_seconds:.0f} s",
-                  flush=True)
+            print(
+                f"speed: {args.speed_replicas} replicas at {args.large_rate:.0f} req/s for {args.speed_seconds:.0f} s",
+                flush=True,
+            )
             results["speed"] = speed(args, engine, step, kv_tokens, table_path, workdir)
         for replicas in args.large_replicas:
             base = build(str(args.trace), engines=replicas, gpu=args.gpu, tp=args.tp, kv_capacity_tokens=kv_tokens,

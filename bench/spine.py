@@ -224,11 +224,17 @@ def phase_metrics(system: str, slices: list[Slice], clk_tck: int = CLK_TCK) -> d
         for key, value in piece.counts.items():
             counts[key] = counts.get(key, 0) + value
     return {
-        "system": system, "seconds": wall, "slices": len(slices), "requests": done,
-        "errors": sum(s.errors for s in slices), "first_error": next((s.first_error for s in slices if s.first_error), ""),
+        "system": system,
+        "seconds": wall,
+        "slices": len(slices),
+        "requests": done,
+        "errors": sum(s.errors for s in slices),
+        "first_error": next((s.first_error for s in slices if s.first_error), ""),
         "req_per_s": done / wall if wall else float("nan"),
-        "ttfb_p50_ms": percentile(ttfb, 50), "ttfb_p99_ms": percentile(ttfb, 99),
-        "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "ttfb_p50_ms": percentile(ttfb, 50),
+        "ttfb_p99_ms": percentile(ttfb, 99),
+        "e2e_p50_ms": percentile(e2e, 50),
+        "e2e_p99_ms": percentile(e2e, 99),
         "cpu_ms_per_request": cpu,
         "own_cpu_ms_per_request": sum(cpu.get(n, 0.0) for n in own),
         "counts_per_request": per_unit(counts, done),
@@ -287,7 +293,9 @@ def summarise(phases: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
             s["errors"] = sum(r["errors"] for r in runs)
             s["requests"] = sum(r["requests"] for r in runs)
             names = dict.fromkeys(n for r in runs for n in r["cpu_ms_per_request"])
-            s["cpu_ms_per_request"] = {n: mean(r["cpu_ms_per_request"].get(n, float("nan")) for r in runs) for n in names}
+            s["cpu_ms_per_request"] = {
+                n: mean(r["cpu_ms_per_request"].get(n, float("nan")) for r in runs) for n in names
+            }
             s["engine_cpu_ms_per_request"] = s["cpu_ms_per_request"].get("engine", float("nan"))
             s["others_idle_cores"] = mean(r.get("others_idle_cores", float("nan")) for r in runs)
             keys = dict.fromkeys(k for r in runs for k in r.get("counts_per_request", {}))
@@ -710,10 +718,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 own = {name: roots[name] for name in OWN_PROCESSES["inferbus"] if name in roots}
                 idle = measure_idle(own, counters, args.idle_seconds)
                 results["idle"]["paced" if paced else "zero step time"] = idle
-                print(f"  idle {idle['seconds']:.1f} s: inferbus {sum(idle['cores'].values()):.3f} cores, "
-                      f"{idle['counts_per_second'].get('nats.server.in_msgs', 0):.1f} NATS msgs/s in, "
-                      f"{sum(v for k, v in idle['counts_per_second'].items() if k.startswith('redis.') and k != 'redis.info'):.1f} "
-                      "Redis commands/s", flush=True)
+                redis_per_s = sum(
+                    v for k, v in idle["counts_per_second"].items() if k.startswith("redis.") and k != "redis.info"
+                )
+                print(
+                    f"  idle {idle['seconds']:.1f} s: inferbus {sum(idle['cores'].values()):.3f} cores, "
+                    f"{idle['counts_per_second'].get('nats.server.in_msgs', 0):.1f} NATS msgs/s in, "
+                    f"{redis_per_s:.1f} Redis commands/s",
+                    flush=True,
+                )
             endpoints = {
                 "engine": Endpoint("engine", engine.detail + "/v1/chat/completions"),
                 "sglang-router": Endpoint("sglang-router", router_url + "/v1/chat/completions"),
@@ -783,7 +796,8 @@ def noise_note(results: dict[str, Any]) -> list[str]:
         return []
     return [f"**The machine was busy with other work**: {mean(other):.2f} cores on average (up to {max(other):.2f}) "
             f"outside the measured processes and the client, on {results['machine']['cpus']} CPUs; load average "
-            f"{results.get('load_average_before', float('nan')):.1f} before, {results.get('load_average_after', float('nan')):.1f} after. "
+            f"{results.get('load_average_before', float('nan')):.1f} before, "
+            f"{results.get('load_average_after', float('nan')):.1f} after. "
             "Latency and req/s swing with it from phase to phase; CPU-ms per request is the steadiest number here.", ""]
 
 
@@ -796,7 +810,8 @@ def markdown(results: dict[str, Any]) -> str:
     labels = {p["scenario"]: p["label"] for p in results["phases"]}
     cfg = results["config"]
     lines = [
-        f"# Serving spine: inferbus and sglang-router side by side ({results['when']}, {results['machine']['cpus']} CPUs)",
+        f"# Serving spine: inferbus and sglang-router side by side ({results['when']}, {results['machine']['cpus']} "
+        "CPUs)",
         "",
         f"Command: `{results['command']}`. One simulated SGLang engine (the stack's `engine-1`) behind "
         f"sglang-router {results['sglang_router']} (defaults) and behind inferbus (one worker, "
@@ -819,13 +834,16 @@ def markdown(results: dict[str, Any]) -> str:
     for row in results["targets"]:
         digits = 0 if "req/s" in row["target"] else 2
         reps = " / ".join(_f(v, digits) for v in row["reps"])
-        engine = engine_what.get(row.get("engine_metric", ""), "{}").format(_f(row.get("engine_alone", float("nan")), digits))
+        engine = engine_what.get(row.get("engine_metric", ""), "{}").format(
+            _f(row.get("engine_alone", float("nan")), digits)
+        )
         lines.append(f"| {row['what']} | {row['target']} | {_f(row['inferbus'], digits)} | {reps} | "
                      f"{_f(row['sglang_router'], digits)} | {ratio_cell(row['ratio_to_sglang_router'])} | "
                      f"{'met' if row['met'] else '**missed**'} | {engine} |")
     lines += floor_table(results)
     lines += ["", "## Every scenario (means over reps)", "",
-              "| scenario | system | req/s | TTFB p50 / p99 ms | added TTFB p50 / p99 ms | own CPU-ms/req | engine CPU-ms/req | client CPU-ms/req | other load (cores) | errors |",
+              "| scenario | system | req/s | TTFB p50 / p99 ms | added TTFB p50 / p99 ms | own CPU-ms/req | engine "
+              "CPU-ms/req | client CPU-ms/req | other load (cores) | errors |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for scenario, systems in summary.items():
         for system, s in systems.items():
@@ -845,11 +863,13 @@ def markdown(results: dict[str, Any]) -> str:
             own = OWN_PROCESSES[system]
             cells = [_f(s["cpu_ms_per_request"].get(p, float("nan")), 3) if p in own else "" for p in PROCESS_ORDER]
             lines.append(f"| {labels[scenario]} | {system} | " + " | ".join(cells) +
-                         f" | **{_f(s['own_cpu_ms_per_request'], 3)}** | {_f(s['cpu_ms_per_request'].get('engine', float('nan')), 3)} |")
+                         f" | **{_f(s['own_cpu_ms_per_request'], 3)}** | "
+                         f"{_f(s['cpu_ms_per_request'].get('engine', float('nan')), 3)} |")
     lines += count_tables(results)
     if results["client_check"]:
         lines += ["", "## Client check: concurrency 1, with and without quick ACK", "",
-                  "| system | ordinary client (TCP_NODELAY only) TTFB p50 / p99 ms | quick-ACK client TTFB p50 / p99 ms |",
+                  "| system | ordinary client (TCP_NODELAY only) TTFB p50 / p99 ms | quick-ACK client TTFB p50 / p99 "
+                  "ms |",
                   "| --- | ---: | ---: |"]
         for system in SYSTEMS:
             rows = {p["quickack"]: p for p in results["client_check"] if p["system"] == system}
@@ -882,13 +902,21 @@ def floor_table(results: dict[str, Any]) -> list[str]:
         digits = 0 if t.unit == "req/s" else 2
         cells = [_f(systems.get(name, {}).get(t.metric, float("nan")), digits)
                  for name in ("inferbus", *present, "sglang-router")]
-        lines.append(f"| {t.what} | {'≥' if t.higher_is_better else '≤'} {t.bound:g} {t.unit} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {t.what} | {'≥' if t.higher_is_better else '≤'} {t.bound:g} {t.unit} | " + " | ".join(cells) + " |"
+        )
     return lines
 
 
 def _roles(keys: Iterable[str]) -> list[str]:
     """Connection roles in `nats.<role>.<field>` keys, the server's totals left out."""
-    return sorted({k[len("nats."):].rsplit(".", 1)[0] for k in keys if k.startswith("nats.") and not k.startswith("nats.server.")})
+    return sorted(
+        {
+            k[len("nats.") :].rsplit(".", 1)[0]
+            for k in keys
+            if k.startswith("nats.") and not k.startswith("nats.server.")
+        }
+    )
 
 
 def count_tables(results: dict[str, Any]) -> list[str]:
@@ -908,10 +936,17 @@ def count_tables(results: dict[str, Any]) -> list[str]:
         rule = "| --- | " + " | ".join("---:" for _ in cols) + " |"
         counts = {c: ours[c]["counts_per_request"] for c in cols}
         keys = {k for c in cols for k in counts[c]}
-        lines += ["", "## NATS messages per request (inferbus, from nats-server's /connz and /varz; means over reps)", "",
-                  "Per connection, the server's view: *published* is what the service sent to nats-server "
-                  "(requests, JetStream publishes, acks, pull requests, replies), *received* what nats-server "
-                  "delivered to it. The server's totals include JetStream's internal messages.", "", head, rule]
+        lines += [
+            "",
+            "## NATS messages per request (inferbus, from nats-server's /connz and /varz; means over reps)",
+            "",
+            "Per connection, the server's view: *published* is what the service sent to nats-server "
+            "(requests, JetStream publishes, acks, pull requests, replies), *received* what nats-server "
+            "delivered to it. The server's totals include JetStream's internal messages.",
+            "",
+            head,
+            rule,
+        ]
         for role in _roles(keys):
             for field_, what in (("in_msgs", "published"), ("out_msgs", "received")):
                 lines.append(f"| {role}: {what} | " + " | ".join(_f(counts[c].get(f"nats.{role}.{field_}", 0.0))
@@ -927,13 +962,22 @@ def count_tables(results: dict[str, Any]) -> list[str]:
                   "A pipeline or a Lua script is one round trip for several commands; `evalsha` is one script call.",
                   "", head, rule]
         for command in commands:
-            lines.append(f"| {command[len('redis.'):]} | " + " | ".join(_f(counts[c].get(command, 0.0)) for c in cols) + " |")
-        lines.append("| **total** | " + " | ".join(_f(sum(counts[c].get(k, 0.0) for k in commands)) for c in cols) + " |")
+            lines.append(
+                f"| {command[len('redis.') :]} | " + " | ".join(_f(counts[c].get(command, 0.0)) for c in cols) + " |"
+            )
+        lines.append(
+            "| **total** | " + " | ".join(_f(sum(counts[c].get(k, 0.0) for k in commands)) for c in cols) + " |"
+        )
     for name, run_ in idle.items():
         cores = run_["cores"]
         per_s = run_["counts_per_second"]
-        lines += ["", f"## inferbus idle ({name} stack, {run_['seconds']:.1f} s without requests)", "",
-                  "| process | cores | | connection | NATS msgs/s published / received |", "| --- | ---: | --- | --- | ---: |"]
+        lines += [
+            "",
+            f"## inferbus idle ({name} stack, {run_['seconds']:.1f} s without requests)",
+            "",
+            "| process | cores | | connection | NATS msgs/s published / received |",
+            "| --- | ---: | --- | --- | ---: |",
+        ]
         roles = _roles(per_s)
         procs = [p for p in PROCESS_ORDER if p in cores]
         for i in range(max(len(procs), len(roles))):
@@ -943,7 +987,8 @@ def count_tables(results: dict[str, Any]) -> list[str]:
             lines.append(f"| {left} | | {right} |")
         redis_per_s = sum(v for k, v in per_s.items() if k.startswith("redis.") and k != "redis.info")
         lines.append(f"| **total** | **{_f(sum(cores.values()), 3)}** | | nats-server in / out | "
-                     f"{_f(per_s.get('nats.server.in_msgs', 0.0), 1)} / {_f(per_s.get('nats.server.out_msgs', 0.0), 1)} |")
+                     f"{_f(per_s.get('nats.server.in_msgs', 0.0), 1)} / "
+                     f"{_f(per_s.get('nats.server.out_msgs', 0.0), 1)} |")
         lines.append(f"| | | | Redis commands/s | {_f(redis_per_s, 1)} |")
     zero = idle.get("zero step time")
     if zero and ours:
@@ -1015,11 +1060,19 @@ def main() -> None:
     parser.add_argument("--quiet-logs", action="store_true",
                         help="inferbus at log level warning (no access log) and sglang-router at warn, instead of "
                              "each one's default (info)")
-    parser.add_argument("--no-floors", dest="floors", action="store_false",
-                        help="skip the bare relays (bench/floor.py: one Python process, two over core NATS, two over JetStream) "
-                             "that show what any Python spine of inferbus's shape costs")
-    parser.add_argument("--idle-seconds", type=float, default=5.0,
-                        help="seconds the platform is measured with no requests after each start (0 skips it; default 5)")
+    parser.add_argument(
+        "--no-floors",
+        dest="floors",
+        action="store_false",
+        help="skip the bare relays (bench/floor.py: one Python process, two over core NATS, two over JetStream) "
+        "that show what any Python spine of inferbus's shape costs",
+    )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=5.0,
+        help="seconds the platform is measured with no requests after each start (0 skips it; default 5)",
+    )
     parser.add_argument("--quick", action="store_true",
                         help="one rep of 1.5 s per phase, 0.5 s warm-up, 1 s client check, 3 s idle")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip spine.png (needs matplotlib)")

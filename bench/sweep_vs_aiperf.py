@@ -149,8 +149,21 @@ def build_tokenizer(directory: Path) -> Path:
 
 
 def start_engine(port: int, time_scale: float) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, "-m", "services.sim_engine", "--log-level", "warning", "--port", str(port),
-                                "--time-scale", str(time_scale), "--model", MODEL])
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.sim_engine",
+            "--log-level",
+            "warning",
+            "--port",
+            str(port),
+            "--time-scale",
+            str(time_scale),
+            "--model",
+            MODEL,
+        ]
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -187,17 +200,46 @@ def run_aiperf(binary: Path, url: str, tokenizer: Path, load: tuple[str, float],
     shape = (["--concurrency", str(int(value)), "--warmup-request-count", str(int(value))] if mode == "concurrency"
              else ["--request-rate", str(value), "--arrival-pattern", "constant"])
     command = [
-        str(binary), "profile", "--model", MODEL, "--url", url, "--endpoint-type", args.endpoint, "--streaming",
-        "--tokenizer", str(tokenizer), "--use-server-token-count",
-        "--prompt-input-tokens-mean", str(args.input), "--prompt-input-tokens-stddev", "0",
-        "--prompt-output-tokens-mean", str(args.output), "--prompt-output-tokens-stddev", "0",
-        "--extra-inputs", "ignore_eos:true", *shape, "--request-count", str(requests),
+        str(binary),
+        "profile",
+        "--model",
+        MODEL,
+        "--url",
+        url,
+        "--endpoint-type",
+        args.endpoint,
+        "--streaming",
+        "--tokenizer",
+        str(tokenizer),
+        "--use-server-token-count",
+        "--prompt-input-tokens-mean",
+        str(args.input),
+        "--prompt-input-tokens-stddev",
+        "0",
+        "--prompt-output-tokens-mean",
+        str(args.output),
+        "--prompt-output-tokens-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        *shape,
+        "--request-count",
+        str(requests),
         # One prompt per request, warm-up included: aiperf deals its synthetic prompts without
         # replacement and reshuffles when they run out, and a repeated prompt is a full prefix-cache
         # hit (a ~20 ms TTFT that pulled its mean down at concurrency 1).
-        "--num-dataset-entries", str(requests + (int(value) if mode == "concurrency" else 0)), "--random-seed", str(seed),
-        "--goodput", f"time_to_first_token:{args.slo_ttft_ms} inter_token_latency:{args.slo_tpot_ms}",
-        "--output-artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
+        "--num-dataset-entries",
+        str(requests + (int(value) if mode == "concurrency" else 0)),
+        "--random-seed",
+        str(seed),
+        "--goodput",
+        f"time_to_first_token:{args.slo_ttft_ms} inter_token_latency:{args.slo_tpot_ms}",
+        "--output-artifact-dir",
+        str(out),
+        "--ui-type",
+        "none",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
     ]
     if args.endpoint == "chat":
         command.append("--apply-chat-template")
@@ -237,7 +279,9 @@ def _aiperf_metrics(export: dict[str, Any]) -> dict[str, dict[str, float]]:
             continue
         unit = str(entry.get("unit", ""))
         scale = 1e-3 if unit == "ms" else 1e-9 if unit == "ns" else 1.0
-        found[tag] = {k: float(v) * scale for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        found[tag] = {
+            k: float(v) * scale for k, v in entry.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         found[tag]["unit"] = unit  # type: ignore[assignment]
     return found
 
@@ -334,7 +378,10 @@ def markdown(results: dict[str, Any]) -> str:
             for row, immediate in zip(matched["rows"], run["rows"]):
                 lines.append(f"| {row['metric']} | {fmt(row['aiperf'])} | {cells(row)} | {cells(immediate)} |")
         else:
-            lines += ["| metric | aiperf | inferbus sweep | difference | within 5% |", "| --- | --- | --- | --- | --- |"]
+            lines += [
+                "| metric | aiperf | inferbus sweep | difference | within 5% |",
+                "| --- | --- | --- | --- | --- |",
+            ]
             for row in run["rows"]:
                 lines.append(f"| {row['metric']} | {fmt(row['aiperf'])} | {cells(row)} |")
         lines.append("")

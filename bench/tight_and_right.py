@@ -101,11 +101,19 @@ def run_case(label: str, mix_name: str, cached: float | None, seconds: float, se
     def held(name: str) -> bool:
         return results[name]["minute_attainment"] >= TARGET
 
-    return {"case": label, "mix": mix_name, "cached_fraction": cached, "goodput_rps_per_replica": row.goodput_rps,
-            "binding": row.binding, "replicas_without_headroom": PEAK_RPS / row.goodput_rps,
-            "fleets": {name: results[name] for name in FLEETS if name in results},
-            "right": held("planned"), "tight": not held("10% smaller"),
-            "right_as_forecast": held("planned (as forecast)"), "tight_as_forecast": not held("10% smaller (as forecast)")}
+    return {
+        "case": label,
+        "mix": mix_name,
+        "cached_fraction": cached,
+        "goodput_rps_per_replica": row.goodput_rps,
+        "binding": row.binding,
+        "replicas_without_headroom": PEAK_RPS / row.goodput_rps,
+        "fleets": {name: results[name] for name in FLEETS if name in results},
+        "right": held("planned"),
+        "tight": not held("10% smaller"),
+        "right_as_forecast": held("planned (as forecast)"),
+        "tight_as_forecast": not held("10% smaller (as forecast)"),
+    }
 
 
 def markdown(cases: list[dict[str, Any]], seconds: float, forecast_error: float, lost: int) -> str:
@@ -115,7 +123,8 @@ def markdown(cases: list[dict[str, Any]], seconds: float, forecast_error: float,
              f"prefill 2,048, SLO p90 TTFT ≤ 800 ms, TPOT ≤ 40 ms, the default 15% headroom); the fleet simulator "
              f"replays the arrival shape of `{TRACE}` for {seconds / 60:.0f} minutes under the conditions the headroom "
              f"is sized for: the busiest minute {forecast_error:.0%} above the planned peak "
-             f"({PEAK_RPS * (1 + forecast_error):.0f} req/s, forecast error) and {lost} {'replica' if lost == 1 else 'replicas'} down for the whole "
+             f"({PEAK_RPS * (1 + forecast_error):.0f} req/s, forecast error) and {lost} "
+             f"{'replica' if lost == 1 else 'replicas'} down for the whole "
              f"run (N+1). Right = at least {TARGET:.0%} of minutes within the SLO on the planned fleet; tight = fewer "
              f"on one {1 - SMALLER:.0%} smaller. The rows \"as forecast\" run the planned peak exactly with every "
              f"replica up, where the headroom has nothing to absorb; the last is the smallest fleet the simulator "
@@ -135,10 +144,12 @@ def markdown(cases: list[dict[str, Any]], seconds: float, forecast_error: float,
                 verdict = "tight" if case["tight"] else "**not tight**"
             else:
                 verdict = "right" if case["right"] else "**not right**"
-            lines.append(f"| {case['case']} | {case['goodput_rps_per_replica']:.2f} req/s ({case['binding']}) | {name} | "
-                         f"{r['replicas']} ({r['up']}) | {r['peak_rps']:.0f} req/s | "
-                         f"{r['minute_attainment']:.1%} of {r['minutes']} | {r['request_attainment']:.1%} | "
-                         f"{r['ttft_p90_s'] * 1e3:,.0f} ms | {r['tpot_p90_s'] * 1e3:.1f} ms | {verdict} |")
+            lines.append(
+                f"| {case['case']} | {case['goodput_rps_per_replica']:.2f} req/s ({case['binding']}) | {name} | "
+                f"{r['replicas']} ({r['up']}) | {r['peak_rps']:.0f} req/s | "
+                f"{r['minute_attainment']:.1%} of {r['minutes']} | {r['request_attainment']:.1%} | "
+                f"{r['ttft_p90_s'] * 1e3:,.0f} ms | {r['tpot_p90_s'] * 1e3:.1f} ms | {verdict} |"
+            )
     return "\n".join(lines) + "\n"
 
 

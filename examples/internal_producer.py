@@ -23,7 +23,9 @@ async def main(args: argparse.Namespace) -> int:
     messages = [{"role": "user", "content": args.prompt}]
     try:
         if args.stream:
-            async for chunk in api.stream_chat_completion(model=args.model, messages=messages, max_tokens=args.max_tokens):
+            async for chunk in api.stream_chat_completion(
+                model=args.model, messages=messages, max_tokens=args.max_tokens
+            ):
                 if chunk["choices"]:
                     print(chunk["choices"][0]["delta"].get("content") or "", end="", flush=True)
             print()

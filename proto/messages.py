@@ -560,7 +560,9 @@ class WorkerLoad(_Message):
     # `adapter_load_s`, this worker's expected seconds for one more load (0: not measured yet).
     adapter_loads: dict[str, float] = {}
     adapter_load_s: float = 0.0
-    adapter_prefetches: int = 0  # prefetches into host memory queued or loading here (not in adapter_loads until they start)
+    adapter_prefetches: int = (
+        0  # prefetches into host memory queued or loading here (not in adapter_loads until they start)
+    )
     # Per adapter engine name (a version), for requests of adapters with a canary running
     # (`InferenceRequest.adapter_canary`): cumulative histograms and outcomes, as above.
     adapter_outcomes: dict[str, AdapterOutcomes] = {}
@@ -881,7 +883,9 @@ class Release(_Message):
     repo: str  # the checkpoint's repository id on its hub
     revision: str  # a full commit id (40 hex): branches and tags move, so they are refused
     files: list[ModelFile]  # every file of the model directory: weights, tokenizer, configs, template
-    chat_template_sha256: str  # the Jinja template the gateway renders with (inside tokenizer_config.json or its own file)
+    chat_template_sha256: (
+        str  # the Jinja template the gateway renders with (inside tokenizer_config.json or its own file)
+    )
     engine_image: str  # `<image>@sha256:<64 hex>`: the engine build
     # Engine flags that change behaviour (quantization, tp, speculative decoding, chunked-prefill
     # budget, ...), as the engine reports them in /server_info: the worker compares.

@@ -125,9 +125,13 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     # Engines log at debug so tests can see the trace context that reached them. Key lookups are
     # cached for 1 s (not 10) so that tests see a revoked key refused without a long wait. Stored
     # responses are limited to 20 kB, so that tests/test_e2e_responses.py can reach the limit.
-    with running_platform(tmp_path_factory.mktemp("platform"), workers=2, time_scale=0.1,
-                          engine_args=["--log-level", "debug"],
-                          extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1", "INFERBUS_RESPONSES_MAX_BYTES": "20000"}) as running:
+    with running_platform(
+        tmp_path_factory.mktemp("platform"),
+        workers=2,
+        time_scale=0.1,
+        engine_args=["--log-level", "debug"],
+        extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1", "INFERBUS_RESPONSES_MAX_BYTES": "20000"},
+    ) as running:
         yield running
 
 
@@ -135,9 +139,14 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 def pd_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """As `platform`, disaggregated: one prefill and one decode worker (`inferbus up --prefill 1
     --decode 1`); engine-1 is the prefill engine, engine-2 the decode engine."""
-    with running_platform(tmp_path_factory.mktemp("pd-platform"), prefill=1, decode=1, time_scale=0.1,
-                          engine_args=["--log-level", "debug"],
-                          extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1", "INFERBUS_RESPONSES_MAX_BYTES": "20000"}) as running:
+    with running_platform(
+        tmp_path_factory.mktemp("pd-platform"),
+        prefill=1,
+        decode=1,
+        time_scale=0.1,
+        engine_args=["--log-level", "debug"],
+        extra_env={"INFERBUS_KEY_CACHE_TTL_S": "1", "INFERBUS_RESPONSES_MAX_BYTES": "20000"},
+    ) as running:
         yield running
 
 

@@ -81,7 +81,8 @@ def cells(page: Any, selector: str) -> list[dict[str, Any]]:
     """Rows of the tables matching `selector`: their table id, row key and cells' exact values."""
     return page.eval_on_selector_all(selector + " tr[data-key]", """rows => rows.map(row => ({
         table: row.closest('table').id, key: row.dataset.key, state: row.dataset.state || null,
-        values: Object.fromEntries([...row.querySelectorAll('[data-col]')].map(c => [c.dataset.col, c.dataset.value ?? c.textContent.trim()])),
+        values: Object.fromEntries([...row.querySelectorAll('[data-col]')]
+            .map(c => [c.dataset.col, c.dataset.value ?? c.textContent.trim()])),
     }))""")
 
 

@@ -70,7 +70,8 @@ class PodNetwork:
             while [ "$(readlink /proc/$pod/ns/net)" = "$(readlink /proc/self/ns/net)" ]; do sleep 0.01; done
             ip link add {link} type veth peer name eth0 address 02:42:0a:4d:00:{10 + index:02x} netns $pod
             ip link set {link} master br0 up
-            nsenter -t $pod --net sh -c 'ip link set lo up; ip addr add {self.addresses[pod]}/24 dev eth0; ip link set eth0 up'
+            nsenter -t $pod --net sh -c 'ip link set lo up; ip addr add {self.addresses[pod]}/24 dev eth0;
+                ip link set eth0 up'
             echo $pod""")
         assert started.returncode == 0, started.stderr
         self.running[pod] = int(started.stdout.strip().splitlines()[-1])

@@ -21,7 +21,8 @@ from tools.capacity.fleetsim.day import constant
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 out = {"compiled": accel.active()}
 for policy in ("least_loaded", "affinity"):
-    summary = FastFleet(FastConfig(replicas=12, policy=policy), list(constant(50.0, 40.0, mix.load("worked-example"), seed=5))).run()
+    arrivals = list(constant(50.0, 40.0, mix.load("worked-example"), seed=5))
+    summary = FastFleet(FastConfig(replicas=12, policy=policy), arrivals).run()
     report = summary.as_dict(series=True)
     assert report.pop("build") == ("compiled" if out["compiled"] else "pure Python")
     for key in ("cpu_s", "wall_s", "req_per_cpu_s", "events_per_cpu_s"):
@@ -79,7 +80,9 @@ def test_a_build_is_used_only_when_every_source_and_the_interpreter_match(tmp_pa
     assert "incomplete build" in (accel.check(tmp_path) or "")
 
 
-def test_activate_puts_only_a_current_build_ahead_of_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_activate_puts_only_a_current_build_ahead_of_the_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("INFERBUS_PURE_PYTHON", raising=False)
     monkeypatch.setenv("INFERBUS_ACCEL_DIR", str(tmp_path))
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -75,8 +75,10 @@ class SlowEngine:
 
 
 async def test_the_worker_reports_its_queued_loads_until_each_is_loaded() -> None:
-    known = {name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "cd" * 32, path=f"s3://{name}", created=0)
-             for name in ("a", "b")}
+    known = {
+        name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "cd" * 32, path=f"s3://{name}", created=0)
+        for name in ("a", "b")
+    }
 
     async def lookup(name: str) -> m.AdapterSpec | None:
         return known.get(name)
@@ -123,8 +125,10 @@ def test_prefetches_load_after_every_load_a_request_waits_for() -> None:
 
 
 async def test_a_worker_loads_what_requests_wait_for_before_its_prefetches() -> None:
-    known = {name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "ef" * 32, path=f"s3://{name}", created=0)
-             for name in ("busy", "pre", "wanted")}
+    known = {
+        name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "ef" * 32, path=f"s3://{name}", created=0)
+        for name in ("busy", "pre", "wanted")
+    }
 
     async def lookup(name: str) -> m.AdapterSpec | None:
         return known.get(name)

@@ -22,7 +22,9 @@ class Clock:
         return self.now
 
 
-def workers(*ids: str, slots: int = 4, loaded: dict[str, set[str]] | None = None) -> list[tuple[str, int, frozenset[str]]]:
+def workers(
+    *ids: str, slots: int = 4, loaded: dict[str, set[str]] | None = None
+) -> list[tuple[str, int, frozenset[str]]]:
     loaded = loaded or {}
     return [(w, slots, frozenset(loaded.get(w, set()))) for w in ids]
 
@@ -109,8 +111,21 @@ def test_the_router_spreads_a_hot_adapter_and_avoids_full_batches() -> None:
     hot_workers = {w for w in chosen if w}
     assert len(hot_workers) >= 3  # half the traffic: ceil(0.5 · 4 · 2) = 4 homes wanted
     # A worker whose batch is full of other adapters loses to one with a free slot.
-    policy.registry.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=2, running=4, waiting=0, in_flight=4, max_running=64,
-                                kv_used_tokens=0, kv_capacity_tokens=1000, adapter_requests={"x": 1, "y": 1, "z": 1, "": 1}))
+    policy.registry.on_load(
+        m.WorkerLoad(
+            worker_id="a",
+            model="m",
+            ts=0,
+            seq=2,
+            running=4,
+            waiting=0,
+            in_flight=4,
+            max_running=64,
+            kv_used_tokens=0,
+            kv_capacity_tokens=1000,
+            adapter_requests={"x": 1, "y": 1, "z": 1, "": 1},
+        )
+    )
     picks = {policy.place(m.PlacementRequest(request_id="n", model="m", prompt_tokens=100, adapter="new@1")).worker_id
              for _ in range(20)}
     assert "a" not in picks
@@ -125,7 +140,9 @@ def test_an_adapter_whose_homes_are_crowded_takes_a_new_home_on_a_quieter_worker
         slots.observe("warm")
     slots.on_placed("w1", "warm")  # its one home
     pool = workers("w1", "w2", "w3", loaded={"w1": {"warm"}})
-    assert slots.costs("warm", pool)[1] == pytest.approx(slots.config.away_s + 2 * slots.config.load_s)  # balanced: it stays home
+    assert slots.costs("warm", pool)[1] == pytest.approx(
+        slots.config.away_s + 2 * slots.config.load_s
+    )  # balanced: it stays home
     for _ in range(600):  # w1 takes twice its share of the recent placements
         slots.on_placed("w1", None)
     for _ in range(150):

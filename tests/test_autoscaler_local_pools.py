@@ -79,8 +79,11 @@ def test_up_prints_each_pools_decisions_with_its_role(tmp_path: Path) -> None:
         decision("llama3:8b", "up", 0, "scale up 1→2"),
     ]) + "\n")
     lines = [click.unstyle(line) for line in DecisionTail(log).lines()]
-    assert lines == [" 10:00:00 autoscaler (decode): scale up 1→2", " 10:00:01 autoscaler (prefill): worker-3 started (pid 7)",
-                     " 10:00:00 autoscaler: scale up 1→2"]
+    assert lines == [
+        " 10:00:00 autoscaler (decode): scale up 1→2",
+        " 10:00:01 autoscaler (prefill): worker-3 started (pid 7)",
+        " 10:00:00 autoscaler: scale up 1→2",
+    ]
 
 
 def test_up_gives_the_autoscaler_both_pools_and_their_bounds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -97,7 +100,11 @@ def test_up_gives_the_autoscaler_both_pools_and_their_bounds(monkeypatch: pytest
     settings = load(AutoscalerSettings)
     assert [(pool, role) for pool, role, _ in settings.scaled_pools()] == [("m", "prefill"), ("m", "decode")]
     configs = settings.role_configs()
-    assert (configs["prefill"].min_serving, configs["prefill"].max_serving, configs["prefill"].max_replicas) == (1, 3, 3)
+    assert (configs["prefill"].min_serving, configs["prefill"].max_serving, configs["prefill"].max_replicas) == (
+        1,
+        3,
+        3,
+    )
     assert (configs["decode"].min_serving, configs["decode"].max_serving, configs["decode"].max_replicas) == (2, 3, 3)
     actuator = make_actuator(settings)
     assert isinstance(actuator, LocalActuator) and actuator.pools == {PREFILL: "prefill", DECODE: "decode"}

@@ -168,9 +168,16 @@ def _decode_bound_reports(clock: Clock, aggregator: SignalAggregator) -> None:
         for prefill, decode in (("p-1", "d-1"), ("p-2", "d-2")):
             for _ in range(int(rate * 0.5 * 2) if seq else 0):
                 created = now - 2.8
-                request = m.InferenceRequest(request_id=f"r{done}", tenant="t", model=POOL, prompt="x",
-                                             sampling=m.SamplingParams(max_new_tokens=8), reply_to="g", deadline=now + 60,
-                                             created=created)
+                request = m.InferenceRequest(
+                    request_id=f"r{done}",
+                    tenant="t",
+                    model=POOL,
+                    prompt="x",
+                    sampling=m.SamplingParams(max_new_tokens=8),
+                    reply_to="g",
+                    deadline=now + 60,
+                    created=created,
+                )
                 ask = m.PrefillRequest(request=request, bootstrap_room=done, asked_at=created + 2.5)
                 m.observe(ttft[prefill], m.LATENCY_BUCKETS_S, prefill_ttft(ask, now))
                 m.observe(queue[decode], m.LATENCY_BUCKETS_S, 2.5)
@@ -204,9 +211,19 @@ def test_a_decode_shortage_grows_decode_and_not_prefill_under_the_default_budget
 
 
 def test_the_prefill_pools_ttft_starts_at_the_decode_workers_ask() -> None:
-    request = m.InferenceRequest(request_id="r", tenant="t", model=POOL, prompt="x", sampling=m.SamplingParams(max_new_tokens=8),
-                                 reply_to="g", deadline=2000.0, created=1000.0)
+    request = m.InferenceRequest(
+        request_id="r",
+        tenant="t",
+        model=POOL,
+        prompt="x",
+        sampling=m.SamplingParams(max_new_tokens=8),
+        reply_to="g",
+        deadline=2000.0,
+        created=1000.0,
+    )
     # Asked 2.5 s after the gateway's accept (the wait for a decode slot), KV sent 0.3 s later.
-    assert prefill_ttft(m.PrefillRequest(request=request, bootstrap_room=1, asked_at=1002.5), 1002.8) == pytest.approx(0.3)
+    assert prefill_ttft(m.PrefillRequest(request=request, bootstrap_room=1, asked_at=1002.5), 1002.8) == pytest.approx(
+        0.3
+    )
     # A decode worker that does not say: from the gateway's accept.
     assert prefill_ttft(m.PrefillRequest(request=request, bootstrap_room=1), 1002.8) == pytest.approx(2.8)

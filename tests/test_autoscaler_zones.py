@@ -10,7 +10,9 @@ from services.autoscaler.actuators.local import LocalActuator
 
 
 def actuator(zones: list[str], placed: dict[str, str]) -> LocalActuator:
-    local = LocalActuator({"m": "aggregated"}, EngineSpec(), Path("/tmp"), cold_start_s=0, warm_start_s=0, env={}, zones=zones)
+    local = LocalActuator(
+        {"m": "aggregated"}, EngineSpec(), Path("/tmp"), cold_start_s=0, warm_start_s=0, env={}, zones=zones
+    )
     for worker_id, zone in placed.items():
         local.replicas[worker_id] = None  # type: ignore[assignment]  # the bookkeeping alone
         local.zone_of[worker_id] = zone

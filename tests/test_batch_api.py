@@ -49,9 +49,15 @@ def new_tenant(platform: Platform) -> tuple[str, openai.OpenAI]:
 
 
 def jsonl(n: int, max_tokens: int = 5) -> bytes:
-    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens}}
-             for i in range(n)]
+    lines = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": max_tokens},
+        }
+        for i in range(n)
+    ]
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
@@ -136,7 +142,12 @@ def test_upload_errors_are_openai_errors(platform: Platform) -> None:
         missing_purpose = http.post("/files", files={"file": ("x.jsonl", b"abc")})
         assert missing_purpose.status_code == 400 and missing_purpose.json()["error"]["param"] == "purpose"
         not_multipart = http.post("/files", json={"purpose": "batch"})
-        assert not_multipart.status_code == 400 and set(not_multipart.json()["error"]) == {"message", "type", "param", "code"}
+        assert not_multipart.status_code == 400 and set(not_multipart.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
         bad_limit = http.get("/files", params={"limit": 0})
         assert bad_limit.status_code == 400 and bad_limit.json()["error"]["param"] == "limit"
         bad_order = http.get("/files", params={"order": "sideways"})
@@ -159,7 +170,9 @@ def test_upload_errors_are_openai_errors(platform: Platform) -> None:
         head = (b'--b0undary\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
                 b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="cut.jsonl"\r\n\r\n')
         for cut in (head + b"abcdefgh", head + b'{"a": 1}\n\r\n', head + b'{"a": 1}\n\r\n--b0undary'):
-            truncated = http.post("/files", content=cut, headers={"content-type": "multipart/form-data; boundary=b0undary"})
+            truncated = http.post(
+                "/files", content=cut, headers={"content-type": "multipart/form-data; boundary=b0undary"}
+            )
             assert truncated.status_code == 400, truncated.text
             assert "closing boundary" in truncated.json()["error"]["message"]
     assert client.files.list().data == []  # nothing refused was kept
@@ -249,7 +262,12 @@ def test_batch_create_errors(platform: Platform) -> None:
     source = client.files.create(file=("in.jsonl", jsonl(1)), purpose="batch")
 
     def refused(error: type[openai.APIStatusError], **fields: object) -> dict:
-        arguments = {"input_file_id": source.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **fields}
+        arguments = {
+            "input_file_id": source.id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            **fields,
+        }
         with pytest.raises(error) as raised:
             client.batches.create(**arguments)  # type: ignore[arg-type]
         return raised.value.body  # type: ignore[return-value]
@@ -327,7 +345,10 @@ def test_objects_parse_with_the_sdk_types() -> None:
     batch = Batch.model_validate(batch_object(record))
     assert batch.errors is not None and batch.errors.data is not None
     assert (batch.errors.data[0].code, batch.errors.data[0].line) == ("invalid_json", 3)
-    assert batch.usage is not None and (batch.usage.total_tokens, batch.usage.input_tokens_details.cached_tokens) == (15, 4)
+    assert batch.usage is not None and (batch.usage.total_tokens, batch.usage.input_tokens_details.cached_tokens) == (
+        15,
+        4,
+    )
     assert batch.request_counts is not None and (batch.request_counts.total, batch.request_counts.failed) == (3, 1)
     assert batch.model is None
     file = FileObject.model_validate(file_object(m.FileRecord(id=new_file_id(), tenant="t", bytes=3, created_at=5,
@@ -362,7 +383,9 @@ async def test_file_store_limits_writes_lines_lists_and_deletes(platform: Platfo
         assert await store.get("t-someone-else", from_file.id) is None
         assert await store.get(tenant, "file-../../etc") is None
         assert list(store.iter_lines(from_file)) == [(0, b'{"a":1}'), (1, b""), (2, b'{"b":2}')]
-        assert [item async for item in store.aiter_lines(from_file, lines_per_read=2)] == list(store.iter_lines(from_file))
+        assert [item async for item in store.aiter_lines(from_file, lines_per_read=2)] == list(
+            store.iter_lines(from_file)
+        )
 
         # Generated files have no size limit and one line per item.
         output = await store.write(tenant, "batch_x_output.jsonl", "batch_output", [b'{"x":1}', b'{"y":2}\n'] * 10)

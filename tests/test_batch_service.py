@@ -57,7 +57,9 @@ def test_duplicate_custom_id_names_both_lines() -> None:
 
 def test_one_model_per_batch() -> None:
     verdict = validate([chat_line("a"), chat_line("b", model="other-model")], CHAT)
-    assert isinstance(verdict, list) and [(e.code, e.line, e.param) for e in verdict] == [("mismatched_model", 2, "body.model")]
+    assert isinstance(verdict, list) and [(e.code, e.line, e.param) for e in verdict] == [
+        ("mismatched_model", 2, "body.model")
+    ]
 
 
 def test_url_method_and_body_are_checked() -> None:
@@ -345,8 +347,18 @@ def test_chat_line_renders_like_the_gateway(llama3_model_dir: Path) -> None:
     request = lines.line_request(plan, batch_id="batch_abc", line=7, tenant="t1", api_key_id="k1", base_model=MODEL,
                                  adapter=None, deadline=99.0, now=10.0, reply_to="inferbus.tok.batch-main", attempt=2)
     assert request.request_id == m.batch_request_id("batch_abc", 7) == "batch_abc-7"
-    assert (request.band, request.priority, request.batch_id, request.batch_line) == ("batch", bands.ENGINE_PRIORITY["batch"], "batch_abc", 7)
-    assert (request.attempt, request.deadline, request.created, request.prompt_tokens) == (2, 99.0, 10.0, plan.prompt_tokens)
+    assert (request.band, request.priority, request.batch_id, request.batch_line) == (
+        "batch",
+        bands.ENGINE_PRIORITY["batch"],
+        "batch_abc",
+        7,
+    )
+    assert (request.attempt, request.deadline, request.created, request.prompt_tokens) == (
+        2,
+        99.0,
+        10.0,
+        plan.prompt_tokens,
+    )
     assert request.input_ids == plan.input_ids
 
 
@@ -360,7 +372,9 @@ def test_max_tokens_rules_are_the_gateways(llama3_model_dir: Path) -> None:
                            default_max_tokens=64)
     assert room.sampling.max_new_tokens == 5
     with pytest.raises(OpenAIError) as error:
-        lines.plan_line("/v1/completions", body, model=model, max_model_len=plan.prompt_tokens + 5, default_max_tokens=64)
+        lines.plan_line(
+            "/v1/completions", body, model=model, max_model_len=plan.prompt_tokens + 5, default_max_tokens=64
+        )
     assert error.value.code == "context_length_exceeded" and error.value.status == 400
     # A chat the model's template refuses is the line's own 400, not a failure of the batch.
     bad = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}, {"role": "function", "name": "f",
@@ -371,9 +385,17 @@ def test_max_tokens_rules_are_the_gateways(llama3_model_dir: Path) -> None:
 
 
 def result(ok: bool = True, **kw: object) -> m.BatchLineResult:
-    base: dict[str, object] = dict(batch_id="batch_abc", line=3, request_id="batch_abc-3", attempt=1, finished=1700000000.5,
-                                   ok=ok, text="Hello there", finish_reason="length",
-                                   usage=m.Usage(prompt_tokens=12, completion_tokens=4, cached_tokens=2))
+    base: dict[str, object] = dict(
+        batch_id="batch_abc",
+        line=3,
+        request_id="batch_abc-3",
+        attempt=1,
+        finished=1700000000.5,
+        ok=ok,
+        text="Hello there",
+        finish_reason="length",
+        usage=m.Usage(prompt_tokens=12, completion_tokens=4, cached_tokens=2),
+    )
     base.update(kw)
     return m.BatchLineResult(**base)  # type: ignore[arg-type]
 
@@ -387,7 +409,9 @@ def test_output_lines_hold_what_the_endpoint_returns() -> None:
     completion = ChatCompletion.model_validate(response["body"])
     assert completion.choices[0].message.content == "Hello there" and completion.choices[0].finish_reason == "length"
     assert completion.usage is not None and completion.usage.total_tokens == 16 and completion.model == MODEL
-    assert completion.usage.prompt_tokens_details is not None and completion.usage.prompt_tokens_details.cached_tokens == 2
+    assert (
+        completion.usage.prompt_tokens_details is not None and completion.usage.prompt_tokens_details.cached_tokens == 2
+    )
     text = json.loads(lines.output_line(result(finish_reason="stop"), "req-3", "completion", MODEL))
     parsed = Completion.model_validate(text["response"]["body"])
     assert parsed.object == "text_completion" and parsed.choices[0].text == "Hello there"
@@ -433,7 +457,14 @@ def test_tenants_take_turns_and_a_tenants_oldest_batch_goes_first() -> None:
     tracker.add(make_run("batch_a1", "a", 2, created_at=10), resumed=False)
     tracker.add(make_run("batch_b1", "b", 3, created_at=30), resumed=False)
     taken = [(run.id, line) for run, line, attempt, doubt in tracker.take(6, now=0.0)]
-    assert taken == [("batch_a1", 0), ("batch_b1", 0), ("batch_a1", 1), ("batch_b1", 1), ("batch_a2", 0), ("batch_b1", 2)]
+    assert taken == [
+        ("batch_a1", 0),
+        ("batch_b1", 0),
+        ("batch_a1", 1),
+        ("batch_b1", 1),
+        ("batch_a2", 0),
+        ("batch_b1", 2),
+    ]
     assert tracker.outstanding() == 6 and tracker.waiting() == 2
     # The turn carries over between calls.
     assert [(r.id, line) for r, line, _, _ in tracker.take(5, now=0.0)] == [("batch_a2", 1), ("batch_a2", 2)]
@@ -559,7 +590,10 @@ def test_reopen_rebuilds_counts_from_durable_results_and_runs_the_rest_again() -
     tracker.reopen("batch_x", [done("batch_x", 0), done("batch_x", 2, ok=False)], missing=[1, 3])
     assert not run.finished() and (run.completed, run.failed) == (1, 1)
     assert run.usage == m.BatchUsage(input_tokens=20, output_tokens=10) and run.dirty
-    assert [(line, attempt, doubt) for _, line, attempt, doubt in tracker.take(5, now=1.0)] == [(1, 0, True), (3, 0, True)]
+    assert [(line, attempt, doubt) for _, line, attempt, doubt in tracker.take(5, now=1.0)] == [
+        (1, 0, True),
+        (3, 0, True),
+    ]
 
 
 # ---- lines handed back: the batch service queues its own lines' next attempts only ---------------

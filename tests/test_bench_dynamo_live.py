@@ -9,7 +9,8 @@ from tools.capacity import traces
 
 # Two requests as Dynamo 1.6.1's frontend logs them (ANSI colours included), in KV mode.
 LOG = (
-    "\x1b[2m2026-12-02T05:48:34.866120Z\x1b[0m \x1b[32m INFO\x1b[0m dynamo_kv_router::scheduling::selector: Selected worker "
+    "\x1b[2m2026-12-02T05:48:34.866120Z\x1b[0m \x1b[32m INFO\x1b[0m dynamo_kv_router::scheduling::selector: Selected "
+    "worker "
     'router_mode="kv" request_id="81845324-29e2-48cf-8839-e4688e4679bf" worker_id=9164134428176026417 logit=30.625\n'
     "2026-12-02T05:48:34.949156Z  INFO http-request:completions:kv_router.route_request: request_span: route request "
     'completed request.outcome="success" request_id=2dd9434f-8f1f-41fd-98c0-ee4fd10cba78 otel.kind="client" '

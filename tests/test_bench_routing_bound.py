@@ -49,7 +49,11 @@ def test_clairvoyant_placement_sends_a_request_to_the_idle_replica_not_behind_a_
 
 
 def test_alone_takes_off_what_an_infinite_cache_holds_and_keeps_the_last_token() -> None:
-    trace = [TraceRequest(0.0, 1024, 5, (1, 2)), TraceRequest(1.0, 1500, 5, (1, 2, 3)), TraceRequest(2.0, 1024, 5, (1, 2))]
+    trace = [
+        TraceRequest(0.0, 1024, 5, (1, 2)),
+        TraceRequest(1.0, 1500, 5, (1, 2, 3)),
+        TraceRequest(2.0, 1024, 5, (1, 2)),
+    ]
     out = alone(trace)
     assert [r.input_tokens for r in out] == [1024, 1500 - 1024, 1]
     assert all(r.hash_ids == () for r in out) and [r.arrival_s for r in out] == [0.0, 1.0, 2.0]

@@ -157,7 +157,9 @@ def test_verdict_marks_each_target_and_gives_no_ratio_over_a_value_within_noise_
 
 
 def test_markdown_shows_every_target_and_scenario() -> None:
-    phases = [phase(sc, 0, sy, label=sc) for sc in ("c1", "c64", "paced64") for sy in ("engine", "sglang-router", "inferbus")]
+    phases = [
+        phase(sc, 0, sy, label=sc) for sc in ("c1", "c64", "paced64") for sy in ("engine", "sglang-router", "inferbus")
+    ]
     summary = summarise(phases)
     results = {"when": "now", "machine": {"cpus": 2}, "command": "python -m bench.spine", "sglang_router": "0.3.2",
                "config": {"output_tokens": 16, "reps": 1, "seconds": 4.0, "warmup": 1.0}, "phases": phases,
@@ -195,7 +197,9 @@ async def sse_server(tokens: int, pause: float = 0.0) -> tuple[asyncio.Server, i
                 length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length"))
                 await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 events = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n']
                 events += [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(tokens)]
                 events += [b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % tokens, b"data: [DONE]\n\n"]
@@ -288,8 +292,10 @@ def test_count_deltas_sum_connections_by_role_and_skip_one_that_closed() -> None
 def test_markdown_shows_the_counts_per_request_and_the_idle_split() -> None:
     counts = {"nats.gateway.in_msgs": 4.0, "nats.gateway.out_msgs": 6.0, "nats.server.in_msgs": 20.0,
               "nats.server.out_msgs": 25.0, "redis.evalsha": 2.5, "redis.info": 0.01}
-    phases = [phase("c1", 0, "engine", label="C=1"), phase("c1", 0, "inferbus", counts_per_request=counts, req_per_s=100.0,
-                                              own_cpu_ms_per_request=5.0, label="C=1")]
+    phases = [
+        phase("c1", 0, "engine", label="C=1"),
+        phase("c1", 0, "inferbus", counts_per_request=counts, req_per_s=100.0, own_cpu_ms_per_request=5.0, label="C=1"),
+    ]
     summary = summarise(phases)
     assert summary["c1"]["inferbus"]["counts_per_request"]["redis.evalsha"] == 2.5
     idle = {"zero step time": {"seconds": 3.0, "cores": {"gateway": 0.02, "billing": 0.03},
@@ -306,15 +312,26 @@ def test_markdown_shows_the_counts_per_request_and_the_idle_split() -> None:
 
 
 def test_markdown_puts_the_floors_beside_the_targets() -> None:
-    phases = [phase("c64", 0, sy, label="C=64", own_cpu_ms_per_request=cpu)
-              for sy, cpu in (("engine", 0.0), ("sglang-router", 0.4), ("inferbus", 1.5), ("python-over-jetstream", 0.9),
-                              ("python-over-nats", 0.7), ("python-relay", 0.25))]
+    phases = [
+        phase("c64", 0, sy, label="C=64", own_cpu_ms_per_request=cpu)
+        for sy, cpu in (
+            ("engine", 0.0),
+            ("sglang-router", 0.4),
+            ("inferbus", 1.5),
+            ("python-over-jetstream", 0.9),
+            ("python-over-nats", 0.7),
+            ("python-relay", 0.25),
+        )
+    ]
     summary = summarise(phases)
     results = {"when": "now", "machine": {"cpus": 2}, "command": "python -m bench.spine", "sglang_router": "0.3.2",
                "config": {"output_tokens": 16, "reps": 1, "seconds": 4.0, "warmup": 1.0}, "phases": phases,
                "client_check": [], "summary": summary, "targets": verdict(summary)}
     text = markdown(results)
-    assert "| target | bound | inferbus | python-over-jetstream | python-over-nats | python-relay | sglang-router |" in text
+    assert (
+        "| target | bound | inferbus | python-over-jetstream | python-over-nats | python-relay | sglang-router |"
+        in text
+    )
     assert "| whole-platform CPU-ms per request, C=64 | ≤ 0.6 CPU-ms | 1.50 | 0.90 | 0.70 | 0.25 | 0.40 |" in text
     assert "| C=64 | python-relay |" in text  # in the per-process table too
 

@@ -58,7 +58,9 @@ def expected(evs: list[m.UsageEvent]) -> u.Totals:
 async def test_ingest_counts_each_request_id_once_across_chunks_and_calls(redis: aioredis.Redis) -> None:
     store = UsageStore(redis)
     now = time.time()
-    big = events("big", MAX_EVENTS_PER_ROUND_TRIP + MAX_EVENTS_PER_CALL + 7, now - 600, 300)  # several calls, round trips
+    big = events(
+        "big", MAX_EVENTS_PER_ROUND_TRIP + MAX_EVENTS_PER_CALL + 7, now - 600, 300
+    )  # several calls, round trips
     small = events("small", 20, now - 100)
     batch = big + small + big[:40]  # the same request ids again within one batch
     counted = await store.ingest([u.contribution(e, BOOK) for e in batch], epoch=0)

@@ -278,11 +278,15 @@ def test_cost_results_split_into_line_items_that_sum_to_the_total() -> None:
     assert [i["line_item"] for i in items] == ["input", "cached input", "output"]
     assert round(sum(i["amount"]["value"] for i in items) * 1e6) == 221
     query = u.UsageQuery(0, 86400, "1d", group_by=("model", "line_item"))
-    assert u.cost_results(u.regroup({"acme": ROLLUPS["acme"]}, query), query.group_by)[0]["line_item"] == f"{MODEL}, input"
+    assert (
+        u.cost_results(u.regroup({"acme": ROLLUPS["acme"]}, query), query.group_by)[0]["line_item"] == f"{MODEL}, input"
+    )
 
 
 def test_usd_text_is_exact() -> None:
-    assert u.usd_text(105) == "0.000105" and u.usd_text(0) == "0.000000" and u.usd_text(12_345_678_901) == "12345.678901"
+    assert (
+        u.usd_text(105) == "0.000105" and u.usd_text(0) == "0.000000" and u.usd_text(12_345_678_901) == "12345.678901"
+    )
 
 
 # ---- queries, buckets and pages -----------------------------------------------------------------
@@ -444,7 +448,9 @@ def test_the_puller_parses_frames_split_anywhere() -> None:
 
     def hmsg(reply: bytes, headers: bytes, payload: bytes) -> bytes:
         size = b"%d %d" % (len(headers), len(headers) + len(payload))
-        return b"HMSG " + inbox + b" 1 " + (reply + b" " if reply else b"") + size + b"\r\n" + headers + payload + b"\r\n"
+        return (
+            b"HMSG " + inbox + b" 1 " + (reply + b" " if reply else b"") + size + b"\r\n" + headers + payload + b"\r\n"
+        )
 
     frames = (
         b"PING\r\n"

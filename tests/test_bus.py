@@ -17,7 +17,9 @@ def test_old_servers_are_refused_with_a_clear_message() -> None:
     bus.check_server_version("2.15.1-beta")
 
 
-@pytest.mark.skipif(not shutil.which("nats-server", path="/usr/sbin:/usr/bin"), reason="no system nats-server to compare")
+@pytest.mark.skipif(
+    not shutil.which("nats-server", path="/usr/sbin:/usr/bin"), reason="no system nats-server to compare"
+)
 async def test_connect_refuses_a_real_old_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
     binary = shutil.which("nats-server", path="/usr/sbin:/usr/bin")
     version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout

@@ -100,7 +100,9 @@ async def _connect(url: str, token: str, user: str, errors: list[str]) -> nats.N
 
 
 def _denied(errors: list[str], verb: str, subject: str) -> bool:
-    return any("permissions violation" in e.lower() and verb in e.lower() and subject.lower() in e.lower() for e in errors)
+    return any(
+        "permissions violation" in e.lower() and verb in e.lower() and subject.lower() in e.lower() for e in errors
+    )
 
 
 def test_a_gateway_pod_gets_its_own_subjects_only(callout_nats: tuple[str, str]) -> None:

@@ -109,13 +109,18 @@ async def test_a_publish_whose_earlier_copy_is_still_being_stored_is_asked_again
         await nc.close()
 
 
-async def test_a_publish_lost_with_a_leader_or_refused_between_leaders_is_asked_again(small_payload_server: str) -> None:
+async def test_a_publish_lost_with_a_leader_or_refused_between_leaders_is_asked_again(
+    small_payload_server: str,
+) -> None:
     # A stream's leader dies with the request (no answer at all), then the stream answers
     # "temporarily unavailable" while it elects another, then stores it: one publish, no error.
     nc = await bus.connect(small_payload_server, name="test")
     try:
-        answers = [None, b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}',
-                   b'{"stream":"S","seq":8}']
+        answers = [
+            None,
+            b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}',
+            b'{"stream":"S","seq":8}',
+        ]
         seen: list[str] = []
 
         async def leader(msg) -> None:  # type: ignore[no-untyped-def]

@@ -20,7 +20,11 @@ def test_help_explains_every_command_and_option() -> None:
     for option in ("--workers", "--gpu", "--tp", "--model", "--time-scale"):
         assert option in up.output
     assert "H100" in up.output and "Ctrl-C" in up.output
-    for service, variable in (("gateway", "INFERBUS_GATEWAY_PORT"), ("worker", "INFERBUS_ENGINE_URL"), ("router", "NATS_URL")):
+    for service, variable in (
+        ("gateway", "INFERBUS_GATEWAY_PORT"),
+        ("worker", "INFERBUS_ENGINE_URL"),
+        ("router", "NATS_URL"),
+    ):
         result = runner.invoke(main, [service, "--help"])
         assert result.exit_code == 0 and variable in result.output
     assert runner.invoke(main, ["sim-engine", "--help"]).exit_code == 0

@@ -37,7 +37,9 @@ def test_usage_export_reads_the_running_local_platform_and_says_so(platform: Pla
     start = int(time.time()) - 60
     client = platform.client()
     for i in range(3):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"count me {i}"}], max_tokens=4)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"count me {i}"}], max_tokens=4
+        )
     redis_port = platform.stack.redis_url.rsplit(":", 1)[1].split("/")[0]
 
     deadline, rows = time.monotonic() + 30, []
@@ -125,7 +127,9 @@ def test_the_launchers_state_is_private(platform: Platform) -> None:
     recorded = json.loads((state / PLATFORM_FILE).read_text())
     assert recorded["redis_url"] == platform.stack.redis_url and recorded["nats_user"] == "ops"
     # NATS's monitoring port (no authentication) answers on loopback only.
-    monitoring = [line.strip() for line in (state / "nats.conf").read_text().splitlines() if line.strip().startswith("http")]
+    monitoring = [
+        line.strip() for line in (state / "nats.conf").read_text().splitlines() if line.strip().startswith("http")
+    ]
     assert len(monitoring) == 1 and monitoring[0].startswith('http: "127.0.0.1:'), monitoring
     # Everything the platform's processes wrote (Redis's append-only file, JetStream's store, the
     # usage outboxes' SQLite files with their -wal and -shm, logs, the model) is theirs alone.
@@ -152,7 +156,9 @@ def test_usage_export_month_writes_under_the_platforms_state_dir(platform: Platf
     written = exports / month / "demo.csv"
     assert written.exists(), sorted(platform.stack.config.state_dir.iterdir())
     assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE(written.parent.stat().st_mode) == 0o700
-    assert json.loads((platform.stack.config.state_dir / PLATFORM_FILE).read_text())["export_dir"] == str(exports.absolute())
+    assert json.loads((platform.stack.config.state_dir / PLATFORM_FILE).read_text())["export_dir"] == str(
+        exports.absolute()
+    )
 
 
 def test_stopping_the_platform_removes_its_secrets(tmp_path: Path) -> None:

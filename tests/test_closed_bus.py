@@ -164,9 +164,13 @@ def test_a_worker_cannot_inject_a_request_nor_cancel_one(platform: Platform) -> 
         async with worker as nc:
             forged = a_request(subjects.token_subject("gateway"))
             for band in ("premium", "standard"):
-                await nc.publish(subjects.request_subject(band, MODEL, subjects.ANY_TARGET, forged.reply_to),  # type: ignore[arg-type]
-                                 m.encode(forged))
-            await nc.publish(subjects.cancel_subject("gateway", forged.request_id), m.encode(m.Cancel(forged.request_id)))
+                await nc.publish(
+                    subjects.request_subject(band, MODEL, subjects.ANY_TARGET, forged.reply_to),  # type: ignore[arg-type]
+                    m.encode(forged),
+                )
+            await nc.publish(
+                subjects.cancel_subject("gateway", forged.request_id), m.encode(m.Cancel(forged.request_id))
+            )
             await nc.flush()
             await asyncio.sleep(0.3)
         await ops.close()
@@ -232,7 +236,10 @@ def test_request_subjects_bind_the_reply_owner() -> None:
     assert not subjects.request_reply_allowed(own, "inferbus.tok.gw%2E1.extra")
     assert subjects.shared_request_subject(own) == "inferbus.req.standard.m%2E1.any.gw%2E1"
     assert subjects.worker_of_request_subject(own) == "w1"
-    assert subjects.worker_of_request_subject(subjects.request_filter("standard", "m.1", subjects.worker_target("w1"))) == "w1"
+    assert (
+        subjects.worker_of_request_subject(subjects.request_filter("standard", "m.1", subjects.worker_target("w1")))
+        == "w1"
+    )
     gateway = permissions("gateway", "gateway-a", "a").publish
     assert "inferbus.req.>" not in gateway
     assert set(subjects.owned_request_wildcards("a")) <= set(gateway)

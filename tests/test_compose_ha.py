@@ -29,7 +29,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = ("nats", "nats-b", "nats-c")
-SERVER_NAMES = {"nats": "nats-a", "nats-b": "nats-b", "nats-c": "nats-c"}  # their --name: zone a's is the base's service
+SERVER_NAMES = {
+    "nats": "nats-a",
+    "nats-b": "nats-b",
+    "nats-c": "nats-c",
+}  # their --name: zone a's is the base's service
 
 
 def interpolate(value: str, variables: dict[str, str]) -> str:
@@ -61,7 +65,10 @@ def node(name: str, tmp: Path, variables: dict[str, str]) -> tuple[list[str], di
     for target, source in list(mounts.items()):  # a file mounted into a directory: nats.conf's include
         if target.startswith("/etc/nats/"):
             assert Path(source).parent == REPO / "deploy" / "k8s" / "base", "the includes resolve beside nats.conf"
-    argv = [nats_server_binary(), *(mounts.get(interpolate(str(a), variables), interpolate(str(a), variables)) for a in command)]
+    argv = [
+        nats_server_binary(),
+        *(mounts.get(interpolate(str(a), variables), interpolate(str(a), variables)) for a in command),
+    ]
     return argv, {k: interpolate(str(v), variables) for k, v in env.items()}
 
 

@@ -31,7 +31,9 @@ def test_vendored_files_are_the_locked_versions_with_their_recorded_digests() ->
     lock = json.loads((CONSOLE / "package-lock.json").read_text())
     wanted = json.loads((CONSOLE / "package.json").read_text())["dependencies"]
     found = manifest()
-    assert set(found) == {p.name for p in VENDOR.iterdir()} - {"MANIFEST.json"}, "a vendored file is not in the manifest"
+    assert set(found) == {p.name for p in VENDOR.iterdir()} - {"MANIFEST.json"}, (
+        "a vendored file is not in the manifest"
+    )
     for name, entry in found.items():
         locked = lock["packages"][f"node_modules/{entry['package']}"]["version"]
         assert entry["version"] == locked == wanted[entry["package"]], name
@@ -61,4 +63,6 @@ def test_a_fresh_npm_ci_holds_the_same_files(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     for name, entry in manifest().items():
         installed = tmp_path / "node_modules" / entry["package"] / entry["source"]
-        assert installed.read_bytes() == (VENDOR / name).read_bytes(), f"{name} differs from {entry['package']}'s {entry['source']}"
+        assert installed.read_bytes() == (VENDOR / name).read_bytes(), (
+            f"{name} differs from {entry['package']}'s {entry['source']}"
+        )

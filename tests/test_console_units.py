@@ -135,8 +135,15 @@ NOW = dt.datetime(2026, 12, 6, 4, 30, tzinfo=dt.timezone.utc).timestamp()
 def test_the_window_is_whole_utc_days_this_month_by_default() -> None:
     win = usage_view.window(None, None, NOW)
     assert (win.first_day, win.last_day, win.end_day) == ("2026-12-01", "2026-12-06", "2026-12-07")
-    assert win.export_command("demo") == "inferbus usage export --tenant demo --from 2026-12-01 --to 2026-12-07 --bucket 1d"
-    assert usage_view.window("2026-11-30", "2026-11-30", NOW).end - usage_view.window("2026-11-30", "2026-11-30", NOW).start == 86400
+    assert (
+        win.export_command("demo")
+        == "inferbus usage export --tenant demo --from 2026-12-01 --to 2026-12-07 --bucket 1d"
+    )
+    assert (
+        usage_view.window("2026-11-30", "2026-11-30", NOW).end
+        - usage_view.window("2026-11-30", "2026-11-30", NOW).start
+        == 86400
+    )
     for start, last, param in (("30-11-2026", None, "from"), ("2026-12-05", "2026-12-01", "to"),
                                ("2024-01-01", "2026-01-01", "from")):
         with pytest.raises(usage_view.WindowError) as error:
@@ -157,7 +164,12 @@ def test_the_page_is_the_sum_of_the_export_rows() -> None:
     rows = [row("2026-12-01", 3), row("2026-12-01", 4, adapter="a@1", cost_micro_usd=1_000_001),
             row("2026-12-03", 0, model="n", api_key_id="key_2", num_model_requests=2)]
     page = usage_view.summarize(rows, usage_view.window(None, None, NOW), {"key_1": "ci"})
-    assert (page.total.requests, page.total.input_tokens, page.total.cached_tokens, page.total.output_tokens) == (4, 30, 6, 15)
+    assert (page.total.requests, page.total.input_tokens, page.total.cached_tokens, page.total.output_tokens) == (
+        4,
+        30,
+        6,
+        15,
+    )
     assert page.total.cost_usd == "1.000015"
     assert [(d.key, d.sums.requests) for d in page.days] == [("2026-12-01", 2), ("2026-12-03", 2)]
     assert [(line.key, line.label) for line in page.tables["adapter"]] == [("a@1", "a@1"), ("", "(base model)")]
@@ -196,7 +208,9 @@ async def test_a_keys_last_use_is_recorded_once_a_minute_and_forgotten_with_the_
     assert writes == 2 and (await list_keys(redis, "acme"))[0].last_used == clock[0]
     redis.hset = original  # type: ignore[method-assign]
     await revoke_key(redis, "acme", issued.id)
-    assert not await redis.exists("inferbus:{t:acme}:keys:used") or not await redis.hget("inferbus:{t:acme}:keys:used", issued.id)
+    assert not await redis.exists("inferbus:{t:acme}:keys:used") or not await redis.hget(
+        "inferbus:{t:acme}:keys:used", issued.id
+    )
 
 
 async def _settle() -> None:
@@ -208,7 +222,9 @@ async def _settle() -> None:
 
 @pytest.mark.slow
 async def test_the_quota_read_shows_what_admission_took(redis: aioredis.Redis) -> None:
-    limits = TenantLimits(requests_per_minute=60, input_tokens_per_minute=6000, max_concurrent=4, monthly_budget_usd=2.0)
+    limits = TenantLimits(
+        requests_per_minute=60, input_tokens_per_minute=6000, max_concurrent=4, monthly_budget_usd=2.0
+    )
     admission = Admission(redis)
     try:
         for i in range(3):

@@ -21,7 +21,12 @@ def test_the_next_attempt_carries_text_ids_and_totals() -> None:
     assert second.input_ids == [1, 2, 3] and second.prompt_tokens == 3
     assert second.expected_cached_tokens == 0  # placement finds the cache again for the new attempt
     third = continuation.next_attempt(second, text=" c", token_ids=[42], produced_tokens=3, prompt_tokens=3)
-    assert (third.attempt, third.resumed_text, third.resumed_ids, third.resumed_tokens) == (2, " a b c", [40, 41, 42], 3)
+    assert (third.attempt, third.resumed_text, third.resumed_ids, third.resumed_tokens) == (
+        2,
+        " a b c",
+        [40, 41, 42],
+        3,
+    )
     assert first.resumed_ids == [] and second.resumed_ids == [40, 41]  # nothing shared is mutated
 
 

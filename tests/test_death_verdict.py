@@ -32,7 +32,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
 
 
 def beat(worker: str) -> m.Heartbeat:
-    return m.Heartbeat(worker_id=worker, model="m", engine_url="http://engine", started=0.0, ts=time.time(), max_running=4)
+    return m.Heartbeat(
+        worker_id=worker, model="m", engine_url="http://engine", started=0.0, ts=time.time(), max_running=4
+    )
 
 
 async def test_a_worker_that_answers_keeps_its_streams_and_one_that_does_not_loses_them(server: NatsServer) -> None:

@@ -112,7 +112,9 @@ def _load_yaml_docs(path: Path) -> list[dict]:
 
 def _k8s_manifest_files() -> list[Path]:
     # Patches (`*-patch.yaml`, in the plan's kustomize Component) are partial objects, not manifests.
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith("-patch.yaml"))
+    return sorted(
+        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith("-patch.yaml")
+    )
 
 
 def _kustomization_dirs() -> list[Path]:
@@ -419,7 +421,10 @@ def test_dashboard_queries_pass_promtool(any_dashboard: dict, tmp_path: Path):
     # Wrap each panel query as a recording rule so promtool parses it; Grafana's range
     # variables become a fixed window.
     rules = [
-        {"record": f"dashboard:panel_query:{i}", "expr": expr.replace("$__rate_interval", "5m").replace("$__range", "1h")}
+        {
+            "record": f"dashboard:panel_query:{i}",
+            "expr": expr.replace("$__rate_interval", "5m").replace("$__range", "1h"),
+        }
         for i, (_, expr) in enumerate(_dashboard_exprs(dashboard))
     ]
     path = tmp_path / "dashboard_rules.yml"
@@ -496,7 +501,12 @@ def test_billing_dashboard_shows_spend_tokens_and_service_levels():
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert "label_values(inferbus_billing_dollars_total, tenant)" in json.dumps(variables["tenant"])
     panels = {p["title"]: p for p in dashboard["panels"]}
-    assert 0.8 in [s["value"] for s in next(p for t, p in panels.items() if t.startswith("TTFT"))["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert 0.8 in [
+        s["value"]
+        for s in next(p for t, p in panels.items() if t.startswith("TTFT"))["fieldConfig"]["defaults"]["thresholds"][
+            "steps"
+        ]
+    ]
 
 
 def test_billing_metrics_in_the_contract_are_the_ones_billing_exports():
@@ -534,13 +544,17 @@ def test_slo_alerts_fire_on_synthetic_series(rules: dict, tmp_path: Path):
         "interval": "30s",
         "input_series": hist("inferbus_ttft_seconds", {"0.5": 0, "1": 10, "+Inf": 10})
         + hist("inferbus_tpot_seconds", {"0.04": 0, "0.08": 10, "+Inf": 10})
-        + [{"series": 'inferbus_requests_total{endpoint="/v1/chat/completions",status="200"}', "values": "0+100x90"},
-           {"series": 'inferbus_requests_total{endpoint="/v1/chat/completions",status="503"}', "values": "0+5x90"}],
+        + [
+            {"series": 'inferbus_requests_total{endpoint="/v1/chat/completions",status="200"}', "values": "0+100x90"},
+            {"series": 'inferbus_requests_total{endpoint="/v1/chat/completions",status="503"}', "values": "0+5x90"},
+        ],
         "alert_rule_test": [
             alert("5m", "InferbusTTFTP90High", None),  # not yet: `for: 10m`
             alert("25m", "InferbusTTFTP90High", {"severity": "page", "slo": "ttft", "service": "inferbus"}),
             alert("25m", "InferbusTPOTP90High", {"severity": "page", "slo": "tpot", "service": "inferbus"}),
-            alert("20m", "InferbusErrorBudgetBurnFast", {"severity": "page", "slo": "availability", "service": "inferbus"}),
+            alert(
+                "20m", "InferbusErrorBudgetBurnFast", {"severity": "page", "slo": "availability", "service": "inferbus"}
+            ),
         ],
     }
     healthy = {  # TTFT <= 0.5 s, TPOT <= 30 ms, 5xx 0.05% (half the budget)

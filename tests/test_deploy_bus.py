@@ -39,7 +39,9 @@ SERVICES = {"gateway": ("gateway", True), "billing": ("billing", True), "batch":
 
 
 def test_the_checked_in_permissions_are_the_codes() -> None:
-    assert AUTH.read_text() == deployment_auth_config(), "regenerate: inferbus bus-config > deploy/k8s/base/nats-auth.conf"
+    assert AUTH.read_text() == deployment_auth_config(), (
+        "regenerate: inferbus bus-config > deploy/k8s/base/nats-auth.conf"
+    )
 
 
 @pytest.mark.slow
@@ -95,7 +97,9 @@ def test_a_nats_server_with_the_deployments_users_closes_the_bus(tmp_path: Path)
 
 def _manifests() -> list[Path]:
     """Whole manifests (patches, `*-patch.yaml`, are partial objects)."""
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith("-patch.yaml"))
+    return sorted(
+        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not p.name.endswith("-patch.yaml")
+    )
 
 
 def _containers() -> list[tuple[Path, dict]]:
@@ -159,7 +163,15 @@ def test_network_policies_admit_only_the_services_that_use_nats_and_redis() -> N
         assert expression["key"] == "app.kubernetes.io/name" and expression["operator"] == "In"
         return set(expression["values"])
 
-    assert clients("nats-clients", 4222) == {"gateway", "router", "billing", "batch", "autoscaler", "worker", "worker-sim"}
+    assert clients("nats-clients", 4222) == {
+        "gateway",
+        "router",
+        "billing",
+        "batch",
+        "autoscaler",
+        "worker",
+        "worker-sim",
+    }
     assert clients("redis-clients", 6379) == {"gateway", "billing", "batch"}
     # NATS's monitoring port (users, subscriptions, consumers; no authentication) is open to no pod.
     admitted_ports = {p["port"] for rule in policies["nats-clients"]["spec"]["ingress"] for p in rule["ports"]}
@@ -239,7 +251,10 @@ def test_per_pod_identities_patch_every_service_onto_its_own_token() -> None:
         [patched] = [c for c in spec["containers"] if c["name"] == container["name"]]
         env = {e["name"]: e for e in patched["env"]}
         assert env["NATS_PASSWORD"].get("$patch") == "delete", name
-        assert env["NATS_USER"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" and env["NATS_USER"]["value"] is None
+        assert (
+            env["NATS_USER"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            and env["NATS_USER"]["value"] is None
+        )
         # (The batch service keeps its stable id, the callout's fixed scope for it.)
         scope_env = {"gateway": "INFERBUS_GATEWAY_ID", "worker": "INFERBUS_WORKER_ID"}.get(role)
         if scope_env is not None:  # the worker's is the pod name already

@@ -87,7 +87,11 @@ def _render(overlay: str) -> list[dict]:
 OVERLAYS = {
     "production": ("inferbus", "resources: [K8S]\n", ("gateway", "worker")),
     "staging": ("inferbus-staging", "resources: [K8S/staging]\n", ("gateway", "worker-sim")),
-    "per-pod-identities": ("inferbus", "resources: [K8S]\ncomponents: [K8S/per-pod-identities]\n", ("gateway", "worker")),
+    "per-pod-identities": (
+        "inferbus",
+        "resources: [K8S]\ncomponents: [K8S/per-pod-identities]\n",
+        ("gateway", "worker"),
+    ),
 }
 KUSTOMIZATION = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
 

@@ -72,7 +72,9 @@ def registration(platform: Platform, name: str) -> dict:
 
 
 def adapter_status(platform: Platform, adapter: str, history: bool = False) -> list[dict]:
-    found = json.loads(cli(platform, "release", "status", "--model", adapter, "--json", *(["--history"] if history else [])))
+    found = json.loads(
+        cli(platform, "release", "status", "--model", adapter, "--json", *(["--history"] if history else []))
+    )
     return next(states for states in found if states[0].get("adapter") == adapter)
 
 
@@ -166,9 +168,12 @@ def test_an_adapter_version_that_answers_worse_is_rolled_back_by_the_eval_gate(p
     assert after and {e.adapter for e in after} == {engine_name("acme-summarizer", v1)}
     # A pin to the rolled-back version is refused now: it is no longer a registered version.
     with pytest.raises(openai.BadRequestError, match="not a registered version"):
-        platform.client().chat.completions.create(model="acme-summarizer", max_tokens=4,
-                                                  messages=[{"role": "user", "content": "hi"}],
-                                                  extra_headers={"inferbus-release": broken.removeprefix("sha256:")[:12]})
+        platform.client().chat.completions.create(
+            model="acme-summarizer",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"inferbus-release": broken.removeprefix("sha256:")[:12]},
+        )
 
 
 def test_a_candidate_that_cannot_load_is_rolled_back_by_the_slo_gate_without_a_client_error(

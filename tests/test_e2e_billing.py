@@ -68,7 +68,9 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
 
 
 def usage_page(platform: Platform, key: str, path: str = "/usage", **params: Any) -> dict[str, Any]:
-    response = httpx.get(platform.base_url + path, params=params, headers={"authorization": f"Bearer {key}"}, timeout=10)
+    response = httpx.get(
+        platform.base_url + path, params=params, headers={"authorization": f"Bearer {key}"}, timeout=10
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -139,15 +141,23 @@ async def _publish(url: str, events: list[m.UsageEvent], msg_id: Callable[[m.Usa
     nc = await nats.connect(url)
     js = nc.jetstream()
     for i, event in enumerate(events):
-        ack = await js.publish(subjects.usage_subject(event.tenant, subjects.USAGE_FROM_OWNER, "gw"), m.encode(event), headers={"Nats-Msg-Id": msg_id(event)})
+        ack = await js.publish(
+            subjects.usage_subject(event.tenant, subjects.USAGE_FROM_OWNER, "gw"),
+            m.encode(event),
+            headers={"Nats-Msg-Id": msg_id(event)},
+        )
         assert not ack.duplicate
         if pause_every and i % pause_every == pause_every - 1:
             await asyncio.sleep(pause_s)
     await nc.close()
 
 
-def publish(platform: Platform, events: list[m.UsageEvent], msg_id: Callable[[m.UsageEvent], str] = lambda e: e.request_id,
-            **pacing: Any) -> None:
+def publish(
+    platform: Platform,
+    events: list[m.UsageEvent],
+    msg_id: Callable[[m.UsageEvent], str] = lambda e: e.request_id,
+    **pacing: Any,
+) -> None:
     asyncio.run(_publish(platform.stack.nats_url, events, msg_id, **pacing))
 
 
@@ -189,8 +199,14 @@ def test_exports_and_the_usage_api_equal_the_usage_clients_received(platform: Pl
     want = {"requests": len(received), "input": sum(r[0] for r in received), "cached": sum(r[1] for r in received),
             "output": sum(r[2] for r in received)}
 
-    page = wait_for("the rollup", lambda: (p := usage_page(platform, key, start_time=int(start) - 60, group_by="api_key"))
-                    and totals(p)["requests"] == want["requests"] and p)
+    page = wait_for(
+        "the rollup",
+        lambda: (
+            (p := usage_page(platform, key, start_time=int(start) - 60, group_by="api_key"))
+            and totals(p)["requests"] == want["requests"]
+            and p
+        ),
+    )
     assert totals(page) == want
     results = [r for b in page["data"] for r in b["results"]]
     assert {r["api_key_id"] for r in results} == {key_id}
@@ -210,8 +226,12 @@ def test_exports_and_the_usage_api_equal_the_usage_clients_received(platform: Pl
             import pyarrow.parquet as pq
 
             rows = pq.read_table(out).to_pylist()
-        got = {"requests": sum(int(r["num_model_requests"]) for r in rows), "input": sum(int(r["input_tokens"]) for r in rows),
-               "cached": sum(int(r["input_cached_tokens"]) for r in rows), "output": sum(int(r["output_tokens"]) for r in rows)}
+        got = {
+            "requests": sum(int(r["num_model_requests"]) for r in rows),
+            "input": sum(int(r["input_tokens"]) for r in rows),
+            "cached": sum(int(r["input_cached_tokens"]) for r in rows),
+            "output": sum(int(r["output_tokens"]) for r in rows),
+        }
         assert got == want, fmt
         assert {r["tenant"] for r in rows} == {tenant} and {r["api_key_id"] for r in rows} == {key_id}
 
@@ -238,12 +258,16 @@ def test_a_cancelled_stream_bills_the_tokens_it_was_sent(platform: Platform) -> 
     assert event.status == "cancelled"
     assert received - 1 <= event.usage.completion_tokens < 3000  # what was sent, not what was asked for
 
-    page = wait_for("the cancelled request's rollup",
-                    lambda: (p := usage_page(platform, key, start_time=int(start) - 60)) and totals(p)["requests"] == 1 and p)
+    page = wait_for(
+        "the cancelled request's rollup",
+        lambda: (p := usage_page(platform, key, start_time=int(start) - 60)) and totals(p)["requests"] == 1 and p,
+    )
     assert totals(page)["output"] == event.usage.completion_tokens
     assert totals(page)["input"] == event.usage.prompt_tokens
     cost = micro(usage_page(platform, key, "/costs", start_time=int(start) - 60))
-    assert cost == DEFAULT.cost_micro(event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens)
+    assert cost == DEFAULT.cost_micro(
+        event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens
+    )
 
 
 def test_budget_spend_equals_the_months_costs(platform: Platform) -> None:
@@ -419,9 +443,11 @@ def test_killing_billing_mid_stream_loses_and_doubles_nothing(platform: Platform
         await publisher
 
     asyncio.run(publish_and_kill())
-    got = wait_for("totals after the kills",
-                   lambda: (t := tenant_totals(platform, tenant, now - 3600, now)) and t["requests"] >= len(events) and t,
-                   timeout=30)
+    got = wait_for(
+        "totals after the kills",
+        lambda: (t := tenant_totals(platform, tenant, now - 3600, now)) and t["requests"] >= len(events) and t,
+        timeout=30,
+    )
     assert got == want
     assert tenant_cost(platform, tenant, now - 3600, now) == cost
     assert billing.alive()

@@ -191,8 +191,14 @@ def test_billing_equals_what_clients_counted_through_migrations_cancels_and_n(pl
             assert sorted(i for i, _ in received.finishes) == list(range(received.n)), received.finishes
             assert len(received.usages) == 1, received.usages
     try:
-        wait_for(lambda: rollup_drained(platform) and set(rollups_by_key(platform, tenant, started, time.time())) >= set(expected),
-                 timeout=60, what="every request rolled up")
+        wait_for(
+            lambda: (
+                rollup_drained(platform)
+                and set(rollups_by_key(platform, tenant, started, time.time())) >= set(expected)
+            ),
+            timeout=60,
+            what="every request rolled up",
+        )
     except TimeoutError:
         pass  # the comparisons below say which
     rollups = rollups_by_key(platform, tenant, started, time.time())

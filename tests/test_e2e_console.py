@@ -168,7 +168,9 @@ def test_a_tenant_sees_its_requests_with_the_exports_tokens_and_dollars(platform
         sign_in(page, platform.stack.gateway_url, platform.api_key)
         assert page.url.endswith("/console/usage"), page.url
         assert page.inner_text("#who") == "tenant demo"
-        totals = dict(page.eval_on_selector_all("[data-total]", "es => es.map(e => [e.dataset.total, e.dataset.value])"))
+        totals = dict(
+            page.eval_on_selector_all("[data-total]", "es => es.map(e => [e.dataset.total, e.dataset.value])")
+        )
         assert totals == {**sums(rows), **{n: str(sum(int(r[n]) for r in rows))
                                            for n in ("num_cancelled_requests", "num_failed_requests")}}
         assert page.inner_text("[data-total=cost_usd]") == "$" + sums(rows)["cost_usd"]
@@ -188,7 +190,10 @@ def test_a_tenant_sees_its_requests_with_the_exports_tokens_and_dollars(platform
             assert line["values"] == sums(matching), (line, column)
         assert all(charts_drawn(page)), "a chart was not drawn"
         # The page names the export it is made of.
-        assert page.inner_text("#page-command") == f"inferbus usage export --tenant demo --from {start} --to {end} --bucket 1d"
+        assert (
+            page.inner_text("#page-command")
+            == f"inferbus usage export --tenant demo --from {start} --to {end} --bucket 1d"
+        )
         browser.shot(page, "tenant-usage")
 
         # The CSV download is the export, byte for byte.
@@ -401,7 +406,9 @@ def test_an_operator_sees_the_slos_from_the_gateways_counters(platform: Platform
             day = next(r for r in cells(page, "#slo") if r["key"] == "day")
             return day["values"]["requests"] == str(expected)
 
-        wait_until(recorded, timeout=10, message=lambda: f"the SLO page never counted the gateway's {expected} requests")
+        wait_until(
+            recorded, timeout=10, message=lambda: f"the SLO page never counted the gateway's {expected} requests"
+        )
         now = next(r for r in cells(page, "#slo") if r["key"] == "now")["values"]
         assert 0 < float(now["ttft_p90"]) < 0.8 and now["met"] == "met"
         assert all(charts_drawn(page))
@@ -452,8 +459,23 @@ def test_an_operator_sees_an_adapter_canary_rolled_back_by_its_gate(platform: Pl
         time.sleep(1)
         # The candidate's files are not where the workers look: every request it gets fails to load
         # it and goes on to the registered version, and the SLO gate sees its error rate.
-        off_loop(cli, platform, "release", "adapter-canary", "acme-router", "--path", "missing/acme-router-v2", "--version", v2,
-            "--traffic", "50%", "--steps", "100%", "--window", "60s")
+        off_loop(
+            cli,
+            platform,
+            "release",
+            "adapter-canary",
+            "acme-router",
+            "--path",
+            "missing/acme-router-v2",
+            "--version",
+            v2,
+            "--traffic",
+            "50%",
+            "--steps",
+            "100%",
+            "--window",
+            "60s",
+        )
         seen = off_loop(decisions, platform, "acme-router", {"rollback", "promote"}, timeout=90)
     assert load.errors == []
     assert seen and seen[-1].action == "rollback", [(d.action, d.reason) for d in seen]
@@ -464,7 +486,9 @@ def test_an_operator_sees_an_adapter_canary_rolled_back_by_its_gate(platform: Pl
         assert rollout.get_attribute("data-state") == "rolled_back"
         assert "SLO gate failed" in rollout.locator("[data-col=reason]").inner_text()
         shown = [r for r in cells(page, "#release-decisions") if r["key"] == "acme-router"]
-        assert any(r["values"]["action"] == "rollback" and "SLO gate failed" in r["values"]["reason"] for r in shown), shown
+        assert any(r["values"]["action"] == "rollback" and "SLO gate failed" in r["values"]["reason"] for r in shown), (
+            shown
+        )
         browser.shot(page, "ops-releases")
     with browser.viewer() as page:
         sign_in(page, base, platform.api_key)
@@ -503,7 +527,9 @@ def test_an_operator_sees_the_autoscalers_decisions_tenants_and_prices(platform:
         # An operator opens a tenant's usage: the tenant's own page, the same export.
         page.click("#tenants a[href='/console/ops/tenants/demo/usage']")
         assert page.inner_text("#usage-tenant") == "demo"
-        totals = dict(page.eval_on_selector_all("[data-total]", "es => es.map(e => [e.dataset.total, e.dataset.value])"))
+        totals = dict(
+            page.eval_on_selector_all("[data-total]", "es => es.map(e => [e.dataset.total, e.dataset.value])")
+        )
         exported = rows_of(export(platform, "demo", start, end))
         assert {k: totals[k] for k in sums(exported)} == sums(exported)
         with page.expect_download() as download:

@@ -74,7 +74,9 @@ async def _deliver(platform: Platform, request: m.InferenceRequest, copies: int,
         await dispatch(js, request)
         subject = subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, request.reply_to)
         for copy in range(copies):
-            await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": f"{request.request_id}.{copy}"})
+            await js.publish(
+                subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": f"{request.request_id}.{copy}"}
+            )
         # Every copy ended: run to its Final, or absorbed (logged).
         await await_for(lambda: _absorbed_in_logs(platform, request.request_id) + _finals(events) >= copies, 60,
                         what="every copy run or absorbed")
@@ -167,9 +169,15 @@ def test_a_worker_runs_only_what_a_gateway_dispatched(two_workers: Platform) -> 
             for request in forged:  # forged[0]: dispatched by nobody
                 subject = subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, request.reply_to)
                 await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": request.request_id})
-            refused = await await_for(lambda: [r.request_id for r in forged if _refused_in_logs(two_workers, r.request_id)]
-                                      if all(_refused_in_logs(two_workers, r.request_id) for r in forged) else None,
-                                      30, what="every forged request refused")
+            refused = await await_for(
+                lambda: (
+                    [r.request_id for r in forged if _refused_in_logs(two_workers, r.request_id)]
+                    if all(_refused_in_logs(two_workers, r.request_id) for r in forged)
+                    else None
+                ),
+                30,
+                what="every forged request refused",
+            )
             assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # terminated, not redelivered
         finally:
             await sub.unsubscribe()

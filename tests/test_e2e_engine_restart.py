@@ -53,7 +53,10 @@ def _failed_probes(platform: Platform) -> list[float]:
 
 def test_after_an_engine_restart_adapters_are_loaded_again(single: Platform) -> None:
     with single.admin() as admin:
-        assert admin.post("/adapters", json={"name": "helper", "version": DIGEST, "path": "s3://ok/helper"}).status_code == 201
+        assert (
+            admin.post("/adapters", json={"name": "helper", "version": DIGEST, "path": "s3://ok/helper"}).status_code
+            == 201
+        )
     wait_for(lambda: "helper" in {card.id for card in single.client().models.list().data}, 5, interval=0.1,
              what="the adapter listed")
     first = single.client(timeout=30).completions.create(model="helper", prompt="hello", max_tokens=3, temperature=0)

@@ -111,7 +111,9 @@ def migrations(platform: Platform) -> float:
 def test_router_places_requests_on_workers(fleet: Platform) -> None:
     before = metric(fleet, 'inferbus_placements_total{target="worker"}')
     for _ in range(5):  # at least one 64-token prefix block: shorter prompts skip placement
-        fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 80}], max_tokens=2)
+        fleet.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x " * 80}], max_tokens=2
+        )
     assert metric(fleet, 'inferbus_placements_total{target="worker"}') == before + 5
     fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert metric(fleet, 'inferbus_placements_total{target="worker"}') == before + 5

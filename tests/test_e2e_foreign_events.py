@@ -66,14 +66,36 @@ async def relay(platform: Platform, request_id: str, inject: bool) -> tuple[str,
                 forged: list[m.StreamEvent] = [
                     m.Handoff(request_id=request_id, attempt=0, worker_id=other),
                     m.Accepted(request_id=request_id, attempt=0, worker_id=other, queue_wait=0.0),
-                    m.Final(request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", finish_reason="stop",
-                            usage=m.Usage(prompt_tokens=1, completion_tokens=1), worker_id=other),
+                    m.Final(
+                        request_id=request_id,
+                        attempt=0,
+                        seq=flight.next_seq,
+                        text=" INJECTED",
+                        finish_reason="stop",
+                        usage=m.Usage(prompt_tokens=1, completion_tokens=1),
+                        worker_id=other,
+                    ),
                     # Events that name no worker, or the holder: caught by who published them.
-                    m.TokenChunk(request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", completion_tokens=1),
-                    m.StreamError(request_id=request_id, attempt=0, code="content_filter", message="forged",
-                                  retryable=False, status=400),
-                    m.Final(request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", finish_reason="stop",
-                            usage=m.Usage(prompt_tokens=1, completion_tokens=1), worker_id=flight.worker_id),
+                    m.TokenChunk(
+                        request_id=request_id, attempt=0, seq=flight.next_seq, text=" INJECTED", completion_tokens=1
+                    ),
+                    m.StreamError(
+                        request_id=request_id,
+                        attempt=0,
+                        code="content_filter",
+                        message="forged",
+                        retryable=False,
+                        status=400,
+                    ),
+                    m.Final(
+                        request_id=request_id,
+                        attempt=0,
+                        seq=flight.next_seq,
+                        text=" INJECTED",
+                        finish_reason="stop",
+                        usage=m.Usage(prompt_tokens=1, completion_tokens=1),
+                        worker_id=flight.worker_id,
+                    ),
                 ]
                 # Published as the other worker: the last token of the subject is the publisher's
                 # (NATS permissions bind it to the worker's identity).

@@ -55,7 +55,9 @@ def wait_for_models(client: openai.OpenAI, names: set[str], timeout: float = 5.0
 def test_a_bulk_registration_is_checked_whole_and_then_registers_every_adapter(lora: Platform) -> None:
     entries = [{"name": f"lora-{i}", "version": digest(i), "path": f"s3://adapters/lora-{i}"} for i in range(6)]
     with lora.admin() as admin:
-        bad = admin.post("/adapters/bulk", json={"adapters": [*entries, {"name": "x", "version": "latest", "path": "p"}]})
+        bad = admin.post(
+            "/adapters/bulk", json={"adapters": [*entries, {"name": "x", "version": "latest", "path": "p"}]}
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "adapters[6].version"
         assert admin.get("/adapters").json()["data"] == []  # nothing of a refused call is registered
         created = admin.post("/adapters/bulk", json={"adapters": entries})

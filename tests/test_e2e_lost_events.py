@@ -125,7 +125,11 @@ async def relay(platform: Platform, request_id: str, lose: Callable[[int, bool],
     async def lossy(msg: Msg) -> None:
         kept = []
         for event in m.decode_stream_frame(msg.data).events:
-            if isinstance(event, (m.TokenChunk, m.Final)) and event.seq not in dropped and lose(event.seq, isinstance(event, m.Final)):
+            if (
+                isinstance(event, (m.TokenChunk, m.Final))
+                and event.seq not in dropped
+                and lose(event.seq, isinstance(event, m.Final))
+            ):
                 dropped.add(event.seq)
             elif not (lose_accepted and isinstance(event, m.Accepted)):
                 kept.append(event)

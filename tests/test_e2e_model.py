@@ -63,8 +63,14 @@ def test_a_chatml_model_is_served_with_its_own_template(chatml: Platform, chatml
     assert engine["text"] == reply.choices[0].message.content
     # The output is token ids of the model's vocabulary: they decode to the text streamed.
     assert model.decode(engine["output_ids"]) == engine["text"]
-    stream = chatml.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
-                                                     stream=True, stream_options={"include_usage": True})
+    stream = chatml.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(prompt.ids)
@@ -73,7 +79,9 @@ def test_a_chatml_model_is_served_with_its_own_template(chatml: Platform, chatml
 def test_completions_use_the_tokenizers_special_tokens(chatml: Platform, chatml_model_dir: Path) -> None:
     model = load_model(str(chatml_model_dir))
     reply = chatml.client().completions.create(model=MODEL, prompt="def main():", max_tokens=3, temperature=0)
-    assert reply.usage is not None and reply.usage.prompt_tokens == len(model.encode("def main():", add_special_tokens=True))
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(
+        model.encode("def main():", add_special_tokens=True)
+    )
 
 
 def test_a_message_the_template_refuses_is_a_400_naming_it(chatml: Platform) -> None:
@@ -98,7 +106,9 @@ def test_the_context_length_is_the_models(chatml: Platform, chatml_model_dir: Pa
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model=MODEL, messages=too_long, stream=stream)  # type: ignore[call-overload]
-        assert error.value.code == "context_length_exceeded" and f"maximum context length is {CONTEXT}" in str(error.value)
+        assert error.value.code == "context_length_exceeded" and f"maximum context length is {CONTEXT}" in str(
+            error.value
+        )
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=CONTEXT)
     assert error.value.param == "max_tokens"
@@ -114,7 +124,9 @@ def test_a_repeated_long_prompt_reports_the_engines_cached_tokens(chatml: Platfo
     assert details is not None and details.cached_tokens == second.usage.prompt_tokens - 1
 
 
-def test_the_engines_cache_events_reach_the_router_as_the_gateways_blocks(chatml: Platform, chatml_model_dir: Path) -> None:
+def test_the_engines_cache_events_reach_the_router_as_the_gateways_blocks(
+    chatml: Platform, chatml_model_dir: Path
+) -> None:
     model = load_model(str(chatml_model_dir))
     messages = [{"role": "user", "content": "Relay check. " + LONG[:3000]}]
     expected = block_hashes(render_prompt(model, messages=messages).ids, 64)
@@ -148,15 +160,37 @@ def test_the_engines_cache_events_reach_the_router_as_the_gateways_blocks(chatml
 
 def test_tools_and_tool_results_are_rendered_by_the_template(chatml: Platform, chatml_model_dir: Path) -> None:
     model = load_model(str(chatml_model_dir))
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
-                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-    messages = [{"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12 C and dry"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C and dry"},
+    ]
     reply = chatml.client().chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)  # type: ignore[arg-type]
     prompt = render_prompt(model, messages=messages, tools=tools)
-    assert "<tools>\n" in prompt.text and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt.text
+    assert (
+        "<tools>\n" in prompt.text
+        and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt.text
+    )
     assert "<tool_response>\n12 C and dry\n</tool_response>" in prompt.text
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids)
 
@@ -191,9 +225,14 @@ def test_the_context_length_is_the_engines_when_it_is_started_with_one(narrow: P
     assert reply.usage is not None and reply.usage.completion_tokens == NARROW - prompt_tokens
     for stream in (False, True):  # refused up front, never inside a 200 stream
         with pytest.raises(openai.BadRequestError) as error:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": HALF + HALF}],  # type: ignore[call-overload]
-                                           stream=stream)
-        assert error.value.code == "context_length_exceeded" and f"maximum context length is {NARROW}" in str(error.value)
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": HALF + HALF}],  # type: ignore[call-overload]
+                stream=stream,
+            )
+        assert error.value.code == "context_length_exceeded" and f"maximum context length is {NARROW}" in str(
+            error.value
+        )
 
 
 def test_the_tool_call_parser_is_the_one_the_models_template_writes(narrow: Platform) -> None:

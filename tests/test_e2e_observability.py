@@ -68,7 +68,10 @@ def test_prometheus_metrics_count_requests_and_tokens(platform: Platform, client
     after = scrape()
     key = 'inferbus_requests_total{endpoint="completion",status="200"}'
     assert after[key] == before.get(key, 0) + 1
-    assert after['inferbus_tokens_total{kind="completion"}'] - before.get('inferbus_tokens_total{kind="completion"}', 0) == 4
+    assert (
+        after['inferbus_tokens_total{kind="completion"}'] - before.get('inferbus_tokens_total{kind="completion"}', 0)
+        == 4
+    )
     # Latency histograms are labelled by the model, adapter (base or lora) and band.
     ttft = [k for k in after if k.startswith("inferbus_ttft_seconds_count{") and f'model="{MODEL}"' in k
             and 'adapter="base"' in k]

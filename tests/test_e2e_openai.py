@@ -138,11 +138,31 @@ def test_repeated_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
         (b'{"model": "%s", "messages": "hello"}' % MODEL.encode(), 400, "invalid_value"),
         (b'{"model": "%s", "messages": []}' % MODEL.encode(), 400, "invalid_value"),
         (b'{"model": "%s", "messages": [{"role": "wizard", "content": "x"}]}' % MODEL.encode(), 400, "invalid_value"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}' % MODEL.encode(), 400, "invalid_value"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}' % MODEL.encode(), 400, "invalid_value"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999}' % MODEL.encode(), 400, "context_length_exceeded"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": 7}' % MODEL.encode(), 400, "invalid_value"),
-        (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 0}' % MODEL.encode(), 400, "invalid_value"),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}' % MODEL.encode(),
+            400,
+            "invalid_value",
+        ),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}' % MODEL.encode(),
+            400,
+            "invalid_value",
+        ),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999}' % MODEL.encode(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": 7}' % MODEL.encode(),
+            400,
+            "invalid_value",
+        ),
+        (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "n": 0}' % MODEL.encode(),
+            400,
+            "invalid_value",
+        ),
         (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "missing_required_parameter"),
         (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found"),
     ],
@@ -218,7 +238,9 @@ def _generated_in_engines(platform: Platform) -> float:
     total = 0.0
     for i in (1, 2):
         text = httpx.get(f"{platform.engine_url(i)}/metrics", timeout=10).text
-        total += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:generation_tokens_total"))
+        total += sum(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:generation_tokens_total")
+        )
     return total
 
 

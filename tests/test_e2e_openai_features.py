@@ -70,7 +70,9 @@ def test_parallel_calls_and_parallel_tool_calls_false(client: openai.OpenAI) -> 
 
 
 def test_tool_choice_none_required_and_named(client: openai.OpenAI) -> None:
-    none = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="none", max_tokens=8)
+    none = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
     chat = [{"role": "user", "content": "Hello there"}]  # no ask: only the constraint makes these calls
     required = client.chat.completions.create(model=MODEL, messages=chat, tools=TOOLS, tool_choice="required",
@@ -95,7 +97,9 @@ def test_streamed_tool_call_deltas(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # The SDK's own accumulation agrees with the non-streamed response.
     whole = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=200, seed=1)
-    with client.chat.completions.stream(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=200, seed=1) as stream:
+    with client.chat.completions.stream(
+        model=MODEL, messages=ASK_WEATHER, tools=TOOLS, max_tokens=200, seed=1
+    ) as stream:
         final = stream.get_final_completion()
     streamed_call = final.choices[0].message.tool_calls[0]
     whole_call = whole.choices[0].message.tool_calls[0]
@@ -182,17 +186,28 @@ def test_tools_beside_a_response_format_are_called_when_needed(client: openai.Op
         city: str
         summary: str
 
-    strict_tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]  # the SDK's parse needs them
+    strict_tools = [
+        {**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS
+    ]  # the SDK's parse needs them
 
-    needs_tool = client.chat.completions.parse(model=MODEL, messages=ASK_WEATHER, tools=strict_tools, response_format=Forecast,
-                                               max_tokens=300)
+    needs_tool = client.chat.completions.parse(
+        model=MODEL, messages=ASK_WEATHER, tools=strict_tools, response_format=Forecast, max_tokens=300
+    )
     choice = needs_tool.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     _check_calls(choice.message.tool_calls, ["get_weather"])
     call = choice.message.tool_calls[0]
-    answered = client.chat.completions.parse(model=MODEL, tools=strict_tools, response_format=Forecast, max_tokens=300, messages=[
-        *ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": "18 C and clear"}])
+    answered = client.chat.completions.parse(
+        model=MODEL,
+        tools=strict_tools,
+        response_format=Forecast,
+        max_tokens=300,
+        messages=[
+            *ASK_WEATHER,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C and clear"},
+        ],
+    )
     assert answered.choices[0].finish_reason == "stop" and isinstance(answered.choices[0].message.parsed, Forecast)
     no_tool = client.chat.completions.parse(model=MODEL, tools=strict_tools, response_format=Forecast, max_tokens=300,
                                             messages=[{"role": "user", "content": "Describe a sunny day."}])

@@ -146,7 +146,9 @@ def test_a_seed_the_bus_cannot_carry_is_a_400_not_a_retryable_503(platform: Plat
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, seed=7)  # type: ignore[arg-type]
 
 
-def test_a_batch_line_the_bus_cannot_carry_ends_the_batch_with_a_clear_error(platform: Platform, tmp_path: Path) -> None:
+def test_a_batch_line_the_bus_cannot_carry_ends_the_batch_with_a_clear_error(
+    platform: Platform, tmp_path: Path
+) -> None:
     """Once, such a line was published ~7 times a second forever and the batch never finished."""
     client = platform.client(timeout=30)
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",

@@ -52,7 +52,9 @@ def test_the_fleet_is_one_prefill_and_one_decode_engine(pd_platform: Platform) -
     assert ready["workers"] == 2
 
 
-def test_the_prompt_is_computed_on_the_prefill_engine_and_the_answer_on_the_decode_engine(pd_platform: Platform) -> None:
+def test_the_prompt_is_computed_on_the_prefill_engine_and_the_answer_on_the_decode_engine(
+    pd_platform: Platform,
+) -> None:
     client = pd_platform.client()
     prefill_before, decode_before = counters(pd_platform, PREFILL), counters(pd_platform, DECODE)
     response = client.chat.completions.create(
@@ -156,9 +158,19 @@ def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
     worker, which reports them as batch (the autoscaler sizes the prefill pool on interactive
     demand only: batch lines are filler, in both pools)."""
     client = pd_platform.client(timeout=30)
-    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Batch question {i}?"}], "max_tokens": 5}}
-             for i in range(6)]
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Batch question {i}?"}],
+                "max_tokens": 5,
+            },
+        }
+        for i in range(6)
+    ]
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     file_id = client.files.create(file=("input.jsonl", data), purpose="batch").id
     before = counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"]
@@ -191,7 +203,9 @@ def test_a_batch_runs_on_the_disaggregated_fleet(pd_platform: Platform) -> None:
     assert all(r.in_flight == r.batch_in_flight for r in reports), [(r.in_flight, r.batch_in_flight) for r in reports]
     assert batch.status == "completed" and batch.request_counts is not None and batch.request_counts.completed == 6
     assert batch.output_file_id is not None
-    output = [json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines() if line.strip()]
+    output = [
+        json.loads(line) for line in client.files.content(batch.output_file_id).content.splitlines() if line.strip()
+    ]
     assert sorted(o["custom_id"] for o in output) == [f"line-{i}" for i in range(6)]
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 5 for o in output)
     assert counters(pd_platform, PREFILL)["sglang:prompt_tokens_total"] - before == sum(
@@ -245,9 +259,18 @@ def test_a_prefill_fleet_alone_serves_nothing(pd_platform: Platform) -> None:
 
 
 def _half(request_id: str, tokens: int) -> m.PrefillRequest:
-    request = m.InferenceRequest(request_id=request_id, tenant="demo", model=MODEL, prompt="", reply_to="inferbus.tok.gateway",
-                                 deadline=time.time() + 60, created=time.time(), input_ids=list(range(10, 10 + tokens)),
-                                 sampling=m.SamplingParams(max_new_tokens=4), prompt_tokens=tokens)
+    request = m.InferenceRequest(
+        request_id=request_id,
+        tenant="demo",
+        model=MODEL,
+        prompt="",
+        reply_to="inferbus.tok.gateway",
+        deadline=time.time() + 60,
+        created=time.time(),
+        input_ids=list(range(10, 10 + tokens)),
+        sampling=m.SamplingParams(max_new_tokens=4),
+        prompt_tokens=tokens,
+    )
     return m.PrefillRequest(request=request, bootstrap_room=int.from_bytes(request_id.encode()[:7], "big"))
 
 
@@ -284,7 +307,9 @@ def test_a_gateways_cancel_aborts_a_prefill_half_whatever_its_decode_side_does(p
     request_id = "pd-cancel-" + secrets.token_hex(4)
     half = _half(request_id, 2_000)
     cancel = m.encode(m.Cancel(request_id=request_id))
-    accepted, done, load = asyncio.run(_ask_prefill(pd_platform, half, cancel, subjects.cancel_subject("gateway", request_id)))
+    accepted, done, load = asyncio.run(
+        _ask_prefill(pd_platform, half, cancel, subjects.cancel_subject("gateway", request_id))
+    )
     assert accepted.accepted and accepted.worker_id == "worker-1" and accepted.bootstrap_port > 0
     assert done is not None and not done.ok and done.worker_id == "worker-1" and done.request_id == request_id
     assert load == 0
@@ -301,7 +326,9 @@ def test_a_decode_worker_gives_a_prefill_half_up(pd_platform: Platform) -> None:
     assert accepted.accepted and done is not None and not done.ok and load == 0
 
 
-def test_a_prefill_worker_takes_one_batch_prompt_at_a_time_and_interactive_ones_beside_it(pd_platform: Platform) -> None:
+def test_a_prefill_worker_takes_one_batch_prompt_at_a_time_and_interactive_ones_beside_it(
+    pd_platform: Platform,
+) -> None:
     """Batch lines' prompts use the prefill side's spare capacity: beyond
     INFERBUS_WORKER_BATCH_MAX_PREFILLING (1) at once a batch half is refused `full`, an interactive
     one is still taken. No decode engine joins the rooms here, so a taken half stays held."""
@@ -358,7 +385,9 @@ def test_a_prefill_worker_says_whether_it_still_holds_a_half(pd_platform: Platfo
             accepted = msgspec.msgpack.decode((await nc.request(subject, m.encode(half), timeout=5)).data,
                                               type=m.PrefillAccepted)
             assert accepted.accepted
-            while_running = msgspec.msgpack.decode((await nc.request(subject, status, timeout=5)).data, type=m.PrefillHeld)
+            while_running = msgspec.msgpack.decode(
+                (await nc.request(subject, status, timeout=5)).data, type=m.PrefillHeld
+            )
             await nc.publish(subject, m.encode(m.PrefillAbort(request_id=request_id, attempt=0)))
             await reports.next_msg(timeout=5)  # its report: the half has ended
             after = msgspec.msgpack.decode((await nc.request(subject, status, timeout=5)).data, type=m.PrefillHeld)

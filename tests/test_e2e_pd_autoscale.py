@@ -90,7 +90,9 @@ def test_the_pool_the_load_is_too_much_for_grows_and_the_other_does_not(tmp_path
 
         # The other pool saw the same requests and kept serving with its minimum, one worker (a
         # rising rate may give it a warm spare, never promoted).
-        assert kept and all(d.desired_serving == 1 for d in kept), [d.reason for d in kept if d.desired_serving != 1][:3]
+        assert kept and all(d.desired_serving == 1 for d in kept), [d.reason for d in kept if d.desired_serving != 1][
+            :3
+        ]
         assert max(d.serving for d in kept) == 1 and not any(d.promote for d in kept)
         assert max(d.arrival_rate for d in kept) > 2, "the other pool's workers saw the load too"
         assert {e["role"] for e in started if e["pool"] == other_pool} == {other}

@@ -29,7 +29,9 @@ def test_an_interactive_prompt_preempts_a_batch_prompt_on_a_full_prefill_worker(
     with running_platform(tmp_path, prefill=1, decode=2, time_scale=1.0, extra_env=env) as platform:
         client = platform.client(timeout=60)
         started = time.monotonic()
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "quick question"}], max_tokens=3)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "quick question"}], max_tokens=3
+        )
         alone_s = time.monotonic() - started
         long_prompt = " ".join(f"word{i}" for i in range(24000))
         engine = platform.engine_url(PREFILL)
@@ -77,10 +79,15 @@ def test_an_interactive_prompt_preempts_a_batch_prompt_on_a_full_prefill_worker(
         for batch in batches:
             assert batch.status == "completed" and batch.request_counts is not None
             assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 0)
-            outputs += [json.loads(line) for line in client.files.content(batch.output_file_id or "").content.splitlines()
-                        if line.strip()]
+            outputs += [
+                json.loads(line)
+                for line in client.files.content(batch.output_file_id or "").content.splitlines()
+                if line.strip()
+            ]
         assert sorted(o["custom_id"] for o in outputs) == ["line-0", "line-1"]
         assert all(o["response"]["body"]["usage"]["completion_tokens"] == 3 for o in outputs)
         # The line preempted is the first (its prompt reached the engine first).
         assert preempted[0]["request_id"].startswith(batches[0].id)
-        print(f"interactive request alone: {alone_s * 1e3:.0f} ms; beside two batch prompts: {interactive_s * 1e3:.0f} ms")
+        print(
+            f"interactive request alone: {alone_s * 1e3:.0f} ms; beside two batch prompts: {interactive_s * 1e3:.0f} ms"
+        )

@@ -48,7 +48,9 @@ def worker4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 def generated_tokens(platform: Platform) -> float:
     """Tokens the (only) engine has generated so far: its `sglang:generation_tokens_total`."""
     text = httpx.get(platform.engine_url(1) + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:generation_tokens_total"))
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:generation_tokens_total")
+    )
 
 
 def line_request(batch_id: str, line: int, prompt: str, max_new_tokens: int, reply_to: str,
@@ -106,7 +108,9 @@ class BatchFeed:
                               headers={"Nats-Msg-Id": f"{request.request_id}.{request.attempt}"})
 
     async def cancel(self, request_id: str) -> None:
-        await self.nc.publish(subjects.cancel_subject(self.owner, request_id), m.encode(m.Cancel(request_id=request_id, reason="admin")))
+        await self.nc.publish(
+            subjects.cancel_subject(self.owner, request_id), m.encode(m.Cancel(request_id=request_id, reason="admin"))
+        )
 
     async def wait_accepted(self, n: int, timeout: float = 20) -> None:
         await await_for(lambda: len({a.request_id for a in self.accepted}) >= n, timeout, interval=0.02,
@@ -209,7 +213,9 @@ def test_interactive_requests_preempt_batch_lines_which_resume_and_finish_once(w
         result = by_id[request_id]
         assert result.ok and result.finish_reason == "length" and result.line == i
         assert result.usage is not None and result.usage.completion_tokens == LINE_TOKENS
-        assert result.usage.prompt_tokens == len(render_prompt(load_model(worker4.stack.model_dir), prompt=prompts[i]).ids)
+        assert result.usage.prompt_tokens == len(
+            render_prompt(load_model(worker4.stack.model_dir), prompt=prompts[i]).ids
+        )
         # Resumed lines continue where they stopped: the text is what an uninterrupted run gives.
         assert result.text == reference(worker4, prompts[i], LINE_TOKENS)
 

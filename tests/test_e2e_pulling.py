@@ -74,7 +74,9 @@ def test_every_free_slot_takes_waiting_standard_work(sixteen_slots: Platform) ->
                     ids.append(request.request_id)
                     await dispatch(js, request)
                     await js.publish(subject, m.encode(request.on_wire()), headers={"Nats-Msg-Id": request.request_id})
-                await await_for(functools.partial(_at_least, accepted, len(ids)), 20, what=f"{len(ids)} requests started")
+                await await_for(
+                    functools.partial(_at_least, accepted, len(ids)), 20, what=f"{len(ids)} requests started"
+                )
             return len(accepted), len(finished)
         finally:
             for request_id in ids:  # leave nothing running for the next test

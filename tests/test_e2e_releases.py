@@ -68,11 +68,31 @@ class Replicas:
         return target
 
     def create(self, model_dir: Path, note: str = "") -> str:
-        result = CliRunner().invoke(main, [
-            "release", "create", "--model", MODEL, "--model-dir", str(model_dir), "--repo", "meta-llama/Llama-3.3-70B-Instruct",
-            "--revision", COMMIT, "--engine-image", IMAGE, "--flag", "quantization=fp8",
-            "--flag", f"sim_eval_accuracy={quality.accuracy_of(str(model_dir), None)}", "--note", note,
-            "--nats-url", self.platform.stack.nats_url])
+        result = CliRunner().invoke(
+            main,
+            [
+                "release",
+                "create",
+                "--model",
+                MODEL,
+                "--model-dir",
+                str(model_dir),
+                "--repo",
+                "meta-llama/Llama-3.3-70B-Instruct",
+                "--revision",
+                COMMIT,
+                "--engine-image",
+                IMAGE,
+                "--flag",
+                "quantization=fp8",
+                "--flag",
+                f"sim_eval_accuracy={quality.accuracy_of(str(model_dir), None)}",
+                "--note",
+                note,
+                "--nats-url",
+                self.platform.stack.nats_url,
+            ],
+        )
         assert result.exit_code == 0, result.output
         return next(line for line in result.stdout.splitlines() if record.DIGEST.match(line))
 
@@ -84,8 +104,15 @@ class Replicas:
         spec = EngineSpec(model=MODEL, time_scale=1.0, fixed_step_ms=step_ms)
         env = stack._env(INFERBUS_MODEL_DIR=str(model_dir))
         engine, worker = replica_processes(
-            index, spec, env, stack.config.state_dir / "logs",
-            worker_env={**stack.credentials(f"worker-{index}"), "INFERBUS_WORKER_RELEASE": release, **(worker_env or {})},
+            index,
+            spec,
+            env,
+            stack.config.state_dir / "logs",
+            worker_env={
+                **stack.credentials(f"worker-{index}"),
+                "INFERBUS_WORKER_RELEASE": release,
+                **(worker_env or {}),
+            },
         )
         self.processes += [engine, worker]
         engine.start()
@@ -163,9 +190,23 @@ def test_good_candidate_is_promoted_without_a_client_error(platform: Platform, r
         time.sleep(2)
         start_canary(platform, candidate, "--eval-suite", "arithmetic")
         # 40 items × 25 repeats per release: a one-point drop from 97% passes with probability > 0.99.
-        evaluated = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(candidate), "--concurrency", "6",
-                                              "--url", platform.stack.gateway_url, "--api-key", platform.api_key,
-                                              "--nats-url", platform.stack.nats_url])
+        evaluated = CliRunner().invoke(
+            main,
+            [
+                "eval",
+                "arithmetic",
+                "--release",
+                record.short(candidate),
+                "--concurrency",
+                "6",
+                "--url",
+                platform.stack.gateway_url,
+                "--api-key",
+                platform.api_key,
+                "--nats-url",
+                platform.stack.nats_url,
+            ],
+        )
         assert evaluated.exit_code == 0, evaluated.output
         assert evaluated.stdout.startswith("PASS: suite arithmetic: candidate")
         deadline = time.monotonic() + 150
@@ -197,8 +238,11 @@ def test_good_candidate_is_promoted_without_a_client_error(platform: Platform, r
     served = {release: sum(1 for e in events if e.release == release) for release in (stable, candidate)}
 
     def by_release() -> dict[str | None, int] | None:
-        response = httpx.get(platform.base_url + "/usage", headers={"authorization": f"Bearer {platform.api_key}"},
-                             params={"start_time": int(time.time()) - 3600, "bucket_width": "1d", "group_by": "release"})
+        response = httpx.get(
+            platform.base_url + "/usage",
+            headers={"authorization": f"Bearer {platform.api_key}"},
+            params={"start_time": int(time.time()) - 3600, "bucket_width": "1d", "group_by": "release"},
+        )
         assert response.status_code == 200, response.text
         counts = {r["release"]: r["num_model_requests"] for b in response.json()["data"] for r in b["results"]}
         return counts if all(counts.get(release, 0) >= n for release, n in served.items()) else None
@@ -295,11 +339,23 @@ def test_worker_refuses_adapter_files_that_are_not_their_version(platform: Platf
     digest = record.directory_digest(adapter)
     with platform.admin() as admin:
         for name, version in (("tenant-bot", digest), ("tampered-bot", digest)):
-            assert admin.post("/adapters", json={"name": name, "version": version, "path": str(adapter if name == "tenant-bot" else tmp_path / "copy")}).status_code == 201
+            assert (
+                admin.post(
+                    "/adapters",
+                    json={
+                        "name": name,
+                        "version": version,
+                        "path": str(adapter if name == "tenant-bot" else tmp_path / "copy"),
+                    },
+                ).status_code
+                == 201
+            )
     shutil.copytree(adapter, tmp_path / "copy")
     (tmp_path / "copy" / "adapter_model.safetensors").write_bytes(b"lora-v3" * 100)
     client = platform.client()
-    served = client.chat.completions.create(model="tenant-bot", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    served = client.chat.completions.create(
+        model="tenant-bot", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+    )
     assert served.choices[0].message.content
     import openai
 
@@ -321,9 +377,17 @@ def test_worker_refuses_an_engine_image_that_is_not_its_release(platform: Platfo
     try:
         good = replicas.model_dir("good", 0.95)
         release = replicas.create(good)
-        _, worker = replicas.start(good, release, wait=False, worker_env={
-            "INFERBUS_ENGINE_IMAGE_CHECK": "kubernetes", "INFERBUS_K8S_API_URL": f"http://127.0.0.1:{server.server_address[1]}",
-            "INFERBUS_POD_NAME": "worker-7c9f-abcde", "INFERBUS_POD_NAMESPACE": "inferbus"})
+        _, worker = replicas.start(
+            good,
+            release,
+            wait=False,
+            worker_env={
+                "INFERBUS_ENGINE_IMAGE_CHECK": "kubernetes",
+                "INFERBUS_K8S_API_URL": f"http://127.0.0.1:{server.server_address[1]}",
+                "INFERBUS_POD_NAME": "worker-7c9f-abcde",
+                "INFERBUS_POD_NAMESPACE": "inferbus",
+            },
+        )
         assert worker.wait(60), "the worker kept running on an engine image that is not its release's"
         assert worker.returncode != 0
         log = worker.tail(40)

@@ -72,7 +72,9 @@ def test_rate_limits_apply(platform: Platform) -> None:
 
 def test_streamed_events_match_the_whole_response(client: openai.OpenAI) -> None:
     whole = client.responses.create(model=MODEL, input="Tell me about NATS", max_output_tokens=20, temperature=0)
-    with client.responses.stream(model=MODEL, input="Tell me about NATS", max_output_tokens=20, temperature=0) as stream:
+    with client.responses.stream(
+        model=MODEL, input="Tell me about NATS", max_output_tokens=20, temperature=0
+    ) as stream:
         events = list(stream)
     assert [e.type for e in events if e.type != "response.output_text.delta"] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",

@@ -35,7 +35,9 @@ def serves_within(platform: Platform, seconds: float) -> float:
     started = time.monotonic()
     while True:
         try:
-            reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
             assert reply.usage and reply.usage.completion_tokens == 3
             return time.monotonic() - started
         except (openai.APIStatusError, openai.APIConnectionError, openai.APITimeoutError):

@@ -57,7 +57,9 @@ def prefix(family: int, tokens: int = 2048) -> str:
 
 
 def complete(platform: Platform, prompt: str, model: str = MODEL, max_tokens: int = 4) -> openai.types.Completion:
-    return platform.client(timeout=60).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return platform.client(timeout=60).completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
+    )
 
 
 def cached(response: openai.types.Completion) -> int:
@@ -94,7 +96,10 @@ def test_adapters_register_with_a_pinned_version_and_list_for_the_tenant(fleet: 
         created = admin.post("/adapters", json={"name": "support-bot", "version": DIGEST, "path": "s3://ok/support"})
         assert created.status_code == 201, created.text
         assert created.json()["engine_name"] == "support-bot@" + "ab" * 6
-        assert admin.post("/adapters", json={"name": "broken", "version": DIGEST, "path": "missing/weights"}).status_code == 201
+        assert (
+            admin.post("/adapters", json={"name": "broken", "version": DIGEST, "path": "missing/weights"}).status_code
+            == 201
+        )
 
     def listed() -> dict[str, openai.types.Model] | None:
         models = {card.id: card for card in fleet.client().models.list().data}
@@ -142,7 +147,9 @@ def test_a_router_restart_rebuilds_its_view_from_the_workers(fleet: Platform) ->
     # request goes where that prefix is cached. (A router placing by load alone would find all
     # three one time in 27.)
     for text in warm:
-        assert cached(complete(fleet, text + " after the restart")) >= 1984, "the restarted router did not learn where the prefix is cached"
+        assert cached(complete(fleet, text + " after the restart")) >= 1984, (
+            "the restarted router did not learn where the prefix is cached"
+        )
 
 
 def _restart_router(platform: Platform) -> None:
@@ -153,7 +160,10 @@ def _restart_router(platform: Platform) -> None:
     def logged(path: Path, event: bytes) -> int:
         return path.read_bytes().count(b'"%s"' % event)
 
-    ready, snapshots = logged(router.log_path, b"router_ready"), [logged(path, b"cache_snapshot_sent") for path in workers]
+    ready, snapshots = (
+        logged(router.log_path, b"router_ready"),
+        [logged(path, b"cache_snapshot_sent") for path in workers],
+    )
     router.start()
     wait_for(lambda: logged(router.log_path, b"router_ready") > ready and all(
         logged(path, b"cache_snapshot_sent") > before for path, before in zip(workers, snapshots)

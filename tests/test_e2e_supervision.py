@@ -29,9 +29,24 @@ def test_nats_and_a_worker_that_die_are_restarted_and_requests_succeed_again(tmp
     port, state = free_port(), tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "tools.commands.main", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
-         "--state-dir", str(state)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "tools.commands.main",
+            "up",
+            "--workers",
+            "1",
+            "--port",
+            str(port),
+            "--time-scale",
+            "0.1",
+            "--state-dir",
+            str(state),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]

@@ -276,8 +276,11 @@ def test_an_overloaded_platform_sheds_standard_with_503_and_keeps_serving_premiu
     async def flood() -> tuple[list[httpx.Response], list[int]]:
         async with httpx.AsyncClient(timeout=60) as http:
             async def one(key: str) -> httpx.Response:
-                return await http.post(f"{tight.base_url}/chat/completions", headers={"authorization": f"Bearer {key}"},
-                                       json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40})
+                return await http.post(
+                    f"{tight.base_url}/chat/completions",
+                    headers={"authorization": f"Bearer {key}"},
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40},
+                )
 
             shed: list[httpx.Response] = []
             premium_statuses: list[int] = []

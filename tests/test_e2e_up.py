@@ -36,9 +36,24 @@ def test_up_serves_the_demo_key_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> N
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
     up = subprocess.Popen(
-        [sys.executable, "-m", "tools.commands.main", "up", "--workers", "1", "--port", str(port), "--time-scale", "0.1",
-         "--state-dir", str(tmp_path / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "tools.commands.main",
+            "up",
+            "--workers",
+            "1",
+            "--port",
+            str(port),
+            "--time-scale",
+            "0.1",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     lines: list[str] = []
     try:

@@ -31,8 +31,16 @@ def test_sampling_params_carry_every_field_sglang_knows() -> None:
                                   json_schema='{"type":"object"}', presence_penalty=0.5, frequency_penalty=-0.5),
         resumed_tokens=3)
     assert sampling_params(request) == {
-        "max_new_tokens": 7, "temperature": 1.0, "top_p": 1.0, "stop": ["."], "sampling_seed": 5,
-        "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.1, "json_schema": '{"type":"object"}',
+        "max_new_tokens": 7,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "stop": ["."],
+        "sampling_seed": 5,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "top_k": 40,
+        "min_p": 0.1,
+        "json_schema": '{"type":"object"}',
     }
     extras = m.SamplingParams(max_new_tokens=10, repetition_penalty=1.2, min_new_tokens=5, ignore_eos=True,
                               stop_token_ids=[2])

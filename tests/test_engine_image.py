@@ -29,8 +29,13 @@ def pod(image_id: str, sidecar: bool = True) -> dict[str, Any]:
 
 def test_the_running_digest_is_the_kubelets_image_id_of_the_engine_container() -> None:
     # containerd reports `<repo>@sha256:…`, Docker-based runtimes `docker-pullable://<repo>@sha256:…`.
-    assert engine_image.running_digest(pod("docker.io/lmsysorg/sglang@sha256:" + "ab" * 32), "sglang") == "sha256:" + "ab" * 32
-    assert engine_image.running_digest(pod("docker-pullable://lmsysorg/sglang@" + OTHER, sidecar=False), "sglang") == OTHER
+    assert (
+        engine_image.running_digest(pod("docker.io/lmsysorg/sglang@sha256:" + "ab" * 32), "sglang")
+        == "sha256:" + "ab" * 32
+    )
+    assert (
+        engine_image.running_digest(pod("docker-pullable://lmsysorg/sglang@" + OTHER, sidecar=False), "sglang") == OTHER
+    )
     with pytest.raises(engine_image.ImageCheckError, match="no container 'engine'.*sglang, worker"):
         engine_image.running_digest(pod("x@" + OTHER), "engine")
     with pytest.raises(engine_image.ImageCheckError, match="no image digest"):
@@ -78,7 +83,9 @@ def test_the_worker_reads_its_own_pod_and_checks_the_engine_image(api: str) -> N
     assert asyncio.run(engine_image.check("auto", PINNED, "sglang", access)) is None
     assert _Api.seen[-1] == ("/api/v1/namespaces/inferbus/pods/worker-7c9f-abcde", "Bearer sa-token")
     _Api.served = pod("docker.io/lmsysorg/sglang@" + OTHER)
-    assert "the engine runs image " + OTHER in (asyncio.run(engine_image.check("kubernetes", PINNED, "sglang", access)) or "")
+    assert "the engine runs image " + OTHER in (
+        asyncio.run(engine_image.check("kubernetes", PINNED, "sglang", access)) or ""
+    )
     # Not allowed to read the pod: `auto` serves and logs it unverified, `kubernetes` refuses.
     _Api.status = 403
     assert asyncio.run(engine_image.check("auto", PINNED, "sglang", access)) is None

@@ -61,7 +61,9 @@ def test_lora_steps_pay_for_the_distinct_adapters_in_the_batch():
     base = model.model
     for batch in (1, 8, 64):
         distinct = expected_distinct_adapters(batch, 16, 8)
-        assert model.step_time(batch, 100_000, 0, 0.0) == pytest.approx(base.step_time(batch, 100_000, 0, 0.0, distinct))
+        assert model.step_time(batch, 100_000, 0, 0.0) == pytest.approx(
+            base.step_time(batch, 100_000, 0, 0.0, distinct)
+        )
         assert model.step_time(batch, 100_000, 0, 0.0) > base.step_time(batch, 100_000, 0, 0.0)
     # 16 adapters over 8 slots: a batch of 64 holds all eight slots' worth.
     assert expected_distinct_adapters(64, 16, 8) == 8
@@ -109,9 +111,16 @@ def test_simulate_cli_takes_the_engine_options(tmp_path):
     lora = CliRunner().invoke(simulate, [*args, "--lora-adapters", "16", "--out", str(out) + "-lora"])
     assert plain.exit_code == spec.exit_code == lora.exit_code == 0, (plain.output, spec.output, lora.output)
     import json
-    read = {name: json.loads((tmp_path / name / "simulate.json").read_text()) for name in ("sim", "sim-spec", "sim-lora")}
+
+    read = {
+        name: json.loads((tmp_path / name / "simulate.json").read_text()) for name in ("sim", "sim-spec", "sim-lora")
+    }
     # Speculative decoding lifts the goodput the fleet is sized at (fewer replicas), adapters lower it.
-    assert read["sim-spec"]["inputs"]["replicas"] < read["sim"]["inputs"]["replicas"] <= read["sim-lora"]["inputs"]["replicas"]
+    assert (
+        read["sim-spec"]["inputs"]["replicas"]
+        < read["sim"]["inputs"]["replicas"]
+        <= read["sim-lora"]["inputs"]["replicas"]
+    )
     assert read["sim-spec"]["inputs"]["spec"] == "3:0.7" and read["sim-lora"]["inputs"]["lora_adapters"] == 16
     bad = CliRunner().invoke(simulate, [*args, "--spec", "3"])
     assert bad.exit_code == 2 and "K:ACCEPTANCE" in bad.output

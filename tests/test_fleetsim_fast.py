@@ -51,7 +51,12 @@ def test_roofline_step_function_is_the_model():
     rng = random.Random(1)
     fn = step_function(MODEL)
     for _ in range(500):
-        args = (rng.randrange(0, 300), rng.randrange(0, 400_000), rng.choice([0, rng.randrange(1, 4096)]), rng.random() * 8000)
+        args = (
+            rng.randrange(0, 300),
+            rng.randrange(0, 400_000),
+            rng.choice([0, rng.randrange(1, 4096)]),
+            rng.random() * 8000,
+        )
         assert fn(*args) == pytest.approx(MODEL.step_time(*args), rel=1e-12)
 
 
@@ -229,7 +234,9 @@ def test_affinity_places_by_the_replicas_prefix_caches_which_the_router_mirrors(
             for r in replicas:  # the index holds what each cache holds, from its changes alone
                 assert index.blocks_of(r.name) == len(r.prefix_cache)
                 assert index.matched_blocks(list(r.prefix_cache)[:1]).get(r.name) == 1
-    assert hit["affinity"] > hit["round_robin"] + 0.3, hit  # printed on failure  # at most 7 of 8 requests of a family can hit
+    assert hit["affinity"] > hit["round_robin"] + 0.3, (
+        hit
+    )  # printed on failure  # at most 7 of 8 requests of a family can hit
 
 
 # ---- the load sampler ------------------------------------------------------------------------------
@@ -380,7 +387,8 @@ def test_simulate_cli_writes_its_report(tmp_path):
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(
-        f'{{"timestamp": {int(r.arrival_s * 1000)}, "input_length": {r.input_tokens}, "output_length": {r.output_tokens}}}\n'
+        f'{{"timestamp": {int(r.arrival_s * 1000)}, "input_length": {r.input_tokens}, "output_length": '
+        f'{r.output_tokens}}}\n'
         for r in workload.azure_like(600)))
     result = CliRunner().invoke(main, [
         "simulate", "--trace", str(trace), "--duration", "10m", "--peak-rps", "20", "--fleet", "H100:2x4",
@@ -399,7 +407,8 @@ def test_simulate_cli_autoscales_with_the_autoscalers_policy(tmp_path):
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(
-        f'{{"timestamp": {int(r.arrival_s * 1000)}, "input_length": {r.input_tokens}, "output_length": {r.output_tokens}}}\n'
+        f'{{"timestamp": {int(r.arrival_s * 1000)}, "input_length": {r.input_tokens}, "output_length": '
+        f'{r.output_tokens}}}\n'
         for r in workload.azure_like(600)))
     gpu_hours = {}
     for name, extra in (("static", []), ("autoscaled", ["--autoscale", "--cold-start", "30"])):

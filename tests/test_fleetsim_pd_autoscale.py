@@ -82,6 +82,10 @@ def test_the_bench_follows_the_day_within_the_plans_bounds() -> None:
     a, s = r["autoscaled"], r["static"]
     assert a["requests"] == s["requests"] and a["completed"] == a["requests"]
     # Both pools grew from the trough's replicas with the day, and never past the plan's.
-    assert a["prefill_serving_max"] > a["start_prefill_replicas"] or a["decode_serving_max"] > a["start_decode_replicas"]
-    assert a["prefill_serving_max"] <= r["plan_prefill_replicas"] and a["decode_serving_max"] <= r["plan_decode_replicas"]
+    assert (
+        a["prefill_serving_max"] > a["start_prefill_replicas"] or a["decode_serving_max"] > a["start_decode_replicas"]
+    )
+    assert (
+        a["prefill_serving_max"] <= r["plan_prefill_replicas"] and a["decode_serving_max"] <= r["plan_decode_replicas"]
+    )
     assert a["minute_attainment"] >= 0.95

@@ -40,8 +40,16 @@ def test_migration_continues_from_token_ids_not_retokenized_text() -> None:
 
 
 def test_constrained_output_is_not_continued_from_its_text() -> None:
-    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x", deadline=1e12,
-                                 created=0, sampling=m.SamplingParams(max_new_tokens=10, json_schema='{"type":"object"}'))
+    request = m.InferenceRequest(
+        request_id="r",
+        tenant="t",
+        model="m",
+        prompt="P",
+        reply_to="x",
+        deadline=1e12,
+        created=0,
+        sampling=m.SamplingParams(max_new_tokens=10, json_schema='{"type":"object"}'),
+    )
     assert next_attempt(Flight(request=request, sent_text=['{"a'], sent_tokens=2), max_attempts=3, now=0) is None
     fresh = next_attempt(Flight(request=request), max_attempts=3, now=0)  # nothing sent yet: start over
     assert fresh is not None and fresh.attempt == 1 and fresh.resumed_text == ""
@@ -92,7 +100,9 @@ async def test_a_stream_its_worker_cannot_resend_continues_elsewhere() -> None:
 
     dispatcher.migrate = migrate  # type: ignore[method-assign]
     flight = Flight(request=request, events=asyncio.Queue())
-    chunk = lambda attempt, seq, text: m.TokenChunk(request_id="r", attempt=attempt, seq=seq, text=text, completion_tokens=seq + 1)  # noqa: E731
+    chunk = lambda attempt, seq, text: m.TokenChunk(  # noqa: E731
+        request_id="r", attempt=attempt, seq=seq, text=text, completion_tokens=seq + 1
+    )
     for event in (chunk(0, 0, " a"),
                   m.StreamError(request_id="r", attempt=0, code="stream_lost", retryable=True, status=503,
                                 message="no event for 2.1 s; worker w cannot send the missing events again"),

@@ -12,23 +12,40 @@ def test_chat_body_with_max_completion_tokens_and_text_parts() -> None:
     assert chat.max_tokens == 9 and chat.stream_options and chat.stream_options.include_usage
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 33}, "stop"),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
-     "messages[0].content[0].type"),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
-     "chat_template_kwargs.messages"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": "m", "messages": [{"role": "tool", "content": "18 C"}]}, "messages[0].tool_call_id"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
-     "response_format.json_schema"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
-     "response_format.type"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 33}, "stop"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs.messages",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ({"model": "m", "messages": [{"role": "tool", "content": "18 C"}]}, "messages[0].tool_call_id"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+    ],
+)
 def test_bad_chat_bodies_name_the_parameter(body: dict, param: str) -> None:
     with pytest.raises(OpenAIError) as raised:
         parse_chat(msgspec.json.encode(body))
@@ -55,10 +72,15 @@ def test_tools_and_messages_over_their_limits_are_refused_before_each_is_checked
         parse_chat(msgspec.json.encode({"model": "m", "messages": user, "tools": [bad] * 129}))
     assert (raised.value.status, raised.value.param) == (400, "tools") and "at most 128" in raised.value.message
     with pytest.raises(OpenAIError) as raised:
-        parse_chat(msgspec.json.encode({"model": "m", "messages": [{"role": "tool", "content": "x"}] * 5}), max_messages=4)
+        parse_chat(
+            msgspec.json.encode({"model": "m", "messages": [{"role": "tool", "content": "x"}] * 5}), max_messages=4
+        )
     assert (raised.value.status, raised.value.param) == (400, "messages") and "at most 4" in raised.value.message
-    accepted = parse_chat(msgspec.json.encode({"model": "m", "messages": user * 4, "tools": [_tool(i) for i in range(3)]}),
-                          max_tools=3, max_messages=4)
+    accepted = parse_chat(
+        msgspec.json.encode({"model": "m", "messages": user * 4, "tools": [_tool(i) for i in range(3)]}),
+        max_tools=3,
+        max_messages=4,
+    )
     assert accepted.tools is not None and len(accepted.tools) == 3
 
 
@@ -128,4 +150,9 @@ def test_the_extensions_clients_send_are_known_and_reach_the_engine() -> None:
     # min_tokens never exceeds what may be generated.
     assert sampling_params(chat, max_new_tokens=2).min_new_tokens == 2
     plain = sampling_params(parse_chat(b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'), 8)
-    assert (plain.repetition_penalty, plain.min_new_tokens, plain.ignore_eos, plain.stop_token_ids) == (1.0, 0, False, [])
+    assert (plain.repetition_penalty, plain.min_new_tokens, plain.ignore_eos, plain.stop_token_ids) == (
+        1.0,
+        0,
+        False,
+        [],
+    )

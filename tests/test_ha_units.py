@@ -58,9 +58,16 @@ def test_a_drill_report_counts_failures_after_retries_and_checks_the_ledger() ->
     failed = call(Attempt("r4", 503, 6.0, 6.1), Attempt("", 0, 6.5, 6.6))
     lost = call(Attempt("r5", 200, 7.0, 7.5, completion_tokens=3))
     wrong = call(Attempt("r6", 200, 8.0, 8.5, completion_tokens=4))
-    ledger = [LedgerEvent("r1", 10, 5, "completed"), LedgerEvent("r3", 7, 5, "completed"),
-              LedgerEvent("r6", 5, 5, "completed"), LedgerEvent("r2", 0, 0, "failed"), LedgerEvent("r2", 0, 0, "failed")]
-    report = summarize("worker-kill", [ok, retried, failed, lost, wrong], ledger, fault_at=4.0, ready_at=9.0, migrated=2)
+    ledger = [
+        LedgerEvent("r1", 10, 5, "completed"),
+        LedgerEvent("r3", 7, 5, "completed"),
+        LedgerEvent("r6", 5, 5, "completed"),
+        LedgerEvent("r2", 0, 0, "failed"),
+        LedgerEvent("r2", 0, 0, "failed"),
+    ]
+    report = summarize(
+        "worker-kill", [ok, retried, failed, lost, wrong], ledger, fault_at=4.0, ready_at=9.0, migrated=2
+    )
     assert (report.sent, report.completed, report.retried) == (5, 4, 2)
     assert report.failed_by_status == {"connection": 1}
     assert report.error_ratio == pytest.approx(1 / 5) and not report.within_budget

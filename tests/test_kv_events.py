@@ -46,7 +46,9 @@ def test_older_publishers_tagged_arrays_are_read_too() -> None:
     assert seq == 3 and batch.attn_dp_rank is None
     assert batch.events[0] == kv_events.BlockStored(block_hashes=[9], parent_block_hash=None, token_ids=[1, 2],
                                                     block_size=2, lora_id=None)
-    assert isinstance(batch.events[1], kv_events.BlockRemoved) and isinstance(batch.events[2], kv_events.AllBlocksCleared)
+    assert isinstance(batch.events[1], kv_events.BlockRemoved) and isinstance(
+        batch.events[2], kv_events.AllBlocksCleared
+    )
 
 
 def test_config_takes_sglangs_json_and_refuses_nonsense() -> None:

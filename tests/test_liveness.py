@@ -82,7 +82,9 @@ def probe_and_watch(url: str, worker: str, seconds: float, results: dict[str, ob
             if not probed and time.monotonic() > deadline - seconds / 2:
                 probed = True
                 try:
-                    reply = await nc.request(subjects.liveness_subject(worker), m.encode(m.LivenessProbe(worker_id=worker)), 1.0)
+                    reply = await nc.request(
+                        subjects.liveness_subject(worker), m.encode(m.LivenessProbe(worker_id=worker)), 1.0
+                    )
                     results["reply"] = msgspec.msgpack.decode(reply.data, type=m.LivenessReply)
                 except Exception as error:
                     results["reply"] = error
@@ -121,7 +123,9 @@ def test_heartbeats_and_probe_answers_continue_while_the_event_loop_is_starved(s
 
 def test_a_stalled_loop_gets_no_heartbeat_and_no_answer(server: NatsServer) -> None:
     lag = {"s": 0.0}
-    liveness = LivenessThread(server.url, "stuck", interval_s=0.2, ttl_s=1.0, stall_after_s=2.0, loop_lag=lambda: lag["s"])
+    liveness = LivenessThread(
+        server.url, "stuck", interval_s=0.2, ttl_s=1.0, stall_after_s=2.0, loop_lag=lambda: lag["s"]
+    )
     liveness.start()
     try:
         liveness.set_beat(beat("stuck"))

@@ -62,7 +62,13 @@ def test_yaml_spec_distributions(tmp_path: Path) -> None:
     b = [loaded.classes[1].sample(rng) for _ in range(4000)]
     assert sum(r.input_tokens == 200 for r in b) / len(b) == pytest.approx(0.75, abs=0.03)
     described = loaded.describe()
-    assert described["classes"][1]["input_tokens"] == {"dist": "choice", "values": [100, 200], "weights": [1.0, 3.0], "min": 1, "max": 1_000_000}
+    assert described["classes"][1]["input_tokens"] == {
+        "dist": "choice",
+        "values": [100, 200],
+        "weights": [1.0, 3.0],
+        "min": 1,
+        "max": 1_000_000,
+    }
 
 
 @pytest.mark.parametrize(("spec", "message"), [

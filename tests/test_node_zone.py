@@ -89,8 +89,13 @@ def api(tmp_path: Path) -> Iterator[tuple[FakeApiServer, Path]]:
 
 
 def node_zone(server: FakeApiServer, account: Path, out: Path, node: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(server.server_address[1]),
-           "NODE_NAME": node, "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+        "KUBERNETES_SERVICE_PORT": str(server.server_address[1]),
+        "NODE_NAME": node,
+        "PYTHONPATH": str(REPO),
+    }
     return subprocess.run([sys.executable, "-m", "tools.commands.main", "node-zone", "--out", str(out),
                            "--service-account-dir", str(account), "--tries", "1"],
                           capture_output=True, text=True, env=env, timeout=60)

@@ -59,8 +59,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
 
 
 def flight(request_id: str) -> Flight:
-    request = m.InferenceRequest(request_id=request_id, tenant="t", model="m", prompt="P", reply_to="x",
-                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0, prompt_tokens=64)
+    request = m.InferenceRequest(
+        request_id=request_id,
+        tenant="t",
+        model="m",
+        prompt="P",
+        reply_to="x",
+        sampling=m.SamplingParams(max_new_tokens=10),
+        deadline=1e12,
+        created=0,
+        prompt_tokens=64,
+    )
     return Flight(request=request, block_hashes=[1, 2, 3, 4])
 
 
@@ -79,7 +88,9 @@ async def test_a_late_answer_makes_the_next_placements_wait_for_the_router_until
         if answer_after["s"] is None:
             return  # hung: subscribed, never answers
         await asyncio.sleep(answer_after["s"])
-        await msg.respond(m.encode(m.PlacementReply(target=subjects.worker_target("w1"), worker_id="w1", reason="affinity")))
+        await msg.respond(
+            m.encode(m.PlacementReply(target=subjects.worker_target("w1"), worker_id="w1", reason="affinity"))
+        )
 
     await router.subscribe(subjects.placement_wildcard(), cb=slow_router)
     await router.flush()

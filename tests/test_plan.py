@@ -60,8 +60,12 @@ def test_pricing_the_mean_prefill_per_step_reproduces_the_hand_estimate() -> Non
     step = 0.02
     for _ in range(200):
         batch = lam * o * step
-        step = replica.step_model.step_time(batch, batch * WORKLOAD.decode_ctx_tokens, lam * u * step,  # type: ignore[arg-type]
-                                            WORKLOAD.prefill_ctx_tokens)
+        step = replica.step_model.step_time(
+            batch,
+            batch * WORKLOAD.decode_ctx_tokens,
+            lam * u * step,  # type: ignore[arg-type]
+            WORKLOAD.prefill_ctx_tokens,
+        )
     assert 1.15 * step == pytest.approx(0.040, rel=1e-3)
     # The whole-chunk model at the same rate: a longer mean step, over the SLO.
     assert replica.at(lam).step_s > 1.2 * step and replica.at(lam).tpot_p90_s > 0.040
@@ -85,7 +89,9 @@ def test_steady_state_matches_the_formulas() -> None:
     share = 4.0 * u * point.step_s / 2048
     assert point.chunk_step_share == pytest.approx(share)
     decode = replica.step_model.step_time(point.decode_batch, point.resident_ctx_tokens, 0, 0.0)
-    full = replica.step_model.step_time(point.decode_batch, point.resident_ctx_tokens, 2048, WORKLOAD.prefill_ctx_tokens)
+    full = replica.step_model.step_time(
+        point.decode_batch, point.resident_ctx_tokens, 2048, WORKLOAD.prefill_ctx_tokens
+    )
     assert (point.decode_only_step_s, point.full_chunk_step_s) == (pytest.approx(decode), pytest.approx(full))
     assert point.step_s == pytest.approx(share * full + (1 - share) * decode, rel=1e-6)
     mu = 2048 / point.full_chunk_step_s
@@ -203,11 +209,18 @@ def _step(concurrency: int, rps: float, ttft: float, tpot: float, *, limited: bo
 
 def _sweep(hardware: dict | None = None, mix_desc: dict | None = None, steps: list | None = None) -> dict:  # type: ignore[type-arg]
     return {
-        "schema": "inferbus.capacity.sweep/v1", "model": "llama", "mix": mix_desc if mix_desc is not None else WORKED.describe(),
+        "schema": "inferbus.capacity.sweep/v1",
+        "model": "llama",
+        "mix": mix_desc if mix_desc is not None else WORKED.describe(),
         "slo": {"ttft_p90_s": 2.0, "tpot_p90_s": 0.1},  # the sweep's own, looser SLO: the planner re-judges
-        "hardware": hardware if hardware is not None else {"gpu": "H100", "tp": 2, "replicas": 2}, "mode": "concurrency",
-        "steps": steps if steps is not None else [
-            _step(8, 2.0, 0.20, 0.020), _step(16, 4.0, 0.40, 0.030), _step(32, 6.0, 0.60, 0.050),
+        "hardware": hardware if hardware is not None else {"gpu": "H100", "tp": 2, "replicas": 2},
+        "mode": "concurrency",
+        "steps": steps
+        if steps is not None
+        else [
+            _step(8, 2.0, 0.20, 0.020),
+            _step(16, 4.0, 0.40, 0.030),
+            _step(32, 6.0, 0.60, 0.050),
             _step(64, 6.5, 3.00, 0.090),
         ],
     }

@@ -72,7 +72,11 @@ def test_the_overlay_lists_both_pools(planned: tuple[Plan, DisaggRow]) -> None:
     assert kustomization["resources"] == ["worker-prefill.yaml"]
     assert [p["path"] for p in kustomization["patches"]] == ["worker-patch.yaml", "worker-pdb-patch.yaml",
                                                             "autoscaler-patch.yaml", "autoscaler-role-patch.yaml"]
-    assert set(files) == {"kustomization.yaml", *kustomization["resources"], *(p["path"] for p in kustomization["patches"])}
+    assert set(files) == {
+        "kustomization.yaml",
+        *kustomization["resources"],
+        *(p["path"] for p in kustomization["patches"]),
+    }
     _, row = planned
     assert f"# cost = {row.gpus_total} x $2.50" in files["kustomization.yaml"]
 
@@ -171,7 +175,10 @@ def test_the_autoscaler_reads_the_emitted_bounds_as_the_plan_sized_each_pool(pla
     monkeypatch.delenv("INFERBUS_AUTOSCALER_POOLS", raising=False)
     settings = load(AutoscalerSettings)
     configs = settings.role_configs()
-    assert (configs["prefill"].max_serving, configs["decode"].max_serving) == (row.prefill_replicas, row.decode_replicas)
+    assert (configs["prefill"].max_serving, configs["decode"].max_serving) == (
+        row.prefill_replicas,
+        row.decode_replicas,
+    )
     assert configs["prefill"].goodput_rps == pytest.approx(row.prefill_rps, abs=1e-3)
     assert configs["decode"].goodput_rps == pytest.approx(row.decode_rps, abs=1e-3)
     assert settings.deployments() == {role_pool(MODEL, "decode"): "worker",
@@ -215,8 +222,9 @@ def test_plan_emit_deploy_needs_the_base_worker_for_the_prefill_pool(tmp_path: P
 
 def test_an_aggregated_choice_emits_one_pool(tmp_path: Path) -> None:
     # Mooncake synthetic (long prompts, short answers) at 20 req/s stays aggregated.
-    code, output = _emit(tmp_path, "--emit-deploy", str(tmp_path / "plan"), mix=str(traces.find("mooncake_synthetic.jsonl")),
-                         rps="20")
+    code, output = _emit(
+        tmp_path, "--emit-deploy", str(tmp_path / "plan"), mix=str(traces.find("mooncake_synthetic.jsonl")), rps="20"
+    )
     assert code == 0, output
     assert "Topology: aggregated" in output
     assert {p.name for p in (tmp_path / "plan").iterdir()} == {"kustomization.yaml", "worker-patch.yaml",
@@ -241,7 +249,11 @@ def test_the_production_kustomization_renders_both_pools(tmp_path: Path) -> None
     out = subprocess.run([kubectl, "kustomize", str(k8s)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    workers = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("worker")}
+    workers = {
+        d["metadata"]["name"]: d
+        for d in docs
+        if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("worker")
+    }
     assert set(workers) == {"worker", deploy.PREFILL_DEPLOYMENT}
     roles = {}
     for name, d in workers.items():
@@ -253,6 +265,10 @@ def test_the_production_kustomization_renders_both_pools(tmp_path: Path) -> None
                        _env(worker)["INFERBUS_WORKER_ROLE"], _flags(engine["args"])["--tp"])
     assert roles == {"worker": ("decode", "decode", "decode", "4"),
                      deploy.PREFILL_DEPLOYMENT: ("prefill", "prefill", "prefill", "8")}
-    budgets = [d["spec"]["selector"]["matchLabels"][deploy.ROLE_LABEL] for d in docs if d["kind"] == "PodDisruptionBudget"
-               and d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/name") == "worker"]
+    budgets = [
+        d["spec"]["selector"]["matchLabels"][deploy.ROLE_LABEL]
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget"
+        and d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/name") == "worker"
+    ]
     assert sorted(budgets) == ["decode", "prefill"]

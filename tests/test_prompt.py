@@ -12,17 +12,27 @@ import pytest
 from inferbus.tokens.modeldir import build_model_dir
 from inferbus.tokens.prompt import ModelDirError, PromptError, ServedModel, load_model, render_prompt
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather <now> & later",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
 
 
 def test_llama3_template_renders_turns_tools_and_tool_results(llama3_model_dir: Path) -> None:
     model = load_model(str(llama3_model_dir))
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": " in Oslo?"}]},
-                {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": " in Oslo?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
+    ]
     prompt = render_prompt(model, messages=messages, tools=TOOLS)
     assert prompt.text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.\n\n")
     assert '"description": "Weather <now> & later"' in prompt.text  # tojson without HTML escaping
@@ -39,17 +49,31 @@ def test_llama3_template_renders_turns_tools_and_tool_results(llama3_model_dir: 
 
 def test_chatml_template_works_unchanged_and_has_no_bos(chatml_model_dir: Path) -> None:
     model = load_model(str(chatml_model_dir))
-    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                {"role": "tool", "content": "12 C"}, {"role": "tool", "content": "dry"}]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "12 C"},
+        {"role": "tool", "content": "dry"},
+    ]
     text = render_prompt(model, messages=messages, tools=TOOLS).text
     assert text.startswith("<|im_start|>system\n# Tools\n")
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Oslo"}}\n</tool_call><|im_end|>'
+        in text
+    )
     # Consecutive tool results share one user turn.
-    assert "<|im_start|>user\n<tool_response>\n12 C\n</tool_response>\n<tool_response>\ndry\n</tool_response><|im_end|>\n" in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n12 C\n</tool_response>\n<tool_response>\ndry\n</tool_response><|im_end|>\n"
+        in text
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert render_prompt(model, messages=[{"role": "user", "content": "hi"}]).text == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert model.eos_token_ids == [model.tokenizer.token_to_id("<|im_end|>"), model.tokenizer.token_to_id("<|endoftext|>")]
+    assert model.eos_token_ids == [
+        model.tokenizer.token_to_id("<|im_end|>"),
+        model.tokenizer.token_to_id("<|endoftext|>"),
+    ]
 
 
 def test_completion_prompts_get_the_tokenizers_special_tokens(llama3_model_dir: Path, chatml_model_dir: Path) -> None:
@@ -79,7 +103,8 @@ ONE_SYSTEM_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
 {{- bos_token }}
 {%- for message in loop_messages %}
     {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
-        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+        {{- raise_exception('After the optional system message, conversation roles must alternate '
+            + 'user/assistant/user/assistant/...') }}
     {%- endif %}
     {%- if message['role'] == 'user' %}
         {%- if loop.last and system_message is defined %}
@@ -115,21 +140,30 @@ def test_developer_messages_are_system_messages_to_templates_without_that_role(
     assert knows.render_chat([{"role": "developer", "content": "x"}]) == "<|im_start|>developer\nx<|im_end|>\n"
 
 
-def test_several_and_later_system_messages_render_where_they_stand(llama3_model_dir: Path, chatml_model_dir: Path) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": [{"type": "text", "text": "Answer in JSON."}]},
-                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "{}"},
-                {"role": "developer", "content": "Now in French."}, {"role": "user", "content": "again"}]
+def test_several_and_later_system_messages_render_where_they_stand(
+    llama3_model_dir: Path, chatml_model_dir: Path
+) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": [{"type": "text", "text": "Answer in JSON."}]},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "{}"},
+        {"role": "developer", "content": "Now in French."},
+        {"role": "user", "content": "again"},
+    ]
     llama = render_prompt(load_model(str(llama3_model_dir)), messages=messages).text
     assert llama == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
         "<|start_header_id|>system<|end_header_id|>\n\nAnswer in JSON.<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{}<|eot_id|>"
         "<|start_header_id|>system<|end_header_id|>\n\nNow in French.<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\nagain<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>user<|end_header_id|>\n\nagain<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     chatml = render_prompt(load_model(str(chatml_model_dir)), messages=messages, tools=TOOLS).text
     assert chatml.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert chatml.endswith(
-        "<|im_start|>system\nAnswer in JSON.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>\n"
+        "<|im_start|>system\nAnswer in "
+        "JSON.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>\n"
         "<|im_start|>system\nNow in French.<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -139,7 +173,8 @@ def test_a_template_that_takes_one_system_message_gets_them_all_in_it(tmp_path: 
                 {"role": "user", "content": "hi"}, {"role": "assistant", "content": "{}"},
                 {"role": "system", "content": "Now in French."}, {"role": "user", "content": "again"}]
     assert model.render_chat(messages) == (
-        "<|begin_of_text|>[INST] hi[/INST] {}<|eot_id|>[INST] Be brief.\n\nAnswer in JSON.\n\nNow in French.\n\nagain[/INST]")
+        "<|begin_of_text|>[INST] hi[/INST] {}<|eot_id|>[INST] Be brief.\n\nAnswer in JSON.\n\nNow in "
+        "French.\n\nagain[/INST]")
     # What the template refuses for another reason is still refused, with its own words.
     with pytest.raises(PromptError, match="roles must alternate"):
         model.render_chat([{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
@@ -184,11 +219,24 @@ def test_rendering_equals_transformers(family: str, request: pytest.FixtureReque
     one_system = _with_template(tmp_path, directory, ONE_SYSTEM_TEMPLATE)
     reference_one_system = transformers.AutoTokenizer.from_pretrained(str(one_system.path))
     chats = [
-        ([{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in JSON."},
-          {"role": "user", "content": "hi"}], None),
-        ([{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-          {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}, {"role": "system", "content": "Now in French."},
-          {"role": "user", "content": "Again"}], TOOLS),
+        (
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "system", "content": "Answer in JSON."},
+                {"role": "user", "content": "hi"},
+            ],
+            None,
+        ),
+        (
+            [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
+                {"role": "system", "content": "Now in French."},
+                {"role": "user", "content": "Again"},
+            ],
+            TOOLS,
+        ),
     ]
     for messages, tools in chats:
         ours = render_prompt(model, messages=messages, tools=tools)
@@ -210,7 +258,9 @@ def test_the_context_length_is_read_from_config_json_as_sglang_reads_it(llama3_m
     assert load_model(str(llama3_model_dir)).context_length == 131_072  # what build_model_dir wrote
     assert context_length({"max_position_embeddings": 32_768}) == 32_768
     assert context_length({"seq_length": 8192, "max_position_embeddings": 4096}) == 8192  # SGLang's key order
-    assert context_length({"max_position_embeddings": 32_768, "rope_scaling": {"type": "yarn", "factor": 4.0}}) == 131_072
+    assert (
+        context_length({"max_position_embeddings": 32_768, "rope_scaling": {"type": "yarn", "factor": 4.0}}) == 131_072
+    )
     assert context_length({"max_position_embeddings": 131_072,
                            "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 131_072
     assert context_length({"max_position_embeddings": 131_072, "rope_scaling": {

@@ -56,17 +56,33 @@ def test_messages_written_with_the_old_tier_field_are_read_as_their_band():
     placement = m.decoder(m.PlacementRequest).decode(old)
     assert (placement.band, placement.tier) == ("premium", None)
 
-    request = m.InferenceRequest(request_id="r1", tenant="t", model="m", prompt="p", sampling=m.SamplingParams(max_new_tokens=4),
-                                 reply_to="x", deadline=1.0, created=0.0, band="batch")
+    request = m.InferenceRequest(
+        request_id="r1",
+        tenant="t",
+        model="m",
+        prompt="p",
+        sampling=m.SamplingParams(max_new_tokens=4),
+        reply_to="x",
+        deadline=1.0,
+        created=0.0,
+        band="batch",
+    )
     written = msgspec.msgpack.decode(m.encode(request))
     assert written["band"] == "batch" and "tier" not in written
     written.pop("band")
     written["tier"] = "batch"
     assert m.decoder(m.InferenceRequest).decode(msgspec.msgpack.encode(written)).band == "batch"
 
-    event = m.UsageEvent(request_id="r1", tenant="t", model="m", status="completed", usage=m.Usage(prompt_tokens=1, completion_tokens=1),
-                         started=0.0,
-                         finished=1.0, band="premium")
+    event = m.UsageEvent(
+        request_id="r1",
+        tenant="t",
+        model="m",
+        status="completed",
+        usage=m.Usage(prompt_tokens=1, completion_tokens=1),
+        started=0.0,
+        finished=1.0,
+        band="premium",
+    )
     written = msgspec.msgpack.decode(m.encode(event))
     written["tier"] = written.pop("band")
     assert m.decoder(m.UsageEvent).decode(msgspec.msgpack.encode(written)).band == "premium"

@@ -171,8 +171,12 @@ def test_pods_bootstrap_fail_over_and_the_old_primary_rejoins_as_a_replica(clust
     # At worst a first try finds no replica with fresh enough INFO and the next comes after twice
     # the failover timeout (see sentinel.sh).
     down_after, failover_timeout = sentinel_setting("down-after-milliseconds"), sentinel_setting("failover-timeout")
-    wait_for("a replica promoted by the two sentinels left",
-             lambda: cluster.primary_by_sentinel(1) in (fqdn(1), fqdn(2)), cluster, down_after + 2 * failover_timeout + 5)
+    wait_for(
+        "a replica promoted by the two sentinels left",
+        lambda: cluster.primary_by_sentinel(1) in (fqdn(1), fqdn(2)),
+        cluster,
+        down_after + 2 * failover_timeout + 5,
+    )
     promoted = int(cluster.primary_by_sentinel(1).split(".")[0].removeprefix("redis-"))
     assert time.monotonic() - lost >= down_after - 1
     wait_for("the new primary takes writes", lambda: cluster.info(promoted).get("role") == "master", cluster, 10)

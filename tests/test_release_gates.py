@@ -56,7 +56,9 @@ def test_router_places_on_the_assigned_release() -> None:
     assert split.workers_of(views, other, pinned=True) == []  # a pin is never served by another release
 
 
-def window(ttft_s: float, tpot_s: float, n: int, rng: random.Random, failed: int = 0, cancelled: int = 0) -> slo_gate.Window:
+def window(
+    ttft_s: float, tpot_s: float, n: int, rng: random.Random, failed: int = 0, cancelled: int = 0
+) -> slo_gate.Window:
     w = slo_gate.Window()
     for _ in range(n):
         m.observe(w.ttft, m.LATENCY_BUCKETS_S, rng.lognormvariate(0, 0.35) * ttft_s)
@@ -333,7 +335,9 @@ def test_an_adapters_split_is_per_conversation_sticky_and_meets_its_share() -> N
     assert abs(len(on_candidate) / len(keys) - 0.3) < 0.02  # one tenant's conversations go both ways
     # Sticky: the first block decides, whatever follows it (a conversation's later turns).
     first = prompts[0][:16]
-    assert split.adapter_sticky_key(rollout, "acme", first + [9, 9, 9], 16) == split.adapter_sticky_key(rollout, "x", first, 16)
+    assert split.adapter_sticky_key(rollout, "acme", first + [9, 9, 9], 16) == split.adapter_sticky_key(
+        rollout, "x", first, 16
+    )
     grown = adapter_rollout(0.6)
     assert all(split.adapter_version(grown, spec, k) == V2 for k in on_candidate)  # stays as the share grows
     by_tenant = adapter_rollout(0.3, sticky="tenant")
@@ -358,7 +362,10 @@ def test_an_adapters_split_after_its_canary_and_when_the_registration_changed() 
     assert split.adapter_version(adapter_rollout(0.99), other, "k") == other.version
     assert split.adapter_version(promoted, other, "k") == other.version
     assert split.match_adapter_pin(spec, "22222222") == V2 and split.match_adapter_pin(spec, "sha256:1111111111") == V1
-    assert split.match_adapter_pin(spec, "2222") is None and split.match_adapter_pin(adapter_spec(None), "22222222") is None
+    assert (
+        split.match_adapter_pin(spec, "2222") is None
+        and split.match_adapter_pin(adapter_spec(None), "22222222") is None
+    )
 
 
 def adapter_load(worker: str, seq: int, outcomes: dict[str, m.AdapterOutcomes]) -> m.WorkerLoad:

@@ -67,7 +67,9 @@ def test_records_are_immutable_and_rollouts_compare_and_set(server: NatsServer, 
     asyncio.run(scenario())
 
 
-def test_an_undecodable_release_or_rollout_is_skipped_and_a_write_replaces_it(server: NatsServer, tmp_path: Path) -> None:
+def test_an_undecodable_release_or_rollout_is_skipped_and_a_write_replaces_it(
+    server: NatsServer, tmp_path: Path
+) -> None:
     from proto import subjects
 
     good = release(tmp_path / "a", b"one")
@@ -100,8 +102,24 @@ def test_release_commands(server: NatsServer, tmp_path: Path) -> None:
     directory.mkdir()
     (directory / "model.safetensors").write_bytes(b"w")
     (directory / "chat_template.jinja").write_text("{{ messages }}")
-    refused = runner.invoke(main, ["release", "create", "--model", "llama", "--model-dir", str(directory), "--repo", "org/llama",
-                                   "--revision", "main", "--engine-image", IMAGE, *nats_url])
+    refused = runner.invoke(
+        main,
+        [
+            "release",
+            "create",
+            "--model",
+            "llama",
+            "--model-dir",
+            str(directory),
+            "--repo",
+            "org/llama",
+            "--revision",
+            "main",
+            "--engine-image",
+            IMAGE,
+            *nats_url,
+        ],
+    )
     assert refused.exit_code == 1 and "not a pinned commit" in refused.output
     ids = []
     for weights in (b"w", b"w2"):

@@ -33,7 +33,9 @@ def texts(events: list[m.StreamEvent]) -> list[str]:
 
 def test_a_running_stream_resends_from_the_first_chunk_asked_for() -> None:
     log = ReplayLog(Clock())
-    log.record(SUBJECT, [m.Accepted(request_id="r", attempt=0, worker_id="w", queue_wait=0.0), chunk(0, "a"), chunk(1, "b")])
+    log.record(
+        SUBJECT, [m.Accepted(request_id="r", attempt=0, worker_id="w", queue_wait=0.0), chunk(0, "a"), chunk(1, "b")]
+    )
     log.record(SUBJECT, [chunk(2, "c")])
     state, subject, events = log.since("r", 0, 1, owner=OWNER, running=True)
     assert (state, subject, texts(events)) == ("running", SUBJECT, ["b", "c"])

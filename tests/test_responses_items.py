@@ -77,22 +77,28 @@ def test_tools_tool_choice_and_text_format_translate_to_their_chat_forms() -> No
     assert "response_format" not in items.chat_request(parse(input="x", text={"format": {"type": "text"}}), [])
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type"),
-    ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"include": ["file_search_call.results"]}, "include[0]"),
-    ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"service_tier": "flex"}, "service_tier"),
-    ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
-    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0].type"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"include": ["file_search_call.results"]}, "include[0]"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ],
+)
 def test_what_is_not_built_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
     error = refused(**{"input": "x", **body})
     assert error.param == param and error.code == "unsupported_value"
@@ -139,14 +145,43 @@ def _shell(**body: Any) -> items.Shell:
 
 
 def test_a_chat_completion_becomes_a_response_object() -> None:
-    usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 4}}
-    completion = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_9", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}]}}],
-        "usage": usage}
+    usage = {
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    completion = {
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+                        }
+                    ],
+                },
+            }
+        ],
+        "usage": usage,
+    }
     response = items.response_from_chat(_shell(), completion)
     assert response["status"] == "completed" and response["object"] == "response" and response["id"] == "resp_abc"
-    assert response["output"] == [{"id": "fc_abc_0", "type": "function_call", "status": "completed", "call_id": "call_9",
-                                   "name": "weather", "arguments": '{"city":"Oslo"}'}]
+    assert response["output"] == [
+        {
+            "id": "fc_abc_0",
+            "type": "function_call",
+            "status": "completed",
+            "call_id": "call_9",
+            "name": "weather",
+            "arguments": '{"city":"Oslo"}',
+        }
+    ]
     assert response["usage"] == {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
                                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
     cut = items.response_from_chat(_shell(), {"choices": [{"finish_reason": "length", "message": {"content": "abc"}}],
@@ -171,12 +206,20 @@ def test_a_chat_stream_becomes_the_typed_events_in_order() -> None:
     events += t.chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
     events += t.end()
     assert [kind for kind, _ in events] == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added",
-        "response.output_text.delta", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
         "response.completed",
     ]
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
@@ -191,7 +234,9 @@ def test_an_error_in_the_chat_stream_fails_the_response() -> None:
     t = items.StreamTranslator(_shell())
     t.start()
     t.chunk(_chunk({"content": "partial"}))
-    events = t.chunk({"error": {"message": "worker lost", "type": "server_error", "code": "worker_lost", "param": None}})
+    events = t.chunk(
+        {"error": {"message": "worker lost", "type": "server_error", "code": "worker_lost", "param": None}}
+    )
     assert [kind for kind, _ in events] == ["error", "response.failed"]
     assert events[1][1]["response"]["error"] == {"code": "worker_lost", "message": "worker lost"}
     assert t.end() == []
@@ -207,7 +252,9 @@ def test_an_empty_generation_still_has_one_message() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama3", "chatml"])
-def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix(family: str, request: pytest.FixtureRequest) -> None:
+def test_a_follow_up_extends_the_previous_prompt_so_it_lands_on_the_same_prefix(
+    family: str, request: pytest.FixtureRequest
+) -> None:
     """previous_response_id: the previous conversation plus its output, then the new input. The
     rendered follow-up starts with the previous rendered prompt, so its prefix blocks hash the same
     and the router places it on the worker that holds them."""

@@ -85,7 +85,9 @@ async def test_stored_per_tenant_and_durable_across_a_server_restart(nats_server
     await nc.close()
 
 
-async def test_retention_and_size_limit_are_the_buckets_and_ops_makes_them_follow_the_settings(nats_server: Nats) -> None:
+async def test_retention_and_size_limit_are_the_buckets_and_ops_makes_them_follow_the_settings(
+    nats_server: Nats,
+) -> None:
     nc = await bus.connect(nats_server.url, name="test")
     js = nc.jetstream()
     store = await ResponseStore.open(js, retention_s=3600, max_bytes=2000)

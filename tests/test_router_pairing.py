@@ -37,13 +37,28 @@ def load(worker_id: str, running: int = 0, waiting: int = 0, kv_used: int = 0, k
 
 
 def placer(**config: object) -> Placer:
-    return make_placer("affinity", Clock(), RoutingConfig(temperature=1e-6, share_weight_s=0, block_size=BLOCK, **config),  # type: ignore[arg-type]
-                       random.Random(7))
+    return make_placer(
+        "affinity",
+        Clock(),
+        RoutingConfig(temperature=1e-6, share_weight_s=0, block_size=BLOCK, **config),  # type: ignore[arg-type]
+        random.Random(7),
+    )
 
 
-def ask(ids: list[int], zone: str = "", adapter: str | None = None, role: str = "", avoid: list[str] | None = None) -> m.PlacementRequest:
-    return m.PlacementRequest(request_id="r", model="m", prompt_tokens=len(ids), adapter=adapter, zone=zone, role=role,
-                              block_hashes=block_hashes(ids, BLOCK, namespace=adapter or ""), block_size=BLOCK, avoid=avoid or [])
+def ask(
+    ids: list[int], zone: str = "", adapter: str | None = None, role: str = "", avoid: list[str] | None = None
+) -> m.PlacementRequest:
+    return m.PlacementRequest(
+        request_id="r",
+        model="m",
+        prompt_tokens=len(ids),
+        adapter=adapter,
+        zone=zone,
+        role=role,
+        block_hashes=block_hashes(ids, BLOCK, namespace=adapter or ""),
+        block_size=BLOCK,
+        avoid=avoid or [],
+    )
 
 
 def cache(router: Placer, worker_id: str, ids: list[int]) -> None:
@@ -107,7 +122,9 @@ def test_a_decode_worker_without_kv_room_for_the_prompt_is_left_out() -> None:
         registry.on_heartbeat(beat(w, "decode", kv_capacity=10_000))
     registry.on_load(load("full", running=0, kv_used=9_000, kv_capacity=10_000))
     registry.on_load(load("roomy", running=10, kv_used=1_000, kv_capacity=10_000))
-    pairing = PairPolicy(registry, PairConfig(decode_kv_weight_s=0.0), random.Random(1))  # the load alone prefers "full"
+    pairing = PairPolicy(
+        registry, PairConfig(decode_kv_weight_s=0.0), random.Random(1)
+    )  # the load alone prefers "full"
     request = ask(PROMPT)
     for _ in range(5):
         pair = pairing.choose(request, registry.candidates(request))
@@ -132,18 +149,27 @@ def test_placements_count_on_both_halves_before_any_report() -> None:
     router.registry.on_heartbeat(beat("d1", "decode"))
     router.registry.on_heartbeat(beat("d2", "decode"))
     pairs = [router.place(ask([i] * 3_000)) for i in range(4)]
-    # Uncached prompts (four unrelated ones) queue on the prefill worker chosen, load on the decode worker: both alternate.
+    # Uncached prompts (four unrelated ones) queue on the prefill worker chosen, load on the decode worker: both
+    # alternate.
     assert {r.prefill_worker_id for r in pairs} == {"p1", "p2"}
     assert {r.worker_id for r in pairs} == {"d1", "d2"}
     views = router.registry.workers
     assert views["d1"].backlog() + views["d2"].backlog() == 4
-    assert views["p1"].backlog_prefill(views["p1"].backlog()) + views["p2"].backlog_prefill(views["p2"].backlog()) == 4 * 3_000
+    assert (
+        views["p1"].backlog_prefill(views["p1"].backlog()) + views["p2"].backlog_prefill(views["p2"].backlog())
+        == 4 * 3_000
+    )
     assert views["d1"].backlog_prefill(views["d1"].backlog()) == 0  # a decode worker computes no prompt
 
 
 def test_a_decode_worker_asking_for_a_prefill_gets_one_of_its_zone_not_one_it_avoids() -> None:
     router = placer()
-    for w, role, zone in (("pa", "prefill", "a"), ("pa2", "prefill", "a"), ("pb", "prefill", "b"), ("da", "decode", "a")):
+    for w, role, zone in (
+        ("pa", "prefill", "a"),
+        ("pa2", "prefill", "a"),
+        ("pb", "prefill", "b"),
+        ("da", "decode", "a"),
+    ):
         router.registry.on_heartbeat(beat(w, role, zone))
     cache(router, "pa", PROMPT)
     reply = router.place(ask(PROMPT, zone="a", role="prefill"))
@@ -250,7 +276,11 @@ def test_a_decode_engine_with_its_own_prefix_cache_is_sent_less_kv() -> None:
     slow = PairPolicy(registry, PairConfig(link=kv_link("rdma", 1.0)), random.Random(1))  # 1 GB/s: KV is dear
     request = ask(PROMPT)
     view, decode = registry.workers["p"], registry.workers["d-cached"]
-    assert slow.transfer_s(request, view, decode, decode_cached=len(PROMPT)) < 0.01 < slow.transfer_s(request, view, decode)
+    assert (
+        slow.transfer_s(request, view, decode, decode_cached=len(PROMPT))
+        < 0.01
+        < slow.transfer_s(request, view, decode)
+    )
     for _ in range(5):
         pair = slow.choose(request, registry.candidates(request))
         assert pair is not None and pair.decode.worker_id == "d-cached"

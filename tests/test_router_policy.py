@@ -49,7 +49,9 @@ def test_draining_full_dead_and_other_model_workers_are_filtered() -> None:
     router.registry.on_heartbeat(beat("draining", state="draining"))
     router.registry.on_heartbeat(beat("full"))
     router.registry.on_load(load("full", 0, kv=0.99))
-    router.registry.on_heartbeat(m.Heartbeat(worker_id="other", model="x", engine_url="", started=0, ts=0, max_running=1))
+    router.registry.on_heartbeat(
+        m.Heartbeat(worker_id="other", model="x", engine_url="", started=0, ts=0, max_running=1)
+    )
     assert router.place(ask()).worker_id == "full"  # every KV past the ceiling: the cost decides
     router.registry.on_heartbeat(beat("ok"))
     assert router.place(ask()).worker_id == "ok"
@@ -58,14 +60,28 @@ def test_draining_full_dead_and_other_model_workers_are_filtered() -> None:
     assert set(router.registry.expire()) == {"draining", "full", "other", "ok"}
 
 
-def cache(worker_id: str, seq: int, stored: list[int] = (), removed: list[int] = (), cleared: bool = False) -> m.CacheEvent:
-    return m.CacheEvent(worker_id=worker_id, seq=seq, ts=0, stored=[m.BlockStored(block_hashes=list(stored))] if stored else [],
-                        removed=list(removed), cleared=cleared)
+def cache(
+    worker_id: str, seq: int, stored: list[int] = (), removed: list[int] = (), cleared: bool = False
+) -> m.CacheEvent:
+    return m.CacheEvent(
+        worker_id=worker_id,
+        seq=seq,
+        ts=0,
+        stored=[m.BlockStored(block_hashes=list(stored))] if stored else [],
+        removed=list(removed),
+        cleared=cleared,
+    )
 
 
 def prompt(hashes: list[int], tokens: int | None = None, adapter: str | None = None) -> m.PlacementRequest:
-    return m.PlacementRequest(request_id="r", model="m", prompt_tokens=tokens or 64 * len(hashes) + 10, block_hashes=hashes,
-                              block_size=64, adapter=adapter)
+    return m.PlacementRequest(
+        request_id="r",
+        model="m",
+        prompt_tokens=tokens or 64 * len(hashes) + 10,
+        block_hashes=hashes,
+        block_size=64,
+        adapter=adapter,
+    )
 
 
 def affinity(clock: Clock, **config: float) -> Placer:
@@ -127,12 +143,51 @@ def test_a_hot_prefix_spills_to_the_next_worker_once_its_queue_costs_more_than_r
 def test_queued_prefill_and_decode_load_steer_requests_without_a_shared_prefix() -> None:
     clock = Clock()
     router = affinity(clock)
-    router.registry.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=2, running=9, waiting=0, in_flight=9, max_running=10,
-                                         kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=50_000))
-    router.registry.on_load(m.WorkerLoad(worker_id="b", model="m", ts=0, seq=2, running=1, waiting=0, in_flight=1, max_running=10,
-                                         kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=0))
-    router.registry.on_load(m.WorkerLoad(worker_id="c", model="m", ts=0, seq=2, running=10, waiting=0, in_flight=10, max_running=10,
-                                         kv_used_tokens=0, kv_capacity_tokens=1000, queued_prefill_tokens=0))
+    router.registry.on_load(
+        m.WorkerLoad(
+            worker_id="a",
+            model="m",
+            ts=0,
+            seq=2,
+            running=9,
+            waiting=0,
+            in_flight=9,
+            max_running=10,
+            kv_used_tokens=0,
+            kv_capacity_tokens=1000,
+            queued_prefill_tokens=50_000,
+        )
+    )
+    router.registry.on_load(
+        m.WorkerLoad(
+            worker_id="b",
+            model="m",
+            ts=0,
+            seq=2,
+            running=1,
+            waiting=0,
+            in_flight=1,
+            max_running=10,
+            kv_used_tokens=0,
+            kv_capacity_tokens=1000,
+            queued_prefill_tokens=0,
+        )
+    )
+    router.registry.on_load(
+        m.WorkerLoad(
+            worker_id="c",
+            model="m",
+            ts=0,
+            seq=2,
+            running=10,
+            waiting=0,
+            in_flight=10,
+            max_running=10,
+            kv_used_tokens=0,
+            kv_capacity_tokens=1000,
+            queued_prefill_tokens=0,
+        )
+    )
     assert router.place(prompt([1, 2, 3])).worker_id == "b"
 
 
@@ -152,9 +207,15 @@ def test_cache_events_in_other_blocks_than_the_routers_are_ignored() -> None:
     # never match: indexing them would only crowd out the index.
     clock = Clock()
     router = affinity(clock)  # block_size 64
-    router.registry.on_heartbeat(m.Heartbeat(worker_id="small", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=16))
-    router.registry.on_heartbeat(m.Heartbeat(worker_id="same", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=64))
-    assert not router.registry.cache_compatible(router.registry.workers["small"]) and router.registry.cache_compatible(router.registry.workers["same"])
+    router.registry.on_heartbeat(
+        m.Heartbeat(worker_id="small", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=16)
+    )
+    router.registry.on_heartbeat(
+        m.Heartbeat(worker_id="same", model="m", engine_url="", started=0, ts=0, max_running=10, block_size=64)
+    )
+    assert not router.registry.cache_compatible(router.registry.workers["small"]) and router.registry.cache_compatible(
+        router.registry.workers["same"]
+    )
     assert router.registry.on_cache(cache("small", 1, stored=[1, 2], cleared=True))
     assert router.registry.on_cache(cache("same", 1, stored=[1, 2], cleared=True))
     assert router.registry.index.matched_blocks([1, 2]) == {"same": 2}
@@ -163,10 +224,24 @@ def test_cache_events_in_other_blocks_than_the_routers_are_ignored() -> None:
 def test_adapters_prefer_workers_that_have_them_and_skip_engines_without_lora() -> None:
     clock = Clock()
     router = affinity(clock)
-    router.registry.on_heartbeat(m.Heartbeat(worker_id="a", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=0))
-    router.registry.on_heartbeat(m.Heartbeat(worker_id="b", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4,
-                                             adapters=["support@v1"]))
-    router.registry.on_heartbeat(m.Heartbeat(worker_id="c", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4))
+    router.registry.on_heartbeat(
+        m.Heartbeat(worker_id="a", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=0)
+    )
+    router.registry.on_heartbeat(
+        m.Heartbeat(
+            worker_id="b",
+            model="m",
+            engine_url="",
+            started=0,
+            ts=0,
+            max_running=10,
+            max_adapters=4,
+            adapters=["support@v1"],
+        )
+    )
+    router.registry.on_heartbeat(
+        m.Heartbeat(worker_id="c", model="m", engine_url="", started=0, ts=0, max_running=10, max_adapters=4)
+    )
     for _ in range(100):  # a tail adapter (an adapter with all the traffic spreads: test_adapter_slots.py)
         router.registry.adapter_slots.observe(None)
     picks = {router.place(prompt([7], adapter="support@v1")).worker_id for _ in range(5)}
@@ -218,8 +293,21 @@ def test_requests_still_waiting_in_a_workers_own_queue_count_after_its_report() 
     for _ in range(6):
         assert router.place(prompt(list(range(40)))).worker_id == "a"
     # `a` reports two pulled and running: the other four still wait in its queue and keep counting.
-    router.registry.on_load(m.WorkerLoad(worker_id="a", model="m", ts=0, seq=3, running=2, waiting=0, in_flight=2, max_running=10,
-                                         kv_used_tokens=0, kv_capacity_tokens=1000, pulled_own=2))
+    router.registry.on_load(
+        m.WorkerLoad(
+            worker_id="a",
+            model="m",
+            ts=0,
+            seq=3,
+            running=2,
+            waiting=0,
+            in_flight=2,
+            max_running=10,
+            kv_used_tokens=0,
+            kv_capacity_tokens=1000,
+            pulled_own=2,
+        )
+    )
     view = router.registry.workers["a"]
     assert view.backlog() == 4 and view.reported_load + view.backlog() == 6
     picks = [router.place(prompt(list(range(40)))).worker_id for _ in range(10)]

@@ -20,7 +20,9 @@ class Clock:
 
 
 def beat(worker_id: str, zone: str, max_running: int = 4) -> m.Heartbeat:
-    return m.Heartbeat(worker_id=worker_id, model="m", engine_url="", started=0, ts=0, max_running=max_running, zone=zone)
+    return m.Heartbeat(
+        worker_id=worker_id, model="m", engine_url="", started=0, ts=0, max_running=max_running, zone=zone
+    )
 
 
 def load(worker_id: str, running: int) -> m.WorkerLoad:

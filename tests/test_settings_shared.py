@@ -35,7 +35,9 @@ def test_a_variable_several_services_read_comes_from_one_declaration() -> None:
     assert {"NATS_URL", "INFERBUS_HEARTBEAT_TTL_S", "INFERBUS_MODEL", "INFERBUS_LOG_LEVEL"} <= set(several)
     for name, fields in several.items():
         written_out = [owner for owner, field in fields if not field.metadata.get("shared")]
-        assert not written_out, f"{name} is declared by hand in {written_out}: use inferbus.runtime.settings' declaration"
+        assert not written_out, (
+            f"{name} is declared by hand in {written_out}: use inferbus.runtime.settings' declaration"
+        )
 
 
 def test_a_shared_variable_has_one_default() -> None:

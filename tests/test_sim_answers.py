@@ -83,7 +83,11 @@ def test_the_option_and_its_environment_variable(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(app, "create_app", lambda config, **_: seen.append(config))
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
     variable = "INFERBUS_SIM_ANSWER_LENGTH_MEDIAN"
-    for args, env in (([], {variable: None}), ([], {variable: "0"}), (["--answer-length-median", "40"], {variable: "0"})):
+    for args, env in (
+        ([], {variable: None}),
+        ([], {variable: "0"}),
+        (["--answer-length-median", "40"], {variable: "0"}),
+    ):
         result = CliRunner().invoke(sim_engine_command, args, env=env)
         assert result.exit_code == 0, result.output
     assert [config.answer_length_median for config in seen] == [DEFAULT_ANSWER_LENGTH_MEDIAN, 0, 40]
@@ -119,10 +123,15 @@ def test_json_mode_follows_the_schema_in_the_prompt(ending_platform: Platform) -
     schema = {"type": "object", "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"}},
               "required": ["setup", "punchline"]}
     client = ending_platform.client()
-    response = client.chat.completions.create(model=MODEL, max_tokens=400, response_format={"type": "json_object"},
-                                              messages=[{"role": "system", "content": "Answer with JSON matching this schema: "
-                                                         + json.dumps(schema)},
-                                                        {"role": "user", "content": "Tell me a joke."}])
+    response = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=400,
+        response_format={"type": "json_object"},
+        messages=[
+            {"role": "system", "content": "Answer with JSON matching this schema: " + json.dumps(schema)},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
+    )
     value = json.loads(response.choices[0].message.content or "")
     assert set(value) == {"setup", "punchline"} and response.choices[0].finish_reason == "stop"
 
@@ -155,8 +164,13 @@ def test_an_agents_sdk_agent_runs_to_completion_on_both_paths(ending_platform: P
         outputs = []
         for model in (OpenAIResponsesModel(model=MODEL, openai_client=client),
                       OpenAIChatCompletionsModel(model=MODEL, openai_client=client)):
-            agent = Agent(name="forecaster", instructions="Answer weather questions with the tool.", tools=[get_weather],
-                          model=model, model_settings=ModelSettings(max_tokens=2000))
+            agent = Agent(
+                name="forecaster",
+                instructions="Answer weather questions with the tool.",
+                tools=[get_weather],
+                model=model,
+                model_settings=ModelSettings(max_tokens=2000),
+            )
             result = await Runner.run(agent, "What's the weather in Paris?", max_turns=4)
             outputs.append(str(result.final_output))
         return outputs

@@ -30,7 +30,9 @@ def test_a_2048_token_budget_stays_close_to_published_points():
     # A 2048-token budget (what the capacity planner's worked example assumes) bunches prefill
     # into fewer, longer steps: still within 20%.
     for concurrency in (1, 50):
-        stats = simulate_closed_loop(EngineConfig(chunked_prefill_size=2048), concurrency, 5000, 500, n_requests=MEASURED_REQUESTS[concurrency])
+        stats = simulate_closed_loop(
+            EngineConfig(chunked_prefill_size=2048), concurrency, 5000, 500, n_requests=MEASURED_REQUESTS[concurrency]
+        )
         itl_ms, tokens_per_s = NIM_H100_TP2[concurrency]
         assert stats.mean_itl_s * 1e3 == pytest.approx(itl_ms, rel=0.20)
         assert stats.output_tokens_per_s == pytest.approx(tokens_per_s, rel=0.20)

@@ -13,30 +13,78 @@ from inferbus.tokens.blocks import standin_render_chat as render_chat
 from services.sim_engine.constrained import SchemaError, json_output, tool_call_output, value_from_schema
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
-                                      "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
-                                      "kind": {"enum": ["a", "b"]}, "score": {"type": "number"}},
-     "required": ["name", "age", "tags", "kind"], "additionalProperties": False},
-    {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
-                         "required": ["x", "y"]}},
-     "type": "array", "items": {"$ref": "#/$defs/point"}, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+            "kind": {"enum": ["a", "b"]},
+            "score": {"type": "number"},
+        },
+        "required": ["name", "age", "tags", "kind"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                "required": ["x", "y"],
+            }
+        },
+        "type": "array",
+        "items": {"$ref": "#/$defs/point"},
+        "maxItems": 4,
+    },
     {"anyOf": [{"type": "string", "minLength": 30}, {"type": "null"}]},
-    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}, "ok": {"type": "boolean"},
-                                      "nested": {"type": "object", "properties": {"c": {"const": 3}}, "required": ["c"]}},
-     "required": ["when", "ok", "nested"]},
+    {
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date"},
+            "ok": {"type": "boolean"},
+            "nested": {"type": "object", "properties": {"c": {"const": 3}}, "required": ["c"]},
+        },
+        "required": ["when", "ok", "nested"],
+    },
     # What SGLang's grammar backend also compiles: patterns, recursive models (pydantic's shape for a
     # tree and a linked list), tuples.
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2,4}$"},
-                                      "slug": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$", "maxLength": 40},
-                                      "hex": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"},
-                                      "word": {"type": "string", "pattern": "\\w+@(foo|bar)\\.(com|org)"}},
-     "required": ["code", "slug", "hex", "word"]},
-    {"$defs": {"Node": {"type": "object", "properties": {
-        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
-        "required": ["name", "children"]}}, "$ref": "#/$defs/Node"},
-    {"$defs": {"Item": {"type": "object", "properties": {
-        "value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]}},
-        "required": ["value", "next"]}}, "$ref": "#/$defs/Item"},
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2,4}$"},
+            "slug": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$", "maxLength": 40},
+            "hex": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"},
+            "word": {"type": "string", "pattern": "\\w+@(foo|bar)\\.(com|org)"},
+        },
+        "required": ["code", "slug", "hex", "word"],
+    },
+    {
+        "$defs": {
+            "Node": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+                },
+                "required": ["name", "children"],
+            }
+        },
+        "$ref": "#/$defs/Node",
+    },
+    {
+        "$defs": {
+            "Item": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "integer"},
+                    "next": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]},
+                },
+                "required": ["value", "next"],
+            }
+        },
+        "$ref": "#/$defs/Item",
+    },
     {"type": "object", "properties": {"self": {"$ref": "#"}, "n": {"type": "integer"}}, "required": ["n"]},
     {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
 ]
@@ -102,7 +150,11 @@ def test_value_from_schema_respects_numeric_bounds() -> None:
 async def test_generate_follows_the_schema_and_returns_logprobs_in_sglang_shapes() -> None:
     from .test_sim_server import parse_events, running
 
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+        "required": ["n", "s"],
+    }
     body = {"text": "Give me JSON", "rid": "json1", "return_logprob": True, "top_logprobs_num": 2,
             "return_text_in_logprobs": True,
             "sampling_params": {"max_new_tokens": 200, "json_schema": json.dumps(schema), "sampling_seed": 4}}
@@ -144,10 +196,13 @@ def test_recursive_schemas_nest_and_end() -> None:
 def test_json_object_follows_a_schema_written_in_the_prompt() -> None:
     schema = {"title": "User", "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
-    prompt = ("<|start_header_id|>system<|end_header_id|>\n\nAs a genius expert, your task is to understand the content "
-              f"and provide the parsed objects in json that match the following json_schema:\n\n{json.dumps(schema, indent=2)}"
-              "\n\nMake sure to return an instance of the JSON, not the schema itself<|eot_id|>"
-              "<|start_header_id|>user<|end_header_id|>\n\nJason is 25<|eot_id|>")
+    prompt = (
+        "<|start_header_id|>system<|end_header_id|>\n\nAs a genius expert, your task is to understand the content "
+        "and provide the parsed objects in json that match the following "
+        f"json_schema:\n\n{json.dumps(schema, indent=2)}"
+        "\n\nMake sure to return an instance of the JSON, not the schema itself<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nJason is 25<|eot_id|>"
+    )
     for seed in range(5):
         value = json.loads(json_output('{"type":"object"}', random.Random(seed), prompt))
         jsonschema.validate(value, schema)
@@ -159,10 +214,22 @@ def test_json_object_follows_a_schema_written_in_the_prompt() -> None:
 
 
 def test_a_forced_call_calls_the_tools_the_conversation_asks_for() -> None:
-    time_tool = {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
-                                                  "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
-    stock = {"type": "function", "function": {"name": "stock_price", "description": "A share's price",
-                                              "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}}}}}
+    time_tool = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a zone",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+        },
+    }
+    stock = {
+        "type": "function",
+        "function": {
+            "name": "stock_price",
+            "description": "A share's price",
+            "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}}},
+        },
+    }
     tools = [WEATHER, time_tool, stock]
     schema = json.dumps(constraint(tools, "required", True))
     prompt = render_chat([{"role": "user", "content": "What's the weather in Oslo?"}], tools)

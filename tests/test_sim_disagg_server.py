@@ -38,8 +38,14 @@ class served:
 
     async def start(self) -> served:
         # A failing test leaves requests open: do not wait for them at shutdown.
-        config = uvicorn.Config(self.server.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            self.server.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        )
         self._uvicorn = uvicorn.Server(config)
         self._task = asyncio.create_task(self._uvicorn.serve())
         await await_for(lambda: self._uvicorn.started, 10, interval=0.005, what="uvicorn started")
@@ -112,7 +118,9 @@ async def test_a_pair_answers_as_one_engine_would_and_reports_the_prefills_cache
         assert p["meta_info"]["finish_reason"] == {"type": "length", "length": 0}  # SGLang's, for a prefill
         assert p["meta_info"]["completion_tokens"] == 1
         assert d["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-        assert d["meta_info"]["prompt_tokens"] == p["meta_info"]["prompt_tokens"] == expected["meta_info"]["prompt_tokens"]
+        assert (
+            d["meta_info"]["prompt_tokens"] == p["meta_info"]["prompt_tokens"] == expected["meta_info"]["prompt_tokens"]
+        )
         assert d["meta_info"]["completion_tokens"] == 6
 
         # The same prompt again: the prefill's cache hits, and the decode engine reports them.
@@ -261,7 +269,9 @@ async def test_prefill_bootstrap_timeout(monkeypatch):
     async with pair() as pd:
         response = await pd.prefill.client.post("/generate", json=pd.body(rid="nobody-decodes"))
         assert response.status_code == 500
-        assert "timed out after" in response.json()["message"] and "in KVPoll.Bootstrapping" in response.json()["message"]
+        assert (
+            "timed out after" in response.json()["message"] and "in KVPoll.Bootstrapping" in response.json()["message"]
+        )
 
 
 async def test_a_dead_prefill_fails_the_decode_sides_requests(monkeypatch):

@@ -184,7 +184,9 @@ async def test_lora_load_use_and_unload():
     async with running() as (_, client):
         bad = await client.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": "missing/x"})
         assert bad.status_code == 400 and bad.json()["success"] is False and bad.json()["error_message"]
-        ok = await client.post("/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/adapters/sql", "pinned": True})
+        ok = await client.post(
+            "/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/adapters/sql", "pinned": True}
+        )
         assert ok.json() == {"success": True, "error_message": None, "loaded_adapters": {"sql": "/adapters/sql"}}
         generated = await client.post(
             "/generate", json={"text": "select", "lora_path": "sql", "sampling_params": {"max_new_tokens": 2}}
@@ -193,7 +195,9 @@ async def test_lora_load_use_and_unload():
         unloaded = await client.post("/unload_lora_adapter", json={"lora_name": "sql"})
         assert unloaded.json()["success"] is True and unloaded.json()["loaded_adapters"] == {}
         # As SGLang: an adapter loaded once since start is loaded again by a request naming it.
-        after = await client.post("/generate", json={"text": "select", "lora_path": "sql", "sampling_params": {"max_new_tokens": 2}})
+        after = await client.post(
+            "/generate", json={"text": "select", "lora_path": "sql", "sampling_params": {"max_new_tokens": 2}}
+        )
         assert after.status_code == 200
 
 

@@ -184,8 +184,21 @@ def engine() -> Iterator[str]:
     from inferbus.local.stack import free_port
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "services.sim_engine", "--log-level", "warning", "--port", str(port),
-                                "--fixed-step-ms", str(STEP_MS), "--time-scale", "1"])
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.sim_engine",
+            "--log-level",
+            "warning",
+            "--port",
+            str(port),
+            "--fixed-step-ms",
+            str(STEP_MS),
+            "--time-scale",
+            "1",
+        ]
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -211,7 +224,9 @@ def test_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
     ])
     assert result.exit_code == 0, result.output
     data = json.loads((out / "sweep.json").read_text())
-    assert data["schema"] == "inferbus.capacity.sweep/v1" and data["mode"] == "concurrency" and data["endpoint"] == "chat"
+    assert (
+        data["schema"] == "inferbus.capacity.sweep/v1" and data["mode"] == "concurrency" and data["endpoint"] == "chat"
+    )
     assert data["hardware"] == {"gpu": "H100", "tp": 2, "replicas": 1}
     assert data["slo"] == {"ttft_p90_s": 0.8, "tpot_p90_s": 0.04} and data["mix"]["name"] == "small"
     steps = data["steps"]
@@ -249,7 +264,9 @@ def test_rate_sweep_end_to_end(engine: str, tmp_path: Path) -> None:
     ])
     assert result.exit_code == 0, result.output
     (s,) = json.loads((out / "sweep.json").read_text())["steps"]
-    assert s["rate_rps"] == 4.0 and s["concurrency"] is None and s["requests"] == s["completed"] == 6  # warm-up left out
+    assert (
+        s["rate_rps"] == 4.0 and s["concurrency"] is None and s["requests"] == s["completed"] == 6
+    )  # warm-up left out
     assert s["client"]["achieved_vs_target"] > 0.8  # six sends 0.25 s apart, on time
     assert s["output_tok_s"] * s["duration_s"] == pytest.approx(6 * 5)  # --extra-body overrides max_tokens
     assert not (out / "sweep_latency.png").exists()

@@ -70,7 +70,11 @@ def test_an_output_cut_inside_a_character_ends_as_the_engines_text(spm: Tokenize
     assert content.endswith("\ufffd")
     entries = _engine_entries(spm, cut)
     streamed = TokenTexts(lambda token_ids: spm.decode(list(token_ids)))
-    tokens = [e.token for e in streamed.rewrite(entries[:-2])] + [e.token for e in streamed.rewrite(entries[-2:], final=True)]
+    tokens = [e.token for e in streamed.rewrite(entries[:-2])] + [
+        e.token for e in streamed.rewrite(entries[-2:], final=True)
+    ]
     assert "".join(tokens) == content
     # Not final: the bytes wait for the token that would complete the character.
-    assert "".join(e.token for e in TokenTexts(lambda token_ids: spm.decode(list(token_ids))).rewrite(entries)) == "fine "
+    assert (
+        "".join(e.token for e in TokenTexts(lambda token_ids: spm.decode(list(token_ids))).rewrite(entries)) == "fine "
+    )

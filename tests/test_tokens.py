@@ -20,7 +20,10 @@ def test_block_hashes_chain_so_equal_hashes_mean_equal_prefixes() -> None:
 
 
 def test_chat_rendering_is_canonical() -> None:
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
     rendered = render_chat(messages)
     assert rendered.startswith("<|begin_of_text|><|start_header_id|>system")
     assert rendered.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -86,7 +86,9 @@ def test_plain_content_streams_before_the_end() -> None:
 
 def test_parallel_false_keeps_the_first_call() -> None:
     output = ToolOutput("llama3", [WEATHER, TIME], "auto", parallel=False)
-    content, calls = output.whole('{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "x"}}')
+    content, calls = output.whole(
+        '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "x"}}'
+    )
     assert [c.name for c in calls] == ["get_time"] and content is None
 
 
@@ -159,7 +161,9 @@ def test_engine_constraint_of_a_request() -> None:
         jsonschema.validate({"a": 1}, either)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{"name": "get_weather", "parameters": {}}], either)  # city is required
-    one = json.loads(chat(tools=[WEATHER], parallel_tool_calls=False, response_format={"type": "json_object"}).json_schema)
+    one = json.loads(
+        chat(tools=[WEATHER], parallel_tool_calls=False, response_format={"type": "json_object"}).json_schema
+    )
     assert one["anyOf"][0]["maxItems"] == 1 and one["anyOf"][1] == {"type": "object"}
     assert chat(tools=[WEATHER], tool_choice="none", response_format={"type": "json_object"}).json_schema == \
         '{"type":"object"}'
@@ -244,7 +248,8 @@ def test_every_family_reads_what_the_simulated_model_writes() -> None:
 V3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
       '{"city": "Oslo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```'
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
-V31 = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+V31 = ("Let me check.<｜tool▁calls▁begin｜>"
+       '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
        "<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
@@ -282,7 +287,8 @@ def test_a_list_of_calls_cut_short_keeps_its_complete_calls() -> None:
 # role part), its end-of-sequence token `<|call|>` trimmed by the engine or not.
 HARMONY_CALLS = [
     "<|channel|>analysis<|message|>The user wants weather and time.<|end|>"
-    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>'
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather '
+    '<|constrain|>json<|message|>{"city":"Oslo"}<|call|>'
     "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
     "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}",
@@ -334,11 +340,28 @@ def test_gpt_oss_keeps_the_engines_special_tokens_only_when_it_reads_calls() -> 
     assert not keeps({"tools": [WEATHER], "tool_choice": "required"}, "gpt-oss")  # constrained JSON, no markers
 
     from proto import messages as m
-    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", deadline=0.0, created=0.0,
-                                 sampling=m.SamplingParams(max_new_tokens=4, skip_special_tokens=False))
+
+    request = m.InferenceRequest(
+        request_id="r",
+        tenant="t",
+        model="m",
+        prompt="p",
+        reply_to="x",
+        deadline=0.0,
+        created=0.0,
+        sampling=m.SamplingParams(max_new_tokens=4, skip_special_tokens=False),
+    )
     assert generate_body(request)["sampling_params"]["skip_special_tokens"] is False
-    plain = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", deadline=0.0, created=0.0,
-                               sampling=m.SamplingParams(max_new_tokens=4))
+    plain = m.InferenceRequest(
+        request_id="r",
+        tenant="t",
+        model="m",
+        prompt="p",
+        reply_to="x",
+        deadline=0.0,
+        created=0.0,
+        sampling=m.SamplingParams(max_new_tokens=4),
+    )
     assert "skip_special_tokens" not in generate_body(plain)["sampling_params"]
 
 

@@ -232,10 +232,14 @@ def unmarked_process_tests(sources: dict[str, str]) -> list[str]:
     without the e2e or slow mark on itself, its class or its module (`pytestmark`)."""
     trees = {name: ast.parse(source) for name, source in sources.items()}
     # a module marked as a whole needs no look inside
-    scopes = {name: _scope(tree) for name, tree in trees.items() if not (name.startswith("test_") and _module_marks(tree))}
+    scopes = {
+        name: _scope(tree) for name, tree in trees.items() if not (name.startswith("test_") and _module_marks(tree))
+    }
     helpers: dict[str, set[str]] = {}
     while True:  # helpers import helpers: to a fixed point
-        grown = {name: _tainted(scope, helpers, set()) for name, scope in scopes.items() if not name.startswith("test_")}
+        grown = {
+            name: _tainted(scope, helpers, set()) for name, scope in scopes.items() if not name.startswith("test_")
+        }
         if grown == helpers:
             break
         helpers = grown
@@ -311,5 +315,7 @@ def test_end_to_end_modules_are_wholly_e2e():
     """`make test-quick` does not even collect tests/test_e2e_*.py and tests/sglang/ (their imports
     cost seconds): each of them is e2e as a whole."""
     modules = sorted((ROOT / "tests").glob("test_e2e_*.py")) + sorted((ROOT / "tests" / "sglang").glob("test_*.py"))
-    unmarked = [str(path.relative_to(ROOT)) for path in modules if "e2e" not in _module_marks(ast.parse(path.read_text()))]
+    unmarked = [
+        str(path.relative_to(ROOT)) for path in modules if "e2e" not in _module_marks(ast.parse(path.read_text()))
+    ]
     assert len(modules) > 40 and not unmarked, f"not marked e2e as a whole (pytestmark): {unmarked}"

@@ -154,7 +154,9 @@ async def test_billing_counts_only_the_holders_usage(nc: Client, redis: aioredis
     before = foreign_usage()
     await consumer.open()
     try:
-        await asyncio.wait_for(consumer.run(done=lambda: asyncio.sleep(0, consumer.counted + consumer.refused >= 6)), 20)
+        await asyncio.wait_for(
+            consumer.run(done=lambda: asyncio.sleep(0, consumer.counted + consumer.refused >= 6)), 20
+        )
     finally:
         await consumer.stop()
     assert (consumer.counted, consumer.refused) == (2, 4)
@@ -196,8 +198,16 @@ async def test_a_forged_early_report_cannot_suppress_the_holders(nc: Client, red
     await outbox.start()
     reporter = UsageReporter(outbox, "worker-1")
     now = time.time()
-    request = m.InferenceRequest(request_id="held", tenant="acme", model="m", prompt="hi", sampling=m.SamplingParams(max_new_tokens=16),
-                                 reply_to="inferbus.tok.gateway-a", deadline=now + 60, created=now)
+    request = m.InferenceRequest(
+        request_id="held",
+        tenant="acme",
+        model="m",
+        prompt="hi",
+        sampling=m.SamplingParams(max_new_tokens=16),
+        reply_to="inferbus.tok.gateway-a",
+        deadline=now + 60,
+        created=now,
+    )
     try:
         await reporter.publish(request, "completed", m.Usage(prompt_tokens=5, completion_tokens=10), "stop")
         assert await outbox.drained(timeout=10)

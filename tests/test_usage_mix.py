@@ -22,9 +22,16 @@ from .conftest import Platform
 
 def event(prompt: int, completion: int, cached: int = 0, *, finished: float = 1000.0, status: str = "completed",
           model: str = "llama", tenant: str = "t", batch_id: str | None = None) -> m.UsageEvent:
-    return m.UsageEvent(request_id=uuid.uuid4().hex, tenant=tenant, model=model, status=status,  # type: ignore[arg-type]
-                        usage=m.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached),
-                        started=finished - 1, finished=finished, batch_id=batch_id)
+    return m.UsageEvent(
+        request_id=uuid.uuid4().hex,
+        tenant=tenant,
+        model=model,
+        status=status,  # type: ignore[arg-type]
+        usage=m.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached),
+        started=finished - 1,
+        finished=finished,
+        batch_id=batch_id,
+    )
 
 
 WINDOW = usage_mix.UsageFilter(start=0.0, end=2000.0)
@@ -97,7 +104,11 @@ def test_from_usage_reads_the_ledger_window(platform: Platform, tmp_path) -> Non
         nc = await nats.connect(platform.stack.nats_url)
         js = nc.jetstream()
         for e in events:
-            await js.publish(subjects.usage_subject(tenant, subjects.USAGE_FROM_OWNER, "gw"), m.encode(e), headers={"Nats-Msg-Id": e.request_id})
+            await js.publish(
+                subjects.usage_subject(tenant, subjects.USAGE_FROM_OWNER, "gw"),
+                m.encode(e),
+                headers={"Nats-Msg-Id": e.request_id},
+            )
         await nc.close()
 
     asyncio.run(publish())

@@ -56,7 +56,9 @@ async def ledger(url: str) -> list[m.UsageEvent]:
         await nc.close()
 
 
-async def test_usage_written_while_nats_is_down_is_published_once_it_is_back(server: NatsServer, tmp_path: Path) -> None:
+async def test_usage_written_while_nats_is_down_is_published_once_it_is_back(
+    server: NatsServer, tmp_path: Path
+) -> None:
     nc = await bus.connect(server.url, name="test-outbox")
     await bus.ensure_streams(nc.jetstream())
     replies = Replies(nc)
@@ -90,7 +92,9 @@ async def test_usage_written_while_nats_is_down_is_published_once_it_is_back(ser
     assert (tmp_path / "state" / "outbox.sqlite3").stat().st_mode & 0o777 == 0o600
 
 
-async def test_a_restart_republishes_what_was_pending_and_duplicates_are_dropped(server: NatsServer, tmp_path: Path) -> None:
+async def test_a_restart_republishes_what_was_pending_and_duplicates_are_dropped(
+    server: NatsServer, tmp_path: Path
+) -> None:
     path = tmp_path / "outbox.sqlite3"
 
     async def refuse(subject: str, data: bytes, msg_id: str) -> None:

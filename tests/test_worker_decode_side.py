@@ -101,7 +101,9 @@ class PrefillWorker:
         await self.nc.subscribe(subjects.prefill_subjects_to(self.worker_id), cb=self._on)
         beat = m.Heartbeat(worker_id=self.worker_id, model=MODEL, engine_url="", started=time.time(), ts=time.time(),
                            role="prefill", max_running=8)
-        await (await bus.workers_bucket(self.nc.jetstream(), 30)).put(subjects.worker_key(self.worker_id), m.encode(beat))
+        await (await bus.workers_bucket(self.nc.jetstream(), 30)).put(
+            subjects.worker_key(self.worker_id), m.encode(beat)
+        )
 
     async def _on(self, msg: Msg) -> None:
         ask = msgspec.msgpack.decode(msg.data, type=m.PrefillMessage)

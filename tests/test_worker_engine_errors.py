@@ -10,7 +10,9 @@ def refusal(message: str, code: int = 400) -> dict:
 
 
 def test_an_in_band_refusal_is_classified_as_the_same_answer_before_the_stream() -> None:
-    missing = _stream_error(refusal("Got LoRA adapter that has never been loaded: bot@1\nAll loaded adapters: dict_keys([])."))
+    missing = _stream_error(
+        refusal("Got LoRA adapter that has never been loaded: bot@1\nAll loaded adapters: dict_keys([]).")
+    )
     assert missing.code == "adapter_not_loaded" and not missing.retryable  # the worker loads it and resends
     too_long = _stream_error(refusal("The input (9000 tokens) is longer than the model's context length"))
     assert too_long.code == "invalid_request" and too_long.status == 400 and not too_long.retryable

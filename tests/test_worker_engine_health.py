@@ -68,8 +68,17 @@ async def test_an_adapter_the_engine_lost_is_loaded_again_and_the_request_sent_o
 
     adapters = Adapters(engine, lookup)  # type: ignore[arg-type]
     adapters.loaded[spec.engine_name] = spec  # loaded on the engine before it restarted
-    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="p", reply_to="x", adapter=spec.engine_name,
-                                 sampling=m.SamplingParams(max_new_tokens=1), deadline=1e12, created=0)
+    request = m.InferenceRequest(
+        request_id="r",
+        tenant="t",
+        model="m",
+        prompt="p",
+        reply_to="x",
+        adapter=spec.engine_name,
+        sampling=m.SamplingParams(max_new_tokens=1),
+        deadline=1e12,
+        created=0,
+    )
     downs: list[str] = []
     updates = [update async for update in engine_stream(engine, adapters, request, {}, downs.append)]  # type: ignore[arg-type]
     assert [u.text for u in updates] == ["ok"] and engine.generate_calls == 2 and downs == []
@@ -99,8 +108,10 @@ class CappedEngine:
 
 
 def specs(*names: str) -> dict[str, m.AdapterSpec]:
-    return {name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "ab" * 32, path=f"s3://{name}", created=0)
-            for name in names}
+    return {
+        name: m.AdapterSpec(name=name, base_model="m", version="sha256:" + "ab" * 32, path=f"s3://{name}", created=0)
+        for name in names
+    }
 
 
 async def test_the_worker_follows_the_engines_evictions_and_does_not_probe_a_reload_twice() -> None:

@@ -169,7 +169,9 @@ def _worker() -> _Worker:
     return _Worker()
 
 
-def _line(attempt: int = 0, resumed_text: str = "", resumed_tokens: int = 0, deadline: float = 1e12) -> m.InferenceRequest:
+def _line(
+    attempt: int = 0, resumed_text: str = "", resumed_tokens: int = 0, deadline: float = 1e12
+) -> m.InferenceRequest:
     return m.InferenceRequest(
         request_id=m.batch_request_id("batch_x", 7), tenant="t", model="m", prompt="P",
         sampling=m.SamplingParams(max_new_tokens=100), reply_to="r", deadline=deadline, created=0.0,
@@ -292,5 +294,7 @@ def test_interactive_stalled_in_the_engine_blocks_pulls_without_engine_priority(
     check = policy.check(WorkerState(capacity=8, interactive=3, interactive_stalled=2, batch=[]))
     assert check.victims == [] and check.interactive_stalled == 2
     assert policy.pull_room(8, 3, 0, batch_prefilling=0, reserved=0, last=check) == 0
-    check = policy.check(WorkerState(capacity=8, interactive=3, interactive_stalled=1, batch=[run("a", 10), run("b", 5)]))
+    check = policy.check(
+        WorkerState(capacity=8, interactive=3, interactive_stalled=1, batch=[run("a", 10), run("b", 5)])
+    )
     assert check.victims == ["b"]

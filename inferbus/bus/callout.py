@@ -73,7 +73,9 @@ def _unb64(text: str) -> bytes:
 def encode_jwt(claims: dict[str, Any], signer: nkeys.KeyPair) -> str:
     """A NATS JWT of `claims` signed by `signer`; `jti` is the hash of the claims, as NATS's own."""
     claims = {**claims, "jti": ""}
-    claims["jti"] = base64.b32encode(hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()).decode().rstrip("=")
+    claims["jti"] = (
+        base64.b32encode(hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()).decode().rstrip("=")
+    )
     signing_input = f"{_b64(json.dumps(_HEADER).encode())}.{_b64(json.dumps(claims).encode())}"
     return f"{signing_input}.{_b64(signer.sign(signing_input.encode()))}"
 

@@ -65,12 +65,18 @@ class BusSettings:
     user: str = env("NATS_USER", "", "NATS user of this service (its identity: the subjects it may use are the "
                     "server's permissions for this user, see docs/security.md). Empty = connect without credentials.")
     password: str = env("NATS_PASSWORD", "", "Password of NATS_USER.")
-    token_file: str = env("NATS_TOKEN_FILE", "", "File holding a token to connect with instead of a password, read at every "
-                          "(re)connect: a pod's projected ServiceAccount token where NATS authorizes pods through auth "
-                          "callout (docs/security.md). NATS_USER then only names the inbox prefix (the pod's name).")
+    token_file: str = env(
+        "NATS_TOKEN_FILE",
+        "",
+        "File holding a token to connect with instead of a password, read at every "
+        "(re)connect: a pod's projected ServiceAccount token where NATS authorizes pods through auth "
+        "callout (docs/security.md). NATS_USER then only names the inbox prefix (the pod's name).",
+    )
     tls_ca: str = env("NATS_TLS_CA", "", "CA certificate (PEM file) to verify the NATS server with; setting it, or a "
                       "`tls://` NATS_URL, turns TLS on. Empty with `tls://`: the system's CAs.")
-    tls_cert: str = env("NATS_TLS_CERT", "", "Client certificate (PEM file), where the server asks for one (mutual TLS).")
+    tls_cert: str = env(
+        "NATS_TLS_CERT", "", "Client certificate (PEM file), where the server asks for one (mutual TLS)."
+    )
     tls_key: str = env("NATS_TLS_KEY", "", "Private key (PEM file) of NATS_TLS_CERT.")
     replicas: int = env("INFERBUS_JS_REPLICAS", 1, "Copies JetStream keeps of the platform's streams and KV buckets "
                         "(REQUESTS, USAGE, batch results, workers, ...): 1 on a single nats-server, 3 on a 3-node "

@@ -58,7 +58,9 @@ class ClusterLayout:
     routes: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.routes = [f"nats-route://{ROUTE_USER}:{self.route_password}@127.0.0.1:{n.cluster_port}" for n in self.nodes]
+        self.routes = [
+            f"nats-route://{ROUTE_USER}:{self.route_password}@127.0.0.1:{n.cluster_port}" for n in self.nodes
+        ]
 
 
 def nats_cluster_block(layout: ClusterLayout, node: NatsNode, tls: tuple[Path, Path, Path] | None = None) -> str:

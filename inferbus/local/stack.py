@@ -244,7 +244,12 @@ class Process:
         log = os.fdopen(fd, "ab")
         # Own process group: Ctrl-C in the terminal reaches `up`, which then stops children in order.
         self.popen = subprocess.Popen(
-            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            self.argv,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
             umask=CHILD_UMASK,
         )
         log.close()
@@ -547,8 +552,12 @@ class Stack:
             self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
             config = c.state_dir / "redis.conf"
             write_private(config, redis_config(port, password, c.state_dir))
-            self._add("redis", [redis_server_binary(), str(config)],
-                      lambda: redis_reachable(self.redis_url), f"redis://127.0.0.1:{port}/0 (password in {config.name})")
+            self._add(
+                "redis",
+                [redis_server_binary(), str(config)],
+                lambda: redis_reachable(self.redis_url),
+                f"redis://127.0.0.1:{port}/0 (password in {config.name})",
+            )
         if c.router:
             router_log = c.state_dir / "logs" / "router.log"
             # Readiness is its `router_ready` log line, so it logs at info at least (a few lines
@@ -597,7 +606,9 @@ class Stack:
         self.identities = LocalIdentities(GATEWAY_ID, BATCH_SERVICE_ID, workers,
                                           gateways=[f"gateway-{z}" for z in zones])
         ops = self.identities["ops"]
-        layout = lc.ClusterLayout([lc.NatsNode(z, free_port(), free_port(), free_port()) for z in zones], new_password())
+        layout = lc.ClusterLayout(
+            [lc.NatsNode(z, free_port(), free_port(), free_port()) for z in zones], new_password()
+        )
         tls: tuple[Path, Path] | None = None
         route_tls: tuple[Path, Path, Path] | None = None
         if c.tls:  # one certificate for every node (all on loopback), on client ports and routes
@@ -618,16 +629,22 @@ class Stack:
         def zone_env(index: int) -> dict[str, str]:
             """A zone's services: its own NATS node first, its zone, R3; engines serve /fault
             (`inferbus drill` breaks GPUs through it)."""
-            return {"NATS_URL": lc.preferred_first(urls, index), "INFERBUS_ZONE_FILE": str(c.state_dir / "zones" / zones[index]),
-                    "INFERBUS_JS_REPLICAS": str(len(zones)), "INFERBUS_SIM_FAULT_INJECTION": "true",
-                    # A hung GPU is given up after 5 s of no progress here (30 s by default): the
-                    # simulated engines run up to 10x real time, and drills are bounded.
-                    "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5")}
+            return {
+                "NATS_URL": lc.preferred_first(urls, index),
+                "INFERBUS_ZONE_FILE": str(c.state_dir / "zones" / zones[index]),
+                "INFERBUS_JS_REPLICAS": str(len(zones)),
+                "INFERBUS_SIM_FAULT_INJECTION": "true",
+                # A hung GPU is given up after 5 s of no progress here (30 s by default): the
+                # simulated engines run up to 10x real time, and drills are bounded.
+                "INFERBUS_WORKER_ENGINE_HANG_AFTER_S": os.environ.get("INFERBUS_WORKER_ENGINE_HANG_AFTER_S", "5"),
+            }
 
         with_callout = self._callout_setup([zone_env(i) for i in range(len(zones))]) if c.callout else None
         for node, url in zip(layout.nodes, urls, strict=True):
             config = c.state_dir / f"nats-{node.zone}.conf"
-            node_config = nats_config(node.port, node.monitor_port, c.state_dir / f"nats-{node.zone}", self.identities, tls)
+            node_config = nats_config(
+                node.port, node.monitor_port, c.state_dir / f"nats-{node.zone}", self.identities, tls
+            )
             if with_callout is not None:
                 node_config = with_callout(node_config)
             write_private(config, node_config + "\n" + lc.nats_cluster_block(layout, node, route_tls) + "\n")
@@ -640,7 +657,9 @@ class Stack:
             data_dir = c.state_dir / f"redis-{zone}"
             private_dir(data_dir)
             config = c.state_dir / f"redis-{zone}.conf"
-            write_private(config, redis_config(port, password, data_dir) + lc.redis_replication_lines(password, primary))
+            write_private(
+                config, redis_config(port, password, data_dir) + lc.redis_replication_lines(password, primary)
+            )
             url = f"redis://:{password}@127.0.0.1:{port}/0"
             self._add(f"redis-{zone}", [redis_server_binary(), str(config)], partial(redis_reachable, url),
                       f"redis://127.0.0.1:{port}/0 ({'replica' if primary else 'primary'})")
@@ -702,22 +721,43 @@ class Stack:
         c = self.config
         spec = c.engine_spec()
         env = {
-            "INFERBUS_AUTOSCALER_ACTUATOR": "local", "INFERBUS_METRICS_PORT": "0",
-            "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.min_workers), "INFERBUS_AUTOSCALER_MAX_SERVING": str(c.max_workers),
+            "INFERBUS_AUTOSCALER_ACTUATOR": "local",
+            "INFERBUS_METRICS_PORT": "0",
+            "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.min_workers),
+            "INFERBUS_AUTOSCALER_MAX_SERVING": str(c.max_workers),
             "INFERBUS_AUTOSCALER_MAX_REPLICAS": str(c.max_workers),
             "INFERBUS_AUTOSCALER_COLD_START_S": str(c.cold_start_s),
             "INFERBUS_AUTOSCALER_WARM_START_S": str(c.warm_start_s),
             "INFERBUS_AUTOSCALER_LOCAL_LOG_DIR": str(c.state_dir / "logs"),
-            **({"INFERBUS_AUTOSCALER_DISAGGREGATED": "true", "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.decode),
-                "INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING": str(c.prefill),
-                "INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING": str(c.max_workers),
-                "INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS": str(c.max_workers)} if c.prefill else {}),
-            **({"INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER": self.identities["worker"].user,
-                "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD": self.identities["worker"].password}
-               if self.identities else {}),
-            "INFERBUS_AUTOSCALER_LOCAL_ENGINE": json.dumps({
-                "gpu": spec.gpu, "tp": spec.tp, "model": spec.model, "time_scale": spec.time_scale,
-                "fixed_step_ms": spec.fixed_step_ms, "engine_args": list(spec.engine_args)}),
+            **(
+                {
+                    "INFERBUS_AUTOSCALER_DISAGGREGATED": "true",
+                    "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.decode),
+                    "INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING": str(c.prefill),
+                    "INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING": str(c.max_workers),
+                    "INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS": str(c.max_workers),
+                }
+                if c.prefill
+                else {}
+            ),
+            **(
+                {
+                    "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER": self.identities["worker"].user,
+                    "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD": self.identities["worker"].password,
+                }
+                if self.identities
+                else {}
+            ),
+            "INFERBUS_AUTOSCALER_LOCAL_ENGINE": json.dumps(
+                {
+                    "gpu": spec.gpu,
+                    "tp": spec.tp,
+                    "model": spec.model,
+                    "time_scale": spec.time_scale,
+                    "fixed_step_ms": spec.fixed_step_ms,
+                    "engine_args": list(spec.engine_args),
+                }
+            ),
         }
         # Minutes-long production windows would make a local demo dull: shorter ones, unless the
         # environment sets them.
@@ -836,7 +876,13 @@ class Stack:
         for process in reversed(self.processes):
             process.signal(signal.SIGTERM)
             # Workers drain; the autoscaler drains and stops the workers it started.
-            if not process.wait(max(timeout, 45) if process.name == "autoscaler" else timeout if process.name.startswith("worker") else 5):
+            if not process.wait(
+                max(timeout, 45)
+                if process.name == "autoscaler"
+                else timeout
+                if process.name.startswith("worker")
+                else 5
+            ):
                 process.signal(signal.SIGKILL)
                 process.wait(5)
         remove_secrets(self.config.state_dir)  # no process is left to read them

@@ -52,7 +52,9 @@ class OpenAIError(Exception):
         headers = dict(self.headers)
         if request_id:
             headers["x-request-id"] = request_id
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, headers=headers, media_type="application/json")
+        return Response(
+            msgspec.json.encode(self.body()), status_code=self.status, headers=headers, media_type="application/json"
+        )
 
 
 async def openai_error_handler(request: Request, error: Exception) -> Response:
@@ -67,7 +69,11 @@ async def openai_error_handler(request: Request, error: Exception) -> Response:
 async def http_exception_handler(request: Request, error: Exception) -> Response:
     status = getattr(error, "status_code", 500)
     detail = getattr(error, "detail", None)
-    message = detail if isinstance(detail, str) else {404: "Not found", 405: "Method not allowed"}.get(status, "Request failed")
+    message = (
+        detail
+        if isinstance(detail, str)
+        else {404: "Not found", 405: "Method not allowed"}.get(status, "Request failed")
+    )
     if status == 404 and message == "Not Found":
         message = f"Unknown endpoint: {request.method} {request.url.path}"
     return OpenAIError(status, message, code={404: "unknown_url", 405: "method_not_allowed"}.get(status)).response(

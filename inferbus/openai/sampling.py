@@ -44,7 +44,9 @@ def _compact(schema: dict[str, Any]) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
-def keeps_special_tokens(params: schemas.ChatCompletionRequest | schemas.CompletionRequest, tool_call_parser: str) -> bool:
+def keeps_special_tokens(
+    params: schemas.ChatCompletionRequest | schemas.CompletionRequest, tool_call_parser: str
+) -> bool:
     """Whether the engine must keep special tokens in its text: the family's parser reads the
     model's calls (tools the model may call, no JSON constraint) and its markers are special tokens."""
     return (isinstance(params, schemas.ChatCompletionRequest) and bool(params.tools)

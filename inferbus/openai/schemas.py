@@ -169,7 +169,9 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
             raise OpenAIError(400, f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter") from None
         if text.startswith("Object missing required field"):
             missing = text.split("`")[1] if "`" in text else None
-            raise OpenAIError(400, f"Missing required parameter: '{missing}'.", param=missing, code="missing_required_parameter") from None
+            raise OpenAIError(
+                400, f"Missing required parameter: '{missing}'.", param=missing, code="missing_required_parameter"
+            ) from None
         raise OpenAIError(400, f"Invalid request: {text}", param=_param(text), code="invalid_value") from None
     except RecursionError:  # callers check the depth first (json_body); this is the backstop
         raise OpenAIError(400, "The request body is nested too deeply.", code="json_too_deep") from None
@@ -195,7 +197,9 @@ def _check_common(body: _Common) -> None:
         if any(not s for s in body.stop):
             raise OpenAIError(400, "Stop sequences must not be empty.", param="stop", code="invalid_value")
     if body.stream_options is not None and not body.stream:
-        raise OpenAIError(400, "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value")
+        raise OpenAIError(
+            400, "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"
+        )
 
 
 def parse_chat(body: bytes, *, max_tools: int = MAX_TOOLS, max_messages: int = MAX_MESSAGES) -> ChatCompletionRequest:
@@ -230,7 +234,12 @@ def parse_chat(body: bytes, *, max_tools: int = MAX_TOOLS, max_messages: int = M
             raise OpenAIError(400, f"messages[{i}].tool_call_id is required for role 'tool'.",
                               param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
         if message.content is None and not message.tool_calls and message.role != "assistant":
-            raise OpenAIError(400, f"messages[{i}].content must not be null for role '{message.role}'.", param=f"messages[{i}].content", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"messages[{i}].content must not be null for role '{message.role}'.",
+                param=f"messages[{i}].content",
+                code="invalid_value",
+            )
     _refuse_unsupported_chat_fields(request)
     for name in request.chat_template_kwargs or ():
         if name in TEMPLATE_VARIABLES:
@@ -252,7 +261,12 @@ def parse_completion(body: bytes) -> CompletionRequest:
     _check_common(request)
     if isinstance(request.prompt, list):
         if len(request.prompt) != 1 or not isinstance(request.prompt[0], str):
-            raise OpenAIError(400, "prompt must be a string or a list of exactly one string.", param="prompt", code="unsupported_value")
+            raise OpenAIError(
+                400,
+                "prompt must be a string or a list of exactly one string.",
+                param="prompt",
+                code="unsupported_value",
+            )
         request.prompt = request.prompt[0]
     if request.echo:
         raise _unsupported("echo")
@@ -276,7 +290,9 @@ def _refuse_unsupported_chat_fields(request: ChatCompletionRequest) -> None:
     if request.metadata:
         raise _unsupported("metadata", "is only meaningful with store, which is not supported")
     if request.service_tier not in (None, "auto", "default"):
-        raise _unsupported("service_tier", f"`{request.service_tier}` is not supported (the band comes from the API key)")
+        raise _unsupported(
+            "service_tier", f"`{request.service_tier}` is not supported (the band comes from the API key)"
+        )
 
 
 def check_response_format(response_format: ResponseFormat) -> None:

@@ -74,14 +74,18 @@ def check(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] 
             raise _invalid(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", f"tools[{i}]")
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise _invalid(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -.", f"tools[{i}].function.name")
+            raise _invalid(
+                f"tools[{i}].function.name must be 1-64 letters, digits, _ or -.", f"tools[{i}].function.name"
+            )
         if name in names:
             raise _invalid(f"tools[{i}].function.name `{name}` is not unique.", f"tools[{i}].function.name")
         names.add(name)
         parameters = function.get("parameters")
         if parameters is not None:
             if not isinstance(parameters, dict):
-                raise _invalid(f"tools[{i}].function.parameters must be a JSON Schema object.", f"tools[{i}].function.parameters")
+                raise _invalid(
+                    f"tools[{i}].function.parameters must be a JSON Schema object.", f"tools[{i}].function.parameters"
+                )
             check_json_schema(parameters, f"tools[{i}].function.parameters")
     if tool_choice is None or tool_choice == "none" or tool_choice == "auto":
         return
@@ -93,11 +97,16 @@ def check(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] 
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if tool_choice.get("type") != "function" or not isinstance(name, str):
-            raise _invalid("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
+            raise _invalid(
+                'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}.',
+                "tool_choice",
+            )
         if name not in names:
             raise _invalid(f"tool_choice names `{name}`, which is not in `tools`.", "tool_choice")
         return
-    raise _invalid("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
+    raise _invalid(
+        'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}.', "tool_choice"
+    )
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +129,11 @@ def constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any
         return None
     items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
               "required": ["name", "parameters"]} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -422,11 +435,13 @@ class PythonicParser:
 
 class DeepSeekParser:
     """DeepSeek V3 and V3.1: content, then a block of calls that ends the output.
-    V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`;
+    V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`
+    `...<｜tool▁calls▁end｜>`;
     V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` inside the same block."""
 
     START, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    _CALL = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<v3>[^\n<]+)\n```(?:json)?\n(?P<v3args>.*?)\n```"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<v3>[^\n<]+)\n```(?:json)?\n"
+                       r"(?P<v3args>.*?)\n```"
                        r"|(?P<v31>[^<]+?)<｜tool▁sep｜>(?P<v31args>.*?))<｜tool▁call▁end｜>", re.DOTALL)
 
     def __init__(self, names: frozenset[str]) -> None:

@@ -53,9 +53,21 @@ def start(stable: str, candidate: str, model: str, first: float, now: float, *, 
     if any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != 1.0:
         raise ValueError(f"steps must increase and end at 1.0 (100%), got {steps}")
     return m.Rollout(
-        model=model, stable=stable, state="canary", candidate=candidate, share=steps[0], steps=steps, step=0,
-        sticky=sticky, window_s=window_s, eval_suite=eval_suite, started=now, step_started=now, updated=now,
-        adapter=adapter, reason=f"canary started at {steps[0]:.0%}" + (f", eval gate: suite {eval_suite}" if eval_suite else ""),
+        model=model,
+        stable=stable,
+        state="canary",
+        candidate=candidate,
+        share=steps[0],
+        steps=steps,
+        step=0,
+        sticky=sticky,
+        window_s=window_s,
+        eval_suite=eval_suite,
+        started=now,
+        step_started=now,
+        updated=now,
+        adapter=adapter,
+        reason=f"canary started at {steps[0]:.0%}" + (f", eval gate: suite {eval_suite}" if eval_suite else ""),
     )
 
 
@@ -77,7 +89,11 @@ def rollback(rollout: m.Rollout, now: float, reason: str) -> m.Rollout:
 def unregistered_candidate(rollout: m.Rollout, spec: m.AdapterSpec | None, now: float) -> Change | None:
     """An adapter canary whose candidate the registration no longer names (the adapter was
     re-registered or removed meanwhile) has no candidate traffic left to judge: roll it back."""
-    if not rollout.adapter or rollout.state != "canary" or (spec is not None and spec.candidate_version == rollout.candidate):
+    if (
+        not rollout.adapter
+        or rollout.state != "canary"
+        or (spec is not None and spec.candidate_version == rollout.candidate)
+    ):
         return None
     what = "was removed" if spec is None else f"was registered again (version {spec.version}) without it"
     reason = f"the adapter {what}: its candidate serves nothing any more"

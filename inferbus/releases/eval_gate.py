@@ -102,10 +102,16 @@ def parse_suite(text: str, name: str) -> Suite:
             continue
         if ("messages" in row) == ("prompt" in row):
             raise SuiteError(f"{where}: give messages or prompt")
-        suite.items.append(Item(
-            id=str(row.get("id", number)), grader=_check_grader(row.get("grader"), where), messages=row.get("messages"),
-            prompt=row.get("prompt"), max_tokens=int(row.get("max_tokens", 32)), response_format=row.get("response_format"),
-        ))
+        suite.items.append(
+            Item(
+                id=str(row.get("id", number)),
+                grader=_check_grader(row.get("grader"), where),
+                messages=row.get("messages"),
+                prompt=row.get("prompt"),
+                max_tokens=int(row.get("max_tokens", 32)),
+                response_format=row.get("response_format"),
+            )
+        )
     if not suite.items:
         raise SuiteError(f"{name}: no items")
     if not 0 < suite.threshold < 1 or suite.repeats < 1:
@@ -180,13 +186,17 @@ class EvalVerdict:
     reason: str
 
 
-def compare(cand_passed: int, cand_n: int, base_passed: int, base_n: int, threshold: float, suite: str = "") -> EvalVerdict:
+def compare(
+    cand_passed: int, cand_n: int, base_passed: int, base_n: int, threshold: float, suite: str = ""
+) -> EvalVerdict:
     if cand_n == 0 or base_n == 0:
         raise ValueError("both releases need graded answers")
     low, high = difference_interval(cand_passed, cand_n, base_passed, base_n)
     c, b = cand_passed / cand_n, base_passed / base_n
-    summary = (f"suite {suite}: candidate {c:.1%} ({cand_passed}/{cand_n}) vs baseline {b:.1%} ({base_passed}/{base_n}), "
-               f"difference {c - b:+.1%}, 95% CI [{low:+.1%}, {high:+.1%}], allowed drop {threshold:.1%}")
+    summary = (
+        f"suite {suite}: candidate {c:.1%} ({cand_passed}/{cand_n}) vs baseline {b:.1%} ({base_passed}/{base_n}), "
+        f"difference {c - b:+.1%}, 95% CI [{low:+.1%}, {high:+.1%}], allowed drop {threshold:.1%}"
+    )
     if high < -threshold:
         return EvalVerdict("fail", c, b, low, high, summary + ": worse beyond the allowed drop")
     if low > -threshold:

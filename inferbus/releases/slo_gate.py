@@ -37,8 +37,8 @@ kind of test turned around: the candidate's share above the threshold is shown t
 far worse passes a step with probability at most 5% however long the step holds. Error and cancel
 rates pass the same way: the candidate's rate is shown to be below its reference plus
 `rate_pass_margin`, at level `false_pass`; until then they wait, so a version that errors often
-enough to matter cannot pass a step on a sample too small to fail it. Two approximations are not covered by the bound: the latency
-threshold and the baseline's rates are the baseline's own estimates, taken as known (the baseline
+enough to matter cannot pass a step on a sample too small to fail it. Two approximations are not covered by the bound:
+the latency threshold and the baseline's rates are the baseline's own estimates, taken as known (the baseline
 has more requests than the candidate at steps up to 50%, and the tolerances are wider than their
 noise), and a histogram's share above a threshold is interpolated inside its bucket.
 

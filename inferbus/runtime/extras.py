@@ -20,4 +20,6 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise MissingExtra(f"{feature} needs {module}, which is not installed: pip install 'inferbus[{extra}]'") from error
+        raise MissingExtra(
+            f"{feature} needs {module}, which is not installed: pip install 'inferbus[{extra}]'"
+        ) from error

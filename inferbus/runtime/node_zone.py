@@ -44,8 +44,10 @@ def read_zone(zone: str, zone_file: str) -> str:
     try:
         return Path(zone_file).read_text().strip()
     except OSError as error:
-        raise SystemExit(f"INFERBUS_ZONE_FILE={zone_file} cannot be read ({error.strerror}): in Kubernetes the "
-                         "`zone` init container writes it (inferbus node-zone); unset it to run without a zone") from None
+        raise SystemExit(
+            f"INFERBUS_ZONE_FILE={zone_file} cannot be read ({error.strerror}): in Kubernetes the "
+            "`zone` init container writes it (inferbus node-zone); unset it to run without a zone"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,11 @@ def fetch_node_zone(access: ApiAccess, node_name: str, timeout_s: float = 10.0) 
         with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:  # noqa: S310 (https only)
             return zone_of_node(json.loads(response.read()))
     except urllib.error.HTTPError as error:
-        hint = " (the pod's ServiceAccount needs the inferbus-node-zone ClusterRole: get nodes)" if error.code in (401, 403) else ""
+        hint = (
+            " (the pod's ServiceAccount needs the inferbus-node-zone ClusterRole: get nodes)"
+            if error.code in (401, 403)
+            else ""
+        )
         raise ZoneError(f"reading node {node_name} from the Kubernetes API: HTTP {error.code}{hint}") from None
     except (urllib.error.URLError, OSError, ValueError) as error:
         raise ZoneError(f"reading node {node_name} from the Kubernetes API at {access.base_url}: {error}") from None

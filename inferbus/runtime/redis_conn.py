@@ -6,8 +6,8 @@ A plain `redis://` / `rediss://` URL is redis-py's own. A Sentinel deployment is
 
 (the sentinels, the name they monitor the primary under, the database). The client asks the
 sentinels where the primary is on every new connection, so after a failover (Sentinel promotes a
-replica when the primary stops answering) the next command goes to the new primary. Commands that fail with a connection error meanwhile
-are retried with backoff for about `FAILOVER_RETRY_S` (redis-py's `Retry`), each retry asking the
+replica when the primary stops answering) the next command goes to the new primary. Commands that fail with a connection
+error meanwhile are retried with backoff for about `FAILOVER_RETRY_S` (redis-py's `Retry`), each retry asking the
 sentinels again: a failover (the sentinels' down-after time plus an election) costs a client a
 delay, not an error. The password is
 the data nodes' and the sentinels' (a deployment gives both the same `requirepass`), see

@@ -18,7 +18,11 @@ def env(name: str, default: Any, help: str, formerly: str | None = None, shared:
     """Declare a settings field bound to environment variable `name` (or, when `name` is not set,
     to `formerly`: the variable's name before a rename, so existing deployments keep working).
     `shared`: one of the declarations below, which several services read."""
-    metadata = {"env": name, "help": help} | ({"formerly": formerly} if formerly else {}) | ({"shared": True} if shared else {})
+    metadata = (
+        {"env": name, "help": help}
+        | ({"formerly": formerly} if formerly else {})
+        | ({"shared": True} if shared else {})
+    )
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -104,18 +108,28 @@ def block_size(default: int, meaning: str) -> Any:
 
 
 def zone(whose: str) -> Any:
-    return _shared("INFERBUS_ZONE", "", f"Failure domain (availability zone) {whose} runs in; the router prefers workers of "
-               "the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.")
+    return _shared(
+        "INFERBUS_ZONE",
+        "",
+        f"Failure domain (availability zone) {whose} runs in; the router prefers workers of "
+        "the asking gateway's zone and spills to other zones when that zone is full or gone. Empty: no zone.",
+    )
 
 
 def zone_file(whose: str) -> Any:
-    return _shared("INFERBUS_ZONE_FILE", "", f"File holding {whose} zone, used when INFERBUS_ZONE is empty: in Kubernetes "
-               "the `zone` init container writes the node's topology.kubernetes.io/zone label there (inferbus node-zone). "
-               "Empty: none.")
+    return _shared(
+        "INFERBUS_ZONE_FILE",
+        "",
+        f"File holding {whose} zone, used when INFERBUS_ZONE is empty: in Kubernetes "
+        "the `zone` init container writes the node's topology.kubernetes.io/zone label there (inferbus "
+        "node-zone). Empty: none.",
+    )
 
 
 def state_dir(holding: str) -> Any:
-    return _shared("INFERBUS_STATE_DIR", ".inferbus/state", f"Directory of this service's durable local state ({holding}).")
+    return _shared(
+        "INFERBUS_STATE_DIR", ".inferbus/state", f"Directory of this service's durable local state ({holding})."
+    )
 
 
 def max_body_bytes(meaning: str) -> Any:

@@ -48,8 +48,11 @@ async def bucket(js: JetStreamContext) -> KeyValue:
     try:
         return await js.key_value(subjects.ADAPTERS_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(KeyValueConfig(bucket=subjects.ADAPTERS_BUCKET, storage=StorageType.FILE, history=5,
-                                                    replicas=bus.replicas()))
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=subjects.ADAPTERS_BUCKET, storage=StorageType.FILE, history=5, replicas=bus.replicas()
+            )
+        )
 
 
 def key(name: str) -> str:

@@ -453,7 +453,9 @@ class Admission:
             -1 if budget is None else _micro(budget),
         )
         try:
-            raw = await self._batch.evalsha(self._admit, [prefix + "quota", prefix + "leases", prefix + "res:" + request_id], args)
+            raw = await self._batch.evalsha(
+                self._admit, [prefix + "quota", prefix + "leases", prefix + "res:" + request_id], args
+            )
         except _UNAVAILABLE as error:
             if self.on_redis_error == "closed":
                 raise AdmissionUnavailable(f"quota store unreachable: {error}") from error

@@ -11,7 +11,8 @@ keeps the global records together):
     inferbus:{billing}:tenants                     set: tenants that ever had usage
     inferbus:{billing}:rebuilding                  set while a rebuild runs (exports wait)
     inferbus:{billing}:exported:<YYYY-MM>          the monthly export of that month is written
-    inferbus:{t:<tenant>}:usage:<epoch>:h:<start>  hash: hourly rollup, group -> msgpack [n, nc, nf, in, cin, out, $in, $cin, $out]
+    inferbus:{t:<tenant>}:usage:<epoch>:h:<start>  hash: hourly rollup, group -> msgpack
+                                                   [n, nc, nf, in, cin, out, $in, $cin, $out]
     inferbus:{t:<tenant>}:usage:<epoch>:d:<start>  the same per UTC day
     inferbus:{t:<tenant>}:usage:<epoch>:m:<start>  the same per minute (kept `minute_retention_s`)
     inferbus:{t:<tenant>}:usage:<epoch>:seen:<hour> set: request ids already counted (by accept hour)
@@ -313,8 +314,9 @@ class UsageStore:
         if tenants:
             pipe.sadd(TENANTS_KEY, *tenants)
         results = (await pipe.execute(raise_on_error=False))[:len(calls)]
-        results = await rerun_unloaded(self.redis, INGEST, [("EVALSHA", sha, 1, prefix, *args) for prefix, _, args in calls],
-                                       results)
+        results = await rerun_unloaded(
+            self.redis, INGEST, [("EVALSHA", sha, 1, prefix, *args) for prefix, _, args in calls], results
+        )
         for result in results:
             if isinstance(result, Exception):
                 raise result

@@ -25,8 +25,20 @@ from inferbus.stores.keys import CachedLookup, revoke_all_keys, tenant_key
 from proto.bands import InteractiveBand
 
 __all__ = [
-    "InteractiveBand", "InvalidTenant", "Tenant", "TenantExists", "TenantLimits", "TenantNotFound", "TenantStore",
-    "TENANTS_SET", "apply_changes", "may_use_adapter", "may_use_model", "tenant_from_dict", "tenant_key", "valid_tenant_id",
+    "InteractiveBand",
+    "InvalidTenant",
+    "Tenant",
+    "TenantExists",
+    "TenantLimits",
+    "TenantNotFound",
+    "TenantStore",
+    "TENANTS_SET",
+    "apply_changes",
+    "may_use_adapter",
+    "may_use_model",
+    "tenant_from_dict",
+    "tenant_key",
+    "valid_tenant_id",
 ]
 
 TENANTS_SET = "inferbus:tenants"

@@ -269,7 +269,9 @@ def parse_query(items: Sequence[tuple[str, str]], *, now: float, kind: Kind = "u
         page = decode_cursor(raw_page)
         if page < start or page >= end or page % seconds:
             raise QueryError("`page` does not belong to this query (use the `next_page` it returned).", "page")
-    tenants = tuple(_values(items, "tenant") + _values(items, "tenants") + _values(items, "project_ids")) if admin else ()
+    tenants = (
+        tuple(_values(items, "tenant") + _values(items, "tenants") + _values(items, "project_ids")) if admin else ()
+    )
     return UsageQuery(start=start, end=end, width=width, group_by=group_by, limit=limit, page=page,
                       models=tuple(_values(items, "models")), api_key_ids=tuple(_values(items, "api_key_ids")),
                       tenants=tenants)
@@ -424,10 +426,29 @@ def page_body(buckets: Iterable[tuple[int, list[dict[str, Any]]]], width: str, n
 
 # ---- exports --------------------------------------------------------------------------------------
 
-EXPORT_COLUMNS = ("tenant", "start_time", "end_time", "bucket_start", "model", "adapter", "band", "api_key_id",
-                  "batch_id", "release", "num_model_requests", "num_cancelled_requests", "num_failed_requests", "input_tokens",
-                  "input_cached_tokens", "output_tokens", "input_cost_micro_usd", "cached_input_cost_micro_usd",
-                  "output_cost_micro_usd", "cost_micro_usd", "cost_usd")
+EXPORT_COLUMNS = (
+    "tenant",
+    "start_time",
+    "end_time",
+    "bucket_start",
+    "model",
+    "adapter",
+    "band",
+    "api_key_id",
+    "batch_id",
+    "release",
+    "num_model_requests",
+    "num_cancelled_requests",
+    "num_failed_requests",
+    "input_tokens",
+    "input_cached_tokens",
+    "output_tokens",
+    "input_cost_micro_usd",
+    "cached_input_cost_micro_usd",
+    "output_cost_micro_usd",
+    "cost_micro_usd",
+    "cost_usd",
+)
 EXPORT_GROUP_BY = ("model", "adapter", "band", "api_key_id", "batch_id", "release")
 
 

@@ -58,7 +58,8 @@ LLAMA3_TEMPLATE = r"""{{- bos_token }}
 {%- endif %}
 {%- if tools %}
     {%- if ns.system %}{%- set ns.system = ns.system + '\n\n' %}{%- endif %}
-    {%- set ns.system = ns.system + 'You can call these functions. To call one, answer only with JSON: {"name": <function name>, "parameters": <arguments as a JSON object>}.\n\n' %}
+    {%- set ns.system = ns.system + 'You can call these functions. To call one, answer only with JSON: '
+        + '{"name": <function name>, "parameters": <arguments as a JSON object>}.\n\n' %}
     {%- for tool in tools %}
         {%- set ns.system = ns.system + (tool | tojson(indent=4)) + '\n\n' %}
     {%- endfor %}
@@ -78,12 +79,14 @@ LLAMA3_TEMPLATE = r"""{{- bos_token }}
         {%- for tool_call in message.tool_calls %}
             {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
             {{- '{"name": "' + tool_call.name + '", "parameters": ' }}
-            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}
+            {%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
             {{- '}' }}
         {%- endfor %}
         {{- '<|eot_id|>' }}
     {%- elif message.role == 'user' or message.role == 'assistant' %}
-        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + (message.content or '') | trim + '<|eot_id|>' }}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + (message.content or '') | trim
+            + '<|eot_id|>' }}
     {%- else %}
         {{- raise_exception('Unknown message role: ' + message.role) }}
     {%- endif %}
@@ -102,13 +105,15 @@ CHATML_TEMPLATE = r"""{%- if tools %}
     {%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
     {{- '# Tools\n\nYou may call one or more functions. Their signatures are inside <tools></tools>:\n<tools>' }}
     {%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}
-    {{- '\n</tools>\n\nFor each call, answer with a JSON object inside <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n' }}
+    {{- '\n</tools>\n\nFor each call, answer with a JSON object inside <tool_call></tool_call> tags:\n<tool_call>\n'
+        + '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n' }}
 {%- elif messages and messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
     {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'user' or message.role == 'system' or (message.role == 'assistant' and not message.tool_calls) %}
+    {%- elif message.role == 'user' or message.role == 'system'
+        or (message.role == 'assistant' and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}
     {%- elif message.role == 'assistant' %}
         {{- '<|im_start|>assistant' }}
@@ -116,7 +121,8 @@ CHATML_TEMPLATE = r"""{%- if tools %}
         {%- for tool_call in message.tool_calls %}
             {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
             {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}
+            {%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
             {{- '}\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\n' }}
@@ -280,7 +286,10 @@ def build_model_dir(
     }
     (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (target / "special_tokens_map.json").write_text(
-        json.dumps({k: tokenizer_config[k] for k in ("bos_token", "eos_token", "pad_token") if tokenizer_config[k]}, indent=2) + "\n"
+        json.dumps(
+            {k: tokenizer_config[k] for k in ("bos_token", "eos_token", "pad_token") if tokenizer_config[k]}, indent=2
+        )
+        + "\n"
     )
 
     eos_ids = [ids[spec.eos_token], *(ids[token] for token in spec.extra_eos_tokens)]

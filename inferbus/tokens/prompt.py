@@ -199,7 +199,13 @@ def context_window(configured: int, model: ServedModel, engines: int = 0) -> int
 
 
 # The keys of config.json that give the context length, in the order SGLang reads them.
-CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 
 
 def context_length(config: Mapping[str, Any]) -> int | None:
@@ -259,6 +265,7 @@ def load_model(path: str) -> ServedModel:
     if not path:
         raise ModelDirError(
             "INFERBUS_MODEL_DIR is not set: point it at the served model's directory (tokenizer.json, "
-            "tokenizer_config.json), the one the engines load; `python -m inferbus.tokens.modeldir DIR` writes a small one"
+            "tokenizer_config.json), the one the engines load; `python -m inferbus.tokens.modeldir DIR` writes a small "
+            "one"
         )
     return ServedModel.load(path)

@@ -75,7 +75,11 @@ async def serve(settings: AuthCalloutSettings) -> None:
     logs.configure("auth-callout", settings.log_level)
     if not settings.issuer_seed:
         raise SystemExit("INFERBUS_CALLOUT_ISSUER_SEED is required (an account nkey seed; see docs/security.md)")
-    verify = static_tokens_verifier(settings.tokens_file) if settings.tokens_file else token_review_verifier(settings.audience)
+    verify = (
+        static_tokens_verifier(settings.tokens_file)
+        if settings.tokens_file
+        else token_review_verifier(settings.audience)
+    )
     authorizer = Authorizer(issuer=nkeys.from_seed(settings.issuer_seed.encode()), account=settings.account,
                             namespace=settings.namespace, verify_token=verify, clock=time.time,
                             ttl_s=settings.user_ttl_s)

@@ -43,7 +43,9 @@ class PolicyConfig:
     ttft_slo_s: float = 0.8  # p90, DESIGN.md
     tpot_slo_s: float = 0.04  # p90
     queue_wait_budget_s: float = 0.5  # p90 wait before an engine starts a request (part of TTFT)
-    goodput_rps: float = 4.1  # interactive req/s one replica serves within the SLO (H100 TP2, worked-example mix, mean-prefill estimate)
+    goodput_rps: float = (
+        4.1  # interactive req/s one replica serves within the SLO (H100 TP2, worked-example mix, mean-prefill estimate)
+    )
     headroom: float = 0.15  # N+1, bursts and imbalance (the capacity plan's 15%)
     slots_per_replica: int = 256  # engine max_running_requests, for the in-flight floor when none report
     min_serving: int = 1
@@ -239,7 +241,9 @@ class AutoscalePolicy:
         ramp_replicas = self.replicas_for(state.forecaster.ramp() * c.cold_start_s)
         burst = self._burst(state, now, self.replicas_for(state.forecaster.level or 0.0))
         burst_replicas = math.ceil(min(recommended, target_cap) * (burst - 1.0) - 1e-9)
-        warm_rec = max(c.min_warm, ramp_replicas, burst_replicas, self.replicas_for(later) - min(recommended, target_cap))
+        warm_rec = max(
+            c.min_warm, ramp_replicas, burst_replicas, self.replicas_for(later) - min(recommended, target_cap)
+        )
         state.history.append((now, recommended, warm_rec))
         while state.history and now - state.history[0][0] > c.scale_down_window_s:
             state.history.popleft()
@@ -301,7 +305,9 @@ class AutoscalePolicy:
                  f"queue wait {s.queue_wait_s:.2f} s", f"KV {s.kv_usage:.0%}"]
         if s.batch_in_flight:
             facts.append(f"batch in flight {s.batch_in_flight} (filler, not scaled for)")
-        pool = f"serving {s.serving}, warm {s.warm}→{warm}{warm_note}" + (f", starting {s.starting}" if s.starting else "")
+        pool = f"serving {s.serving}, warm {s.warm}→{warm}{warm_note}" + (
+            f", starting {s.starting}" if s.starting else ""
+        )
         if direction == "up":
             why = breaches + ([demand] if capacity >= desired else []) + (
                 [f"{s.in_flight} requests in flight need {inflight}"] if inflight >= desired else [])
@@ -312,9 +318,15 @@ class AutoscalePolicy:
             head = (f"scale down {before}→{desired}: low load for {c.scale_down_window_s:g} s, {demand}, "
                     f"pressure {pressure:.2f} ≤ {c.down_pressure:g}")
         elif capped:
-            head = f"hold {desired}: at the maximum {min(c.max_serving, c.max_replicas)}, " + ", ".join(breaches + [demand])
+            head = f"hold {desired}: at the maximum {min(c.max_serving, c.max_replicas)}, " + ", ".join(
+                breaches + [demand]
+            )
         else:
-            head = f"hold {desired}: " + (", ".join(breaches) + " (already scaled for it; cooling down while new replicas take load)" if breaches else demand)
+            head = f"hold {desired}: " + (
+                ", ".join(breaches) + " (already scaled for it; cooling down while new replicas take load)"
+                if breaches
+                else demand
+            )
         if capped and direction == "up":
             head += f" (capped at {min(c.max_serving, c.max_replicas)})"
         return f"{head}; {', '.join(facts)}; {pool}"

@@ -5,8 +5,8 @@ A prefill pool and a decode pool serve the same requests but run out of differen
 number cannot size both:
   - prefill: its queue and its share of the TTFT budget. Its workers report a decode worker's first
     ask for the prompt to its KV sent as their TTFT (the wait for a decode worker before the ask is
-    the decode pool's shortage: services/worker/prefill_timing.py), so the budget is the TTFT SLO less what the decode side
-    adds (the plan's prefill budget plus the transfer); a prefill pool's TPOT and KV mean nothing
+    the decode pool's shortage: services/worker/prefill_timing.py), so the budget is the TTFT SLO less what the decode
+    side adds (the plan's prefill budget plus the transfer); a prefill pool's TPOT and KV mean nothing
     for its size (it decodes nothing, and its cache is freed as soon as the KV is sent);
   - decode: TPOT and KV use. A decode pool's queue wait includes waiting for its prefill (the
     decode worker holds the request while the prefill runs), and its TTFT is the client's, most of

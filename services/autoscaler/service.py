@@ -62,7 +62,9 @@ def make_actuator(settings: AutoscalerSettings) -> Actuator:
                           engine_args=tuple(raw.get("engine_args", ())))
         replica_env = dict(os.environ)
         if settings.local_worker_nats_user:  # the workers' own identity, never the autoscaler's
-            replica_env.update(NATS_USER=settings.local_worker_nats_user, NATS_PASSWORD=settings.local_worker_nats_password)
+            replica_env.update(
+                NATS_USER=settings.local_worker_nats_user, NATS_PASSWORD=settings.local_worker_nats_password
+            )
         return LocalActuator(roles, spec, Path(settings.local_log_dir), cold_start_s=settings.cold_start_s,
                              warm_start_s=settings.warm_start_s, env=replica_env,
                              zones=[z.strip() for z in settings.local_zones.split(",") if z.strip()])
@@ -84,7 +86,9 @@ def with_unseen_replicas(signals: PoolSignals, launched: int | None) -> PoolSign
     return dataclasses.replace(signals, starting=signals.starting + max(0, launched - seen))
 
 
-def decision_message(decision: Decision, signals: PoolSignals, plan: Plan, autoscaler_id: str, actuator: str) -> m.ScaleDecision:
+def decision_message(
+    decision: Decision, signals: PoolSignals, plan: Plan, autoscaler_id: str, actuator: str
+) -> m.ScaleDecision:
     return m.ScaleDecision(
         pool=decision.pool, ts=time.time(), direction=decision.direction, serving=signals.serving, warm=signals.warm,
         starting=signals.starting, draining=signals.draining, desired_serving=decision.desired_serving,
@@ -166,7 +170,9 @@ class Autoscaler:
             if self.roles is None:
                 raise ValueError(f"a {role} pool is scaled only with INFERBUS_AUTOSCALER_DISAGGREGATED")
             decision = self.roles.decide(role, signals)
-        running = launched if launched is not None else signals.serving + signals.warm + signals.starting + signals.draining
+        running = (
+            launched if launched is not None else signals.serving + signals.warm + signals.starting + signals.draining
+        )
         plan = self.reconciler.plan(decision, signals, running)
         message = decision_message(decision, signals, plan, self.id, self.actuator.name)
         await self.nc.publish(subjects.scale_subject(pool), m.encode(message))
@@ -204,7 +210,12 @@ class Autoscaler:
         DECISIONS.labels(pool, decision.direction).inc()
         DESIRED.labels(pool, "serving").set(decision.desired_serving)
         DESIRED.labels(pool, "warm").set(decision.desired_warm)
-        for phase, count in (("serving", s.serving), ("warm", s.warm), ("starting", s.starting), ("draining", s.draining)):
+        for phase, count in (
+            ("serving", s.serving),
+            ("warm", s.warm),
+            ("starting", s.starting),
+            ("draining", s.draining),
+        ):
             REPLICAS.labels(pool, phase).set(count)
         for name, value in (("arrival_rate", s.arrival_rate), ("forecast_rate", decision.forecast_rate),
                             ("ttft_p90_seconds", s.ttft_p90_s), ("tpot_p90_seconds", s.tpot_p90_s),

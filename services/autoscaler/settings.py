@@ -18,58 +18,200 @@ ACTUATORS = ("dryrun", "local", "kubernetes")
 @dataclass(frozen=True)
 class AutoscalerSettings:
     nats_url: str = shared.nats_url()
-    autoscaler_id: str = env("INFERBUS_AUTOSCALER_ID", "", "This autoscaler's id in its decisions (default: autoscaler-<host name>).")
-    pools: str = env("INFERBUS_AUTOSCALER_POOLS", "", "Model pools to scale, comma-separated (default: INFERBUS_MODEL). Every pool gets the same bounds; run one autoscaler per pool for different ones.")
+    autoscaler_id: str = env(
+        "INFERBUS_AUTOSCALER_ID", "", "This autoscaler's id in its decisions (default: autoscaler-<host name>)."
+    )
+    pools: str = env(
+        "INFERBUS_AUTOSCALER_POOLS",
+        "",
+        "Model pools to scale, comma-separated (default: INFERBUS_MODEL). Every pool gets the same bounds; run one "
+        "autoscaler per pool for different ones.",
+    )
     model: str = shared.model("Model id of the pool when INFERBUS_AUTOSCALER_POOLS is empty.")
-    actuator: str = env("INFERBUS_AUTOSCALER_ACTUATOR", "dryrun", "How decisions are carried out: dryrun (publish and log only), local (start/stop simulated workers on this machine; with INFERBUS_AUTOSCALER_DISAGGREGATED, prefill and decode workers) or kubernetes (the Deployment's scale subresource).")
+    actuator: str = env(
+        "INFERBUS_AUTOSCALER_ACTUATOR",
+        "dryrun",
+        "How decisions are carried out: dryrun (publish and log only), local (start/stop simulated workers on this "
+        "machine; with INFERBUS_AUTOSCALER_DISAGGREGATED, prefill and decode workers) or kubernetes (the Deployment's "
+        "scale subresource).",
+    )
     tick_s: float = env("INFERBUS_AUTOSCALER_TICK_S", 5.0, "Seconds between two decisions.")
-    rate_window_s: float = env("INFERBUS_AUTOSCALER_RATE_WINDOW_S", 10.0, "Window over which arrival and completion rates are measured.")
-    latency_window_s: float = env("INFERBUS_AUTOSCALER_LATENCY_WINDOW_S", 30.0, "Window of the p90 TTFT, TPOT and queue-wait signals.")
-    stale_after_s: float = shared.heartbeat_ttl_s("A worker whose load reports stop for this long is gone (match the workers' heartbeat TTL).")
-    ttft_slo_s: float = env("INFERBUS_AUTOSCALER_TTFT_SLO_S", 0.8, "p90 time to first token the pool must hold (seconds).")
-    tpot_slo_s: float = env("INFERBUS_AUTOSCALER_TPOT_SLO_S", 0.04, "p90 time per output token the pool must hold (seconds).")
-    queue_wait_budget_s: float = env("INFERBUS_AUTOSCALER_QUEUE_WAIT_BUDGET_S", 0.5, "p90 wait from gateway accept to engine start before the pool counts as short of replicas.")
-    goodput_rps: float = env("INFERBUS_AUTOSCALER_GOODPUT_RPS", 4.1, "Interactive requests per second one replica serves within the SLO: take it from `inferbus plan` for your mix and GPU (4.1: H100 TP2 on the worked-example chat mix by the mean-prefill estimate; `inferbus plan` prices whole prefill chunks and gives 3.07).")
-    headroom: float = env("INFERBUS_AUTOSCALER_HEADROOM", 0.15, "Capacity kept above the demand (N+1, bursts, imbalance), as a fraction.")
+    rate_window_s: float = env(
+        "INFERBUS_AUTOSCALER_RATE_WINDOW_S", 10.0, "Window over which arrival and completion rates are measured."
+    )
+    latency_window_s: float = env(
+        "INFERBUS_AUTOSCALER_LATENCY_WINDOW_S", 30.0, "Window of the p90 TTFT, TPOT and queue-wait signals."
+    )
+    stale_after_s: float = shared.heartbeat_ttl_s(
+        "A worker whose load reports stop for this long is gone (match the workers' heartbeat TTL)."
+    )
+    ttft_slo_s: float = env(
+        "INFERBUS_AUTOSCALER_TTFT_SLO_S", 0.8, "p90 time to first token the pool must hold (seconds)."
+    )
+    tpot_slo_s: float = env(
+        "INFERBUS_AUTOSCALER_TPOT_SLO_S", 0.04, "p90 time per output token the pool must hold (seconds)."
+    )
+    queue_wait_budget_s: float = env(
+        "INFERBUS_AUTOSCALER_QUEUE_WAIT_BUDGET_S",
+        0.5,
+        "p90 wait from gateway accept to engine start before the pool counts as short of replicas.",
+    )
+    goodput_rps: float = env(
+        "INFERBUS_AUTOSCALER_GOODPUT_RPS",
+        4.1,
+        "Interactive requests per second one replica serves within the SLO: take it from `inferbus plan` for your mix "
+        "and GPU (4.1: H100 TP2 on the worked-example chat mix by the mean-prefill estimate; `inferbus plan` prices "
+        "whole prefill chunks and gives 3.07).",
+    )
+    headroom: float = env(
+        "INFERBUS_AUTOSCALER_HEADROOM", 0.15, "Capacity kept above the demand (N+1, bursts, imbalance), as a fraction."
+    )
     min_serving: int = env("INFERBUS_AUTOSCALER_MIN_SERVING", 1, "Fewest serving replicas per pool.")
     max_serving: int = env("INFERBUS_AUTOSCALER_MAX_SERVING", 64, "Most serving replicas per pool.")
     min_warm: int = env("INFERBUS_AUTOSCALER_MIN_WARM", 0, "Fewest warm (loaded, idle) replicas per pool.")
     max_warm: int = env("INFERBUS_AUTOSCALER_MAX_WARM", 8, "Most warm replicas per pool.")
-    max_replicas: int = env("INFERBUS_AUTOSCALER_MAX_REPLICAS", 72, "Most replicas per pool counting serving, warm and starting ones (the GPU budget).")
-    cold_start_s: float = env("INFERBUS_AUTOSCALER_COLD_START_S", 120.0, "Launch to warm: how far ahead the forecast must look to start replicas in time.")
-    warm_start_s: float = env("INFERBUS_AUTOSCALER_WARM_START_S", 5.0, "Promote to serving: how far ahead the serving target looks.")
-    slo_cooldown_s: float = env("INFERBUS_AUTOSCALER_SLO_COOLDOWN_S", 15.0, "After a scale-up driven by SLO pressure, how long before pressure may add more.")
-    scale_down_window_s: float = env("INFERBUS_AUTOSCALER_SCALE_DOWN_WINDOW_S", 300.0, "Sustained low load needed before scaling down: the target only drops to the highest need seen in this window.")
+    max_replicas: int = env(
+        "INFERBUS_AUTOSCALER_MAX_REPLICAS",
+        72,
+        "Most replicas per pool counting serving, warm and starting ones (the GPU budget).",
+    )
+    cold_start_s: float = env(
+        "INFERBUS_AUTOSCALER_COLD_START_S",
+        120.0,
+        "Launch to warm: how far ahead the forecast must look to start replicas in time.",
+    )
+    warm_start_s: float = env(
+        "INFERBUS_AUTOSCALER_WARM_START_S", 5.0, "Promote to serving: how far ahead the serving target looks."
+    )
+    slo_cooldown_s: float = env(
+        "INFERBUS_AUTOSCALER_SLO_COOLDOWN_S",
+        15.0,
+        "After a scale-up driven by SLO pressure, how long before pressure may add more.",
+    )
+    scale_down_window_s: float = env(
+        "INFERBUS_AUTOSCALER_SCALE_DOWN_WINDOW_S",
+        300.0,
+        "Sustained low load needed before scaling down: the target only drops to the highest need seen in this window.",
+    )
     down_step_s: float = env("INFERBUS_AUTOSCALER_DOWN_STEP_S", 30.0, "Seconds between two scale-down steps.")
-    max_step_down: float = env("INFERBUS_AUTOSCALER_MAX_STEP_DOWN", 0.1, "Share of the serving replicas one scale-down step may remove (at least one).")
-    burst_memory_s: float = env("INFERBUS_AUTOSCALER_BURST_MEMORY_S", 0.0, "How long the warm pool remembers the largest burst (demand over the serving target of one cold start earlier) and stays sized for it; 0 sizes it from the current ramp only. The simulator proof uses 3600.")
-    pending_s: float = env("INFERBUS_AUTOSCALER_PENDING_S", 30.0, "How long a promotion or demotion counts as done before the worker's reports show it.")
-    disaggregated: bool = env("INFERBUS_AUTOSCALER_DISAGGREGATED", False, "Prefill/decode disaggregation: scale each pool's prefill workers and decode workers apart, each on its own signal (prefill: its TTFT budget and queue; decode: TPOT and KV use). The decode pool takes the bounds and goodput above (and INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS), the prefill pool the PREFILL_ ones. `inferbus plan --emit-deploy` sets them from a disaggregated plan.")
-    prefill_goodput_rps: float = env("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", 4.1, "Disaggregated: requests per second one prefill replica serves within its TTFT budget (from `inferbus plan`).")
-    prefill_ttft_budget_s: float = env("INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S", 0.6, "Disaggregated: p90 the prefill pool's own TTFT (a decode worker's first ask for the prompt to its KV sent; the wait for a decode worker before that is the decode pool's) must hold: the TTFT SLO less the decode side's first steps (from `inferbus plan`).")
-    prefill_min_serving: int = env("INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING", 0, "Disaggregated: fewest serving prefill replicas per pool; 0: INFERBUS_AUTOSCALER_MIN_SERVING.")
-    prefill_max_serving: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING", 64, "Disaggregated: most serving prefill replicas per pool.")
-    prefill_max_warm: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_WARM", 8, "Disaggregated: most warm prefill replicas per pool.")
-    prefill_max_replicas: int = env("INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS", 72, "Disaggregated: most prefill replicas per pool counting serving, warm and starting ones (their GPU budget).")
-    decode_kv_budget: float = env("INFERBUS_AUTOSCALER_DECODE_KV_BUDGET", 0.9, "Disaggregated: KV cache use of the fullest decode replica above which the decode pool is short (the plan's KV limit).")
-    k8s_prefill_deployments: str = env("INFERBUS_AUTOSCALER_K8S_PREFILL_DEPLOYMENTS", "worker-prefill", "Disaggregated: the prefill worker Deployment per pool, as INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS names the decode one.")
-    local_engine: str = env("INFERBUS_AUTOSCALER_LOCAL_ENGINE", "{}", "Local actuator: the simulated engine of new replicas, as JSON (gpu, tp, model, time_scale, fixed_step_ms, engine_args); `inferbus up --autoscale` sets it.")
-    local_zones: str = env("INFERBUS_AUTOSCALER_LOCAL_ZONES", "", "Local actuator: zones to spread replicas over, comma-separated (N+1 per zone: a new replica goes to the zone with the fewest, a scale-down takes from the one with the most); each replica gets its INFERBUS_ZONE. Empty: no zones.")
-    local_log_dir: str = env("INFERBUS_AUTOSCALER_LOCAL_LOG_DIR", ".inferbus/logs", "Local actuator: where engine-<n>.log and worker-<n>.log of started replicas go.")
-    local_worker_nats_user: str = env("INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER", "", "Local actuator: the NATS user of the workers it starts (a worker identity, not the autoscaler's own); empty: they inherit NATS_USER. `inferbus up --autoscale` sets it.")
-    local_worker_nats_password: str = env("INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD", "", "Local actuator: the password of INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER.")
-    k8s_api_url: str = env("INFERBUS_AUTOSCALER_K8S_API_URL", "", "Kubernetes API server; empty: in-cluster service account, else the local kubeconfig.")
+    max_step_down: float = env(
+        "INFERBUS_AUTOSCALER_MAX_STEP_DOWN",
+        0.1,
+        "Share of the serving replicas one scale-down step may remove (at least one).",
+    )
+    burst_memory_s: float = env(
+        "INFERBUS_AUTOSCALER_BURST_MEMORY_S",
+        0.0,
+        "How long the warm pool remembers the largest burst (demand over the serving target of one cold start earlier) "
+        "and stays sized for it; 0 sizes it from the current ramp only. The simulator proof uses 3600.",
+    )
+    pending_s: float = env(
+        "INFERBUS_AUTOSCALER_PENDING_S",
+        30.0,
+        "How long a promotion or demotion counts as done before the worker's reports show it.",
+    )
+    disaggregated: bool = env(
+        "INFERBUS_AUTOSCALER_DISAGGREGATED",
+        False,
+        "Prefill/decode disaggregation: scale each pool's prefill workers and decode workers apart, each on its own "
+        "signal (prefill: its TTFT budget and queue; decode: TPOT and KV use). The decode pool takes the bounds and "
+        "goodput above (and INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS), the prefill pool the PREFILL_ ones. `inferbus plan "
+        "--emit-deploy` sets them from a disaggregated plan.",
+    )
+    prefill_goodput_rps: float = env(
+        "INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS",
+        4.1,
+        "Disaggregated: requests per second one prefill replica serves within its TTFT budget (from `inferbus plan`).",
+    )
+    prefill_ttft_budget_s: float = env(
+        "INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S",
+        0.6,
+        "Disaggregated: p90 the prefill pool's own TTFT (a decode worker's first ask for the prompt to its KV sent; "
+        "the wait for a decode worker before that is the decode pool's) must hold: the TTFT SLO less the decode side's "
+        "first steps (from `inferbus plan`).",
+    )
+    prefill_min_serving: int = env(
+        "INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING",
+        0,
+        "Disaggregated: fewest serving prefill replicas per pool; 0: INFERBUS_AUTOSCALER_MIN_SERVING.",
+    )
+    prefill_max_serving: int = env(
+        "INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING", 64, "Disaggregated: most serving prefill replicas per pool."
+    )
+    prefill_max_warm: int = env(
+        "INFERBUS_AUTOSCALER_PREFILL_MAX_WARM", 8, "Disaggregated: most warm prefill replicas per pool."
+    )
+    prefill_max_replicas: int = env(
+        "INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS",
+        72,
+        "Disaggregated: most prefill replicas per pool counting serving, warm and starting ones (their GPU budget).",
+    )
+    decode_kv_budget: float = env(
+        "INFERBUS_AUTOSCALER_DECODE_KV_BUDGET",
+        0.9,
+        "Disaggregated: KV cache use of the fullest decode replica above which the decode pool is short (the plan's KV "
+        "limit).",
+    )
+    k8s_prefill_deployments: str = env(
+        "INFERBUS_AUTOSCALER_K8S_PREFILL_DEPLOYMENTS",
+        "worker-prefill",
+        "Disaggregated: the prefill worker Deployment per pool, as INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS names the "
+        "decode one.",
+    )
+    local_engine: str = env(
+        "INFERBUS_AUTOSCALER_LOCAL_ENGINE",
+        "{}",
+        "Local actuator: the simulated engine of new replicas, as JSON (gpu, tp, model, time_scale, fixed_step_ms, "
+        "engine_args); `inferbus up --autoscale` sets it.",
+    )
+    local_zones: str = env(
+        "INFERBUS_AUTOSCALER_LOCAL_ZONES",
+        "",
+        "Local actuator: zones to spread replicas over, comma-separated (N+1 per zone: a new replica goes to the zone "
+        "with the fewest, a scale-down takes from the one with the most); each replica gets its INFERBUS_ZONE. Empty: "
+        "no zones.",
+    )
+    local_log_dir: str = env(
+        "INFERBUS_AUTOSCALER_LOCAL_LOG_DIR",
+        ".inferbus/logs",
+        "Local actuator: where engine-<n>.log and worker-<n>.log of started replicas go.",
+    )
+    local_worker_nats_user: str = env(
+        "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER",
+        "",
+        "Local actuator: the NATS user of the workers it starts (a worker identity, not the autoscaler's own); empty: "
+        "they inherit NATS_USER. `inferbus up --autoscale` sets it.",
+    )
+    local_worker_nats_password: str = env(
+        "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD",
+        "",
+        "Local actuator: the password of INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER.",
+    )
+    k8s_api_url: str = env(
+        "INFERBUS_AUTOSCALER_K8S_API_URL",
+        "",
+        "Kubernetes API server; empty: in-cluster service account, else the local kubeconfig.",
+    )
     k8s_namespace: str = env("INFERBUS_AUTOSCALER_K8S_NAMESPACE", "inferbus", "Namespace of the worker Deployments.")
-    k8s_deployments: str = env("INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS", "worker", "Worker Deployment per pool: `name` for a single pool, or `pool=name,pool=name`.")
+    k8s_deployments: str = env(
+        "INFERBUS_AUTOSCALER_K8S_DEPLOYMENTS",
+        "worker",
+        "Worker Deployment per pool: `name` for a single pool, or `pool=name,pool=name`.",
+    )
     metrics_port: int = shared.metrics_port(9103, "the autoscaler's")
     log_level: str = shared.log_level()
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:
-            raise SystemExit(f"INFERBUS_AUTOSCALER_ACTUATOR must be one of {', '.join(ACTUATORS)}, got {self.actuator!r}")
-        for name, value in (("INFERBUS_AUTOSCALER_TICK_S", self.tick_s), ("INFERBUS_AUTOSCALER_PENDING_S", self.pending_s),
-                            ("INFERBUS_AUTOSCALER_RATE_WINDOW_S", self.rate_window_s),
-                            ("INFERBUS_AUTOSCALER_LATENCY_WINDOW_S", self.latency_window_s)):
+            raise SystemExit(
+                f"INFERBUS_AUTOSCALER_ACTUATOR must be one of {', '.join(ACTUATORS)}, got {self.actuator!r}"
+            )
+        for name, value in (
+            ("INFERBUS_AUTOSCALER_TICK_S", self.tick_s),
+            ("INFERBUS_AUTOSCALER_PENDING_S", self.pending_s),
+            ("INFERBUS_AUTOSCALER_RATE_WINDOW_S", self.rate_window_s),
+            ("INFERBUS_AUTOSCALER_LATENCY_WINDOW_S", self.latency_window_s),
+        ):
             if value <= 0:
                 raise SystemExit(f"{name} must be > 0, got {value}")
         if self.min_serving < 1:

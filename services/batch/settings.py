@@ -19,41 +19,96 @@ class BatchSettings:
         "template): prompts are rendered and tokenized with the model's own files. Required; `inferbus up` builds "
         "a small one (python -m inferbus.tokens.modeldir DIR).",
     )
-    files_dir: str = shared.files_dir("Where the file store keeps uploaded and generated files (shared with the gateway).")
+    files_dir: str = shared.files_dir(
+        "Where the file store keeps uploaded and generated files (shared with the gateway)."
+    )
     service_id: str = env(
         "INFERBUS_BATCH_SERVICE_ID", "main",
         "Id of this batch service; workers send a line's `Accepted` to `inferbus.tok.batch-<id>`. Keep it stable "
         "across restarts so lines published before a restart still report their worker. Run one batch service.",
     )
-    max_model_len: int = shared.max_model_len("Context window: prompt plus max_tokens must fit (as the gateway's; 0: the served model's).")
+    max_model_len: int = shared.max_model_len(
+        "Context window: prompt plus max_tokens must fit (as the gateway's; 0: the served model's)."
+    )
     default_max_tokens: int = shared.default_max_tokens("max_tokens of a line that gives none (as the gateway's).")
     max_lines: int = env("INFERBUS_BATCH_MAX_LINES", 50_000, "Most requests in one input file.")
     max_bytes: int = env("INFERBUS_BATCH_MAX_BYTES", 200 * 1024 * 1024, "Largest input file in bytes.")
     max_errors: int = env("INFERBUS_BATCH_MAX_ERRORS", 100, "Validation stops after this many errors.")
     max_line_bytes: int = shared.max_body_bytes("Largest input line in bytes (as the gateway's largest request body).")
-    max_json_depth: int = shared.max_json_depth("Deepest nesting of arrays and objects in an input line's body (as the gateway's).")
-    max_in_flight: int = env("INFERBUS_BATCH_MAX_IN_FLIGHT", 4096, "Most lines published and unfinished at once, whatever the feed policy allows.")
-    line_lease_s: float = env("INFERBUS_BATCH_LINE_LEASE_S", 900.0, "A line with no result this long after it was published or last accepted is published again.")
-    cancel_grace_s: float = env("INFERBUS_BATCH_CANCEL_GRACE_S", 5.0, "After cancelling a batch's in-flight lines (cancel or expiry), how long to wait for their results before finalizing.")
-    flush_interval_s: float = env("INFERBUS_BATCH_FLUSH_INTERVAL_S", 1.0, "How often request_counts and usage are written to the batch records.")
-    feed_interval_s: float = env("INFERBUS_BATCH_FEED_INTERVAL_S", 0.1, "How often the feed loop asks the feed policy for room.")
+    max_json_depth: int = shared.max_json_depth(
+        "Deepest nesting of arrays and objects in an input line's body (as the gateway's)."
+    )
+    max_in_flight: int = env(
+        "INFERBUS_BATCH_MAX_IN_FLIGHT",
+        4096,
+        "Most lines published and unfinished at once, whatever the feed policy allows.",
+    )
+    line_lease_s: float = env(
+        "INFERBUS_BATCH_LINE_LEASE_S",
+        900.0,
+        "A line with no result this long after it was published or last accepted is published again.",
+    )
+    cancel_grace_s: float = env(
+        "INFERBUS_BATCH_CANCEL_GRACE_S",
+        5.0,
+        "After cancelling a batch's in-flight lines (cancel or expiry), how long to wait for their results before "
+        "finalizing.",
+    )
+    flush_interval_s: float = env(
+        "INFERBUS_BATCH_FLUSH_INTERVAL_S", 1.0, "How often request_counts and usage are written to the batch records."
+    )
+    feed_interval_s: float = env(
+        "INFERBUS_BATCH_FEED_INTERVAL_S", 0.1, "How often the feed loop asks the feed policy for room."
+    )
     window_scale: float = env(
         "INFERBUS_BATCH_WINDOW_SCALE", 1.0,
         "For tests and demos only: multiplies the completion window (24 h) of batches validated from now on; "
         "0.0001 makes it about 9 s.",
     )
-    worker_gone_grace_s: float = env("INFERBUS_BATCH_WORKER_GONE_GRACE_S", 5.0, "A worker whose heartbeat ended and did not come back within this long has its lines published again.")
+    worker_gone_grace_s: float = env(
+        "INFERBUS_BATCH_WORKER_GONE_GRACE_S",
+        5.0,
+        "A worker whose heartbeat ended and did not come back within this long has its lines published again.",
+    )
     heartbeat_ttl_s: float = shared.heartbeat_ttl_s("Workers silent this long are dead (match the workers').")
     ttft_slo_s: float = env("INFERBUS_BATCH_TTFT_SLO_S", 0.8, "Interactive p90 TTFT the feed protects (seconds).")
     tpot_slo_s: float = env("INFERBUS_BATCH_TPOT_SLO_S", 0.04, "Interactive p90 TPOT the feed protects (seconds).")
-    queue_wait_budget_s: float = env("INFERBUS_BATCH_QUEUE_WAIT_BUDGET_S", 0.5, "Interactive p90 queue wait the feed protects (seconds).")
-    pressure_fraction: float = env("INFERBUS_BATCH_PRESSURE_FRACTION", 1.0, "Feeding pauses once an interactive p90 passes this share of its SLO (the cap on the relative budgets).")
-    latency_tolerance: float = env("INFERBUS_BATCH_LATENCY_TOLERANCE", 0.09, "Feeding pauses once interactive p90 TTFT or TPOT exceeds the p90 learned while batch was light by this share.")
-    baseline_wait_s: float = env("INFERBUS_BATCH_BASELINE_WAIT_S", 15.0, "After the first worker report, seconds spent learning the interactive-alone p90 before feeding any batch line.")
-    max_slowdown: float = env("INFERBUS_BATCH_MAX_SLOWDOWN", 0.06, "Engine step-time increase batch lines may cause (sets the lines per worker).")
-    reserve_slots: int = env("INFERBUS_BATCH_RESERVE_SLOTS", 4, "Slots per worker batch never takes (room for interactive arrivals).")
-    step_base_s: float = env("INFERBUS_BATCH_STEP_BASE_S", 0.0186, "Engine step time with one sequence, for workers whose engine's GPU and TP the timing model does not know (others are capped by theirs); default H100 TP2.")
-    step_per_seq_s: float = env("INFERBUS_BATCH_STEP_PER_SEQ_S", 0.000165, "Engine step time added per running sequence, for the same workers.")
+    queue_wait_budget_s: float = env(
+        "INFERBUS_BATCH_QUEUE_WAIT_BUDGET_S", 0.5, "Interactive p90 queue wait the feed protects (seconds)."
+    )
+    pressure_fraction: float = env(
+        "INFERBUS_BATCH_PRESSURE_FRACTION",
+        1.0,
+        "Feeding pauses once an interactive p90 passes this share of its SLO (the cap on the relative budgets).",
+    )
+    latency_tolerance: float = env(
+        "INFERBUS_BATCH_LATENCY_TOLERANCE",
+        0.09,
+        "Feeding pauses once interactive p90 TTFT or TPOT exceeds the p90 learned while batch was light by this share.",
+    )
+    baseline_wait_s: float = env(
+        "INFERBUS_BATCH_BASELINE_WAIT_S",
+        15.0,
+        "After the first worker report, seconds spent learning the interactive-alone p90 before feeding any batch "
+        "line.",
+    )
+    max_slowdown: float = env(
+        "INFERBUS_BATCH_MAX_SLOWDOWN",
+        0.06,
+        "Engine step-time increase batch lines may cause (sets the lines per worker).",
+    )
+    reserve_slots: int = env(
+        "INFERBUS_BATCH_RESERVE_SLOTS", 4, "Slots per worker batch never takes (room for interactive arrivals)."
+    )
+    step_base_s: float = env(
+        "INFERBUS_BATCH_STEP_BASE_S",
+        0.0186,
+        "Engine step time with one sequence, for workers whose engine's GPU and TP the timing model does not know "
+        "(others are capped by theirs); default H100 TP2.",
+    )
+    step_per_seq_s: float = env(
+        "INFERBUS_BATCH_STEP_PER_SEQ_S", 0.000165, "Engine step time added per running sequence, for the same workers."
+    )
     metrics_port: int = shared.metrics_port(9105, "the batch service's")
     log_level: str = shared.log_level()
 

@@ -146,7 +146,9 @@ async def attributed(events: list[m.UsageEvent], senders: list[tuple[str, str] |
     their reporters may report; each other one is a security event when `record` (the rollup
     records them, the reconciler drops them too). Without `holders` (a replay) each is judged by
     its names alone."""
-    by_worker = [i for i, sender in enumerate(senders) if sender is not None and sender[0] == subjects.USAGE_FROM_WORKER]
+    by_worker = [
+        i for i, sender in enumerate(senders) if sender is not None and sender[0] == subjects.USAGE_FROM_WORKER
+    ]
     if not by_worker:
         return events
     known: list[str | None] = [None] * len(events)

@@ -51,8 +51,12 @@ def adapters_router(admin_key: str, base_model: str, jetstream: Callable[[], Jet
     def spec_from(body: Any, where: str = "") -> m.AdapterSpec:
         """A registration from one JSON object; `where` prefixes the offending field's name."""
         if not isinstance(body, dict):
-            raise OpenAIError(400, f"{'`' + where.rstrip('.') + '`' if where else 'The request body'} must be a JSON object.",
-                              param=where.rstrip(".") or None, code="invalid_json")
+            raise OpenAIError(
+                400,
+                f"{'`' + where.rstrip('.') + '`' if where else 'The request body'} must be a JSON object.",
+                param=where.rstrip(".") or None,
+                code="invalid_json",
+            )
         for field in ("name", "version", "path"):
             if not isinstance(body.get(field), str) or not body[field]:
                 raise OpenAIError(400, f"`{where}{field}` is required (a string).", param=where + field,

@@ -137,7 +137,9 @@ class Gateway:
             s.redis_url, max_connections=s.redis_max_connections, timeout=2, socket_timeout=2, socket_connect_timeout=2
         )
         self.tenants = TenantStore(self.redis)
-        self.admission = admission = Admission(self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s)  # type: ignore[arg-type]
+        self.admission = admission = Admission(
+            self.redis, on_redis_error=s.quota_on_redis_error, lease_ttl_s=s.lease_ttl_s  # type: ignore[arg-type]
+        )
         prices = Prices(s.price_input_per_mtok, s.price_output_per_mtok, s.price_cached_input_per_mtok)
         self.fleet = FleetMonitor(self.nc, js, s.model, overload)
         await self.fleet.start()
@@ -273,7 +275,9 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     async def list_models(request: Request) -> Response:
         tenant = await caller(request)
         assert gateway.catalog is not None
-        return Response(_json.encode({"object": "list", "data": gateway.catalog.cards(tenant)}), media_type="application/json")
+        return Response(
+            _json.encode({"object": "list", "data": gateway.catalog.cards(tenant)}), media_type="application/json"
+        )
 
     @api.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> Response:
@@ -321,7 +325,10 @@ def create_app(settings: GatewaySettings) -> GatewayASGI:
     # The public document leaves the admin API out; admins read theirs with the admin key.
     openapi.install(api)
     if settings.admin_key:
-        @api.get("/admin/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin(settings.admin_key))])
+
+        @api.get(
+            "/admin/openapi.json", include_in_schema=False, dependencies=[Depends(require_admin(settings.admin_key))]
+        )
         async def admin_openapi() -> Response:
             return Response(_json.encode(openapi.admin_document(api)), media_type="application/json")
 

@@ -66,7 +66,9 @@ def parse_create(body: Any) -> CreateBatch:
         raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
     for name in ("input_file_id", "endpoint", "completion_window"):
         if not isinstance(body.get(name), str) or not body[name]:
-            raise OpenAIError(400, f"Missing required parameter: `{name}`.", param=name, code="missing_required_parameter")
+            raise OpenAIError(
+                400, f"Missing required parameter: `{name}`.", param=name, code="missing_required_parameter"
+            )
     if body["endpoint"] not in BATCH_ENDPOINTS:
         raise _invalid(f"Unsupported endpoint `{body['endpoint']}`: batches may use "
                        f"{' or '.join(BATCH_ENDPOINTS)}.", "endpoint")
@@ -190,7 +192,9 @@ def batches_router(identity: Identity, batches: Callable[[], BatchStore | None],
         except NotCancellable as error:
             BATCH_CANCELS.labels("refused").inc()
             # OpenAI's answer, a 409 of type invalid_request_error; retrying cannot help.
-            raise OpenAIError(409, str(error), type="invalid_request_error", headers={"x-should-retry": "false"}) from None
+            raise OpenAIError(
+                409, str(error), type="invalid_request_error", headers={"x-should-retry": "false"}
+            ) from None
         if record is None:
             raise no_such_batch(batch_id)
         BATCH_CANCELS.labels("cancelling" if changed else "unchanged").inc()

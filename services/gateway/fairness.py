@@ -82,7 +82,9 @@ class FairQueue(Generic[T]):
     def pop(self, cost: Callable[[T], float] = lambda item: 0.0) -> tuple[T, str, str] | None:
         """The next (item, tenant, band) to dispatch, charging its tenant `cost(item)` tokens."""
         for band in bands.BANDS:
-            candidates = [(state.counter, tenant) for tenant, state in self._bands.get(band, {}).items() if state.waiting]
+            candidates = [
+                (state.counter, tenant) for tenant, state in self._bands.get(band, {}).items() if state.waiting
+            ]
             if not candidates:
                 continue
             _, tenant = min(candidates)

@@ -35,7 +35,9 @@ _json = msgspec.json.Encoder()
 FILES_UPLOADED = Counter("inferbus_files_uploaded_total", "Files uploaded through /v1/files")
 FILES_UPLOADED_BYTES = Counter("inferbus_files_uploaded_bytes_total", "Bytes of files uploaded through /v1/files")
 FILES_REJECTED = Counter("inferbus_files_upload_rejected_total", "Uploads refused", ["reason"])
-FILES_DOWNLOADED_BYTES = Counter("inferbus_files_downloaded_bytes_total", "Bytes of files sent by /v1/files/{id}/content")
+FILES_DOWNLOADED_BYTES = Counter(
+    "inferbus_files_downloaded_bytes_total", "Bytes of files sent by /v1/files/{id}/content"
+)
 FILES_DELETED = Counter("inferbus_files_deleted_total", "Files deleted through /v1/files")
 
 UPLOAD_PURPOSES = ("batch",)  # what a tenant may upload; "batch_output" files are written by the batch service

@@ -55,7 +55,9 @@ class FleetMonitor:
         # Every consumer of the model's band subjects counts: the shared queue and each worker's
         # own (placed requests wait there, and are as far from a slot as the shared ones); each
         # worker's own also on its own, for placements (a placed request waits for that worker).
-        prefixes = {band: subjects.request_filter(band, self.model, "").removesuffix(".*") for band in bands.INTERACTIVE}
+        prefixes = {
+            band: subjects.request_filter(band, self.model, "").removesuffix(".*") for band in bands.INTERACTIVE
+        }
         while True:
             depth = dict.fromkeys(bands.INTERACTIVE, 0)
             by_worker: dict[str, dict[str, int]] = {band: {} for band in bands.INTERACTIVE}

@@ -104,7 +104,12 @@ def tool_call_chunks(call: Call, choice: Choice, tool_call: ToolCall) -> list[by
     """OpenAI's streamed shape: a delta with the call's id, type and name, then its arguments."""
     index = choice.tool_calls_sent
     choice.tool_calls_sent += 1
-    head = {"index": index, "id": tool_call.id, "type": "function", "function": {"name": tool_call.name, "arguments": ""}}
+    head = {
+        "index": index,
+        "id": tool_call.id,
+        "type": "function",
+        "function": {"name": tool_call.name, "arguments": ""},
+    }
     return [chunk(call, None, None, False, index=choice.index, tool_calls=[head]),
             chunk(call, None, None, False, index=choice.index,
                   tool_calls=[{"index": index, "function": {"arguments": tool_call.arguments}}])]

@@ -208,9 +208,13 @@ class Generation:
                               code="no_capacity", headers={"retry-after": "5"})
         # Platform overload before quotas: a request the platform sheds must not use up its quota.
         ahead = bands.through(tenant.band)
-        verdict = self.overload.admit(tenant.band, sum(self.dispatcher.held(b) + self._admitting.get(b, 0) for b in ahead),
-                                      sum(self.dispatcher.queued(b) for b in ahead),
-                                      self.dispatcher.unstarted_ages(ahead), self.dispatcher.oldest_waiting_s(ahead))
+        verdict = self.overload.admit(
+            tenant.band,
+            sum(self.dispatcher.held(b) + self._admitting.get(b, 0) for b in ahead),
+            sum(self.dispatcher.queued(b) for b in ahead),
+            self.dispatcher.unstarted_ages(ahead),
+            self.dispatcher.oldest_waiting_s(ahead),
+        )
         if not verdict.admitted:
             metrics.SHED.labels(tenant.band).inc()
             raise OpenAIError(503, "The platform is overloaded; retry after the delay in `retry-after`.",
@@ -224,14 +228,28 @@ class Generation:
             decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
             now = time.time()
             inference = m.InferenceRequest(
-                request_id=request_id, tenant=principal.tenant, model=model, prompt=prompt.text, kind=endpoint,  # type: ignore[arg-type]
-                api_key_id=principal.key_id, adapter=adapter,
-                band=tenant.band, priority=bands.ENGINE_PRIORITY[tenant.band],
+                request_id=request_id,
+                tenant=principal.tenant,
+                model=model,
+                prompt=prompt.text,
+                kind=endpoint,  # type: ignore[arg-type]
+                api_key_id=principal.key_id,
+                adapter=adapter,
+                band=tenant.band,
+                priority=bands.ENGINE_PRIORITY[tenant.band],
                 sampling=sampling_params(params, max_new_tokens, self.tool_call_parser),
-                reply_to=self.dispatcher.reply_subject(), deadline=now + self.settings.request_timeout_s,
-                created=now, prompt_tokens=prompt_tokens, input_ids=prompt.ids, release=release, release_pinned=pinned,
-                adapter_canary=adapter_canary, adapter_pinned=adapter_pinned, adapter_fallback=adapter_fallback,
-                user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
+                reply_to=self.dispatcher.reply_subject(),
+                deadline=now + self.settings.request_timeout_s,
+                created=now,
+                prompt_tokens=prompt_tokens,
+                input_ids=prompt.ids,
+                release=release,
+                release_pinned=pinned,
+                adapter_canary=adapter_canary,
+                adapter_pinned=adapter_pinned,
+                adapter_fallback=adapter_fallback,
+                user=params.user
+                or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
             )
             try:
                 carry.check_sampling(inference.sampling)
@@ -305,8 +323,12 @@ class Generation:
         if decision.reason == "budget":
             raise OpenAIError(429, "You exceeded your monthly budget; it renews at the start of next month.",
                               code="insufficient_quota", type="insufficient_quota", headers=decision.headers())
-        what = {"requests": "requests per minute", "input_tokens": "input tokens per minute",
-                "output_tokens": "output tokens per minute", "concurrency": "concurrent requests"}.get(decision.reason, decision.reason)
+        what = {
+            "requests": "requests per minute",
+            "input_tokens": "input tokens per minute",
+            "output_tokens": "output tokens per minute",
+            "concurrency": "concurrent requests",
+        }.get(decision.reason, decision.reason)
         raise OpenAIError(429, f"Rate limit reached for {what}; retry after the delay in `retry-after`.",
                           code="rate_limit_exceeded", type="rate_limit_error", headers=decision.headers())
 
@@ -347,13 +369,17 @@ class Generation:
     async def _read_body(self, receive: Any, declared: str | None) -> bytes:
         limit = self.settings.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(413, f"Request body too large: {declared} bytes, limit {limit}.", code="request_too_large")
+            raise OpenAIError(
+                413, f"Request body too large: {declared} bytes, limit {limit}.", code="request_too_large"
+            )
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise OpenAIError(400, "The client closed the connection before sending the body.", code="client_closed")
+                raise OpenAIError(
+                    400, "The client closed the connection before sending the body.", code="client_closed"
+                )
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:

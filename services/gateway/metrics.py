@@ -36,17 +36,24 @@ RESPONSES = Counter("inferbus_responses_total", "Responses-API requests (also co
                     ["status", "response_status"])
 RESPONSES_NOT_STORED = Counter("inferbus_responses_not_stored_total", "Responses asked to be stored that were not",
                                ["reason"])
-PLACEMENTS = Counter("inferbus_placements_total", "Where requests were queued: a worker's own queue or the shared one", ["target"])
+PLACEMENTS = Counter(
+    "inferbus_placements_total", "Where requests were queued: a worker's own queue or the shared one", ["target"]
+)
 FAIR_QUEUE = Gauge("inferbus_fair_queue_requests", "Requests waiting in this gateway's fair queue for their turn")
 SHED = Counter("inferbus_shed_total", "Requests refused with 503 `overloaded` before queueing, by band", ["band"])
-DEATH_VERDICTS = Counter("inferbus_worker_death_verdicts_total",
-                         "Lapsed heartbeats checked with a liveness probe: `dead` (its streams migrate) or `alive`", ["verdict"])
+DEATH_VERDICTS = Counter(
+    "inferbus_worker_death_verdicts_total",
+    "Lapsed heartbeats checked with a liveness probe: `dead` (its streams migrate) or `alive`",
+    ["verdict"],
+)
 RESENDS = Counter(
     "inferbus_stream_resends_total",
     "Streams whose worker was asked to send missed events again (a gap in their chunks, or silence), by its answer: "
     "running, finished, unknown (the request continues on another worker) or no_answer", ["answer"],
 )
-NOT_STARTED = Counter("inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue")
+NOT_STARTED = Counter(
+    "inferbus_not_started_total", "Requests a worker did not start in time, moved to the shared queue"
+)
 PLACEMENT_SECONDS = Histogram(
     "inferbus_placement_seconds", "From asking the router where to queue a request to its answer, by outcome: "
     "`answered` while the request waited for it, `late` (after the request went to the shared queue: the router is "
@@ -54,5 +61,5 @@ PLACEMENT_SECONDS = Histogram(
     ["outcome"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
 )
 PLACEMENTS_OVER_BUDGET = Counter("inferbus_placements_over_budget_total",
-                                 "Placements on a worker whose own queue would hold the request past its band's budget, "
-                                 "queued on the shared queue instead")
+                                 "Placements on a worker whose own queue would hold the request past its band's "
+                                 "budget, queued on the shared queue instead")

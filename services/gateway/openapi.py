@@ -259,33 +259,57 @@ _GENERATION_ERRORS = (400, 401, 403, 404, 413, 429, 500, 502, 503, 504)
 
 PUBLIC: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation(
-        "Create a chat completion (`stream: true` answers with server-sent events).", ChatCompletion,
-        ok_media=("application/json", "text/event-stream"), body=ChatCompletionRequest, errors=_GENERATION_ERRORS,
-        plain_asgi=True),
+        "Create a chat completion (`stream: true` answers with server-sent events).",
+        ChatCompletion,
+        ok_media=("application/json", "text/event-stream"),
+        body=ChatCompletionRequest,
+        errors=_GENERATION_ERRORS,
+        plain_asgi=True,
+    ),
     ("post", "/v1/completions"): Operation(
-        "Create a text completion (`stream: true` answers with server-sent events).", TextCompletion,
-        ok_media=("application/json", "text/event-stream"), body=CompletionRequest, errors=_GENERATION_ERRORS,
-        plain_asgi=True),
+        "Create a text completion (`stream: true` answers with server-sent events).",
+        TextCompletion,
+        ok_media=("application/json", "text/event-stream"),
+        body=CompletionRequest,
+        errors=_GENERATION_ERRORS,
+        plain_asgi=True,
+    ),
     ("post", "/v1/responses"): Operation(
         "Create a model response (`stream: true` answers with server-sent events).",
-        ok_media=("application/json", "text/event-stream"), body=ResponsesRequest, errors=_GENERATION_ERRORS,
-        plain_asgi=True),
+        ok_media=("application/json", "text/event-stream"),
+        body=ResponsesRequest,
+        errors=_GENERATION_ERRORS,
+        plain_asgi=True,
+    ),
     ("get", "/v1/responses/{response_id}"): Operation("Retrieve a stored response."),
     ("delete", "/v1/responses/{response_id}"): Operation("Delete a stored response."),
     ("get", "/v1/responses/{response_id}/input_items"): Operation("List a stored response's input items."),
     ("get", "/v1/models"): Operation("List the models this API key may use.", ModelList),
     ("get", "/v1/models/{model_id}"): Operation("Retrieve a model.", Model),
-    ("post", "/v1/files"): Operation("Upload a JSONL file for a batch.", FileObject, body=FileUpload,
-                                     body_media="multipart/form-data", errors=(400, 401, 403, 413, 429, 503)),
+    ("post", "/v1/files"): Operation(
+        "Upload a JSONL file for a batch.",
+        FileObject,
+        body=FileUpload,
+        body_media="multipart/form-data",
+        errors=(400, 401, 403, 413, 429, 503),
+    ),
     ("get", "/v1/files"): Operation("List the tenant's files.", FileList, query=FileListQuery),
     ("get", "/v1/files/{file_id}"): Operation("Retrieve a file's metadata.", FileObject),
-    ("get", "/v1/files/{file_id}/content"): Operation("Download a file's bytes.", ok_media=("application/octet-stream",)),
+    ("get", "/v1/files/{file_id}/content"): Operation(
+        "Download a file's bytes.", ok_media=("application/octet-stream",)
+    ),
     ("delete", "/v1/files/{file_id}"): Operation("Delete a file.", FileDeleted),
-    ("post", "/v1/batches"): Operation("Create a batch from an uploaded file.", Batch, body=CreateBatchRequest,
-                                       errors=(400, 401, 403, 404, 413, 429, 503)),
+    ("post", "/v1/batches"): Operation(
+        "Create a batch from an uploaded file.",
+        Batch,
+        body=CreateBatchRequest,
+        errors=(400, 401, 403, 404, 413, 429, 503),
+    ),
     ("get", "/v1/batches"): Operation("List the tenant's batches.", BatchList, query=BatchListQuery),
     ("get", "/v1/batches/{batch_id}"): Operation("Retrieve a batch.", Batch),
-    ("post", "/v1/batches/{batch_id}/cancel"): Operation("Cancel a batch.", Batch, errors=(400, 401, 403, 404, 409, 429, 503)),
+    ("post", "/v1/batches/{batch_id}/cancel"): Operation(
+        "Cancel a batch.", Batch, errors=(400, 401, 403, 404, 409, 429, 503)
+    ),
     ("get", "/v1/usage"): Operation("The tenant's token usage, in time buckets.", UsagePage, query=UsageQuery),
     ("get", "/v1/costs"): Operation("The tenant's costs, in time buckets.", UsagePage, query=UsageQuery),
     ("get", "/health"): Operation("Liveness: the process answers.", public=False, errors=()),
@@ -294,19 +318,24 @@ PUBLIC: dict[tuple[str, str], Operation] = {
 }
 
 ADMIN: dict[tuple[str, str], Operation] = {
-    ("post", "/admin/v1/tenants"): Operation("Create a tenant.", Tenant, ok_status=201, body=Tenant,
-                                             errors=(400, 401, 409, 503)),
+    ("post", "/admin/v1/tenants"): Operation(
+        "Create a tenant.", Tenant, ok_status=201, body=Tenant, errors=(400, 401, 409, 503)
+    ),
     ("get", "/admin/v1/tenants"): Operation("List tenants."),
     ("get", "/admin/v1/tenants/{tenant_id}"): Operation("Retrieve a tenant.", Tenant),
     ("patch", "/admin/v1/tenants/{tenant_id}"): Operation("Change a tenant.", Tenant, body=TenantPatch),
     ("delete", "/admin/v1/tenants/{tenant_id}"): Operation("Delete a tenant and its keys."),
-    ("post", "/admin/v1/tenants/{tenant_id}/keys"): Operation("Issue an API key (its secret is shown once).",
-                                                               ok_status=201, body=NewKey),
+    ("post", "/admin/v1/tenants/{tenant_id}/keys"): Operation(
+        "Issue an API key (its secret is shown once).", ok_status=201, body=NewKey
+    ),
     ("get", "/admin/v1/tenants/{tenant_id}/keys"): Operation("List a tenant's API keys."),
     ("delete", "/admin/v1/tenants/{tenant_id}/keys/{key_id}"): Operation("Revoke an API key."),
     ("post", "/admin/v1/adapters"): Operation("Register a LoRA adapter.", ok_status=201, body=NewAdapter),
-    ("post", "/admin/v1/adapters/bulk"): Operation(f"Register up to {BULK_LIMIT:,} LoRA adapters in one call (none if any is bad).",
-                                                   ok_status=201, body=NewAdapters),
+    ("post", "/admin/v1/adapters/bulk"): Operation(
+        f"Register up to {BULK_LIMIT:,} LoRA adapters in one call (none if any is bad).",
+        ok_status=201,
+        body=NewAdapters,
+    ),
     ("get", "/admin/v1/adapters"): Operation("List adapters."),
     ("get", "/admin/v1/adapters/{name}"): Operation("Retrieve an adapter."),
     ("delete", "/admin/v1/adapters/{name}"): Operation("Unregister an adapter."),
@@ -388,7 +417,9 @@ def _operation(op: Operation, generated: dict[str, Any], models: set[type], meth
             else:
                 ok[media] = {"schema": {"type": "object"}}
         elif media == "text/event-stream":
-            ok[media] = {"schema": {"type": "string", "description": "`data: <chunk JSON>` events, then `data: [DONE]`"}}
+            ok[media] = {
+                "schema": {"type": "string", "description": "`data: <chunk JSON>` events, then `data: [DONE]`"}
+            }
         else:
             ok[media] = {"schema": {"type": "string"}}
     responses[str(op.ok_status)] = {"description": _STATUS_TEXT.get(op.ok_status, "OK"), "content": ok}
@@ -407,7 +438,12 @@ def _query_parameters(query: type) -> list[dict[str, Any]]:
     required = set(struct.get("required", []))
     params = []
     for name, prop in struct["properties"].items():
-        param: dict[str, Any] = {"name": name, "in": "query", "required": name in required, "schema": _nullable_to_plain(prop)}
+        param: dict[str, Any] = {
+            "name": name,
+            "in": "query",
+            "required": name in required,
+            "schema": _nullable_to_plain(prop),
+        }
         if prop.get("type") == "array":
             param.update(style="form", explode=True)
         params.append(param)

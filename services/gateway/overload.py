@@ -8,8 +8,8 @@ a timeout later. Premium's budget is the larger one, so it is shed last.
 The fleet's completion rate is measured over a sliding window (not from one load report to the
 next, which with long answers is mostly zero and occasionally a burst; the window reaches back
 further while it holds fewer than `min_completions`, so long answers and idle spells keep their
-measurement) as occupied slot-seconds per completion (Little's law): a worker with `max_running` slots, whose requests each hold a slot
-for S seconds on average, frees `max_running / S` slots a second when full. Idle or half-idle time
+measurement) as occupied slot-seconds per completion (Little's law): a worker with `max_running` slots, whose requests
+each hold a slot for S seconds on average, frees `max_running / S` slots a second when full. Idle or half-idle time
 therefore does not dilute the rate. Until a worker's slots were occupied for `min_busy_s`
 slot-seconds of the window its rate is unknown; then the wait is at least the time since the
 fleet last made progress (a completion, or a free slot), a lower bound that sheds once it passes

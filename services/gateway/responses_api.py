@@ -130,7 +130,9 @@ class ResponsesAPI:
         except StoreUnavailable:
             raise _unavailable() from None
         if record is None:
-            raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+            raise OpenAIError(
+                404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found"
+            )
         return record
 
 
@@ -286,7 +288,9 @@ def responses_router(identity: Callable[[Request], Awaitable[tuple[Principal, Te
         except StoreUnavailable:
             raise _unavailable() from None
         if not deleted:
-            raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+            raise OpenAIError(
+                404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found"
+            )
         return Response(_json.encode({"id": response_id, "object": "response", "deleted": True}),
                         media_type="application/json")
 

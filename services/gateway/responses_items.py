@@ -179,8 +179,11 @@ _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output":
 def input_items(request: ResponsesRequest, id_suffix: str) -> list[Item]:
     """The request's `input` as stored input items (OpenAI's shapes, every item with an id: its
     own, or `<msg|fc|fco>_<id_suffix>_<position>`)."""
-    raw: list[Item] = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
+    raw: list[Item] = (
+        [{"type": "message", "role": "user", "content": request.input}]
+        if isinstance(request.input, str)
         else list(request.input or ())
+    )
     return [_input_item(item, i, f"{id_suffix}_{i}") for i, item in enumerate(raw)]
 
 
@@ -218,7 +221,13 @@ def _input_item(item: Any, i: int, id_suffix: str) -> Item:
         else:
             text = _text_of(item.get("content"), f"{param}.content", ("input_text", "text"))
             content = [{"type": "input_text", "text": text}]
-        return {"id": item.get("id") or item_id, "type": "message", "role": role, "content": content, "status": "completed"}
+        return {
+            "id": item.get("id") or item_id,
+            "type": "message",
+            "role": role,
+            "content": content,
+            "status": "completed",
+        }
     if kind == "function_call":
         for name in ("call_id", "name", "arguments"):
             if not isinstance(item.get(name), str):
@@ -280,9 +289,15 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> d
         if value is not None:
             body[name] = value
     if request.tools:
-        body["tools"] = [{"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                                                           if tool.get(k) is not None}}
-                         for tool in request.tools]
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None
+                },
+            }
+            for tool in request.tools
+        ]
     if isinstance(request.tool_choice, str):
         body["tool_choice"] = request.tool_choice
     elif request.tool_choice is not None:
@@ -418,7 +433,10 @@ class StreamTranslator:
 
     def start(self) -> list[Event]:
         created = self.shell.body("in_progress", [])
-        return [self._event("response.created", response=created), self._event("response.in_progress", response=created)]
+        return [
+            self._event("response.created", response=created),
+            self._event("response.in_progress", response=created),
+        ]
 
     def chunk(self, chunk: dict[str, Any]) -> list[Event]:
         """Events for one `chat.completion.chunk` (or the stream's error object)."""

@@ -42,7 +42,9 @@ class ResponseStore:
         self.drift: list[str] = []  # how the bucket differs from the settings (see `open`)
 
     @classmethod
-    async def open(cls, js: JetStreamContext, retention_s: float, max_bytes: int, *, update: bool = False) -> ResponseStore:
+    async def open(
+        cls, js: JetStreamContext, retention_s: float, max_bytes: int, *, update: bool = False
+    ) -> ResponseStore:
         """The bucket, created on first use. An existing bucket with another retention or size
         limit keeps it (only ops may reconfigure a bucket): the difference is logged and listed in
         `drift`; with `update` (an operator's identity) the bucket takes the configured ones."""

@@ -56,7 +56,9 @@ class Prefetcher:
         """(worker, adapter) prefetches to ask for now; they count as asked for."""
         now = self.clock()
         loaded_anywhere = set().union(*(w.loaded for w in workers)) if workers else set()
-        self.asked = {a: (w, at) for a, (w, at) in self.asked.items() if a not in loaded_anywhere and now - at < self.ttl_s}
+        self.asked = {
+            a: (w, at) for a, (w, at) in self.asked.items() if a not in loaded_anywhere and now - at < self.ttl_s
+        }
         capped = [w for w in workers if w.cap > 0]
         if not capped:
             return []

@@ -26,8 +26,8 @@ for every load queued there and then its own. SGLang reads the weights inside it
 loop, so while it does no batch runs there: every other request on that worker waits for the load
 under way too. A placement that makes a worker load its adapter therefore costs that load
 twice: once for the request, once for everyone else's batches there; so a request waits for a
-home busy with another load rather than start a load elsewhere, unless the home's queue is long. Workers report their queued and in-flight loads
-with the expected seconds until each is ready, and their expected seconds for one more load
+home busy with another load rather than start a load elsewhere, unless the home's queue is long. Workers report their
+queued and in-flight loads with the expected seconds until each is ready, and their expected seconds for one more load
 (`WorkerLoad.adapter_loads`, `adapter_load_s`; worker/adapter_loads.py); loads this router asked
 for since (a placement on a worker without the adapter, a warm-up) count `adapter_load_s` each
 until a report shows them. The wait for adapter a on a worker is then: 0 if loaded there; the
@@ -234,7 +234,9 @@ class AdapterSlots:
             else:
                 cost += self.stall(worker_id, loaded)
             if adapter:
-                if worker_id not in homes and not self._takes(opening, worker_id, adapter, loaded, homes, excess, moved):
+                if worker_id not in homes and not self._takes(
+                    opening, worker_id, adapter, loaded, homes, excess, moved
+                ):
                     cost += config.away_s
             if slots:
                 cost += self.slot_wait(worker_id, key, slots)
@@ -258,7 +260,9 @@ class AdapterSlots:
         if not outside:
             return None
         def cost(worker_id: str, loaded: frozenset[str]) -> float:
-            return self.config.balance_s * max(0.0, excess.get(worker_id, 0.0)) + self.load_wait(worker_id, adapter, loaded)
+            return self.config.balance_s * max(0.0, excess.get(worker_id, 0.0)) + self.load_wait(
+                worker_id, adapter, loaded
+            )
 
         best = min(outside, key=lambda w: cost(*w))[0]
         self._ask_load(best, adapter)

@@ -35,7 +35,11 @@ from proto import subjects
 log = logs.get(__name__)
 
 DECISIONS = Counter("inferbus_release_decisions_total", "Canary decisions made by this replica", ["model", "action"])
-SHARE = Gauge("inferbus_release_candidate_share", "Share of a model's traffic sent to its candidate release", ["model", "candidate"])
+SHARE = Gauge(
+    "inferbus_release_candidate_share",
+    "Share of a model's traffic sent to its candidate release",
+    ["model", "candidate"],
+)
 
 
 class CanaryService:

@@ -188,7 +188,11 @@ class PairPolicy:
                 remote = None
                 if prefill is not None:
                     cached_there = self.registry.config.block_size * matched.get(decode.worker_id, 0)
-                    remote = prefill_costs[prefill.worker_id] + self.transfer_s(request, prefill, decode, cached_there) + decode_s
+                    remote = (
+                        prefill_costs[prefill.worker_id]
+                        + self.transfer_s(request, prefill, decode, cached_there)
+                        + decode_s
+                    )
                 local = self.local_cost(request, decode, matched)
                 if local is not None and (remote is None or local + decode_s < remote):
                     options.append(Pair(decode, None, matched.get(decode.worker_id, 0), local=True,

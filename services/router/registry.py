@@ -62,7 +62,9 @@ class WorkerView:
     intake: float = 0.0
     intake_mean: float = 0.0
     intake_requests: float = 0.0  # placements, decaying likewise
-    share_limit: float = 0.0  # `RoutingConfig.share_limit`, widened when the fleet's window holds few requests per worker
+    share_limit: float = (
+        0.0  # `RoutingConfig.share_limit`, widened when the fleet's window holds few requests per worker
+    )
     # Wait this worker adds to any request, in seconds (queued prefill and load), kept current on
     # every event that changes it so that a placement only adds the request's own part.
     base_cost: float = 0.0

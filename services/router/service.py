@@ -46,7 +46,9 @@ from .settings import RouterSettings
 log = logs.get(__name__)
 
 PLACEMENTS = Counter("inferbus_router_placements_total", "Placement decisions", ["reason"])
-CACHED_BLOCKS = Counter("inferbus_router_expected_cached_blocks_total", "Prefix blocks placements expected to find cached")
+CACHED_BLOCKS = Counter(
+    "inferbus_router_expected_cached_blocks_total", "Prefix blocks placements expected to find cached"
+)
 WORKERS = Gauge("inferbus_router_workers", "Workers the router considers alive")
 INDEX_BLOCKS = Gauge("inferbus_router_index_blocks", "Prefix blocks in the router's index, all workers")
 RESYNCS = Counter("inferbus_router_cache_resyncs_total", "Cache snapshots asked of workers (start, gaps)")
@@ -61,7 +63,9 @@ RESYNC_MIN_INTERVAL_S = 2.0
 PRELOAD_REPEAT_S = 5.0  # a worker told to load an adapter is not told again this soon
 PREFETCH_INTERVAL_S = 1.0  # how often the router looks for adapters to prefetch
 REGISTERED_REFRESH_S = 10.0  # how often it re-reads the registered adapters
-PREFETCHES = Counter("inferbus_router_adapter_prefetches_total", "LoRA adapter prefetches into host memory asked of workers")
+PREFETCHES = Counter(
+    "inferbus_router_adapter_prefetches_total", "LoRA adapter prefetches into host memory asked of workers"
+)
 
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementRequest)
 _load_decoder = msgspec.msgpack.Decoder(m.WorkerLoad)
@@ -75,13 +79,23 @@ class Router:
         self.settings = settings
         self.router_id = settings.router_id or f"router-{secrets.token_hex(4)}"
         config = RoutingConfig(
-            block_size=settings.block_size, heartbeat_ttl_s=settings.heartbeat_ttl_s, kv_ceiling=settings.kv_ceiling,
-            temperature=settings.temperature, prefill_tokens_per_s=settings.prefill_tokens_per_s, miss_weight=settings.miss_weight,
-            decode_weight_s=settings.decode_weight_s, adapter_load_s=settings.adapter_load_s,
-            adapter_slot_hold_s=settings.adapter_slot_hold_s, adapter_spread=settings.adapter_spread,
-            time_scale=settings.time_scale, share_weight_s=settings.share_weight_s, share_limit=settings.share_limit, share_window_s=settings.share_window_s,
+            block_size=settings.block_size,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            kv_ceiling=settings.kv_ceiling,
+            temperature=settings.temperature,
+            prefill_tokens_per_s=settings.prefill_tokens_per_s,
+            miss_weight=settings.miss_weight,
+            decode_weight_s=settings.decode_weight_s,
+            adapter_load_s=settings.adapter_load_s,
+            adapter_slot_hold_s=settings.adapter_slot_hold_s,
+            adapter_spread=settings.adapter_spread,
+            time_scale=settings.time_scale,
+            share_weight_s=settings.share_weight_s,
+            share_limit=settings.share_limit,
+            share_window_s=settings.share_window_s,
             share_granularity=settings.share_granularity,
-            index_blocks_per_worker=settings.index_blocks_per_worker, index_ttl_s=settings.index_ttl_s,
+            index_blocks_per_worker=settings.index_blocks_per_worker,
+            index_ttl_s=settings.index_ttl_s,
         )
         try:
             link = kv_link(settings.kv_link)
@@ -110,8 +124,12 @@ class Router:
         # The view's subscriptions take turns with the others: a backlog of events (after the
         # process was starved of CPU) must not hold placement questions until it is worked off.
         await self.nc.subscribe(subjects.metrics_wildcard(), cb=bus.taking_turns(self._on_load))
-        await self.nc.subscribe(subjects.cache_wildcard(), cb=bus.taking_turns(self._on_cache), pending_msgs_limit=1_000_000)
-        await self.nc.subscribe(subjects.placed_wildcard(), cb=bus.taking_turns(self._on_placed), pending_msgs_limit=1_000_000)
+        await self.nc.subscribe(
+            subjects.cache_wildcard(), cb=bus.taking_turns(self._on_cache), pending_msgs_limit=1_000_000
+        )
+        await self.nc.subscribe(
+            subjects.placed_wildcard(), cb=bus.taking_turns(self._on_placed), pending_msgs_limit=1_000_000
+        )
         # Placement requests last: by then the view is being built.
         await self.nc.subscribe(subjects.placement_wildcard(), queue=ROUTER_QUEUE, cb=self._on_place)
         self.canary = CanaryService(self.nc, self.router_id, SloConfig(

@@ -33,7 +33,12 @@ from .profile_table import load_npz
     "--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True,
     help="Tensor-parallel degree: GPUs per replica (bandwidth and KV capacity scale with it).",
 )
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Model name reported as model_path (timing is always a 70B-class model).")
+@click.option(
+    "--model",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="Model name reported as model_path (timing is always a 70B-class model).",
+)
 @click.option(
     "--preset", type=click.Choice(PRESET_NAMES), default="latency", show_default=True,
     help="Timing constants: 'latency' fits online serving (NIM), 'throughput' the offline upper bound (TensorRT-LLM).",
@@ -51,22 +56,48 @@ from .profile_table import load_npz
     help="Take step times from this profile table (.npz in the format of NVIDIA Dynamo's mocker "
          "--planner-profile-data, e.g. from `inferbus profile-table`) instead of the GPU model.",
 )
-@click.option("--chunked-prefill-size", default=512, show_default=True, type=int,
-              help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.")
-@click.option("--max-running-requests", default=None, type=int,
-              help="Most requests in the running batch (default 256; /server_info reports it at the top only when given, as SGLang does).")
+@click.option(
+    "--chunked-prefill-size",
+    default=512,
+    show_default=True,
+    type=int,
+    help="Prefill tokens per step (chunked prefill budget); 512 is calibrated against published H100 numbers.",
+)
+@click.option(
+    "--max-running-requests",
+    default=None,
+    type=int,
+    help="Most requests in the running batch (default 256; /server_info reports it at the top only when given, "
+    "as SGLang does).",
+)
 @click.option("--context-length", default=None, type=click.IntRange(min=16),
               help="The context window (SGLang's flag): prompt plus output tokens. Default: the model directory's "
                    "config.json, as SGLang derives it, else 131072.")
-@click.option("--model-dir", default=None, envvar="INFERBUS_MODEL_DIR", show_envvar=True,
-              type=click.Path(exists=True, file_okay=False),
-              help="The served model's directory (tokenizer.json, tokenizer_config.json with the chat template): text is "
-                   "tokenized with it and output is token ids of its vocabulary. Without it, a stand-in tokenizer "
-                   "(capacity tools only).")
-@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
-              help="Prefix-cache page size in tokens (SGLang's --page-size; 1 on CPU). Workers rebuild the cache events "
-                   "into the platform's blocks, so it need not match INFERBUS_BLOCK_SIZE.")
-@click.option("--max-loras-per-batch", default=8, show_default=True, type=int, help="Distinct adapters per batch; the base model counts as one.")
+@click.option(
+    "--model-dir",
+    default=None,
+    envvar="INFERBUS_MODEL_DIR",
+    show_envvar=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The served model's directory (tokenizer.json, tokenizer_config.json with the chat template): text is "
+    "tokenized with it and output is token ids of its vocabulary. Without it, a stand-in tokenizer "
+    "(capacity tools only).",
+)
+@click.option(
+    "--block-size",
+    default=DEFAULT_BLOCK_SIZE,
+    show_default=True,
+    type=int,
+    help="Prefix-cache page size in tokens (SGLang's --page-size; 1 on CPU). Workers rebuild the cache events "
+    "into the platform's blocks, so it need not match INFERBUS_BLOCK_SIZE.",
+)
+@click.option(
+    "--max-loras-per-batch",
+    default=8,
+    show_default=True,
+    type=int,
+    help="Distinct adapters per batch; the base model counts as one.",
+)
 @click.option("--max-lora-rank", default=None, type=click.IntRange(min=1),
               help="Refuse to load a local adapter directory whose adapter_config.json rank is higher (SGLang's flag), "
                    "and price each distinct adapter's batched kernels and weight reads per step at this rank "
@@ -81,9 +112,19 @@ from .profile_table import load_npz
                    "adapter is being copied waits for it (SGLang's flag).")
 @click.option("--lora-load-time", default=None, type=click.FloatRange(min=0),
               help="Simulated seconds every adapter load takes, GPU slot copies then free. Default: from the adapter's "
-                   "size (rank × the modelled 70B's projections, BF16): disk at 2 GB/s + 0.1 s, host to GPU at 25 GB/s + 0.05 s.")
-@click.option("--kv-capacity-tokens", default=None, type=int, help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).")
-@click.option("--lazy-lora-loading", is_flag=True, help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).")
+                   "size (rank × the modelled 70B's projections, BF16): disk at 2 GB/s + 0.1 s, host to GPU at 25 GB/s "
+                   "+ 0.05 s.")
+@click.option(
+    "--kv-capacity-tokens",
+    default=None,
+    type=int,
+    help="KV cache size in tokens (default: derived from GPU memory, ~419k on H100 TP2).",
+)
+@click.option(
+    "--lazy-lora-loading",
+    is_flag=True,
+    help="Answer 200 to any adapter load and fail on first use (as lazily loading engines do).",
+)
 @click.option(
     "--mixed-chunk/--no-mixed-chunk", default=True, show_default=True,
     help="Decode and prefill in the same step (SGLang's --enable-mixed-chunk); off, a step that can "
@@ -111,12 +152,15 @@ from .profile_table import load_npz
 @click.option("--speculative-draft-cost", default=0.1, show_default=True, type=click.FloatRange(min=0),
               help="Simulated: one draft step's time as a fraction of a decode step (EAGLE-style draft head).")
 @click.option(
-    "--tool-call-parser", type=click.Choice(["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31",
-                                            "gpt-oss"]), default="llama3",
+    "--tool-call-parser",
+    type=click.Choice(
+        ["llama3", "hermes", "qwen25", "qwen", "mistral", "pythonic", "deepseekv3", "deepseekv31", "gpt-oss"]
+    ),
+    default="llama3",
     show_default=True,
     help="How the simulated model writes tool calls (SGLang's flag of the same name): llama3 JSON, Hermes/Qwen "
-         "<tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic (Llama-4) call lists, DeepSeek call blocks "
-         "or gpt-oss harmony messages to functions.",
+    "<tool_call> blocks, Mistral [TOOL_CALLS] arrays, pythonic (Llama-4) call lists, DeepSeek call blocks "
+    "or gpt-oss harmony messages to functions.",
 )
 @click.option("--answer-length-median", default=DEFAULT_ANSWER_LENGTH_MEDIAN, show_default=True,
               type=click.IntRange(min=0), envvar="INFERBUS_SIM_ANSWER_LENGTH_MEDIAN",
@@ -138,11 +182,16 @@ from .profile_table import load_npz
               show_default=True,
               help="SGLang's KV transfer backend name. Only 'fake' changes the simulation: a decode engine then "
                    "needs no prefill (a prefill engine refuses it, as SGLang).")
-@click.option("--disaggregation-ib-device", default=None, help="Accepted for SGLang compatibility; nothing to select here.")
-@click.option("--disaggregation-decode-retraction-backup", type=click.Choice(["cpu_tensor", "host_pool", "none"]),
-              default=None,
-              help="Accepted and reported for SGLang compatibility (where SGLang keeps a retracted decode request's KV); "
-                   "a simulated decode engine always restores it from host memory.")
+@click.option(
+    "--disaggregation-ib-device", default=None, help="Accepted for SGLang compatibility; nothing to select here."
+)
+@click.option(
+    "--disaggregation-decode-retraction-backup",
+    type=click.Choice(["cpu_tensor", "host_pool", "none"]),
+    default=None,
+    help="Accepted and reported for SGLang compatibility (where SGLang keeps a retracted decode request's KV); "
+    "a simulated decode engine always restores it from host memory.",
+)
 @click.option("--disaggregation-decode-enable-radix-cache", is_flag=True,
               help="Decode role: keep a prefix cache (off by default, as SGLang), publish its events, and have the "
                    "prefill send only what it does not hold.")
@@ -151,10 +200,13 @@ from .profile_table import load_npz
                    "transfer (SGLang's flag).")
 @click.option("--kv-transfer-link", type=click.Choice(["rdma", "nvlink"]), default="rdma", show_default=True,
               help="Simulated: the link the prefill sends KV over, per GPU and one way: RDMA between nodes "
-                   "(a 400 Gb/s port, 50 GB/s) or NVLink inside one (450 GB/s); the side with fewer GPUs sets the pace.")
+                   "(a 400 Gb/s port, 50 GB/s) or NVLink inside one (450 GB/s); the side with fewer GPUs sets the "
+                   "pace.")
 @click.option("--kv-transfer-bandwidth", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Simulated: the link's nominal GB/s per GPU, replacing the link's own.")
-@click.option("--disable-radix-cache", is_flag=True, help="No prefix cache: nothing is matched or published (SGLang's flag).")
+@click.option(
+    "--disable-radix-cache", is_flag=True, help="No prefix cache: nothing is matched or published (SGLang's flag)."
+)
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True,
     help="Log level of the engine and uvicorn.",
@@ -167,7 +219,8 @@ from .profile_table import load_npz
               help="With --fault-injection: the fault to start in.")
 @click.option("--time-scale-control", is_flag=True,
               help="Serve POST /time_scale {\"time_scale\": S}: change the wall seconds per simulated second while "
-                   "running (benchmarks speed up idle phases such as adapter prefetching; simulated durations unchanged).")
+                   "running (benchmarks speed up idle phases such as adapter prefetching; simulated durations "
+                   "unchanged).")
 def sim_engine_command(
     host: str,
     port: int,
@@ -295,8 +348,16 @@ def sim_engine_command(
 
 @click.command("profile-table")
 @click.option("--gpu", type=click.Choice(GPU_NAMES), default="H100", show_default=True, help="GPU of the timing model.")
-@click.option("--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True, help="Tensor-parallel degree.")
-@click.option("--preset", type=click.Choice(PRESET_NAMES), default="latency", show_default=True, help="Timing constants (see sim-engine).")
+@click.option(
+    "--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True, help="Tensor-parallel degree."
+)
+@click.option(
+    "--preset",
+    type=click.Choice(PRESET_NAMES),
+    default="latency",
+    show_default=True,
+    help="Timing constants (see sim-engine).",
+)
 @click.option("--max-prefill-tokens", default=32_768, show_default=True, type=click.IntRange(min=32),
               help="Largest prefill per iteration in the table (beyond it the table extrapolates linearly).")
 @click.option("--max-context", default=131_072, show_default=True, type=click.IntRange(min=32),

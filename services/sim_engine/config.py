@@ -153,7 +153,8 @@ class EngineConfig:
             raise ValueError("max_loras_per_batch must be at least 1 (the base model takes one slot)")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError("max_loaded_loras should be greater than or equal to max_loras_per_batch "
-                             f"(max_loaded_loras={self.max_loaded_loras}, max_loras_per_batch={self.max_loras_per_batch})")
+                             f"(max_loaded_loras={self.max_loaded_loras}, "
+                             f"max_loras_per_batch={self.max_loras_per_batch})")
         if self.lora_eviction_policy not in ("lru", "fifo"):
             raise ValueError(f"lora_eviction_policy must be lru or fifo, got {self.lora_eviction_policy!r}")
         if self.lora_load_time_s is not None and self.lora_load_time_s < 0:
@@ -192,14 +193,17 @@ class EngineConfig:
             kv_cache = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else "bf16"
             if roofline(self.gpu, self.tp, weights=weights, kv_cache=kv_cache).kv_capacity_tokens() < self.block_size:
                 hint = "more GPUs (--tp)" + (" or --quantization fp8" if weights == "bf16" else "")
-                raise ValueError(f"{weights.upper()} weights of a 70B model leave no KV cache on {self.tp} × {self.gpu}: "
-                                 f"use {hint}")
+                raise ValueError(
+                    f"{weights.upper()} weights of a 70B model leave no KV cache on {self.tp} × {self.gpu}: use {hint}"
+                )
 
     def _check_disaggregation(self) -> None:
         from inferbus.timing import kv_link
 
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+            raise ValueError(
+                f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
+            )
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"disaggregation_transfer_backend must be one of {TRANSFER_BACKENDS}, "
                              f"got {self.disaggregation_transfer_backend!r}")

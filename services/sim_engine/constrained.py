@@ -213,7 +213,13 @@ def value_from_schema(schema: Any, rng: random.Random, root: dict[str, Any] | No
             return None
         kind = next((k for k in kind if k != "null"), "null")
     if kind is None:
-        kind = "object" if "properties" in schema else "array" if "items" in schema or "prefixItems" in schema else "string"
+        kind = (
+            "object"
+            if "properties" in schema
+            else "array"
+            if "items" in schema or "prefixItems" in schema
+            else "string"
+        )
     if kind == "object":
         properties = schema.get("properties", {})
         required = schema.get("required", list(properties) if not shallow else [])
@@ -223,7 +229,9 @@ def value_from_schema(schema: Any, rng: random.Random, root: dict[str, Any] | No
                 value[name] = value_from_schema(properties[name], rng, root, depth + 1)
         missing = [name for name in required if name not in properties]
         for name in missing:
-            value[name] = value_from_schema(schema.get("additionalProperties") or {"type": "string"}, rng, root, depth + 1)
+            value[name] = value_from_schema(
+                schema.get("additionalProperties") or {"type": "string"}, rng, root, depth + 1
+            )
         return value
     if kind == "array":
         prefix = schema.get("prefixItems")
@@ -351,7 +359,9 @@ def _call_branches(schema: Any) -> dict[str, dict[str, Any]] | None:
     return by_name
 
 
-def _asked_calls(schema: Any, prompt: str, rng: random.Random, skip_called: bool = False) -> list[dict[str, Any]] | None:
+def _asked_calls(
+    schema: Any, prompt: str, rng: random.Random, skip_called: bool = False
+) -> list[dict[str, Any]] | None:
     """Under a forced call of any of several tools (as the gateway sends for `tool_choice:
     required`), the calls of the tools the conversation asks for (`skip_called`: and that have
     not run yet); None when it asks for none of them."""
@@ -438,9 +448,16 @@ def tool_call_output(prompt: str, family: str, rng: random.Random) -> str | None
     if family in ("deepseekv3", "deepseekv31"):
         def one(name: str, arguments: Any) -> str:
             if family == "deepseekv3":
-                return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(arguments, ensure_ascii=False)}\n```<｜tool▁call▁end｜>"
-            return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{json.dumps(arguments, ensure_ascii=False)}<｜tool▁call▁end｜>"
-        return "<｜tool▁calls▁begin｜>" + "\n".join(one(name, arguments) for name, arguments in calls) + "<｜tool▁calls▁end｜>"
+                return (f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n"
+                        f"{json.dumps(arguments, ensure_ascii=False)}\n```<｜tool▁call▁end｜>")
+            return (f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>"
+                    f"{json.dumps(arguments, ensure_ascii=False)}<｜tool▁call▁end｜>")
+
+        return (
+            "<｜tool▁calls▁begin｜>"
+            + "\n".join(one(name, arguments) for name, arguments in calls)
+            + "<｜tool▁calls▁end｜>"
+        )
     if family == "gpt-oss":
         # Harmony: a thought in the analysis channel, then one commentary message to each function.
         return f"<|channel|>analysis<|message|>I should call {', '.join(name for name, _ in calls)}.<|end|>" + "".join(
@@ -449,5 +466,7 @@ def tool_call_output(prompt: str, family: str, rng: random.Random) -> str | None
     if family == "pythonic":
         return "[" + ", ".join(f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
                                for name, arguments in calls) + "]"
-    return "\n".join(f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
-                     for name, arguments in calls)
+    return "\n".join(
+        f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+        for name, arguments in calls
+    )

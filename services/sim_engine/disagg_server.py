@@ -214,9 +214,13 @@ class _PdMetrics:
         self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "KV cache transfer speed in GB/s.",
                                         ["model_name"], registry=registry,
                                         buckets=(0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)).labels(model_name)
-        self.transfer_latency = Histogram("sglang:kv_transfer_latency_ms", "KV cache transfer latency in ms.",
-                                          ["model_name"], registry=registry,
-                                          buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)).labels(model_name)
+        self.transfer_latency = Histogram(
+            "sglang:kv_transfer_latency_ms",
+            "KV cache transfer latency in ms.",
+            ["model_name"],
+            registry=registry,
+            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
+        ).labels(model_name)
 
 
 class DisaggEngineServer(SimEngineServer):
@@ -227,7 +231,9 @@ class DisaggEngineServer(SimEngineServer):
         self.mode = config.disaggregation_mode
         self.fake = config.disaggregation_transfer_backend == "fake"
         self.timeouts = Timeouts.from_env()
-        model = replace(LLAMA_70B, kv_bytes_per_element=PRECISIONS["fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16"])
+        model = replace(
+            LLAMA_70B, kv_bytes_per_element=PRECISIONS["fp8" if config.kv_cache_dtype == "fp8_e4m3" else "bf16"]
+        )
         link = kv_link(config.kv_transfer_link, config.kv_transfer_bandwidth_gb_s)
         self.prefill_rooms = PrefillRooms(self.timeouts, LinkQueue(link, config.tp, model))
         self.decode_rooms = DecodeRooms(self.timeouts)

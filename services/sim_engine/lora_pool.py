@@ -18,8 +18,8 @@ Load times come from the adapter's size: its rank (`adapter_config.json` of a lo
 else the rank the timing model prices) on the seven projections of every layer of the modelled
 70B model, BF16 (`inferbus.timing.lora_adapter_bytes`: 414 MB at rank 16). From disk into host memory
 at `DISK_BANDWIDTH` plus a fixed cost for opening and registering it, inside SGLang's scheduler
-loop (`Scheduler.load_lora_adapter`), so no batch runs meanwhile (the scheduler's `loading_until`). From host memory into a GPU
-slot as SGLang 0.5.23 copies it (`LoRAMemoryPool.load_lora_weight_to_buffer`): no file read, one
+loop (`Scheduler.load_lora_adapter`), so no batch runs meanwhile (the scheduler's `loading_until`). From host memory
+into a GPU slot as SGLang 0.5.23 copies it (`LoRAMemoryPool.load_lora_weight_to_buffer`): no file read, one
 `copy_(non_blocking=True)` per A and B of each of a layer's four LoRA modules, from pinned memory at
 the PCIe rate of `inferbus.timing.LORA_LOAD_BANDWIDTH`. Without `--enable-lora-overlap-loading` every
 copy pins its weights first (`weight.pin_memory()`: a host memory copy); with it the pinned copy is

@@ -5,8 +5,9 @@ Clients that speak only the OpenAI API (`inferbus sweep`, NVIDIA's aiperf, the o
 load the engine directly, without the platform in between. Chat messages are rendered with the
 served model's own chat template and tokenizer (`inferbus.tokens.prompt.render_prompt`, as the gateway
 does), so prompt token counts agree with the platform's; without a model directory, with the
-stand-in rendering and tokenizer of the capacity tools (`inferbus.tokens.blocks`). Supported: `max_tokens`/`max_completion_tokens`, the sampling fields
-SGLang maps (`ignore_eos`, `min_tokens`, ...), streaming with `stream_options.include_usage`, and
+stand-in rendering and tokenizer of the capacity tools (`inferbus.tokens.blocks`). Supported:
+`max_tokens`/`max_completion_tokens`, the sampling fields SGLang maps (`ignore_eos`, `min_tokens`, ...), streaming with
+`stream_options.include_usage`, and
 `prompt_tokens_details.cached_tokens`.
 """
 

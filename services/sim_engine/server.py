@@ -163,7 +163,11 @@ def _in_context(served: ServedModel, token_id: int) -> str:
     anchor = served.encode("The", add_special_tokens=False)
     before = served.tokenizer.decode(anchor, skip_special_tokens=False)
     text = served.tokenizer.decode([*anchor, token_id], skip_special_tokens=False)
-    return text[len(before):] if text.startswith(before) else served.tokenizer.decode([token_id], skip_special_tokens=False)
+    return (
+        text[len(before) :]
+        if text.startswith(before)
+        else served.tokenizer.decode([token_id], skip_special_tokens=False)
+    )
 
 
 class SimEngineServer:
@@ -361,8 +365,9 @@ class SimEngineServer:
         if body.top_logprobs_num < 0:
             return _error(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
         try:
-            script = self._script(body.text if body.text is not None else self.decode(input_ids), input_ids, sampling, rid,
-                                  body.lora_path)
+            script = self._script(
+                body.text if body.text is not None else self.decode(input_ids), input_ids, sampling, rid, body.lora_path
+            )
         except SchemaError as exc:
             return _error(f"Invalid grammar request: {exc}")
         request = Request(
@@ -387,8 +392,9 @@ class SimEngineServer:
             message = str((update.finish_reason or {}).get("message"))
             if status == 400:
                 return _error(message)
-            return json_response({"object": "error", "message": message, "type": str(status), "param": None, "code": status},
-                         status)
+            return json_response(
+                {"object": "error", "message": message, "type": str(status), "param": None, "code": status}, status
+            )
         return json_response(self._payload(request, update, stream, final=True))
 
     def _accuracy(self, lora_name: str | None) -> float:
@@ -617,8 +623,13 @@ class SimEngineServer:
         )
 
     async def model_info(self, http_request: HttpRequest) -> Response:
-        return json_response({"model_path": self.config.model, "tokenizer_path": self.config.model_dir or self.config.model,
-                      "is_generation": True})
+        return json_response(
+            {
+                "model_path": self.config.model,
+                "tokenizer_path": self.config.model_dir or self.config.model,
+                "is_generation": True,
+            }
+        )
 
     async def flush_cache(self, http_request: HttpRequest) -> Response:
         if self.engine.flush_cache():

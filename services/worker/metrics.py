@@ -10,8 +10,15 @@ FREE_SLOTS = Gauge("inferbus_worker_free_slots", "Slots free for new requests")
 KV_USAGE = Gauge("inferbus_worker_kv_usage_ratio", "Engine KV cache use (0-1)")
 ENGINE_ERRORS = Counter("inferbus_worker_engine_errors_total", "Engine failures seen by this worker")
 PREEMPTIONS = Counter("inferbus_worker_preemptions_total", "Batch lines preempted for waiting interactive work")
-PAUSES = Counter("inferbus_worker_pauses_total", "Times this worker's event loop resumed after a pause (then it re-verified its engine and consumers)")
-ABANDONED = Counter("inferbus_worker_abandoned_attempts_total", "Attempts this worker gave up or was told to give up, billed to the platform", ["reason"])
+PAUSES = Counter(
+    "inferbus_worker_pauses_total",
+    "Times this worker's event loop resumed after a pause (then it re-verified its engine and consumers)",
+)
+ABANDONED = Counter(
+    "inferbus_worker_abandoned_attempts_total",
+    "Attempts this worker gave up or was told to give up, billed to the platform",
+    ["reason"],
+)
 BATCH_REQUEUED = Counter(
     "inferbus_worker_batch_requeued_total", "Batch lines put back on the batch queue to resume elsewhere", ["reason"]
 )
@@ -36,7 +43,8 @@ PREFILL_TRIES = Counter(
 )
 PREFILL_HALVES = Counter(
     "inferbus_worker_prefill_halves_total",
-    "Prefill workers: prefill halves taken from decode workers, by how they ended (ok, failed, aborted, preempted: a batch half that gave way to an interactive one, refused)",
+    "Prefill workers: prefill halves taken from decode workers, by how they ended (ok, failed, aborted, preempted: a "
+    "batch half that gave way to an interactive one, refused)",
     ["outcome"],
 )
 DUPLICATES = Counter(

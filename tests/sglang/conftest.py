@@ -78,7 +78,9 @@ def sglang_paths() -> tuple[Path, Path]:
     home = os.environ.get("INFERBUS_SGLANG_HOME")
     if not home:
         raise pytest.UsageError("INFERBUS_SGLANG_HOME is not set: run the suite with `make test-sglang`")
-    sources = (HERE / "modeldir.py").read_bytes() + (HERE.parent.parent / "inferbus" / "tokens" / "modeldir.py").read_bytes()
+    sources = (HERE / "modeldir.py").read_bytes() + (
+        HERE.parent.parent / "inferbus" / "tokens" / "modeldir.py"
+    ).read_bytes()
     digest = hashlib.sha256(sources).hexdigest()[:16]
     return Path(home), Path(home) / "models" / digest
 
@@ -117,7 +119,12 @@ def sim_command(port: int, kv_events: str, model_dir: Path) -> tuple[list[str], 
 def sim_adapter(directory: Path, rank: int) -> str:
     """An adapter directory as PEFT writes it, without weights (the simulator reads only its config)."""
     directory.mkdir(parents=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    }
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return str(directory)
 
@@ -162,7 +169,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     if kind == "sglang":
         home, models = sglang_paths()
         argv, env = sglang_command(home, models, port, kv_events)
-        lora_path, bad_lora_path, missing = str(models / "lora"), str(models / "bad-lora"), str(models / "no-such-adapter")
+        lora_path, bad_lora_path, missing = (
+            str(models / "lora"),
+            str(models / "bad-lora"),
+            str(models / "no-such-adapter"),
+        )
         slow_lora_path = str(models / "slow-lora")
         model_dir = models / "model"
     else:
@@ -173,8 +184,19 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         lora_path, bad_lora_path = sim_adapter(workdir / "lora", 4), sim_adapter(workdir / "bad-lora", 16)
         slow_lora_path = sim_adapter(workdir / "slow-lora", 8)  # priced by rank: 0.2 s
         missing = "missing/no-such-adapter"  # the simulator's convention for a path with nothing there
-    running = Engine(kind, f"http://127.0.0.1:{port}", kv_events, model_dir, lora_path, slow_lora_path, bad_lora_path, missing,
-                     argv, env, workdir / "engine.log")
+    running = Engine(
+        kind,
+        f"http://127.0.0.1:{port}",
+        kv_events,
+        model_dir,
+        lora_path,
+        slow_lora_path,
+        bad_lora_path,
+        missing,
+        argv,
+        env,
+        workdir / "engine.log",
+    )
     try:
         running.start()
         yield running

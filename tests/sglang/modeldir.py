@@ -5,8 +5,8 @@ nothing can assume Llama-3's) and configuration come from `inferbus.tokens.model
 simulated engine and the gateway get them; this adds what only a real engine needs: a 2-layer
 Llama with seeded random weights saved by `transformers`, a LoRA adapter made with `peft`
 (non-zero B, so its output differs from the base model's), the same adapter padded to take a
-while to load, and an adapter SGLang must refuse (rank above the engine's `--max-lora-rank`). Run with SGLang's Python (it has torch,
-transformers and peft), the repository on its path:
+while to load, and an adapter SGLang must refuse (rank above the engine's `--max-lora-rank`). Run with SGLang's Python
+(it has torch, transformers and peft), the repository on its path:
 
     PYTHONPATH=. python tests/sglang/modeldir.py OUT_DIR
 

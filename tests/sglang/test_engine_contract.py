@@ -166,10 +166,17 @@ async def test_forced_json_has_no_free_whitespace_between_tokens(client: EngineC
     """Launched with --constrained-json-disable-any-whitespace, even a random-weight model writes
     the schema's JSON on one line with ", " and ": " between tokens (XGrammar's separators, not
     compact): the grammar leaves it no room for other spaces or newlines."""
-    schema = {"type": "object", "properties": {
-        "name": {"type": "string", "enum": ["alpha", "beta"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 2, "maxItems": 3},
-        "ok": {"type": "boolean"}}, "required": ["name", "count", "tags", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": ["alpha", "beta"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 2, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "count", "tags", "ok"],
+        "additionalProperties": False,
+    }
     for temperature in (0.0, 1.0):
         req = request(max_new_tokens=120, temperature=temperature)
         req.sampling.json_schema = json.dumps(schema)
@@ -207,7 +214,10 @@ async def test_a_load_holds_up_the_running_batch(engine: Engine, client: EngineC
             "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
 
     async def stream() -> None:
-        async with httpx.AsyncClient(timeout=300) as http, http.stream("POST", engine.url + "/generate", json=body) as answer:
+        async with (
+            httpx.AsyncClient(timeout=300) as http,
+            http.stream("POST", engine.url + "/generate", json=body) as answer,
+        ):
             assert answer.status_code == 200
             async for line in answer.aiter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":

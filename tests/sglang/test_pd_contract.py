@@ -258,7 +258,9 @@ async def test_a_streamed_request_through_the_pair(pair: Pair, http: httpx.Async
 
 async def test_an_adapter_loaded_on_both_engines_serves_through_the_pair(pair: Pair, http: httpx.AsyncClient):
     for role in (pair.prefill, pair.decode):
-        loaded = await http.post(role.url + "/load_lora_adapter", json={"lora_name": "pd-lora", "lora_path": pair.lora_path})
+        loaded = await http.post(
+            role.url + "/load_lora_adapter", json={"lora_name": "pd-lora", "lora_path": pair.lora_path}
+        )
         assert loaded.status_code == 200, loaded.text
     base = (await both(http, pair, pair.body(rid="pd-base")))[1].json()
     prefill, decode = await both(http, pair, pair.body(rid="pd-adapter", lora_path="pd-lora"))
@@ -305,8 +307,12 @@ async def test_a_request_without_a_room_is_refused(pair: Pair, http: httpx.Async
         events = [f[len("data: "):] for f in streamed.text.split("\n\n") if f]
         assert streamed.status_code == 200 and events[-1] == "[DONE]" and len(events) == 2
         meta = json.loads(events[0])["meta_info"]
-        assert meta["finish_reason"] == {"type": "abort", "message": message.replace(rid, rid + "-s"), "status_code": 400,
-                                         "err_type": None}
+        assert meta["finish_reason"] == {
+            "type": "abort",
+            "message": message.replace(rid, rid + "-s"),
+            "status_code": 400,
+            "err_type": None,
+        }
         assert meta["prompt_tokens"] == prompt_tokens and meta["completion_tokens"] == 0
 
 
@@ -326,7 +332,11 @@ async def test_a_decode_abort_fails_the_prefill_waiting_for_it(pair: Pair, http:
 
     assert await until(both_waiting), "the pair never waited for the decode engine's KV"
     # SGLang counts both queues as waiting requests.
-    assert (await loads(http, pair.prefill))["num_waiting_reqs"] == (await loads(http, pair.decode))["num_waiting_reqs"] == 1
+    assert (
+        (await loads(http, pair.prefill))["num_waiting_reqs"]
+        == (await loads(http, pair.decode))["num_waiting_reqs"]
+        == 1
+    )
     await http.post(pair.decode.url + "/abort_request", json={"rid": "pd-decode-abort"})
     prefill, decode = await asyncio.wait_for(requests, 60)
     assert decode.status_code == 500 and decode.json()["message"] == (

@@ -148,7 +148,9 @@ def test_an_adapter_is_served_again_after_the_engine_forgot_it(served: Platform,
     first = client.completions.create(model="contract-bot", prompt="def main():\n", max_tokens=4, temperature=0)
     assert first.choices[0].text
     # The engine loses it (as after an engine restart); the worker still believes it is loaded.
-    assert httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": engine_name}, timeout=30).status_code == 200
+    assert (
+        httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": engine_name}, timeout=30).status_code == 200
+    )
     again = client.completions.create(model="contract-bot", prompt="def main():\n", max_tokens=4, temperature=0)
     assert again.choices[0].text == first.choices[0].text
     ids = {first.id.removeprefix("cmpl-"), again.id.removeprefix("cmpl-")}
@@ -179,11 +181,16 @@ def test_the_engine_computes_on_the_models_own_template(served: Platform, engine
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)  # type: ignore[arg-type]
     counted = httpx.post(engine.url + "/generate", timeout=60, json={
         "text": prompt.text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
-    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt.ids) == counted["meta_info"]["prompt_tokens"]
+    assert (
+        reply.usage is not None
+        and reply.usage.prompt_tokens == len(prompt.ids) == counted["meta_info"]["prompt_tokens"]
+    )
     assert reply.choices[0].message.content == counted["text"]
 
 
-def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(served: Platform, engine: Engine) -> None:
+def test_the_engines_cache_events_reach_the_router_index_as_the_gateways_blocks(
+    served: Platform, engine: Engine
+) -> None:
     """SGLang publishes one hash per token (page size 1 on CPU); the worker relays them rebuilt
     into the platform's blocks, so the router's index matches the blocks the gateway hashes."""
     model = load_model(str(engine.model_dir))

@@ -99,11 +99,14 @@ def to_spec(usage: UsageMix, name: str) -> dict[str, Any]:
         raise ValueError("no completed requests in the window: nothing to measure")
     classes = []
     for (input_bin, output_bin), cell in sorted(usage.cells.items()):
-        classes.append({
-            "name": f"in {2 ** input_bin}-{2 ** (input_bin + 1) - 1} / out {2 ** output_bin}-{2 ** (output_bin + 1) - 1}",
-            "weight": cell.requests,
-            "input_tokens": max(1, round(cell.input_tokens / cell.requests)),
-            "output_tokens": max(1, round(cell.output_tokens / cell.requests)),
-            "cached_fraction": round(cell.cached_tokens / cell.input_tokens, 4),
-        })
+        classes.append(
+            {
+                "name": f"in {2**input_bin}-{2 ** (input_bin + 1) - 1} / "
+                f"out {2**output_bin}-{2 ** (output_bin + 1) - 1}",
+                "weight": cell.requests,
+                "input_tokens": max(1, round(cell.input_tokens / cell.requests)),
+                "output_tokens": max(1, round(cell.output_tokens / cell.requests)),
+                "cached_fraction": round(cell.cached_tokens / cell.input_tokens, 4),
+            }
+        )
     return {"name": name, "classes": classes}

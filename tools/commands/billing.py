@@ -48,10 +48,14 @@ TIME = _Time()
 
 
 def _redis_option(command: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--redis-url", envvar="REDIS_URL", default=None,
-                        help="Redis of the billing service (env REDIS_URL; with a password: redis://:PASSWORD@HOST:PORT/0, "
-                             "TLS: rediss://). Default: the local platform `inferbus up` runs from INFERBUS_PLATFORM_DIR "
-                             "(.inferbus), else redis://127.0.0.1:6379/0.")(command)
+    return click.option(
+        "--redis-url",
+        envvar="REDIS_URL",
+        default=None,
+        help="Redis of the billing service (env REDIS_URL; with a password: redis://:PASSWORD@HOST:PORT/0, "
+        "TLS: rediss://). Default: the local platform `inferbus up` runs from "
+        "INFERBUS_PLATFORM_DIR (.inferbus), else redis://127.0.0.1:6379/0.",
+    )(command)
 
 
 def _redis(given: str | None) -> str:
@@ -162,7 +166,9 @@ def register(main: click.Group, admin_api: type, admin_options: Callable[..., An
                        "dir); files go to <dir>/<month>/<tenant>.<format>.")
     @click.option("--format", "fmt", default=None, type=click.Choice(["csv", "jsonl", "parquet"]),
                   help="Default INFERBUS_EXPORT_FORMAT (csv).")
-    @click.option("--bucket", default=None, type=click.Choice(["1h", "1d"]), help="Default INFERBUS_EXPORT_BUCKET (1h).")
+    @click.option(
+        "--bucket", default=None, type=click.Choice(["1h", "1d"]), help="Default INFERBUS_EXPORT_BUCKET (1h)."
+    )
     @click.option("--tenant", "tenants", multiple=True, metavar="ID",
                   help="Only these tenants (repeatable); the month is then not marked as exported.")
     @click.option("--force", is_flag=True, help="Write the files again even if the month is marked as exported.")

@@ -25,8 +25,14 @@ from tools.drill.run import KINDS
 @click.option("--clients", default=6, show_default=True, type=click.IntRange(1, 256),
               help="Concurrent clients, each sending one streamed chat completion after another.")
 @click.option("--max-tokens", default=24, show_default=True, type=click.IntRange(1, 4096), help="Tokens per answer.")
-@click.option("--attempts", "max_attempts", default=4, show_default=True, type=click.IntRange(1, 10),
-              help="Tries per request (the client's own retries, on the next gateway, after a connection error, 429 or 5xx).")
+@click.option(
+    "--attempts",
+    "max_attempts",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1, 10),
+    help="Tries per request (the client's own retries, on the next gateway, after a connection error, 429 or 5xx).",
+)
 @click.option("--hang", "hang_s", default=8.0, show_default=True, type=click.FloatRange(min=0),
               help="worker-hang: seconds the worker stays stopped.")
 @click.option("--recover-within", "recover_s", default=45.0, show_default=True, type=click.FloatRange(min=1),

@@ -138,8 +138,10 @@ def from_usage(since: str, until: str | None, model: str | None, tenant: str | N
     stats = mix.stats()
     text = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(collected.skipped.items())) or "none"
-    summary = (f"{collected.counted:,} requests in {len(spec['classes'])} classes: mean input {stats.input_tokens:,.0f}, "
-               f"output {stats.output_tokens:,.0f}, cached {stats.cached_tokens:,.0f} tokens (left out: {skipped}).")
+    summary = (
+        f"{collected.counted:,} requests in {len(spec['classes'])} classes: mean input {stats.input_tokens:,.0f}, "
+        f"output {stats.output_tokens:,.0f}, cached {stats.cached_tokens:,.0f} tokens (left out: {skipped})."
+    )
     if out is None:
         click.echo(text, nl=False)
         click.echo(summary, err=True)

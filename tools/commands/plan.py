@@ -36,7 +36,9 @@ def _parse_gpus(text: str) -> dict[str, float]:
         try:
             prices[name] = float(price) if sep else _no_price(name)
         except ValueError:
-            raise click.BadParameter(f"price of {name} must be $ per GPU-hour, got {price!r}", param_hint="--gpu") from None
+            raise click.BadParameter(
+                f"price of {name} must be $ per GPU-hour, got {price!r}", param_hint="--gpu"
+            ) from None
         if prices[name] < 0:
             raise click.BadParameter(f"price of {name} must not be negative", param_hint="--gpu")
     if not prices:
@@ -72,7 +74,9 @@ def _parse_slo(text: str | None, ttft_ms: float | None, tpot_ms: float | None) -
         try:
             given[key] = float(value)
         except ValueError:
-            raise click.BadParameter(f"{key} must be a number of milliseconds, got {value!r}", param_hint="--slo") from None
+            raise click.BadParameter(
+                f"{key} must be a number of milliseconds, got {value!r}", param_hint="--slo"
+            ) from None
     for key, flag in (("ttft_p90_ms", ttft_ms), ("tpot_p90_ms", tpot_ms)):
         if flag is not None:
             if key in given and given[key] != flag:
@@ -132,7 +136,14 @@ def _command_line(ctx: click.Context) -> str:
     """The command as it would be typed, options at their defaults left out (for the overlay's header)."""
     words = ["inferbus", "plan"]
     for param in ctx.command.params:
-        if not isinstance(param, click.Option) or param.name in ("emit_deploy", "worker_manifest", "out", "as_json", "no_plots", "compare"):
+        if not isinstance(param, click.Option) or param.name in (
+            "emit_deploy",
+            "worker_manifest",
+            "out",
+            "as_json",
+            "no_plots",
+            "compare",
+        ):
             continue
         value = ctx.params.get(param.name)
         if value is None or value == param.default or value == ():
@@ -143,7 +154,10 @@ def _command_line(ctx: click.Context) -> str:
             continue
         for item in value if isinstance(value, tuple) else (value,):
             # A trace is named by its file name: it is looked up on the traces path.
-            words += [flag, Path(item).name if isinstance(item, Path) else f"{item:g}" if isinstance(item, float) else str(item)]
+            words += [
+                flag,
+                Path(item).name if isinstance(item, Path) else f"{item:g}" if isinstance(item, float) else str(item),
+            ]
     words += ["--emit-deploy", str(ctx.params["emit_deploy"])]
     return shlex.join(words)
 
@@ -172,9 +186,14 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
               help="Peak requests per minute to plan for, e.g. --rpm 50000 (= 833.3 req/s).")
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True),
               help="Peak requests per second, instead of --rpm, e.g. --rps 833.")
-@click.option("--mix", "mix_name", default="worked-example", show_default=True,
-              help="Workload mix: a built-in name (worked-example = an assumed chat mix, docs/capacity.md), a YAML spec "
-                   "(docs/planning.md) or a trace file (.jsonl Mooncake, .csv Azure).")
+@click.option(
+    "--mix",
+    "mix_name",
+    default="worked-example",
+    show_default=True,
+    help="Workload mix: a built-in name (worked-example = an assumed chat mix, docs/capacity.md), a YAML spec "
+    "(docs/planning.md) or a trace file (.jsonl Mooncake, .csv Azure).",
+)
 @click.option("--cached-fraction", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="Prefix-cache hit share for trace mixes without block ids (Azure), e.g. 0.3.")
 @click.option("--slo", "slo_text", default=None,
@@ -276,11 +295,12 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
     TPOT within the SLO and the KV cache under its limit), the constraint that binds, replicas =
     ⌈peak ÷ goodput × (1 + headroom)⌉, the warm pool that covers a cold start, GPUs and $/hour
     counting both, $ per 1M input and output tokens and KV use. Goodput comes from the timing
-    model of the simulated engine's roofline (docs/sim-engine.md; with the engine options: precision, speculative decoding, LoRA)
-    unless a measured sweep is given for that GPU × TP; the report says which, shows the
+    model of the simulated engine's roofline (docs/sim-engine.md; with the engine options: precision, speculative
+    decoding, LoRA) unless a measured sweep is given for that GPU × TP; the report says which, shows the
     arithmetic line by line and what each engine option changes. Beside them it prices a
     disaggregated fleet (prefill pool + decode pool, the KV over --kv-link) and says which topology
-    is cheaper and why. --emit-deploy writes the chosen topology as a kustomize overlay (a disaggregated one: both pools).
+    is cheaper and why. --emit-deploy writes the chosen topology as a kustomize overlay (a disaggregated one:
+    both pools).
 
     \b
     Examples:
@@ -360,4 +380,8 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
             click.echo(f"Wrote the {deployed} overlay to {emit_deploy}/ "
                        f"({', '.join(files)}).")
         if out is not None:
-            click.echo(f"Wrote {out / 'plan.md'} and {out / 'plan.json'}" + ("" if no_plots else " with fleet.png and latency.png") + ".")
+            click.echo(
+                f"Wrote {out / 'plan.md'} and {out / 'plan.json'}"
+                + ("" if no_plots else " with fleet.png and latency.png")
+                + "."
+            )

@@ -86,7 +86,9 @@ def _describe(rollout: m.Rollout) -> list[str]:
     if rollout.eval_suite:
         lines.append(f"  eval gate  suite {rollout.eval_suite}: {rollout.eval_verdict or 'not run yet'}"
                      + (f" ({rollout.eval_reason})" if rollout.eval_reason else ""))
-    lines.append(f"  since      {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(rollout.updated))} UTC: {rollout.reason}")
+    lines.append(
+        f"  since      {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(rollout.updated))} UTC: {rollout.reason}"
+    )
     return lines
 
 
@@ -101,12 +103,16 @@ def release() -> None:
 @click.option("--model-dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="The model directory the engines load: every file in it is hashed into the release.")
 @click.option("--repo", required=True, help="The checkpoint's repository id on its hub.")
-@click.option("--revision", required=True, help="The checkpoint's full commit id (40 hex); branches and tags are refused.")
+@click.option(
+    "--revision", required=True, help="The checkpoint's full commit id (40 hex); branches and tags are refused."
+)
 @click.option("--engine-image", required=True, help="The engine build, pinned by digest: <image>@sha256:<64 hex>.")
 @click.option("--flag", "flags", multiple=True, metavar="NAME=VALUE",
               help=f"An engine flag that changes answers, as the engine reports it in /server_info (repeatable): "
                    f"{', '.join(record.BEHAVIOUR_FLAGS)}.")
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=sha256:HEX", help="An adapter and its digest (repeatable).")
+@click.option(
+    "--adapter", "adapters", multiple=True, metavar="NAME=sha256:HEX", help="An adapter and its digest (repeatable)."
+)
 @click.option("--note", default="", help="Free text kept with the record (not part of its id).")
 @_nats_option
 def release_create(model: str, model_dir: str, repo: str, revision: str, engine_image: str, flags: tuple[str, ...],
@@ -117,8 +123,17 @@ def release_create(model: str, model_dir: str, repo: str, revision: str, engine_
         parsed_flags = dict(flag.split("=", 1) for flag in flags)
         parsed_adapters = [m.ReleaseAdapter(name=name, digest=digest)
                            for name, digest in (adapter.split("=", 1) for adapter in adapters)]
-        built = record.build_release(model, model_dir, repo=repo, revision=revision, engine_image=engine_image,
-                                     engine_flags=parsed_flags, adapters=parsed_adapters, created=time.time(), note=note)
+        built = record.build_release(
+            model,
+            model_dir,
+            repo=repo,
+            revision=revision,
+            engine_image=engine_image,
+            engine_flags=parsed_flags,
+            adapters=parsed_adapters,
+            created=time.time(),
+            note=note,
+        )
     except (ValueError, record.InvalidRelease) as error:
         raise click.ClickException(str(error)) from None
 
@@ -152,7 +167,8 @@ def release_list(model: str | None, nats_url: str | None) -> None:
     for item in found:
         if model is None or item.model == model:
             click.echo(f"{record.short(item.id)}  {item.model}  {item.repo}@{item.revision[:12]}  "
-                       f"{item.engine_image.rsplit('@', 1)[0]}  {','.join(f'{k}={v}' for k, v in item.engine_flags.items())}"
+                       f"{item.engine_image.rsplit('@', 1)[0]}  "
+                       f"{','.join(f'{k}={v}' for k, v in item.engine_flags.items())}"
                        f"  {item.note}")
 
 
@@ -191,11 +207,24 @@ def release_stable(reference: str, nats_url: str | None) -> None:
 @release.command("canary")
 @click.argument("reference")
 @click.option("--traffic", default="1%", show_default=True, help="The candidate's first share of the model's traffic.")
-@click.option("--steps", default=None, help="Shares after it, comma-separated, the last 100% (default: those of 1%, 5%, 25%, 100% above --traffic).")
+@click.option(
+    "--steps",
+    default=None,
+    help="Shares after it, comma-separated, the last 100% (default: those of 1%, 5%, 25%, 100% above --traffic).",
+)
 @click.option("--sticky", type=click.Choice(["tenant", "prefix"]), default="tenant", show_default=True,
               help="What keeps a client on one side: its tenant, or its conversation's first prefix block.")
-@click.option("--window", default="5m", show_default=True, help="How long each step is observed before it may advance (e.g. 300s, 5m).")
-@click.option("--eval-suite", default=None, help="Also require this eval suite to pass (`inferbus eval SUITE --release ...`) before advancing.")
+@click.option(
+    "--window",
+    default="5m",
+    show_default=True,
+    help="How long each step is observed before it may advance (e.g. 300s, 5m).",
+)
+@click.option(
+    "--eval-suite",
+    default=None,
+    help="Also require this eval suite to pass (`inferbus eval SUITE --release ...`) before advancing.",
+)
 @_nats_option
 def release_canary(reference: str, traffic: str, steps: str | None, sticky: str, window: str, eval_suite: str | None,
                    nats_url: str | None) -> None:
@@ -234,13 +263,23 @@ def release_canary(reference: str, traffic: str, steps: str | None, sticky: str,
 
 @release.command("adapter-canary")
 @click.argument("adapter")
-@click.option("--path", required=True, help="Where engines load the new version from (a local directory is hashed here, "
-                                          "and by every worker on every load).")
+@click.option(
+    "--path",
+    required=True,
+    help="Where engines load the new version from (a local directory is hashed here, "
+    "and by every worker on every load).",
+)
 @click.option("--version", "version", default=None,
               help="The new version's digest, sha256:<64 hex> (`inferbus release digest DIR`; default: the digest of "
                    "--path, which must then be a local directory). Given with a local --path, they must agree.")
-@click.option("--traffic", default="5%", show_default=True, help="The new version's first share of the adapter's requests.")
-@click.option("--steps", default=None, help="Shares after it, comma-separated, the last 100% (default: those of 1%, 5%, 25%, 100% above --traffic).")
+@click.option(
+    "--traffic", default="5%", show_default=True, help="The new version's first share of the adapter's requests."
+)
+@click.option(
+    "--steps",
+    default=None,
+    help="Shares after it, comma-separated, the last 100% (default: those of 1%, 5%, 25%, 100% above --traffic).",
+)
 @click.option("--sticky", type=click.Choice(["prefix", "tenant"]), default="prefix", show_default=True,
               help="What keeps a conversation on one version: its first prefix block, or (all on one side) its tenant.")
 @click.option("--window", default="5m", show_default=True, help="How long each step is observed before it may advance.")
@@ -495,9 +534,16 @@ async def _score_both(gateway_url: str, api_key: str, model: str, suite: eval_ga
                    "adapter's registered version).")
 @click.option("--model", default=None,
               help="The served model (default: the release's), or a LoRA adapter: its versions are compared then.")
-@click.option("--repeats", default=None, type=click.IntRange(min=1), help="Runs of the suite per release (default: the suite's).")
+@click.option(
+    "--repeats", default=None, type=click.IntRange(min=1), help="Runs of the suite per release (default: the suite's)."
+)
 @click.option("--concurrency", default=16, show_default=True, type=click.IntRange(min=1), help="Requests in flight.")
-@click.option("--url", envvar="INFERBUS_URL", default=None, help="Gateway base URL without /v1 (env INFERBUS_URL; default: the local platform's).")
+@click.option(
+    "--url",
+    envvar="INFERBUS_URL",
+    default=None,
+    help="Gateway base URL without /v1 (env INFERBUS_URL; default: the local platform's).",
+)
 @click.option("--api-key", envvar="INFERBUS_API_KEY", required=True, help="A tenant API key (env INFERBUS_API_KEY).")
 @click.option("--record/--no-record", "record_verdict", default=True, show_default=True,
               help="Write the verdict into the model's canary (its eval gate) when the release is its candidate.")

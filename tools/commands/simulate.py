@@ -45,9 +45,14 @@ def size_fleet(mix: mix_mod.Mix, engine: EngineConfig, peak_rps: float, *, slo_t
 
     model = roofline_for(engine, lora=lora_adapters > 0)
     capacity = engine.kv_capacity_tokens or model.kv_capacity_tokens()
-    goodput = ReplicaModel(model, capacity, Workload.from_mix(mix), Assumptions(chunk_tokens=engine.chunked_prefill_size),
-                           lora_adapters=lora_adapters, lora_slots=engine.max_loras_per_batch
-                           ).goodput(Slo(slo_ttft_s, slo_tpot_s))
+    goodput = ReplicaModel(
+        model,
+        capacity,
+        Workload.from_mix(mix),
+        Assumptions(chunk_tokens=engine.chunked_prefill_size),
+        lora_adapters=lora_adapters,
+        lora_slots=engine.max_loras_per_batch,
+    ).goodput(Slo(slo_ttft_s, slo_tpot_s))
     if goodput.rps <= 0:
         raise ValueError(f"no replica of {engine.gpu} TP{engine.tp} meets the SLO on this mix: {goodput.infeasible}")
     return Sizing(math.ceil(peak_rps / goodput.rps * headroom), goodput.rps, goodput.binding,
@@ -181,7 +186,9 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
         if replicas is None:
             replicas = sizing.replicas
             sizing_note = sizing.method
-        workload = DayWorkload(rate_shape(trace, bin_s), bin_s, seconds, peak_rps, mix, mode=shape, trough=trough, seed=seed)
+        workload = DayWorkload(
+            rate_shape(trace, bin_s), bin_s, seconds, peak_rps, mix, mode=shape, trough=trough, seed=seed
+        )
         controller = None
         if autoscale:
             controller, replicas, sizing_note = autoscaler_for(
@@ -211,15 +218,40 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
                                 step_model=step_model).run()
     else:
         summary = FastFleet(config, workload.arrivals(), controller=controller, step_model=step_model).run()
-    paths = write_report(summary, Path(out_dir), {
-        "trace": str(trace_path), "mix": mix.describe(), "peak_rps": peak_rps, "duration_s": seconds, "shape": shape,
-        "bin_s": bin_s, "trough": trough, "sizing": sizing_note, "replicas": replicas, "admission": admission,
-        "load_interval_s": load_interval, "seed": seed, "autoscale": autoscale, "chunk": chunk,
-        "spec": spec_text, "lora_adapters": lora_adapters, "lora_rank": lora_rank if lora_adapters else None,
-        **({"cold_start_s": cold_start, "warm_start_s": warm_start,
-            "autoscaler": {k: getattr(controller.policy.config, k) for k in controller.policy.config.__dataclass_fields__}}
-           if controller is not None else {}),
-    })
+    paths = write_report(
+        summary,
+        Path(out_dir),
+        {
+            "trace": str(trace_path),
+            "mix": mix.describe(),
+            "peak_rps": peak_rps,
+            "duration_s": seconds,
+            "shape": shape,
+            "bin_s": bin_s,
+            "trough": trough,
+            "sizing": sizing_note,
+            "replicas": replicas,
+            "admission": admission,
+            "load_interval_s": load_interval,
+            "seed": seed,
+            "autoscale": autoscale,
+            "chunk": chunk,
+            "spec": spec_text,
+            "lora_adapters": lora_adapters,
+            "lora_rank": lora_rank if lora_adapters else None,
+            **(
+                {
+                    "cold_start_s": cold_start,
+                    "warm_start_s": warm_start,
+                    "autoscaler": {
+                        k: getattr(controller.policy.config, k) for k in controller.policy.config.__dataclass_fields__
+                    },
+                }
+                if controller is not None
+                else {}
+            ),
+        },
+    )
     click.echo(summary.markdown())
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
@@ -234,7 +266,8 @@ def autoscaler_for(workload: DayWorkload, goodput_rps: float, cap_replicas: int,
     first_rate = workload.rates()[0][2]
     start = min(config.max_serving, max(1, math.ceil(first_rate * (1 + config.headroom) / config.goodput_rps)))
     return (PolicyController(config, interval_s=5.0), start,
-            f"autoscaled from {start}, sizing at {config.goodput_rps:.2f} req/s per replica, at most {config.max_serving} serving")
+            f"autoscaled from {start}, sizing at {config.goodput_rps:.2f} req/s per replica, at most "
+            f"{config.max_serving} serving")
 
 
 def write_report(summary: Summary, out: Path, inputs: dict[str, object], stem: str = "simulate") -> list[Path]:

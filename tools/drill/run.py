@@ -390,8 +390,11 @@ async def read_ledger(platform: Platform, request_ids: set[str], wanted: set[str
         while True:
             events: list[LedgerEvent] = []
             start = datetime.fromtimestamp(since - 5, tz=UTC)
-            sub = await js.subscribe(subjects.usage_filter(TENANT), ordered_consumer=True,
-                                     config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
+            sub = await js.subscribe(
+                subjects.usage_filter(TENANT),
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start),
+            )
             try:
                 while True:
                     msg = await sub.next_msg(timeout=1.0)

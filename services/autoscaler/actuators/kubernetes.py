@@ -74,7 +74,9 @@ class KubernetesActuator(Actuator):
             raise ValueError(f"no Deployment configured for pool {pool!r}") from None
 
     async def replicas(self, pool: str) -> int:
-        scale = await asyncio.to_thread(self._apps.read_namespaced_deployment_scale, self._deployment(pool), self.namespace)
+        scale = await asyncio.to_thread(
+            self._apps.read_namespaced_deployment_scale, self._deployment(pool), self.namespace
+        )
         return int(scale.spec.replicas or 0)
 
     async def current(self) -> FleetState:

@@ -125,8 +125,16 @@ class LocalActuator(Actuator):
         self.pool_of[worker_id] = pool
         if zone:
             self.zone_of[worker_id] = zone
-        log.info("replica_started", pool=pool, role=role, worker_id=worker_id, worker_pid=worker.pid, engine_pid=engine.pid,
-                 engine_url=engine.detail, cold_start_s=self.cold_start_s)
+        log.info(
+            "replica_started",
+            pool=pool,
+            role=role,
+            worker_id=worker_id,
+            worker_pid=worker.pid,
+            engine_pid=engine.pid,
+            engine_url=engine.detail,
+            cold_start_s=self.cold_start_s,
+        )
 
     def _retire(self, worker_id: str, why: str) -> None:
         replica = self.replicas.pop(worker_id)

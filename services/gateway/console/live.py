@@ -69,7 +69,9 @@ class Live:
     async def start(self) -> None:
         self.kv = await bus.workers_bucket(self.js, self.heartbeat_ttl_s)
         self._watcher = await self.kv.watch(">")
-        self._task = asyncio.create_task(bus.follow(self._watcher, self._on_put, self._on_delete), name="console-workers")
+        self._task = asyncio.create_task(
+            bus.follow(self._watcher, self._on_put, self._on_delete), name="console-workers"
+        )
         self._subs = [
             await self.nc.subscribe(subjects.metrics_wildcard(), cb=self._on_load),
             await self.nc.subscribe(subjects.scale_wildcard(), cb=self._on_scale),

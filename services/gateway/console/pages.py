@@ -129,8 +129,12 @@ def install(api: FastAPI, gateway: GatewayParts) -> None:
     @api.exception_handler(NotSignedIn)
     async def not_signed_in(request: Request, error: NotSignedIn) -> Response:
         if request.headers.get("authorization") or request.url.path.endswith(".csv"):
-            return Response("Sign in first: send `Authorization: Bearer <API key>` or use the console's sign-in page.\n",
-                            status_code=401, media_type="text/plain", headers=SECURITY_HEADERS)
+            return Response(
+                "Sign in first: send `Authorization: Bearer <API key>` or use the console's sign-in page.\n",
+                status_code=401,
+                media_type="text/plain",
+                headers=SECURITY_HEADERS,
+            )
         target = "/console/login"
         if request.method == "GET" and request.url.path not in ("/console", "/console/"):
             target += "?next=" + request.url.path
@@ -152,8 +156,17 @@ def install(api: FastAPI, gateway: GatewayParts) -> None:
         if not request.url.path.startswith("/console"):
             return await unhandled_exception_handler(request, error)  # as before: the API's own 500
         log.error("console_storage_failed", error=repr(error))
-        return _render(env, request, "error.html", {"viewer": None, "status": 503,
-                                                    "message": "The platform's store (Redis) is unavailable; reload in a moment."}, 503)
+        return _render(
+            env,
+            request,
+            "error.html",
+            {
+                "viewer": None,
+                "status": 503,
+                "message": "The platform's store (Redis) is unavailable; reload in a moment.",
+            },
+            503,
+        )
 
 
 def _render(env: jinja2.Environment, request: Request, template: str, context: dict[str, Any],
@@ -216,8 +229,15 @@ def console_router(gateway: GatewayParts, env: jinja2.Environment) -> APIRouter:
         response: Response
         if session is None:
             token = secrets.token_urlsafe(32)
-            response = page(request, "login.html", None, 401, login_token=token, next=_safe_next(_text(form.get("next"))),
-                            error="That key is not valid here: use one of your API keys, or the admin key.")
+            response = page(
+                request,
+                "login.html",
+                None,
+                401,
+                login_token=token,
+                next=_safe_next(_text(form.get("next"))),
+                error="That key is not valid here: use one of your API keys, or the admin key.",
+            )
             _set_cookie(response, request, LOGIN_COOKIE, token, max_age=1800)
             return response
         session_id = await console().sessions.open(session)
@@ -307,7 +327,9 @@ def console_router(gateway: GatewayParts, env: jinja2.Environment) -> APIRouter:
 
     # ---- tenant: API keys --------------------------------------------------------------------------
 
-    async def keys_page(request: Request, v: Viewer, created: Any = None, status: int = 200, error: str = "") -> Response:
+    async def keys_page(
+        request: Request, v: Viewer, created: Any = None, status: int = 200, error: str = ""
+    ) -> Response:
         keys = await list_keys(redis(), v.tenant)
         return page(request, "keys.html", v, status, keys=keys, created=created, error=error)
 
@@ -388,8 +410,15 @@ def console_router(gateway: GatewayParts, env: jinja2.Environment) -> APIRouter:
         if policy is not None:
             for band, budget in policy.budgets_s.items():
                 wait = policy.expected_wait_s(band)
-                overload.append({"band": band, "budget_s": budget, "wait_s": wait, "queued": policy._queued.get(band, 0),
-                                 "shedding": wait > budget})
+                overload.append(
+                    {
+                        "band": band,
+                        "budget_s": budget,
+                        "wait_s": wait,
+                        "queued": policy._queued.get(band, 0),
+                        "shedding": wait > budget,
+                    }
+                )
         states = [c.live.worker_state(seen, now) for seen in c.live.workers.values()]
         return page(request, "ops.html", v, view=view, budgets=c.budgets, chart=slo.chart(view, c.budgets),
                     overload=overload, free_slots=policy.free_slots() if policy else None,
@@ -466,8 +495,15 @@ def console_router(gateway: GatewayParts, env: jinja2.Environment) -> APIRouter:
                                       "data": [d.desired_serving for d in decisions if d.pool == pool]},
                                      {"label": "warm", "data": [d.warm for d in decisions if d.pool == pool]}]}
                  for pool in pools}
-        return page(request, "autoscaler.html", v, latest=latest, changes=changes, recent=list(reversed(decisions))[:30],
-                    chart=chart)
+        return page(
+            request,
+            "autoscaler.html",
+            v,
+            latest=latest,
+            changes=changes,
+            recent=list(reversed(decisions))[:30],
+            chart=chart,
+        )
 
     return router
 

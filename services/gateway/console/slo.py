@@ -236,19 +236,34 @@ def chart(view: DayView, budgets: Budgets) -> dict[str, Any]:
         return None if value is None else round(value * 100, 4)
 
     return {
-        "latency": {"labels": labels, "datasets": [
-            {"label": "TTFT p90 (ms)", "data": [ms(p.ttft_p90_s) for p in view.points]},
-            {"label": f"TTFT budget {budgets.ttft_p90_s * 1000:g} ms", "data": [budgets.ttft_p90_s * 1000] * len(labels),
-             "budget": True},
-            {"label": "TPOT p90 (ms)", "data": [ms(p.tpot_p90_s) for p in view.points]},
-            {"label": f"TPOT budget {budgets.tpot_p90_s * 1000:g} ms", "data": [budgets.tpot_p90_s * 1000] * len(labels),
-             "budget": True},
-        ]},
-        "errors": {"labels": labels, "datasets": [
-            {"label": "5xx share (%)", "data": [pct(p.error_share) for p in view.points]},
-            {"label": "shed share (%)", "data": [pct(p.shed_share) for p in view.points]},
-            {"label": f"5xx budget {budgets.error_share * 100:g}%", "data": [budgets.error_share * 100] * len(labels),
-             "budget": True},
-        ]},
+        "latency": {
+            "labels": labels,
+            "datasets": [
+                {"label": "TTFT p90 (ms)", "data": [ms(p.ttft_p90_s) for p in view.points]},
+                {
+                    "label": f"TTFT budget {budgets.ttft_p90_s * 1000:g} ms",
+                    "data": [budgets.ttft_p90_s * 1000] * len(labels),
+                    "budget": True,
+                },
+                {"label": "TPOT p90 (ms)", "data": [ms(p.tpot_p90_s) for p in view.points]},
+                {
+                    "label": f"TPOT budget {budgets.tpot_p90_s * 1000:g} ms",
+                    "data": [budgets.tpot_p90_s * 1000] * len(labels),
+                    "budget": True,
+                },
+            ],
+        },
+        "errors": {
+            "labels": labels,
+            "datasets": [
+                {"label": "5xx share (%)", "data": [pct(p.error_share) for p in view.points]},
+                {"label": "shed share (%)", "data": [pct(p.shed_share) for p in view.points]},
+                {
+                    "label": f"5xx budget {budgets.error_share * 100:g}%",
+                    "data": [budgets.error_share * 100] * len(labels),
+                    "budget": True,
+                },
+            ],
+        },
         "requests": {"labels": labels, "datasets": [{"label": "requests", "data": [p.requests for p in view.points]}]},
     }

@@ -63,7 +63,9 @@ class AffinityPolicy(RegistryPolicy):
             costs = [view.base_cost + miss for view in candidates]
         slots = self.registry.adapter_slots
         if request.adapter or (candidates[0].max_adapters and slots.lora_seen):
-            extra = slots.costs(request.adapter, [(view.worker_id, view.max_adapters, view.adapters) for view in candidates])
+            extra = slots.costs(
+                request.adapter, [(view.worker_id, view.max_adapters, view.adapters) for view in candidates]
+            )
             costs = [cost + more for cost, more in zip(costs, extra)]
         chosen = candidates[self._softmax_pick(costs)]
         return chosen, matched.get(chosen.worker_id, 0)

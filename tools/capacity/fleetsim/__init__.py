@@ -39,6 +39,22 @@ from tools.capacity.fleetsim.fleet import FleetConfig, FleetSim, Job, Replica, s
 from tools.capacity.fleetsim.report import RunReport, markdown_table, percentile  # noqa: E402
 
 __all__ = [
-    "BatchReport", "BatchSpec", "EventLoop", "LineLengths", "FastConfig", "FastFleet", "FleetConfig", "FleetSignals", "FleetSim", "Job", "Replica", "RunReport",
-    "StaticController", "capacity", "markdown_table", "percentile", "simulate", "workload",
+    "BatchReport",
+    "BatchSpec",
+    "EventLoop",
+    "LineLengths",
+    "FastConfig",
+    "FastFleet",
+    "FleetConfig",
+    "FleetSignals",
+    "FleetSim",
+    "Job",
+    "Replica",
+    "RunReport",
+    "StaticController",
+    "capacity",
+    "markdown_table",
+    "percentile",
+    "simulate",
+    "workload",
 ]

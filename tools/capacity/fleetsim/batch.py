@@ -33,7 +33,8 @@ work (`victims`). Modelled simply, as the rest of `fleet`:
 - A line reports exactly one result, when its last attempt finishes; a replica declared dead
   has its lines requeued the same way (the batch service re-publishes lines of a dead owner).
 - Replicas build their `WorkerLoad` as the worker does: `in_flight` and `batch_in_flight` count
-  batch lines, `batch_waiting` those without a first token, the TTFT / queue-wait / TPOT histograms count interactive first attempts only.
+  batch lines, `batch_waiting` those without a first token, the TTFT / queue-wait / TPOT histograms count
+  interactive first attempts only.
 
 `BatchSpec.fixed_concurrency` replaces both policies with an oracle baseline for the benchmark:
 every replica keeps exactly that many batch lines (the queue never runs dry), nothing is

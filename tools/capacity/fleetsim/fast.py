@@ -169,7 +169,9 @@ class FastFleet:
             FixedStepModel(engine.fixed_step_ms / 1000.0) if engine.fixed_step_ms is not None
             else roofline(engine.gpu, engine.tp, engine.preset)
         )
-        self.kv_capacity = engine.kv_capacity_tokens or roofline(engine.gpu, engine.tp, engine.preset).kv_capacity_tokens()
+        self.kv_capacity = (
+            engine.kv_capacity_tokens or roofline(engine.gpu, engine.tp, engine.preset).kv_capacity_tokens()
+        )
         self.now = 0.0
         self.heap: list[tuple[float, int, int, object, int]] = []
         self._seq = 0

@@ -1,8 +1,8 @@
 """A fleet of simulated engines behind the router's placement policy, on one virtual clock.
 
 What runs is the production code: `services.router.placement` (the worker registry and the
-policy) decides every placement from the same messages the router service receives (`proto.messages` heartbeats, load reports, cache events),
-and each replica is a `services.sim_engine.scheduler.Engine` (continuous batching, chunked
+policy) decides every placement from the same messages the router service receives (`proto.messages` heartbeats, load
+reports, cache events), and each replica is a `services.sim_engine.scheduler.Engine` (continuous batching, chunked
 prefill, radix prefix cache, KV capacity, the roofline step time). Only the bus and the worker
 are modelled, simply:
 
@@ -26,8 +26,8 @@ are modelled, simply:
   worker's queue; requests the engine had started (prefilling or decoding) continue as a new
   attempt whose prompt is the original prompt plus the tokens delivered so far and whose output
   budget is what is left (the gateway's migration; the client's TTFT stays that of the first
-  attempt, and work done on the dead replica is lost). With `recovery="shared"` (the default, as the router's recovery and the
-  gateway's migration both publish to the shared subject) they join the shared queue; with
+  attempt, and work done on the dead replica is lost). With `recovery="shared"` (the default, as the router's recovery
+  and the gateway's migration both publish to the shared subject) they join the shared queue; with
   `recovery="placement"` they are placed again by the policy. A request gets at most
   `max_attempts` attempts, then fails.
 - With a `batch` (`batch.BatchSpec`), a batch band runs beside the trace: the batch service's feed
@@ -154,8 +154,8 @@ class Replica:
     __slots__ = (
         "worker_id", "engine", "alive", "stepping", "jobs", "inbox", "cache_seq", "load_seq",
         "completed", "busy_s", "prefill_tokens", "steps", "started_s", "died_s", "recovered", "pulled_own",
-        "batch_jobs", "batch_aborts", "batch_check", "completed_batch", "ttft_hist", "queue_wait_hist", "tpot_fine_hist",
-        "state", "warm_target", "epoch", "stopped_s",
+        "batch_jobs", "batch_aborts", "batch_check", "completed_batch", "ttft_hist", "queue_wait_hist",
+        "tpot_fine_hist", "state", "warm_target", "epoch", "stopped_s",
     )
 
     def __init__(self, worker_id: str, engine: Engine, started_s: float) -> None:

@@ -447,13 +447,23 @@ class PdFleet:
         t50, t90 = quantiles(ttft, 0.5, 0.9) if ttft else (math.nan, math.nan)
         p50, p90 = quantiles(tpot, 0.5, 0.9) if tpot else (math.nan, math.nan)
         return PdSummary(
-            topology="aggregated" if c.aggregated else "disaggregated", gpus=c.gpus, requests=self.requests,
-            completed=len(done), duration_s=duration, ttft_p50_s=t50, ttft_p90_s=t90, tpot_p50_s=p50,
-            tpot_p90_s=p90, request_attainment=good / self.requests if self.requests else math.nan,
+            topology="aggregated" if c.aggregated else "disaggregated",
+            gpus=c.gpus,
+            requests=self.requests,
+            completed=len(done),
+            duration_s=duration,
+            ttft_p50_s=t50,
+            ttft_p90_s=t90,
+            tpot_p50_s=p50,
+            tpot_p90_s=p90,
+            request_attainment=good / self.requests if self.requests else math.nan,
             minutes=len(series),
             minute_attainment=sum(s["within_slo"] for s in series) / len(series) if series else math.nan,
-            goodput_rps=good / duration, transfer_mean_s=self.transfer_s / len(done) if done and not c.aggregated else 0.0,
-            decode_kv_peak=self.kv_peak, series=series, gpu_hours=self._gpu_hours(duration),
+            goodput_rps=good / duration,
+            transfer_mean_s=self.transfer_s / len(done) if done and not c.aggregated else 0.0,
+            decode_kv_peak=self.kv_peak,
+            series=series,
+            gpu_hours=self._gpu_hours(duration),
         )
 
     def _gpu_hours(self, duration: float) -> float:

@@ -92,7 +92,9 @@ class LoadSampler:
         eligible (it has a weight), so only its cost here changes."""
         view = self.draw(model)
         if view is None:
-            return self.placer.place(m.PlacementRequest(request_id="", model=model, prompt_tokens=prompt_tokens)).worker_id
+            return self.placer.place(
+                m.PlacementRequest(request_id="", model=model, prompt_tokens=prompt_tokens)
+            ).worker_id
         backlog = self.registry.add_placement(view, prompt_tokens)
         self.pools[model].update(view, self.policy.load_cost(view, backlog))
         return view.worker_id

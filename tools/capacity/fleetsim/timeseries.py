@@ -144,20 +144,29 @@ class Summary:
 
     def markdown(self) -> str:
         rows = [
-            ("policy", self.policy), ("fleet", f"{self.gpu} TP{self.tp}, peak {self.peak_serving} serving"),
+            ("policy", self.policy),
+            ("fleet", f"{self.gpu} TP{self.tp}, peak {self.peak_serving} serving"),
             ("virtual time", f"{self.duration_s / 3600:.2f} h"),
-            ("requests (completed / shed / unfinished)",
-             f"{self.requests:,} ({self.completed:,} / {self.rejected:,} / {self.unfinished:,})"),
-            (f"minutes within SLO (p90 TTFT ≤ {self.slo_ttft_s * 1000:.0f} ms, p90 TPOT ≤ {self.slo_tpot_s * 1000:.0f} ms)",
-             f"{self.minute_attainment:.2%} of {self.minutes:,}"),
+            (
+                "requests (completed / shed / unfinished)",
+                f"{self.requests:,} ({self.completed:,} / {self.rejected:,} / {self.unfinished:,})",
+            ),
+            (
+                f"minutes within SLO (p90 TTFT ≤ {self.slo_ttft_s * 1000:.0f} ms, p90 TPOT ≤ "
+                f"{self.slo_tpot_s * 1000:.0f} ms)",
+                f"{self.minute_attainment:.2%} of {self.minutes:,}",
+            ),
             ("requests within SLO", f"{self.request_attainment:.2%}"),
             ("goodput", f"{self.goodput_rps:,.1f} req/s, {self.goodput_tok_s:,.0f} output tok/s"),
             ("TTFT p50 / p90 / p99", f"{_ms(self.ttft_p50_s)} / {_ms(self.ttft_p90_s)} / {_ms(self.ttft_p99_s)} ms"),
             ("TPOT p50 / p90", f"{_ms(self.tpot_p50_s)} / {_ms(self.tpot_p90_s)} ms"),
             ("GPU-hours", f"{self.gpu_hours:,.1f} ({self.replica_hours:,.1f} replica-hours)"),
             ("cost", f"${self.cost_usd:,.0f} at ${self.price_per_gpu_hour:.2f}/GPU-hour"),
-            ("simulator", f"{self.cpu_s:,.1f} CPU s, {self.req_per_cpu_s:,.0f} req/CPU-s, {self.events:,} events"
-                          + (f" ({self.build} build)" if self.build else "")),
+            (
+                "simulator",
+                f"{self.cpu_s:,.1f} CPU s, {self.req_per_cpu_s:,.0f} req/CPU-s, {self.events:,} events"
+                + (f" ({self.build} build)" if self.build else ""),
+            ),
         ]
         return "| metric | value |\n| --- | --- |\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 

@@ -100,5 +100,7 @@ def azure_like(n: int, seed: int = 5) -> list[TraceRequest]:
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(1.0)
-        out.append(TraceRequest(t, max(8, int(rng.lognormvariate(6.9, 0.8))), max(2, int(rng.lognormvariate(4.9, 0.9)))))
+        out.append(
+            TraceRequest(t, max(8, int(rng.lognormvariate(6.9, 0.8))), max(2, int(rng.lognormvariate(4.9, 0.9))))
+        )
     return out

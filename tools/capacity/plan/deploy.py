@@ -142,7 +142,8 @@ def _arithmetic(plan: Plan, row: Row) -> list[str]:
         f"engine: {row.gpu} TP{row.tp}, {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache{spec}, "
         f"chunk {i.assumptions.chunk_tokens:,}, {i.lora_slots} LoRA slots",
         f"goodput per replica {row.goodput_rps:.3f} req/s ({row.source}; {row.binding} binds)",
-        f"serving replicas = ceil({i.rate_rps:.2f} / {row.goodput_rps:.3f} x {1 + i.headroom:g}{zones}) = {row.replicas}",
+        f"serving replicas = ceil({i.rate_rps:.2f} / {row.goodput_rps:.3f} x {1 + i.headroom:g}{zones}) = "
+        f"{row.replicas}",
     ]
     if row.warm is not None:
         w = row.warm
@@ -229,8 +230,8 @@ def overlay(plan: Plan, row: Row, target: DeployTarget) -> dict[str, str]:
         "  template:\n"
         "    spec:\n"
         "      initContainers:\n"
-        "        - name: zone                    # unchanged, named to keep it first: the node's zone, then the engine\n"
-        "        - name: sglang\n"
+        "        - name: zone                    # unchanged, named to keep it first: the node's zone, then the "
+        "engine\n        - name: sglang\n"
         "          args:\n"
         f"{args}\n"
         f"{revision_env}"
@@ -313,15 +314,17 @@ def _disaggregated_arithmetic(plan: Plan, row: DisaggRow) -> list[str]:
         f"TPOT <= {i.slo.tpot_p90_s * 1e3:g} ms",
         f"disaggregated: {row.name}, {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache, "
         f"chunk {i.assumptions.chunk_tokens:,}, {i.lora_slots} LoRA slots; KV over {row.link.name}",
-        f"TTFT budget: prefill {row.prefill_budget_s * 1e3:,.0f} ms after {row.transfer_p90_s * 1e3:,.0f} ms of transfer "
-        f"and {row.decode_steps_s * 1e3:,.0f} ms of decode steps",
+        f"TTFT budget: prefill {row.prefill_budget_s * 1e3:,.0f} ms after {row.transfer_p90_s * 1e3:,.0f} ms of "
+        f"transfer and {row.decode_steps_s * 1e3:,.0f} ms of decode steps",
     ]
     for role, rps, replicas, tp, warm in (
             ("prefill", row.prefill_rps, row.prefill_replicas, row.tp_prefill, row.prefill_warm),
             ("decode", row.decode_rps, row.decode_replicas, row.tp_decode, row.decode_warm)):
-        lines.append(f"{role}: goodput per replica {rps:.3f} req/s; serving replicas = ceil({i.rate_rps:.2f} / {rps:.3f} "
-                     f"x {1 + i.headroom:g}{zones}, N+1) = {replicas}; warm pool {_warm(warm)}; "
-                     f"GPUs = ({replicas} + {_warm(warm)}) x {tp} = {(replicas + _warm(warm)) * tp}")
+        lines.append(
+            f"{role}: goodput per replica {rps:.3f} req/s; serving replicas = ceil({i.rate_rps:.2f} / {rps:.3f} "
+            f"x {1 + i.headroom:g}{zones}, N+1) = {replicas}; warm pool {_warm(warm)}; "
+            f"GPUs = ({replicas} + {_warm(warm)}) x {tp} = {(replicas + _warm(warm)) * tp}"
+        )
     lines += [
         f"P:D GPUs {row.ratio}; GPUs = {row.gpus_total}",
         f"cost = {row.gpus_total} x ${row.usd_per_gpu_hour:.2f} = ${row.usd_per_hour:,.2f}/hour",
@@ -367,7 +370,12 @@ def _prefill_deployment(plan: Plan, row: DisaggRow, target: DeployTarget, worker
     if not target.revision:
         env = engine.setdefault("env", [])
         env[:] = [e for e in env if e.get("name") != "MODEL_REVISION"]
-        env.append({"name": "MODEL_REVISION", "valueFrom": {"configMapKeyRef": {"name": REVISION_CONFIGMAP, "key": "revision"}}})
+        env.append(
+            {
+                "name": "MODEL_REVISION",
+                "valueFrom": {"configMapKeyRef": {"name": REVISION_CONFIGMAP, "key": "revision"}},
+            }
+        )
     [worker] = [c for c in pod["containers"] if c["name"] == "worker"]
     _env_set(worker.setdefault("env", []), "INFERBUS_WORKER_STANDBY", "true")
     _env_set(worker["env"], "INFERBUS_WORKER_ROLE", "prefill")
@@ -423,8 +431,8 @@ def disaggregated_overlay(plan: Plan, row: DisaggRow, target: DeployTarget, work
         "            matchLabels:\n"
         f"              {ROLE_LABEL}: decode\n"
         "      initContainers:\n"
-        "        - name: zone                    # unchanged, named to keep it first: the node's zone, then the engine\n"
-        "        - name: sglang\n"
+        "        - name: zone                    # unchanged, named to keep it first: the node's zone, then the "
+        "engine\n        - name: sglang\n"
         "          args:\n"
         f"{args}\n"
         f"{revision_env}"
@@ -483,6 +491,11 @@ def disaggregated_overlay(plan: Plan, row: DisaggRow, target: DeployTarget, work
         "    matchLabels:\n"
         f"      {ROLE_LABEL}: decode\n"
     )
-    return {"kustomization.yaml": "\n".join(kustomization), "worker-patch.yaml": decode,
-            "worker-pdb-patch.yaml": pdb_patch, "worker-prefill.yaml": prefill_text, "autoscaler-patch.yaml": autoscaler,
-            "autoscaler-role-patch.yaml": role}
+    return {
+        "kustomization.yaml": "\n".join(kustomization),
+        "worker-patch.yaml": decode,
+        "worker-pdb-patch.yaml": pdb_patch,
+        "worker-prefill.yaml": prefill_text,
+        "autoscaler-patch.yaml": autoscaler,
+        "autoscaler-role-patch.yaml": role,
+    }

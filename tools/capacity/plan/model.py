@@ -307,8 +307,10 @@ class ReplicaModel:
         if rps <= 0:
             idle = self.at(_MIN_RATE)
             reason = {
-                "TTFT": f"even an idle replica misses TTFT: p90 {idle.ttft_p90_s * 1e3:,.0f} ms > {slo.ttft_p90_s * 1e3:,.0f} ms",
-                "TPOT": f"even an idle replica misses TPOT: p90 {idle.tpot_p90_s * 1e3:.1f} ms > {slo.tpot_p90_s * 1e3:.1f} ms",
+                "TTFT": f"even an idle replica misses TTFT: p90 {idle.ttft_p90_s * 1e3:,.0f} ms > "
+                f"{slo.ttft_p90_s * 1e3:,.0f} ms",
+                "TPOT": f"even an idle replica misses TPOT: p90 {idle.tpot_p90_s * 1e3:.1f} ms > "
+                f"{slo.tpot_p90_s * 1e3:.1f} ms",
                 "KV": "the KV cache cannot hold even one sequence's context",
             }[binding]
             return Goodput(0.0, binding, limits, idle, infeasible=reason)

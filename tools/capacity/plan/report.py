@@ -209,7 +209,9 @@ def summary(plan: Plan) -> str:
     """What the command prints: the comparison table and the cheapest row."""
     inputs = plan.inputs
     cheapest = plan.cheapest
-    rate = inputs.rate_text if inputs.rate_text.endswith("/s") else f"{inputs.rate_text} ({_n(inputs.rate_rps, 1)} req/s)"
+    rate = (
+        inputs.rate_text if inputs.rate_text.endswith("/s") else f"{inputs.rate_text} ({_n(inputs.rate_rps, 1)} req/s)"
+    )
     head = (f"Plan for {rate} of mix {inputs.mix.get('name')}, "
             f"SLO TTFT p90 ≤ {_ms(inputs.slo.ttft_p90_s, 0)}, TPOT p90 ≤ {_ms(inputs.slo.tpot_p90_s, 0)}, "
             f"{_pct(inputs.headroom, 0)} headroom, {inputs.preset} preset, chunk {inputs.assumptions.chunk_tokens:,}.")
@@ -252,30 +254,45 @@ def _inputs_section(plan: Plan) -> list[str]:
     u90 = ("the 90th-percentile request's uncached prompt, from the mix" if w.ttft_tokens_derived
            else "given with --ttft-tokens")
     lines += [
-        "What the mix means per request (means over requests):", "",
+        "What the mix means per request (means over requests):",
+        "",
         f"- input {_n(w.input_tokens, 1)} tokens, of which {_n(w.cached_tokens, 1)} cached → "
-        f"**uncached u = {_n(w.uncached_tokens, 1)}** tokens to prefill; output **o = {_n(w.output_tokens, 1)}** tokens.",
+        f"**uncached u = {_n(w.uncached_tokens, 1)}** tokens to prefill; output **o = {_n(w.output_tokens, 1)}** "
+        "tokens.",
         f"- E[u²] = {_n(w.uncached_sq, 0)} tokens² (the spread of prefill work; drives the queueing wait).",
         f"- decode context c_d = E[o · (input + o/2)] ÷ E[o] = **{_n(w.decode_ctx_tokens, 0)}** tokens: the KV a "
         "decoding sequence reads each step, weighted by how many steps it stays (long answers stay longer).",
         f"- prefill context c_p = E[u · (cached + input)/2] ÷ E[u] = {_n(w.prefill_ctx_tokens, 0)} "
         "tokens: what a prefill token attends to.",
-        f"- TTFT is quoted for u₉₀ = **{_n(w.ttft_tokens, 0)}** uncached tokens ({u90}).", "",
-        f"- **Timing model:** the simulated engine's roofline (docs/sim-engine.md), `{i.preset}` preset (±20%); chunked prefill "
-        f"{a.chunk_tokens:,} tokens per step; KV use ≤ {_pct(a.kv_limit, 0)}; prefill priced in whole chunks (a "
-        f"chunk step is compute-bound, a decode step memory-bound); TPOT p90 = mean step + {a.tpot_p90_z:.4f} × the "
-        f"spread of a request's mean step; headroom {_pct(i.headroom, 0)} (forecast error, N+1, the model's error)"
+        f"- TTFT is quoted for u₉₀ = **{_n(w.ttft_tokens, 0)}** uncached tokens ({u90}).",
+        "",
+        f"- **Timing model:** the simulated engine's roofline (docs/sim-engine.md), `{i.preset}` preset (±20%); "
+        f"chunked prefill {a.chunk_tokens:,} tokens per step; KV use ≤ {_pct(a.kv_limit, 0)}; prefill priced in whole "
+        "chunks (a chunk step is compute-bound, a decode step memory-bound); TPOT p90 = mean step + "
+        f"{a.tpot_p90_z:.4f} × the spread of a request's mean step; headroom {_pct(i.headroom, 0)} (forecast error, "
+        "N+1, the model's error)"
         + (f"; {i.zones} zones, one of which may be lost (× {zone_factor(i.zones):.3f})." if i.zones > 1 else "."),
         f"- **Engine:** {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache; "
-        + (f"speculative decoding candidate k = {i.spec.draft_tokens} draft tokens at acceptance α = {i.spec.acceptance:g} "
-           f"(E = (1 − α^(k+1)) ÷ (1 − α) = {i.spec.tokens_per_step:.2f} tokens per step; each draft step "
-           f"{i.spec.draft_cost:g} × a decode step), on in a row only where it raises the goodput; "
-           if i.spec else "no speculative decoding; ")
-        + (f"{i.lora_adapters} LoRA adapters of rank {i.lora_rank} spread evenly, {i.lora_slots} per batch; each "
-           f"holds {lora_adapter_bytes(i.lora_rank) / 1e6:,.0f} MB and loads in {lora_load_s(i.lora_rank) * 1e3:,.0f} ms"
-           + (f" (more adapters than slots: requests for an adapter outside the batch's {i.lora_slots} wait for a "
-              "slot, and a swap costs that load time)." if i.lora_adapters > i.lora_slots else ".")
-           if i.lora_adapters else "base model only (no LoRA adapters)."),
+        + (
+            f"speculative decoding candidate k = {i.spec.draft_tokens} draft tokens at acceptance α = "
+            f"{i.spec.acceptance:g} (E = (1 − α^(k+1)) ÷ (1 − α) = {i.spec.tokens_per_step:.2f} tokens per step; each "
+            f"draft step {i.spec.draft_cost:g} × a decode step), on in a row only where it raises the goodput; "
+            if i.spec
+            else "no speculative decoding; "
+        )
+        + (
+            f"{i.lora_adapters} LoRA adapters of rank {i.lora_rank} spread evenly, {i.lora_slots} per batch; each "
+            f"holds {lora_adapter_bytes(i.lora_rank) / 1e6:,.0f} MB and loads in {lora_load_s(i.lora_rank) * 1e3:,.0f} "
+            "ms"
+            + (
+                f" (more adapters than slots: requests for an adapter outside the batch's {i.lora_slots} wait for a "
+                "slot, and a swap costs that load time)."
+                if i.lora_adapters > i.lora_slots
+                else "."
+            )
+            if i.lora_adapters
+            else "base model only (no LoRA adapters)."
+        ),
         f"- **Cold start** {i.cold_start_s:g} s, **warm start** {i.warm_start_s:g} s.",
     ]
     if i.ramp is None:
@@ -286,10 +303,11 @@ def _inputs_section(plan: Plan) -> list[str]:
     else:
         t = i.ramp.trace
         lines.append(
-            f"- **Ramp** from `{i.ramp.source}`: {t.minutes} whole minutes, busiest minute {t.trace_peak_rps:.2f} req/s; "
-            f"every minute's rate × {_n(t.scale, 1)} so the busiest equals the planned {_n(i.rate_rps, 1)} req/s. "
-            f"Steepest rise within one {t.window_s:g} s cold start: minute {t.from_minute} → {t.to_minute}, "
-            f"+{_n(t.rise_rps, 1)} req/s = **{t.ramp_rps_per_s:.3f} req/s per second** ({_n(t.ramp_rps_per_s * 60, 1)} per minute).")
+            f"- **Ramp** from `{i.ramp.source}`: {t.minutes} whole minutes, busiest minute {t.trace_peak_rps:.2f} "
+            f"req/s; every minute's rate × {_n(t.scale, 1)} so the busiest equals the planned {_n(i.rate_rps, 1)} "
+            f"req/s. Steepest rise within one {t.window_s:g} s cold start: minute {t.from_minute} → {t.to_minute}, "
+            f"+{_n(t.rise_rps, 1)} req/s = **{t.ramp_rps_per_s:.3f} req/s per second** ({_n(t.ramp_rps_per_s * 60, 1)} "
+            "per minute).")
     lines.append("")
     return lines
 
@@ -303,7 +321,8 @@ def _steady_state_lines(row: Row, p: OperatingPoint, plan: Plan, label: str) -> 
         f"   {label}",
         f"   - step time t = **{_ms(p.step_s, 2)}** (the fixed point: the mean of the decode-only and "
         "full-chunk steps below, whose batch and chunk share themselves grow with t)",
-        f"   - decode batch B = λ × o × t{per_e} = {lam:.3f} × {_n(w.output_tokens, 0)} × {p.step_s:.5f} s{' ÷ ' + format(e, '.2f') if per_e else ''} = "
+        f"   - decode batch B = λ × o × t{per_e} = {lam:.3f} × {_n(w.output_tokens, 0)} × {p.step_s:.5f} "
+        f"s{' ÷ ' + format(e, '.2f') if per_e else ''} = "
         f"{p.decode_batch:.1f} sequences",
         f"   - prefill runs in whole chunks: share of steps with a chunk f = λ × u × t ÷ chunk = {lam:.3f} × "
         f"{_n(w.uncached_tokens, 0)} × {p.step_s:.5f} s ÷ {a.chunk_tokens:,} = {p.chunk_step_share:.4f}",
@@ -320,8 +339,8 @@ def _steady_state_lines(row: Row, p: OperatingPoint, plan: Plan, label: str) -> 
         f"{'(' if per_e else ''}{_ms(p.step_s, 2)} + {_ms(a.tpot_p90_z * p.tpot_spread_s, 2)}"
         f"{') ÷ ' + format(e, '.2f') if per_e else ''} = "
         f"**{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
-        f"   - prefill rate μ = {a.chunk_tokens:,} ÷ t(full chunk) = {a.chunk_tokens:,} ÷ {p.full_chunk_step_s:.5f} s = "
-        f"{_n(p.prefill_rate_tok_s, 0)} tokens/s; prefill load ρ = λ × u ÷ μ = {p.prefill_load:.3f}",
+        f"   - prefill rate μ = {a.chunk_tokens:,} ÷ t(full chunk) = {a.chunk_tokens:,} ÷ {p.full_chunk_step_s:.5f} s "
+        f"= {_n(p.prefill_rate_tok_s, 0)} tokens/s; prefill load ρ = λ × u ÷ μ = {p.prefill_load:.3f}",
         f"   - queue wait W_q = λ × E[u²] ÷ μ² ÷ (2 × (1 − ρ)) = {lam:.3f} × {_n(w.uncached_sq, 0)} ÷ "
         f"{_n(p.prefill_rate_tok_s, 0)}² ÷ {2 * (1 - p.prefill_load):.3f} = {_ms(p.queue_wait_s)}",
         f"   - TTFT p90 = u₉₀ ÷ μ + {a.wait_p90_factor:.2f} × W_q + {a.ttft_steps:g} × t = "
@@ -386,14 +405,16 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
     warm = row.warm_replicas
     lines += [
         f"2. **Replicas** = ⌈peak ÷ goodput × (1 + headroom){' × Z ÷ (Z − 1)' if zones else ''}⌉ = "
-        f"⌈{_n(i.rate_rps, 2)} ÷ {lam:.3f} × {1 + h:g}{zones}⌉ = ⌈{row.replicas_exact:.2f}⌉ = **{row.replicas:,}** serving.",
+        f"⌈{_n(i.rate_rps, 2)} ÷ {lam:.3f} × {1 + h:g}{zones}⌉ = ⌈{row.replicas_exact:.2f}⌉ = **{row.replicas:,}** "
+        "serving.",
         *_zone_lines(row.replicas, i.zones, i.rate_rps / lam * (1 + h) if lam > 0 else 0.0),
         f"3. **GPUs** = (serving + warm pool) × TP = ({row.replicas:,} + {warm:,}) × {row.tp} = **{row.gpus_total:,}** "
         "(warm pool: step 7).",
         f"4. **Cost per hour** = {row.gpus_total:,} GPUs × {_usd(row.usd_per_gpu_hour)} = **{_usd(c.usd_per_hour)}**, "
-        f"of which the serving fleet {_usd(c.serving_usd_per_hour)} and the warm pool {_usd(c.usd_per_hour - c.serving_usd_per_hour)} "
-        f"(at peak the serving fleet runs at {_n(i.rate_rps, 1)} ÷ ({row.replicas:,} × {lam:.3f}) = {_pct(c.utilisation)} "
-        "of its goodput).",
+        f"of which the serving fleet {_usd(c.serving_usd_per_hour)} and the warm pool "
+        f"{_usd(c.usd_per_hour - c.serving_usd_per_hour)} "
+        f"(at peak the serving fleet runs at {_n(i.rate_rps, 1)} ÷ ({row.replicas:,} × {lam:.3f}) = "
+        f"{_pct(c.utilisation)} of its goodput).",
         f"5. **All-in $ per 1M output tokens** (every GPU-hour charged to output): output served = "
         f"{_n(i.rate_rps, 2)} req/s × {_n(i.workload.output_tokens, 0)} tokens × 3,600 s = "
         f"{_n(c.output_mtok_per_hour, 1)} M tokens/hour; {_usd(c.usd_per_hour)} ÷ {_n(c.output_mtok_per_hour, 1)} = "
@@ -409,10 +430,12 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
             f"without prefill (its {_n(fp.prefill_tokens_per_step, 0)} tokens per step on average) it would take "
             f"{_ms(fp.decode_only_step_s, 2)}, so prefill causes {_pct(share)} of GPU time.",
             f"   - input: {_usd(c.usd_per_hour)} × {_pct(share)} = {_usd(c.usd_per_hour * share)}/hour ÷ "
-            f"{_n(c.input_mtok_per_hour, 1)} M input tokens/hour = **{_price(c.usd_per_1m_input)} per 1M input tokens** "
-            f"(cached ones included; {_price(c.usd_per_1m_uncached_input)} per 1M uncached tokens actually prefilled)",
+            f"{_n(c.input_mtok_per_hour, 1)} M input tokens/hour = **{_price(c.usd_per_1m_input)} per 1M input "
+            f"tokens** (cached ones included; {_price(c.usd_per_1m_uncached_input)} per 1M uncached tokens actually "
+            "prefilled)",
             f"   - output: {_usd(c.usd_per_hour)} × {_pct(1 - share)} = {_usd(c.usd_per_hour * (1 - share))}/hour ÷ "
-            f"{_n(c.output_mtok_per_hour, 1)} M output tokens/hour = **{_price(c.usd_per_1m_output)} per 1M output tokens**",
+            f"{_n(c.output_mtok_per_hour, 1)} M output tokens/hour = **{_price(c.usd_per_1m_output)} per 1M output "
+            "tokens**",
         ]
     else:
         lines.append("6. **Split between input and output:** not computed — the timing model has no steady state at "
@@ -422,9 +445,11 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
         lines += [
             f"7. **Warm pool** = ⌈ramp × cold start ÷ goodput⌉ = ⌈{wp.ramp_rps_per_s:.3f} req/s per s × "
             f"{wp.cold_start_s:g} s ÷ {lam:.3f}⌉ = ⌈{_n(wp.rise_rps, 1)} ÷ {lam:.3f}⌉ = **{wp.replicas:,} replicas** "
-            f"({wp.gpus:,} GPUs, {_usd(wp.gpus * row.usd_per_gpu_hour)}/hour, in the price above: loaded replicas hold their GPUs).",
-            f"   While warm replicas wake ({wp.warm_start_s:g} s) the rate rises {_n(wp.warm_start_rise_rps, 1)} req/s; "
-            f"the fleet's headroom is {row.replicas:,} × {lam:.3f} − {_n(i.rate_rps, 1)} = {_n(wp.headroom_rps, 1)} req/s: "
+            f"({wp.gpus:,} GPUs, {_usd(wp.gpus * row.usd_per_gpu_hour)}/hour, in the price above: loaded replicas hold "
+            "their GPUs).",
+            f"   While warm replicas wake ({wp.warm_start_s:g} s) the rate rises {_n(wp.warm_start_rise_rps, 1)} "
+            f"req/s; the fleet's headroom is {row.replicas:,} × {lam:.3f} − {_n(i.rate_rps, 1)} = "
+            f"{_n(wp.headroom_rps, 1)} req/s: "
             + ("**covered**." if wp.covered_by_headroom else "**not covered** — raise the headroom or the warm pool."),
         ]
     for warning in row.warnings:
@@ -439,17 +464,27 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
     cheapest = plan.cheapest
     sources = sorted({r.source for r in plan.rows})
     lines = [
-        f"# Capacity plan: {i.rate_text} of `{i.mix.get('name')}`", "",
-        "Goodput per replica comes from " + (" and ".join(
-            {"model": "the timing model (the simulated engine's roofline, ±20%)", "sweep": "measured sweeps"}[s] for s in sources))
-        + "; the **goodput from** column says which, row by row.", "",
+        f"# Capacity plan: {i.rate_text} of `{i.mix.get('name')}`",
+        "",
+        "Goodput per replica comes from "
+        + (
+            " and ".join(
+                {"model": "the timing model (the simulated engine's roofline, ±20%)", "sweep": "measured sweeps"}[s]
+                for s in sources
+            )
+        )
+        + "; the **goodput from** column says which, row by row.",
+        "",
     ]
     lines += _inputs_section(plan)
     lines += ["## Comparison", "", comparison_table(plan), ""]
     if cheapest and cheapest.cost:
-        lines += [f"**Cheapest feasible: {cheapest.name}** — {cheapest.replicas:,} replicas, {cheapest.gpus:,} GPUs, "
-                  f"{_usd(cheapest.cost.usd_per_hour)}/hour, {_price(cheapest.cost.usd_per_1m_output_all_in)} per 1M output "
-                  "tokens all-in (ranked by $/hour of every GPU kept running: serving fleet, headroom and warm pool).", ""]
+        lines += [
+            f"**Cheapest feasible: {cheapest.name}** — {cheapest.replicas:,} replicas, {cheapest.gpus:,} GPUs, "
+            f"{_usd(cheapest.cost.usd_per_hour)}/hour, {_price(cheapest.cost.usd_per_1m_output_all_in)} per 1M "
+            "output tokens all-in (ranked by $/hour of every GPU kept running: serving fleet, headroom and warm pool).",
+            "",
+        ]
     else:
         lines += ["**No configuration is feasible** under this SLO; see the reasons below.", ""]
     lines += [
@@ -521,7 +556,9 @@ def write_plots(plan: Plan, out: Path) -> list[str]:
                color="lightgray", label="warm pool")
     for j, r in enumerate(feasible):
         warm = f" + {r.warm.gpus} warm" if r.warm and r.warm.gpus else ""
-        ax_gpu.text(j, r.gpus_total, f"{r.gpus:,}{warm}\n({r.replicas} × TP{r.tp})", ha="center", va="bottom", fontsize=7)
+        ax_gpu.text(
+            j, r.gpus_total, f"{r.gpus:,}{warm}\n({r.replicas} × TP{r.tp})", ha="center", va="bottom", fontsize=7
+        )
         ax_usd.text(j, r.cost.usd_per_hour, f"${r.cost.usd_per_hour:,.0f}", ha="center", va="bottom", fontsize=8)  # type: ignore[union-attr]
     ax_gpu.set_title(f"GPUs for {plan.inputs.rate_text}")
     ax_gpu.set_ylabel("GPUs")
@@ -579,8 +616,10 @@ def _zone_lines(replicas: int, zones: int, needed: float) -> list[str]:
         return []
     per_zone = spread(replicas, zones)
     left = left_after_zone_loss(per_zone)
-    line = (f"   **N+1 per zone:** spread evenly, {' + '.join(map(str, per_zone))} across the {zones} zones (Kubernetes: "
-            f"topology spread, maxSkew 1 by zone); losing the largest zone leaves {left:,}")
+    line = (
+        f"   **N+1 per zone:** spread evenly, {' + '.join(map(str, per_zone))} across the {zones} zones (Kubernetes: "
+        f"topology spread, maxSkew 1 by zone); losing the largest zone leaves {left:,}"
+    )
     enough = replicas_for_zone_loss(needed, zones)
     if enough <= replicas:
         return [line + f" ≥ the {needed:.2f} the peak needs with headroom; the warm pool, spread the same way, "

@@ -157,7 +157,11 @@ def mix_warnings(sweep_mix: Mapping[str, Any], plan_mix: Mapping[str, Any]) -> l
             continue
         if abs(theirs - ours) > MIX_TOLERANCE * max(abs(ours), 1.0):
             differ.append(f"{key} {theirs:g} vs {ours:g}")
-    return [f"the sweep ran another mix than the plan's ({', '.join(differ)}): its goodput is for that mix"] if differ else []
+    return (
+        [f"the sweep ran another mix than the plan's ({', '.join(differ)}): its goodput is for that mix"]
+        if differ
+        else []
+    )
 
 
 def goodput(sweep: Sweep, slo: Slo, plan_mix: Mapping[str, Any]) -> SweepGoodput:

@@ -60,7 +60,8 @@ def _disaggregated_terms(row: DisaggRow) -> str:
         text += (f" at a batch of {row.decode_point.batch:,.0f} ({_ms(row.decode_point.step_s)} steps, "
                  f"{row.decode_point.kv_fraction:.0%} of KV incl. reservations)")
     text += (f"; the prefill keeps {_ms(row.prefill_budget_s)} of the TTFT budget after "
-             f"{_ms(row.transfer_p90_s)} of KV transfer over {row.link.name} and {_ms(row.decode_steps_s)} of decode steps")
+             f"{_ms(row.transfer_p90_s)} of KV transfer over {row.link.name} and {_ms(row.decode_steps_s)} of decode "
+             "steps")
     return text
 
 

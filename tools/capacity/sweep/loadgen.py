@@ -34,8 +34,12 @@ async def send(client: httpx.AsyncClient, path: str, prepared: Prepared, record:
     """Stream one request into `record` (never raises for request failures: they are recorded)."""
     clock = time.perf_counter
     try:
-        async with client.stream("POST", path, content=prepared.body,
-                                 headers={"content-type": "application/json", "accept": "text/event-stream"}) as response:
+        async with client.stream(
+            "POST",
+            path,
+            content=prepared.body,
+            headers={"content-type": "application/json", "accept": "text/event-stream"},
+        ) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 record.error, record.error_message = f"http_{response.status_code}", text[:300]

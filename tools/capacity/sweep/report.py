@@ -86,7 +86,9 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     names = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL (chunk gap)", "e2e_s": "end-to-end latency"}
     for ax, name in zip(axes.flat, LATENCIES):
         for stat, style in (("p50", "-o"), ("p90", "-s"), ("p99", ":^")):
-            values = [1000 * v if v is not None and not math.isnan(v) else math.nan for v in (s[name][stat] for s in steps)]
+            values = [
+                1000 * v if v is not None and not math.isnan(v) else math.nan for v in (s[name][stat] for s in steps)
+            ]
             line, = ax.plot(loads, values, style, label=stat)
             for x, y, hollow in zip(loads, values, limited):
                 if hollow:
@@ -130,8 +132,10 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
-    ax.set_title(f"goodput knee — SLO p90 TTFT ≤ {1000 * slo['ttft_p90_s']:g} ms, p90 TPOT ≤ {1000 * slo['tpot_p90_s']:g} ms",
-                 fontsize=10)
+    ax.set_title(
+        f"goodput knee — SLO p90 TTFT ≤ {1000 * slo['ttft_p90_s']:g} ms, p90 TPOT ≤ {1000 * slo['tpot_p90_s']:g} ms",
+        fontsize=10,
+    )
     fig.tight_layout()
     goodput_png = out_dir / "sweep_goodput.png"
     fig.savefig(goodput_png, dpi=110)
@@ -163,12 +167,20 @@ def table(result: dict[str, Any]) -> str:
             notes.append("SLO met")
         if s["client_limited"]:
             notes.append("CLIENT-LIMITED")
-        rows.append([
-            f"{_load(s):g}", f"{s['request_rps']:.2f}", f"{s['output_tok_s']:.0f}",
-            f"{_ms(s['ttft_s']['p50'])}/{_ms(s['ttft_s']['p90'])}", f"{_ms(s['tpot_s']['p50'])}/{_ms(s['tpot_s']['p90'])}",
-            _ms(s["e2e_s"]["p90"]), f"{100 * s['slo_attainment']:.0f}%", f"{s['goodput_rps']:.2f}",
-            str(s["errors"]), ", ".join(notes),
-        ])
+        rows.append(
+            [
+                f"{_load(s):g}",
+                f"{s['request_rps']:.2f}",
+                f"{s['output_tok_s']:.0f}",
+                f"{_ms(s['ttft_s']['p50'])}/{_ms(s['ttft_s']['p90'])}",
+                f"{_ms(s['tpot_s']['p50'])}/{_ms(s['tpot_s']['p90'])}",
+                _ms(s["e2e_s"]["p90"]),
+                f"{100 * s['slo_attainment']:.0f}%",
+                f"{s['goodput_rps']:.2f}",
+                str(s["errors"]),
+                ", ".join(notes),
+            ]
+        )
     widths = [max(len(str(x)) for x in column) for column in zip(head, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *rows]]
     return "\n".join(lines)
