@@ -88,7 +88,8 @@ class LoadQueue:
         self.mean_s = seconds if self.mean_s is None else (1 - EWMA_WEIGHT) * self.mean_s + EWMA_WEIGHT * seconds
         if size:
             rate = size / max(seconds, 1e-6)
-            self.bytes_per_s = rate if self.bytes_per_s is None else (1 - EWMA_WEIGHT) * self.bytes_per_s + EWMA_WEIGHT * rate
+            self.bytes_per_s = (rate if self.bytes_per_s is None
+                                else (1 - EWMA_WEIGHT) * self.bytes_per_s + EWMA_WEIGHT * rate)
 
     def one_load_s(self, size_bytes: int | None = None) -> float:
         """Expected seconds of one load of an adapter of `size_bytes` (None: unknown size)."""
@@ -104,7 +105,8 @@ class LoadQueue:
         if self.current is not None:
             elapsed = self.clock() - self.started_at
             # A load running longer than expected is expected to end soon, not to have ended.
-            ahead = max(self.one_load_s(self.current.size_bytes) - elapsed, 0.1 * self.one_load_s(self.current.size_bytes))
+            one = self.one_load_s(self.current.size_bytes)
+            ahead = max(one - elapsed, 0.1 * one)
             out[self.current.name] = round(ahead, 4)
         for entry in self.queued:
             if not entry.background:

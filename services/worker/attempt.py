@@ -173,4 +173,5 @@ def bill_delivered(usage: m.Usage, delivered_tokens: int) -> tuple[m.Usage, int]
     that (before the abort reached it) no client received."""
     if delivered_tokens < 0 or usage.completion_tokens <= delivered_tokens:
         return usage, 0
-    return msgspec.structs.replace(usage, completion_tokens=delivered_tokens), usage.completion_tokens - delivered_tokens
+    platform_tokens = usage.completion_tokens - delivered_tokens
+    return msgspec.structs.replace(usage, completion_tokens=delivered_tokens), platform_tokens

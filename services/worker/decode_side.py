@@ -240,7 +240,8 @@ class DecodeSide:
 
     # ---- one attempt -------------------------------------------------------------------------
 
-    async def stream(self, request: m.InferenceRequest, entry: Any, headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
+    async def stream(self, request: m.InferenceRequest, entry: Any,
+                     headers: dict[str, str]) -> AsyncIterator[EngineUpdate]:
         """The decode engine's stream for `request`, its prefill half on a prefill worker, tried
         again elsewhere when the prefill fails before the first token."""
         worker = self.worker
@@ -272,7 +273,8 @@ class DecodeSide:
                 PREFILL_TRIES.labels(f"refused_{reason}" if accepted is not None else "no_answer").inc()
                 avoid.add(worker_id)
                 refused_full += reason == "full"
-                if accepted is not None and reason == "cancelled":  # its gateway's cancel reached the prefill worker first
+                # Its gateway's cancel reached the prefill worker first.
+                if accepted is not None and reason == "cancelled":
                     yield cancelled_update()
                     return
                 continue

@@ -287,8 +287,10 @@ class EngineClient:
                 if reader.done:
                     return
         except HTTPError as error:
-            raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True, status=503) from error
-        raise EngineError("engine stream ended without a finish reason", code="engine_error", retryable=True, status=502)
+            raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True,
+                              status=503) from error
+        raise EngineError("engine stream ended without a finish reason", code="engine_error", retryable=True,
+                          status=502)
 
     async def prefill(self, request: InferenceRequest, headers: dict[str, str], *, bootstrap: dict[str, Any],
                       rid: str) -> PrefillResult:
@@ -300,7 +302,8 @@ class EngineClient:
         try:
             status, raw = await self._call_with("POST", "/generate", body, headers)
         except HTTPError as error:
-            raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True, status=503) from error
+            raise EngineError(f"engine unavailable: {error}", code="engine_unavailable", retryable=True,
+                              status=503) from error
         if status != 200:
             raise _http_error(status, raw)
         try:

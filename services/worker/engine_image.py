@@ -90,7 +90,8 @@ def pod_access(api_url: str = "", pod: str = "", namespace: str = "") -> PodAcce
     namespace = namespace or (ns_file.read_text().strip() if ns_file.is_file() else "")
     if not pod or not namespace:
         return None
-    return PodAccess(api_url.rstrip("/"), namespace, pod, token_file.read_text().strip() if token_file.is_file() else None,
+    token = token_file.read_text().strip() if token_file.is_file() else None
+    return PodAccess(api_url.rstrip("/"), namespace, pod, token,
                      str(ca_file) if ca_file.is_file() else None)
 
 

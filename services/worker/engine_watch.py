@@ -55,7 +55,8 @@ class EngineWatch:
             return
         worker.health.failed()
         log.warning("engine_down", engine=worker.settings.engine_url, why=why)
-        worker.background.spawn(worker.reporter.publish_heartbeat())  # not ready: gateways and routers stop counting on it
+        # Not ready: gateways and routers stop counting on it.
+        worker.background.spawn(worker.reporter.publish_heartbeat())
         if self._probing is None or self._probing.done():
             self._probing = asyncio.create_task(self._probe(), name="engine-watch")
 
@@ -99,7 +100,8 @@ class EngineWatch:
             await asyncio.sleep(TICK_S)
             self.tick()
             worker = self.worker
-            reason = worker.gpu.verdict(len(worker.running), worker.health.down_since) if worker.phase == "serving" else None
+            serving = worker.phase == "serving"
+            reason = worker.gpu.verdict(len(worker.running), worker.health.down_since) if serving else None
             if reason is not None and not worker.leaving:
                 self._giving_up = asyncio.ensure_future(give_up(worker, reason))
 

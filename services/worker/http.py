@@ -181,7 +181,8 @@ class ConnectionPool:
             lines.append(f"{name}: {value}".encode("latin-1"))
         return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
-    async def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Response:
+    async def request(self, method: str, path: str, body: bytes = b"",
+                      headers: dict[str, str] | None = None) -> Response:
         """Send a request and return once the response headers arrived; read the body from the response."""
         raw = self._encode(method, path, body, headers)
         for attempt in (1, 2):

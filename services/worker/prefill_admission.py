@@ -17,9 +17,10 @@ chunked request takes the step's chunk budget first; priority only orders the wa
 aborting a batch half still waiting in the engine would free a slot and nothing else: the
 interactive prompt would wait for the whole batch prompt ahead of it (live, with the half taken
 last preempted instead: 10.7 s for a 16-token prompt behind a 24k-token one, against 0.3 s;
-tests/test_e2e_pd_preemption.py). The batch halves still
-waiting yield to it by engine priority. The work lost is the chunks computed so far. Halves already giving way (aborted, their engine request still ending) count neither
-as taken slots nor as victims: a slot freed for one interactive half is not freed twice.
+tests/test_e2e_pd_preemption.py). The batch halves still waiting yield to it by engine priority.
+The work lost is the chunks computed so far. Halves already giving way (aborted, their engine
+request still ending) count neither as taken slots nor as victims: a slot freed for one
+interactive half is not freed twice.
 """
 
 from __future__ import annotations

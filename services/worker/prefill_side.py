@@ -82,7 +82,8 @@ class PrefillSide:
         self.finished = 0
 
     async def start(self) -> None:
-        await self.worker.nc.subscribe(subjects.prefill_subjects_to(self.worker.settings.worker_id), cb=self._on_message)
+        subject = subjects.prefill_subjects_to(self.worker.settings.worker_id)
+        await self.worker.nc.subscribe(subject, cb=self._on_message)
 
     def batch_halves(self) -> int:
         """Halves of batch lines running here: filler, reported as batch (never demand to scale on)."""

@@ -121,7 +121,8 @@ class Puller:
         if status == "100":  # idle heartbeat
             return
         # 404 no messages, 408 request expired, 409 consumer changed: the rest is not coming.
-        gone = status == "503" or (status == "409" and "consumer deleted" in str(headers.get("Description", "")).lower())
+        description = str(headers.get("Description", "")).lower()
+        gone = status == "503" or (status == "409" and "consumer deleted" in description)
         if gone and self._on_consumer_gone is not None:
             self._on_consumer_gone(f"consumer {self.consumer}: {status} {headers.get('Description', '')}".strip())
         pending = headers.get(_PENDING)

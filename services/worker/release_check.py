@@ -26,7 +26,8 @@ from . import engine_image
 
 log = logs.get(__name__)
 
-RELEASE_INFO = Gauge("inferbus_worker_release_info", "The release this worker verified it serves (1)", ["model", "release"])
+RELEASE_INFO = Gauge("inferbus_worker_release_info", "The release this worker verified it serves (1)",
+                     ["model", "release"])
 
 
 class ReleaseMismatch(SystemExit):

@@ -212,7 +212,8 @@ class LoadReporter:
         if worker.decode is not None:
             return 0  # its requests' prompts are computed by prefill workers
         return sum(
-            max(0, (entry.request.prompt_tokens or 0) + entry.request.resumed_tokens - entry.request.expected_cached_tokens)
+            max(0, (entry.request.prompt_tokens or 0) + entry.request.resumed_tokens
+                - entry.request.expected_cached_tokens)
             for entry in worker.running.values() if not entry.prefilled
         )
 

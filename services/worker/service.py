@@ -87,8 +87,9 @@ class Worker:
         self.pause = pause
         self._adapter_kv = adapter_kv
         self.background = Background()  # usage and stream publishes in flight
-        self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000, settings.accepted_wait_ms / 1000,
-                                  replay_keep_s=settings.replay_keep_s, worker_id=settings.worker_id)
+        self.events = EventSender(nc, self.background, settings.frame_window_ms / 1000,
+                                  settings.accepted_wait_ms / 1000, replay_keep_s=settings.replay_keep_s,
+                                  worker_id=settings.worker_id)
         self.cancels = CancelMemory(time.monotonic)
         self.adapters = Adapters(engine, self._lookup_adapter, on_change=lambda: self.load_changed.set(),
                                  on_progress=lambda: self.gpu.progress())
@@ -181,7 +182,8 @@ class Worker:
             raise SystemExit(f"worker: {error}") from None
         self.engine.disaggregated = self.role != "aggregated"
         if s.engine_image_check not in ("auto", "kubernetes", "off"):
-            raise SystemExit(f"worker: INFERBUS_ENGINE_IMAGE_CHECK must be auto, kubernetes or off, not {s.engine_image_check!r}")
+            raise SystemExit("worker: INFERBUS_ENGINE_IMAGE_CHECK must be auto, kubernetes or off, "
+                             f"not {s.engine_image_check!r}")
         access = engine_image.pod_access(s.k8s_api_url, s.pod_name, s.pod_namespace)
         self.release = await release_check.verify_at_start(
             self.js, s.release, s.model, s.model_dir, self.engine_info,

@@ -130,7 +130,8 @@ class Serving:
                 if puller.outstanding:
                     continue
                 try:
-                    info = await worker.js.consumer_info(subjects.REQUESTS_STREAM, puller.consumer, timeout=LOOK_INTERVAL_S)
+                    info = await worker.js.consumer_info(subjects.REQUESTS_STREAM, puller.consumer,
+                                                         timeout=LOOK_INTERVAL_S)
                 except Exception:  # the next look asks again; pulls go on meanwhile
                     continue
                 if puller.outstanding:
@@ -219,7 +220,8 @@ class Serving:
         """A delivery of an attempt that runs (or ran) already: ack it so it is not delivered
         again, and send nothing: the client sees the one run, and is billed for it once."""
         DUPLICATES.labels(holder).inc()
-        log.warning("duplicate_delivery_absorbed", request_id=request.request_id, attempt=request.attempt, holder=holder)
+        log.warning("duplicate_delivery_absorbed", request_id=request.request_id, attempt=request.attempt,
+                    holder=holder)
         self.worker.background.spawn(msg.ack())
         self.release_slot()
 
