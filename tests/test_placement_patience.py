@@ -120,7 +120,8 @@ async def test_a_late_answer_makes_the_next_placements_wait_for_the_router_until
         await asyncio.sleep(1.1)
         started = time.monotonic()
         fourth = await dispatcher._place(flight("r4"))
-        assert fourth.worker_id is None and time.monotonic() - started < 1.0
+        # The budget (0.1 s), not the patience (2 s): on a busy machine the budget can take a while.
+        assert fourth.worker_id is None and time.monotonic() - started < 1.9
     finally:
         await dispatcher.stop()
         await router.close()
