@@ -30,7 +30,9 @@ from inferbus.releases import canary, eval_gate, slo_gate
 from inferbus.timing import roofline
 from proto import messages as m
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 RESULTS = Path(__file__).parent / "results"
 FLEET_RATE = 833.0  # req/s: the platform's design peak

@@ -41,7 +41,9 @@ from bench.routing_workload import build
 from inferbus.timing import roofline
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 from tools.capacity import traces
 from tools.capacity.fleetsim import FleetConfig, FleetSim
 from tools.capacity.traces import TraceRequest

@@ -53,9 +53,11 @@ from bench import dynamo_env
 from bench.common import percentile, write_results
 from bench.routing_workload import build
 from inferbus.timing import roofline
+from services.sim_engine.admission import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKEN_RATIO
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import TableStepModel, build_table, save_npz
-from services.sim_engine.scheduler import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKEN_RATIO, Engine, Request, StepResult
+from services.sim_engine.request import Request, StepResult
+from services.sim_engine.scheduler import Engine
 from tools.capacity import traces
 from tools.capacity.fleetsim import FleetConfig, FleetSim, workload
 from tools.capacity.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest

@@ -121,7 +121,7 @@ def build_tokenizer(directory: Path) -> Path:
     """A Hugging Face tokenizer that splits text exactly as `inferbus.tokens.blocks` does."""
     from inferbus.tokens import blocks as tokens
     from inferbus.tokens.blocks import standin_render_chat as render_chat
-    from services.sim_engine.scheduler import OUTPUT_PIECES
+    from services.sim_engine.output import OUTPUT_PIECES
     from tools.capacity.sweep.prompts import WORDS
 
     corpus = next((AIPERF_VENV / "lib").glob("python*/site-packages/aiperf/dataset/generator/assets/shakespeare.txt"))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from bench.routing_bound import ClairvoyantFleet, alone, first_token_at
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 from tools.capacity.fleetsim import FleetConfig, FleetSim
 from tools.capacity.traces import TraceRequest
 

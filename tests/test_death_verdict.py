@@ -12,7 +12,8 @@ from nats.aio.msg import Msg
 from inferbus.bus import connection as bus
 from proto import messages as m
 from proto import subjects
-from services.gateway.dispatch import Dispatcher, Flight
+from services.gateway.dispatch import Dispatcher
+from services.gateway.flight import Flight
 from services.worker.liveness import LivenessThread
 
 from .nats_server import NatsServer

@@ -20,7 +20,8 @@ from nats.aio.msg import Msg
 from inferbus.bus import connection as bus
 from proto import messages as m
 from proto import subjects
-from services.gateway.dispatch import Dispatcher, Flight
+from services.gateway.dispatch import Dispatcher
+from services.gateway.flight import Flight
 
 from .conftest import MODEL, Platform, running_platform
 from .nats_proxy import NatsProxy

@@ -421,7 +421,7 @@ def _sentencepiece_model_dir(path: Path) -> Path:
     Mistral's shape: `▁` marks a word's leading space, which decoding a token alone drops), with
     the chat format's special tokens at the ids the directory's configuration names."""
     from inferbus.tokens.modeldir import FORMATS, build_model_dir
-    from services.sim_engine.scheduler import OUTPUT_PIECES
+    from services.sim_engine.output import OUTPUT_PIECES
 
     directory = build_model_dir(path, "llama3")
     special = list(FORMATS["llama3"].special_tokens)

@@ -9,7 +9,9 @@ from proto import bands
 from proto import messages as m
 from services.batch.feed import FeedConfig
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 from tools.capacity.fleetsim import FleetConfig, FleetSim, RunReport, capacity, workload
 from tools.capacity.fleetsim.batch import PROMPT_INDEX_BASE, BatchSpec, LineLengths
 from tools.capacity.traces import TraceRequest

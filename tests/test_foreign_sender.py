@@ -4,7 +4,7 @@ by the worker an event names; `foreign_publisher`, by the worker whose subject i
 from __future__ import annotations
 
 from proto import messages as m
-from services.gateway.dispatch import Flight, foreign_publisher, foreign_sender
+from services.gateway.flight import Flight, foreign_publisher, foreign_sender
 
 
 def a_flight(state: str, holder: str | None) -> Flight:

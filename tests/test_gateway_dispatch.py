@@ -4,7 +4,7 @@ import msgspec
 
 from proto import messages as m
 from proto import subjects
-from services.gateway.dispatch import Flight, next_attempt
+from services.gateway.flight import Flight, next_attempt
 
 
 def test_migration_continues_from_what_the_client_already_has() -> None:
@@ -134,7 +134,7 @@ def test_requests_without_a_first_token_are_the_unstarted_ones() -> None:
     from services.gateway.dispatch import Dispatcher
 
     dispatcher = Dispatcher.__new__(Dispatcher)
-    dispatcher.flights = {}
+    dispatcher.flights, dispatcher.live_workers, dispatcher.heartbeat_ttl_s = {}, {}, 2.0
     for rid, band, started in (("a", "standard", False), ("b", "premium", False), ("c", "standard", True)):
         request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x", band=band,
                                      sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
@@ -148,7 +148,7 @@ def test_the_oldest_request_waiting_for_a_worker() -> None:
     from services.gateway.dispatch import Dispatcher
 
     dispatcher = Dispatcher.__new__(Dispatcher)
-    dispatcher.flights = {}
+    dispatcher.flights, dispatcher.live_workers, dispatcher.heartbeat_ttl_s = {}, {}, 2.0
     for rid, state, since in (("a", "held", 0.0), ("b", "queued", 5.0), ("c", "accepted", -100.0)):
         request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x",
                                      sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
@@ -165,7 +165,7 @@ def test_a_request_retried_after_a_worker_failed_is_no_sign_of_overload() -> Non
     from services.gateway.dispatch import Dispatcher
 
     dispatcher = Dispatcher.__new__(Dispatcher)
-    dispatcher.flights = {}
+    dispatcher.flights, dispatcher.live_workers, dispatcher.heartbeat_ttl_s = {}, {}, 2.0
     for rid, attempt in (("first", 0), ("retried", 1)):
         request = m.InferenceRequest(request_id=rid, tenant="t", model="m", prompt="P", reply_to="x", attempt=attempt,
                                      sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)

@@ -21,7 +21,9 @@ from services.router.config import RoutingConfig
 from services.router.placement import make_placer
 from services.sim_engine import radix_cache
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 BLOCK = 64
 WORKERS = ("w1", "w2")

@@ -15,7 +15,8 @@ from inferbus.bus import connection as bus
 from inferbus.bus.patience import PlacementPatience
 from proto import messages as m
 from proto import subjects
-from services.gateway.dispatch import Dispatcher, Flight
+from services.gateway.dispatch import Dispatcher
+from services.gateway.flight import Flight
 
 from .nats_server import NatsServer
 

@@ -15,7 +15,10 @@ from click.testing import CliRunner
 
 from services.sim_engine.cli import sim_engine_command
 from services.sim_engine.config import ANSWER_LENGTH_SIGMA, DEFAULT_ANSWER_LENGTH_MEDIAN, EngineConfig
-from services.sim_engine.scheduler import EOS_TOKEN_ID, Engine, Request, SamplingParams
+from services.sim_engine.output import EOS_TOKEN_ID
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 from .conftest import MODEL, Platform, running_platform
 

@@ -3,8 +3,8 @@ input 5000 / output 500), in virtual time. See docs/sim-engine.md for the measur
 
 import pytest
 
+from services.sim_engine.closed_loop import simulate_closed_loop
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import simulate_closed_loop
 
 # concurrency: (ITL ms, output tok/s)
 NIM_H100_TP2 = {1: (18.6, 52), 5: (21.8, 218), 25: (38.8, 623), 50: (59.7, 814)}

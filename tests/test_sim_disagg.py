@@ -20,7 +20,9 @@ from services.sim_engine.disagg import (
     preallocation_fits,
     prefill_failure,
 )
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 KV_BYTES = 163_840  # FP8 Llama-3-70B: 2 × 80 layers × 8 KV heads × 128 × 1 B
 

@@ -9,7 +9,9 @@ from click.testing import CliRunner
 from inferbus.timing import SpecDecoding, roofline
 from services.sim_engine.cli import sim_engine_command
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -10,7 +10,9 @@ import pytest
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.lora_files import adapter_problem
 from services.sim_engine.lora_pool import host_to_gpu_s
-from services.sim_engine.scheduler import Engine, Request, RequestRejected, SamplingParams
+from services.sim_engine.request import Request, RequestRejected
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 
 def adapter_dir(tmp_path: Path, name: str, rank: int) -> str:

@@ -7,7 +7,9 @@ import pytest
 
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.lora_pool import GpuSlots, disk_load_s, host_to_gpu_s
-from services.sim_engine.scheduler import Engine, Request, SamplingParams
+from services.sim_engine.request import Request
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 
 def engine(**settings: object) -> Engine:

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from inferbus.timing import roofline
+from services.sim_engine.closed_loop import simulate_closed_loop
 from services.sim_engine.config import EngineConfig
 from services.sim_engine.profile_table import (
     ProfileTable,
@@ -14,7 +15,6 @@ from services.sim_engine.profile_table import (
     load_npz,
     save_npz,
 )
-from services.sim_engine.scheduler import simulate_closed_loop
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,9 @@ def test_engine_runs_from_the_table_as_from_the_model_it_was_built_from(tmp_path
 
 
 def _engine_with_one_decoding_request(mixed_chunk: bool):
-    from services.sim_engine.scheduler import Engine, Request, SamplingParams
+    from services.sim_engine.request import Request
+    from services.sim_engine.sampling import SamplingParams
+    from services.sim_engine.scheduler import Engine
 
     engine = Engine(EngineConfig(mixed_chunk=mixed_chunk, chunked_prefill_size=512))
     engine.add(Request(rid="a", input_ids=list(range(1, 101)), sampling=SamplingParams(max_new_tokens=50)))

@@ -2,13 +2,10 @@ import pytest
 
 from inferbus.tokens.blocks import encode
 from services.sim_engine.config import EngineConfig
-from services.sim_engine.scheduler import (
-    OUTPUT_PIECES,
-    Engine,
-    Request,
-    RequestRejected,
-    SamplingParams,
-)
+from services.sim_engine.output import OUTPUT_PIECES
+from services.sim_engine.request import Request, RequestRejected
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 
 
 def make_engine(**overrides) -> Engine:

@@ -4,6 +4,11 @@ One wildcard subscription per gateway receives every stream event meant for its 
 watch on the `workers` KV bucket tells which workers are alive; when the worker holding a request
 dies (heartbeat expired or deleted) or hands it back, the request continues on another worker
 from the prompt plus the text already sent, so the client sees one stream.
+
+The decisions are pure modules beside it: `flight` (a request in flight: its next attempt, whose
+events it takes, its waits and silences), `placement_choice` (where it is queued),
+`queue_window` and `fairness` (when it is published). The shells it uses: `worker_probe` (whether a
+worker whose heartbeat lapsed is dead), `stream_resend` (events lost on the bus).
 """
 
 from __future__ import annotations
@@ -11,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
@@ -29,110 +32,39 @@ from inferbus.bus.replies import PublishError, Replies
 from inferbus.runtime import logs, tracing
 from inferbus.runtime.records import decode_or_none
 from inferbus.stores import dispatch_records
-from inferbus.tokens import continuation
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 from proto import bands, subjects
 from proto import messages as m
 
 from .fairness import FairQueue
+from .flight import (
+    DispatchError,
+    Flight,
+    error_usage,
+    foreign_publisher,
+    foreign_sender,
+    measures_load,
+    next_attempt,
+    not_started,
+    went_silent,
+)
 from .metrics import (
-    DEATH_VERDICTS,
     FAIR_QUEUE,
     MIGRATIONS,
     NOT_STARTED,
     PLACEMENT_SECONDS,
     PLACEMENTS,
     PLACEMENTS_OVER_BUDGET,
-    RESENDS,
 )
+from .placement_choice import beside_lead, judge_placement, placement_question
 from .queue_window import QueueWindow
+from .stream_resend import resend
+from .worker_probe import WorkerProbe
 
 log = logs.get(__name__)
 
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
-_liveness_decoder = msgspec.msgpack.Decoder(m.LivenessReply)
-_resend_decoder = msgspec.msgpack.Decoder(m.ResendReply)
-
-
-class DispatchError(Exception):
-    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.retry_after = retry_after
-
-
-@dataclass
-class Flight:
-    """One client request in flight, across however many attempts it takes."""
-
-    request: m.InferenceRequest
-    events: asyncio.Queue[m.StreamEvent] = field(default_factory=asyncio.Queue)
-    worker_id: str | None = None
-    sent_text: list[str] = field(default_factory=list)
-    sent_ids: list[int] = field(default_factory=list)  # token ids of sent_text, this attempt
-    sent_tokens: int = 0
-    prompt_tokens: int | None = None
-    queue_wait: float | None = None
-    next_seq: int = 0  # of the current attempt's chunks: a gap means events were lost
-    heard_at: float = 0.0  # monotonic time an event of this request last arrived
-    publisher: tuple[int, str] | None = None  # (attempt, worker token) that first published for the attempt
-    resending: bool = False  # its worker was asked to send missed events again, no answer yet
-    weight: float = 1.0  # the tenant's fair-share weight
-    estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
-    state: str = "held"  # held (in the fair queue) → queued (in JetStream) → accepted (by a worker)
-    block_hashes: list[int] = field(default_factory=list)  # the prompt's prefix blocks, for placement
-    placed_at: float = 0.0  # monotonic time the current attempt was queued on a worker's own subject
-    avoid_worker: str | None = None  # a worker that never started this request: not placed there again
-    # Choice k > 0 of an n-choice request: placed where choice 0 went, whose engine will hold their
-    # common prompt (one prefill for all n).
-    follows: Flight | None = None
-    opened_at: float = field(default_factory=time.monotonic)  # when the gateway admitted it
-    started: bool = False  # its first token (or its Final) came, on any attempt
-    waiting_since: float = field(default_factory=time.monotonic)  # held or queued since (a migration queues anew)
-    # A worker's failure delayed it (it was queued on a worker found dead, or moved for not being
-    # started): its wait is the failure's, not the load's, as for a later attempt.
-    disrupted: bool = False
-
-
-def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
-    """The continuation of a failed attempt, or None when it must not be retried."""
-    request = flight.request
-    if request.attempt + 1 >= max_attempts or now >= request.deadline:
-        return None
-    if request.sampling.constrained and (flight.sent_tokens or request.resumed_tokens):
-        return None  # the client has part of the output: the grammar would start over in its middle
-    return continuation.next_attempt(request, text="".join(flight.sent_text), token_ids=flight.sent_ids,
-                                     produced_tokens=flight.sent_tokens, prompt_tokens=flight.prompt_tokens)
-
-
-def foreign_sender(flight: Flight, event: m.StreamEvent) -> str | None:
-    """The worker an event of the flight's current attempt names when another worker holds that
-    attempt (it reported starting it), else None. Only events that name their sender can be
-    checked (`Accepted`, `Handoff`, a `Final`, a stream's first chunk); with role-wide credentials
-    the name is the sender's own claim (docs/security.md)."""
-    named = getattr(event, "worker_id", "")
-    if not named or flight.state != "accepted" or not flight.worker_id:
-        return None
-    return named if named != flight.worker_id else None
-
-
-def foreign_publisher(flight: Flight, event: m.StreamEvent, publisher: str) -> str | None:
-    """Why an event published by `publisher` (the worker token its subject ends with, which NATS
-    binds to the publishing identity) is not taken, else None. An event naming a worker must be
-    its publisher's; an event of the current attempt must come from the worker that holds it
-    (reported starting it) or, before one has, from the first worker that published for it."""
-    named = getattr(event, "worker_id", "")
-    if named and subjects.token(named) != publisher:
-        return "names_another_worker"
-    if event.attempt != flight.request.attempt:
-        return None  # a late event of an attempt given up: dropped by the stream anyway
-    if flight.state == "accepted" and flight.worker_id:
-        return None if subjects.token(flight.worker_id) == publisher else "not_the_holder"
-    if flight.publisher is not None and flight.publisher[0] == event.attempt and flight.publisher[1] != publisher:
-        return "not_the_first_publisher"
-    return None
 
 
 def _observe_placement(outcome: str, seconds: float) -> None:
@@ -197,7 +129,7 @@ class Dispatcher:
         # to the shared queue; a worker whose heartbeat lapsed is asked (this long) before it is dead.
         self.accept_timeout_s = accept_timeout_s
         self.liveness_timeout_s = liveness_timeout_s
-        self._probing: set[str] = set()
+        self.probe = WorkerProbe(self.replies, liveness_timeout_s, self._verdict)
         # A started stream that hears nothing for this long asks its worker whether it sent events
         # that never came (a stream's last events lost on the bus would hold its client until its
         # timeout: nothing later reveals the gap).
@@ -255,26 +187,14 @@ class Dispatcher:
 
     async def _place(self, flight: Flight) -> m.PlacementReply:
         """Ask the router for a target; without an answer in time, the shared queue still serves."""
-        request = flight.request
         shared = m.PlacementReply(target=subjects.ANY_TARGET)
-        lead = flight.follows
-        if (lead is not None and lead.worker_id and lead.worker_id in self.live_workers
-                and lead.worker_id != flight.avoid_worker
-                and self.placement_fits(lead.worker_id, request.band, self._queued_on(lead.worker_id, request.band))):
-            return m.PlacementReply(target=subjects.worker_target(lead.worker_id), worker_id=lead.worker_id,
-                                    reason="with choice 0", prefill_worker_id=lead.request.prefill_worker)
-        if self.placement_timeout_s <= 0 or not (flight.block_hashes or request.adapter or request.release or self.zone):
-            # Shorter than one prefix block, no adapter, no release and no zone to keep it in: no
-            # cache to find, and balancing load is what the shared queue does anyway. Skipping the
-            # round trip saves ~1 ms.
+        lead = beside_lead(flight, self.live_workers, self._fits)
+        if lead is not None:
+            return lead
+        ask = placement_question(flight, block_size=self.block_size, zone=self.zone, timeout_s=self.placement_timeout_s)
+        if ask is None:
             return shared
-        ask = m.PlacementRequest(
-            request_id=request.request_id, model=request.model, adapter=request.adapter,
-            prompt_tokens=(request.prompt_tokens or 0) + request.resumed_tokens, band=request.band,
-            block_hashes=flight.block_hashes, block_size=self.block_size if flight.block_hashes else 0,
-            release=request.release, pinned=request.release_pinned, zone=self.zone,
-        )
-        reply = await patience.ask(self.replies, subjects.placement_subject(request.model), m.encode(ask),
+        reply = await patience.ask(self.replies, subjects.placement_subject(flight.request.model), m.encode(ask),
                                    self.patience, _observe_placement)
         if reply is None:
             return shared
@@ -282,14 +202,13 @@ class Dispatcher:
             placement = _placement_decoder.decode(reply.data)
         except msgspec.DecodeError:
             return shared
-        if placement.worker_id and (placement.worker_id not in self.live_workers or placement.worker_id == flight.avoid_worker):
-            return shared
-        if placement.worker_id and not self.placement_fits(placement.worker_id, request.band,
-                                                           self._queued_on(placement.worker_id, request.band)):
-            # That worker's queue would hold it past its band's budget: any worker may take it.
+        verdict = judge_placement(placement, flight, self.live_workers, self._fits)
+        if verdict == "over_budget":
             PLACEMENTS_OVER_BUDGET.inc()
-            return shared
-        return placement
+        return placement if verdict == "take" else shared
+
+    def _fits(self, worker_id: str, band: str) -> bool:
+        return self.placement_fits(worker_id, band, self._queued_on(worker_id, band))
 
     def _queued_on(self, worker_id: str, band: str) -> int:
         """This gateway's requests of `band` or a more important band queued on `worker_id`'s own
@@ -348,16 +267,9 @@ class Dispatcher:
                     if f.state != "accepted" and f.request.band in ahead and self.measures_load(f, now)), default=0.0)
 
     def measures_load(self, flight: Flight, now: float) -> bool:
-        """Whether `flight`'s wait says how loaded the fleet is. Not a later attempt's or a disrupted
-        one's (a failure delayed them), nor one queued on a worker that is gone, not ready or silent
-        for half the heartbeat TTL: it waits for that worker to be found dead, and shedding new
-        requests for it would turn one stopped worker into refusals of work the others can take."""
-        if flight.request.attempt > 0 or flight.disrupted:
-            return False
-        if flight.state != "queued" or flight.worker_id is None:
-            return True
-        seen = self.live_workers.get(flight.worker_id)
-        return seen is not None and seen[1].state == "ready" and now - seen[0] <= self.heartbeat_ttl_s / 2
+        """Whether `flight`'s wait says how loaded the fleet is (`flight.measures_load`)."""
+        seen = self.live_workers.get(flight.worker_id) if flight.worker_id is not None else None
+        return measures_load(flight, now, seen, self.heartbeat_ttl_s)
 
     def queued(self, band: str) -> int:
         """Requests of `band` this gateway published that no worker has accepted yet (known at
@@ -556,15 +468,7 @@ class Dispatcher:
         """For requests that ended in an error: bill what the client received, once. With nothing
         delivered, nothing is billed (not even the prompt: the client got no answer for it)."""
         request = flight.request
-        # n > 1: only the first choice bills the prompt.
-        usage = m.Usage(prompt_tokens=(flight.prompt_tokens or 0) if delivered_tokens and not request.choice else 0,
-                        completion_tokens=delivered_tokens)
-        event = m.UsageEvent(
-            request_id=request.request_id, tenant=request.tenant, model=request.model, adapter=request.adapter,
-            band=request.band, status=status, usage=usage, started=request.created, finished=time.time(),  # type: ignore[arg-type]
-            worker_id=flight.worker_id or "", attempts=request.attempt + 1, finish_reason=finish,
-            api_key_id=request.api_key_id, batch_id=request.batch_id, attempt=request.attempt,
-        )
+        event = error_usage(flight, status, finish, delivered_tokens, time.time(), self.gateway_id)
         subject = subjects.usage_subject(request.tenant, subjects.USAGE_FROM_OWNER, self.gateway_id)
         data = m.encode(event)
         # Drawn once for this event: the outbox keeps it for its retries (see `m.usage_publish_id`).
@@ -625,40 +529,9 @@ class Dispatcher:
                 self.recover(flight, why="gateway reconnected")
 
     async def _resend(self, flight: Flight, why: str) -> None:
-        request, from_seq, worker_id = flight.request, flight.next_seq, flight.worker_id
-        started = flight.state == "accepted"
-        ask = m.encode(m.ResendRequest(request_id=request.request_id, attempt=request.attempt, from_seq=from_seq))
-        # Its worker, or, for a request no worker has reported starting yet, whichever holds it.
-        subject = (subjects.resend_subject(worker_id, self.gateway_id) if worker_id is not None
-                   else subjects.holder_subject(self.gateway_id))
-        reply: m.ResendReply | None = None
-        try:
-            reply = _resend_decoder.decode((await self.replies.request(subject, ask, self.liveness_timeout_s)).data)
-        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
-            pass
-        except Exception as error:  # the bus itself failed: ask again at the next silence
-            log.warning("resend_request_failed", request_id=request.request_id, error=repr(error))
-            return
-        finally:
-            flight.resending = False
-            flight.heard_at = time.monotonic()
-        RESENDS.labels(reply.state if reply is not None else "no_answer").inc()
-        if reply is not None and reply.state != "unknown":
-            if flight.worker_id is None and flight.request is request:
-                flight.worker_id = reply.worker_id or None
-            if reply.resent:
-                log.warning("stream_resent", request_id=request.request_id, worker_id=reply.worker_id, why=why,
-                            from_seq=from_seq, resent=reply.resent, state=reply.state)
-            return
-        if not started:
-            return  # no worker has it: it is still queued (a worker that never starts it is moved on)
-        if reply is None and not why.startswith("stream gap") and worker_id in self.live_workers:
-            return  # silence, and the worker did not answer: its heartbeat decides whether it is dead
-        if flight.request is request and self.flights.get(request.request_id) is flight:
-            flight.events.put_nowait(m.StreamError(
-                request_id=request.request_id, attempt=request.attempt, code="stream_lost", retryable=True, status=503,
-                message=f"{why}; worker {worker_id} cannot send the missing events again",
-            ))
+        await resend(self.replies, flight, why, gateway_id=self.gateway_id, timeout_s=self.liveness_timeout_s,
+                     worker_live=lambda worker_id: worker_id in self.live_workers,
+                     still_open=lambda f: self.flights.get(f.request.request_id) is f)
 
     async def _watch_workers(self) -> None:
         assert self._watcher is not None
@@ -671,41 +544,18 @@ class Dispatcher:
         self.live_workers[beat.worker_id] = (time.monotonic(), beat)
 
     def _worker_gone(self, key: str) -> None:
-        """A heartbeat lapsed: ask the worker before declaring it dead (migrating live streams of
-        a busy but healthy worker costs more than a second's wait)."""
+        """A heartbeat lapsed: ask the worker before declaring it dead (`worker_probe`)."""
         for worker_id in [wid for wid in self.live_workers if subjects.worker_key(wid) == key]:
-            if worker_id in self._probing:
-                continue
-            self._probing.add(worker_id)
-            task = asyncio.ensure_future(self._verdict(worker_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self.probe.ask(worker_id)
 
-    async def _verdict(self, worker_id: str) -> None:
-        try:
-            alive = await self._answers(worker_id)
-        finally:
-            self._probing.discard(worker_id)
-        if alive:
-            DEATH_VERDICTS.labels("alive").inc()
-            seen = self.live_workers.get(worker_id)
-            if seen is not None:  # its heartbeat will be back; until then the sweep waits again
-                self.live_workers[worker_id] = (time.monotonic(), seen[1])
-            log.warning("worker_heartbeat_late_but_alive", worker_id=worker_id)
+    def _verdict(self, worker_id: str, alive: bool) -> None:
+        if not alive:
+            self._declare_dead(subjects.worker_key(worker_id))
             return
-        DEATH_VERDICTS.labels("dead").inc()
-        self._declare_dead(subjects.worker_key(worker_id))
-
-    async def _answers(self, worker_id: str) -> bool:
-        probe = m.encode(m.LivenessProbe(worker_id=worker_id))
-        try:
-            reply = await self.replies.request(subjects.liveness_subject(worker_id), probe, self.liveness_timeout_s)
-            return _liveness_decoder.decode(reply.data).worker_id == worker_id
-        except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError):
-            return False
-        except Exception as error:  # the bus itself failed: we cannot tell, so do not kill anything
-            log.warning("liveness_probe_failed", worker_id=worker_id, error=repr(error))
-            return True
+        seen = self.live_workers.get(worker_id)
+        if seen is not None:  # its heartbeat will be back; until then the sweep waits again
+            self.live_workers[worker_id] = (time.monotonic(), seen[1])
+        log.warning("worker_heartbeat_late_but_alive", worker_id=worker_id)
 
     def _declare_dead(self, key: str) -> None:
         gone = [wid for wid in self.live_workers if subjects.worker_key(wid) == key]
@@ -743,26 +593,17 @@ class Dispatcher:
             self._ask_silent(now)
 
     def _ask_silent(self, now: float) -> None:
-        """A started stream that heard nothing for `silence_s` with nothing left to read asks its
-        worker whether events went missing (usually they did not: a long prefill, a full engine)."""
-        if self.silence_s <= 0:
-            return
+        """Streams that went silent ask their workers whether events went missing (`flight.went_silent`)."""
         for flight in list(self.flights.values()):
-            if (flight.state == "accepted" and flight.worker_id is not None and not flight.resending
-                    and now - flight.heard_at > self.silence_s and flight.events.empty()
-                    and flight.request.batch_id is None):
+            if went_silent(flight, now, self.silence_s):
                 self.recover(flight, why=f"no event for {now - flight.heard_at:.1f} s")
 
     def _move_unstarted(self, now: float) -> None:
-        """A request queued on a worker that has not started it within `accept_timeout_s`, while
-        that worker has free slots or reports nothing, moves to the shared queue: a worker that
-        pulls nothing (a zombie, a lost consumer) must not hold its client until the deadline. A
-        full worker keeps it: it starts it when a slot frees. The old attempt is superseded, so
-        it never runs twice."""
+        """A request its worker did not start in time (`flight.not_started`) moves to the shared
+        queue: a worker that pulls nothing (a zombie, a lost consumer) must not hold its client
+        until the deadline. The old attempt is superseded, so it never runs twice."""
         for flight in list(self.flights.values()):
-            if flight.state != "queued" or flight.worker_id is None or now - flight.placed_at < self.accept_timeout_s:
-                continue
-            if self.worker_free_slots(flight.worker_id) == 0:
+            if not not_started(flight, now, self.accept_timeout_s, self.worker_free_slots):
                 continue
             NOT_STARTED.inc()
             log.warning("request_not_started", request_id=flight.request.request_id, worker_id=flight.worker_id,

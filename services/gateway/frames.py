@@ -15,7 +15,7 @@ from inferbus.openai.token_text import TokenTexts
 from inferbus.openai.tools import ToolCall, ToolOutput
 from proto import messages as m
 
-from .dispatch import Flight
+from .flight import Flight
 
 _json = msgspec.json.Encoder()
 

@@ -37,7 +37,8 @@ from services.gateway import metrics
 
 from . import frames
 from .adapter_metrics import AdapterMetrics, TopLabels
-from .dispatch import Dispatcher, DispatchError
+from .dispatch import Dispatcher
+from .flight import DispatchError
 from .frames import Call, Choice
 from .overload import OverloadPolicy
 from .releases import PIN_HEADER, ReleaseRouting

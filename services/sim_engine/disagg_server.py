@@ -61,7 +61,7 @@ from .disagg import (
     preallocation_fits,
     prefill_failure,
 )
-from .scheduler import Request, RequestRejected, RequestUpdate
+from .request import Request, RequestRejected, RequestUpdate
 from .server import SimEngineServer, json_response
 from .streams import Stream
 

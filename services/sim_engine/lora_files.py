@@ -3,7 +3,7 @@
 The simulator has no weights to load, but a PEFT adapter directory that exists locally says its
 rank in `adapter_config.json`; SGLang refuses an adapter whose rank exceeds `--max-lora-rank`
 (400, with the message below), and so does this.
-Paths that are not local directories are judged by `scheduler.lora_path_exists` instead.
+Paths that are not local directories are judged by `lora_pool.lora_path_exists` instead.
 """
 
 from __future__ import annotations

@@ -167,3 +167,8 @@ class GpuSlots:
     def drop(self, name: str) -> None:
         """An unloaded adapter frees its slot."""
         self._resident.pop(name, None)
+
+
+def lora_path_exists(path: str) -> bool:
+    """The simulator's stand-in for a file check: paths starting with "missing" or "bad" fail."""
+    return bool(path) and not path.startswith(("missing", "bad"))

@@ -28,7 +28,9 @@ from inferbus.tokens.prompt import PromptError, ServedModel, render_prompt
 
 from .config import EngineConfig
 from .disagg import Bootstrap
-from .scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
+from .request import Request, RequestRejected, RequestUpdate
+from .sampling import SamplingParams
+from .scheduler import Engine
 from .streams import Stream
 
 

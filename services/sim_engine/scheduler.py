@@ -2,289 +2,49 @@
 
 Pure: no asyncio, no I/O. Time is virtual and moves only with `Engine.step()` (by the step time
 the perf model prices) and `Engine.advance()` (idle time the caller observed); the HTTP shell maps
-it to wall time with `time_scale`, the closed-loop driver never sleeps at all.
+it to wall time with `time_scale`, the closed-loop driver (`closed_loop.py`) never sleeps at all.
 
 Behaviour follows SGLang's scheduler where it is observable from the outside: chunked prefill
 under a token budget, prefix-cache hits skipping prefill (reported as `cached_tokens`), requests
 waiting while the KV pool is full and running ones retracted (recomputed later) when it
-overflows, priority (larger is more important; ignored unless `priority_scheduling`, as SGLang's
---enable-priority-scheduling), LoRA slots per batch, and SGLang's finish
-reasons and error messages.
+overflows (how much room and which victim: `admission.py`), priority (larger is more important;
+ignored unless `priority_scheduling`, as SGLang's --enable-priority-scheduling), LoRA slots per
+batch, and SGLang's error messages. What the model outputs and when a request finishes are
+`output.py`'s; the request and its reports are `request.py`'s, its sampling params `sampling.py`'s.
 """
+
 
 from __future__ import annotations
 
-import math
 import random
-import struct
-import uuid
-import zlib
-from array import array
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from inferbus.timing import LORA_LOAD_BANDWIDTH, FixedStepModel, SpecDecoding, StepTimeModel, roofline
-from inferbus.tokens.blocks import VOCAB_SIZE, block_hashes, encode, pieces
+from inferbus.tokens.blocks import block_hashes
 
-from .config import ANSWER_LENGTH_SIGMA, EngineConfig
-from .lora_pool import GpuSlots, LoadedAdapters, LoraAdapter, adapter_rank, disk_load_s, host_to_gpu_s
+from .admission import choose_victim, prompt_room
+from .config import EngineConfig
+from .lora_pool import GpuSlots, LoadedAdapters, LoraAdapter, adapter_rank, disk_load_s, host_to_gpu_s, lora_path_exists
+from .output import (
+    STANDIN_VOCABULARY,
+    OutputVocabulary,
+    answer_length,
+    check_finished,
+    context_hash,
+    extend_context_hash,
+    record_logprobs,
+)
 from .profile_table import TableStepModel, load_npz
 from .radix_cache import RadixCache
+from .request import LoadSnapshot, LoraUpdateResult, Request, RequestRejected, RequestUpdate, StepResult
 
-MAX_STOP_SEQUENCES = 32
-# Admission reserves room for this share of each running request's remaining output (capped per
-# request), like SGLang's new_token_ratio estimate; an underestimate is fixed by retraction.
-NEW_TOKEN_RATIO = 0.3
-CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
 # Host memory to GPU over PCIe Gen5 x16, achieved (the planner's adapter-load rate, inferbus/timing.py).
 HOST_TO_DEVICE_BANDWIDTH = LORA_LOAD_BANDWIDTH
-EOS_TOKEN_ID = 128009  # Llama-3's <|eot_id|>: the finish `matched` of an output that ended by itself
-
-
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """SGLang's `sampling_params`: unknown keys and wrong types are errors, as in SGLang."""
-
-    max_new_tokens: int | None = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stream_interval: int | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    sampling_seed: int | None = None
-    custom_params: dict[str, Any] | None = None
-
-    def verify(self) -> None:
-        """Raise ValueError with SGLang's wording when a value is out of range."""
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.top_k < 1 and self.top_k != -1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not 0.0 <= self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in [0, 2], got {self.repetition_penalty}.")
-        if self.max_new_tokens is not None:
-            if self.max_new_tokens < 0:
-                raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-            if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-                raise ValueError(
-                    f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
-                    f"got {self.min_new_tokens}."
-                )
-        elif self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}.")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}.")
-        if sum(grammar is not None for grammar in (self.json_schema, self.regex, self.ebnf)) > 1:
-            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"stop supports at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}.")
-        if self.stream_interval is not None and self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
-
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return tuple(stop for stop in stops if stop)
-
-
-# Output vocabulary: common English words (each one stand-in token), with punctuation and
-# newlines mixed in so that stop sequences such as "." or "\n" do match.
-_WORDS = """
-the of and to in is you that it he was for on are as with his they at be this have from or one
-had by word but not what all were we when your can said there use an each which she do how their
-if will up other about out many then them these so some her would make like him into time has
-look two more write go see number no way could people my than first water been call who oil its
-now find long down day did get come made may part over new sound take only little work know place
-year live me back give most very after thing our just name good man think say great where help
-much before line right too mean old any same tell boy follow came want show also around form three
-small set put end does well large must big even such turn here why ask went men read need land
-differ home us move try kind hand again change off play spell air away animal house point page
-letter mother answer found study still learn should world high every near add food own below
-plant last school father keep tree never start city earth eye light though head under story saw
-left few while along might close open seem next hard begin life always those both paper often run
-music color stand sun fish area mark dog horse birds told knew pass since top whole king space
-heard best hour better true during step early hold west ground reach fast five sing listen six
-table travel less ten simple toward war lay slow center love person money serve appear road map
-rain rule govern pull cold notice voice unit power town fine drive lead cry dark note wait plan
-figure star box noun field rest able pound done beauty stood front teach week final gave green
-quick ocean warm free minute strong mind behind clear tail fact street inch course stay wheel full
-force blue object decide deep moon island foot system busy test record boat common gold plane age
-dry wonder laugh ago ran check game shape yes hot miss heat snow tire bring fill east paint among
-""".split()
-OUTPUT_PIECES: tuple[str, ...] = (
-    tuple(" " + word for word in _WORDS if len(word) <= 6)
-    + ("." ,) * 24
-    + ("," ,) * 16
-    + ("\n",) * 6
-)
-_PIECE_IDS: dict[str, int] = {piece: encode(piece)[0] for piece in set(OUTPUT_PIECES)}
-
-
-@dataclass(frozen=True)
-class OutputVocabulary:
-    """The (token id, text) pairs output is drawn from: single tokens of the served model's
-    vocabulary, so that output_ids decode to the text, or the stand-in tokenizer's pieces; how an
-    output decided up front (a JSON value, a tool call) splits into tokens; the EOS token id."""
-
-    tokens: tuple[tuple[int, str], ...]
-    split: Callable[[str], list[tuple[int, str]]]
-    eos_id: int
-
-    @classmethod
-    def standin(cls) -> OutputVocabulary:
-        return cls(tuple((_PIECE_IDS[piece], piece) for piece in OUTPUT_PIECES),
-                   lambda text: [(encode(piece)[0], piece) for piece in pieces(text)], EOS_TOKEN_ID)
-
-    @classmethod
-    def from_tokenizer(cls, encode_text: Callable[[str], list[int]], decode_id: Callable[[int], str],
-                       eos_id: int) -> OutputVocabulary:
-        """The output pieces that are one token of the model's vocabulary (readable words); with
-        too few of those (a tiny vocabulary), every piece's tokens. A token's text is its decoding,
-        so output ids always decode to the text."""
-
-        def split(text: str) -> list[tuple[int, str]]:
-            return [(token_id, decode_id(token_id)) for token_id in encode_text(text)]
-
-        per_piece = [split(piece) for piece in OUTPUT_PIECES]
-        whole = [tokens[0] for tokens in per_piece if len(tokens) == 1]
-        if len({text for _, text in whole}) >= 32:
-            return cls(tuple(whole), split, eos_id)
-        return cls(tuple(token for tokens in per_piece for token in tokens), split, eos_id)
-
-
-_STANDIN_VOCABULARY = OutputVocabulary.standin()
-
-
-class RequestRejected(Exception):
-    """The request cannot be accepted (SGLang answers these with HTTP 400)."""
-
-
-@dataclass(eq=False, slots=True)
-class Request:
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
-    lora_name: str | None = None
-    # Filled by the engine.
-    lora: LoraAdapter | None = None  # the loaded adapter it runs with (kept if the adapter is evicted meanwhile)
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    preemptions: int = 0
-    # A decode engine of a prefill/decode pair backs a retracted request's KV up to host memory and
-    # restores it on readmission instead of recomputing it (SGLang's decode retraction backup).
-    backed_up: bool = field(default=False, init=False)
-    # Scheduling state: `fill_ids` are the tokens whose KV must exist before decoding (the
-    # prompt, plus the output so far after a retraction); `computed` of them have KV; the first
-    # `locked` blocks of `hashes` are pinned in the cache, `private` tokens are held outside it.
-    fill_ids: list[int] = field(default_factory=list, init=False)
-    hashes: list[int] = field(default_factory=list, init=False)
-    computed: int = field(default=0, init=False)
-    locked: int = field(default=0, init=False)
-    private: int = field(default=0, init=False)
-    order: int = field(default=0, init=False)
-    max_new_tokens: int = field(default=0, init=False)
-    # Hash of the whole context so far (prompt + output ids), salted for sampled requests.
-    context_hash: int = field(default=0, init=False)
-    stops: tuple[str, ...] = field(default=(), init=False)
-    # Free text ends with EOS after this many output tokens (0: only at max_new_tokens or a stop).
-    answer_length: int = field(default=0, init=False)
-    # An output decided up front (constrained decoding, a tool call): emitted a token at a time,
-    # then EOS.
-    script: list[tuple[int, str]] | None = None  # (token id, text) per step
-    # SGLang's return_logprob / top_logprobs_num: per output token (logprob, token id, text) and
-    # the top alternatives in the same shape.
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    token_logprobs: list[tuple[float, int, str]] = field(default_factory=list, init=False)
-    top_logprobs: list[list[tuple[float, int, str]]] = field(default_factory=list, init=False)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.fill_ids)
-
-    @property
-    def context_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestUpdate:
-    """A request's state after a step (or an abort): what the shell streams to the client."""
-
-    request: Request
-    text: str
-    num_output_tokens: int
-    finish_reason: dict[str, Any] | None
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    duration_s: float
-    updates: list[RequestUpdate]
-    batch_decode: int = 0
-    prefill_tokens: int = 0
-    # Nothing could run (no requests, or all waiting on something only an outside event changes).
-    idle: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class LoraUpdateResult:
-    success: bool
-    error_message: str | None
-    loaded_adapters: dict[str, str]
-    evicted: tuple[str, ...] = ()  # unloaded to stay within --max-loaded-loras
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_used_tokens: int
-    max_total_num_tokens: int
-    token_usage: float
-    cache_hit_rate: float
-    max_running_requests: int
-
-
-def lora_path_exists(path: str) -> bool:
-    """The simulator's stand-in for a file check: paths starting with "missing" or "bad" fail."""
-    return bool(path) and not path.startswith(("missing", "bad"))
 
 
 class Engine:
     def __init__(self, config: EngineConfig, step_model: StepTimeModel | None = None,
-                 vocabulary: OutputVocabulary = _STANDIN_VOCABULARY) -> None:
+                 vocabulary: OutputVocabulary = STANDIN_VOCABULARY) -> None:
         self.config = config
         self.vocabulary = vocabulary.tokens
         self.split_output = vocabulary.split
@@ -385,8 +145,8 @@ class Engine:
         limit = self.config.context_length - prompt_len
         request.max_new_tokens = limit if sampling.max_new_tokens is None else min(sampling.max_new_tokens, limit)
         request.stops = sampling.stop_strings()
-        request.context_hash = _context_hash(request)
-        request.answer_length = self._answer_length(request)
+        request.context_hash = context_hash(request)
+        request.answer_length = answer_length(request, self.config.answer_length_median)
         request.arrival_time = self.now
         request.order = self._next_order
         self._next_order += 1
@@ -394,16 +154,6 @@ class Engine:
         self.prompt_tokens_total += prompt_len
         self._requests[request.rid] = request
         (self.held if held else self.waiting).append(request)
-
-    def _answer_length(self, request: Request) -> int:
-        """Where the model would end its free text by itself: drawn from the configured
-        distribution, seeded by the context (so a greedy request answers alike every time, a sampled
-        one by its seed); 0 with ignore_eos or without a distribution."""
-        median = self.config.answer_length_median
-        if median <= 0 or request.sampling.ignore_eos:
-            return 0
-        draw = random.Random(request.context_hash).gauss(0.0, 1.0)
-        return max(1, round(median * math.exp(ANSWER_LENGTH_SIGMA * draw)))
 
     def release(self, rid: str) -> None:
         """A held request may be scheduled now (its decode engine has said where the KV goes)."""
@@ -598,7 +348,7 @@ class Engine:
             if request not in self.running:
                 continue  # retracted earlier in this loop
             while not self.cache.allocate(1):
-                victim = self._choose_victim()
+                victim = choose_victim(self.running)
                 self._retract(victim)
                 if victim is request:
                     break
@@ -657,16 +407,9 @@ class Engine:
         return True
 
     def _prompt_room(self, request: Request, cached: int) -> int:
-        """KV tokens a waiting request needs free to be scheduled: the whole uncached prompt (as
-        SGLang checks it, though it prefills a chunk at a time), the rest of the prompts being
-        prefilled, and a share of every running request's remaining output."""
-        needed = len(request.fill_ids) - cached + 1
-        needed += sum(len(r.fill_ids) - r.computed for r in self.running if r.prefilling)
-        needed += int(
-            NEW_TOKEN_RATIO
-            * sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS_ESTIMATE) for r in (*self.running, request))
-        )
-        return needed
+        """KV tokens a waiting request needs free to be scheduled (`admission.prompt_room`); a
+        subclass may count otherwise (bench/simulate_vs_dynamo.py's Dynamo mocker quirks)."""
+        return prompt_room(request, cached, self.running)
 
     def _plan_prefill(self) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size
@@ -756,15 +499,11 @@ class Engine:
         """Retract the least important running request if `request` outranks it by the threshold."""
         if not self.running:
             return False
-        victim = self._choose_victim()
+        victim = choose_victim(self.running)
         if request.priority - victim.priority <= self.config.priority_preemption_threshold:
             return False
         self._retract(victim)
         return True
-
-    def _choose_victim(self) -> Request:
-        # Lowest priority first; among equals the newest, which has the least work to redo.
-        return min(self.running, key=lambda r: (r.priority, -r.order))
 
     def _retract(self, request: Request) -> None:
         """Send a running request back to waiting; it will recompute prompt + output so far."""
@@ -801,44 +540,18 @@ class Engine:
         else:
             token_id, piece = self.vocabulary[(mixed >> 8) % len(self.vocabulary)]
         if request.return_logprob:
-            _record_logprobs(request, mixed, piece, token_id, self.vocabulary)
+            record_logprobs(request, mixed, piece, token_id, self.vocabulary)
         request.output_ids.append(token_id)
-        request.context_hash = zlib.crc32(_TOKEN.pack(token_id), request.context_hash)
+        request.context_hash = extend_context_hash(request.context_hash, token_id)
         self.generation_tokens_total += 1
         if request.first_token_time is None:
             request.first_token_time = self.now
         previous_len = len(request.text)
         request.text += piece
-        finish = self._check_finished(request, token_id, previous_len)
+        finish, request.text = check_finished(request, token_id, previous_len, self.eos_id)
         if finish is not None:
             return self._retire(request, finish)
         return RequestUpdate(request, request.text, len(request.output_ids), None)
-
-    def _check_finished(self, request: Request, token_id: int, previous_len: int) -> dict[str, Any] | None:
-        generated = len(request.output_ids)
-        if request.script is not None and generated >= len(request.script):
-            return {"type": "stop", "matched": self.eos_id}
-        if generated >= request.max_new_tokens:
-            return {"type": "length", "length": request.max_new_tokens}
-        sampling = request.sampling
-        if generated < sampling.min_new_tokens:
-            return None
-        if sampling.stop_token_ids and token_id in sampling.stop_token_ids:
-            return {"type": "stop", "matched": token_id}
-        if request.script is None and request.answer_length and generated >= request.answer_length:
-            return {"type": "stop", "matched": self.eos_id}  # the model's EOS (not part of the text)
-        if request.stops:
-            text = request.text
-            best: tuple[int, str] | None = None
-            for stop in request.stops:
-                index = text.find(stop, max(0, previous_len - len(stop) + 1))
-                if index >= 0 and (best is None or index < best[0]):
-                    best = (index, stop)
-            if best is not None:
-                if not sampling.no_stop_trim:
-                    request.text = text[: best[0]]
-                return {"type": "stop", "matched": best[1]}
-        return None
 
     def _retire(self, request: Request, finish_reason: dict[str, Any]) -> RequestUpdate:
         self.running.remove(request)
@@ -895,149 +608,3 @@ class Engine:
         self.cache.release(request.private)
         self.cache.unlock(request.hashes[: request.locked])
         request.private = request.locked = 0
-
-
-_TOKEN = struct.Struct("<I")
-
-
-def _record_logprobs(request: Request, mixed: int, piece: str, token_id: int,
-                     vocabulary: tuple[tuple[int, str], ...]) -> None:
-    """Plausible logprobs, a function of the context: the emitted token is the most likely one
-    (from about -0.01 to -2.5) and the alternatives, tokens of the output vocabulary, fall off
-    behind it."""
-    logprob = -0.01 - ((mixed >> 4) % 250) / 100
-    request.token_logprobs.append((logprob, token_id, piece))
-    top: list[tuple[float, int, str]] = []
-    if request.top_logprobs_num:
-        top.append((logprob, token_id, piece))
-        distinct = len({text for _, text in vocabulary} | {piece})
-        step = 0
-        while len(top) < min(request.top_logprobs_num, distinct):
-            step += 1
-            other_id, other = vocabulary[(mixed + step * 7919) % len(vocabulary)]
-            if any(other == t[2] for t in top):
-                continue
-            top.append((logprob - 0.5 * step - ((mixed >> step) % 50) / 100, other_id, other))
-    request.top_logprobs.append(top)
-
-
-def _context_hash(request: Request) -> int:
-    """Greedy output depends on the context and the adapter (its weights change the model);
-    sampled output also on the seed (or the rid)."""
-    salt = zlib.crc32(request.lora_name.encode()) if request.lora_name else 0
-    if request.sampling.temperature != 0.0:
-        seed = request.sampling.sampling_seed if request.sampling.sampling_seed is not None else request.rid
-        salt = zlib.crc32(str(seed).encode(), salt)
-    # crc32 is incremental: hashing the prompt then each output id equals hashing them all at once.
-    return zlib.crc32(array("I", request.input_ids).tobytes(), salt)
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex
-
-
-# ---------------------------------------------------------------------- closed-loop driver
-
-
-@dataclass(frozen=True, slots=True)
-class ClosedLoopStats:
-    concurrency: int
-    completed: int  # requests measured (after warm-up)
-    duration_s: float  # virtual seconds of the measurement window
-    output_tokens_per_s: float
-    mean_ttft_s: float
-    mean_itl_s: float  # per request (e2e − TTFT) / (output − 1), then averaged, as genai-perf does
-    mean_e2e_s: float
-    steps: int
-    preemptions: int
-
-
-def simulate_closed_loop(
-    config: EngineConfig,
-    concurrency: int,
-    input_len: int,
-    output_len: int,
-    n_requests: int | None = None,
-    duration_s: float | None = None,
-    *,
-    warmup_requests: int | None = None,
-    step_model: StepTimeModel | None = None,
-    seed: int = 0,
-) -> ClosedLoopStats:
-    """`concurrency` clients each send a new request as soon as the last finishes, in virtual time.
-
-    Prompts are `input_len` random tokens, distinct per request from the first block on, so the
-    prefix cache never helps; output is exactly `output_len` tokens. The first `warmup_requests`
-    completions (default: one per client) are left out, as is the time before the last of them.
-    Stops after `n_requests` measured completions or `duration_s` virtual seconds.
-    """
-    if n_requests is None and duration_s is None:
-        raise ValueError("give n_requests or duration_s")
-    warmup = concurrency if warmup_requests is None else warmup_requests
-    engine = Engine(config, step_model)
-    rng = random.Random(seed)
-    body = [rng.randrange(VOCAB_SIZE) for _ in range(input_len)]
-    sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
-    submitted = 0
-
-    def submit() -> None:
-        nonlocal submitted
-        prompt = list(body)
-        prompt[0] = submitted % VOCAB_SIZE
-        if input_len > 1:
-            prompt[1] = submitted // VOCAB_SIZE
-        engine.add(Request(rid=f"closed-loop-{submitted}", input_ids=prompt, sampling=sampling))
-        submitted += 1
-
-    for _ in range(concurrency):
-        submit()
-    done = 0
-    window_start: float | None = None if warmup else 0.0
-    tokens_at_start = 0
-    measured: list[Request] = []
-    steps = 0
-    while True:
-        result = engine.step()
-        steps += 1
-        if result.idle:
-            raise RuntimeError("closed-loop simulation stalled: nothing can run")
-        finished = [u.request for u in result.updates if u.finish_reason is not None]
-        for request in finished:
-            done += 1
-            if done > warmup:
-                measured.append(request)
-            elif done == warmup:
-                window_start = engine.now
-                tokens_at_start = engine.generation_tokens_total
-        if n_requests is not None and len(measured) >= n_requests:
-            break
-        if duration_s is not None and engine.now >= duration_s:
-            break
-        for _ in finished:
-            submit()
-
-    start = window_start if window_start is not None else 0.0
-    window = engine.now - start
-    ttfts = [r.first_token_time - r.arrival_time for r in measured if r.first_token_time is not None]
-    itls = [
-        (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1)
-        for r in measured
-        if r.first_token_time is not None and r.finish_time is not None and len(r.output_ids) > 1
-    ]
-    e2es = [r.finish_time - r.arrival_time for r in measured if r.finish_time is not None]
-    return ClosedLoopStats(
-        concurrency=concurrency,
-        completed=len(measured),
-        duration_s=window,
-        output_tokens_per_s=(engine.generation_tokens_total - tokens_at_start) / window if window > 0 else 0.0,
-        mean_ttft_s=_mean(ttfts),
-        mean_itl_s=_mean(itls),
-        mean_e2e_s=_mean(e2es),
-        steps=steps,
-        preemptions=engine.preemptions_total,
-    )
-
-
-def _mean(values: Iterable[float]) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0

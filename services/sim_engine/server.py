@@ -37,15 +37,10 @@ from .disagg import Bootstrap
 from .faults import Faults, Mode
 from .kv_publisher import KvEventPublisher, KvEventsConfig
 from .lora_files import adapter_problem
-from .scheduler import (
-    Engine,
-    LoraUpdateResult,
-    OutputVocabulary,
-    Request,
-    RequestRejected,
-    RequestUpdate,
-    SamplingParams,
-)
+from .output import OutputVocabulary
+from .request import LoraUpdateResult, Request, RequestRejected, RequestUpdate
+from .sampling import SamplingParams
+from .scheduler import Engine
 from .streams import Stream
 
 logger = logging.getLogger("inferbus.sim_engine")

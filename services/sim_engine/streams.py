@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .scheduler import RequestUpdate
+from .request import RequestUpdate
 
 
 class Stream:

@@ -56,7 +56,7 @@ from inferbus.timing import (
     RooflineModel,
     StepTimeModel,
 )
-from services.sim_engine.scheduler import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKEN_RATIO
+from services.sim_engine.admission import CLIP_MAX_NEW_TOKENS_ESTIMATE, NEW_TOKEN_RATIO
 
 
 class Req:

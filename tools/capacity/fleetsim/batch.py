@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from inferbus.tokens import continuation
 from proto import bands
 from proto import messages as m
-from services.sim_engine.scheduler import Request, RequestRejected, RequestUpdate, SamplingParams
+from services.sim_engine.request import Request, RequestRejected, RequestUpdate
+from services.sim_engine.sampling import SamplingParams
 from services.worker.attempt import attempt_verdict
 from services.worker.preemption import Check, WorkerState
 from tools.capacity import mix as mix_mod

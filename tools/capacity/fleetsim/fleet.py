@@ -61,7 +61,9 @@ from proto import messages as m
 from services.router.placement import Placer
 from services.sim_engine.config import DEFAULT_MODEL, EngineConfig
 from services.sim_engine.radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, RadixCache
-from services.sim_engine.scheduler import Engine, Request, RequestRejected, RequestUpdate, SamplingParams
+from services.sim_engine.request import Request, RequestRejected, RequestUpdate
+from services.sim_engine.sampling import SamplingParams
+from services.sim_engine.scheduler import Engine
 from services.worker.preemption import Check
 from tools.capacity.fleetsim.batch import BatchBand, BatchSpec
 from tools.capacity.fleetsim.events import EventLoop

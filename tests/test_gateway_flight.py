@@ -1,0 +1,83 @@
+"""The gateway's pure decisions about a request in flight, the time given: silent streams, requests
+a worker never started, lost events, where a request is placed, and what an error bills."""
+
+from proto import messages as m
+from proto import subjects
+from services.gateway.flight import Flight, error_usage, not_started, went_silent
+from services.gateway.placement_choice import beside_lead, judge_placement, placement_question
+from services.gateway.stream_resend import events_lost
+
+
+def flight(**fields: object) -> Flight:
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=5.0)
+    return Flight(request=request, **fields)  # type: ignore[arg-type]
+
+
+def test_a_started_stream_is_silent_after_silence_s_with_nothing_left_to_read() -> None:
+    quiet = flight(state="accepted", worker_id="w", heard_at=100.0)
+    assert not went_silent(quiet, now=101.9, silence_s=2.0)
+    assert went_silent(quiet, now=102.1, silence_s=2.0)
+    assert not went_silent(quiet, now=102.1, silence_s=0.0)  # off
+    quiet.events.put_nowait(m.Accepted(request_id="r", attempt=0, worker_id="w", queue_wait=0.0))
+    assert not went_silent(quiet, now=102.1, silence_s=2.0)  # something is still to read
+    assert not went_silent(flight(state="queued", worker_id="w", heard_at=100.0), now=200.0, silence_s=2.0)
+    assert not went_silent(flight(state="accepted", worker_id="w", heard_at=100.0, resending=True), now=200.0,
+                           silence_s=2.0)
+
+
+def test_a_queued_request_moves_when_its_worker_has_room_or_says_nothing_but_not_when_full() -> None:
+    queued = flight(state="queued", worker_id="w", placed_at=10.0)
+    assert not not_started(queued, now=14.9, accept_timeout_s=5.0, free_slots=lambda worker_id: 3)
+    assert not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: 3)
+    assert not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: None)
+    assert not not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: 0)
+    assert not not_started(flight(state="accepted", worker_id="w", placed_at=10.0), now=99.0, accept_timeout_s=5.0,
+                           free_slots=lambda worker_id: 3)
+
+
+def test_missing_events_are_lost_on_a_gap_or_a_dead_worker_not_on_silence_from_a_live_one() -> None:
+    unknown = m.ResendReply(state="unknown")
+    assert events_lost(unknown, started=True, why="no event for 2.1 s", worker_live=True)
+    assert events_lost(None, started=True, why="stream gap: chunk 4, expected 2", worker_live=True)
+    assert events_lost(None, started=True, why="no event for 2.1 s", worker_live=False)
+    assert not events_lost(None, started=True, why="no event for 2.1 s", worker_live=True)
+    assert not events_lost(unknown, started=False, why="stream gap: chunk 4, expected 2", worker_live=False)
+
+
+def test_the_router_is_asked_only_when_its_answer_can_beat_the_shared_queue() -> None:
+    assert placement_question(flight(), block_size=64, zone="", timeout_s=0.05) is None  # under one block
+    assert placement_question(flight(block_hashes=[1]), block_size=64, zone="", timeout_s=0.0) is None  # off
+    ask = placement_question(flight(block_hashes=[1, 2]), block_size=64, zone="", timeout_s=0.05)
+    assert ask is not None and ask.block_hashes == [1, 2] and ask.block_size == 64
+    zoned = placement_question(flight(), block_size=64, zone="z1", timeout_s=0.05)
+    assert zoned is not None and zoned.zone == "z1" and zoned.block_size == 0
+
+
+def test_an_answer_naming_a_gone_avoided_or_overfull_worker_is_not_taken() -> None:
+    fits = lambda worker_id, band: worker_id != "full"  # noqa: E731
+    live = {"w", "full", "avoided"}
+    f = flight(avoid_worker="avoided")
+    assert judge_placement(m.PlacementReply(target="w", worker_id="w"), f, live, fits) == "take"
+    assert judge_placement(m.PlacementReply(target=subjects.ANY_TARGET), f, live, fits) == "take"
+    assert judge_placement(m.PlacementReply(target="x", worker_id="gone"), f, live, fits) == "gone"
+    assert judge_placement(m.PlacementReply(target="a", worker_id="avoided"), f, live, fits) == "gone"
+    assert judge_placement(m.PlacementReply(target="f", worker_id="full"), f, live, fits) == "over_budget"
+
+
+def test_a_later_choice_goes_beside_choice_0_while_that_worker_lives_and_fits() -> None:
+    lead = flight(worker_id="w")
+    follower = flight(follows=lead)
+    placed = beside_lead(follower, {"w"}, lambda worker_id, band: True)
+    assert placed is not None and placed.worker_id == "w" and placed.target == subjects.worker_target("w")
+    assert beside_lead(follower, set(), lambda worker_id, band: True) is None
+    assert beside_lead(follower, {"w"}, lambda worker_id, band: False) is None
+    assert beside_lead(flight(follows=lead, avoid_worker="w"), {"w"}, lambda worker_id, band: True) is None
+
+
+def test_an_error_bills_what_the_client_received_and_the_prompt_only_with_output() -> None:
+    f = flight(prompt_tokens=7, worker_id="w")
+    billed = error_usage(f, "error", None, delivered_tokens=3, finished=9.0, gateway_id="g")
+    assert (billed.usage.prompt_tokens, billed.usage.completion_tokens, billed.finished, billed.worker_id) == (7, 3, 9.0, "w")
+    nothing = error_usage(f, "error", None, delivered_tokens=0, finished=9.0, gateway_id="g")
+    assert (nothing.usage.prompt_tokens, nothing.usage.completion_tokens) == (0, 0)
