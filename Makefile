@@ -59,8 +59,9 @@ $(VENV)/bin/promtool: | $(PY)
 up: install
 	$(VENV)/bin/inferbus up $(ARGS)
 
+# The 25 slowest tests close the report: where the suite's time goes, run after run.
 test: install browser
-	$(PY) -m pytest -q -rx -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rx -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # The development loop (25 s of CPU: 31 s on 2 cores at load 3, 80 s at load 9): `make lint`
 # (mypy's cache makes it a few seconds after the first run's ~25 s), then the tests that start no
