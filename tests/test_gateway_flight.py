@@ -78,6 +78,7 @@ def test_a_later_choice_goes_beside_choice_0_while_that_worker_lives_and_fits() 
 def test_an_error_bills_what_the_client_received_and_the_prompt_only_with_output() -> None:
     f = flight(prompt_tokens=7, worker_id="w")
     billed = error_usage(f, "error", None, delivered_tokens=3, finished=9.0, gateway_id="g")
-    assert (billed.usage.prompt_tokens, billed.usage.completion_tokens, billed.finished, billed.worker_id) == (7, 3, 9.0, "w")
+    usage = billed.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, billed.finished, billed.worker_id) == (7, 3, 9.0, "w")
     nothing = error_usage(f, "error", None, delivered_tokens=0, finished=9.0, gateway_id="g")
     assert (nothing.usage.prompt_tokens, nothing.usage.completion_tokens) == (0, 0)

@@ -117,7 +117,8 @@ class Dispatcher:
         # Under contention requests wait here, not first-come-first-served in JetStream; only a few
         # per worker sit in the shared queue, enough that a freed slot always finds work.
         self.fair: FairQueue[Flight] = FairQueue()
-        self._queued_flights: dict[str, Flight] = {}  # published and not yet accepted, by request id (few: the window and placed ones)
+        # Published and not yet accepted, by request id (few: the window and placed ones).
+        self._queued_flights: dict[str, Flight] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
         self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
@@ -299,7 +300,8 @@ class Dispatcher:
             except Exception as error:
                 self.close(flight)
                 log.error("publish_failed", error=repr(error))
-                raise DispatchError(503, "service_unavailable", "The request queue is unavailable; retry shortly.", retry_after=1) from error
+                raise DispatchError(503, "service_unavailable", "The request queue is unavailable; retry shortly.",
+                                    retry_after=1) from error
         else:
             self.fair.push(flight, request.tenant, request.band, weight)
             FAIR_QUEUE.set(len(self.fair))

@@ -139,7 +139,8 @@ def answer_length(request: Request, median: int) -> int:
     return max(1, round(median * math.exp(ANSWER_LENGTH_SIGMA * draw)))
 
 
-def check_finished(request: Request, token_id: int, previous_len: int, eos_id: int) -> tuple[dict[str, Any] | None, str]:
+def check_finished(request: Request, token_id: int, previous_len: int,
+                   eos_id: int) -> tuple[dict[str, Any] | None, str]:
     """Whether the token just emitted (`previous_len`: the text's length before it) ends the request,
     with SGLang's finish reason, and the text to keep (a matched stop string trimmed off unless
     no_stop_trim)."""

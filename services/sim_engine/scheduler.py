@@ -481,7 +481,8 @@ class Engine:
         if not copied or self.config.lora_load_time_s is not None:
             return 0.0
         ranks = {r.lora_name: r.lora.rank for r in requests if r.lora is not None}
-        return sum(self._copy_s(name, ranks.get(name, self.config.priced_lora_rank)) for name in copied if name is not None)
+        default_rank = self.config.priced_lora_rank
+        return sum(self._copy_s(name, ranks.get(name, default_rank)) for name in copied if name is not None)
 
     def _wait_for_adapters(self, updates: list[RequestUpdate]) -> StepResult:
         loading = [

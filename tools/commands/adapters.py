@@ -27,12 +27,14 @@ def adapters() -> None:
 @click.option("--version", "version", required=True, metavar="sha256:HEX",
               help="Digest of the adapter's weights; moving tags such as `latest` are refused.")
 @click.option("--path", required=True, help="Where engines load the weights from (as SGLang's --lora-paths).")
-@click.option("--owner", default=None, metavar="TENANT", help="Only this tenant may use it (default: any tenant allowed the name).")
+@click.option("--owner", default=None, metavar="TENANT",
+              help="Only this tenant may use it (default: any tenant allowed the name).")
 @admin_options
 def adapters_register(name: str, version: str, path: str, owner: str | None, url: str | None, admin_key: str) -> None:
     """Register adapter NAME (or point NAME at a new version, for all its requests at once; to
     canary a new version within its requests instead: `inferbus release adapter-canary`)."""
-    spec = AdminAPI(url, admin_key).call("POST", "/adapters", {"name": name, "version": version, "path": path, "owner": owner})
+    spec = AdminAPI(url, admin_key).call("POST", "/adapters",
+                                         {"name": name, "version": version, "path": path, "owner": owner})
     click.echo(f"Registered {spec['name']} (engines load it as {spec['engine_name']}) from {spec['path']}.")
 
 
@@ -95,7 +97,8 @@ def adapters_list(url: str | None, admin_key: str, as_json: bool) -> None:
     if not found:
         click.echo("No adapters. Register one with: inferbus adapters register NAME --version sha256:... --path ...")
         return
-    rows = [[a["name"], a["version"][:19] + "…", (a.get("candidate_version") or "-")[:19] + ("…" if a.get("candidate_version") else ""),
+    rows = [[a["name"], a["version"][:19] + "…",
+             (a.get("candidate_version") or "-")[:19] + ("…" if a.get("candidate_version") else ""),
              a["path"], a.get("owner") or "-", when(a["created"])] for a in found]
     click.echo(table(["NAME", "VERSION", "CANDIDATE", "PATH", "OWNER", "REGISTERED"], rows))
 

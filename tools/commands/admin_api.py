@@ -59,8 +59,9 @@ def admin_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option("--admin-key", envvar="INFERBUS_ADMIN_KEY", default="", metavar="KEY",
                            help="Admin key of the gateway (env INFERBUS_ADMIN_KEY; `inferbus up` prints it).")(command)
     return click.option("--url", envvar="INFERBUS_URL", default=None,
-                        help=f"Gateway base URL, without /v1 (env INFERBUS_URL). Default: the local platform `inferbus up` "
-                             f"runs from INFERBUS_PLATFORM_DIR (.inferbus), with its admin key; else {DEFAULT_URL}.")(command)
+                        help="Gateway base URL, without /v1 (env INFERBUS_URL). Default: the local platform "
+                             "`inferbus up` runs from INFERBUS_PLATFORM_DIR (.inferbus), with its admin key; else "
+                             f"{DEFAULT_URL}.")(command)
 
 
 def quote(segment: str) -> str:

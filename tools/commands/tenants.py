@@ -69,8 +69,8 @@ def _tenant_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--models", default=None, metavar="A,B",
                      help="Comma-separated model ids the tenant may use; `*` (the default) means every served model."),
         click.option("--adapters", default=None, metavar="A,B",
-                     help="Comma-separated public LoRA adapters the tenant may use besides what --models allows; `*`: every "
-                          "public adapter (default none; its own private adapters it may always use)."),
+                     help="Comma-separated public LoRA adapters the tenant may use besides what --models allows; `*`: "
+                          "every public adapter (default none; its own private adapters it may always use)."),
         click.option("--disabled/--enabled", "disabled", default=None,
                      help="A disabled tenant's keys are refused (default enabled)."),
     ]
