@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from prometheus_client import REGISTRY
 
 from inferbus.bus import connection as bus
@@ -23,6 +24,7 @@ from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices
 from proto import messages as m
 from proto import subjects
+from services.billing import attribution
 from services.billing.attribution import NOT_JUDGED, Dispatched, Holders, judged, refusal
 from services.billing.pull import stored_at
 from services.billing.rollup import RollupConsumer
@@ -228,3 +230,51 @@ async def test_a_forged_early_report_cannot_suppress_the_holders(nc: Client, red
     assert (consumer.counted, consumer.refused) == (1, 2)
     counted = await totals(store, ["acme"], now - 3600, now + 60)
     assert (counted.requests, counted.input_tokens, counted.output_tokens) == (1, 5, 10)
+
+
+class Unreachable(Holders):
+    """The claims and records of the bus, whose first `failures` reads of a dispatch record fail
+    as they do while NATS is away."""
+
+    def __init__(self, js: JetStreamContext, failures: int) -> None:
+        super().__init__(js)
+        self.failures = failures
+
+    async def dispatch(self, request_id: str) -> Dispatched:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("nats: connection closed")
+        return await super().dispatch(request_id)
+
+
+@pytest.mark.slow  # a nats-server and Redis of its own
+async def test_a_report_whose_record_cannot_be_read_waits_for_it(nc: Client, redis: aioredis.Redis,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """worker-1 reports a request id it made up (and claimed) while the dispatch records cannot be
+    read: the rollup reads them again until it can, then refuses the report; it never takes it on
+    its names alone. Control: the holder's report of a dispatched request is counted."""
+    monkeypatch.setattr(attribution, "RETRY_FIRST_S", 0.05)
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    claims = await bus.claims_bucket(js, 60)
+    dispatches = await bus.dispatches_bucket(js)
+    await dispatches.put(subjects.dispatch_key("held"), m.encode(dispatch("held")))
+    for request_id in ("held", "invented"):
+        await claims.create(subjects.claim_key(request_id, 0), b"worker-1@17.0")
+    for i, request_id in enumerate(("invented", "held")):
+        await js.publish(subjects.usage_subject("acme", W, "worker-1"), m.encode(event(request_id, "worker-1")),
+                         headers={"Nats-Msg-Id": f"m{i}"})
+    store = UsageStore(redis)
+    server = nc.connected_url
+    assert server is not None
+    holders = Unreachable(js, failures=5)
+    consumer = RollupConsumer(nc, f"nats://{server.hostname}:{server.port}", store, PriceStore(redis, default=PRICES),
+                              batch=10, count_metrics=False, holders=holders)
+    await consumer.open()
+    try:
+        await asyncio.wait_for(consumer.run(done=lambda: asyncio.sleep(0, consumer.counted + consumer.refused >= 2)),
+                               20)
+    finally:
+        await consumer.stop()
+    assert (consumer.counted, consumer.refused) == (1, 1)
+    assert holders.failures == 0  # every failed read was read again

@@ -11,8 +11,9 @@ the gateway (or batch service) that queued a request put for which tenant (`infe
 A worker's report billed to a tenant is taken only when the request's dispatch record names that
 tenant: a request id the worker made up (no record), or a real request billed to another tenant,
 is refused. Records age out (`bus.DISPATCH_TTL_S`): a report stored longer ago than
-`bus.DISPATCH_JUDGED_S` (billing far behind, a replay) is judged without them, and so is one
-whose record could not be read (NATS away).
+`bus.DISPATCH_JUDGED_S` (billing far behind, a replay) is judged without them. One whose record
+cannot be read (NATS away) waits until it can be: billing stops meanwhile, rather than take a
+report on its names alone.
 
 `refusal` is the decision, pure; `Holders` reads the claims and dispatch records (the shell).
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
@@ -37,6 +38,7 @@ from proto import subjects
 log = logs.get(__name__)
 
 FOREIGN_USAGE = "foreign_usage"  # the security event's kind
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 5.0  # pauses between reads of dispatch records NATS did not answer
 _dispatch_decoder = m.decoder(m.Dispatch)
 
 
@@ -123,12 +125,29 @@ class Holders:
             return None
         return decode_or_none(_dispatch_decoder, entry.value or b"", store="dispatches", key=request_id)
 
-    async def dispatches(self, request_ids: Sequence[str]) -> list[Dispatched]:
-        """The dispatch records of `request_ids`, looked up together; NOT_JUDGED where unreadable."""
-        found = await asyncio.gather(*(self.dispatch(r) for r in request_ids), return_exceptions=True)
-        for error in {repr(f) for f in found if isinstance(f, BaseException)}:
-            log.warning("dispatches_unreadable", error=error)
-        return [NOT_JUDGED if isinstance(f, BaseException) else f for f in found]
+    async def dispatches(self, request_ids: Sequence[str],
+                         waiting: Callable[[], Awaitable[None]] | None = None) -> list[Dispatched]:
+        """The dispatch records of `request_ids`, looked up together. One that cannot be read (NATS
+        away) is read again after a growing pause, however long it takes, and `waiting` is called
+        at each pause (to keep the reports from being redelivered meanwhile): a report is never
+        judged by its names alone because the bus was away, where a forger could slip one through."""
+        found: list[Dispatched | None] = [None] * len(request_ids)
+        unread = list(range(len(request_ids)))
+        delay = RETRY_FIRST_S
+        while True:
+            results = await asyncio.gather(*(self.dispatch(request_ids[i]) for i in unread), return_exceptions=True)
+            errors = {repr(r) for r in results if isinstance(r, BaseException)}
+            for i, result in zip(unread, results):
+                if not isinstance(result, BaseException):
+                    found[i] = result
+            unread = [i for i, r in zip(unread, results) if isinstance(r, BaseException)]
+            if not unread:
+                return found
+            log.warning("dispatches_unreadable", error=sorted(errors), reports=len(unread), retry_in_s=delay)
+            if waiting is not None:
+                await waiting()
+            await asyncio.sleep(delay)
+            delay = min(RETRY_MAX_S, delay * 2)
 
     async def of(self, attempts: Sequence[tuple[str, int]]) -> list[str | None]:
         """The holders of `attempts`, looked up together."""
@@ -141,11 +160,12 @@ class Holders:
 
 
 async def attributed(events: list[m.UsageEvent], senders: list[tuple[str, str] | None], holders: Holders | None,
-                     *, record: bool, stored_at: Sequence[float | None] | None = None) -> list[m.UsageEvent]:
+                     *, record: bool, stored_at: Sequence[float | None] | None = None,
+                     waiting: Callable[[], Awaitable[None]] | None = None) -> list[m.UsageEvent]:
     """The events (published on subjects naming `senders`, stored in the ledger at `stored_at`)
     their reporters may report; each other one is a security event when `record` (the rollup
     records them, the reconciler drops them too). Without `holders` (a replay) each is judged by
-    its names alone."""
+    its names alone. `waiting`: see `Holders.dispatches`."""
     by_worker = [
         i for i, sender in enumerate(senders) if sender is not None and sender[0] == subjects.USAGE_FROM_WORKER
     ]
@@ -160,7 +180,8 @@ async def attributed(events: list[m.UsageEvent], senders: list[tuple[str, str] |
         now = holders.clock()
         to_judge = [i for i in by_worker if events[i].billed_to == "tenant"
                     and judged(stored_at[i] if stored_at is not None else None, now)]
-        for i, dispatched in zip(to_judge, await holders.dispatches([events[i].request_id for i in to_judge])):
+        records_found = await holders.dispatches([events[i].request_id for i in to_judge], waiting)
+        for i, dispatched in zip(to_judge, records_found):
             records[i] = dispatched
     kept: list[m.UsageEvent] = []
     for event, sender, holder, dispatched in zip(events, senders, known, records):

@@ -115,7 +115,15 @@ class UsageReconciler:
             except msgspec.DecodeError:
                 log.error("bad_usage_event", subject=msg.subject)
         # Another worker's report touches no tenant's quota either (the rollup records it).
-        events = await attribution.attributed(events, senders, self.holders, record=False, stored_at=stored)
+        async def waiting() -> None:  # the dispatch records unreadable: keep the messages meanwhile
+            for msg in messages:
+                try:
+                    await msg.in_progress()
+                except Exception:  # NATS away: they are redelivered, and judged again
+                    return
+
+        events = await attribution.attributed(events, senders, self.holders, record=False, stored_at=stored,
+                                              waiting=waiting)
         while True:
             try:
                 # The cost the rollups bill (price book at the request's accept time, batch discount,

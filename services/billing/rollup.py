@@ -216,7 +216,14 @@ class RollupConsumer:
                 if self.count_metrics:
                     metrics.EVENTS.labels("invalid").inc()
         # Usage a worker reported for another's work is refused (a security event), never counted.
-        kept = await attribution.attributed(events, senders, self.holders, record=True, stored_at=stored)
+        async def waiting() -> None:  # the dispatch records unreadable: keep the reports meanwhile
+            try:
+                await self.connection.ack(deliveries, b"+WPI")
+            except ConnectionError:
+                pass
+
+        kept = await attribution.attributed(events, senders, self.holders, record=True, stored_at=stored,
+                                            waiting=waiting)
         self.refused += len(events) - len(kept)
         events = kept
         counted: list[bool] = []
