@@ -426,7 +426,7 @@ JETSTREAM_FORGED_REPLIES = {
     **FORGED_REPLIES,
     "queued-request": subjects.request_subject("interactive", "m", subjects.ANY_TARGET,
                                                subjects.token_subject("batch-main")),
-    "batch-result": subjects.batch_result_subject("batch_1"),
+    "batch-result": subjects.batch_result_subject("batch_1", subjects.RESULT_FROM_OWNER, "batch-main"),
 }
 
 
