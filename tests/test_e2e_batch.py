@@ -376,13 +376,15 @@ def test_only_the_holder_of_a_lines_attempt_gives_its_result(platform: Platform,
     it first, under its own name: naming itself, with the message id a result used to have (the
     request id), and naming each real worker, with the id naming that worker. JetStream stores them
     all and the batch service refuses them all (`foreign_batch_result` security events:
-    `attempt_held_by_another`, `names_another_worker` twice). The holder's own result (control) is
+    `attempt_held_by_another`, `names_another_worker` twice), as it refuses worker-9's `Accepted`
+    of the attempt naming each real worker (to become its holder). The holder's own result (control) is
     stored, not dropped as a duplicate, and is the line's result: the batch completes with its
     attempt 0 and no forged text.
 
     Mutations caught: the worker's message id back to the request id (the holder's result dropped:
     the line runs again after its lease, as attempt 1); no holder check (the forgery is the line's
-    result); readers counting workers' results rather than the batch service's records."""
+    result); readers counting workers' results rather than the batch service's records; an
+    `Accepted`'s holder taken from the event rather than from its subject."""
     items = chat_lines(2, max_tokens=3000, prefix="holder")
     batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
     wait_for(client, batch.id, {"in_progress"})
@@ -401,6 +403,12 @@ def test_only_the_holder_of_a_lines_attempt_gives_its_result(platform: Platform,
                                                     for worker in workers)):
                 ack = await js.publish(subject, m.encode(result), headers={"Nats-Msg-Id": msg_id})
                 assert not ack.duplicate
+            # And an `Accepted` of the attempt naming each real worker, on worker-9's event subject.
+            events = subjects.event_subject(subjects.token_subject("batch-main"), forger)
+            for worker in workers:
+                accepted = m.Accepted(request_id=rid, attempt=0, worker_id=worker, queue_wait=0.0)
+                await nc.publish(events, m.encode(m.StreamFrame(events=[accepted])))
+            await nc.flush()
         finally:
             await nc.close()
 
@@ -413,8 +421,10 @@ def test_only_the_holder_of_a_lines_attempt_gives_its_result(platform: Platform,
     assert not any("FORGED" in json.dumps(line) for line in outputs)
     batch_log = Path(platform.stack.get("batch").log_path)
     refused = [json.loads(line) for line in batch_log.read_text().splitlines() if '"foreign_batch_result"' in line]
-    assert sorted((e["why"], e["publisher"]) for e in refused if e.get("request_id") == rid) == [
-        ("attempt_held_by_another", forger), ("names_another_worker", forger), ("names_another_worker", forger)]
+    assert sorted((e["seen_in"], e["why"], e["publisher"]) for e in refused if e.get("request_id") == rid) == [
+        ("accepted", "names_another_worker", forger), ("accepted", "names_another_worker", forger),
+        ("result", "attempt_held_by_another", forger), ("result", "names_another_worker", forger),
+        ("result", "names_another_worker", forger)]
 
     async def records() -> tuple[list[m.BatchLineResult], list[m.BatchLineResult]]:
         """Line 0's results as the batch service recorded them, and as the real workers published them."""
