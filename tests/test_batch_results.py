@@ -126,3 +126,24 @@ def test_result_subjects_name_their_sender_and_ids_cannot_be_guessed() -> None:
     one = m.batch_result_publish_id(result(), f"{W}.worker-1", m.new_usage_nonce())
     assert one.startswith("batch_x-0.w.worker-1.") and len(one) == len("batch_x-0.w.worker-1.") + 24
     assert one != m.batch_result_publish_id(result(), f"{W}.worker-1", m.new_usage_nonce())
+
+
+def test_where_the_accepted_may_have_been_missed_a_result_without_holder_is_judged_by_its_names() -> None:
+    assert verdict((W, "worker-1"), result("worker-1"), "batch_x", None, False, blind=True) == TAKE
+    assert verdict((W, "worker-2"), result("worker-1"), "batch_x", None, False, blind=True) == "names_another_worker"
+    # A known holder still decides.
+    assert verdict((W, "worker-2"), result("worker-2"), "batch_x", "worker-1", False, blind=True) == "attempt_held_by_another"
+
+
+def test_lines_out_while_the_service_was_away_are_blind() -> None:
+    tracker, run = run_of(total=3)
+    tracker.on_result(result(line=0))
+    assert tracker.judge(run, (W, "worker-1"), result(line=1), None) == NOT_HELD  # waits for its Accepted
+    released = tracker.lost_sight()  # a reconnect: Accepted events may have been lost meanwhile
+    assert run.blind == {1, 2} and [(r.line, r.worker_id) for _, _, r in released] == [(1, "worker-1")]
+    assert [tracker.judge(run, sender, r, None) for _, sender, r in released] == [TAKE]
+    resumed = Tracker(60.0)
+    again = ActiveBatch(record=run.record, custom_ids=run.custom_ids, offsets=run.offsets, base_model="m",
+                        done={0: True})
+    resumed.add(again, resumed=True)  # a start: the lines without a result are in doubt, and blind
+    assert again.blind == {1, 2}

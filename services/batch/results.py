@@ -7,9 +7,12 @@ from the worker that holds the line's attempt. The holder is the worker whose `A
 subject that names it (`accepted_refusal`: the event must name its publisher, and a later
 `Accepted` of the same attempt by another worker replaces the holder only once the holder's
 heartbeat ended: a take-over). A result of an attempt nobody is known to hold yet (its `Accepted`
-travels another path and may come later) waits for it; one whose `Accepted` never comes (sent
-while the batch service was down, lost) is never taken, and its line runs again. (Batch lines
-are not claimed in the `claims` bucket, and claims are the workers' own records anyway.)
+travels another path and may come later) waits for it. Where the service may have missed the
+`Accepted` (a line in doubt after it started, a line not done when it reconnected to NATS: core
+NATS messages are lost meanwhile), a result of an attempt with no known holder is judged by its
+names alone, as billing judges usage without a claim; else those lines would all run again.
+(Batch lines are not claimed in the `claims` bucket, and claims are the workers' own records
+anyway.)
 
 A result taken is recorded by the batch service on its own subject
 (`inferbus.batchres.<batch>.o.batch-<id>`), where no worker may publish; every reader (the live
@@ -43,10 +46,12 @@ def accepted_refusal(sender: str, accepted: m.Accepted, holder: str | None, hold
 
 
 def verdict(sender: tuple[str, str] | None, result: m.BatchLineResult, batch_id: str, holder: str | None,
-            done: bool) -> str:
+            done: bool, blind: bool = False) -> str:
     """What to do with `result`, published on a subject of `batch_id` naming `sender` (kind, token)
     while `holder` (a worker token, None: unknown) holds the attempt it reports and the line is
-    `done` (has its result): TAKE, DUPLICATE, NOT_HELD, or why it is refused."""
+    `done` (has its result): TAKE, DUPLICATE, NOT_HELD, or why it is refused. `blind`: this service
+    may have missed the line's `Accepted` (it was down, or disconnected, while the line was out);
+    a result of an attempt with no known holder is then judged by its names alone."""
     if sender is None or sender[0] != subjects.RESULT_FROM_WORKER:
         return "not_a_worker_subject"
     if result.batch_id != batch_id or result.request_id != m.batch_request_id(batch_id, result.line):
@@ -57,7 +62,7 @@ def verdict(sender: tuple[str, str] | None, result: m.BatchLineResult, batch_id:
         return "attempt_held_by_another"
     if done:
         return DUPLICATE
-    if holder is None:
+    if holder is None and not blind:
         return NOT_HELD
     return TAKE
 

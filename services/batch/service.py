@@ -164,6 +164,8 @@ class BatchService:
 
     async def _resubscribe(self) -> None:
         assert self.js is not None
+        for run, sender, result in self.tracker.lost_sight():
+            await self._judge(run, sender, result)
         await bus.retry_forever("rewatch", self._watch)
         await bus.retry_forever("restart_catalog", self._restart_catalog)
         for run in self.tracker.batches():
@@ -486,9 +488,13 @@ class BatchService:
                 elif reached:  # (a replay sees again what was counted, or logged, before)
                     log.info("batch_result_duplicate", request_id=result.request_id, attempt=result.attempt,
                              worker_id=result.worker_id, seq=seq)
+            elif seq in run.judged:
+                pass  # judged before this subscription (a replay after a reconnect): once is enough
             elif reached:
+                run.judged.add(seq)
                 await self._judge(run, sender, result)
             else:
+                run.judged.add(seq)
                 unjudged.append((sender, result))
             if not reached and seq >= last:
                 reached = True

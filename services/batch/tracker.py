@@ -1,8 +1,10 @@
 """In-memory state of the batches being run, rebuilt from the durable stores on start. Pure.
 
-Per batch: which lines have a result (the first one per line wins; later ones are duplicates of a
-line that ran twice), which are out in the fleet (attempt, owner worker once a worker accepted
-it, since when), which still wait to be published, and the counters and usage the record shows.
+Per batch: which lines have a result (the first one the batch service recorded per line wins;
+later ones are duplicates of a line that ran twice), which are out in the fleet (attempt, owner
+worker once a worker accepted it, since when), who holds each attempt (`results`: only its
+holder's result is taken), which still wait to be published, and the counters and usage the
+record shows.
 
 Lines are handed out fairly: tenants take turns line by line, and within a tenant its oldest
 batch goes first. A line goes out again (next attempt) when its owner's heartbeat ends, or when
@@ -51,6 +53,8 @@ class ActiveBatch:
     # (line, attempt) → the worker (subject token) whose `Accepted` made it the attempt's holder
     holders: dict[tuple[int, int], str] = field(default_factory=dict)
     recording: set[int] = field(default_factory=set)  # lines whose taken result is being recorded
+    judged: set[int] = field(default_factory=set)  # stream sequences of the workers' results judged
+    blind: set[int] = field(default_factory=set)  # lines whose `Accepted` this process may have missed
     # (line, attempt) → workers' results of an attempt nobody is known to hold yet (its `Accepted`
     # may come after the result: another path), judged when it comes
     waiting: dict[tuple[int, int], list[tuple[tuple[str, str] | None, m.BatchLineResult]]] = field(default_factory=dict)
@@ -105,6 +109,7 @@ class Tracker:
         run.pending = deque(todo)
         if resumed:
             run.doubt = set(todo)
+            run.blind = set(todo)
         if run.tenant not in self._turn:
             self._turn.append(run.tenant)
 
@@ -135,6 +140,7 @@ class Tracker:
             self.on_result(result)
         run.pending = deque(line for line in missing if line not in run.done)
         run.doubt = set(run.pending)
+        run.blind |= run.doubt
         run.retry.clear()
         run.dirty = True
 
@@ -200,13 +206,25 @@ class Tracker:
         """`results.verdict` on a worker's result of `run`; a result taken is now being recorded
         (a second one of the line meanwhile is a duplicate)."""
         done = result.line in run.done or result.line in run.recording
-        why = verdict(sender, result, run.id, holder, done)
+        why = verdict(sender, result, run.id, holder, done, blind=result.line in run.blind)
         if why == TAKE:
             run.recording.add(result.line)
         elif why == NOT_HELD and sum(map(len, run.waiting.values())) < WAITING_PER_LINE * run.total:
             # (Bounded: results no `Accepted` ever claims, forged ones say, cannot fill the memory.)
             run.waiting.setdefault((result.line, result.attempt), []).append((sender, result))
         return why
+
+    def lost_sight(self) -> list[tuple[ActiveBatch, tuple[str, str] | None, m.BatchLineResult]]:
+        """This service was disconnected from NATS: `Accepted` events of the lines not done may be
+        lost. Those lines are blind from now on; the results waiting for a holder are returned,
+        to judge again."""
+        out: list[tuple[ActiveBatch, tuple[str, str] | None, m.BatchLineResult]] = []
+        for run in self.runs.values():
+            run.blind |= {line for line in range(run.total) if line not in run.done}
+            for waiting in run.waiting.values():
+                out.extend((run, sender, result) for sender, result in waiting)
+            run.waiting.clear()
+        return out
 
     def not_recorded(self, run: ActiveBatch, line: int) -> None:
         """Recording a taken result failed: the line waits for another (its lease sends it out again)."""
