@@ -387,6 +387,14 @@ def new_usage_nonce() -> str:
     return secrets.token_hex(12)
 
 
+def batch_result_publish_id(result: BatchLineResult, reporter: str, nonce: str) -> str:
+    """The JetStream message id of a line's result: `<request id>.<w | o>.<reporter>.<nonce>`, as
+    `usage_publish_id` and for the same reason: an id anyone could compute (the request id) let
+    the first publisher of it have every later result of the line dropped as a duplicate. The
+    reporter draws `nonce` once per result (`new_usage_nonce`) and keeps it for its retries."""
+    return f"{result.request_id}.{reporter}.{nonce}"
+
+
 def batch_request_id(batch_id: str, line: int) -> str:
     """The request id of one line of a batch: stable across attempts and restarts, so the line is
     idempotent everywhere a request id is (usage dedup, results, cancels)."""
@@ -409,10 +417,14 @@ class RequeueReply(_Message):
 
 
 class BatchLineResult(_Message):
-    """Worker → batch service on `batch_result_subject(batch_id)` (JetStream `BATCH_RESULTS`,
-    `Nats-Msg-Id = request_id`): how one line of a batch ended. Published before the line's usage
-    event and only by the attempt that finished it (a preempted attempt hands the line back to
-    the queue instead). Readers keep the first result per line and ignore the rest."""
+    """How one line of a batch ended, on JetStream `BATCH_RESULTS` with the message id of
+    `batch_result_publish_id`. A worker publishes it on `batch_result_subject(batch, "w", itself)`
+    after the line's usage event, only from the attempt that finished it (a preempted attempt hands
+    the line back to the queue instead). The batch service takes it only from the worker that holds
+    the line's attempt and then records it as the line's result on its own subject
+    (`batch_result_subject(batch, "o", batch-<id>)`), where it also publishes the lines it ends
+    itself. Readers count the first result per line on the batch service's subjects only
+    (`batch_results_kept_filter`) and log the rest (`services/batch/results.py`)."""
 
     batch_id: str
     line: int

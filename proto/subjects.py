@@ -11,7 +11,7 @@ Layout (see DESIGN.md):
     inferbus.place.<model>                         router request/reply
     inferbus.placed.<model>                        core NATS: placements, shared by router replicas
     inferbus.control.<worker> / inferbus.scale.<pool>
-    inferbus.batchres.<batch_id>                   JetStream BATCH_RESULTS: how each line of a batch ended
+    inferbus.batchres.<batch_id>.<w|o>.<sender>    JetStream BATCH_RESULTS: how each line of a batch ended
     inferbus.api.v1.chat.completions | .completions   internal producers' OpenAI calls (request/reply)
     inferbus.api.cancel.<gateway>.<call>           core NATS: a producer abandoning a streamed call
     inferbus.release.<model or adapter>            core NATS: canary decisions (ReleaseDecision)
@@ -391,8 +391,38 @@ def worker_key(worker_id: str) -> str:
     return _durable(worker_id)
 
 
-def batch_result_subject(batch_id: str) -> str:
-    return f"{PREFIX}.batchres.{token(batch_id)}"
+RESULT_FROM_WORKER = "w"  # a worker's result of a line it ran: judged by the batch service
+RESULT_FROM_OWNER = "o"  # the batch service's own record of a line's result: what readers count
+
+
+def batch_result_subject(batch_id: str, kind: str, sender: str) -> str:
+    """`inferbus.batchres.<batch>.<w | o>.<sender>`: a result of one of `batch_id`'s lines, published
+    by `sender` (a worker, or the batch service `batch-<id>`); NATS permissions bind the last token
+    to the publisher."""
+    return f"{PREFIX}.batchres.{token(batch_id)}.{kind}.{token(sender)}"
+
+
+def batch_results_filter(batch_id: str) -> str:
+    """Every result of `batch_id`'s lines, whoever published it."""
+    return f"{PREFIX}.batchres.{token(batch_id)}.>"
+
+
+def batch_results_kept_filter(batch_id: str) -> str:
+    """The results of `batch_id`'s lines the batch service recorded as theirs (what readers count)."""
+    return f"{PREFIX}.batchres.{token(batch_id)}.{RESULT_FROM_OWNER}.*"
+
+
+def batch_result_publish_wildcard(kind: str, sender: str | None = None) -> str:
+    """Results of any batch's lines, published as `sender` (any sender of that kind with None)."""
+    return f"{PREFIX}.batchres.*.{kind}.{'*' if sender is None else token(sender)}"
+
+
+def batch_result_sender(subject: str) -> tuple[str, str] | None:
+    """(kind, sender token) of a result subject; None for one that names no sender."""
+    parts = subject.split(".")
+    if len(parts) != 5:
+        return None
+    return parts[3], parts[4]
 
 
 def batch_results_stream_subjects() -> list[str]:

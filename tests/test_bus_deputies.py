@@ -426,7 +426,7 @@ JETSTREAM_FORGED_REPLIES = {
     **FORGED_REPLIES,
     "queued-request": subjects.request_subject("interactive", "m", subjects.ANY_TARGET,
                                                subjects.token_subject("batch-main")),
-    "batch-result": subjects.batch_result_subject("batch_1"),
+    "batch-result": subjects.batch_result_subject("batch_1", subjects.RESULT_FROM_OWNER, "batch-main"),
 }
 
 
@@ -661,6 +661,38 @@ async def test_stream_events_are_published_only_as_oneself(ops: Client, shipped_
             await nc.flush()
     await ops.flush()
     await await_for(lambda: seen == ([own] if own else []), 5, what="only the identity's own event delivered")
+
+
+@pytest.mark.parametrize("user", SERVICE_IDENTITIES)
+async def test_batch_results_are_published_only_as_oneself(ops: Client, shipped_bus: ShippedBus,
+                                                           gateway_api: InternalApi, user: str) -> None:
+    """A batch result's subject names its publisher (`inferbus.batchres.<batch>.<w | o>.<sender>`):
+    a worker publishes results as a worker, the batch service records them as itself, nobody else
+    publishes any; with per-pod identities a worker only under its own pod name (role-wide, any
+    worker's: the batch service then judges a result by the names and the attempt's holder).
+    Refused by the server, BATCH_RESULTS unchanged; control: the identity's own result is stored."""
+    worker = shipped_bus.user("worker")
+    w, o = subjects.RESULT_FROM_WORKER, subjects.RESULT_FROM_OWNER
+    as_worker, as_batch = (subjects.batch_result_subject("batch_1", w, worker),
+                           subjects.batch_result_subject("batch_1", o, "batch-main"))
+    own = {"worker": as_worker, "batch": as_batch}.get(user)
+    forged = [s for s in (as_worker, as_batch, subjects.batch_result_subject("batch_1", o, worker)) if s != own]
+    if shipped_bus.variant == "callout" and user == "worker":
+        forged.append(subjects.batch_result_subject("batch_1", w, "worker-other-pod"))
+    before = await stored(ops)
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        for subject in forged:
+            await nc.publish(subject, b"{}")
+            assert await refused(conn, "publish", subject)
+        await ops.flush()
+        assert await stored(ops) == before
+        if own is None:
+            await control(conn, nc)
+        else:
+            await nc.jetstream().publish(own, b"{}")
+    state, requests, results = before
+    assert await stored(ops) == (state, requests, results + (own is not None))
 
 
 # ---- dispatch records: only who queues a request says for whom -----------------------------------

@@ -4,6 +4,7 @@ failures, cancel, expiry, and a batch that survives the batch service and a work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -368,3 +369,83 @@ def test_a_line_is_handed_back_to_its_batch_service_which_queues_only_its_own(pl
     assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
     assert sorted(line["custom_id"] for line in file_lines(client, done.output_file_id)) == [
         f"handback-{i}" for i in range(3)]
+
+
+def test_only_the_holder_of_a_lines_attempt_gives_its_result(platform: Platform, client: openai.OpenAI) -> None:
+    """While line 0 of a batch runs, a worker that does not run it (worker-9) publishes results of
+    it first, under its own name: naming itself, with the message id a result used to have (the
+    request id), and naming each real worker, with the id naming that worker. JetStream stores them
+    all and the batch service refuses them all (`foreign_batch_result` security events:
+    `attempt_held_by_another`, `names_another_worker` twice), as it refuses worker-9's `Accepted`
+    of the attempt naming each real worker (to become its holder). The holder's own result (control) is
+    stored, not dropped as a duplicate, and is the line's result: the batch completes with its
+    attempt 0 and no forged text.
+
+    Mutations caught: the worker's message id back to the request id (the holder's result dropped:
+    the line runs again after its lease, as attempt 1); no holder check (the forgery is the line's
+    result); readers counting workers' results rather than the batch service's records; an
+    `Accepted`'s holder taken from the event rather than from its subject."""
+    items = chat_lines(2, max_tokens=3000, prefix="holder")
+    batch = client.batches.create(input_file_id=upload(client, items), endpoint=CHAT, completion_window="24h")
+    wait_for(client, batch.id, {"in_progress"})
+    rid = m.batch_request_id(batch.id, 0)
+    forger, workers = "worker-9", ("worker-1", "worker-2")
+
+    async def forge() -> None:
+        nc = await nats.connect(platform.stack.nats_url)
+        try:
+            js = nc.jetstream()
+            forged = m.BatchLineResult(batch_id=batch.id, line=0, request_id=rid, attempt=0, finished=time.time(),
+                                       worker_id=forger, text="FORGED", finish_reason="stop",
+                                       usage=m.Usage(prompt_tokens=1, completion_tokens=1))
+            subject = subjects.batch_result_subject(batch.id, subjects.RESULT_FROM_WORKER, forger)
+            for result, msg_id in ((forged, rid), *((msgspec.structs.replace(forged, worker_id=worker), f"{rid}.w.{worker}")
+                                                    for worker in workers)):
+                ack = await js.publish(subject, m.encode(result), headers={"Nats-Msg-Id": msg_id})
+                assert not ack.duplicate
+            # And an `Accepted` of the attempt naming each real worker, on worker-9's event subject.
+            events = subjects.event_subject(subjects.token_subject("batch-main"), forger)
+            for worker in workers:
+                accepted = m.Accepted(request_id=rid, attempt=0, worker_id=worker, queue_wait=0.0)
+                await nc.publish(events, m.encode(m.StreamFrame(events=[accepted])))
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    asyncio.run(forge())
+    done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=120)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 0)
+    outputs = file_lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in outputs) == ["holder-0", "holder-1"]
+    assert not any("FORGED" in json.dumps(line) for line in outputs)
+    batch_log = Path(platform.stack.get("batch").log_path)
+    refused = [json.loads(line) for line in batch_log.read_text().splitlines() if '"foreign_batch_result"' in line]
+    assert sorted((e["seen_in"], e["why"], e["publisher"]) for e in refused if e.get("request_id") == rid) == [
+        ("accepted", "names_another_worker", forger), ("accepted", "names_another_worker", forger),
+        ("result", "attempt_held_by_another", forger), ("result", "names_another_worker", forger),
+        ("result", "names_another_worker", forger)]
+
+    async def records() -> tuple[list[m.BatchLineResult], list[m.BatchLineResult]]:
+        """Line 0's results as the batch service recorded them, and as the real workers published them."""
+        nc = await nats.connect(platform.stack.nats_url)
+        found: tuple[list[m.BatchLineResult], list[m.BatchLineResult]] = ([], [])
+        try:
+            for filters, into in (([subjects.batch_results_kept_filter(batch.id)], found[0]),
+                                  ([subjects.batch_result_subject(batch.id, subjects.RESULT_FROM_WORKER, worker)
+                                    for worker in workers], found[1])):
+                for filter_subject in filters:
+                    sub = await nc.jetstream().subscribe(filter_subject, ordered_consumer=True)
+                    with contextlib.suppress(nats.errors.TimeoutError):
+                        while True:
+                            result = m.decoder(m.BatchLineResult).decode((await sub.next_msg(timeout=1.0)).data)
+                            if result.line == 0:
+                                into.append(result)
+                    await sub.unsubscribe()
+        finally:
+            await nc.close()
+        return found
+
+    kept, published = asyncio.run(records())
+    assert [(r.attempt, r.text != "FORGED") for r in kept] == [(0, True)] and kept[0].worker_id in workers
+    assert [(r.worker_id, r.attempt) for r in published] == [(kept[0].worker_id, 0)]

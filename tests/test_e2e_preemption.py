@@ -128,7 +128,7 @@ class BatchFeed:
             await asyncio.sleep(0.25)
 
     async def read_results(self, batch_id: str) -> list[m.BatchLineResult]:
-        sub = await self.js.subscribe(subjects.batch_result_subject(batch_id), ordered_consumer=True)
+        sub = await self.js.subscribe(subjects.batch_results_filter(batch_id), ordered_consumer=True)
         found: list[m.BatchLineResult] = []
         try:
             while True:

@@ -165,7 +165,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
                 subjects.usage_publish_wildcard(subjects.USAGE_FROM_WORKER, scope),
                 subjects.metrics_subject(scope) if scope is not None else subjects.metrics_wildcard(),
                 subjects.cache_subject(scope) if scope is not None else subjects.cache_wildcard(),
-                subjects.batch_results_stream_subjects()[0],  # a batch line's result
+                # A batch line's result, as itself (the batch service takes it from the line's holder only).
+                subjects.batch_result_publish_wildcard(subjects.RESULT_FROM_WORKER, scope),
                 # A batch line handed back (preempted, draining): its batch service queues the next
                 # attempt; a worker creates no work of its own.
                 subjects.requeue_wildcard(),
@@ -272,7 +273,8 @@ def permissions(role: Role, user: str, scope: str | None = None) -> Permissions:
             publish=(
                 subjects.shared_request_wildcard("batch", me),
                 subjects.cancel_wildcard() if me is None else subjects.cancel_subjects_of(me),
-                subjects.batch_results_stream_subjects()[0],
+                # Its lines' results as it records them (what readers count), as itself.
+                subjects.batch_result_publish_wildcard(subjects.RESULT_FROM_OWNER, me),
                 *_platform_streams(), *_consumer_state(_REQ), *_consume(_RESULTS),
                 *_kv_read(subjects.WORKERS_BUCKET), *_kv_write(subjects.BATCHES_BUCKET),
                 *_kv_write(subjects.FILES_BUCKET), *_kv_read(subjects.ADAPTERS_BUCKET),

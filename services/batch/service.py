@@ -53,6 +53,7 @@ from proto import messages as m
 
 from . import lifecycle, requeue
 from . import lines as line_format
+from . import results as line_results
 from .feed import FeedPolicy
 from .settings import BatchSettings
 from .tracker import ActiveBatch, Tracker, parse_request_id
@@ -163,6 +164,8 @@ class BatchService:
 
     async def _resubscribe(self) -> None:
         assert self.js is not None
+        for run, sender, result in self.tracker.lost_sight():
+            await self._judge(run, sender, result)
         await bus.retry_forever("rewatch", self._watch)
         await bus.retry_forever("restart_catalog", self._restart_catalog)
         for run in self.tracker.batches():
@@ -259,9 +262,21 @@ class BatchService:
             log.warning("bad_stream_batch", subject=msg.subject)
             return
         now = time.monotonic()
+        sender = subjects.event_sender(msg.subject)  # the publisher, as NATS permissions bind it
         for event in batch.events:
             if isinstance(event, m.Accepted):
-                self.tracker.on_accepted(event, now)
+                why = self.tracker.on_accepted(event, now, sender, self._alive)
+                if why is not None:
+                    security_events.record(line_results.FOREIGN_BATCH_RESULT, why=why, seen_in="accepted",
+                                           request_id=event.request_id, attempt=event.attempt, publisher=sender,
+                                           worker_named=event.worker_id)
+                    continue
+                for run, waiting_sender, waiting in self.tracker.released(event):
+                    await self._judge(run, waiting_sender, waiting)
+
+    def _alive(self, worker: str) -> bool:
+        """Whether the worker with subject token `worker` heartbeats."""
+        return any(subjects.token(worker_id) == worker for worker_id in self.live_workers.values())
 
     def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
         beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
@@ -434,69 +449,128 @@ class BatchService:
 
     # ---- results --------------------------------------------------------------------------
 
-    async def _last_result_seq(self, batch_id: str) -> int:
+    async def _last_result_seq(self, filter_subject: str) -> int:
         assert self.js is not None
         try:
-            last = await self.js.get_last_msg(subjects.BATCH_RESULTS_STREAM, subjects.batch_result_subject(batch_id))
+            last = await self.js.get_last_msg(subjects.BATCH_RESULTS_STREAM, filter_subject)
         except NotFoundError:
             return 0
         return int(last.seq or 0)
 
     async def _follow_results(self, run: ActiveBatch) -> None:
         """Replay the batch's results from the start of the stream, then follow new ones; the run
-        may feed once the replay has reached where the stream stood."""
+        may feed once the replay has reached where the stream stood. The results this service
+        recorded (`o`) count, first per line; a worker's (`w`) is judged (`_judge`), once the
+        replay is over (a worker's result replayed may have been recorded since)."""
         assert self.js is not None
-        last = await self._last_result_seq(run.id)
+        last = await self._last_result_seq(subjects.batch_results_filter(run.id))
         run.loaded = run.loaded or last == 0
 
+        reached = last == 0  # this subscription's replay reached where the stream stood
+        unjudged: list[tuple[tuple[str, str] | None, m.BatchLineResult]] = []  # workers' results replayed
+
         async def on_result(msg: Msg) -> None:
+            nonlocal reached
             seq = msg.metadata.sequence.stream
+            sender = subjects.batch_result_sender(msg.subject)
             try:
-                result = _result_decoder.decode(msg.data)
+                result: m.BatchLineResult | None = _result_decoder.decode(msg.data)
             except msgspec.DecodeError as error:
-                log.warning("bad_batch_result", error=str(error))
-                return
-            if self.tracker.on_result(result):
-                RESULTS.labels("ok" if result.ok else (result.error_code or "error")).inc()
-            if not run.loaded and seq >= last:
-                run.loaded = True
-                log.info("batch_results_replayed", batch_id=run.id, done=len(run.done), total=run.total)
+                log.warning("bad_batch_result", error=str(error), subject=msg.subject)
+                result = None
+            if result is None:
+                pass
+            elif sender is not None and sender[0] == subjects.RESULT_FROM_OWNER:
+                if result.batch_id != run.id:
+                    log.warning("batch_result_of_another_batch", subject=msg.subject, request_id=result.request_id)
+                elif self.tracker.on_result(result):
+                    RESULTS.labels("ok" if result.ok else (result.error_code or "error")).inc()
+                elif reached:  # (a replay sees again what was counted, or logged, before)
+                    log.info("batch_result_duplicate", request_id=result.request_id, attempt=result.attempt,
+                             worker_id=result.worker_id, seq=seq)
+            elif seq in run.judged:
+                pass  # judged before this subscription (a replay after a reconnect): once is enough
+            elif reached:
+                run.judged.add(seq)
+                await self._judge(run, sender, result)
+            else:
+                run.judged.add(seq)
+                unjudged.append((sender, result))
+            if not reached and seq >= last:
+                reached = True
+                if not run.loaded:
+                    run.loaded = True
+                    log.info("batch_results_replayed", batch_id=run.id, done=len(run.done), total=run.total)
+                for replayed_sender, replayed in unjudged:
+                    await self._judge(run, replayed_sender, replayed, replayed=True)
+                unjudged.clear()
 
         # Always from the start of the stream, also when resubscribing after a reconnect: a NATS
         # server killed hard can lose its last writes and reuse their sequence numbers, so "after
         # the last one seen" could skip new results. Results seen twice are ignored by the tracker.
         self._result_subs[run.id] = await self.js.subscribe(
-            subjects.batch_result_subject(run.id), stream=subjects.BATCH_RESULTS_STREAM, ordered_consumer=True,
+            subjects.batch_results_filter(run.id), stream=subjects.BATCH_RESULTS_STREAM, ordered_consumer=True,
             cb=on_result,
         )
 
+    async def _judge(self, run: ActiveBatch, sender: tuple[str, str] | None, result: m.BatchLineResult,
+                     replayed: bool = False) -> None:
+        """A worker's result: recorded as the line's when it comes from the attempt's holder
+        (`results`), refused as a security event when only a forgery explains it. A `replayed`
+        one that is a duplicate was logged when it came."""
+        holder = self.tracker.holder(run.id, result.line, result.attempt)
+        why = self.tracker.judge(run, sender, result, holder)
+        if why == line_results.TAKE:
+            try:
+                await self._publish_result(result)
+            except Exception as error:  # the line's lease sends it out again
+                self.tracker.not_recorded(run, result.line)
+                log.warning("batch_result_not_recorded", request_id=result.request_id, error=repr(error))
+        elif line_results.refused(why):
+            security_events.record(line_results.FOREIGN_BATCH_RESULT, why=why, seen_in="result",
+                                   request_id=result.request_id, attempt=result.attempt,
+                                   publisher=sender[1] if sender else "", worker_named=result.worker_id, holder=holder)
+        elif why == line_results.DUPLICATE:
+            if not replayed:
+                log.info("batch_result_duplicate", request_id=result.request_id, attempt=result.attempt,
+                         worker_id=result.worker_id)
+        else:  # judged once the attempt's `Accepted` comes, if ever (else the line runs again)
+            log.info("batch_result_waits_for_holder", request_id=result.request_id, attempt=result.attempt,
+                     worker_id=result.worker_id)
+
     async def _read_results(self, batch_id: str) -> dict[int, m.BatchLineResult]:
-        """Every line's first result, read back from the stream (for the output files)."""
+        """Every line's first recorded result, read back from the stream (for the output files)."""
         assert self.js is not None
-        last = await self._last_result_seq(batch_id)
+        kept = subjects.batch_results_kept_filter(batch_id)
+        last = await self._last_result_seq(kept)
         found: dict[int, m.BatchLineResult] = {}
         if last == 0:
             return found
-        sub = await self.js.subscribe(subjects.batch_result_subject(batch_id), stream=subjects.BATCH_RESULTS_STREAM,
-                                      ordered_consumer=True)
+        sub = await self.js.subscribe(kept, stream=subjects.BATCH_RESULTS_STREAM, ordered_consumer=True)
         try:
             while True:
                 msg = await sub.next_msg(timeout=10)
                 try:
                     result = _result_decoder.decode(msg.data)
-                    found.setdefault(result.line, result)
                 except msgspec.DecodeError:
-                    pass
+                    result = None
+                if result is not None and result.batch_id == batch_id:
+                    found.setdefault(result.line, result)
                 if msg.metadata.sequence.stream >= last:
                     return found
         finally:
             await sub.unsubscribe()
 
     async def _publish_result(self, result: m.BatchLineResult) -> None:
-        """A line that ends here (refused before running): durable, deduplicated like a worker's."""
+        """Record a line's result (a worker's, taken; or one the line ends with here, refused before
+        running) on this service's own subject, where readers count it. Its message id has a fresh
+        nonce: no one else's publish can have it dropped (a record published twice, the first
+        one counts)."""
         assert self.replies is not None
-        await self.replies.publish_durable(subjects.batch_result_subject(result.batch_id), m.encode(result),
-                                           result.request_id)
+        me = f"batch-{self.id}"
+        await self.replies.publish_durable(
+            subjects.batch_result_subject(result.batch_id, subjects.RESULT_FROM_OWNER, me), m.encode(result),
+            m.batch_result_publish_id(result, f"{subjects.RESULT_FROM_OWNER}.{subjects.token(me)}", m.new_usage_nonce()))
 
     # ---- feeding --------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """In-memory state of the batches being run, rebuilt from the durable stores on start. Pure.
 
-Per batch: which lines have a result (the first one per line wins; later ones are duplicates of a
-line that ran twice), which are out in the fleet (attempt, owner worker once a worker accepted
-it, since when), which still wait to be published, and the counters and usage the record shows.
+Per batch: which lines have a result (the first one the batch service recorded per line wins;
+later ones are duplicates of a line that ran twice), which are out in the fleet (attempt, owner
+worker once a worker accepted it, since when), who holds each attempt (`results`: only its
+holder's result is taken), which still wait to be published, and the counters and usage the
+record shows.
 
 Lines are handed out fairly: tenants take turns line by line, and within a tenant its oldest
 batch goes first. A line goes out again (next attempt) when its owner's heartbeat ends, or when
@@ -20,10 +22,12 @@ the restart are computed twice, on spare capacity.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from proto import messages as m
+
+from .results import NOT_HELD, TAKE, accepted_refusal, verdict
 
 
 @dataclass
@@ -46,6 +50,14 @@ class ActiveBatch:
     pending: deque[int] = field(default_factory=deque)  # never published (or in doubt), in line order
     retry: deque[tuple[int, int]] = field(default_factory=deque)  # (line, attempt) to publish again first
     doubt: set[int] = field(default_factory=set)
+    # (line, attempt) → the worker (subject token) whose `Accepted` made it the attempt's holder
+    holders: dict[tuple[int, int], str] = field(default_factory=dict)
+    recording: set[int] = field(default_factory=set)  # lines whose taken result is being recorded
+    judged: set[int] = field(default_factory=set)  # stream sequences of the workers' results judged
+    blind: set[int] = field(default_factory=set)  # lines whose `Accepted` this process may have missed
+    # (line, attempt) → workers' results of an attempt nobody is known to hold yet (its `Accepted`
+    # may come after the result: another path), judged when it comes
+    waiting: dict[tuple[int, int], list[tuple[tuple[str, str] | None, m.BatchLineResult]]] = field(default_factory=dict)
     usage: m.BatchUsage = field(default_factory=m.BatchUsage)
     completed: int = 0
     failed: int = 0
@@ -68,6 +80,9 @@ class ActiveBatch:
 
     def finished(self) -> bool:
         return len(self.done) >= self.total
+
+
+WAITING_PER_LINE = 2  # results waiting for their attempt's holder, at most, per line of a batch
 
 
 def parse_request_id(request_id: str) -> tuple[str, int] | None:
@@ -94,6 +109,7 @@ class Tracker:
         run.pending = deque(todo)
         if resumed:
             run.doubt = set(todo)
+            run.blind = set(todo)
         if run.tenant not in self._turn:
             self._turn.append(run.tenant)
 
@@ -124,6 +140,7 @@ class Tracker:
             self.on_result(result)
         run.pending = deque(line for line in missing if line not in run.done)
         run.doubt = set(run.pending)
+        run.blind |= run.doubt
         run.retry.clear()
         run.dirty = True
 
@@ -136,6 +153,7 @@ class Tracker:
             return False
         run.done[result.line] = result.ok
         run.outstanding.pop(result.line, None)
+        run.recording.discard(result.line)
         run.doubt.discard(result.line)
         if result.ok:
             run.completed += 1
@@ -150,19 +168,76 @@ class Tracker:
         run.dirty = True
         return True
 
-    def on_accepted(self, accepted: m.Accepted, now: float) -> None:
-        """A worker took a line: it owns it now (the newest attempt's owner counts)."""
+    def on_accepted(self, accepted: m.Accepted, now: float, sender: str,
+                    alive: Callable[[str], bool] = lambda worker: True) -> str | None:
+        """A worker (`sender`, the token its event's subject names) took a line: it holds the
+        attempt now (`results.accepted_refusal`, `alive` tells whether a worker token still
+        heartbeats) and owns the line (the newest attempt's owner counts). Returns why the event
+        is refused (None: taken, or for no tracked line)."""
         parsed = parse_request_id(accepted.request_id)
         run = self.runs.get(parsed[0]) if parsed else None
         if run is None or parsed is None:
-            return
-        entry = run.outstanding.get(parsed[1])
+            return None
+        key = (parsed[1], accepted.attempt)
+        holder = run.holders.get(key)
+        why = accepted_refusal(sender, accepted, holder, holder is not None and alive(holder))
+        if why is not None:
+            return why
+        run.holders[key] = sender  # kept once the line is done: a late forgery is still refused
+        if parsed[1] not in run.done:
+            self._owned(run, parsed[1], accepted, now)
+        return None
+
+    def released(self, accepted: m.Accepted) -> list[tuple[ActiveBatch, tuple[str, str] | None, m.BatchLineResult]]:
+        """The results that waited for the holder of `accepted`'s attempt (now known), to judge."""
+        parsed = parse_request_id(accepted.request_id)
+        run = self.runs.get(parsed[0]) if parsed else None
+        if run is None or parsed is None:
+            return []
+        return [(run, sender, result) for sender, result in run.waiting.pop((parsed[1], accepted.attempt), [])]
+
+    def holder(self, batch_id: str, line: int, attempt: int) -> str | None:
+        """The worker token holding a line's attempt, as its `Accepted` said (None: not known)."""
+        run = self.runs.get(batch_id)
+        return run.holders.get((line, attempt)) if run is not None else None
+
+    def judge(self, run: ActiveBatch, sender: tuple[str, str] | None, result: m.BatchLineResult,
+              holder: str | None) -> str:
+        """`results.verdict` on a worker's result of `run`; a result taken is now being recorded
+        (a second one of the line meanwhile is a duplicate)."""
+        done = result.line in run.done or result.line in run.recording
+        why = verdict(sender, result, run.id, holder, done, blind=result.line in run.blind)
+        if why == TAKE:
+            run.recording.add(result.line)
+        elif why == NOT_HELD and sum(map(len, run.waiting.values())) < WAITING_PER_LINE * run.total:
+            # (Bounded: results no `Accepted` ever claims, forged ones say, cannot fill the memory.)
+            run.waiting.setdefault((result.line, result.attempt), []).append((sender, result))
+        return why
+
+    def lost_sight(self) -> list[tuple[ActiveBatch, tuple[str, str] | None, m.BatchLineResult]]:
+        """This service was disconnected from NATS: `Accepted` events of the lines not done may be
+        lost. Those lines are blind from now on; the results waiting for a holder are returned,
+        to judge again."""
+        out: list[tuple[ActiveBatch, tuple[str, str] | None, m.BatchLineResult]] = []
+        for run in self.runs.values():
+            run.blind |= {line for line in range(run.total) if line not in run.done}
+            for waiting in run.waiting.values():
+                out.extend((run, sender, result) for sender, result in waiting)
+            run.waiting.clear()
+        return out
+
+    def not_recorded(self, run: ActiveBatch, line: int) -> None:
+        """Recording a taken result failed: the line waits for another (its lease sends it out again)."""
+        run.recording.discard(line)
+
+    def _owned(self, run: ActiveBatch, line: int, accepted: m.Accepted, now: float) -> None:
+        entry = run.outstanding.get(line)
         if entry is None:
-            if parsed[1] in run.done or not run.feeding:
+            if not run.feeding:
                 return
             # A requeue by a worker (preemption) of a line we had given up on: it is out again.
-            self._forget_pending(run, parsed[1])
-            run.outstanding[parsed[1]] = Outstanding(accepted.attempt, now, accepted.worker_id)
+            self._forget_pending(run, line)
+            run.outstanding[line] = Outstanding(accepted.attempt, now, accepted.worker_id)
             return
         if accepted.attempt >= entry.attempt:
             entry.attempt, entry.since, entry.worker_id = accepted.attempt, now, accepted.worker_id

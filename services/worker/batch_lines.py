@@ -182,11 +182,18 @@ class BatchLines:
         """Usage first (on disk, its delivery under way), then the result, durably (the batch service
         keeps the first per line). The other order lost the line's usage when the worker died
         between the two: the result stood, so the line never ran again. This order at worst runs a
-        line again after its usage went out, and the ledger keeps one tenant event per request id."""
+        line again after its usage went out, and the ledger keeps one tenant event per request id.
+
+        The result goes out under this worker's name (`inferbus.batchres.<batch>.w.<worker>`) with
+        a message id nobody else can compute (a nonce drawn here, kept for the retries): a worker
+        that published first under the request id cannot have this one dropped as a duplicate."""
         assert request.batch_id is not None  # only batch lines come here
         await self.worker.usage.publish(request, status, usage, finish)
-        subject = subjects.batch_result_subject(request.batch_id)
-        if not await self._publish(subject, m.encode(result), request.request_id, "batch_result_publish_failed",
+        worker_id = self.worker.settings.worker_id
+        subject = subjects.batch_result_subject(request.batch_id, subjects.RESULT_FROM_WORKER, worker_id)
+        msg_id = m.batch_result_publish_id(result, f"{subjects.RESULT_FROM_WORKER}.{subjects.token(worker_id)}",
+                                           m.new_usage_nonce())
+        if not await self._publish(subject, m.encode(result), msg_id, "batch_result_publish_failed",
                                    request_id=request.request_id):
             # The batch service re-feeds a line without a result after its lease: it runs again.
             log.error("batch_result_lost", request_id=request.request_id)
