@@ -5,7 +5,6 @@ its consumer has caught up. Shared by the end-to-end billing checks."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 from typing import Any
 
 import msgspec
@@ -18,15 +17,8 @@ from .conftest import Platform
 
 def new_tenant(platform: Platform, keys: int = 1) -> tuple[str, list[tuple[str, str]]]:
     """A tenant of its own with `keys` API keys: (tenant id, [(secret, key id), ...])."""
-    tenant = "audit-" + secrets.token_hex(4)
-    with platform.admin() as admin:
-        response = admin.post("/tenants", json={"id": tenant})
-        assert response.status_code == 201, response.text
-        made = []
-        for i in range(keys):
-            key = admin.post(f"/tenants/{tenant}/keys", json={"name": f"audit-{i}"}).json()
-            made.append((key["secret"], key["id"]))
-    return tenant, made
+    tenant = platform.create_tenant()
+    return tenant, [platform.new_key(tenant) for _ in range(keys)]
 
 
 def rollups_by_key(platform: Platform, tenant: str, start: float, end: float) -> dict[str, dict[str, int]]:

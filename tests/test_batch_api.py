@@ -41,11 +41,8 @@ STATUSES = {"validating", "failed", "in_progress", "finalizing", "completed", "e
 
 def new_tenant(platform: Platform) -> tuple[str, openai.OpenAI]:
     """A fresh tenant (so listings hold only this test's objects) and an SDK client with its key."""
-    tenant = "t-" + secrets.token_hex(4)
-    with platform.admin() as admin:
-        assert admin.post("/tenants", json={"id": tenant}).status_code == 201
-        secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "batch-test"}).json()["secret"]
-    return tenant, openai.OpenAI(base_url=platform.base_url, api_key=secret, max_retries=0, timeout=30)
+    tenant, key = platform.new_tenant()
+    return tenant, platform.client(api_key=key, timeout=30)
 
 
 def jsonl(n: int, max_tokens: int = 5) -> bytes:

@@ -29,11 +29,9 @@ JUNK = b'{"type":"io.nats.jetstream.api.v1.account_info_response"}'  # what a de
 
 
 def new_tenant(platform: Platform) -> tuple[str, openai.OpenAI]:
-    tenant = "t-" + secrets.token_hex(4)
-    with platform.admin() as admin:
-        assert admin.post("/tenants", json={"id": tenant}).status_code == 201
-        secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "bad-records"}).json()["secret"]
-    return tenant, openai.OpenAI(base_url=platform.base_url, api_key=secret, max_retries=0, timeout=30)
+    """A fresh tenant (so listings hold only this test's objects) and an SDK client with its key."""
+    tenant, key = platform.new_tenant()
+    return tenant, platform.client(api_key=key, timeout=30)
 
 
 def bad_records(platform: Platform) -> dict[str, float]:

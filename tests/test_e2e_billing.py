@@ -30,6 +30,7 @@ from inferbus.stores.pricing import PriceBook, Prices
 from proto import messages as m
 from proto import subjects
 
+from . import waiting
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .ledger import rollup_drained
 
@@ -50,21 +51,13 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 
 def new_tenant(platform: Platform, **fields: object) -> tuple[str, str, str]:
     """A tenant with one key: (tenant id, secret, key id)."""
-    tenant = "b-" + secrets.token_hex(4)
-    with platform.admin() as admin:
-        assert admin.post("/tenants", json={"id": tenant, **fields}).status_code == 201
-        key = admin.post(f"/tenants/{tenant}/keys", json={"name": "billing-test"}).json()
-    return tenant, key["secret"], key["id"]
+    tenant = platform.create_tenant(**fields)
+    return (tenant, *platform.new_key(tenant))
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    """`waiting.wait_for`, polling every 0.2 s for 20 s unless told (the rollups lag by a batch)."""
+    return waiting.wait_for(check, timeout, interval=0.2, what=what)
 
 
 def usage_page(platform: Platform, key: str, path: str = "/usage", **params: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ billed to the tenant on the ledger."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -38,20 +37,12 @@ def on_bus(platform: Platform, key: str, work: Callable[[BusClient], Awaitable[T
     return asyncio.run(run())
 
 
-def new_tenant(platform: Platform, **fields: object) -> tuple[str, str]:
-    tenant = "t-" + secrets.token_hex(4)
-    with platform.admin() as admin:
-        assert admin.post("/tenants", json={"id": tenant, **fields}).status_code in (200, 201)
-        secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "bus"}).json()["secret"]
-    return tenant, secret
-
-
 def request_id(object_id: str) -> str:
     return object_id.split("-", 1)[1]
 
 
 def test_a_chat_completion_over_the_bus_is_billed_to_the_tenant_in_its_band(platform: Platform) -> None:
-    tenant, key = new_tenant(platform, band="premium")
+    tenant, key = platform.new_tenant(band="premium")
     answer = on_bus(platform, key, lambda api: api.chat_completion(model=MODEL, messages=MESSAGES, max_tokens=5))
     assert answer["object"] == "chat.completion" and answer["model"] == MODEL
     assert answer["choices"][0]["message"]["role"] == "assistant" and answer["choices"][0]["finish_reason"] == "length"
@@ -68,7 +59,7 @@ def test_a_chat_completion_over_the_bus_is_billed_to_the_tenant_in_its_band(plat
 
 
 def test_a_streamed_reply_comes_as_openai_chunks_with_usage(platform: Platform) -> None:
-    tenant, key = new_tenant(platform)
+    tenant, key = platform.new_tenant()
 
     async def work(api: BusClient) -> list[dict[str, Any]]:
         return [chunk async for chunk in api.stream_chat_completion(
@@ -101,7 +92,7 @@ def test_a_bad_key_is_a_401_and_a_missing_one_too(platform: Platform) -> None:
 
 
 def test_the_tenants_quota_is_a_429_over_the_bus(platform: Platform) -> None:
-    _, key = new_tenant(platform, limits={"requests_per_minute": 1})
+    _, key = platform.new_tenant(limits={"requests_per_minute": 1})
 
     async def twice(api: BusClient) -> BusAPIError:
         await api.chat_completion(model=MODEL, messages=MESSAGES, max_tokens=2)
@@ -115,7 +106,7 @@ def test_the_tenants_quota_is_a_429_over_the_bus(platform: Platform) -> None:
 
 
 def test_bad_input_over_the_bus_is_a_400(platform: Platform) -> None:
-    _, key = new_tenant(platform)
+    _, key = platform.new_tenant()
     with pytest.raises(BusAPIError) as raised:
         on_bus(platform, key, lambda api: api.chat_completion(model=MODEL, messages=[], max_tokens=2))
     assert raised.value.status == 400 and raised.value.error["param"] == "messages"
@@ -130,7 +121,7 @@ def test_bad_input_over_the_bus_is_a_400(platform: Platform) -> None:
 
 
 def test_leaving_a_stream_early_cancels_the_request(platform: Platform) -> None:
-    tenant, key = new_tenant(platform)
+    tenant, key = platform.new_tenant()
 
     async def three_chunks(api: BusClient) -> str:
         stream = api.stream_chat_completion(model=MODEL, messages=MESSAGES, max_tokens=2000)

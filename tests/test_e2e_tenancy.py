@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -22,15 +21,6 @@ from .waiting import await_for, wait_for
 pytestmark = pytest.mark.e2e
 
 
-def new_tenant(platform: Platform, **fields: object) -> tuple[str, str]:
-    """Create a tenant with `fields` through the admin API; return (tenant id, API key)."""
-    tenant = "t-" + secrets.token_hex(4)
-    with platform.admin() as admin:
-        assert admin.post("/tenants", json={"id": tenant, **fields}).status_code in (200, 201)
-        secret = admin.post(f"/tenants/{tenant}/keys", json={"name": "test"}).json()["secret"]
-    return tenant, secret
-
-
 def client_for(platform: Platform, key: str, **options: object) -> openai.OpenAI:
     return openai.OpenAI(base_url=platform.base_url, api_key=key, **{"max_retries": 0, **options})  # type: ignore[arg-type]
 
@@ -42,7 +32,7 @@ def ask(client: openai.OpenAI, max_tokens: int = 3):  # type: ignore[no-untyped-
 
 
 def test_requests_per_minute_limit_is_a_429_with_retry_headers(platform: Platform) -> None:
-    _, key = new_tenant(platform, limits={"requests_per_minute": 3})
+    _, key = platform.new_tenant(limits={"requests_per_minute": 3})
     client = client_for(platform, key)
     ok = ask(client)
     assert ok.headers["x-ratelimit-limit-requests"] == "3"
@@ -59,7 +49,7 @@ def test_requests_per_minute_limit_is_a_429_with_retry_headers(platform: Platfor
 
 
 def test_a_spent_budget_is_insufficient_quota_and_the_sdk_does_not_retry(platform: Platform) -> None:
-    _, key = new_tenant(platform, limits={"monthly_budget_usd": 0.0000001})
+    _, key = platform.new_tenant(limits={"monthly_budget_usd": 0.0000001})
     client = client_for(platform, key, max_retries=3)
     started = time.monotonic()
     with pytest.raises(openai.RateLimitError) as raised:
@@ -70,7 +60,7 @@ def test_a_spent_budget_is_insufficient_quota_and_the_sdk_does_not_retry(platfor
 
 
 def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None:
-    _, key = new_tenant(platform, limits={"max_concurrent": 1})
+    _, key = platform.new_tenant(limits={"max_concurrent": 1})
     client = client_for(platform, key, timeout=30)
     with client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "long"}],
                                         max_tokens=2000, stream=True) as stream:
@@ -83,7 +73,7 @@ def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None
 
 
 def test_one_at_a_time_never_trips_a_concurrency_limit_of_one(platform: Platform) -> None:
-    _, key = new_tenant(platform, limits={"max_concurrent": 1})
+    _, key = platform.new_tenant(limits={"max_concurrent": 1})
     client = client_for(platform, key)
     for _ in range(10):  # each starts right after the previous answer: the slot must be free already
         ask(client)
@@ -94,7 +84,7 @@ def test_one_at_a_time_never_trips_a_concurrency_limit_of_one(platform: Platform
 
 
 def test_models_a_tenant_may_not_use_look_like_models_that_do_not_exist(platform: Platform) -> None:
-    _, key = new_tenant(platform, models=["some-other-model"])
+    _, key = platform.new_tenant(models=["some-other-model"])
     with pytest.raises(openai.NotFoundError) as raised:
         ask(client_for(platform, key))
     assert raised.value.code == "model_not_found"
@@ -106,7 +96,7 @@ def test_reservations_reconcile_exactly_to_the_engine_reported_usage(platform: P
     from inferbus.stores.admission import Admission
     from inferbus.stores.pricing import Prices
 
-    tenant, key = new_tenant(platform, limits={"monthly_budget_usd": 100.0})
+    tenant, key = platform.new_tenant(limits={"monthly_budget_usd": 100.0})
     client = client_for(platform, key)
     # max_tokens 500 reserves far more than a request stopped after a few words uses; greedy
     # output is deterministic, so a word of it makes a stop sequence.
@@ -165,7 +155,7 @@ def second_gateway(platform: Platform) -> Iterator[str]:
 
 
 def test_two_gateways_do_not_give_a_tenant_twice_its_limit(platform: Platform, second_gateway: str) -> None:
-    _, key = new_tenant(platform, limits={"requests_per_minute": 10})
+    _, key = platform.new_tenant(limits={"requests_per_minute": 10})
     urls = [platform.base_url, second_gateway + "/v1"]
 
     async def hammer() -> list[int]:
@@ -229,8 +219,8 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(tight: Plat
     # Counted in requests, not in seconds: the share is taken while both tenants send, over as
     # many completions as it takes, so a machine busy with other work slows both alike.
     contended = tight
-    _, heavy = new_tenant(contended, band="premium")
-    _, light = new_tenant(contended, band="premium")
+    _, heavy = contended.new_tenant(band="premium")
+    _, light = contended.new_tenant(band="premium")
 
     async def both() -> _Tally:
         tally = _Tally()
@@ -270,8 +260,8 @@ def test_a_tenant_sending_ten_times_more_gets_no_more_than_its_share(tight: Plat
 
 
 def test_an_overloaded_platform_sheds_standard_with_503_and_keeps_serving_premium(tight: Platform) -> None:
-    _, standard = new_tenant(tight)
-    _, premium = new_tenant(tight, band="premium")
+    _, standard = tight.new_tenant()
+    _, premium = tight.new_tenant(band="premium")
 
     async def flood() -> tuple[list[httpx.Response], list[int]]:
         async with httpx.AsyncClient(timeout=60) as http:
