@@ -15,7 +15,8 @@ from services.batch.tracker import ActiveBatch, Tracker
 W, O = subjects.RESULT_FROM_WORKER, subjects.RESULT_FROM_OWNER
 
 
-def result(worker_id: str = "worker-1", line: int = 0, batch_id: str = "batch_x", **fields: object) -> m.BatchLineResult:
+def result(worker_id: str = "worker-1", line: int = 0, batch_id: str = "batch_x",
+           **fields: object) -> m.BatchLineResult:
     return m.BatchLineResult(batch_id=batch_id, line=line, request_id=m.batch_request_id(batch_id, line), attempt=0,
                              finished=0.0, worker_id=worker_id, text="ok", **fields)  # type: ignore[arg-type]
 
@@ -64,8 +65,9 @@ def test_an_accepted_makes_its_publisher_the_holder_unless_a_live_worker_holds_i
 
 def run_of(total: int = 3) -> tuple[Tracker, ActiveBatch]:
     tracker = Tracker(60.0)
-    run = ActiveBatch(record=m.BatchRecord(id="batch_x", tenant="acme", input_file_id="f", endpoint="/v1/chat/completions",
-                                           completion_window="24h", created_at=0, expires_at=0, status="in_progress"),
+    record = m.BatchRecord(id="batch_x", tenant="acme", input_file_id="f", endpoint="/v1/chat/completions",
+                           completion_window="24h", created_at=0, expires_at=0, status="in_progress")
+    run = ActiveBatch(record=record,
                       custom_ids=[f"c{i}" for i in range(total)], offsets=[0] * total, base_model="m", loaded=True)
     tracker.add(run, resumed=False)
     return tracker, run
@@ -80,7 +82,8 @@ def test_the_tracker_knows_each_attempts_holder_from_its_accepted() -> None:
     assert tracker.on_accepted(accepted("worker-2"), 2.0, "worker-2", live.__contains__) == "attempt_held_by_another"
     assert tracker.holder("batch_x", 0, 0) == "worker-1" and run.outstanding[0].worker_id == "worker-1"
     # An `Accepted` naming worker-1 published by worker-2: refused, no holder for attempt 1.
-    assert tracker.on_accepted(accepted("worker-1", attempt=1), 2.0, "worker-2", live.__contains__) == "names_another_worker"
+    refused = tracker.on_accepted(accepted("worker-1", attempt=1), 2.0, "worker-2", live.__contains__)
+    assert refused == "names_another_worker"
     assert tracker.holder("batch_x", 0, 1) is None
     # worker-1's heartbeat ended: worker-2 takes the attempt over.
     assert tracker.on_accepted(accepted("worker-2"), 3.0, "worker-2", lambda worker: False) is None
@@ -132,7 +135,8 @@ def test_where_the_accepted_may_have_been_missed_a_result_without_holder_is_judg
     assert verdict((W, "worker-1"), result("worker-1"), "batch_x", None, False, blind=True) == TAKE
     assert verdict((W, "worker-2"), result("worker-1"), "batch_x", None, False, blind=True) == "names_another_worker"
     # A known holder still decides.
-    assert verdict((W, "worker-2"), result("worker-2"), "batch_x", "worker-1", False, blind=True) == "attempt_held_by_another"
+    held = verdict((W, "worker-2"), result("worker-2"), "batch_x", "worker-1", False, blind=True)
+    assert held == "attempt_held_by_another"
 
 
 def test_lines_out_while_the_service_was_away_are_blind() -> None:

@@ -490,10 +490,13 @@ def test_a_dead_workers_lines_go_out_again_first_with_the_next_attempt() -> None
     run = make_run("batch_x", "a", 4)
     tracker.add(run, resumed=False)
     tracker.take(2, now=0.0)
-    tracker.on_accepted(m.Accepted(request_id="batch_x-0", attempt=0, worker_id="w1", queue_wait=0.1), now=1.0, sender="w1")
-    tracker.on_accepted(m.Accepted(request_id="batch_x-1", attempt=0, worker_id="w2", queue_wait=0.1), now=1.0, sender="w2")
+    tracker.on_accepted(m.Accepted(request_id="batch_x-0", attempt=0, worker_id="w1",
+                                  queue_wait=0.1), now=1.0, sender="w1")
+    tracker.on_accepted(m.Accepted(request_id="batch_x-1", attempt=0, worker_id="w2",
+                                  queue_wait=0.1), now=1.0, sender="w2")
     # w2 preempted line 1 and another worker took it as attempt 1.
-    tracker.on_accepted(m.Accepted(request_id="batch_x-1", attempt=1, worker_id="w1", queue_wait=0.1), now=2.0, sender="w1")
+    tracker.on_accepted(m.Accepted(request_id="batch_x-1", attempt=1, worker_id="w1",
+                                  queue_wait=0.1), now=2.0, sender="w1")
     assert tracker.worker_gone("w2") == 0
     assert tracker.worker_gone("w1") == 2 and tracker.outstanding() == 0
     taken = [(line, attempt) for _, line, attempt, _ in tracker.take(3, now=3.0)]
@@ -505,7 +508,8 @@ def test_lines_without_a_result_for_a_lease_go_out_again() -> None:
     run = make_run("batch_x", "a", 2)
     tracker.add(run, resumed=False)
     tracker.take(2, now=0.0)
-    tracker.on_accepted(m.Accepted(request_id="batch_x-1", attempt=0, worker_id="w1", queue_wait=0.1), now=30.0, sender="w1")
+    tracker.on_accepted(m.Accepted(request_id="batch_x-1", attempt=0, worker_id="w1",
+                                  queue_wait=0.1), now=30.0, sender="w1")
     assert tracker.expire_leases(now=59.0) == 0
     assert tracker.expire_leases(now=60.0) == 1  # line 0: published at 0, never heard of
     assert [(line, attempt) for _, line, attempt, _ in tracker.take(5, now=61.0)] == [(0, 1)]
@@ -521,7 +525,8 @@ def test_a_resumed_batch_skips_done_lines_and_marks_the_rest_in_doubt() -> None:
     tracker.on_result(done("batch_x", 1))
     run.loaded = True
     # A worker requeued line 2 (preemption) and another took it: it is out, not to be published.
-    tracker.on_accepted(m.Accepted(request_id="batch_x-2", attempt=1, worker_id="w9", queue_wait=0.0), now=0.0, sender="w9")
+    tracker.on_accepted(m.Accepted(request_id="batch_x-2", attempt=1, worker_id="w9",
+                                  queue_wait=0.0), now=0.0, sender="w9")
     taken = [(line, attempt, doubt) for _, line, attempt, doubt in tracker.take(4, now=0.0)]
     assert taken == [(0, 0, True), (3, 0, True)]
     tracker.published(run, 0, 2)
@@ -533,7 +538,8 @@ def test_stopping_a_batch_returns_its_lines_in_flight_and_feeds_nothing_more() -
     run = make_run("batch_x", "a", 5)
     tracker.add(run, resumed=False)
     tracker.take(2, now=0.0)
-    tracker.on_accepted(m.Accepted(request_id="batch_x-0", attempt=0, worker_id="w1", queue_wait=0.1), now=1.0, sender="w1")
+    tracker.on_accepted(m.Accepted(request_id="batch_x-0", attempt=0, worker_id="w1",
+                                  queue_wait=0.1), now=1.0, sender="w1")
     out = tracker.stop_feeding("batch_x")
     assert [line for line, _ in out] == [0, 1] and tracker.waiting() == 0 and tracker.take(5, now=0.0) == []
     # Lines being cancelled stay counted until they report (or the grace ends): nothing goes out again.

@@ -107,7 +107,8 @@ def test_chat_and_completions_batches_complete(platform: Platform, client: opena
     chat = client.batches.create(input_file_id=upload(client, chat_items), endpoint=CHAT, completion_window="24h",
                                  metadata={"purpose": "e2e"})
     completion_items = [{"custom_id": f"p{i}", "method": "POST", "url": COMPLETIONS,
-                         "body": {"model": MODEL, "prompt": f"Once upon a time {i}", "max_tokens": 6}} for i in range(12)]
+                         "body": {"model": MODEL, "prompt": f"Once upon a time {i}", "max_tokens": 6}}
+                        for i in range(12)]
     text = client.batches.create(input_file_id=upload(client, completion_items), endpoint=COMPLETIONS,
                                  completion_window="24h")
     assert chat.status == "validating"
@@ -143,7 +144,8 @@ def test_chat_and_completions_batches_complete(platform: Platform, client: opena
     assert finished.status == "completed" and finished.request_counts and finished.request_counts.completed == 12
     for line in file_lines(client, finished.output_file_id):
         body = Completion.model_validate(line["response"]["body"])
-        assert body.object == "text_completion" and body.choices[0].text and body.usage and body.usage.completion_tokens == 6
+        assert body.object == "text_completion" and body.choices[0].text
+        assert body.usage and body.usage.completion_tokens == 6
     listed = client.batches.list(limit=100)
     assert {chat.id, text.id} <= {b.id for b in listed.data}
 
@@ -193,7 +195,8 @@ def test_cancel_mid_batch_keeps_what_finished(client: openai.OpenAI) -> None:
     assert (cancelled.request_counts.completed, cancelled.request_counts.failed) == (len(out), len(errors))
 
 
-def test_a_batch_past_its_window_expires_with_the_part_that_completed(platform: Platform, client: openai.OpenAI) -> None:
+def test_a_batch_past_its_window_expires_with_the_part_that_completed(platform: Platform,
+                                                                       client: openai.OpenAI) -> None:
     # 24 h × 0.0001 ≈ 9 s for batches validated by this batch service.
     restart_batch_service(platform, env={"INFERBUS_BATCH_WINDOW_SCALE": "0.0001"})
     try:
@@ -399,8 +402,9 @@ def test_only_the_holder_of_a_lines_attempt_gives_its_result(platform: Platform,
                                        worker_id=forger, text="FORGED", finish_reason="stop",
                                        usage=m.Usage(prompt_tokens=1, completion_tokens=1))
             subject = subjects.batch_result_subject(batch.id, subjects.RESULT_FROM_WORKER, forger)
-            for result, msg_id in ((forged, rid), *((msgspec.structs.replace(forged, worker_id=worker), f"{rid}.w.{worker}")
-                                                    for worker in workers)):
+            as_workers = ((msgspec.structs.replace(forged, worker_id=worker), f"{rid}.w.{worker}")
+                          for worker in workers)
+            for result, msg_id in ((forged, rid), *as_workers):
                 ack = await js.publish(subject, m.encode(result), headers={"Nats-Msg-Id": msg_id})
                 assert not ack.duplicate
             # And an `Accepted` of the attempt naming each real worker, on worker-9's event subject.

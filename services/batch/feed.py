@@ -18,7 +18,8 @@ Two limits follow, and the policy takes the smaller:
    running count, `t(B) ≈ base + per_seq·B`, adding `b` batch sequences next to `i` interactive
    ones slows the step by `per_seq·b / (base + per_seq·i)`. Keeping that at most `max_slowdown`
    gives `b ≤ max_slowdown · (base/per_seq + i)`: about 11 + 0.1·i lines per H100 TP2 worker at
-   10% (`inferbus.step_cost`, with each worker's GPU and TP as it reports them). A worker also keeps `reserve_slots` free for interactive arrivals, and never goes past
+   10% (`inferbus.step_cost`, with each worker's GPU and TP as it reports them). A worker also
+   keeps `reserve_slots` free for interactive arrivals, and never goes past
    its `max_running` (which counts interactive and batch work alike). Summed over serving,
    non-draining workers this is `spare`.
    A worker under local pressure gets no share of spare (cap 0) while the rest of the fleet keeps
@@ -33,7 +34,8 @@ Two limits follow, and the policy takes the smaller:
    of a window in which batch was light (at most `light_per_worker` batch lines per serving worker
    on average, and at least `baseline_min_samples` interactive completions), smoothed in time
    (`baseline_tau_s`) over such windows; with interactive work present, the feed learns for
-   `baseline_wait_s` after its first report before it feeds at all (without one the budget is `pressure_fraction` × SLO). Batch
+   `baseline_wait_s` after its first report before it feeds at all (without one the budget is
+   `pressure_fraction` × SLO). Batch
    is light whenever the batch queue runs dry, so the baseline follows the interactive load over
    the day without ever absorbing batch's own cost. The queue-wait budget stays absolute
    (`pressure_fraction` × `queue_wait_budget_s`). Over budget the target drops by
@@ -264,7 +266,8 @@ class FeedPolicy:
         elif tpot_p90 is not None and tpot_p90 > tpot_budget:
             reason = f"interactive p90 TPOT {tpot_p90 * 1000:.1f} ms > budget {tpot_budget * 1000:.1f} ms"
         elif queue_p90 is not None and queue_p90 > c.pressure_fraction * c.queue_wait_budget_s:
-            reason = f"interactive p90 queue wait {queue_p90:.3f} s > {c.pressure_fraction:g} x budget {c.queue_wait_budget_s:g} s"
+            reason = (f"interactive p90 queue wait {queue_p90:.3f} s > {c.pressure_fraction:g} x budget "
+                      f"{c.queue_wait_budget_s:g} s")
         pressure = bool(reason)
 
         elapsed = 0.0 if self._last_update is None else max(0.0, now - self._last_update)
@@ -301,9 +304,11 @@ class FeedPolicy:
         self._last_learn = now
         a = min(1.0, max(0.0, elapsed) / self.config.baseline_tau_s)
         if ttft_p90 is not None:
-            self._baseline_ttft = ttft_p90 if self._baseline_ttft is None else (1 - a) * self._baseline_ttft + a * ttft_p90
+            known = self._baseline_ttft
+            self._baseline_ttft = ttft_p90 if known is None else (1 - a) * known + a * ttft_p90
         if tpot_p90 is not None:
-            self._baseline_tpot = tpot_p90 if self._baseline_tpot is None else (1 - a) * self._baseline_tpot + a * tpot_p90
+            known = self._baseline_tpot
+            self._baseline_tpot = tpot_p90 if known is None else (1 - a) * known + a * tpot_p90
 
     def _budget(self, baseline: float | None, slo: float) -> float:
         cap = self.config.pressure_fraction * slo

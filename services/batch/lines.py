@@ -84,7 +84,8 @@ class LinePlan:
     input_ids: list[int] = field(default_factory=list)  # the prompt as the served model's tokenizer encodes it
 
 
-def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: int, default_max_tokens: int) -> LinePlan:
+def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: int,
+              default_max_tokens: int) -> LinePlan:
     """Render a line's body with the served model's template and tokenizer, as the gateway does;
     OpenAIError when the request itself is invalid (a per-line error)."""
     params = parse_body(endpoint, body)
@@ -103,7 +104,8 @@ def plan_line(endpoint: str, body: bytes, *, model: ServedModel, max_model_len: 
         params, responses.max_new_tokens(params.max_tokens, prompt_tokens, max_model_len, default_max_tokens))
     return LinePlan(kind=ENDPOINT_KINDS[endpoint], model=params.model, prompt=prompt.text, prompt_tokens=prompt_tokens,
                     sampling=sampling, input_ids=prompt.ids,
-                    user=params.user or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None))
+                    user=params.user or (params.safety_identifier
+                                         if isinstance(params, schemas.ChatCompletionRequest) else None))
 
 
 def line_sampling(params: schemas.ChatCompletionRequest | schemas.CompletionRequest,
@@ -124,7 +126,8 @@ def encode_request(request: m.InferenceRequest) -> bytes:
 
 
 def line_request(plan: LinePlan, *, batch_id: str, line: int, tenant: str, api_key_id: str, base_model: str,
-                 adapter: str | None, deadline: float, now: float, reply_to: str, attempt: int = 0) -> m.InferenceRequest:
+                 adapter: str | None, deadline: float, now: float, reply_to: str,
+                 attempt: int = 0) -> m.InferenceRequest:
     """The request of one attempt at a line (the batch band, below every interactive band)."""
     return m.InferenceRequest(
         request_id=m.batch_request_id(batch_id, line), tenant=tenant, model=base_model, prompt=plan.prompt,
@@ -154,12 +157,14 @@ def output_line(result: m.BatchLineResult, custom_id: str, kind: str, model: str
     entry: dict[str, Any] = {"id": output_id(result.request_id), "custom_id": custom_id}
     if result.ok:
         body = responses.completion_body(kind, object_id(kind, result.request_id), int(result.finished), model,
-                                         result.text, result.finish_reason, result.usage or m.Usage(prompt_tokens=0, completion_tokens=0))
+                                         result.text, result.finish_reason,
+                                         result.usage or m.Usage(prompt_tokens=0, completion_tokens=0))
         entry["response"] = {"status_code": 200, "request_id": result.request_id, "body": body}
         entry["error"] = None
     elif result.error_code in (CANCELLED, EXPIRED):
         entry["response"] = None
-        entry["error"] = {"code": result.error_code, "message": result.error_message or _default_message(result.error_code)}
+        message = result.error_message or _default_message(result.error_code)
+        entry["error"] = {"code": result.error_code, "message": message}
     else:
         status = result.status if result.status >= 400 else 500
         error = OpenAIError(status, result.error_message or "The request failed.", code=result.error_code)

@@ -3,11 +3,12 @@
 A worker publishes a line's result on `inferbus.batchres.<batch>.w.<worker>`, and NATS binds that
 last token to the publishing identity (per-pod identities, `inferbus up`), as it does the worker's
 stream events (`inferbus.tok.<owner>.<worker>`). The batch service takes a worker's result only
-from the worker that holds the line's attempt. The holder is the worker whose `Accepted` for the attempt reached the batch service on the
-subject that names it (`accepted_refusal`: the event must name its publisher, and a later
-`Accepted` of the same attempt by another worker replaces the holder only once the holder's
-heartbeat ended: a take-over). A result of an attempt nobody is known to hold yet (its `Accepted`
-travels another path and may come later) waits for it. Where the service may have missed the
+from the worker that holds the line's attempt. The holder is the worker whose `Accepted` for the
+attempt reached the batch service on the subject that names it (`accepted_refusal`: the event
+must name its publisher, and a later `Accepted` of the same attempt by another worker replaces the
+holder only once the holder's heartbeat ended: a take-over). A result of an attempt nobody is
+known to hold yet (its `Accepted` travels another path and may come later) waits for it. Where
+the service may have missed the
 `Accepted` (a line in doubt after it started, a line not done when it reconnected to NATS: core
 NATS messages are lost meanwhile), a result of an attempt with no known holder is judged by its
 names alone, as billing judges usage without a claim; else those lines would all run again.

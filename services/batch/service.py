@@ -242,8 +242,8 @@ class BatchService:
             trace = {k: v for k, v in (msg.headers or {}).items() if not k.lower().startswith("nats-")}
             try:
                 await dispatch_records.publish(self.replies, request)
-                await self.replies.publish_durable(subject, m.encode(request), f"{request.request_id}.{request.attempt}",
-                                                   headers=trace)
+                await self.replies.publish_durable(subject, m.encode(request),
+                                                   f"{request.request_id}.{request.attempt}", headers=trace)
             except Exception as error:  # the worker tries again; else the line's lease sends it out
                 log.warning("batch_requeue_failed", request_id=request.request_id, error=repr(error))
                 return
@@ -366,7 +366,8 @@ class BatchService:
             return
         if source.bytes > self.settings.max_bytes:
             await self._fail(record, [m.BatchErrorEntry(code="file_too_large", param="input_file_id",
-                                                        message=f"The input file is larger than {self.settings.max_bytes} bytes.")])
+                                                        message="The input file is larger than "
+                                                                f"{self.settings.max_bytes} bytes.")])
             return
         tenant = await self.tenants.get(record.tenant)
         loop = asyncio.get_running_loop()
@@ -429,7 +430,8 @@ class BatchService:
         assert self.files is not None
         source = await self.files.get(record.tenant, record.input_file_id)
         if source is None:
-            await self._fail(record, [m.BatchErrorEntry(code="file_not_found", message=f"Input file {record.input_file_id} is gone.")])
+            await self._fail(record, [m.BatchErrorEntry(code="file_not_found",
+                                                        message=f"Input file {record.input_file_id} is gone.")])
             return None
         run = ActiveBatch(record=record, custom_ids=verdict.custom_ids, offsets=verdict.offsets, base_model=base,
                        adapter=adapter, input_path=str(self.files.path(source)))
@@ -570,7 +572,8 @@ class BatchService:
         me = f"batch-{self.id}"
         await self.replies.publish_durable(
             subjects.batch_result_subject(result.batch_id, subjects.RESULT_FROM_OWNER, me), m.encode(result),
-            m.batch_result_publish_id(result, f"{subjects.RESULT_FROM_OWNER}.{subjects.token(me)}", m.new_usage_nonce()))
+            m.batch_result_publish_id(result, f"{subjects.RESULT_FROM_OWNER}.{subjects.token(me)}",
+                                      m.new_usage_nonce()))
 
     # ---- feeding --------------------------------------------------------------------------
 
@@ -696,7 +699,8 @@ class BatchService:
                 run.id, line, "input_unreadable", "The line could not be read from the input file.", 500, now))
             return
         try:
-            plan = line_format.plan_line(record.endpoint, body, model=self.served, max_model_len=context_window(self.settings.max_model_len, self.served),
+            plan = line_format.plan_line(record.endpoint, body, model=self.served,
+                                         max_model_len=context_window(self.settings.max_model_len, self.served),
                                          default_max_tokens=self.settings.default_max_tokens)
         except OpenAIError as error:
             # The request itself is invalid (say, too long for the context): its line says so.
@@ -708,7 +712,8 @@ class BatchService:
         while True:
             request = line_format.line_request(
                 plan, batch_id=run.id, line=line, tenant=record.tenant, api_key_id=record.api_key_id,
-                base_model=run.base_model, adapter=run.adapter, deadline=float(self._latest.get(run.id, record).expires_at),
+                base_model=run.base_model, adapter=run.adapter,
+                deadline=float(self._latest.get(run.id, record).expires_at),
                 now=now, reply_to=self.reply_subject, attempt=attempt,
             )
             try:
@@ -809,7 +814,8 @@ class BatchService:
         assert self.files is not None
         output_file = error_file = None
         if outputs:
-            output_file = (await self.files.write(record.tenant, f"{record.id}_output.jsonl", "batch_output", outputs)).id
+            output_file = (await self.files.write(record.tenant, f"{record.id}_output.jsonl", "batch_output",
+                                                  outputs)).id
         if errors:
             error_file = (await self.files.write(record.tenant, f"{record.id}_error.jsonl", "batch_output", errors)).id
         now = int(time.time())

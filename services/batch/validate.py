@@ -96,7 +96,8 @@ def validate(raw_lines: Iterable[bytes], endpoint: str, limits: Limits = Limits(
             continue
         if item.custom_id in seen:
             if error("duplicate_custom_id", f"Line {number}: custom_id `{item.custom_id}` is already used on line "
-                     f"{seen[item.custom_id]}; custom_id must be unique within a batch.", line=number, param="custom_id"):
+                     f"{seen[item.custom_id]}; custom_id must be unique within a batch.", line=number,
+                     param="custom_id"):
                 return errors
             continue
         seen[item.custom_id] = number
@@ -106,7 +107,8 @@ def validate(raw_lines: Iterable[bytes], endpoint: str, limits: Limits = Limits(
                 return errors
             continue
         if item.url != endpoint:
-            if error("invalid_url", f"Line {number}: url `{item.url}` does not match the batch's endpoint `{endpoint}`.",
+            if error("invalid_url",
+                     f"Line {number}: url `{item.url}` does not match the batch's endpoint `{endpoint}`.",
                      line=number, param="url"):
                 return errors
             continue

@@ -175,7 +175,8 @@ class BatchLines:
         worker.stats.completed += 1
         if request.band == "batch":
             worker.stats.completed_batch += 1
-        worker.background.spawn(self._finish(request, result, status, line_usage(entry), result.finish_reason or "error"))
+        finish = result.finish_reason or "error"
+        worker.background.spawn(self._finish(request, result, status, line_usage(entry), finish))
 
     async def _finish(self, request: m.InferenceRequest, result: m.BatchLineResult, status: str,
                       usage: m.Usage, finish: str) -> None:
