@@ -97,7 +97,7 @@ class Worker:
         self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=settings.engine_hang_after_s,
                                     down_after_s=settings.engine_dead_after_s, max_errors=settings.engine_max_errors)
         self.exit_code = 0  # non-zero: the process exits with it (gpu_death.EXIT_GPU_DEATH)
-        self.watch = EngineWatch(self)
+        self.watch: EngineWatch = EngineWatch(self)
         self.stats = ServingStats()
         self.reporter = LoadReporter(self)
         self.running: dict[str, Attempt] = {}
@@ -121,8 +121,8 @@ class Worker:
         self.leaving = False  # drain (SIGTERM / control) in progress: the worker exits after it
         self.started = time.time()
         self.claims = Claims(claims_kv, kv, settings.worker_id, self.started)  # one run per attempt delivered
-        self.wake = asyncio.Event()  # slots or the engine came back: the pull loop looks again
-        self.load_changed = asyncio.Event()  # report load soon, not at the next interval
+        self.wake: asyncio.Event = asyncio.Event()  # slots or the engine came back: the pull loop looks again
+        self.load_changed: asyncio.Event = asyncio.Event()  # report load soon, not at the next interval
         self._preloads: set[asyncio.Future[None]] = set()  # adapter loads the routers asked for
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -271,7 +271,7 @@ class Worker:
         self.leaving = True
         self.draining = True
         log.info("worker_draining", in_flight=len(self.running), phase=self.phase)
-        await self._stop_pulling()
+        await self.stop_pulling()
         if self.phase == "serving":
             await self.reporter.heartbeat()
         else:
@@ -279,10 +279,50 @@ class Worker:
         await self._finish_in_flight()
         await self.stop()
 
-    async def _stop_pulling(self) -> None:
+    # ---- what the parts ask of the worker ---------------------------------------------------
+    # Each part (serving, reporting, engine_watch, gpu_death, prefill_side, decode_side) names in a
+    # Protocol of its own module what it may use of the worker; these say what a part means instead
+    # of reaching into another part.
+
+    async def stop_pulling(self) -> None:
         if self.serving is not None:
             for puller in self.serving.pullers:
                 await puller.stop()
+
+    def forget_pulls(self) -> None:
+        """Pull requests made before a pause or a reconnect may be gone from the server."""
+        if self.serving is not None:
+            for puller in self.serving.pullers:
+                puller.forget_pulls()
+
+    async def announce(self) -> None:
+        """Put the heartbeat now, if serving (`LoadReporter.publish_heartbeat`)."""
+        await self.reporter.publish_heartbeat()
+
+    def refresh_beat(self) -> None:
+        """The liveness thread keeps putting the heartbeat as it is now."""
+        self.liveness.set_beat(self.reporter.beat())
+
+    def engine_down(self, why: str) -> None:
+        self.watch.down(why)
+
+    def verify_soon(self, why: str) -> None:
+        self.watch.verify_soon(why)
+
+    def note_tick(self) -> None:
+        """The loop runs (a token arrived): a gap since the last tick was a pause of this process."""
+        self.watch.tick()
+
+    def pulls_held(self) -> bool:
+        """Verifying engine and consumers after a pause: pull nothing, say draining."""
+        return self.watch.holding_pulls
+
+    def relearn_bootstrap(self) -> None:
+        """A new prefill engine may serve its bootstrap server on another port."""
+        if self.prefill is not None:
+            s = self.settings
+            self.prefill.bootstrap_host, self.prefill.bootstrap_port = bootstrap_address(
+                self.engine_info, s.engine_url, s.engine_bootstrap_host)
 
     def bands(self) -> list[Band]:
         """The bands this worker pulls: none for a prefill worker (decode workers send it work)."""
@@ -323,7 +363,7 @@ class Worker:
             return
         self.draining = True
         log.info("worker_demoting", in_flight=len(self.running))
-        await self._stop_pulling()
+        await self.stop_pulling()
         await self.reporter.heartbeat()
         self.load_changed.set()
         await self._finish_in_flight()
@@ -400,8 +440,7 @@ class Worker:
         if self.serving is None:
             return  # still starting: start() sets the bus up once the engine is loaded
         await bus.retry_forever("bus setup after reconnect", self.setup_bus)
-        for puller in self.serving.pullers:  # the server may have lost our pull requests
-            puller.forget_pulls()
+        self.forget_pulls()  # the server may have lost our pull requests
 
     # ---- control ---------------------------------------------------------------------------
 
