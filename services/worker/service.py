@@ -97,9 +97,7 @@ class Worker:
         self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=settings.engine_hang_after_s,
                                     down_after_s=settings.engine_dead_after_s, max_errors=settings.engine_max_errors)
         self.exit_code = 0  # non-zero: the process exits with it (gpu_death.EXIT_GPU_DEATH)
-        self.watch: EngineWatch = EngineWatch(self)
         self.stats = ServingStats()
-        self.reporter = LoadReporter(self)
         self.running: dict[str, Attempt] = {}
         self.serving: Serving | None = None  # once the engine is loaded and its capacity known
         self.cache_relay: CacheRelay | None = None  # with INFERBUS_ENGINE_KV_EVENTS
@@ -121,14 +119,18 @@ class Worker:
         self.leaving = False  # drain (SIGTERM / control) in progress: the worker exits after it
         self.started = time.time()
         self.claims = Claims(claims_kv, kv, settings.worker_id, self.started)  # one run per attempt delivered
-        self.wake: asyncio.Event = asyncio.Event()  # slots or the engine came back: the pull loop looks again
-        self.load_changed: asyncio.Event = asyncio.Event()  # report load soon, not at the next interval
+        self.wake = asyncio.Event()  # slots or the engine came back: the pull loop looks again
+        self.load_changed = asyncio.Event()  # report load soon, not at the next interval
         self._preloads: set[asyncio.Future[None]] = set()  # adapter loads the routers asked for
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._serving_tasks: list[asyncio.Task[None]] = []
         self._drain_task: asyncio.Task[None] | None = None
         self._phase_change: asyncio.Future[None] | None = None
+        # The parts last: mypy checks this worker against each part's Protocol here, with every
+        # attribute's type known.
+        self.watch = EngineWatch(self)
+        self.reporter = LoadReporter(self)
 
     @classmethod
     async def connect(cls, settings: WorkerSettings) -> Worker:
