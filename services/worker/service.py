@@ -44,6 +44,7 @@ from proto.bands import Band
 from . import engine_image, release_check
 from .adapters import Adapters
 from .attempt import Attempt
+from .batch_lines import BatchLines
 from .cache_events import CacheRelay
 from .cancels import CancelMemory
 from .claims import Claims
@@ -201,7 +202,7 @@ class Worker:
         # The step-time cap on batch lines is the engine's own GPU's and TP's.
         preemption = PreemptionPolicy(s.preemption().for_engine(*engine_gpu(self.engine_info)),
                                       engine_priority=s.engine_has_priority(self.engine_info))
-        self.serving = Serving(self, capacity, preemption)
+        self.serving = Serving(self, capacity, preemption, lambda serving: BatchLines(self, serving))
         FREE_SLOTS.set(capacity)
         if self.role == "prefill":
             self.prefill = PrefillSide(self, capacity, bootstrap_address(self.engine_info, s.engine_url,
