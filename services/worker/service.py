@@ -11,6 +11,10 @@ One worker per engine replica, built by job:
 - this module: connecting, the phases (starting → warm → serving, drain, demote), bus setup and
   control commands.
 
+Each part takes a Protocol of its own module (`serving.Served`, `reporting.Reported`, ...) that
+names what it may use of the worker, not the `Worker` itself; what one part needs of another it
+asks of the worker (`announce`, `engine_down`, `stop_pulling`, ...), which delegates.
+
 `Worker.connect` returns a worker connected to NATS (so the autoscaler sees the replica while its
 engine loads); `start` waits for the engine and serves (or stays warm).
 """
