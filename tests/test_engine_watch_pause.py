@@ -34,7 +34,7 @@ class FakeWorker(SimpleNamespace):
         async def setup_bus() -> None:
             return None
 
-        async def publish_heartbeat() -> None:
+        async def publish_heartbeat() -> None:  # the worker's announce()
             self.beats_put.append(beat())
 
         def beat() -> str:
@@ -42,11 +42,10 @@ class FakeWorker(SimpleNamespace):
             return "draining" if self.watch.holding_pulls else "ready"
 
         super().__init__(
-            pause=PauseDetector(clock, pause_after_s=3.0), phase="serving", leaving=False, running={}, serving=None,
-            engine=SimpleNamespace(ready=ready), setup_bus=setup_bus,
+            pause=PauseDetector(clock, pause_after_s=3.0), phase="serving", leaving=False, running={},
+            engine=SimpleNamespace(ready=ready), setup_bus=setup_bus, forget_pulls=lambda: None,
             gpu=SimpleNamespace(worker_paused=lambda: None),
-            liveness=SimpleNamespace(set_beat=self.beats_kept.append),
-            reporter=SimpleNamespace(beat=beat, publish_heartbeat=publish_heartbeat),
+            refresh_beat=lambda: self.beats_kept.append(beat()), announce=publish_heartbeat,
             background=SimpleNamespace(spawn=lambda work: self.spawned.append(asyncio.ensure_future(work))),
             wake=asyncio.Event(), load_changed=asyncio.Event(),
         )

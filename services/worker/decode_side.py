@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from nats.aio.msg import Msg
@@ -50,7 +50,13 @@ from .metrics import PREFILL_TRIES
 from .prefill_choice import PrefillPeer
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from nats.aio.client import Client
+
+    from inferbus.bus.replies import Replies
+
+    from .engine import EngineClient
+    from .settings import WorkerSettings
+    from .tasks import Background
 
 log = logs.get(__name__)
 
@@ -85,11 +91,29 @@ class PrefillTry:
     asked_at: float = 0.0  # wall time of the attempt's first ask for a prefill (any try)
 
 
+class Decoding(Protocol):
+    """What a decode worker's side (and its view of the prefill workers) may touch of its worker:
+    the bus, the engine and its settings; nothing of the other parts."""
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def nc(self) -> Client: ...
+    @property
+    def kv(self) -> KeyValue: ...  # the workers bucket: the prefill workers' heartbeats
+    @property
+    def replies(self) -> Replies: ...
+    @property
+    def background(self) -> Background: ...
+
+
 class PrefillPeers:
     """The prefill workers of this worker's model, from the `workers` bucket; a prefill worker
     whose heartbeat lapsed and that does not answer a liveness probe is dead."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Decoding) -> None:
         self.worker = worker
         self.peers: dict[str, PrefillPeer] = {}
         self.on_dead: list[Any] = []  # callables taking the dead worker's id
@@ -156,7 +180,7 @@ class PrefillPeers:
 
 
 class DecodeSide:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Decoding) -> None:
         self.worker = worker
         self.peers = PrefillPeers(worker)
         self.peers.on_dead.append(self._peer_dead)

@@ -17,25 +17,59 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from inferbus.bus import connection as bus
 from inferbus.runtime import logs
 
-from .gpu_death import give_up
+from .gpu_death import GivingUp, give_up
 from .metrics import PAUSES
-from .roles import bootstrap_address
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from .adapters import Adapters
+    from .cache_events import CacheRelay
+    from .engine_health import EngineHealth
+    from .gpu_death import GpuDeathDetector
+    from .liveness import PauseDetector
+    from .tasks import Background
 
 log = logs.get(__name__)
 
 TICK_S = 0.25  # the event loop's tick: a gap much longer than this means the worker was paused
 
 
+class Watched(GivingUp, Protocol):
+    """What the engine watch may touch of its worker (and, on a GPU death, `give_up`)."""
+
+    engine_info: dict[str, Any]  # learned again when the engine comes back
+
+    @property
+    def health(self) -> EngineHealth: ...
+    @property
+    def pause(self) -> PauseDetector: ...
+    @property
+    def gpu(self) -> GpuDeathDetector: ...
+    @property
+    def adapters(self) -> Adapters: ...
+    @property
+    def cache_relay(self) -> CacheRelay | None: ...
+    @property
+    def background(self) -> Background: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def wake(self) -> asyncio.Event: ...
+    @property
+    def load_changed(self) -> asyncio.Event: ...
+
+    def refresh_beat(self) -> None: ...
+    async def setup_bus(self) -> None: ...
+    def forget_pulls(self) -> None: ...
+    def relearn_bootstrap(self) -> None: ...
+
+
 class EngineWatch:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Watched) -> None:
         self.worker = worker
         self.holding_pulls = False  # verifying engine and consumers: pull nothing until done
         self._probing: asyncio.Task[None] | None = None
@@ -56,7 +90,7 @@ class EngineWatch:
         worker.health.failed()
         log.warning("engine_down", engine=worker.settings.engine_url, why=why)
         # Not ready: gateways and routers stop counting on it.
-        worker.background.spawn(worker.reporter.publish_heartbeat())
+        worker.background.spawn(worker.announce())
         if self._probing is None or self._probing.done():
             self._probing = asyncio.create_task(self._probe(), name="engine-watch")
 
@@ -76,10 +110,7 @@ class EngineWatch:
             worker.engine_info = await worker.engine.server_info()
         except Exception as error:
             log.warning("engine_info_failed", error=repr(error))
-        if worker.prefill is not None:  # a new prefill engine may serve its bootstrap server on another port
-            s = worker.settings
-            worker.prefill.bootstrap_host, worker.prefill.bootstrap_port = bootstrap_address(
-                worker.engine_info, s.engine_url, s.engine_bootstrap_host)
+        worker.relearn_bootstrap()  # a new prefill engine may serve its bootstrap server on another port
         forgotten = len(worker.adapters.loaded)
         await worker.adapters.resync(restarted=True)
         if worker.cache_relay is not None:
@@ -89,7 +120,7 @@ class EngineWatch:
                 log.warning("cache_reset_failed", error=repr(error))
         health.recovered()
         log.info("engine_back", engine=worker.settings.engine_url, adapters_forgotten=forgotten)
-        await worker.reporter.publish_heartbeat()
+        await worker.announce()
         worker.wake.set()
         worker.load_changed.set()
 
@@ -122,8 +153,8 @@ class EngineWatch:
         self.holding_pulls = True
         # Now, not at the next heartbeat: the liveness thread would keep saying "ready" from before
         # the pause, and gateways and routers would place requests this worker does not pull yet.
-        worker.liveness.set_beat(worker.reporter.beat())
-        worker.background.spawn(worker.reporter.publish_heartbeat())
+        worker.refresh_beat()
+        worker.background.spawn(worker.announce())
         self._verifying = asyncio.ensure_future(self._verify(why))
 
     async def _verify(self, why: str) -> None:
@@ -141,10 +172,8 @@ class EngineWatch:
             await bus.retry_forever("bus setup after a pause", worker.setup_bus)
         finally:
             self.holding_pulls = False
-        if worker.serving is not None:
-            for puller in worker.serving.pullers:  # pull requests made before the pause expired meanwhile
-                puller.forget_pulls()
+        worker.forget_pulls()  # pull requests made before the pause expired meanwhile
         worker.wake.set()
         worker.load_changed.set()
         log.info("worker_verified", why=why)
-        await worker.reporter.publish_heartbeat()  # ready again: placements may come here
+        await worker.announce()  # ready again: placements may come here

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import Counter
 
@@ -31,7 +31,9 @@ from inferbus.runtime import logs
 from inferbus.runtime.supervise import EXIT_GPU_DEATH
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from .attempt import Attempt
+    from .engine import EngineClient
+    from .settings import WorkerSettings
 
 
 GPU_DEATHS = Counter("inferbus_worker_gpu_deaths_total", "Replicas this worker gave up on a dead engine", ["reason"])
@@ -78,7 +80,27 @@ class GpuDeathDetector:
         return None
 
 
-async def give_up(worker: Worker, reason: str, *, handoff_timeout_s: float = 2.0, abort_timeout_s: float = 1.0) -> None:
+class GivingUp(Protocol):
+    """What `give_up` may touch of its worker: the flags it sets, the requests it hands off, and
+    the worker's own ways to stop pulling, say so, and stop."""
+
+    leaving: bool
+    draining: bool
+    exit_code: int
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def running(self) -> dict[str, Attempt]: ...
+
+    async def stop_pulling(self) -> None: ...
+    async def announce(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+async def give_up(worker: GivingUp, reason: str, *, handoff_timeout_s: float = 2.0, abort_timeout_s: float = 1.0) -> None:
     """Hand off the streams, leave the fleet and exit (see the module's docstring)."""
     if worker.leaving:
         return
@@ -86,9 +108,8 @@ async def give_up(worker: Worker, reason: str, *, handoff_timeout_s: float = 2.0
     worker.exit_code = EXIT_GPU_DEATH
     GPU_DEATHS.labels(reason).inc()
     log.error("gpu_death", reason=reason, in_flight=len(worker.running), engine=worker.settings.engine_url)
-    for puller in worker.serving.pullers if worker.serving is not None else []:
-        await puller.stop()
-    await worker.reporter.publish_heartbeat()  # draining: routers and gateways place nothing here
+    await worker.stop_pulling()
+    await worker.announce()  # draining: routers and gateways place nothing here
     for entry in list(worker.running.values()):
         if entry.preemptible:
             entry.requeue = "drain"  # a batch line goes back to its queue with its progress

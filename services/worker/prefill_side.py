@@ -25,7 +25,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import structlog
@@ -42,7 +42,16 @@ from .prefill_admission import HeldHalf, admit
 from .prefill_timing import prefill_ttft
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from nats.aio.client import Client
+
+    from .adapters import Adapters
+    from .cancels import CancelMemory
+    from .engine import EngineClient
+    from .engine_health import EngineHealth
+    from .gpu_death import GpuDeathDetector
+    from .reporting import ServingStats
+    from .settings import WorkerSettings
+    from .tasks import Background
 
 log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.worker")
@@ -73,8 +82,40 @@ class Half:
         return m.prefill_rid(self.ask.request, self.ask.try_no)
 
 
+class Prefilling(Protocol):
+    """What a prefill worker's side may touch of its worker, and what it tells it (its engine
+    looks down)."""
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def nc(self) -> Client: ...
+    @property
+    def health(self) -> EngineHealth: ...
+    @property
+    def gpu(self) -> GpuDeathDetector: ...
+    @property
+    def adapters(self) -> Adapters: ...
+    @property
+    def cancels(self) -> CancelMemory: ...
+    @property
+    def stats(self) -> ServingStats: ...
+    @property
+    def background(self) -> Background: ...
+    @property
+    def load_changed(self) -> asyncio.Event: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def draining(self) -> bool: ...
+
+    def engine_down(self, why: str) -> None: ...
+
+
 class PrefillSide:
-    def __init__(self, worker: Worker, capacity: int, bootstrap: tuple[str, int]) -> None:
+    def __init__(self, worker: Prefilling, capacity: int, bootstrap: tuple[str, int]) -> None:
         self.worker = worker
         self.capacity = capacity
         self.bootstrap_host, self.bootstrap_port = bootstrap
@@ -185,7 +226,7 @@ class PrefillSide:
                 worker.stats.observe_ttft(prefill_ttft(half.ask, time.time()))
         except EngineError as error:
             if error.code == "engine_unavailable":
-                worker.watch.down(str(error))
+                worker.engine_down(str(error))
             # An engine ends an aborted prompt with an error: one preempted here is reported as such,
             # so that its decode worker hands the batch line back rather than retrying it.
             done = msgspec.structs.replace(done, code="preempted" if half.preempted else error.code, message=str(error))

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from inferbus.runtime import logs
 from proto import messages as m
@@ -20,7 +21,18 @@ from .http import HTTPError
 from .metrics import KV_USAGE
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from nats.aio.client import Client
+    from nats.js.kv import KeyValue
+
+    from proto.bands import Band
+
+    from .adapters import Adapters
+    from .cache_events import CacheRelay
+    from .engine import EngineClient, EngineLoad
+    from .engine_health import EngineHealth
+    from .liveness import LivenessThread
+    from .release_check import AdapterOutcomes, ReleaseCounters
+    from .settings import WorkerSettings
 
 log = logs.get(__name__)
 
@@ -87,8 +99,88 @@ def engine_max_loaded_adapters(info: dict[str, Any]) -> int:
     return int(info.get("max_loaded_loras") or 0) if info.get("enable_lora") else 0
 
 
+class BatchView(Protocol):
+    """Of a worker's batch lines, what its load report reads and the check it runs each report."""
+
+    def waiting(self) -> int: ...
+    async def check(self, load: EngineLoad) -> None: ...
+
+
+class ServingView(Protocol):
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def batch(self) -> BatchView: ...
+
+
+class PrefillView(Protocol):
+    """Of a prefill worker's side, the halves it holds."""
+
+    @property
+    def halves(self) -> Sized: ...
+    def batch_halves(self) -> int: ...
+    def queued_prefill_tokens(self) -> int: ...
+
+
+class Reported(Protocol):
+    """What the load reporter may read of its worker, and what it may tell it (the engine looks
+    down, or the worker should verify itself)."""
+
+    kv_capacity_tokens: int  # the engine's KV cache, from the last load poll
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def engine_info(self) -> dict[str, Any]: ...
+    @property
+    def nc(self) -> Client: ...
+    @property
+    def kv(self) -> KeyValue: ...
+    @property
+    def liveness(self) -> LivenessThread: ...
+    @property
+    def health(self) -> EngineHealth: ...
+    @property
+    def adapters(self) -> Adapters: ...
+    @property
+    def cache_relay(self) -> CacheRelay | None: ...
+    @property
+    def release_counts(self) -> ReleaseCounters: ...
+    @property
+    def adapter_outcomes(self) -> AdapterOutcomes: ...
+    @property
+    def stats(self) -> ServingStats: ...
+    @property
+    def running(self) -> dict[str, Attempt]: ...
+    @property
+    def serving(self) -> ServingView | None: ...
+    @property
+    def prefill(self) -> PrefillView | None: ...
+    @property
+    def decode(self) -> object | None: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def leaving(self) -> bool: ...
+    @property
+    def load_changed(self) -> asyncio.Event: ...
+
+    def bands(self) -> list[Band]: ...
+    def pulls_held(self) -> bool: ...
+    def engine_down(self, why: str) -> None: ...
+    def verify_soon(self, why: str) -> None: ...
+
+
 class LoadReporter:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Reported) -> None:
         self.worker = worker
         self._seq = 0
         self._adapter_resync_at = 0.0  # monotonic time of the next re-read of the engine's adapters
@@ -99,7 +191,7 @@ class LoadReporter:
         worker = self.worker
         s, serving = worker.settings, worker.serving
         gpu, tp = engine_gpu(worker.engine_info)
-        state: Literal["starting", "ready", "draining"] = ("draining" if worker.draining or worker.watch.holding_pulls
+        state: Literal["starting", "ready", "draining"] = ("draining" if worker.draining or worker.pulls_held()
                  # "starting" while the engine is down: alive, but not to be given requests.
                  else "ready" if worker.health.up else "starting")
         return m.Heartbeat(
@@ -160,8 +252,8 @@ class LoadReporter:
                 if worker.health.up:
                     log.warning("engine_load_failed", error=repr(error))
                 if isinstance(error, HTTPError):
-                    worker.watch.down(f"load poll failed: {error!r}")
-                worker.watch.verify_soon("engine_load_failed")
+                    worker.engine_down(f"load poll failed: {error!r}")
+                worker.verify_soon("engine_load_failed")
                 continue
             try:
                 await serving.batch.check(load)

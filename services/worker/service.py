@@ -11,6 +11,10 @@ One worker per engine replica, built by job:
 - this module: connecting, the phases (starting → warm → serving, drain, demote), bus setup and
   control commands.
 
+Each part takes a Protocol of its own module (`serving.Served`, `reporting.Reported`, ...) that
+names what it may use of the worker, not the `Worker` itself; what one part needs of another it
+asks of the worker (`announce`, `engine_down`, `stop_pulling`, ...), which delegates.
+
 `Worker.connect` returns a worker connected to NATS (so the autoscaler sees the replica while its
 engine loads); `start` waits for the engine and serves (or stays warm).
 """
@@ -44,6 +48,7 @@ from proto.bands import Band
 from . import engine_image, release_check
 from .adapters import Adapters
 from .attempt import Attempt
+from .batch_lines import BatchLines
 from .cache_events import CacheRelay
 from .cancels import CancelMemory
 from .claims import Claims
@@ -97,9 +102,7 @@ class Worker:
         self.gpu = GpuDeathDetector(time.monotonic, hang_after_s=settings.engine_hang_after_s,
                                     down_after_s=settings.engine_dead_after_s, max_errors=settings.engine_max_errors)
         self.exit_code = 0  # non-zero: the process exits with it (gpu_death.EXIT_GPU_DEATH)
-        self.watch = EngineWatch(self)
         self.stats = ServingStats()
-        self.reporter = LoadReporter(self)
         self.running: dict[str, Attempt] = {}
         self.serving: Serving | None = None  # once the engine is loaded and its capacity known
         self.cache_relay: CacheRelay | None = None  # with INFERBUS_ENGINE_KV_EVENTS
@@ -129,6 +132,10 @@ class Worker:
         self._serving_tasks: list[asyncio.Task[None]] = []
         self._drain_task: asyncio.Task[None] | None = None
         self._phase_change: asyncio.Future[None] | None = None
+        # The parts last: mypy checks this worker against each part's Protocol here, with every
+        # attribute's type known.
+        self.watch = EngineWatch(self)
+        self.reporter = LoadReporter(self)
 
     @classmethod
     async def connect(cls, settings: WorkerSettings) -> Worker:
@@ -199,7 +206,7 @@ class Worker:
         # The step-time cap on batch lines is the engine's own GPU's and TP's.
         preemption = PreemptionPolicy(s.preemption().for_engine(*engine_gpu(self.engine_info)),
                                       engine_priority=s.engine_has_priority(self.engine_info))
-        self.serving = Serving(self, capacity, preemption)
+        self.serving = Serving(self, capacity, preemption, lambda serving: BatchLines(self, serving))
         FREE_SLOTS.set(capacity)
         if self.role == "prefill":
             self.prefill = PrefillSide(self, capacity, bootstrap_address(self.engine_info, s.engine_url,
@@ -271,7 +278,7 @@ class Worker:
         self.leaving = True
         self.draining = True
         log.info("worker_draining", in_flight=len(self.running), phase=self.phase)
-        await self._stop_pulling()
+        await self.stop_pulling()
         if self.phase == "serving":
             await self.reporter.heartbeat()
         else:
@@ -279,10 +286,50 @@ class Worker:
         await self._finish_in_flight()
         await self.stop()
 
-    async def _stop_pulling(self) -> None:
+    # ---- what the parts ask of the worker ---------------------------------------------------
+    # Each part (serving, reporting, engine_watch, gpu_death, prefill_side, decode_side) names in a
+    # Protocol of its own module what it may use of the worker; these say what a part means instead
+    # of reaching into another part.
+
+    async def stop_pulling(self) -> None:
         if self.serving is not None:
             for puller in self.serving.pullers:
                 await puller.stop()
+
+    def forget_pulls(self) -> None:
+        """Pull requests made before a pause or a reconnect may be gone from the server."""
+        if self.serving is not None:
+            for puller in self.serving.pullers:
+                puller.forget_pulls()
+
+    async def announce(self) -> None:
+        """Put the heartbeat now, if serving (`LoadReporter.publish_heartbeat`)."""
+        await self.reporter.publish_heartbeat()
+
+    def refresh_beat(self) -> None:
+        """The liveness thread keeps putting the heartbeat as it is now."""
+        self.liveness.set_beat(self.reporter.beat())
+
+    def engine_down(self, why: str) -> None:
+        self.watch.down(why)
+
+    def verify_soon(self, why: str) -> None:
+        self.watch.verify_soon(why)
+
+    def note_tick(self) -> None:
+        """The loop runs (a token arrived): a gap since the last tick was a pause of this process."""
+        self.watch.tick()
+
+    def pulls_held(self) -> bool:
+        """Verifying engine and consumers after a pause: pull nothing, say draining."""
+        return self.watch.holding_pulls
+
+    def relearn_bootstrap(self) -> None:
+        """A new prefill engine may serve its bootstrap server on another port."""
+        if self.prefill is not None:
+            s = self.settings
+            self.prefill.bootstrap_host, self.prefill.bootstrap_port = bootstrap_address(
+                self.engine_info, s.engine_url, s.engine_bootstrap_host)
 
     def bands(self) -> list[Band]:
         """The bands this worker pulls: none for a prefill worker (decode workers send it work)."""
@@ -323,7 +370,7 @@ class Worker:
             return
         self.draining = True
         log.info("worker_demoting", in_flight=len(self.running))
-        await self._stop_pulling()
+        await self.stop_pulling()
         await self.reporter.heartbeat()
         self.load_changed.set()
         await self._finish_in_flight()
@@ -400,8 +447,7 @@ class Worker:
         if self.serving is None:
             return  # still starting: start() sets the bus up once the engine is loaded
         await bus.retry_forever("bus setup after reconnect", self.setup_bus)
-        for puller in self.serving.pullers:  # the server may have lost our pull requests
-            puller.forget_pulls()
+        self.forget_pulls()  # the server may have lost our pull requests
 
     # ---- control ---------------------------------------------------------------------------
 

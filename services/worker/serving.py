@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import structlog
@@ -28,17 +28,30 @@ from proto.bands import Band
 
 from .adapters import Adapters
 from .attempt import Attempt, bill_delivered
-from .batch_lines import BatchLines
 from .engine import EngineClient, EngineError, EngineUpdate
 from .metrics import ABANDONED, DUPLICATES, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
 from .preemption import PreemptionPolicy
 from .pull_plan import ConsumerState, plan_pulls
 from .puller import Puller
-from .reporting import tpot_of
+from .reporting import ServingStats, tpot_of
 from .slots import SlotBudget
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+
+    from .cancels import CancelMemory
+    from .claims import Claims
+    from .engine import EngineLoad
+    from .engine_health import EngineHealth
+    from .events_out import EventSender
+    from .fault_hold import FaultHold
+    from .gpu_death import GpuDeathDetector
+    from .liveness import PauseDetector
+    from .release_check import AdapterOutcomes, ReleaseCounters
+    from .settings import WorkerSettings
+    from .tasks import Background
+    from .usage import UsageReporter
 
 log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.worker")
@@ -61,16 +74,96 @@ def consumer_specs(bands: Sequence[Band], worker_id: str) -> list[tuple[Band, st
     return [(band, owner) for band in bands for owner in ((None,) if band == "batch" else (worker_id, None))]
 
 
-class Serving:
-    """A worker's slots and what fills them; built once its engine is loaded (its capacity known)."""
+class DecodeStream(Protocol):
+    """A decode worker's side (decode_side.py): the stream of a request whose prompt a prefill
+    worker computes."""
 
-    def __init__(self, worker: Worker, capacity: int, preemption: PreemptionPolicy) -> None:
+    def stream(self, request: m.InferenceRequest, entry: Attempt,
+               headers: dict[str, str]) -> AsyncIterator[EngineUpdate]: ...
+
+
+class BatchSide(Protocol):
+    """A worker's batch lines (batch_lines.py), as serving, the worker and its load report use them."""
+
+    pullers: list[Puller]
+    interactive_consumers: list[str]
+
+    def room(self) -> int: ...
+    def waiting(self) -> int: ...
+    async def serve(self, msg: Msg, entry: Attempt) -> None: ...
+    async def checkpoint(self, entry: Attempt) -> None: ...
+    async def check(self, load: EngineLoad) -> None: ...
+    async def preempt(self, entry: Attempt, reason: str) -> None: ...
+
+
+class Served(Protocol):
+    """What serving may touch of its worker: what a request's life reads and writes, and what it
+    tells the worker (the engine looks down, a consumer is gone, the loop ticked)."""
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def nc(self) -> Client: ...
+    @property
+    def js(self) -> JetStreamContext: ...
+    @property
+    def health(self) -> EngineHealth: ...
+    @property
+    def pause(self) -> PauseDetector: ...
+    @property
+    def gpu(self) -> GpuDeathDetector: ...
+    @property
+    def adapters(self) -> Adapters: ...
+    @property
+    def decode(self) -> DecodeStream | None: ...
+    @property
+    def claims(self) -> Claims: ...
+    @property
+    def cancels(self) -> CancelMemory: ...
+    @property
+    def events(self) -> EventSender: ...
+    @property
+    def usage(self) -> UsageReporter: ...
+    @property
+    def fault_hold(self) -> FaultHold: ...
+    @property
+    def background(self) -> Background: ...
+    @property
+    def stats(self) -> ServingStats: ...
+    @property
+    def release_counts(self) -> ReleaseCounters: ...
+    @property
+    def adapter_outcomes(self) -> AdapterOutcomes: ...
+    @property
+    def running(self) -> dict[str, Attempt]: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def wake(self) -> asyncio.Event: ...
+    @property
+    def load_changed(self) -> asyncio.Event: ...
+
+    def bands(self) -> list[Band]: ...
+    def pulls_held(self) -> bool: ...
+    def engine_down(self, why: str) -> None: ...
+    def verify_soon(self, why: str) -> None: ...
+    def note_tick(self) -> None: ...
+
+
+class Serving:
+    """A worker's slots and what fills them; built once its engine is loaded (its capacity known).
+    `make_batch` builds its batch lines (batch_lines.BatchLines, which takes the whole worker)."""
+
+    def __init__(self, worker: Served, capacity: int, preemption: PreemptionPolicy,
+                 make_batch: Callable[[Serving], BatchSide]) -> None:
         s = worker.settings
         self.worker = worker
         self.preemption = preemption
         specs = consumer_specs(worker.bands(), s.worker_id)
         self.budget = SlotBudget(capacity, pullers=max(1, len(specs)))
-        self.batch = BatchLines(worker, self)
+        self.batch = make_batch(self)
         self.pullers: list[Puller] = []
         # Most important first: earlier pullers get slots first. Batch pullers take only what the
         # preemption policy grants, and hold it briefly when the batch queue is empty.
@@ -79,7 +172,7 @@ class Serving:
             puller = Puller(worker.nc, subjects.REQUESTS_STREAM, subjects.request_consumer(band, s.model, owner),  # type: ignore[arg-type]
                             self.budget, self.on_request, wake=worker.wake,
                             expires_s=min(s.fetch_timeout_s, BATCH_POLL_S) if batch else s.fetch_timeout_s,
-                            room=self.batch.room if batch else None, on_consumer_gone=worker.watch.verify_soon)
+                            room=self.batch.room if batch else None, on_consumer_gone=worker.verify_soon)
             self.pullers.append(puller)
             if batch:
                 self.batch.pullers.append(puller)
@@ -99,7 +192,7 @@ class Serving:
         turn = 0
         while not worker.draining:
             worker.wake.clear()
-            if worker.watch.holding_pulls:
+            if worker.pulls_held():
                 await asyncio.sleep(SCARCE_POLL_S)
                 continue
             if not worker.health.up:
@@ -123,7 +216,7 @@ class Serving:
         worker = self.worker
         while not worker.draining:
             await asyncio.sleep(LOOK_INTERVAL_S)
-            if worker.watch.holding_pulls or not worker.health.up:
+            if worker.pulls_held() or not worker.health.up:
                 continue
             woke = False
             for puller in self.pullers:
@@ -347,7 +440,7 @@ class Serving:
             await worker.adapters.ensure(request.adapter)
         # A decode worker's engine gets the prompt's KV from a prefill worker's (decode_side.py).
         stream = (worker.decode.stream(request, entry, trace_headers) if worker.decode is not None
-                  else engine_stream(worker.engine, worker.adapters, request, trace_headers, worker.watch.down))
+                  else engine_stream(worker.engine, worker.adapters, request, trace_headers, worker.engine_down))
         async for update in stream:
             worker.gpu.progress()
             if not entry.prefilled:
@@ -366,7 +459,7 @@ class Serving:
             cached = min(update.cached_tokens, prompt_tokens or 0)
             entry.completion, entry.prompt_tokens, entry.cached = completion, prompt_tokens, cached
             if not batch:
-                worker.watch.tick()
+                worker.note_tick()
                 if entry.pause_epoch != worker.pause.epoch:
                     # This worker was stopped mid-stream, long enough to be declared dead: the
                     # gateway may already continue it elsewhere. Give it up, whichever it did;
