@@ -100,7 +100,8 @@ class GivingUp(Protocol):
     async def stop(self) -> None: ...
 
 
-async def give_up(worker: GivingUp, reason: str, *, handoff_timeout_s: float = 2.0, abort_timeout_s: float = 1.0) -> None:
+async def give_up(worker: GivingUp, reason: str, *, handoff_timeout_s: float = 2.0,
+                  abort_timeout_s: float = 1.0) -> None:
     """Hand off the streams, leave the fleet and exit (see the module's docstring)."""
     if worker.leaving:
         return
