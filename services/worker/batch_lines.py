@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from nats.aio.msg import Msg
@@ -26,8 +26,18 @@ from .preemption import Check, RunningLine, WorkerState
 from .puller import Puller
 
 if TYPE_CHECKING:
-    from .service import Worker
+    from nats.js import JetStreamContext
+
+    from inferbus.bus.replies import Replies
+
+    from .cancels import CancelMemory
+    from .engine import EngineClient
+    from .events_out import EventSender
+    from .reporting import ServingStats
     from .serving import Serving
+    from .settings import WorkerSettings
+    from .tasks import Background
+    from .usage import UsageReporter
 
 log = logs.get(__name__)
 tracer = tracing.tracer("inferbus.worker")
@@ -36,8 +46,36 @@ PUBLISH_TRIES = 5  # publish attempts for a line's result or next attempt (then 
 _requeue_reply = m.decoder(m.RequeueReply)
 
 
+
+class Batching(Protocol):
+    """What batch lines may touch of their worker: the lines it runs, the engine and the bus they
+    run on, and where their results, usage and counts go."""
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def js(self) -> JetStreamContext: ...
+    @property
+    def replies(self) -> Replies: ...
+    @property
+    def cancels(self) -> CancelMemory: ...
+    @property
+    def events(self) -> EventSender: ...
+    @property
+    def usage(self) -> UsageReporter: ...
+    @property
+    def background(self) -> Background: ...
+    @property
+    def stats(self) -> ServingStats: ...
+    @property
+    def running(self) -> dict[str, Attempt]: ...
+    @property
+    def draining(self) -> bool: ...
+
 class BatchLines:
-    def __init__(self, worker: Worker, serving: Serving) -> None:
+    def __init__(self, worker: Batching, serving: Serving) -> None:
         self.worker = worker
         self.serving = serving
         self.pullers: list[Puller] = []
