@@ -105,6 +105,22 @@ def test_one_result_per_line_is_recorded_and_its_holders_forgotten() -> None:
     assert tracker.holder("batch_x", 0, 0) == "worker-1"
 
 
+def test_a_taken_result_whose_record_never_comes_back_is_taken_again_after_a_lease() -> None:
+    """The record of a taken result was acknowledged and then lost (a NATS server killed hard):
+    once the line's lease ends, it runs again and its next result is taken, not a duplicate."""
+    tracker, run = run_of(total=1)
+    [(_, line, attempt, _)] = tracker.take(1, now=0.0)
+    tracker.published(run, line, attempt)
+    tracker.on_accepted(accepted("worker-1"), 1.0, "worker-1")
+    assert tracker.judge(run, (W, "worker-1"), result("worker-1"), "worker-1") == TAKE
+    assert tracker.expire_leases(now=tracker.line_lease_s + 1.0) == 1
+    [(_, line, attempt, _)] = tracker.take(1, now=tracker.line_lease_s + 1.0)
+    assert (line, attempt) == (0, 1)
+    tracker.on_accepted(accepted("worker-2", attempt=1), 62.0, "worker-2")
+    again = msgspec.structs.replace(result("worker-2"), attempt=1)
+    assert tracker.judge(run, (W, "worker-2"), again, tracker.holder("batch_x", 0, 1)) == TAKE
+
+
 def test_a_result_whose_attempt_has_no_known_holder_waits_for_its_accepted() -> None:
     tracker, run = run_of(total=1)
     early = [(W, "worker-1"), (W, "worker-2")]

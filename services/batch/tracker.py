@@ -256,7 +256,10 @@ class Tracker:
         return moved
 
     def expire_leases(self, now: float) -> int:
-        """Lines without a result for a whole lease go out again."""
+        """Lines without a result for a whole lease go out again. A result taken whose record has
+        not come back by then is given up too (a NATS server killed hard loses its last writes,
+        acknowledged ones included): the line's next result is taken, or the line would wait
+        forever, its every result a duplicate of one nobody can read."""
         moved = 0
         for run in self.runs.values():
             if not run.feeding:
@@ -264,6 +267,7 @@ class Tracker:
             for line, entry in list(run.outstanding.items()):
                 if now - entry.since >= self.line_lease_s:
                     del run.outstanding[line]
+                    run.recording.discard(line)
                     run.retry.append((line, entry.attempt + 1))
                     moved += 1
         return moved
