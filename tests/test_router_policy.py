@@ -1,5 +1,6 @@
 import random
 
+import msgspec
 import pytest
 
 from proto import messages as m
@@ -143,51 +144,8 @@ def test_a_hot_prefix_spills_to_the_next_worker_once_its_queue_costs_more_than_r
 def test_queued_prefill_and_decode_load_steer_requests_without_a_shared_prefix() -> None:
     clock = Clock()
     router = affinity(clock)
-    router.registry.on_load(
-        m.WorkerLoad(
-            worker_id="a",
-            model="m",
-            ts=0,
-            seq=2,
-            running=9,
-            waiting=0,
-            in_flight=9,
-            max_running=10,
-            kv_used_tokens=0,
-            kv_capacity_tokens=1000,
-            queued_prefill_tokens=50_000,
-        )
-    )
-    router.registry.on_load(
-        m.WorkerLoad(
-            worker_id="b",
-            model="m",
-            ts=0,
-            seq=2,
-            running=1,
-            waiting=0,
-            in_flight=1,
-            max_running=10,
-            kv_used_tokens=0,
-            kv_capacity_tokens=1000,
-            queued_prefill_tokens=0,
-        )
-    )
-    router.registry.on_load(
-        m.WorkerLoad(
-            worker_id="c",
-            model="m",
-            ts=0,
-            seq=2,
-            running=10,
-            waiting=0,
-            in_flight=10,
-            max_running=10,
-            kv_used_tokens=0,
-            kv_capacity_tokens=1000,
-            queued_prefill_tokens=0,
-        )
-    )
+    for worker_id, running, queued in (("a", 9, 50_000), ("b", 1, 0), ("c", 10, 0)):
+        router.registry.on_load(msgspec.structs.replace(load(worker_id, running), seq=2, queued_prefill_tokens=queued))
     assert router.place(prompt([1, 2, 3])).worker_id == "b"
 
 
@@ -293,21 +251,7 @@ def test_requests_still_waiting_in_a_workers_own_queue_count_after_its_report() 
     for _ in range(6):
         assert router.place(prompt(list(range(40)))).worker_id == "a"
     # `a` reports two pulled and running: the other four still wait in its queue and keep counting.
-    router.registry.on_load(
-        m.WorkerLoad(
-            worker_id="a",
-            model="m",
-            ts=0,
-            seq=3,
-            running=2,
-            waiting=0,
-            in_flight=2,
-            max_running=10,
-            kv_used_tokens=0,
-            kv_capacity_tokens=1000,
-            pulled_own=2,
-        )
-    )
+    router.registry.on_load(msgspec.structs.replace(load("a", 2, pulled_own=2), seq=3))
     view = router.registry.workers["a"]
     assert view.backlog() == 4 and view.reported_load + view.backlog() == 6
     picks = [router.place(prompt(list(range(40)))).worker_id for _ in range(10)]
