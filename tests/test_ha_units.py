@@ -62,8 +62,10 @@ def test_a_drill_report_counts_failures_after_retries_and_checks_the_ledger() ->
         LedgerEvent("r1", 10, 5, "completed"),
         LedgerEvent("r3", 7, 5, "completed"),
         LedgerEvent("r6", 5, 5, "completed"),
-        LedgerEvent("r2", 0, 0, "failed"),
-        LedgerEvent("r2", 0, 0, "failed"),
+        LedgerEvent("r2", 0, 0, "failed", "w.worker-1"),
+        LedgerEvent("r2", 0, 0, "failed", "w.worker-1"),  # one reporter twice: a duplicate
+        # A killed worker's report, delivered when it came back, and its successor's: one bill.
+        LedgerEvent("r1", 10, 5, "completed", "w.worker-2"),
     ]
     report = summarize(
         "worker-kill", [ok, retried, failed, lost, wrong], ledger, fault_at=4.0, ready_at=9.0, migrated=2

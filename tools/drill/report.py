@@ -49,6 +49,7 @@ class LedgerEvent:
     completion_tokens: int
     prompt_tokens: int
     status: str
+    reporter: str = ""  # who reported it: the sender its subject names (`w.<worker>`, `o.<gateway>`)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class DrillReport:
     migrated: int  # streams continued on another worker (the gateways' inferbus_migrations_total)
     in_flight_at_fault: int | None  # requests the broken workers' engines held when it broke (None: not measured)
     usage_lost: int  # answered requests without their tenant usage event
-    usage_duplicated: int  # request ids with more than one tenant usage event
+    usage_duplicated: int  # request ids one reporter reported twice (see `compare_ledger`)
     usage_mismatched: int  # answered requests whose event's tokens differ from what the client was told
     fault_at: float  # seconds from the start of the load
     recovered_after_s: float | None  # from the fault until the platform served normally again
@@ -103,7 +104,12 @@ def is_server_error(status: int) -> bool:
 
 
 def compare_ledger(calls: list[Call], ledger: list[LedgerEvent]) -> tuple[int, int, int]:
-    """(lost, duplicated, mismatched) usage events of `calls` against the ledger."""
+    """(lost, duplicated, mismatched) usage events of `calls` against the ledger, which the
+    rollups read as they do: a request's tenant event counts once, the first stored. Two reporters
+    may each report one request (a worker killed with its usage still in its outbox, delivered when
+    it comes back, and the worker that finished the stream; their message ids differ): that is one
+    bill. The same reporter twice is a duplicate: its retries share a message id, which JetStream
+    drops."""
     by_id: dict[str, list[LedgerEvent]] = {}
     for event in ledger:
         by_id.setdefault(event.request_id, []).append(event)
@@ -113,7 +119,8 @@ def compare_ledger(calls: list[Call], ledger: list[LedgerEvent]) -> tuple[int, i
             if not attempt.request_id:
                 continue
             events = by_id.get(attempt.request_id, [])
-            if len(events) > 1:
+            reporters = [e.reporter for e in events]
+            if len(set(reporters)) < len(reporters):
                 duplicated += 1
             if attempt is call.final and call.ok:
                 if not events:

@@ -400,8 +400,10 @@ async def read_ledger(platform: Platform, request_ids: set[str], wanted: set[str
                     msg = await sub.next_msg(timeout=1.0)
                     event = msgspec.msgpack.decode(msg.data, type=m.UsageEvent)
                     if event.billed_to == "tenant" and event.request_id in request_ids:
+                        sender = subjects.usage_sender(msg.subject)
                         events.append(LedgerEvent(event.request_id, event.usage.completion_tokens,
-                                                  event.usage.prompt_tokens, event.status))
+                                                  event.usage.prompt_tokens, event.status,
+                                                  ".".join(sender) if sender else ""))
             except (TimeoutError, nats.errors.TimeoutError):
                 pass
             finally:
