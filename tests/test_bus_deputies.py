@@ -13,7 +13,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -594,6 +594,27 @@ async def test_the_router_moves_interactive_work_only(ops: Client, shipped_bus: 
     assert await queued(ops) == before + len(bands.INTERACTIVE)
 
 
+async def only_its_own_is_stored(ops: Client, shipped_bus: ShippedBus, user: str, forged: list[str],
+                                 own: str | None, snapshot: Callable[[Client], Awaitable[tuple[Any, ...]]]) -> None:
+    """`user` publishes each `forged` subject: the server refuses each and `snapshot` (whose last
+    item counts the stored messages) is unchanged; then its `own` subject (None: the control on its
+    inbox) is stored, one message more."""
+    before = await snapshot(ops)
+    conn = As(shipped_bus, user)
+    async with conn as nc:
+        for subject in forged:
+            await nc.publish(subject, b"{}")
+            assert await refused(conn, "publish", subject)
+        await ops.flush()
+        assert await snapshot(ops) == before
+        if own is None:
+            await control(conn, nc)
+        else:
+            await nc.jetstream().publish(own, b"{}")
+    *rest, count = before
+    assert await snapshot(ops) == (*rest, count + (own is not None))
+
+
 # ---- usage: each identity reports usage only as itself ----------------------------------------
 
 @pytest.mark.parametrize("user", SERVICE_IDENTITIES)
@@ -612,20 +633,7 @@ async def test_usage_is_reported_only_as_oneself(ops: Client, shipped_bus: Shipp
               if s != own]
     if shipped_bus.variant == "callout" and user in ("worker", "gateway"):
         forged.append(subjects.usage_subject("acme", w if user == "worker" else o, f"{user}-other-pod"))
-    before = await streams_and_record(ops)
-    conn = As(shipped_bus, user)
-    async with conn as nc:
-        for subject in forged:
-            await nc.publish(subject, b"{}")
-            assert await refused(conn, "publish", subject)
-        await ops.flush()
-        assert await streams_and_record(ops) == before
-        if own is None:
-            await control(conn, nc)
-        else:
-            await nc.jetstream().publish(own, b"{}")
-    names, record, usage = before
-    assert await streams_and_record(ops) == (names, record, usage + (own is not None))
+    await only_its_own_is_stored(ops, shipped_bus, user, forged, own, streams_and_record)
 
 
 @pytest.mark.parametrize("user", SERVICE_IDENTITIES)
@@ -679,20 +687,7 @@ async def test_batch_results_are_published_only_as_oneself(ops: Client, shipped_
     forged = [s for s in (as_worker, as_batch, subjects.batch_result_subject("batch_1", o, worker)) if s != own]
     if shipped_bus.variant == "callout" and user == "worker":
         forged.append(subjects.batch_result_subject("batch_1", w, "worker-other-pod"))
-    before = await stored(ops)
-    conn = As(shipped_bus, user)
-    async with conn as nc:
-        for subject in forged:
-            await nc.publish(subject, b"{}")
-            assert await refused(conn, "publish", subject)
-        await ops.flush()
-        assert await stored(ops) == before
-        if own is None:
-            await control(conn, nc)
-        else:
-            await nc.jetstream().publish(own, b"{}")
-    state, requests, results = before
-    assert await stored(ops) == (state, requests, results + (own is not None))
+    await only_its_own_is_stored(ops, shipped_bus, user, forged, own, stored)
 
 
 # ---- dispatch records: only who queues a request says for whom -----------------------------------
