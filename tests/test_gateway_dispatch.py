@@ -188,6 +188,7 @@ async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of
     dispatcher.flights, dispatcher.heartbeat_ttl_s, dispatcher.accept_timeout_s = {}, 2.0, 3.0
     dispatcher.window = QueueWindow(per_worker=2)
     dispatcher.worker_free_slots = lambda worker_id: None
+    dispatcher.free_slots = lambda: 0
     now = time.monotonic()
 
     def beat(worker_id: str, state: str = "ready") -> m.Heartbeat:
@@ -226,6 +227,67 @@ async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of
     assert dispatcher.measures_load(late, now)
     dispatcher._move_unstarted(now)
     assert late.disrupted and not dispatcher.measures_load(late, now)
+
+
+def test_a_dead_or_restarted_workers_queued_requests_move_if_no_worker_starts_them() -> None:
+    """A worker killed after it took a request from its queue and before its `Accepted` arrived
+    leaves nothing for the router to move: the gateway moves the request itself once the fleet has
+    had time and room to start it. A worker started again under its id within its heartbeat's TTL
+    is such a death too: its started streams migrate at once."""
+    import time
+    from types import SimpleNamespace
+
+    from services.gateway.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.flights, dispatcher.accept_timeout_s = {}, 3.0
+    dispatcher.worker_free_slots = lambda worker_id: None
+    free = [0]
+    dispatcher.free_slots = lambda: free[0]
+    now = time.monotonic()
+
+    def beat(worker_id: str, started: float) -> SimpleNamespace:
+        value = m.encode(m.Heartbeat(worker_id=worker_id, model="m", engine_url="", started=started, ts=0))
+        return SimpleNamespace(key=subjects.worker_key(worker_id), value=value)
+
+    def flight_on(request_id: str, worker_id: str, state: str) -> Flight:
+        request = m.InferenceRequest(request_id=request_id, tenant="t", model="m", prompt="P", reply_to="x",
+                                     sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+        dispatcher.flights[request_id] = Flight(request=request, state=state, worker_id=worker_id, placed_at=now)
+        return dispatcher.flights[request_id]
+
+    dispatcher.live_workers = {}
+    dispatcher._on_heartbeat(beat("w1", started=100.0))
+    taken, running, elsewhere = flight_on("taken", "w1", "queued"), flight_on("running", "w1", "accepted"), \
+        flight_on("elsewhere", "w2", "queued")
+    shared, waiting = flight_on("shared", "", "queued"), flight_on("waiting", "", "held")
+    shared.worker_id = waiting.worker_id = None
+    dispatcher._on_heartbeat(beat("w1", started=100.0))  # the same process: nothing happens
+    assert taken.worker_id == "w1" and running.events.empty()
+
+    dispatcher._on_heartbeat(beat("w1", started=200.0))  # killed and started again
+    assert taken.worker_id is None and taken.orphaned_at is not None and taken.disrupted
+    [lost] = [running.events.get_nowait()]
+    assert isinstance(lost, m.StreamError) and lost.code == "worker_lost" and lost.retryable
+    assert elsewhere.worker_id == "w2" and elsewhere.orphaned_at is None
+    # In the shared queue, it may be the one the old process had taken; in the fair queue, not yet out.
+    assert shared.orphaned_at is not None and not shared.disrupted and waiting.orphaned_at is None
+
+    dispatcher._move_unstarted(now + 3.1)  # in time, but no room anywhere: it waits
+    assert taken.events.empty()
+    free[0] = 2
+    dispatcher._move_unstarted(now + 3.1)
+    for orphan in (taken, shared):
+        [moved] = [orphan.events.get_nowait()]
+        assert isinstance(moved, m.StreamError) and moved.code == "not_started" and moved.retryable
+    dispatcher._move_unstarted(now + 9.0)  # once per orphaning
+    assert taken.events.empty() and taken.orphaned_at is None
+
+    dispatcher._on_heartbeat(beat("w2", started=1.0))
+    dispatcher._declare_dead(subjects.worker_key("w2"))  # a worker found dead: the same for its queued ones
+    assert elsewhere.worker_id is None and elsewhere.orphaned_at is not None
+    dispatcher._move_unstarted(elsewhere.orphaned_at + 3.1)
+    assert elsewhere.events.get_nowait().code == "not_started"  # type: ignore[union-attr]
 
 
 async def test_the_gateways_usage_reports_carry_its_name_and_a_fresh_nonce() -> None:

@@ -28,12 +28,28 @@ def test_a_started_stream_is_silent_after_silence_s_with_nothing_left_to_read() 
 
 def test_a_queued_request_moves_when_its_worker_has_room_or_says_nothing_but_not_when_full() -> None:
     queued = flight(state="queued", worker_id="w", placed_at=10.0)
-    assert not not_started(queued, now=14.9, accept_timeout_s=5.0, free_slots=lambda worker_id: 3)
-    assert not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: 3)
-    assert not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: None)
-    assert not not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: 0)
+    assert not not_started(queued, now=14.9, accept_timeout_s=5.0, free_slots=lambda worker_id: 3, fleet_free_slots=0)
+    assert not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: 3, fleet_free_slots=0)
+    assert not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: None, fleet_free_slots=0)
+    assert not not_started(queued, now=15.1, accept_timeout_s=5.0, free_slots=lambda worker_id: 0, fleet_free_slots=9)
     assert not not_started(flight(state="accepted", worker_id="w", placed_at=10.0), now=99.0, accept_timeout_s=5.0,
-                           free_slots=lambda worker_id: 3)
+                           free_slots=lambda worker_id: 3, fleet_free_slots=3)
+
+
+def test_an_orphan_moves_when_no_worker_started_it_in_time_while_the_fleet_has_room() -> None:
+    """Queued on a worker that died (or restarted) and not started anywhere since: it may be in the
+    shared queue (the router moved it) or nowhere (the worker had taken it): either way a fleet
+    with room would have started it by now."""
+    orphan = flight(state="queued", worker_id=None, placed_at=1.0, orphaned_at=10.0)
+    free = lambda worker_id: 3  # noqa: E731
+    assert not not_started(orphan, now=14.9, accept_timeout_s=5.0, free_slots=free, fleet_free_slots=4)
+    assert not_started(orphan, now=15.1, accept_timeout_s=5.0, free_slots=free, fleet_free_slots=4)
+    assert not not_started(orphan, now=15.1, accept_timeout_s=5.0, free_slots=free, fleet_free_slots=0)  # all busy
+    # Waiting in the shared queue without a worker's death behind it: the fleet's load, not a loss.
+    shared = flight(state="queued", worker_id=None, placed_at=1.0)
+    assert not not_started(shared, now=99.0, accept_timeout_s=5.0, free_slots=free, fleet_free_slots=4)
+    orphan.state = "accepted"
+    assert not not_started(orphan, now=99.0, accept_timeout_s=5.0, free_slots=free, fleet_free_slots=4)
 
 
 def test_missing_events_are_lost_on_a_gap_or_a_dead_worker_not_on_silence_from_a_live_one() -> None:

@@ -391,6 +391,7 @@ class Dispatcher:
         await self.supersede(flight)
         flight.request = continuation
         flight.worker_id = None
+        flight.orphaned_at = None
         flight.sent_text = []
         flight.sent_ids = []
         flight.next_seq = 0
@@ -543,6 +544,12 @@ class Dispatcher:
         beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
         if beat is None:
             return
+        seen = self.live_workers.get(beat.worker_id)
+        if seen is not None and seen[1].started != beat.started:
+            # Killed and started again within its heartbeat's TTL: what the old process held died
+            # with it. The new one heartbeats before it pulls, so nothing here is the new one's yet.
+            log.warning("worker_restarted", worker_id=beat.worker_id)
+            self._orphan_flights({beat.worker_id}, why="worker restarted")
         self.live_workers[beat.worker_id] = (time.monotonic(), beat)
 
     def _worker_gone(self, key: str) -> None:
@@ -564,16 +571,25 @@ class Dispatcher:
         for worker_id in gone:
             del self.live_workers[worker_id]
             log.warning("worker_gone", worker_id=worker_id)
+        self._orphan_flights(set(gone), why="worker heartbeat ended")
+
+    def _orphan_flights(self, workers: set[str], why: str) -> None:
+        """The flights of worker processes that are gone: started ones migrate now. Queued ones
+        wait for the router to move them to the shared queue (a second attempt published now would
+        run twice) and move themselves if no worker starts them in time (`not_started`); so do
+        those in the shared queue, which the gone process may have taken just before it died."""
+        now = time.monotonic()
         for flight in list(self.flights.values()):
-            if flight.worker_id not in gone:
+            if flight.state == "queued" and flight.worker_id is None:
+                flight.orphaned_at = flight.orphaned_at or now
+            elif flight.worker_id not in workers:
                 continue
-            if flight.state == "queued":
-                # Still in the dead worker's queue: the router moves it to the shared queue, where
-                # another worker takes it. Publishing a second attempt here would run it twice.
+            elif flight.state == "queued":
                 flight.worker_id = None
                 flight.disrupted = True
+                flight.orphaned_at = now
             else:
-                self._fail_attempt(flight, "worker heartbeat ended")
+                self._fail_attempt(flight, why)
 
     def _fail_attempt(self, flight: Flight, why: str) -> None:
         # A synthetic retryable error on the flight's own queue: the reader migrates in order.
@@ -601,20 +617,24 @@ class Dispatcher:
                 self.recover(flight, why=f"no event for {now - flight.heard_at:.1f} s")
 
     def _move_unstarted(self, now: float) -> None:
-        """A request its worker did not start in time (`flight.not_started`) moves to the shared
-        queue: a worker that pulls nothing (a zombie, a lost consumer) must not hold its client
-        until the deadline. The old attempt is superseded, so it never runs twice."""
+        """A request its worker did not start in time (`flight.not_started`), or no worker after
+        its own died, moves to the shared queue: a worker that pulls nothing (a zombie, a lost
+        consumer) or died holding it must not hold its client until the deadline. The old attempt
+        is superseded, so it never runs twice."""
+        fleet_free_slots = self.free_slots()
         for flight in list(self.flights.values()):
-            if not not_started(flight, now, self.accept_timeout_s, self.worker_free_slots):
+            if not not_started(flight, now, self.accept_timeout_s, self.worker_free_slots, fleet_free_slots):
                 continue
             NOT_STARTED.inc()
             log.warning("request_not_started", request_id=flight.request.request_id, worker_id=flight.worker_id,
-                        waited_s=round(now - flight.placed_at, 2))
+                        waited_s=round(now - (flight.orphaned_at or flight.placed_at), 2))
             flight.avoid_worker = flight.worker_id
             flight.disrupted = True
             flight.placed_at = now  # one move per timeout, whatever the reader is doing
+            flight.orphaned_at = None
             flight.events.put_nowait(m.StreamError(
                 request_id=flight.request.request_id, attempt=flight.request.attempt, code="not_started",
-                message=f"worker {flight.worker_id} did not start the request", retryable=True, status=503,
+                message=f"worker {flight.worker_id or '(gone)'} did not start the request", retryable=True,
+                status=503,
             ))
 

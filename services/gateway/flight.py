@@ -53,6 +53,9 @@ class Flight:
     # A worker's failure delayed it (it was queued on a worker found dead, or moved for not being
     # started): its wait is the failure's, not the load's, as for a later attempt.
     disrupted: bool = False
+    # Monotonic time a worker that may hold it unstarted (the one it was queued on, or any, for one
+    # in the shared queue) was found dead or restarted (None: none was): see `not_started`.
+    orphaned_at: float | None = None
 
 
 def next_attempt(flight: Flight, max_attempts: int, now: float) -> m.InferenceRequest | None:
@@ -116,11 +119,23 @@ def went_silent(flight: Flight, now: float, silence_s: float) -> bool:
             and now - flight.heard_at > silence_s and flight.events.empty() and flight.request.batch_id is None)
 
 
-def not_started(flight: Flight, now: float, accept_timeout_s: float, free_slots: Callable[[str], int | None]) -> bool:
+def not_started(flight: Flight, now: float, accept_timeout_s: float, free_slots: Callable[[str], int | None],
+                fleet_free_slots: int) -> bool:
     """A request queued on a worker that has not started it within `accept_timeout_s`, while that
     worker has free slots or reports nothing (`free_slots` of it None): it moves to the shared
-    queue. A full worker keeps it: it starts it when a slot frees."""
-    if flight.state != "queued" or flight.worker_id is None or now - flight.placed_at < accept_timeout_s:
+    queue. A full worker keeps it: it starts it when a slot frees.
+
+    An orphan (queued on a worker found dead or restarted, or in the shared queue then:
+    `orphaned_at`) moves too when it has not started `accept_timeout_s` after that while the fleet
+    has free slots. The router moves what was still in the dead worker's queue, and another worker
+    starts it at once; but a worker killed after it took the request from a queue and before its
+    `Accepted` arrived leaves nothing to move, and the request would wait for its client to give up."""
+    if flight.state != "queued":
+        return False
+    if flight.worker_id is None:
+        return (flight.orphaned_at is not None and now - flight.orphaned_at >= accept_timeout_s
+                and fleet_free_slots > 0)
+    if now - flight.placed_at < accept_timeout_s:
         return False
     return free_slots(flight.worker_id) != 0
 

@@ -6,7 +6,8 @@ and then waits forever: its heartbeat goes on, so nothing moves the request away
 kills the process. Every later arrival, on any worker, passes: only one request is held, so the
 request's next attempt runs through. Creating the file is the test's condition to wait on.
 
-Points: `before_final` (the request's usage event is durable, its Final not yet sent).
+Points: `after_ack` (the request's message is acked, its `Accepted` not yet sent: the gateway
+still thinks it queued), `before_final` (the request's usage event is durable, its Final not yet sent).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from inferbus.runtime import logs
 
 log = logs.get(__name__)
-POINTS = ("before_final",)
+POINTS = ("after_ack", "before_final")
 
 
 def marker_path(state_dir: str | Path, point: str) -> Path:

@@ -334,6 +334,7 @@ class Serving:
             abandoned: str | None = None  # why this attempt's work is the platform's, not the tenant's
             try:
                 await msg.ack()
+                await worker.fault_hold.at("after_ack", request.request_id)
                 if worker.cancels.superseded(request.request_id, request.attempt):
                     publish_usage = False  # the gateway moved on before this attempt started: no work done
                     return

@@ -152,8 +152,9 @@ class WorkerSettings:
     fault_hold: str = env(
         "INFERBUS_FAULT_HOLD", "",
         "Testing only: a point where the first worker sharing INFERBUS_STATE_DIR to get there stops for good, after "
-        "writing the file `fault-hold-<point>` there, so that a test can kill it at that point. `before_final`: a "
-        "request's usage event is on disk, its last chunk not yet sent. Empty: none.",
+        "writing the file `fault-hold-<point>` there, so that a test can kill it at that point. `after_ack`: a "
+        "request is taken from its queue, its `Accepted` not yet sent; `before_final`: a request's usage event is on "
+        "disk, its last chunk not yet sent. Empty: none.",
     )
     load_interval_s: float = env("INFERBUS_LOAD_INTERVAL_S", 0.25, "How often engine load is polled and published.")
     fetch_timeout_s: float = env(
