@@ -75,3 +75,18 @@ def test_progress_and_the_final_record() -> None:
     assert (done.output_file_id, done.error_file_id) == ("file_o", "file_e")
     assert lifecycle.final(done, "completed", completed=3, failed_lines=0, usage=usage, output_file_id=None,
                            error_file_id=None, now=300) is None
+
+
+def test_a_finish_indexes_the_file_again_only_of_a_batch_with_lines_not_over() -> None:
+    for status in ("in_progress", "finalizing", "cancelling"):
+        assert lifecycle.indexes_to_finish(_record(status, total=3))
+    assert not lifecycle.indexes_to_finish(_record("cancelling", total=0))  # cancelled while validating
+    assert not lifecycle.indexes_to_finish(_record("completed", total=3))
+
+
+def test_a_completing_batch_runs_again_the_lines_whose_results_the_stream_lost() -> None:
+    assert lifecycle.lost_lines("completed", 4, {0: "r", 2: "r"}) == [1, 3]
+    assert lifecycle.lost_lines("completed", 2, {0: "r", 1: "r"}) == []
+    # Expired or cancelled: lines without a result end as such, nothing runs again.
+    assert lifecycle.lost_lines("expired", 4, {0: "r"}) == []
+    assert lifecycle.lost_lines("cancelled", 4, {}) == []

@@ -16,7 +16,13 @@ from proto import bands
 from proto import messages as m
 from services.batch import lines
 from services.batch.feed import FeedConfig, FeedPolicy
-from services.batch.tracker import ActiveBatch, Tracker, parse_request_id
+from services.batch.tracker import (
+    MAX_DOUBT_ATTEMPTS,
+    ActiveBatch,
+    Tracker,
+    parse_request_id,
+    publishes_next_attempt,
+)
 from services.batch.validate import Limits, Validated, validate
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -433,6 +439,27 @@ def test_error_lines_per_request_and_for_lines_that_never_ran() -> None:
     assert "window" in expired["error"]["message"]
 
 
+def test_final_lines_keep_input_order_add_up_usage_and_name_what_never_ran() -> None:
+    record = m.BatchRecord(id="batch_abc", tenant="t", endpoint=CHAT, input_file_id="file-x", completion_window="24h",
+                           created_at=0, expires_at=86400, status="finalizing", total=4, model=MODEL)
+    results = {
+        0: result(line=0, request_id="batch_abc-0"),
+        1: result(ok=False, line=1, request_id="batch_abc-1", error_code="batch_cancelled", error_message=None,
+                  status=499, usage=None),
+        3: result(line=3, request_id="batch_abc-3"),
+    }
+    custom_ids = ["c0", "c1", "c2", "c3"]
+    expired = lines.final_lines(record, custom_ids, results, expired=True)
+    assert [json.loads(line)["custom_id"] for line in expired.outputs] == ["c0", "c3"]
+    assert [(json.loads(line)["custom_id"], json.loads(line)["error"]["code"]) for line in expired.errors] == [
+        ("c1", "batch_expired"), ("c2", "batch_expired")]  # cancelled because it expired: it says expired
+    assert expired.usage == m.BatchUsage(input_tokens=24, cached_tokens=4, output_tokens=8)
+    cancelled = lines.final_lines(record, custom_ids, results, expired=False)
+    assert [json.loads(line)["error"]["code"] for line in cancelled.errors] == ["batch_cancelled", "batch_cancelled"]
+    assert cancelled.outputs == expired.outputs and cancelled.usage == expired.usage
+    assert lines.final_lines(record, [], {}, expired=False) == lines.FinalLines([], [], m.BatchUsage())
+
+
 # ---- tracker -------------------------------------------------------------------------------------
 
 
@@ -558,6 +585,13 @@ def test_a_failed_publish_puts_the_line_back_in_front() -> None:
     tracker.unpublished(run, line, attempt)
     assert [line for _, line, _, _ in tracker.take(3, now=0.0)] == [0, 1, 2]
 
+
+def test_a_line_in_doubt_goes_out_again_only_while_dedup_drops_its_attempt_ids() -> None:
+    assert publishes_next_attempt(stored=False, doubt=True, attempt=0)
+    assert not publishes_next_attempt(stored=True, doubt=True, attempt=0)  # this attempt is new: it runs
+    assert not publishes_next_attempt(stored=False, doubt=False, attempt=0)  # not in doubt: published before, by us
+    assert publishes_next_attempt(stored=False, doubt=True, attempt=MAX_DOUBT_ATTEMPTS - 2)
+    assert not publishes_next_attempt(stored=False, doubt=True, attempt=MAX_DOUBT_ATTEMPTS - 1)
 
 def test_request_ids_name_batch_and_line() -> None:
     assert parse_request_id(m.batch_request_id("batch_0123", 42)) == ("batch_0123", 42)

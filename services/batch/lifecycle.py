@@ -9,12 +9,13 @@ writes to the batch's record. Pure: records and times in, records (or nothing to
 
 Every change is written compare-and-set against the record as it is now (`changes` below return
 None when the record has moved on and there is nothing to write), so the gateway's cancel and the
-service's progress never overwrite each other. The service shell (`service`) does the I/O each
-step calls for: validating the file, tracking lines, writing output files.
+service's progress never overwrite each other. The service shell (`service`, and `finishing` for
+the end) does the I/O each step calls for: validating the file, tracking lines, writing output files.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,6 +74,23 @@ def finishes_now(record: m.BatchRecord, outcome: Outcome | None) -> bool:
 def cancel_reason(outcome: Outcome) -> str:
     """Why lines still out in the fleet are cancelled when a batch ends before they did."""
     return "deadline" if outcome == "expired" else "admin"
+
+
+def indexes_to_finish(record: m.BatchRecord) -> bool:
+    """Whether the finish of a batch this process does not track (it restarted mid-finalize or
+    mid-cancel) indexes its input file again first, to know its lines: a batch that has lines and
+    is not over."""
+    return record.total > 0 and record.status in ("finalizing", "cancelling", "in_progress")
+
+
+def lost_lines(outcome: Outcome, total: int, results: Collection[int]) -> list[int]:
+    """The lines of a completing batch (`total` lines) without a result in the stream, which holds
+    a result for each of `results`: the stream is the record of what ended, so those lines run
+    again (a NATS server killed hard loses its last writes). None when the batch expired or was
+    cancelled: lines without a result end as such."""
+    if outcome != "completed":
+        return []
+    return [line for line in range(total) if line not in results]
 
 
 # ---- the changes written to the record (None: nothing to write) ------------------------------

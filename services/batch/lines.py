@@ -173,6 +173,41 @@ def output_line(result: m.BatchLineResult, custom_id: str, kind: str, model: str
     return _json.encode(entry) + b"\n"
 
 
+@dataclass(frozen=True)
+class FinalLines:
+    """What a batch that ended leaves: its output and error files' lines, in input order, and the
+    usage its results add up to."""
+
+    outputs: list[bytes]  # successes
+    errors: list[bytes]  # failed lines, and lines without a result
+    usage: m.BatchUsage
+
+
+def final_lines(record: m.BatchRecord, custom_ids: list[str], results: dict[int, m.BatchLineResult], *,
+                expired: bool) -> FinalLines:
+    """The lines of the files of a batch (`record`, one custom id per line) that ended with
+    `results` (each line's first): a line without a result is `batch_expired` when the batch
+    `expired`, else `batch_cancelled`; so is a line cancelled because it expired."""
+    unfinished = EXPIRED if expired else CANCELLED
+    kind = ENDPOINT_KINDS.get(record.endpoint, "chat")
+    outputs: list[bytes] = []
+    errors: list[bytes] = []
+    usage = m.BatchUsage()
+    for line, custom_id in enumerate(custom_ids):
+        result = results.get(line)
+        if result is None:
+            errors.append(unfinished_line(m.batch_request_id(record.id, line), custom_id, unfinished))
+            continue
+        if result.usage is not None:
+            usage = m.BatchUsage(input_tokens=usage.input_tokens + result.usage.prompt_tokens,
+                                 cached_tokens=usage.cached_tokens + result.usage.cached_tokens,
+                                 output_tokens=usage.output_tokens + result.usage.completion_tokens)
+        if expired and not result.ok and result.error_code == CANCELLED:
+            result = msgspec.structs.replace(result, error_code=EXPIRED, error_message=None)
+        (outputs if result.ok else errors).append(output_line(result, custom_id, kind, record.model))
+    return FinalLines(outputs=outputs, errors=errors, usage=usage)
+
+
 def unfinished_line(request_id: str, custom_id: str, code: str) -> bytes:
     """The error-file line of a line that has no result when its batch ends (expired or cancelled)."""
     entry = {"id": output_id(request_id), "custom_id": custom_id, "response": None,

@@ -6,7 +6,10 @@ the `files` KV and the file store (input lines), and the `BATCH_RESULTS` stream 
 ended, how). Decisions are made by pure objects: `validate` (is the input file acceptable),
 `FeedPolicy` (how many lines may be out now, from workers' load reports), `Tracker` (which lines,
 fairly; which to publish again after a worker died or a lease ran out), `lines` (what a line's
-request and output line look like).
+request and output line look like), `lifecycle` (the status machine). Its parts take what they
+need of it as a `typing.Protocol` of their own: `result_stream.ResultStream` (follow, judge, record
+and read back the lines' results), `line_publishing.LinePublisher` (publish a line's attempt),
+`finishing.Finisher` (the end: output and error files, the final record).
 
 Life of a batch here: validating → (validate the file) → failed, or in_progress → (feed lines
 while the policy allows; results come back) → finalizing → (write output and error files in input
@@ -31,9 +34,8 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import start_http_server
 
 from inferbus.bus import connection as bus
 from inferbus.bus import security_events
@@ -47,30 +49,23 @@ from inferbus.stores.batches import BatchStore
 from inferbus.stores.files import FileStore
 from inferbus.stores.models import ModelCatalog
 from inferbus.stores.tenants import TenantStore
-from inferbus.tokens.prompt import ModelDirError, context_window, load_model
+from inferbus.tokens.prompt import ModelDirError, load_model
 from proto import bands, subjects
 from proto import messages as m
 
 from . import lifecycle, requeue
-from . import lines as line_format
 from . import results as line_results
 from .feed import FeedPolicy
+from .finishing import Finisher
+from .line_publishing import LinePublisher, read_bodies
+from .metrics import BATCHES, FEED, FINISHED, LINES_OUT, LINES_WAITING
+from .result_stream import ResultStream
 from .settings import BatchSettings
 from .tracker import ActiveBatch, Tracker, parse_request_id
 from .validate import Limits, Validated, validate
 
 log = logs.get(__name__)
 
-BATCHES = Gauge("inferbus_batch_batches", "Batches this service is running, by status", ["status"])
-LINES_OUT = Gauge("inferbus_batch_lines_outstanding", "Lines published and without a result")
-LINES_WAITING = Gauge("inferbus_batch_lines_waiting", "Lines of running batches not yet published")
-PUBLISHED = Counter("inferbus_batch_lines_published_total", "Line attempts published", ["why"])
-RESULTS = Counter("inferbus_batch_line_results_total", "Line results counted (first per line)", ["outcome"])
-FINISHED = Counter("inferbus_batch_finished_total", "Batches that reached a final status", ["status"])
-FEED = Gauge("inferbus_batch_feed", "Feed policy state (lines, or 1/0 for pressure)", ["signal"])
-
-MAX_DOUBT_ATTEMPTS = 5  # a line in doubt after a restart: attempt ids tried before giving up on dedup
-_result_decoder = msgspec.msgpack.Decoder(m.BatchLineResult)
 _request_decoder = msgspec.msgpack.Decoder(m.InferenceRequest)
 FOREIGN_REQUEUE = "foreign_requeue"  # a handed-back line that is not this service's to queue
 _heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
@@ -103,12 +98,14 @@ class BatchService:
         self._latest: dict[str, m.BatchRecord] = {}  # newest record seen per batch id
         self._busy: set[str] = set()  # batches with a transition in progress
         self._ended: set[str] = set()  # batches in a final status: nothing more to do for them
-        self._result_subs: dict[str, object] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._watches: list[asyncio.Task[None]] = []
         self._paused = False  # the feed policy's last verdict, logged when it changes
         self._background: set[asyncio.Task[None]] = set()
         self._watcher: KeyValue.KeyWatcher | None = None
+        self.results = ResultStream(self)  # the batches' results: followed, judged, recorded, read back
+        self.line_publisher = LinePublisher(self)
+        self.finisher = Finisher(self)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -165,15 +162,12 @@ class BatchService:
     async def _resubscribe(self) -> None:
         assert self.js is not None
         for run, sender, result in self.tracker.lost_sight():
-            await self._judge(run, sender, result)
+            await self.results.judge(run, sender, result)
         await bus.retry_forever("rewatch", self._watch)
         await bus.retry_forever("restart_catalog", self._restart_catalog)
         for run in self.tracker.batches():
-            old = self._result_subs.pop(run.id, None)
-            if old is not None:
-                with contextlib.suppress(Exception):
-                    await old.unsubscribe()  # type: ignore[attr-defined]
-            await bus.retry_forever("results", functools.partial(self._follow_results, run))
+            await self.results.unfollow(run.id)
+            await bus.retry_forever("results", functools.partial(self.results.follow, run))
         log.info("resubscribed", batches=len(self.tracker.runs))
 
     async def _restart_catalog(self) -> None:
@@ -272,7 +266,7 @@ class BatchService:
                                            worker_named=event.worker_id)
                     continue
                 for run, waiting_sender, waiting in self.tracker.released(event):
-                    await self._judge(run, waiting_sender, waiting)
+                    await self.results.judge(run, waiting_sender, waiting)
 
     def _alive(self, worker: str) -> bool:
         """Whether the worker with subject token `worker` heartbeats."""
@@ -333,13 +327,17 @@ class BatchService:
         work: Callable[[], Awaitable[None]] = {
             "validate": lambda: self._validate(record),
             "resume": lambda: self._resume(record),
-            "finish": lambda: self._finish(record, step.outcome or "completed"),
-            "untrack": lambda: self._untrack(batch_id),
+            "finish": lambda: self.finisher.finish(record, step.outcome or "completed"),
+            "untrack": lambda: self.untrack(batch_id),
         }[step.kind]
         self._spawn_step(record, work)
 
-    async def _update(self, record: m.BatchRecord,
-                      change: Callable[[m.BatchRecord], m.BatchRecord | None]) -> m.BatchRecord | None:
+    def newest_record(self, run: ActiveBatch) -> m.BatchRecord:
+        """The newest record seen of a tracked batch (its own, until a newer one came)."""
+        return self._latest.get(run.id, run.record)
+
+    async def update_record(self, record: m.BatchRecord,
+                            change: Callable[[m.BatchRecord], m.BatchRecord | None]) -> m.BatchRecord | None:
         assert self.batches is not None
         updated = await self.batches.update(record.tenant, record.id, change)
         if updated is not None:
@@ -350,7 +348,7 @@ class BatchService:
 
     async def _fail(self, record: m.BatchRecord, errors: list[m.BatchErrorEntry]) -> None:
         now = int(time.time())
-        updated = await self._update(record, lambda current: lifecycle.failed(current, errors, now))
+        updated = await self.update_record(record, lambda current: lifecycle.failed(current, errors, now))
         FINISHED.labels("failed").inc()
         log.info("batch_failed", errors=len(errors), first=errors[0].message if errors else None,
                  status=updated.status if updated else None)
@@ -383,21 +381,21 @@ class BatchService:
                 return error.message
             return None
 
-        verdict = await asyncio.to_thread(self._validate_file, source, record.endpoint, check_model)
+        verdict = await asyncio.to_thread(self.validate_file, source, record.endpoint, check_model)
         if isinstance(verdict, list):
             await self._fail(record, verdict)
             return
         now = int(time.time())
         expires_at = self.settings.expires_at(record.created_at, record.expires_at)
-        updated = await self._update(record, lambda current: lifecycle.in_progress(
+        updated = await self.update_record(record, lambda current: lifecycle.in_progress(
             current, model=verdict.model, total=verdict.total, now=now, expires_at=expires_at))
         if updated is None or updated.status != "in_progress":
             return
         log.info("batch_in_progress", total=verdict.total, model=verdict.model, expires_at=updated.expires_at)
-        await self._track(updated, verdict, resumed=False)
+        await self.track(updated, verdict, resumed=False)
 
-    def _validate_file(self, source: m.FileRecord, endpoint: str,
-                       check_model: Callable[[str], str | None]) -> Validated | list[m.BatchErrorEntry]:
+    def validate_file(self, source: m.FileRecord, endpoint: str,
+                      check_model: Callable[[str], str | None]) -> Validated | list[m.BatchErrorEntry]:
         assert self.files is not None
         try:
             with self.files.open(source) as data:
@@ -414,14 +412,14 @@ class BatchService:
         if source is None:
             verdict = [m.BatchErrorEntry(code="file_not_found", message=f"Input file {record.input_file_id} is gone.")]
         else:
-            verdict = await asyncio.to_thread(self._validate_file, source, record.endpoint, lambda model: None)
+            verdict = await asyncio.to_thread(self.validate_file, source, record.endpoint, lambda model: None)
         if isinstance(verdict, list):
             await self._fail(record, verdict)
             return
         log.info("batch_resumed", total=verdict.total, model=verdict.model)
-        await self._track(record, verdict, resumed=True)
+        await self.track(record, verdict, resumed=True)
 
-    async def _track(self, record: m.BatchRecord, verdict: Validated, resumed: bool) -> ActiveBatch | None:
+    async def track(self, record: m.BatchRecord, verdict: Validated, resumed: bool) -> ActiveBatch | None:
         try:
             base, adapter = await self.catalog.lookup(verdict.model)
         except OpenAIError as error:
@@ -436,144 +434,13 @@ class BatchService:
         run = ActiveBatch(record=record, custom_ids=verdict.custom_ids, offsets=verdict.offsets, base_model=base,
                        adapter=adapter, input_path=str(self.files.path(source)))
         self.tracker.add(run, resumed=resumed)
-        await self._follow_results(run)
+        await self.results.follow(run)
         return run
 
-    async def _untrack(self, batch_id: str) -> None:
+    async def untrack(self, batch_id: str) -> None:
         self.tracker.remove(batch_id)
         self._latest.pop(batch_id, None)  # over: only its id is remembered (in `_ended`)
-        sub = self._result_subs.pop(batch_id, None)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()  # type: ignore[attr-defined]
-            except Exception:
-                pass
-
-    # ---- results --------------------------------------------------------------------------
-
-    async def _last_result_seq(self, filter_subject: str) -> int:
-        assert self.js is not None
-        try:
-            last = await self.js.get_last_msg(subjects.BATCH_RESULTS_STREAM, filter_subject)
-        except NotFoundError:
-            return 0
-        return int(last.seq or 0)
-
-    async def _follow_results(self, run: ActiveBatch) -> None:
-        """Replay the batch's results from the start of the stream, then follow new ones; the run
-        may feed once the replay has reached where the stream stood. The results this service
-        recorded (`o`) count, first per line; a worker's (`w`) is judged (`_judge`), once the
-        replay is over (a worker's result replayed may have been recorded since)."""
-        assert self.js is not None
-        last = await self._last_result_seq(subjects.batch_results_filter(run.id))
-        run.loaded = run.loaded or last == 0
-
-        reached = last == 0  # this subscription's replay reached where the stream stood
-        unjudged: list[tuple[tuple[str, str] | None, m.BatchLineResult]] = []  # workers' results replayed
-
-        async def on_result(msg: Msg) -> None:
-            nonlocal reached
-            seq = msg.metadata.sequence.stream
-            sender = subjects.batch_result_sender(msg.subject)
-            try:
-                result: m.BatchLineResult | None = _result_decoder.decode(msg.data)
-            except msgspec.DecodeError as error:
-                log.warning("bad_batch_result", error=str(error), subject=msg.subject)
-                result = None
-            if result is None:
-                pass
-            elif sender is not None and sender[0] == subjects.RESULT_FROM_OWNER:
-                if result.batch_id != run.id:
-                    log.warning("batch_result_of_another_batch", subject=msg.subject, request_id=result.request_id)
-                elif self.tracker.on_result(result):
-                    RESULTS.labels("ok" if result.ok else (result.error_code or "error")).inc()
-                elif reached:  # (a replay sees again what was counted, or logged, before)
-                    log.info("batch_result_duplicate", request_id=result.request_id, attempt=result.attempt,
-                             worker_id=result.worker_id, seq=seq)
-            elif seq in run.judged:
-                pass  # judged before this subscription (a replay after a reconnect): once is enough
-            elif reached:
-                run.judged.add(seq)
-                await self._judge(run, sender, result)
-            else:
-                run.judged.add(seq)
-                unjudged.append((sender, result))
-            if not reached and seq >= last:
-                reached = True
-                if not run.loaded:
-                    run.loaded = True
-                    log.info("batch_results_replayed", batch_id=run.id, done=len(run.done), total=run.total)
-                for replayed_sender, replayed in unjudged:
-                    await self._judge(run, replayed_sender, replayed, replayed=True)
-                unjudged.clear()
-
-        # Always from the start of the stream, also when resubscribing after a reconnect: a NATS
-        # server killed hard can lose its last writes and reuse their sequence numbers, so "after
-        # the last one seen" could skip new results. Results seen twice are ignored by the tracker.
-        self._result_subs[run.id] = await self.js.subscribe(
-            subjects.batch_results_filter(run.id), stream=subjects.BATCH_RESULTS_STREAM, ordered_consumer=True,
-            cb=on_result,
-        )
-
-    async def _judge(self, run: ActiveBatch, sender: tuple[str, str] | None, result: m.BatchLineResult,
-                     replayed: bool = False) -> None:
-        """A worker's result: recorded as the line's when it comes from the attempt's holder
-        (`results`), refused as a security event when only a forgery explains it. A `replayed`
-        one that is a duplicate was logged when it came."""
-        holder = self.tracker.holder(run.id, result.line, result.attempt)
-        why = self.tracker.judge(run, sender, result, holder)
-        if why == line_results.TAKE:
-            try:
-                await self._publish_result(result)
-            except Exception as error:  # the line's lease sends it out again
-                self.tracker.not_recorded(run, result.line)
-                log.warning("batch_result_not_recorded", request_id=result.request_id, error=repr(error))
-        elif line_results.refused(why):
-            security_events.record(line_results.FOREIGN_BATCH_RESULT, why=why, seen_in="result",
-                                   request_id=result.request_id, attempt=result.attempt,
-                                   publisher=sender[1] if sender else "", worker_named=result.worker_id, holder=holder)
-        elif why == line_results.DUPLICATE:
-            if not replayed:
-                log.info("batch_result_duplicate", request_id=result.request_id, attempt=result.attempt,
-                         worker_id=result.worker_id)
-        else:  # judged once the attempt's `Accepted` comes, if ever (else the line runs again)
-            log.info("batch_result_waits_for_holder", request_id=result.request_id, attempt=result.attempt,
-                     worker_id=result.worker_id)
-
-    async def _read_results(self, batch_id: str) -> dict[int, m.BatchLineResult]:
-        """Every line's first recorded result, read back from the stream (for the output files)."""
-        assert self.js is not None
-        kept = subjects.batch_results_kept_filter(batch_id)
-        last = await self._last_result_seq(kept)
-        found: dict[int, m.BatchLineResult] = {}
-        if last == 0:
-            return found
-        sub = await self.js.subscribe(kept, stream=subjects.BATCH_RESULTS_STREAM, ordered_consumer=True)
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=10)
-                try:
-                    result = _result_decoder.decode(msg.data)
-                except msgspec.DecodeError:
-                    result = None
-                if result is not None and result.batch_id == batch_id:
-                    found.setdefault(result.line, result)
-                if msg.metadata.sequence.stream >= last:
-                    return found
-        finally:
-            await sub.unsubscribe()
-
-    async def _publish_result(self, result: m.BatchLineResult) -> None:
-        """Record a line's result (a worker's, taken; or one the line ends with here, refused before
-        running) on this service's own subject, where readers count it. Its message id has a fresh
-        nonce: no one else's publish can have it dropped (a record published twice, the first
-        one counts)."""
-        assert self.replies is not None
-        me = f"batch-{self.id}"
-        await self.replies.publish_durable(
-            subjects.batch_result_subject(result.batch_id, subjects.RESULT_FROM_OWNER, me), m.encode(result),
-            m.batch_result_publish_id(result, f"{subjects.RESULT_FROM_OWNER}.{subjects.token(me)}",
-                                      m.new_usage_nonce()))
+        await self.results.unfollow(batch_id)
 
     # ---- feeding --------------------------------------------------------------------------
 
@@ -604,13 +471,13 @@ class BatchService:
         for run in self.tracker.batches():
             if run.id in self._busy:
                 continue
-            record = self._latest.get(run.id, run.record)
+            record = self.newest_record(run)
             run.finishing = lifecycle.run_outcome(finishing=run.finishing, feeding=run.feeding, loaded=run.loaded,
                                                   all_done=run.finished(), now=now, expires_at=record.expires_at)
             outcome = run.finishing
             if outcome is not None and lifecycle.finishes_now(record, outcome):
                 run.feeding = False
-                self._spawn_step(record, functools.partial(self._finish, record, outcome))
+                self._spawn_step(record, functools.partial(self.finisher.finish, record, outcome))
 
     def _spawn_step(self, record: m.BatchRecord, work: Callable[[], Awaitable[None]]) -> None:
         """Run one step of a batch (validate, resume, finish), one at a time per batch; then look
@@ -655,82 +522,15 @@ class BatchService:
         picks = self.tracker.take(room, time.monotonic())
         if not picks:
             return
-        bodies = await asyncio.to_thread(self._read_bodies, [(run, line) for run, line, _, _ in picks])
+        bodies = await asyncio.to_thread(read_bodies, [(run, line) for run, line, _, _ in picks])
         for i, ((run, line, attempt, doubt), body) in enumerate(zip(picks, bodies)):
             try:
-                await self._publish_line(run, line, attempt, doubt, body)
+                await self.line_publisher.publish(run, line, attempt, doubt, body)
             except Exception as error:  # NATS away, a timeout: these lines go back, tried next tick
                 log.warning("line_publish_failed", batch_id=run.id, line=line, error=repr(error))
                 for later_run, later_line, later_attempt, _ in reversed(picks[i:]):
                     self.tracker.unpublished(later_run, later_line, later_attempt)
                 return
-
-    def _read_bodies(self, wanted: list[tuple[ActiveBatch, int]]) -> list[bytes | None]:
-        """The `body` of each wanted line, read from its input file by offset."""
-        assert self.files is not None
-        out: list[bytes | None] = []
-        handles: dict[str, object] = {}
-        try:
-            for run, line in wanted:
-                handle = handles.get(run.id)
-                if handle is None:
-                    try:
-                        handle = handles[run.id] = open(run.input_path, "rb")  # noqa: SIM115 (closed below)
-                    except FileNotFoundError:
-                        out.append(None)
-                        continue
-                handle.seek(run.offsets[line])  # type: ignore[attr-defined]
-                raw = handle.readline()  # type: ignore[attr-defined]
-                try:
-                    out.append(line_format.decode_line(raw).body_bytes())
-                except msgspec.MsgspecError:
-                    out.append(None)
-        finally:
-            for handle in handles.values():
-                handle.close()  # type: ignore[attr-defined]
-        return out
-
-    async def _publish_line(self, run: ActiveBatch, line: int, attempt: int, doubt: bool, body: bytes | None) -> None:
-        assert self.replies is not None
-        now = time.time()
-        record = run.record
-        if body is None:
-            await self._publish_result(line_format.error_result(
-                run.id, line, "input_unreadable", "The line could not be read from the input file.", 500, now))
-            return
-        try:
-            plan = line_format.plan_line(record.endpoint, body, model=self.served,
-                                         max_model_len=context_window(self.settings.max_model_len, self.served),
-                                         default_max_tokens=self.settings.default_max_tokens)
-        except OpenAIError as error:
-            # The request itself is invalid (say, too long for the context): its line says so.
-            await self._publish_result(line_format.error_result(
-                run.id, line, error.code or "invalid_request", error.message, error.status, now))
-            return
-        subject = subjects.request_subject("batch", run.base_model, subjects.ANY_TARGET,
-                                           self.reply_subject)
-        while True:
-            request = line_format.line_request(
-                plan, batch_id=run.id, line=line, tenant=record.tenant, api_key_id=record.api_key_id,
-                base_model=run.base_model, adapter=run.adapter,
-                deadline=float(self._latest.get(run.id, record).expires_at),
-                now=now, reply_to=self.reply_subject, attempt=attempt,
-            )
-            try:
-                payload = line_format.encode_request(request)
-            except OpenAIError as error:  # no retry can publish it: the line fails, the batch goes on
-                await self._publish_result(line_format.error_result(
-                    run.id, line, error.code or "invalid_request", error.message, error.status, now))
-                return
-            await dispatch_records.publish(self.replies, request)
-            stored = await self.replies.publish_durable(subject, payload, f"{request.request_id}.{attempt}")
-            if stored or not doubt or attempt + 1 >= MAX_DOUBT_ATTEMPTS:
-                break
-            # In doubt after a restart and this attempt id was published in the last minutes: it
-            # may have died with a worker. Publish the next attempt (the first result wins).
-            attempt += 1
-        self.tracker.published(run, line, attempt)
-        PUBLISHED.labels("doubt" if doubt else ("retry" if attempt else "new")).inc()
 
     # ---- progress -------------------------------------------------------------------------
 
@@ -748,7 +548,7 @@ class BatchService:
         """Write request_counts and usage of batches whose counts moved (compare-and-set)."""
         statuses: dict[str, int] = {}
         for run in self.tracker.batches():
-            record = self._latest.get(run.id, run.record)
+            record = self.newest_record(run)
             statuses[record.status] = statuses.get(record.status, 0) + 1
             if not run.dirty:
                 continue
@@ -757,102 +557,12 @@ class BatchService:
             change = functools.partial(lifecycle.progress, completed=run.completed, failed_lines=run.failed,
                                        usage=run.usage)
             try:
-                await self._update(record, change)
+                await self.update_record(record, change)
             except Exception:
                 run.dirty = True
                 raise
         for status in ("in_progress", "finalizing", "cancelling"):
             BATCHES.labels(status).set(statuses.get(status, 0))
-
-    # ---- the end: completed, expired, cancelled -------------------------------------------
-
-    async def _finish(self, record: m.BatchRecord, outcome: lifecycle.Outcome) -> None:
-        """Write the output and error files and the final record. `outcome`: completed (every line
-        has a result), expired (the window passed) or cancelled (the gateway asked)."""
-        run = self.tracker.runs.get(record.id)
-        if run is None and record.total > 0 and record.status in ("finalizing", "cancelling", "in_progress"):
-            # Not tracked by this process (a restart mid-finalize or mid-cancel): index the file.
-            assert self.files is not None
-            source = await self.files.get(record.tenant, record.input_file_id)
-            verdict = (await asyncio.to_thread(self._validate_file, source, record.endpoint, lambda model: None)
-                       if source is not None else [])
-            if isinstance(verdict, Validated):
-                run = await self._track(record, verdict, resumed=True)
-        if outcome != "completed":
-            await self._stop_lines(record, run, lifecycle.cancel_reason(outcome))
-        elif run is not None:
-            self.tracker.stop_feeding(run.id)
-        custom_ids = run.custom_ids if run is not None else []
-        results = await self._read_results(record.id) if custom_ids else {}
-        missing = [line for line in range(len(custom_ids)) if line not in results]
-        if outcome == "completed" and missing and run is not None:
-            await self._reopen(record, run, results, missing)
-            return
-        if outcome == "completed" and record.status == "in_progress":
-            now = int(time.time())
-            updated = await self._update(record, lambda current: lifecycle.finalizing(current, now))
-            if updated is None or updated.status != "finalizing":
-                return  # cancelled meanwhile: that path finishes it
-            record = updated
-        unfinished = line_format.EXPIRED if outcome == "expired" else line_format.CANCELLED
-        outputs: list[bytes] = []
-        errors: list[bytes] = []
-        usage = m.BatchUsage()
-        for line, custom_id in enumerate(custom_ids):
-            result = results.get(line)
-            if result is None:
-                errors.append(line_format.unfinished_line(m.batch_request_id(record.id, line), custom_id, unfinished))
-                continue
-            if result.usage is not None:
-                usage = m.BatchUsage(input_tokens=usage.input_tokens + result.usage.prompt_tokens,
-                                     cached_tokens=usage.cached_tokens + result.usage.cached_tokens,
-                                     output_tokens=usage.output_tokens + result.usage.completion_tokens)
-            if outcome == "expired" and not result.ok and result.error_code == line_format.CANCELLED:
-                result = msgspec.structs.replace(result, error_code=line_format.EXPIRED, error_message=None)
-            kind = line_format.ENDPOINT_KINDS.get(record.endpoint, "chat")
-            (outputs if result.ok else errors).append(line_format.output_line(result, custom_id, kind, record.model))
-        assert self.files is not None
-        output_file = error_file = None
-        if outputs:
-            output_file = (await self.files.write(record.tenant, f"{record.id}_output.jsonl", "batch_output",
-                                                  outputs)).id
-        if errors:
-            error_file = (await self.files.write(record.tenant, f"{record.id}_error.jsonl", "batch_output", errors)).id
-        now = int(time.time())
-        updated = await self._update(record, lambda current: lifecycle.final(
-            current, outcome, completed=len(outputs), failed_lines=len(errors), usage=usage,
-            output_file_id=output_file, error_file_id=error_file, now=now))
-        await self._untrack(record.id)
-        FINISHED.labels(outcome).inc()
-        log.info("batch_finished", status=updated.status if updated else None, outcome=outcome,
-                 completed=len(outputs), failed=len(errors), output_file_id=output_file, error_file_id=error_file,
-                 input_tokens=usage.input_tokens, output_tokens=usage.output_tokens)
-
-    async def _reopen(self, record: m.BatchRecord, run: ActiveBatch, results: dict[int, m.BatchLineResult],
-                      missing: list[int]) -> None:
-        """Results this process counted are not in the stream (a NATS server killed hard loses its
-        last writes): the stream is the record of what ended, so those lines run again."""
-        log.warning("batch_results_lost", lines=len(missing), first=missing[:5])
-        if record.status == "finalizing":
-            await self._update(record, lifecycle.reopened)
-        self.tracker.reopen(run.id, list(results.values()), missing)
-
-    async def _stop_lines(self, record: m.BatchRecord, run: ActiveBatch | None, reason: str) -> None:
-        """Publish nothing more; cancel lines out in the fleet and wait (briefly) for their results."""
-        assert self.nc is not None
-        if run is None:
-            return
-        out = self.tracker.stop_feeding(run.id)
-        # A line in doubt after a restart may run somewhere too: cancel every line without a result.
-        lines = [line for line in range(run.total) if line not in run.done]
-        for line in lines:
-            request_id = m.batch_request_id(run.id, line)
-            cancel = m.Cancel(request_id=request_id, reason=reason)  # type: ignore[arg-type]
-            await self.nc.publish(subjects.cancel_subject(f"batch-{self.id}", request_id), m.encode(cancel))
-        log.info("batch_lines_cancelled", reason=reason, in_flight=len(out), without_result=len(lines))
-        deadline = time.monotonic() + self.settings.cancel_grace_s
-        while run.outstanding and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
 
 
 async def serve(settings: BatchSettings) -> None:

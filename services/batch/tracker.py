@@ -83,6 +83,14 @@ class ActiveBatch:
 
 
 WAITING_PER_LINE = 2  # results waiting for their attempt's holder, at most, per line of a batch
+MAX_DOUBT_ATTEMPTS = 5  # a line in doubt after a restart: attempt ids tried before giving up on dedup
+
+
+def publishes_next_attempt(*, stored: bool, doubt: bool, attempt: int) -> bool:
+    """Whether a line whose `attempt` was just published goes out again as its next attempt: a line
+    in doubt after a restart whose attempt id JetStream's dedup dropped (published in the last
+    minutes, it may have died with a worker; the first result wins), up to MAX_DOUBT_ATTEMPTS ids."""
+    return not stored and doubt and attempt + 1 < MAX_DOUBT_ATTEMPTS
 
 
 def parse_request_id(request_id: str) -> tuple[str, int] | None:
