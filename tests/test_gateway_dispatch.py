@@ -1,10 +1,13 @@
 """The gateway's relay logic: what a migration sends, and what a lost event does."""
 
+from collections.abc import Callable
+
 import msgspec
 
 from proto import messages as m
 from proto import subjects
 from services.gateway.flight import Flight, next_attempt
+from services.gateway.worker_watch import WorkerWatch
 
 
 def test_migration_continues_from_what_the_client_already_has() -> None:
@@ -160,6 +163,14 @@ def test_the_oldest_request_waiting_for_a_worker() -> None:
     assert dispatcher.oldest_waiting_s(("premium",)) == 0.0
 
 
+def watch(dispatcher: object, heartbeat_ttl_s: float, accept_timeout_s: float,
+          free_slots: Callable[[], int] = lambda: 0) -> WorkerWatch:
+    """A fleet watch on no bus (nothing here probes a worker)."""
+    return WorkerWatch(dispatcher, None, heartbeat_ttl_s=heartbeat_ttl_s,  # type: ignore[arg-type]
+                      accept_timeout_s=accept_timeout_s, liveness_timeout_s=1.0, silence_s=2.0,
+                      free_slots=free_slots, worker_free_slots=lambda worker_id: None)
+
+
 def test_a_request_retried_after_a_worker_failed_is_no_sign_of_overload() -> None:
     """Its wait is the failure's: counted, a dead worker's streams would shed the next requests."""
     from services.gateway.dispatch import Dispatcher
@@ -185,18 +196,19 @@ async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of
     from services.gateway.queue_window import QueueWindow
 
     dispatcher = Dispatcher.__new__(Dispatcher)
-    dispatcher.flights, dispatcher.heartbeat_ttl_s, dispatcher.accept_timeout_s = {}, 2.0, 3.0
+    dispatcher.flights, dispatcher.heartbeat_ttl_s = {}, 2.0
     dispatcher.window = QueueWindow(per_worker=2)
-    dispatcher.worker_free_slots = lambda worker_id: None
     dispatcher.free_slots = lambda: 0
+    fleet = dispatcher.watch = watch(dispatcher, heartbeat_ttl_s=2.0, accept_timeout_s=3.0)
+    dispatcher.live_workers = fleet.live_workers
     now = time.monotonic()
 
     def beat(worker_id: str, state: str = "ready") -> m.Heartbeat:
         return m.Heartbeat(worker_id=worker_id, model="m", engine_url="", started=0, ts=0,
                            state=state)  # type: ignore[arg-type]
 
-    dispatcher.live_workers = {"fresh": (now, beat("fresh")), "silent": (now - 1.5, beat("silent")),
-                               "draining": (now, beat("draining", "draining"))}
+    fleet.live_workers.update({"fresh": (now, beat("fresh")), "silent": (now - 1.5, beat("silent")),
+                               "draining": (now, beat("draining", "draining"))})
     for worker_id in ("fresh", "silent", "draining", "gone"):
         request = m.InferenceRequest(request_id=worker_id, tenant="t", model="m", prompt="P", reply_to="x",
                                      sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
@@ -205,7 +217,7 @@ async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of
     assert len(dispatcher.unstarted_ages(("standard",))) == 1  # only the one on a ready worker heard from
     assert dispatcher.oldest_waiting_s(("standard",)) >= 5
 
-    dispatcher._declare_dead(subjects.worker_key("fresh"))  # its requests go to the shared queue
+    fleet.declare_dead(subjects.worker_key("fresh"))  # its requests go to the shared queue
     fresh = dispatcher.flights["fresh"]
     assert fresh.worker_id is None and fresh.state == "queued"
     assert dispatcher.unstarted_ages(("standard",)) == [] and dispatcher.oldest_waiting_s(("standard",)) == 0.0
@@ -225,7 +237,7 @@ async def test_a_request_queued_on_a_worker_that_is_gone_or_silent_is_no_sign_of
     late = dispatcher.flights["late"] = Flight(request=request, state="queued", worker_id="idle",
                                                opened_at=now - 4, waiting_since=now - 4, placed_at=now - 4)
     assert dispatcher.measures_load(late, now)
-    dispatcher._move_unstarted(now)
+    fleet.move_unstarted(now)
     assert late.disrupted and not dispatcher.measures_load(late, now)
 
 
@@ -237,13 +249,9 @@ def test_a_dead_or_restarted_workers_queued_requests_move_if_no_worker_starts_th
     import time
     from types import SimpleNamespace
 
-    from services.gateway.dispatch import Dispatcher
-
-    dispatcher = Dispatcher.__new__(Dispatcher)
-    dispatcher.flights, dispatcher.accept_timeout_s = {}, 3.0
-    dispatcher.worker_free_slots = lambda worker_id: None
+    dispatcher = SimpleNamespace(flights={}, recover=lambda flight, why: None)
     free = [0]
-    dispatcher.free_slots = lambda: free[0]
+    fleet = watch(dispatcher, heartbeat_ttl_s=2.0, accept_timeout_s=3.0, free_slots=lambda: free[0])
     now = time.monotonic()
 
     def beat(worker_id: str, started: float) -> SimpleNamespace:
@@ -256,16 +264,15 @@ def test_a_dead_or_restarted_workers_queued_requests_move_if_no_worker_starts_th
         dispatcher.flights[request_id] = Flight(request=request, state=state, worker_id=worker_id, placed_at=now)
         return dispatcher.flights[request_id]
 
-    dispatcher.live_workers = {}
-    dispatcher._on_heartbeat(beat("w1", started=100.0))
+    fleet.on_heartbeat(beat("w1", started=100.0))
     taken, running, elsewhere = flight_on("taken", "w1", "queued"), flight_on("running", "w1", "accepted"), \
         flight_on("elsewhere", "w2", "queued")
     shared, waiting = flight_on("shared", "", "queued"), flight_on("waiting", "", "held")
     shared.worker_id = waiting.worker_id = None
-    dispatcher._on_heartbeat(beat("w1", started=100.0))  # the same process: nothing happens
+    fleet.on_heartbeat(beat("w1", started=100.0))  # the same process: nothing happens
     assert taken.worker_id == "w1" and running.events.empty()
 
-    dispatcher._on_heartbeat(beat("w1", started=200.0))  # killed and started again
+    fleet.on_heartbeat(beat("w1", started=200.0))  # killed and started again
     assert taken.worker_id is None and taken.orphaned_at is not None and taken.disrupted
     [lost] = [running.events.get_nowait()]
     assert isinstance(lost, m.StreamError) and lost.code == "worker_lost" and lost.retryable
@@ -273,20 +280,20 @@ def test_a_dead_or_restarted_workers_queued_requests_move_if_no_worker_starts_th
     # In the shared queue, it may be the one the old process had taken; in the fair queue, not yet out.
     assert shared.orphaned_at is not None and not shared.disrupted and waiting.orphaned_at is None
 
-    dispatcher._move_unstarted(now + 3.1)  # in time, but no room anywhere: it waits
+    fleet.move_unstarted(now + 3.1)  # in time, but no room anywhere: it waits
     assert taken.events.empty()
     free[0] = 2
-    dispatcher._move_unstarted(now + 3.1)
+    fleet.move_unstarted(now + 3.1)
     for orphan in (taken, shared):
         [moved] = [orphan.events.get_nowait()]
         assert isinstance(moved, m.StreamError) and moved.code == "not_started" and moved.retryable
-    dispatcher._move_unstarted(now + 9.0)  # once per orphaning
+    fleet.move_unstarted(now + 9.0)  # once per orphaning
     assert taken.events.empty() and taken.orphaned_at is None
 
-    dispatcher._on_heartbeat(beat("w2", started=1.0))
-    dispatcher._declare_dead(subjects.worker_key("w2"))  # a worker found dead: the same for its queued ones
+    fleet.on_heartbeat(beat("w2", started=1.0))
+    fleet.declare_dead(subjects.worker_key("w2"))  # a worker found dead: the same for its queued ones
     assert elsewhere.worker_id is None and elsewhere.orphaned_at is not None
-    dispatcher._move_unstarted(elsewhere.orphaned_at + 3.1)
+    fleet.move_unstarted(elsewhere.orphaned_at + 3.1)
     assert elsewhere.events.get_nowait().code == "not_started"  # type: ignore[union-attr]
 
 

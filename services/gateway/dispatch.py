@@ -1,14 +1,16 @@
 """Gateway side of a request's life on the bus: place, publish, relay events, migrate on failure.
 
 One wildcard subscription per gateway receives every stream event meant for its requests. A
-watch on the `workers` KV bucket tells which workers are alive; when the worker holding a request
-dies (heartbeat expired or deleted) or hands it back, the request continues on another worker
-from the prompt plus the text already sent, so the client sees one stream.
+watch on the `workers` KV bucket tells which workers are alive (`worker_watch`); when the worker
+holding a request dies (heartbeat expired or deleted, or a new process under its id) or hands it
+back, the request continues on another worker from the prompt plus the text already sent, so the
+client sees one stream.
 
 The decisions are pure modules beside it: `flight` (a request in flight: its next attempt, whose
 events it takes, its waits and silences), `placement_choice` (where it is queued),
-`queue_window` and `fairness` (when it is published). The shells it uses: `worker_probe` (whether a
-worker whose heartbeat lapsed is dead), `stream_resend` (events lost on the bus).
+`queue_window` and `fairness` (when it is published). The shells it uses: `worker_watch` (which
+workers are alive, what becomes of their requests when one is not, with `worker_probe`),
+`stream_resend` (events lost on the bus).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from inferbus.bus import patience, security_events
 from inferbus.bus.outbox import Outbox
 from inferbus.bus.replies import PublishError, Replies
 from inferbus.runtime import logs, tracing
-from inferbus.runtime.records import decode_or_none
 from inferbus.stores import dispatch_records
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
 from proto import bands, subjects
@@ -45,13 +46,10 @@ from .flight import (
     foreign_sender,
     measures_load,
     next_attempt,
-    not_started,
-    went_silent,
 )
 from .metrics import (
     FAIR_QUEUE,
     MIGRATIONS,
-    NOT_STARTED,
     PLACEMENT_SECONDS,
     PLACEMENTS,
     PLACEMENTS_OVER_BUDGET,
@@ -59,7 +57,7 @@ from .metrics import (
 from .placement_choice import beside_lead, judge_placement, placement_question
 from .queue_window import QueueWindow
 from .stream_resend import resend
-from .worker_probe import WorkerProbe
+from .worker_watch import WorkerWatch
 
 log = logs.get(__name__)
 
@@ -109,7 +107,6 @@ class Dispatcher:
         self.patience = patience.PlacementPatience(placement_timeout_s, placement_patience_s, time.monotonic)
         self.window = QueueWindow(window_per_worker)
         self.free_slots = free_slots
-        self.worker_free_slots = worker_free_slots  # a worker's free slots at its last load report, if recent
         # Whether a request of a band may wait on a worker's own queue (its expected wait there fits
         # the band's budget), given how many of ours already wait there unstarted.
         self.placement_fits = placement_fits
@@ -121,20 +118,15 @@ class Dispatcher:
         self._queued_flights: dict[str, Flight] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.flights: dict[str, Flight] = {}
-        self.live_workers: dict[str, tuple[float, m.Heartbeat]] = {}  # id → (last seen, beat)
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Subscription | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self.replies = Replies(nc)
-        # A request queued on a worker's own subject and not started by it within this long moves
-        # to the shared queue; a worker whose heartbeat lapsed is asked (this long) before it is dead.
-        self.accept_timeout_s = accept_timeout_s
         self.liveness_timeout_s = liveness_timeout_s
-        self.probe = WorkerProbe(self.replies, liveness_timeout_s, self._verdict)
-        # A started stream that hears nothing for this long asks its worker whether it sent events
-        # that never came (a stream's last events lost on the bus would hold its client until its
-        # timeout: nothing later reveals the gap).
-        self.silence_s = silence_s
+        self.watch = WorkerWatch(self, self.replies, heartbeat_ttl_s=heartbeat_ttl_s, accept_timeout_s=accept_timeout_s,
+                                liveness_timeout_s=liveness_timeout_s, silence_s=silence_s, free_slots=free_slots,
+                                worker_free_slots=worker_free_slots)
+        self.live_workers = self.watch.live_workers
         self.outbox = Outbox(outbox_path, self._publish_durable) if outbox_path is not None else None
 
     async def _publish_durable(self, subject: str, data: bytes, msg_id: str) -> None:
@@ -153,8 +145,8 @@ class Dispatcher:
         )
         self._watcher = await self.kv.watchall()
         self._tasks = [
-            asyncio.create_task(self._watch_workers(), name="watch-workers"),
-            asyncio.create_task(self._sweep(), name="sweep"),
+            asyncio.create_task(self.watch.follow(self._watcher), name="watch-workers"),
+            asyncio.create_task(self.watch.sweep(), name="sweep"),
         ]
 
     async def stop(self) -> None:
@@ -535,106 +527,4 @@ class Dispatcher:
         await resend(self.replies, flight, why, gateway_id=self.gateway_id, timeout_s=self.liveness_timeout_s,
                      worker_live=lambda worker_id: worker_id in self.live_workers,
                      still_open=lambda f: self.flights.get(f.request.request_id) is f)
-
-    async def _watch_workers(self) -> None:
-        assert self._watcher is not None
-        await bus.follow(self._watcher, self._on_heartbeat, self._worker_gone)
-
-    def _on_heartbeat(self, entry: KeyValue.Entry) -> None:
-        beat = decode_or_none(_heartbeat_decoder, entry.value or b"", store="workers", key=entry.key)
-        if beat is None:
-            return
-        seen = self.live_workers.get(beat.worker_id)
-        if seen is not None and seen[1].started != beat.started:
-            # Killed and started again within its heartbeat's TTL: what the old process held died
-            # with it. The new one heartbeats before it pulls, so nothing here is the new one's yet.
-            log.warning("worker_restarted", worker_id=beat.worker_id)
-            self._orphan_flights({beat.worker_id}, why="worker restarted")
-        self.live_workers[beat.worker_id] = (time.monotonic(), beat)
-
-    def _worker_gone(self, key: str) -> None:
-        """A heartbeat lapsed: ask the worker before declaring it dead (`worker_probe`)."""
-        for worker_id in [wid for wid in self.live_workers if subjects.worker_key(wid) == key]:
-            self.probe.ask(worker_id)
-
-    def _verdict(self, worker_id: str, alive: bool) -> None:
-        if not alive:
-            self._declare_dead(subjects.worker_key(worker_id))
-            return
-        seen = self.live_workers.get(worker_id)
-        if seen is not None:  # its heartbeat will be back; until then the sweep waits again
-            self.live_workers[worker_id] = (time.monotonic(), seen[1])
-        log.warning("worker_heartbeat_late_but_alive", worker_id=worker_id)
-
-    def _declare_dead(self, key: str) -> None:
-        gone = [wid for wid in self.live_workers if subjects.worker_key(wid) == key]
-        for worker_id in gone:
-            del self.live_workers[worker_id]
-            log.warning("worker_gone", worker_id=worker_id)
-        self._orphan_flights(set(gone), why="worker heartbeat ended")
-
-    def _orphan_flights(self, workers: set[str], why: str) -> None:
-        """The flights of worker processes that are gone: started ones migrate now. Queued ones
-        wait for the router to move them to the shared queue (a second attempt published now would
-        run twice) and move themselves if no worker starts them in time (`not_started`); so do
-        those in the shared queue, which the gone process may have taken just before it died."""
-        now = time.monotonic()
-        for flight in list(self.flights.values()):
-            if flight.state == "queued" and flight.worker_id is None:
-                flight.orphaned_at = flight.orphaned_at or now
-            elif flight.worker_id not in workers:
-                continue
-            elif flight.state == "queued":
-                flight.worker_id = None
-                flight.disrupted = True
-                flight.orphaned_at = now
-            else:
-                self._fail_attempt(flight, why)
-
-    def _fail_attempt(self, flight: Flight, why: str) -> None:
-        # A synthetic retryable error on the flight's own queue: the reader migrates in order.
-        flight.events.put_nowait(m.StreamError(
-            request_id=flight.request.request_id, attempt=flight.request.attempt, code="worker_lost",
-            message=f"worker {flight.worker_id} stopped responding ({why})", retryable=True, status=503,
-        ))
-        flight.worker_id = None
-
-    async def _sweep(self) -> None:
-        # Backstop for expiries whose delete marker we missed (e.g. across a NATS reconnect).
-        while True:
-            await asyncio.sleep(min(0.5, self.heartbeat_ttl_s / 4))
-            now = time.monotonic()
-            dead = [wid for wid, (seen, _) in self.live_workers.items() if now - seen > self.heartbeat_ttl_s * 1.5]
-            for worker_id in dead:
-                self._worker_gone(subjects.worker_key(worker_id))
-            self._move_unstarted(now)
-            self._ask_silent(now)
-
-    def _ask_silent(self, now: float) -> None:
-        """Streams that went silent ask their workers whether events went missing (`flight.went_silent`)."""
-        for flight in list(self.flights.values()):
-            if went_silent(flight, now, self.silence_s):
-                self.recover(flight, why=f"no event for {now - flight.heard_at:.1f} s")
-
-    def _move_unstarted(self, now: float) -> None:
-        """A request its worker did not start in time (`flight.not_started`), or no worker after
-        its own died, moves to the shared queue: a worker that pulls nothing (a zombie, a lost
-        consumer) or died holding it must not hold its client until the deadline. The old attempt
-        is superseded, so it never runs twice."""
-        fleet_free_slots = self.free_slots()
-        for flight in list(self.flights.values()):
-            if not not_started(flight, now, self.accept_timeout_s, self.worker_free_slots, fleet_free_slots):
-                continue
-            NOT_STARTED.inc()
-            log.warning("request_not_started", request_id=flight.request.request_id, worker_id=flight.worker_id,
-                        waited_s=round(now - (flight.orphaned_at or flight.placed_at), 2))
-            flight.avoid_worker = flight.worker_id
-            flight.disrupted = True
-            flight.placed_at = now  # one move per timeout, whatever the reader is doing
-            flight.orphaned_at = None
-            flight.events.put_nowait(m.StreamError(
-                request_id=flight.request.request_id, attempt=flight.request.attempt, code="not_started",
-                message=f"worker {flight.worker_id or '(gone)'} did not start the request", retryable=True,
-                status=503,
-            ))
 
