@@ -30,7 +30,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from bench.common import percentile, write_results
-from inferbus.local.stack import free_port, redis_reachable, redis_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import redis_reachable
+from inferbus.local.servers import redis_server_binary
 from inferbus.stores.admission import Admission, TenantLimits
 
 LIMITS = TenantLimits(requests_per_minute=10**9, input_tokens_per_minute=10**12, output_tokens_per_minute=10**12,

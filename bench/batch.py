@@ -588,7 +588,8 @@ def live_part(args: argparse.Namespace) -> dict[str, Any]:
 
     import openai
 
-    from inferbus.local.stack import Stack, StackConfig, free_port
+    from inferbus.local.ports import free_port
+    from inferbus.local.stack import Stack, StackConfig
     from tools.commands.local_platform import demo_key
     from tools.commands.main import new_admin_key
 

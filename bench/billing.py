@@ -34,7 +34,9 @@ import redis.asyncio as aioredis
 
 from bench.common import percentile, write_results
 from inferbus.bus import connection as bus
-from inferbus.local.stack import free_port, http_ok, nats_server_binary, redis_reachable, redis_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok, redis_reachable
+from inferbus.local.servers import nats_server_binary, redis_server_binary
 from inferbus.stores import usage as u
 from inferbus.stores.billing import PriceStore, UsageStore
 from inferbus.stores.pricing import Prices

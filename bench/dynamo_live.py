@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import dynamo_env
-from inferbus.local.stack import Process, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.process import Process
 from tools.capacity import traces
 
 ROUTER_MODES = {"dynamo_kv": "kv", "dynamo_round_robin": "round-robin"}

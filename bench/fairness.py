@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import write_results
-from inferbus.local.stack import Stack, StackConfig, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.stack import Stack, StackConfig
 from tools.commands.main import new_admin_key
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

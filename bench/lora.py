@@ -133,7 +133,8 @@ class Platform:
     """A local platform with tenants, keys and registered adapters."""
 
     def __init__(self, workers: int, time_scale: float, engine_args: list[str]) -> None:
-        from inferbus.local.stack import Stack, StackConfig, free_port
+        from inferbus.local.ports import free_port
+        from inferbus.local.stack import Stack, StackConfig
         from tools.commands.main import new_admin_key
 
         self.state = Path(tempfile.mkdtemp(prefix="inferbus-bench-lora-"))

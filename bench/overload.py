@@ -263,7 +263,8 @@ PROBE_TOKENS = 200
 
 def run(seconds: float, factor: float, workers: int, slots: int, max_tokens: tuple[int, int],
         budget_s: float, time_scale: float = 1.0, rate: float | None = None) -> dict[str, Any]:
-    from inferbus.local.stack import Stack, StackConfig, free_port
+    from inferbus.local.ports import free_port
+    from inferbus.local.stack import Stack, StackConfig
     from tools.commands.local_platform import demo_key
     from tools.commands.main import new_admin_key
 

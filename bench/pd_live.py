@@ -45,7 +45,8 @@ from bench import dynamo_live
 from bench.common import percentile, write_results
 from bench.routing import Outcome, replay
 from bench.routing_workload import Workload, build
-from inferbus.local.stack import Stack, StackConfig, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.stack import Stack, StackConfig
 from tools.capacity import traces
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

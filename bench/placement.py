@@ -34,7 +34,9 @@ import nats
 
 from bench.common import percentile, write_results
 from inferbus.bus import connection as bus
-from inferbus.local.stack import free_port, http_ok, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
+from inferbus.local.servers import nats_server_binary
 from proto import messages as m
 from proto import subjects
 from services.router.config import RoutingConfig

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from bench.common import write_results
 from bench.spine import CLK_TCK, Endpoint, closed_loop, phase_metrics
-from inferbus.local.stack import Stack, StackConfig, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.stack import Stack, StackConfig
 from tools.commands.local_platform import demo_key
 
 GROUPS = ("nats", "gateway", "router", "worker", "billing", "redis", "sentinel")

@@ -70,7 +70,10 @@ from typing import Any
 from bench import dynamo_env, dynamo_live
 from bench.common import percentile, write_results
 from bench.routing_workload import Workload, build, request_gpu_seconds
-from inferbus.local.stack import Process, Stack, StackConfig, free_port, http_ok
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
+from inferbus.local.process import Process
+from inferbus.local.stack import Stack, StackConfig
 from inferbus.timing import roofline
 from services.sim_engine.profile_table import build_table, save_npz
 from tools.capacity import traces

@@ -60,7 +60,11 @@ import httptools
 
 from bench.common import percentile, write_results
 from bench.routing import ensure_packages
-from inferbus.local.stack import Process, Stack, StackConfig, free_port, nats_server_binary, tcp_open
+from inferbus.local.ports import free_port
+from inferbus.local.probes import tcp_open
+from inferbus.local.process import Process
+from inferbus.local.servers import nats_server_binary
+from inferbus.local.stack import Stack, StackConfig
 from tools.commands.local_platform import demo_key
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

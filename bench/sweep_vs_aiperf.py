@@ -437,7 +437,7 @@ def main() -> None:
     load_counts = counts + rate_counts[: len(rates)]
 
     binary = ensure_aiperf()
-    from inferbus.local.stack import free_port
+    from inferbus.local.ports import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -21,7 +21,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from inferbus.bus import connection as bus
-from inferbus.local.stack import Stack, StackConfig, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.stack import Stack, StackConfig
 from inferbus.stores import dispatch_records
 from proto import messages as m
 from proto import subjects
@@ -224,7 +225,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import time
 
     from inferbus.bus.auth import new_password
-    from inferbus.local.stack import redis_reachable, redis_server_binary
+    from inferbus.local.probes import redis_reachable
+    from inferbus.local.servers import redis_server_binary
 
     port = free_port()
     password = new_password()  # as every Redis of the platform: no anonymous clients

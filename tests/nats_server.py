@@ -8,7 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from inferbus.local.stack import free_port, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.servers import nats_server_binary
 
 
 class NatsServer:

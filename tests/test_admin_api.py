@@ -10,7 +10,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from tools.commands.main import main

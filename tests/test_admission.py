@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 from inferbus.stores.admission import (
     _PRELUDE,
     Admission,

@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 import pytest
 
-from inferbus.local.stack import EngineSpec, Process
+from inferbus.local.process import Process
+from inferbus.local.replicas import EngineSpec
 from services.autoscaler.actuators import local as local_actuator
 from services.autoscaler.actuators.local import LocalActuator
 

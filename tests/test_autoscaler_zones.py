@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inferbus.local.stack import EngineSpec
+from inferbus.local.replicas import EngineSpec
 from services.autoscaler.actuators.local import LocalActuator
 
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from inferbus.bus import connection as bus
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 
 pytestmark = pytest.mark.slow
 

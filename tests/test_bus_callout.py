@@ -33,7 +33,9 @@ from inferbus.bus.callout import (
     new_account_seed,
 )
 from inferbus.bus.connection import BusSettings
-from inferbus.local.stack import free_port, http_ok, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
+from inferbus.local.servers import nats_server_binary
 from proto import subjects
 from services.auth_callout.service import answer_requests
 

@@ -36,7 +36,9 @@ from inferbus.bus.callout import (
     PodIdentity,
     new_account_seed,
 )
-from inferbus.local.stack import free_port, http_ok, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
+from inferbus.local.servers import nats_server_binary
 from inferbus.stores import dispatch_records
 from proto import bands, subjects
 from proto import messages as m

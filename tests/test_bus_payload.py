@@ -14,7 +14,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from inferbus.bus import connection as bus
 from inferbus.bus.replies import HEADER_ROOM, PublishError, Replies
-from inferbus.local.stack import free_port, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.servers import nats_server_binary
 from proto import messages as m
 
 from .waiting import wait_for

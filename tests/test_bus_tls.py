@@ -22,7 +22,9 @@ from cryptography.x509.oid import NameOID
 from inferbus.bus import connection as bus
 from inferbus.bus.auth import Identity, accounts_block, new_password
 from inferbus.bus.connection import BusSettings
-from inferbus.local.stack import free_port, http_ok, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
+from inferbus.local.servers import nats_server_binary
 from services.billing.pull import PullConnection
 
 pytestmark = pytest.mark.slow

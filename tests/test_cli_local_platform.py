@@ -164,7 +164,8 @@ def test_usage_export_month_writes_under_the_platforms_state_dir(platform: Platf
 def test_stopping_the_platform_removes_its_secrets(tmp_path: Path) -> None:
     """nats.conf, redis.conf (passwords), tokens and the TLS private key go when `inferbus up` stops;
     the data, the logs and the CA certificate stay."""
-    from inferbus.local.stack import Stack, StackConfig, write_private
+    from inferbus.local.private_files import write_private
+    from inferbus.local.stack import Stack, StackConfig
 
     secrets = ["nats.conf", "nats-a.conf", "redis.conf", "redis-b.conf", "sentinel-c.conf", "callout-tokens.json",
                "tokens/gateway", "tls/nats-server.key"]

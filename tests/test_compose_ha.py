@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from inferbus.bus.auth import new_secrets
-from inferbus.local.stack import nats_server_binary  # the platform's (2.11 or later, as the image's)
+from inferbus.local.servers import nats_server_binary  # the platform's (2.11 or later, as the image's)
 
 from .podnet import PodNetwork
 

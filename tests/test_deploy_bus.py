@@ -25,7 +25,9 @@ from inferbus.bus.auth import (
     password_env,
 )
 from inferbus.bus.connection import BusSettings
-from inferbus.local.stack import free_port, http_ok, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
+from inferbus.local.servers import nats_server_binary
 
 yaml = pytest.importorskip("yaml")
 

@@ -18,7 +18,7 @@ import pytest
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
-from inferbus.local.stack import Process
+from inferbus.local.process import Process
 from proto import bands, subjects
 from proto import messages as m
 

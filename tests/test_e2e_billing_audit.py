@@ -30,7 +30,7 @@ import httpx
 import openai
 import pytest
 
-from inferbus.local.stack import Process
+from inferbus.local.process import Process
 from inferbus.tokens.prompt import load_model, render_prompt
 
 from .conftest import MODEL, Platform, running_platform

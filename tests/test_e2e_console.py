@@ -27,7 +27,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from inferbus.local.stack import Process
+from inferbus.local.process import Process
 from inferbus.releases import record
 from services.sim_engine import quality
 from tools.commands.main import main

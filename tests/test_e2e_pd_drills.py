@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 
 from .local_up import inferbus_up
 

@@ -21,7 +21,8 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from inferbus.local.stack import EngineSpec, Process, replica_processes
+from inferbus.local.process import Process
+from inferbus.local.replicas import EngineSpec, replica_processes
 from inferbus.releases import record
 from proto import messages as m
 from proto import subjects

@@ -16,7 +16,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from inferbus.local.stack import PLATFORM_FILE, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.stack import PLATFORM_FILE
 
 from .conftest import MODEL
 from .local_up import inferbus_up

@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from inferbus.local.stack import free_port, http_ok
+from inferbus.local.ports import free_port
+from inferbus.local.probes import http_ok
 
 from .conftest import MODEL, Platform, read_usage, running_platform
 from .waiting import await_for, wait_for

@@ -23,7 +23,8 @@ import openai
 import pytest
 
 from inferbus.bus.connection import BusSettings
-from inferbus.local.stack import PLATFORM_FILE, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.stack import PLATFORM_FILE
 
 from .conftest import MODEL
 from .waiting import read_until_api_key

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 
 from .conftest import MODEL
 from .waiting import read_until_api_key

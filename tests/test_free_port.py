@@ -1,6 +1,6 @@
 """Ports for local servers: a port handed out is not handed out again while its server starts."""
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 
 
 def test_ports_handed_out_before_their_servers_bind_are_all_different() -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 from inferbus.stores.keys import KEY_PREFIX, KeyStore, create_key, hash_secret
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import zmq
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 from inferbus.tokens import kv_events
 from inferbus.tokens.blocks import block_hashes
 from inferbus.tokens.kv_blocks import BlockChains, Changes

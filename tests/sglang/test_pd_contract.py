@@ -30,7 +30,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from inferbus.local.stack import free_port
+from inferbus.local.ports import free_port
 
 from .conftest import HERE, MAX_LORA_RANK, MAX_TOTAL_TOKENS, engine_kind, sglang_paths, sim_adapter, stop
 

@@ -17,7 +17,10 @@ import openai
 import pytest
 from nats.aio.msg import Msg
 
-from inferbus.local.stack import Process, Stack, StackConfig, _logged, free_port
+from inferbus.local.ports import free_port
+from inferbus.local.probes import logged
+from inferbus.local.process import Process
+from inferbus.local.stack import Stack, StackConfig
 from inferbus.releases.record import directory_digest
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE, block_hashes
 from inferbus.tokens.prompt import load_model, render_prompt
@@ -54,7 +57,7 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                        # Nothing here replaces a worker that gives its engine up, and real SGLang's
                        # restart in the last test takes minutes on a loaded machine: wait for it.
                        INFERBUS_WORKER_ENGINE_DEAD_AFTER_S="0"),
-            log, lambda: _logged(log, b'"worker_ready"'), engine.url,
+            log, lambda: logged(log, b'"worker_ready"'), engine.url,
         )
         stack.processes.append(worker)  # stopped first, with the rest
         worker.start()

@@ -118,7 +118,8 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
     KV use), each from its N or M (its fewest serving workers, instead of --min-workers) up to
     --max-workers.
     """
-    from inferbus.local.stack import Stack, StackConfig, redis_reachable
+    from inferbus.local.probes import redis_reachable
+    from inferbus.local.stack import Stack, StackConfig
 
     if autoscale and min_workers > max_workers:
         raise click.BadParameter(f"--min-workers ({min_workers}) is above --max-workers ({max_workers})")

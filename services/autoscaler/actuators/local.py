@@ -1,5 +1,5 @@
 """Local processes: each replica is a simulated engine plus a worker, started as `inferbus up`
-starts them (`inferbus.local.stack.replica_processes`), with a simulated cold start, in standby (warm):
+starts them (`inferbus.local.replicas.replica_processes`), with a simulated cold start, in standby (warm):
 the autoscaler promotes it when it should serve. For `inferbus up --autoscale`, so a person can
 watch a fleet grow and shrink on one machine.
 
@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferbus.local.stack import EngineSpec, Process, replica_processes
+from inferbus.local.process import Process
+from inferbus.local.replicas import EngineSpec, replica_processes
 from inferbus.runtime import logs
 from inferbus.zones import zone_to_add, zone_to_remove
 

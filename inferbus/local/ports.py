@@ -1,0 +1,36 @@
+"""Free ports for the local platform's servers, chosen before any of them starts."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for "any free port"
+# is also what it hands the next outgoing connection, which then beats our server to it.
+_LISTEN_PORTS = range(20000, 32000)
+
+
+# Ports this process has handed out: a port is free when probed but taken only when its server
+# starts, so without this two calls before either server binds could return the same port.
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A port nothing listens on now and this process has not handed out before, from outside the
+    ephemeral range where we can."""
+    if len(_handed_out) > len(_LISTEN_PORTS) // 2:
+        _handed_out.clear()  # a long-lived process: the oldest servers have long bound theirs
+    for _ in range(50):
+        port = random.choice(_LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
