@@ -44,9 +44,9 @@ def exported_series() -> dict[str, set[str]]:
 
     for module in pkgutil.walk_packages(services.__path__, "services."):
         importlib.import_module(module.name)
-    from services.sim_engine.server import _Metrics
+    from services.sim_engine.metrics import EngineMetrics
 
-    engine = _Metrics("model")  # a registry per engine, as each engine process has
+    engine = EngineMetrics("model")  # a registry per engine, as each engine process has
     series: dict[str, set[str]] = {}
     for registry in (REGISTRY, engine.registry):
         for metric in _wrappers(registry):

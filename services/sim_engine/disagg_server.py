@@ -1,8 +1,8 @@
 """The simulated engine's prefill/decode shell: SGLang 0.5.23's PD mode over the pure rooms of
 `disagg.py` (docs/sim-engine.md, "Prefill/decode disaggregation").
 
-- A prefill engine serves SGLang's bootstrap server (its own thread, as SGLang's) and binds a ZMQ
-  PULL socket, its *rank endpoint*, which the bootstrap server hands to decode engines.
+- A prefill engine serves SGLang's bootstrap server (`bootstrap.py`) and binds a ZMQ PULL socket,
+  its *rank endpoint*, which the bootstrap server hands to decode engines.
 - A decode engine fetches the prefill's layout and rank endpoint from the bootstrap server,
   reserves KV, then sends `DEST` (where the KV goes) to the prefill rank; the prefill computes the
   prompt, queues each chunk's KV on its link (virtual time, `disagg.LinkQueue`), and once the last
@@ -11,36 +11,32 @@
 - The decode engine polls each prefill's `/health` (SGLang's heartbeat) and fails the rooms of one
   that stopped answering; both sides expire rooms by SGLang's timeouts.
 
-Wire format between the two engines (multipart ZMQ frames, ASCII; the simulator's own, since no
-KV moves): `DEST room endpoint prefix_len tp`, `ABORT room endpoint`, `DONE room json`.
+The messages between the two engines are the simulator's own (`pd_wire.py`); what either role
+reports beyond the aggregated engine is `pd_reports.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import httpx
 import msgspec
 import zmq
 import zmq.asyncio
-from prometheus_client import Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from inferbus.timing import LLAMA_70B, PRECISIONS, StepTimeModel, kv_link
 
+from . import pd_reports, pd_wire
+from .bootstrap import BootstrapServer, fetch_prefill_endpoint, local_ip
 from .config import EngineConfig
 from .disagg import (
     ABORTED,
@@ -61,8 +57,9 @@ from .disagg import (
     preallocation_fits,
     prefill_failure,
 )
+from .metrics import PdMetrics
 from .request import Request, RequestRejected, RequestUpdate
-from .server import SimEngineServer, json_response
+from .server import SimEngineServer
 from .streams import Stream
 
 logger = logging.getLogger("inferbus.sim_engine.disagg")
@@ -70,157 +67,6 @@ logger = logging.getLogger("inferbus.sim_engine.disagg")
 MAINTENANCE_INTERVAL_S = 0.25  # how often timeouts are checked
 HEARTBEAT_TIMEOUT_S = 3.0  # SGLang's heartbeat request timeout (connect 2 s, read 3 s)
 HANDSHAKE_TIMEOUT_S = 5.0
-
-
-def _local_ip(host: str) -> str:
-    """The address peers reach this engine at (SGLang's rank_ip)."""
-    if host not in ("0.0.0.0", "::", ""):
-        return host
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(socket.gethostname())
-    return "127.0.0.1"
-
-
-class BootstrapServer:
-    """SGLang's prefill bootstrap server (its CommonKVBootstrapServer's routes): `/health`, `/route`
-    (GET: the layout, or one rank's endpoint; PUT: a rank registers), `/register_dp_rank`,
-    `/query_dp_ranks`. Static data, served from a daemon thread like SGLang's."""
-
-    def __init__(self, host: str, port: int, layout: dict[str, Any]) -> None:
-        self.layout = layout
-        self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}
-        self.room_to_dp_rank: dict[int, int] = {}
-        self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()  # open keep-alive connections, cut on close
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                super().setup()
-                with server._lock:
-                    server._connections.add(self.connection)
-
-            def finish(self) -> None:
-                with server._lock:
-                    server._connections.discard(self.connection)
-                super().finish()
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
-                logger.debug("bootstrap %s", format % args)
-
-            def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _body(self) -> Any:
-                length = int(self.headers.get("Content-Length") or 0)
-                return json.loads(self.rfile.read(length) or b"{}")
-
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                url = urlparse(self.path)
-                if url.path == "/health":
-                    self._reply(200, b"OK", "text/plain")
-                elif url.path == "/route":
-                    status, body = server.route(parse_qs(url.query))
-                    self._reply(status, body)
-                else:
-                    self._reply(404, b"Not Found", "text/plain")
-
-            def do_PUT(self) -> None:  # noqa: N802
-                if urlparse(self.path).path != "/route":
-                    self._reply(405, b"Method not allowed")
-                    return
-                try:
-                    server.register(self._body())
-                except (KeyError, ValueError, TypeError) as exc:
-                    self._reply(400, str(exc).encode(), "text/plain")
-                    return
-                self._reply(200, b"OK", "text/plain")
-
-            def do_POST(self) -> None:  # noqa: N802
-                path = urlparse(self.path).path
-                try:
-                    data = self._body()
-                    if path == "/register_dp_rank":
-                        with server._lock:
-                            server.room_to_dp_rank[int(data["bootstrap_room"])] = int(data["dp_rank"])
-                        self._reply(200, b"OK", "text/plain")
-                    elif path == "/query_dp_ranks":
-                        with server._lock:
-                            found = {str(r): server.room_to_dp_rank[int(r)] for r in data["bootstrap_rooms"]
-                                     if int(r) in server.room_to_dp_rank}
-                        self._reply(200, json.dumps(found).encode())
-                    else:
-                        self._reply(404, b"Not Found", "text/plain")
-                except (KeyError, ValueError, TypeError) as exc:
-                    self._reply(400, str(exc).encode(), "text/plain")
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="bootstrap-server", daemon=True)
-        self._thread.start()
-
-    def register(self, data: dict[str, Any]) -> None:
-        key = (int(data["attn_dp_rank"]), int(data["attn_cp_rank"]), int(data["attn_tp_rank"]), int(data["pp_rank"]))
-        with self._lock:
-            self.ranks[key] = {"rank_ip": str(data["rank_ip"]), "rank_port": int(data["rank_port"])}
-
-    def route(self, query: dict[str, list[str]]) -> tuple[int, bytes]:
-        try:
-            key = tuple(int(query[name][0]) for name in
-                        ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
-        except (KeyError, ValueError):
-            return 400, b"Missing inputs for bootstrap server."
-        with self._lock:
-            registered = len(self.ranks)
-            rank = self.ranks.get(key)  # type: ignore[arg-type]
-        if registered == 0:
-            return 503, f"Prefill server not fully registered yet ({registered} workers registered).".encode()
-        if key == (-1, -1, -1, -1):
-            return 200, json.dumps(self.layout).encode()
-        if rank is None:
-            return 404, (f"Bootstrap info not found for dp_rank={key[0]} cp_rank={key[1]} tp_rank={key[2]} "
-                         f"pp_rank={key[3]}").encode()
-        return 200, json.dumps(rank).encode()
-
-    def close(self) -> None:
-        """Stop serving and cut open connections, so peers see it gone (not a keep-alive that still answers)."""
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        with self._lock:
-            connections = list(self._connections)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-
-
-class _PdMetrics:
-    """SGLang's PD series (its metrics_collector's names and buckets), labelled `model_name` as the
-    simulated engine's others."""
-
-    def __init__(self, registry: Any, model_name: str) -> None:
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"sglang:{name}", doc, ["model_name"], registry=registry).labels(model_name)
-
-        self.prefill_bootstrap = gauge("num_prefill_bootstrap_queue_reqs", "Requests in the prefill bootstrap queue.")
-        self.prefill_inflight = gauge("num_prefill_inflight_queue_reqs", "Requests in the prefill inflight queue.")
-        self.decode_prealloc = gauge("num_decode_prealloc_queue_reqs", "Requests in the decode prealloc queue.")
-        self.decode_transfer = gauge("num_decode_transfer_queue_reqs", "Requests in the decode transfer queue.")
-        self.transfer_speed = Histogram("sglang:kv_transfer_speed_gb_s", "KV cache transfer speed in GB/s.",
-                                        ["model_name"], registry=registry,
-                                        buckets=(0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)).labels(model_name)
-        self.transfer_latency = Histogram(
-            "sglang:kv_transfer_latency_ms",
-            "KV cache transfer latency in ms.",
-            ["model_name"],
-            registry=registry,
-            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
-        ).labels(model_name)
 
 
 class DisaggEngineServer(SimEngineServer):
@@ -252,7 +98,7 @@ class DisaggEngineServer(SimEngineServer):
         self._handshaking: dict[str, asyncio.Task[None]] = {}  # bootstrap addr → its handshake
         self._preallocating = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.pd_metrics = _PdMetrics(self.metrics.registry, config.model)
+        self.pd_metrics = PdMetrics(self.metrics.registry, config.model)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -261,11 +107,12 @@ class DisaggEngineServer(SimEngineServer):
         config = self.config
         self._zmq = zmq.asyncio.Context()
         self._pull = self._zmq.socket(zmq.PULL)
-        ip = _local_ip(config.host)
+        ip = local_ip(config.host)
         port = self._pull.bind_to_random_port(f"tcp://{ip}")
         self.endpoint = f"tcp://{ip}:{port}"
         if self.mode == "prefill":
-            self.bootstrap_server = BootstrapServer(config.host, config.disaggregation_bootstrap_port, self._layout())
+            self.bootstrap_server = BootstrapServer(config.host, config.disaggregation_bootstrap_port,
+                                                   pd_reports.prefill_layout(config))
             self.bootstrap_server.register({"attn_dp_rank": 0, "attn_cp_rank": 0, "attn_tp_rank": 0, "pp_rank": 0,
                                             "rank_ip": ip, "rank_port": port})
         else:
@@ -295,22 +142,6 @@ class DisaggEngineServer(SimEngineServer):
                     sock.close(linger=0)
             self._zmq.term()
 
-    def _layout(self) -> dict[str, Any]:
-        """What SGLang's bootstrap server answers for the prefill's layout (PrefillServerInfo)."""
-        return {
-            "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
-            "page_size": self.config.block_size, "kv_cache_dtype": self._kv_dtype(),
-            "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
-            "enable_kv_cache_sharding": False, "prefill_http_port": self.config.port,
-            "decode_allocation_policy": "early",
-            # Filled in by each decode engine for itself; SGLang's server sends them empty.
-            "target_tp_rank": None, "target_tp_ranks": None, "target_cp_ranks": None, "target_pp_ranks": None,
-            "required_dst_info_num": None, "required_prefill_response_num": None,
-        }
-
-    def _kv_dtype(self) -> str:
-        return self.config.kv_cache_dtype  # SGLang reports its --kv-cache-dtype as given
-
     # ------------------------------------------------------------------ requests
 
     def submit(self, request: Request, stream_interval: int, internal: bool = False,
@@ -329,7 +160,7 @@ class DisaggEngineServer(SimEngineServer):
         if self.mode == "prefill":
             # SGLang's prefill computes the prompt and samples one token.
             request.sampling = msgspec.structs.replace(request.sampling, max_new_tokens=1, min_new_tokens=0)
-        self._catch_up()
+        self.catch_up()
         self.engine.add(request, held=True)
         stream = Stream(time.monotonic(), stream_interval, False)
         self._streams[request.rid] = stream
@@ -387,7 +218,7 @@ class DisaggEngineServer(SimEngineServer):
             self._release(request.rid)
 
     def _release(self, rid: str) -> None:
-        self._catch_up()
+        self.catch_up()
         self.engine.release(rid)
         self._wake.set()
 
@@ -471,7 +302,7 @@ class DisaggEngineServer(SimEngineServer):
             "prompt_tokens": len(request.input_ids),
         }
         if state.destination.endpoint != FAKE:
-            self._send(state.destination.endpoint, [b"DONE", str(room).encode(), json.dumps(payload).encode()])
+            self._send(state.destination.endpoint, pd_wire.done_frames(room, payload))
         finish = {"type": "length", "length": 0}
         request.finish_reason = finish
         self._deliver([RequestUpdate(request, update.text, update.num_output_tokens, finish)])
@@ -530,7 +361,7 @@ class DisaggEngineServer(SimEngineServer):
         assert self._http is not None
         try:
             while addr in self.decode_rooms.waiting_for_handshake():
-                endpoint = await self._fetch_endpoint(addr)
+                endpoint = await fetch_prefill_endpoint(self._http, addr, self.config.block_size)
                 for state in self.decode_rooms.handshake(addr, endpoint):
                     if state.status == KVPoll.FAILED:
                         self._fail_decode(state)
@@ -540,29 +371,6 @@ class DisaggEngineServer(SimEngineServer):
                 await asyncio.sleep(HANDSHAKE_RETRY_S)
         finally:
             self._handshaking.pop(addr, None)
-
-    async def _fetch_endpoint(self, addr: str) -> str | None:
-        assert self._http is not None
-        try:
-            layout = await self._http.get(f"http://{addr}/route", params={
-                "prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1})
-            if layout.status_code != 200:
-                logger.error("Failed to get prefill server info: %s, %s", layout.status_code, layout.text)
-                return None
-            info = layout.json()
-            if info.get("page_size") not in (None, self.config.block_size):
-                logger.error("Page size mismatch: prefill server has page_size=%s, but decode server has page_size=%s",
-                             info.get("page_size"), self.config.block_size)
-                return None
-            rank = await self._http.get(f"http://{addr}/route", params={
-                "prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0})
-            if rank.status_code != 200:
-                return None
-            found = rank.json()
-            return f"tcp://{found['rank_ip']}:{found['rank_port']}"
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            logger.error("Error fetching prefill server info from bootstrap: %s", exc)
-            return None
 
     def _preallocate(self) -> None:
         """Reserve KV for handshaken rooms, oldest first, while it fits; tell each prefill where to
@@ -599,14 +407,13 @@ class DisaggEngineServer(SimEngineServer):
                 self._on_landed(state.room, None)
             else:
                 assert state.endpoint is not None
-                self._send(state.endpoint, [b"DEST", str(state.room).encode(), self.endpoint.encode(),
-                                            str(matched * bs).encode(), str(self.config.tp).encode()])
+                self._send(state.endpoint, pd_wire.dest_frames(state.room, self.endpoint, matched * bs, self.config.tp))
 
     def _on_landed(self, room: int, payload: dict[str, Any] | None) -> None:
         state = self.decode_rooms.landed(room)
         if state is None:
             return  # failed or aborted meanwhile
-        self._catch_up()
+        self.catch_up()
         first = None if payload is None else (int(payload["output_id"]), str(payload["text"]))
         cached = 0 if payload is None else int(payload["cached_tokens"])
         update = self.engine.start_transferred(state.rid, first, cached, state.reserved_tokens, state.matched_blocks)
@@ -629,7 +436,7 @@ class DisaggEngineServer(SimEngineServer):
         stage = state.stage
         self._release_reservation(state)
         if notify and state.endpoint not in (None, FAKE):
-            self._send(state.endpoint, [b"ABORT", str(state.room).encode(), self.endpoint.encode()])
+            self._send(state.endpoint, pd_wire.abort_frames(state.room, self.endpoint))
         self._untrack(state.room)
         self.decode_rooms.close(state.room)
         self._fail_held(state.rid, decode_failure(stage, state.rid, state.room, state.failure))
@@ -681,13 +488,13 @@ class DisaggEngineServer(SimEngineServer):
         while True:
             frames = await self._pull.recv_multipart()
             try:
-                kind, room = frames[0], int(frames[1])
-                if kind == b"DEST" and self.mode == "prefill":
-                    self._on_destination(room, frames[2].decode(), int(frames[3]), int(frames[4]))
-                elif kind == b"ABORT" and self.mode == "prefill":
-                    self._on_decode_abort(room)
-                elif kind == b"DONE" and self.mode == "decode":
-                    self._on_landed(room, json.loads(frames[2]))
+                message = pd_wire.parse(frames, self.mode)
+                if isinstance(message, pd_wire.DestMessage):
+                    self._on_destination(message.room, message.endpoint, message.prefix_len, message.tp)
+                elif isinstance(message, pd_wire.AbortMessage):
+                    self._on_decode_abort(message.room)
+                elif isinstance(message, pd_wire.DoneMessage):
+                    self._on_landed(message.room, message.payload)
                 else:
                     logger.warning("unexpected PD message %r", frames[:1])
             except (IndexError, ValueError, KeyError) as exc:
@@ -729,62 +536,23 @@ class DisaggEngineServer(SimEngineServer):
 
     # ------------------------------------------------------------------ reporting
 
-    async def server_info(self, http_request: HttpRequest) -> Response:
-        response = await super().server_info(http_request)
-        payload = msgspec.json.decode(response.body)
-        config = self.config
-        payload.update({
-            "disaggregation_mode": self.mode,
-            # SGLang resolves mooncake_tcp to mooncake with TCP forced, and reports the result.
-            "disaggregation_transfer_backend": ("mooncake" if config.disaggregation_transfer_backend == "mooncake_tcp"
-                                                else config.disaggregation_transfer_backend),
-            "disaggregation_bootstrap_port": config.disaggregation_bootstrap_port,
-            "disaggregation_ib_device": config.disaggregation_ib_device,
-            "disaggregation_decode_retraction_backup": config.disaggregation_decode_retraction_backup,
-            "disaggregation_decode_enable_radix_cache": config.disaggregation_decode_enable_radix_cache,
-            "disaggregation_decode_allocation_policy": "early",
-            "num_reserved_decode_tokens": config.num_reserved_decode_tokens,
-            "disable_radix_cache": not config.prefix_cache,
-            "kv_transfer_link": config.kv_transfer_link,
-            "kv_transfer_bandwidth_gb_s": self.prefill_rooms.link.link.bandwidth / 1e9,
-        })
-        return json_response(payload)
+    def server_info_payload(self) -> dict[str, Any]:
+        bandwidth_gb_s = self.prefill_rooms.link.link.bandwidth / 1e9
+        return {**super().server_info_payload(), **pd_reports.server_info(self.config, self.mode, bandwidth_gb_s)}
 
     async def prometheus_metrics(self, http_request: HttpRequest) -> Response:
-        prefill, decode, metrics = self.prefill_rooms, self.decode_rooms, self.pd_metrics
-        metrics.prefill_bootstrap.set(prefill.count(KVPoll.BOOTSTRAPPING))
-        metrics.prefill_inflight.set(prefill.count(KVPoll.TRANSFERRING))
-        metrics.decode_prealloc.set(decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT))
-        metrics.decode_transfer.set(decode.count(KVPoll.TRANSFERRING))
+        queues, metrics = pd_reports.pd_queues(self.prefill_rooms, self.decode_rooms), self.pd_metrics
+        metrics.prefill_bootstrap.set(queues.prefill_bootstrap)
+        metrics.prefill_inflight.set(queues.prefill_inflight)
+        metrics.decode_prealloc.set(queues.decode_prealloc)
+        metrics.decode_transfer.set(queues.decode_transfer)
         return await super().prometheus_metrics(http_request)
 
-    async def model_info(self, http_request: HttpRequest) -> Response:
-        response = await super().model_info(http_request)
-        payload = msgspec.json.decode(response.body)
-        payload["disaggregation_mode"] = self.mode
-        return json_response(payload)
+    def model_info_payload(self) -> dict[str, Any]:
+        return {**super().model_info_payload(), "disaggregation_mode": self.mode}
 
-    async def loads(self, http_request: HttpRequest) -> Response:
-        response = await super().loads(http_request)
-        payload = msgspec.json.decode(response.body)
-        load = payload["loads"][0]
-        prefill, decode = self.prefill_rooms, self.decode_rooms
-        section: dict[str, Any] = {
-            "mode": self.mode,
-            "prefill_bootstrap_queue_reqs": prefill.count(KVPoll.BOOTSTRAPPING),
-            "prefill_inflight_queue_reqs": prefill.count(KVPoll.TRANSFERRING),
-            "decode_prealloc_queue_reqs": decode.count(KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT),
-            "decode_transfer_queue_reqs": decode.count(KVPoll.TRANSFERRING),
-            "decode_retracted_queue_reqs": sum(r.backed_up for r in self.engine.waiting),
-            "kv_transfer_speed_gb_s": 0.0,
-            "kv_transfer_latency_ms": 0.0,
-        }
-        if prefill.last_transfer is not None:
-            seconds, num_bytes = prefill.last_transfer
-            section["kv_transfer_latency_ms"] = seconds * 1000
-            section["kv_transfer_speed_gb_s"] = num_bytes / seconds / 1e9 if seconds > 0 else 0.0
-        # SGLang counts the bootstrap (prefill) or prealloc and transfer (decode) queues as waiting.
-        load["num_waiting_reqs"] += (section["prefill_bootstrap_queue_reqs"] + section["decode_prealloc_queue_reqs"]
-                                     + section["decode_transfer_queue_reqs"])
-        load["disaggregation"] = section
-        return json_response(payload)
+    def loads_payload(self) -> dict[str, Any]:
+        queues = pd_reports.pd_queues(self.prefill_rooms, self.decode_rooms)
+        retracted = sum(r.backed_up for r in self.engine.waiting)
+        return pd_reports.with_disaggregation(super().loads_payload(), self.mode, queues, retracted,
+                                              self.prefill_rooms.last_transfer)

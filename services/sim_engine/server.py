@@ -11,15 +11,13 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -30,28 +28,28 @@ from inferbus.timing import StepTimeModel
 from inferbus.tokens.blocks import VOCAB_SIZE, encode
 from inferbus.tokens.prompt import ServedModel, load_model
 
-from . import quality
+from . import quality, reports
 from .config import EngineConfig
-from .constrained import SchemaError, json_output, tool_call_output
+from .constrained import SchemaError
 from .disagg import Bootstrap
 from .faults import Faults, Mode
 from .kv_publisher import KvEventPublisher, KvEventsConfig
-from .lora_files import adapter_problem
+from .lora_routes import LoraRoutes
+from .metrics import EngineMetrics
 from .output import OutputVocabulary
-from .request import LoraUpdateResult, Request, RequestRejected, RequestUpdate
+from .request import Request, RequestRejected, RequestUpdate
+from .responses import encode_json, error_response, json_response
 from .sampling import SamplingParams
 from .scheduler import Engine
+from .scripted import scripted_output
 from .streams import Stream
 
 logger = logging.getLogger("inferbus.sim_engine")
 
-SGLANG_VERSION = "0.5.23"
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # If the event loop falls behind the simulated schedule by more than this, stop trying to catch up.
 MAX_SCHEDULE_LAG_S = 0.1
-
-_encode_json = msgspec.json.Encoder().encode
 
 
 class GenerateInput(msgspec.Struct):
@@ -89,67 +87,10 @@ class _TimeScaleBody(msgspec.Struct):
     time_scale: float
 
 
-class LoadLoraInput(msgspec.Struct):
-    lora_name: str
-    lora_path: str
-    pinned: bool = False
-
-
-class UnloadLoraInput(msgspec.Struct):
-    lora_name: str
-
-
-def _error(message: str, status: int = 400) -> Response:
-    # SGLang's create_error_response shape.
-    return Response(_encode_json({"error": {"message": message}}), status, media_type="application/json")
-
-
 async def _rejected_stream(message: str) -> AsyncIterator[bytes]:
     error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
-    yield b"data: " + _encode_json({"error": error}) + b"\n\n"
+    yield b"data: " + encode_json({"error": error}) + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(_encode_json(payload), status, media_type="application/json")
-
-
-class _Metrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
-        self.num_running = Gauge("sglang:num_running_reqs", "Running requests.", labels, registry=r).labels(model_name)
-        self.num_queue = Gauge("sglang:num_queue_reqs", "Waiting requests.", labels, registry=r).labels(model_name)
-        self.token_usage = Gauge("sglang:token_usage", "KV cache usage (0-1).", labels, registry=r).labels(model_name)
-        self.cache_hit_rate = Gauge("sglang:cache_hit_rate", "Prefix cache hit rate.", labels, registry=r).labels(
-            model_name
-        )
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens.", labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("sglang:generation_tokens", "Generated tokens.", labels, registry=r).labels(
-            model_name
-        )
-        self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            registry=r,
-            buckets=(0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60),
-        ).labels(model_name)
-        self.itl = Histogram(
-            "sglang:inter_token_latency_seconds",
-            "Time between tokens.",
-            labels,
-            registry=r,
-            buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1),
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "sglang:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            labels,
-            registry=r,
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
-        ).labels(model_name)
 
 
 def _in_context(served: ServedModel, token_id: int) -> str:
@@ -163,6 +104,11 @@ def _in_context(served: ServedModel, token_id: int) -> str:
         if text.startswith(before)
         else served.tokenizer.decode([token_id], skip_special_tokens=False)
     )
+
+
+def _alone(served: ServedModel, token_id: int) -> str:
+    """A token's text decoded alone (a SentencePiece-style token without its leading space)."""
+    return served.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class SimEngineServer:
@@ -185,22 +131,18 @@ class SimEngineServer:
         self.eval_accuracy = quality.accuracy_of(config.model_dir, config.eval_accuracy)
         self._adapter_accuracy: dict[str, float] = {}  # adapter path → its accuracy (quality.adapter_accuracy)
         self.vocab_size = self.served.vocab_size if self.served is not None else VOCAB_SIZE
-        self.metrics = _Metrics(config.model)
+        self.metrics = EngineMetrics(config.model)
         self._streams: dict[str, Stream] = {}
         self._wake = asyncio.Event()
         self._idle_since: float | None = None  # when the step loop went idle, if it is
         # Wall seconds per simulated second; `/time_scale` (--time-scale-control) changes it.
         self.time_scale = config.time_scale
-        # SGLang serialises adapter loads and unloads behind one lock (its tokenizer manager's
-        # lora_update_lock): a load queued behind another starts when that one has answered.
-        self._lora_update_lock = asyncio.Lock()
         self._loop_task: asyncio.Task[None] | None = None
         self.kv_events = KvEventPublisher(KvEventsConfig.parse(config.kv_events_config))
         routes = [
             Route("/generate", self.generate, methods=["POST", "PUT"]),
             Route("/abort_request", self.abort_request, methods=["POST"]),
-            Route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
-            Route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
+            *LoraRoutes(self).routes(),
             Route("/v1/loads", self.loads, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -225,9 +167,9 @@ class SimEngineServer:
             try:
                 body = msgspec.json.decode(await http_request.body(), type=_TimeScaleBody)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                return _error(str(exc))
+                return error_response(str(exc))
             if body.time_scale <= 0:
-                return _error("time_scale must be positive")
+                return error_response("time_scale must be positive")
             self.time_scale = body.time_scale
             self._wake.set()  # an idle wait so far is accounted at the old scale
         return json_response({"time_scale": self.time_scale})
@@ -287,10 +229,14 @@ class SimEngineServer:
         self._wake.clear()
         self._idle_since = time.monotonic()
         await self._wake.wait()
-        self._catch_up()
+        self.catch_up()
         self._idle_since = None
 
-    def _catch_up(self) -> None:
+    def wake(self) -> None:
+        """Something changed that the step loop may act on (a request, an adapter, the time scale)."""
+        self._wake.set()
+
+    def catch_up(self) -> None:
         """Idle wall time is simulated time too: brought in before anything that reads the engine's
         clock (a load starts now, not when the engine went idle)."""
         if self._idle_since is not None and self.time_scale > 0:
@@ -347,24 +293,24 @@ class SimEngineServer:
             sampling = body.sampling_params or SamplingParams()
             sampling.verify()
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         if (body.text is None) == (body.input_ids is None):
-            return _error("Exactly one of text or input_ids must be provided.")
+            return error_response("Exactly one of text or input_ids must be provided.")
         if body.input_ids is not None and any(not 0 <= t < self.vocab_size for t in body.input_ids):
-            return _error(f"input_ids must be token ids in [0, {self.vocab_size}).")
+            return error_response(f"input_ids must be token ids in [0, {self.vocab_size}).")
         traceparent = http_request.headers.get("traceparent")
         rid = body.rid or uuid.uuid4().hex
         if traceparent:
             logger.debug("generate rid=%s traceparent=%s", rid, traceparent)
         input_ids = body.input_ids if body.input_ids is not None else self.encode(body.text or "")
         if body.top_logprobs_num < 0:
-            return _error(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
+            return error_response(f"top_logprobs_num must be at least 0, got {body.top_logprobs_num}.")
         try:
             script = self._script(
                 body.text if body.text is not None else self.decode(input_ids), input_ids, sampling, rid, body.lora_path
             )
         except SchemaError as exc:
-            return _error(f"Invalid grammar request: {exc}")
+            return error_response(f"Invalid grammar request: {exc}")
         request = Request(
             rid=rid, input_ids=input_ids, sampling=sampling, priority=body.priority or 0, lora_name=body.lora_path,
             script=script, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
@@ -374,7 +320,7 @@ class SimEngineServer:
         except RequestRejected as exc:
             if body.stream:  # SGLang has started the stream by then: 200, the error in-band
                 return StreamingResponse(_rejected_stream(str(exc)), media_type="text/event-stream")
-            return _error(str(exc))
+            return error_response(str(exc))
         if body.stream:
             return StreamingResponse(self._stream_events(request, stream), media_type="text/event-stream")
         try:
@@ -386,7 +332,7 @@ class SimEngineServer:
         if isinstance(status, int) and 400 <= status < 600:  # an abort with a status is an HTTP error, as SGLang
             message = str((update.finish_reason or {}).get("message"))
             if status == 400:
-                return _error(message)
+                return error_response(message)
             return json_response(
                 {"object": "error", "message": message, "type": str(status), "param": None, "code": status}, status
             )
@@ -403,27 +349,16 @@ class SimEngineServer:
 
     def _script(self, text: str, input_ids: list[int], sampling: SamplingParams, rid: str = "",
                 lora_name: str | None = None) -> list[tuple[int, str]] | None:
-        """The output decided up front: a value of the requested JSON schema, or the tool call the
-        prompt asks for. Deterministic under the sampling seed (else under the prompt)."""
-        seed = sampling.sampling_seed if sampling.sampling_seed is not None else hash(tuple(input_ids[-256:]))
-        rng = random.Random(seed)
-        if sampling.json_schema is not None:
-            return self.engine.split_output(json_output(sampling.json_schema, rng, text))
-        if sampling.regex is None and sampling.ebnf is None:
-            solved = quality.answer(text, self._accuracy(lora_name),
-                                    sampling.sampling_seed if sampling.sampling_seed is not None else rid)
-            if solved is not None:
-                return self.engine.split_output(solved)
-            call = tool_call_output(text, self.config.tool_call_parser, rng)
-            if call is not None:
-                return self.engine.split_output(call)
-        return None
+        """The output decided up front (scripted.py), split into the served model's tokens."""
+        output = scripted_output(text, input_ids, sampling, rid, lambda: self._accuracy(lora_name),
+                                 self.config.tool_call_parser)
+        return None if output is None else self.engine.split_output(output)
 
     def submit(self, request: Request, stream_interval: int, internal: bool = False,
                 bootstrap: Bootstrap | None = None) -> Stream:
         if request.rid in self._streams:
             raise RequestRejected("Duplicate request ID detected")
-        self._catch_up()  # an implicit reload starts now
+        self.catch_up()  # an implicit reload starts now
         self.engine.add(request)
         stream = Stream(time.monotonic(), stream_interval, internal)
         self._streams[request.rid] = stream
@@ -438,12 +373,12 @@ class SimEngineServer:
             while not finished:
                 update = await stream.queue.get()
                 finished = update.finish_reason is not None
-                yield b"data: " + _encode_json(self._payload(request, update, stream, final=finished)) + b"\n\n"
+                yield b"data: " + encode_json(self._payload(request, update, stream, final=finished)) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - reported in-band, as SGLang does mid-stream
             logger.exception("stream %s failed", request.rid)
             error = {"message": str(exc), "type": "InternalServerError", "code": 500, "retryable": True}
-            yield b"data: " + _encode_json({"error": error}) + b"\n\n"
+            yield b"data: " + encode_json({"error": error}) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             # Client went away (or the stream failed): stop generating for it.
@@ -458,29 +393,10 @@ class SimEngineServer:
                 return update
 
     def _payload(self, request: Request, update: RequestUpdate, stream: Stream, final: bool) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": request.rid,
-            "finish_reason": update.finish_reason,
-            "prompt_tokens": len(request.input_ids),
-            "completion_tokens": update.num_output_tokens,
-            "cached_tokens": request.cached_tokens,
-        }
-        if final:
-            meta["e2e_latency"] = time.monotonic() - stream.arrival
-        if request.return_logprob:
-            # Cumulative like the text, [logprob, token id, text] (text only with return_text_in_logprobs).
-            n = update.num_output_tokens
-            meta["output_token_logprobs"] = [self._alone(e) for e in request.token_logprobs[:n]]
-            meta["output_top_logprobs"] = [[self._alone(t) for t in top] for top in request.top_logprobs[:n]]
-        return {"text": update.text, "output_ids": request.output_ids[: update.num_output_tokens], "meta_info": meta}
-
-    def _alone(self, entry: tuple[float, int, str]) -> list[Any]:
-        """A logprob entry as SGLang's return_text_in_logprobs writes it: the token decoded alone
-        (with a SentencePiece-style tokenizer, without the leading space it has in the text)."""
-        logprob, token_id, text = entry
-        if self.served is not None:
-            text = self.served.tokenizer.decode([token_id], skip_special_tokens=False)
-        return [logprob, token_id, text]
+        e2e_latency = time.monotonic() - stream.arrival if final else None
+        # The logprobs' text: each token decoded alone by the served model (the stand-in's is kept).
+        token_text = None if self.served is None else functools.partial(_alone, self.served)
+        return reports.generate_payload(request, update, e2e_latency, token_text)
 
     def abort_if_running(self, rid: str) -> None:
         if self.engine.get(rid) is not None:
@@ -493,66 +409,18 @@ class SimEngineServer:
         try:
             body = msgspec.json.decode(await http_request.body() or b"{}", type=AbortInput)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _error(str(exc))
+            return error_response(str(exc))
         if body.abort_all:
             self._deliver(self.engine.abort("", "Abort all requests."))
         elif body.rid:
             self._deliver(self.engine.abort(body.rid, "Abort by abort_request."))
         return Response(status_code=200)
 
-    async def load_lora_adapter(self, http_request: HttpRequest) -> Response:
-        try:
-            body = msgspec.json.decode(await http_request.body(), type=LoadLoraInput)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _error(str(exc))
-        problem = adapter_problem(body.lora_name, body.lora_path, self.config.max_lora_rank)
-        if problem is not None:
-            loaded = {name: adapter.path for name, adapter in self.engine.adapters.items()}
-            return self._lora_response(LoraUpdateResult(False, problem, loaded))
-        async with self._lora_update_lock:
-            self._catch_up()
-            result = self.engine.load_lora(body.lora_name, body.lora_path, body.pinned)
-            if result.success:
-                self._wake.set()
-                # SGLang answers once the weights are loaded, and after an eviction once the evicted
-                # adapter's requests have finished (it frees the weights only then).
-                adapter = self.engine.adapters.get(body.lora_name)
-                if adapter is not None:
-                    await asyncio.sleep(max(0.0, adapter.ready_at - self.engine.now) * self.time_scale)
-                if result.evicted:
-                    holders = [r for r in list(self.engine.waiting) + list(self.engine.running)
-                               if r.lora_name in result.evicted]
-                    while any(r.finish_reason is None and self.engine.get(r.rid) is r for r in holders):
-                        await asyncio.sleep(0.01)
-        return self._lora_response(result)
-
-    async def unload_lora_adapter(self, http_request: HttpRequest) -> Response:
-        try:
-            body = msgspec.json.decode(await http_request.body(), type=UnloadLoraInput)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _error(str(exc))
-        async with self._lora_update_lock:
-            return self._lora_response(self.engine.unload_lora(body.lora_name))
-
-    @staticmethod
-    def _lora_response(result: LoraUpdateResult) -> Response:
-        payload = {
-            "success": result.success,
-            "error_message": result.error_message,
-            "loaded_adapters": result.loaded_adapters,
-        }
-        return json_response(payload, 200 if result.success else 400)
-
     async def loads(self, http_request: HttpRequest) -> Response:
-        snapshot = self.engine.load()
-        return json_response(
-            {
-                "timestamp": time.time(),
-                "version": SGLANG_VERSION,
-                "dp_rank_count": 1,
-                "loads": [{"dp_rank": 0, **asdict(snapshot)}],
-            }
-        )
+        return json_response(self.loads_payload())
+
+    def loads_payload(self) -> dict[str, Any]:
+        return reports.loads(self.engine.load(), time.time())
 
     async def ready(self, http_request: HttpRequest) -> Response:
         return Response(status_code=200)
@@ -575,56 +443,16 @@ class SimEngineServer:
         return Response(status_code=200 if (update.finish_reason or {}).get("type") == "length" else 503)
 
     async def server_info(self, http_request: HttpRequest) -> Response:
-        config = self.config
-        return json_response(
-            {
-                "model_path": config.model,
-                "served_model_name": config.model,
-                "tp_size": config.tp,
-                "dp_size": 1,
-                "chunked_prefill_size": config.chunked_prefill_size,
-                # SGLang reports the flag here (null unless given) and the effective value per
-                # data-parallel rank in internal_states.
-                "max_running_requests": config.max_running_requests if config.max_running_requests_set else None,
-                "internal_states": [{"effective_max_running_requests_per_dp": config.max_running_requests,
-                                     "last_gen_throughput": 0.0}],
-                "max_total_num_tokens": self.engine.cache.capacity_tokens,
-                "page_size": config.block_size,
-                "max_loras_per_batch": config.max_loras_per_batch,
-                "max_loaded_loras": config.max_loaded_loras,
-                "lora_eviction_policy": config.lora_eviction_policy,
-                "enable_lora_overlap_loading": config.lora_overlap_loading,
-                "enable_lora": True,
-                "enable_priority_scheduling": config.priority_scheduling,
-                "enable_mixed_chunk": config.mixed_chunk,
-                # As SGLang: the flag (null unless given), and the longest prompt the scheduler takes,
-                # min(context length, KV pool) - 6, which is how a client learns the window.
-                "context_length": config.context_length if config.context_length_set else None,
-                "max_req_input_len": min(config.context_length, self.engine.cache.capacity_tokens) - 6,
-                "version": SGLANG_VERSION,
-                "inferbus_simulated": True,
-                "gpu": config.gpu,
-                "preset": config.preset,
-                "time_scale": self.time_scale,
-                "fixed_step_ms": config.fixed_step_ms,
-                "profile_table": config.profile_table,
-                # What a release pins (SGLang reports its server args here too).
-                "tokenizer_path": config.model_dir or config.model,
-                "quantization": config.quantization,
-                "kv_cache_dtype": config.kv_cache_dtype,
-                "speculative_num_steps": config.speculative_num_steps,
-                "sim_eval_accuracy": self.eval_accuracy,
-            }
-        )
+        return json_response(self.server_info_payload())
+
+    def server_info_payload(self) -> dict[str, Any]:
+        return reports.server_info(self.config, self.engine.cache.capacity_tokens, self.time_scale, self.eval_accuracy)
 
     async def model_info(self, http_request: HttpRequest) -> Response:
-        return json_response(
-            {
-                "model_path": self.config.model,
-                "tokenizer_path": self.config.model_dir or self.config.model,
-                "is_generation": True,
-            }
-        )
+        return json_response(self.model_info_payload())
+
+    def model_info_payload(self) -> dict[str, Any]:
+        return reports.model_info(self.config)
 
     async def flush_cache(self, http_request: HttpRequest) -> Response:
         if self.engine.flush_cache():
