@@ -300,8 +300,8 @@ def test_batch_survives_a_nats_restart(platform: Platform, client: openai.OpenAI
     out = file_lines(client, done.output_file_id)
     assert [line["custom_id"] for line in out] == [i["custom_id"] for i in items] and done.error_file_id is None
     ids = {m.batch_request_id(batch.id, i) for i in range(120)}
-    events = read_usage(platform, "demo", ids, timeout=20)
-    assert len(events) == 120 and {e.request_id for e in events} == ids
+    # A line the service was in doubt about across the restart ran again: two reports, one bill.
+    assert once_per_line(read_usage(platform, "demo", ids, timeout=20)) == ids
 
 
 def test_batch_survives_killing_the_batch_service_and_a_worker(platform: Platform, client: openai.OpenAI) -> None:

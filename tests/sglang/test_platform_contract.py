@@ -70,6 +70,11 @@ def served(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield Platform(stack, key, stack.config.admin_key)
     finally:
         stack.stop()
+        # The engine is the session's: the next module (in whatever order the runner picks) finds
+        # it without the adapters this platform had it load.
+        models = httpx.get(engine.url + "/v1/models", timeout=30).json()["data"]
+        for adapter in [model["id"] for model in models if model.get("parent")]:
+            httpx.post(engine.url + "/unload_lora_adapter", json={"lora_name": adapter}, timeout=30)
 
 
 @pytest.fixture
