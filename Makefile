@@ -60,8 +60,11 @@ up: install
 	$(VENV)/bin/inferbus up $(ARGS)
 
 # The 25 slowest tests close the report: where the suite's time goes, run after run.
+# Two test processes (pytest-xdist), each taking whole modules (`--dist loadfile`: a module's
+# platform fixture starts once); TEST_WORKERS=0 runs in this process, as a debugger wants.
+TEST_WORKERS ?= 2
 test: install browser
-	$(PY) -m pytest -q -rx -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rx -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The development loop (25 s of CPU: 31 s on 2 cores at load 3, 80 s at load 9): `make lint`
 # (mypy's cache makes it a few seconds after the first run's ~25 s), then the tests that start no
