@@ -9,19 +9,14 @@ what it had not delivered) and reads the billing service's rollups and the ledge
 
 from __future__ import annotations
 
-import json
-import signal
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 
-from services.worker.fault_hold import marker_path
-
-from .conftest import MODEL, Platform, running_platform
+from .conftest import Platform, running_platform
+from .fault_points import kill_the_held, stream_in_background
 from .ledger import ledger, new_tenant, outbox_pending, rollup_drained, rollups_by_key
 from .waiting import wait_for
 
@@ -40,26 +35,8 @@ def test_a_worker_killed_between_its_usage_and_its_final_chunk_bills_the_request
     tenant, [(secret, key_id)] = new_tenant(platform)
     client = openai.OpenAI(base_url=platform.base_url, api_key=secret, max_retries=0, timeout=60)
     started = time.time()
-    got: dict[str, Any] = {}
-
-    def stream() -> None:
-        try:
-            chunks = list(client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "the last moment"}], max_tokens=40,
-                temperature=0, stream=True, stream_options={"include_usage": True}))
-            got["chunks"] = chunks
-        except Exception as error:
-            got["error"] = error
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    marker = marker_path(platform.stack.config.state_dir / "state", "before_final")
-    wait_for(marker.exists, timeout=30, what="a worker to stop before its Final")
-    held = wait_for(lambda: json.loads(marker.read_text() or "null"), timeout=5, ignore=(ValueError,))
-    victim = platform.stack.get(held["worker_id"])
-    assert victim.pid == held["pid"]
-    victim.signal(signal.SIGKILL)
-    assert victim.wait(10)
+    reader, got = stream_in_background(client, "the last moment", max_tokens=40)
+    held, victim = kill_the_held(platform, "before_final")
 
     reader.join(timeout=60)
     assert "error" not in got, got.get("error")

@@ -11,19 +11,16 @@ asking the router: it never knows which worker took it.
 
 from __future__ import annotations
 
-import json
-import signal
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 
 from services.worker.fault_hold import marker_path
 
-from .conftest import MODEL, Platform, running_platform
+from .conftest import Platform, running_platform
+from .fault_points import kill_the_held, stream_in_background
 from .ledger import ledger, new_tenant, rollup_drained, rollups_by_key
 from .service_logs import log_events
 from .waiting import wait_for
@@ -43,32 +40,15 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 @pytest.mark.parametrize("restart", [True, False], ids=["restarted-at-once", "left-dead"])
 def test_a_request_whose_worker_died_after_taking_it_is_answered_elsewhere(platform: Platform,
                                                                             restart: bool) -> None:
-    state = platform.stack.config.state_dir / "state"
-    marker = marker_path(state, "after_ack")
-    marker.unlink(missing_ok=True)  # the next request to reach the point holds there
+    # The next request to reach the point holds there.
+    marker_path(platform.stack.config.state_dir / "state", "after_ack").unlink(missing_ok=True)
     tenant, [(secret, key_id)] = new_tenant(platform)
     # No retries, and a timeout far below the request's own deadline: the answer must come from
     # the platform moving the request, not from waiting it out.
     client = openai.OpenAI(base_url=platform.base_url, api_key=secret, max_retries=0, timeout=30)
     started = time.time()
-    got: dict[str, Any] = {}
-
-    def stream() -> None:
-        try:
-            got["chunks"] = list(client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "taken"}], max_tokens=16, temperature=0,
-                stream=True, stream_options={"include_usage": True}))
-        except Exception as error:
-            got["error"] = error
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    wait_for(marker.exists, timeout=30, what="a worker to stop after taking the request")
-    held = wait_for(lambda: json.loads(marker.read_text() or "null"), timeout=5, ignore=(ValueError,))
-    victim = platform.stack.get(held["worker_id"])
-    assert victim.pid == held["pid"]
-    victim.signal(signal.SIGKILL)
-    assert victim.wait(10)
+    reader, got = stream_in_background(client, "taken", max_tokens=16)
+    held, victim = kill_the_held(platform, "after_ack")
     if restart:
         victim.start()
 
