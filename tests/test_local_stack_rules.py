@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from inferbus.bus.auth import Identity
-from inferbus.local.process import START_WAVES, start_wave, stop_grace_s
+from inferbus.local.process import START_RESTARTS, START_WAVES, restart_in_start_up, start_wave, stop_grace_s
 from inferbus.local.stack_config import LOCAL_AUTOSCALER_WINDOWS, StackConfig, autoscaler_env
 
 STATE = Path("/state")
@@ -67,3 +67,11 @@ def test_workers_drain_the_autoscaler_drains_its_own_and_the_rest_stop_quickly()
     assert stop_grace_s("autoscaler", 15) == 45
     assert stop_grace_s("autoscaler", 60) == 60
     assert [stop_grace_s(name, 15) for name in ("gateway", "nats", "engine-1", "router-a")] == [5, 5, 5, 5]
+
+
+def test_a_service_that_exits_while_the_platform_starts_is_started_again_a_few_times_a_server_is_not() -> None:
+    for name in ("gateway-c", "worker-1", "router", "auth-callout"):
+        assert restart_in_start_up(name, 0) and restart_in_start_up(name, START_RESTARTS - 1)
+        assert not restart_in_start_up(name, START_RESTARTS)
+    for name in ("nats", "nats-b", "redis-a", "sentinel-c"):
+        assert not restart_in_start_up(name, 0)

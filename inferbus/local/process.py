@@ -92,6 +92,19 @@ def start_wave(name: str) -> int:
     return 2
 
 
+# Exits a service may have while the platform starts before the start fails: a Kubernetes pod that
+# exits is restarted too. A JetStream call can time out while a new cluster still elects its leaders
+# (seen: a gateway's first bucket lookup, in a 3-zone start right after another platform's tests).
+START_RESTARTS = 3
+
+
+def restart_in_start_up(name: str, restarts: int) -> bool:
+    """Whether the process `name`, exited while the platform starts after `restarts` restarts then,
+    is started again (else the start fails): services are, a few times; NATS, Redis and the
+    sentinels are not (a server that cannot start says why at once)."""
+    return start_wave(name) > 0 and restarts < START_RESTARTS
+
+
 def stop_grace_s(name: str, timeout: float) -> float:
     """How long the process `name` may take to stop after SIGTERM before it is killed: workers drain
     (`timeout`); the autoscaler drains and stops the workers it started (45 s at least)."""

@@ -32,7 +32,7 @@ from inferbus.bus.auth import LocalIdentities, new_password
 from inferbus.local.ports import free_port
 from inferbus.local.private_files import make_private_tree, private_dir, remove_secrets, write_private
 from inferbus.local.probes import http_ok, logged, redis_reachable
-from inferbus.local.process import START_WAVES, Process, start_wave, stop_grace_s
+from inferbus.local.process import START_WAVES, Process, restart_in_start_up, start_wave, stop_grace_s
 from inferbus.local.replicas import replica_processes
 from inferbus.local.servers import nats_config, nats_server_binary, redis_config, redis_server_binary
 from inferbus.local.stack_config import StackConfig, autoscaler_env
@@ -435,10 +435,16 @@ class Stack:
     def _wait_ready(self, group: list[Process], on_status: Callable[[Process, str], None], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         pending = list(group)
+        restarts: dict[str, int] = {}
         while pending:
             for process in list(pending):
                 if not process.alive():
-                    raise RuntimeError(f"{process.name} exited during start-up:\n{process.tail()}")
+                    if not restart_in_start_up(process.name, restarts.get(process.name, 0)):
+                        raise RuntimeError(f"{process.name} exited during start-up:\n{process.tail()}")
+                    restarts[process.name] = restarts.get(process.name, 0) + 1
+                    on_status(process, f"exited during start-up (code {process.returncode}), starting it again")
+                    process.start()
+                    continue
                 if process.ready():
                     pending.remove(process)
                     on_status(process, "ready")
