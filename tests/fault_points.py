@@ -45,3 +45,14 @@ def kill_the_held(platform: Platform, point: str) -> tuple[dict[str, Any], Proce
     victim.signal(signal.SIGKILL)
     assert victim.wait(10)
     return held, victim
+
+
+def whole_answer(reader: threading.Thread, got: dict[str, Any], held: dict[str, Any], tokens: int) -> Any:
+    """The stream's chunks once it ended: the held request's, with no error and all `tokens` tokens."""
+    reader.join(timeout=60)
+    assert "error" not in got, got.get("error")
+    chunks = got["chunks"]
+    assert chunks[0].id == f"chatcmpl-{held['request_id']}"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == tokens
+    return chunks
+
