@@ -61,7 +61,6 @@ from .worker_watch import WorkerWatch
 
 log = logs.get(__name__)
 
-_heartbeat_decoder = msgspec.msgpack.Decoder(m.Heartbeat)
 _placement_decoder = msgspec.msgpack.Decoder(m.PlacementReply)
 
 
