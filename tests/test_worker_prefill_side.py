@@ -2,7 +2,8 @@
 nats-server: a stand-in decode worker sends it prefill halves over the bus, a stand-in prefill
 engine holds each prompt until released or aborted. An interactive half on a full worker takes
 the slot of the batch half sent to its engine first, whose decode worker hears `preempted` (and hands the line
-back to the batch queue, test_worker_decode_side.py); batch halves never preempt."""
+back to the batch queue, test_worker_decode_side.py); batch halves never preempt. The batch half is
+aborted only once the interactive prompt is past its bootstrap handshake in the engine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from nats.aio.client import Client
 from inferbus.bus.replies import Replies
 from proto import messages as m
 from proto import subjects
-from services.worker.engine import EngineError, PrefillResult
+from services.worker.engine import EngineError, EngineLoad, PrefillResult
 from services.worker.prefill_side import PrefillSide
 from services.worker.reporting import ServingStats
 from services.worker.tasks import Background
@@ -34,11 +35,17 @@ class Settings:
 
 class Engine:
     """A prefill engine: a prompt ends when the test releases it, or aborted, with the error the
-    simulated engine (as SGLang) ends an aborted prompt with."""
+    simulated engine (as SGLang) ends an aborted prompt with. Its load counts the prompts it holds,
+    those in `bootstrapping` as waiting for their decode engine's handshake."""
 
     def __init__(self) -> None:
         self.held: dict[str, asyncio.Event] = {}
         self.aborted: list[str] = []
+        self.bootstrapping: set[str] = set()
+
+    async def loads(self) -> EngineLoad:
+        live = {rid for rid, done in self.held.items() if not done.is_set()}
+        return EngineLoad(waiting=len(live), bootstrapping=len(live & self.bootstrapping))
 
     async def prefill(self, request: m.InferenceRequest, headers: dict[str, str], *, bootstrap: dict[str, Any],
                       rid: str) -> PrefillResult:
@@ -134,3 +141,37 @@ async def test_an_interactive_half_on_a_full_prefill_worker_preempts_the_batch_h
     while side.halves:
         await asyncio.sleep(0.02)
     assert {r.request_id for r in reports if r.ok} == {"i1", "i2", "i3"}
+
+
+@pytest.mark.asyncio
+async def test_the_batch_half_is_aborted_once_the_interactive_prompt_is_past_its_handshake(nc: Client) -> None:
+    # An engine that drops its chunked prompt starts the next one waiting at once: aborted while
+    # the interactive prompt still waits for its decode engine's handshake, the batch half would
+    # hand the engine to the next batch prompt, not to the interactive one.
+    worker = Worker(nc)
+    side = PrefillSide(worker, capacity=2, bootstrap=("h", 1))  # type: ignore[arg-type]
+    await side.start()
+    replies = Replies(nc)
+    await replies.start()
+
+    async def send(ask: m.PrefillRequest) -> m.PrefillAccepted:
+        reply = await replies.request(subjects.prefill_subject("p1", "d1"), m.encode(ask), 2.0)
+        return msgspec.msgpack.decode(reply.data, type=m.PrefillAccepted)
+
+    for request_id in ("b1", "b2"):
+        assert (await send(half(request_id, "batch"))).accepted
+        await asyncio.sleep(0.01)
+    interactive = half("i1", "standard")
+    worker.engine.bootstrapping.add(m.prefill_rid(interactive.request, 0))
+    assert (await send(interactive)).accepted
+    await asyncio.sleep(0.3)
+    assert worker.engine.aborted == []  # its prompt still waits for the handshake
+    worker.engine.bootstrapping.clear()
+    deadline = time.monotonic() + 2
+    while not worker.engine.aborted and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert worker.engine.aborted == [m.prefill_rid(half("b1", "batch").request, 0)]
+    for event in worker.engine.held.values():
+        event.set()
+    while side.halves:
+        await asyncio.sleep(0.02)

@@ -47,6 +47,11 @@ class EngineLoad:
     used_tokens: int = 0
     capacity_tokens: int = 0
     cache_hit_rate: float = 0.0
+    # A prefill engine's PD queues (its `disaggregation` section): prompts waiting for their decode
+    # engine's handshake (counted in `waiting` too, as SGLang counts them) and prompts computed
+    # whose KV is on its way (counted in neither).
+    bootstrapping: int = 0
+    transferring: int = 0
 
 
 @dataclass
@@ -345,6 +350,9 @@ class EngineClient:
             load.used_tokens += entry.get("num_used_tokens", 0)
             load.capacity_tokens += entry.get("max_total_num_tokens", 0)
             load.cache_hit_rate = max(load.cache_hit_rate, entry.get("cache_hit_rate", 0.0))
+            queues = entry.get("disaggregation") or {}
+            load.bootstrapping += queues.get("prefill_bootstrap_queue_reqs", 0)
+            load.transferring += queues.get("prefill_inflight_queue_reqs", 0)
         return load
 
     async def load_lora(self, name: str, path: str) -> dict[str, Any]:

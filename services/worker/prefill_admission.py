@@ -18,7 +18,13 @@ aborting a batch half still waiting in the engine would free a slot and nothing 
 interactive prompt would wait for the whole batch prompt ahead of it (live, with the half taken
 last preempted instead: 10.7 s for a 16-token prompt behind a 24k-token one, against 0.3 s;
 tests/test_e2e_pd_preemption.py). The batch halves still waiting yield to it by engine priority.
-The work lost is the chunks computed so far. Halves already giving way (aborted, their engine
+The work lost is the chunks computed so far.
+
+The batch half is aborted only once the interactive prompt is past its bootstrap handshake in the
+engine (`may_abort_victim`): an engine that drops its chunked prompt takes the next from its
+waiting queue at once, and a prompt still waiting for its decode engine's handshake is not in that
+queue yet, so an abort sent at admission let the next batch prompt start its chunked prefill first
+(live, on a loaded machine: 11.4 s for the interactive prompt). Halves already giving way (aborted, their engine
 request still ending) count neither as taken slots nor as victims: a slot freed for one
 interactive half is not freed twice.
 """
@@ -58,3 +64,10 @@ def admit(*, batch: bool, capacity: int, batch_max_prefilling: int, held: Sequen
     if batch and len(live_batch) >= batch_max_prefilling:
         return Admission(False, "full")
     return Admission(True)
+
+
+def may_abort_victim(*, sent: int, engine_ready: int) -> bool:
+    """Whether the batch half preempted for an interactive one may be aborted now: once the engine
+    holds, past their bootstrap handshake (running, waiting to be scheduled or sending their KV),
+    as many prompts as this worker has sent it and not seen end, the interactive one among them."""
+    return engine_ready >= sent

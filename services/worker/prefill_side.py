@@ -38,7 +38,7 @@ from proto import subjects
 
 from .engine import EngineError
 from .metrics import PREEMPTIONS, PREFILL_HALVES
-from .prefill_admission import HeldHalf, admit
+from .prefill_admission import HeldHalf, admit, may_abort_victim
 from .prefill_timing import prefill_ttft
 
 if TYPE_CHECKING:
@@ -58,6 +58,11 @@ tracer = tracing.tracer("inferbus.worker")
 
 _message_decoder = msgspec.msgpack.Decoder(m.PrefillMessage)
 
+# How long an interactive half waits to be queued in its engine before its victim is aborted
+# anyway (the bootstrap handshake takes milliseconds), and how often it asks the engine meanwhile.
+PREEMPT_WAIT_S = 2.0
+PREEMPT_POLL_S = 0.01
+
 
 @dataclass
 class Half:
@@ -72,6 +77,7 @@ class Half:
     # When it was sent to the engine (monotonic; inf until then): the engine computes prompts in the
     # order they reach it, so the batch half sent first is the one it is computing.
     sent_at: float = math.inf
+    victim: Half | None = None  # the batch half this interactive one preempts, aborted once it is queued
 
     @property
     def request(self) -> m.InferenceRequest:
@@ -166,7 +172,7 @@ class PrefillSide:
         me = worker.settings.worker_id
         if ask.placed:
             worker.stats.pulled_own += 1  # what routers placed here arrived (accepted or not)
-        refusal = ""
+        refusal, victim = "", None
         owner = subjects.reply_owner(request.reply_to)
         if worker.draining or worker.phase != "serving" or not worker.health.up:
             refusal = "draining"
@@ -184,9 +190,8 @@ class PrefillSide:
             refusal = admission.reason
             victim = next((h for key, h in self.halves.items() if key == admission.victim), None)
             if victim is not None:
-                victim.preempted = True
+                victim.preempted = True  # gives way from now on; aborted once this half is queued (_preempt)
                 PREEMPTIONS.inc()
-                self.worker.background.spawn(self._abort(victim, f"preempted for interactive {request.request_id}"))
         if refusal:
             PREFILL_HALVES.labels("refused").inc()
             return m.PrefillAccepted(accepted=False, worker_id=me, reason=refusal)
@@ -194,7 +199,7 @@ class PrefillSide:
         previous = self.halves.get(key)
         if previous is not None:  # an earlier try of the same attempt the decode worker gave up
             self.worker.background.spawn(self._abort(previous, "superseded by a new try"))
-        half = self.halves[key] = Half(ask, sender, headers)
+        half = self.halves[key] = Half(ask, sender, headers, victim=victim if not refusal else None)
         half.task = asyncio.ensure_future(self._run(half))
         worker.load_changed.set()
         return m.PrefillAccepted(accepted=True, worker_id=me, bootstrap_host=self.bootstrap_host,
@@ -212,7 +217,11 @@ class PrefillSide:
                 if request.adapter:
                     await worker.adapters.ensure(request.adapter)
                 half.sent_at = time.monotonic()
-                result = await worker.engine.prefill(request, headers, bootstrap=bootstrap, rid=half.rid)
+                prompt = asyncio.ensure_future(worker.engine.prefill(request, headers, bootstrap=bootstrap,
+                                                                     rid=half.rid))
+                if half.victim is not None:
+                    await self._preempt(half, half.victim)
+                result = await prompt
             done = msgspec.structs.replace(done, ok=not half.aborted, prompt_tokens=result.prompt_tokens,
                                            cached_tokens=result.cached_tokens,
                                            code="" if not half.aborted else "preempted" if half.preempted
@@ -250,6 +259,23 @@ class PrefillSide:
             await worker.nc.publish(subjects.prefilled_subject_of_token(half.decode_token), m.encode(done))
         except Exception as error:  # the decode worker's own checks (our liveness) decide then
             log.warning("prefill_report_failed", error=repr(error))
+
+    async def _preempt(self, half: Half, victim: Half) -> None:
+        """Abort `victim` once `half` is queued in the engine past its bootstrap handshake
+        (`may_abort_victim`), or after PREEMPT_WAIT_S whatever the engine says."""
+        deadline = time.monotonic() + PREEMPT_WAIT_S
+        while time.monotonic() < deadline and not victim.aborted:
+            sent = sum(1 for h in self.halves.values() if h.sent_at < math.inf)
+            try:
+                load = await self.worker.engine.loads()
+            except Exception as error:  # an engine that cannot say: abort now, as before it could
+                log.warning("prefill_loads_failed", error=repr(error))
+                break
+            ready = load.running + load.waiting - load.bootstrapping + load.transferring
+            if may_abort_victim(sent=sent, engine_ready=ready):
+                break
+            await asyncio.sleep(PREEMPT_POLL_S)
+        await self._abort(victim, f"preempted for interactive {half.request.request_id}")
 
     async def _abort(self, half: Half, why: str) -> None:
         if half.aborted:
