@@ -60,10 +60,10 @@ up: install
 	$(VENV)/bin/inferbus up $(ARGS)
 
 # The 25 slowest tests close the report: where the suite's time goes, run after run.
-# TEST_WORKERS=2: two test processes (pytest-xdist), each taking whole modules (`--dist loadfile`:
-# a module's platform fixture starts once), about 1.5x faster on 2 cores (README, "Test tiers").
-# Not the default yet: beside another platform, a timing-sensitive e2e test was seen to fail once.
-TEST_WORKERS ?= 0
+# Two test processes (pytest-xdist), each taking whole modules (`--dist loadfile`: a module's
+# platform fixture starts once), about 1.5x faster on 2 cores (README, "Test tiers");
+# TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
 test: install browser
 	$(PY) -m pytest -q -rx -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
