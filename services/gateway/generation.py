@@ -20,7 +20,7 @@ import structlog
 
 from inferbus.openai import carry, json_body, responses, schemas
 from inferbus.openai.errors import OpenAIError
-from inferbus.openai.sampling import answer_schema, sampling_params
+from inferbus.openai.sampling import answer_schema
 from inferbus.openai.token_text import TokenTexts
 from inferbus.openai.tools import ToolOutput, family_of_template
 from inferbus.runtime import logs, tracing
@@ -35,7 +35,7 @@ from proto import bands
 from proto import messages as m
 from services.gateway import metrics
 
-from . import frames
+from . import frames, intake
 from .adapter_metrics import AdapterMetrics, TopLabels
 from .dispatch import Dispatcher
 from .flight import DispatchError
@@ -228,30 +228,12 @@ class Generation:
             n = params.n
             decision = await self._admission(tenant, request_id, prompt_tokens, max_new_tokens * n)
             now = time.time()
-            inference = m.InferenceRequest(
-                request_id=request_id,
-                tenant=principal.tenant,
-                model=model,
-                prompt=prompt.text,
-                kind=endpoint,  # type: ignore[arg-type]
-                api_key_id=principal.key_id,
-                adapter=adapter,
-                band=tenant.band,
-                priority=bands.ENGINE_PRIORITY[tenant.band],
-                sampling=sampling_params(params, max_new_tokens, self.tool_call_parser),
-                reply_to=self.dispatcher.reply_subject(),
-                deadline=now + self.settings.request_timeout_s,
-                created=now,
-                prompt_tokens=prompt_tokens,
-                input_ids=prompt.ids,
-                release=release,
-                release_pinned=pinned,
-                adapter_canary=adapter_canary,
-                adapter_pinned=adapter_pinned,
-                adapter_fallback=adapter_fallback,
-                user=params.user
-                or (params.safety_identifier if isinstance(params, schemas.ChatCompletionRequest) else None),
-            )
+            inference = intake.inference_request(
+                params, request_id=request_id, principal=principal, model=model, adapter=adapter, band=tenant.band,
+                prompt=prompt, max_new_tokens=max_new_tokens, tool_call_parser=self.tool_call_parser,
+                reply_to=self.dispatcher.reply_subject(), timeout_s=self.settings.request_timeout_s, now=now,
+                release=release, release_pinned=pinned, adapter_canary=adapter_canary, adapter_pinned=adapter_pinned,
+                adapter_fallback=adapter_fallback)
             try:
                 carry.check_sampling(inference.sampling)
             except OpenAIError:
@@ -271,8 +253,8 @@ class Generation:
                     for index in range(n):
                         # n > 1: one engine request per choice, with equal prompts, placed beside the
                         # first so that they meet the prompt in the same cache.
-                        flight = await self.dispatcher.open(choice_request(inference, index), weight=tenant.weight,
-                                                            block_hashes=hashes,
+                        engine_request = intake.choice_request(inference, index)
+                        flight = await self.dispatcher.open(engine_request, weight=tenant.weight, block_hashes=hashes,
                                                             follows=call.choices[0].flight if call.choices else None)
                         call.choices.append(Choice(index=index, flight=flight))
                 except DispatchError as error:
@@ -511,7 +493,7 @@ class Generation:
                             out.append(frames.usage_chunk(call, usage))
                         self._record(call, usage)
                     else:
-                        error = _event_error(event)
+                        error = intake.event_error(event)
                         status = str(error.status)
                         out.append(b"data: " + _json.encode(error.body()) + b"\n\n")
                         await self._give_up(call, choice, error)
@@ -549,7 +531,7 @@ class Generation:
             return "504"
         if failed is not None or any(c.final is None for c in call.choices):
             choice = failed[0] if failed else call.choices[0]
-            error = _event_error(failed[1]) if failed else OpenAIError(502, "No response from the worker.")
+            error = intake.event_error(failed[1]) if failed else OpenAIError(502, "No response from the worker.")
             await self._give_up(call, choice, error, delivered=False)
             await send_json(send, error.status, error.body(), request_id, error.headers)
             return str(error.status)
@@ -605,27 +587,6 @@ class Generation:
                                                 delivered_tokens=choice.flight.sent_tokens if delivered else 0)
 
 
-
-
-def _event_error(event: m.StreamEvent) -> OpenAIError:
-    if isinstance(event, m.StreamError):
-        status = event.status if event.status in (400, 404, 408, 413, 422, 429, 500, 502, 503, 504) else 500
-        headers = {"retry-after": "1"} if status in (429, 503) else None
-        return OpenAIError(status, event.message, code=event.code, headers=headers)
-    return OpenAIError(503, "The request could not be completed; retry shortly.", code="worker_lost")
-
-
-def choice_request(request: m.InferenceRequest, index: int) -> m.InferenceRequest:
-    """The engine request of choice `index` of n: the first is the request itself; the others get
-    their own id and seed (equal seeds would give n equal samples) and bill no prompt tokens, which
-    OpenAI counts once."""
-    if index == 0:
-        return request
-    seed = request.sampling.seed
-    if seed is not None:
-        seed = (seed + index + 2**63) % 2**64 - 2**63  # stays in int64
-    return msgspec.structs.replace(request, request_id=f"{request.request_id}.c{index}", choice=index,
-                                   sampling=msgspec.structs.replace(request.sampling, seed=seed))
 
 
 async def _disconnected(receive: Any) -> None:

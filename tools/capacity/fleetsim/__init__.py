@@ -35,8 +35,9 @@ from tools.capacity.fleetsim import capacity, workload  # noqa: E402
 from tools.capacity.fleetsim.batch import BatchReport, BatchSpec, LineLengths  # noqa: E402
 from tools.capacity.fleetsim.events import EventLoop  # noqa: E402
 from tools.capacity.fleetsim.fast import FastConfig, FastFleet, FleetSignals, StaticController  # noqa: E402
-from tools.capacity.fleetsim.fleet import FleetConfig, FleetSim, Job, Replica, simulate  # noqa: E402
+from tools.capacity.fleetsim.fleet import FleetSim, simulate  # noqa: E402
 from tools.capacity.fleetsim.report import RunReport, markdown_table, percentile  # noqa: E402
+from tools.capacity.fleetsim.state import FleetConfig, Job, Replica  # noqa: E402
 
 __all__ = [
     "BatchReport",

@@ -46,9 +46,9 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from inferbus.tokens import continuation
 from proto import bands
@@ -58,12 +58,33 @@ from services.sim_engine.sampling import SamplingParams
 from services.worker.attempt import attempt_verdict
 from services.worker.preemption import Check, WorkerState
 from tools.capacity import mix as mix_mod
+from tools.capacity.fleetsim.events import EventLoop
+from tools.capacity.fleetsim.state import FleetConfig, Replica
+from tools.capacity.fleetsim.workload import PromptTokens
 from tools.capacity.mix import Mix
 from tools.capacity.stats import percentile
 from tools.capacity.traces import TraceRequest
 
-if TYPE_CHECKING:
-    from tools.capacity.fleetsim.fleet import FleetSim, Replica
+
+class Fleet(Protocol):
+    """What the batch band reads of the fleet it runs in (`fleet.FleetSim`), and asks of it."""
+
+    config: FleetConfig
+    loop: EventLoop
+    prompts: PromptTokens
+    done: bool
+
+    @property
+    def replicas(self) -> Sequence[Replica]: ...
+
+    def step(self, replica: Replica) -> None:
+        """Step `replica`'s engine (it is idle and was given work)."""
+
+    def interactive_load(self, replica: Replica, engine_wait_s: float) -> tuple[int, int, int]:
+        """Interactive requests held, queued for it and stalled, as the worker counts them."""
+
+    def batch_done(self) -> None:
+        """Every line has its result."""
 
 BATCH_ID = "batch_sim"
 # Prompt ids of batch lines come from this index up, so they never share a prefix with the
@@ -225,9 +246,9 @@ def make_policies(spec: BatchSpec, clock: Callable[[], float], replicas: int,
 
 
 class BatchBand:
-    """The batch service, the batch queue and the workers' batch side, for one `FleetSim`."""
+    """The batch service, the batch queue and the workers' batch side, for one fleet (`Fleet`)."""
 
-    def __init__(self, sim: FleetSim, spec: BatchSpec) -> None:
+    def __init__(self, sim: Fleet, spec: BatchSpec) -> None:
         self.sim = sim
         self.spec = spec
         self.lines = [
@@ -345,7 +366,7 @@ class BatchBand:
             return  # the oracle never preempts or blocks
         batch = replica.batch_jobs
         capacity = replica.engine.config.max_running_requests
-        held, queued, stalled = self.sim._interactive_load(replica, self._engine_wait_s)
+        held, queued, stalled = self.sim.interactive_load(replica, self._engine_wait_s)
         runs = [
             self._batch_run(request_id=line.request_id, context_tokens=line.input_tokens + line.done_tokens,
                             generated=line.done_tokens, started=line.started_s)
@@ -407,7 +428,7 @@ class BatchBand:
         line.attempt_generated = 0
         replica.batch_jobs[request.rid] = line
         if not replica.stepping:
-            sim._step(replica)
+            sim.step(replica)
 
     def on_update(self, replica: Replica, update: RequestUpdate, now: float) -> None:
         """One engine update of a batch line, at the end of the step that produced it."""
@@ -474,7 +495,7 @@ class BatchBand:
         self.outstanding -= 1
         self.remaining -= 1
         if self.done:
-            self.sim._batch_done()
+            self.sim.batch_done()
 
     def recover(self, replica: Replica) -> None:
         """A dead replica's batch lines go back to the queue with what they had generated."""

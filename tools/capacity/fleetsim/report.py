@@ -16,14 +16,38 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from tools.capacity.fleetsim.batch import BatchReport
+from tools.capacity.fleetsim.batch import BatchBand, BatchReport
+from tools.capacity.fleetsim.events import EventLoop
+from tools.capacity.fleetsim.state import Job, Replica
 from tools.capacity.stats import percentile
 
-if TYPE_CHECKING:
-    from tools.capacity.fleetsim.fleet import FleetSim
+
+class Simulated(Protocol):
+    """What a report reads of a finished run (`fleet.FleetSim`)."""
+
+    policy_name: str
+    migrations: int
+    recovered_queued: int
+    shared_placements: int
+    resyncs: int
+    placement_s: float
+    stalled: bool
+
+    @property
+    def jobs(self) -> Sequence[Job]: ...
+
+    @property
+    def replicas(self) -> Sequence[Replica]: ...
+
+    @property
+    def loop(self) -> EventLoop: ...
+
+    @property
+    def band(self) -> BatchBand | None: ...
 
 
 @dataclass
@@ -80,7 +104,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _ended(replica: Any, last_finish: float) -> float:
+def _ended(replica: Replica, last_finish: float) -> float:
     """When the replica stopped serving: killed, stopped by a controller, or the run's end."""
     for ended in (replica.died_s, replica.stopped_s):
         if ended is not None:
@@ -88,7 +112,7 @@ def _ended(replica: Any, last_finish: float) -> float:
     return last_finish
 
 
-def build_report(sim: FleetSim, *, cpu_s: float, wall_s: float) -> RunReport:
+def build_report(sim: Simulated, *, cpu_s: float, wall_s: float) -> RunReport:
     jobs = sim.jobs
     completed = [job for job in jobs if job.status == "completed"]
     failed = sum(job.status == "failed" for job in jobs)
