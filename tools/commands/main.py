@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib
 import os
 import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,27 @@ def _env_help(cls: type) -> str:
     return "\n".join(lines)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class Commands(click.Group):
+    """The commands, each imported when it is run or listed (`LAZY`): a service process started as
+    `inferbus worker` imports the worker, not the planner, the simulators or the openai SDK (all of
+    them cost each platform process 2 s of CPU at start)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in LAZY:
+            command = LAZY[cmd_name]()
+            self.add_command(command, cmd_name)
+        return command
+
+
+# Command name -> what builds it (imports included).
+LAZY: dict[str, Callable[[], click.Command]] = {}
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
     """inferbus: an OpenAI-compatible LLM inference platform on NATS JetStream.
 
@@ -176,6 +199,8 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
     try:
         # Three zones start ~20 processes at once: on a small machine they take longer to be ready.
         stack.start(on_status=status, timeout=120 if zones == 1 else 300)
+        from tools.commands.local_platform import demo_key
+
         key = asyncio.run(demo_key(stack.redis_url))
         click.echo("")
         click.echo(f"  Gateway:  {stack.gateway_url}/v1   (OpenAI-compatible)")
@@ -199,6 +224,8 @@ def up(workers: int, prefill: int, decode: int, gpu: str, tp: str, model: str, p
         click.echo("  inferbus tenants list")
         click.echo("")
         click.echo("Press Ctrl-C to stop.")
+        from tools.commands.autoscaler_log import DecisionTail
+
         decisions = DecisionTail(config.state_dir / "logs" / "autoscaler.log") if autoscale else None
 
         def supervised(process, state: str) -> None:  # type: ignore[no-untyped-def]
@@ -225,16 +252,18 @@ def new_admin_key() -> str:
     return "ib-admin-" + secrets.token_urlsafe(32)
 
 
-def _service_command(name: str, settings_cls: type[Any], run: str, summary: str = "") -> None:
-    @main.command(name, help=(summary or f"Run the {name} service.") + "\n\n" + _env_help(settings_cls))
+def _service_command(name: str, settings_path: str, run: str, summary: str = "") -> click.Command:
+    """`inferbus <name>`: the service `run` ("module:function") with its settings (`settings_path`,
+    "module:class") from the environment, which its --help lists."""
+    settings_cls = _attribute(settings_path)
+
+    @click.command(name, help=(summary or f"Run the {name} service.") + "\n\n" + _env_help(settings_cls))
     def command() -> None:
         from inferbus.bus.connection import ServerTooOld
 
         settings = settings_mod.load(settings_cls)
-        module_name, func_name = run.rsplit(":", 1)
-        module = __import__(module_name, fromlist=[func_name])
         try:
-            result = getattr(module, func_name)(settings)
+            result = _attribute(run)(settings)
             if asyncio.iscoroutine(result):
                 import uvloop
 
@@ -243,41 +272,36 @@ def _service_command(name: str, settings_cls: type[Any], run: str, summary: str 
             click.echo(click.style(str(error), fg="red"), err=True)
             sys.exit(2)
 
-
-def _register() -> None:
-    from services.billing.settings import BillingSettings
-    from services.gateway.settings import GatewaySettings
-    from services.router.settings import RouterSettings
-    from services.worker.settings import WorkerSettings
-
-    _service_command("gateway", GatewaySettings, "services.gateway.app:serve")
-    _service_command("router", RouterSettings, "services.router.service:serve")
-    _service_command("worker", WorkerSettings, "services.worker.service:serve")
-    _service_command("billing", BillingSettings, "services.billing.service:serve")
-    from services.autoscaler.settings import AutoscalerSettings
-
-    _service_command("autoscaler", AutoscalerSettings, "services.autoscaler.service:serve")
-    from services.batch.settings import BatchSettings
-
-    _service_command("batch", BatchSettings, "services.batch.service:serve",
-                     "Run the batch service: validates batches, feeds their lines to the fleet on spare capacity "
-                     "(pausing on interactive pressure), collects results and writes output and error files. "
-                     "Run one per platform; it resumes its batches after a restart (see docs/batch.md).")
-    from services.auth_callout.settings import AuthCalloutSettings
-
-    _service_command("auth-callout", AuthCalloutSettings, "services.auth_callout.service:serve",
-                     "Run the NATS auth callout: per-pod identities in Kubernetes. Answers nats-server's authorization "
-                     "requests for pods that present their projected ServiceAccount token (verified with the "
-                     "TokenReview API) with their role's permissions scoped to the pod's name (docs/security.md).")
-    try:
-        from services.sim_engine.cli import profile_table_command, sim_engine_command
-    except ImportError:  # while the engine is being built
-        return
-    main.add_command(sim_engine_command)
-    main.add_command(profile_table_command)
+    return command
 
 
-_register()
+def _attribute(path: str) -> Any:
+    module_name, name = path.rsplit(":", 1)
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _lazy(name: str, build: Callable[[], click.Command]) -> None:
+    LAZY[name] = build
+
+
+for _name, _settings, _run, _summary in (
+    ("gateway", "services.gateway.settings:GatewaySettings", "services.gateway.app:serve", ""),
+    ("router", "services.router.settings:RouterSettings", "services.router.service:serve", ""),
+    ("worker", "services.worker.settings:WorkerSettings", "services.worker.service:serve", ""),
+    ("billing", "services.billing.settings:BillingSettings", "services.billing.service:serve", ""),
+    ("autoscaler", "services.autoscaler.settings:AutoscalerSettings", "services.autoscaler.service:serve", ""),
+    ("batch", "services.batch.settings:BatchSettings", "services.batch.service:serve",
+     "Run the batch service: validates batches, feeds their lines to the fleet on spare capacity "
+     "(pausing on interactive pressure), collects results and writes output and error files. "
+     "Run one per platform; it resumes its batches after a restart (see docs/batch.md)."),
+    ("auth-callout", "services.auth_callout.settings:AuthCalloutSettings", "services.auth_callout.service:serve",
+     "Run the NATS auth callout: per-pod identities in Kubernetes. Answers nats-server's authorization "
+     "requests for pods that present their projected ServiceAccount token (verified with the "
+     "TokenReview API) with their role's permissions scoped to the pod's name (docs/security.md)."),
+):
+    _lazy(_name, functools.partial(_service_command, _name, _settings, _run, _summary))
+_lazy("sim-engine", lambda: _attribute("services.sim_engine.cli:sim_engine_command"))
+_lazy("profile-table", lambda: _attribute("services.sim_engine.cli:profile_table_command"))
 
 
 def configuration_markdown() -> str:
@@ -429,43 +453,35 @@ def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> No
 # ---- operator commands through the gateway's admin API: tools/commands/tenants.py (tenants and API
 # keys), adapters.py (LoRA adapters), admin_api.py (the client they share) -------------------------
 
-from tools.commands.adapters import adapters as _adapters  # noqa: E402
-from tools.commands.admin_api import AdminAPI, admin_options, table  # noqa: E402
-from tools.commands.autoscaler_log import DecisionTail  # noqa: E402
-from tools.commands.local_platform import demo_key  # noqa: E402
-from tools.commands.tenants import keys as _keys  # noqa: E402
-from tools.commands.tenants import tenants as _tenants  # noqa: E402
-
-main.add_command(_tenants)
-main.add_command(_keys)
-main.add_command(_adapters)
+def _registered(register: Callable[[click.Group], None], name: str) -> click.Command:
+    """Command `name` of those a module's `register(group)` adds."""
+    group = click.Group()
+    register(group)
+    return group.commands[name]
 
 
-# ---- usage exports, rollup rebuilds and the price book (billing): tools/commands/billing.py -------
-
-def _register_billing() -> None:
+def _billing(group: click.Group) -> None:
+    from tools.commands.admin_api import AdminAPI, admin_options, table
     from tools.commands.billing import register
 
-    register(main, AdminAPI, admin_options, table)
+    register(group, AdminAPI, admin_options, table)
 
 
-_register_billing()
+def _releases(group: click.Group) -> None:
+    from tools.commands.releases import register
 
-from tools.commands.drill import drill as _drill  # noqa: E402
-from tools.commands.mix import mix_group as _mix  # noqa: E402
-from tools.commands.plan import plan as _plan  # noqa: E402
-from tools.commands.simulate import simulate as _simulate  # noqa: E402
-from tools.commands.sweep import sweep as _sweep  # noqa: E402
+    register(group)
 
-main.add_command(_sweep)
-main.add_command(_plan)
-main.add_command(_simulate)
-main.add_command(_mix)
-main.add_command(_drill)
 
-from tools.commands.releases import register as _register_releases  # noqa: E402
-
-_register_releases(main)
+for _name, _path in (("tenants", "tools.commands.tenants:tenants"), ("keys", "tools.commands.tenants:keys"),
+                     ("adapters", "tools.commands.adapters:adapters"), ("sweep", "tools.commands.sweep:sweep"),
+                     ("plan", "tools.commands.plan:plan"), ("simulate", "tools.commands.simulate:simulate"),
+                     ("mix", "tools.commands.mix:mix_group"), ("drill", "tools.commands.drill:drill")):
+    _lazy(_name, functools.partial(_attribute, _path))
+for _name in ("usage", "prices"):
+    _lazy(_name, functools.partial(_registered, _billing, _name))
+for _name in ("release", "eval"):
+    _lazy(_name, functools.partial(_registered, _releases, _name))
 
 if __name__ == "__main__":
     main()
