@@ -95,6 +95,9 @@ def sglang_command(home: Path, models: Path, port: int, kv_events: str) -> tuple
         "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
         "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "--max-loaded-loras", str(MAX_LOADED_LORAS),
         "--enable-metrics", "--constrained-json-disable-any-whitespace", "--kv-events-config", events,
+        # Its torch rendezvous port from ours: SGLang's own pick (22000-29999, probed, bound later)
+        # can meet a port our launcher handed out and its server has not bound yet.
+        "--nccl-port", str(free_port()),
     ]
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it --device cpu still takes GPU code paths

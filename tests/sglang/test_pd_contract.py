@@ -101,6 +101,7 @@ def _commands(kind: str, role: str, port: int, bootstrap_port: int, kv_events: s
             "--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", str(MAX_LORA_RANK),
             "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
             *pd, "--disaggregation-transfer-backend", "mooncake_tcp",
+            "--nccl-port", str(free_port()),  # as conftest's sglang_command: from our own ports
         ]
         env = dict(os.environ)
         env["SGLANG_USE_CPU_ENGINE"] = "1"
