@@ -21,6 +21,10 @@ from .service_logs import log_events
 pytestmark = pytest.mark.e2e
 
 HEARTBEAT_TTL_S = 1.5
+# Long enough to be still running when the test, after its first chunks, finds its engine and
+# kills it: at time scale 0.1 a 600-token stream ended within the second that took on a busy
+# machine (a CI run found no engine busy, and once the last worker died after its stream had ended).
+STREAM_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 
 def busy_engine(platform: Platform, workers: range) -> int | None:
     # One client for all engines: building one per call costs tens of ms on a busy machine, and a
-    # 600-token stream at time scale 0.1 lasts about a second.
+    # stream of STREAM_TOKENS at time scale 0.1 lasts a few seconds.
     with httpx.Client(timeout=5) as http:
         for i in workers:
             if not platform.stack.get(f"worker-{i}").alive():
@@ -120,9 +124,9 @@ def test_router_places_requests_on_workers(fleet: Platform) -> None:
 
 
 def test_sigkill_mid_stream_migrates_without_the_client_noticing(fleet: Platform) -> None:
-    reference = reference_text(fleet, 600)
+    reference = reference_text(fleet, STREAM_TOKENS)
     before = migrations(fleet)
-    reader = StreamReader(fleet, max_tokens=600)
+    reader = StreamReader(fleet, max_tokens=STREAM_TOKENS)
     reader.start()
     reader.wait_for_chunks(60)
     victim = busy_engine(fleet, range(1, 4))
@@ -132,7 +136,7 @@ def test_sigkill_mid_stream_migrates_without_the_client_noticing(fleet: Platform
     reader.join(timeout=30)
     assert reader.error is None, reader.error
     assert reader.finish == "length"
-    assert reader.usage is not None and reader.usage.completion_tokens == 600
+    assert reader.usage is not None and reader.usage.completion_tokens == STREAM_TOKENS
     assert migrations(fleet) == before + 1
     # Bounded: the stream resumed within the heartbeat TTL plus a little.
     assert reader.longest_gap() < HEARTBEAT_TTL_S + 2.0
@@ -143,7 +147,7 @@ def test_sigkill_mid_stream_migrates_without_the_client_noticing(fleet: Platform
 
 
 def test_drain_hands_in_flight_work_to_another_worker(fleet: Platform) -> None:
-    reader = StreamReader(fleet, max_tokens=600)
+    reader = StreamReader(fleet, max_tokens=STREAM_TOKENS)
     reader.start()
     reader.wait_for_chunks(60)
     victim = busy_engine(fleet, range(1, 4))
@@ -152,7 +156,7 @@ def test_drain_hands_in_flight_work_to_another_worker(fleet: Platform) -> None:
     worker.signal(signal.SIGTERM)
     reader.join(timeout=30)
     assert reader.error is None, reader.error
-    assert reader.usage is not None and reader.usage.completion_tokens == 600
+    assert reader.usage is not None and reader.usage.completion_tokens == STREAM_TOKENS
     assert worker.wait(10), "a draining worker must exit by itself"
     # A handoff does not wait for a heartbeat to expire: the gateway moved the stream on the
     # worker's word (why "handoff"), not on its absence ("worker_gone"), and sooner than the TTL.
@@ -177,7 +181,7 @@ def test_deadline_ends_the_stream_and_aborts_the_engine(fleet: Platform) -> None
 
 
 def test_losing_the_last_worker_ends_streams_with_a_clear_error_then_503s(fleet: Platform) -> None:
-    reader = StreamReader(fleet, max_tokens=600)
+    reader = StreamReader(fleet, max_tokens=STREAM_TOKENS)
     reader.start()
     reader.wait_for_chunks(30)
     victim = busy_engine(fleet, range(1, 4))
