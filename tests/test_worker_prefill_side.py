@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,23 +98,33 @@ def half(request_id: str, band: str) -> m.PrefillRequest:
     return m.PrefillRequest(request=request, bootstrap_room=hash(request_id) & 0xFFFF)
 
 
-@pytest.mark.asyncio
-async def test_an_interactive_half_on_a_full_prefill_worker_preempts_the_batch_half_taken_first(nc: Client) -> None:
+Send = Callable[[m.PrefillRequest], Awaitable[m.PrefillAccepted]]
+
+
+async def prefill_worker(nc: Client, capacity: int) -> tuple[Worker, PrefillSide, Send]:
+    """A prefill side (worker p1) on the bus, and how decode worker d1 sends it a half."""
     worker = Worker(nc)
-    side = PrefillSide(worker, capacity=3, bootstrap=("h", 1))  # type: ignore[arg-type]
+    side = PrefillSide(worker, capacity=capacity, bootstrap=("h", 1))  # type: ignore[arg-type]
     await side.start()
     replies = Replies(nc)
     await replies.start()
+
+    async def send(ask: m.PrefillRequest) -> m.PrefillAccepted:
+        reply = await replies.request(subjects.prefill_subject("p1", "d1"), m.encode(ask), 2.0)
+        return msgspec.msgpack.decode(reply.data, type=m.PrefillAccepted)
+
+    return worker, side, send
+
+
+@pytest.mark.asyncio
+async def test_an_interactive_half_on_a_full_prefill_worker_preempts_the_batch_half_taken_first(nc: Client) -> None:
+    worker, side, send = await prefill_worker(nc, capacity=3)
     reports: list[m.PrefillDone] = []
 
     async def on_report(msg: Any) -> None:
         reports.append(msgspec.msgpack.decode(msg.data, type=m.PrefillDone))
 
     await nc.subscribe(subjects.prefilled_subject("d1"), cb=on_report)
-
-    async def send(ask: m.PrefillRequest) -> m.PrefillAccepted:
-        reply = await replies.request(subjects.prefill_subject("p1", "d1"), m.encode(ask), 2.0)
-        return msgspec.msgpack.decode(reply.data, type=m.PrefillAccepted)
 
     for request_id, band in (("b1", "batch"), ("i1", "standard"), ("b2", "batch")):
         assert (await send(half(request_id, band))).accepted
@@ -148,16 +159,7 @@ async def test_the_batch_half_is_aborted_once_the_interactive_prompt_is_past_its
     # An engine that drops its chunked prompt starts the next one waiting at once: aborted while
     # the interactive prompt still waits for its decode engine's handshake, the batch half would
     # hand the engine to the next batch prompt, not to the interactive one.
-    worker = Worker(nc)
-    side = PrefillSide(worker, capacity=2, bootstrap=("h", 1))  # type: ignore[arg-type]
-    await side.start()
-    replies = Replies(nc)
-    await replies.start()
-
-    async def send(ask: m.PrefillRequest) -> m.PrefillAccepted:
-        reply = await replies.request(subjects.prefill_subject("p1", "d1"), m.encode(ask), 2.0)
-        return msgspec.msgpack.decode(reply.data, type=m.PrefillAccepted)
-
+    worker, side, send = await prefill_worker(nc, capacity=2)
     for request_id in ("b1", "b2"):
         assert (await send(half(request_id, "batch"))).accepted
         await asyncio.sleep(0.01)
