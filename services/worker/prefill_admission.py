@@ -24,9 +24,10 @@ The batch half is aborted only once the interactive prompt is past its bootstrap
 engine (`may_abort_victim`): an engine that drops its chunked prompt takes the next from its
 waiting queue at once, and a prompt still waiting for its decode engine's handshake is not in that
 queue yet, so an abort sent at admission let the next batch prompt start its chunked prefill first
-(live, on a loaded machine: 11.4 s for the interactive prompt). Halves already giving way (aborted, their engine
-request still ending) count neither as taken slots nor as victims: a slot freed for one
-interactive half is not freed twice.
+(live, on a loaded machine: 11.4 s for the interactive prompt).
+
+Halves already giving way (preempted, aborted, their engine request still ending) count neither
+as taken slots nor as victims: a slot freed for one interactive half is not freed twice.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ class PrefillSide:
         previous = self.halves.get(key)
         if previous is not None:  # an earlier try of the same attempt the decode worker gave up
             self.worker.background.spawn(self._abort(previous, "superseded by a new try"))
-        half = self.halves[key] = Half(ask, sender, headers, victim=victim if not refusal else None)
+        half = self.halves[key] = Half(ask, sender, headers, victim=victim)
         half.task = asyncio.ensure_future(self._run(half))
         worker.load_changed.set()
         return m.PrefillAccepted(accepted=True, worker_id=me, bootstrap_host=self.bootstrap_host,
