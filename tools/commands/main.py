@@ -280,10 +280,6 @@ def _attribute(path: str) -> Any:
     return getattr(importlib.import_module(module_name), name)
 
 
-def _lazy(name: str, build: Callable[[], click.Command]) -> None:
-    LAZY[name] = build
-
-
 for _name, _settings, _run, _summary in (
     ("gateway", "services.gateway.settings:GatewaySettings", "services.gateway.app:serve", ""),
     ("router", "services.router.settings:RouterSettings", "services.router.service:serve", ""),
@@ -299,9 +295,9 @@ for _name, _settings, _run, _summary in (
      "requests for pods that present their projected ServiceAccount token (verified with the "
      "TokenReview API) with their role's permissions scoped to the pod's name (docs/security.md)."),
 ):
-    _lazy(_name, functools.partial(_service_command, _name, _settings, _run, _summary))
-_lazy("sim-engine", lambda: _attribute("services.sim_engine.cli:sim_engine_command"))
-_lazy("profile-table", lambda: _attribute("services.sim_engine.cli:profile_table_command"))
+    LAZY[_name] = functools.partial(_service_command, _name, _settings, _run, _summary)
+LAZY["sim-engine"] = functools.partial(_attribute, "services.sim_engine.cli:sim_engine_command")
+LAZY["profile-table"] = functools.partial(_attribute, "services.sim_engine.cli:profile_table_command")
 
 
 def configuration_markdown() -> str:
@@ -450,8 +446,9 @@ def node_zone(out: Path, node: str, service_account_dir: Path, tries: int) -> No
     sys.exit(1)
 
 
-# ---- operator commands through the gateway's admin API: tools/commands/tenants.py (tenants and API
-# keys), adapters.py (LoRA adapters), admin_api.py (the client they share) -------------------------
+# ---- the operators' commands, each in its own module of tools/commands: tenants and API keys and
+# LoRA adapters through the gateway's admin API (admin_api.py, the client they share), usage and
+# prices (billing.py), releases and evals, the planner, simulators, sweeps and drills ------------
 
 def _registered(register: Callable[[click.Group], None], name: str) -> click.Command:
     """Command `name` of those a module's `register(group)` adds."""
@@ -477,11 +474,11 @@ for _name, _path in (("tenants", "tools.commands.tenants:tenants"), ("keys", "to
                      ("adapters", "tools.commands.adapters:adapters"), ("sweep", "tools.commands.sweep:sweep"),
                      ("plan", "tools.commands.plan:plan"), ("simulate", "tools.commands.simulate:simulate"),
                      ("mix", "tools.commands.mix:mix_group"), ("drill", "tools.commands.drill:drill")):
-    _lazy(_name, functools.partial(_attribute, _path))
+    LAZY[_name] = functools.partial(_attribute, _path)
 for _name in ("usage", "prices"):
-    _lazy(_name, functools.partial(_registered, _billing, _name))
+    LAZY[_name] = functools.partial(_registered, _billing, _name)
 for _name in ("release", "eval"):
-    _lazy(_name, functools.partial(_registered, _releases, _name))
+    LAZY[_name] = functools.partial(_registered, _releases, _name)
 
 if __name__ == "__main__":
     main()
