@@ -4,14 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test test-quick check lint browser promtool console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim bench-pd-autoscale install clean help
+.PHONY: up test test-quick check lint browser promtool bytecode console-assets test-drills test-sglang accel bench bench-routing bench-capacity bench-autoscale bench-batch bench-lora bench-pd bench-pd-sim bench-pd-autoscale install clean help
 
 help:
 	@echo "make up     run the whole platform locally (simulated GPUs); Ctrl-C stops it"
 	@echo "make test   install what is missing and run the test suite (lint, types and package layers included)"
 	@echo "make test-quick  the development loop (30-80 s): make lint, then the tests marked neither e2e nor slow (no process started); make check is the same"
 	@echo "make lint   only ruff, mypy (every package) and the package layers (lint-imports)"
-	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~8 GB into ~/.cache/inferbus once)"
+	@echo "make test-sglang  the engine contract suite against real SGLang 0.5.23 on CPU (installs ~11 GB into ~/.cache/inferbus once)"
 	@echo "make bench  the serving spine side by side with sglang-router (~4 min, ARGS=--quick ~1.5 min), then admission, fairness, billing, placement, overload (~7 min); writes bench/results/"
 	@echo "make bench-routing  replay two Mooncake traces through sglang-router, Dynamo (KV, round-robin) and inferbus affinity (~15 min), then our simulator against Dynamo's replay (~5 min); writes bench/results/routing*.* and simulate_vs_dynamo.*"
 	@echo "make bench-capacity  plan the worked example, tight-and-right check, simulator speed and validation, sweep vs aiperf (~30 min); writes bench/results/"
@@ -27,10 +27,11 @@ help:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall when the dependency list changes.
+# Reinstall when the dependency list changes. uv installs the same packages as pip in a fraction of
+# the time (parallel downloads and bytecode compilation): 0.7 against 1.7 minutes on 2 idle cores.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet uv
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev]'
 	@touch $(STAMP)
 
 # The fleet simulator's hot modules compiled with mypyc (tools/capacity/accel.py), rebuilt when their
@@ -38,7 +39,13 @@ $(STAMP): pyproject.toml | $(PY)
 accel: $(STAMP)
 	@$(PY) -m tools.capacity.accel build --if-stale --warn-only
 
-install: $(STAMP) accel promtool
+install: $(STAMP) accel promtool bytecode
+
+# Our own modules compiled to bytecode ahead (a second when current). Where PYTHONDONTWRITEBYTECODE
+# is set, as on CI's machines, every process would otherwise compile each module it imports again:
+# 0.2 s of CPU for each service a platform starts.
+bytecode: $(STAMP)
+	@$(PY) -m compileall -q -j 0 inferbus services proto tools bench >/dev/null
 
 # promtool (Prometheus's rule checker) for the PromQL checks of tests/test_deploy.py, into the
 # virtualenv: the system's if installed, else the binary out of Debian's `prometheus` package
