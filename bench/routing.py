@@ -462,6 +462,7 @@ class Outcome:
     index: int
     scheduled: float  # wall seconds from the start
     sent: float = 0.0
+    headers: float | None = None  # the response's status line and headers read
     first: float | None = None
     end: float | None = None
     prompt_tokens: int = 0
@@ -491,6 +492,7 @@ async def one_request(session: Any, frontend: Frontend, body: bytes, outcome: Ou
     last = b""
     try:
         async with session.post(frontend.url, data=body, headers=frontend.headers) as response:
+            outcome.headers = time.perf_counter() - t0
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return
@@ -621,6 +623,9 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, workload:
     prompt = sum(o.prompt_tokens for o in ok)
     cached = sum(o.cached_tokens for o in ok)
     ttft = [(o.first - o.sent) / time_scale for o in ok]
+    # Where a front end answers with its headers before the first token (inferbus: once admitted and
+    # queued), the client's TTFT splits in two: sent → headers and headers → first token.
+    headers = [(o.headers - o.sent) / time_scale for o in ok if o.headers is not None]
     tpot = [(o.end - o.first) / time_scale / (o.completion_tokens - 1) for o in ok if o.completion_tokens > 1]
     e2e = [(o.end - o.sent) / time_scale for o in ok]
     lateness = [(o.sent - o.scheduled) * 1000 for o in outcomes]
@@ -649,6 +654,7 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, workload:
         "hit_rate_vs_bound": (cached / prompt) / workload.bound_hit_rate if prompt and workload.bound_hit_rate else 0.0,
         "prompt_tokens": prompt, "cached_tokens": cached,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
+        "headers_p50_s": percentile(headers, 50), "headers_p90_s": percentile(headers, 90),
         "tpot_p50_ms": percentile(tpot, 50) * 1000, "tpot_p90_ms": percentile(tpot, 90) * 1000,
         "e2e_p50_s": percentile(e2e, 50), "e2e_p90_s": percentile(e2e, 90),
         # Inside the engines (arrival at the engine to first token), from their histograms: coarse buckets.
@@ -824,17 +830,20 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     lines += ["Where TTFT goes, and the client checked against each front end (simulated s; engine = arrival at "
               "the engine → first token, from the engines' histograms, coarse buckets; Dynamo's frontend's own TTFT "
-              "per request from its log; platform queue wait = gateway accept → engine submit, from the gateway's):",
+              "per request from its log; platform queue wait = gateway accept → engine submit, from the gateway's; "
+              "headers = request sent → response headers read by the client: inferbus answers with them once the "
+              "request is admitted and queued):",
               "",
-              "| policy | client TTFT p50 / p90 | engine TTFT p50 / p90 | front end's TTFT p50 / p90 | "
-              "platform queue wait p50 / p90 |",
-              "| --- | ---: | ---: | ---: | ---: |"]
+              "| policy | client TTFT p50 / p90 | client headers p50 / p90 | engine TTFT p50 / p90 | "
+              "front end's TTFT p50 / p90 | platform queue wait p50 / p90 |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     nan = float("nan")
     for r in results["policies"]:
         wait = r.get("platform_queue_wait_s")
         own = (f"{r['frontend_ttft_p50_s']:.2f} / {r['frontend_ttft_p90_s']:.2f}" if "frontend_ttft_p50_s" in r
                else "n/a")
         lines.append(f"| {r['label']} | {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | "
+                     f"{r.get('headers_p50_s', nan):.2f} / {r.get('headers_p90_s', nan):.2f} | "
                      f"{r.get('engine_ttft_p50_s', nan):.2f} / {r.get('engine_ttft_p90_s', nan):.2f} | {own} | "
                      + (f"{wait['p50']:.2f} / {wait['p90']:.2f} |" if wait else "n/a |"))
     lines += ["", "CPU use per process (cores, averaged over the replay):", ""]

@@ -213,7 +213,7 @@ async def test_decode_abort_fails_both_sides_with_sglangs_messages():
     async with pair(prefill=SLOW_PREFILL) as pd:
         body = pd.body(rid="cancel-me")
         both = asyncio.ensure_future(pd.generate(body))
-        await await_for(lambda: _section(pd, pd.decode, "decode_transfer_queue_reqs"), 10, what="KV reserved")
+        await await_for(lambda: _prefilling(pd), 10, what="KV reserved and the prompt prefilling")
         await pd.decode.client.post("/abort_request", json={"rid": "cancel-me"})
         prefill, decode = await both
         room = body["bootstrap_room"]
@@ -231,12 +231,22 @@ async def _section(pd: pair, role: served, key: str) -> int:
     return int((await pd.loads(role))["disaggregation"][key])
 
 
+async def _prefilling(pd: pair) -> bool:
+    """Both sides past the handshake: the decode engine reserved the KV and the prefill engine, told
+    so, computes the prompt. The decode side gets there first: on a busy machine an abort sent when
+    only it had would find the prefill still bootstrapping (SGLang's "Prefill bootstrap failed")."""
+    prefill = await pd.loads(pd.prefill)
+    return (await _section(pd, pd.decode, "decode_transfer_queue_reqs") >= 1
+            and int(prefill["disaggregation"]["prefill_bootstrap_queue_reqs"]) == 0
+            and prefill["num_running_reqs"] + prefill["num_waiting_reqs"] >= 1)
+
+
 async def test_prefill_abort_is_not_told_to_the_decode_side_which_times_out(monkeypatch):
     monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "1")
     async with pair(prefill=SLOW_PREFILL) as pd:
         body = pd.body(rid="p", stream=True)
         both = asyncio.ensure_future(pd.generate(body))
-        await await_for(lambda: _section(pd, pd.decode, "decode_transfer_queue_reqs"), 10, what="KV reserved")
+        await await_for(lambda: _prefilling(pd), 10, what="KV reserved and the prompt prefilling")
         started = time.monotonic()
         await pd.prefill.client.post("/abort_request", json={"rid": "p"})
         prefill, decode = await both
