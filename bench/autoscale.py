@@ -151,9 +151,10 @@ def policy_config(goodput: float, overrides: dict[str, float] | None = None) -> 
     times, serving bounds well above the peak, a warm pool of at most 15 sized from the ramp (no
     burst memory: a pool sized for the day's largest burst cost more than it saved); everything
     else `PolicyConfig`'s defaults (unless `--set` overrides them)."""
-    return PolicyConfig(**{"goodput_rps": round(goodput, 2), "cold_start_s": COLD_START_S,
-                           "warm_start_s": WARM_START_S, "max_serving": 200, "max_warm": 14, "max_replicas": 240,
-                           "burst_memory_s": 0.0, **(overrides or {})})
+    settings: dict[str, Any] = {"goodput_rps": round(goodput, 2), "cold_start_s": COLD_START_S,
+                                "warm_start_s": WARM_START_S, "max_serving": 200, "max_warm": 14, "max_replicas": 240,
+                                "burst_memory_s": 0.0, **(overrides or {})}
+    return PolicyConfig(**settings)
 
 
 def run_one(args: tuple[str, dict[str, Any]]) -> dict[str, Any]:
@@ -409,8 +410,7 @@ def main() -> None:
         scenario["overrides"] = overrides
     fleets = FLEETS if args.fleet == "all" else (args.fleet,)
     jobs = [(f, s) for s in scenarios for f in fleets + (EXTRA.get(s["scenario"], ()) if args.fleet == "all" else ())]
-    reused = [static_day_from_simulate(s) for s in scenarios if "static" in fleets]
-    reused = [r for r in reused if r is not None]
+    reused = [r for r in (static_day_from_simulate(s) for s in scenarios if "static" in fleets) if r is not None]
     if reused:  # the static day is bench/simulate.py's: same arrivals, same fleet
         jobs = [(f, s) for f, s in jobs if not (f == "static" and s["scenario"] == "day")]
     started = time.time()

@@ -54,7 +54,7 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
@@ -93,7 +93,7 @@ def interactive_trace(rate: float, seconds: float, seed: int) -> list[TraceReque
     """Poisson arrivals at `rate` for `seconds`, lengths drawn from the Azure conversation trace."""
     mix = mix_mod.load(traces.find(TRACE), 0.0)
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t, out = 0.0, list[TraceRequest]()
     while True:
         t += rng.expovariate(rate)
         if t >= seconds:
@@ -120,9 +120,9 @@ def planner(replicas: int, engine: EngineConfig) -> dict[str, Any]:
 
 def window_metrics(sim: FleetSim, start: float, end: float) -> dict[str, Any]:
     jobs = [j for j in sim.jobs if start <= j.arrival_s < end]
-    done = [j for j in jobs if j.status == "completed" and j.first_token_s is not None]
-    ttft = [j.first_token_s - j.arrival_s for j in done]
-    tpot = [(j.finish_s - j.first_token_s) / (j.delivered - 1) for j in done if j.delivered > 1 and j.finish_s]
+    done = [(j, j.first_token_s) for j in jobs if j.status == "completed" and j.first_token_s is not None]
+    ttft = [first - j.arrival_s for j, first in done]
+    tpot = [(j.finish_s - first) / (j.delivered - 1) for j, first in done if j.delivered > 1 and j.finish_s]
     out: dict[str, Any] = {
         "requests": len(jobs), "completed": len(done),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
@@ -154,9 +154,8 @@ def series(sim: FleetSim, bin_s: float, end: float) -> list[dict[str, Any]]:
         i = int(j.arrival_s // bin_s)
         if i < bins:
             ttft[i].append(j.first_token_s - j.arrival_s)
-        k = int(j.finish_s // bin_s) if j.finish_s else bins
-        if k < bins and j.delivered > 1:
-            tpot[k].append((j.finish_s - j.first_token_s) / (j.delivered - 1))
+        if j.finish_s and j.finish_s // bin_s < bins and j.delivered > 1:
+            tpot[int(j.finish_s // bin_s)].append((j.finish_s - j.first_token_s) / (j.delivered - 1))
     band = sim.band
     running = [0.0] * bins
     counts = [0] * bins
@@ -484,7 +483,7 @@ def plot(sim: dict[str, Any], path: Path) -> None:
 # ---- live -------------------------------------------------------------------------------------
 
 
-CHAT_PATH = "/v1/chat/completions"
+CHAT_PATH: Final = "/v1/chat/completions"
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 LIVE_MAX_IN, LIVE_MAX_OUT = 4_096, 1_024  # interactive lengths clipped to keep a live run short
 

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import nats
 import redis.asyncio as aioredis
@@ -45,6 +45,7 @@ from proto import subjects
 from services.billing.rollup import RollupConsumer, rebuild
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
+STATUSES: list[Literal["completed", "cancelled", "failed"]] = ["completed", "cancelled", "failed"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -61,7 +62,7 @@ def make_events(n: int, tenants: int, now: float, rate: float | None, seed: int 
     for i in range(n):
         t = rng.randrange(tenants)
         prompt = rng.randint(20, 4000)
-        status = rng.choices(["completed", "cancelled", "failed"], [0.9, 0.08, 0.02])[0]
+        status = rng.choices(STATUSES, [0.9, 0.08, 0.02])[0]
         started = now - rng.uniform(0, 2 * 86400) if rate is None else now - (n - i) / rate
         events.append(m.UsageEvent(
             request_id=f"{i:08x}{rng.getrandbits(96):024x}", tenant=f"tenant-{t:03d}", model=MODEL,

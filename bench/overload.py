@@ -39,6 +39,7 @@ import httpx
 import msgspec
 import nats
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from bench.common import percentile, write_results
 from proto import messages as m
@@ -73,7 +74,7 @@ def prompt(i: int) -> str:
     return f"Request {i}: write a long essay about topic {i}."
 
 
-def messages(i: int) -> list[dict[str, str]]:
+def messages(i: int) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(i)}]
 
 
@@ -81,7 +82,7 @@ async def one(client: openai.AsyncOpenAI, i: int, max_tokens: int, started: floa
     outcome = Outcome(started=started)
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=messages(i), max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
+            model=MODEL, messages=messages(i), max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True},
         )
         outcome.status = 200
@@ -122,8 +123,11 @@ async def offer(base_url: str, api_key: str, rate: float, seconds: float, max_to
     platform, are what is slow, and their TTFT measures them."""
     rng = random.Random(seed)
     meter = asyncio.ensure_future(meter_lag(loop_lag)) if loop_lag is not None else None
+    # openai's annotation names the httpx2 it is built on; httpx's client, which it takes as well,
+    # is what this module imports.
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300,
-                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=2000), timeout=300))
+                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=2000),  # type: ignore[arg-type]
+                                                              timeout=300))
     begin = time.monotonic()
     tasks = []
     for i in range(int(rate * seconds)):

@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import write_results
 from bench.spine import CLK_TCK, Endpoint, closed_loop, phase_metrics
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="closed-loop duration")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    results = {
+    results: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
         "args": f"--single-seconds {args.single_seconds:g} --concurrency {args.concurrency} --seconds {args.seconds:g}",

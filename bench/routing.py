@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -220,8 +221,9 @@ class Fleet:
             self.kv_events.append(endpoint)
             if args.kv_capacity_tokens:
                 argv += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
+            ready = functools.partial(http_ok, f"{url}/ready")
             self.processes.append(Process(f"engine-{i}", argv, dict(os.environ, PYTHONUNBUFFERED="1"),
-                                          state / "logs" / f"engine-{i}.log", lambda u=url: http_ok(f"{u}/ready"), url))
+                                          state / "logs" / f"engine-{i}.log", ready, url))
             self.urls.append(url)
 
     def start(self, timeout: float = 60) -> None:
@@ -317,9 +319,9 @@ class PlatformStack(Stack):
             )
         self.processes.append(gateway)
 
-    def gateway_serving(self) -> bool:
+    def gateway_serving(self, url: str | None = None) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=0.5) as response:
+            with urllib.request.urlopen(f"{url or self.gateway_url}/ready", timeout=0.5) as response:
                 return json.load(response).get("workers", 0) >= len(self.engine_urls)
         except Exception:
             return False
@@ -622,12 +624,15 @@ def summarise(outcomes: list[Outcome], wall: float, time_scale: float, workload:
     errors = [o for o in outcomes if o not in ok]
     prompt = sum(o.prompt_tokens for o in ok)
     cached = sum(o.cached_tokens for o in ok)
-    ttft = [(o.first - o.sent) / time_scale for o in ok]
+    # (sent, first token, end) of each answered request
+    times = [(o.sent, o.first, o.end) for o in ok if o.first is not None and o.end is not None]
+    ttft = [(first - sent) / time_scale for sent, first, _ in times]
     # Where a front end answers with its headers before the first token (inferbus: once admitted and
     # queued), the client's TTFT splits in two: sent → headers and headers → first token.
     headers = [(o.headers - o.sent) / time_scale for o in ok if o.headers is not None]
-    tpot = [(o.end - o.first) / time_scale / (o.completion_tokens - 1) for o in ok if o.completion_tokens > 1]
-    e2e = [(o.end - o.sent) / time_scale for o in ok]
+    tpot = [(o.end - o.first) / time_scale / (o.completion_tokens - 1)
+            for o in ok if o.completion_tokens > 1 and o.end is not None and o.first is not None]
+    e2e = [(end - sent) / time_scale for sent, _, end in times]
     lateness = [(o.sent - o.scheduled) * 1000 for o in outcomes]
     sim_span = wall / time_scale
     deltas = [a.minus(b) for a, b in zip(after, before)]

@@ -42,7 +42,8 @@ from tools.capacity.fleetsim import FleetConfig, FleetSim
 def parse(spec: str) -> tuple[str, RoutingConfig]:
     fields = dict(pair.split("=", 1) for pair in spec.split(",")) if spec != "-" else {}
     policy = fields.pop("policy", "affinity")
-    return policy, RoutingConfig(**{name: float(value) for name, value in fields.items()})
+    values: dict[str, Any] = {name: float(value) for name, value in fields.items()}
+    return policy, RoutingConfig(**values)
 
 
 def run_one(policy: str, config: RoutingConfig, requests: list[traces.TraceRequest], engines: int,

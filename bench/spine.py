@@ -473,7 +473,7 @@ async def closed_loop(endpoint: Endpoint, concurrency: int, seconds: float, warm
     loop = asyncio.get_running_loop()
     ttfb: list[float] = []
     e2e: list[float] = []
-    state = {"errors": 0, "done": 0, "measuring": False, "stopping": False, "bad": ""}
+    state: dict[str, Any] = {"errors": 0, "done": 0, "measuring": False, "stopping": False, "bad": ""}
     counter = iter(range(10**9))
     host_, port = endpoint.address
 

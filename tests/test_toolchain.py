@@ -31,7 +31,7 @@ def _run(*command: str | Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow  # a child process
 def test_the_package_layers_hold():
-    """pyproject's [tool.importlinter] contracts: tools > services > library > proto, the
+    """pyproject's [tool.importlinter] contracts: bench > tools > services > library > proto, the
     library's floors and its plumbing's, every module in a floor, services independent."""
     result = _run(BIN / "lint-imports", "--no-cache")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -44,10 +44,11 @@ def test_ruff_finds_nothing():
 
 
 def test_mypy_checks_every_installed_package():
-    """[tool.mypy] `files` names every package the distribution installs: none goes unchecked."""
+    """[tool.mypy] `files` names every package the distribution installs and the benchmarks, which
+    use them: none goes unchecked."""
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
     installed = {pattern.rstrip("*.") for pattern in tool["setuptools"]["packages"]["find"]["include"]}
-    assert installed == set(tool["mypy"]["files"])
+    assert installed | {"bench"} == set(tool["mypy"]["files"])
 
 
 @pytest.mark.slow  # a child process
