@@ -17,7 +17,9 @@ the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) and H100 at TP 2, 4 and
 3. **Tight and right** for each topology's planned fleet, under the stresses of
    `bench.tight_and_right`: the trace's own arrival shape for `--duration`, its busiest minute 10%
    above the planned peak and one replica down (in each pool); right = ≥ 99% of minutes within the
-   SLO; tight = a fleet 10% smaller (each pool) holds fewer.
+   SLO; tight = a fleet 10% smaller (each pool) holds fewer. The aggregated plan also runs behind
+   the router's own placement policies (`FastFleet`, `affinity` and `least_loaded`), down to the
+   smallest fleet that holds: `PdFleet` places by each replica's exact unfinished work.
 
 Writes bench/results/pd.{json,md}. A few CPU-minutes.
 """
@@ -36,6 +38,7 @@ from services.sim_engine.config import EngineConfig
 from tools.capacity import mix as mix_mod
 from tools.capacity import traces
 from tools.capacity.fleetsim.day import DayWorkload, constant, parse_duration, rate_shape
+from tools.capacity.fleetsim.fast import FastConfig, FastFleet
 from tools.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
 from tools.capacity.plan.disagg import DisaggRow, cheapest
 from tools.capacity.plan.model import Slo, Workload
@@ -50,6 +53,7 @@ TARGET = 0.99  # tight and right: share of minutes within the SLO
 SMALLER = 0.9
 FORECAST_ERROR = 0.10
 LOST = 1
+ROUTER_POLICIES = ("affinity", "least_loaded")
 
 
 def engine(tp: int, chunk: int) -> EngineConfig:
@@ -176,6 +180,42 @@ def tight_and_right(config: PdConfig, mix: mix_mod.Mix, shape: list[float], peak
     return out
 
 
+def production_router(config: PdConfig, mix: mix_mod.Mix, shape: list[float], peak: float, seconds: float,
+                      seed: int) -> dict[str, Any]:
+    """The aggregated plan under the tight-and-right stresses, placed by the router's own policies
+    (`FastFleet`: load reports every 250 ms, `affinity` the default, `least_loaded`) rather than by
+    `PdFleet`'s exact least unfinished work: the planned fleet, one 10% smaller, and the smallest
+    fleet that holds."""
+    engine, planned = config.decode.engine, config.decode.replicas
+    workload = DayWorkload(shape, 60.0, seconds, peak * (1 + FORECAST_ERROR), mix, mode="tile", seed=seed)
+    out: dict[str, Any] = {}
+    for policy in ROUTER_POLICIES:
+        def held(provisioned: int, policy: str = policy) -> dict[str, Any]:
+            up = max(1, provisioned - LOST)
+            fast = FastConfig(replicas=up, engine=engine, seed=seed, slo_ttft_s=config.slo_ttft_s,
+                              slo_tpot_s=config.slo_tpot_s, policy=policy)
+            summary = FastFleet(fast, workload.arrivals()).run()
+            return {"replicas": provisioned, "up": up, "gpus_provisioned": provisioned * engine.tp,
+                    "gpus_up": up * engine.tp, "minutes": summary.minutes,
+                    "minute_attainment": summary.minute_attainment, "ttft_p90_s": summary.ttft_p90_s,
+                    "tpot_p90_s": summary.tpot_p90_s}
+
+        runs = {"planned": held(planned), "10% smaller": held(max(1, math.floor(planned * SMALLER)))}
+        smallest = None
+        for provisioned in range(planned, LOST, -1):  # down from the plan until a fleet misses
+            trial = runs["planned"] if provisioned == planned else held(provisioned)
+            if trial["minute_attainment"] < TARGET:
+                break
+            smallest = trial
+        out[policy] = {**runs, "smallest_holding": smallest,
+                       "right": runs["planned"]["minute_attainment"] >= TARGET,
+                       "tight": runs["10% smaller"]["minute_attainment"] < TARGET}
+        print(f"  production router ({policy}), aggregated: planned {runs['planned']['minute_attainment']:.1%}, "
+              f"10% smaller {runs['10% smaller']['minute_attainment']:.1%}, smallest holding "
+              f"{smallest['replicas'] if smallest else '–'} replicas", flush=True)
+    return out
+
+
 def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: float, seed: int,
              agg_chunks: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     mix = mix_mod.load(traces.find(trace))
@@ -246,6 +286,7 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
     planned = {"aggregated": aggregated_config(agg, agg.replicas, chunk),
                "disaggregated": disaggregated_config(pair, pair.prefill_replicas, pair.decode_replicas, chunk)}
     checks = {name: tight_and_right(config, mix, shape, peak, seconds, seed) for name, config in planned.items()}
+    routers = production_router(planned["aggregated"], mix, shape, peak, seconds, seed)
     ratios = {which: c["disaggregated"]["goodput_rps_per_gpu"] / c["aggregated"]["goodput_rps_per_gpu"]
               for which, c in compared.items()}
     ratio = ratios["best_chunk"]
@@ -264,6 +305,7 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
                           for size, found in sizes.items()} for name, sizes in by_chunk.items()},
         "chosen_over_aggregated_goodput_per_gpu": ratio if chosen == "disaggregated" else 1.0,
         "tight_and_right": checks,
+        "production_router": routers,
     }
 
 
@@ -332,6 +374,13 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {a['gpus_provisioned']} ({a['gpus_up']}) | {a['minute_attainment']:.1%} of "
                          f"{a['minutes']} | {b['gpus_provisioned']} ({b['gpus_up']}) | {b['minute_attainment']:.1%} | "
                          f"{verdict} |")
+        for policy, check in case.get("production_router", {}).items():
+            a, b, least = check["planned"], check["10% smaller"], check["smallest_holding"]
+            verdict = f"{'right' if check['right'] else 'not right'}, {'tight' if check['tight'] else 'not tight'}"
+            smallest = f"; smallest holding {least['gpus_provisioned']} ({least['gpus_up']})" if least else ""
+            lines.append(f"| aggregated, the router's `{policy}` policy | {a['gpus_provisioned']} ({a['gpus_up']}) | "
+                         f"{a['minute_attainment']:.1%} of {a['minutes']} | {b['gpus_provisioned']} ({b['gpus_up']}) | "
+                         f"{b['minute_attainment']:.1%} | {verdict}{smallest} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -55,3 +55,19 @@ def test_the_prefill_pools_chunk_is_its_own_and_the_ceiling_frees_only_the_decod
     assert chunk_of(PdConfig(decode=Pool(15, EngineConfig(gpu="H100", tp=8, chunked_prefill_size=1024)))) == 1024
     free = unbound_decode(config)
     assert free.prefill == config.prefill and free.decode.replicas == 40 and free.decode.engine == config.decode.engine
+
+
+def test_the_router_check_walks_down_to_the_smallest_fleet_that_holds() -> None:
+    from bench.pd import production_router
+
+    mix = mix_mod.worked_example()  # H100 TP2 holds about 3 req/s of it within the SLO
+    config = PdConfig(decode=Pool(10, EngineConfig(gpu="H100", tp=2)))
+    found = production_router(config, mix, [1.0], 10.0, 180.0, seed=0)
+    assert set(found) == {"affinity", "least_loaded"}
+    for check in found.values():
+        planned, smallest = check["planned"], check["smallest_holding"]
+        assert (planned["replicas"], planned["up"], planned["gpus_provisioned"]) == (10, 9, 20)
+        assert check["right"] and smallest is not None
+        # 11 req/s (10% over the peak) on replicas of about 3 req/s: four up at the least.
+        assert 5 <= smallest["replicas"] < 10 and smallest["minute_attainment"] >= 0.99
+        assert check["10% smaller"]["replicas"] == 9

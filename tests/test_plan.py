@@ -284,7 +284,9 @@ def test_cli_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     for name in ("plan.md", "plan.json", "fleet.png", "latency.png"):
         assert (out / name).stat().st_size > 0
     text = (out / "plan.md").read_text()
-    assert "The arithmetic, row by row" in text and "⌈833.33 ÷ 3.071 × 1.15⌉ = ⌈312.07⌉ = **313**" in text
+    assert "The arithmetic, row by row" in text
+    assert ("max(⌈833.33 ÷ 3.071 × 1.15⌉, ⌈833.33 ÷ 3.071 × 1.1 × 1.025⌉ + 1) = max(⌈312.07⌉, ⌈305.96⌉ + 1) = 313 "
+            "**serving**") in text
     assert "H100 TP1 — infeasible" in text and "measured sweep" in text
     # The TPOT line a reader can check by hand: 0.0735 × 172.93 + 0.9265 × 26.55 = 37.31 ms;
     # 146.39 × √(0.0735 × 0.9265 ÷ 330) = 2.10 ms; 37.31 + 1.2816 × 2.10 = 40.0 ms.

@@ -187,7 +187,8 @@ def test_plan_command_reports_the_topology(tmp_path) -> None:  # type: ignore[no
     text = (tmp_path / "plan.md").read_text()
     assert "## Topology: aggregated or disaggregated" in text and "nvlink, 450 GB/s per GPU one way" in text
     assert "R = λ_d × n × h" in text
-    assert "decode replicas = max(⌈833.3 ÷ 15.82 × 1.15⌉, ⌈833.3 ÷ 15.82⌉ + 1) = 61 × TP4 = 244 GPUs" in text
+    assert ("decode replicas = max(⌈833.33 ÷ 15.821 × 1.15⌉, ⌈833.33 ÷ 15.821 × 1.1 × 1.025⌉ + 1) = "
+            "max(⌈60.57⌉, ⌈59.39⌉ + 1) = 61 × TP4 = 244 GPUs") in text
 
 
 @pytest.mark.parametrize("value", ["ethernet", "rdma:fast", "rdma:0"])

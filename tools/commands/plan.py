@@ -14,6 +14,7 @@ from tools.capacity import mix as mix_mod
 from tools.capacity.plan import deploy, options, report, sweep_table
 from tools.capacity.plan.model import Assumptions, Slo, Workload
 from tools.capacity.plan.planner import PlanError, PlanInputs, make_plan
+from tools.capacity.plan.sizing import FORECAST_ERROR, MODEL_ERROR
 from tools.capacity.plan.topology import plan_topology
 from tools.capacity.plan.warm_pool import Ramp, ramp_from_arrivals
 
@@ -212,6 +213,10 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
                    "simulated engine defaults to 512).")
 @click.option("--headroom", type=click.FloatRange(min=0), default=0.15, show_default=True,
               help="Spare capacity on top of peak ÷ goodput for N+1, bursts and imbalance, e.g. 0.25.")
+@click.option("--forecast-error", type=click.FloatRange(min=0), default=FORECAST_ERROR, show_default=True,
+              help="How far the busiest minute may come in above the planned peak, e.g. 0.2: with one replica "
+                   "down, each fleet (and each disaggregated pool) still serves peak × (1 + this) × "
+                   f"{1 + MODEL_ERROR:g} (the model's error). Binds over --headroom in fleets of a few replicas.")
 @click.option("--kv-limit", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
               help="Highest fraction of the KV cache a replica may plan to hold, e.g. 0.8.")
 @click.option("--ttft-tokens", type=click.FloatRange(min=1), default=None,
@@ -282,7 +287,7 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.pass_context
 def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str, cached_fraction: float | None,
          slo_text: str | None, ttft_p90_ms: float | None, tpot_p90_ms: float | None, gpu_text: str, tp_text: str,
-         preset: str, chunk: int, headroom: float, kv_limit: float, ttft_tokens: float | None,
+         preset: str, chunk: int, headroom: float, forecast_error: float, kv_limit: float, ttft_tokens: float | None,
          sweep_specs: tuple[str, ...], cold_start_s: float, warm_start_s: float, ramp: float | None,
          ramp_trace: Path | None, weights: str, kv_cache: str, spec_text: str | None, lora_adapters: int,
          lora_rank: int, lora_slots: int, zones: int, disagg: bool, kv_link_text: str, compare: bool,
@@ -293,7 +298,8 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
 
     For every GPU type and TP width: the goodput of one replica (highest req/s with p90 TTFT and
     TPOT within the SLO and the KV cache under its limit), the constraint that binds, replicas =
-    ⌈peak ÷ goodput × (1 + headroom)⌉, the warm pool that covers a cold start, GPUs and $/hour
+    ⌈peak ÷ goodput × (1 + headroom)⌉ (in a small fleet: enough that one replica fewer still serves
+    the peak with --forecast-error), the warm pool that covers a cold start, GPUs and $/hour
     counting both, $ per 1M input and output tokens and KV use. Goodput comes from the timing
     model of the simulated engine's roofline (docs/sim-engine.md; with the engine options: precision, speculative
     decoding, LoRA) unless a measured sweep is given for that GPU × TP; the report says which, shows the
@@ -328,6 +334,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
         inputs = PlanInputs(
             rate_rps=rate_rps, rate_text=rate_text, workload=workload, mix=described, slo=slo, gpu_prices=prices,
             tps=tps, preset=preset, assumptions=Assumptions(chunk_tokens=chunk, kv_limit=kv_limit), headroom=headroom,
+            forecast_error=forecast_error,
             cold_start_s=cold_start_s, warm_start_s=warm_start_s,
             ramp=_load_ramp(ramp, ramp_trace, rate_rps, cold_start_s), weights=weights, kv_cache=kv_cache,
             spec=_parse_spec(spec_text), lora_adapters=lora_adapters, lora_rank=lora_rank, lora_slots=lora_slots,

@@ -36,9 +36,9 @@ chunk, none of it overlapped: conservative, SGLang sends each chunk's KV as it i
 up to one decode step until the decode replica takes the landed request in and sends the first
 token, which the prefill sampled (`DECODE_FIRST_TOKEN_STEPS`).
 
-Fleet: N_p = max(⌈peak ÷ λ_p × (1 + headroom) × zone factor⌉, ⌈peak ÷ λ_p⌉ + 1) and N_d likewise
-(each pool survives the loss of one replica: N+1, which the headroom covers in a large fleet but
-not in a pool of a few replicas); the P:D ratio is
+Fleet: N_p and N_d each by the rule every fleet is sized by (sizing.py): the headroom, or, in a
+pool of a few replicas, one replica beyond what the busiest minute needs (forecast and model error
+included), whichever is more; the P:D ratio is
 N_p · TP_p : N_d · TP_d GPUs; each pool has its own warm pool for the ramp; GPUs = (N_p + warm_p) ·
 TP_p + (N_d + warm_d) · TP_d. Every TP_p × TP_d pair of the plan's widths is priced per GPU type
 (both pools on one GPU type).
@@ -54,7 +54,8 @@ from dataclasses import dataclass, replace
 
 from inferbus.timing import KvLink, RooflineModel
 from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
-from tools.capacity.plan.warm_pool import Ramp, WarmPool, warm_pool
+from tools.capacity.plan.sizing import FleetTerms, Replicas
+from tools.capacity.plan.warm_pool import WarmPool
 
 # Decode steps between a prompt's KV landing and its first token leaving: the decode engine takes the
 # request in at its next step boundary and sends the token the prefill sampled (SGLang's decode side
@@ -193,6 +194,8 @@ class DisaggRow:
     prefill_point: PrefillPoint | None
     prefill_replicas: int = 0
     decode_replicas: int = 0
+    prefill_sizing: Replicas | None = None
+    decode_sizing: Replicas | None = None
     prefill_warm: WarmPool | None = None
     decode_warm: WarmPool | None = None
     infeasible: str | None = None
@@ -252,32 +255,6 @@ class DisaggRow:
         return f"{p // g}:{d // g}" if max(p, d) // g <= 20 else f"{p / d:.2f}:1"
 
 
-@dataclass(frozen=True)
-class FleetTerms:
-    """What sizes a fleet from per-replica goodputs: the rate, headroom, zones and ramp."""
-
-    rate_rps: float
-    headroom: float
-    zone_factor: float
-    ramp: Ramp | None = None
-    cold_start_s: float = 120.0
-    warm_start_s: float = 5.0
-
-    def replicas(self, goodput_rps: float) -> tuple[int, float]:
-        """⌈peak ÷ λ × (1 + headroom) × zone factor⌉, and at least one replica beyond ⌈peak ÷ λ⌉: a pool
-        survives losing a replica (N+1), which in a pool of a few replicas is more than the headroom."""
-        exact = self.rate_rps / goodput_rps * (1 + self.headroom) * self.zone_factor
-        spare = math.ceil(self.rate_rps / goodput_rps - 1e-9) + 1
-        return max(math.ceil(exact - 1e-9), spare), exact
-
-    def warm(self, goodput_rps: float, tp: int, replicas: int) -> WarmPool | None:
-        if self.ramp is None:
-            return None
-        return warm_pool(ramp_rps_per_s=self.ramp.rps_per_s, cold_start_s=self.cold_start_s,
-                         warm_start_s=self.warm_start_s, replica_rps=goodput_rps, tp=tp, replicas=replicas,
-                         rate_rps=self.rate_rps)
-
-
 def price_pair(*, gpu: str, usd_per_gpu_hour: float, prefill_model: RooflineModel, decode_model: RooflineModel,
                workload: Workload, assumptions: Assumptions, slo: Slo, link: KvLink, terms: FleetTerms) -> DisaggRow:
     """One prefill TP × decode TP pair on `gpu`: both pools' goodputs, the TTFT split, the fleet."""
@@ -317,10 +294,10 @@ def price_pair(*, gpu: str, usd_per_gpu_hour: float, prefill_model: RooflineMode
                f"even an idle prefill replica needs {idle.ttft_p90_s * 1e3:,.0f} ms for the p90 prompt, over its "
                f"{budget * 1e3:,.0f} ms share of the TTFT SLO")
         return replace(row, infeasible=why)
-    n_p, _ = terms.replicas(prefill_rps)
-    n_d, _ = terms.replicas(decode_rps)
-    return replace(row, prefill_replicas=n_p, decode_replicas=n_d, prefill_warm=terms.warm(prefill_rps, tp_p, n_p),
-                   decode_warm=terms.warm(decode_rps, tp_d, n_d))
+    n_p, n_d = terms.replicas(prefill_rps), terms.replicas(decode_rps)
+    return replace(row, prefill_replicas=n_p.count, decode_replicas=n_d.count, prefill_sizing=n_p, decode_sizing=n_d,
+                   prefill_warm=terms.warm(prefill_rps, tp_p, n_p.count),
+                   decode_warm=terms.warm(decode_rps, tp_d, n_d.count))
 
 
 def cheapest(rows: tuple[DisaggRow, ...] | list[DisaggRow]) -> DisaggRow | None:

@@ -1,8 +1,10 @@
 """One plan row per GPU × TP: goodput (timing model or a measured sweep), replicas, GPUs, dollars, warm pool.
 
-    replicas = ⌈planned rate ÷ per-replica goodput × (1 + headroom) × Z ÷ (Z − 1)⌉
+    replicas = max(⌈planned rate ÷ per-replica goodput × (1 + headroom) × Z ÷ (Z − 1)⌉,
+                   ⌈planned rate ÷ per-replica goodput × (1 + forecast error) × (1 + model error)⌉ + 1)
                (default 15 % headroom: forecast error, N+1 and the model's error, docs/planning.md; with Z > 1 zones the
-               fleet still serves the peak with one zone lost)
+               fleet still serves the peak with one zone lost; the second term binds in a fleet of a few replicas,
+               sizing.py)
     GPUs     = (replicas + warm pool) × TP: every GPU the plan keeps running is priced
 
 Engine options: precision of weights and KV cache, speculative decoding (turned on in a row only
@@ -13,7 +15,6 @@ Pure: everything the planner reads (mix, sweeps, ramp) arrives already parsed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,10 +22,11 @@ from typing import Any
 
 from inferbus.timing import GB, GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, RooflineModel, SpecDecoding, roofline
 from tools.capacity.plan.costs import Cost, fleet_cost
-from tools.capacity.plan.disagg import DisaggRow, FleetTerms, price_pair
+from tools.capacity.plan.disagg import DisaggRow, price_pair
 from tools.capacity.plan.model import Assumptions, Goodput, OperatingPoint, ReplicaModel, Slo, Workload
+from tools.capacity.plan.sizing import FORECAST_ERROR, FleetTerms, Replicas
 from tools.capacity.plan.sweep_table import SweepGoodput
-from tools.capacity.plan.warm_pool import Ramp, WarmPool, warm_pool
+from tools.capacity.plan.warm_pool import Ramp, WarmPool
 
 
 class PlanError(ValueError):
@@ -43,6 +45,7 @@ class PlanInputs:
     preset: str = "latency"
     assumptions: Assumptions = Assumptions()
     headroom: float = 0.15
+    forecast_error: float = FORECAST_ERROR  # the busiest minute above the planned peak (sizing.py)
     cold_start_s: float = 120.0
     warm_start_s: float = 5.0
     ramp: Ramp | None = None
@@ -59,8 +62,8 @@ class PlanInputs:
     def __post_init__(self) -> None:
         if not self.rate_rps > 0:
             raise PlanError("the planned rate must be positive")
-        if self.headroom < 0:
-            raise PlanError("headroom must not be negative")
+        if self.headroom < 0 or self.forecast_error < 0:
+            raise PlanError("headroom and forecast error must not be negative")
         if self.weights not in PRECISIONS or self.kv_cache not in PRECISIONS:
             raise PlanError(f"precision must be one of {', '.join(sorted(PRECISIONS))}")
         if self.lora_adapters < 0 or self.lora_rank < 1 or self.lora_slots < 1:
@@ -92,7 +95,8 @@ class Row:
     infeasible: str | None = None
     sweep: SweepGoodput | None = None
     replicas: int = 0
-    replicas_exact: float = 0.0
+    replicas_exact: float = 0.0  # the headroom's term before rounding up (sizing.py)
+    sizing: Replicas | None = None
     fleet_point: OperatingPoint | None = None  # the model at the fleet's operating rate (cost split)
     cost: Cost | None = None
     warm: WarmPool | None = None
@@ -139,6 +143,12 @@ class Plan:
 def zone_factor(zones: int) -> float:
     """Spare serving capacity for losing one of `zones` zones: Z ÷ (Z − 1), 1 with a single zone."""
     return zones / (zones - 1) if zones > 1 else 1.0
+
+
+def fleet_terms(inputs: PlanInputs) -> FleetTerms:
+    return FleetTerms(rate_rps=inputs.rate_rps, headroom=inputs.headroom, zone_factor=zone_factor(inputs.zones),
+                      forecast_error=inputs.forecast_error, ramp=inputs.ramp, cold_start_s=inputs.cold_start_s,
+                      warm_start_s=inputs.warm_start_s)
 
 
 def _no_kv_reason(model: RooflineModel) -> str:
@@ -193,16 +203,13 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
     point = replica.at(rps) if sweep is not None else model_goodput.point
     if sweep is not None and binding is None:
         binding = "none reached"
-    exact = inputs.rate_rps / rps * (1 + inputs.headroom) * zone_factor(inputs.zones)
-    replicas = math.ceil(exact - 1e-9)
+    terms = fleet_terms(inputs)
+    sizing = terms.replicas(rps)
+    replicas = sizing.count
     fleet_point = replica.at(inputs.rate_rps / replicas)
-    warm = None
-    if inputs.ramp is not None:
-        warm = warm_pool(ramp_rps_per_s=inputs.ramp.rps_per_s, cold_start_s=inputs.cold_start_s,
-                         warm_start_s=inputs.warm_start_s, replica_rps=rps, tp=tp, replicas=replicas,
-                         rate_rps=inputs.rate_rps)
-        if not warm.covered_by_headroom:
-            warnings.append(f"the rise while warm replicas wake ({warm.warm_start_rise_rps:.1f} req/s in "
+    warm = terms.warm(rps, tp, replicas)
+    if warm is not None and not warm.covered_by_headroom:
+        warnings.append(f"the rise while warm replicas wake ({warm.warm_start_rise_rps:.1f} req/s in "
                             f"{inputs.warm_start_s:g} s) exceeds the fleet's headroom ({warm.headroom_rps:.1f} req/s)")
     cost = fleet_cost(rate_rps=inputs.rate_rps, workload=inputs.workload, replica_rps=rps, replicas=replicas, tp=tp,
                       usd_per_gpu_hour=price, prefill_share=fleet_point.prefill_share,
@@ -211,9 +218,9 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
         warnings.append(f"the model puts KV use at {point.kv_fraction:.0%} at the measured goodput, over the "
                         f"{inputs.assumptions.kv_limit:.0%} limit")
     curve_to = max(rps, model_goodput.rps if model_goodput.feasible else 0.0) * 1.3
-    return row(source=source, goodput_rps=rps, binding=binding, point=point, replicas=replicas, replicas_exact=exact,
-               fleet_point=fleet_point, cost=cost, warm=warm, curve=tuple(replica.curve(curve_to)),
-               warnings=tuple(warnings))
+    return row(source=source, goodput_rps=rps, binding=binding, point=point, replicas=replicas,
+               replicas_exact=sizing.by_headroom, sizing=sizing, fleet_point=fleet_point, cost=cost, warm=warm,
+               curve=tuple(replica.curve(curve_to)), warnings=tuple(warnings))
 
 
 def make_plan(inputs: PlanInputs, sweeps: Sequence[SweepGoodput] = ()) -> Plan:
@@ -236,8 +243,7 @@ def make_plan(inputs: PlanInputs, sweeps: Sequence[SweepGoodput] = ()) -> Plan:
 def disaggregated_rows(inputs: PlanInputs) -> tuple[DisaggRow, ...]:
     """Every prefill TP × decode TP pair of the plan's widths, per GPU type (the timing model only: no
     speculative decoding or LoRA in either pool)."""
-    terms = FleetTerms(rate_rps=inputs.rate_rps, headroom=inputs.headroom, zone_factor=zone_factor(inputs.zones),
-                       ramp=inputs.ramp, cold_start_s=inputs.cold_start_s, warm_start_s=inputs.warm_start_s)
+    terms = fleet_terms(inputs)
     out = []
     for gpu, price in inputs.gpu_prices.items():
         models = {tp: roofline(gpu, tp, inputs.preset, weights=inputs.weights, kv_cache=inputs.kv_cache)

@@ -17,7 +17,7 @@ from inferbus.zones import left_after_zone_loss, replicas_for_zone_loss, spread
 from tools.capacity.plan import report_topology
 from tools.capacity.plan.model import OperatingPoint
 from tools.capacity.plan.options import Variant
-from tools.capacity.plan.planner import Plan, PlanInputs, Row, zone_factor
+from tools.capacity.plan.planner import Plan, PlanInputs, Row, fleet_terms, zone_factor
 
 SCHEMA = "inferbus.plan/v1"
 
@@ -403,10 +403,12 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
         lines.append(f"   Speculative decoding: goodput {_n(row.spec_goodput_rps, 3)} req/s with it, "
                      f"{_n(row.plain_goodput_rps or 0, 3)} without: **{'on' if row.spec_on else 'off'}** in this row.")
     warm = row.warm_replicas
+    here = ", as here" if row.sizing and row.sizing.binding == "N+1" else ""
     lines += [
-        f"2. **Replicas** = ⌈peak ÷ goodput × (1 + headroom){' × Z ÷ (Z − 1)' if zones else ''}⌉ = "
-        f"⌈{_n(i.rate_rps, 2)} ÷ {lam:.3f} × {1 + h:g}{zones}⌉ = ⌈{row.replicas_exact:.2f}⌉ = **{row.replicas:,}** "
-        "serving.",
+        f"2. **Replicas** = max(⌈peak ÷ goodput × (1 + headroom){' × Z ÷ (Z − 1)' if zones else ''}⌉, "
+        "⌈peak ÷ goodput × (1 + forecast error) × (1 + model error)⌉ + 1) = "
+        f"{fleet_terms(i).arithmetic(lam)} **serving** (the second term: one replica down, the rest serve the "
+        f"busiest minute; it binds in a fleet of a few replicas{here}).",
         *_zone_lines(row.replicas, i.zones, i.rate_rps / lam * (1 + h) if lam > 0 else 0.0),
         f"3. **GPUs** = (serving + warm pool) × TP = ({row.replicas:,} + {warm:,}) × {row.tp} = **{row.gpus_total:,}** "
         "(warm pool: step 7).",

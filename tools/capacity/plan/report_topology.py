@@ -11,7 +11,7 @@ from typing import Any
 
 from inferbus.timing import GB
 from tools.capacity.plan.disagg import DECODE_FIRST_TOKEN_STEPS, DisaggRow, cheapest
-from tools.capacity.plan.planner import Plan
+from tools.capacity.plan.planner import Plan, fleet_terms
 from tools.capacity.plan.topology import TopologyChoice, plan_topology
 
 
@@ -81,15 +81,9 @@ def _pairs_table(plan: Plan, best: DisaggRow | None) -> list[str]:
     return lines
 
 
-def _factor(plan: Plan) -> str:
-    """(1 + headroom), with the zone factor when there are zones: what a pool's bare need is multiplied by."""
-    i = plan.inputs
-    text = f"{1 + i.headroom:g}"
-    return text + (f" × {i.zones} ÷ {i.zones - 1}" if i.zones > 1 else "")
-
-
 def _arithmetic(r: DisaggRow, plan: Plan) -> list[str]:
     i, w = plan.inputs, plan.inputs.workload
+    terms = fleet_terms(i)
     d, p = r.decode_point, r.prefill_point
     assert d is not None and p is not None
     link = r.link
@@ -123,14 +117,12 @@ def _arithmetic(r: DisaggRow, plan: Plan) -> list[str]:
         f"- TTFT p90 = {_ms(p.ttft_p90_s)} + {_ms(r.transfer_p90_s)} + {_ms(r.decode_steps_s)} = {_ms(r.ttft_p90_s)}",
         "",
         "Fleet:", "",
-        f"- prefill replicas = max(⌈{i.rate_rps:,.1f} ÷ {_rps(r.prefill_rps)} × {_factor(plan)}⌉, "
-        f"⌈{i.rate_rps:,.1f} ÷ {_rps(r.prefill_rps)}⌉ + 1) = {r.prefill_replicas:,} × TP{r.tp_prefill} = "
-        f"{r.prefill_gpus:,} GPUs"
+        f"- prefill replicas = {terms.arithmetic(r.prefill_rps)} × TP{r.tp_prefill} = {r.prefill_gpus:,} GPUs"
         + (f" + {r.prefill_warm.replicas:,} warm" if r.prefill_warm else ""),
-        f"- decode replicas = max(⌈{i.rate_rps:,.1f} ÷ {_rps(r.decode_rps)} × {_factor(plan)}⌉, "
-        f"⌈{i.rate_rps:,.1f} ÷ {_rps(r.decode_rps)}⌉ + 1) = {r.decode_replicas:,} × TP{r.tp_decode} = "
-        f"{r.decode_gpus:,} GPUs"
+        f"- decode replicas = {terms.arithmetic(r.decode_rps)} × TP{r.tp_decode} = {r.decode_gpus:,} GPUs"
         + (f" + {r.decode_warm.replicas:,} warm" if r.decode_warm else ""),
+        "  (the headroom, or one replica beyond the busiest minute's need with the forecast and model error: "
+        "whichever is more)",
         f"- P:D = {r.ratio} in GPUs; {r.gpus_total:,} GPUs with the warm pools × ${r.usd_per_gpu_hour:.2f} = "
         f"**${r.usd_per_hour:,.0f}/hour**", "",
     ]
