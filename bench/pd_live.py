@@ -2,6 +2,7 @@
 
     python -m bench.pd_live [--trace mooncake_synthetic.jsonl] [--engines 4] [--prefill 1] [--decode 3]
                             [--time-scale 0.5] [--load 0.8] [--sample-families 0.15] [--requests 240]
+                            [--busy-cores N]
 
 What runs, once per topology, on the whole platform (`inferbus.local.stack.Stack`, as `inferbus up`):
 - **aggregated**: `--engines` simulated engines (H100 TP2 by default), one worker each;
@@ -16,14 +17,19 @@ The same requests at the same times go to both topologies: an open-loop client
 (`bench.routing.replay`) streams `POST /v1/completions`.
 
 Measured per topology, in simulated (GPU) seconds (wall time divided by `--time-scale`): TTFT and
-TPOT p50/p90 as the client saw them, the prefix-cache hit rate the usage reported, and goodput per
+TPOT p50/p90 as the client saw them, the prefix-cache hit rate the usage reported, the share of
+requests the gateway queued where the router chose (a disaggregated fleet: a decode worker with
+its prefill worker; the rest went to the shared queue, too short to ask about or not answered in
+time), and goodput per
 GPU: requests per second that met both SLOs (`--ttft-slo`, `--tpot-slo`: the seed's 800 ms and
 40 ms) over the GPUs (engines × TP). `make bench-pd` runs it after the fleet-simulator part
 (`bench/pd.py`). Results: bench/results/pd_live.{json,md}.
 
 On a 2-core machine shared with other work the platform's own processes (gateway, router, one
 worker per engine, NATS) compete with the engines and the client: compare the two topologies of
-one run, not runs of different days.
+one run, not runs of different days. `--busy-cores 1` makes that competition deliberate (a
+spinning process takes one of the cores for the whole run): placement must hold when the control
+plane is slow, for both topologies.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import json
 import os
 import platform as host
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +50,7 @@ from typing import Any
 
 from bench import dynamo_live
 from bench.common import percentile, write_results
-from bench.routing import Outcome, replay
+from bench.routing import Outcome, placed_share, placement_counters, replay
 from bench.routing_workload import Workload, build
 from inferbus.local.ports import free_port
 from inferbus.local.stack import Stack, StackConfig
@@ -136,15 +143,17 @@ def run_topology(topology: Topology, workload: Workload, prompts: list[str], arg
                             {"content-type": "application/json", "authorization": f"Bearer {key}"})
         time.sleep(2)  # first load reports reach the router
         outcomes, wall = asyncio.run(replay(frontend, workload, prompts, args.time_scale, topology.label()))  # type: ignore[arg-type]
+        placements = placement_counters([stack.gateway_url + "/metrics"])
     finally:
         stack.stop()
     result = summarise(outcomes, wall, args.time_scale, topology.engines * args.tp, args.ttft_slo, args.tpot_slo)
     result.update(topology=topology.name, label=topology.label(), engines=topology.engines,
-                  prefill=topology.prefill, decode=topology.decode)
+                  prefill=topology.prefill, decode=topology.decode, placements=placements)
     print(f"{topology.label()}: TTFT p50/p90 {result['ttft_p50_s']:.2f}/{result['ttft_p90_s']:.2f} s, "
           f"TPOT p50/p90 {result['tpot_p50_ms']:.0f}/{result['tpot_p90_ms']:.0f} ms, within SLO "
           f"{result['within_slo_share']:.0%}, goodput {result['goodput_req_s_per_gpu']:.3f} req/s/GPU, "
-          f"errors {result['errors']}", flush=True)
+          f"hit rate {result['hit_rate']:.1%}, placed by the router {placed_share(result)}, errors {result['errors']}",
+          flush=True)
     return result
 
 
@@ -158,16 +167,18 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['workload']['mean_output_tokens']:.0f}; "
         f"{config['engines']} simulated {config['gpu']} TP{config['tp']} engines ({config['engines'] * config['tp']} "
         f"GPUs) either way, time scale {config['time_scale']}, load {config['load']} for the aggregated fleet. "
-        f"SLO: TTFT {config['ttft_slo_s'] * 1000:.0f} ms, TPOT {config['tpot_slo_s'] * 1000:.0f} ms.", "",
+        f"SLO: TTFT {config['ttft_slo_s'] * 1000:.0f} ms, TPOT {config['tpot_slo_s'] * 1000:.0f} ms."
+        + (f" {config['busy_cores']} spinning process(es) took a core each for the whole run."
+           if config.get("busy_cores") else ""), "",
         "| topology | TTFT p50 / p90 s | TPOT p50 / p90 ms | hit rate | within TTFT / TPOT / both SLOs | goodput "
-        "req/s/GPU | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "req/s/GPU | placed by the router | errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["topologies"]:
         lines.append(f"| {r['label']} | {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | {r['tpot_p50_ms']:.0f} / "
                      f"{r['tpot_p90_ms']:.0f} | {r['hit_rate']:.1%} | {r['within_ttft_share']:.0%} / "
                      f"{r['within_tpot_share']:.0%} / {r['within_slo_share']:.0%} | "
-                     f"{r['goodput_req_s_per_gpu']:.3f} | {r['errors']} |")
+                     f"{r['goodput_req_s_per_gpu']:.3f} | {placed_share(r)} | {r['errors']} |")
     if len(results["topologies"]) == 2:
         agg, dis = results["topologies"]
         if agg["goodput_req_s_per_gpu"]:
@@ -198,6 +209,8 @@ def main() -> None:
     parser.add_argument("--placement-timeout-ms", type=float, default=200.0)
     parser.add_argument("--topologies", nargs="+", default=["aggregated", "disaggregated"],
                         choices=["aggregated", "disaggregated"])
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="spinning processes beside the platform, one core each: a slow control plane")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="pd_live")
@@ -228,13 +241,16 @@ def main() -> None:
         "config": {"engines": args.engines, "prefill": args.prefill, "decode": decode, "gpu": args.gpu, "tp": args.tp,
                    "time_scale": args.time_scale, "load": args.load, "sample_families": args.sample_families,
                    "requests": args.requests, "seed": args.seed, "trace": str(args.trace),
-                   "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo},
+                   "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo, "busy_cores": args.busy_cores},
         "workload": summary, "topologies": [],
     }
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cores)]
     try:
         for name in args.topologies:
             results["topologies"].append(run_topology(chosen[name], workload, prompts, args, model_dir, state))
     finally:
+        for process in busy:
+            process.kill()
         if args.keep_logs:
             print(f"logs in {state}/", flush=True)
         else:

@@ -339,6 +339,20 @@ _PLACEMENT = re.compile(
     r"^(inferbus_(?:router_)?placements_total|inferbus_placement_seconds_count)\{([^}]*)\} ([0-9.eE+-]+)$", re.M)
 
 
+def placement_counters(urls: list[str]) -> dict[str, float]:
+    """The placement counters (`placed_share` reads them) scraped from each Prometheus endpoint that answers."""
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        for m in _PLACEMENT.finditer(text):
+            out[f"{m.group(1)}{{{m.group(2)}}}"] = float(m.group(3))
+    return out
+
+
 class Frontend:
     name: str
     url: str
@@ -390,17 +404,8 @@ class InferbusFrontend(Frontend):
 
     def counters(self) -> dict[str, float]:
         """Where requests were placed: the gateway's and the router's placement counters."""
-        out: dict[str, float] = {}
-        urls = [self.stack.gateway_url + "/metrics", f"http://127.0.0.1:{self.stack.router_metrics_port}/metrics"]
-        for url in urls:
-            try:
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    text = response.read().decode()
-            except OSError:
-                continue
-            for m in _PLACEMENT.finditer(text):
-                out[f"{m.group(1)}{{{m.group(2)}}}"] = float(m.group(3))
-        return out
+        return placement_counters(
+            [self.stack.gateway_url + "/metrics", f"http://127.0.0.1:{self.stack.router_metrics_port}/metrics"])
 
     def pids(self) -> dict[str, int]:
         return {p.name: p.pid for p in self.stack.processes}
