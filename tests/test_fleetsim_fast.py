@@ -396,6 +396,7 @@ def test_simulate_cli_writes_its_report(tmp_path):
     ])
     assert result.exit_code == 0, result.output
     assert "minutes within SLO" in result.output
+    assert "; affinity; " in result.output  # placed as the router places by default
     assert (tmp_path / "out" / "simulate.json").exists() and (tmp_path / "out" / "simulate.png").exists()
     bad = CliRunner().invoke(main, ["simulate", "--trace", str(trace), "--fleet", "A100:2x4"])
     assert bad.exit_code != 0 and "H100:2x234" in bad.output
@@ -488,3 +489,12 @@ def test_lazy_replicas_give_the_same_run_as_eager_ones(policy, max_virtual_s):
     assert runs[0] == runs[1]
     assert seen[0] == seen[1]
     assert runs[0]["completed"] > 3000
+
+
+def test_simulate_defaults_to_the_routers_own_policy(monkeypatch):
+    from services.router.settings import RouterSettings
+    from tools.commands.simulate import simulate
+
+    monkeypatch.delenv("INFERBUS_ROUTER_POLICY", raising=False)
+    option = next(p for p in simulate.params if p.name == "policy")
+    assert option.default == RouterSettings().policy

@@ -105,8 +105,11 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
 @click.option("--tp", type=click.Choice(["1", "2", "4", "8"]), default="2", show_default=True)
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="Serving replicas (static fleet). Default: sized for --peak-rps (see --fleet).")
-@click.option("--policy", type=click.Choice(["least_loaded", "affinity", "round_robin"]), default="least_loaded",
-              show_default=True, help="The router's placement policy.")
+@click.option("--policy", type=click.Choice(["least_loaded", "affinity", "round_robin"]), default="affinity",
+              show_default=True,
+              help="The router's placement policy; the default is the router's own (INFERBUS_ROUTER_POLICY). "
+                   "least_loaded counts requests, not prompt tokens: on long-prompt mixes it needed more than "
+                   "1.8 times the replicas for the same TTFT (docs/simulator.md).")
 @click.option("--admission/--no-admission", default=True, show_default=True,
               help="Shed requests with the gateway's OverloadPolicy (3 s standard-band budget).")
 @click.option("--load-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),
@@ -160,7 +163,7 @@ def simulate(trace_name: str, mix_name: str | None, mix_cached_fraction: float, 
     Examples:
       inferbus simulate --duration 1h --peak-rps 833              # fleet sized by the planner's arithmetic
       inferbus simulate --fleet H100:2x140 --duration 24h --price 2.50 --out day
-      inferbus simulate --trace azure_2023_code.csv --mix worked-example --replicas 240 --policy affinity
+      inferbus simulate --trace azure_2023_code.csv --mix worked-example --replicas 240 --policy least_loaded
       inferbus simulate --duration 24h --autoscale --cold-start 120 --warm-start 5   # the autoscaler sizes it
       inferbus simulate --duration 1h --chunk 2048 --spec 3:0.7 --lora-adapters 16   # engine options
     """
