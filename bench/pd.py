@@ -54,6 +54,7 @@ SMALLER = 0.9
 FORECAST_ERROR = 0.10
 LOST = 1
 ROUTER_POLICIES = ("affinity", "least_loaded")
+LOAD_INTERVAL_S = 0.25  # how often workers report their load (INFERBUS_LOAD_INTERVAL_S's default)
 
 
 def engine(tp: int, chunk: int) -> EngineConfig:
@@ -193,7 +194,7 @@ def production_router(config: PdConfig, mix: mix_mod.Mix, shape: list[float], pe
         def held(provisioned: int, policy: str = policy) -> dict[str, Any]:
             up = max(1, provisioned - LOST)
             fast = FastConfig(replicas=up, engine=engine, seed=seed, slo_ttft_s=config.slo_ttft_s,
-                              slo_tpot_s=config.slo_tpot_s, policy=policy)
+                              slo_tpot_s=config.slo_tpot_s, policy=policy, load_interval_s=LOAD_INTERVAL_S)
             summary = FastFleet(fast, workload.arrivals()).run()
             return {"replicas": provisioned, "up": up, "gpus_provisioned": provisioned * engine.tp,
                     "gpus_up": up * engine.tp, "minutes": summary.minutes,

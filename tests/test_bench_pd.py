@@ -71,3 +71,11 @@ def test_the_router_check_walks_down_to_the_smallest_fleet_that_holds() -> None:
         # 11 req/s (10% over the peak) on replicas of about 3 req/s: four up at the least.
         assert 5 <= smallest["replicas"] < 10 and smallest["minute_attainment"] >= 0.99
         assert check["10% smaller"]["replicas"] == 9
+
+
+def test_the_router_check_hears_load_as_often_as_the_router_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.pd import LOAD_INTERVAL_S
+    from services.worker.settings import WorkerSettings
+
+    monkeypatch.delenv("INFERBUS_LOAD_INTERVAL_S", raising=False)
+    assert WorkerSettings().load_interval_s == LOAD_INTERVAL_S

@@ -109,7 +109,7 @@ def parse_fleet(text: str) -> tuple[str, int, int]:
               show_default=True,
               help="The router's placement policy; the default is the router's own (INFERBUS_ROUTER_POLICY). "
                    "least_loaded counts requests, not prompt tokens: on long-prompt mixes it needed more than "
-                   "1.8 times the replicas for the same TTFT (docs/simulator.md).")
+                   "twice the replicas for the same TTFT (docs/simulator.md).")
 @click.option("--admission/--no-admission", default=True, show_default=True,
               help="Shed requests with the gateway's OverloadPolicy (3 s standard-band budget).")
 @click.option("--load-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),

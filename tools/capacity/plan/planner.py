@@ -210,7 +210,7 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
     warm = terms.warm(rps, tp, replicas)
     if warm is not None and not warm.covered_by_headroom:
         warnings.append(f"the rise while warm replicas wake ({warm.warm_start_rise_rps:.1f} req/s in "
-                            f"{inputs.warm_start_s:g} s) exceeds the fleet's headroom ({warm.headroom_rps:.1f} req/s)")
+                        f"{inputs.warm_start_s:g} s) exceeds the fleet's headroom ({warm.headroom_rps:.1f} req/s)")
     cost = fleet_cost(rate_rps=inputs.rate_rps, workload=inputs.workload, replica_rps=rps, replicas=replicas, tp=tp,
                       usd_per_gpu_hour=price, prefill_share=fleet_point.prefill_share,
                       warm_replicas=warm.replicas if warm else 0)
