@@ -491,10 +491,13 @@ def test_lazy_replicas_give_the_same_run_as_eager_ones(policy, max_virtual_s):
     assert runs[0]["completed"] > 3000
 
 
-def test_simulate_defaults_to_the_routers_own_policy(monkeypatch):
+def test_simulate_places_as_the_live_router_does_by_default(monkeypatch):
     from services.router.settings import RouterSettings
+    from services.worker.settings import WorkerSettings
     from tools.commands.simulate import simulate
 
     monkeypatch.delenv("INFERBUS_ROUTER_POLICY", raising=False)
-    option = next(p for p in simulate.params if p.name == "policy")
-    assert option.default == RouterSettings().policy
+    monkeypatch.delenv("INFERBUS_LOAD_INTERVAL_S", raising=False)
+    defaults = {p.name: p.default for p in simulate.params}
+    assert defaults["policy"] == RouterSettings().policy
+    assert defaults["load_interval"] == WorkerSettings().load_interval_s  # the router hears load as often
