@@ -183,6 +183,7 @@ def test_plan_command_reports_the_topology(tmp_path) -> None:  # type: ignore[no
     assert topology["chosen"] == "disaggregated"
     pair = next(p for p in topology["disaggregated"] if p["config"] == "H100 prefill TP8 + decode TP4")
     assert pair["kv_link"] == "nvlink" and pair["kv_link_gb_s_per_gpu"] == 450
+    assert (pair["decode_replicas"], pair["decode_replicas_set_by"]) == (61, "headroom")
     assert pair["transfer_p90_s"] == pytest.approx(3000 * 163_840 / (4 * 450 * GB))
     text = (tmp_path / "plan.md").read_text()
     assert "## Topology: aggregated or disaggregated" in text and "nvlink, 450 GB/s per GPU one way" in text

@@ -3,6 +3,7 @@ one replica beyond the busiest minute's need in a small one."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,5 +66,8 @@ def test_the_forecast_error_reaches_the_plan_and_its_report(tmp_path) -> None:  
     text = (tmp_path / "plan.md").read_text()
     assert "⌈6.00 ÷ 3.071 × 1.6 × 1.025⌉ + 1) = max(⌈2.25⌉, ⌈3.20⌉ + 1) = 5 **serving**" in text
     assert "it binds in a fleet of a few replicas, as here" in text
+    row = json.loads((tmp_path / "plan.json").read_text())["rows"][0]
+    assert (row["replicas"], row["replicas_set_by"]) == (5, "N+1")
+    assert row["replicas_spare_exact"] == pytest.approx(6 / 3.071 * 1.6 * 1.025, rel=1e-3)
     refused = CliRunner().invoke(plan_command, ["--rps", "6", "--forecast-error", "-0.1"])
     assert refused.exit_code == 2 and "--forecast-error" in refused.output

@@ -37,6 +37,8 @@ def pair_json(row: DisaggRow) -> dict[str, Any]:
         "prefill_ttft_budget_s": row.prefill_budget_s, "prefill_rps_per_replica": row.prefill_rps,
         "prefill_at_goodput": asdict(row.prefill_point) if row.prefill_point else None,
         "prefill_replicas": row.prefill_replicas, "decode_replicas": row.decode_replicas,
+        "prefill_replicas_set_by": row.prefill_sizing.binding if row.prefill_sizing else None,
+        "decode_replicas_set_by": row.decode_sizing.binding if row.decode_sizing else None,
         "prefill_warm_replicas": row.prefill_warm.replicas if row.prefill_warm else 0,
         "decode_warm_replicas": row.decode_warm.replicas if row.decode_warm else 0,
         "gpus": row.gpus, "gpus_with_warm_pools": row.gpus_total, "usd_per_hour": row.usd_per_hour,
