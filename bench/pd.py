@@ -191,20 +191,25 @@ def production_router(config: PdConfig, mix: mix_mod.Mix, shape: list[float], pe
     workload = DayWorkload(shape, 60.0, seconds, peak * (1 + FORECAST_ERROR), mix, mode="tile", seed=seed)
     out: dict[str, Any] = {}
     for policy in ROUTER_POLICIES:
-        def held(provisioned: int, policy: str = policy) -> dict[str, Any]:
+        seen: dict[int, dict[str, Any]] = {}
+
+        def held(provisioned: int, policy: str = policy, seen: dict[int, dict[str, Any]] = seen) -> dict[str, Any]:
+            if provisioned in seen:  # the walk down passes the 10% smaller fleet again
+                return seen[provisioned]
             up = max(1, provisioned - LOST)
             fast = FastConfig(replicas=up, engine=engine, seed=seed, slo_ttft_s=config.slo_ttft_s,
                               slo_tpot_s=config.slo_tpot_s, policy=policy, load_interval_s=LOAD_INTERVAL_S)
             summary = FastFleet(fast, workload.arrivals()).run()
-            return {"replicas": provisioned, "up": up, "gpus_provisioned": provisioned * engine.tp,
-                    "gpus_up": up * engine.tp, "minutes": summary.minutes,
-                    "minute_attainment": summary.minute_attainment, "ttft_p90_s": summary.ttft_p90_s,
-                    "tpot_p90_s": summary.tpot_p90_s}
+            seen[provisioned] = {"replicas": provisioned, "up": up, "gpus_provisioned": provisioned * engine.tp,
+                                 "gpus_up": up * engine.tp, "minutes": summary.minutes,
+                                 "minute_attainment": summary.minute_attainment, "ttft_p90_s": summary.ttft_p90_s,
+                                 "tpot_p90_s": summary.tpot_p90_s}
+            return seen[provisioned]
 
         runs = {"planned": held(planned), "10% smaller": held(max(1, math.floor(planned * SMALLER)))}
         smallest = None
         for provisioned in range(planned, LOST, -1):  # down from the plan until a fleet misses
-            trial = runs["planned"] if provisioned == planned else held(provisioned)
+            trial = held(provisioned)
             if trial["minute_attainment"] < TARGET:
                 break
             smallest = trial
