@@ -4,6 +4,8 @@ it is empty, so nothing queued is stranded."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -20,14 +22,20 @@ MODEL = "m"
 WORKER = "w1"
 
 
+async def worker_queue(nc: Client, worker: str, ack_wait: float) -> str:
+    """A worker's own request queue (its durable consumer), as the worker creates it; its name."""
+    js = nc.jetstream()
+    await bus.ensure_streams(js)
+    name = subjects.request_consumer("standard", MODEL, worker)
+    await js.add_consumer(subjects.REQUESTS_STREAM, ConsumerConfig(
+        durable_name=name, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_ack_pending=-1,
+        filter_subject=subjects.request_filter("standard", MODEL, subjects.worker_target(worker))))
+    return name
+
 
 async def test_a_pass_that_cannot_finish_counts_what_it_moved_and_leaves_the_rest_queued(nc: Client) -> None:
     js = nc.jetstream()
-    await bus.ensure_streams(js)
-    worker_consumer = subjects.request_consumer("standard", MODEL, WORKER)
-    await js.add_consumer(subjects.REQUESTS_STREAM, ConsumerConfig(
-        durable_name=worker_consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=2.0, max_ack_pending=-1,
-        filter_subject=subjects.request_filter("standard", MODEL, subjects.worker_target(WORKER))))
+    worker_consumer = await worker_queue(nc, WORKER, ack_wait=2.0)
     shared = await js.pull_subscribe(subjects.request_filter("standard", MODEL), durable="shared",
                                      stream=subjects.REQUESTS_STREAM)
     queued = subjects.request_subject("standard", MODEL, subjects.worker_target(WORKER), subjects.token_subject("g1"))
@@ -54,4 +62,63 @@ async def test_a_pass_that_cannot_finish_counts_what_it_moved_and_leaves_the_res
     assert sorted(m.headers["Nats-Msg-Id"] for m in moved) == ["r0.recovered", "r1.recovered", "r2.recovered"]
     assert {m.subject for m in moved} == {subjects.shared_request_subject(held.subject)}
     assert await recovery.recover(js, replies, info, give_up_after_s=1.0) == recovery.Recovered(0, True)
+    await replies.stop()
+
+
+async def test_a_pass_stops_when_its_worker_comes_back_and_leaves_it_what_was_placed_on_it(nc: Client) -> None:
+    """A worker restarted under its own id returns to the same consumer while a pass is still
+    moving its queue: what was queued before it came back goes to the shared queue, what the pass
+    holds when it sees the worker alive goes back to the worker, and the consumer stays."""
+    js = nc.jetstream()
+    worker_consumer = await worker_queue(nc, "w2", ack_wait=30.0)
+    shared = await js.pull_subscribe(subjects.request_filter("standard", MODEL), durable="shared-2",
+                                     stream=subjects.REQUESTS_STREAM)
+    queued = subjects.request_subject("standard", MODEL, subjects.worker_target("w2"), subjects.token_subject("g1"))
+    await js.publish(queued, b"before", headers={"Nats-Msg-Id": "before"})
+    replies = Replies(nc)
+    await replies.start()
+    info = await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
+    alive = False
+    checks = 0
+
+    def revived() -> bool:
+        # Dead for the first fetch; alive from the moment after the second (placed on it again).
+        nonlocal checks
+        checks += 1
+        return alive
+
+    async def placed_again() -> None:
+        nonlocal alive
+        for _ in range(1000):  # until the first fetch is done and the second started (10 s at most)
+            if checks >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await js.publish(queued, b"after", headers={"Nats-Msg-Id": "after"})
+        alive = True
+
+    placing = asyncio.ensure_future(placed_again())
+    result = await recovery.recover(js, replies, info, give_up_after_s=20.0, revived=revived)
+    await placing
+    assert result == recovery.Recovered(1, False, recovery.REVIVED)
+    moved = await shared.fetch(10, timeout=2)
+    assert [m.headers["Nats-Msg-Id"] for m in moved] == ["before.recovered"]
+    # The worker's consumer is still there, and holds the request placed on it after it came back,
+    # delivered now (given back), not after the 30 s ack wait.
+    back = await js.pull_subscribe_bind(worker_consumer, subjects.REQUESTS_STREAM)
+    [mine] = await back.fetch(1, timeout=5)
+    assert mine.data == b"after"
+    await mine.ack()
+    await replies.stop()
+
+
+async def test_an_empty_queue_whose_worker_came_back_is_not_deleted(nc: Client) -> None:
+    js = nc.jetstream()
+    worker_consumer = await worker_queue(nc, "w3", ack_wait=30.0)
+    replies = Replies(nc)
+    await replies.start()
+    info = await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
+    checks = iter([False, True])  # dead at the fetch (it finds the queue empty), alive before the delete
+    result = await recovery.recover(js, replies, info, give_up_after_s=20.0, revived=lambda: next(checks, True))
+    assert result == recovery.Recovered(0, False, recovery.REVIVED)
+    assert (await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)).name == worker_consumer
     await replies.stop()

@@ -11,12 +11,21 @@ gateway holding the client migrates those.
 The gateway does not republish a queued request itself when its worker dies: the queue is the
 truth, and moving the message (instead of publishing a second attempt) is what guarantees the
 request runs once.
+
+A worker restarted under its own id (the local supervisor, a drill) comes back to the same
+consumer, and requests are placed on it again as soon as its heartbeat is seen. A pass still
+running then would take them from the worker's consumer and move them to the shared queue, where
+a worker of another release, without their cached prefix or adapter, takes them (an eval pinned
+to a release scored the other release's answers). So the pass asks `revived` before every fetch
+and after it: once the worker is back it gives back what it holds (`nak`, redelivered to the
+worker at once) and stops, leaving the consumer to its worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -32,6 +41,7 @@ log = logs.get(__name__)
 
 FETCH_BATCH = 256
 FETCH_WAIT_S = 1.0  # nats-py's fetch does not deliver with much shorter waits
+REVIVED = "its worker is alive again"
 
 
 async def worker_consumers(js: JetStreamContext) -> list[tuple[str, ConsumerInfo]]:
@@ -50,8 +60,10 @@ class Recovered(NamedTuple):
     error: str = ""  # why the pass stopped early, if it did
 
 
-async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *, give_up_after_s: float) -> Recovered:
-    """Move everything queued on a dead worker's consumer to the shared subject.
+async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *, give_up_after_s: float,
+                  revived: Callable[[], bool] = lambda: False) -> Recovered:
+    """Move everything queued on a dead worker's consumer to the shared subject, until `revived()`
+    says its worker is alive again.
 
     Messages the worker pulled but never acked come back after the consumer's ack wait, so this
     keeps fetching until nothing is pending or outstanding, for at most `give_up_after_s`. The
@@ -71,10 +83,16 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
     subscription = await js.pull_subscribe_bind(durable, subjects.REQUESTS_STREAM)
     try:
         while time.monotonic() < deadline:
+            if revived():
+                return Recovered(moved, False, REVIVED)
             try:
                 batch = await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
             except NatsTimeoutError:
                 batch = []
+            if batch and revived():
+                for msg in batch:
+                    await msg.nak()  # the worker's again: redelivered to it now, not after the ack wait
+                return Recovered(moved, False, REVIVED)
             for msg in batch:
                 # The same owner (last token) on the shared subject: its replies still go there.
                 shared = subjects.shared_request_subject(msg.subject)
@@ -94,6 +112,8 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
             await asyncio.sleep(0.2)
         else:
             return Recovered(moved, False, f"still queued after {give_up_after_s:.0f} s")
+        if revived():  # empty, and its worker's again: deleting it would pull the queue from under it
+            return Recovered(moved, False, REVIVED)
         await js.delete_consumer(subjects.REQUESTS_STREAM, durable)
         return Recovered(moved, True)
     except NotFoundError:

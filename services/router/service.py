@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Coroutine
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -335,6 +336,13 @@ class Router:
             await self._recover_orphans()
             await asyncio.sleep(self.settings.recovery_scan_s)
 
+    def _alive_tokens(self) -> set[str]:
+        """The subject tokens of the workers the registry holds alive."""
+        return {subjects.token(worker_id) for worker_id in self.registry.workers}
+
+    def _alive(self, token: str) -> bool:
+        return token in self._alive_tokens()
+
     async def _recover_orphans(self) -> None:
         if not self._registry_loaded.is_set():
             return
@@ -343,7 +351,7 @@ class Router:
         except Exception as error:
             log.warning("recovery_scan_failed", error=repr(error))
             return
-        alive = {subjects.token(worker_id) for worker_id in self.registry.workers}
+        alive = self._alive_tokens()
         young = datetime.now(timezone.utc) - timedelta(seconds=2 * self.settings.heartbeat_ttl_s)
         for worker, info in consumers:
             if worker in alive or info.name in self._recovering:
@@ -355,6 +363,7 @@ class Router:
             try:
                 result = await recovery.recover(
                     self.js, self.replies, info, give_up_after_s=float(info.config.ack_wait or 30) + 5,
+                    revived=partial(self._alive, worker),
                 )
             except Exception as error:  # before it moved anything: the next scan tries again
                 log.warning("recovery_failed", consumer=info.name, error=repr(error))
