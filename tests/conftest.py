@@ -10,9 +10,10 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import openai
@@ -26,6 +27,9 @@ from inferbus.local.stack import Stack, StackConfig
 from inferbus.stores import dispatch_records
 from proto import messages as m
 from proto import subjects
+
+if TYPE_CHECKING:
+    from services.gateway.dispatch import Dispatcher
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
 
@@ -143,6 +147,44 @@ def running_platform(tmp: Path, **config: object) -> Iterator[Platform]:
         running.stack.stop()
         if os.environ.get("INFERBUS_KEEP_LOGS") is None:
             running.stack.rmtree()
+
+
+@asynccontextmanager
+async def gateway_in_process(platform: Platform, gateway_id: str,
+                             workers: int) -> AsyncIterator[tuple[Client, Dispatcher]]:
+    """A gateway's dispatcher in this process (placement off: the shared queue or a worker's own),
+    on its own connection, once it sees `workers` workers' heartbeats."""
+    from services.gateway.dispatch import Dispatcher
+
+    from .waiting import await_for
+
+    nc = await bus.connect(platform.stack.nats_url, name="test-dispatcher")
+    kv = await bus.workers_bucket(nc.jetstream(), 3.0)
+    dispatcher = Dispatcher(nc, kv, gateway_id=gateway_id, heartbeat_ttl_s=3.0, max_attempts=3, placement_timeout_s=0)
+    await dispatcher.start()
+    try:
+        await await_for(lambda: len(dispatcher.live_workers) == workers, 30, what=f"{workers} workers' heartbeats")
+        yield nc, dispatcher
+    finally:
+        await dispatcher.stop()
+        await nc.close()
+
+
+@contextmanager
+def platform_on_open_bus(tmp_path_factory: pytest.TempPathFactory, name: str, workers: int) -> Iterator[Platform]:
+    """A platform on a nats-server of its own with no accounts, without a router, the engines at
+    real speed: a test may then join the bus as a gateway (a `Dispatcher` in its own process) or
+    publish as a worker would."""
+    from .nats_server import NatsServer
+
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    server.start()
+    try:
+        with running_platform(tmp_path_factory.mktemp(name), workers=workers, time_scale=1.0, router=False,
+                              nats_url=f"nats://127.0.0.1:{server.port}") as platform:
+            yield platform
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -14,14 +14,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import REGISTRY
 
-from inferbus.bus import connection as bus
 from proto import messages as m
 from proto import subjects
-from services.gateway.dispatch import Dispatcher
 
-from .conftest import MODEL, Platform, running_platform
-from .nats_server import NatsServer
-from .waiting import await_for
+from .conftest import MODEL, Platform, gateway_in_process, platform_on_open_bus
 
 pytestmark = pytest.mark.e2e
 
@@ -30,14 +26,8 @@ GATEWAY = "test-gateway"
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    server = NatsServer(tmp_path_factory.mktemp("nats"))
-    server.start()
-    try:
-        with running_platform(tmp_path_factory.mktemp("foreign"), workers=2, time_scale=1.0, router=False,
-                              nats_url=f"nats://127.0.0.1:{server.port}") as platform:
-            yield platform
-    finally:
-        server.stop()
+    with platform_on_open_bus(tmp_path_factory, "foreign", workers=2) as platform:
+        yield platform
 
 
 def foreign_events() -> float:
@@ -47,12 +37,7 @@ def foreign_events() -> float:
 async def relay(platform: Platform, request_id: str, inject: bool) -> tuple[str, str, int, str | None]:
     """One request through a dispatcher in this process; with `inject`, once its holder is known,
     the other worker's forged events. The text, the finish reason, the attempt and the holder."""
-    nc = await bus.connect(platform.stack.nats_url, name="test-dispatcher")
-    kv = await bus.workers_bucket(nc.jetstream(), 3.0)
-    dispatcher = Dispatcher(nc, kv, gateway_id=GATEWAY, heartbeat_ttl_s=3.0, max_attempts=3, placement_timeout_s=0)
-    await dispatcher.start()
-    try:
-        await await_for(lambda: len(dispatcher.live_workers) == 2, 30, what="both workers' heartbeats")
+    async with gateway_in_process(platform, GATEWAY, workers=2) as (nc, dispatcher):
         now = time.time()
         request = m.InferenceRequest(request_id=request_id, tenant="demo", model=MODEL, prompt="Tell me about the sea",
                                      reply_to=subjects.token_subject(GATEWAY), created=now, deadline=now + 60,
@@ -106,9 +91,6 @@ async def relay(platform: Platform, request_id: str, inject: bool) -> tuple[str,
             if isinstance(event, m.Final):
                 finish = event.finish_reason
         return "".join(text), finish, flight.request.attempt, flight.worker_id
-    finally:
-        await dispatcher.stop()
-        await nc.close()
 
 
 def test_a_worker_cannot_speak_for_a_stream_another_worker_runs(two_workers: Platform) -> None:

@@ -74,6 +74,27 @@ class Attempt:
                        cached_tokens=self.cached if prefilled else 0)
 
 
+def give_up_earlier(running: dict[str, Attempt], request: m.InferenceRequest) -> Attempt | None:
+    """An earlier attempt of `request` still running here, now given up, or None.
+
+    A gateway publishes a request's next attempt only after giving up the one before, so that one's
+    work is the platform's from then on. Both can reach one worker: a worker killed and restarted
+    under its own id takes over the earlier attempt's redelivery (its old claim died with it) and
+    is then handed the next. The caller aborts what this returns."""
+    earlier = running.get(request.request_id)
+    if earlier is None or earlier.request.attempt >= request.attempt or earlier.cancelled:
+        return None
+    earlier.cancelled = earlier.superseded = True
+    earlier.cancel_reason = "superseded"
+    return earlier
+
+
+def forget(running: dict[str, Attempt], entry: Attempt) -> None:
+    """`entry` ended: drop it from `running`, unless a later attempt of its request holds the place."""
+    if running.get(entry.request.request_id) is entry:
+        del running[entry.request.request_id]
+
+
 @dataclass(frozen=True)
 class Verdict:
     status: Literal["completed", "failed", "cancelled", "requeued"]

@@ -19,7 +19,7 @@ from inferbus.runtime import logs, tracing
 from proto import messages as m
 from proto import subjects
 
-from .attempt import Attempt, Failure, line_outcome, line_usage
+from .attempt import Attempt, Failure, forget, line_outcome, line_usage
 from .engine import EngineError, EngineLoad
 from .metrics import BATCH_REQUEUED, ENGINE_ERRORS, PREEMPTIONS, QUEUE_WAIT, REQUESTS, RUNNING
 from .preemption import Check, RunningLine, WorkerState
@@ -199,7 +199,7 @@ class BatchLines:
                                                      max_attempts=self.serving.preemption.config.max_attempts,
                                                      worker_id=worker.settings.worker_id)
         finally:
-            worker.running.pop(request.request_id, None)
+            forget(worker.running, entry)
             RUNNING.set(len(worker.running))
             self.serving.release_slot()
             if request.band == "batch":
