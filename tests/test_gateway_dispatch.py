@@ -6,7 +6,7 @@ import msgspec
 
 from proto import messages as m
 from proto import subjects
-from services.gateway.flight import Flight, next_attempt
+from services.gateway.flight import Flight, next_attempt, shows_loss
 from services.gateway.worker_watch import WorkerWatch
 
 
@@ -82,6 +82,56 @@ async def test_a_gap_asks_the_worker_to_resend_and_resent_duplicates_are_skipped
     assert [getattr(e, "text", None) for e in seen] == [" a", " b", " c", ""]
     assert asked == [(1, "stream gap: chunk 2, expected 1")]
     assert [band for band, _ in started] == ["standard"]  # its first token, once: the overload policy's start lag
+
+
+async def test_first_copies_of_resent_chunks_arriving_after_the_answer_are_no_new_gap() -> None:
+    """The worker publishes the chunks asked for after their first copies, and answers after
+    both; a gateway that reads the answer before the first copies (each subscription has its own
+    task) must not take those copies for a new loss and ask a second time."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.gateway.dispatch import Dispatcher
+
+    request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=0)
+    answer = m.encode(m.ResendReply(state="running", resent=3, worker_id="w"))
+    asks: list[bytes] = []
+
+    class Answering:  # the worker's answer, as the gateway's reply mux hands it over
+        async def request(self, subject: str, data: bytes, timeout_s: float) -> SimpleNamespace:
+            asks.append(data)
+            return SimpleNamespace(data=answer)
+
+    dispatcher = Dispatcher.__new__(Dispatcher)  # the relay logic only, no connections
+    dispatcher.on_started = lambda band, seconds: None
+    dispatcher.replies, dispatcher.gateway_id, dispatcher.liveness_timeout_s = Answering(), "g", 1.0  # type: ignore[assignment]
+    dispatcher.live_workers, dispatcher._background = {"w": None}, set()  # type: ignore[dict-item]
+    flight = Flight(request=request, events=asyncio.Queue(), worker_id="w", state="accepted")
+    dispatcher.flights = {"r": flight}
+    chunk = lambda seq, text: m.TokenChunk(request_id="r", attempt=0, seq=seq, text=text, completion_tokens=seq + 1)  # noqa: E731
+    seen: list[str] = []
+
+    async def read() -> None:
+        async for event in dispatcher.events(flight):
+            seen.append(getattr(event, "text", ""))
+
+    reader = asyncio.ensure_future(read())
+    for event in (chunk(0, " a"), chunk(2, " c")):  # chunk 1 lost: chunk 2 asks from 1
+        flight.events.put_nowait(event)
+    while not asks or dispatcher._background:
+        await asyncio.sleep(0)  # the ask goes out and its answer is read
+    assert not flight.resending and flight.resent_until == 4
+    # Chunk 3's first copy, then the copies sent again (1, 2, 3), then the rest.
+    for event in (chunk(3, " d"), chunk(1, " b"), chunk(2, " c"), chunk(3, " d"), chunk(4, " e"),
+                  m.Final(request_id="r", attempt=0, seq=5, text="", finish_reason="length",
+                          usage=m.Usage(prompt_tokens=1, completion_tokens=5))):
+        flight.events.put_nowait(event)
+    await asyncio.wait_for(reader, 5)
+    assert "".join(seen) == " a b c d e" and len(asks) == 1
+    # A chunk past those sent again still shows a loss (their copies were lost too).
+    assert shows_loss(Flight(request=request, next_seq=1, resent_until=4), 4)
+    assert not shows_loss(Flight(request=request, next_seq=1, resent_until=4), 3)
 
 
 async def test_a_stream_its_worker_cannot_resend_continues_elsewhere() -> None:

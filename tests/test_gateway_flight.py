@@ -4,14 +4,20 @@ a worker never started, lost events, where a request is placed, and what an erro
 from proto import messages as m
 from proto import subjects
 from services.gateway.flight import Flight, error_usage, not_started, went_silent
-from services.gateway.placement_choice import beside_lead, judge_placement, placement_question
+from services.gateway.placement_choice import beside_lead, judge_placement, pinned_worker, placement_question
 from services.gateway.stream_resend import events_lost
 
 
-def flight(**fields: object) -> Flight:
+def flight(release: str | None = None, pinned: bool = False, **fields: object) -> Flight:
     request = m.InferenceRequest(request_id="r", tenant="t", model="m", prompt="P", reply_to="x",
-                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=5.0)
+                                 sampling=m.SamplingParams(max_new_tokens=10), deadline=1e12, created=5.0,
+                                 release=release, release_pinned=pinned)
     return Flight(request=request, **fields)  # type: ignore[arg-type]
+
+
+def beat(worker_id: str, release: str, **fields: object) -> m.Heartbeat:
+    return m.Heartbeat(worker_id=worker_id, model="m", engine_url="", started=0.0, ts=0.0, release=release,
+                       **fields)  # type: ignore[arg-type]
 
 
 def test_a_started_stream_is_silent_after_silence_s_with_nothing_left_to_read() -> None:
@@ -79,6 +85,44 @@ def test_an_answer_naming_a_gone_avoided_or_overfull_worker_is_not_taken() -> No
     assert judge_placement(m.PlacementReply(target="x", worker_id="gone"), f, live, fits) == "gone"
     assert judge_placement(m.PlacementReply(target="a", worker_id="avoided"), f, live, fits) == "gone"
     assert judge_placement(m.PlacementReply(target="f", worker_id="full"), f, live, fits) == "over_budget"
+
+
+def test_a_pinned_request_waits_for_its_release_rather_than_go_where_another_release_pulls() -> None:
+    fits = lambda worker_id, band: False  # noqa: E731  (every queue is past its budget)
+    pinned = flight(release="sha256:cand", pinned=True, avoid_worker="avoided")
+    live = {"w", "avoided"}
+    assert judge_placement(m.PlacementReply(target="w", worker_id="w"), pinned, live, fits) == "take"
+    assert judge_placement(m.PlacementReply(target="a", worker_id="avoided"), pinned, live, fits) == "gone"
+    split = flight(release="sha256:cand")  # a canary's split, not a pin: any worker may take it
+    assert judge_placement(m.PlacementReply(target="w", worker_id="w"), split, live, fits) == "over_budget"
+
+
+def test_without_the_routers_answer_a_pinned_request_goes_to_the_least_queued_worker_of_its_release() -> None:
+    live = {
+        "stable-1": beat("stable-1", "sha256:stable"),
+        "cand-busy": beat("cand-busy", "sha256:cand"),
+        "cand-idle": beat("cand-idle", "sha256:cand"),
+        "cand-prefill": beat("cand-prefill", "sha256:cand", role="prefill"),
+        "cand-draining": beat("cand-draining", "sha256:cand", state="draining"),
+        "cand-other-model": m.Heartbeat(worker_id="cand-other-model", model="other", engine_url="", started=0.0,
+                                        ts=0.0, release="sha256:cand"),
+        "cand-avoided": beat("cand-avoided", "sha256:cand"),
+    }
+    queued = {"cand-busy": 3, "cand-idle": 1, "stable-1": 0, "cand-prefill": 0, "cand-draining": 0,
+              "cand-other-model": 0, "cand-avoided": 0}
+    pinned = flight(release="sha256:cand", pinned=True, avoid_worker="cand-avoided")
+    chosen = pinned_worker(pinned, live, queued.__getitem__, "")
+    assert chosen is not None and chosen.worker_id == "cand-idle"
+    assert chosen.target == subjects.worker_target("cand-idle")
+    queued["cand-idle"] = 5
+    assert pinned_worker(pinned, live, queued.__getitem__, "").worker_id == "cand-busy"  # type: ignore[union-attr]
+    # In the gateway's zone while a worker of the release is there, however queued.
+    live["cand-zoned"] = beat("cand-zoned", "sha256:cand", zone="z2")
+    queued["cand-zoned"] = 9
+    assert pinned_worker(pinned, live, queued.__getitem__, "z2").worker_id == "cand-zoned"  # type: ignore[union-attr]
+    assert pinned_worker(pinned, live, queued.__getitem__, "z3").worker_id == "cand-busy"  # type: ignore[union-attr]
+    # No worker of the release: none (the gateway refuses), never a worker of another release.
+    assert pinned_worker(flight(release="sha256:gone", pinned=True), live, queued.__getitem__, "") is None
 
 
 def test_a_later_choice_goes_beside_choice_0_while_that_worker_lives_and_fits() -> None:

@@ -31,6 +31,7 @@ from inferbus.bus import connection as bus
 from inferbus.bus import patience, security_events
 from inferbus.bus.outbox import Outbox
 from inferbus.bus.replies import PublishError, Replies
+from inferbus.releases import record
 from inferbus.runtime import logs, tracing
 from inferbus.stores import dispatch_records
 from inferbus.tokens.blocks import DEFAULT_BLOCK_SIZE
@@ -46,6 +47,7 @@ from .flight import (
     foreign_sender,
     measures_load,
     next_attempt,
+    shows_loss,
 )
 from .metrics import (
     FAIR_QUEUE,
@@ -53,8 +55,9 @@ from .metrics import (
     PLACEMENT_SECONDS,
     PLACEMENTS,
     PLACEMENTS_OVER_BUDGET,
+    PLACEMENTS_PINNED,
 )
-from .placement_choice import beside_lead, judge_placement, placement_question
+from .placement_choice import beside_lead, judge_placement, pinned_worker, placement_question
 from .queue_window import QueueWindow
 from .stream_resend import resend
 from .worker_watch import WorkerWatch
@@ -178,26 +181,42 @@ class Dispatcher:
     # ---- placement and publishing -----------------------------------------------------------
 
     async def _place(self, flight: Flight) -> m.PlacementReply:
-        """Ask the router for a target; without an answer in time, the shared queue still serves."""
-        shared = m.PlacementReply(target=subjects.ANY_TARGET)
+        """Ask the router for a target; without an answer in time, the shared queue still serves
+        (a pinned request: a worker of its release, `_unplaced`)."""
         lead = beside_lead(flight, self.live_workers, self._fits)
         if lead is not None:
             return lead
         ask = placement_question(flight, block_size=self.block_size, zone=self.zone, timeout_s=self.placement_timeout_s)
         if ask is None:
-            return shared
+            return self._unplaced(flight)
         reply = await patience.ask(self.replies, subjects.placement_subject(flight.request.model), m.encode(ask),
                                    self.patience, _observe_placement)
         if reply is None:
-            return shared
+            return self._unplaced(flight)
         try:
             placement = _placement_decoder.decode(reply.data)
         except msgspec.DecodeError:
-            return shared
+            return self._unplaced(flight)
         verdict = judge_placement(placement, flight, self.live_workers, self._fits)
         if verdict == "over_budget":
             PLACEMENTS_OVER_BUDGET.inc()
-        return placement if verdict == "take" else shared
+        return placement if verdict == "take" and placement.worker_id else self._unplaced(flight)
+
+    def _unplaced(self, flight: Flight) -> m.PlacementReply:
+        """Where a request goes without a router's answer it can take: the shared queue, which a
+        worker of any release pulls, except for a request pinned to a release (an eval run would
+        otherwise score another release's answers): a worker of that release, else refused."""
+        if not flight.request.release_pinned:
+            return m.PlacementReply(target=subjects.ANY_TARGET)
+        beats = {worker_id: beat for worker_id, (_, beat) in self.live_workers.items()}
+        chosen = pinned_worker(flight, beats, lambda worker_id: self._queued_on(worker_id, flight.request.band),
+                               self.zone)
+        if chosen is None:
+            raise DispatchError(503, "release_unavailable",
+                                f"No worker of release {record.short(flight.request.release or '')} is serving "
+                                f"`{flight.request.model}` right now.", retry_after=5)
+        PLACEMENTS_PINNED.inc()
+        return chosen
 
     def _fits(self, worker_id: str, band: str) -> bool:
         return self.placement_fits(worker_id, band, self._queued_on(worker_id, band))
@@ -386,6 +405,7 @@ class Dispatcher:
         flight.sent_text = []
         flight.sent_ids = []
         flight.next_seq = 0
+        flight.resent_until = 0
         if flight.state != "queued":
             flight.waiting_since = time.monotonic()
             self._mark_queued(flight)  # waiting in a queue again, until a worker accepts it
@@ -415,7 +435,7 @@ class Dispatcher:
                 continue
             if isinstance(event, (m.TokenChunk, m.Final)):
                 if event.seq != flight.next_seq:
-                    if event.seq > flight.next_seq:
+                    if shows_loss(flight, event.seq):
                         # Events went missing (core NATS drops what is in flight when a node dies or a
                         # connection moves): the worker sends them again from the first one missing,
                         # and this one after them.

@@ -38,6 +38,9 @@ class Flight:
     heard_at: float = 0.0  # monotonic time an event of this request last arrived
     publisher: tuple[int, str] | None = None  # (attempt, worker token) that first published for the attempt
     resending: bool = False  # its worker was asked to send missed events again, no answer yet
+    # Chunks below this were sent again at the last ask: their first copies, published before the
+    # answer, can still arrive after it and are no sign of a new loss.
+    resent_until: int = 0
     weight: float = 1.0  # the tenant's fair-share weight
     estimated_tokens: float = 0.0  # charged to the tenant's fair-share counter at dispatch
     state: str = "held"  # held (in the fair queue) → queued (in JetStream) → accepted (by a worker)
@@ -109,6 +112,12 @@ def measures_load(flight: Flight, now: float, seen: tuple[float, m.Heartbeat] | 
     if flight.state != "queued" or flight.worker_id is None:
         return True
     return seen is not None and seen[1].state == "ready" and now - seen[0] <= heartbeat_ttl_s / 2
+
+
+def shows_loss(flight: Flight, seq: int) -> bool:
+    """Whether chunk `seq` of the current attempt shows that events before it went missing: it
+    comes after the next one expected and was not already sent again at the last ask."""
+    return seq > flight.next_seq and seq >= flight.resent_until
 
 
 def went_silent(flight: Flight, now: float, silence_s: float) -> bool:

@@ -63,3 +63,6 @@ PLACEMENT_SECONDS = Histogram(
 PLACEMENTS_OVER_BUDGET = Counter("inferbus_placements_over_budget_total",
                                  "Placements on a worker whose own queue would hold the request past its band's "
                                  "budget, queued on the shared queue instead")
+PLACEMENTS_PINNED = Counter("inferbus_placements_pinned_total",
+                            "Requests pinned to a release (eval runs) the router did not place in time, queued "
+                            "by the gateway on a worker of that release instead of the shared queue")

@@ -1,10 +1,11 @@
 """Where the gateway queues a request, pure: beside the first choice of an n-choice request,
-whether the router is worth asking at all, and whether its answer can be taken. `fits(worker_id,
-band)`: the worker's own queue would start it within its band's budget."""
+whether the router is worth asking at all, whether its answer can be taken, and where a request
+pinned to a release goes when it cannot (never the shared queue, which any release's worker
+pulls). `fits(worker_id, band)`: the worker's own queue would start it within its band's budget."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from typing import Literal
 
 from proto import messages as m
@@ -46,10 +47,29 @@ def judge_placement(placement: m.PlacementReply, flight: Flight, live_workers: C
                     fits: Fits) -> Literal["take", "gone", "over_budget"]:
     """Whether the router's answer is taken: not a worker this gateway does not see alive or must
     avoid (`gone`), nor one whose queue would hold it past its band's budget (`over_budget`: any
-    worker may take it)."""
+    worker may take it). A pinned request waits for its release however long the queue: no other
+    worker may take it."""
     worker_id = placement.worker_id
     if worker_id and (worker_id not in live_workers or worker_id == flight.avoid_worker):
         return "gone"
-    if worker_id and not fits(worker_id, flight.request.band):
+    if worker_id and not flight.request.release_pinned and not fits(worker_id, flight.request.band):
         return "over_budget"
     return "take"
+
+
+def pinned_worker(flight: Flight, live_workers: Mapping[str, m.Heartbeat], queued_on: Callable[[str], int],
+                  zone: str) -> m.PlacementReply | None:
+    """Where a request pinned to a release (an eval run) goes without a router's answer: the ready
+    worker of that release with the fewest of this gateway's requests queued on it, in the
+    gateway's zone when one is there, not one to avoid, never a prefill worker. None: no worker of
+    the release is up (the caller refuses the request rather than let another release answer)."""
+    request = flight.request
+    own = [beat for worker_id, beat in live_workers.items()
+           if beat.release == request.release and beat.model == request.model and beat.state == "ready"
+           and beat.role != "prefill" and worker_id != flight.avoid_worker]
+    if not own:
+        return None
+    in_zone = [beat for beat in own if beat.zone == zone] if zone else []
+    chosen = min(in_zone or own, key=lambda beat: (queued_on(beat.worker_id), beat.worker_id))
+    return m.PlacementReply(target=subjects.worker_target(chosen.worker_id), worker_id=chosen.worker_id,
+                            reason="pinned release")

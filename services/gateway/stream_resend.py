@@ -57,8 +57,11 @@ async def resend(replies: Replies, flight: Flight, why: str, *, gateway_id: str,
         flight.heard_at = time.monotonic()
     RESENDS.labels(reply.state if reply is not None else "no_answer").inc()
     if reply is not None and reply.state != "unknown":
-        if flight.worker_id is None and flight.request is request:
-            flight.worker_id = reply.worker_id or None
+        if flight.request is request:
+            if flight.worker_id is None:
+                flight.worker_id = reply.worker_id or None
+            # Counts a trailing error or handoff too: at worst one chunk past them waits for the next.
+            flight.resent_until = max(flight.resent_until, from_seq + reply.resent)
         if reply.resent:
             log.warning("stream_resent", request_id=request.request_id, worker_id=reply.worker_id, why=why,
                         from_seq=from_seq, resent=reply.resent, state=reply.state)
