@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import msgspec
 import nats
 import pytest
 from click.testing import CliRunner
+from nats.aio.msg import Msg
 
 from inferbus.local.process import Process
 from inferbus.local.replicas import EngineSpec, replica_processes
@@ -30,7 +33,8 @@ from services.sim_engine import quality
 from tools.commands.main import main
 
 from .canary_helpers import Load, cli, decisions
-from .conftest import MODEL, Platform, read_usage, running_platform
+from .conftest import MODEL, Platform, dispatch, read_usage, running_platform
+from .waiting import await_for
 
 pytestmark = pytest.mark.e2e
 
@@ -296,6 +300,95 @@ def test_worse_eval_candidate_is_rolled_back_by_the_eval_gate(platform: Platform
     seen = decisions(platform, MODEL, {"rollback"}, timeout=30)
     assert seen and seen[-1].action == "rollback" and "eval gate failed" in seen[-1].reason
     assert status(platform)["state"] == "rolled_back"
+
+
+def test_a_pinned_request_is_served_by_its_release_while_the_router_is_stopped(platform: Platform,
+                                                                               replicas: Replicas) -> None:
+    """Without the router's answer a request goes to the shared queue, which a worker of any
+    release pulls: an eval run pinned to the candidate would score the stable release's answers
+    (one CI run's candidate scored 87.8% where its engine answers 80.9%). The gateway places a
+    pinned request on a worker of its release itself; the billing ledger says who served it."""
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    replicas.start(stable_dir, stable)
+    candidate_dir = replicas.model_dir("candidate", 0.95, weights=b"weights-candidate")
+    candidate = replicas.create(candidate_dir)
+    replicas.start(candidate_dir, candidate)
+    start_canary(platform, candidate)
+    router = platform.stack.get("router")
+    router.signal(signal.SIGSTOP)  # alive to NATS, answering nothing: every placement goes unanswered
+    pinned: dict[str, str] = {}
+    try:
+        client = platform.client()
+        for index in range(24):
+            # Not alternating: the shared queue's two pullers take turns, which could match it.
+            release = candidate if index < 12 else stable
+            reply = client.chat.completions.create(
+                model=MODEL, max_tokens=4, seed=index,
+                messages=[{"role": "user", "content": f"What is {index} + 7? Answer with the number."}],
+                extra_headers={"inferbus-release": record.short(release)})
+            pinned[reply.id.removeprefix("chatcmpl-")] = release
+    finally:
+        router.signal(signal.SIGCONT)
+        cli(platform, "release", "rollback", MODEL)
+    events = read_usage(platform, "demo", set(pinned), timeout=30)
+    served = {event.request_id: event.release for event in events}
+    assert served == pinned
+
+
+def test_a_request_pinned_to_another_release_is_handed_back_unrun(platform: Platform, replicas: Replicas) -> None:
+    """A dead worker's queue is moved to the shared queue, which every release's workers pull. A
+    worker that finds a request pinned to another release there hands it back to its gateway unrun
+    (a retryable error before any token: the gateway places the next attempt on its release) and
+    bills nothing for it."""
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    replicas.start(stable_dir, stable)
+    candidate = replicas.create(replicas.model_dir("candidate", 0.95, weights=b"weights-candidate"))
+    owner = "pin-test"  # a gateway, as far as the worker can tell
+
+    def request(release: str | None, pinned: bool) -> m.InferenceRequest:
+        now = time.time()
+        return m.InferenceRequest(
+            request_id=uuid.uuid4().hex, tenant="demo", model=MODEL, prompt="What is 2 + 7?", created=now,
+            deadline=now + 60, sampling=m.SamplingParams(max_new_tokens=4, temperature=0.0),
+            reply_to=subjects.token_subject(owner), release=release, release_pinned=pinned)
+
+    elsewhere = [request(candidate, True) for _ in range(4)]
+    here = [request(stable, True), request(None, False)]
+    events: dict[str, list[m.StreamEvent]] = {r.request_id: [] for r in elsewhere + here}
+
+    async def moved_to_the_shared_queue() -> None:
+        nc = await nats.connect(platform.stack.nats_url)
+        js = nc.jetstream()
+
+        async def on_frame(msg: Msg) -> None:
+            for event in msgspec.msgpack.decode(msg.data, type=m.StreamFrame).events:
+                events[event.request_id].append(event)
+
+        sub = await nc.subscribe(subjects.event_filter(owner), cb=on_frame)
+        try:
+            subject = subjects.request_subject("standard", MODEL, subjects.ANY_TARGET, subjects.token_subject(owner))
+            for item in elsewhere + here:
+                await dispatch(js, item)
+                await js.publish(subject, m.encode(item.on_wire()), headers={"Nats-Msg-Id": item.request_id})
+            await await_for(lambda: all(isinstance(e[-1], (m.Final, m.StreamError)) for e in events.values() if e)
+                            and all(events.values()), 60, what="every request ended")
+        finally:
+            await sub.unsubscribe()
+            await nc.close()
+
+    asyncio.run(moved_to_the_shared_queue())
+    for item in elsewhere:
+        [refused] = events[item.request_id]
+        assert isinstance(refused, m.StreamError) and refused.retryable and refused.code == "release_mismatch"
+        assert refused.message == f"pinned to release {candidate}, this worker serves {stable}"
+    for item in here:
+        assert isinstance(events[item.request_id][-1], m.Final)
+    billed = {event.request_id: event.release for event in read_usage(platform, "demo", set(events), timeout=5)}
+    assert billed == {item.request_id: stable for item in here}
 
 
 def test_pins_are_checked_at_the_gateway(platform: Platform, replicas: Replicas) -> None:

@@ -99,6 +99,20 @@ def test_adapter_files_must_hash_to_their_version(tmp_path: Path) -> None:
     assert "the registered version is " + digest in (release_check.adapter_problem(spec) or "")
 
 
+def test_a_worker_runs_a_pinned_request_only_on_its_release() -> None:
+    def request(release: str | None, pinned: bool) -> m.InferenceRequest:
+        return m.InferenceRequest(request_id="r", tenant="t", model="llama", prompt="P", reply_to="x", created=0,
+                                  deadline=1e12, sampling=m.SamplingParams(max_new_tokens=1), release=release,
+                                  release_pinned=pinned)
+
+    assert release_check.pin_refusal(request("a", True), "a") is None
+    assert release_check.pin_refusal(request("b", True), "a") == "pinned to release b, this worker serves a"
+    assert release_check.pin_refusal(request("b", True), "") == "pinned to release b, this worker serves no release"
+    # A canary's split (not pinned) may be served by any release, as when the router is slow.
+    assert release_check.pin_refusal(request("b", False), "a") is None
+    assert release_check.pin_refusal(request(None, False), "a") is None
+
+
 def test_sim_quality_answers_arithmetic_at_its_accuracy(tmp_path: Path) -> None:
     assert quality.answer("What is 17 + 25?", 1.0, "s") == "42"
     assert quality.answer("Compute 6 * 7 =", 1.0, 1) == "42"

@@ -47,6 +47,11 @@ PREFILL_HALVES = Counter(
     "batch half that gave way to an interactive one, refused)",
     ["outcome"],
 )
+PINNED_ELSEWHERE = Counter(
+    "inferbus_worker_pinned_elsewhere_total",
+    "Requests pinned to another release that reached this worker (from the shared queue), handed back to their "
+    "gateway unrun",
+)
 DUPLICATES = Counter(
     "inferbus_worker_duplicate_deliveries_total",
     "Deliveries of an attempt already run by this or another worker (a redelivery, a second copy), acked and "

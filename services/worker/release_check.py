@@ -108,6 +108,15 @@ def adapter_problem(spec: m.AdapterSpec) -> str | None:
     return None
 
 
+def pin_refusal(request: m.InferenceRequest, release_id: str) -> str | None:
+    """Why a worker serving `release_id` ("" unpinned) must not run `request`: the client pinned it
+    to another release (an eval run). Placement sends a pinned request to its release only, but a
+    dead worker's queue is moved to the shared queue, which every release's workers pull."""
+    if not request.release_pinned or request.release == release_id:
+        return None
+    return f"pinned to release {request.release}, this worker serves {release_id or 'no release'}"
+
+
 class ReleaseCounters:
     """Interactive requests finished by status, reported with load for the canary's SLO gate."""
 

@@ -27,12 +27,13 @@ from proto import subjects
 from proto.bands import Band
 
 from .adapters import Adapters
-from .attempt import Attempt, bill_delivered
+from .attempt import Attempt, bill_delivered, forget, give_up_earlier
 from .engine import EngineClient, EngineError, EngineUpdate
-from .metrics import ABANDONED, DUPLICATES, ENGINE_ERRORS, FREE_SLOTS, QUEUE_WAIT, REQUESTS, RUNNING
+from .metrics import ABANDONED, DUPLICATES, ENGINE_ERRORS, FREE_SLOTS, PINNED_ELSEWHERE, QUEUE_WAIT, REQUESTS, RUNNING
 from .preemption import PreemptionPolicy
 from .pull_plan import ConsumerState, plan_pulls
 from .puller import Puller
+from .release_check import pin_refusal
 from .reporting import ServingStats, tpot_of
 from .slots import SlotBudget
 
@@ -302,6 +303,11 @@ class Serving:
     def _start(self, msg: Msg, request: m.InferenceRequest,
                serve: Callable[[Msg, Attempt], Coroutine[Any, Any, None]]) -> None:
         worker = self.worker
+        earlier = give_up_earlier(worker.running, request)
+        if earlier is not None:
+            log.warning("earlier_attempt_given_up", request_id=request.request_id, attempt=earlier.request.attempt,
+                        next_attempt=request.attempt)
+            worker.background.spawn(worker.engine.abort(earlier.request.engine_rid()))
         entry = Attempt(request=request, pause_epoch=worker.pause.epoch)
         worker.running[request.request_id] = entry
         if request.band == "batch":
@@ -352,6 +358,17 @@ class Serving:
                     ))
                     publish_usage = False  # nothing ran; the gateway bills what the client got
                     return
+                refusal = pin_refusal(request, worker.release_counts.release_id)
+                if refusal is not None:
+                    # Before any work: its gateway places the next attempt on a worker of its release.
+                    PINNED_ELSEWHERE.inc()
+                    log.warning("pinned_elsewhere", why=refusal)
+                    finish, publish_usage = "error", False
+                    worker.events.send(request, m.StreamError(
+                        request_id=request.request_id, attempt=request.attempt, code="release_mismatch",
+                        message=refusal, retryable=True, status=503,
+                    ))
+                    return
                 queue_wait = max(0.0, time.time() - request.created)
                 QUEUE_WAIT.observe(queue_wait)
                 if request.band != "batch" and request.attempt == 0:
@@ -386,7 +403,7 @@ class Serving:
                 ))
                 abandoned = "internal_error"
             finally:
-                worker.running.pop(request.request_id, None)
+                forget(worker.running, entry)
                 if request.batch_id is None:
                     worker.events.replay.ended(request.request_id, request.attempt)
                 RUNNING.set(len(worker.running))
