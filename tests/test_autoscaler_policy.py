@@ -133,6 +133,25 @@ def test_capacity_from_demand_over_per_replica_goodput() -> None:
     assert "20.0 req/s (forecast 20.0) needs 6 at 4.1 req/s each +15%" in d.reason
 
 
+def test_capacity_of_a_pooled_pool_uses_the_goodput_of_the_replicas_serving() -> None:
+    """A prompt waits for the first free replica of those serving (the router pools their prefill
+    queues): one replica's goodput grows with the pool, so the plan's number for its own pool size
+    over-promises at a trough."""
+    table = ((1, 1.0), (4, 1.5), (8, 2.0))
+    config = PolicyConfig(goodput_rps=2.0, goodput_by_serving=table, headroom=0.0)
+    # Each size range with its own goodput: 3 × 1.0, 4 × 1.5 (3 × 1.0 is short of 3.5), 8 × 2.0
+    # (7 would serve at 1.5: 10.5).
+    assert [config.serving_for(r) for r in (0.0, 3.0, 3.5, 6.0, 6.5, 13.0, 16.0, 16.5)] == [0, 3, 4, 4, 5, 8, 8, 9]
+    assert [config.goodput_at(n) for n in (0, 1, 3, 4, 7, 8, 100)] == [1.0, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0]
+    # The plan's one number at its size says 2 replicas for 3 req/s, where 2 pooled serve 2.
+    assert PolicyConfig(goodput_rps=2.0, headroom=0.0).serving_for(3.0) == 2
+    d = AutoscalePolicy(Clock(), dataclasses.replace(config, headroom=0.15)).decide(calm(2, 3.0))
+    assert d.desired_serving == 4 and "needs 4 at 1.5 req/s each +15%" in d.reason  # ⌈3 × 1.15 ÷ 1.0⌉ = 4 ≥ 4
+    assert d.capacity_rate == pytest.approx(4 * 1.5 / 1.15)
+    with pytest.raises(ValueError, match="ascending"):
+        PolicyConfig(goodput_by_serving=((4, 1.5), (1, 1.0)))
+
+
 def test_forecast_on_a_ramp_starts_replicas_one_cold_start_ahead() -> None:
     clock = Clock()
     p = policy(clock, cold_start_s=120.0, warm_start_s=5.0, max_warm=64)
@@ -306,6 +325,12 @@ def test_settings_errors_are_clear(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit, match="dryrun, local, kubernetes"):
         settings_mod.load(AutoscalerSettings)
     monkeypatch.setenv("INFERBUS_AUTOSCALER_ACTUATOR", "dryrun")
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING", "1:2.0,4")
+    with pytest.raises(SystemExit, match="got '4'.*INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING"):
+        settings_mod.load(AutoscalerSettings)
+    monkeypatch.setenv("INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING", "1:2.0, 4:2.5")
+    assert settings_mod.load(AutoscalerSettings).policy_config().goodput_by_serving == ((1, 2.0), (4, 2.5))
+    monkeypatch.delenv("INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING")
     monkeypatch.setenv("INFERBUS_AUTOSCALER_MIN_SERVING", "9")
     monkeypatch.setenv("INFERBUS_AUTOSCALER_MAX_SERVING", "3")
     with pytest.raises(SystemExit, match="min_serving"):

@@ -288,9 +288,10 @@ def test_kustomize_renders_valid_objects(kdir: Path):
                      ("HorizontalPodAutoscaler", "gateway"), ("PodDisruptionBudget", "gateway"),
                      ("ConfigMap", "inferbus-config")]:
         assert expected in kinds, f"{kdir.name}: {expected} not rendered"
-    # Real and simulated workers must never share a namespace (both pull from `any`).
+    # Real and simulated workers must never share a namespace (both pull from `any`). Production
+    # runs the plan's topology: deploy/k8s/plan is disaggregated, so its prefill pool beside `worker`.
     workers = {name for kind, name in kinds if kind == "Deployment" and name.startswith("worker")}
-    assert workers == ({"worker"} if kdir == K8S else {"worker-sim"}), workers
+    assert workers == ({"worker", "worker-prefill"} if kdir == K8S else {"worker-sim"}), workers
 
 
 def _deployments() -> dict[str, dict]:

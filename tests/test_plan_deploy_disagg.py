@@ -4,6 +4,7 @@ and the decode pool (TP, counts, roles) and the autoscaler's per-pool bounds, al
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import subprocess
@@ -181,6 +182,22 @@ def test_the_autoscaler_reads_the_emitted_bounds_as_the_plan_sized_each_pool(pla
     )
     assert configs["prefill"].goodput_rps == pytest.approx(row.prefill_rps, abs=1e-3)
     assert configs["decode"].goodput_rps == pytest.approx(row.decode_rps, abs=1e-3)
+    # The router pools the prefill queues: one prefill replica's goodput by the replicas serving,
+    # from each replica's own queue (fewer than four do not pool) up to the plan's pool.
+    assert row.prefill_pooled is not None and row.prefill_pool is not None
+    table = configs["prefill"].goodput_by_serving
+    assert [n for n, _ in table] == [n for n, _ in row.prefill_pooled.table()]
+    assert [g for _, g in table] == pytest.approx([g for _, g in row.prefill_pooled.table()], abs=1e-3)
+    assert table[0][0] == 1 and table[1][0] == 4 and table[-1][0] == row.prefill_replicas
+    assert all(a[1] < b[1] for a, b in zip(table, table[1:], strict=False))  # a larger pool waits less
+    assert row.prefill_pooled.goodput_at(row.prefill_pool) == pytest.approx(row.prefill_rps)
+    assert configs["decode"].goodput_by_serving == ()  # a decode pool has no prefill queue to pool
+    # What the plan's pool serves, the autoscaler sizes at no more than the plan's replicas; at a
+    # 40th of it, with more than the plan's one number would give (3 replicas that do not pool).
+    rate = planned[0].inputs.rate_rps
+    assert configs["prefill"].serving_for(rate) <= row.prefill_replicas
+    alone = dataclasses.replace(configs["prefill"], goodput_by_serving=())
+    assert configs["prefill"].serving_for(rate / 40) == 4 and alone.serving_for(rate / 40) == 3
     assert settings.deployments() == {role_pool(MODEL, "decode"): "worker",
                                       role_pool(MODEL, "prefill"): deploy.PREFILL_DEPLOYMENT}
 
@@ -199,7 +216,7 @@ def test_plan_emit_deploy_writes_both_pools_of_a_disaggregated_plan(tmp_path: Pa
     shutil.copy(REPO / "deploy" / "k8s" / "worker.yaml", k8s / "worker.yaml")
     code, output = _emit(tmp_path, "--emit-deploy", str(k8s / "plan"))
     assert code == 0, output
-    assert "Topology: disaggregated" in output and "Wrote the H100 prefill TP8 + decode TP4 overlay" in output
+    assert "Topology: disaggregated" in output and "Wrote the H100 prefill TP4 + decode TP4 overlay" in output
     written = {p.name for p in (k8s / "plan").iterdir()}
     assert written == {"kustomization.yaml", "worker-patch.yaml", "worker-pdb-patch.yaml", "worker-prefill.yaml",
                        "autoscaler-patch.yaml", "autoscaler-role-patch.yaml"}
@@ -208,7 +225,7 @@ def test_plan_emit_deploy_writes_both_pools_of_a_disaggregated_plan(tmp_path: Pa
     prefill = next(d for d in yaml.safe_load_all((k8s / "plan" / "worker-prefill.yaml").read_text())
                    if d["kind"] == "Deployment")
     engine = next(c for c in prefill["spec"]["template"]["spec"]["initContainers"] if c["name"] == "sglang")
-    assert _flags(engine["args"])["--tp"] == "8"
+    assert _flags(engine["args"])["--tp"] == "4"
 
 
 def test_plan_emit_deploy_needs_the_base_worker_for_the_prefill_pool(tmp_path: Path) -> None:
@@ -264,7 +281,7 @@ def test_the_production_kustomization_renders_both_pools(tmp_path: Path) -> None
         roles[name] = (selector[deploy.ROLE_LABEL], _flags(engine["args"])["--disaggregation-mode"],
                        _env(worker)["INFERBUS_WORKER_ROLE"], _flags(engine["args"])["--tp"])
     assert roles == {"worker": ("decode", "decode", "decode", "4"),
-                     deploy.PREFILL_DEPLOYMENT: ("prefill", "prefill", "prefill", "8")}
+                     deploy.PREFILL_DEPLOYMENT: ("prefill", "prefill", "prefill", "4")}
     budgets = [
         d["spec"]["selector"]["matchLabels"][deploy.ROLE_LABEL]
         for d in docs

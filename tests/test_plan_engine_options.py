@@ -3,13 +3,16 @@ zone headroom in the price; the plan's kustomize overlay and its drift from the 
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from inferbus.runtime.settings import load
 from inferbus.timing import (
     SpecDecoding,
     expected_distinct_adapters,
@@ -17,7 +20,9 @@ from inferbus.timing import (
     lora_load_s,
     roofline,
 )
+from services.autoscaler.settings import AutoscalerSettings
 from tools.capacity import mix as mix_mod
+from tools.capacity import traces
 from tools.capacity.plan import deploy, options
 from tools.capacity.plan.model import Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, make_plan
@@ -90,8 +95,9 @@ def test_speculative_step_is_draft_plus_a_wider_verify() -> None:
 @pytest.mark.slow
 def test_planner_turns_speculative_decoding_on_only_where_it_raises_goodput() -> None:
     def row(spec: SpecDecoding):  # type: ignore[no-untyped-def]
+        # Each replica its own prefill queue: the goodputs compared are then the row's own.
         inputs = PlanInputs(rate_rps=100.0, rate_text="100 requests/s", workload=WORKLOAD, mix={}, slo=Slo(),
-                            gpu_prices={"H100": 2.5}, tps=[2], spec=spec)
+                            gpu_prices={"H100": 2.5}, tps=[2], spec=spec, prefill_queue="per-replica")
         return make_plan(inputs).rows[0]
 
     useful = row(SpecDecoding(3, 0.7))
@@ -244,6 +250,34 @@ def test_autoscaler_bounds_are_the_plan() -> None:
     assert env["INFERBUS_AUTOSCALER_MIN_SERVING"] == "3"
     assert float(env["INFERBUS_AUTOSCALER_HEADROOM"]) == pytest.approx(1.15 * 1.5 - 1, abs=1e-4)
     assert float(env["INFERBUS_AUTOSCALER_GOODPUT_RPS"]) <= row.goodput_rps
+    # TPOT binds at every pool size: one goodput says it all.
+    assert row.pool is not None and "INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING" not in env
+
+
+@pytest.mark.slow
+def test_a_fleet_whose_ttft_binds_gives_the_autoscaler_its_goodput_by_pool_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long prompts on TP8: each replica alone waits behind whole prompts (1.54 req/s); seven whose
+    queues the router pools serve three times that each. The autoscaler sizes a trough by the
+    goodput of the replicas it would leave serving, not by the plan's size."""
+    mix = mix_mod.load(traces.find("mooncake_synthetic.jsonl"))
+    plan = make_plan(PlanInputs(rate_rps=20.0, rate_text="20 requests/s", workload=Workload.from_mix(mix),
+                                mix=mix.describe(), slo=Slo(), gpu_prices={"H100": 2.5}, tps=[8]))
+    [row] = plan.rows
+    assert row.binding == "TTFT" and row.pool is not None and row.pooled is not None
+    env = dict(deploy.autoscaler_env(plan, row))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = load(AutoscalerSettings).policy_config()
+    table = config.goodput_by_serving
+    assert [n for n, _ in table] == [1, 4, 5, 6, row.replicas]
+    assert table[0][1] == pytest.approx(row.pooled.alone, abs=1e-3) and table[0][1] < table[1][1] / 2
+    # The plan's pool (one replica down) at the goodput the plan sized it with.
+    assert row.pooled.goodput_at(row.pool) == pytest.approx(row.goodput_rps)
+    # 6 req/s: three lone replicas serve 3 × 1.54 < 6 × 1.15, four pooled 4 × 3.93 ≥ it; the
+    # plan's one number (4.48 req/s a replica) would say two.
+    assert config.serving_for(6.0) == 4
+    assert dataclasses.replace(config, goodput_by_serving=()).serving_for(6.0) == 2
 
 
 def test_overlay_files_are_a_kustomize_component() -> None:
@@ -291,6 +325,9 @@ def test_shipped_production_plan_is_what_the_worked_example_emits(tmp_path: Path
     header = next(line for line in shipped["kustomization.yaml"].splitlines() if line.startswith("#   inferbus plan"))
     words = shlex.split(header.removeprefix("#   "))[2:]
     monkeypatch.chdir(tmp_path)
+    # A disaggregated plan's prefill pool copies the base worker Deployment beside the overlay.
+    (tmp_path / "deploy" / "k8s").mkdir(parents=True)
+    shutil.copy(PLAN_DIR.parent / "worker.yaml", tmp_path / "deploy" / "k8s" / "worker.yaml")
     result = CliRunner().invoke(plan_command, [*words, "--no-compare"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     emitted = {p.name: p.read_text() for p in (tmp_path / "deploy" / "k8s" / "plan").iterdir()}

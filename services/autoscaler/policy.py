@@ -13,6 +13,9 @@ Rules, in the order they can raise the serving target:
      requests burning their TTFT in the queue are the problem.
   2. Capacity. replicas = ceil(rate × (1 + headroom) / goodput per replica), with the rate the
      larger of now and the forecast one warm start ahead: what promotion can still fix in time.
+     Where the router pools the replicas' prefill queues, one replica's goodput grows with the
+     replicas serving (a prompt waits for the first free one of n, M/G/n): the plan's goodputs by
+     pool size (`goodput_by_serving`) then give the fewest n whose n × goodput(n) covers it.
   3. In-flight work and the minimum: never fewer serving replicas than the interactive requests
      held need slots, nor fewer than `min_serving`.
 The warm pool holds what the forecast needs one cold start ahead beyond the serving target, and
@@ -46,6 +49,9 @@ class PolicyConfig:
     goodput_rps: float = (
         4.1  # interactive req/s one replica serves within the SLO (H100 TP2, worked-example mix, mean-prefill estimate)
     )
+    # (serving replicas, goodput per replica) from the plan, sizes ascending: n serving replicas
+    # serve at the goodput of the largest size ≤ n (the first below it). Empty: goodput_rps at every size.
+    goodput_by_serving: tuple[tuple[int, float], ...] = ()
     headroom: float = 0.15  # N+1, bursts and imbalance (the capacity plan's 15%)
     slots_per_replica: int = 256  # engine max_running_requests, for the in-flight floor when none report
     min_serving: int = 1
@@ -103,6 +109,46 @@ class PolicyConfig:
             raise ValueError(f"down_pressure must be in (0, 1], got {self.down_pressure}")
         if self.slots_per_replica < 1:
             raise ValueError(f"slots_per_replica must be >= 1, got {self.slots_per_replica}")
+        sizes = [n for n, _ in self.goodput_by_serving]
+        if sizes != sorted(set(sizes)) or any(n < 1 or g <= 0 for n, g in self.goodput_by_serving):
+            raise ValueError(f"goodput_by_serving must be ascending sizes >= 1 with goodputs > 0, "
+                             f"got {self.goodput_by_serving}")
+
+    def goodput_at(self, serving: int) -> float:
+        """One replica's goodput when `serving` replicas serve."""
+        goodput = self.goodput_by_serving[0][1] if self.goodput_by_serving else self.goodput_rps
+        for n, g in self.goodput_by_serving:
+            if n > serving:
+                break
+            goodput = g
+        return goodput
+
+    def serving_for(self, rate: float) -> int:
+        """The fewest serving replicas whose goodput covers `rate` with the headroom."""
+        need = max(0.0, rate) * (1.0 + self.headroom)
+        if not self.goodput_by_serving:
+            return math.ceil(need / self.goodput_rps - 1e-9)
+        # n × goodput(n) only grows with n: the first size range holding an n that covers it has the fewest.
+        bounds = [n for n, _ in self.goodput_by_serving[1:]] + [math.inf]
+        for (first, goodput), end in zip(self.goodput_by_serving, bounds, strict=True):
+            n = max(first if need > 0 else 0, math.ceil(need / goodput - 1e-9))
+            if n < end:
+                return n
+        raise AssertionError("the last size range is unbounded")
+
+
+def parse_goodputs(text: str) -> tuple[tuple[int, float], ...]:
+    """`goodput_by_serving` from its setting: "1:2.1,4:2.6,8:2.8" (serving replicas:req/s each)."""
+    entries = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        size, sep, goodput = item.partition(":")
+        try:
+            entries.append((int(size), float(goodput)))
+        except ValueError:
+            raise ValueError(f"goodput_by_serving: expected serving replicas:req/s, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"goodput_by_serving: expected serving replicas:req/s, got {item!r}")
+    return tuple(entries)
 
 
 @dataclass(frozen=True)
@@ -119,7 +165,7 @@ class Decision:
     causes: tuple[str, ...]  # what set the target: slo, capacity, forecast, inflight, min, max, window
     pressure: float  # max of the SLO ratios (1 = at the SLO)
     forecast_rate: float  # req/s one warm start ahead
-    capacity_rate: float  # what desired_serving replicas serve at the configured goodput
+    capacity_rate: float  # what desired_serving replicas serve at the configured goodput, headroom kept
 
 
 @dataclass
@@ -150,6 +196,7 @@ class AutoscalePolicy:
     _pools: dict[str, _PoolState] = field(default_factory=dict)
 
     def replicas_for(self, rate: float) -> int:
+        """Replicas added for `rate` more (a ramp): at the goodput of the pool as the plan sized it."""
         return math.ceil(max(0.0, rate) * (1.0 + self.config.headroom) / self.config.goodput_rps - 1e-9)
 
     def _state(self, pool: str, now: float) -> _PoolState:
@@ -211,7 +258,7 @@ class AutoscalePolicy:
         causes: list[str] = []
 
         # --- serving: every rule's floor, then stabilisation --------------------------------
-        capacity = self.replicas_for(soon)
+        capacity = c.serving_for(soon)
         slots = s.slots / s.serving if s.serving and s.slots else c.slots_per_replica
         inflight = math.ceil(s.in_flight / slots) if s.in_flight else 0
         slo = 0
@@ -239,10 +286,10 @@ class AutoscalePolicy:
 
         # Warm pool: forecast one cold start ahead beyond what serves, and the ramp over a cold start.
         ramp_replicas = self.replicas_for(state.forecaster.ramp() * c.cold_start_s)
-        burst = self._burst(state, now, self.replicas_for(state.forecaster.level or 0.0))
+        burst = self._burst(state, now, c.serving_for(state.forecaster.level or 0.0))
         burst_replicas = math.ceil(min(recommended, target_cap) * (burst - 1.0) - 1e-9)
         warm_rec = max(
-            c.min_warm, ramp_replicas, burst_replicas, self.replicas_for(later) - min(recommended, target_cap)
+            c.min_warm, ramp_replicas, burst_replicas, c.serving_for(later) - min(recommended, target_cap)
         )
         state.history.append((now, recommended, warm_rec))
         while state.history and now - state.history[0][0] > c.scale_down_window_s:
@@ -293,14 +340,14 @@ class AutoscalePolicy:
         return Decision(
             pool=s.pool, at=now, direction=direction, serving=current, warm=s.warm, starting=s.starting,
             desired_serving=desired, desired_warm=warm, reason=reason, causes=tuple(causes), pressure=pressure,
-            forecast_rate=soon, capacity_rate=desired * c.goodput_rps / (1.0 + c.headroom),
+            forecast_rate=soon, capacity_rate=desired * c.goodput_at(desired) / (1.0 + c.headroom),
         )
 
     def _reason(self, s: PoolSignals, direction: Direction, before: int, desired: int, warm: int, breaches: list[str],
                 rate: float, capacity: int, inflight: int, pressure: float, capped: bool, warm_note: str = "") -> str:
         c = self.config
-        demand = (f"{s.arrival_rate:.1f} req/s (forecast {rate:.1f}) needs {capacity} at {c.goodput_rps:g} req/s "
-                  f"each +{c.headroom:.0%}")
+        demand = (f"{s.arrival_rate:.1f} req/s (forecast {rate:.1f}) needs {capacity} at "
+                  f"{c.goodput_at(capacity):.3g} req/s each +{c.headroom:.0%}")
         facts = [f"p90 TTFT {_ms(s.ttft_p90_s)}", f"p90 TPOT {_ms(s.tpot_p90_s)}",
                  f"queue wait {s.queue_wait_s:.2f} s", f"KV {s.kv_usage:.0%}"]
         if s.batch_in_flight:

@@ -44,6 +44,7 @@ class RoleBounds:
     max_warm: int
     max_replicas: int
     min_serving: int | None = None  # None: the shared config's
+    goodput_by_serving: tuple[tuple[int, float], ...] = ()  # PolicyConfig.goodput_by_serving
 
 
 def role_configs(base: PolicyConfig, *, prefill: RoleBounds, decode: RoleBounds, prefill_ttft_budget_s: float,
@@ -54,7 +55,8 @@ def role_configs(base: PolicyConfig, *, prefill: RoleBounds, decode: RoleBounds,
         raise ValueError(f"the prefill pool's TTFT budget must be > 0, got {prefill_ttft_budget_s}")
 
     def bounded(b: RoleBounds, **kwargs: object) -> PolicyConfig:
-        return dataclasses.replace(base, goodput_rps=b.goodput_rps, max_serving=b.max_serving,
+        return dataclasses.replace(base, goodput_rps=b.goodput_rps, goodput_by_serving=b.goodput_by_serving,
+                                   max_serving=b.max_serving,
                                    min_serving=base.min_serving if b.min_serving is None else b.min_serving,
                                    min_warm=min(base.min_warm, b.max_warm), max_warm=b.max_warm,
                                    max_replicas=b.max_replicas, **kwargs)  # type: ignore[arg-type]

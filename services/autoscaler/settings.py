@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from inferbus.runtime import settings as shared
 from inferbus.runtime.settings import env
 
-from .policy import PolicyConfig
+from .policy import PolicyConfig, parse_goodputs
 from .roles import ROLES, RoleBounds, role_configs, role_pool
 
 ACTUATORS = ("dryrun", "local", "kubernetes")
@@ -62,6 +62,14 @@ class AutoscalerSettings:
         "Interactive requests per second one replica serves within the SLO: take it from `inferbus plan` for your mix "
         "and GPU (4.1: H100 TP2 on the worked-example chat mix by the mean-prefill estimate; `inferbus plan` prices "
         "whole prefill chunks and gives 3.07).",
+    )
+    goodput_by_serving: str = env(
+        "INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING",
+        "",
+        "Where the router pools the replicas' prefill queues, one replica's goodput grows with the replicas serving: "
+        "`serving replicas:req/s each` pairs, sizes ascending (`1:2.1,4:2.6,8:2.8`; n replicas serve at the largest "
+        "size <= n), from `inferbus plan --emit-deploy`. Empty: INFERBUS_AUTOSCALER_GOODPUT_RPS at every size (which "
+        "still sizes the warm pool for a ramp).",
     )
     headroom: float = env(
         "INFERBUS_AUTOSCALER_HEADROOM", 0.15, "Capacity kept above the demand (N+1, bursts, imbalance), as a fraction."
@@ -122,6 +130,12 @@ class AutoscalerSettings:
         "INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS",
         4.1,
         "Disaggregated: requests per second one prefill replica serves within its TTFT budget (from `inferbus plan`).",
+    )
+    prefill_goodput_by_serving: str = env(
+        "INFERBUS_AUTOSCALER_PREFILL_GOODPUT_BY_SERVING",
+        "",
+        "Disaggregated: the prefill pool's goodput per replica by replicas serving, as "
+        "INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING (the router pools the prefill queues; from `inferbus plan`).",
     )
     prefill_ttft_budget_s: float = env(
         "INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S",
@@ -244,7 +258,8 @@ class AutoscalerSettings:
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(
             ttft_slo_s=self.ttft_slo_s, tpot_slo_s=self.tpot_slo_s, queue_wait_budget_s=self.queue_wait_budget_s,
-            goodput_rps=self.goodput_rps, headroom=self.headroom, min_serving=self.min_serving,
+            goodput_rps=self.goodput_rps, goodput_by_serving=parse_goodputs(self.goodput_by_serving),
+            headroom=self.headroom, min_serving=self.min_serving,
             max_serving=self.max_serving, min_warm=self.min_warm, max_warm=self.max_warm,
             max_replicas=self.max_replicas, cold_start_s=self.cold_start_s, warm_start_s=self.warm_start_s,
             slo_cooldown_s=self.slo_cooldown_s, scale_down_window_s=self.scale_down_window_s,
@@ -256,7 +271,8 @@ class AutoscalerSettings:
         return role_configs(
             self.policy_config(),
             prefill=RoleBounds(self.prefill_goodput_rps, self.prefill_max_serving, self.prefill_max_warm,
-                               self.prefill_max_replicas, self.prefill_min_serving or None),
+                               self.prefill_max_replicas, self.prefill_min_serving or None,
+                               parse_goodputs(self.prefill_goodput_by_serving)),
             decode=RoleBounds(self.goodput_rps, self.max_serving, self.max_warm, self.max_replicas),
             prefill_ttft_budget_s=self.prefill_ttft_budget_s, decode_kv_budget=self.decode_kv_budget)
 

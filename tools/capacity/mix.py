@@ -315,6 +315,10 @@ class MixStats:
     prefill_ctx_weighted: float
     # E[output · (input + output / 2)]: a decoding sequence's context, weighted by its steps.
     decode_ctx_weighted: float
+    # E[input² · output + input · output² + output³ / 3] = E[∫₀ᵒ (input + t)² dt]: the second moment
+    # of a decoding sequence's context, weighted by its steps (how far the KV a batch holds spreads).
+    decode_ctx_sq_weighted: float = 0.0
+    input_sq: float = 0.0  # E[input²]: how far the KV reserved for prompts on their way in spreads
 
     @property
     def uncached_tokens(self) -> float:
@@ -329,6 +333,11 @@ class MixStats:
     def decode_ctx_tokens(self) -> float:
         """Mean resident context of a decoding sequence (time-weighted: weighted by output tokens)."""
         return self.decode_ctx_weighted / self.output_tokens if self.output_tokens else 0.0
+
+    @property
+    def decode_ctx_sq(self) -> float:
+        """E[c²] of a decoding sequence's resident context (time-weighted, as `decode_ctx_tokens`)."""
+        return self.decode_ctx_sq_weighted / self.output_tokens if self.output_tokens else 0.0
 
 
 def _class_stats(cls: MixClass | TraceClass) -> MixStats:
@@ -347,6 +356,8 @@ def _class_stats(cls: MixClass | TraceClass) -> MixStats:
         uncached_sq=sum((r[0] - r[2]) ** 2 for r in rows) / n,
         prefill_ctx_weighted=sum((r[0] - r[2]) * (r[2] + r[0]) / 2 for r in rows) / n,
         decode_ctx_weighted=sum(r[1] * (r[0] + r[1] / 2) for r in rows) / n,
+        decode_ctx_sq_weighted=sum(r[0] ** 2 * r[1] + r[0] * r[1] ** 2 + r[1] ** 3 / 3 for r in rows) / n,
+        input_sq=sum(r[0] ** 2 for r in rows) / n,
     )
 
 

@@ -13,8 +13,8 @@ from inferbus.timing import GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, SpecDec
 from tools.capacity import mix as mix_mod
 from tools.capacity.plan import deploy, options, report, sweep_table
 from tools.capacity.plan.model import Assumptions, Slo, Workload
-from tools.capacity.plan.planner import PlanError, PlanInputs, make_plan
-from tools.capacity.plan.sizing import FORECAST_ERROR, MODEL_ERROR
+from tools.capacity.plan.planner import PREFILL_QUEUES, PlanError, PlanInputs, make_plan
+from tools.capacity.plan.sizing import FORECAST_ERROR, MODEL_ERROR, POOLED_FROM_REPLICAS, POOLED_MODEL_ERROR
 from tools.capacity.plan.topology import plan_topology
 from tools.capacity.plan.warm_pool import Ramp, ramp_from_arrivals
 
@@ -217,6 +217,14 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
               help="How far the busiest minute may come in above the planned peak, e.g. 0.2: with one replica "
                    "down, each fleet (and each disaggregated pool) still serves peak × (1 + this) × "
                    f"{1 + MODEL_ERROR:g} (the model's error). Binds over --headroom in fleets of a few replicas.")
+@click.option("--prefill-queue", type=click.Choice(PREFILL_QUEUES), default="pooled", show_default=True,
+              help="How placement treats the replicas' prefill queues. pooled: one queue in front of the replicas "
+                   "left serving (M/G/c), as the router's default policy, affinity, makes them by placing on the "
+                   "least queued prefill work; a replica's goodput then grows with the fleet, its TTFT limit sizes "
+                   f"the fleet with a {POOLED_MODEL_ERROR:.0%} model error (checked against the fleet simulator, "
+                   f"docs/planning.md), and a fleet that would serve fewer than {POOLED_FROM_REPLICAS} replicas is "
+                   "priced per replica (so few do not pool). per-replica: each its own queue (M/G/1), as a random "
+                   "or request-counting placement (--policy least_loaded, round_robin) leaves them.")
 @click.option("--kv-limit", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
               help="Highest fraction of the KV cache a replica may plan to hold, e.g. 0.8.")
 @click.option("--ttft-tokens", type=click.FloatRange(min=1), default=None,
@@ -287,7 +295,8 @@ def _load_ramp(ramp: float | None, ramp_trace: Path | None, rate_rps: float, col
 @click.pass_context
 def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str, cached_fraction: float | None,
          slo_text: str | None, ttft_p90_ms: float | None, tpot_p90_ms: float | None, gpu_text: str, tp_text: str,
-         preset: str, chunk: int, headroom: float, forecast_error: float, kv_limit: float, ttft_tokens: float | None,
+         preset: str, chunk: int, headroom: float, forecast_error: float, prefill_queue: str, kv_limit: float,
+         ttft_tokens: float | None,
          sweep_specs: tuple[str, ...], cold_start_s: float, warm_start_s: float, ramp: float | None,
          ramp_trace: Path | None, weights: str, kv_cache: str, spec_text: str | None, lora_adapters: int,
          lora_rank: int, lora_slots: int, zones: int, disagg: bool, kv_link_text: str, compare: bool,
@@ -334,7 +343,7 @@ def plan(ctx: click.Context, rpm: float | None, rps: float | None, mix_name: str
         inputs = PlanInputs(
             rate_rps=rate_rps, rate_text=rate_text, workload=workload, mix=described, slo=slo, gpu_prices=prices,
             tps=tps, preset=preset, assumptions=Assumptions(chunk_tokens=chunk, kv_limit=kv_limit), headroom=headroom,
-            forecast_error=forecast_error,
+            forecast_error=forecast_error, prefill_queue=prefill_queue,
             cold_start_s=cold_start_s, warm_start_s=warm_start_s,
             ramp=_load_ramp(ramp, ramp_trace, rate_rps, cold_start_s), weights=weights, kv_cache=kv_cache,
             spec=_parse_spec(spec_text), lora_adapters=lora_adapters, lora_rank=lora_rank, lora_slots=lora_slots,

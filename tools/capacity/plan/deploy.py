@@ -35,7 +35,8 @@ from typing import Any
 import yaml
 
 from tools.capacity.plan.disagg import DisaggRow
-from tools.capacity.plan.planner import Plan, Row, zone_factor
+from tools.capacity.plan.planner import Plan, Row, fleet_terms, zone_factor
+from tools.capacity.plan.sizing import PooledGoodputs
 
 # The model revision is a commit of the model repository (a branch or tag can move under a running
 # fleet). Without one on the command line the engine reads it from the ConfigMap `model-revision`,
@@ -103,12 +104,24 @@ def _engine_args(plan: Plan, tp: int, spec_on: bool, name: str, target: DeployTa
     return args + list(role_args) + list(COMMON_ENGINE_ARGS)
 
 
+def _rps(value: float) -> str:
+    return f"{math.floor(value * 1000) / 1000:g}"
+
+
+def _by_serving(name: str, pooled: PooledGoodputs | None) -> list[tuple[str, str]]:
+    """The pooled goodput by replicas serving, where it varies (where TPOT or KV binds at every
+    size, the one goodput says it all)."""
+    table = pooled.table() if pooled is not None else ()
+    return [(name, ",".join(f"{n}:{_rps(goodput)}" for n, goodput in table))] if len(table) > 1 else []
+
+
 def autoscaler_env(plan: Plan, row: Row) -> list[tuple[str, str]]:
     i = plan.inputs
     # The autoscaler's one headroom number carries the zone spare too: (1 + h) × Z ÷ (Z − 1) − 1.
     headroom = (1 + i.headroom) * zone_factor(i.zones) - 1
     return [
-        ("INFERBUS_AUTOSCALER_GOODPUT_RPS", f"{math.floor(row.goodput_rps * 1000) / 1000:g}"),
+        ("INFERBUS_AUTOSCALER_GOODPUT_RPS", _rps(row.goodput_rps)),
+        *_by_serving("INFERBUS_AUTOSCALER_GOODPUT_BY_SERVING", row.pooled),
         ("INFERBUS_AUTOSCALER_HEADROOM", f"{headroom:.4g}"),
         ("INFERBUS_AUTOSCALER_TTFT_SLO_S", f"{i.slo.ttft_p90_s:g}"),
         ("INFERBUS_AUTOSCALER_TPOT_SLO_S", f"{i.slo.tpot_p90_s:g}"),
@@ -131,7 +144,6 @@ def _quote(value: str) -> str:
 def _arithmetic(plan: Plan, row: Row) -> list[str]:
     i, c = plan.inputs, row.cost
     assert c is not None
-    zones = f" × {i.zones}/{i.zones - 1} (one zone lost)" if i.zones > 1 else ""
     spec = ""
     if row.spec_on and i.spec is not None:
         spec = (f", speculative decoding k={i.spec.draft_tokens} α={i.spec.acceptance:g} "
@@ -142,8 +154,7 @@ def _arithmetic(plan: Plan, row: Row) -> list[str]:
         f"engine: {row.gpu} TP{row.tp}, {i.weights.upper()} weights, {i.kv_cache.upper()} KV cache{spec}, "
         f"chunk {i.assumptions.chunk_tokens:,}, {i.lora_slots} LoRA slots",
         f"goodput per replica {row.goodput_rps:.3f} req/s ({row.source}; {row.binding} binds)",
-        f"serving replicas = ceil({i.rate_rps:.2f} / {row.goodput_rps:.3f} x {1 + i.headroom:g}{zones}) = "
-        f"{row.replicas}",
+        f"serving replicas = {_ascii(fleet_terms(i).arithmetic(row.goodput_rps, row.sizing))}",
     ]
     if row.warm is not None:
         w = row.warm
@@ -276,9 +287,6 @@ def disaggregated_autoscaler_env(plan: Plan, row: DisaggRow) -> list[tuple[str, 
     headroom = (1 + i.headroom) * zone_factor(i.zones) - 1
     floor = str(max(2, i.zones))
 
-    def rps(value: float) -> str:
-        return f"{math.floor(value * 1000) / 1000:g}"
-
     warm_p, warm_d = _warm(row.prefill_warm), _warm(row.decode_warm)
     return [
         ("INFERBUS_AUTOSCALER_DISAGGREGATED", "true"),
@@ -290,7 +298,7 @@ def disaggregated_autoscaler_env(plan: Plan, row: DisaggRow) -> list[tuple[str, 
         ("INFERBUS_AUTOSCALER_COLD_START_S", f"{i.cold_start_s:g}"),
         ("INFERBUS_AUTOSCALER_WARM_START_S", f"{i.warm_start_s:g}"),
         # decode: TPOT and KV room
-        ("INFERBUS_AUTOSCALER_GOODPUT_RPS", rps(row.decode_rps)),
+        ("INFERBUS_AUTOSCALER_GOODPUT_RPS", _rps(row.decode_rps)),
         ("INFERBUS_AUTOSCALER_DECODE_KV_BUDGET", f"{i.assumptions.kv_limit:g}"),
         ("INFERBUS_AUTOSCALER_MAX_SERVING", str(row.decode_replicas)),
         ("INFERBUS_AUTOSCALER_MIN_WARM", "0"),
@@ -298,7 +306,8 @@ def disaggregated_autoscaler_env(plan: Plan, row: DisaggRow) -> list[tuple[str, 
         ("INFERBUS_AUTOSCALER_MAX_REPLICAS", str(row.decode_replicas + warm_d)),
         # prefill: its share of the TTFT budget and its queue. Its workers measure a decode worker's ask → KV sent,
         # so the budget is the prefill's share plus the transfer (the SLO less the decode steps).
-        ("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", rps(row.prefill_rps)),
+        ("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_RPS", _rps(row.prefill_rps)),
+        *_by_serving("INFERBUS_AUTOSCALER_PREFILL_GOODPUT_BY_SERVING", row.prefill_pooled),
         ("INFERBUS_AUTOSCALER_PREFILL_TTFT_BUDGET_S", f"{row.prefill_budget_s + row.transfer_p90_s:.4g}"),
         ("INFERBUS_AUTOSCALER_PREFILL_MAX_SERVING", str(row.prefill_replicas)),
         ("INFERBUS_AUTOSCALER_PREFILL_MAX_WARM", str(warm_p)),
@@ -308,7 +317,6 @@ def disaggregated_autoscaler_env(plan: Plan, row: DisaggRow) -> list[tuple[str, 
 
 def _disaggregated_arithmetic(plan: Plan, row: DisaggRow) -> list[str]:
     i = plan.inputs
-    zones = f" × {i.zones}/{i.zones - 1} (one zone lost)" if i.zones > 1 else ""
     lines = [
         f"peak {i.rate_rps:,.1f} req/s of mix {i.mix.get('name')}; SLO p90 TTFT <= {i.slo.ttft_p90_s * 1e3:g} ms, "
         f"TPOT <= {i.slo.tpot_p90_s * 1e3:g} ms",
@@ -317,19 +325,26 @@ def _disaggregated_arithmetic(plan: Plan, row: DisaggRow) -> list[str]:
         f"TTFT budget: prefill {row.prefill_budget_s * 1e3:,.0f} ms after {row.transfer_p90_s * 1e3:,.0f} ms of "
         f"transfer and {row.decode_steps_s * 1e3:,.0f} ms of decode steps",
     ]
-    for role, rps, replicas, tp, warm in (
-            ("prefill", row.prefill_rps, row.prefill_replicas, row.tp_prefill, row.prefill_warm),
-            ("decode", row.decode_rps, row.decode_replicas, row.tp_decode, row.decode_warm)):
+    terms = fleet_terms(i)
+    for role, rps, replicas, tp, warm, sizing in (
+            ("prefill", row.prefill_rps, row.prefill_replicas, row.tp_prefill, row.prefill_warm, row.prefill_sizing),
+            ("decode", row.decode_rps, row.decode_replicas, row.tp_decode, row.decode_warm, row.decode_sizing)):
         lines.append(
-            f"{role}: goodput per replica {rps:.3f} req/s; serving replicas = ceil({i.rate_rps:.2f} / {rps:.3f} "
-            f"x {1 + i.headroom:g}{zones}, N+1) = {replicas}; warm pool {_warm(warm)}; "
-            f"GPUs = ({replicas} + {_warm(warm)}) x {tp} = {(replicas + _warm(warm)) * tp}"
+            f"{role}: goodput per replica {rps:.3f} req/s; serving replicas = {_ascii(terms.arithmetic(rps, sizing))}; "
+            f"warm pool {_warm(warm)}; GPUs = ({replicas} + {_warm(warm)}) x {tp} = {(replicas + _warm(warm)) * tp}"
         )
     lines += [
         f"P:D GPUs {row.ratio}; GPUs = {row.gpus_total}",
         f"cost = {row.gpus_total} x ${row.usd_per_gpu_hour:.2f} = ${row.usd_per_hour:,.2f}/hour",
     ]
     return lines
+
+
+def _ascii(arithmetic: str) -> str:
+    """The report's sizing rule in the ASCII the manifests' comments are written in."""
+    for wide, plain in (("⌈", "ceil("), ("⌉", ")"), ("÷", "/"), ("×", "x")):
+        arithmetic = arithmetic.replace(wide, plain)
+    return arithmetic
 
 
 def _base_deployment(worker_manifest: str) -> dict[str, Any]:

@@ -12,12 +12,18 @@ Decode replica (TP_d) at λ_d req/s:
     t    = T(B, S, 0, 0),  B = λ_d · o · t,  S = B · c_d     the decode-only step, a fixed point
     TPOT p90 = t                                             (no chunk steps, so no spread)
     R    = λ_d · n · h                                       KV reserved for prompts on their way in
-    KV use = (S + R) ÷ capacity ≤ kv_limit
+    σ²   = B · E[c²] + λ_d · h · E[n²]                       the spread of S + R
+    KV use p90 = (S + R + z₉₀ · σ) ÷ capacity ≤ kv_limit
     λ_d  = the highest rate meeting TPOT and KV (each by bisection; the smaller binds)
 
 h, how long a decode replica holds a prompt's KV reserved before it is used: SGLang's decode
 engine allocates it when the pair is placed, before the prefill runs, and the transfer fills it,
-so h is the request's TTFT; the plan keeps the TTFT p90 at the SLO, which is h here.
+so h is the request's TTFT; the plan keeps the TTFT p90 at the SLO, which is h here. The KV is
+planned at its p90, not its mean: the sequences decoding and the prompts reserved are each a
+Poisson number of requests (an M/G/∞ queue), so S + R spreads by σ (E[c²] the time-weighted
+second moment of a decoding sequence's context, E[n²] the whole prompt's). A decode pool of a few
+dozen long-context sequences per replica spreads by a quarter of its mean; planned on the mean,
+such a pool ran out of KV in a busy minute (docs/planning.md).
 
 The KV transfer of the TTFT p90's prompt (the link a stated assumption, `inferbus.timing.KV_LINKS`):
 
@@ -28,6 +34,7 @@ Prefill replica (TP_p) at λ_p req/s, prefill-only steps of `chunk` tokens:
     μ    = chunk ÷ T(0, 0, chunk, c_p)
     ρ    = λ_p · u ÷ μ;   W_q = λ_p · E[u²] ÷ μ² ÷ (2 (1 − ρ))   (M/G/1, as aggregated)
     TTFT_prefill p90 = u₉₀ ÷ μ + ln 10 · W_q
+    (pooled by the router over the pool's c replicas: W_q and its p90 are M/G/c's, queueing.py)
     its share of the TTFT budget  = TTFT SLO − x₉₀ − t(λ_d)
     λ_p  = the highest rate whose TTFT_prefill p90 fits that share
 
@@ -50,11 +57,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from inferbus.timing import KvLink, RooflineModel
-from tools.capacity.plan.model import Assumptions, ReplicaModel, Slo, Workload
-from tools.capacity.plan.sizing import FleetTerms, Replicas
+from tools.capacity.plan.model import Z90, Assumptions, ReplicaModel, Slo, Workload
+from tools.capacity.plan.queueing import prefill_wait
+from tools.capacity.plan.sizing import POOLED_FROM_REPLICAS, FleetTerms, PooledGoodputs, Replicas
 from tools.capacity.plan.warm_pool import WarmPool
 
 # Decode steps between a prompt's KV landing and its first token leaving: the decode engine takes the
@@ -89,8 +98,9 @@ class DecodePoint:
     batch: float
     resident_tokens: float  # S: the decoding sequences' KV
     reserved_tokens: float  # R: KV reserved for prompts on their way in
-    kv_fraction: float
+    kv_fraction: float  # (S + R + spread) ÷ capacity: the p90 of the KV held
     tpot_p90_s: float
+    spread_tokens: float = 0.0  # z₉₀ × the standard deviation of S + R
 
 
 @dataclass(frozen=True)
@@ -117,9 +127,12 @@ class DecodeReplica:
             return DecodePoint(rate, False, inf, inf, inf, reserved, inf, inf)
         batch = rate * w.output_tokens * step
         resident = batch * w.decode_ctx_tokens
+        # The sequences decoding, and the prompts reserved, are each a Poisson number (an M/G/∞
+        # queue) of independent contexts, so each sum's variance is its mean count × E[context²].
+        spread = Z90 * math.sqrt(batch * w.decode_ctx_sq + rate * self.hold_s * w.input_sq)
         capacity = self.kv_capacity_tokens
-        kv = (resident + reserved) / capacity if capacity > 0 else math.inf
-        return DecodePoint(rate, True, step, batch, resident, reserved, kv, step)
+        kv = (resident + reserved + spread) / capacity if capacity > 0 else math.inf
+        return DecodePoint(rate, True, step, batch, resident, reserved, kv, step, spread)
 
     def limits(self, slo: Slo) -> dict[str, float]:
         kv_limit = self.assumptions.kv_limit
@@ -148,6 +161,7 @@ class PrefillReplica:
     step_model: RooflineModel
     workload: Workload
     assumptions: Assumptions
+    pool: int | None = None  # replicas whose queues the router pools into one (None: each its own)
 
     @property
     def chunk_step_s(self) -> float:
@@ -162,8 +176,11 @@ class PrefillReplica:
         compute = w.ttft_tokens / mu
         if rho >= 1.0:
             return PrefillPoint(rate, False, step, mu, rho, math.inf, compute, math.inf)
-        wait = rate * w.uncached_sq / mu**2 / (2 * (1 - rho))
-        return PrefillPoint(rate, True, step, mu, rho, wait, compute, compute + a.wait_p90_factor * wait)
+        if self.pool is None:
+            wait = rate * w.uncached_sq / mu**2 / (2 * (1 - rho))
+            return PrefillPoint(rate, True, step, mu, rho, wait, compute, compute + a.wait_p90_factor * wait)
+        pooled = prefill_wait(rate, w.uncached_tokens / mu, w.uncached_sq / mu**2, self.pool)
+        return PrefillPoint(rate, True, step, mu, rho, pooled.mean_s, compute, compute + pooled.p90_s)
 
     def goodput(self, budget_s: float) -> float:
         """The highest rate whose prefill TTFT p90 fits in `budget_s` (its share of the TTFT SLO)."""
@@ -199,6 +216,10 @@ class DisaggRow:
     prefill_warm: WarmPool | None = None
     decode_warm: WarmPool | None = None
     infeasible: str | None = None
+    prefill_pool: int | None = None  # pooled prefill queues: the replicas the prefill goodput is for
+    prefill_unpooled: int | None = None  # priced pooled, the pool would serve this few: priced per replica instead
+    # Pooled: one prefill replica's goodput by the replicas serving, for the autoscaler (fewer pool less).
+    prefill_pooled: PooledGoodputs | None = field(default=None, compare=False, repr=False)
     ttft_steps: float = DECODE_FIRST_TOKEN_STEPS  # decode steps between the KV landing and the first token
 
     @property
@@ -256,8 +277,11 @@ class DisaggRow:
 
 
 def price_pair(*, gpu: str, usd_per_gpu_hour: float, prefill_model: RooflineModel, decode_model: RooflineModel,
-               workload: Workload, assumptions: Assumptions, slo: Slo, link: KvLink, terms: FleetTerms) -> DisaggRow:
-    """One prefill TP × decode TP pair on `gpu`: both pools' goodputs, the TTFT split, the fleet."""
+               workload: Workload, assumptions: Assumptions, slo: Slo, link: KvLink, terms: FleetTerms,
+               pooled_model_error: float | None = None) -> DisaggRow:
+    """One prefill TP × decode TP pair on `gpu`: both pools' goodputs, the TTFT split, the fleet.
+    `pooled_model_error`: the router pools the prefill replicas' queues (the prefill goodput is then
+    the pool's, and the pool, set by TTFT, is sized with this model error); None: each its own."""
     tp_p, tp_d = prefill_model.tp, decode_model.tp
     n90 = workload.transfer_tokens
     transfer = link.transfer_s(n90, tp_p, tp_d, decode_model.model)
@@ -294,10 +318,26 @@ def price_pair(*, gpu: str, usd_per_gpu_hour: float, prefill_model: RooflineMode
                f"even an idle prefill replica needs {idle.ttft_p90_s * 1e3:,.0f} ms for the p90 prompt, over its "
                f"{budget * 1e3:,.0f} ms share of the TTFT SLO")
         return replace(row, infeasible=why)
-    n_p, n_d = terms.replicas(prefill_rps), terms.replicas(decode_rps)
+    n_d = terms.replicas(decode_rps)
+    n_p = terms.replicas(prefill_rps)
+    if pooled_model_error is not None:
+        by_ttft = replace(terms, model_error=pooled_model_error)
+        n_pooled, pool = terms.pooled(lambda c: by_ttft.replicas(replace(prefill, pool=c).goodput(budget)))
+        if pool >= POOLED_FROM_REPLICAS:  # fewer do not pool: each replica's own queue prices them
+            alone, n_p, prefill = prefill_rps, n_pooled, replace(prefill, pool=pool)
+            prefill_rps = prefill.goodput(budget)
+            by_serving = PooledGoodputs(partial(_pooled_prefill_goodput, prefill, budget), alone, n_p.count)
+            row = replace(row, prefill_rps=prefill_rps, prefill_point=prefill.at(prefill_rps), prefill_pool=pool,
+                          prefill_pooled=by_serving)
+        else:
+            row = replace(row, prefill_unpooled=pool)
     return replace(row, prefill_replicas=n_p.count, decode_replicas=n_d.count, prefill_sizing=n_p, decode_sizing=n_d,
                    prefill_warm=terms.warm(prefill_rps, tp_p, n_p.count),
                    decode_warm=terms.warm(decode_rps, tp_d, n_d.count))
+
+
+def _pooled_prefill_goodput(prefill: PrefillReplica, budget_s: float, pool: int) -> float:
+    return replace(prefill, pool=pool).goodput(budget_s)
 
 
 def cheapest(rows: tuple[DisaggRow, ...] | list[DisaggRow]) -> DisaggRow | None:

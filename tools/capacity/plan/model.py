@@ -19,6 +19,11 @@ mean context a prefill token attends to:
     TTFT p90 ≈ u₉₀ / μ + ln(10) · W_q + 2 · t    u₉₀: the 90th-percentile uncached prompt
     KV use   = S / capacity ≤ 90 %
 
+With `pool` = c, the router pools c replicas' prefill queues into one (its default policy places
+on the least queued prefill work): the wait is M/G/c's instead, and its p90 the tail of that queue
+(queueing.py), so TTFT p90 ≈ u₉₀ / μ + W₉₀(c) + 2 · t. Nothing else changes: each replica still
+steps its own batch.
+
 Why prefill is priced in whole chunks: the engine prefills a prompt in the steps right after it
 arrives (a full chunk while the queue holds one, else everything queued), not spread thinly over
 every step. A step with a 2,048-token chunk is compute-bound (its GEMMs outlast the weight read),
@@ -45,11 +50,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
 from inferbus.timing import StepTimeModel, expected_distinct_adapters
 from tools.capacity.mix import Mix
+from tools.capacity.plan.queueing import prefill_wait
 
 CONSTRAINTS = ("TTFT", "TPOT", "KV")
 
@@ -106,6 +112,10 @@ class Workload:
     ttft_tokens_derived: bool = True
     # The 90th-percentile whole prompt (the KV a disaggregated prefill sends); None: the mean prompt.
     input_p90_tokens: float | None = None
+    # Second moments of a decoding sequence's context (time-weighted) and of a whole prompt: how far
+    # a decode replica's KV spreads around its mean (0: not known, the mean alone is planned).
+    decode_ctx_sq: float = 0.0
+    input_sq: float = 0.0
 
     @property
     def uncached_tokens(self) -> float:
@@ -132,6 +142,8 @@ class Workload:
             ttft_tokens=mix.uncached_quantile(0.9) if ttft_tokens is None else float(ttft_tokens),
             ttft_tokens_derived=derived,
             input_p90_tokens=mix.input_quantile(0.9),
+            decode_ctx_sq=stats.decode_ctx_sq,
+            input_sq=stats.input_sq,
         )
 
 
@@ -157,6 +169,8 @@ class OperatingPoint:
     decode_only_step_s: float  # the same step without its prefill tokens (for the cost split)
     chunk_step_share: float = 0.0  # f: share of steps carrying a full prefill chunk
     tpot_spread_s: float = 0.0  # σ: standard deviation of one request's mean step
+    queue_wait_p90_s: float = math.nan  # W₉₀: ln 10 × W_q for one replica's own queue, else the pool's tail
+    queue_waits: float = math.nan  # pooled: C, the chance a prompt waits at all (Erlang C)
 
     @property
     def prefill_share(self) -> float:
@@ -200,6 +214,17 @@ class ReplicaModel:
     assumptions: Assumptions = Assumptions()
     lora_adapters: int = 0  # distinct adapters the traffic spreads over evenly (0: base model only)
     lora_slots: int = 8  # most distinct adapters in one batch (SGLang --max-loras-per-batch)
+    # Replicas whose prefill queues the router pools into one (None: each replica its own M/G/1).
+    pool: int | None = None
+    # Mean steps by rate. The step does not depend on the pool, so the copies `with_pool` makes share
+    # it and the pooled fleet's search reuses what it computed; any other copy starts its own.
+    steps: dict[float, float | None] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def with_pool(self, pool: int | None) -> ReplicaModel:
+        """This replica with `pool` replicas' prefill queues pooled (None: its own queue)."""
+        copy = replace(self, pool=pool)
+        object.__setattr__(copy, "steps", self.steps)
+        return copy
 
     def _batch(self, rate: float, step_s: float) -> float:
         """Decoding sequences at `rate`: each stays o ÷ E steps (Little's law)."""
@@ -226,6 +251,11 @@ class ReplicaModel:
 
     def step_at(self, rate: float) -> float | None:
         """The fixed point t = T(B(t), S(t), n_p(t)): the smallest one, or None if none exists."""
+        if rate not in self.steps:
+            self.steps[rate] = self._fixed_point(rate)
+        return self.steps[rate]
+
+    def _fixed_point(self, rate: float) -> float | None:
         low = self.step_model.step_time(0, 0, 0, 0.0)
         # Iterating t ← T(t) from the empty step climbs monotonically to the smallest fixed point
         # (T grows with t); when it crawls (slope near 1) bracket the root and bisect instead.
@@ -255,7 +285,7 @@ class ReplicaModel:
                 rate_rps=rate, stable=False, step_s=inf, decode_batch=inf, resident_ctx_tokens=inf,
                 prefill_tokens_per_step=a.chunk_tokens, full_chunk_step_s=inf, prefill_rate_tok_s=0.0, prefill_load=inf,
                 queue_wait_s=inf, ttft_prefill_s=inf, ttft_p90_s=inf, tpot_p90_s=inf, kv_tokens=inf, kv_fraction=inf,
-                decode_only_step_s=inf,
+                decode_only_step_s=inf, queue_wait_p90_s=inf,
             )
         batch, share, decode_only, full = self._steps(rate, step)
         resident = batch * w.decode_ctx_tokens
@@ -266,14 +296,20 @@ class ReplicaModel:
         mu = a.chunk_tokens / full
         rho = rate * w.uncached_tokens / mu
         stable = rho < 1.0
-        wait = rate * w.uncached_sq / mu**2 / (2 * (1 - rho)) if stable else math.inf
+        waits = math.nan
+        if self.pool is None:
+            wait = rate * w.uncached_sq / mu**2 / (2 * (1 - rho)) if stable else math.inf
+            wait_p90 = a.wait_p90_factor * wait
+        else:
+            pooled = prefill_wait(rate, w.uncached_tokens / mu, w.uncached_sq / mu**2, self.pool)
+            wait, wait_p90, waits = pooled.mean_s, pooled.p90_s, pooled.waits
         ttft_prefill = w.ttft_tokens / mu
         kv_fraction = resident / self.kv_capacity_tokens if self.kv_capacity_tokens > 0 else math.inf
         return OperatingPoint(
             rate_rps=rate, stable=stable, step_s=step, decode_batch=batch, resident_ctx_tokens=resident,
             prefill_tokens_per_step=prefill, full_chunk_step_s=full, prefill_rate_tok_s=mu, prefill_load=rho,
-            queue_wait_s=wait, ttft_prefill_s=ttft_prefill,
-            ttft_p90_s=ttft_prefill + a.wait_p90_factor * wait + a.ttft_steps * step if stable else math.inf,
+            queue_wait_s=wait, ttft_prefill_s=ttft_prefill, queue_wait_p90_s=wait_p90, queue_waits=waits,
+            ttft_p90_s=ttft_prefill + wait_p90 + a.ttft_steps * step if stable else math.inf,
             tpot_p90_s=(step + a.tpot_p90_z * spread) / per_step, kv_tokens=resident, kv_fraction=kv_fraction,
             decode_only_step_s=decode_only, chunk_step_share=share, tpot_spread_s=spread,
         )

@@ -16,7 +16,7 @@ Pure: everything the planner reads (mix, sweeps, ramp) arrives already parsed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -24,13 +24,23 @@ from inferbus.timing import GB, GPUS, KV_LINKS, PRECISIONS, PRESETS, KvLink, Roo
 from tools.capacity.plan.costs import Cost, fleet_cost
 from tools.capacity.plan.disagg import DisaggRow, price_pair
 from tools.capacity.plan.model import Assumptions, Goodput, OperatingPoint, ReplicaModel, Slo, Workload
-from tools.capacity.plan.sizing import FORECAST_ERROR, FleetTerms, Replicas
+from tools.capacity.plan.sizing import (
+    FORECAST_ERROR,
+    POOLED_FROM_REPLICAS,
+    POOLED_MODEL_ERROR,
+    FleetTerms,
+    PooledGoodputs,
+    Replicas,
+)
 from tools.capacity.plan.sweep_table import SweepGoodput
 from tools.capacity.plan.warm_pool import Ramp, WarmPool
 
 
 class PlanError(ValueError):
     """Inputs the planner cannot use; the message says which and what is allowed."""
+
+
+PREFILL_QUEUES = ("per-replica", "pooled")
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,13 @@ class PlanInputs:
     zones: int = 1  # >1: the serving fleet survives the loss of one zone
     disaggregation: bool = True  # also price prefill/decode pools (disagg.py)
     kv_link: KvLink = KV_LINKS["rdma"]  # the link prefill sends KV to decode over (an assumption)
+    # How placement treats the replicas' prefill queues: "pooled" (one M/G/c, as the router's default
+    # affinity policy makes them by placing on the least queued prefill work; queueing.py; a fleet
+    # serving fewer than POOLED_FROM_REPLICAS is priced per replica) or "per-replica" (each its own
+    # M/G/1, as a random or request-counting placement leaves them).
+    prefill_queue: str = "pooled"
+    # The model's error where a pooled prefill queue sets the fleet (TTFT binds; sizing.py says why).
+    pooled_model_error: float = POOLED_MODEL_ERROR
 
     def __post_init__(self) -> None:
         if not self.rate_rps > 0:
@@ -77,6 +94,8 @@ class PlanInputs:
             raise PlanError("GPU prices must not be negative")
         if self.preset not in PRESETS:
             raise PlanError(f"unknown preset {self.preset!r}; known: {', '.join(sorted(PRESETS))}")
+        if self.prefill_queue not in PREFILL_QUEUES:
+            raise PlanError(f"prefill queue must be one of {', '.join(PREFILL_QUEUES)}")
         if self.cold_start_s <= 0 or self.warm_start_s < 0:
             raise PlanError("cold start must be positive and warm start not negative")
 
@@ -105,6 +124,11 @@ class Row:
     spec_on: bool = False  # speculative decoding chosen for this row
     spec_goodput_rps: float | None = None  # the model's goodput with the candidate, when one was given
     plain_goodput_rps: float | None = None  # and without it
+    pool: int | None = None  # pooled prefill queues: the replicas the goodput is for (c = serving(N))
+    # Priced pooled, the fleet would serve this few (below POOLED_FROM_REPLICAS): priced per replica instead.
+    unpooled: int | None = None
+    # Pooled: one replica's goodput by the replicas serving, for the autoscaler (fewer pool less).
+    pooled: PooledGoodputs | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -204,7 +228,22 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
     if sweep is not None and binding is None:
         binding = "none reached"
     terms = fleet_terms(inputs)
-    sizing = terms.replicas(rps)
+    pool = None
+    pooled = (pooled_fleet(replica, inputs.slo, terms, model_goodput, inputs.pooled_model_error)
+              if inputs.prefill_queue == "pooled" and source == "model" else None)
+    if pooled is not None and pooled[2] >= POOLED_FROM_REPLICAS:
+        by_serving = PooledGoodputs(partial(pooled_goodput, replica, inputs.slo, model_goodput), model_goodput.rps,
+                                    pooled[1].count)
+        replica, sizing, pool = pooled
+        model_goodput = replica.goodput(inputs.slo)
+        rps, binding, point = model_goodput.rps, model_goodput.binding, model_goodput.point
+        row = partial(row, model_goodput=model_goodput, pool=pool, pooled=by_serving)
+    else:
+        # Too few replicas to pool (affinity keeps a conversation on the replica holding its
+        # prefix, and three queues are not one): each replica's own queue prices it.
+        sizing = terms.replicas(rps)
+        if pooled is not None:
+            row = partial(row, unpooled=pooled[2])
     replicas = sizing.count
     fleet_point = replica.at(inputs.rate_rps / replicas)
     warm = terms.warm(rps, tp, replicas)
@@ -221,6 +260,47 @@ def plan_row(inputs: PlanInputs, gpu: str, tp: int, sweep: SweepGoodput | None =
     return row(source=source, goodput_rps=rps, binding=binding, point=point, replicas=replicas,
                replicas_exact=sizing.by_headroom, sizing=sizing, fleet_point=fleet_point, cost=cost, warm=warm,
                curve=tuple(replica.curve(curve_to)), warnings=tuple(warnings))
+
+
+def pooled_fleet(replica: ReplicaModel, slo: Slo, terms: FleetTerms, alone: Goodput,
+                 pooled_error: float) -> tuple[ReplicaModel, Replicas, int]:
+    """The fleet of `replica` when the router pools their prefill queues: only the TTFT limit grows
+    with the pool (`alone`, the replica's own queue, gives the others), so the fixed point of
+    `FleetTerms.pooled` costs one bisection per pool size tried. Each limit sizes the fleet with its
+    own model error, the larger fleet kept: the pooled TTFT's with `pooled_error`, TPOT's and KV's
+    with the plan's own."""
+    others = terms.replicas(_unpooled_limits(alone))
+    by_ttft = replace(terms, model_error=pooled_error)
+    seen: dict[int, Replicas] = {}
+
+    def sized_at(pool: int) -> Replicas:
+        if pool not in seen:
+            ttft = _pooled_ttft_limit(replica, slo, pool)
+            # The constraint that binds at this pool first: it wins a tie, so the report's line
+            # shows the goodput the row has.
+            first, second = (by_ttft.replicas(ttft), others) if ttft < others.goodput_rps else (
+                others, by_ttft.replicas(ttft))
+            seen[pool] = max(first, second, key=lambda sized: sized.count)
+        return seen[pool]
+
+    sizing, pool = terms.pooled(sized_at)
+    return replica.with_pool(pool), sizing, pool
+
+
+def pooled_goodput(replica: ReplicaModel, slo: Slo, alone: Goodput, pool: int) -> float:
+    """One replica's goodput with `pool` replicas' prefill queues pooled: only the TTFT limit grows
+    with the pool (`alone`, the replica's own queue, gives the others)."""
+    return min(_unpooled_limits(alone), _pooled_ttft_limit(replica, slo, pool))
+
+
+def _unpooled_limits(alone: Goodput) -> float:
+    """The goodput TPOT and KV allow: the limits a pool of prefill queues does not move."""
+    return min(limit for name, limit in alone.limits.items() if name in ("TPOT", "KV"))
+
+
+def _pooled_ttft_limit(replica: ReplicaModel, slo: Slo, pool: int) -> float:
+    kv_limit = replica.assumptions.kv_limit
+    return replica.with_pool(pool).limit(lambda point: point.meets("TTFT", slo, kv_limit))
 
 
 def make_plan(inputs: PlanInputs, sweeps: Sequence[SweepGoodput] = ()) -> Plan:
@@ -253,6 +333,8 @@ def disaggregated_rows(inputs: PlanInputs) -> tuple[DisaggRow, ...]:
                 out.append(price_pair(gpu=gpu, usd_per_gpu_hour=price, prefill_model=models[tp_p],
                                       decode_model=models[tp_d], workload=inputs.workload,
                                       assumptions=inputs.assumptions, slo=inputs.slo, link=inputs.kv_link,
-                                      terms=terms))
+                                      terms=terms,
+                                      pooled_model_error=inputs.pooled_model_error
+                                      if inputs.prefill_queue == "pooled" else None))
     return tuple(out)
 

@@ -15,9 +15,10 @@ from inferbus.runtime.extras import require
 from inferbus.timing import lora_adapter_bytes, lora_load_s
 from inferbus.zones import left_after_zone_loss, replicas_for_zone_loss, spread
 from tools.capacity.plan import report_topology
-from tools.capacity.plan.model import OperatingPoint
+from tools.capacity.plan.model import OperatingPoint, Workload
 from tools.capacity.plan.options import Variant
 from tools.capacity.plan.planner import Plan, PlanInputs, Row, fleet_terms, zone_factor
+from tools.capacity.plan.sizing import POOLED_FROM_REPLICAS
 
 SCHEMA = "inferbus.plan/v1"
 
@@ -87,7 +88,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "model_limits_rps": row.model_goodput.limits, "kv_capacity_tokens": row.kv_capacity_tokens,
             "replicas": row.replicas, "replicas_exact": row.replicas_exact,
             "replicas_spare_exact": row.sizing.by_spare if row.sizing else None,
-            "replicas_set_by": row.sizing.binding if row.sizing else None, "gpus": row.gpus,
+            "replicas_set_by": row.sizing.binding if row.sizing else None, "prefill_pool": row.pool,
+            "prefill_unpooled": row.unpooled,
+            "model_error": row.sizing.model_error if row.sizing else None, "gpus": row.gpus,
             "warm_replicas": row.warm_replicas, "gpus_with_warm_pool": row.gpus_total,
             "speculative_decoding": row.spec_on, "spec_goodput_rps_per_replica": row.spec_goodput_rps,
             "plain_goodput_rps_per_replica": row.plain_goodput_rps,
@@ -113,7 +116,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "slo": asdict(inputs.slo), "gpu_prices_usd_per_gpu_hour": dict(inputs.gpu_prices), "tp": list(inputs.tps),
             "preset": inputs.preset, "assumptions": asdict(inputs.assumptions), "headroom": inputs.headroom,
             "cold_start_s": inputs.cold_start_s, "warm_start_s": inputs.warm_start_s, "ramp": ramp,
-            "engine": engine_json(inputs), "zones": inputs.zones,
+            "engine": engine_json(inputs), "zones": inputs.zones, "forecast_error": inputs.forecast_error,
+            "prefill_queue": inputs.prefill_queue, "model_error": fleet_terms(inputs).model_error,
+            "pooled_model_error": inputs.pooled_model_error if inputs.prefill_queue == "pooled" else None,
         },
         "workload": {**asdict(inputs.workload), "uncached_tokens": inputs.workload.uncached_tokens},
         "rows": rows,
@@ -223,6 +228,9 @@ def summary(plan: Plan) -> str:
     if cheapest and cheapest.cost and inputs.zones > 1 and cheapest.goodput_rps > 0:
         needed = inputs.rate_rps / cheapest.goodput_rps * (1 + inputs.headroom)
         tail += "\n" + " ".join(_zone_lines(cheapest.replicas, inputs.zones, needed)).strip().replace("**", "")
+    if cheapest and cheapest.binding == "TTFT" and inputs.prefill_queue == "per-replica" and cheapest.source == "model":
+        tail += ("\nTTFT binds with each replica its own prefill queue; placed by the router's affinity policy "
+                 "the queues pool: the default, --prefill-queue pooled, prices that (docs/planning.md).")
     warnings = [f"warning ({row.name}): {w}" for row in plan.rows for w in row.warnings]
     topology = report_topology.summary_line(plan)
     return "\n".join([head, "", comparison_table(plan), "", tail, *([topology] if topology else []), *warnings]) + "\n"
@@ -343,11 +351,30 @@ def _steady_state_lines(row: Row, p: OperatingPoint, plan: Plan, label: str) -> 
         f"**{_ms(p.tpot_p90_s)}** (SLO {_ms(slo.tpot_p90_s, 0)})",
         f"   - prefill rate μ = {a.chunk_tokens:,} ÷ t(full chunk) = {a.chunk_tokens:,} ÷ {p.full_chunk_step_s:.5f} s "
         f"= {_n(p.prefill_rate_tok_s, 0)} tokens/s; prefill load ρ = λ × u ÷ μ = {p.prefill_load:.3f}",
-        f"   - queue wait W_q = λ × E[u²] ÷ μ² ÷ (2 × (1 − ρ)) = {lam:.3f} × {_n(w.uncached_sq, 0)} ÷ "
-        f"{_n(p.prefill_rate_tok_s, 0)}² ÷ {2 * (1 - p.prefill_load):.3f} = {_ms(p.queue_wait_s)}",
-        f"   - TTFT p90 = u₉₀ ÷ μ + {a.wait_p90_factor:.2f} × W_q + {a.ttft_steps:g} × t = "
-        f"{_ms(p.ttft_prefill_s)} + {_ms(a.wait_p90_factor * p.queue_wait_s)} + {_ms(a.ttft_steps * p.step_s)} = "
+        *_wait_lines(p, w, lam, row.pool, row.unpooled),
+        f"   - TTFT p90 = u₉₀ ÷ μ + W₉₀ + {a.ttft_steps:g} × t = "
+        f"{_ms(p.ttft_prefill_s)} + {_ms(p.queue_wait_p90_s)} + {_ms(a.ttft_steps * p.step_s)} = "
         f"**{_ms(p.ttft_p90_s, 0)}** (SLO {_ms(slo.ttft_p90_s, 0)})",
+    ]
+
+
+def _wait_lines(p: OperatingPoint, w: Workload, lam: float, pool: int | None, unpooled: int | None) -> list[str]:
+    """The prompt's wait for prefill: its replica's own M/G/1 queue, or the pool's M/G/c queue."""
+    u2, mu, rho = _n(w.uncached_sq, 0), _n(p.prefill_rate_tok_s, 0), p.prefill_load
+    if pool is None:
+        why = ("each replica its own queue" if unpooled is None else
+               f"each replica its own queue: priced pooled, {unpooled} would be left serving, fewer than the "
+               f"{POOLED_FROM_REPLICAS} that pool")
+        return [
+            f"   - queue wait W_q = λ × E[u²] ÷ μ² ÷ (2 × (1 − ρ)) = {lam:.3f} × {u2} ÷ {mu}² ÷ {2 * (1 - rho):.3f} "
+            f"= {_ms(p.queue_wait_s)}; its p90 W₉₀ = ln 10 × W_q = {_ms(p.queue_wait_p90_s)} ({why})",
+        ]
+    waits = p.queue_waits
+    given = p.queue_wait_s / waits if waits > 0 else 0.0
+    return [
+        f"   - queue wait, the router pooling the prefill queues of the {pool} replicas left serving (M/G/c): "
+        f"C = Erlang C({pool}, {pool * rho:.2f}) = {waits:.3f}, m = E[u²] ÷ (2 × u × μ) ÷ (c × (1 − ρ)) = "
+        f"{_ms(given)}, W_q = C × m = {_ms(p.queue_wait_s)}, W₉₀ = m × ln(10 × C) = {_ms(p.queue_wait_p90_s)}",
     ]
 
 
@@ -409,8 +436,8 @@ def _row_section(row: Row, plan: Plan) -> list[str]:
     lines += [
         f"2. **Replicas** = max(⌈peak ÷ goodput × (1 + headroom){' × Z ÷ (Z − 1)' if zones else ''}⌉, "
         "⌈peak ÷ goodput × (1 + forecast error) × (1 + model error)⌉ + 1) = "
-        f"{fleet_terms(i).arithmetic(lam)} **serving** (the second term: one replica down, the rest serve the "
-        f"busiest minute; it binds in a fleet of a few replicas{here}).",
+        f"{fleet_terms(i).arithmetic(lam, row.sizing)} **serving** (the second term: one replica down, the rest "
+        f"serve the busiest minute; it binds in a fleet of a few replicas{here}).",
         *_zone_lines(row.replicas, i.zones, i.rate_rps / lam * (1 + h) if lam > 0 else 0.0),
         f"3. **GPUs** = (serving + warm pool) × TP = ({row.replicas:,} + {warm:,}) × {row.tp} = **{row.gpus_total:,}** "
         "(warm pool: step 7).",
@@ -519,7 +546,9 @@ def markdown(plan: Plan, plots: list[str] | None = None, variants: list[Variant]
         "With speculative decoding a step yields E tokens per sequence: B = λ·o·t ÷ E, o ÷ E steps per request "
         "and TPOT p90 = (t + z₉₀·σ) ÷ E.",
         "- **TTFT** = the 90th-percentile prompt's own prefill at the full-chunk rate μ, plus the p90 of the "
-        "queueing wait (M/G/1, Pollaczek–Khinchine, ln 10 × mean for an exponential tail), plus two steps.",
+        "queueing wait (each replica its own queue: M/G/1, Pollaczek–Khinchine, ln 10 × mean for an exponential "
+        f"tail; pooled, the default: one M/G/c queue in front of the c ≥ {POOLED_FROM_REPLICAS} replicas left serving, "
+        "Erlang C with Allen and Cunneen's correction and M/M/c's tail), plus two steps.",
         "- **Goodput** = the highest λ at which TTFT p90, TPOT p90 and KV use all meet their targets; each "
         "constraint's own limit is found by bisection and the smallest binds. A measured sweep replaces this for its "
         "GPU × TP: the best step meeting the SLO (re-judged against this plan's SLO), interpolated toward the first "

@@ -11,7 +11,9 @@ from typing import Any
 
 from inferbus.timing import GB
 from tools.capacity.plan.disagg import DECODE_FIRST_TOKEN_STEPS, DisaggRow, cheapest
+from tools.capacity.plan.model import Z90
 from tools.capacity.plan.planner import Plan, fleet_terms
+from tools.capacity.plan.sizing import POOLED_FROM_REPLICAS
 from tools.capacity.plan.topology import TopologyChoice, plan_topology
 
 
@@ -38,6 +40,7 @@ def pair_json(row: DisaggRow) -> dict[str, Any]:
         "prefill_at_goodput": asdict(row.prefill_point) if row.prefill_point else None,
         "prefill_replicas": row.prefill_replicas, "decode_replicas": row.decode_replicas,
         "prefill_replicas_set_by": row.prefill_sizing.binding if row.prefill_sizing else None,
+        "prefill_pool": row.prefill_pool, "prefill_unpooled": row.prefill_unpooled,
         "decode_replicas_set_by": row.decode_sizing.binding if row.decode_sizing else None,
         "prefill_warm_replicas": row.prefill_warm.replicas if row.prefill_warm else 0,
         "decode_warm_replicas": row.decode_warm.replicas if row.decode_warm else 0,
@@ -90,6 +93,11 @@ def _arithmetic(r: DisaggRow, plan: Plan) -> list[str]:
     assert d is not None and p is not None
     link = r.link
     chunk = i.assumptions.chunk_tokens
+    wait_p90 = ("ln 10 × W_q" if r.prefill_pool is None
+                else f"W₉₀ (one M/G/c queue for the {r.prefill_pool} prefill replicas left serving: m · ln(10 · C))")
+    if r.prefill_unpooled is not None:
+        wait_p90 += (f" (each prefill replica its own queue: priced pooled, {r.prefill_unpooled} would be left "
+                     f"serving, fewer than the {POOLED_FROM_REPLICAS} that pool)")
     lines = [
         f"### {r.name}", "",
         "Decode pool (decode-only steps, no prefill chunk in any of them):", "",
@@ -100,8 +108,12 @@ def _arithmetic(r: DisaggRow, plan: Plan) -> list[str]:
         f"- KV reserved for prompts on their way in: R = λ_d × n × h = {_rps(r.decode_rps)} × {w.input_tokens:,.0f} × "
         f"{i.slo.ttft_p90_s:g} s = {d.reserved_tokens:,.0f} tokens (h: the TTFT SLO, how long the decode engine "
         "holds a prompt's KV before the transfer fills it)",
-        f"- KV use = (S + R) ÷ capacity = ({d.resident_tokens:,.0f} + {d.reserved_tokens:,.0f}) ÷ "
-        f"{r.decode_kv_capacity_tokens:,} = {d.kv_fraction:.1%} (limit {i.assumptions.kv_limit:.0%})",
+        f"- spread of S + R: z₉₀ × σ = {Z90:.4f} × √(B × E[c²] + λ_d × h × E[n²]) = {Z90:.4f} × √({d.batch:,.1f} × "
+        f"{w.decode_ctx_sq:,.4g} + {_rps(r.decode_rps)} × {i.slo.ttft_p90_s:g} × {w.input_sq:,.4g}) = "
+        f"{d.spread_tokens:,.0f} tokens (each a Poisson number of requests)",
+        f"- KV use p90 = (S + R + z₉₀ × σ) ÷ capacity = ({d.resident_tokens:,.0f} + {d.reserved_tokens:,.0f} + "
+        f"{d.spread_tokens:,.0f}) ÷ {r.decode_kv_capacity_tokens:,} = {d.kv_fraction:.1%} "
+        f"(limit {i.assumptions.kv_limit:.0%})",
         "- limits: " + ", ".join(f"{k} alone {_rps(v)} req/s" for k, v in r.decode_limits.items())
         + f"; **{r.decode_binding}** binds", "",
         "KV transfer of the p90 prompt:", "",
@@ -114,14 +126,16 @@ def _arithmetic(r: DisaggRow, plan: Plan) -> list[str]:
         f"- its share of the TTFT SLO = {_ms(i.slo.ttft_p90_s)} − x₉₀ {_ms(r.transfer_p90_s)} − "
         f"{DECODE_FIRST_TOKEN_STEPS:g} decode step {_ms(d.step_s)} = {_ms(r.prefill_budget_s)}",
         f"- at λ_p = {_rps(r.prefill_rps)} req/s: ρ = {p.load:.2f}, W_q = {_ms(p.queue_wait_s)}, TTFT_prefill p90 = "
-        f"u₉₀ ÷ μ + ln 10 × W_q = {_ms(p.compute_p90_s)} + {_ms(p.ttft_p90_s - p.compute_p90_s)} = "
+        f"u₉₀ ÷ μ + {wait_p90} = {_ms(p.compute_p90_s)} + {_ms(p.ttft_p90_s - p.compute_p90_s)} = "
         f"{_ms(p.ttft_p90_s)}",
         f"- TTFT p90 = {_ms(p.ttft_p90_s)} + {_ms(r.transfer_p90_s)} + {_ms(r.decode_steps_s)} = {_ms(r.ttft_p90_s)}",
         "",
         "Fleet:", "",
-        f"- prefill replicas = {terms.arithmetic(r.prefill_rps)} × TP{r.tp_prefill} = {r.prefill_gpus:,} GPUs"
+        f"- prefill replicas = {terms.arithmetic(r.prefill_rps, r.prefill_sizing)} × TP{r.tp_prefill} = "
+        f"{r.prefill_gpus:,} GPUs"
         + (f" + {r.prefill_warm.replicas:,} warm" if r.prefill_warm else ""),
-        f"- decode replicas = {terms.arithmetic(r.decode_rps)} × TP{r.tp_decode} = {r.decode_gpus:,} GPUs"
+        f"- decode replicas = {terms.arithmetic(r.decode_rps, r.decode_sizing)} × TP{r.tp_decode} = "
+        f"{r.decode_gpus:,} GPUs"
         + (f" + {r.decode_warm.replicas:,} warm" if r.decode_warm else ""),
         "  (the headroom, or one replica beyond the busiest minute's need with the forecast and model error: "
         "whichever is more)",

@@ -58,7 +58,7 @@ def _disaggregated_terms(row: DisaggRow) -> str:
     text = (f"{row.name} at {row.ratio} prefill:decode GPUs: decode binds on {row.decode_binding}")
     if row.decode_point is not None:
         text += (f" at a batch of {row.decode_point.batch:,.0f} ({_ms(row.decode_point.step_s)} steps, "
-                 f"{row.decode_point.kv_fraction:.0%} of KV incl. reservations)")
+                 f"{row.decode_point.kv_fraction:.0%} of KV at its p90, reservations included)")
     text += (f"; the prefill keeps {_ms(row.prefill_budget_s)} of the TTFT budget after "
              f"{_ms(row.transfer_p90_s)} of KV transfer over {row.link.name} and {_ms(row.decode_steps_s)} of decode "
              "steps")

@@ -12,7 +12,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import httpx
@@ -127,21 +127,24 @@ async def run_concurrency(client: httpx.AsyncClient, path: str, requests: Sequen
     monitor = _LagProbe()
     records: list[RequestRecord] = []
     reissue: list[float] = []
-    thinking = 0.0  # seconds workers spent in think time before a send: part of the loop, not a shortfall
+    # (from, to) of each worker's think time before a send: part of the loop, not a shortfall
+    thinking: list[tuple[float, float]] = []
     next_index = 0
     dispatch_end = 0.0
     started = time.perf_counter()
     cpu0 = time.process_time()
 
     async def worker() -> None:
-        nonlocal next_index, dispatch_end, thinking
+        nonlocal next_index, dispatch_end
         last_end = None
         while next_index < len(requests):
             if last_end is not None and think_s > 0:
                 await asyncio.sleep(think_s)
+                # Counted even when the other users took what was left meanwhile: this user was
+                # thinking up to the window's end, which may fall inside this think.
+                thinking.append((last_end, time.perf_counter()))
                 if next_index >= len(requests):
                     break
-                thinking += time.perf_counter() - last_end
             prepared = requests[next_index]
             next_index += 1
             record = RequestRecord(prepared.kind, time.perf_counter())
@@ -161,7 +164,7 @@ async def run_concurrency(client: httpx.AsyncClient, path: str, requests: Sequen
     # Achieved concurrency over the window in which every worker had something to send: after the
     # last dispatch the loop necessarily drains, which is not a client shortfall.
     window_end = dispatch_end or time.perf_counter()
-    area = _inflight_area(records, started, window_end) + thinking
+    area = _inflight_area(records, started, window_end) + _area(thinking, started, window_end)
     achieved = area / ((window_end - started) * concurrency) if window_end > started else 1.0
     sample = ClientSample(wall, time.process_time() - cpu0, monitor.lags, min(1.0, achieved), _load_avg(), reissue)
     return StepRun(records, sample)
@@ -169,11 +172,12 @@ async def run_concurrency(client: httpx.AsyncClient, path: str, requests: Sequen
 
 def _inflight_area(records: Sequence[RequestRecord], start: float, end: float) -> float:
     """Request-seconds in flight within [start, end]."""
-    total = 0.0
-    for r in records:
-        stop = r.end or end
-        total += max(0.0, min(stop, end) - max(r.start, start))
-    return total
+    return _area(((r.start, r.end or end) for r in records), start, end)
+
+
+def _area(spans: Iterable[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of `spans` (from, to) within [start, end]."""
+    return sum(max(0.0, min(stop, end) - max(begin, start)) for begin, stop in spans)
 
 
 async def run_rate(client: httpx.AsyncClient, path: str, requests: Sequence[Prepared], rate: float, seed: int,
