@@ -5,8 +5,9 @@
 For each mix (the Mooncake synthetic trace, long prompts; the Mooncake conversation trace), with
 the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) and H100 at TP 2, 4 and 8:
 
-1. **The plan** (`inferbus plan`'s arithmetic) for `--peak-rps`: its cheapest aggregated row, its
-   cheapest disaggregated pair, the topology it chooses and why, and the GPUs of each.
+1. **The plan priced per replica** (`inferbus plan --prefill-queue per-replica`, each replica its
+   own M/G/1 prefill queue) for `--peak-rps`: its cheapest aggregated row, its cheapest
+   disaggregated pair, the topology it chooses and why, and the GPUs of each.
 2. **The same GPUs** (the aggregated plan's serving GPUs): the aggregated fleet and the
    disaggregated one (the cheapest pair's TP widths, at the plan's P:D ratio and at every other
    split of those GPUs, the best kept) in the fleet
@@ -20,6 +21,13 @@ the seed's SLO (TTFT p90 ≤ 800 ms, TPOT p90 ≤ 40 ms) and H100 at TP 2, 4 and
    SLO; tight = a fleet 10% smaller (each pool) holds fewer. The aggregated plan also runs behind
    the router's own placement policies (`FastFleet`, `affinity` and `least_loaded`), down to the
    smallest fleet that holds: `PdFleet` places by each replica's exact unfinished work.
+4. **The plan as `inferbus plan` makes it by default** (`--prefill-queue pooled`, one M/G/c
+   prefill queue, per replica below four serving): the same checks of both its fleets, and its TP8
+   aggregated plan at each of `POOLED_PEAKS` behind `affinity`, also with a 10% model error beside
+   the plan's 16%.
+5. **The worked example, pooled** (`--worked-example-duration`): 50,000 requests/min of its chat
+   mix, where the pooled plan chooses disaggregation; both topologies' plans under the same
+   stresses on the Azure conversation trace's arrival shape.
 
 Writes bench/results/pd.{json,md}. A few CPU-minutes.
 """
@@ -43,6 +51,7 @@ from tools.capacity.fleetsim.pd import PdConfig, PdFleet, PdSummary, Pool
 from tools.capacity.plan.disagg import DisaggRow, cheapest
 from tools.capacity.plan.model import Slo, Workload
 from tools.capacity.plan.planner import PlanInputs, Row, make_plan
+from tools.capacity.plan.sizing import POOLED_MODEL_ERROR
 from tools.capacity.plan.topology import plan_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +64,10 @@ FORECAST_ERROR = 0.10
 LOST = 1
 ROUTER_POLICIES = ("affinity", "least_loaded")
 LOAD_INTERVAL_S = 0.25  # how often workers report their load (INFERBUS_LOAD_INTERVAL_S's default)
+WORKED_EXAMPLE = "worked-example"
+ARRIVAL_SHAPE = "azure_2023_conv.csv"  # the worked example's arrival shape, as bench.tight_and_right's
+POOLED_PEAKS = (5.0, 10.0, 20.0, 40.0, 80.0)  # peaks (req/s) the pooled plan is checked at
+LOWER_MODEL_ERROR = 0.10  # beside the pooled plan's own: why it is not lower
 
 
 def engine(tp: int, chunk: int) -> EngineConfig:
@@ -173,7 +186,10 @@ def tight_and_right(config: PdConfig, mix: mix_mod.Mix, shape: list[float], peak
         summary = run(fleet, workload.arrivals())
         out[name] = {"gpus_provisioned": stressed(config, fraction, 0).gpus, "gpus_up": fleet.gpus,
                      **{k: getattr(summary, k) for k in ("minutes", "minute_attainment", "request_attainment",
-                                                          "ttft_p90_s", "tpot_p90_s", "requests")}}
+                                                          "ttft_p90_s", "tpot_p90_s", "requests", "decode_kv_peak")},
+                     # The minutes that missed: what missed, and how far.
+                     "missed": [{k: minute[k] for k in ("t_s", "ttft_p90_s", "tpot_p90_s")}
+                                for minute in summary.series if not minute["within_slo"]]}
         print(f"  tight and right, {summary.topology} {name}: {fleet.gpus} GPUs up → "
               f"{summary.minute_attainment:.1%} of {summary.minutes} minutes", flush=True)
     out["right"] = out["planned"]["minute_attainment"] >= TARGET
@@ -222,12 +238,90 @@ def production_router(config: PdConfig, mix: mix_mod.Mix, shape: list[float], pe
     return out
 
 
+def pooled_peaks(inputs: PlanInputs, mix: mix_mod.Mix, shape: list[float], seconds: float,
+                 seed: int) -> list[dict[str, Any]]:
+    """The pooled plan (`--prefill-queue pooled`) at each of `POOLED_PEAKS` against the simulator
+    behind the router's `affinity` policy, under the tight-and-right stresses: with the pooled model
+    error the plan uses and with `LOWER_MODEL_ERROR`, whether the planned fleet holds (right), whether
+    one 10% smaller does not (tight), and the smallest fleet that holds."""
+    out = []
+    for peak in POOLED_PEAKS:
+        workload = DayWorkload(shape, 60.0, seconds, peak * (1 + FORECAST_ERROR), mix, mode="tile", seed=seed)
+        seen: dict[int, float] = {}
+
+        def held(provisioned: int, workload: DayWorkload = workload, seen: dict[int, float] = seen) -> float:
+            up = max(1, provisioned - LOST)
+            if up not in seen:
+                fast = FastConfig(replicas=up, engine=engine(8, inputs.assumptions.chunk_tokens), seed=seed,
+                                  slo_ttft_s=inputs.slo.ttft_p90_s, slo_tpot_s=inputs.slo.tpot_p90_s,
+                                  policy="affinity", load_interval_s=LOAD_INTERVAL_S)
+                seen[up] = FastFleet(fast, workload.arrivals()).run().minute_attainment
+            return seen[up]
+
+        point: dict[str, Any] = {"peak_rps": peak}
+        for name, error in (("plan", POOLED_MODEL_ERROR), ("lower_error", LOWER_MODEL_ERROR)):
+            plan = make_plan(replace(inputs, rate_rps=peak, tps=[8], prefill_queue="pooled", pooled_model_error=error,
+                                     disaggregation=False))
+            row = plan.cheapest
+            assert row is not None and row.sizing is not None
+            smaller = max(1, math.floor(row.replicas * SMALLER))
+            point[name] = {"model_error": row.sizing.model_error, "replicas": row.replicas,
+                           "pool": row.pool, "unpooled": row.unpooled, "planned": held(row.replicas),
+                           "smaller": smaller,
+                           "smaller_held": held(smaller)}
+            point[name]["right"] = point[name]["planned"] >= TARGET
+            point[name]["tight"] = point[name]["smaller_held"] < TARGET
+        planned = point["plan"]["replicas"]
+        smallest = None
+        if held(planned) >= TARGET:
+            smallest = planned
+            while smallest - 1 > LOST and held(smallest - 1) >= TARGET:
+                smallest -= 1
+        point["smallest_holding"] = smallest
+        out.append(point)
+        plan_point = point["plan"]
+        print(f"  pooled plan at {peak:g} req/s: {planned} × TP8 ({_pool(plan_point)}) → "
+              f"{plan_point['planned']:.1%} of minutes; 10% smaller {plan_point['smaller_held']:.1%}; smallest "
+              f"holding {smallest}; with {LOWER_MODEL_ERROR:.0%} model error {point['lower_error']['replicas']} → "
+              f"{point['lower_error']['planned']:.1%}", flush=True)
+    return out
+
+
+def worked_example_pooled(seconds: float, seed: int) -> dict[str, Any]:
+    """The worked example (50,000 requests/min of its chat mix, H100 and H200 at TP 1/2/4) planned
+    with pooled prefill queues, where the plan chooses disaggregation: both topologies' planned
+    fleets under the tight-and-right stresses on the Azure conversation trace's arrival shape, as
+    `bench.tight_and_right` checks the TP2 aggregated plan."""
+    mix = mix_mod.load(WORKED_EXAMPLE)
+    peak = 50_000 / 60
+    inputs = PlanInputs(rate_rps=peak, rate_text="50,000 requests/min", workload=Workload.from_mix(mix),
+                        mix=mix.describe(), slo=Slo(), gpu_prices={"H100": 2.5, "H200": 3.5}, tps=[1, 2, 4],
+                        prefill_queue="pooled")
+    plan = make_plan(inputs)
+    choice, agg, pair = plan_topology(plan), plan.cheapest, cheapest(plan.disaggregated)
+    assert agg is not None and pair is not None
+    print(f"worked example, pooled prefill queues: plan chooses {choice.topology}: {pair.name} "
+          f"{pair.prefill_replicas} + {pair.decode_replicas} ({pair.gpus_total} GPUs) against {agg.name} × "
+          f"{agg.replicas} ({agg.gpus_total} GPUs)", flush=True)
+    shape = rate_shape(traces.load(traces.find(ARRIVAL_SHAPE)), 60.0)
+    chunk = inputs.assumptions.chunk_tokens
+    planned = {"aggregated": aggregated_config(agg, agg.replicas, chunk),
+               "disaggregated": disaggregated_config(pair, pair.prefill_replicas, pair.decode_replicas, chunk)}
+    return {"chosen": choice.topology, "reason": choice.reason,
+            "aggregated": {"config": agg.name, "replicas": agg.replicas, "gpus": agg.gpus_total},
+            "disaggregated": {"config": pair.name, "prefill_replicas": pair.prefill_replicas,
+                              "prefill_pool": pair.prefill_pool, "decode_replicas": pair.decode_replicas,
+                              "gpus": pair.gpus_total},
+            "tight_and_right": {name: tight_and_right(config, mix, shape, peak, seconds, seed)
+                                for name, config in planned.items()}}
+
+
 def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: float, seed: int,
              agg_chunks: tuple[int, ...] = (), prefill_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     mix = mix_mod.load(traces.find(trace))
     inputs = PlanInputs(rate_rps=peak, rate_text=f"{peak:g} requests/s", workload=Workload.from_mix(mix),
                         mix=mix.describe(), slo=Slo(), gpu_prices={"H100": 2.5}, tps=list(TPS))
-    plan = make_plan(inputs)
+    plan = make_plan(replace(inputs, prefill_queue="per-replica"))
     choice = plan_topology(plan)
     agg, pair = plan.cheapest, cheapest(plan.disaggregated)
     if agg is None or pair is None:
@@ -235,7 +329,7 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
             f"{label}: the plan has no feasible {'aggregated row' if agg is None else 'disaggregated pair'}"
         )
     chunk = inputs.assumptions.chunk_tokens
-    print(f"{label}: plan chooses {choice.topology} — {choice.reason}", flush=True)
+    print(f"{label}, priced per replica: plan chooses {choice.topology} — {choice.reason}", flush=True)
     gpus = agg.gpus
     p, d = split(pair, gpus)
     same = {"aggregated": aggregated_config(agg, gpus // agg.tp, chunk),
@@ -293,6 +387,21 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
                "disaggregated": disaggregated_config(pair, pair.prefill_replicas, pair.decode_replicas, chunk)}
     checks = {name: tight_and_right(config, mix, shape, peak, seconds, seed) for name, config in planned.items()}
     routers = production_router(planned["aggregated"], mix, shape, peak, seconds, seed)
+    # The same checks for the default plan, which prices the router's pooling (--prefill-queue pooled).
+    pooled_plan = make_plan(replace(inputs, prefill_queue="pooled"))
+    pooled_agg, pooled_pair = pooled_plan.cheapest, cheapest(pooled_plan.disaggregated)
+    assert pooled_agg is not None and pooled_pair is not None, "the pooled plan lost a feasible fleet"
+    print(f"{label}, pooled prefill queues: plan chooses {plan_topology(pooled_plan).topology}: "
+          f"{pooled_agg.replicas} × TP{pooled_agg.tp} or {pooled_pair.name} "
+          f"{pooled_pair.prefill_replicas} + {pooled_pair.decode_replicas}", flush=True)
+    pooled_planned = {
+        "aggregated": aggregated_config(pooled_agg, pooled_agg.replicas, chunk),
+        "disaggregated": disaggregated_config(pooled_pair, pooled_pair.prefill_replicas, pooled_pair.decode_replicas,
+                                              chunk)}
+    pooled_checks = {name: tight_and_right(config, mix, shape, peak, seconds, seed)
+                     for name, config in pooled_planned.items()}
+    pooled_routers = production_router(pooled_planned["aggregated"], mix, shape, peak, seconds, seed)
+    peaks = pooled_peaks(inputs, mix, shape, seconds, seed)
     ratios = {which: c["disaggregated"]["goodput_rps_per_gpu"] / c["aggregated"]["goodput_rps_per_gpu"]
               for which, c in compared.items()}
     ratio = ratios["best_chunk"]
@@ -312,6 +421,15 @@ def run_case(label: str, trace: str, peak: float, seconds: float, goodput_s: flo
         "chosen_over_aggregated_goodput_per_gpu": ratio if chosen == "disaggregated" else 1.0,
         "tight_and_right": checks,
         "production_router": routers,
+        "pooled": {"chosen": plan_topology(pooled_plan).topology,
+                   "plan": {"aggregated": {"config": pooled_agg.name, "replicas": pooled_agg.replicas,
+                                           "pool": pooled_agg.pool, "gpus": pooled_agg.gpus,
+                                           "goodput_rps_per_replica": pooled_agg.goodput_rps},
+                            "disaggregated": {"config": pooled_pair.name, "gpus": pooled_pair.gpus,
+                                              "prefill_replicas": pooled_pair.prefill_replicas,
+                                              "decode_replicas": pooled_pair.decode_replicas}},
+                   "tight_and_right": pooled_checks, "production_router": pooled_routers,
+                   "peaks": peaks},
     }
 
 
@@ -334,7 +452,8 @@ def markdown(results: dict[str, Any]) -> str:
     for case in results["cases"]:
         plan = case["plan"]
         lines += [f"## {case['case']} (`{case['trace']}`, {case['peak_rps']:g} req/s peak)", "",
-                  f"The plan chooses **{case['chosen']}**: {case['reason']}.", "",
+                  f"Priced per replica (`--prefill-queue per-replica`), the plan chooses **{case['chosen']}**: "
+                  f"{case['reason']}.", "",
                   f"Plan: aggregated {plan['aggregated']['config']} — {plan['aggregated']['gpus']} GPUs; "
                   f"disaggregated {plan['disaggregated']['config']} — {plan['disaggregated']['prefill_replicas']} + "
                   f"{plan['disaggregated']['decode_replicas']} replicas, {plan['disaggregated']['gpus']} GPUs "
@@ -387,8 +506,66 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| aggregated, the router's `{policy}` policy | {a['gpus_provisioned']} ({a['gpus_up']}) | "
                          f"{a['minute_attainment']:.1%} of {a['minutes']} | {b['gpus_provisioned']} ({b['gpus_up']}) | "
                          f"{b['minute_attainment']:.1%} | {verdict}{smallest} |")
+        pooled = case.get("pooled")
+        if pooled:
+            a, d = pooled["plan"]["aggregated"], pooled["plan"]["disaggregated"]
+            lines += ["", f"With the router's pooling priced (`--prefill-queue pooled`, the default) the plan chooses "
+                          f"**{pooled['chosen']}**: aggregated {a['replicas']} × {a['config']} ({a['gpus']} GPUs, "
+                          f"{a['goodput_rps_per_replica']:.2f} req/s per replica with {a['pool']} pooled); "
+                          f"disaggregated {d['config']} {d['prefill_replicas']} + {d['decode_replicas']} "
+                          f"({d['gpus']} GPUs).", "",
+                      "| tight and right, pooled plan | planned GPUs (up) | minutes within SLO | 10% smaller (up) | "
+                      "minutes within SLO | verdict |", "|---|---|---|---|---|---|"]
+            for name, check in pooled["tight_and_right"].items():
+                lines.append(_check_row(name, check))
+            for policy, check in pooled["production_router"].items():
+                lines.append(_check_row(f"aggregated, the router's `{policy}` policy", check))
+            lines += ["", "The pooled plan at other peaks, TP8, behind `affinity` under the same stresses (planned "
+                          "replicas → share of minutes within the SLO with one down):", "",
+                      "| peak req/s | pooled plan (prefill queues) | holds | 10% smaller | holds | right, tight | "
+                      "smallest "
+                      f"holding | with {LOWER_MODEL_ERROR:.0%} model error | holds |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for point in pooled["peaks"]:
+                a, lower = point["plan"], point["lower_error"]
+                lines.append(f"| {point['peak_rps']:g} | {a['replicas']} ({_pool(a)}) | {a['planned']:.1%} | "
+                             f"{a['smaller']} | {a['smaller_held']:.1%} | {'right' if a['right'] else 'not right'}, "
+                             f"{'tight' if a['tight'] else 'not tight'} | {point['smallest_holding'] or '–'} | "
+                             f"{lower['replicas']} | {lower['planned']:.1%} |")
         lines.append("")
+    worked = results.get("worked_example_pooled")
+    if worked:
+        a, d = worked["aggregated"], worked["disaggregated"]
+        lines += ["## The worked example with pooled prefill queues", "",
+                  f"50,000 requests/min of the worked example's chat mix, H100 and H200 at TP 1/2/4, "
+                  f"`--prefill-queue pooled`: the plan chooses **{worked['chosen']}**: {worked['reason']}.", "",
+                  f"Disaggregated: {d['config']}, {d['prefill_replicas']} prefill ({d['prefill_pool']} pooled) + "
+                  f"{d['decode_replicas']} decode replicas, {d['gpus']} GPUs; aggregated: {a['config']} × "
+                  f"{a['replicas']}, {a['gpus']} GPUs. Tight and right on the Azure conversation trace's arrival "
+                  "shape (as `bench.tight_and_right`):", "",
+                  "| tight and right | planned GPUs (up) | minutes within SLO | 10% smaller (up) | minutes within SLO "
+                  "| verdict |", "|---|---|---|---|---|---|",
+                  *(_check_row(name, check) for name, check in worked["tight_and_right"].items()), ""]
     return "\n".join(lines)
+
+
+def _pool(point: dict[str, Any]) -> str:
+    """How a pooled plan priced the prefill queues: the pool, or per replica below four serving."""
+    if point.get("pool") is not None:
+        return f"pool {point['pool']}"
+    return f"per replica: {point['unpooled']} would pool"
+
+
+def _check_row(name: str, check: dict[str, Any]) -> str:
+    a, b, least = check["planned"], check["10% smaller"], check.get("smallest_holding")
+    verdict = f"{'right' if check['right'] else 'not right'}, {'tight' if check['tight'] else 'not tight'}"
+    if not check["right"] and a.get("missed"):
+        missed = [f"minute {m['t_s'] / 60:.0f}, TTFT p90 {m['ttft_p90_s'] * 1e3:,.0f} ms, "
+                  f"TPOT p90 {m['tpot_p90_s'] * 1e3:.1f} ms" for m in a["missed"]]
+        verdict += f" (missed: {'; '.join(missed)}; decode KV peak {a['decode_kv_peak']:.0%})"
+    smallest = f"; smallest holding {least['gpus_provisioned']} ({least['gpus_up']})" if least else ""
+    return (f"| {name} | {a['gpus_provisioned']} ({a['gpus_up']}) | {a['minute_attainment']:.1%} of {a['minutes']} | "
+            f"{b['gpus_provisioned']} ({b['gpus_up']}) | {b['minute_attainment']:.1%} | {verdict}{smallest} |")
 
 
 def main() -> None:
@@ -402,6 +579,8 @@ def main() -> None:
                         help="aggregated chunked-prefill sizes tried beside the plan's")
     parser.add_argument("--prefill-chunks", type=int, nargs="*", default=[4096, 8192, 16384],
                         help="the disaggregated prefill pool's chunked-prefill sizes tried beside the plan's")
+    parser.add_argument("--worked-example-duration", default="20m",
+                        help="virtual time of the worked example's pooled check (0 skips it; ~2.5 CPU-min per 20m)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--name", default="pd")
     args = parser.parse_args()
@@ -411,8 +590,13 @@ def main() -> None:
     command = (f"`python -m bench.pd --peak-rps {args.peak_rps:g} --duration {args.duration} "
                f"--goodput-duration {args.goodput_duration} --cases {' '.join(args.cases)} "
                f"--agg-chunks {' '.join(map(str, args.agg_chunks))} "
-               f"--prefill-chunks {' '.join(map(str, args.prefill_chunks))}`")
-    results = {"command": command, "duration_s": seconds, "goodput_duration_s": goodput_s, "cases": cases}
+               f"--prefill-chunks {' '.join(map(str, args.prefill_chunks))} "
+               f"--worked-example-duration {args.worked_example_duration}`")
+    results: dict[str, Any] = {"command": command, "duration_s": seconds, "goodput_duration_s": goodput_s,
+                               "cases": cases}
+    worked_s = parse_duration(args.worked_example_duration) if args.worked_example_duration != "0" else 0.0
+    if worked_s > 0:
+        results["worked_example_pooled"] = worked_example_pooled(worked_s, args.seed)
     write_results(args.out, args.name, results, markdown)
 
 

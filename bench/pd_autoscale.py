@@ -12,7 +12,9 @@ rate from 30% of the peak up to the peak and back in 24 steps, Poisson within ea
   autoscaler's own `DisaggregatedPolicy` (`services.autoscaler.simulated_pd`): prefill on its
   TTFT budget share and queue, decode on TPOT and KV use, each with its plan goodput, at most the
   plan's serving replicas plus its warm pool (the plan's, for the day's steepest ramp), replicas
-  warm `--cold-start-s` after launch.
+  warm `--cold-start-s` after launch; the prefill pool with its goodput by pool size (the router
+  pools its queues), as `inferbus plan --emit-deploy` writes it;
+- **autoscaled, one goodput**: the same with the prefill pool at the plan's one goodput at every size.
 
 Reported: minutes within the SLO, requests within both SLOs, TTFT/TPOT p90, GPU-hours and the
 pools' replicas over the day. Writes bench/results/pd_autoscale.{json,md}.
@@ -66,17 +68,20 @@ def plan_pair(peak: float, duration_s: float, cold_start_s: float) -> tuple[Disa
     return pair, plan
 
 
-def configs(pair: DisaggRow, plan: Any, cold_start_s: float) -> dict[str, PolicyConfig]:
-    """The autoscaler's settings as `inferbus plan --emit-deploy` writes them for this pair."""
+def configs(pair: DisaggRow, plan: Any, cold_start_s: float, by_serving: bool = True) -> dict[str, PolicyConfig]:
+    """The autoscaler's settings as `inferbus plan --emit-deploy` writes them for this pair (without
+    `by_serving`: the prefill pool at the plan's one goodput per replica, at every size)."""
     i = plan.inputs
     warm_p, warm_d = policy_warm(pair, "prefill"), policy_warm(pair, "decode")
+    table = pair.prefill_pooled.table() if by_serving and pair.prefill_pooled is not None else ()
     base = PolicyConfig(ttft_slo_s=i.slo.ttft_p90_s, tpot_slo_s=i.slo.tpot_p90_s, headroom=i.headroom,
                         min_serving=2, cold_start_s=cold_start_s, warm_start_s=5.0, max_warm=max(warm_p, warm_d),
                         max_serving=max(pair.prefill_replicas, pair.decode_replicas),
                         max_replicas=max(pair.prefill_replicas + warm_p, pair.decode_replicas + warm_d))
     return role_configs(
         base,
-        prefill=RoleBounds(pair.prefill_rps, pair.prefill_replicas, warm_p, pair.prefill_replicas + warm_p),
+        prefill=RoleBounds(pair.prefill_rps, pair.prefill_replicas, warm_p, pair.prefill_replicas + warm_p,
+                           goodput_by_serving=table),
         decode=RoleBounds(pair.decode_rps, pair.decode_replicas, warm_d, pair.decode_replicas + warm_d),
         prefill_ttft_budget_s=pair.prefill_budget_s + pair.transfer_p90_s, decode_kv_budget=i.assumptions.kv_limit)
 
@@ -116,36 +121,44 @@ def run(peak: float, duration_s: float, cold_start_s: float, seed: int) -> dict[
                                       "decode_replicas": pair.decode_replicas, "cpu_s": time.perf_counter() - started}
     print(f"static: {static.minute_attainment:.1%} of {static.minutes} minutes, {static.gpu_hours:.1f} GPU-hours",
           flush=True)
-    policy = configs(pair, plan, cold_start_s)
-    trough = peak * TROUGH
-    start_p = max(2, math.ceil(trough * (1 + plan.inputs.headroom) / pair.prefill_rps))
-    start_d = max(2, math.ceil(trough * (1 + plan.inputs.headroom) / pair.decode_rps))
-    controller = PdPolicyController(policy)
-    started = time.perf_counter()
-    fleet = PdFleet(fleet_config(pair, start_p, start_d), workload.arrivals(), controller=controller,
-                    cold_start_s=cold_start_s)
-    scaled = fleet.run()
-    series = fleet.pool_series
-    out["autoscaled"] = result(scaled) | {
-        "start_prefill_replicas": start_p, "start_decode_replicas": start_d,
-        "prefill_serving_max": max(r["prefill_serving"] for r in series),
-        "decode_serving_max": max(r["decode_serving"] for r in series),
-        "prefill_serving_min": min(r["prefill_serving"] for r in series),
-        "decode_serving_min": min(r["decode_serving"] for r in series),
-        "cpu_s": time.perf_counter() - started,
-        "series": [r for i, r in enumerate(series) if i % 12 == 0],  # one a minute
-    }
-    print(f"autoscaled: {scaled.minute_attainment:.1%} of {scaled.minutes} minutes, {scaled.gpu_hours:.1f} GPU-hours",
-          flush=True)
+    out["prefill_goodput_by_serving"] = pair.prefill_pooled.table() if pair.prefill_pooled else []
+    for name, by_serving in (("autoscaled", True), ("autoscaled_one_goodput", False)):
+        policy = configs(pair, plan, cold_start_s, by_serving)
+        # Both pools start at what the trough needs, as the autoscaler would size them.
+        trough = peak * TROUGH
+        start_p = max(2, policy["prefill"].serving_for(trough))
+        start_d = max(2, policy["decode"].serving_for(trough))
+        started = time.perf_counter()
+        fleet = PdFleet(fleet_config(pair, start_p, start_d), workload.arrivals(),
+                        controller=PdPolicyController(policy), cold_start_s=cold_start_s)
+        scaled = fleet.run()
+        series = fleet.pool_series
+        out[name] = result(scaled) | {
+            "start_prefill_replicas": start_p, "start_decode_replicas": start_d,
+            "prefill_serving_max": max(r["prefill_serving"] for r in series),
+            "decode_serving_max": max(r["decode_serving"] for r in series),
+            "prefill_serving_min": min(r["prefill_serving"] for r in series),
+            "decode_serving_min": min(r["decode_serving"] for r in series),
+            "cpu_s": time.perf_counter() - started,
+            "series": [r for i, r in enumerate(series) if i % 12 == 0],  # one a minute
+        }
+        print(f"{name}: {scaled.minute_attainment:.1%} of {scaled.minutes} minutes, "
+              f"{scaled.request_attainment:.1%} of requests, {scaled.gpu_hours:.1f} GPU-hours", flush=True)
     return out
 
 
 def markdown(r: dict[str, Any], command: str) -> str:
-    s, a = r["static"], r["autoscaled"]
+    s, a, one = r["static"], r["autoscaled"], r["autoscaled_one_goodput"]
+
+    def scaled(x: dict[str, Any]) -> str:
+        return (f"prefill {x['prefill_serving_min']}–{x['prefill_serving_max']}, "
+                f"decode {x['decode_serving_min']}–{x['decode_serving_max']} serving")
+
+    table = r["prefill_goodput_by_serving"]
     rows = []
     for name, x, fleet in (("static", s, f"{s['prefill_replicas']} prefill + {s['decode_replicas']} decode"),
-                           ("autoscaled", a, f"prefill {a['prefill_serving_min']}–{a['prefill_serving_max']}, "
-                                             f"decode {a['decode_serving_min']}–{a['decode_serving_max']} serving")):
+                           ("autoscaled, prefill goodput by pool size", a, scaled(a)),
+                           ("autoscaled, the plan's one prefill goodput", one, scaled(one))):
         rows.append(f"| {name} | {fleet} | {x['minute_attainment']:.1%} of {x['minutes']} | "
                     f"{x['request_attainment']:.1%} | {x['ttft_p90_s'] * 1e3:,.0f} ms | {x['tpot_p90_s'] * 1e3:.1f} ms "
                     f"| {x['gpu_hours']:,.1f} |")
@@ -168,6 +181,11 @@ def markdown(r: dict[str, Any], command: str) -> str:
         f"Autoscaled uses {abs(saving):.0%} {'fewer' if saving >= 0 else 'more'} GPU-hours than the static fleet "
         "(its warm and starting replicas "
         "counted; the static fleet runs its serving replicas only, no warm pool).",
+        "",
+        "The router pools the prefill replicas' queues, so one prefill replica's goodput grows with the replicas "
+        "serving: the plan gives the autoscaler it by pool size (`INFERBUS_AUTOSCALER_PREFILL_GOODPUT_BY_SERVING`), "
+        + ", ".join(f"{n}: {g:.2f}" for n, g in table) + " req/s. The last row sizes the prefill pool at the plan's "
+        "one number at every size instead, as the autoscaler did before it had the table.",
         "",
     ])
 
