@@ -12,6 +12,7 @@ from services.sim_engine.disagg import (
     FAKE,
     HANDSHAKE_ATTEMPTS,
     DecodeRooms,
+    Held,
     KVPoll,
     LinkQueue,
     PrefillRooms,
@@ -187,6 +188,36 @@ def test_decode_waiting_timeout_counts_from_the_destination_sent():
     assert late.status == KVPoll.WAITING_FOR_INPUT  # never sent: waiting for KV room has no deadline
 
 
+def test_a_failed_transfers_kv_is_held_until_the_prefill_acknowledges_or_the_deadline():
+    rooms = DecodeRooms(Timeouts(deferred_release_s=30))
+    rooms.handshake("p:1", "tcp://p:9")
+    sent, acked, unsent = (rooms.open(r, f"r{r}", "p:1", 10, 0.0) for r in (1, 2, 3))
+    rooms.sent(1, 10, 2, now=1.0)
+    rooms.sent(2, 7, 0, now=1.0)
+    for state in (sent, acked, unsent):
+        rooms.fail(state.room, ABORTED)
+    assert rooms.hold(sent, (11, 12), now=2.0) and rooms.hold(acked, (), now=2.0)
+    assert not rooms.hold(unsent, (), now=2.0)  # no destination sent: nothing the prefill could write into
+    assert rooms.acknowledged(2) == Held(2, 7, (), 32.0)
+    assert rooms.acknowledged(2) is None  # freed once
+    assert rooms.overdue(31.9) == []
+    assert rooms.overdue(32.0) == [Held(1, 10, (11, 12), 32.0)]  # no acknowledgement: freed anyway
+    assert rooms.held == {}
+
+
+def test_a_fake_transfer_or_an_immediate_release_holds_nothing():
+    fake = DecodeRooms(Timeouts())
+    state = fake.open(-1, "warm-up", FAKE, 10, 0.0)
+    fake.handshake(FAKE, FAKE)
+    fake.sent(-1, 10, 0, now=0.0)
+    assert not fake.hold(state, (), now=0.0)
+    immediate = DecodeRooms(Timeouts(deferred_release_s=None))
+    immediate.handshake("p:1", "tcp://p:9")
+    state = immediate.open(1, "a", "p:1", 10, 0.0)
+    immediate.sent(1, 10, 0, now=0.0)
+    assert not immediate.hold(state, (), now=0.0)
+
+
 def test_preallocation_holds_back_the_reserved_decode_tokens():
     # 4,096 free; 3 requests running or in transfer hold back 512 each; a 500-token prompt needs 500 + 512.
     assert preallocation_fits(4096, 500, 0, 3, 512)
@@ -199,6 +230,9 @@ def test_timeouts_come_from_sglangs_environment_with_its_floors():
     env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "7", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3",
            "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "0"}
     assert Timeouts.from_env(env) == Timeouts(7, 3, 2.0, 1)
+    assert Timeouts.from_env({}).deferred_release_s == 30.0
+    assert Timeouts.from_env({"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "4"}).deferred_release_s == 4
+    assert Timeouts.from_env({"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "False"}).deferred_release_s is None
 
 
 # ---------------------------------------------------------------------------------- the engine

@@ -223,8 +223,10 @@ async def test_decode_abort_fails_both_sides_with_sglangs_messages():
         assert prefill.status_code == 500 and prefill.json()["message"] == (
             f"Prefill transfer failed for request rank=0 req.rid='cancel-me' req.bootstrap_room={room} with exception "
             f"KVTransferError(bootstrap_room={room}): Failed due to an unknown reason from another rank")
-        assert pd.decode.server.engine.cache.used_tokens == 0  # the reservation is released
         assert not pd.prefill.server.engine.has_work  # the prefill stopped computing
+        # The reservation is freed once the prefill acknowledges the ABORT, long before the 30 s
+        # SGLang waits for an acknowledgement that never comes.
+        await await_for(lambda: pd.decode.server.engine.cache.used_tokens == 0, 5, what="the reservation freed")
 
 
 async def _section(pd: pair, role: served, key: str) -> int:
@@ -287,6 +289,7 @@ async def test_prefill_bootstrap_timeout(monkeypatch):
 async def test_a_dead_prefill_fails_the_decode_sides_requests(monkeypatch):
     monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
     monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "1")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "1.5")
     async with pair() as pd:
         # Only the decode side gets the request: it handshakes, reserves KV and waits for the KV.
         body = pd.body(rid="orphan")
@@ -297,6 +300,24 @@ async def test_a_dead_prefill_fails_the_decode_sides_requests(monkeypatch):
         assert response.status_code == 500
         assert response.json()["message"].endswith(
             f"Lost connection with prefill instance (bootstrap_addr: 127.0.0.1:{pd.bootstrap_port})")
+        # No prefill to acknowledge the ABORT: the KV it might have been writing stays reserved
+        # until SGLang's deferred-release timeout, then is freed anyway.
+        failed = time.monotonic()
+        assert pd.decode.server.engine.cache.used_tokens > 0
+        assert (await pd.loads(pd.decode))["num_used_tokens"] > 0
+        await await_for(lambda: pd.decode.server.engine.cache.used_tokens == 0, 5, what="the held KV freed")
+        assert time.monotonic() - failed >= 1.0
+
+
+async def test_without_the_deferred_release_a_failed_transfers_kv_is_freed_at_once(monkeypatch):
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "1")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "false")
+    async with pair() as pd:
+        waiting = asyncio.ensure_future(pd.decode.client.post("/generate", json=pd.body(rid="orphan")))
+        await await_for(lambda: _section(pd, pd.decode, "decode_transfer_queue_reqs"), 10, what="KV reserved")
+        await pd.prefill.stop()
+        assert (await asyncio.wait_for(waiting, 20)).status_code == 500
         assert pd.decode.server.engine.cache.used_tokens == 0
 
 

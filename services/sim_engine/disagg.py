@@ -36,6 +36,7 @@ FAKE = "fake"
 # Attempts and spacing of the decode side's fetch of the prefill's layout (SGLang's decode queue).
 HANDSHAKE_ATTEMPTS = 15
 HANDSHAKE_RETRY_S = 1.0
+TRUE = ("true", "1", "yes", "y")  # what SGLang's EnvBool reads as true
 
 
 class KVPoll(enum.IntEnum):
@@ -67,6 +68,9 @@ class Timeouts:
     waiting_s: float = 300.0  # decode: no KV within this after sending the destination
     heartbeat_interval_s: float = 5.0  # decode: how often it polls each prefill's /health
     heartbeat_max_failures: int = 2  # ... and after how many misses it gives the prefill up
+    # decode: a failed transfer's KV is held until the prefill acknowledges the ABORT, or this long
+    # (None: released at once, SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE off)
+    deferred_release_s: float | None = 30.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Timeouts:
@@ -76,6 +80,10 @@ class Timeouts:
             waiting_s=float(env.get("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)),
             heartbeat_interval_s=max(float(env.get("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0)), 2.0),
             heartbeat_max_failures=max(int(env.get("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1),
+            deferred_release_s=(
+                float(env.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", 30.0))
+                if env.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "true").lower() in TRUE else None
+            ),
         )
 
 
@@ -304,12 +312,26 @@ class DecodeRoom:
         return "transfer" if self.sent_at is not None else "handshake"
 
 
+@dataclass(frozen=True)
+class Held:
+    """The KV a failed transfer had reserved, which SGLang's decode engine keeps (its deferred
+    release) until the prefill acknowledges the ABORT, since until then the prefill may still be
+    writing into it, or until `deadline` (wall) when no acknowledgement comes (a dead prefill)."""
+
+    room: int
+    tokens: int  # allocated for the transfer
+    hashes: tuple[int, ...]  # the blocks of this engine's cache the prompt matched, still locked
+    deadline: float
+
+
 class DecodeRooms:
-    """The decode role's rooms, its handshakes with prefill bootstrap servers and their heartbeats."""
+    """The decode role's rooms, its handshakes with prefill bootstrap servers and their heartbeats,
+    and the KV of failed transfers held for their prefill's acknowledgement."""
 
     def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
         self.rooms: dict[int, DecodeRoom] = {}
+        self.held: dict[int, Held] = {}
         self.endpoints: dict[str, str] = {}  # bootstrap addr → the prefill rank's endpoint (SGLang's connection pool)
         self._handshake_failures: dict[str, int] = {}
         self._heartbeat_misses: dict[str, int] = {}
@@ -415,6 +437,26 @@ class DecodeRooms:
 
     def close(self, room: int) -> None:
         self.rooms.pop(room, None)
+
+    def hold(self, state: DecodeRoom, hashes: tuple[int, ...], now: float) -> bool:
+        """Whether a failed room's reservation is held rather than freed (SGLang's deferred decode
+        KV release): only when its destination went to a real prefill, which may be writing into
+        it, and the release is deferred at all. The caller sends the ABORT either way."""
+        if self.timeouts.deferred_release_s is None or state.sent_at is None or state.endpoint in (None, FAKE):
+            return False
+        self.held[state.room] = Held(state.room, state.reserved_tokens, hashes, now + self.timeouts.deferred_release_s)
+        return True
+
+    def acknowledged(self, room: int) -> Held | None:
+        """The prefill acknowledged the room's ABORT: its held KV, to free now."""
+        return self.held.pop(room, None)
+
+    def overdue(self, now: float) -> list[Held]:
+        """Held KV whose acknowledgement did not come in time: freed anyway, as SGLang does."""
+        due = [held for held in self.held.values() if now >= held.deadline]
+        for held in due:
+            del self.held[held.room]
+        return due
 
     def count(self, *statuses: KVPoll) -> int:
         return sum(state.status in statuses for state in self.rooms.values())

@@ -46,6 +46,7 @@ from .disagg import (
     Bootstrap,
     DecodeRoom,
     DecodeRooms,
+    Held,
     KVPoll,
     LinkQueue,
     PrefillRoom,
@@ -332,8 +333,11 @@ class DisaggEngineServer(SimEngineServer):
         if state is not None:
             self._release(state.rid)
 
-    def _on_decode_abort(self, room: int) -> None:
-        """The decode side gave the room up: SGLang fails it with no reason of its own."""
+    def _on_decode_abort(self, room: int, endpoint: str) -> None:
+        """The decode side gave the room up: SGLang fails it with no reason of its own, and
+        acknowledges the ABORT, known room or not, so the decode side can free the room's KV. (SGLang
+        waits for chunks still on the wire to drain first; the simulated link moves no bytes.)"""
+        self._send(endpoint, pd_wire.ack_frames(room))
         before = self.prefill_rooms.rooms.get(room)
         status = before.status if before is not None else None
         state = self.prefill_rooms.fail(room, None)
@@ -422,19 +426,28 @@ class DisaggEngineServer(SimEngineServer):
         self._wake.set()
 
     def _release_reservation(self, state: DecodeRoom) -> None:
+        """Free a failed room's reservation now, or hold it for the prefill's acknowledgement."""
         if state.sent_at is None:
             return
         request = self.engine.get(state.rid)
-        self.engine.cache.release(state.reserved_tokens)
-        if request is not None and state.matched_blocks:
-            self.engine.cache.unlock(request.hashes[: state.matched_blocks])
+        hashes = tuple(request.hashes[: state.matched_blocks]) if request is not None else ()
+        if not self.decode_rooms.hold(state, hashes, time.monotonic()):
+            self._free(Held(state.room, state.reserved_tokens, hashes, 0.0))
         state.reserved_tokens = state.matched_blocks = 0
+
+    def _free(self, held: Held) -> None:
+        self.engine.cache.release(held.tokens)
+        if held.hashes:
+            self.engine.cache.unlock(list(held.hashes))
+        self._preallocate()
 
     def _fail_decode(self, state: DecodeRoom, notify: bool = False) -> None:
         """A failed room's request ends with SGLang's 500; `notify`: tell the prefill rank (SGLang
-        sends ABORT once the handshake gave it the rank's endpoint)."""
+        sends ABORT once the handshake gave it the rank's endpoint). A room whose KV is held for the
+        prefill's acknowledgement sends it whatever failed it (SGLang's `force_arm`)."""
         stage = state.stage
         self._release_reservation(state)
+        notify = notify or state.room in self.decode_rooms.held
         if notify and state.endpoint not in (None, FAKE):
             self._send(state.endpoint, pd_wire.abort_frames(state.room, self.endpoint))
         self._untrack(state.room)
@@ -482,6 +495,10 @@ class DisaggEngineServer(SimEngineServer):
                 self._fail_prefill(prefill, "bootstrap")
             for decode in self.decode_rooms.expired(now):
                 self._fail_decode(decode, notify=True)
+            for held in self.decode_rooms.overdue(now):
+                logger.warning("Deferred KV release for room %s timed out after %ss without a full drain ack from "
+                               "prefill; releasing anyway.", held.room, self.timeouts.deferred_release_s)
+                self._free(held)
 
     async def _receive(self) -> None:
         assert self._pull is not None
@@ -492,7 +509,11 @@ class DisaggEngineServer(SimEngineServer):
                 if isinstance(message, pd_wire.DestMessage):
                     self._on_destination(message.room, message.endpoint, message.prefix_len, message.tp)
                 elif isinstance(message, pd_wire.AbortMessage):
-                    self._on_decode_abort(message.room)
+                    self._on_decode_abort(message.room, message.endpoint)
+                elif isinstance(message, pd_wire.AckMessage):
+                    held = self.decode_rooms.acknowledged(message.room)
+                    if held is not None:
+                        self._free(held)
                 elif isinstance(message, pd_wire.DoneMessage):
                     self._on_landed(message.room, message.payload)
                 else:

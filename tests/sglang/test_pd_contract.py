@@ -39,8 +39,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # two engines startin
 START_TIMEOUT_S = 1500.0  # measured 390 s for both at load average 25, over 600 s at 35
 WAITING_TIMEOUT_S = 8  # SGLANG_DISAGGREGATION_WAITING_TIMEOUT: decode gives a transfer up after it
 HEARTBEAT_INTERVAL_S = 2  # SGLang's floor
+# SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT: a failed transfer's KV stays reserved on
+# the decode side until the prefill acknowledges the ABORT, or this long (30 s by default).
+DEFERRED_RELEASE_S = 20
 TIMEOUTS = {
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(DEFERRED_RELEASE_S),
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_INTERVAL_S),
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
 }
@@ -440,7 +444,13 @@ async def test_a_decode_abort_while_its_kv_is_awaited(pair: Pair, http: httpx.As
         f"Decode transfer failed for request rank=0 decode_req.req.rid='pd-late-abort' decode_req.req.bootstrap_room="
         f"{room} with exception KVTransferError(bootstrap_room={room}): Aborted by AbortReq.")
     assert await until(lambda: _idle(http, pair)), "the decode engine still holds the aborted request"
-    assert (await loads(http, pair.decode))["num_used_tokens"] == 0
+    # The reservation outlives the request until the prefill acknowledges the ABORT (SGLang's
+    # deferred release), which it does at once here: well before the release timeout.
+    assert await until(lambda: _kv_free(http, pair), DEFERRED_RELEASE_S / 2), "the reservation was not freed"
+
+
+async def _kv_free(http: httpx.AsyncClient, pair: Pair) -> bool:
+    return bool((await loads(http, pair.decode))["num_used_tokens"] == 0)
 
 
 async def test_a_dead_prefill_fails_the_decode_sides_requests(pair: Pair, http: httpx.AsyncClient):
@@ -459,3 +469,9 @@ async def test_a_dead_prefill_fails_the_decode_sides_requests(pair: Pair, http: 
         f"Decode transfer failed for request rank=0 decode_req.req.rid='pd-orphan' decode_req.req.bootstrap_room="
         f"{room} with exception KVTransferError(bootstrap_room={room}): Lost connection with prefill instance "
         f"(bootstrap_addr: 127.0.0.1:{pair.bootstrap_port})")
+    # No prefill is left to acknowledge the ABORT: the KV it might have been writing stays reserved
+    # until the deferred-release timeout, then is freed anyway.
+    failed = time.monotonic()
+    assert (await loads(http, pair.decode))["num_used_tokens"] > 0
+    assert await until(lambda: _kv_free(http, pair), DEFERRED_RELEASE_S * 2), "the held KV was never freed"
+    assert time.monotonic() - failed >= DEFERRED_RELEASE_S / 2
