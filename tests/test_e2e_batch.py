@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,10 +223,14 @@ def test_lines_of_a_dead_worker_run_again(platform: Platform, client: openai.Ope
     log = platform.stack.get("batch").log_path
     seen = len(_worker_gone_events(log))
     worker = platform.stack.get("worker-2")
-    # Killed while it holds lines, or the test tests nothing: frozen first, and killed only if its
-    # engine is still running requests then (a frozen worker finishes none); else let go, try again.
-    running = wait_until(lambda: _frozen_while_running(worker, platform.engine_url(2)), timeout=60,
-                         what="worker-2 frozen while its engine runs its batch lines")
+    ready = next(json.loads(line) for line in Path(log).read_text().splitlines() if '"batch_ready"' in line)
+    # Killed while it holds lines, or the test tests nothing: frozen first, and killed only if the
+    # batch service has heard it accept lines it has not finished (a frozen worker finishes none;
+    # its engine may run a line whose acceptance is still in the frozen worker's send buffer, which
+    # only the line's lease brings back); else let go, try again.
+    with LineWatch(platform.stack.nats_url, subjects.reply_owner(ready["reply_subject"]), batch.id) as lines:
+        held = wait_until(lambda: _frozen_while_holding(worker, lines, "worker-2"), timeout=60,
+                          what="worker-2 frozen while it holds batch lines")
     worker.signal(signal.SIGKILL)
     assert worker.wait(5)
     try:
@@ -237,7 +242,7 @@ def test_lines_of_a_dead_worker_run_again(platform: Platform, client: openai.Ope
         # busy machine may be after the batch completed (its lines ran again by then or not).
         gone = wait_until(lambda: [e for e in _worker_gone_events(log)[seen:] if e["worker_id"] == "worker-2"],
                           timeout=60, what="the batch service's worker_gone for worker-2")
-        assert gone[0]["lines_to_republish"] > 0, (gone, running)
+        assert gone[0]["lines_to_republish"] >= len(held), (gone, held)
         ids = {m.batch_request_id(batch.id, i) for i in range(60)}
         assert once_per_line(read_usage(platform, "demo", ids, timeout=20)) == ids
     finally:
@@ -257,19 +262,63 @@ def _worker_gone_events(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_bytes().splitlines() if b'"worker_gone"' in line]
 
 
-def _frozen_while_running(worker: Process, engine_url: str) -> int:
-    """SIGSTOP `worker`; its engine's running requests then (> 0: it stays stopped; 0: SIGCONT)."""
-    import httpx
+class LineWatch:
+    """The lines of a batch each worker has accepted and not yet ended, as its batch service hears
+    them: the events on its reply subject and the workers' results, read on a connection of its
+    own in a thread of its own."""
 
+    def __init__(self, nats_url: str, owner: str, batch_id: str) -> None:
+        self.nats_url, self.owner, self.batch_id = nats_url, owner, batch_id
+        self.holders: dict[str, str] = {}  # request id → the worker that accepted its current attempt
+        self._subscribed = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._watch()), daemon=True)
+
+    def held_by(self, worker_id: str) -> set[str]:
+        return {request_id for request_id, holder in list(self.holders.items()) if holder == worker_id}
+
+    async def _watch(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(self.nats_url)
+
+        async def on_frame(msg: nats.aio.msg.Msg) -> None:
+            for event in msgspec.msgpack.decode(msg.data, type=m.StreamFrame).events:
+                if isinstance(event, m.Accepted):
+                    self.holders[event.request_id] = event.worker_id
+                elif isinstance(event, (m.Final, m.StreamError)):
+                    self.holders.pop(event.request_id, None)
+
+        async def on_result(msg: nats.aio.msg.Msg) -> None:
+            self.holders.pop(m.decoder(m.BatchLineResult).decode(msg.data).request_id, None)
+
+        await nc.subscribe(subjects.event_filter(self.owner), cb=on_frame)
+        await nc.subscribe(subjects.batch_results_filter(self.batch_id), cb=on_result)
+        await nc.flush()
+        self._subscribed.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def __enter__(self) -> LineWatch:
+        self._thread.start()
+        assert self._subscribed.wait(10), "the line watch did not subscribe"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+def _frozen_while_holding(worker: Process, lines: LineWatch, worker_id: str) -> set[str]:
+    """SIGSTOP `worker`; the lines it holds once what it sent before has arrived (some: it stays
+    stopped; none: SIGCONT)."""
     worker.signal(signal.SIGSTOP)
-    try:
-        loads = httpx.get(f"{engine_url}/v1/loads", timeout=5).json()["loads"]
-        running = sum(entry["num_running_reqs"] for entry in loads)
-    except Exception:
-        running = 0
-    if not running:
+    time.sleep(0.5)
+    held = lines.held_by(worker_id)
+    if not held:
         worker.signal(signal.SIGCONT)
-    return running
+    return held
 
 
 def restart_nats(platform: Platform) -> None:
