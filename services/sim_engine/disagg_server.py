@@ -46,7 +46,6 @@ from .disagg import (
     Bootstrap,
     DecodeRoom,
     DecodeRooms,
-    Held,
     KVPoll,
     LinkQueue,
     PrefillRoom,
@@ -432,13 +431,13 @@ class DisaggEngineServer(SimEngineServer):
         request = self.engine.get(state.rid)
         hashes = tuple(request.hashes[: state.matched_blocks]) if request is not None else ()
         if not self.decode_rooms.hold(state, hashes, time.monotonic()):
-            self._free(Held(state.room, state.reserved_tokens, hashes, 0.0))
+            self._free(state.reserved_tokens, hashes)
         state.reserved_tokens = state.matched_blocks = 0
 
-    def _free(self, held: Held) -> None:
-        self.engine.cache.release(held.tokens)
-        if held.hashes:
-            self.engine.cache.unlock(list(held.hashes))
+    def _free(self, tokens: int, hashes: tuple[int, ...]) -> None:
+        self.engine.cache.release(tokens)
+        if hashes:
+            self.engine.cache.unlock(list(hashes))
         self._preallocate()
 
     def _fail_decode(self, state: DecodeRoom, notify: bool = False) -> None:
@@ -498,7 +497,7 @@ class DisaggEngineServer(SimEngineServer):
             for held in self.decode_rooms.overdue(now):
                 logger.warning("Deferred KV release for room %s timed out after %ss without a full drain ack from "
                                "prefill; releasing anyway.", held.room, self.timeouts.deferred_release_s)
-                self._free(held)
+                self._free(held.tokens, held.hashes)
 
     async def _receive(self) -> None:
         assert self._pull is not None
@@ -513,7 +512,7 @@ class DisaggEngineServer(SimEngineServer):
                 elif isinstance(message, pd_wire.AckMessage):
                     held = self.decode_rooms.acknowledged(message.room)
                     if held is not None:
-                        self._free(held)
+                        self._free(held.tokens, held.hashes)
                 elif isinstance(message, pd_wire.DoneMessage):
                     self._on_landed(message.room, message.payload)
                 else:
