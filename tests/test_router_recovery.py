@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
@@ -121,4 +122,35 @@ async def test_an_empty_queue_whose_worker_came_back_is_not_deleted(nc: Client) 
     result = await recovery.recover(js, replies, info, give_up_after_s=20.0, revived=lambda: next(checks, True))
     assert result == recovery.Recovered(0, False, recovery.REVIVED)
     assert (await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)).name == worker_consumer
+    await replies.stop()
+
+
+class _Stalling:
+    """A JetStream context whose second `consumer_info` times out, as on a busy server."""
+
+    def __init__(self, js: object) -> None:
+        self.js, self.calls = js, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.js, name)
+
+    async def consumer_info(self, *args: object, **kwargs: object) -> object:
+        self.calls += 1
+        if self.calls == 2:
+            raise NatsTimeoutError
+        return await self.js.consumer_info(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+async def test_a_jetstream_call_timing_out_mid_pass_is_asked_again_not_the_end_of_the_pass(nc: Client) -> None:
+    js = nc.jetstream()
+    worker_consumer = await worker_queue(nc, "w4", ack_wait=30.0)
+    replies = Replies(nc)
+    await replies.start()
+    info = await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
+    stalling = _Stalling(js)
+    result = await recovery.recover(stalling, replies, info, give_up_after_s=20.0)  # type: ignore[arg-type]
+    assert stalling.calls == 3  # the one before the pass, the one that timed out, the one asked again
+    assert result == recovery.Recovered(0, True)  # drained and deleted in this pass
+    with pytest.raises(NotFoundError):
+        await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
     await replies.stop()

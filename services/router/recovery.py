@@ -106,7 +106,10 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
                 moved += 1
             if batch:
                 continue
-            state = await js.consumer_info(subjects.REQUESTS_STREAM, durable)
+            try:
+                state = await js.consumer_info(subjects.REQUESTS_STREAM, durable)
+            except NatsTimeoutError:
+                continue  # a busy server: ask again, within the pass's time
             if state.num_pending == 0 and state.num_ack_pending == 0:
                 break
             await asyncio.sleep(0.2)
