@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo
 from nats.js.errors import NotFoundError
 
 from inferbus.bus import connection as bus
@@ -112,12 +112,18 @@ async def test_a_pass_stops_when_its_worker_comes_back_and_leaves_it_what_was_pl
     await replies.stop()
 
 
-async def test_an_empty_queue_whose_worker_came_back_is_not_deleted(nc: Client) -> None:
-    js = nc.jetstream()
-    worker_consumer = await worker_queue(nc, "w3", ack_wait=30.0)
+async def empty_queue(nc: Client, worker: str) -> tuple[str, Replies, ConsumerInfo]:
+    """A worker's own queue with nothing in it, a started `Replies` to recover it with, and its
+    state as the router's scan would see it."""
+    worker_consumer = await worker_queue(nc, worker, ack_wait=30.0)
     replies = Replies(nc)
     await replies.start()
-    info = await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
+    return worker_consumer, replies, await nc.jetstream().consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
+
+
+async def test_an_empty_queue_whose_worker_came_back_is_not_deleted(nc: Client) -> None:
+    js = nc.jetstream()
+    worker_consumer, replies, info = await empty_queue(nc, "w3")
     checks = iter([False, True])  # dead at the fetch (it finds the queue empty), alive before the delete
     result = await recovery.recover(js, replies, info, give_up_after_s=20.0, revived=lambda: next(checks, True))
     assert result == recovery.Recovered(0, False, recovery.REVIVED)
@@ -143,10 +149,7 @@ class _Stalling:
 
 async def test_a_jetstream_call_timing_out_mid_pass_is_asked_again_not_the_end_of_the_pass(nc: Client) -> None:
     js = nc.jetstream()
-    worker_consumer = await worker_queue(nc, "w4", ack_wait=30.0)
-    replies = Replies(nc)
-    await replies.start()
-    info = await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)
+    worker_consumer, replies, info = await empty_queue(nc, "w4")
     stalling = _Stalling(js)
     result = await recovery.recover(stalling, replies, info, give_up_after_s=20.0)  # type: ignore[arg-type]
     assert stalling.calls == 3  # the one before the pass, the one that timed out, the one asked again
