@@ -26,6 +26,7 @@ from services.gateway.flight import Flight
 from .conftest import MODEL, Platform, running_platform
 from .nats_proxy import NatsProxy
 from .nats_server import NatsServer
+from .waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -92,6 +93,10 @@ def test_a_stream_whose_last_events_were_lost_ends_complete_without_a_second_run
     # Asked when the connection came back (~2.5 s; or by the silence check, whose question waited
     # for the connection), not at the client's timeout.
     assert after_cut < 2.5 + SILENCE_S + 3
+    # The copies sent again (the Final among them) can reach the client before the gateway has read
+    # the worker's answer and logged it: wait for the line, then make sure it is the only one.
+    wait_for(lambda: gateway_lines(platform, "stream_resent")[before:], 10, what="the gateway's stream_resent")
+    time.sleep(0.5)
     resent = gateway_lines(platform, "stream_resent")[before:]
     assert len(resent) == 1 and resent[0]["state"] == "finished" and resent[0]["resent"] >= 1
     assert not gateway_lines(platform, "migrating")
@@ -104,8 +109,8 @@ def test_a_gap_in_the_middle_of_a_stream_is_filled_by_the_worker(proxied: tuple[
     # The stream outlives the cut (200 tokens, ~3 s): the worker still runs it when asked.
     text, finish, tokens, _ = stream(platform, max_tokens=200, cut=proxy, hold_s=0.3)
     assert (text, finish, tokens) == expected[:3]
-    resent = gateway_lines(platform, "stream_resent")[before:]
-    assert resent and resent[0]["state"] == "running"
+    resent = wait_for(lambda: gateway_lines(platform, "stream_resent")[before:], 10, what="the gateway's stream_resent")
+    assert resent[0]["state"] == "running"
     assert not gateway_lines(platform, "migrating")
 
 
