@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 from nats.aio.msg import Msg
 
@@ -55,24 +56,37 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Platform
 def stream(platform: Platform, max_tokens: int, cut: NatsProxy | None = None, hold_s: float = 0.0
            ) -> tuple[str, str | None, int | None, float]:
     """The text, finish reason and completion tokens of one chat stream, and how long the stream
-    took after the cut (or in all); with `cut`, the gateway's NATS connection is cut after the
-    first token and stays away `hold_s`."""
+    took after the cut (or in all); with `cut`, the gateway's NATS connection is cut right after
+    the first chunk with a token reached it, and stays away `hold_s`."""
+    if cut is not None:
+        cut.arm("gateway", hold_s, carries_a_token)
+    started = time.monotonic()
     chunks = platform.client(timeout=60).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me about the sea"}], max_tokens=max_tokens,
         temperature=0, seed=7, stream=True, stream_options={"include_usage": True},
     )
     text: list[str] = []
-    finish, tokens, started = None, None, time.monotonic()
+    finish, tokens = None, None
     for chunk in chunks:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices:
             text.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
-            if cut is not None and text[-1]:
-                assert cut.cut("gateway", hold_s) >= 1
-                cut, started = None, time.monotonic()
+    if cut is not None:
+        assert cut.cut_at is not None and cut.cut_at > started, "the gateway was not cut"
+        started = cut.cut_at
     return "".join(text), finish, tokens, time.monotonic() - started
+
+
+def carries_a_token(subject: str, payload: bytes) -> bool:
+    """Whether a message to the gateway is stream events holding a token (the cut's trigger)."""
+    if not subject.startswith(f"{subjects.PREFIX}.tok."):
+        return False
+    try:
+        return any(isinstance(event, m.TokenChunk) for event in m.decode_stream_frame(payload).events)
+    except msgspec.DecodeError:
+        return False
 
 
 def gateway_lines(platform: Platform, event: str) -> list[dict]:
