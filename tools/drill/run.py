@@ -145,11 +145,6 @@ def _redis_primary(platform: Platform) -> str:
     raise SystemExit(f"no redis process of this platform listens on the primary's port {port}")
 
 
-def _engine_busy(url: str) -> bool:
-    """Whether a simulated engine holds a request now (running, waiting, or in a PD queue)."""
-    return _engine_requests(url) > 0
-
-
 def _engine_requests(url: str) -> int:
     """The requests a simulated engine holds now (running, waiting, or in a PD queue); 0 when it
     does not answer."""
@@ -190,21 +185,26 @@ def wait_busy(url: str, timeout_s: float = 15.0) -> int:
     return held
 
 
-def _kill_role(platform: Platform, kind: str, role: str, wait_busy_s: float = 10.0) -> Fault:
+def _kill_role(platform: Platform, kind: str, role: str, wait_busy_s: float = 15.0, freeze_s: float = 0.5) -> Fault:
     """Kill the first worker of `role` with its engine (a pod lost) while its engine holds work:
-    a prefill worker mid-prefill or mid-transfer, a decode worker mid-stream."""
+    a prefill worker mid-prefill or mid-transfer, a decode worker mid-stream. The engine is
+    frozen (SIGSTOP) the moment it is seen holding requests and killed `freeze_s` later, so what
+    it held cannot finish in between (a prefill half lasts a fraction of a second) and what its
+    worker hands it meanwhile dies with it, as on a GPU that stalls before its pod is lost."""
     workers = platform.workers_of(role)
     if len(workers) < 2:
         raise SystemExit(f"drill {kind} needs a disaggregated platform with at least 2 {role} workers: "
                          "inferbus up --prefill 2 --decode 2")
     victim = workers[0]
     engine = "engine-" + victim.split("-", 1)[1]
-    url = platform.detail(engine)
-    deadline = time.monotonic() + wait_busy_s
-    while not _engine_busy(url) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    held = wait_busy(platform.detail(engine), wait_busy_s)
+    os.kill(platform.pids()[engine], signal.SIGSTOP)
+    time.sleep(freeze_s)
     what = "mid-transfer" if role == "prefill" else "mid-stream"
-    return _kill(platform, [victim, engine], f"SIGKILL {victim} and {engine} ({role}, {what})")
+    fault = _kill(platform, [victim, engine], f"SIGKILL {victim} and {engine} ({role}, {what}; "
+                                              f"its engine frozen {freeze_s:g} s before)")
+    fault.in_flight = held
+    return fault
 
 
 def make_fault(kind: str, platform: Platform, *, hang_s: float) -> Fault:
