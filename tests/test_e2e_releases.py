@@ -29,6 +29,7 @@ from inferbus.local.replicas import EngineSpec, replica_processes
 from inferbus.releases import record
 from proto import messages as m
 from proto import subjects
+from services.gateway.flight import Flight
 from services.sim_engine import quality
 from tools.commands.main import main
 
@@ -389,6 +390,68 @@ def test_a_request_pinned_to_another_release_is_handed_back_unrun(platform: Plat
         assert isinstance(events[item.request_id][-1], m.Final)
     billed = {event.request_id: event.release for event in read_usage(platform, "demo", set(events), timeout=5)}
     assert billed == {item.request_id: stable for item in here}
+
+
+def test_a_pinned_request_handed_back_is_served_by_its_release(platform: Platform, replicas: Replicas) -> None:
+    """The gateway's side of the hand-back: a pinned request that reached a worker of another
+    release (here its first attempt is put on that worker's own queue) comes back unrun as a
+    retryable `release_mismatch`; the gateway places the next attempt on a worker of the pinned
+    release, and the client gets that release's whole answer, billed once, to that release."""
+    from services.gateway.dispatch import Dispatcher
+
+    stable_dir = replicas.model_dir("stable", 0.95)
+    stable = replicas.create(stable_dir)
+    cli(platform, "release", "stable", stable)
+    replicas.start(stable_dir, stable)
+    candidate_dir = replicas.model_dir("candidate", 0.95, weights=b"weights-candidate")
+    candidate = replicas.create(candidate_dir)
+    replicas.start(candidate_dir, candidate)
+    gateway = "pin-gateway"
+
+    async def serve() -> tuple[str, list[str], list[str | None], str]:
+        nc = await nats.connect(platform.stack.nats_url, name="test-dispatcher")
+        kv = await nc.jetstream().key_value(subjects.WORKERS_BUCKET)
+        dispatcher = Dispatcher(nc, kv, gateway_id=gateway, heartbeat_ttl_s=3.0, max_attempts=3,
+                                placement_timeout_s=0)
+        await dispatcher.start()
+        try:
+            releases = lambda: {beat.release for _, beat in dispatcher.live_workers.values()}  # noqa: E731
+            await await_for(lambda: releases() >= {stable, candidate}, 30, what="both releases' heartbeats")
+            [wrong] = [worker_id for worker_id, (_, beat) in dispatcher.live_workers.items() if beat.release == stable]
+            place, whys, placed = dispatcher._place, [], []
+
+            async def first_on_the_wrong_release(flight: Flight) -> m.PlacementReply:
+                reply = (m.PlacementReply(target=subjects.worker_target(wrong), worker_id=wrong)
+                         if flight.request.attempt == 0 else await place(flight))
+                placed.append(reply.worker_id)
+                return reply
+
+            migrate = dispatcher.migrate
+
+            async def migrating(flight: Flight, why: str) -> bool:
+                whys.append(why)
+                return await migrate(flight, why)
+
+            dispatcher._place = first_on_the_wrong_release  # type: ignore[method-assign]
+            dispatcher.migrate = migrating  # type: ignore[method-assign]
+            now = time.time()
+            request = m.InferenceRequest(
+                request_id=uuid.uuid4().hex, tenant="demo", model=MODEL, prompt="What is 2 + 7?", created=now,
+                deadline=now + 60, sampling=m.SamplingParams(max_new_tokens=8, temperature=0.0),
+                reply_to=subjects.token_subject(gateway), release=candidate, release_pinned=True)
+            flight = await dispatcher.open(request)
+            text = [event.text async for event in dispatcher.events(flight)
+                    if isinstance(event, (m.TokenChunk, m.Final))]
+            return request.request_id, whys, placed, "".join(text)
+        finally:
+            await dispatcher.stop()
+            await nc.close()
+
+    request_id, whys, placed, text = asyncio.run(serve())
+    assert whys == ["release_mismatch"] and text
+    assert len(placed) == 2 and placed[1] not in (None, placed[0]), placed  # the next attempt: the candidate's worker
+    [billed] = read_usage(platform, "demo", {request_id}, timeout=10)
+    assert billed.release == candidate and billed.usage.completion_tokens > 0
 
 
 def test_pins_are_checked_at_the_gateway(platform: Platform, replicas: Replicas) -> None:
