@@ -64,25 +64,50 @@ class Load:
         await asyncio.gather(*(one(w) for w in range(self.clients)))
 
 
-def decisions(platform: Platform, name: str, until: set[str], timeout: float) -> list[m.ReleaseDecision]:
-    """Canary decisions published for the model or adapter `name`, until one of the actions in
-    `until` (or timeout)."""
-    async def watch() -> list[m.ReleaseDecision]:
-        nc = await nats.connect(platform.stack.nats_url)
-        seen: list[m.ReleaseDecision] = []
-        done = asyncio.Event()
+class Decisions:
+    """Canary decisions published for the model or adapter `name` from when the block is entered:
+    they go out on core NATS, which keeps none, so a test subscribes before the step that makes
+    one (an eval verdict is acted on at the router's next tick, half a second later)."""
+
+    def __init__(self, platform: Platform, name: str) -> None:
+        self.platform, self.name = platform, name
+        self.seen: list[m.ReleaseDecision] = []
+        self._changed = threading.Condition()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="decisions", daemon=True)
+        self._nc: nats.NATS | None = None
+
+    def __enter__(self) -> Decisions:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._subscribe(), self._loop).result(30)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._nc is not None:
+            asyncio.run_coroutine_threadsafe(self._nc.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _subscribe(self) -> None:
+        self._nc = await nats.connect(self.platform.stack.nats_url)
 
         async def on(msg) -> None:  # type: ignore[no-untyped-def]
-            seen.append(msgspec.msgpack.decode(msg.data, type=m.ReleaseDecision))
-            if seen[-1].action in until:
-                done.set()
+            with self._changed:
+                self.seen.append(msgspec.msgpack.decode(msg.data, type=m.ReleaseDecision))
+                self._changed.notify_all()
 
-        await nc.subscribe(subjects.release_subject(name), cb=on)
-        try:
-            await asyncio.wait_for(done.wait(), timeout)
-        except TimeoutError:
-            pass
-        await nc.close()
-        return seen
+        await self._nc.subscribe(subjects.release_subject(self.name), cb=on)
+        await self._nc.flush()  # subscribed at the server before the test goes on
 
-    return asyncio.run(watch())
+    def until(self, actions: set[str], timeout: float) -> list[m.ReleaseDecision]:
+        """The decisions seen, once one of `actions` is among them (or after `timeout`)."""
+        with self._changed:
+            self._changed.wait_for(lambda: any(d.action in actions for d in self.seen), timeout)
+            return list(self.seen)
+
+
+def decisions(platform: Platform, name: str, until: set[str], timeout: float) -> list[m.ReleaseDecision]:
+    """Canary decisions published for the model or adapter `name` from now, until one of the
+    actions in `until` (or timeout)."""
+    with Decisions(platform, name) as watch:
+        return watch.until(until, timeout)

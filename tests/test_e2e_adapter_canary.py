@@ -20,7 +20,7 @@ from proto import messages as m
 from services.sim_engine import quality
 from tools.commands.main import main
 
-from .canary_helpers import Load, cli, decisions
+from .canary_helpers import Decisions, Load, cli, decisions
 from .conftest import MODEL, Platform, read_usage, running_platform
 
 pytestmark = pytest.mark.e2e
@@ -150,10 +150,11 @@ def test_an_adapter_version_that_answers_worse_is_rolled_back_by_the_eval_gate(p
         time.sleep(1)
         cli(platform, "release", "adapter-canary", "acme-summarizer", "--path", str(broken_dir), "--traffic", "25%",
             "--steps", "100%", "--window", "60s", "--eval-suite", "arithmetic")
-        code, verdict, output = run_eval(platform, "acme-summarizer", broken, "--repeats", "8")
-        assert code == 1, output
-        assert verdict.startswith("FAIL: suite arithmetic: candidate"), output
-        seen = decisions(platform, "acme-summarizer", {"rollback"}, timeout=30)
+        with Decisions(platform, "acme-summarizer") as watch:
+            code, verdict, output = run_eval(platform, "acme-summarizer", broken, "--repeats", "8")
+            assert code == 1, output
+            assert verdict.startswith("FAIL: suite arithmetic: candidate"), output
+            seen = watch.until({"rollback"}, timeout=30)
         time.sleep(3)  # traffic after the rollback
     assert load.errors == []
     assert seen and seen[-1].action == "rollback" and "eval gate failed" in seen[-1].reason, [

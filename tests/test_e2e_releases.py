@@ -33,7 +33,7 @@ from services.gateway.flight import Flight
 from services.sim_engine import quality
 from tools.commands.main import main
 
-from .canary_helpers import Load, cli, decisions
+from .canary_helpers import Decisions, Load, cli, decisions
 from .conftest import MODEL, Platform, dispatch, read_usage, running_platform
 from .waiting import await_for
 
@@ -293,12 +293,13 @@ def test_worse_eval_candidate_is_rolled_back_by_the_eval_gate(platform: Platform
     replicas.start(broken_dir, broken)
     start_canary(platform, broken, "--eval-suite", "arithmetic")
 
-    result = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(broken), "--repeats", "8",
-                                       "--url", platform.stack.gateway_url, "--api-key", platform.api_key,
-                                       "--nats-url", platform.stack.nats_url])
-    assert result.exit_code == 1, result.output
-    assert result.stdout.startswith("FAIL: suite arithmetic: candidate")
-    seen = decisions(platform, MODEL, {"rollback"}, timeout=30)
+    with Decisions(platform, MODEL) as watch:
+        result = CliRunner().invoke(main, ["eval", "arithmetic", "--release", record.short(broken), "--repeats", "8",
+                                           "--url", platform.stack.gateway_url, "--api-key", platform.api_key,
+                                           "--nats-url", platform.stack.nats_url])
+        assert result.exit_code == 1, result.output
+        assert result.stdout.startswith("FAIL: suite arithmetic: candidate")
+        seen = watch.until({"rollback"}, timeout=30)
     assert seen and seen[-1].action == "rollback" and "eval gate failed" in seen[-1].reason
     assert status(platform)["state"] == "rolled_back"
 
