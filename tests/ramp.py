@@ -11,7 +11,7 @@ from .conftest import MODEL, Platform
 
 
 async def ramp(platform: Platform, decisions: list[m.ScaleDecision], pool: str | None = None, recent: int = 4,
-               give_up_s: float = 30.0) -> tuple[float, int]:
+               give_up_s: float = 60.0) -> tuple[float, int]:
     """Ramp 1 → 6 req/s over 10 s, hold until the `recent` last scale decisions (of `pool`; None:
     any) say three workers serve, or `give_up_s`, then stop. Returns (when the load stopped, how
     many requests succeeded)."""

@@ -178,7 +178,11 @@ def test_a_worker_runs_only_what_a_gateway_dispatched(two_workers: Platform) -> 
                 30,
                 what="every forged request refused",
             )
-            assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # terminated, not redelivered
+            # Terminated, not redelivered (the worker logs its refusal, then terminates the message).
+            async def stream_empty() -> bool:
+                return (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0
+
+            await await_for(stream_empty, 30, what="the forged requests terminated")
         finally:
             await sub.unsubscribe()
             await nc.close()

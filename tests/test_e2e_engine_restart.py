@@ -57,7 +57,7 @@ def test_after_an_engine_restart_adapters_are_loaded_again(single: Platform) -> 
             admin.post("/adapters", json={"name": "helper", "version": DIGEST, "path": "s3://ok/helper"}).status_code
             == 201
         )
-    wait_for(lambda: "helper" in {card.id for card in single.client().models.list().data}, 5, interval=0.1,
+    wait_for(lambda: "helper" in {card.id for card in single.client().models.list().data}, 30, interval=0.1,
              what="the adapter listed")
     first = single.client(timeout=30).completions.create(model="helper", prompt="hello", max_tokens=3, temperature=0)
     assert first.choices[0].text

@@ -43,7 +43,7 @@ def complete(client: openai.OpenAI, model: str, prompt: str = "hello", max_token
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
 
 
-def wait_for_models(client: openai.OpenAI, names: set[str], timeout: float = 5.0) -> set[str]:
+def wait_for_models(client: openai.OpenAI, names: set[str], timeout: float = 30.0) -> set[str]:
     deadline = time.monotonic() + timeout
     while True:
         seen = {card.id for card in client.models.list().data}

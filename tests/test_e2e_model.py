@@ -147,7 +147,7 @@ def test_the_engines_cache_events_reach_the_router_as_the_gateways_blocks(
         await nc.flush()
         client = openai.AsyncOpenAI(base_url=chatml.base_url, api_key=chatml.api_key, max_retries=0)
         await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
-        for _ in range(50):
+        for _ in range(300):
             if set(expected) <= stored:
                 break
             await asyncio.sleep(0.1)

@@ -15,7 +15,7 @@ from .conftest import MODEL, Platform
 pytestmark = pytest.mark.e2e
 
 
-def _wait_for_line(platform: Platform, log_names: list[str], needle: str, timeout: float = 5.0) -> str:
+def _wait_for_line(platform: Platform, log_names: list[str], needle: str, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for name in log_names:

@@ -61,7 +61,7 @@ def test_the_pool_the_load_is_too_much_for_grows_and_the_other_does_not(tmp_path
                 decisions.append(decoder.decode(msg.data))
 
             await nc.subscribe(subjects.scale_wildcard(), cb=on_decision)
-            _, ok = await ramp(platform, decisions, grown_pool, recent=8, give_up_s=35.0)
+            _, ok = await ramp(platform, decisions, grown_pool, recent=8, give_up_s=60.0)
             during = list(decisions)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:

@@ -106,7 +106,7 @@ def test_adapters_register_with_a_pinned_version_and_list_for_the_tenant(fleet: 
         models = {card.id: card for card in fleet.client().models.list().data}
         return models if "broken" in models else None
 
-    models = wait_for(listed, 5, interval=0.1, what="the adapters listed")
+    models = wait_for(listed, 30, interval=0.1, what="the adapters listed")
     assert set(models) == {MODEL, "support-bot", "broken"}
     assert models["support-bot"].model_extra["parent"] == MODEL
 
@@ -161,15 +161,20 @@ def _restart_router(platform: Platform) -> None:
     def logged(path: Path, event: bytes) -> int:
         return path.read_bytes().count(b'"%s"' % event)
 
+    def applied() -> set[str]:
+        """Workers whose snapshot the restarted router applied (its log from the restart on)."""
+        lines = router.log_path.read_bytes()[offset:].splitlines()
+        return {json.loads(line).get("worker_id") for line in lines if b'"cache_snapshot_applied"' in line}
+
     ready, snapshots = (
         logged(router.log_path, b"router_ready"),
         [logged(path, b"cache_snapshot_sent") for path in workers],
     )
+    offset = router.log_path.stat().st_size
     router.start()
     wait_for(lambda: logged(router.log_path, b"router_ready") > ready and all(
         logged(path, b"cache_snapshot_sent") > before for path, before in zip(workers, snapshots)
-    ), 30, what="the restarted router ready with every worker's snapshot")
-    time.sleep(0.2)  # the last snapshot's way from the worker to the router
+    ) and len(applied()) == len(workers), 30, what="the restarted router ready with every worker's snapshot applied")
 
 
 def test_a_dead_workers_queue_moves_to_the_others_and_nothing_runs_twice(fleet: Platform) -> None:

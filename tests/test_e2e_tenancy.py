@@ -69,7 +69,7 @@ def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None
         with pytest.raises(openai.RateLimitError):
             ask(client)
     # The stream was closed: the worker aborts, the usage event lands, the lease is released.
-    wait_for(lambda: ask(client), 5, interval=0.1, ignore=(openai.RateLimitError,),
+    wait_for(lambda: ask(client), 30, interval=0.1, ignore=(openai.RateLimitError,),
              what="the concurrency lease released")
 
 
