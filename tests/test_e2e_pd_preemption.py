@@ -57,8 +57,9 @@ def test_an_interactive_prompt_preempts_a_batch_prompt_on_a_full_prefill_worker(
         interactive_s = time.monotonic() - started
         assert reply.usage is not None and reply.usage.completion_tokens == 3
         # Its prompt did not wait for a batch prompt's prefill (about 10 s each here): the batch half
-        # preempted is the one the engine was computing, not one waiting behind it.
-        assert interactive_s < 3.0, f"{interactive_s:.1f} s"
+        # preempted is the one the engine was computing, not one waiting behind it (the logs below
+        # say which). Alone it took `alone_s`; five seconds leave room for a loaded machine.
+        assert interactive_s < 5.0, f"{interactive_s:.1f} s (alone: {alone_s:.1f} s)"
         deadline = time.monotonic() + 120
         for i, batch in enumerate(batches):
             while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired",
