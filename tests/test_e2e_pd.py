@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import secrets
+import signal
 import time
 
 import httpx
@@ -20,6 +21,7 @@ from proto import messages as m
 from proto import subjects
 
 from .conftest import MODEL, Platform, read_usage
+from .service_logs import log_events
 
 pytestmark = pytest.mark.e2e
 
@@ -103,8 +105,8 @@ def test_usage_is_billed_once_with_the_cached_tokens_the_prefill_engine_saw(pd_p
 
 
 def test_a_client_that_leaves_during_the_prefill_aborts_both_engines(pd_platform: Platform) -> None:
-    # Long enough that its prefill (and the decode engine's wait for its KV) is still under way when
-    # the client leaves: ~50k tokens, a few hundred ms of wall time at the platform's time scale.
+    # Long enough that its prefill (and the decode engine's wait for its KV) is seen under way:
+    # ~50k tokens, a few hundred ms of wall time at the platform's time scale.
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 50_000}], "max_tokens": 50,
             "stream": True}
     headers = {"authorization": f"Bearer {pd_platform.api_key}"}
@@ -120,8 +122,19 @@ def test_a_client_that_leaves_during_the_prefill_aborts_both_engines(pd_platform
         while not busy(pd_platform, PREFILL):
             assert time.monotonic() < deadline, "the request never reached the prefill engine"
             time.sleep(0.005)
-    # The client has gone: both halves must stop, not only the decode engine's.
-    deadline = time.monotonic() + 5
+        # Frozen there (a GPU busy with a long prompt), so that the client leaves before its first
+        # token however slow this machine is to notice.
+        prefill_engine = pd_platform.stack.get(f"engine-{PREFILL}")
+        prefill_engine.signal(signal.SIGSTOP)
+    try:
+        # The client has gone: its decode half stops while the prefill engine is still frozen.
+        deadline = time.monotonic() + 10
+        while busy(pd_platform, DECODE) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        prefill_engine.signal(signal.SIGCONT)
+    # Both halves must stop, not only the decode engine's.
+    deadline = time.monotonic() + 10
     while (busy(pd_platform, PREFILL) or busy(pd_platform, DECODE)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert busy(pd_platform, PREFILL) == 0 and busy(pd_platform, DECODE) == 0
@@ -129,6 +142,12 @@ def test_a_client_that_leaves_during_the_prefill_aborts_both_engines(pd_platform
     assert event.status == "cancelled" and event.usage.completion_tokens == 0
     # The decode engine stopped too: it did not go on to write the 50 tokens nobody would read.
     assert counters(pd_platform, DECODE).get("sglang:generation_tokens_total", 0.0) - generated < 50
+    # The prefill half was aborted (by the client's cancel, or its decode worker giving it up,
+    # whichever reached the prefill worker first), not left to finish its prompt.
+    aborted = [e for e in log_events(pd_platform.stack.get(f"worker-{PREFILL}").log_path, "prefill_half_aborted")
+               if e.get("request_id") == request_id]
+    assert len(aborted) == 1 and aborted[0]["why"] in ("cancelled (client_disconnect)", "decode worker gave it up"), (
+        aborted)
 
 
 def test_n_choices_share_the_prefill_worker(pd_platform: Platform) -> None:
