@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
@@ -51,20 +52,20 @@ def test_requests_per_minute_limit_is_a_429_with_retry_headers(platform: Platfor
 
 def test_a_spent_budget_is_insufficient_quota_and_the_sdk_does_not_retry(platform: Platform) -> None:
     _, key = platform.new_tenant(limits={"monthly_budget_usd": 0.0000001})
-    client = client_for(platform, key, max_retries=3)
-    started = time.monotonic()
+    sent: list[httpx.Request] = []
+    client = client_for(platform, key, max_retries=3, http_client=httpx.Client(event_hooks={"request": [sent.append]}))
     with pytest.raises(openai.RateLimitError) as raised:
         ask(client)
     assert raised.value.code == "insufficient_quota"
     assert raised.value.response.headers["x-should-retry"] == "false"
-    assert time.monotonic() - started < 2  # no retry loop, though max_retries=3
+    assert len(sent) == 1  # no retry, though max_retries=3
 
 
 def test_concurrency_limit_frees_when_a_request_ends(platform: Platform) -> None:
     _, key = platform.new_tenant(limits={"max_concurrent": 1})
     client = client_for(platform, key, timeout=30)
     with client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "long"}],
-                                        max_tokens=2000, stream=True) as stream:
+                                        max_tokens=30000, stream=True) as stream:
         next(iter(stream))
         with pytest.raises(openai.RateLimitError):
             ask(client)
@@ -167,9 +168,12 @@ def test_two_gateways_do_not_give_a_tenant_twice_its_limit(platform: Platform, s
                 return response.status_code
             return await asyncio.gather(*(one(i) for i in range(40)))
 
+    started = time.monotonic()
     statuses = asyncio.run(hammer())
-    # 10 per minute, refilling at 1 every 6 s: a burst of 40 over both gateways gets 10 (11 at most).
-    assert 10 <= statuses.count(200) <= 11, statuses
+    took = time.monotonic() - started
+    # 10 per minute, refilling at 1 every 6 s: a burst of 40 over both gateways gets 10, and one
+    # more for each 6 s it took (a loaded machine admits it slowly), not 20.
+    assert 10 <= statuses.count(200) <= 10 + math.ceil(took / 6), (took, statuses)
     assert statuses.count(429) == 40 - statuses.count(200)
 
 
