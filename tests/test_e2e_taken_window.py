@@ -30,10 +30,11 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    # A heartbeat TTL longer than a worker's restart, so that a restart is seen as one.
+    # A heartbeat TTL longer than a worker's restart, so that a restart is seen as one (a worker's
+    # start takes seconds on a loaded machine: imports, its engine's connection, the bus).
     with running_platform(tmp_path_factory.mktemp("taken-window"), workers=2, time_scale=0.1,
                           extra_env={"INFERBUS_FAULT_HOLD": "after_ack", "INFERBUS_HEARTBEAT_INTERVAL_S": "0.5",
-                                     "INFERBUS_HEARTBEAT_TTL_S": "6", "INFERBUS_ACCEPT_TIMEOUT_S": "2"}) as running:
+                                     "INFERBUS_HEARTBEAT_TTL_S": "12", "INFERBUS_ACCEPT_TIMEOUT_S": "2"}) as running:
         yield running
 
 
