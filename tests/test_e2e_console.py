@@ -48,6 +48,8 @@ from .console_browser import (
 
 pytestmark = pytest.mark.e2e
 
+SLO_TTFT_S = 3.0
+
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
@@ -55,6 +57,9 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         "INFERBUS_SLO_RECORD_INTERVAL_S": "0.5",  # the SLO page's minutes filled at once
         # An adapter canary decided in seconds (production: 200 samples, 5 minute windows).
         "INFERBUS_CANARY_MIN_SAMPLES": "40", "INFERBUS_CANARY_TICK_S": "0.5",
+        # The SLO the ops page judges by, with room for a machine shared with every other test
+        # (production: 0.8 s and 40 ms at real speed; these engines run at ten times it).
+        "INFERBUS_SLO_TTFT_P90_S": str(SLO_TTFT_S), "INFERBUS_SLO_TPOT_P90_S": "0.2",
     }
     with running_platform(tmp_path_factory.mktemp("console"), workers=2, time_scale=0.1, extra_env=env) as running:
         yield running
@@ -248,6 +253,7 @@ def test_a_tenant_sees_its_limits_batches_files_and_adapters(platform: Platform,
         admin.patch("/tenants/demo", json={"limits": {"requests_per_minute": 6, "monthly_budget_usd": 5.0}}
                     ).raise_for_status()
     client = platform.client()
+    counted = time.monotonic()  # refilling from the first request on at most
     for i in range(3):
         chat(client, f"count {i}", 3)
     upload = client.files.create(file=("lines.jsonl", b'{"custom_id": "a", "method": "POST", "url": '
@@ -269,7 +275,9 @@ def test_a_tenant_sees_its_limits_batches_files_and_adapters(platform: Platform,
         limits = {row["key"]: row["values"] for row in cells(page, "#limits")}
         assert set(limits) == {"requests_per_minute", "monthly_budget_usd"}
         assert float(limits["requests_per_minute"]["limit"]) == 6
-        assert 1 < float(limits["requests_per_minute"]["used"]) <= 3  # the 3 requests, less what refilled
+        # The 3 requests (the batch's line is not counted here), less what refilled since.
+        refilled = (time.monotonic() - counted) / 10
+        assert 3 - refilled - 0.2 < float(limits["requests_per_minute"]["used"]) <= 3, (refilled, limits)
         assert 0 < float(limits["monthly_budget_usd"]["used"]) < 5.0
         browser.shot(page, "tenant-limits")
         with platform.admin() as admin:  # the other tests' traffic is not limited
@@ -410,7 +418,7 @@ def test_an_operator_sees_the_slos_from_the_gateways_counters(platform: Platform
             recorded, timeout=10, message=lambda: f"the SLO page never counted the gateway's {expected} requests"
         )
         now = next(r for r in cells(page, "#slo") if r["key"] == "now")["values"]
-        assert 0 < float(now["ttft_p90"]) < 0.8 and now["met"] == "met"
+        assert 0 < float(now["ttft_p90"]) < SLO_TTFT_S and now["met"] == "met"
         assert all(charts_drawn(page))
         assert not secrets_in(page.content())  # the admin key is never rendered
         browser.shot(page, "ops-slo")
