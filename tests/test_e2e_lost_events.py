@@ -133,7 +133,8 @@ async def relay(platform: Platform, request_id: str, lose: Callable[[int, bool],
     """One request through a dispatcher in this process, on the platform's bus, that loses the
     first copy of each chunk `lose(seq, is_final)` picks on arrival (and the `Accepted`, with
     `lose_accepted`), and is told its connection came back after `reconnect_after_s`: the text,
-    the attempt that finished it and why the worker was asked to resend."""
+    the attempt that finished it and why the worker was asked to resend (each question asked,
+    not the later signs of a loss already being asked about)."""
     nc = await bus.connect(platform.stack.nats_url, name="test-dispatcher")
     kv = await bus.workers_bucket(nc.jetstream(), 3.0)
     dispatcher = Dispatcher(nc, kv, gateway_id="test-gateway", heartbeat_ttl_s=3.0, max_attempts=3,
@@ -157,7 +158,8 @@ async def relay(platform: Platform, request_id: str, lose: Callable[[int, bool],
         await deliver(msg)
 
     def asking(flight: Flight, why: str) -> None:
-        asked.append(why)
+        if not flight.resending:  # else the question already asked stands (a later chunk of the same gap)
+            asked.append(why)
         recover(flight, why)
 
     dispatcher._on_events = lossy  # type: ignore[method-assign]
