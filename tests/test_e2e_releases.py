@@ -304,12 +304,8 @@ def test_worse_eval_candidate_is_rolled_back_by_the_eval_gate(platform: Platform
     assert status(platform)["state"] == "rolled_back"
 
 
-def test_a_pinned_request_is_served_by_its_release_while_the_router_is_stopped(platform: Platform,
-                                                                               replicas: Replicas) -> None:
-    """Without the router's answer a request goes to the shared queue, which a worker of any
-    release pulls: an eval run pinned to the candidate would score the stable release's answers
-    (one CI run's candidate scored 87.8% where its engine answers 80.9%). The gateway places a
-    pinned request on a worker of its release itself; the billing ledger says who served it."""
+def both_serving(platform: Platform, replicas: Replicas) -> tuple[str, str]:
+    """A stable release and a candidate of the same quality, a replica of each serving."""
     stable_dir = replicas.model_dir("stable", 0.95)
     stable = replicas.create(stable_dir)
     cli(platform, "release", "stable", stable)
@@ -317,6 +313,16 @@ def test_a_pinned_request_is_served_by_its_release_while_the_router_is_stopped(p
     candidate_dir = replicas.model_dir("candidate", 0.95, weights=b"weights-candidate")
     candidate = replicas.create(candidate_dir)
     replicas.start(candidate_dir, candidate)
+    return stable, candidate
+
+
+def test_a_pinned_request_is_served_by_its_release_while_the_router_is_stopped(platform: Platform,
+                                                                               replicas: Replicas) -> None:
+    """Without the router's answer a request goes to the shared queue, which a worker of any
+    release pulls: an eval run pinned to the candidate would score the stable release's answers
+    (one CI run's candidate scored 87.8% where its engine answers 80.9%). The gateway places a
+    pinned request on a worker of its release itself; the billing ledger says who served it."""
+    stable, candidate = both_serving(platform, replicas)
     start_canary(platform, candidate)
     router = platform.stack.get("router")
     router.signal(signal.SIGSTOP)  # alive to NATS, answering nothing: every placement goes unanswered
@@ -400,13 +406,7 @@ def test_a_pinned_request_handed_back_is_served_by_its_release(platform: Platfor
     release, and the client gets that release's whole answer, billed once, to that release."""
     from services.gateway.dispatch import Dispatcher
 
-    stable_dir = replicas.model_dir("stable", 0.95)
-    stable = replicas.create(stable_dir)
-    cli(platform, "release", "stable", stable)
-    replicas.start(stable_dir, stable)
-    candidate_dir = replicas.model_dir("candidate", 0.95, weights=b"weights-candidate")
-    candidate = replicas.create(candidate_dir)
-    replicas.start(candidate_dir, candidate)
+    stable, candidate = both_serving(platform, replicas)
     gateway = "pin-gateway"
 
     async def serve() -> tuple[str, list[str], list[str | None], str]:
