@@ -132,27 +132,52 @@ async def test_an_empty_queue_whose_worker_came_back_is_not_deleted(nc: Client) 
 
 
 class _Stalling:
-    """A JetStream context whose second `consumer_info` times out, as on a busy server."""
+    """A JetStream context whose second `consumer_info` times out, as on a busy server, or whose
+    subscription's first `fetch` does: nats-py raises its own TimeoutError from most waits, but
+    a plain `asyncio.TimeoutError` when a fetch's time ran out before its second pull request."""
 
-    def __init__(self, js: object) -> None:
-        self.js, self.calls = js, 0
+    def __init__(self, js: object, call: str) -> None:
+        self.js, self.call, self.calls = js, call, 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.js, name)
 
     async def consumer_info(self, *args: object, **kwargs: object) -> object:
-        self.calls += 1
-        if self.calls == 2:
-            raise NatsTimeoutError
+        if self.call == "consumer_info":
+            self.calls += 1
+            if self.calls == 2:
+                raise NatsTimeoutError
         return await self.js.consumer_info(*args, **kwargs)  # type: ignore[attr-defined]
 
+    async def pull_subscribe_bind(self, *args: object, **kwargs: object) -> object:
+        subscription = await self.js.pull_subscribe_bind(*args, **kwargs)  # type: ignore[attr-defined]
+        if self.call != "fetch":
+            return subscription
+        stalling = self
 
-async def test_a_jetstream_call_timing_out_mid_pass_is_asked_again_not_the_end_of_the_pass(nc: Client) -> None:
+        class Subscription:
+            def __getattr__(self, name: str) -> object:
+                return getattr(subscription, name)
+
+            async def fetch(self, *args: object, **kwargs: object) -> object:
+                stalling.calls += 1
+                if stalling.calls == 1:
+                    raise asyncio.TimeoutError
+                return await subscription.fetch(*args, **kwargs)
+
+        return Subscription()
+
+
+@pytest.mark.parametrize("call", ["consumer_info", "fetch"])
+async def test_a_jetstream_call_timing_out_mid_pass_is_asked_again_not_the_end_of_the_pass(nc: Client,
+                                                                                          call: str) -> None:
     js = nc.jetstream()
-    worker_consumer, replies, info = await empty_queue(nc, "w4")
-    stalling = _Stalling(js)
+    worker_consumer, replies, info = await empty_queue(nc, f"w4-{call}")
+    stalling = _Stalling(js, call)
     result = await recovery.recover(stalling, replies, info, give_up_after_s=20.0)  # type: ignore[arg-type]
-    assert stalling.calls == 3  # the one before the pass, the one that timed out, the one asked again
+    # consumer_info: the one before the pass, the one that timed out, the one asked again; fetch:
+    # the one that timed out, taken as an empty batch (consumer_info then finds the queue drained).
+    assert stalling.calls == (3 if call == "consumer_info" else 1)
     assert result == recovery.Recovered(0, True)  # drained and deleted in this pass
     with pytest.raises(NotFoundError):
         await js.consumer_info(subjects.REQUESTS_STREAM, worker_consumer)

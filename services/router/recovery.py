@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 from nats.js.errors import NotFoundError
@@ -87,7 +86,7 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
                 return Recovered(moved, False, REVIVED)
             try:
                 batch = await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-            except NatsTimeoutError:
+            except TimeoutError:  # nats-py's own, or asyncio's when its wait ran out between pull requests
                 batch = []
             if batch and revived():
                 for msg in batch:
@@ -108,7 +107,7 @@ async def recover(js: JetStreamContext, replies: Replies, info: ConsumerInfo, *,
                 continue
             try:
                 state = await js.consumer_info(subjects.REQUESTS_STREAM, durable)
-            except NatsTimeoutError:
+            except TimeoutError:  # (nats-py's TimeoutError is one too)
                 continue  # a busy server: ask again, within the pass's time
             if state.num_pending == 0 and state.num_ack_pending == 0:
                 break
