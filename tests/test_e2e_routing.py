@@ -7,22 +7,28 @@ One platform of three workers; tests run in file order and the last ones kill pr
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
+import nats
 import openai
 import pytest
+from nats.aio.msg import Msg
 
+from proto import messages as m
+from proto import subjects
 from tools.capacity.traces import _WORDS
 
 from .conftest import MODEL, Platform, read_usage, running_platform
-from .waiting import wait_for
+from .waiting import await_for, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -82,12 +88,35 @@ def test_turns_of_a_conversation_find_their_prefix_cached(fleet: Platform) -> No
 
 
 def test_independent_prefixes_spread_over_the_workers(fleet: Platform) -> None:
-    ids = set()
-    with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        for response in pool.map(lambda f: complete(fleet, prefix(100 + f, 1024), max_tokens=40), range(12)):
-            ids.add(response.id.removeprefix("cmpl-"))
-    workers = {event.worker_id for event in read_usage(fleet, "demo", ids)}
-    assert len(workers) == 3, workers
+    """The router spreads prompts that share no prefix over the workers. Its choices are read from
+    what it tells its replicas (`Placed`), made whether or not the gateway still waited for the
+    answer: on a loaded machine a late answer sends its request to the shared queue, which two
+    workers with six slots each can drain alone."""
+    async def placed_while(send: Callable[[], set[str]]) -> tuple[set[str], list[str]]:
+        nc = await nats.connect(fleet.stack.nats_url)
+        chosen: list[str] = []
+
+        async def on_placed(msg: Msg) -> None:
+            chosen.append(msgspec.msgpack.decode(msg.data, type=m.Placed).worker_id)
+
+        await nc.subscribe(subjects.placed_subject(MODEL), cb=on_placed)
+        await nc.flush()
+        try:
+            ids = await asyncio.to_thread(send)
+            await await_for(lambda: len(chosen) >= len(ids), 30, what="the router's placements")
+            return ids, chosen
+        finally:
+            await nc.close()
+
+    def send() -> set[str]:
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            return {response.id.removeprefix("cmpl-") for response in
+                    pool.map(lambda f: complete(fleet, prefix(100 + f, 1024), max_tokens=40), range(12))}
+
+    ids, chosen = asyncio.run(placed_while(send))
+    assert len(ids) == 12 and len(chosen) == 12, chosen
+    assert len(set(chosen)) == 3, chosen
+    assert len(read_usage(fleet, "demo", ids)) == 12  # each answered, once
 
 
 def test_adapters_register_with_a_pinned_version_and_list_for_the_tenant(fleet: Platform) -> None:
